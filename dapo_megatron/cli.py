@@ -1,0 +1,65 @@
+"""`dapo-megatron` command line: one sub-command per concern, each implemented in its own module.
+
+    dapo-megatron train configs/runs/tiny_cpu.yaml [key=value ...] [--resume]
+    dapo-megatron eval CONFIG --checkpoint DIR
+    dapo-megatron config show CONFIG [key=value ...]
+    dapo-megatron convert hf-to-mcore | mcore-to-hf ...
+    dapo-megatron check-parity --model HF_DIR --tp T --pp P      (under torchrun)
+    dapo-megatron bench kernels | reward
+    dapo-megatron serve-rollout --model DIR --port P
+    dapo-megatron slurm submit | status ...
+    dapo-megatron plot RUN_DIR
+
+Each sub-command module exposes `main(argv: list[str]) -> int`; this file only dispatches, so the
+start-up of one command never pays for the imports of another (megatron-core alone takes seconds).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# sub-command -> (module, function, one-line help)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "train": ("dapo_megatron.train", "main", "run DAPO training from a config"),
+    "eval": ("dapo_megatron.evaluate", "main", "avg@k / pass@k of a checkpoint on the eval set"),
+    "config": ("dapo_megatron.config", "main", "show the resolved config (`config show FILE [k=v ...]`)"),
+    "convert": ("dapo_megatron.weights.convert", "main", "convert checkpoints: hf-to-mcore | mcore-to-hf"),
+    "check-parity": ("dapo_megatron.actor.parity", "main", "Megatron vs transformers log-prob parity"),
+    "bench": ("dapo_megatron.bench", "main", "benchmarks: kernels | reward"),
+    "serve-rollout": ("dapo_megatron.rollout.server", "main", "CPU rollout server (SGLang HTTP API)"),
+    "slurm": ("dapo_megatron.launch.cli", "main", "render / submit sbatch jobs, show their status"),
+    "plot": ("dapo_megatron.metrics", "plot_main", "PNG of a run's curves"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    rows = "\n".join(f"  {name:<{width}}  {help_}" for name, (_, _, help_) in COMMANDS.items())
+    return f"usage: dapo-megatron COMMAND [args]\n\ncommands:\n{rows}\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        print(f"dapo-megatron: unknown command '{name}'{hint}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, func_name, _ = COMMANDS[name]
+    func = getattr(importlib.import_module(module_name), func_name)
+    try:
+        return int(func(rest) or 0)
+    except ValueError as err:  # user mistakes (config keys, bad files) end in one clear line
+        print(f"dapo-megatron {name}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

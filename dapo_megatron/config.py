@@ -1,0 +1,379 @@
+"""Typed run configuration: nested dataclasses, YAML in, dotted overrides, validation.
+
+    cfg = load_config("configs/runs/qwen2.5-7b_dapo.yaml", ["algorithm.eps_high=0.3", "actor.tp=4"])
+    dapo-megatron config show configs/ablations/3_soft_overlong_punishment.yaml trainer.lr=2e-6
+
+A YAML file may name `base: other.yaml` (relative to itself): the base is loaded first and this file's
+keys are merged over it, so the ablation ladder is six small files that each add one technique.
+Every user mistake raises ValueError naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # HF checkpoint directory (config.json + safetensors + tokenizer)
+    arch: Literal["auto", "qwen2", "llama"] = "auto"  # auto: read config.json's model_type
+    tokenizer: str = ""  # defaults to `path`
+
+
+@dataclass
+class SyntheticDataConfig:
+    """Integer-answer arithmetic prompts in the DAPO-Math schema (used when data.train_path is empty)."""
+
+    num_train: int = 2000
+    num_eval: int = 200
+    difficulty: int = 1
+    seed: int = 1234
+
+
+@dataclass
+class DataConfig:
+    train_path: str = ""  # parquet / jsonl in the DAPO-Math-17K schema; "" = synthetic task
+    eval_path: str = ""
+    dedup: bool = True  # the public DAPO-Math-17K file repeats every prompt ~100 times
+    prompt_template: Literal["as-is", "dapo"] = "as-is"  # "dapo": wrap raw problems in the DAPO template
+    shuffle: bool = True
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 16  # responses per prompt (the group size G)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_prompt_length: int = 2048
+    max_response_length: int = 20480  # L_max, the generation cap
+    gen_batch_size: int = 1536  # prompts per generation round (3x train_batch_size in the recipe)
+    engine: Literal["cpu", "sglang"] = "sglang"
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    num_engines: int = 1
+    engine_tp: int = 1
+    engine_urls: list[str] = field(default_factory=list)  # fixed engines; else <run_dir>/engines/
+    mem_fraction_static: float = 0.7
+    weight_bucket_mb: int = 512
+    request_timeout_s: float = 3600.0
+    max_retries: int = 3
+
+
+@dataclass
+class AlgorithmConfig:
+    eps_low: float = 0.2
+    eps_high: float = 0.28  # clip-higher
+    clip_ratio_c: Optional[float] = 10.0  # dual clip for A < 0; null disables it
+    loss_agg_mode: LossAggMode = "token-mean"
+    dynamic_sampling: bool = True
+    max_num_gen_batches: int = 10  # 0 = unlimited
+    on_gen_batches_exhausted: Literal["raise", "train"] = "raise"
+    overlong_shaping: bool = True  # soft overlong punishment
+    overlong_buffer_length: int = 4096  # L_cache
+    overlong_penalty_factor: float = 1.0
+    overlong_filter: bool = False  # mask the loss of truncated responses
+    use_kl: bool = False
+    kl_coef: float = 0.001
+    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    tis_cap: Optional[float] = None  # truncated importance sampling vs engine log-probs; null = off
+    advantage_eps: float = 1e-6
+
+
+@dataclass
+class ActorConfig:
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None  # virtual pipeline stages per rank
+    cp: int = 1
+    sequence_parallel: bool = False
+    micro_batch_tokens: int = 16384  # token budget of one packed micro-batch
+    attention_backend: Literal["torch", "te"] = "te"
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    recompute: Literal["none", "selective", "full"] = "none"
+    use_distributed_optimizer: bool = True
+    fused_logprob: bool = True  # dapo_kernels.linear_logprob_entropy on the LM head
+    world_size: int = 1  # actor processes launched by `train` on one node (torchrun)
+
+
+@dataclass
+class TrainerConfig:
+    train_batch_size: int = 512  # prompts per step (each with rollout.n responses)
+    mini_batch_size: int = 32  # prompts per gradient update
+    lr: float = 1e-6
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    total_steps: int = 400
+    eval_every: int = 10  # 0 = never
+    save_every: int = 10  # 0 = never
+    eval_n: int = 32  # k of avg@k
+    eval_temperature: float = 1.0
+    eval_top_p: float = 0.7
+    seed: int = 42
+    output_dir: str = "outputs/run"
+    max_nonfinite_in_row: int = 3  # NaN/inf updates skipped before the run stops
+    keep_checkpoints: int = 2
+    wandb_project: str = "dapo-megatron"
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+
+
+@dataclass
+class SlurmConfig:
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    nodes: int = 1
+    gpus_per_node: int = 8
+    cpus_per_task: int = 96
+    mem: str = "0"
+    time: str = "48:00:00"
+    constraint: str = ""
+    signal_seconds: int = 600  # SIGUSR1 this long before the time limit: checkpoint, then requeue
+    array_throttle: int = 2  # %K of sweep / eval arrays
+    setup: list[str] = field(default_factory=list)  # shell lines run first (module load, venv)
+    extra_sbatch: list[str] = field(default_factory=list)  # more `#SBATCH` options, e.g. "--exclusive"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """YAML file (with `base:` chains) + dotted `key=value` overrides -> validated Config."""
+    raw: dict[str, Any] = _load_yaml_chain(Path(path), seen=()) if path else {}
+    for item in overrides:
+        _apply_override(raw, item)
+    cfg = _build(Config, raw, prefix="")
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    cfg = _build(Config, raw, prefix="")
+    validate(cfg)
+    return cfg
+
+
+def _load_yaml_chain(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    path = path.resolve()
+    if path in seen:
+        raise ValueError(f"config {path}: `base:` chain loops back to itself")
+    if not path.is_file():
+        raise ValueError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ValueError(f"config {path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config {path}: top level must be a mapping of sections, got {type(data).__name__}")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    merged = _load_yaml_chain(path.parent / str(base), seen + (path,))
+    _deep_merge(merged, data)
+    return merged
+
+
+def _deep_merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
+    for key, value in src.items():
+        if isinstance(value, dict) and isinstance(dst.get(key), dict):
+            _deep_merge(dst[key], value)
+        else:
+            dst[key] = value
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"override '{item}': expected key=value, e.g. algorithm.eps_high=0.28")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override '{item}': '{part}' is a value, not a section")
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    where = prefix.rstrip(".") or "<top level>"
+    if not isinstance(raw, dict):
+        raise ValueError(f"config key '{where}': expected a section (mapping), got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            raise ValueError(
+                f"unknown config key '{prefix}{key}'{hint} (allowed in {where}: {', '.join(fields)})"
+            )
+    kwargs = {}
+    for name, value in raw.items():
+        kwargs[name] = _coerce(hints[name], value, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(args[0], value, key)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ValueError(f"config key '{key}': {value!r} is not allowed; choose one of {list(allowed)}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ValueError(f"config key '{key}': expected a list of {item_tp.__name__}, got {value!r}")
+        return [_coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"config key '{key}': expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"config key '{key}': expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"config key '{key}': expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ValueError(f"config key '{key}': expected a string, got {value!r}")
+        return str(value)
+    raise AssertionError(f"unsupported config type {tp} for {key}")
+
+
+# --------------------------------------------------------------------------------------------
+# Validation: values that type-check but cannot work
+
+
+def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"config key '{key}': {value!r} is not allowed; {allowed}")
+
+
+def validate(cfg: Config) -> None:
+    r, a, ac, t, s = cfg.rollout, cfg.algorithm, cfg.actor, cfg.trainer, cfg.slurm
+    _require(r.n >= 1, "rollout.n", r.n, "need at least 1 response per prompt")
+    _require(r.temperature > 0, "rollout.temperature", r.temperature, "must be > 0")
+    _require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
+    _require(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", r.top_k, "-1 (off) or >= 1")
+    _require(r.max_prompt_length >= 1, "rollout.max_prompt_length", r.max_prompt_length, "must be >= 1")
+    _require(r.max_response_length >= 1, "rollout.max_response_length", r.max_response_length, "must be >= 1")
+    _require(r.gen_batch_size >= 1, "rollout.gen_batch_size", r.gen_batch_size, "must be >= 1")
+    _require(r.num_engines >= 1, "rollout.num_engines", r.num_engines, "must be >= 1")
+    _require(r.engine_tp >= 1, "rollout.engine_tp", r.engine_tp, "must be >= 1")
+    _require(0 < r.mem_fraction_static < 1, "rollout.mem_fraction_static", r.mem_fraction_static, "in (0, 1)")
+    _require(r.weight_bucket_mb >= 1, "rollout.weight_bucket_mb", r.weight_bucket_mb, "must be >= 1")
+    _require(r.request_timeout_s > 0, "rollout.request_timeout_s", r.request_timeout_s, "must be > 0")
+    _require(r.max_retries >= 0, "rollout.max_retries", r.max_retries, "must be >= 0")
+    for url in r.engine_urls:
+        _require(url.startswith(("http://", "https://")), "rollout.engine_urls", url, "URLs start with http://")
+
+    _require(0 <= a.eps_low < 1, "algorithm.eps_low", a.eps_low, "must be in [0, 1)")
+    _require(a.eps_high >= 0, "algorithm.eps_high", a.eps_high, "must be >= 0")
+    _require(a.clip_ratio_c is None or a.clip_ratio_c > 1, "algorithm.clip_ratio_c", a.clip_ratio_c,
+             "null (off) or > 1 (it bounds -A * ratio for A < 0; 3.0 default, 10.0 in the 32B recipe)")
+    _require(not a.dynamic_sampling or r.n >= 2, "rollout.n", r.n,
+             "dynamic sampling needs n >= 2 (a group of one is always all-correct or all-wrong)")
+    _require(a.max_num_gen_batches >= 0, "algorithm.max_num_gen_batches", a.max_num_gen_batches, "0 = unlimited, else >= 1")
+    _require(a.overlong_buffer_length >= 0, "algorithm.overlong_buffer_length", a.overlong_buffer_length, "must be >= 0")
+    if a.overlong_shaping:
+        _require(a.overlong_buffer_length < r.max_response_length, "algorithm.overlong_buffer_length",
+                 a.overlong_buffer_length, f"must be < rollout.max_response_length ({r.max_response_length})")
+    _require(a.overlong_penalty_factor >= 0, "algorithm.overlong_penalty_factor", a.overlong_penalty_factor, "must be >= 0")
+    _require(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
+    _require(a.tis_cap is None or a.tis_cap >= 1, "algorithm.tis_cap", a.tis_cap, "null (off) or >= 1")
+    _require(a.advantage_eps > 0, "algorithm.advantage_eps", a.advantage_eps, "must be > 0")
+
+    for key in ("tp", "pp", "cp", "world_size"):
+        val = getattr(ac, key)
+        _require(val >= 1, f"actor.{key}", val, "must be >= 1")
+    _require(ac.vpp is None or ac.vpp >= 1, "actor.vpp", ac.vpp, "null or >= 1")
+    _require(ac.vpp is None or ac.pp > 1, "actor.vpp", ac.vpp, "virtual pipeline stages need actor.pp > 1")
+    _require(ac.cp == 1 or ac.attention_backend == "te", "actor.cp", ac.cp,
+             "context parallelism needs actor.attention_backend=te (Transformer Engine)")
+    _require(not ac.sequence_parallel or ac.tp > 1, "actor.sequence_parallel", True, "needs actor.tp > 1")
+    _require(ac.micro_batch_tokens >= 1, "actor.micro_batch_tokens", ac.micro_batch_tokens, "must be >= 1")
+    _require(ac.micro_batch_tokens >= r.max_prompt_length + r.max_response_length, "actor.micro_batch_tokens",
+             ac.micro_batch_tokens, f"must hold one full sequence: >= rollout.max_prompt_length + "
+             f"rollout.max_response_length ({r.max_prompt_length + r.max_response_length})")
+    model_parallel = ac.tp * ac.pp * ac.cp
+    _require(ac.world_size % model_parallel == 0, "actor.world_size", ac.world_size,
+             f"must be a multiple of tp*pp*cp = {model_parallel}")
+
+    _require(t.train_batch_size >= 1, "trainer.train_batch_size", t.train_batch_size, "must be >= 1")
+    _require(t.mini_batch_size >= 1, "trainer.mini_batch_size", t.mini_batch_size, "must be >= 1")
+    _require(t.train_batch_size % t.mini_batch_size == 0, "trainer.mini_batch_size", t.mini_batch_size,
+             f"must divide trainer.train_batch_size ({t.train_batch_size})")
+    _require(t.lr > 0, "trainer.lr", t.lr, "must be > 0")
+    for key in ("warmup_steps", "total_steps", "eval_every", "save_every", "keep_checkpoints"):
+        val = getattr(t, key)
+        _require(val >= 0, f"trainer.{key}", val, "must be >= 0")
+    _require(t.weight_decay >= 0, "trainer.weight_decay", t.weight_decay, "must be >= 0")
+    _require(t.grad_clip >= 0, "trainer.grad_clip", t.grad_clip, "must be >= 0 (0 = off)")
+    _require(0 <= t.adam_beta1 < 1, "trainer.adam_beta1", t.adam_beta1, "must be in [0, 1)")
+    _require(0 <= t.adam_beta2 < 1, "trainer.adam_beta2", t.adam_beta2, "must be in [0, 1)")
+    _require(t.eval_n >= 1, "trainer.eval_n", t.eval_n, "must be >= 1")
+    _require(t.eval_temperature > 0, "trainer.eval_temperature", t.eval_temperature, "must be > 0")
+    _require(0 < t.eval_top_p <= 1, "trainer.eval_top_p", t.eval_top_p, "must be in (0, 1]")
+    _require(t.max_nonfinite_in_row >= 1, "trainer.max_nonfinite_in_row", t.max_nonfinite_in_row, "must be >= 1")
+    _require(bool(t.output_dir), "trainer.output_dir", t.output_dir, "must be a directory path")
+
+    _require(s.nodes >= 1, "slurm.nodes", s.nodes, "must be >= 1")
+    _require(s.gpus_per_node >= 0, "slurm.gpus_per_node", s.gpus_per_node, "must be >= 0")
+    _require(s.signal_seconds >= 0, "slurm.signal_seconds", s.signal_seconds, "must be >= 0")
+    _require(s.array_throttle >= 1, "slurm.array_throttle", s.array_throttle, "must be >= 1")
+
+
+# --------------------------------------------------------------------------------------------
+# `dapo-megatron config show FILE [overrides]`
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] != "show":
+        print("usage: dapo-megatron config show CONFIG.yaml [section.key=value ...]")
+        return 2
+    cfg = load_config(argv[1], argv[2:])
+    print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+    return 0

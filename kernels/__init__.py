@@ -1,0 +1,1 @@
+"""dapo_kernels: fused Triton kernels for DAPO (installed from the folder kernels/)."""
