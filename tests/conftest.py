@@ -27,3 +27,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """`rank_pool(world_size)` -> a RankPool of gloo ranks, one per size, reused for the session."""
+    from rank_pool import RankPool
+
+    pools: dict[int, RankPool] = {}
+
+    def get(world_size: int) -> RankPool:
+        pool = pools.get(world_size)
+        if pool is None or not pool.alive:
+            pool = pools[world_size] = RankPool(world_size)
+        return pool
+
+    yield get
+    for pool in pools.values():
+        pool.close()

@@ -1,0 +1,119 @@
+"""A pool of gloo ranks kept alive for a whole pytest session.
+
+Spawning ranks costs ~9 s each time (imports: torch, megatron-core), so tests send work to the same
+processes instead. `pool.run(fn, *args)` calls the module-level function `fn(*args)` on every rank,
+with torch.distributed initialized (gloo) and the CPU compatibility module applied, and returns the
+per-rank results. Results cross process boundaries as torch.save bytes: passing tensors through a
+multiprocessing queue failed once on these machines (notes/environment.md).
+
+fn owns Megatron's parallel state: it must initialize and destroy it (actor.parallel.model_parallel).
+A rank that raises sends its traceback; a rank that hangs past `timeout` kills the pool (the next
+`rank_pool(n)` call starts a fresh one) so one broken test cannot wedge the session.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _worker(rank: int, world_size: int, port: int, conn) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    try:
+        from dapo_megatron.actor.compat import apply_cpu_compat
+    except ImportError:
+        apply_cpu_compat = None
+    if apply_cpu_compat is not None:
+        apply_cpu_compat()
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    while True:
+        msg = conn.recv_bytes()
+        if not msg:  # empty message: shut down
+            break
+        try:
+            fn, args, kwargs = _loads(msg)
+            reply = (True, fn(*args, **kwargs))
+        except BaseException:  # noqa: BLE001 - the traceback goes back to the test
+            reply = (False, f"rank {rank}:\n{traceback.format_exc()}")
+        try:
+            payload = _dumps(reply)
+        except Exception:  # noqa: BLE001 - an unpicklable result is a test bug, say so
+            payload = _dumps((False, f"rank {rank}: result not serializable:\n{traceback.format_exc()}"))
+        conn.send_bytes(payload)
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int, *, timeout: float = 600.0) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._conns, self._procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(rank, world_size, port, child), daemon=True)
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        assert self.alive, "rank pool has a dead rank"
+        msg = _dumps((fn, args, kwargs))
+        for conn in self._conns:
+            conn.send_bytes(msg)
+        results, errors = [], []
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(self.timeout):
+                self.close(force=True)
+                raise TimeoutError(f"rank {rank} did not answer within {self.timeout:.0f} s; pool killed")
+            ok, value = _loads(conn.recv_bytes())
+            (results if ok else errors).append(value)
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return results
+
+    def close(self, *, force: bool = False) -> None:
+        for conn, proc in zip(self._conns, self._procs):
+            if not force and proc.is_alive():
+                try:
+                    conn.send_bytes(b"")
+                except OSError:
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=0 if force else 10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
