@@ -1,0 +1,58 @@
+"""Group-relative advantages (GRPO, DAPO_SPEC section 4).
+
+    A_i = (R_i - mean_g R) / (std_g R + eps)      unbiased (n - 1) std; a group of one: mean 0, std 1
+
+Example, rewards [1, -1, -1, 1, -2] in groups [7, 7, 7, 3, 3]:
+  group 7: mean -1/3, std sqrt(((4/3)^2 + 2 (2/3)^2) / 2) = sqrt(4/3) = 1.1547 -> A = [1.1547, -0.5774, -0.5774]
+  group 3: mean -0.5, std sqrt((1.5^2 + 1.5^2) / 1) = 2.1213              -> A = [0.7071, -0.7071]
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["group_advantages"]
+
+
+def group_advantages(
+    rewards: torch.Tensor | Sequence[float],
+    group_index: torch.Tensor | Sequence[int],
+    *,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Per-response advantages normalized within each group (any integer ids, any order).
+
+    rewards: [N] final rewards (correctness + overlong shaping); group_index: [N] group id of each
+    response. Returns [N] in the dtype of `rewards` (float32 if rewards are not floating point);
+    the statistics are computed in float64.
+    """
+    rewards_t = torch.as_tensor(rewards)
+    index_t = torch.as_tensor(group_index)
+    if rewards_t.dim() != 1 or index_t.shape != rewards_t.shape:
+        raise ValueError(
+            f"group_advantages: rewards {tuple(rewards_t.shape)} and group_index {tuple(index_t.shape)} "
+            "must be 1-D of the same length"
+        )
+    if index_t.is_floating_point() or index_t.dtype == torch.bool:
+        raise ValueError(f"group_advantages: group_index must hold integer ids, got {index_t.dtype}")
+    out_dtype = rewards_t.dtype if rewards_t.is_floating_point() else torch.float32
+    if rewards_t.numel() == 0:
+        return torch.zeros(0, dtype=out_dtype, device=rewards_t.device)
+
+    r = rewards_t.to(torch.float64)
+    _, group = torch.unique(index_t, return_inverse=True)  # ids -> 0..G-1
+    num_groups = int(group.max()) + 1
+    count = torch.zeros(num_groups, dtype=torch.float64, device=r.device).index_add_(0, group, torch.ones_like(r))
+    total = torch.zeros_like(count).index_add_(0, group, r)
+    mean = total / count
+    dev = r - mean[group]
+    sum_sq = torch.zeros_like(count).index_add_(0, group, dev * dev)
+    # unbiased variance; a group of one has no spread: the spec fixes its mean 0 and std 1
+    var = sum_sq / (count - 1).clamp(min=1)
+    single = count == 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(var), var.sqrt())
+    adv = (r - mean[group]) / (std[group] + eps)
+    return adv.to(out_dtype)

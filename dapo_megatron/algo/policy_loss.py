@@ -1,0 +1,156 @@
+"""The DAPO policy loss: clip-higher PPO surrogate with dual clip, and its aggregation (DAPO_SPEC 5).
+
+Per token, with A the advantage and r the importance ratio:
+
+    r  = exp(clamp(logp - logp_old, -20, 20))
+    l1 = -A * r
+    l2 = -A * clip(r, 1 - eps_low, 1 + eps_high)
+    l  = max(l1, l2)                       # pessimistic: clipping only ever removes gradient
+    l  = min(l, -A * c)   where A < 0      # dual clip: a negative-advantage token with a huge ratio
+                                           # stops at -A * c instead of growing without bound
+
+With eps_low 0.2, eps_high 0.28, c 3 (gradient d l / d logp in brackets, since dr/dlogp = r):
+    A = +1, r = 1.5  -> l = max(-1.5, -1.28) = -1.28                  [0: clipped high]
+    A = -1, r = 0.5  -> l = max( 0.5,  0.8 ) =  0.8                   [0: clipped low]
+    A = -1, r = 4.0  -> l = min(max(4.0, 1.28), 3) = 3                [0: dual clip]
+    A = -1, r = 2.0  -> l = min(2.0, 3) = 2.0                         [-A * r = 2.0]
+
+Aggregation (mask = response tokens that train):
+    token-mean          sum(mask * l) / loss_denominator     (default sum(mask))
+    seq-mean-token-mean sum_seq(sum_t mask*l / sum_t mask) / loss_denominator   (default: sequences
+                        with at least one masked token)
+    seq-mean-token-sum  sum_seq(sum_t mask*l) / loss_denominator               (same default)
+Gradient accumulation: pass the GLOBAL count of the mini-batch (all micro-batches, all data-parallel
+ranks; `count_loss_units` gives one micro-batch's share to sum) so that the micro-batch losses add up
+to the loss of one big batch, and so do their gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["policy_loss", "count_loss_units", "AGG_MODES", "STAT_KEYS"]
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+# The stats every policy-loss implementation returns (kernels/policy_loss.py returns the same keys).
+STAT_KEYS = ("clipfrac_low", "clipfrac_high", "dualclip_frac", "approx_kl", "ratio_mean", "ratio_max", "num_tokens")
+
+
+def count_loss_units(mask: torch.Tensor, *, agg_mode: str) -> int:
+    """What `policy_loss` divides by, for this tensor alone: masked tokens (token-mean) or sequences
+    with at least one masked token (seq modes). Sum it over micro-batches and ranks for the global value."""
+    _check_agg_mode(agg_mode)
+    if agg_mode == "token-mean":
+        return int((mask != 0).sum())
+    if mask.dim() != 2:
+        raise ValueError(f"count_loss_units: {agg_mode} needs a [B, T] mask, got shape {tuple(mask.shape)}")
+    return int(((mask != 0).sum(dim=-1) > 0).sum())
+
+
+def policy_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    clip_ratio_c: float | None = None,
+    agg_mode: str = "token-mean",
+    loss_denominator: float | int | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Aggregated clipped policy-gradient loss (scalar, differentiable in `logprob`) and its stats.
+
+    logprob, old_logprob, mask: [B, T] (token-mean accepts any shape); advantages broadcast to them
+    ([B, T] per token or [B, 1] per sequence). Stats are detached 0-dim float32 tensors over this
+    call's masked tokens, keys STAT_KEYS: clipfrac_low = frac of (A < 0) & (r < 1 - eps_low),
+    clipfrac_high = frac of (A > 0) & (r > 1 + eps_high), dualclip_frac = frac of (A < 0) & (r > c),
+    approx_kl = mean 0.5 * (logp - logp_old)^2, ratio_mean, ratio_max, num_tokens = sum(mask).
+    """
+    _check_agg_mode(agg_mode)
+    if eps_low < 0 or eps_high < 0:
+        raise ValueError(f"policy_loss: eps_low={eps_low}, eps_high={eps_high} must be >= 0")
+    if eps_low >= 1:
+        raise ValueError(f"policy_loss: eps_low={eps_low} must be < 1 (the lower clip bound is 1 - eps_low)")
+    if clip_ratio_c is not None and clip_ratio_c <= 1:
+        raise ValueError(f"policy_loss: clip_ratio_c={clip_ratio_c} must be > 1 or None")
+    if logprob.shape != old_logprob.shape or logprob.shape != mask.shape:
+        raise ValueError(
+            f"policy_loss: logprob {tuple(logprob.shape)}, old_logprob {tuple(old_logprob.shape)} and "
+            f"mask {tuple(mask.shape)} must have the same shape"
+        )
+    if logprob.dim() == 2 and advantages.dim() == 1:
+        raise ValueError(
+            f"policy_loss: advantages {tuple(advantages.shape)} is 1-D but logprob is [B, T]; pass "
+            "per-sequence advantages as [B, 1] (advantages[:, None])"
+        )
+    try:
+        torch.broadcast_shapes(advantages.shape, logprob.shape)
+    except RuntimeError:
+        raise ValueError(
+            f"policy_loss: advantages {tuple(advantages.shape)} do not broadcast to logprob {tuple(logprob.shape)}"
+        ) from None
+    if agg_mode != "token-mean" and logprob.dim() != 2:
+        raise ValueError(f"policy_loss: agg_mode={agg_mode} needs [B, T] tensors, got {tuple(logprob.shape)}")
+
+    adv = advantages.to(logprob.dtype).expand_as(logprob)
+    weight = mask.to(logprob.dtype)
+    log_ratio = logprob - old_logprob
+    ratio = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))
+    loss_1 = -adv * ratio
+    loss_2 = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    per_token = torch.maximum(loss_1, loss_2)
+    if clip_ratio_c is not None:
+        per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * clip_ratio_c), per_token)
+
+    masked = per_token * weight
+    if agg_mode == "token-mean":
+        total = masked.sum()
+    else:
+        per_seq = masked.sum(dim=-1)
+        if agg_mode == "seq-mean-token-mean":
+            per_seq = per_seq / weight.sum(dim=-1).clamp(min=1.0)  # an empty sequence contributes 0
+        total = per_seq.sum()
+    if loss_denominator is None:
+        denom = float(max(count_loss_units(mask, agg_mode=agg_mode), 1))
+    else:
+        denom = loss_denominator
+        if float(denom) <= 0:
+            raise ValueError(f"policy_loss: loss_denominator={float(denom)} must be > 0")
+    loss = total / denom
+
+    stats = _stats(log_ratio.detach(), ratio.detach(), adv.detach(), weight.detach(),
+                   eps_low=eps_low, eps_high=eps_high, clip_ratio_c=clip_ratio_c)
+    return loss, stats
+
+
+def _stats(log_ratio, ratio, adv, weight, *, eps_low, eps_high, clip_ratio_c) -> dict[str, torch.Tensor]:
+    num = weight.sum()
+    safe = num.clamp(min=1.0)
+
+    def frac(cond: torch.Tensor) -> torch.Tensor:
+        return ((cond.to(weight.dtype) * weight).sum() / safe).float()
+
+    if clip_ratio_c is None:
+        dual = torch.zeros((), dtype=torch.float32, device=ratio.device)
+    else:
+        dual = frac((adv < 0) & (ratio > clip_ratio_c))
+    # ratios are > 0, so filling unmasked tokens with 0 gives the masked max (0 when nothing is masked in)
+    if ratio.numel():
+        ratio_max = torch.where(weight != 0, ratio, torch.zeros_like(ratio)).max()
+    else:
+        ratio_max = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
+    return {
+        "clipfrac_low": frac((adv < 0) & (ratio < 1.0 - eps_low)),
+        "clipfrac_high": frac((adv > 0) & (ratio > 1.0 + eps_high)),
+        "dualclip_frac": dual,
+        "approx_kl": ((0.5 * log_ratio.square() * weight).sum() / safe).float(),
+        "ratio_mean": ((ratio * weight).sum() / safe).float(),
+        "ratio_max": ratio_max.float(),
+        "num_tokens": num.float(),
+    }
+
+
+def _check_agg_mode(agg_mode: str) -> None:
+    if agg_mode not in AGG_MODES:
+        raise ValueError(f"loss agg_mode={agg_mode!r} is not allowed; choose one of {list(AGG_MODES)}")
