@@ -1,0 +1,316 @@
+"""Pack Samples into token-budget micro-batches, balanced across data-parallel ranks.
+
+Every rank receives the same full mini-batch; `plan_micro_batches` decides, deterministically and
+without communication, which samples each DP rank trains on and how they are grouped into
+micro-batches. Megatron's schedules need the same number of micro-batches on every DP rank, so
+the plan gives every rank exactly `num_micro_batches` of them (a rank with fewer samples than that
+gets empty micro-batches: padding only, loss mask 0).
+
+Layout of one packed micro-batch (two samples, prompt p / response r, then a padding tail):
+
+    tokens        [p0 p1 p2 r0 r1 | q0 q1 s0 s1 s2 | PAD PAD]
+    position_ids  [0  1  2  3  4  | 0  1  2  3  4  | 0   1  ]   restart at every sequence
+    seq_ids       [0  0  0  0  0  | 1  1  1  1  1  | -1  -1 ]   -1 = padding tail
+    targets       [p1 p2 r0 r1 0  | q1 s0 s1 s2 0  | 0   0  ]   next token; 0 after a sequence end
+    response_mask [0  0  1  1  0  | 0  1  1  1  0  | 0   0  ]   position t predicts response token
+
+Position t predicts targets[t]: response token j of a sample whose prompt has P tokens and which
+starts at offset o is scored at position o + P - 1 + j. Every per-token array (loss mask, advantage,
+old / rollout / ref log-probs) is aligned to those prediction positions, so the log-prob computed
+at position t is directly comparable with old_logprobs[t].
+
+Padding: each sequence may be rounded up to `seq_pad_multiple` tokens (context parallelism needs
+a multiple of 2*cp: context_parallel.py), and the whole micro-batch to `pad_multiple` (sequence
+parallelism needs a multiple of tp). With pipeline parallelism every micro-batch of a step must have
+the same shape (Megatron's p2p send/recv buffers are allocated from one `seq_length`), so
+`uniform_length=True` pads all micro-batches of all DP ranks to the longest one, rounded up to
+`pad_multiple`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dapo_megatron.batch import Sample
+
+
+@dataclass
+class MicroBatch:
+    """One packed micro-batch: flat [T] tensors (T = padded length) plus its bookkeeping."""
+
+    sample_indices: list[int]  # positions in the mini-batch list, in packing order
+    seq_lengths: list[int]  # real tokens of each sequence (prompt + response)
+    seq_lengths_padded: list[int]  # each rounded up to seq_pad_multiple
+    tokens: torch.Tensor  # [T] int64
+    position_ids: torch.Tensor  # [T] int64
+    seq_ids: torch.Tensor  # [T] int64, -1 on the padding tail
+    targets: torch.Tensor  # [T] int64
+    response_mask: torch.Tensor  # [T] bool: position predicts a response token
+    loss_mask: torch.Tensor  # [T] float32: response_mask & sample.loss_mask (& not truncated)
+    advantages: torch.Tensor  # [T] float32
+    old_logprobs: torch.Tensor | None  # [T] float32 (None when a sample has none)
+    rollout_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+
+    @property
+    def length(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.sample_indices)
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """[num_seq + 1] int32 offsets of the real tokens of each sequence (THD `cu_seqlens_q`)."""
+        return _cumsum(self.seq_lengths)
+
+    @property
+    def cu_seqlens_padded(self) -> torch.Tensor:
+        """[num_seq + 2] int32 offsets of the padded sequences, with the padding tail as the last
+        segment (so the last entry is T): THD `cu_seqlens_q_padded` and the CP split use it."""
+        tail = self.length - sum(self.seq_lengths_padded)
+        return _cumsum(self.seq_lengths_padded + ([tail] if tail else []))
+
+
+def _cumsum(lengths: list[int]) -> torch.Tensor:
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    if lengths:
+        out[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
+    return out
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+# --------------------------------------------------------------------------------------------
+# Planning: which samples go to which DP rank and micro-batch (pure, deterministic)
+
+
+def plan_micro_batches(lengths: list[int], *, micro_batch_tokens: int, dp_size: int) -> list[list[list[int]]]:
+    """Split sample indices into `plan[dp_rank][micro_batch] -> [sample indices]`.
+
+    1. DP shares: longest-first greedy (LPT): each sample, longest first (ties: lower index), goes to
+       the rank holding the fewest tokens so far (ties: fewer samples, then lower rank). The token
+       imbalance is at most one sequence.
+    2. The number of micro-batches M is the smallest count, starting from the lower bound
+       max_rank ceil(tokens_rank / budget), for which every rank's share fits into M micro-batches
+       of at most `micro_batch_tokens` tokens: first by LPT into the least-filled micro-batch
+       (balanced lengths, which matters when PP pads them all to the longest), else by
+       first-fit-decreasing. M grows by one until both fail on no rank; M = the largest share always
+       fits (one sample per micro-batch).
+    Inside a micro-batch, samples keep their mini-batch order.
+    """
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    if micro_batch_tokens < 1:
+        raise ValueError(f"actor.micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
+    for index, length in enumerate(lengths):
+        if length > micro_batch_tokens:
+            raise ValueError(
+                f"sample {index} has {length} tokens (prompt + response, after padding), more than "
+                f"actor.micro_batch_tokens={micro_batch_tokens}: raise the budget or cap the lengths"
+            )
+        if length < 1:
+            raise ValueError(f"sample {index} has {length} tokens; a sequence needs at least one")
+
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    shares: list[list[int]] = [[] for _ in range(dp_size)]
+    load = [0] * dp_size
+    for i in order:
+        rank = min(range(dp_size), key=lambda r: (load[r], len(shares[r]), r))
+        shares[rank].append(i)  # stays sorted longest-first
+        load[rank] += lengths[i]
+
+    num_micro = max(1, max(math.ceil(tokens / micro_batch_tokens) for tokens in load))
+    while True:
+        plan = []
+        for share in shares:
+            bins = _fill_balanced(share, lengths, num_micro, micro_batch_tokens)
+            if bins is None:
+                bins = _fill_first_fit(share, lengths, num_micro, micro_batch_tokens)
+            if bins is None:
+                break
+            plan.append([sorted(b) for b in bins])
+        if len(plan) == dp_size:
+            return plan
+        num_micro += 1
+
+
+def _fill_balanced(items: list[int], lengths: list[int], num_bins: int, budget: int) -> list[list[int]] | None:
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    fill = [0] * num_bins
+    for i in items:
+        fits = [b for b in range(num_bins) if fill[b] + lengths[i] <= budget]
+        if not fits:
+            return None
+        b = min(fits, key=lambda k: (fill[k], k))
+        bins[b].append(i)
+        fill[b] += lengths[i]
+    return bins
+
+
+def _fill_first_fit(items: list[int], lengths: list[int], num_bins: int, budget: int) -> list[list[int]] | None:
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    fill = [0] * num_bins
+    for i in items:
+        b = next((k for k in range(num_bins) if fill[k] + lengths[i] <= budget), None)
+        if b is None:
+            return None
+        bins[b].append(i)
+        fill[b] += lengths[i]
+    return bins
+
+
+# --------------------------------------------------------------------------------------------
+# Building the tensors
+
+
+def validate_samples(samples: list[Sample]) -> None:
+    """ValueError naming the sample and the field for records the actor cannot train on."""
+    for index, s in enumerate(samples):
+        if not s.prompt_ids:
+            raise ValueError(f"sample {index}: prompt_ids is empty (the first response token needs a context)")
+        if not s.response_ids:
+            raise ValueError(f"sample {index}: response_ids is empty")
+        num = len(s.response_ids)
+        for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs", "loss_mask"):
+            values = getattr(s, name)
+            if values is not None and len(values) != num:
+                raise ValueError(f"sample {index}: {name} has {len(values)} entries, response_ids has {num}")
+
+
+def padded_lengths(samples: list[Sample], seq_pad_multiple: int) -> list[int]:
+    return [round_up(s.num_tokens, seq_pad_multiple) for s in samples]
+
+
+def pack_micro_batch(
+    samples: list[Sample],
+    indices: list[int],
+    *,
+    length: int,
+    seq_pad_multiple: int = 1,
+    pad_token_id: int = 0,
+    mask_truncated: bool = False,
+) -> MicroBatch:
+    """Pack samples[indices] into flat tensors of `length` tokens (layout in the module docstring).
+
+    mask_truncated: loss mask 0 on samples that hit the generation cap (DAPO's "overlong filtering").
+    """
+    chosen = [samples[i] for i in indices]
+    seq_lengths = [s.num_tokens for s in chosen]
+    seq_padded = [round_up(n, seq_pad_multiple) for n in seq_lengths]
+    if sum(seq_padded) > length:
+        raise ValueError(f"micro-batch of {sum(seq_padded)} tokens does not fit the packed length {length}")
+
+    tokens = torch.full((length,), pad_token_id, dtype=torch.int64)
+    targets = torch.zeros(length, dtype=torch.int64)
+    seq_ids = torch.full((length,), -1, dtype=torch.int64)
+    position_ids = torch.zeros(length, dtype=torch.int64)
+    response_mask = torch.zeros(length, dtype=torch.bool)
+    loss_mask = torch.zeros(length, dtype=torch.float32)
+    advantages = torch.zeros(length, dtype=torch.float32)
+    per_token = {
+        name: torch.zeros(length, dtype=torch.float32) if all(getattr(s, name) is not None for s in chosen) and chosen else None
+        for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs")
+    }
+
+    offset = 0
+    for k, (s, n, n_pad) in enumerate(zip(chosen, seq_lengths, seq_padded)):
+        ids = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.int64)
+        num_prompt, num_resp = len(s.prompt_ids), len(s.response_ids)
+        tokens[offset : offset + n] = ids
+        targets[offset : offset + n - 1] = ids[1:]
+        seq_ids[offset : offset + n_pad] = k
+        # Padding inside a padded sequence continues its positions (it never feeds a real token).
+        position_ids[offset : offset + n_pad] = torch.arange(n_pad)
+        first = offset + num_prompt - 1  # position predicting response token 0
+        span = slice(first, first + num_resp)
+        response_mask[span] = True
+        mask = torch.tensor(s.response_mask(), dtype=torch.float32)
+        if mask_truncated and s.truncated:
+            mask.zero_()
+        loss_mask[span] = mask
+        advantages[span] = float(s.advantage)
+        for name, buf in per_token.items():
+            if buf is not None:
+                buf[span] = torch.tensor(getattr(s, name), dtype=torch.float32)
+        offset += n_pad
+    tail = length - offset
+    position_ids[offset:] = torch.arange(tail)
+
+    return MicroBatch(
+        sample_indices=list(indices),
+        seq_lengths=seq_lengths,
+        seq_lengths_padded=seq_padded,
+        tokens=tokens,
+        position_ids=position_ids,
+        seq_ids=seq_ids,
+        targets=targets,
+        response_mask=response_mask,
+        loss_mask=loss_mask,
+        advantages=advantages,
+        old_logprobs=per_token["old_logprobs"],
+        rollout_logprobs=per_token["rollout_logprobs"],
+        ref_logprobs=per_token["ref_logprobs"],
+    )
+
+
+@dataclass
+class PackedShare:
+    """What one DP rank trains on: its micro-batches plus mini-batch-wide counts."""
+
+    micro_batches: list[MicroBatch]
+    num_micro_batches: int  # the same on every DP rank
+    length: int | None  # the shared padded length when uniform_length, else None
+
+
+def pack_for_rank(
+    samples: list[Sample],
+    *,
+    micro_batch_tokens: int,
+    dp_size: int,
+    dp_rank: int,
+    pad_multiple: int = 1,
+    seq_pad_multiple: int = 1,
+    uniform_length: bool = False,
+    pad_token_id: int = 0,
+    mask_truncated: bool = False,
+) -> PackedShare:
+    """Plan the whole mini-batch (identically on every rank) and build this DP rank's micro-batches."""
+    validate_samples(samples)
+    lengths = padded_lengths(samples, seq_pad_multiple)
+    plan = plan_micro_batches(lengths, micro_batch_tokens=micro_batch_tokens, dp_size=dp_size)
+    fills = [sum(lengths[i] for i in mb) for share in plan for mb in share]
+    shared = round_up(max(max(fills), 1), pad_multiple) if uniform_length else None
+    micro_batches = []
+    for indices in plan[dp_rank]:
+        own = round_up(max(sum(lengths[i] for i in indices), 1), pad_multiple)
+        micro_batches.append(
+            pack_micro_batch(
+                samples, indices, length=shared or own, seq_pad_multiple=seq_pad_multiple,
+                pad_token_id=pad_token_id, mask_truncated=mask_truncated,
+            )
+        )
+    return PackedShare(micro_batches=micro_batches, num_micro_batches=len(plan[dp_rank]), length=shared)
+
+
+# --------------------------------------------------------------------------------------------
+# The inverse: per-position outputs back to per-sample response lists
+
+
+def unpack_response_values(values: torch.Tensor, mb: MicroBatch, samples: list[Sample]) -> dict[int, torch.Tensor]:
+    """values[T] (a per-position output, e.g. log-probs) -> {sample index: values of its response
+    tokens}, read at the prediction positions o + P - 1 + j (module docstring)."""
+    out = {}
+    offset = 0
+    for index, n_pad in zip(mb.sample_indices, mb.seq_lengths_padded):
+        s = samples[index]
+        first = offset + len(s.prompt_ids) - 1
+        out[index] = values[first : first + len(s.response_ids)]
+        offset += n_pad
+    return out
