@@ -1,0 +1,49 @@
+"""Where the Triton kernels can run, and how the launchers pick their tile configurations.
+
+Two modes, fixed when dapo_kernels is imported (Triton reads TRITON_INTERPRET when @triton.jit
+decorates a kernel):
+- compiled (TRITON_INTERPRET unset): CUDA tensors, autotuned over a few Hopper configurations;
+- interpreter (TRITON_INTERPRET=1): CPU tensors, one small fixed configuration (multi-config
+  autotune needs a driver), and bf16 tiles are cast to fp32 before tl.dot because the
+  interpreter's bf16 dot multiplies raw bit patterns.
+
+Anything else (CPU tensors without the interpreter, CUDA tensors with it) raises RuntimeError:
+the fused ops never fall back silently. The plain-torch fallback is explicit:
+dapo_kernels.linear_logprob_entropy_reference / policy_loss_reference (same signatures).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def require_runnable(*tensors: torch.Tensor, op: str) -> None:
+    """RuntimeError when the Triton path cannot run on these tensors in this process."""
+    devices = {t.device.type for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"{op}: all tensors must be on one device; got {sorted(devices)}")
+    device = devices.pop()
+    if INTERPRET and device != "cpu":
+        raise RuntimeError(f"{op}: TRITON_INTERPRET=1 is set, so the kernels run in the Triton "
+                           f"interpreter, which needs CPU tensors; got {device} tensors")
+    if not INTERPRET and device != "cuda":
+        raise RuntimeError(
+            f"{op}: the fused Triton kernel needs CUDA tensors (got {device}). Use the plain-torch "
+            "fallback dapo_kernels.*_reference (same signature), or set TRITON_INTERPRET=1 in the "
+            "environment before importing dapo_kernels to run the kernels in the interpreter (slow, tests only)."
+        )
+
+
+def cast_dot_inputs_to_fp32(dtype: torch.dtype) -> bool:
+    """Interpreter workaround: its tl.dot is wrong for bf16 inputs (fp16/fp32 are right)."""
+    return INTERPRET and dtype == torch.bfloat16
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,0 +1,341 @@
+"""Fused LM-head log-prob + entropy: logprob[N], entropy[N] of softmax(hidden @ weight.T / T) at
+the target tokens, without ever holding the [N, V] logits.
+
+    from dapo_kernels import linear_logprob_entropy
+    logprob, entropy = linear_logprob_entropy(hidden_NH, weight_VH, targets_N, temperature=1.0)
+    (logprob * adv).sum().backward()     # grads for hidden and weight, entropy bonus allowed too
+
+Forward (one Triton kernel, `_fwd_kernel`): each program owns BLOCK_N rows and one contiguous
+vocab split; it walks its split in [BLOCK_N, BLOCK_V] logit tiles (tl.dot over H in BLOCK_K
+steps) and keeps four running per-row statistics, all relative to the running max m:
+    m  = max_j z_j
+    s  = sum_j exp(z_j - m)
+    t  = sum_j exp(z_j - m) * (z_j - m)          (shifted, so +-1e4 offsets do not cancel)
+    zt = z_target                                 (0 when the target is not in this shard)
+When a tile raises the max from m to m', alpha = exp(m - m') and
+    s' = alpha * s + sum_tile exp(z - m'),   t' = alpha * (t + (m - m') * s) + sum_tile p * (z - m').
+Splits (and, with tp_group, ranks) are merged with the same rule (`merge_stats`); the vocab-parallel
+merge is ONE all_gather of 4 floats per token. Then
+    lse = m + log s,  logprob = (zt - m) - log s <= 0,  entropy = log s - t / s >= 0.
+
+Backward (bounded chunks; workspace <= BACKWARD_WORKSPACE_BYTES whatever N is): for each chunk of
+C rows, `_dlogits_kernel` recomputes the logit tiles and writes dL/dlogits[C, V_local] in the input
+dtype, with p = exp(z - lse):
+    dL/dz_k = g_lp * (1[k = target] - p_k) + g_ent * p_k * (E_p[z] - z_k)     (then / T)
+(d entropy / dz_k = p_k (E[z] - z_k)); cuBLAS then does grad_hidden[chunk] = dZ @ W (all-reduced
+over tp_group in fp32) and grad_weight += dZ^T @ hidden[chunk]. FLOPs: 2NHV forward + 6NHV backward
+= the 8NHV of a plain linear + cross entropy. grad_weight is accumulated in fp32 when there is more
+than one chunk and the weight is 16-bit (an fp32 [V_local, H] buffer, independent of N), so bf16
+rounding does not compound across chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from ._runtime import INTERPRET, cast_dot_inputs_to_fp32, num_sms, require_runnable
+from .reference import check_logprob_args, check_targets_in_vocab, vocab_shard
+
+# dL/dlogits chunk size bound for the backward (bytes): C = this // (V_local * element size).
+BACKWARD_WORKSPACE_BYTES = 256 << 20
+# Vocab splits per row block in the forward: enough programs to fill the GPU even at small N, and
+# with GROUP_N row blocks x NUM_SPLITS programs in flight the hidden rows stay in L2 while each
+# weight tile is read once per GROUP_N * BLOCK_N rows.
+NUM_SPLITS_GPU = 16
+NUM_SPLITS_INTERPRET = 2
+
+_SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _logits_tile(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_hn, stride_wv,
+                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                 CAST_F32: tl.constexpr, IEEE: tl.constexpr):
+    """fp32 [BLOCK_N, BLOCK_V] tile of hidden[rows] @ weight[cols].T (row strides given, k stride 1)."""
+    acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
+    offs_k = tl.arange(0, BLOCK_K)
+    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_hn
+    w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wv
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + offs_k
+        k_ok = ks < H
+        a = tl.load(h_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_cols + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if CAST_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, stats_ptr, N, V, H, stride_hn, stride_wv, num_splits, inv_temp,
+                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+                CAST_F32: tl.constexpr, IEEE: tl.constexpr):
+    # Grouped launch order: GROUP_N consecutive row blocks x all splits run side by side.
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_N * num_splits
+    first_n = (pid // per_group) * GROUP_N
+    group_size = tl.minimum(num_n - first_n, GROUP_N)
+    pid_n = first_n + (pid % per_group) % group_size
+    pid_s = (pid % per_group) // group_size
+
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+    tiles_per_split = tl.cdiv(tl.cdiv(V, BLOCK_V), num_splits)
+    v_begin = pid_s * tiles_per_split * BLOCK_V
+    v_end = tl.minimum(V, v_begin + tiles_per_split * BLOCK_V)
+
+    m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    s = tl.zeros([BLOCK_N], dtype=tl.float32)
+    t = tl.zeros([BLOCK_N], dtype=tl.float32)
+    zt = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_ok = cols < v_end
+        z = _logits_tile(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_hn, stride_wv,
+                         BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE) * inv_temp
+        z = tl.where(col_ok[None, :], z, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        alpha = tl.exp(m - m_new)
+        # s == 0 only before the first tile, where m = -inf: keep -inf * 0 out of the arithmetic.
+        shift = (tl.where(s > 0, m, m_new) - m_new) * s
+        zc = tl.where(col_ok[None, :], z - m_new[:, None], 0.0)  # finite everywhere: no 0 * -inf
+        p = tl.where(col_ok[None, :], tl.exp(zc), 0.0)
+        t = alpha * (t + shift) + tl.sum(p * zc, axis=1)
+        s = alpha * s + tl.sum(p, axis=1)
+        zt += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
+        m = m_new
+
+    out = stats_ptr + pid_s * 4 * N + rows
+    tl.store(out, m, mask=row_ok)
+    tl.store(out + N, s, mask=row_ok)
+    tl.store(out + 2 * N, t, mask=row_ok)
+    tl.store(out + 3 * N, zt, mask=row_ok)
+
+
+@triton.jit
+def _dlogits_kernel(h_ptr, w_ptr, tgt_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, dz_ptr,
+                    N, V, H, stride_hn, stride_wv, stride_dzn, inv_temp,
+                    HAS_ENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                    BLOCK_K: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr):
+    # Row blocks vary fastest: programs in flight share one weight tile (read once from HBM) and
+    # the chunk's hidden rows stay in L2.
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    pid_n = pid % num_n
+    pid_v = pid // num_n
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_ok = cols < V
+    z = _logits_tile(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_hn, stride_wv,
+                     BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE) * inv_temp
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    g_lp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0)
+    p = tl.exp(z - lse[:, None])
+    dz = g_lp[:, None] * (tl.where(cols[None, :] == tgt[:, None], 1.0, 0.0) - p)
+    if HAS_ENT:
+        ez = tl.load(ez_ptr + rows, mask=row_ok, other=0.0)
+        g_ent = tl.load(gent_ptr + rows, mask=row_ok, other=0.0)
+        dz += g_ent[:, None] * p * (ez[:, None] - z)
+    dz = dz * inv_temp
+    out = dz_ptr + rows.to(tl.int64)[:, None] * stride_dzn + cols[None, :]
+    tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _hopper_configs(with_group: bool):
+    # (BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages): 128x256 with 8 warps is the usual Hopper
+    # wgmma sweet spot; 128x128 variants trade tile reuse for registers left to the epilogue.
+    shapes = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 256, 64, 4, 4)]
+    configs = []
+    for bn, bv, bk, warps, stages in shapes:
+        meta = {"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk}
+        if with_group:
+            meta["GROUP_N"] = 8
+        configs.append(triton.Config(meta, num_warps=warps, num_stages=stages))
+    return configs
+
+
+_INTERPRET_META = {"BLOCK_N": 16, "BLOCK_V": 64, "BLOCK_K": 32}
+if INTERPRET:
+    _fwd = _fwd_kernel
+    _dlogits = _dlogits_kernel
+else:  # pragma: no cover - compiled path, exercised by tests/gpu
+    _fwd = triton.autotune(configs=_hopper_configs(True), key=["V", "H", "CAST_F32", "IEEE"])(_fwd_kernel)
+    _dlogits = triton.autotune(configs=_hopper_configs(False), key=["V", "H", "HAS_ENT", "IEEE"])(_dlogits_kernel)
+
+
+def _launch_meta(extra: dict) -> dict:
+    return {**_INTERPRET_META, **extra} if INTERPRET else {}
+
+
+def merge_stats(stats: torch.Tensor) -> torch.Tensor:
+    """[R, 4, N] partial (m, s, t, zt) over disjoint vocab ranges -> [4, N], fixed summation order.
+
+    Part r rescaled to the global max M: w_r = exp(m_r - M),
+    S = sum_r w_r s_r,  T = sum_r w_r (t_r + (m_r - M) s_r),  ZT = sum_r zt_r.
+    An empty part (m = -inf, s = 0) contributes nothing."""
+    m, s, t, zt = stats.unbind(1)
+    big_m = m.max(dim=0).values
+    nonempty = s > 0
+    w = torch.where(nonempty, torch.exp(m - big_m), 0.0)
+    shift = torch.where(nonempty, (m - big_m) * s, 0.0)
+    return torch.stack([big_m, (w * s).sum(0), (w * (t + shift)).sum(0), zt.sum(0)])
+
+
+def _forward_stats(hidden, weight, targets_local, inv_temp: float) -> torch.Tensor:
+    n, h = hidden.shape
+    v = weight.shape[0]
+    splits = NUM_SPLITS_INTERPRET if INTERPRET else NUM_SPLITS_GPU
+    splits = max(1, min(splits, triton.cdiv(v, 64)))
+    stats = torch.empty((splits, 4, n), device=hidden.device, dtype=torch.float32)
+    flags = {"CAST_F32": cast_dot_inputs_to_fp32(hidden.dtype), "IEEE": hidden.dtype == torch.float32}
+    meta = _launch_meta({"GROUP_N": 2})
+    grid = lambda META: (triton.cdiv(n, META["BLOCK_N"]) * splits,)  # noqa: E731
+    _fwd[grid](hidden, weight, targets_local, stats, n, v, h, hidden.stride(0), weight.stride(0), splits,
+               inv_temp, **flags, **meta)
+    return merge_stats(stats)
+
+
+def _gather_merge(local: torch.Tensor, tp_group) -> torch.Tensor:
+    """The one collective of the forward: all_gather the [4, N] stats and merge in rank order."""
+    world = dist.get_world_size(tp_group)
+    parts = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(parts, local.contiguous(), group=tp_group)
+    return merge_stats(torch.stack(parts))
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b with an fp32 result (cuBLAS accumulates in fp32 either way; this skips the rounding)."""
+    if a.dtype == torch.float32:
+        return a @ b
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
+
+
+def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc(fp32) += a @ b for 16-bit a, b without an fp32 copy of the product."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif a.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.float(), b.float())
+
+
+def _chunk_rows(n: int, v: int, element_size: int) -> int:
+    rows = BACKWARD_WORKSPACE_BYTES // max(1, v * element_size)
+    align = 16 if INTERPRET else 128
+    return max(align, rows // align * align) if rows < n else n
+
+
+class _LinearLogprobEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, tp_group, return_entropy):
+        vocab_start, _, _ = vocab_shard(weight, tp_group)
+        targets_local = (targets.long() - vocab_start).contiguous()
+        inv_temp = 1.0 / float(temperature)
+        stats = _forward_stats(hidden, weight, targets_local, inv_temp)
+        if tp_group is not None:
+            stats = _gather_merge(stats, tp_group)
+        big_m, s, t, zt = stats.unbind(0)
+        log_s = torch.log(s)
+        logprob = (zt - big_m) - log_s
+        entropy = log_s - t / s
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, targets_local, big_m + log_s, big_m + t / s)
+        ctx.inv_temp, ctx.tp_group = inv_temp, tp_group
+        return logprob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        hidden, weight, targets_local, lse, mean_z = ctx.saved_tensors
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if (grad_logprob is None and grad_entropy is None) or not (need_h or need_w):
+            return None, None, None, None, None, None
+        n, h = hidden.shape
+        v = weight.shape[0]
+        g_lp = torch.zeros_like(lse) if grad_logprob is None else grad_logprob.float().contiguous()
+        has_ent = grad_entropy is not None
+        g_ent = grad_entropy.float().contiguous() if has_ent else g_lp  # placeholder pointer when unused
+        chunk = _chunk_rows(n, v, hidden.element_size())
+        workspace = torch.empty((min(chunk, n), v), device=hidden.device, dtype=hidden.dtype)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = None
+        acc_w = None
+        if need_w:
+            if chunk >= n:
+                grad_w = torch.empty_like(weight)
+            else:
+                acc_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
+        flags = {"CAST_F32": cast_dot_inputs_to_fp32(hidden.dtype), "IEEE": hidden.dtype == torch.float32}
+        meta = _launch_meta({})
+        for r0 in range(0, n, chunk):
+            r1 = min(n, r0 + chunk)
+            rows = r1 - r0
+            dz = workspace[:rows]
+            h_chunk = hidden[r0:r1]
+            grid = lambda META, rows=rows: (triton.cdiv(rows, META["BLOCK_N"]) * triton.cdiv(v, META["BLOCK_V"]),)  # noqa: E731
+            _dlogits[grid](h_chunk, weight, targets_local[r0:r1], lse[r0:r1], mean_z[r0:r1], g_lp[r0:r1],
+                           g_ent[r0:r1], dz, rows, v, h, hidden.stride(0), weight.stride(0), dz.stride(0),
+                           ctx.inv_temp, HAS_ENT=has_ent, **flags, **meta)
+            if need_h:
+                if ctx.tp_group is None:
+                    torch.mm(dz, weight, out=grad_h[r0:r1])
+                else:  # each rank holds its vocab shard's share of dL/dhidden: sum them in fp32
+                    part = _mm_fp32(dz, weight)
+                    dist.all_reduce(part, group=ctx.tp_group)
+                    grad_h[r0:r1].copy_(part)
+            if need_w:
+                if acc_w is None:
+                    torch.mm(dz.t(), h_chunk, out=grad_w)
+                else:
+                    _addmm_fp32_(acc_w, dz.t(), h_chunk)
+        if acc_w is not None:
+            grad_w = acc_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None
+
+
+def linear_logprob_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    tp_group=None,
+    return_entropy: bool = True,
+):
+    """(logprob[N] fp32, entropy[N] fp32 or None) of softmax(hidden @ weight.T / temperature).
+
+    hidden [N, H] and weight [V_local, H] in bf16/fp16/fp32 (same dtype); targets [N] GLOBAL token
+    ids. With tp_group, rank r holds vocab rows [r*V_local, (r+1)*V_local): the forward does one
+    all_gather of 4 floats per token, the hidden gradient is all-reduced over the group and the
+    weight gradient stays local. Differentiable in hidden and weight through logprob AND entropy.
+    Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1; anything else raises
+    RuntimeError (use linear_logprob_entropy_reference there).
+    """
+    check_logprob_args(hidden, weight, targets, temperature)
+    if hidden.dtype not in _SUPPORTED:
+        raise ValueError(f"linear_logprob_entropy supports {_SUPPORTED}; got {hidden.dtype}")
+    require_runnable(hidden, weight, targets, op="linear_logprob_entropy")
+    _, _, vocab_total = vocab_shard(weight, tp_group)
+    check_targets_in_vocab(targets, vocab_total)
+    if hidden.shape[0] == 0:
+        empty = hidden.new_zeros(0, dtype=torch.float32) + (hidden.sum() + weight.sum()) * 0
+        return empty, (empty.clone() if return_entropy else None)
+    hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    logprob, entropy = _LinearLogprobEntropy.apply(hidden, weight, targets, float(temperature), tp_group,
+                                                   bool(return_entropy))
+    return logprob, (entropy if return_entropy else None)

@@ -1,0 +1,220 @@
+"""Plain-torch references for the fused kernels (materialized logits): the semantics, the test
+oracle, and the fallback the actor uses where Triton cannot run.
+
+    from dapo_kernels import linear_logprob_entropy_reference, policy_loss_reference
+    logprob, entropy = linear_logprob_entropy_reference(hidden_NH, weight_VH, targets_N)
+
+Both take the same arguments as their fused twins in logprob.py / policy_loss.py. Both run in the
+dtype they are given for the matmul and do the softmax maths in fp32 (float64 inputs stay float64,
+which is how the tests build their oracle).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# Gradient-free metadata shared by both implementations of the policy loss.
+POLICY_LOSS_STAT_KEYS = (
+    "clipfrac_low",
+    "clipfrac_high",
+    "dualclip_frac",
+    "approx_kl",
+    "ratio_mean",
+    "ratio_max",
+    "num_tokens",
+)
+
+
+def check_logprob_args(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """ValueError for inputs the kernels cannot honour (shared by the fused op and the reference)."""
+    if hidden.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"hidden must be [N, H] and weight [V_local, H]; got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden size mismatch: hidden has H={hidden.shape[1]}, weight has H={weight.shape[1]}")
+    if targets.dim() != 1 or targets.shape[0] != hidden.shape[0]:
+        raise ValueError(f"targets must be [N={hidden.shape[0]}]; got {tuple(targets.shape)}")
+    if targets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"targets must be int32/int64 token ids; got {targets.dtype}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0; got {temperature}")
+
+
+def vocab_shard(weight: torch.Tensor, tp_group) -> tuple[int, int, int]:
+    """(vocab_start, vocab_local, vocab_total): rank r holds rows [r*V_local, (r+1)*V_local)."""
+    vocab_local = weight.shape[0]
+    if tp_group is None:
+        return 0, vocab_local, vocab_local
+    rank, world = dist.get_rank(tp_group), dist.get_world_size(tp_group)
+    return rank * vocab_local, vocab_local, vocab_local * world
+
+
+def check_targets_in_vocab(targets: torch.Tensor, vocab_total: int):
+    if targets.numel() == 0:
+        return
+    lo, hi = int(targets.min()), int(targets.max())
+    if lo < 0 or hi >= vocab_total:
+        raise ValueError(f"targets must be token ids in [0, {vocab_total}); got min {lo}, max {hi} "
+                         "(mask padding positions with the loss mask, not with -100)")
+
+
+class _AllReduceSumGrad(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over the group (for the reference's hidden)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _AllReduceMaxNoGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group in forward; identity backward (the loss is replicated over the group)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The loss is replicated on every rank of the group (it is one loss, computed TP times), so
+        # dL/dx_r = dL/dout on each rank: identity, as in Megatron's vocab-parallel cross entropy.
+        return grad, None
+
+
+def linear_logprob_entropy_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    tp_group=None,
+    return_entropy: bool = True,
+):
+    """logprob[N] and entropy[N] of softmax(hidden @ weight.T / temperature), fp32 (float64 in,
+    float64 out). Materializes [N, V_local] logits: the oracle, not the fast path.
+
+    With tp_group the vocab is sharded (rank r holds rows [r*V_local, (r+1)*V_local)); the
+    per-token max, sum-exp, sum p*z and target logit are all-reduced, and the hidden gradient is
+    summed over the group (the weight gradient stays local), exactly like the fused op.
+    """
+    check_logprob_args(hidden, weight, targets, temperature)
+    vocab_start, vocab_local, vocab_total = vocab_shard(weight, tp_group)
+    check_targets_in_vocab(targets, vocab_total)
+    math_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    if tp_group is not None:
+        hidden = _AllReduceSumGrad.apply(hidden, tp_group)
+    logits_NV = (hidden @ weight.t()).to(math_dtype) / temperature
+    local_t = targets.long() - vocab_start
+    owns = (local_t >= 0) & (local_t < vocab_local)
+    target_logit = torch.where(owns, logits_NV.gather(1, local_t.clamp(0, vocab_local - 1)[:, None])[:, 0], 0.0)
+    if tp_group is None:
+        lse = torch.logsumexp(logits_NV, dim=1)
+        logp_NV = logits_NV - lse[:, None]
+        logprob = target_logit - lse
+        entropy = -(logp_NV.exp() * logp_NV).sum(1) if return_entropy else None
+        return logprob, entropy
+    # Vocab-parallel: global max (no gradient: lse does not depend on the shift), then sums.
+    gmax = _AllReduceMaxNoGrad.apply(logits_NV.max(dim=1).values, tp_group)
+    shifted = logits_NV - gmax[:, None]
+    exp = shifted.exp()
+    sum_exp = _AllReduceSum.apply(exp.sum(1), tp_group)
+    target_logit = _AllReduceSum.apply(target_logit, tp_group)
+    lse = gmax + sum_exp.log()
+    logprob = target_logit - lse
+    if not return_entropy:
+        return logprob, None
+    # H = lse - E[z] = log(sum_exp) - sum(exp * shifted) / sum_exp  (shifted keeps it cancellation-free)
+    sum_pz = _AllReduceSum.apply((exp * shifted).sum(1), tp_group)
+    entropy = sum_exp.log() - sum_pz / sum_exp
+    return logprob, entropy
+
+
+def policy_loss_terms(logprob, old_logprob, advantages, *, eps_low, eps_high, clip_ratio_c):
+    """Per-token DAPO loss l and ratio (DAPO_SPEC s5), differentiable in logprob."""
+    log_ratio = logprob - old_logprob
+    ratio = torch.exp(torch.clamp(log_ratio, -20.0, 20.0))
+    l1 = -advantages * ratio
+    l2 = -advantages * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    loss = torch.maximum(l1, l2)
+    if clip_ratio_c is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -advantages * clip_ratio_c), loss)
+    return loss, ratio, log_ratio
+
+
+def check_policy_loss_args(logprob, old_logprob, advantages, mask, eps_low, eps_high, clip_ratio_c, loss_denominator):
+    for name, t in (("old_logprob", old_logprob), ("advantages", advantages), ("mask", mask)):
+        if t.shape != logprob.shape:
+            raise ValueError(f"{name} must have the shape of logprob {tuple(logprob.shape)}; got {tuple(t.shape)}")
+    if not (0.0 <= eps_low < 1.0) or eps_high < 0.0:
+        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0; got eps_low={eps_low}, eps_high={eps_high}")
+    if clip_ratio_c is not None and not clip_ratio_c > 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (or None to disable the dual clip); got {clip_ratio_c}")
+    if not float(loss_denominator) > 0:
+        raise ValueError(f"loss_denominator must be > 0 (the global token count); got {loss_denominator}")
+
+
+def policy_loss_reference(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    clip_ratio_c: float | None,
+    loss_denominator: float,
+):
+    """loss = sum(mask * l) / loss_denominator with l from DAPO_SPEC s5, and stats (means over the
+    masked tokens of this call; 0 when none is masked). Differentiable in logprob."""
+    check_policy_loss_args(logprob, old_logprob, advantages, mask, eps_low, eps_high, clip_ratio_c, loss_denominator)
+    math_dtype = torch.float64 if logprob.dtype == torch.float64 else torch.float32
+    logprob_m = logprob.to(math_dtype)
+    old = old_logprob.to(math_dtype)
+    adv = advantages.to(math_dtype)
+    maskf = mask.to(math_dtype)
+    per_token, ratio, log_ratio = policy_loss_terms(
+        logprob_m, old, adv, eps_low=eps_low, eps_high=eps_high, clip_ratio_c=clip_ratio_c
+    )
+    loss = (maskf * per_token).sum() / loss_denominator
+    with torch.no_grad():
+        ratio, log_ratio = ratio.detach(), log_ratio.detach()
+        num = maskf.sum()
+        denom = num.clamp(min=1.0)  # means are 0 when nothing is masked in
+
+        def masked_mean(x):
+            return (maskf * x.to(math_dtype)).sum() / denom
+
+        dual = (adv < 0) & (ratio > clip_ratio_c) if clip_ratio_c is not None else torch.zeros_like(ratio, dtype=torch.bool)
+        stats = {
+            "clipfrac_low": masked_mean((adv < 0) & (ratio < 1.0 - eps_low)),
+            "clipfrac_high": masked_mean((adv > 0) & (ratio > 1.0 + eps_high)),
+            "dualclip_frac": masked_mean(dual),
+            "approx_kl": masked_mean(0.5 * log_ratio * log_ratio),
+            "ratio_mean": masked_mean(ratio),
+            "ratio_max": torch.where(maskf > 0, ratio, torch.zeros_like(ratio)).max() if ratio.numel() else num * 0,
+            "num_tokens": num,
+        }
+    return loss, stats
