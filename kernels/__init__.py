@@ -1,1 +1,24 @@
-"""dapo_kernels: fused Triton kernels for DAPO (installed from the folder kernels/)."""
+"""dapo_kernels: fused Triton kernels for DAPO (installed from the folder kernels/).
+
+    linear_logprob_entropy(hidden[N,H], weight[V_local,H], targets[N], *, temperature=1.0,
+                           tp_group=None, return_entropy=True) -> (logprob[N], entropy[N] | None)
+    policy_loss(logprob, old_logprob, advantages, mask, *, eps_low, eps_high, clip_ratio_c,
+                loss_denominator) -> (loss, stats)
+
+The fused ops run on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before this
+package was imported (tests). Elsewhere they raise RuntimeError rather than fall back silently;
+the *_reference functions (plain torch, same signatures) are the explicit fallback.
+"""
+
+from ._runtime import INTERPRET
+from .logprob import linear_logprob_entropy
+from .policy_loss import policy_loss
+from .reference import linear_logprob_entropy_reference, policy_loss_reference
+
+__all__ = [
+    "INTERPRET",
+    "linear_logprob_entropy",
+    "linear_logprob_entropy_reference",
+    "policy_loss",
+    "policy_loss_reference",
+]
