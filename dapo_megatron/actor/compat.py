@@ -1,0 +1,187 @@
+"""Run megatron-core on a machine without CUDA (CI, laptops): one start-up call, a no-op on GPUs.
+
+    from dapo_megatron.actor.compat import apply_cpu_compat
+    apply_cpu_compat()          # before building any Megatron module
+
+megatron-core 0.16.1 works on CPU with gloo except for a handful of CUDA-only call sites
+(measured in ../shared/notes/environment.md). This module neutralizes exactly those:
+
+  call site (megatron-core 0.16.1)                         what it becomes on CPU
+  torch.cuda.current_device()   rotary_pos_embedding.py,   the CPU device
+                                param_and_grad_buffer.py
+  torch.cuda.get/set_rng_state, manual_seed,              the default CPU generator, so the RNG
+  tensor_parallel/random.py _get/_set_cuda_rng_state        tracker's fork() really forks dropout
+  torch.cuda.synchronize()      p2p_communication.py        no-op (CPU ops are synchronous)
+  device="cuda", .cuda(), pin_memory (~30 files)           CPU, through a TorchFunctionMode
+  tensor.type() == 'torch.cuda.FloatTensor' (optimizer,    CPU tensors report the cuda type name
+  clip_grads, distrib_optimizer)                           inside the same mode
+
+`check_patch_targets()` lists the patched symbols that no longer exist (or are imported by value
+somewhere, which would escape the patch); tests/distributed/test_compat.py fails on any of them
+so a megatron-core upgrade cannot silently bring a CUDA call back.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# (module, attribute, why we patch it). The module path is also where check_patch_targets looks.
+PATCH_TARGETS: tuple[tuple[str, str, str], ...] = (
+    ("torch.cuda", "current_device", "rotary_pos_embedding.py get_emb, param_and_grad_buffer.py"),
+    ("torch.cuda", "get_rng_state", "tensor_parallel/random.py CudaRNGStatesTracker.add"),
+    ("torch.cuda", "set_rng_state", "tensor_parallel/random.py"),
+    ("torch.cuda", "manual_seed", "tensor_parallel/random.py model_parallel_cuda_manual_seed"),
+    ("torch.cuda", "synchronize", "pipeline_parallel/p2p_communication.py"),
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", "CudaRNGStatesTracker.add/fork"),
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", "CudaRNGStatesTracker.add/fork"),
+    ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker", "the tracker whose fork() we rely on"),
+    ("megatron.core.tensor_parallel.random", "model_parallel_cuda_manual_seed", "called by parallel.py"),
+)
+
+# Call sites whose CUDA use the TorchFunctionMode / patches above must cover; a moved file or a
+# renamed function means the compat layer needs a fresh look (file relative to megatron/core).
+CALL_SITES: tuple[tuple[str, str], ...] = (
+    ("models/common/embeddings/rotary_pos_embedding.py", "torch.cuda.current_device()"),
+    ("tensor_parallel/random.py", "def _get_cuda_rng_state("),
+    ("tensor_parallel/random.py", "def _set_cuda_rng_state("),
+    ("pipeline_parallel/p2p_communication.py", "torch.cuda.synchronize()"),
+    ("optimizer/clip_grads.py", "'torch.cuda.FloatTensor'"),
+    ("optimizer/optimizer.py", "'torch.cuda.FloatTensor'"),
+    ("optimizer/distrib_optimizer.py", "'torch.cuda.FloatTensor'"),
+)
+
+_CPU = torch.device("cpu")
+_APPLIED = False
+_MODE: "_CudaToCpuMode | None" = None
+
+# CPU tensor type name -> the CUDA name megatron compares against ('torch.FloatTensor' ->
+# 'torch.cuda.FloatTensor').
+_CUDA_TYPE_NAME = {f"torch.{n}": f"torch.cuda.{n}" for n in (
+    "FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "IntTensor", "LongTensor",
+    "ByteTensor", "CharTensor", "ShortTensor", "BoolTensor")}
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.split(":")[0] == "cuda"
+    return False  # ints are CUDA ordinals only to CUDA code; we never see them on CPU paths
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA placement to CPU for every torch call made while the mode is active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func in (torch.Tensor.pin_memory,):
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAME.get(name, name)
+        if "pin_memory" in kwargs:
+            kwargs["pin_memory"] = False
+        if "device" in kwargs and (_is_cuda_device(kwargs["device"]) or isinstance(kwargs["device"], int)):
+            kwargs["device"] = _CPU
+        if func is torch.Tensor.to and len(args) > 1 and (_is_cuda_device(args[1]) or isinstance(args[1], int)):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+def _current_device() -> torch.device:
+    return _CPU
+
+
+def _get_rng_state(device: Any = "cuda") -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+    torch.set_rng_state(new_state)
+
+
+def _manual_seed(seed: int) -> None:
+    # not torch.manual_seed: that calls torch.cuda.manual_seed_all (left unpatched: lazy, harmless)
+    torch.default_generator.manual_seed(int(seed))
+
+
+def _megatron_get_cuda_rng_state(device: Any = -1, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()  # already a copy
+
+
+def _megatron_set_cuda_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def apply_cpu_compat() -> None:
+    """Patch the CUDA-only call sites of megatron-core to CPU. Idempotent; no-op when CUDA exists."""
+    global _APPLIED, _MODE
+    if _APPLIED or torch.cuda.is_available():
+        return
+    torch.cuda.current_device = _current_device
+    torch.cuda.get_rng_state = _get_rng_state
+    torch.cuda.set_rng_state = _set_rng_state
+    torch.cuda.manual_seed = _manual_seed
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.random.get_rng_state = _get_rng_state
+    torch.cuda.random.set_rng_state = _set_rng_state
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._get_cuda_rng_state = _megatron_get_cuda_rng_state
+    mcore_random._set_cuda_rng_state = _megatron_set_cuda_rng_state
+    # The mode stays on for the life of the process (it is entered, never exited). Torch function
+    # modes are per thread: work done in other threads does not see it (Megatron's CPU paths do
+    # not create threads).
+    _MODE = _CudaToCpuMode()
+    _MODE.__enter__()
+    _APPLIED = True
+
+
+def is_applied() -> bool:
+    return _APPLIED
+
+
+def check_patch_targets() -> list[str]:
+    """Problems that would make apply_cpu_compat incomplete after a megatron-core upgrade.
+
+    Returns one line per problem (empty list = all good): a patched symbol that no longer exists,
+    a patched megatron function imported by value elsewhere (the patch would not reach it), or a
+    known call site whose file or text moved.
+    """
+    problems: list[str] = []
+    for module_name, attr, why in PATCH_TARGETS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            problems.append(f"{module_name} (patched for {why}) cannot be imported: {err}")
+            continue
+        if not hasattr(module, attr):
+            problems.append(f"{module_name}.{attr} no longer exists (patched for {why}) in {module.__file__}")
+    core_dir = os.path.dirname(importlib.import_module("megatron.core").__file__)
+    for rel_path, text in CALL_SITES:
+        path = os.path.join(core_dir, rel_path)
+        if not os.path.exists(path):
+            problems.append(f"call site file {path} is gone (expected it to contain {text!r})")
+            continue
+        with open(path, encoding="utf-8") as handle:
+            if text not in handle.read():
+                problems.append(f"{path} no longer contains {text!r}: re-check the CPU patch for it")
+    by_value = re.compile(r"from\s+[\w.]*random\s+import\s+[^\n]*\b(_get_cuda_rng_state|_set_cuda_rng_state)\b")
+    for root, _, files in os.walk(core_dir):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(root, name)
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                match = by_value.search(handle.read())
+            if match:
+                problems.append(f"{path} imports {match.group(1)} by value: the module patch misses it")
+    return problems

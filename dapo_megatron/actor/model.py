@@ -1,0 +1,370 @@
+"""Model provider: a megatron-core GPTModel built from a Hugging Face config (Qwen2/Qwen2.5, Llama).
+
+    from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.actor.model import build_model_chunks
+    with model_parallel(tp=2, pp=2, seed=42):
+        chunks = build_model_chunks(hf_config, attention_backend="torch", precision="fp32")
+
+Two attention backends, both selected through ModuleSpecs (no layer is edited):
+  te     Transformer Engine layer spec: THD packed sequences, context parallelism (clusters only).
+  torch  megatron-core's local spec with the core attention replaced by `TorchSDPAttention`
+         (torch scaled_dot_product_attention) and RMSNorm by `TorchRMSNorm` (allows sequence
+         parallel). Runs on CPU (gloo, fp32) and on GPUs without TE (bf16).
+
+Packed-sequence interface (the SAME call for both backends)
+-----------------------------------------------------------
+Several sequences of lengths L_0..L_{n-1} are concatenated into one row of T = sum(L_i) tokens
+(T must equal sum(L_i): megatron's THD RoPE splits the row by these lengths; to pad a row, append
+the padding as one more "sequence" and ignore its outputs):
+
+    packed = packed_seq_params_from_lengths([L_0, ..., L_{n-1}])     # qkv_format="thd"
+    logits = model(input_ids_1T, position_ids_1T, attention_mask=None, packed_seq_params=packed)
+    # logits: [1, T, V_padded / tp] vocab-parallel (last pipeline stage; earlier stages return
+    # hidden states [T, 1, H])
+
+- input_ids [1, T] int64; position_ids [1, T] are per-sequence positions (0..L_i-1 for each
+  sequence; `packed_position_ids(lengths)` makes them). With RoPE megatron does not read
+  position_ids: RoPE restarts per sequence from cu_seqlens (rope_utils._apply_rotary_pos_emb_thd),
+  which is exactly what per-sequence position ids mean. Pass them anyway (TE and future learned
+  position embeddings use them).
+- Attention: token t of sequence i attends to tokens s of the same sequence with s <= t, i.e. a
+  boolean block-diagonal causal mask built from cu_seqlens (torch backend) or TE's THD kernels.
+- Unpacked batches [B, S] work too: attention_mask=None and packed_seq_params=None give plain
+  causal attention per row (rows must then have no left padding).
+- Outputs are in the vocab-parallel layout: each TP rank holds logits for its V_padded/tp slice of
+  the padded vocabulary (rows >= hf vocab_size are padding; their logits come from zero rows of
+  the loaded embedding/output weights, so mask them before any softmax over the vocabulary:
+  `actor/parity.py: vocab_parallel_logprobs` does).
+- Context parallelism (cp > 1) needs attention_backend="te"; the sequence split is the caller's.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+Precision = Literal["bf16", "fp16", "fp32"]
+AttentionBackend = Literal["torch", "te"]
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+VOCAB_DIVISIBLE_BY = 128  # megatron's make_vocab_size_divisible_by default
+
+
+# --- HF config -> TransformerConfig ----------------------------------------------------------------
+
+def model_type_of(hf_config: Any) -> str:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model.arch: config.json model_type {model_type!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    return model_type
+
+
+def rope_theta_of(hf_config: Any) -> float:
+    """RoPE base from either transformers <5 (`rope_theta`) or >=5 (`rope_parameters`) configs."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("config.json has no rope_theta (nor rope_parameters.rope_theta)")
+    rope_type = params.get("rope_type") or (getattr(hf_config, "rope_scaling", None) or {}).get("rope_type", "default")
+    if rope_type not in ("default", None):
+        raise ValueError(f"config.json rope_type {rope_type!r} is not supported (only default RoPE)")
+    return float(theta)
+
+
+def head_dim_of(hf_config: Any) -> int:
+    head_dim = getattr(hf_config, "head_dim", None)
+    return int(head_dim) if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def has_qkv_bias(hf_config: Any) -> bool:
+    """Qwen2/2.5 always carry q/k/v biases; Llama only with attention_bias=True."""
+    if model_type_of(hf_config) == "qwen2":
+        return True
+    return bool(getattr(hf_config, "attention_bias", False))
+
+
+def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
+    """Megatron pads the vocabulary to a multiple of divisible_by * tp so every TP rank holds an
+    equal slice: 300 tokens at tp=2 -> multiple of 256 -> 512 rows (256 per rank)."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def transformer_config_from_hf(hf_config: Any, *, precision: Precision = "bf16",
+                               sequence_parallel: bool = False,
+                               recompute: Literal["none", "selective", "full"] = "none",
+                               attention_backend: AttentionBackend = "torch"):
+    """TransformerConfig for the current parallel_state layout (call inside model_parallel())."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    model_type_of(hf_config)
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json hidden_act {hf_config.hidden_act!r}: only silu (SwiGLU) is supported")
+    if getattr(hf_config, "mlp_bias", False):
+        raise ValueError("config.json mlp_bias=True is not supported")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    cp = parallel_state.get_context_parallel_world_size()
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if cp > 1 and attention_backend != "te":
+        raise ValueError("actor.cp > 1 needs actor.attention_backend=te (Transformer Engine)")
+    if sequence_parallel and tp == 1:
+        raise ValueError("actor.sequence_parallel needs actor.tp > 1")
+    if hf_config.num_hidden_layers % (pp * (vpp or 1)):
+        raise ValueError(f"num_hidden_layers={hf_config.num_hidden_layers} is not divisible by "
+                         f"pp*vpp = {pp}*{vpp or 1}")
+    on_gpu = torch.cuda.is_available()
+    fuse = on_gpu and attention_backend == "te"  # fused kernels need TE / CUDA
+    recompute_kwargs: dict[str, Any] = {}
+    if recompute == "selective":
+        recompute_kwargs = dict(recompute_granularity="selective")
+    elif recompute == "full":
+        recompute_kwargs = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute != "none":
+        raise ValueError(f"actor.recompute={recompute!r}: allowed none, selective, full")
+    return TransformerConfig(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=head_dim_of(hf_config),
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=has_qkv_bias(hf_config),
+        hidden_dropout=0.0,
+        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
+        init_method_std=getattr(hf_config, "initializer_range", 0.02),
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        sequence_parallel=sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        variable_seq_lengths=True,  # packed micro-batches differ in length
+        moe_token_dispatcher_type="alltoall",  # unused (no experts) but the default rejects the line above
+        use_cpu_initialization=not on_gpu,
+        bias_activation_fusion=fuse,
+        masked_softmax_fusion=fuse,
+        bias_dropout_fusion=fuse,
+        apply_rope_fusion=fuse,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        **recompute_kwargs,
+    )
+
+
+# --- the torch attention backend --------------------------------------------------------------------
+
+def block_causal_mask(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """Boolean [T, T] mask, True = may attend: same sequence and key position <= query position.
+
+    Sequence ids come from cu_seqlens (cu = [0, 3, 5] -> ids 0 0 0 1 1); tokens past cu[-1]
+    (padding) get one extra id so every query row keeps at least itself (no all -inf rows).
+    """
+    positions = torch.arange(total_tokens, device=cu_seqlens.device)
+    seq_ids = torch.bucketize(positions, cu_seqlens[1:].to(positions.dtype), right=True)
+    same_seq = seq_ids[:, None] == seq_ids[None, :]
+    causal = positions[None, :] <= positions[:, None]
+    return same_seq & causal
+
+
+class TorchSDPAttention(torch.nn.Module):
+    """Core attention with torch.nn.functional.scaled_dot_product_attention.
+
+    Drop-in for megatron's DotProductAttention (same constructor and forward signature), plus
+    packed sequences: with packed_seq_params.qkv_format == "thd" the inputs are [T, heads, dim]
+    and attention is restricted by `block_causal_mask(cu_seqlens_q)`.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None):
+        super().__init__()
+        if config.context_parallel_size != 1:
+            raise ValueError("context parallelism needs actor.attention_backend=te")
+        from megatron.core import parallel_state
+
+        self.config = config
+        tp = parallel_state.get_tensor_model_parallel_world_size() if pg_collection is None else pg_collection.tp.size()
+        self.heads_per_rank = config.num_attention_heads // tp
+        self.groups_per_rank = config.num_query_groups // tp
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def _sdpa(self, q, k, v, mask):
+        # q [b, np, sq, hn]; k, v [b, ng, sk, hn]: repeat each KV group for its np/ng query heads
+        repeats = self.heads_per_rank // self.groups_per_rank
+        if repeats > 1:
+            k = k.repeat_interleave(repeats, dim=1)
+            v = v.repeat_interleave(repeats, dim=1)
+        dropout_p = self.dropout_p if self.training else 0.0
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=self.softmax_scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=self.softmax_scale)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by the torch attention backend")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            # [T, np, hn] -> [1, np, T, hn]
+            total = query.size(0)
+            mask = block_causal_mask(packed_seq_params.cu_seqlens_q, total)
+            out = self._sdpa(*(x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value)), mask)
+            return out.squeeze(0).permute(1, 0, 2).reshape(total, -1)  # [T, np*hn]
+        if packed_seq_params is not None:
+            raise ValueError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: only 'thd'")
+        # [s, b, n, hn] -> [b, n, s, hn]
+        seq, batch = query.size(0), query.size(1)
+        mask = None
+        if attention_mask is not None:
+            mask = ~attention_mask  # megatron: True = masked out; SDPA: True = attend
+        out = self._sdpa(*(x.permute(1, 2, 0, 3) for x in (query, key, value)), mask)
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)  # [s, b, np*hn]
+
+
+class TorchRMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm with megatron's norm constructor; unlike WrappedTorchNorm it allows sequence
+    parallel: its weight is marked `sequence_parallel` so Megatron all-reduces its gradient over TP."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype, device=device)
+        for param in self.parameters():
+            param.sequence_parallel = config.sequence_parallel
+
+
+def torch_layer_spec():
+    """Local layer spec with TorchSDPAttention as core attention and TorchRMSNorm norms."""
+    import dataclasses
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    attention = spec.submodules.self_attention
+    attention_submodules = dataclasses.replace(attention.submodules, core_attention=ModuleSpec(module=TorchSDPAttention))
+    layer_submodules = dataclasses.replace(
+        spec.submodules,
+        input_layernorm=ModuleSpec(module=TorchRMSNorm),
+        pre_mlp_layernorm=ModuleSpec(module=TorchRMSNorm),
+        self_attention=ModuleSpec(module=attention.module, params=attention.params, submodules=attention_submodules),
+    )
+    return ModuleSpec(module=spec.module, params=spec.params, submodules=layer_submodules)
+
+
+def te_layer_spec():
+    try:
+        import transformer_engine  # noqa: F401
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+        return get_gpt_layer_with_transformer_engine_spec()
+    except (ImportError, RuntimeError, AssertionError) as err:
+        raise ValueError("actor.attention_backend=te needs Transformer Engine (pip install "
+                         "'transformer-engine[pytorch]' on a CUDA machine, or an NGC container); "
+                         f"use actor.attention_backend=torch without it ({type(err).__name__}: {err})") from err
+
+
+def _block_spec(config, layer_spec, vp_stage: Optional[int], attention_backend: AttentionBackend):
+    """Decoder block with our final norm for the torch backend (megatron's default would be
+    WrappedTorchNorm, which refuses sequence parallel)."""
+    if attention_backend == "te":
+        return layer_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=ModuleSpec(module=TorchRMSNorm))
+
+
+# --- the provider ---------------------------------------------------------------------------------
+
+def build_gpt_model(hf_config: Any, *, attention_backend: AttentionBackend = "torch", precision: Precision = "bf16",
+                    sequence_parallel: bool = False, recompute: Literal["none", "selective", "full"] = "none",
+                    pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
+                    vp_stage: Optional[int] = None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY):
+    """One GPTModel chunk for this rank's pipeline stage (and virtual stage `vp_stage`).
+
+    Call inside `model_parallel(...)`. pre/post_process default to "first/last (virtual) stage".
+    The vocabulary is padded to `padded_vocab_size(vocab, tp=tp)`; parallel_output=True (logits
+    stay vocab-parallel). Parameters are on the GPU when CUDA is available, else on the CPU.
+    The model is NOT wrapped (no Float16Module / DDP): that is the trainer's choice.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    if attention_backend not in ("torch", "te"):
+        raise ValueError(f"actor.attention_backend={attention_backend!r}: allowed torch, te")
+    layer_spec = te_layer_spec() if attention_backend == "te" else torch_layer_spec()
+    config = transformer_config_from_hf(hf_config, precision=precision, sequence_parallel=sequence_parallel,
+                                        recompute=recompute, attention_backend=attention_backend)
+    if config.virtual_pipeline_model_parallel_size is not None and vp_stage is None:
+        raise ValueError("virtual pipeline parallelism: pass vp_stage (or use build_model_chunks)")
+    if pre_process is None:
+        pre_process = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=_block_spec(config, layer_spec, vp_stage, attention_backend),
+        vocab_size=padded_vocab_size(hf_config.vocab_size, tp=tp, divisible_by=vocab_divisible_by),
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        rotary_base=rope_theta_of(hf_config),
+        vp_stage=vp_stage,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def build_model_chunks(hf_config: Any, **kwargs) -> list:
+    """All model chunks of this rank: one per virtual pipeline stage (a single chunk without VPP).
+    Keyword arguments are those of build_gpt_model (except vp_stage / pre_process / post_process)."""
+    from megatron.core import parallel_state
+
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    if vpp is None:
+        return [build_gpt_model(hf_config, **kwargs)]
+    return [build_gpt_model(hf_config, vp_stage=stage, **kwargs) for stage in range(vpp)]
+
+
+# --- packed input helpers -------------------------------------------------------------------------
+
+def packed_seq_params_from_lengths(lengths: Sequence[int], *, device: Any = None):
+    """PackedSeqParams (qkv_format="thd") for sequences of these lengths packed into one row."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    if not lengths or min(lengths) <= 0:
+        raise ValueError(f"packed sequence lengths must be positive, got {list(lengths)}")
+    if device is None:
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    lengths_t = torch.tensor(list(lengths), dtype=torch.int32, device=device)
+    cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
+    cu_seqlens[1:] = torch.cumsum(lengths_t, 0)
+    max_len = int(max(lengths))
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=max_len, max_seqlen_kv=max_len)
+
+
+def packed_position_ids(lengths: Sequence[int], *, device: Any = None) -> torch.Tensor:
+    """[1, T] positions restarting at 0 for each sequence: [3, 2] -> [[0, 1, 2, 0, 1]]."""
+    return torch.cat([torch.arange(n, device=device) for n in lengths]).unsqueeze(0)

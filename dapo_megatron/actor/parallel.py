@@ -1,0 +1,232 @@
+"""Process groups for the actor: torch.distributed from the launcher's environment, then Megatron's
+tensor / pipeline / context / data parallel groups.
+
+    torchrun --nproc-per-node 4 -m dapo_megatron.cli train cfg.yaml actor.tp=2 actor.pp=2
+    srun --ntasks-per-node 8 python -m dapo_megatron.cli train cfg.yaml ...
+
+    init_distributed()                      # reads RANK/WORLD_SIZE/... or SLURM_PROCID/...
+    with model_parallel(tp=2, pp=2, seed=42):
+        model = build_gpt_model(...)
+
+Rank order is Megatron's default "tp-cp-ep-dp-pp": TP neighbours are adjacent global ranks.
+The driver (global rank 0) is the only rank that talks to rollout engines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First hostname of a Slurm node list: 'gpu[003-005,9],cpu1' -> 'gpu003'."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                             text=True, timeout=30, check=True).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    first = re.split(r",(?![^\[]*\])", nodelist)[0]  # split on commas outside brackets
+    match = re.fullmatch(r"([^\[]+)\[([^\]]+)\]", first)
+    if not match:
+        return first
+    prefix, ranges = match.groups()
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def launch_env(environ: Optional[dict] = None) -> LaunchEnv:
+    """Rank layout from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or srun (SLURM_PROCID/...).
+
+    torchrun's variables win when both are present (torchrun inside an sbatch job). Under srun,
+    MASTER_ADDR defaults to the first node of SLURM_JOB_NODELIST and MASTER_PORT to a port derived
+    from the job id, so every task of the job computes the same rendezvous without talking.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local_rank = int(env.get("LOCAL_RANK", 0))
+        master_addr = env.get("MASTER_ADDR", "127.0.0.1")
+        master_port = int(env.get("MASTER_PORT", 29500))
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world_size = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        local_rank = int(env.get("SLURM_LOCALID", 0))
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+        master_addr = env.get("MASTER_ADDR") or _first_slurm_host(nodelist)
+        master_port = int(env.get("MASTER_PORT") or 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000)
+    else:
+        rank, world_size, local_rank = 0, 1, 0
+        master_addr = env.get("MASTER_ADDR", "127.0.0.1")
+        master_port = int(env.get("MASTER_PORT", 29500))
+    if not 0 <= rank < world_size:
+        raise ValueError(f"launcher environment: rank {rank} is outside world size {world_size}")
+    return LaunchEnv(rank, world_size, local_rank, master_addr, master_port)
+
+
+def init_distributed(*, timeout_minutes: int = 30) -> LaunchEnv:
+    """Initialize torch.distributed once (nccl with one GPU per local rank; gloo on CPU).
+
+    Also applies the CPU compatibility patches when CUDA is unavailable. Returns the layout.
+    A no-op (apart from returning the layout) when the process group already exists.
+    """
+    import datetime
+
+    from dapo_megatron.actor.compat import apply_cpu_compat
+
+    apply_cpu_compat()
+    env = launch_env()
+    if dist.is_initialized():
+        return LaunchEnv(dist.get_rank(), dist.get_world_size(), env.local_rank, env.master_addr, env.master_port)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(minutes=timeout_minutes),
+    )
+    return env
+
+
+def initialize_model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None) -> None:
+    """Megatron's parallel_state groups for a TP x CP x DP x PP layout over the whole world."""
+    from megatron.core import parallel_state
+
+    world_size = dist.get_world_size()
+    model_parallel = tp * pp * cp
+    if world_size % model_parallel:
+        raise ValueError(f"world size {world_size} is not a multiple of tp*pp*cp = {tp}*{pp}*{cp}")
+    if vpp is not None and pp == 1:
+        raise ValueError("virtual pipeline stages (vpp) need pp > 1")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+    )
+
+
+@contextlib.contextmanager
+def model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None,
+                   seed: int = 1234) -> Iterator[None]:
+    """Megatron parallel state + RNG tracker for the body; destroyed on exit (also on errors).
+
+    torch.distributed must already be initialized (init_distributed() or the test rank pool).
+    `seed` feeds model_parallel_cuda_manual_seed: the default RNG gets seed + 100 * pp_rank (+ a
+    DP offset on the data-parallel seed), the tensor-parallel tracker seed + 2718 + tp_rank.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    initialize_model_parallel(tp=tp, pp=pp, cp=cp, vpp=vpp)
+    try:
+        model_parallel_cuda_manual_seed(seed)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+# --- small accessors so callers need not know parallel_state's names ------------------------------
+
+def tp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def tp_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank()
+
+
+def tp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def pp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_group()
+
+
+def pp_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_rank()
+
+
+def pp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_world_size()
+
+
+def vpp_size() -> Optional[int]:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_virtual_pipeline_model_parallel_world_size()
+
+
+def cp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_group()
+
+
+def cp_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_rank()
+
+
+def cp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_world_size()
+
+
+def dp_group(*, with_context_parallel: bool = False):
+    """Data-parallel group (with_context_parallel=True: DP x CP, the group gradients reduce over)."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group(with_context_parallel=with_context_parallel)
+
+
+def dp_rank(*, with_context_parallel: bool = False) -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_rank(with_context_parallel=with_context_parallel)
+
+
+def dp_size(*, with_context_parallel: bool = False) -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_world_size(with_context_parallel=with_context_parallel)
+
+
+def is_driver() -> bool:
+    """Global rank 0: the one process that talks to rollout engines and writes run files."""
+    return not dist.is_initialized() or dist.get_rank() == 0

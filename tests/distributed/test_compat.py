@@ -1,0 +1,78 @@
+"""The CPU compatibility layer: its patch targets still exist in the installed megatron-core, and
+inside ranks (where it is applied) CUDA placement, RNG and type checks behave as on a GPU.
+
+The patches are applied only in the pool's rank processes, never in the pytest process itself
+(the TorchFunctionMode would otherwise leak into every other test).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dapo_megatron.actor import compat
+
+
+def test_patch_targets_still_exist_in_installed_megatron():
+    problems = compat.check_patch_targets()
+    assert not problems, "megatron-core moved symbols the CPU compat layer patches:\n" + "\n".join(problems)
+
+
+def test_check_patch_targets_names_a_missing_symbol(monkeypatch):
+    monkeypatch.setattr(compat, "PATCH_TARGETS", compat.PATCH_TARGETS + (
+        ("megatron.core.tensor_parallel.random", "_no_such_symbol", "a test"),))
+    problems = compat.check_patch_targets()
+    assert len(problems) == 1
+    assert "megatron.core.tensor_parallel.random._no_such_symbol" in problems[0]
+    assert "random.py" in problems[0]  # names the file to look at
+
+
+def _cpu_behaviour():
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    compat.apply_cpu_compat()  # second call: must not push a second mode
+    modes = torch.overrides._get_current_function_mode_stack()
+    out = {
+        "num_modes": sum(isinstance(m, compat._CudaToCpuMode) for m in modes),
+        "device_kw": torch.zeros(2, device="cuda").device.type,
+        "device_idx": torch.zeros(2, device="cuda:0").device.type,
+        "dot_cuda": torch.ones(2).cuda().device.type,
+        "to_cuda": torch.ones(2).to("cuda").device.type,
+        "to_dtype": torch.ones(2).to(torch.float64).dtype,
+        "pinned": torch.empty(2, pin_memory=True).is_pinned(),
+        "types": (torch.ones(1).type(), torch.ones(1, dtype=torch.bfloat16).type(),
+                  torch.ones(1).type(torch.float64).dtype),
+        "current_device": str(torch.cuda.current_device()),
+    }
+    # RNG: the tracker's fork() must use and restore the (CPU) default generator like on CUDA.
+    tracker = get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add("test-stream", 1234)
+    torch.manual_seed(7)
+    expected_default = torch.rand(4)
+    torch.manual_seed(7)
+    with tracker.fork("test-stream"):
+        forked_1 = torch.rand(4)
+    after_fork = torch.rand(4)  # default stream continues as if fork() never happened
+    with tracker.fork("test-stream"):
+        forked_2 = torch.rand(4)  # the tracked stream advanced
+    torch.manual_seed(1234)
+    seeded_ref = torch.rand(4)
+    out.update(after_fork_equal=torch.equal(after_fork, expected_default),
+               forked_is_seed_stream=torch.equal(forked_1, seeded_ref),
+               forked_advances=not torch.equal(forked_1, forked_2))
+    tracker.reset()
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the compat layer is a no-op with CUDA")
+def test_cpu_behaviour_inside_ranks(rank_pool):
+    results = rank_pool(2).run(_cpu_behaviour)
+    for out in results:
+        assert out["num_modes"] == 1
+        assert out["device_kw"] == out["device_idx"] == out["dot_cuda"] == out["to_cuda"] == "cpu"
+        assert out["to_dtype"] == torch.float64
+        assert out["pinned"] is False
+        assert out["types"] == ("torch.cuda.FloatTensor", "torch.cuda.BFloat16Tensor", torch.float64)
+        assert out["current_device"] == "cpu"
+        assert out["after_fork_equal"] and out["forked_is_seed_stream"] and out["forked_advances"]

@@ -1,0 +1,59 @@
+"""Tiny random Hugging Face checkpoints for tests (no hub download: built from a config).
+
+    from helpers_tiny import save_tiny_hf
+    hf_dir = save_tiny_hf(tmp_path / "qwen", arch="qwen2", tied=False, num_layers=2)
+
+Shapes: hidden 64, 4 heads of 16, 2 KV heads (GQA 2:1), FFN 128, vocab 300 (NOT a multiple of
+128 * tp, so Megatron's vocab padding is exercised), fp32 safetensors. Qwen2 has q/k/v biases.
+The random init is rescaled (std 0.2 for matrices, non-zero biases and norm weights) so every
+parameter visibly shapes the log-probs: a mapping bug cannot hide behind near-zero weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB_SIZE = 300
+
+
+def tiny_hf_config(*, arch: str = "qwen2", tied: bool = False, num_layers: int = 2):
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=VOCAB_SIZE, max_position_embeddings=256, rms_norm_eps=1e-6,
+        tie_word_embeddings=tied, torch_dtype="float32", bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    if arch == "qwen2":
+        return Qwen2Config(**common, rope_theta=10000.0)
+    if arch == "llama":
+        return LlamaConfig(**common, rope_theta=500000.0)
+    raise ValueError(f"unknown tiny arch {arch!r}")
+
+
+def tiny_hf_model(*, arch: str = "qwen2", tied: bool = False, num_layers: int = 2, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_hf_config(arch=arch, tied=tied, num_layers=num_layers)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            elif name.endswith("bias"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(0.2 * torch.randn(param.shape, generator=gen))
+    return model.eval()
+
+
+def save_tiny_hf(out_dir, *, arch: str = "qwen2", tied: bool = False, num_layers: int = 2, seed: int = 0) -> Path:
+    """Build, randomize and save_pretrained a tiny model into out_dir; returns the directory."""
+    out_dir = Path(out_dir)
+    model = tiny_hf_model(arch=arch, tied=tied, num_layers=num_layers, seed=seed)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
