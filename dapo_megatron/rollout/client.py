@@ -1,0 +1,148 @@
+"""EngineClient: async HTTP client for one engine speaking SGLang's API (SGLang or serve-rollout).
+
+    async with EngineClient("http://127.0.0.1:30000") as c:
+        out = await c.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 8},
+                               return_logprob=True, rid="req-1")
+        await c.abort("req-1")
+
+Errors: a 4xx/5xx answer raises EngineError carrying the status and the server's message;
+a dead engine (refused connection, reset, timeout) raises EngineUnreachable, which the pool
+treats as "drop the engine and retry elsewhere".
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+
+class EngineError(RuntimeError):
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+class EngineUnreachable(EngineError):
+    """The engine did not answer (connection refused/reset, timeout)."""
+
+
+class EngineClient:
+    def __init__(self, url: str, *, timeout_s: float = 3600.0, session: aiohttp.ClientSession | None = None):
+        self.url = url.rstrip("/")
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session = session
+        self._own_session = session is None
+
+    async def __aenter__(self) -> "EngineClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._own_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # no connection pooling limits: a rollout round keeps hundreds of requests in flight
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            self._own_session = True
+        return self._session
+
+    async def _request(self, method: str, path: str, payload: dict | None = None, *, timeout_s: float | None = None) -> Any:
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else self.timeout
+        try:
+            async with self._sess().request(method, self.url + path, json=payload, timeout=timeout) as resp:
+                body = await resp.read()
+                if resp.status >= 400:
+                    raise EngineError(f"{self.url}{path}: HTTP {resp.status}: {body.decode(errors='replace')[:2000]}",
+                                      resp.status)
+                if not body:
+                    return None
+                if resp.content_type == "application/json":
+                    return await resp.json()
+                return body.decode(errors="replace")
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError, ConnectionError) as err:
+            raise EngineUnreachable(f"{self.url}{path}: engine unreachable ({type(err).__name__}: {err})") from err
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, *, input_ids: list | None = None, text: str | list | None = None,
+                       sampling_params: dict | list | None = None, return_logprob: bool = False,
+                       rid: str | list | None = None) -> Any:
+        payload: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
+        if input_ids is not None:
+            payload["input_ids"] = input_ids
+        if text is not None:
+            payload["text"] = text
+        if rid is not None:
+            payload["rid"] = rid
+        return await self._request("POST", "/generate", payload)
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> Any:
+        payload: dict[str, Any] = {"abort_all": abort_all}
+        if rid is not None:
+            payload["rid"] = rid
+        return await self._request("POST", "/abort_request", payload, timeout_s=30)
+
+    # ------------------------------------------------------------------ weights
+    async def flush_cache(self) -> Any:
+        return await self._request("POST", "/flush_cache")
+
+    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "nccl") -> Any:
+        return await self._request("POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> Any:
+        return await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str = "weight_update_group", flush_cache: bool = True) -> Any:
+        return await self._request("POST", "/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": flush_cache})
+
+    async def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None = None,
+                                         flush_cache: bool = True) -> Any:
+        return await self._request("POST", "/update_weights_from_tensor", {
+            "serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
+            "flush_cache": flush_cache})
+
+    async def update_weights_from_disk(self, model_path: str) -> Any:
+        return await self._request("POST", "/update_weights_from_disk", {"model_path": model_path})
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+        return await self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+
+    async def release_memory(self, tags: list[str] | None = None) -> Any:
+        return await self._request("POST", "/release_memory_occupation", {"tags": tags})
+
+    async def resume_memory(self, tags: list[str] | None = None) -> Any:
+        return await self._request("POST", "/resume_memory_occupation", {"tags": tags})
+
+    # ------------------------------------------------------------------ info
+    async def health(self, *, timeout_s: float = 5.0) -> bool:
+        try:
+            await self._request("GET", "/health", timeout_s=timeout_s)
+            return True
+        except EngineError:
+            return False
+
+    async def model_info(self) -> dict:
+        return await self._request("GET", "/get_model_info")
+
+    async def server_info(self) -> dict:
+        return await self._request("GET", "/get_server_info")
+
+    async def server_info_or_empty(self) -> dict:
+        """SGLang's /get_server_info has a different shape; callers read only optional keys."""
+        try:
+            info = await self.server_info()
+            return info if isinstance(info, dict) else {}
+        except EngineError:
+            return {}

@@ -1,0 +1,49 @@
+"""Engine registry: each rollout engine writes `<run_dir>/engines/<host>_<port>.json` once it serves.
+
+Record: {"host", "port", "url", "tp_size", "model", "pid", "started_at" (ISO 8601 UTC), ...}.
+A restarted engine (e.g. a requeued Slurm array task) writes its file again with a newer
+`started_at`; the pool treats that as a new incarnation that must be re-synced before use.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import tempfile
+
+_REQUIRED = ("host", "port", "url", "tp_size", "started_at")
+
+
+def registration_path(register_dir: str, host: str, port: int) -> str:
+    return os.path.join(register_dir, f"{host}_{port}.json")
+
+
+def write_registration(register_dir: str, record: dict) -> str:
+    """Write atomically (temp file + rename) so a reader never sees half a record."""
+    missing = [k for k in _REQUIRED if k not in record]
+    if missing:
+        raise ValueError(f"engine registration lacks {missing}")
+    os.makedirs(register_dir, exist_ok=True)
+    path = registration_path(register_dir, record["host"], record["port"])
+    fd, tmp = tempfile.mkstemp(dir=register_dir, prefix=".tmp-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+    return path
+
+
+def read_registrations(register_dir: str) -> list[dict]:
+    """Every valid record in the directory (sorted by url); a malformed file raises ValueError."""
+    records = []
+    for path in sorted(glob.glob(os.path.join(register_dir, "*.json"))):
+        try:
+            with open(path) as f:
+                rec = json.load(f)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"engine registry file {path}: not JSON ({err})") from None
+        missing = [k for k in _REQUIRED if k not in rec]
+        if missing:
+            raise ValueError(f"engine registry file {path}: missing keys {missing}")
+        records.append(rec)
+    return sorted(records, key=lambda r: r["url"])

@@ -1,0 +1,81 @@
+"""Helpers for the rollout tests: a tiny Qwen2 checkpoint with an offline-trained tokenizer, and
+real `dapo-megatron serve-rollout` processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from helpers_tiny import VOCAB_SIZE, save_tiny_hf
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def save_tiny_tokenizer(out_dir: Path) -> None:
+    """A byte-level BPE of VOCAB_SIZE tokens trained on arithmetic text; ids 0/1/2 = pad/bos/eos
+    (the tiny config's pad/bos/eos ids)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [f"What is {a} + {b}? Answer: {a + b}\n" for a in range(40) for b in range(0, 40, 3)]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    assert tok.get_vocab_size() <= VOCAB_SIZE
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(out_dir)
+
+
+def make_tiny_checkpoint(out_dir: Path, *, seed: int = 0) -> Path:
+    save_tiny_hf(out_dir, arch="qwen2", tied=False, num_layers=2, seed=seed)
+    save_tiny_tokenizer(out_dir)
+    return out_dir
+
+
+class ServerProcess:
+    """One `dapo-megatron serve-rollout` subprocess; url known once it has registered."""
+
+    def __init__(self, model_dir: Path, register_dir: Path, *, seed: int = 0, log_path: Path | None = None):
+        self.register_dir = Path(register_dir)
+        before = set(self.register_dir.glob("*.json")) if self.register_dir.exists() else set()
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+        self.log = open(log_path or os.devnull, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", str(model_dir),
+             "--host", "127.0.0.1", "--port", "0", "--register-dir", str(register_dir), "--seed", str(seed),
+             "--threads", "1"],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        self.record = self._wait_registered(before)
+        self.url = self.record["url"]
+
+    def _wait_registered(self, before: set, timeout: float = 120.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve-rollout exited with {self.proc.returncode}")
+            for path in set(self.register_dir.glob("*.json")) - before:
+                rec = json.loads(path.read_text())
+                if rec["pid"] == self.proc.pid:
+                    return rec
+            time.sleep(0.1)
+        raise TimeoutError("serve-rollout did not register")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+        self.log.close()
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return json.loads(resp.read())
