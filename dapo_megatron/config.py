@@ -97,7 +97,7 @@ class ActorConfig:
     vpp: Optional[int] = None  # virtual pipeline stages per rank
     cp: int = 1
     sequence_parallel: bool = False
-    micro_batch_tokens: int = 16384  # token budget of one packed micro-batch
+    micro_batch_tokens: int = 24576  # token budget of one packed micro-batch (>= one full sequence)
     attention_backend: Literal["torch", "te"] = "te"
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     recompute: Literal["none", "selective", "full"] = "none"
@@ -273,6 +273,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ValueError(f"config key '{key}': expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads `1e-6` (no dot) as a string, not a float
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"config key '{key}': expected a number, got {value!r}")
         return float(value)
