@@ -20,7 +20,7 @@ merge is ONE all_gather of 4 floats per token. Then
 
 Backward (bounded chunks; workspace <= BACKWARD_WORKSPACE_BYTES whatever N is): for each chunk of
 C rows, `_dlogits_kernel` recomputes the logit tiles and writes dL/dlogits[C, V_local] in the input
-dtype, with p = exp(z - lse):
+dtype, with p = exp((z - m) - log s):
     dL/dz_k = g_lp * (1[k = target] - p_k) + g_ent * p_k * (E_p[z] - z_k)     (then / T)
 (d entropy / dz_k = p_k (E[z] - z_k)); cuBLAS then does grad_hidden[chunk] = dZ @ W (all-reduced
 over tp_group in fp32) and grad_weight += dZ^T @ hidden[chunk]. FLOPs: 2NHV forward + 6NHV backward
@@ -112,7 +112,8 @@ def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, stats_ptr, N, V, H, stride_hn, stride_wv,
         p = tl.where(col_ok[None, :], tl.exp(zc), 0.0)
         t = alpha * (t + shift) + tl.sum(p * zc, axis=1)
         s = alpha * s + tl.sum(p, axis=1)
-        zt += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
+        # col_ok: a target owned by another rank may fall on this tile's padding columns
+        zt += tl.sum(tl.where((cols[None, :] == tgt[:, None]) & col_ok[None, :], z, 0.0), axis=1)
         m = m_new
 
     out = stats_ptr + pid_s * 4 * N + rows
@@ -123,7 +124,7 @@ def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, stats_ptr, N, V, H, stride_hn, stride_wv,
 
 
 @triton.jit
-def _dlogits_kernel(h_ptr, w_ptr, tgt_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, dz_ptr,
+def _dlogits_kernel(h_ptr, w_ptr, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr, gent_ptr, dz_ptr,
                     N, V, H, stride_hn, stride_wv, stride_dzn, inv_temp,
                     HAS_ENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                     BLOCK_K: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr):
@@ -140,14 +141,18 @@ def _dlogits_kernel(h_ptr, w_ptr, tgt_ptr, lse_ptr, ez_ptr, glp_ptr, gent_ptr, d
     z = _logits_tile(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_hn, stride_wv,
                      BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE) * inv_temp
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    # Relative to the row max m: z - m is exact (Sterbenz), so p = exp((z - m) - log s) sums to 1
+    # even at +-1e4 logits, where lse = m + log s would round by ~2^-11 in fp32.
+    zc = z - tl.load(max_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    zc = tl.where(col_ok[None, :], zc, 0.0)  # padding columns: finite filler, never stored
+    log_s = tl.load(logs_ptr + rows, mask=row_ok, other=0.0)
     g_lp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0)
-    p = tl.exp(z - lse[:, None])
+    p = tl.exp(zc - log_s[:, None])
     dz = g_lp[:, None] * (tl.where(cols[None, :] == tgt[:, None], 1.0, 0.0) - p)
-    if HAS_ENT:
-        ez = tl.load(ez_ptr + rows, mask=row_ok, other=0.0)
+    if HAS_ENT:  # E_p[z] - z_k = E_p[z - m] - (z_k - m)
+        mean_c = tl.load(meanc_ptr + rows, mask=row_ok, other=0.0)
         g_ent = tl.load(gent_ptr + rows, mask=row_ok, other=0.0)
-        dz += g_ent[:, None] * p * (ez[:, None] - z)
+        dz += g_ent[:, None] * p * (mean_c[:, None] - zc)
     dz = dz * inv_temp
     out = dz_ptr + rows.to(tl.int64)[:, None] * stride_dzn + cols[None, :]
     tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -254,19 +259,19 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         logprob = (zt - big_m) - log_s
         entropy = log_s - t / s
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, targets_local, big_m + log_s, big_m + t / s)
+        ctx.save_for_backward(hidden, weight, targets_local, big_m, log_s, t / s)
         ctx.inv_temp, ctx.tp_group = inv_temp, tp_group
         return logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
-        hidden, weight, targets_local, lse, mean_z = ctx.saved_tensors
+        hidden, weight, targets_local, big_m, log_s, mean_c = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_logprob is None and grad_entropy is None) or not (need_h or need_w):
             return None, None, None, None, None, None
         n, h = hidden.shape
         v = weight.shape[0]
-        g_lp = torch.zeros_like(lse) if grad_logprob is None else grad_logprob.float().contiguous()
+        g_lp = torch.zeros_like(log_s) if grad_logprob is None else grad_logprob.float().contiguous()
         has_ent = grad_entropy is not None
         g_ent = grad_entropy.float().contiguous() if has_ent else g_lp  # placeholder pointer when unused
         chunk = _chunk_rows(n, v, hidden.element_size())
@@ -287,8 +292,8 @@ class _LinearLogprobEntropy(torch.autograd.Function):
             dz = workspace[:rows]
             h_chunk = hidden[r0:r1]
             grid = lambda META, rows=rows: (triton.cdiv(rows, META["BLOCK_N"]) * triton.cdiv(v, META["BLOCK_V"]),)  # noqa: E731
-            _dlogits[grid](h_chunk, weight, targets_local[r0:r1], lse[r0:r1], mean_z[r0:r1], g_lp[r0:r1],
-                           g_ent[r0:r1], dz, rows, v, h, hidden.stride(0), weight.stride(0), dz.stride(0),
+            _dlogits[grid](h_chunk, weight, targets_local[r0:r1], big_m[r0:r1], log_s[r0:r1], mean_c[r0:r1],
+                           g_lp[r0:r1], g_ent[r0:r1], dz, rows, v, h, hidden.stride(0), weight.stride(0), dz.stride(0),
                            ctx.inv_temp, HAS_ENT=has_ent, **flags, **meta)
             if need_h:
                 if ctx.tp_group is None:
