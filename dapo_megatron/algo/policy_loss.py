@@ -115,8 +115,9 @@ def policy_loss(
         denom = float(max(count_loss_units(mask, agg_mode=agg_mode), 1))
     else:
         denom = loss_denominator
-        if float(denom) <= 0:
-            raise ValueError(f"policy_loss: loss_denominator={float(denom)} must be > 0")
+        # a tensor (e.g. all-reduced on the GPU) is not checked: reading it would synchronize
+        if not isinstance(denom, torch.Tensor) and denom <= 0:
+            raise ValueError(f"policy_loss: loss_denominator={denom} must be > 0")
     loss = total / denom
 
     stats = _stats(log_ratio.detach(), ratio.detach(), adv.detach(), weight.detach(),

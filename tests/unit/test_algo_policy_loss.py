@@ -131,8 +131,10 @@ def test_three_micro_batches_with_global_denominator_equal_one_batch(agg_mode):
     assert denominator == count_loss_units(mask, agg_mode=agg_mode)
     small = logp.clone().requires_grad_(True)
     total = 0.0
-    for rows in torch.arange(6).split(2):  # 3 micro-batches of 2 sequences
-        loss_mb, _ = policy_loss(small[rows], old[rows], adv[rows], mask[rows], loss_denominator=denominator, **kw)
+    for k, rows in enumerate(torch.arange(6).split(2)):  # 3 micro-batches of 2 sequences
+        # the denominator may be a python number or a tensor (an all-reduced count)
+        denom = denominator if k % 2 else torch.tensor(float(denominator))
+        loss_mb, _ = policy_loss(small[rows], old[rows], adv[rows], mask[rows], loss_denominator=denom, **kw)
         loss_mb.backward()
         total += loss_mb.item()
     assert total == pytest.approx(loss_big.item(), abs=1e-12)
