@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -145,6 +146,7 @@ class SlurmConfig:
     array_throttle: int = 2  # %K of sweep / eval arrays
     setup: list[str] = field(default_factory=list)  # shell lines run first (module load, venv)
     extra_sbatch: list[str] = field(default_factory=list)  # more `#SBATCH` options, e.g. "--exclusive"
+    python: str = ""  # interpreter on the compute nodes; "" = the one running `slurm submit`
 
 
 @dataclass
@@ -369,6 +371,26 @@ def validate(cfg: Config) -> None:
     _require(s.gpus_per_node >= 0, "slurm.gpus_per_node", s.gpus_per_node, "must be >= 0")
     _require(s.signal_seconds >= 0, "slurm.signal_seconds", s.signal_seconds, "must be >= 0")
     _require(s.array_throttle >= 1, "slurm.array_throttle", s.array_throttle, "must be >= 1")
+    # `#SBATCH` lines are parsed by sbatch, not a shell, but a newline or a space would end the option and
+    # start a script line: only the characters Slurm's own syntax uses are allowed.
+    for key, pattern, allowed in _SLURM_SYNTAX:
+        val = getattr(s, key)
+        _require(val == "" or re.fullmatch(pattern, val) is not None, f"slurm.{key}", val, allowed)
+    for i, opt in enumerate(s.extra_sbatch):
+        _require(opt.startswith("-") and not any(c in opt for c in "\n\r\0"), f"slurm.extra_sbatch[{i}]", opt,
+                 "one sbatch option per item, starting with '-' and without line breaks")
+    for i, line in enumerate(s.setup):
+        _require(not any(c in line for c in "\n\r\0"), f"slurm.setup[{i}]", line, "one shell line per item")
+
+
+_SLURM_SYNTAX = (  # (key, regex, message)
+    ("partition", r"[A-Za-z0-9_.,+-]+", "a partition name (letters, digits, _ . , + -)"),
+    ("account", r"[A-Za-z0-9_.@+-]+", "an account name (letters, digits, _ . @ + -)"),
+    ("qos", r"[A-Za-z0-9_.+-]+", "a QOS name (letters, digits, _ . + -)"),
+    ("constraint", r"[A-Za-z0-9_.,&|*\[\]()!:+-]+", "a Slurm constraint expression, e.g. h100&ib (no spaces)"),
+    ("mem", r"[0-9]+[KMGT]?", "a size like 0 (all), 500G or 64000M"),
+    ("time", r"([0-9]+-)?[0-9]+(:[0-9]+){0,2}|UNLIMITED|INFINITE", "a Slurm time like 48:00:00 or 2-00:00:00"),
+)
 
 
 # --------------------------------------------------------------------------------------------
