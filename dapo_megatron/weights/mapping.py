@@ -1,0 +1,191 @@
+"""HF <-> megatron-core parameter names and shard layouts for Qwen2/Qwen2.5 and Llama.
+
+Every megatron parameter is one of five layouts ("kinds"); the maths of each, for TP size t and
+TP rank r (full tensors are HF's, shards are megatron's local parameter):
+
+  replicated  norms: every rank holds the full HF tensor.
+  vocab       embedding / output rows: pad V rows with zeros to V_pad = padded_vocab_size(V, tp=t),
+              rank r holds rows [r*V_pad/t, (r+1)*V_pad/t).
+  row         linear_proj (o_proj), linear_fc2 (down_proj): columns split, rank r holds
+              [:, r*I/t : (r+1)*I/t].
+  qkv         linear_qkv weight/bias: megatron interleaves per query group g (ng groups, each with
+              p = heads/ng query heads of size d): [q_g (p*d rows); k_g (d rows); v_g (d rows)] for
+              g = 0..ng-1; rank r holds the contiguous groups [r*ng/t, (r+1)*ng/t).
+  fc1         linear_fc1 (SwiGLU): rank r holds [gate rows r*F/t..(r+1)*F/t ; up rows same], i.e.
+              each shard is its own [gate_shard; up_shard], NOT a slice of cat(gate, up).
+
+The same megatron parameter has two names depending on the layer spec: the local spec keeps
+separate norms (`input_layernorm.weight`), the TE spec fuses them into the next linear
+(`self_attention.linear_qkv.layer_norm_weight`). Both are listed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from dapo_megatron.actor.model import has_qkv_bias, head_dim_of, model_type_of, padded_vocab_size
+
+# (megatron local-spec suffix, TE-spec suffix, HF templates, kind) for the parameters of one layer.
+_LAYER_PARAMS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight",
+     ("model.layers.{i}.input_layernorm.weight",), "replicated"),
+    ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.weight",
+     ("model.layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.self_attn.k_proj.weight",
+      "model.layers.{i}.self_attn.v_proj.weight"), "qkv"),
+    ("self_attention.linear_qkv.bias", "self_attention.linear_qkv.bias",
+     ("model.layers.{i}.self_attn.q_proj.bias", "model.layers.{i}.self_attn.k_proj.bias",
+      "model.layers.{i}.self_attn.v_proj.bias"), "qkv"),
+    ("self_attention.linear_proj.weight", "self_attention.linear_proj.weight",
+     ("model.layers.{i}.self_attn.o_proj.weight",), "row"),
+    ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight",
+     ("model.layers.{i}.post_attention_layernorm.weight",), "replicated"),
+    ("mlp.linear_fc1.weight", "mlp.linear_fc1.weight",
+     ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"), "fc1"),
+    ("mlp.linear_fc2.weight", "mlp.linear_fc2.weight",
+     ("model.layers.{i}.mlp.down_proj.weight",), "row"),
+)
+
+# (megatron name, HF name, kind) outside the layers. Qwen2 and Llama share these HF names.
+_TOP_PARAMS: tuple[tuple[str, str, str], ...] = (
+    ("embedding.word_embeddings.weight", "model.embed_tokens.weight", "vocab"),
+    ("decoder.final_layernorm.weight", "model.norm.weight", "replicated"),
+    ("output_layer.weight", "lm_head.weight", "vocab"),
+)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes the shard maths needs, read from the HF config."""
+
+    hidden: int
+    num_heads: int
+    num_groups: int  # key/value heads
+    head_dim: int
+    ffn: int
+    vocab: int
+    num_layers: int
+    qkv_bias: bool
+    tied: bool
+
+    @staticmethod
+    def from_hf(hf_config: Any) -> "Dims":
+        model_type_of(hf_config)
+        return Dims(hidden=hf_config.hidden_size, num_heads=hf_config.num_attention_heads,
+                    num_groups=hf_config.num_key_value_heads, head_dim=head_dim_of(hf_config),
+                    ffn=hf_config.intermediate_size, vocab=hf_config.vocab_size,
+                    num_layers=hf_config.num_hidden_layers, qkv_bias=has_qkv_bias(hf_config),
+                    tied=bool(getattr(hf_config, "tie_word_embeddings", False)))
+
+
+@dataclass(frozen=True)
+class ParamMap:
+    """One megatron parameter and the HF tensors it is made of."""
+
+    mcore_name: str  # name inside the (unwrapped) GPTModel chunk, local layer index
+    hf_names: tuple[str, ...]
+    kind: str
+    global_layer: Optional[int] = None
+
+
+def expected_hf_shapes(dims: Dims) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this config holds (lm_head only when untied)."""
+    h, d, f = dims.hidden, dims.head_dim, dims.ffn
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (dims.vocab, h), "model.norm.weight": (h,)}
+    if not dims.tied:
+        shapes["lm_head.weight"] = (dims.vocab, h)
+    for i in range(dims.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (dims.num_heads * d, h),
+            p + "self_attn.k_proj.weight": (dims.num_groups * d, h),
+            p + "self_attn.v_proj.weight": (dims.num_groups * d, h),
+            p + "self_attn.o_proj.weight": (h, dims.num_heads * d),
+            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
+        })
+        if dims.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (dims.num_heads * d,),
+                           p + "self_attn.k_proj.bias": (dims.num_groups * d,),
+                           p + "self_attn.v_proj.bias": (dims.num_groups * d,)})
+    return shapes
+
+
+def hf_names_in_order(dims: Dims) -> list[str]:
+    """The order iter_hf_weights streams tensors in: embedding, layers 0..L-1, final norm, head."""
+    return list(expected_hf_shapes(dims))
+
+
+def map_param(mcore_name: str, *, layer_offset: int, dims: Dims) -> ParamMap:
+    """The HF tensors behind one megatron parameter name of a chunk whose first layer is global
+    layer `layer_offset`. Raises ValueError for a name no mapping covers."""
+    for name, hf_name, kind in _TOP_PARAMS:
+        if mcore_name == name:
+            if name == "output_layer.weight" and dims.tied:
+                hf_name = "model.embed_tokens.weight"  # tied: the head is the embedding
+            return ParamMap(mcore_name, (hf_name,), kind)
+    prefix = "decoder.layers."
+    if mcore_name.startswith(prefix):
+        local_index, _, suffix = mcore_name[len(prefix):].partition(".")
+        if local_index.isdigit():
+            layer = layer_offset + int(local_index)
+            for local_suffix, te_suffix, templates, kind in _LAYER_PARAMS:
+                if suffix in (local_suffix, te_suffix):
+                    return ParamMap(mcore_name, tuple(t.format(i=layer) for t in templates), kind, layer)
+    raise ValueError(f"megatron parameter {mcore_name!r} has no HF mapping (supported: qwen2, llama)")
+
+
+# --- shard maths ----------------------------------------------------------------------------------
+
+def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: Dims) -> torch.Tensor:
+    """Full HF q/k/v (weight [n*d, H] or bias [n*d]) -> megatron's per-group interleaved rows."""
+    ng = dims.num_groups
+    per_group = [t.reshape(ng, -1, *t.shape[1:]) for t in (q, k, v)]  # [ng, rows_per_group, ...]
+    return torch.cat(per_group, dim=1).reshape(-1, *q.shape[1:])
+
+
+def _deinterleave_qkv(full: torch.Tensor, dims: Dims) -> list[torch.Tensor]:
+    ng, d = dims.num_groups, dims.head_dim
+    q_rows = dims.num_heads // ng * d
+    grouped = full.reshape(ng, q_rows + 2 * d, *full.shape[1:])
+    q, k, v = torch.split(grouped, [q_rows, d, d], dim=1)
+    return [t.reshape(-1, *full.shape[1:]).contiguous() for t in (q, k, v)]
+
+
+def shard_for_rank(kind: str, hf_tensors: Sequence[torch.Tensor], *, tp_rank: int, tp_size: int,
+                   dims: Dims, vocab_rows: Optional[int] = None) -> torch.Tensor:
+    """Megatron's local shard on TP rank `tp_rank` from the full HF tensors. vocab_rows: the
+    model's padded vocabulary (all ranks), when it was built with another vocab_divisible_by."""
+    if kind == "replicated":
+        return hf_tensors[0]
+    if kind == "vocab":
+        full = hf_tensors[0]
+        padded = full.new_zeros(vocab_rows or padded_vocab_size(dims.vocab, tp=tp_size), *full.shape[1:])
+        padded[: dims.vocab] = full
+        return padded.chunk(tp_size, dim=0)[tp_rank]
+    if kind == "row":
+        return hf_tensors[0].chunk(tp_size, dim=1)[tp_rank]
+    if kind == "qkv":
+        return _interleave_qkv(*hf_tensors, dims).chunk(tp_size, dim=0)[tp_rank]
+    if kind == "fc1":
+        gate, up = (t.chunk(tp_size, dim=0)[tp_rank] for t in hf_tensors)
+        return torch.cat([gate, up], dim=0)
+    raise AssertionError(f"unknown kind {kind}")
+
+
+def merge_shards(kind: str, shards: Sequence[torch.Tensor], *, dims: Dims) -> list[torch.Tensor]:
+    """Full HF tensors (in ParamMap.hf_names order) from all TP ranks' shards, rank order."""
+    if kind == "replicated":
+        return [shards[0]]
+    if kind == "vocab":
+        return [torch.cat(list(shards), dim=0)[: dims.vocab]]
+    if kind == "row":
+        return [torch.cat(list(shards), dim=1)]
+    if kind == "qkv":
+        return _deinterleave_qkv(torch.cat(list(shards), dim=0), dims)
+    if kind == "fc1":
+        halves = [s.chunk(2, dim=0) for s in shards]  # each shard = [gate_r; up_r]
+        return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+    raise AssertionError(f"unknown kind {kind}")
