@@ -1,0 +1,104 @@
+"""`dapo-megatron slurm submit | status | render`: launch runs on a Slurm cluster.
+
+    dapo-megatron slurm submit configs/runs/qwen2.5-32b_dapo.yaml slurm.partition=h100 slurm.account=rl
+    dapo-megatron slurm submit configs/runs/qwen2.5-7b_dapo.yaml --engines 8        # disaggregated engines
+    dapo-megatron slurm submit --sweep configs/ablations slurm.partition=h100      # the ablation ladder
+    dapo-megatron slurm submit configs/runs/qwen2.5-32b_dapo.yaml --eval /shared/runs/qwen2.5-32b_dapo
+    dapo-megatron slurm submit configs/runs/qwen2.5-32b_dapo.yaml --bench-kernels
+    dapo-megatron slurm submit ... --dry-run      # print the scripts and sbatch commands; submit nothing
+    dapo-megatron slurm status /shared/runs/qwen2.5-32b_dapo
+    dapo-megatron slurm render train CONFIG [overrides]    # one rendered sbatch file on stdout
+
+`submit` prints `<role>: <job id>` per job and records them in <run_dir>/slurm/jobs.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dapo_megatron.config import load_config
+from dapo_megatron.launch import render, status, submit
+
+_RENDERERS = ("train", "engines", "bench_kernels")
+
+
+def _split(positional: list[str]) -> tuple[list[str], list[str]]:
+    """Config files and key=value overrides, in any order."""
+    configs = [p for p in positional if "=" not in p]
+    overrides = [p for p in positional if "=" in p]
+    return configs, overrides
+
+
+def _one_config(configs: list[str], what: str) -> str:
+    if len(configs) != 1:
+        raise ValueError(f"{what} takes one CONFIG file (got {configs or 'none'}); overrides are key=value")
+    return configs[0]
+
+
+def _submit(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="dapo-megatron slurm submit",
+                                 description="render the sbatch files of a run and submit them")
+    ap.add_argument("args", nargs="*", metavar="CONFIG|key=value", help="a config file and dotted overrides")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--sweep", metavar="DIR", help="one array task per *.yaml of DIR (no CONFIG)")
+    mode.add_argument("--eval", metavar="RUN_DIR", help="one array task per checkpoint of RUN_DIR, then a table")
+    mode.add_argument("--bench-kernels", action="store_true", help="the kernel benchmarks on one GPU")
+    ap.add_argument("--engines", type=int, default=0, metavar="K",
+                    help="K disaggregated rollout engines (an array job) for the trainer")
+    ap.add_argument("--dry-run", action="store_true", help="print the scripts and sbatch commands only")
+    args = ap.parse_intermixed_args(argv)
+    configs, overrides = _split(args.args)
+    if args.engines and (args.sweep or args.eval or args.bench_kernels):
+        raise ValueError("--engines goes with a training run, not with --sweep, --eval or --bench-kernels")
+    if args.sweep:
+        if configs:
+            raise ValueError(f"--sweep takes its configs from DIR; drop {configs} (overrides key=value are fine)")
+        plan = submit.plan_sweep(args.sweep, overrides)
+    else:
+        cfg = load_config(_one_config(configs, "slurm submit"), overrides)
+        if args.eval:
+            plan = submit.plan_eval(cfg, args.eval)
+        elif args.bench_kernels:
+            plan = submit.plan_bench_kernels(cfg)
+        else:
+            plan = submit.plan_train(cfg, engines=args.engines)
+    submit.submit(plan, dry_run=args.dry_run)
+    if not args.dry_run:
+        print(f"run directory: {plan.run_dir}   (dapo-megatron slurm status {plan.run_dir})")
+    return 0
+
+
+def _render(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="dapo-megatron slurm render", description="print one rendered sbatch file")
+    ap.add_argument("which", choices=_RENDERERS)
+    ap.add_argument("args", nargs="*", metavar="CONFIG|key=value")
+    args = ap.parse_intermixed_args(argv)
+    configs, overrides = _split(args.args)
+    cfg = load_config(_one_config(configs, "slurm render"), overrides)
+    if args.which == "train":
+        plan = submit.plan_train(cfg)
+    elif args.which == "engines":
+        plan = submit.plan_train(cfg, engines=max(cfg.rollout.num_engines, 1))
+    else:
+        plan = submit.plan_bench_kernels(cfg)
+    job = next(j for j in plan.jobs if j.role == args.which)
+    sys.stdout.write(job.script())
+    return 0
+
+
+def _status(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: dapo-megatron slurm status RUN_DIR", file=sys.stderr)
+        return 2
+    print(status.summarize(argv[0]))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    commands = {"submit": _submit, "status": _status, "render": _render}
+    if not argv or argv[0] not in commands:
+        print(__doc__.split("\n\n")[1] if argv and argv[0] in ("-h", "--help") else
+              "usage: dapo-megatron slurm {submit|status|render} ...  (see --help of each)", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return commands[argv[0]](argv[1:])

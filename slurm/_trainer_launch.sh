@@ -1,0 +1,81 @@
+# ---- trainer launch (shared by train.sbatch and sweep_array.sbatch; inlined by the renderer) ----
+# Needs: PYTHON, CONFIG, NNODES, NPROC_PER_NODE, SIGNAL_SECONDS, TRAIN_ENTRY (array), JOB_REF,
+# ENGINE_JOB (may be empty).
+#
+# Rendezvous: torchrun's c10d store runs on the first node of the allocation; every node starts one
+# torchrun (srun --ntasks-per-node=1) that spawns NPROC_PER_NODE ranks. The port is derived from
+# the job id so two jobs sharing a node (array tasks, tests) never collide: 20000 + id % 10000.
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+MASTER_PORT=$((20000 + SLURM_JOB_ID % 10000))
+export MASTER_ADDR MASTER_PORT
+
+# Network and NCCL (GPU clusters; ignored by gloo on CPU). Override any of them in slurm.setup.
+#   NCCL_IB_HCA           which InfiniBand HCAs NCCL uses (unset: all it finds; e.g. mlx5 on H100 pods)
+#   NCCL_IB_GID_INDEX     RoCE networks need the GID index of the RoCEv2 address (often 3)
+#   NCCL_SOCKET_IFNAME    interface for NCCL's bootstrap / socket transport (exclude loopback and docker)
+#   GLOO_SOCKET_IFNAME    the same for gloo (CPU runs, weight-sync bootstrap)
+#   TORCH_NCCL_ASYNC_ERROR_HANDLING=1  a hung or failed collective aborts the job instead of hanging it
+#   CUDA_DEVICE_MAX_CONNECTIONS=1      one hardware queue, so Megatron's TP/SP communication overlaps
+#                                      with compute in issue order (required for TP comm overlap)
+#   NCCL_DEBUG=WARN       INFO when a job hangs in NCCL initialisation
+export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker}"
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export PYTHONUNBUFFERED=1
+
+# A requeued job starts this script again from the top with SLURM_RESTART_COUNT > 0: continue from
+# the latest complete checkpoint instead of starting over.
+RESUME=()
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(--resume); fi
+
+# Preemption: `#SBATCH --signal=B:USR1@SIGNAL_SECONDS` sends USR1 to this script (B: = batch shell
+# only) before the time limit. Forward it to srun, which passes it to torchrun on every node, which
+# (--signals-to-handle) passes it to every rank; the ranks agree at the next step boundary, write a
+# checkpoint and exit (dapo_megatron/launch/signals.py). Then this script requeues the job.
+# SIGTERM (scancel, `scontrol requeue`, preemption) reaches the ranks directly from Slurm; it is
+# not forwarded again, because a second signal would interrupt torchrun's orderly shutdown.
+REQUEUE_ASKED=0
+STEP_PID=""
+on_usr1() {
+    echo "[$(date -u +%FT%TZ)] SIGUSR1: the time limit is near; checkpointing, then requeue"
+    REQUEUE_ASKED=1
+    if [ -n "$STEP_PID" ]; then kill -USR1 "$STEP_PID" 2>/dev/null || true; fi
+}
+on_term() {
+    echo "[$(date -u +%FT%TZ)] SIGTERM: job cancelled or requeued by Slurm; ranks checkpoint and exit"
+}
+trap on_usr1 USR1
+trap on_term TERM
+
+echo "[$(date -u +%FT%TZ)] job $JOB_REF restart ${SLURM_RESTART_COUNT:-0}: $NNODES node(s) x $NPROC_PER_NODE rank(s)," \
+     "rendezvous $MASTER_ADDR:$MASTER_PORT, config $CONFIG"
+# torchrun waits SHUTDOWN_S after forwarding a signal before it kills the ranks: the time they
+# have to finish the step and write the checkpoint.
+SHUTDOWN_S=$(( SIGNAL_SECONDS > 30 ? SIGNAL_SECONDS : 30 ))
+srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
+    "$PYTHON" -m torch.distributed.run \
+        --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
+        --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
+        --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout="$SHUTDOWN_S" \
+        "${TRAIN_ENTRY[@]}" "$CONFIG" "${RESUME[@]}" &
+STEP_PID=$!
+# `wait` returns early whenever a trapped signal arrives: wait again until the step has really ended.
+while :; do
+    wait "$STEP_PID"
+    rc=$?
+    kill -0 "$STEP_PID" 2>/dev/null || break
+done
+
+if [ "$REQUEUE_ASKED" = 1 ]; then
+    echo "[$(date -u +%FT%TZ)] trainer exited with $rc after the checkpoint; requeueing $JOB_REF"
+    scontrol requeue "$JOB_REF"
+    exit 0
+fi
+echo "[$(date -u +%FT%TZ)] trainer exited with $rc"
+if [ "$rc" = 0 ] && [ -n "$ENGINE_JOB" ]; then
+    echo "training finished: cancelling the rollout engines (job $ENGINE_JOB)"
+    scancel "$ENGINE_JOB" || true
+fi
+exit "$rc"
