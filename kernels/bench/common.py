@@ -1,0 +1,136 @@
+"""Shared benchmark plumbing: CUDA-event timing (median, p20, p80), peak extra memory, the bf16
+matmul and copy ceilings measured in the same run, and the results CSV.
+
+CSV columns (one file for every kernel benchmark, appended to):
+    kernel, provider, mode, metric, unit, x, p50, p20, p80, device, date
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import os
+import statistics
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+CSV_FIELDS = ("kernel", "provider", "mode", "metric", "unit", "x", "p50", "p20", "p80", "device", "date")
+DEFAULT_CSV = Path(__file__).with_name("results.csv")
+
+
+def device_name() -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
+    return torch.cuda.get_device_name(torch.cuda.current_device())
+
+
+def today() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+
+
+def quantiles(values: list[float]) -> tuple[float, float, float]:
+    """(p50, p20, p80) by linear interpolation; one value gives itself three times."""
+    if len(values) == 1:
+        return values[0], values[0], values[0]
+    cuts = statistics.quantiles(sorted(values), n=10, method="inclusive")  # deciles: cuts[1]=p20, cuts[7]=p80
+    return statistics.median(values), cuts[1], cuts[7]
+
+
+def time_cuda(fn: Callable[[], object], *, repeats: int, warmup: int = 1, reset: Callable[[], None] | None = None):
+    """Milliseconds per call, one CUDA-event pair per call (reset runs outside the timed region)."""
+    for _ in range(warmup):
+        if reset:
+            reset()
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        if reset:
+            reset()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return quantiles(times)
+
+
+def peak_extra_bytes(fn: Callable[[], object], *, reset: Callable[[], None] | None = None) -> int:
+    """Peak bytes allocated by one call above what was allocated before it (inputs, weights)."""
+    if reset:
+        reset()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def bf16_matmul_tflops(n: int, h: int, v: int, *, repeats: int) -> float:
+    """TFLOP/s of [n, h] @ [h, v] in bf16 (cuBLAS), the ceiling the fused kernel is compared with.
+    Random inputs (zeros run faster), output in bf16."""
+    a = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(v, h, device="cuda", dtype=torch.bfloat16)
+    try:
+        p50, _, _ = time_cuda(lambda: a @ b.t(), repeats=repeats)
+    finally:
+        del a, b
+        torch.cuda.empty_cache()
+    return 2.0 * n * h * v / (p50 * 1e-3) / 1e12
+
+
+def copy_bandwidth_gbs(*, num_bytes: int = 2 << 30, repeats: int = 10) -> float:
+    """Device-to-device copy GB/s counting bytes read plus bytes written."""
+    src = torch.randn(num_bytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    p50, _, _ = time_cuda(lambda: dst.copy_(src), repeats=repeats)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2.0 * num_bytes / (p50 * 1e-3) / 1e9
+
+
+class CsvWriter:
+    """Collects rows, prints them as a table, appends them to the CSV."""
+
+    def __init__(self, path: str | os.PathLike | None, kernel: str):
+        self.path = Path(path) if path else DEFAULT_CSV
+        self.kernel = kernel
+        self.rows: list[dict] = []
+        self.device, self.date = device_name(), today()
+
+    def add(self, provider: str, mode: str, metric: str, unit: str, x: str, p50, p20=None, p80=None):
+        fmt = lambda v: "" if v is None else (v if isinstance(v, str) else f"{v:.6g}")  # noqa: E731
+        self.rows.append({
+            "kernel": self.kernel, "provider": provider, "mode": mode, "metric": metric, "unit": unit,
+            "x": x, "p50": fmt(p50), "p20": fmt(p20 if p20 is not None else p50 if isinstance(p50, str) else None),
+            "p80": fmt(p80 if p80 is not None else p50 if isinstance(p50, str) else None),
+            "device": self.device, "date": self.date,
+        })
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        new = not self.path.exists() or self.path.stat().st_size == 0
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+            if new:
+                writer.writeheader()
+            writer.writerows(self.rows)
+        print(f"appended {len(self.rows)} rows to {self.path}")
+        self.rows = []
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(str(r.get(c, "")).ljust(widths[c]) for c in columns))
+
+
+def is_oom(err: BaseException) -> bool:
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()

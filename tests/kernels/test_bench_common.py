@@ -1,0 +1,43 @@
+"""Benchmark plumbing that runs without a GPU: quantiles, the results CSV, the no-GPU entry point.
+
+Run: /work/venv/bin/pytest tests/kernels/test_bench_common.py -q
+"""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+import dapo_kernels
+from dapo_kernels.bench import common, run
+
+
+def test_quantiles_are_median_p20_p80():
+    # inclusive interpolation over 1..5: p20 = 1 + 0.2 * 4 = 1.8, p80 = 1 + 0.8 * 4 = 4.2
+    assert common.quantiles([5.0, 1.0, 3.0, 2.0, 4.0]) == pytest.approx((3.0, 1.8, 4.2))
+    assert common.quantiles([7.0]) == (7.0, 7.0, 7.0)
+
+
+def test_csv_header_once_then_rows(tmp_path):
+    path = tmp_path / "results.csv"
+    for p50 in (1.5, 2.5):
+        out = common.CsvWriter(path, "policy_loss")
+        out.add("fused", "fwd_bwd", "ms", "ms", "T=1024", p50, 1.0, 3.0)
+        out.add("torch", "fwd_bwd", "ms", "ms", "T=1024", "oom")
+        out.flush()
+    rows = list(csv.DictReader(path.open()))
+    assert list(rows[0]) == list(common.CSV_FIELDS)
+    assert [(r["provider"], r["p50"], r["p20"], r["p80"]) for r in rows] == [
+        ("fused", "1.5", "1", "3"), ("torch", "oom", "oom", "oom"),
+        ("fused", "2.5", "1", "3"), ("torch", "oom", "oom", "oom"),
+    ]
+    assert rows[0]["kernel"] == "policy_loss" and rows[0]["device"] == common.device_name()
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or not dapo_kernels.INTERPRET, reason="the no-GPU path")
+def test_bench_without_gpu_runs_the_correctness_pass(capsys):
+    assert run.main(["--kernels", "logprob"]) == 0
+    printed = capsys.readouterr().out
+    assert "no CUDA GPU" in printed and printed.count(" ok") == 3 and "FAIL" not in printed
