@@ -119,8 +119,8 @@ class CpuEngine:
         if self._released is not None:
             return
         tensors = self._tensors()
-        copies: dict[int, torch.Tensor] = {}  # one copy per parameter: tied names share it
-        self._released = {n: copies.setdefault(id(t), t.detach().clone()) for n, t in tensors.items()}
+        # keep the storage itself (tied names share it); the module's tensors become empty
+        self._released = {n: t.data for n, t in tensors.items()}
         for t in tensors.values():
             t.data = torch.empty(0, dtype=t.dtype)
 

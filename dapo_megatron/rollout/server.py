@@ -68,6 +68,8 @@ class _Batcher:
         self.engine = engine
         self.pending: deque[tuple[SequenceRequest, asyncio.Future, asyncio.AbstractEventLoop]] = deque()
         self.running: list[SequenceRequest] = []
+        # rids aborted before their /generate arrived (the abort overtook the request on the wire)
+        self.tombstones: deque[str] = deque(maxlen=10000)
         self.cond = threading.Condition()
         threading.Thread(target=self._loop, name="generate-worker", daemon=True).start()
 
@@ -75,6 +77,8 @@ class _Batcher:
         loop = asyncio.get_running_loop()
         futs = [loop.create_future() for _ in seqs]
         with self.cond:
+            for s in seqs:
+                s.aborted = s.rid in self.tombstones
             self.pending.extend(zip(seqs, futs, [loop] * len(seqs)))
             self.cond.notify()
         return futs
@@ -86,6 +90,8 @@ class _Batcher:
                 if abort_all or s.rid == rid or (rid and s.rid.startswith(rid + "_")):
                     s.aborted = True
                     hit.append(s.rid)
+            if rid and not hit:
+                self.tombstones.append(rid)
         return hit
 
     def _loop(self) -> None:

@@ -1,0 +1,181 @@
+"""EnginePool: many engines behind one generate() call.
+
+    pool = EnginePool(urls=["http://10.0.0.5:30000", ...])         # fixed engines, or
+    pool = await EnginePool.from_registry(run_dir + "/engines", min_engines=4, wait_s=1800)
+    out = await pool.generate(input_ids=ids, sampling_params={...}, return_logprob=True, rid="g17")
+    await pool.abort("g17")                                        # reaches the engine serving it
+
+Placement: each request goes to the live engine with the fewest requests in flight.
+Failure: a request whose engine stops answering (refused, reset, timed out) marks that engine
+dead and is retried on the least-loaded live engine (up to max_retries times); nothing is lost
+while one engine lives. HTTP 4xx/5xx answers are the request's own fault and are not retried.
+Re-admission: `discover()` re-reads the registry (an engine restarted on the same host:port writes
+a newer started_at; a new host:port is a new engine) or, for fixed URLs, probes dead engines'
+/health; such engines become *pending*: they are not used until the trainer has pushed the current
+weights to them (`weight_targets()` lists live + pending) and calls `admit(urls)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from dapo_megatron.rollout.client import EngineClient, EngineError, EngineUnreachable
+from dapo_megatron.rollout.registry import read_registrations
+
+
+@dataclass
+class _Engine:
+    client: EngineClient
+    state: str = "live"  # live | dead | pending
+    started_at: str | None = None
+    in_flight: int = 0
+    served: int = 0  # requests completed (load statistics)
+    failures: int = 0
+
+
+class EnginePool:
+    def __init__(self, urls: list[str] | None = None, *, registry_dir: str | None = None,
+                 timeout_s: float = 3600.0, max_retries: int = 3):
+        if not urls and not registry_dir:
+            raise ValueError("EnginePool: give engine urls (rollout.engine_urls) or a registry directory")
+        self.registry_dir = registry_dir
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self._session: aiohttp.ClientSession | None = None
+        self._engines: dict[str, _Engine] = {}
+        self._where: dict[str, str] = {}  # rid -> url of the engine serving it now
+        self.events: list[tuple[float, str, str]] = []  # (time, event, url): dropped / pending / admitted
+        for url in urls or []:
+            self._engines[url.rstrip("/")] = _Engine(self._client(url))
+
+    @classmethod
+    async def from_registry(cls, registry_dir: str, *, min_engines: int = 1, wait_s: float = 600.0,
+                            timeout_s: float = 3600.0, max_retries: int = 3) -> "EnginePool":
+        """Wait until `min_engines` registered engines answer /health; all of them start live."""
+        pool = cls(registry_dir=registry_dir, timeout_s=timeout_s, max_retries=max_retries)
+        deadline = time.monotonic() + wait_s
+        while True:
+            await pool.discover()
+            pool.admit([url for url, e in pool._engines.items() if e.state == "pending"])
+            if len(pool.live_urls()) >= min_engines:
+                return pool
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {len(pool.live_urls())} of {min_engines} engines registered in "
+                                   f"{registry_dir} answered /health within {wait_s:.0f} s")
+            await asyncio.sleep(1.0)
+
+    def _client(self, url: str) -> EngineClient:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return EngineClient(url, timeout_s=self.timeout_s, session=self._session)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # ------------------------------------------------------------------ membership
+    def live_urls(self) -> list[str]:
+        return [url for url, e in self._engines.items() if e.state == "live"]
+
+    def pending_urls(self) -> list[str]:
+        return [url for url, e in self._engines.items() if e.state == "pending"]
+
+    def live_clients(self) -> list[EngineClient]:
+        return [e.client for e in self._engines.values() if e.state == "live"]
+
+    def weight_targets(self) -> list[EngineClient]:
+        """Engines the next weight sync must reach: the live ones and those waiting to be admitted."""
+        return [e.client for e in self._engines.values() if e.state in ("live", "pending")]
+
+    def load(self) -> dict[str, dict]:
+        return {url: {"state": e.state, "in_flight": e.in_flight, "served": e.served, "failures": e.failures}
+                for url, e in self._engines.items()}
+
+    def mark_dead(self, url: str, reason: str = "") -> None:
+        engine = self._engines.get(url)
+        if engine is not None and engine.state != "dead":
+            engine.state = "dead"
+            engine.failures += 1
+            self.events.append((time.time(), f"dropped: {reason}", url))
+
+    def admit(self, urls: list[str]) -> None:
+        """Pending engines (now holding the current weights) start taking requests."""
+        for url in urls:
+            engine = self._engines.get(url)
+            if engine is None or engine.state != "pending":
+                raise ValueError(f"EnginePool.admit: {url} is not a pending engine")
+            engine.state = "live"
+            self.events.append((time.time(), "admitted", url))
+
+    async def discover(self) -> list[str]:
+        """New or restarted engines that answer /health become pending; returns the pending urls."""
+        candidates: list[tuple[str, str | None]] = []
+        if self.registry_dir:
+            try:
+                records = read_registrations(self.registry_dir)
+            except FileNotFoundError:
+                records = []
+            for rec in records:
+                url = rec["url"].rstrip("/")
+                known = self._engines.get(url)
+                if known is None or (known.state == "dead" and known.started_at != rec["started_at"]):
+                    candidates.append((url, rec["started_at"]))
+                elif known.started_at is None:
+                    known.started_at = rec["started_at"]
+        else:
+            candidates = [(url, None) for url, e in self._engines.items() if e.state == "dead"]
+        for url, started_at in candidates:
+            engine = self._engines.get(url) or _Engine(self._client(url), state="dead")
+            if await engine.client.health(timeout_s=5.0):
+                engine.state, engine.started_at, engine.in_flight = "pending", started_at, 0
+                self._engines[url] = engine
+                self.events.append((time.time(), "pending", url))
+        return self.pending_urls()
+
+    # ------------------------------------------------------------------ requests
+    def _pick(self) -> _Engine:
+        live = [e for e in self._engines.values() if e.state == "live"]
+        if not live:
+            raise EngineError("EnginePool: no live engine left (all dropped); restart engines and discover()")
+        return min(live, key=lambda e: e.in_flight)
+
+    async def generate(self, *, rid: str | None = None, **kwargs: Any) -> Any:
+        """EngineClient.generate on the least-loaded engine, retried elsewhere if that engine dies."""
+        last: Exception | None = None
+        for _ in range(self.max_retries + 1):
+            engine = self._pick()
+            engine.in_flight += 1
+            if rid is not None:
+                self._where[rid] = engine.client.url
+            try:
+                out = await engine.client.generate(rid=rid, **kwargs)
+                engine.served += 1
+                return out
+            except EngineUnreachable as err:
+                last = err
+                self.mark_dead(engine.client.url, str(err))
+            finally:
+                engine.in_flight -= 1
+                if rid is not None and self._where.get(rid) == engine.client.url:
+                    del self._where[rid]
+        raise EngineError(f"EnginePool: request {rid} failed on {self.max_retries + 1} engines; last error: {last}")
+
+    async def abort(self, rid: str) -> bool:
+        """Abort a request on the engine serving it; False if it is not in flight."""
+        url = self._where.get(rid)
+        if url is None:
+            return False
+        try:
+            await self._engines[url].client.abort(rid)
+        except EngineError:
+            return False
+        return True
+
+    async def abort_all(self) -> None:
+        await asyncio.gather(*(c.abort(abort_all=True) for c in self.live_clients()), return_exceptions=True)

@@ -1,0 +1,211 @@
+"""The rollout sampler: prompts -> scored groups of n responses, with DAPO's dynamic sampling.
+
+    settings = RolloutSettings.from_config(cfg)          # or RolloutSettings(n=16, max_new_tokens=..., ...)
+    sampler = RolloutSampler(pool, tokenizer, settings)  # reward_fn defaults to reward.math_dapo.score
+    result = await sampler.collect(prompt_iter, train_batch_size=512)
+    result.groups    # list of train_batch_size groups, each a list of n dapo_megatron.batch.Sample
+    result.stats     # rounds, groups seen/kept/filtered, tokens generated, tokens/s, aborted requests
+
+One round takes gen_batch_size prompts from `prompt_iter` (an iterator the training loop owns, so
+the data order is resumable; prompts drawn in a round count as consumed even when their requests
+are aborted) and sends one /generate with sampling_params.n = n per prompt. Each finished group
+is scored (reward_fn on the decoded response; overlong shaping from the response length; accuracy;
+truncated = finish_reason "length"). As soon as the groups kept so far fill the batch, every
+request still in flight is aborted (/abort_request by rid) so no compute is wasted, and the round
+ends; otherwise a new round starts, up to max_num_gen_batches (algo.DynamicSampler decides).
+
+Request rid = f"{rid_prefix}-{k}" and sampling_seed = seed * 1_000_003 + k for the k-th request of
+this sampler, so a run with the same seed asks the engines for the same samples (the groups'
+arrival order, hence which ones fill a batch, depends on timing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from dapo_megatron.algo import DynamicSampler, keep_group, overlong_penalty
+from dapo_megatron.batch import Sample
+from dapo_megatron.rollout.pool import EnginePool
+
+
+@dataclass
+class RolloutSettings:
+    n: int  # responses per prompt (group size)
+    max_new_tokens: int  # L_max, the generation cap (rollout.max_response_length)
+    gen_batch_size: int  # prompts per generation round
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    max_prompt_length: int = 0  # 0 = unchecked
+    dynamic_sampling: bool = True
+    max_num_gen_batches: int = 0  # 0 = unlimited
+    on_exhausted: str = "raise"  # raise | train
+    overlong_shaping: bool = True
+    overlong_buffer_length: int = 0  # L_cache
+    overlong_penalty_factor: float = 1.0
+    seed: int = 0
+    progress: bool = True
+
+    @classmethod
+    def from_config(cls, cfg: Any, **overrides: Any) -> "RolloutSettings":
+        """From dapo_megatron.config.Config (rollout + algorithm sections)."""
+        r, a = cfg.rollout, cfg.algorithm
+        values = dict(n=r.n, max_new_tokens=r.max_response_length, gen_batch_size=r.gen_batch_size,
+                      temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_prompt_length=r.max_prompt_length,
+                      dynamic_sampling=a.dynamic_sampling, max_num_gen_batches=a.max_num_gen_batches,
+                      on_exhausted=a.on_gen_batches_exhausted, overlong_shaping=a.overlong_shaping,
+                      overlong_buffer_length=a.overlong_buffer_length, overlong_penalty_factor=a.overlong_penalty_factor,
+                      seed=cfg.trainer.seed)
+        values.update(overrides)
+        return cls(**values)
+
+
+@dataclass
+class RolloutResult:
+    groups: list[list[Sample]]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for g in self.groups for s in g]
+
+
+def _default_reward() -> Callable[[str, str], Any]:
+    from dapo_megatron.reward.math_dapo import score
+
+    return score
+
+
+class RolloutSampler:
+    def __init__(self, pool: EnginePool, tokenizer: Any, settings: RolloutSettings, *,
+                 reward_fn: Callable[[str, str], Any] | None = None, rid_prefix: str | None = None):
+        if settings.n < 1 or settings.gen_batch_size < 1 or settings.max_new_tokens < 1:
+            raise ValueError(f"RolloutSettings: n, gen_batch_size and max_new_tokens must be >= 1, got {settings}")
+        self.pool = pool
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.reward_fn = reward_fn or _default_reward()
+        self.rid_prefix = rid_prefix or uuid.uuid4().hex[:8]
+        self.num_requests = 0  # k of the next request (seeds and rids)
+
+    # ------------------------------------------------------------------ one group
+    def prompt_ids(self, record: Any) -> list[int]:
+        ids = getattr(record, "prompt_ids", None)
+        if not ids:
+            prompt = record.prompt
+            if isinstance(prompt, str):
+                ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            else:  # chat messages
+                ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+                ids = ids["input_ids"] if isinstance(ids, dict) else ids
+        limit = self.settings.max_prompt_length
+        if limit and len(ids) > limit:
+            raise ValueError(f"prompt of {len(ids)} tokens exceeds rollout.max_prompt_length={limit}: {str(record)[:200]}")
+        return list(ids)
+
+    def sampling_params(self, k: int) -> dict:
+        s = self.settings
+        return {"n": s.n, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                "max_new_tokens": s.max_new_tokens, "stop_token_ids": list(s.stop_token_ids),
+                "sampling_seed": (s.seed * 1_000_003 + k) % (2**62)}
+
+    async def _generate_group(self, record: Any, rid: str, k: int) -> tuple[Any, list[dict]]:
+        ids = self.prompt_ids(record)
+        out = await self.pool.generate(input_ids=ids, sampling_params=self.sampling_params(k),
+                                       return_logprob=True, rid=rid)
+        outs = out if isinstance(out, list) else [out]
+        return record, [dict(o, prompt_ids=ids) for o in outs]
+
+    def score_group(self, record: Any, outputs: list[dict]) -> list[Sample]:
+        s = self.settings
+        lengths = [len(o["output_ids"]) for o in outputs]
+        if s.overlong_shaping:
+            shaping = overlong_penalty(lengths, max_length=s.max_new_tokens, buffer_length=s.overlong_buffer_length,
+                                       factor=s.overlong_penalty_factor).tolist()
+        else:
+            shaping = [0.0] * len(outputs)
+        ground_truth = str(getattr(record, "ground_truth", ""))
+        samples = []
+        for o, extra_reward in zip(outputs, shaping):
+            result = self.reward_fn(o["text"], ground_truth)
+            meta = o["meta_info"]
+            samples.append(Sample(
+                prompt_ids=o["prompt_ids"], response_ids=list(o["output_ids"]), group_index=-1,
+                response_text=o["text"], ground_truth=ground_truth,
+                reward=float(result.score) + float(extra_reward), acc=float(result.acc),
+                truncated=meta["finish_reason"]["type"] == "length",
+                rollout_logprobs=[float(lp[0]) for lp in meta.get("output_token_logprobs", [])],
+                extra={"score": float(result.score), "overlong_penalty": float(extra_reward),
+                       "pred": getattr(result, "pred", None), "finish_reason": meta["finish_reason"]["type"]},
+            ))
+        return samples
+
+    # ------------------------------------------------------------------ dynamic sampling
+    async def collect(self, prompts: Iterator[Any], *, train_batch_size: int) -> RolloutResult:
+        s = self.settings
+        acc = DynamicSampler(train_batch_size=train_batch_size, enabled=s.dynamic_sampling,
+                             max_num_gen_batches=s.max_num_gen_batches, on_exhausted=s.on_exhausted)
+        bar = None
+        if s.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=train_batch_size, desc="rollout groups", unit="grp", leave=False)
+        tokens = aborted = 0
+        tic = time.perf_counter()
+        try:
+            while not acc.done:
+                records = [r for _, r in zip(range(s.gen_batch_size), prompts)]
+                if not records:
+                    raise ValueError(f"the prompt source ran out after {acc.stats()['rounds']} rounds with "
+                                     f"{acc.num_kept} of {train_batch_size} groups kept")
+                round_groups, round_tokens, round_aborted = await self._round(records, acc.num_kept, train_batch_size, bar)
+                tokens += round_tokens
+                aborted += round_aborted
+                acc.add_round(round_groups)  # raises when the round budget is spent (on_exhausted="raise")
+        finally:
+            if bar is not None:
+                bar.close()
+        seconds = time.perf_counter() - tic
+        groups = acc.take()
+        for gi, group in enumerate(groups):
+            for sample in group:
+                sample.group_index = gi
+        stats = {**acc.stats(), "tokens_generated": tokens, "seconds": seconds,
+                 "tokens_per_s": tokens / seconds if seconds > 0 else 0.0, "requests_aborted": aborted}
+        return RolloutResult(groups=groups, stats=stats)
+
+    async def _round(self, records: list[Any], kept_before: int, target: int, bar) -> tuple[list, int, int]:
+        tasks: dict[asyncio.Task, str] = {}
+        for record in records:
+            k = self.num_requests
+            self.num_requests += 1
+            rid = f"{self.rid_prefix}-{k}"
+            tasks[asyncio.ensure_future(self._generate_group(record, rid, k))] = rid
+        groups: list[list[Sample]] = []
+        tokens = kept = 0
+        pending = set(tasks)
+        try:
+            while pending and kept_before + kept < target:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    record, outputs = task.result()
+                    group = self.score_group(record, outputs)
+                    groups.append(group)
+                    tokens += sum(len(x.response_ids) for x in group)
+                    informative = (not self.settings.dynamic_sampling) or keep_group(group)
+                    kept += int(informative)
+                    if bar is not None:
+                        bar.update(int(informative) if kept_before + kept <= target else 0)
+                        bar.set_postfix(seen=len(groups), refresh=False)
+        finally:
+            if pending:  # the batch is full (or we are failing): stop the engines' work on the rest
+                await asyncio.gather(*(self.pool.abort(tasks[t]) for t in pending), return_exceptions=True)
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+        return groups, tokens, len(pending)

@@ -1,0 +1,129 @@
+"""Start an SGLang server with our settings, wait for /health, register it for the trainer.
+
+    python -m dapo_megatron.rollout.sglang_launcher --model /ckpt/Qwen2.5-7B --tp 2 \
+        --port 30000 --register-dir $RUN_DIR/engines [--colocate --mem-fraction 0.5] [--seed 42]
+
+(one per Slurm array task in disaggregated runs). GPU clusters only: SGLang cannot run on the CPU
+machines this project is developed on; the command line is built by `sglang_command` (a pure
+function, unit-tested) from the flags of sglang 0.5.21's ServerArgs (--model-path, --tp-size,
+--mem-fraction-static, --enable-memory-saver, --random-seed, --host, --port, --dtype, --base-gpu-id).
+NOT yet verified on a GPU (README, "Rollout engines").
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from dapo_megatron.rollout.registry import write_registration
+
+
+@dataclass
+class SGLangSettings:
+    model_path: str
+    tp_size: int = 1
+    mem_fraction_static: float = 0.7
+    colocate: bool = False  # --enable-memory-saver: release/resume memory around training
+    seed: int = 0
+    host: str = "0.0.0.0"
+    port: int = 30000
+    dtype: str = "auto"
+    base_gpu_id: int = 0
+    python: str = sys.executable
+    extra_args: tuple[str, ...] = ()
+
+
+def sglang_command(s: SGLangSettings) -> list[str]:
+    """The argv of `python -m sglang.launch_server` for these settings (raises ValueError on bad ones)."""
+    if not s.model_path:
+        raise ValueError("sglang launcher: model_path is empty")
+    if s.tp_size < 1:
+        raise ValueError(f"sglang launcher: tp_size must be >= 1, got {s.tp_size}")
+    if not 0.0 < s.mem_fraction_static < 1.0:
+        raise ValueError(f"sglang launcher: mem_fraction_static must be in (0, 1), got {s.mem_fraction_static}")
+    if not 0 < s.port < 65536:
+        raise ValueError(f"sglang launcher: port must be in 1..65535, got {s.port}")
+    cmd = [s.python, "-m", "sglang.launch_server",
+           "--model-path", s.model_path,
+           "--tp-size", str(s.tp_size),
+           "--mem-fraction-static", str(s.mem_fraction_static),
+           "--random-seed", str(s.seed),
+           "--host", s.host,
+           "--port", str(s.port),
+           "--dtype", s.dtype,
+           "--base-gpu-id", str(s.base_gpu_id)]
+    if s.colocate:
+        cmd.append("--enable-memory-saver")
+    return cmd + list(s.extra_args)
+
+
+def advertised_host(bind_host: str) -> str:
+    """The address other nodes use to reach a server bound to bind_host."""
+    if bind_host in ("0.0.0.0", "::", ""):
+        return socket.getfqdn()
+    return bind_host
+
+
+def wait_healthy(url: str, *, proc: subprocess.Popen | None = None, timeout_s: float = 1800.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"sglang server exited with code {proc.returncode} before answering {url}/health")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(2.0)
+    raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="launch an SGLang rollout engine and register it")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--mem-fraction", type=float, default=0.7)
+    ap.add_argument("--colocate", action="store_true", help="--enable-memory-saver (shares GPUs with the trainer)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--host", default="0.0.0.0")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--base-gpu-id", type=int, default=0)
+    ap.add_argument("--register-dir", default="")
+    ap.add_argument("--health-timeout", type=float, default=1800.0)
+    args, extra = ap.parse_known_args(argv)
+    settings = SGLangSettings(model_path=args.model, tp_size=args.tp, mem_fraction_static=args.mem_fraction,
+                              colocate=args.colocate, seed=args.seed, host=args.host, port=args.port, dtype=args.dtype,
+                              base_gpu_id=args.base_gpu_id, extra_args=tuple(extra))
+    proc = subprocess.Popen(sglang_command(settings))
+    host = advertised_host(args.host)
+    url = f"http://{host}:{args.port}"
+    try:
+        wait_healthy(f"http://127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "") else url,
+                     proc=proc, timeout_s=args.health_timeout)
+        if args.register_dir:
+            write_registration(args.register_dir, {
+                "host": host, "port": args.port, "url": url, "tp_size": args.tp, "model": args.model,
+                "pid": proc.pid, "engine": "sglang",
+                "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat()})
+        print(f"sglang engine ready at {url}", flush=True)
+        return proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    raise SystemExit(main())
