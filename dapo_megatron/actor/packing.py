@@ -91,7 +91,8 @@ def round_up(value: int, multiple: int) -> int:
 # Planning: which samples go to which DP rank and micro-batch (pure, deterministic)
 
 
-def plan_micro_batches(lengths: list[int], *, micro_batch_tokens: int, dp_size: int) -> list[list[list[int]]]:
+def plan_micro_batches(lengths: list[int], *, micro_batch_tokens: int, dp_size: int,
+                       min_micro_batches: int = 1) -> list[list[list[int]]]:
     """Split sample indices into `plan[dp_rank][micro_batch] -> [sample indices]`.
 
     1. DP shares: longest-first greedy (LPT): each sample, longest first (ties: lower index), goes to
@@ -103,7 +104,8 @@ def plan_micro_batches(lengths: list[int], *, micro_batch_tokens: int, dp_size: 
        (balanced lengths, which matters when PP pads them all to the longest), else by
        first-fit-decreasing. M grows by one until both fail on no rank; M = the largest share always
        fits (one sample per micro-batch).
-    Inside a micro-batch, samples keep their mini-batch order.
+    Inside a micro-batch, samples keep their mini-batch order. `min_micro_batches` raises the floor
+    of M (megatron's interleaved pipeline schedule needs at least pp micro-batches).
     """
     if dp_size < 1:
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")
@@ -126,7 +128,7 @@ def plan_micro_batches(lengths: list[int], *, micro_batch_tokens: int, dp_size: 
         shares[rank].append(i)  # stays sorted longest-first
         load[rank] += lengths[i]
 
-    num_micro = max(1, max(math.ceil(tokens / micro_batch_tokens) for tokens in load))
+    num_micro = max(1, min_micro_batches, max(math.ceil(tokens / micro_batch_tokens) for tokens in load))
     while True:
         plan = []
         for share in shares:
@@ -278,13 +280,15 @@ def pack_for_rank(
     pad_multiple: int = 1,
     seq_pad_multiple: int = 1,
     uniform_length: bool = False,
+    min_micro_batches: int = 1,
     pad_token_id: int = 0,
     mask_truncated: bool = False,
 ) -> PackedShare:
     """Plan the whole mini-batch (identically on every rank) and build this DP rank's micro-batches."""
     validate_samples(samples)
     lengths = padded_lengths(samples, seq_pad_multiple)
-    plan = plan_micro_batches(lengths, micro_batch_tokens=micro_batch_tokens, dp_size=dp_size)
+    plan = plan_micro_batches(lengths, micro_batch_tokens=micro_batch_tokens, dp_size=dp_size,
+                              min_micro_batches=min_micro_batches)
     fills = [sum(lengths[i] for i in mb) for share in plan for mb in share]
     shared = round_up(max(max(fills), 1), pad_multiple) if uniform_length else None
     micro_batches = []

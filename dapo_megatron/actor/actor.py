@@ -1,0 +1,439 @@
+"""The Megatron-Core actor: per-token log-probs, the DAPO train step, checkpoints, HF weights out.
+
+    init_distributed()                                   # torchrun / srun environment
+    with model_parallel(tp=cfg.actor.tp, pp=cfg.actor.pp, cp=cfg.actor.cp, vpp=cfg.actor.vpp,
+                        seed=cfg.trainer.seed):
+        actor = Actor(cfg, hf_dir)                       # on EVERY rank
+        out = actor.logprobs(samples)                    # out.logprobs[i], out.entropies[i]
+        for i, s in enumerate(samples): s.old_logprobs = out.logprobs[i].tolist()
+        metrics = actor.train(mini_batch, step=rollout_step)
+        actor.save(run_dir / "ckpt" / f"step_{rollout_step}")
+
+Contract: every rank passes the SAME list of Samples (the driver broadcasts them). Each DP rank
+packs its balanced share into token-budget micro-batches (packing.py), runs megatron's
+forward/backward schedule (pipeline-parallel aware), and the results are summed back so that every
+rank returns identical log-probs and identical metrics.
+
+The gradient is exactly the one of a single big batch: each micro-batch loss is
+sum(per-token terms) / D with D the GLOBAL count of the mini-batch (masked tokens for token-mean,
+sequences for the seq modes; summed over all DP ranks before the first forward), the model config
+has calculate_per_token_loss=True so that megatron neither divides by the number of micro-batches
+nor averages over DP (DDP sums gradients: gradient_scaling_factor 1), and finalize_model_grads is
+called without a token count. Sum over micro-batches and DP ranks of grad(local sum / D) =
+grad(global sum / D).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dapo_megatron.actor import parallel
+from dapo_megatron.actor.context_parallel import split_for_cp
+from dapo_megatron.actor.lm_head import gather_sequence_parallel, output_weight, return_hidden_states, token_logprobs_entropy
+from dapo_megatron.actor.packing import MicroBatch, pack_for_rank, unpack_response_values
+from dapo_megatron.batch import Sample
+from dapo_megatron.config import Config
+
+METRIC_SUMS = ("loss", "pg_loss", "kl_loss", "clipfrac_low", "clipfrac_high", "dualclip_frac", "approx_kl",
+               "ratio_mean", "entropy", "kl", "tis_weight", "num_tokens", "num_weight")
+
+
+@dataclass
+class LogProbs:
+    """Per-sample fp32 tensors over the response tokens (len = len(sample.response_ids))."""
+
+    logprobs: list[torch.Tensor]
+    entropies: list[torch.Tensor]
+
+
+def _unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+class Actor:
+    def __init__(self, cfg: Config, hf_dir: str | Path) -> None:
+        """Build the model for this rank's place in the (already initialized) parallel layout, load
+        the HF checkpoint into it, wrap it in megatron DDP and build the optimizer."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from transformers import AutoConfig
+
+        from dapo_megatron.actor.model import build_model_chunks
+        from dapo_megatron.actor.optimizer import build_lr_schedule, build_optimizer
+        from dapo_megatron.weights import load_hf_into_model
+
+        self.cfg = cfg
+        ac, tr = cfg.actor, cfg.trainer
+        layout = dict(tp=parallel.tp_size(), pp=parallel.pp_size(), cp=parallel.cp_size(), vpp=parallel.vpp_size())
+        wanted = dict(tp=ac.tp, pp=ac.pp, cp=ac.cp, vpp=ac.vpp)
+        if layout != wanted:
+            raise ValueError(f"actor: megatron parallel state {layout} does not match the config's actor.{wanted} "
+                             "(initialize with parallel.model_parallel(tp=cfg.actor.tp, ...))")
+        self.hf_dir = Path(hf_dir)
+        self.hf_config = AutoConfig.from_pretrained(self.hf_dir)
+        if self.hf_config.vocab_size % ac.tp:
+            raise ValueError(f"actor.tp={ac.tp} must divide the vocabulary size {self.hf_config.vocab_size} of "
+                             f"{self.hf_dir}/config.json (the LM head is built without vocab padding)")
+        # vocab_divisible_by=1: no padded vocab rows, whose logits would otherwise enter the softmax.
+        chunks = build_model_chunks(self.hf_config, attention_backend=ac.attention_backend, precision=ac.precision,
+                                    sequence_parallel=ac.sequence_parallel, recompute=ac.recompute,
+                                    vocab_divisible_by=1)
+        load_hf_into_model(chunks, self.hf_dir)
+        self._chunks = chunks
+        for chunk in chunks:
+            chunk.config.calculate_per_token_loss = True  # see the module docstring
+            return_hidden_states(chunk)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=ac.use_distributed_optimizer,
+            average_in_collective=False,
+        )
+        self.model = [
+            DistributedDataParallel(chunk.config, ddp_config, chunk, disable_bucketing=index > 0)
+            for index, chunk in enumerate(chunks)
+        ]
+        self.optimizer = build_optimizer(
+            self.model, lr=tr.lr, weight_decay=tr.weight_decay, adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2,
+            grad_clip=tr.grad_clip, precision=ac.precision, use_distributed_optimizer=ac.use_distributed_optimizer,
+        )
+        self.lr_schedule = build_lr_schedule(self.optimizer, lr=tr.lr, warmup_steps=tr.warmup_steps,
+                                             weight_decay=tr.weight_decay)
+        config = chunks[0].config
+        config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        config.grad_scale_func = self.optimizer.scale_loss
+        # The loss is already divided by the global count: finalize without megatron's token count.
+        config.finalize_model_grads_func = lambda model, num_tokens, **kw: finalize_model_grads(model, None, **kw)
+        for chunk in chunks[1:]:
+            chunk.config.no_sync_func = config.no_sync_func
+            chunk.config.grad_scale_func = config.grad_scale_func
+            chunk.config.finalize_model_grads_func = config.finalize_model_grads_func
+        self.num_updates = 0
+        self.last_step = -1
+
+    # --- accessors ---------------------------------------------------------------------------------
+
+    @property
+    def model_chunks(self) -> list:
+        """This rank's GPTModel chunks (unwrapped; one per virtual pipeline stage)."""
+        return self._chunks
+
+    def iter_hf_weights(self):
+        """Full HF-named tensors (collective over the model-parallel ranks): the weights layer's
+        iter_hf_weights over this actor's chunks."""
+        from dapo_megatron.weights import iter_hf_weights
+
+        return iter_hf_weights(self._chunks, self.hf_config)
+
+    # --- packing and the forward ---------------------------------------------------------------------
+
+    def _pack(self, samples: list[Sample], *, mask_truncated: bool):
+        ac = self.cfg.actor
+        tp, cp = parallel.tp_size(), parallel.cp_size()
+        seq_pad = 2 * cp if cp > 1 else 1
+        pad = (tp if ac.sequence_parallel else 1) * seq_pad
+        return pack_for_rank(
+            samples, micro_batch_tokens=ac.micro_batch_tokens, dp_size=parallel.dp_size(), dp_rank=parallel.dp_rank(),
+            pad_multiple=pad, seq_pad_multiple=seq_pad, uniform_length=parallel.pp_size() > 1,
+            min_micro_batches=parallel.pp_size() if parallel.vpp_size() else 1,
+            pad_token_id=int(getattr(self.hf_config, "pad_token_id", None) or 0), mask_truncated=mask_truncated,
+        )
+
+    def _local(self, tensor: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """This CP rank's tokens of a packed [T] tensor (identity without CP)."""
+        return split_for_cp(tensor, mb.cu_seqlens_padded, cp_size=parallel.cp_size(), cp_rank=parallel.cp_rank())
+
+    def _forward_step(self, data_iterator, model, *, head):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        mb = next(data_iterator)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        # Every padded segment (padding tail included) is one THD sequence; padding sits after the
+        # real tokens of its sequence, so causal attention keeps it out of every real token's context.
+        cu = mb.cu_seqlens_padded.to(device)
+        max_len = int((cu[1:] - cu[:-1]).max())
+        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                                 cu_seqlens_kv_padded=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len)
+        tokens = self._local(mb.tokens, mb).to(device)[None]
+        positions = self._local(mb.position_ids, mb).to(device)[None]
+        output = model(tokens, positions, None, packed_seq_params=packed)
+        return output, functools.partial(head, mb, _unwrap(model))
+
+    def _head(self, mb: MicroBatch, gpt, output: torch.Tensor, *, positions: torch.Tensor):
+        """Log-prob and entropy at the local response positions `positions` (last stage only)."""
+        hidden_SH = output.transpose(0, 1)  # [1, S, H] -> [S, 1, H]
+        if self.cfg.actor.sequence_parallel:
+            hidden_SH = gather_sequence_parallel(hidden_SH, tp_group=parallel.tp_group())
+        hidden_SH = hidden_SH[:, 0]
+        targets = self._local(mb.targets, mb).to(hidden_SH.device)
+        pos = positions.to(hidden_SH.device)
+        return token_logprobs_entropy(hidden_SH[pos], output_weight(gpt), targets[pos],
+                                      temperature=self.cfg.rollout.temperature, tp_group=parallel.tp_group())
+
+    def _run(self, micro_batches: list[MicroBatch], *, head, length: int | None, forward_only: bool) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        iterators = [iter(micro_batches) for _ in self.model]
+        return get_forward_backward_func()(
+            forward_step_func=functools.partial(self._forward_step, head=head),
+            data_iterator=iterators if len(self.model) > 1 else iterators[0],
+            model=self.model if len(self.model) > 1 else self.model[0],
+            num_microbatches=len(micro_batches),
+            seq_length=length or max(mb.length for mb in micro_batches),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    def _owns_results(self) -> bool:
+        """The ranks whose loss-function outputs are summed into results: last pipeline stage,
+        TP rank 0 (TP ranks hold identical copies), every DP and CP rank (disjoint tokens)."""
+        from megatron.core import parallel_state
+
+        return parallel_state.is_pipeline_last_stage(ignore_virtual=True) and parallel.tp_rank() == 0
+
+    # --- log-probs -----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def logprobs(self, samples: list[Sample]) -> LogProbs:
+        """pi_theta log-probs and entropies of every response token (at rollout.temperature), fp32.
+
+        Collective; identical on every rank: each DP rank scores its share, the owners write their
+        values into one flat buffer (zeros elsewhere) and a world all-reduce SUM fills it in (adding
+        zeros is exact, so the values are bit-for-bit those computed)."""
+        for m in self.model:
+            m.eval()
+        share = self._pack(samples, mask_truncated=False)
+
+        def head(mb, gpt, output):
+            pos = self._local(mb.response_mask, mb).nonzero()[:, 0]
+            logprob, entropy = self._head(mb, gpt, output, positions=pos)
+            # back to packed positions; with CP each rank fills its own, the all-reduce merges them
+            where = self._local(torch.arange(mb.length), mb)[pos].to(logprob.device)
+            full = torch.zeros(2, mb.length, dtype=torch.float32, device=logprob.device)
+            full[0, where] = logprob.float()
+            full[1, where] = entropy.float()
+            return torch.zeros((), device=logprob.device), torch.tensor(0, dtype=torch.int), full
+
+        outputs = self._run(share.micro_batches, head=head, length=share.length, forward_only=True)
+        offsets, total = [], 0
+        for s in samples:
+            offsets.append(total)
+            total += len(s.response_ids)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        flat = torch.zeros(2, total, dtype=torch.float32, device=device)
+        if self._owns_results():
+            for mb, full in zip(share.micro_batches, outputs):
+                values = unpack_response_values(full.T, mb, samples)  # {index: [R, 2]}
+                for index, v in values.items():
+                    flat[:, offsets[index]: offsets[index] + v.shape[0]] = v.T
+        dist.all_reduce(flat)
+        flat = flat.cpu()
+        logps = [flat[0, o: o + len(s.response_ids)].clone() for o, s in zip(offsets, samples)]
+        ents = [flat[1, o: o + len(s.response_ids)].clone() for o, s in zip(offsets, samples)]
+        return LogProbs(logprobs=logps, entropies=ents)
+
+    # --- the train step ------------------------------------------------------------------------------
+
+    def train(self, mini_batch: list[Sample], *, step: int) -> dict[str, float]:
+        """One optimizer update on a mini-batch (collective; every rank passes the same list).
+
+        step: the rollout step (0-based) this update belongs to; it sets the warm-up lr
+        (optimizer.py). Each sample needs old_logprobs (Actor.logprobs), plus rollout_logprobs
+        with algorithm.tis_cap and ref_logprobs with algorithm.use_kl. Returns identical metrics on
+        every rank; an update whose loss or grad norm is NaN/inf is skipped (nonfinite=1), and so is
+        one with no trained token (update_skipped=1).
+        """
+        from dapo_megatron.actor.optimizer import guarded_step, set_lr_for_step
+
+        al = self.cfg.algorithm
+        self._check_train_inputs(mini_batch)
+        for m in self.model:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        share = self._pack(mini_batch, mask_truncated=al.overlong_filter)
+        denom = self._global_denominator(share.micro_batches)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        sums = torch.zeros(len(METRIC_SUMS), dtype=torch.float64, device=device)
+        ratio_max = torch.zeros((), dtype=torch.float64, device=device)
+
+        def head(mb, gpt, output):
+            nonlocal ratio_max
+            pos = self._local(mb.response_mask, mb).nonzero()[:, 0]
+            logprob, entropy = self._head(mb, gpt, output, positions=pos)
+            loss, values = self._loss(mb, pos, logprob, entropy, denom=max(denom, 1.0))
+            if self._owns_results():
+                sums.add_(torch.stack([values[k].double() for k in METRIC_SUMS]).to(device))
+                ratio_max = torch.maximum(ratio_max, values["ratio_max"].double().to(device))
+            return loss, torch.tensor(0, dtype=torch.int), {}
+
+        self._run(share.micro_batches, head=head, length=share.length, forward_only=False)
+        dist.all_reduce(sums)
+        dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
+        m = dict(zip(METRIC_SUMS, sums.tolist()))
+        lr = set_lr_for_step(self.lr_schedule, step=step)
+        loss_is_finite = bool(torch.isfinite(sums[0]))
+        if denom == 0:
+            self.optimizer.zero_grad()
+            updated, grad_norm = False, 0.0
+        else:
+            updated, grad_norm = guarded_step(self.optimizer, grad_clip=self.cfg.trainer.grad_clip,
+                                              loss_is_finite=loss_is_finite)
+        self.num_updates += int(updated)
+        self.last_step = step
+        weight = max(m["num_weight"], 1e-30)
+        tokens = max(m["num_tokens"], 1.0)
+        return {
+            "loss": m["loss"], "pg_loss": m["pg_loss"], "kl_loss": m["kl_loss"],
+            "grad_norm": grad_norm, "lr": lr,
+            "clipfrac_low": m["clipfrac_low"] / weight, "clipfrac_high": m["clipfrac_high"] / weight,
+            "dualclip_frac": m["dualclip_frac"] / weight, "approx_kl": m["approx_kl"] / weight,
+            "ratio_mean": m["ratio_mean"] / weight, "ratio_max": float(ratio_max),
+            "entropy": m["entropy"] / tokens, "kl": m["kl"] / tokens, "tis_weight": m["tis_weight"] / tokens,
+            "num_tokens": m["num_tokens"], "loss_denominator": denom,
+            "num_micro_batches": float(share.num_micro_batches),
+            "nonfinite": float(denom > 0 and not updated), "update_skipped": float(not updated),
+        }
+
+    def _check_train_inputs(self, samples: list[Sample]) -> None:
+        al = self.cfg.algorithm
+        for index, s in enumerate(samples):
+            if s.old_logprobs is None:
+                raise ValueError(f"sample {index}: old_logprobs is None (fill it from Actor.logprobs before train)")
+            if al.tis_cap is not None and s.rollout_logprobs is None:
+                raise ValueError(f"sample {index}: rollout_logprobs is None but algorithm.tis_cap={al.tis_cap} needs them")
+            if al.use_kl and s.ref_logprobs is None:
+                raise ValueError(f"sample {index}: ref_logprobs is None but algorithm.use_kl=true needs them")
+
+    def _global_denominator(self, micro_batches: list[MicroBatch]) -> float:
+        """D of the loss: masked tokens (token-mean) or sequences with a masked token (seq modes) over
+        the whole mini-batch: this DP rank's share, summed over the DP group (CP ranks share a share)."""
+        token_mean = self.cfg.algorithm.loss_agg_mode == "token-mean"
+        local = 0
+        for mb in micro_batches:
+            if token_mean:
+                local += int((mb.loss_mask != 0).sum())
+            else:
+                local += int((_per_sequence_count(mb) > 0).sum())
+        count = torch.tensor([float(local)], dtype=torch.float64,
+                             device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(count, group=parallel.dp_group())
+        return float(count.item())
+
+    def _loss(self, mb: MicroBatch, pos: torch.Tensor, logprob: torch.Tensor, entropy: torch.Tensor, *,
+              denom: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """sum_t w_t * (l_t + kl_coef * kl_t) / D over this rank's tokens of the micro-batch.
+
+        All three aggregation modes are a per-token weighted sum over the global D:
+          token-mean           w = mask                 D = masked tokens
+          seq-mean-token-sum   w = mask                 D = sequences
+          seq-mean-token-mean  w = mask / n_seq(t)      D = sequences   (n_seq: masked tokens of t's sequence)
+        so policy_loss runs in its token-mean form with mask = w and loss_denominator = D (the
+        fused kernel's form too), and a sequence cut by CP or micro-batching still sums exactly.
+        Truncated importance sampling multiplies the policy term's weight by min(pi_old/pi_rollout, C).
+        """
+        from dapo_megatron.algo.kl import kl_penalty
+
+        al = self.cfg.algorithm
+        dev = logprob.device
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return self._local(t, mb)[pos.cpu()].to(dev)
+
+        old, adv, mask = take(mb.old_logprobs), take(mb.advantages), take(mb.loss_mask)
+        weight = mask
+        if al.loss_agg_mode == "seq-mean-token-mean":
+            per_seq = _per_sequence_count(mb)
+            n_seq = torch.zeros(mb.length, dtype=torch.float32)
+            real = mb.seq_ids >= 0
+            n_seq[real] = per_seq[mb.seq_ids[real]]
+            weight = mask / take(n_seq).clamp(min=1.0)
+        pg_weight = weight
+        tis = torch.ones_like(mask)
+        if al.tis_cap is not None:
+            tis = torch.clamp(torch.exp(old - take(mb.rollout_logprobs)), max=al.tis_cap)
+            pg_weight = weight * tis
+        pg_loss, stats = _policy_loss(logprob, old, adv, pg_weight, eps_low=al.eps_low, eps_high=al.eps_high,
+                                      clip_ratio_c=al.clip_ratio_c, loss_denominator=denom)
+        kl = torch.zeros_like(logprob)
+        kl_loss = torch.zeros((), dtype=torch.float32, device=dev)
+        if al.use_kl:
+            kl = kl_penalty(logprob, take(mb.ref_logprobs), al.kl_kind)
+            kl_loss = (kl * weight).sum() / denom
+        loss = pg_loss + al.kl_coef * kl_loss if al.use_kl else pg_loss
+        trained = (mask != 0).float()
+        num_weight = stats["num_tokens"].float()
+        values = {
+            "loss": loss.detach(), "pg_loss": pg_loss.detach(), "kl_loss": kl_loss.detach(),
+            **{k: stats[k].float() * num_weight for k in ("clipfrac_low", "clipfrac_high", "dualclip_frac",
+                                                          "approx_kl", "ratio_mean")},
+            "entropy": (entropy.detach() * trained).sum(), "kl": (kl.detach() * trained).sum(),
+            "tis_weight": (tis * trained).sum(), "num_tokens": trained.sum(), "num_weight": num_weight,
+            "ratio_max": stats["ratio_max"].float(),
+        }
+        return loss, values
+
+    # --- checkpoints ---------------------------------------------------------------------------------
+
+    def _sharded_state_dict(self, *, is_loading: bool) -> dict:
+        from dapo_megatron.actor.checkpoint import rng_sharded_object
+
+        state = {}
+        for index, chunk in enumerate(self._chunks):
+            state["model" if len(self._chunks) == 1 else f"model{index}"] = chunk.sharded_state_dict()
+        state["optimizer"] = self.optimizer.sharded_state_dict(dict(state), is_loading=is_loading)
+        state["rng_state"] = rng_sharded_object()
+        return state
+
+    def save(self, path: str | Path) -> Path:
+        """Collective: model + optimizer + RNG (megatron dist_checkpointing) + actor_state.json,
+        written to `<path>.tmp` and renamed (checkpoint.py)."""
+        from dapo_megatron.actor.checkpoint import save_checkpoint
+
+        meta = {"num_updates": self.num_updates, "last_step": self.last_step,
+                "lr_schedule": self.lr_schedule.state_dict(),
+                "layout": {"tp": parallel.tp_size(), "pp": parallel.pp_size(), "cp": parallel.cp_size(),
+                           "dp": parallel.dp_size(), "vpp": parallel.vpp_size()}}
+        return save_checkpoint(path, sharded_state_dict=self._sharded_state_dict(is_loading=False), meta=meta)
+
+    def load(self, path: str | Path) -> dict:
+        """Collective: restore what save() wrote; returns its actor_state.json."""
+        from dapo_megatron.actor.checkpoint import load_checkpoint, restore_rng
+
+        state, meta = load_checkpoint(path, sharded_state_dict=self._sharded_state_dict(is_loading=True))
+        for index, chunk in enumerate(self._chunks):
+            chunk.load_state_dict(state["model" if len(self._chunks) == 1 else f"model{index}"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        restore_rng(state["rng_state"])
+        self.num_updates = int(meta["num_updates"])
+        self.last_step = int(meta["last_step"])
+        return meta
+
+
+def _per_sequence_count(mb: MicroBatch) -> torch.Tensor:
+    """[num_sequences] masked (trained) tokens of each sequence of the micro-batch."""
+    counts = torch.zeros(mb.num_sequences + 1, dtype=torch.float32)
+    counts.index_add_(0, mb.seq_ids + 1, (mb.loss_mask != 0).float())  # slot 0 collects the padding tail
+    return counts[1:]
+
+
+def _policy_loss(logprob, old, adv, weight, *, eps_low, eps_high, clip_ratio_c, loss_denominator):
+    """dapo_kernels.policy_loss (fused) on CUDA, algo.policy_loss elsewhere; both token-mean form."""
+    if logprob.is_cuda:
+        try:
+            from dapo_kernels import policy_loss as fused
+        except ImportError:
+            fused = None
+        if fused is not None:
+            return fused(logprob, old, adv, weight, eps_low=eps_low, eps_high=eps_high, clip_ratio_c=clip_ratio_c,
+                         loss_denominator=float(loss_denominator))
+    from dapo_megatron.algo.policy_loss import policy_loss
+
+    return policy_loss(logprob, old, adv, weight, eps_low=eps_low, eps_high=eps_high, clip_ratio_c=clip_ratio_c,
+                       agg_mode="token-mean", loss_denominator=float(loss_denominator))

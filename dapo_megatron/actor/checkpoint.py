@@ -1,0 +1,116 @@
+"""Atomic Megatron distributed checkpoints: model + optimizer + RNG (dist_checkpointing) + a JSON.
+
+    save_checkpoint(path, sharded_state_dict=sd, meta={"num_updates": 12})
+    state, meta = load_checkpoint(path, sharded_state_dict=sd_for_loading)
+
+Layout of a finished checkpoint `<path>/`: megatron's dist_checkpointing files (every rank writes
+its shards) plus `actor_state.json` (written last, by global rank 0). Atomicity: everything is
+written to `<path>.tmp`; only when every rank has finished does rank 0 move an existing `<path>`
+to `<path>.old`, rename `<path>.tmp` to `<path>` and delete `<path>.old`. A save that dies at any
+point before that leaves `<path>` as it was (and a stale `<path>.tmp`, removed by the next save);
+a crash between the two renames leaves `<path>.old`, which `load_checkpoint` falls back to.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+META_FILE = "actor_state.json"
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """The only step that touches `final` (rank 0)."""
+    old = final.with_name(final.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def save_checkpoint(path: str | Path, *, sharded_state_dict: dict, meta: dict) -> Path:
+    """Collective: every rank calls it with its sharded state dict; returns the final path."""
+    from megatron.core import dist_checkpointing
+
+    final = Path(path).absolute()
+    tmp = final.with_name(final.name + ".tmp")
+    if _is_rank0():
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by an interrupted save
+        tmp.mkdir(parents=True)
+    _barrier()
+    dist_checkpointing.save(sharded_state_dict, str(tmp))
+    _barrier()
+    if _is_rank0():
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        _publish(tmp, final)
+    _barrier()
+    return final
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """`path` if it is a finished checkpoint, else `<path>.old` (crash between the renames)."""
+    final = Path(path).absolute()
+    for candidate in (final, final.with_name(final.name + ".old")):
+        if (candidate / META_FILE).is_file():
+            return candidate
+    raise ValueError(f"checkpoint {final}: no {META_FILE} there (not a finished actor checkpoint)")
+
+
+def load_checkpoint(path: str | Path, *, sharded_state_dict: dict) -> tuple[dict, dict]:
+    """Collective: (loaded state dict, meta JSON)."""
+    from megatron.core import dist_checkpointing
+
+    where = resolve_checkpoint(path)
+    meta = json.loads((where / META_FILE).read_text())
+    state = dist_checkpointing.load(sharded_state_dict, str(where))
+    return state, meta
+
+
+# --- RNG state (one ShardedObject per TP x PP position; DP/CP ranks are replicas) --------------------
+
+def rng_sharded_object():
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    pp, tp = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()
+    offset = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank())
+    replica = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+    return ShardedObject("rng_state", state, (pp, tp), offset, replica_id=replica)
+
+
+def restore_rng(state: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])

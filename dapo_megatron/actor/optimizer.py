@@ -1,0 +1,98 @@
+"""Megatron optimizer (AdamW, distributed over DP when asked), linear lr warm-up, and one guarded step.
+
+    optimizer = build_optimizer(model_chunks, lr=1e-6, weight_decay=0.1, ...)
+    schedule = build_lr_schedule(optimizer, lr=1e-6, warmup_steps=10)
+    set_lr_for_step(schedule, step=3)                 # lr = 1e-6 * (3 + 1) / 10
+    updated, grad_norm = guarded_step(optimizer, grad_clip=1.0, loss_is_finite=True)
+
+Warm-up is counted in ROLLOUT steps, as in the DAPO paper ("linear warm-up over 20 rollout
+steps"): every mini-batch update of rollout step s (0-based) uses lr * min(1, (s + 1) / W), so the
+first step already trains (lr / W) and step W - 1 onwards uses the full lr; W = 0 means constant.
+The schedule is megatron's OptimizerParamScheduler with init_lr 0 and constant decay, which also
+sets each parameter group's weight decay (biases and norms get none: wd_mult 0).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def build_optimizer(model_chunks: list, *, lr: float, weight_decay: float, adam_beta1: float,
+                    adam_beta2: float, grad_clip: float, precision: str, use_distributed_optimizer: bool,
+                    adam_eps: float = 1e-8):
+    """megatron.core.optimizer.get_megatron_optimizer over DDP-wrapped chunks (AdamW, fp32 master
+    weights for bf16/fp16 models). Clipping is done by `guarded_step`, which knows the grad norm."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        min_lr=0.0,
+        weight_decay=weight_decay,
+        adam_beta1=adam_beta1,
+        adam_beta2=adam_beta2,
+        adam_eps=adam_eps,
+        clip_grad=grad_clip,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        params_dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision],
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(config, model_chunks)
+
+
+def build_lr_schedule(optimizer, *, lr: float, warmup_steps: int, weight_decay: float):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=lr,
+        min_lr=0.0,
+        lr_warmup_steps=warmup_steps,
+        lr_decay_steps=warmup_steps + 1,  # unused by the constant style, but must exceed warm-up
+        lr_decay_style="constant",
+        start_wd=weight_decay,
+        end_wd=weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+
+
+def set_lr_for_step(schedule, *, step: int) -> float:
+    """Set every group's lr (and weight decay) for rollout step `step` (0-based); returns the lr."""
+    if step < 0:
+        raise ValueError(f"rollout step must be >= 0, got {step}")
+    schedule.num_steps = step + 1  # megatron's warm-up gives init + (max - init) * num_steps / W
+    schedule.step(0)
+    return schedule.get_lr({})
+
+
+def guarded_step(optimizer, *, grad_clip: float, loss_is_finite: bool) -> tuple[bool, float]:
+    """Clip and step unless the loss or the gradient norm is NaN/inf; returns (updated, grad_norm).
+
+    Mirrors megatron's ChainedOptimizer.step (prepare grads -> global grad norm -> clip -> step) with
+    one difference: a non-finite norm or loss skips the update (megatron only checks with an fp16
+    loss scaler). The norm is the same on every rank (reduced over the grad-stats group), and
+    `loss_is_finite` must be too (the caller all-reduces it), so all ranks skip together.
+    """
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    found_inf = optimizer.prepare_grads()
+    grad_norm = float(optimizer.get_grad_norm())
+    if found_inf or not loss_is_finite or not math.isfinite(grad_norm):
+        optimizer.zero_grad()
+        return False, grad_norm
+    if grad_clip > 0:
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            if getattr(opt, "is_stub_optimizer", False):
+                continue
+            params = opt.get_parameters()
+            if params:
+                clip_grad_by_total_norm_fp32(
+                    params, max_norm=grad_clip, total_norm=grad_norm,
+                    use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+                )
+    return bool(optimizer.step_with_ready_grads()), grad_norm
