@@ -1,0 +1,116 @@
+"""Processes that `dapo-megatron train` starts on one machine, and their clean-up.
+
+    with LocalProcesses(run_dir / "logs") as procs:
+        urls = procs.start_cpu_engines(model_dir, num=2, register_dir=run_dir / "engines", seed=42)
+        rc = procs.run_foreground("actor", ["torchrun", "--nproc-per-node", "2", ...])
+
+Every child starts in its own process session, so stopping it reaches its children too (torchrun's
+ranks, an engine's threads). Leaving the `with` block (normally, on an error, on Ctrl-C, or on
+SIGTERM, which is turned into the same path) sends SIGTERM to every group still alive, waits, then
+SIGKILLs what is left: no orphaned engine keeps a port or a core after a run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dapo_megatron.rollout.registry import read_registrations
+
+
+class LocalProcesses:
+    def __init__(self, log_dir: str | Path) -> None:
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.children: dict[str, subprocess.Popen] = {}
+        self._old_sigterm = None
+
+    def __enter__(self) -> "LocalProcesses":
+        def on_sigterm(signum, frame):  # same clean-up path as Ctrl-C
+            raise KeyboardInterrupt(f"signal {signum}")
+
+        self._old_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()
+        signal.signal(signal.SIGTERM, self._old_sigterm or signal.SIG_DFL)
+
+    def log_path(self, name: str) -> Path:
+        return self.log_dir / f"{name}.log"
+
+    def start(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = open(self.log_path(name), "ab")
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **(env or {})})
+        log.close()  # the child holds its own descriptor
+        self.children[name] = proc
+        return proc
+
+    def run_foreground(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> int:
+        """Run with output on this terminal (progress bars), in its own session for clean-up."""
+        proc = subprocess.Popen(argv, start_new_session=True, env={**os.environ, **(env or {})})
+        self.children[name] = proc
+        try:
+            return proc.wait()
+        except KeyboardInterrupt:
+            self._stop(proc, signal.SIGINT)  # let the ranks see Ctrl-C first
+            raise
+
+    def start_cpu_engines(self, model_dir: str | Path, *, num: int, register_dir: str | Path, seed: int,
+                          threads: int = 1, timeout_s: float = 300.0) -> list[str]:
+        """Start `num` serve-rollout processes on 127.0.0.1 and wait until all have registered."""
+        register_dir = Path(register_dir)
+        register_dir.mkdir(parents=True, exist_ok=True)
+        for stale in register_dir.glob("*.json"):  # a previous run's engines are gone
+            stale.unlink()
+        names = []
+        for index in range(num):
+            name = f"engine{index}"
+            self.start(name, [sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", str(model_dir),
+                              "--port", "0", "--seed", str(seed + index), "--threads", str(threads),
+                              "--register-dir", str(register_dir)])
+            names.append(name)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for name in names:
+                if self.children[name].poll() is not None:
+                    raise RuntimeError(f"rollout engine {name} exited with code {self.children[name].returncode} "
+                                       f"before registering; its log ({self.log_path(name)}) ends with:\n"
+                                       f"{self.tail(name)}")
+            records = read_registrations(str(register_dir))
+            if len(records) >= num:
+                return [r["url"] for r in records]
+            time.sleep(0.2)
+        raise RuntimeError(f"only {len(read_registrations(str(register_dir)))} of {num} rollout engines registered in "
+                           f"{register_dir} within {timeout_s:.0f} s; see {self.log_dir}/engine*.log")
+
+    def tail(self, name: str, lines: int = 20) -> str:
+        path = self.log_path(name)
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    @staticmethod
+    def _stop(proc: subprocess.Popen, sig: int, grace_s: float = 10.0) -> None:
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+    def stop_all(self) -> None:
+        for proc in self.children.values():
+            self._stop(proc, signal.SIGTERM)
+        self.children.clear()
