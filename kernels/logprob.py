@@ -31,6 +31,8 @@ rounding does not compound across chunks.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import triton
@@ -220,23 +222,44 @@ def _gather_merge(local: torch.Tensor, tp_group) -> torch.Tensor:
     return merge_stats(torch.stack(parts))
 
 
+_OUT_DTYPE_MM = True  # torch.mm/addmm(..., out_dtype=float32) on CUDA (torch >= 2.9); probed on first use
+
+
+def _out_dtype_mm_failed(err: Exception) -> None:
+    global _OUT_DTYPE_MM
+    _OUT_DTYPE_MM = False
+    warnings.warn(f"torch.mm(out_dtype=float32) is unavailable ({err}); falling back to 16-bit products "
+                  "added in fp32 (one extra rounding per chunk)", stacklevel=3)
+
+
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b with an fp32 result (cuBLAS accumulates in fp32 either way; this skips the rounding)."""
     if a.dtype == torch.float32:
         return a @ b
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
+    if not a.is_cuda:
+        return a.float() @ b.float()
+    if _OUT_DTYPE_MM:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError) as err:
+            _out_dtype_mm_failed(err)
+    return (a @ b).float()
 
 
 def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc(fp32) += a @ b for 16-bit a, b without an fp32 copy of the product."""
+    """acc(fp32) += a @ b for 16-bit a, b without an fp32 copy of the inputs."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
-    elif a.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
+    elif not a.is_cuda:
         acc.addmm_(a.float(), b.float())
+    else:
+        if _OUT_DTYPE_MM:
+            try:
+                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+                return
+            except (TypeError, RuntimeError, NotImplementedError) as err:
+                _out_dtype_mm_failed(err)
+        acc.add_(a @ b)
 
 
 def _chunk_rows(n: int, v: int, element_size: int) -> int:

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# GPU checks of every component, run where a GPU is lent (one H100/H200; no internet there).
+#
+#   tests/gpu/run_all.sh OUT_DIR          # from anywhere; OUT_DIR gets logs, junit XML and CSVs
+#   SECTIONS="kernels" tests/gpu/run_all.sh OUT_DIR     # only some sections
+#   BENCH_ARGS="--quick" tests/gpu/run_all.sh OUT_DIR   # flags for `bench kernels` (default --quick)
+#
+# The GPU machine has python3 with torch + triton + pytest but not megatron-core/transformers:
+# wheels carried in .whl/ are installed with --no-deps into /tmp/site. The repo is used in place
+# through PYTHONPATH (dapo_megatron from the root; dapo_kernels through a shim folder whose
+# dapo_kernels entry is a symlink to kernels/), so nothing needs building there.
+#
+# Adding a check: copy a section below (one function per landed GPU check), add its name to
+# SECTIONS' default, write its outputs under "$OUT/<name>/". The exit status is non-zero if any
+# section failed; every section runs regardless.
+set -u -o pipefail
+
+OUT=${1:?usage: tests/gpu/run_all.sh OUT_DIR}
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+PY=${PYTHON:-python3}
+SECTIONS=${SECTIONS:-"env kernels"}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$ROOT"
+
+# ---- environment -----------------------------------------------------------------------------
+if compgen -G ".whl/*.whl" > /dev/null; then
+  $PY -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl > "$OUT/pip_wheels.log" 2>&1 \
+    || echo "warning: some carried wheels failed to install (see $OUT/pip_wheels.log)"
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+SHIM=/tmp/dapo_shim
+mkdir -p "$SHIM" && ln -sfn "$ROOT/kernels" "$SHIM/dapo_kernels"
+export PYTHONPATH="$ROOT:$SHIM${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 WANDB_MODE=offline
+unset TRITON_INTERPRET
+
+FAILED=()
+run_section() {  # run_section NAME COMMAND...: log to $OUT/NAME.log, remember failures
+  local name=$1; shift
+  echo "==== $name: $*"
+  if "$@" > "$OUT/$name.log" 2>&1; then echo "---- $name: ok"; else echo "---- $name: FAILED (rc $?)"; FAILED+=("$name"); fi
+  tail -n 30 "$OUT/$name.log"
+}
+
+# ---- section: env (what the machine is) -------------------------------------------------------
+section_env() {
+  run_section env bash -c "nvidia-smi; $PY -c 'import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__); print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0))'"
+}
+
+# ---- section: kernels (issue 3: dapo_kernels) --------------------------------------------------
+section_kernels() {
+  mkdir -p "$OUT/kernels"
+  run_section kernels_tests $PY -m pytest -m gpu tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider \
+    --junitxml="$OUT/kernels/junit.xml"
+  # shellcheck disable=SC2086
+  run_section kernels_bench $PY -m dapo_kernels.bench.run ${BENCH_ARGS:---quick} --csv "$OUT/kernels/results.csv"
+}
+
+for section in $SECTIONS; do
+  "section_$section"
+done
+
+if [ ${#FAILED[@]} -gt 0 ]; then
+  echo "FAILED sections: ${FAILED[*]}"
+  exit 1
+fi
+echo "all sections passed: $SECTIONS"
