@@ -39,6 +39,7 @@ class SyntheticDataConfig:
     num_eval: int = 200
     difficulty: int = 1
     seed: int = 1234
+    style: Literal["dapo", "raw", "compact"] = "dapo"  # compact: "27+58=" prompts for the tiny model
 
 
 @dataclass
@@ -127,6 +128,7 @@ class TrainerConfig:
     output_dir: str = "outputs/run"
     max_nonfinite_in_row: int = 3  # NaN/inf updates skipped before the run stops
     keep_checkpoints: int = 2
+    save_hf: bool = True  # also write each checkpoint as a HF model (checkpoints/step_N/hf) for eval / engines
     wandb_project: str = "dapo-megatron"
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
 

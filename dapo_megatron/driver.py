@@ -1,0 +1,150 @@
+"""What global rank 0 owns in a DAPO run: prompts, rollout engines, the sampler, advantages,
+evaluation and the weight push. Every other rank only runs the actor (train.py).
+
+    driver = Driver(cfg, model_dir=..., run_dir=...)
+    samples, stats = driver.rollout()          # dynamic sampling -> scored, advantage-filled Samples
+    stats = driver.push_weights(actor.iter_hf_weights())   # while the other ranks drain the same iterator
+    scores = driver.evaluate()                 # avg@k / pass@k on the eval set
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from dapo_megatron.algo import group_advantages
+from dapo_megatron.batch import Sample
+from dapo_megatron.config import Config
+from dapo_megatron.data import load_prompts, make_synthetic_task
+from dapo_megatron.data.stream import PromptStream
+from dapo_megatron.evaluate import summarize
+from dapo_megatron.rollout.pool import EnginePool
+from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
+from dapo_megatron.rollout.weight_sync import DistributedWeightSync
+
+
+def load_datasets(cfg: Config) -> tuple[list, list]:
+    """(train, eval) prompt records: files in the DAPO-Math schema, or the synthetic task with a
+    held-out eval split (eval problems that also occur in the train split are dropped)."""
+    d = cfg.data
+    if d.train_path:
+        train = load_prompts(d.train_path, dedup=d.dedup, prompt_template=d.prompt_template)
+        evals = load_prompts(d.eval_path, dedup=False, prompt_template=d.prompt_template) if d.eval_path else []
+        return list(train), list(evals)
+    s = d.synthetic
+    train = make_synthetic_task(s.num_train, difficulty=s.difficulty, seed=s.seed, style=s.style)
+    seen = {r.prompt for r in train}
+    candidates = make_synthetic_task(4 * s.num_eval, difficulty=s.difficulty, seed=s.seed + 1, style=s.style)
+    evals = [r for r in candidates if r.prompt not in seen][: s.num_eval]
+    return train, evals
+
+
+def fill_advantages(groups: list[list[Sample]], *, eps: float) -> None:
+    """A_i = (R_i - mean_g R) / (std_g R + eps) per group (DAPO_SPEC section 4)."""
+    samples = [s for g in groups for s in g]
+    if not samples:
+        return
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    index = torch.tensor([gi for gi, g in enumerate(groups) for _ in g])
+    for sample, adv in zip(samples, group_advantages(rewards, index, eps=eps).tolist()):
+        sample.advantage = adv
+
+
+class Driver:
+    def __init__(self, cfg: Config, *, model_dir: str | Path, run_dir: str | Path, backend: str = "gloo") -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.loop = asyncio.new_event_loop()
+        r = cfg.rollout
+        if r.engine_urls:
+            self.pool = EnginePool(list(r.engine_urls), timeout_s=r.request_timeout_s, max_retries=r.max_retries)
+        else:
+            self.pool = self.loop.run_until_complete(EnginePool.from_registry(
+                str(self.run_dir / "engines"), min_engines=r.num_engines, timeout_s=r.request_timeout_s,
+                max_retries=r.max_retries))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        self.sampler = RolloutSampler(self.pool, self.tokenizer,
+                                      RolloutSettings.from_config(cfg, stop_token_ids=tuple(eos)),
+                                      rid_prefix="train")
+        train, self.eval_records = load_datasets(cfg)
+        self.prompts = PromptStream(train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+        self.weight_sync = DistributedWeightSync(backend=backend, bucket_bytes=r.weight_bucket_mb << 20)
+
+    # --- state carried by checkpoints ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"prompts": self.prompts.state_dict(), "num_requests": self.sampler.num_requests}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.prompts.load_state_dict(state["prompts"])
+        self.sampler.num_requests = int(state["num_requests"])
+
+    # --- one step's data ------------------------------------------------------------------------------
+    def rollout(self) -> tuple[list[Sample], dict[str, float]]:
+        result = self.loop.run_until_complete(
+            self.sampler.collect(self.prompts, train_batch_size=self.cfg.trainer.train_batch_size))
+        fill_advantages(result.groups, eps=self.cfg.algorithm.advantage_eps)
+        samples = result.samples
+        lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+        stats = {f"rollout/{k}": float(v) for k, v in result.stats.items() if isinstance(v, (int, float))}
+        stats.update({
+            "reward/mean": float(torch.tensor([s.reward for s in samples]).mean()) if samples else 0.0,
+            "reward/acc": float(torch.tensor([s.acc for s in samples]).mean()) if samples else 0.0,
+            "response/length_mean": float(lengths.mean()) if samples else 0.0,
+            "response/length_max": float(lengths.max()) if samples else 0.0,
+            "response/clip_ratio": float(sum(s.truncated for s in samples) / max(len(samples), 1)),
+        })
+        return samples, stats
+
+    # --- weights out ----------------------------------------------------------------------------------
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
+        """Send the actor's HF-named tensors to every engine, then admit re-registered engines that
+        were waiting for the current weights."""
+
+        async def run():
+            await self.pool.discover()
+            stats = await self.weight_sync.sync(self.pool.weight_targets(), named_tensors)
+            self.pool.admit(self.pool.pending_urls())
+            return stats
+
+        stats = self.loop.run_until_complete(run())
+        return {"sync/seconds": stats.seconds, "sync/gb": stats.bytes / 1e9, "sync/gb_per_s": stats.gb_per_s,
+                "sync/buckets": float(stats.num_buckets)}
+
+    # --- evaluation -----------------------------------------------------------------------------------
+    def evaluate(self, *, records: list | None = None) -> dict[str, float]:
+        """avg@k and pass@k with the eval sampling settings (trainer.eval_n/eval_temperature/eval_top_p)."""
+        records = self.eval_records if records is None else records
+        if not records:
+            return {}
+        t = self.cfg.trainer
+        params = {"n": t.eval_n, "temperature": t.eval_temperature, "top_p": t.eval_top_p,
+                  "max_new_tokens": self.cfg.rollout.max_response_length,
+                  "stop_token_ids": list(self.sampler.settings.stop_token_ids)}
+
+        async def one(i, record):
+            ids = self.sampler.prompt_ids(record)
+            out = await self.pool.generate(input_ids=ids, rid=f"eval-{i}",
+                                           sampling_params={**params, "sampling_seed": t.seed * 7919 + i})
+            outs = out if isinstance(out, list) else [out]
+            return [float(self.sampler.reward_fn(o["text"], str(record.ground_truth)).acc) for o in outs]
+
+        async def run():
+            return await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
+
+        correct = torch.tensor(self.loop.run_until_complete(run()), dtype=torch.float64)
+        ks = sorted({1, t.eval_n})
+        return {f"eval/{k}": v for k, v in summarize(correct, ks=ks).items()}
+
+    def close(self) -> None:
+        async def run():
+            await self.weight_sync.close(self.pool.live_clients())
+            await self.pool.close()
+
+        self.loop.run_until_complete(run())
+        self.loop.close()
