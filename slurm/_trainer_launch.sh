@@ -68,8 +68,10 @@ while :; do
     kill -0 "$STEP_PID" 2>/dev/null || break
 done
 
-if [ "$REQUEUE_ASKED" = 1 ]; then
-    echo "[$(date -u +%FT%TZ)] trainer exited with $rc after the checkpoint; requeueing $JOB_REF"
+# torchrun exits non-zero after it forwarded a signal; 0 means training finished before the signal
+# reached it, and a finished run is not requeued.
+if [ "$REQUEUE_ASKED" = 1 ] && [ "$rc" != 0 ]; then
+    echo "[$(date -u +%FT%TZ)] ranks checkpointed and exited (torchrun rc $rc); requeueing $JOB_REF"
     scontrol requeue "$JOB_REF"
     exit 0
 fi

@@ -134,7 +134,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={self.munge_socket}
+AuthInfo=socket={self.munge_socket},cred_expire=5
 StateSaveLocation={r / 'state'}
 SlurmdSpoolDir={r / 'spool'}
 SlurmctldPidFile={self.pid_files['slurmctld']}
@@ -173,9 +173,16 @@ PartitionName={self.partition} Nodes=localhost Default=YES MaxTime=INFINITE Stat
                            f"\n{self._log_tail('slurmd')}")
 
     def stop(self) -> None:
-        """Cancel jobs, stop slurmd, slurmctld, munged (by pid file), and check each is gone."""
-        if "slurmctld" in self.started:
+        """Cancel the jobs and wait for them to end, stop slurmd, slurmctld, munged (by pid file), kill
+        any job process that outlived them (they carry our SLURM_CONF), and check that all are gone."""
+        if "slurmctld" in self.started and _pid_alive(self.started["slurmctld"]):
             subprocess.run(["scancel", "--user", str(os.getuid())], env=self.env, capture_output=True, timeout=30)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                out = subprocess.run(["squeue", "-h", "-o", "%i"], env=self.env, capture_output=True, text=True)
+                if out.returncode != 0 or not out.stdout.strip():
+                    break
+                time.sleep(0.3)
         for name in DAEMONS:  # the order matters: slurmd and slurmctld still need munge to shut down
             pid = self.started.get(name)
             if pid is None:
@@ -188,13 +195,37 @@ PartitionName={self.partition} Nodes=localhost Default=YES MaxTime=INFINITE Stat
             if _pid_alive(pid):
                 os.kill(pid, signal.SIGKILL)
                 time.sleep(0.2)
+        for pid in self.job_processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.2)
         left = self.still_running()
         self.started.clear()
         if left:
-            raise RuntimeError(f"daemons still running after stop: {left}")
+            raise RuntimeError(f"processes still running after stop: {left}")
+
+    def job_processes(self) -> list[int]:
+        """Live processes started through this cluster (jobs, slurmstepd): their environment holds our
+        SLURM_CONF. The caller's own process never does (it passes the variable to clients only)."""
+        needle = f"SLURM_CONF={self.conf}".encode()
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                if needle in (entry / "environ").read_bytes().split(b"\0") and _pid_alive(int(entry.name)):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+        return pids
 
     def still_running(self) -> dict[str, int]:
-        return {name: pid for name, pid in self.started.items() if _pid_alive(pid)}
+        """Daemons we started and job processes of this cluster that are still alive (empty: none)."""
+        left = {name: pid for name, pid in self.started.items() if _pid_alive(pid)}
+        left.update({f"job process {pid}": pid for pid in self.job_processes()})
+        return left
 
     def __enter__(self) -> "LocalSlurm":
         return self.start()
