@@ -94,6 +94,7 @@ def _reduce_kernel(part_ptr, out_ptr, num_blocks, BLOCK: tl.constexpr):
 class _PolicyLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logprob, old_logprob, advantages, mask, eps_low, eps_high, clip_ratio_c, loss_denominator):
+        advantages = advantages.expand_as(logprob)  # [B, 1] per-sequence advantages -> per token
         flat = [t.reshape(-1).contiguous() for t in (logprob, old_logprob, advantages)]
         mask_flat = mask.reshape(-1).contiguous()
         if mask_flat.dtype == torch.bool:

@@ -165,9 +165,15 @@ def policy_loss_terms(logprob, old_logprob, advantages, *, eps_low, eps_high, cl
 
 
 def check_policy_loss_args(logprob, old_logprob, advantages, mask, eps_low, eps_high, clip_ratio_c, loss_denominator):
-    for name, t in (("old_logprob", old_logprob), ("advantages", advantages), ("mask", mask)):
+    for name, t in (("old_logprob", old_logprob), ("mask", mask)):
         if t.shape != logprob.shape:
             raise ValueError(f"{name} must have the shape of logprob {tuple(logprob.shape)}; got {tuple(t.shape)}")
+    try:  # per-token advantages, or per-sequence ones as [B, 1]
+        if torch.broadcast_shapes(advantages.shape, logprob.shape) != logprob.shape:
+            raise RuntimeError
+    except RuntimeError:
+        raise ValueError(f"advantages {tuple(advantages.shape)} must have the shape of logprob "
+                         f"{tuple(logprob.shape)} or broadcast to it (e.g. [B, 1])") from None
     if not (0.0 <= eps_low < 1.0) or eps_high < 0.0:
         raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0; got eps_low={eps_low}, eps_high={eps_high}")
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
