@@ -391,7 +391,10 @@ _SLURM_SYNTAX = (  # (key, regex, message)
     ("qos", r"[A-Za-z0-9_.+-]+", "a QOS name (letters, digits, _ . + -)"),
     ("constraint", r"[A-Za-z0-9_.,&|*\[\]()!:+-]+", "a Slurm constraint expression, e.g. h100&ib (no spaces)"),
     ("mem", r"[0-9]+[KMGT]?", "a size like 0 (all), 500G or 64000M"),
-    ("time", r"([0-9]+-)?[0-9]+(:[0-9]+){0,2}|UNLIMITED|INFINITE", "a Slurm time like 48:00:00 or 2-00:00:00"),
+    # a colon or a dash is required: YAML 1.1 reads an unquoted 48:00:00 as the number 172800, which
+    # Slurm would take as minutes
+    ("time", r"[0-9]+-[0-9]+(:[0-9]+){0,2}|[0-9]+(:[0-9]+){1,2}|UNLIMITED|INFINITE",
+     "a Slurm time like \"48:00:00\" or \"2-00:00:00\" (quote it in YAML: unquoted 48:00:00 reads as a number)"),
 )
 
 
