@@ -1,0 +1,264 @@
+"""The embedded default's model: a fixed character-level tokenizer, a tiny Qwen2, and a warm start.
+
+    from dapo_megatron.tiny import prepare_tiny_model
+    path = prepare_tiny_model(output_dir="outputs/tiny_cpu", prompts=[...], answers=[...], seed=42)
+    # -> outputs/tiny_cpu/tiny_model/warm  (HF directory: config.json, model.safetensors, tokenizer)
+
+Nothing is downloaded: the tokenizer is a fixed byte-level vocabulary with no merges (every byte is
+one token, so every digit is its own token, which is what small models need for arithmetic), and the
+model is a randomly initialised Qwen2 from a Qwen2Config. The warm start is a short supervised pass
+(plain torch on the transformers model) on "prompt -> Answer: N<eos>" so that the model emits the
+answer format and gets a fraction of the problems right at temperature 1, leaving room for RL.
+
+Both stages are cached under `<output_dir>/tiny_model/{init,warm}` next to a `build.json` holding
+every argument that shaped them; a second call with the same arguments reuses the directory, a call
+with different arguments rebuilds it. Everything is deterministic from the seed (fp32, one thread
+order of operations on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+PAD, EOS, UNK, USER, ASSISTANT = "<|pad|>", "<|endoftext|>", "<|unk|>", "<|user|>", "<|assistant|>"
+SPECIAL_TOKENS = [PAD, EOS, UNK, USER, ASSISTANT]  # ids 0..4
+# One user turn in, the assistant's text out; a finished assistant turn ends with EOS (the stop token).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}" + ASSISTANT + "{{ m['content'] }}" + EOS + "{% else %}"
+    + USER + "{{ m['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Architecture of the tiny Qwen2 (defaults chosen in docs/LOG.md, 2026-11-22)."""
+
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2  # GQA like Qwen2.5; 2 so that TP=2 splits the KV heads too
+    intermediate_size: int = 256
+    max_position_embeddings: int = 256
+
+    def validate(self) -> None:
+        for name, value in asdict(self).items():
+            if value < 1:
+                raise ValueError(f"tiny model: {name}={value} must be >= 1")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"tiny model: hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"tiny model: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizer
+
+
+def _byte_level_alphabet() -> list[str]:
+    """The 256 symbols byte-level BPE uses for bytes 0..255 (GPT-2 / Qwen2 mapping: ' ' -> 'Ġ')."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    symbol, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            symbol[b] = chr(b)
+        else:
+            symbol[b] = chr(256 + extra)
+            extra += 1
+    return [symbol[b] for b in range(256)]
+
+
+def build_tiny_tokenizer():
+    """Byte-level tokenizer with no merges: every byte (so every digit) is exactly one token.
+
+    It is a Qwen2Tokenizer on purpose: transformers' AutoTokenizer rebuilds any tokenizer of a
+    `qwen2` checkpoint as Qwen2Tokenizer (byte-level, Qwen2's split regex), so a tokenizer of
+    another kind would silently change when the rollout server or the actor reloads it. Vocabulary:
+    5 special tokens (ids 0..4) + 256 byte symbols = 261 ids.
+    """
+    from transformers import Qwen2Tokenizer
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + _byte_level_alphabet())}
+    tok = Qwen2Tokenizer(
+        vocab=vocab, merges=[], unk_token=UNK, eos_token=EOS, pad_token=PAD,
+        additional_special_tokens=[USER, ASSISTANT], padding_side="left",
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def prompt_ids(tokenizer, prompt_text: str) -> list[int]:
+    """Token ids of one user turn followed by the assistant tag (what the engine generates after)."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt_text}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Model
+
+
+def _vocab_size_padded(n: int) -> int:
+    return int(math.ceil(n / 64) * 64)  # 261 -> 320: a multiple that TP=2 (and TP=4) divides
+
+
+def _cache_ok(path: Path, record: dict) -> bool:
+    meta = path / "build.json"
+    if not meta.is_file() or not (path / "model.safetensors").is_file() or not (path / "config.json").is_file():
+        return False
+    try:
+        return json.loads(meta.read_text()) == record
+    except json.JSONDecodeError:
+        return False
+
+
+def _write_atomically(path: Path, record: dict, save) -> Path:
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save(tmp)
+    (tmp / "build.json").write_text(json.dumps(record, indent=1, sort_keys=True))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return path
+
+
+def build_tiny_model(out_dir: str | Path, *, seed: int, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+    """Random-init tiny Qwen2 + tokenizer saved (fp32 safetensors) to `<out_dir>/tiny_model/init`.
+
+    Idempotent: an existing directory built with the same seed and spec is reused.
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    spec.validate()
+    path = Path(out_dir) / "tiny_model" / "init"
+    record = {"stage": "init", "seed": seed, "spec": asdict(spec)}
+    if _cache_ok(path, record):
+        return path
+    tok = build_tiny_tokenizer()
+    config = Qwen2Config(
+        vocab_size=_vocab_size_padded(len(tok)),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=False,  # like Qwen2.5-7B/32B: a separate LM head
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).float()
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+
+    def save(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+
+    return _write_atomically(path, record, save)
+
+
+# --------------------------------------------------------------------------------------------
+# Warm start: supervised pass on the answer format
+
+
+def answer_text(answer: str) -> str:
+    """The response the warm start teaches (and math_dapo parses): `Answer: N`."""
+    return f"Answer: {answer}"
+
+
+def sft_batch(tokenizer, prompts: Sequence[str], answers: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids / labels: loss only on the response tokens and the closing EOS."""
+    rows, labels = [], []
+    for p, a in zip(prompts, answers):
+        p_ids = prompt_ids(tokenizer, p)
+        r_ids = tokenizer.encode(answer_text(a), add_special_tokens=False) + [tokenizer.eos_token_id]
+        rows.append(p_ids + r_ids)
+        labels.append([-100] * len(p_ids) + r_ids)
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id
+    ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows])
+    lab = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    return {"input_ids": ids, "labels": lab, "attention_mask": mask}
+
+
+def warm_start(
+    init_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    prompts: Sequence[str],
+    answers: Sequence[str],
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+) -> Path:
+    """Supervised pass: `steps` AdamW updates on random batches of (prompt, "Answer: N"), cached.
+
+    Returns `<out_dir>/tiny_model/warm`. `steps` is the knob that sets the starting accuracy: too
+    many and RL has nothing left to add, too few and the model does not yet emit the format.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if len(prompts) != len(answers) or not prompts:
+        raise ValueError(f"warm start: need equally many prompts and answers (got {len(prompts)} and {len(answers)})")
+    if steps < 0 or batch_size < 1 or lr <= 0:
+        raise ValueError(f"warm start: steps={steps} (>= 0), batch_size={batch_size} (>= 1), lr={lr} (> 0)")
+    init_dir = Path(init_dir)
+    path = Path(out_dir) / "tiny_model" / "warm"
+    digest = _digest(list(prompts), list(answers))
+    init_record = json.loads((init_dir / "build.json").read_text()) if (init_dir / "build.json").is_file() else {}
+    record = {"stage": "warm", "init": init_record, "data": digest, "steps": steps,
+              "batch_size": batch_size, "lr": lr, "seed": seed}
+    if _cache_ok(path, record):
+        return path
+    tok = AutoTokenizer.from_pretrained(init_dir)
+    model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    warmup = max(1, steps // 10)
+    for step in range(steps):
+        for g in opt.param_groups:  # linear warm-up, then cosine to 10% of lr
+            frac = (step + 1) / warmup if step < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+            g["lr"] = lr * min(1.0, frac)
+        idx = [rng.randrange(len(prompts)) for _ in range(batch_size)]
+        batch = sft_batch(tok, [prompts[i] for i in idx], [answers[i] for i in idx])
+        loss = model(**batch).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    model.eval()
+
+    def save(tmp: Path) -> None:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+
+    return _write_atomically(path, record, save)
+
+
+def _digest(prompts: list[str], answers: list[str]) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for p, a in zip(prompts, answers):
+        h.update(p.encode() + b"\0" + a.encode() + b"\1")
+    return h.hexdigest()[:16]
