@@ -1,0 +1,237 @@
+"""The launcher against a real single-node Slurm on localhost (fixture `slurm_cluster`).
+
+    pytest -m slurm tests/integration/test_slurm_jobs.py
+
+The trainer here is tests/integration/slurm_counter_trainer.py, a STAND-IN for `dapo-megatron train`
+(real torchrun + gloo ranks that count steps and checkpoint a counter, with the trainer's own
+preemption handler), so the launch path is tested in seconds; the rollout engines are the real
+`dapo-megatron serve-rollout`. test_slurm_e2e.py runs the same scripts with the real trainer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dapo_megatron.config import load_config
+from dapo_megatron.launch import submit
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[2]
+STAND_IN = [str(REPO / "tests/integration/slurm_counter_trainer.py")]
+
+# smallest config that validates; 1 CPU per job, no GPUs, ranks per node = actor.world_size
+TINY = {
+    "rollout": {"n": 2, "max_prompt_length": 16, "max_response_length": 16, "engine": "cpu", "gen_batch_size": 2},
+    "algorithm": {"overlong_buffer_length": 4},
+    "actor": {"world_size": 1, "micro_batch_tokens": 64, "attention_backend": "torch", "precision": "fp32"},
+    "trainer": {"total_steps": 2, "train_batch_size": 2, "mini_batch_size": 2},
+    "slurm": {"nodes": 1, "gpus_per_node": 0, "cpus_per_task": 1, "time": "10:00", "signal_seconds": 60,
+              "array_throttle": 1},
+}
+
+
+def write_config(path: Path, output_dir: Path, **sections) -> Path:
+    raw = json.loads(json.dumps(TINY))
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    raw["trainer"]["output_dir"] = str(output_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def cli(slurm, *args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(slurm.env, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "slurm", *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def queue(slurm) -> list[str]:
+    return slurm.run(["squeue", "-h", "-o", "%i"]).stdout.split()
+
+
+def logs(run_dir: Path) -> str:
+    return "\n".join(p.read_text() for p in sorted((run_dir / "slurm" / "logs").glob("*.out")))
+
+
+def test_dry_run_prints_and_submits_nothing(slurm_cluster, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", tmp_path / "run")
+    before = queue(slurm_cluster)
+    out = cli(slurm_cluster, "submit", str(cfg), "--dry-run", "trainer.total_steps=3", "--engines", "2")
+    assert out.returncode == 0, out.stderr
+    assert "#SBATCH --requeue" in out.stdout and "serve-rollout" in out.stdout
+    assert f"# submit: sbatch --parsable --array=0-1 --output={tmp_path}/run/slurm/logs/engines-%A_%a.out" in out.stdout
+    assert "'--dependency=after:<engines job id>'" in out.stdout
+    assert "total_steps: 3" in out.stdout  # the resolved config that would be written
+    assert queue(slurm_cluster) == before
+    assert not (tmp_path / "run").exists()
+
+
+def test_submit_prints_real_job_ids_and_status_shows_them(slurm_cluster, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", tmp_path / "run")
+    out = cli(slurm_cluster, "submit", str(cfg), 'slurm.time="5:00"')
+    assert out.returncode == 0, out.stderr
+    job_id = out.stdout.splitlines()[0].removeprefix("train: ")
+    assert job_id.isdigit()
+    shown = slurm_cluster.run(["scontrol", "-o", "show", "job", job_id]).stdout
+    assert "JobName=dapo-train" in shown
+    assert f"Command={tmp_path}/run/slurm/train.sbatch" in shown and "TimeLimit=00:05:00" in shown
+    jobs = json.loads((tmp_path / "run/slurm/jobs.json").read_text())["jobs"]
+    assert [(j["role"], j["job_id"]) for j in jobs] == [("train", job_id)]
+    slurm_cluster.run(["scancel", job_id])
+    status = cli(slurm_cluster, "status", str(tmp_path / "run"))
+    assert status.returncode == 0, status.stderr
+    (row,) = [line for line in status.stdout.splitlines() if line.startswith("train ")]
+    assert row.split()[1] == job_id
+
+
+def test_sweep_array_runs_each_config_into_its_own_run_dir(slurm_cluster, tmp_path):
+    sweep = tmp_path / "sweep"
+    write_config(sweep / "0_short.yaml", tmp_path / "runs/short", trainer={"total_steps": 2})
+    write_config(sweep / "1_long.yaml", tmp_path / "runs/long", trainer={"total_steps": 3})
+    plan = submit.plan_sweep(sweep, entry=STAND_IN)
+    ids = submit.submit(plan, env=dict(slurm_cluster.env, COUNTER_STEP_SECONDS="0.1"))
+    shown = slurm_cluster.run(["scontrol", "-o", "show", "job", ids["sweep"]]).stdout
+    assert "ArrayTaskThrottle=1" in shown  # slurm.array_throttle -> --array=0-1%1
+    states = slurm_cluster.wait_done([ids["sweep"]], timeout_s=120)
+    assert states == {f"{ids['sweep']}_0": "COMPLETED", f"{ids['sweep']}_1": "COMPLETED"}, logs(plan.run_dir)
+    assert [m["step"] for m in metrics(tmp_path / "runs/short")] == [1, 2]
+    assert [m["step"] for m in metrics(tmp_path / "runs/long")] == [1, 2, 3]
+    assert (tmp_path / "runs/short/DONE").read_text() == "2" and (tmp_path / "runs/long/DONE").read_text() == "3"
+    assert plan.run_dir == tmp_path / "runs/sweep_sweep"
+
+
+def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
+    """Slurm's `--signal=B:USR1@T` is `scancel --batch --signal=USR1` at T seconds before the limit:
+    the trap forwards it to the 2 ranks, they checkpoint and exit, the script requeues the job, and
+    the restart (SLURM_RESTART_COUNT=1) runs with --resume from the checkpoint to the end."""
+    run_dir = tmp_path / "run"
+    cfg = load_config(write_config(tmp_path / "c.yaml", run_dir, trainer={"total_steps": 6},
+                                   actor={"world_size": 2}))
+    job = submit.submit(submit.plan_train(cfg, entry=STAND_IN),
+                        env=dict(slurm_cluster.env, COUNTER_STEP_SECONDS="1"))["train"]
+    deadline = time.monotonic() + 90
+    while len(metrics(run_dir)) < 2:
+        assert time.monotonic() < deadline, logs(run_dir)
+        time.sleep(0.2)
+    slurm_cluster.run(["scancel", "--batch", "--signal=USR1", job])
+    assert slurm_cluster.wait_done([job], timeout_s=150) == {job: "COMPLETED"}, logs(run_dir)
+    shown = slurm_cluster.run(["scontrol", "-o", "show", "job", job]).stdout
+    assert "Restarts=1" in shown
+    steps = [(m["step"], m["restart"], m["rank_sum"]) for m in metrics(run_dir)]
+    first_run = [s for s, restart, _ in steps if restart == 0]
+    k = first_run[-1]
+    assert 2 <= k < 6
+    # every step exactly once: 1..k before the requeue, k+1..6 after it, both ranks in each (1 + 2 = 3)
+    assert steps == [(s, 0, 3) for s in range(1, k + 1)] + [(s, 1, 3) for s in range(k + 1, 7)]
+    text = logs(run_dir)
+    assert "SIGUSR1" in text and f"checkpoint at step {k}" in text and f"resumed from step {k}" in text
+    status = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "slurm", "status", str(run_dir)],
+                            env=slurm_cluster.env, capture_output=True, text=True, timeout=60)
+    assert f"train        {job}" in status.stdout and "COMPLETED" in status.stdout
+    assert '"step": 6' in status.stdout  # the last metrics line
+
+
+def test_malicious_values_are_rendered_inert(slurm_cluster, tmp_path):
+    """Shell syntax in every free-text value that reaches a script: the run works in the literal
+    directory and nothing of it executes."""
+    evil = (f"run; touch {tmp_path}/PWNED1 && $(touch {tmp_path}/PWNED2) `touch {tmp_path}/PWNED3` "
+            f"'q\" $HOME %j")
+    run_dir = tmp_path / evil
+    cfg = load_config(write_config(tmp_path / "c.yaml", run_dir),
+                      [f"model.path=$(touch {tmp_path}/PWNED4); touch {tmp_path}/PWNED5"])
+    ids = submit.submit(submit.plan_train(cfg, engines=1, entry=STAND_IN),
+                        env=dict(slurm_cluster.env, COUNTER_STEP_SECONDS="0.1"))
+    # the engine's model path does not exist: serve-rollout refuses it by name (and runs nothing)
+    slurm_cluster.wait_done([ids["engines"]], timeout_s=90)
+    slurm_cluster.run(["scancel", ids["train"]])
+    slurm_cluster.wait_done([ids["train"]], timeout_s=60)
+    engine_log = logs(run_dir)
+    assert f"--model: no such directory '$(touch {tmp_path}/PWNED4); touch {tmp_path}/PWNED5'" in engine_log
+    # the same directory name with a plain trainer run: it completes inside the literal directory
+    cfg = load_config(write_config(tmp_path / "c2.yaml", run_dir))
+    job = submit.submit(submit.plan_train(cfg, entry=STAND_IN),
+                        env=dict(slurm_cluster.env, COUNTER_STEP_SECONDS="0.1"))["train"]
+    assert slurm_cluster.wait_done([job], timeout_s=90) == {job: "COMPLETED"}, logs(run_dir)
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2]
+    # a `touch` that ran would have made tmp_path/PWNEDi; the only entries are ours (the run directory's
+    # first component is the literal "run; touch ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["c.yaml", "c2.yaml", evil.split("/")[0]])
+    assert not any((tmp_path / f"PWNED{i}").exists() for i in range(1, 6))
+
+
+def test_engine_array_and_trainer_rendezvous_through_the_registry(slurm_cluster, tmp_path):
+    """Two real serve-rollout engines as an array job register in <run_dir>/engines/; the trainer job
+    (after:engines) finds both there, generates on each, finishes, and cancels the engine array.
+    A requeued engine task registers again with a newer started_at."""
+    sys.path.insert(0, str(REPO / "tests/integration"))
+    from rollout_helpers import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path / "model")
+    run_dir = tmp_path / "run"
+    cfg = load_config(write_config(tmp_path / "c.yaml", run_dir, trainer={"total_steps": 4}),
+                      [f"model.path={model}"])
+    # slow steps keep the trainer alive while a replaced engine comes back (~10 s)
+    env = dict(slurm_cluster.env, COUNTER_STEP_SECONDS="8", HF_HUB_OFFLINE="1")
+    plan = submit.plan_train(cfg, engines=2, entry=STAND_IN)
+    ids = submit.submit(plan, env=env)
+    registry = run_dir / "engines"
+    deadline = time.monotonic() + 120
+    while len(list(registry.glob("*.json"))) < 2:
+        assert time.monotonic() < deadline, logs(run_dir)
+        time.sleep(0.3)
+    first = {json.loads(p.read_text())["url"]: json.loads(p.read_text()) for p in registry.glob("*.json")}
+    deadline = time.monotonic() + 120
+    while not metrics(run_dir):  # the trainer has generated on both engines and finished step 1
+        assert time.monotonic() < deadline, logs(run_dir)
+        time.sleep(0.3)
+    # replace engine task 1 while the trainer runs: Slurm requeues it, it serves and registers again
+    slurm_cluster.run(["scontrol", "requeue", f"{ids['engines']}_1"])
+    deadline = time.monotonic() + 120
+    while len(list(registry.glob("*.json"))) < 3:
+        assert time.monotonic() < deadline, logs(run_dir)
+        time.sleep(0.3)
+    assert slurm_cluster.wait_done([ids["train"]], timeout_s=120) == {ids["train"]: "COMPLETED"}, logs(run_dir)
+    assert [(m["step"], m["engines"]) for m in metrics(run_dir)] == [(1, 2), (2, 2), (3, 2), (4, 2)]
+    text = logs(run_dir)
+    assert text.count("generated [") == 2 and all(f"engine {url} generated" in text for url in first)
+    records = [json.loads(p.read_text()) for p in registry.glob("*.json")]
+    newest = max(records, key=lambda r: r["started_at"])
+    assert newest["url"] not in first and newest["started_at"] > max(r["started_at"] for r in first.values())
+    # the trainer cancelled its engines when it finished
+    engine_states = slurm_cluster.wait_done([ids["engines"]], timeout_s=60)
+    assert set(engine_states.values()) == {"CANCELLED"}, engine_states
+    assert f"cancelling the rollout engines (job {ids['engines']})" in text
+
+
+def test_cluster_stop_leaves_nothing_running(tmp_path):
+    """A second cluster: a running job's processes and all three daemons are gone after stop()."""
+    from slurm_cluster import LocalSlurm, missing_binaries
+
+    if missing_binaries():
+        pytest.skip(f"Slurm binaries not installed: {missing_binaries()}")
+    cluster = LocalSlurm(tmp_path / "c2").start()
+    try:
+        job = cluster.sbatch(["-c", "1", "--wrap", "sleep 300"])
+        cluster.wait_state(job, "RUNNING")
+        assert cluster.job_processes()  # slurmstepd and the sleep carry this cluster's SLURM_CONF
+        daemons = dict(cluster.started)
+    finally:
+        cluster.stop()
+    assert cluster.still_running() == {}
+    for pid in daemons.values():
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
