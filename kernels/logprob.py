@@ -59,13 +59,11 @@ def _logits_tile(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_hn, stride_
     """fp32 [BLOCK_N, BLOCK_V] tile of hidden[rows] @ weight[cols].T (row strides given, k stride 1)."""
     acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
-    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_hn
-    w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wv
+    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * stride_hn + offs_k[None, :]
+    b_ptrs = w_ptr + cols.to(tl.int64)[None, :] * stride_wv + offs_k[:, None]
     for k0 in range(0, H, BLOCK_K):
-        ks = k0 + offs_k
-        k_ok = ks < H
-        a = tl.load(h_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_cols + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & (k0 + offs_k[None, :] < H), other=0.0)
+        b = tl.load(b_ptrs, mask=col_ok[None, :] & (k0 + offs_k[:, None] < H), other=0.0)
         if CAST_F32:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -73,6 +71,8 @@ def _logits_tile(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_hn, stride_
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
     return acc
 
 

@@ -1,0 +1,104 @@
+"""Compile every dapo_kernels Triton kernel for Hopper (sm_90) WITHOUT a GPU, and report what the
+compiler did: shared memory, whether the K loop is software-pipelined (multi-buffered cp.async
+tiles), whether wgmma is used, and whether anything spilled to local memory.
+
+    env -u TRITON_INTERPRET python -m dapo_kernels.bench.compile_check            # all configs
+    env -u TRITON_INTERPRET python -m dapo_kernels.bench.compile_check --quick    # one config each
+
+Uses triton's bundled ptxas, so it runs on the CPU machines: a compile-mode error (the
+interpreter accepts some programs the compiler rejects) shows up here before a GPU is lent.
+Arguments get the specializations the JIT gives real launches (16-byte aligned pointers; H, V and
+row strides divisible by 16, as for Qwen shapes); without them no load is vectorized and the
+pipeliner leaves the loop alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+
+
+def _compile(fn, signature: dict, constexprs: dict, divisible: set, *, num_warps: int, num_stages: int):
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in divisible}
+    signature = {**signature, **{k: "constexpr" for k in constexprs}}
+    return triton_compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def _report(kernel) -> dict:
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    buffers = [int(s) for s in re.findall(r"memdesc<(\d+)x\d+x\d+x(?:bf16|f16|f32)", ttgir)]
+    return {
+        "shared_KiB": kernel.metadata.shared // 1024,
+        "stages": max(buffers) if buffers else 1,
+        "wgmma": "wgmma.mma_async" in ptx,
+        "cp_async": len(re.findall(r"cp\.async", ptx)),
+        "local_mem": ".local" in ptx,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one tile configuration per kernel")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: the interpreter decorates kernels that cannot be compiled")
+        return 2
+    from dapo_kernels import logprob
+
+    policy_loss = sys.modules["dapo_kernels.policy_loss"]  # the package attribute is the function
+
+    logprob_div = {"h_ptr", "w_ptr", "tgt_ptr", "stats_ptr", "max_ptr", "logs_ptr", "meanc_ptr", "glp_ptr",
+                   "gent_ptr", "dz_ptr", "V", "H", "stride_hn", "stride_wv", "stride_dzn"}
+    shapes = [(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_V"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+              for c in logprob._hopper_configs(False)]
+    if args.quick:
+        shapes = shapes[:1]
+    rows, failed = [], 0
+    jobs = []
+    for dtype in ("bf16", "fp16", "fp32"):
+        for bn, bv, bk, warps, stages in shapes if dtype == "bf16" else shapes[:1]:
+            tile = {"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk, "CAST_F32": False, "IEEE": dtype == "fp32"}
+            fwd_sig = {"h_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "tgt_ptr": "*i64", "stats_ptr": "*fp32", "N": "i32",
+                       "V": "i32", "H": "i32", "stride_hn": "i32", "stride_wv": "i32", "num_splits": "i32",
+                       "inv_temp": "fp32"}
+            bwd_sig = {"h_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "tgt_ptr": "*i64", "max_ptr": "*fp32",
+                       "logs_ptr": "*fp32", "meanc_ptr": "*fp32", "glp_ptr": "*fp32", "gent_ptr": "*fp32",
+                       "dz_ptr": f"*{dtype}", "N": "i32", "V": "i32", "H": "i32", "stride_hn": "i32",
+                       "stride_wv": "i32", "stride_dzn": "i32", "inv_temp": "fp32"}
+            name = f"{dtype} {bn}x{bv}x{bk} w{warps} s{stages}"
+            jobs.append((f"logprob fwd {name}", logprob._fwd_kernel, fwd_sig, {**tile, "GROUP_N": 8}, logprob_div, warps, stages))
+            jobs.append((f"logprob dlogits {name}", logprob._dlogits_kernel, bwd_sig, {**tile, "HAS_ENT": True},
+                         logprob_div, warps, stages))
+    loss_sig = {"lp_ptr": "*fp32", "old_ptr": "*fp32", "adv_ptr": "*fp32", "mask_ptr": "*u8", "grad_ptr": "*fp32",
+                "part_ptr": "*fp32", "T": "i32", "num_blocks": "i32", "eps_low": "fp32", "eps_high": "fp32",
+                "clip_c": "fp32", "inv_denom": "fp32"}
+    loss_div = {"lp_ptr", "old_ptr", "adv_ptr", "mask_ptr", "grad_ptr", "part_ptr"}
+    jobs.append(("policy_loss fused", policy_loss._fused_kernel, loss_sig, {"HAS_DUAL": True, "BLOCK": 2048}, loss_div, 4, 3))
+    jobs.append(("policy_loss reduce", policy_loss._reduce_kernel, {"part_ptr": "*fp32", "out_ptr": "*fp32",
+                 "num_blocks": "i32"}, {"BLOCK": 1024}, {"part_ptr", "out_ptr"}, 4, 3))
+    for label, fn, sig, consts, div, warps, stages in jobs:
+        start = time.time()
+        try:
+            info = _report(_compile(fn, sig, consts, div, num_warps=warps, num_stages=stages))
+        except Exception as err:  # noqa: BLE001 - report every kernel, then fail
+            failed += 1
+            rows.append({"kernel": label, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"})
+            continue
+        rows.append({"kernel": label, **info, "compile_s": f"{time.time() - start:.1f}"})
+    from dapo_kernels.bench.common import print_table
+
+    print_table(rows, ["kernel", "shared_KiB", "stages", "wgmma", "cp_async", "local_mem", "compile_s", "error"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
