@@ -152,6 +152,23 @@ class SlurmConfig:
 
 
 @dataclass
+class TinyConfig:
+    """The embedded default's model (dapo_megatron.tiny): with `enabled`, a tiny Qwen2 and its tokenizer
+    are built and warm-started under <trainer.output_dir>/tiny_model/ and used instead of model.path."""
+
+    enabled: bool = False
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    warm_start_steps: int = 600  # supervised AdamW steps on the train prompts' "Answer: N"
+    warm_start_batch_size: int = 64
+    warm_start_lr: float = 3e-3
+    label_smoothing: float = 0.1  # sets the warm start's accuracy: ~(1 - eps)^response_tokens
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -160,6 +177,7 @@ class Config:
     actor: ActorConfig = field(default_factory=ActorConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    tiny: TinyConfig = field(default_factory=TinyConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -369,6 +387,8 @@ def validate(cfg: Config) -> None:
     _require(t.max_nonfinite_in_row >= 1, "trainer.max_nonfinite_in_row", t.max_nonfinite_in_row, "must be >= 1")
     _require(bool(t.output_dir), "trainer.output_dir", t.output_dir, "must be a directory path")
 
+    _validate_tiny(cfg)
+
     _require(s.nodes >= 1, "slurm.nodes", s.nodes, "must be >= 1")
     _require(s.gpus_per_node >= 0, "slurm.gpus_per_node", s.gpus_per_node, "must be >= 0")
     _require(s.signal_seconds >= 0, "slurm.signal_seconds", s.signal_seconds, "must be >= 0")
@@ -396,6 +416,28 @@ _SLURM_SYNTAX = (  # (key, regex, message)
     ("time", r"[0-9]+-[0-9]+(:[0-9]+){0,2}|[0-9]+(:[0-9]+){1,2}|UNLIMITED|INFINITE",
      "a Slurm time like \"48:00:00\" or \"2-00:00:00\" (quote it in YAML: unquoted 48:00:00 reads as a number)"),
 )
+
+
+def _validate_tiny(cfg: Config) -> None:
+    tn = cfg.tiny
+    if not tn.enabled:
+        return
+    _require(not cfg.model.path, "model.path", cfg.model.path,
+             "leave it empty with tiny.enabled=true (the tiny model is built under trainer.output_dir)")
+    _require(not cfg.data.train_path, "data.train_path", cfg.data.train_path,
+             "leave it empty with tiny.enabled=true (the tiny model warm-starts on the synthetic task)")
+    for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                "warm_start_batch_size"):
+        _require(getattr(tn, key) >= 1, f"tiny.{key}", getattr(tn, key), "must be >= 1")
+    _require(tn.hidden_size % tn.num_heads == 0, "tiny.hidden_size", tn.hidden_size,
+             f"must be a multiple of tiny.num_heads ({tn.num_heads})")
+    _require(tn.num_heads % tn.num_kv_heads == 0, "tiny.num_heads", tn.num_heads,
+             f"must be a multiple of tiny.num_kv_heads ({tn.num_kv_heads})")
+    _require(tn.num_kv_heads % cfg.actor.tp == 0, "tiny.num_kv_heads", tn.num_kv_heads,
+             f"must be a multiple of actor.tp ({cfg.actor.tp}): tensor parallelism splits the KV heads")
+    _require(tn.warm_start_steps >= 0, "tiny.warm_start_steps", tn.warm_start_steps, "must be >= 0")
+    _require(tn.warm_start_lr > 0, "tiny.warm_start_lr", tn.warm_start_lr, "must be > 0")
+    _require(0 <= tn.label_smoothing < 1, "tiny.label_smoothing", tn.label_smoothing, "must be in [0, 1)")
 
 
 # --------------------------------------------------------------------------------------------
