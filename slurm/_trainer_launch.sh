@@ -49,6 +49,14 @@ on_term() {
 trap on_usr1 USR1
 trap on_term TERM
 
+# Colocated rollout engines (rollout.placement=colocated): this node's share of rollout.num_engines,
+# started in the trainer's own allocation (srun --overlap: the same nodes and GPUs) and registering
+# in <output_dir>/engines/ for the driver's engine pool. A no-op for disaggregated engines (the
+# rollout array job) and fixed rollout.engine_urls. Stopped when the trainer exits.
+srun --overlap --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 \
+    "$PYTHON" -m dapo_megatron.launch.colocated "$CONFIG" &
+ENGINES_STEP=$!
+
 echo "[$(date -u +%FT%TZ)] job $JOB_REF restart ${SLURM_RESTART_COUNT:-0}: $NNODES node(s) x $NPROC_PER_NODE rank(s)," \
      "rendezvous $MASTER_ADDR:$MASTER_PORT, config $CONFIG"
 # torchrun waits SHUTDOWN_S after forwarding a signal before it kills the ranks: the time they
@@ -67,6 +75,8 @@ while :; do
     rc=$?
     kill -0 "$STEP_PID" 2>/dev/null || break
 done
+
+kill -TERM "$ENGINES_STEP" 2>/dev/null && wait "$ENGINES_STEP"
 
 # torchrun exits non-zero after it forwarded a signal; 0 means training finished before the signal
 # reached it, and a finished run is not requeued.

@@ -30,7 +30,9 @@ STAND_IN = [str(REPO / "tests/integration/slurm_counter_trainer.py")]
 
 # smallest config that validates; 1 CPU per job, no GPUs, ranks per node = actor.world_size
 TINY = {
-    "rollout": {"n": 2, "max_prompt_length": 16, "max_response_length": 16, "engine": "cpu", "gen_batch_size": 2},
+    # the stand-in trainer talks to no engine: a fixed URL keeps train.sbatch from starting colocated ones
+    "rollout": {"n": 2, "max_prompt_length": 16, "max_response_length": 16, "engine": "cpu", "gen_batch_size": 2,
+                "engine_urls": ["http://127.0.0.1:9"]},
     "algorithm": {"overlong_buffer_length": 4},
     "actor": {"world_size": 1, "micro_batch_tokens": 64, "attention_backend": "torch", "precision": "fp32"},
     "trainer": {"total_steps": 2, "train_batch_size": 2, "mini_batch_size": 2},
@@ -153,7 +155,7 @@ def test_malicious_values_are_rendered_inert(slurm_cluster, tmp_path):
             f"'q\" $HOME %j")
     run_dir = tmp_path / evil
     cfg = load_config(write_config(tmp_path / "c.yaml", run_dir),
-                      [f"model.path=$(touch {tmp_path}/PWNED4); touch {tmp_path}/PWNED5"])
+                      [f"model.path=$(touch {tmp_path}/PWNED4); touch {tmp_path}/PWNED5", "rollout.engine_urls=[]"])
     ids = submit.submit(submit.plan_train(cfg, engines=1, entry=STAND_IN),
                         env=dict(slurm_cluster.env, COUNTER_STEP_SECONDS="0.1"))
     # the engine's model path does not exist: serve-rollout refuses it by name (and runs nothing)
@@ -184,7 +186,7 @@ def test_engine_array_and_trainer_rendezvous_through_the_registry(slurm_cluster,
     model = make_tiny_checkpoint(tmp_path / "model")
     run_dir = tmp_path / "run"
     cfg = load_config(write_config(tmp_path / "c.yaml", run_dir, trainer={"total_steps": 4}),
-                      [f"model.path={model}"])
+                      [f"model.path={model}", "rollout.engine_urls=[]"])
     # slow steps keep the trainer alive while a replaced engine comes back (~10 s)
     env = dict(slurm_cluster.env, COUNTER_STEP_SECONDS="8", HF_HUB_OFFLINE="1")
     plan = submit.plan_train(cfg, engines=2, entry=STAND_IN)

@@ -1,0 +1,142 @@
+"""Start this node's share of the colocated rollout engines inside the trainer's Slurm allocation.
+
+    srun --overlap --ntasks-per-node=1 python -m dapo_megatron.launch.colocated CONFIG   # slurm/_trainer_launch.sh
+
+With rollout.placement=colocated (and no fixed rollout.engine_urls) the engines share the trainer's
+nodes: rollout.num_engines / slurm.nodes engines per node, registering in <run_dir>/engines/ where
+the driver's engine pool finds them, exactly as disaggregated engines do.
+  sglang: engine i of a node uses GPUs [i*engine_tp, (i+1)*engine_tp) with --colocate (SGLang's
+          memory saver: it releases its memory while the actor trains), on a free port;
+  cpu:    `dapo-megatron serve-rollout` on the node's Slurm address, port chosen by the server.
+A config without colocated engines makes this a no-op (exit 0). Registrations this node left from an
+earlier incarnation of the job (a requeue) are removed first: those servers are gone. The process
+waits for its engines and stops them all on SIGTERM (the batch script sends it when training ends).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dapo_megatron.config import Config, load_config
+
+
+def node_address() -> str:
+    """The address other nodes reach this one by: Slurm's NodeAddr for it, else the host name."""
+    name = os.environ.get("SLURMD_NODENAME", "")
+    if name:
+        try:
+            out = subprocess.run(["scontrol", "show", "node", name, "-o"], capture_output=True, text=True,
+                                 timeout=30).stdout
+            for part in out.split():
+                if part.startswith("NodeAddr="):
+                    return part.split("=", 1)[1]
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    return socket.getfqdn()
+
+
+def engines_per_node(cfg: Config) -> int:
+    r, s = cfg.rollout, cfg.slurm
+    if r.num_engines % s.nodes:
+        raise ValueError(f"config key 'rollout.num_engines': {r.num_engines} colocated engines do not spread "
+                         f"evenly over slurm.nodes={s.nodes}")
+    per_node = r.num_engines // s.nodes
+    if r.engine == "sglang" and per_node * r.engine_tp > s.gpus_per_node:
+        raise ValueError(f"config key 'rollout.num_engines': {per_node} engines x engine_tp {r.engine_tp} per node "
+                         f"need more than slurm.gpus_per_node={s.gpus_per_node} GPUs")
+    return per_node
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def engine_commands(cfg: Config, *, host: str, python: str = sys.executable) -> list[list[str]]:
+    """The argv of every engine this node starts."""
+    r, per_node = cfg.rollout, engines_per_node(cfg)
+    register_dir = str(Path(cfg.trainer.output_dir) / "engines")
+    node_id = int(os.environ.get("SLURM_NODEID", "0"))
+    cmds = []
+    for i in range(per_node):
+        seed = str(cfg.trainer.seed + node_id * per_node + i)
+        if r.engine == "sglang":
+            cmds.append([python, "-m", "dapo_megatron.rollout.sglang_launcher", "--model", cfg.model.path,
+                         "--tp", str(r.engine_tp), "--mem-fraction", str(r.mem_fraction_static), "--colocate",
+                         "--seed", seed, "--host", "0.0.0.0", "--port", str(_free_port()),
+                         "--base-gpu-id", str(i * r.engine_tp), "--register-dir", register_dir])
+        else:
+            threads = max(1, cfg.slurm.cpus_per_task // max(per_node, 1) // 2)  # the actor needs CPUs too
+            cmds.append([python, "-m", "dapo_megatron.cli", "serve-rollout", "--model", cfg.model.path,
+                         "--host", host, "--port", "0", "--seed", seed, "--threads", str(threads),
+                         "--register-dir", register_dir])
+    return cmds
+
+
+def remove_stale_registrations(register_dir: Path, host: str) -> list[Path]:
+    """This node's registrations from before this job incarnation: their servers no longer exist."""
+    removed = []
+    for path in sorted(register_dir.glob("*.json")) if register_dir.is_dir() else []:
+        try:
+            rec = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if rec.get("host") in (host, socket.getfqdn()):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) < 1:
+        print("usage: python -m dapo_megatron.launch.colocated CONFIG [key=value ...]", file=sys.stderr)
+        return 2
+    cfg = load_config(argv[0], argv[1:])
+    if cfg.rollout.placement != "colocated" or cfg.rollout.engine_urls:
+        return 0
+    if not cfg.model.path:
+        raise ValueError("config key 'model.path': colocated engines need the model directory they serve")
+    host = node_address()
+    register_dir = Path(cfg.trainer.output_dir) / "engines"
+    for path in remove_stale_registrations(register_dir, host):
+        print(f"[colocated] removed stale registration {path.name}", flush=True)
+    procs = [subprocess.Popen(cmd, start_new_session=True) for cmd in engine_commands(cfg, host=host)]
+    print(f"[colocated] node {os.environ.get('SLURM_NODEID', '0')} ({host}): {len(procs)} "
+          f"{cfg.rollout.engine} engine(s) registering in {register_dir}", flush=True)
+    stopping = []
+
+    def stop(signum, frame):
+        stopping.append(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while not stopping and any(p.poll() is None for p in procs):
+        time.sleep(0.5)
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        raise SystemExit(main())
+    except ValueError as err:
+        print(f"colocated engines: error: {err}", file=sys.stderr)
+        raise SystemExit(2)
