@@ -208,30 +208,41 @@ def warm_start(
     batch_size: int,
     lr: float,
     seed: int,
+    label_smoothing: float = 0.0,
 ) -> Path:
     """Supervised pass: `steps` AdamW updates on random batches of (prompt, "Answer: N"), cached.
 
-    Returns `<out_dir>/tiny_model/warm`. `steps` is the knob that sets the starting accuracy: too
-    many and RL has nothing left to add, too few and the model does not yet emit the format.
+    Returns `<out_dir>/tiny_model/warm`. `label_smoothing` (eps) is the knob that sets the starting
+    accuracy, not `steps`: stopping the supervised pass early lands anywhere between 4% and 66%
+    (docs/LOG.md: the model learns carrying in a sudden jump whose step moves with the schedule),
+    while a converged pass with smoothed targets is calibrated to put 1 - eps on the right token
+    and eps spread over the other real tokens. A response of L tokens is then right with
+    probability ~(1 - eps)^L at temperature 1: eps = 0.1, L = 11 ("Answer: 85" + EOS) -> 0.31.
+    RL's job is to make the model sure of what it knows (and every error it samples is a plain
+    token slip, never an unknown id: the padded vocabulary rows get no smoothing mass).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if len(prompts) != len(answers) or not prompts:
         raise ValueError(f"warm start: need equally many prompts and answers (got {len(prompts)} and {len(answers)})")
-    if steps < 0 or batch_size < 1 or lr <= 0:
-        raise ValueError(f"warm start: steps={steps} (>= 0), batch_size={batch_size} (>= 1), lr={lr} (> 0)")
+    if steps < 0 or batch_size < 1 or lr <= 0 or not 0 <= label_smoothing < 1:
+        raise ValueError(f"warm start: steps={steps} (>= 0), batch_size={batch_size} (>= 1), lr={lr} (> 0), "
+                         f"label_smoothing={label_smoothing} (in [0, 1))")
     init_dir = Path(init_dir)
     path = Path(out_dir) / "tiny_model" / "warm"
     digest = _digest(list(prompts), list(answers))
     init_record = json.loads((init_dir / "build.json").read_text()) if (init_dir / "build.json").is_file() else {}
     record = {"stage": "warm", "init": init_record, "data": digest, "steps": steps,
-              "batch_size": batch_size, "lr": lr, "seed": seed}
+              "batch_size": batch_size, "lr": lr, "seed": seed, "label_smoothing": label_smoothing}
     if _cache_ok(path, record):
         return path
     tok = AutoTokenizer.from_pretrained(init_dir)
     model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    # smoothing mass goes to the tokens a response can hold (bytes and EOS), not to pad / chat tags /
+    # the unused rows 261..319 of the padded vocabulary
+    smooth_ids = torch.tensor([i for i in range(len(tok)) if i == tok.eos_token_id or i >= len(SPECIAL_TOKENS)])
     rng = random.Random(seed)
     torch.manual_seed(seed)
     warmup = max(1, steps // 10)
@@ -241,7 +252,8 @@ def warm_start(
             g["lr"] = lr * min(1.0, frac)
         idx = [rng.randrange(len(prompts)) for _ in range(batch_size)]
         batch = sft_batch(tok, [prompts[i] for i in idx], [answers[i] for i in idx])
-        loss = model(**batch).loss
+        loss = smoothed_nll(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+                            batch["labels"], eps=label_smoothing, smooth_ids=smooth_ids)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -255,6 +267,21 @@ def warm_start(
     return _write_atomically(path, record, save)
 
 
+def smoothed_nll(logits: torch.Tensor, labels: torch.Tensor, *, eps: float, smooth_ids: torch.Tensor) -> torch.Tensor:
+    """Mean over labelled tokens of (1 - eps) * -log p(target) + eps * mean_{j in smooth_ids} -log p(j).
+
+    logits [B, T, V] predict labels shifted by one (labels[:, t + 1]); -100 marks unlabelled tokens.
+    The minimiser is p(target) = 1 - eps + eps / |S| and eps / |S| on every other id of S.
+    """
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    target = labels[:, 1:]
+    keep = target != -100
+    nll = -logp.gather(-1, target.clamp(min=0)[..., None])[..., 0]
+    uniform = -logp[..., smooth_ids].mean(dim=-1)
+    per_token = (1.0 - eps) * nll + eps * uniform
+    return per_token[keep].mean()
+
+
 def _digest(prompts: list[str], answers: list[str]) -> str:
     import hashlib
 
@@ -262,3 +289,50 @@ def _digest(prompts: list[str], answers: list[str]) -> str:
     for p, a in zip(prompts, answers):
         h.update(p.encode() + b"\0" + a.encode() + b"\1")
     return h.hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# The embedded default, from a Config
+
+
+def synthetic_train_eval(*, num_train: int, num_eval: int, difficulty: int, seed: int, style: str):
+    """Train and held-out eval PromptRecords of the synthetic task; no eval prompt occurs in train.
+
+    Train is make_synthetic_task(num_train, seed=seed); eval draws from seed + 1 and skips prompts
+    the train set holds (level 2 has 90 * 90 = 8100 distinct problems: 2000 train prompts cover
+    ~22% of them, so an unfiltered eval set would be ~22% memorisable).
+    """
+    from dapo_megatron.data.synthetic import make_synthetic_task
+
+    train = make_synthetic_task(num_train, difficulty=difficulty, seed=seed, style=style)
+    seen = {r.prompt for r in train}
+    held, draw = [], num_eval
+    while len(held) < num_eval:
+        pool = [r for r in make_synthetic_task(draw, difficulty=difficulty, seed=seed + 1, style=style) if r.prompt not in seen]
+        held = pool[:num_eval]
+        if draw > 64 * max(num_eval, 1):
+            raise ValueError(f"data.synthetic: cannot draw {num_eval} eval problems outside the {num_train} train "
+                             f"problems at difficulty {difficulty}; lower data.synthetic.num_eval or num_train")
+        draw *= 2
+    return train, held
+
+
+def prepare_tiny_model(cfg) -> str:
+    """Build (or reuse) `<trainer.output_dir>/tiny_model/warm` from cfg.tiny and the synthetic train set.
+
+    Returns the HF directory to use as model.path (actor, rollout engines and eval all load it).
+    """
+    tn, syn = cfg.tiny, cfg.data.synthetic
+    if not tn.enabled:
+        raise ValueError("prepare_tiny_model: tiny.enabled is false (set model.path instead)")
+    spec = TinyModelSpec(hidden_size=tn.hidden_size, num_layers=tn.num_layers, num_heads=tn.num_heads,
+                         num_kv_heads=tn.num_kv_heads, intermediate_size=tn.intermediate_size,
+                         max_position_embeddings=max(256, cfg.rollout.max_prompt_length + cfg.rollout.max_response_length))
+    init = build_tiny_model(cfg.trainer.output_dir, seed=cfg.trainer.seed, spec=spec)
+    train, _ = synthetic_train_eval(num_train=syn.num_train, num_eval=syn.num_eval, difficulty=syn.difficulty,
+                                    seed=syn.seed, style=syn.style)
+    warm = warm_start(init, cfg.trainer.output_dir, prompts=[r.prompt for r in train],
+                      answers=[r.ground_truth for r in train], steps=tn.warm_start_steps,
+                      batch_size=tn.warm_start_batch_size, lr=tn.warm_start_lr, seed=cfg.trainer.seed,
+                      label_smoothing=tn.label_smoothing)
+    return str(warm)

@@ -1,0 +1,110 @@
+"""metrics.py: JSONL round trip, console table, resume truncation, wandb offline files, PNG curves."""
+
+import io
+
+import pytest
+import torch
+
+from dapo_megatron.metrics import (
+    MetricsLogger, build_figure, format_header, format_row, plot_main, plot_run, read_jsonl,
+)
+
+
+def _steps():
+    return [
+        {"reward/mean": -0.5, "acc/mean": 0.25, "response_length/mean": 11.5, "actor/grad_norm": torch.tensor(0.75)},
+        {"reward/mean": 0.0, "acc/mean": 0.5, "response_length/mean": 11.0, "actor/grad_norm": 0.5,
+         "eval/avg@k": 0.625, "eval/pass@k": 0.875},
+        {"reward/mean": 0.5, "acc/mean": 0.75, "response_length/mean": 10.5, "actor/grad_norm": float("nan")},
+    ]
+
+
+def test_jsonl_round_trip_and_console(tmp_path):
+    out = io.StringIO()
+    logger = MetricsLogger(tmp_path, wandb_mode="disabled", console=out)
+    for step, m in enumerate(_steps(), start=1):
+        logger.log(step, m)
+    logger.close(plot=False)
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[0] == {"step": 1, "reward/mean": -0.5, "acc/mean": 0.25, "response_length/mean": 11.5,
+                          "actor/grad_norm": 0.75}  # the 0-dim tensor became a float
+    assert records[1]["eval/avg@k"] == 0.625
+    assert records[2]["actor/grad_norm"] == "nan"  # JSON has no NaN: kept visible as a string
+    lines = out.getvalue().splitlines()
+    # a header, then rows; step 2 adds the eval column, so a new header precedes it
+    assert lines[0].split() == ["step", "reward", "acc", "len", "gnorm"]
+    assert lines[1].split() == ["1", "-0.500", "0.250", "11.5", "0.75"]
+    assert lines[2].split() == ["step", "reward", "acc", "eval", "len", "gnorm"]
+    assert lines[3].split() == ["2", "+0.000", "0.500", "0.625", "11.0", "0.50"]
+    assert lines[-1].split() == ["3", "+0.500", "0.750", "10.5", "nan"]
+
+
+def test_format_row_missing_value_is_dash():
+    keys = ["reward/mean", "acc/mean"]
+    assert format_header(keys).split() == ["step", "reward", "acc"]
+    assert format_row(7, {"reward/mean": 0.125}, keys).split() == ["7", "+0.125", "-"]
+
+
+def test_resume_drops_steps_after_checkpoint(tmp_path):
+    logger = MetricsLogger(tmp_path, wandb_mode="disabled", console=None)
+    for step in range(1, 5):
+        logger.log(step, {"acc/mean": step / 10})
+    logger.close(plot=False)
+    # the run stopped after writing step 4 but its last checkpoint is step 2
+    logger = MetricsLogger(tmp_path, wandb_mode="disabled", console=None, resume_step=2)
+    logger.log(3, {"acc/mean": 0.33})
+    logger.close(plot=False)
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["acc/mean"]) for r in records] == [(1, 0.1), (2, 0.2), (3, 0.33)]
+    # a fresh (not resumed) run in the same directory starts a new file
+    MetricsLogger(tmp_path, wandb_mode="disabled", console=None).close(plot=False)
+    assert read_jsonl(tmp_path / "metrics.jsonl") == []
+
+
+def test_read_jsonl_names_bad_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "acc/mean": 0.5}\n{"step": 2, "acc/mean": \n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not valid JSON"):
+        read_jsonl(path)
+
+
+def test_wandb_offline_writes_run_files(tmp_path):
+    logger = MetricsLogger(tmp_path, wandb_mode="offline", wandb_project="test", config={"trainer": {"lr": 1e-3}},
+                           console=None)
+    logger.log(1, {"acc/mean": 0.25})
+    logger.log(2, {"acc/mean": 0.5})
+    logger.close(plot=False)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1  # under the run directory, ready for `wandb sync`
+    (log,) = runs[0].glob("run-*.wandb")  # wandb's record log: history rows hold key and JSON value
+    data = log.read_bytes()
+    assert b"acc/mean" in data and b"0.25" in data and b"0.5" in data
+
+
+def test_png_has_the_logged_series(tmp_path):
+    logger = MetricsLogger(tmp_path, wandb_mode="disabled", console=None)
+    for step, m in enumerate(_steps(), start=1):
+        logger.log(step, m)
+    png = logger.close()  # close() writes curves.png
+    assert png == tmp_path / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    fig = build_figure(read_jsonl(tmp_path / "metrics.jsonl"))
+    panels = {ax.get_title(): ax for ax in fig.axes}
+    assert set(panels) == {"accuracy", "reward", "response length"}  # panels without data are left out
+    lines = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in panels["accuracy"].get_lines()}
+    assert lines["train acc"] == ([1, 2, 3], [0.25, 0.5, 0.75])
+    assert lines["eval avg@k"] == ([2], [0.625])
+    assert lines["eval pass@k"] == ([2], [0.875])
+    reward = panels["reward"].get_lines()[0]
+    assert list(reward.get_ydata()) == [-0.5, 0.0, 0.5]
+
+    out = tmp_path / "other.png"
+    assert plot_main([str(tmp_path), "--out", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_without_metrics_raises(tmp_path):
+    with pytest.raises(ValueError, match="no metrics file"):
+        plot_run(tmp_path)
