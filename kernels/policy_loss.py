@@ -15,7 +15,8 @@ Gradient, with torch's conventions (max/min split ties in half, clamp passes its
     dl/dlogp = dl/dr * r * [|d| <= 20],  grad = mask * dl/dlogp / loss_denominator.
 Stage 1 (`_fused_kernel`): one program per BLOCK tokens writes the gradient and 8 per-block partial
 sums [sum mask*l, sum mask, low, high, dual, kl, sum mask*r, max r]. Stage 2 (`_reduce_kernel`):
-one program per statistic walks the partials in a fixed order. No atomics: bit-identical reruns.
+one program walks the partials in a fixed order and writes the loss and the 7 stats. No atomics:
+bit-identical reruns; two launches per call (backward: one multiply by the upstream gradient).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .reference import POLICY_LOSS_STAT_KEYS, check_policy_loss_args
 
 _NUM_PARTIALS = 8  # sum_l, num_tokens, clip_low, clip_high, dual, kl, ratio_sum, ratio_max
 _BLOCK = 64 if INTERPRET else 2048
-_REDUCE_BLOCK = 64 if INTERPRET else 1024
+_REDUCE_BLOCK = 64 if INTERPRET else 512
 
 
 @triton.jit
@@ -78,17 +79,34 @@ def _fused_kernel(lp_ptr, old_ptr, adv_ptr, mask_ptr, grad_ptr, part_ptr, T, num
 
 
 @triton.jit
-def _reduce_kernel(part_ptr, out_ptr, num_blocks, BLOCK: tl.constexpr):
-    # Program k reduces statistic k; row 7 (ratio max) takes a max, the others a sum. The loop
-    # order and the final tl.sum tree are fixed, so the result is the same bit for bit every run.
-    k = tl.program_id(0)
+def _pick(vec, rows, i):
+    return tl.sum(tl.where(rows == i, vec, 0.0), axis=0)  # element i of a small vector (adds zeros: exact)
+
+
+@triton.jit
+def _reduce_kernel(part_ptr, loss_ptr, stats_ptr, num_blocks, loss_denominator, BLOCK: tl.constexpr):
+    # One program walks the [8, num_blocks] partials in a fixed order (then a fixed tl.sum tree),
+    # so reruns are bit-identical, and finishes the statistics here: no extra launches.
+    rows = tl.arange(0, 8)
     offs = tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    acc_sum = tl.zeros([8, BLOCK], dtype=tl.float32)
+    acc_max = tl.zeros([8, BLOCK], dtype=tl.float32)  # ratios are > 0: 0 is a safe identity
     for b0 in range(0, num_blocks, BLOCK):
-        x = tl.load(part_ptr + k * num_blocks + b0 + offs, mask=b0 + offs < num_blocks, other=0.0)
-        acc = tl.where(k == 7, tl.maximum(acc, x), acc + x)
-    total = tl.where(k == 7, tl.max(acc, axis=0), tl.sum(acc, axis=0))
-    tl.store(out_ptr + k, total)
+        ok = b0 + offs < num_blocks
+        x = tl.load(part_ptr + rows[:, None] * num_blocks + b0 + offs[None, :], mask=ok[None, :], other=0.0)
+        acc_sum += x
+        acc_max = tl.maximum(acc_max, x)
+    sums = tl.sum(acc_sum, axis=1)
+    num = _pick(sums, rows, 1)
+    denom = tl.maximum(num, 1.0)  # means are 0 when nothing is masked in
+    tl.store(loss_ptr, _pick(sums, rows, 0) / loss_denominator)
+    tl.store(stats_ptr + 0, _pick(sums, rows, 2) / denom)  # clipfrac_low
+    tl.store(stats_ptr + 1, _pick(sums, rows, 3) / denom)  # clipfrac_high
+    tl.store(stats_ptr + 2, _pick(sums, rows, 4) / denom)  # dualclip_frac
+    tl.store(stats_ptr + 3, _pick(sums, rows, 5) / denom)  # approx_kl
+    tl.store(stats_ptr + 4, _pick(sums, rows, 6) / denom)  # ratio_mean
+    tl.store(stats_ptr + 5, _pick(tl.max(acc_max, axis=1), rows, 7))  # ratio_max
+    tl.store(stats_ptr + 6, num)  # num_tokens
 
 
 class _PolicyLoss(torch.autograd.Function):
@@ -107,14 +125,15 @@ class _PolicyLoss(torch.autograd.Function):
         _fused_kernel[(num_blocks,)](*flat, mask_flat, grad, partials, num, num_blocks, float(eps_low),
                                     float(eps_high), float(clip_ratio_c) if has_dual else 0.0,
                                     1.0 / loss_denominator, HAS_DUAL=has_dual, BLOCK=_BLOCK)
-        sums = torch.empty(_NUM_PARTIALS, device=grad.device, dtype=torch.float32)
-        _reduce_kernel[(_NUM_PARTIALS,)](partials, sums, num_blocks, BLOCK=_REDUCE_BLOCK)
+        loss = torch.empty((), device=grad.device, dtype=torch.float32)
+        stats = torch.empty(len(POLICY_LOSS_STAT_KEYS), device=grad.device, dtype=torch.float32)
+        _reduce_kernel[(1,)](partials, loss, stats, num_blocks, loss_denominator, BLOCK=_REDUCE_BLOCK)
         ctx.save_for_backward(grad.view(logprob.shape))
-        ctx.mark_non_differentiable(sums)
-        return sums[0] / loss_denominator, sums
+        ctx.mark_non_differentiable(stats)
+        return loss, stats
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_sums):
+    def backward(ctx, grad_loss, _grad_stats):
         (grad,) = ctx.saved_tensors
         return grad * grad_loss, None, None, None, None, None, None, None
 
@@ -136,9 +155,6 @@ def policy_loss(
     the dual clip. CUDA tensors, or CPU tensors under TRITON_INTERPRET=1; else RuntimeError."""
     check_policy_loss_args(logprob, old_logprob, advantages, mask, eps_low, eps_high, clip_ratio_c, loss_denominator)
     require_runnable(logprob, old_logprob, advantages, mask, op="policy_loss")
-    loss, sums = _PolicyLoss.apply(logprob, old_logprob, advantages, mask, eps_low, eps_high, clip_ratio_c,
-                                   float(loss_denominator))
-    num = sums[1]
-    denom = num.clamp(min=1.0)
-    values = (sums[2] / denom, sums[3] / denom, sums[4] / denom, sums[5] / denom, sums[6] / denom, sums[7], num)
-    return loss, dict(zip(POLICY_LOSS_STAT_KEYS, values))
+    loss, stats = _PolicyLoss.apply(logprob, old_logprob, advantages, mask, eps_low, eps_high, clip_ratio_c,
+                                    float(loss_denominator))
+    return loss, dict(zip(POLICY_LOSS_STAT_KEYS, stats.unbind(0)))

@@ -18,12 +18,13 @@ peak extra memory (GB above the inputs).
 from __future__ import annotations
 
 import argparse
+import re
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from dapo_kernels import linear_logprob_entropy, linear_logprob_entropy_reference
-from dapo_kernels.bench.common import CsvWriter, bf16_matmul_tflops, is_oom, print_table, time_cuda
+from dapo_kernels.bench.common import CsvWriter, PeakMemory, bf16_matmul_tflops, is_oom, print_table, time_calls
 
 MODELS = {"7b": (3584, 152064), "32b": (5120, 152064)}  # Qwen2.5: (hidden, vocab)
 PROVIDERS = ("fused", "torch", "chunked", "liger")
@@ -72,16 +73,16 @@ def make_call(provider: str, hidden, weight, targets, *, backward: bool):
     return run
 
 
-def bench_shape(out: CsvWriter, table: list, *, n, h, v, tp, providers, modes, repeats):
+def bench_shape(out: CsvWriter, table: list, *, n, h, v, tp, providers, modes, repeats, device="cuda"):
     x = f"N={n},H={h},V={v},tp={tp}"
     v_local = v // tp
-    matmul = bf16_matmul_tflops(n, h, v_local, repeats=repeats)
+    matmul = bf16_matmul_tflops(n, h, v_local, repeats=repeats, device=device)
     out.add("cublas_bf16_matmul", "fwd", "tflops", "TFLOP/s", x, matmul)
     table.append({"provider": "cublas_matmul", "mode": "fwd", "shape": x, "tflops": f"{matmul:.0f}"})
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, generator=gen)
-    weight = (torch.randn(v_local, h, device="cuda", generator=gen) * h**-0.5 * 4).to(torch.bfloat16)
-    targets = torch.randint(0, v_local, (n,), device="cuda", generator=gen)
+    gen = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(n, h, device=device, dtype=torch.bfloat16, generator=gen)
+    weight = (torch.randn(v_local, h, device=device, generator=gen) * h**-0.5 * 4).to(torch.bfloat16)
+    targets = torch.randint(0, v_local, (n,), device=device, generator=gen)
     for mode in modes:
         backward = mode == "fwd_bwd"
         hidden.requires_grad_(backward)
@@ -99,11 +100,8 @@ def bench_shape(out: CsvWriter, table: list, *, n, h, v, tp, providers, modes, r
                 continue
             try:
                 reset()
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-                base = torch.cuda.memory_allocated()
-                p50, p20, p80 = time_cuda(call, repeats=repeats, reset=reset)
-                peak_gb = (torch.cuda.max_memory_allocated() - base) / 2**30
+                with PeakMemory(device) as peak:
+                    p50, p20, p80 = time_calls(call, repeats=repeats, reset=reset, device=device)
             except Exception as err:  # noqa: BLE001 - an OOM is a result; anything else is re-raised
                 if not is_oom(err):
                     raise
@@ -117,17 +115,30 @@ def bench_shape(out: CsvWriter, table: list, *, n, h, v, tp, providers, modes, r
             out.add(provider, mode, "tflops", "TFLOP/s", x, tflops, flops / (p80 * 1e-3) / 1e12,
                     flops / (p20 * 1e-3) / 1e12)
             out.add(provider, mode, "pct_of_matmul", "%", x, 100 * tflops / matmul)
-            out.add(provider, mode, "peak_extra_mem", "GB", x, peak_gb)
-            table.append({"provider": provider, "mode": mode, "shape": x, "ms": f"{p50:.2f}",
-                          "tflops": f"{tflops:.0f}", "%matmul": f"{100 * tflops / matmul:.0f}",
-                          "peak_GB": f"{peak_gb:.2f}"})
+            row = {"provider": provider, "mode": mode, "shape": x, "ms": f"{p50:.2f}", "tflops": f"{tflops:.0f}",
+                   "%matmul": f"{100 * tflops / matmul:.0f}"}
+            if peak.extra_bytes is not None:
+                out.add(provider, mode, "peak_extra_mem", "GB", x, peak.extra_bytes / 2**30)
+                row["peak_GB"] = f"{peak.extra_bytes / 2**30:.2f}"
+            table.append(row)
     del hidden, weight, targets
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def model_shape(name: str) -> tuple[int, int]:
+    """(H, V) of a named model, or of an explicit HxV such as 4096x128256."""
+    if name in MODELS:
+        return MODELS[name]
+    match = re.fullmatch(r"(\d+)x(\d+)", name)
+    if not match:
+        raise ValueError(f"--models: unknown {name!r}; choose from {sorted(MODELS)} or give HxV (e.g. 4096x128256)")
+    return int(match[1]), int(match[2])
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", default="4096,16384,32768,65536", help="token counts, comma-separated")
-    parser.add_argument("--models", default="7b,32b", help=f"subset of {sorted(MODELS)}")
+    parser.add_argument("--models", default="7b,32b", help=f"subset of {sorted(MODELS)}, or HxV shapes")
     parser.add_argument("--tp", default="1,4,8", help="vocab shard widths V/tp")
     parser.add_argument("--providers", default=",".join(PROVIDERS))
     parser.add_argument("--modes", default="fwd,fwd_bwd")
@@ -141,13 +152,11 @@ def run(args) -> list[dict]:
     if unknown:
         raise ValueError(f"--providers: unknown {sorted(unknown)}; choose from {list(PROVIDERS)}")
     for model in args.models.split(","):
-        if model not in MODELS:
-            raise ValueError(f"--models: unknown {model!r}; choose from {sorted(MODELS)}")
-        h, v = MODELS[model]
+        h, v = model_shape(model)
         for tp in (int(t) for t in args.tp.split(",")):
             for n in (int(s) for s in args.n.split(",")):
                 bench_shape(out, table, n=n, h=h, v=v, tp=tp, providers=providers,
-                            modes=args.modes.split(","), repeats=args.repeats)
+                            modes=args.modes.split(","), repeats=args.repeats, device=args.device)
                 out.flush()
     print_table(table, ["provider", "mode", "shape", "ms", "tflops", "%matmul", "peak_GB"])
     return table
@@ -159,6 +168,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--csv", default=None, help="results CSV (default kernels/bench/results.csv)")
     args = parser.parse_args(argv)
+    args.device = "cuda"
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to time (dapo-megatron bench kernels runs the interpreter correctness pass)")
         return 1

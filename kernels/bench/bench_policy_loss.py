@@ -4,7 +4,8 @@
 
 Providers: fused (dapo_kernels.policy_loss: one kernel writes loss partials, stats and the
 gradient), torch (kernels/reference.py, eager fp32), algo (dapo_megatron.algo.policy_loss when
-importable). Mode fwd_bwd: loss + stats + backward to logprob. Effective bandwidth counts the
+importable). Modes: fwd (the loss call: for fused that is the whole one-kernel job, gradient
+included) and fwd_bwd (plus loss.backward(): for fused one extra multiply by the upstream grad). Effective bandwidth counts the
 fewest bytes any implementation must move: read logprob, old_logprob, advantages (fp32) and the
 bool mask, write the fp32 gradient = 17 + 4 = 21 bytes per token; reported as GB/s and as percent
 of a device-to-device copy measured in the same run.
@@ -17,7 +18,7 @@ import argparse
 import torch
 
 from dapo_kernels import policy_loss, policy_loss_reference
-from dapo_kernels.bench.common import CsvWriter, copy_bandwidth_gbs, is_oom, print_table, time_cuda
+from dapo_kernels.bench.common import CsvWriter, copy_bandwidth_gbs, is_oom, print_table, time_calls
 
 PROVIDERS = ("fused", "torch", "algo")
 BYTES_PER_TOKEN = 4 * 3 + 1 + 4
@@ -39,20 +40,25 @@ def _provider(name):
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", default="1048576,4194304,16777216", help="token counts, comma-separated")
     parser.add_argument("--loss-providers", default=",".join(PROVIDERS))
+    parser.add_argument("--loss-modes", default="fwd,fwd_bwd",
+                        help="fwd: the loss call (the fused one also writes the gradient); fwd_bwd: plus backward")
 
 
 def run(args) -> list[dict]:
     out = CsvWriter(args.csv, "policy_loss")
     table: list[dict] = []
-    copy_gbs = copy_bandwidth_gbs()
-    out.add("device_copy", "copy", "bandwidth", "GB/s", "2GiB", copy_gbs)
-    table.append({"provider": "device_copy", "tokens": "2GiB", "GB/s": f"{copy_gbs:.0f}"})
+    device = args.device
+    copy_bytes = 2 << 30 if device == "cuda" else 1 << 20
+    copy_gbs = copy_bandwidth_gbs(device=device, num_bytes=copy_bytes)
+    label = f"{copy_bytes / 2**20:.0f}MiB"
+    out.add("device_copy", "copy", "bandwidth", "GB/s", label, copy_gbs)
+    table.append({"provider": "device_copy", "tokens": label, "GB/s": f"{copy_gbs:.0f}"})
     for num in (int(t) for t in args.tokens.split(",")):
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        logprob = -torch.rand(num, device="cuda", generator=gen) * 3
-        old = logprob + torch.randn(num, device="cuda", generator=gen) * 0.3
-        adv = torch.randn(num, device="cuda", generator=gen)
-        mask = torch.rand(num, device="cuda", generator=gen) > 0.2
+        gen = torch.Generator(device=device).manual_seed(0)
+        logprob = -torch.rand(num, device=device, generator=gen) * 3
+        old = logprob + torch.randn(num, device=device, generator=gen) * 0.3
+        adv = torch.randn(num, device=device, generator=gen)
+        mask = torch.rand(num, device=device, generator=gen) > 0.2
         logprob.requires_grad_()
         x = f"T={num}"
         for name in args.loss_providers.split(","):
@@ -60,29 +66,34 @@ def run(args) -> list[dict]:
             if fn is None:
                 print(f"skip {name}: not importable")
                 continue
+            for mode in args.loss_modes.split(","):
+                def call(fn=fn, backward=mode == "fwd_bwd"):
+                    loss, _ = fn(logprob, old, adv, mask, **KW, loss_denominator=float(num))
+                    if backward:
+                        loss.backward()
 
-            def call(fn=fn):
-                loss, _ = fn(logprob, old, adv, mask, **KW, loss_denominator=float(num))
-                loss.backward()
+                def reset():
+                    logprob.grad = None
 
-            def reset():
-                logprob.grad = None
-
-            try:
-                p50, p20, p80 = time_cuda(call, repeats=args.repeats, warmup=2, reset=reset)
-            except Exception as err:  # noqa: BLE001
-                if not is_oom(err):
-                    raise
-                out.add(name, "fwd_bwd", "ms", "ms", x, "oom")
-                continue
-            gbs = BYTES_PER_TOKEN * num / (p50 * 1e-3) / 1e9
-            out.add(name, "fwd_bwd", "ms", "ms", x, p50, p20, p80)
-            out.add(name, "fwd_bwd", "bandwidth", "GB/s", x, gbs)
-            out.add(name, "fwd_bwd", "pct_of_copy", "%", x, 100 * gbs / copy_gbs)
-            table.append({"provider": name, "tokens": num, "ms": f"{p50:.3f}", "GB/s": f"{gbs:.0f}",
-                          "%copy": f"{100 * gbs / copy_gbs:.0f}"})
+                try:
+                    p50, p20, p80 = time_calls(call, repeats=args.repeats, warmup=2, reset=reset, device=device)
+                except Exception as err:  # noqa: BLE001
+                    if not is_oom(err):
+                        raise
+                    out.add(name, mode, "ms", "ms", x, "oom")
+                    continue
+                out.add(name, mode, "ms", "ms", x, p50, p20, p80)
+                row = {"provider": name, "mode": mode, "tokens": num, "ms": f"{p50:.3f}"}
+                # Bandwidth only where the 21 bytes/token are really the job: fwd_bwd for everyone,
+                # and the fused forward (its one kernel already writes the gradient).
+                if mode == "fwd_bwd" or name == "fused":
+                    gbs = BYTES_PER_TOKEN * num / (p50 * 1e-3) / 1e9
+                    out.add(name, mode, "bandwidth", "GB/s", x, gbs)
+                    out.add(name, mode, "pct_of_copy", "%", x, 100 * gbs / copy_gbs)
+                    row.update({"GB/s": f"{gbs:.0f}", "%copy": f"{100 * gbs / copy_gbs:.0f}"})
+                table.append(row)
         out.flush()
-    print_table(table, ["provider", "tokens", "ms", "GB/s", "%copy"])
+    print_table(table, ["provider", "mode", "tokens", "ms", "GB/s", "%copy"])
     return table
 
 
@@ -92,6 +103,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--csv", default=None)
     args = parser.parse_args(argv)
+    args.device = "cuda"
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to time")
         return 1

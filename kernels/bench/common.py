@@ -11,6 +11,7 @@ import csv
 import datetime as _dt
 import os
 import statistics
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -38,58 +39,82 @@ def quantiles(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), cuts[1], cuts[7]
 
 
-def time_cuda(fn: Callable[[], object], *, repeats: int, warmup: int = 1, reset: Callable[[], None] | None = None):
-    """Milliseconds per call, one CUDA-event pair per call (reset runs outside the timed region)."""
+def time_calls(fn: Callable[[], object], *, repeats: int, warmup: int = 1, reset: Callable[[], None] | None = None,
+               device: str = "cuda"):
+    """Milliseconds per call as (p50, p20, p80): one CUDA-event pair per call on a GPU (reset runs
+    outside the timed region); on CPU (the interpreter dry run of the tests) a host clock."""
     for _ in range(warmup):
         if reset:
             reset()
         fn()
-    torch.cuda.synchronize()
+    _sync(device)
     times = []
     for _ in range(repeats):
         if reset:
             reset()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     return quantiles(times)
 
 
-def peak_extra_bytes(fn: Callable[[], object], *, reset: Callable[[], None] | None = None) -> int:
-    """Peak bytes allocated by one call above what was allocated before it (inputs, weights)."""
-    if reset:
-        reset()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
-def bf16_matmul_tflops(n: int, h: int, v: int, *, repeats: int) -> float:
+class PeakMemory:
+    """Peak bytes allocated above the level at entry (inputs, weights); None on CPU."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.extra_bytes: int | None = None
+
+    def __enter__(self):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            self.extra_bytes = torch.cuda.max_memory_allocated() - self.base
+        return False
+
+
+def bf16_matmul_tflops(n: int, h: int, v: int, *, repeats: int, device: str = "cuda") -> float:
     """TFLOP/s of [n, h] @ [h, v] in bf16 (cuBLAS), the ceiling the fused kernel is compared with.
     Random inputs (zeros run faster), output in bf16."""
-    a = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(v, h, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(n, h, device=device, dtype=torch.bfloat16)
+    b = torch.randn(v, h, device=device, dtype=torch.bfloat16)
     try:
-        p50, _, _ = time_cuda(lambda: a @ b.t(), repeats=repeats)
+        p50, _, _ = time_calls(lambda: a @ b.t(), repeats=repeats, device=device)
     finally:
         del a, b
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return 2.0 * n * h * v / (p50 * 1e-3) / 1e12
 
 
-def copy_bandwidth_gbs(*, num_bytes: int = 2 << 30, repeats: int = 10) -> float:
+def copy_bandwidth_gbs(*, num_bytes: int = 2 << 30, repeats: int = 10, device: str = "cuda") -> float:
     """Device-to-device copy GB/s counting bytes read plus bytes written."""
-    src = torch.randn(num_bytes // 4, device="cuda")
+    src = torch.randn(num_bytes // 4, device=device)
     dst = torch.empty_like(src)
-    p50, _, _ = time_cuda(lambda: dst.copy_(src), repeats=repeats)
+    p50, _, _ = time_calls(lambda: dst.copy_(src), repeats=repeats, device=device)
     del src, dst
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return 2.0 * num_bytes / (p50 * 1e-3) / 1e9
 
 

@@ -83,8 +83,9 @@ def main(argv=None) -> int:
                 "clip_c": "fp32", "inv_denom": "fp32"}
     loss_div = {"lp_ptr", "old_ptr", "adv_ptr", "mask_ptr", "grad_ptr", "part_ptr"}
     jobs.append(("policy_loss fused", policy_loss._fused_kernel, loss_sig, {"HAS_DUAL": True, "BLOCK": 2048}, loss_div, 4, 3))
-    jobs.append(("policy_loss reduce", policy_loss._reduce_kernel, {"part_ptr": "*fp32", "out_ptr": "*fp32",
-                 "num_blocks": "i32"}, {"BLOCK": 1024}, {"part_ptr", "out_ptr"}, 4, 3))
+    jobs.append(("policy_loss reduce", policy_loss._reduce_kernel, {"part_ptr": "*fp32", "loss_ptr": "*fp32",
+                 "stats_ptr": "*fp32", "num_blocks": "i32", "loss_denominator": "fp32"}, {"BLOCK": 512},
+                 {"part_ptr", "loss_ptr", "stats_ptr"}, 4, 3))
     for label, fn, sig, consts, div, warps, stages in jobs:
         start = time.time()
         try:

@@ -33,6 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per point (median, p20, p80)")
     parser.add_argument("--csv", default=None, help="results CSV (default kernels/bench/results.csv)")
     parser.add_argument("--correctness", action="store_true", help="run the interpreter correctness pass only")
+    parser.add_argument("--cpu-dry-run", action="store_true",
+                        help="run the benchmark code on CPU in the interpreter (tests; times are meaningless; needs --csv)")
     bench_logprob.add_args(parser)
     bench_policy_loss.add_args(parser)
     return parser
@@ -94,15 +96,20 @@ def correctness_pass() -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
-    if args.correctness or not torch.cuda.is_available():
-        if not args.correctness:
+    if args.cpu_dry_run or args.correctness or not torch.cuda.is_available():
+        if args.cpu_dry_run and not args.csv:
+            raise ValueError("--cpu-dry-run needs --csv: kernels/bench/results.csv keeps GPU measurements only")
+        if not (args.correctness or args.cpu_dry_run):
             print("no CUDA GPU on this machine: no timings. Running the tiny correctness pass in the Triton interpreter.")
+            argv = ["--correctness"]
         import dapo_kernels
 
         if not dapo_kernels.INTERPRET:  # the kernels were decorated for compiled mode: start over
             env = dict(os.environ, TRITON_INTERPRET="1")
-            return subprocess.call([sys.executable, "-m", "dapo_kernels.bench.run", "--correctness"], env=env)
-        return correctness_pass()
+            return subprocess.call([sys.executable, "-m", "dapo_kernels.bench.run", *argv], env=env)
+        if not args.cpu_dry_run:
+            return correctness_pass()
+    args.device = "cpu" if args.cpu_dry_run else "cuda"
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)

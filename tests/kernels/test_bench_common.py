@@ -59,3 +59,22 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     # the last six columns: shared_KiB stages wgmma cp_async local_mem compile_s (no error column)
     shared, stages, wgmma, _, local, _ = bf16_fwd[-6:]
     assert int(stages) >= 3 and wgmma == "True" and local == "False" and int(shared) <= 227
+
+
+def test_benchmark_code_runs_on_cpu_dry_run(tmp_path):
+    """The benchmark scripts themselves (not their timings) on CPU in the interpreter: a bug there
+    should cost no GPU time. Every provider available here writes its rows for both modes."""
+    path = tmp_path / "dry.csv"
+    code = run.main(["--cpu-dry-run", "--csv", str(path), "--models", "32x130", "--n", "20", "--tp", "2",
+                     "--tokens", "300", "--repeats", "1", "--providers", "fused,torch,chunked,liger"])
+    assert code == 0
+    rows = list(csv.DictReader(path.open()))
+    logprob_rows = {(r["provider"], r["mode"], r["metric"]) for r in rows if r["kernel"] == "linear_logprob_entropy"}
+    for provider in ("fused", "torch", "chunked"):
+        for mode in ("fwd", "fwd_bwd"):
+            assert {(provider, mode, m) for m in ("ms", "tflops", "pct_of_matmul")} <= logprob_rows
+    assert all(r["x"] == "N=20,H=32,V=130,tp=2" and r["device"] == "cpu" for r in rows if r["kernel"] != "policy_loss")
+    loss_rows = {(r["provider"], r["mode"], r["metric"]) for r in rows if r["kernel"] == "policy_loss"}
+    assert {("fused", "fwd", "bandwidth"), ("fused", "fwd_bwd", "ms"), ("torch", "fwd_bwd", "bandwidth")} <= loss_rows
+    with pytest.raises(ValueError, match="--csv"):
+        run.main(["--cpu-dry-run"])
