@@ -49,12 +49,18 @@ on_term() {
 trap on_usr1 USR1
 trap on_term TERM
 
+# The embedded tiny model (tiny.enabled, no model.path; CPU runs): built once, or reused from its
+# cache under the run directory, before the engines and the ranks load it. Prints "" otherwise.
+MODEL_DIR=$("$PYTHON" -m dapo_megatron.launch.prepare "$CONFIG") || { echo "model preparation failed" >&2; exit 1; }
+MODEL_ARGS=()
+if [ -n "$MODEL_DIR" ]; then MODEL_ARGS=("model.path=$MODEL_DIR"); fi
+
 # Colocated rollout engines (rollout.placement=colocated): this node's share of rollout.num_engines,
 # started in the trainer's own allocation (srun --overlap: the same nodes and GPUs) and registering
 # in <output_dir>/engines/ for the driver's engine pool. A no-op for disaggregated engines (the
 # rollout array job) and fixed rollout.engine_urls. Stopped when the trainer exits.
 srun --overlap --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 \
-    "$PYTHON" -m dapo_megatron.launch.colocated "$CONFIG" &
+    "$PYTHON" -m dapo_megatron.launch.colocated "$CONFIG" "${MODEL_ARGS[@]}" &
 ENGINES_STEP=$!
 
 echo "[$(date -u +%FT%TZ)] job $JOB_REF restart ${SLURM_RESTART_COUNT:-0}: $NNODES node(s) x $NPROC_PER_NODE rank(s)," \
@@ -67,7 +73,7 @@ srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit
         --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
         --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
         --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout="$SHUTDOWN_S" \
-        "${TRAIN_ENTRY[@]}" "$CONFIG" "${RESUME[@]}" &
+        "${TRAIN_ENTRY[@]}" "$CONFIG" "${MODEL_ARGS[@]}" "${RESUME[@]}" &
 STEP_PID=$!
 # `wait` returns early whenever a trapped signal arrives: wait again until the step has really ended.
 while :; do

@@ -1,0 +1,40 @@
+"""Build the embedded tiny model of a config once per job, before the engines and ranks load it.
+
+    MODEL_DIR=$(python -m dapo_megatron.launch.prepare CONFIG)     # slurm/_trainer_launch.sh
+
+Prints the directory to pass as `model.path=...` when the config uses the embedded tiny model
+(tiny.enabled, which takes the place of model.path: built, or reused from its cache under
+trainer.output_dir), and an empty line otherwise (clusters: model.path names the checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+from dapo_megatron.config import load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        print("usage: python -m dapo_megatron.launch.prepare CONFIG [key=value ...]", file=sys.stderr)
+        return 2
+    cfg = load_config(argv[0], argv[1:])
+    if not cfg.tiny.enabled:
+        print("")
+        return 0
+    from dapo_megatron.tiny import prepare_tiny_model
+
+    with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the directory (the caller captures it)
+        model_dir = prepare_tiny_model(cfg)
+    print(model_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        raise SystemExit(main())
+    except ValueError as err:
+        print(f"prepare: error: {err}", file=sys.stderr)
+        raise SystemExit(2)
