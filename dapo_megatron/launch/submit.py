@@ -158,16 +158,10 @@ def plan_sweep(sweep_dir: str | Path, overrides: Sequence[str] = (), *,
 
 
 def find_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete actor checkpoints under run_dir (dirs holding actor_state.json, not .tmp/.old), by step."""
-    found = {p.parent for pattern in ("*/actor_state.json", "*/*/actor_state.json")
-             for p in run_dir.glob(pattern)}
-    found = {p for p in found if not p.name.endswith((".tmp", ".old"))}
+    """Complete run checkpoints, <run_dir>/checkpoints/step_<N>/ (dapo_megatron/checkpointing.py), by step."""
+    from dapo_megatron.checkpointing import list_checkpoints
 
-    def step(p: Path) -> tuple[int, str]:
-        match = re.search(r"\d+", p.name)
-        return (int(match.group()) if match else -1, str(p))
-
-    return sorted(found, key=step)
+    return [path for _, path in list_checkpoints(run_dir)]
 
 
 def plan_eval(cfg: Config, eval_run_dir: str | Path) -> Plan:
@@ -175,7 +169,7 @@ def plan_eval(cfg: Config, eval_run_dir: str | Path) -> Plan:
     run_dir = _abs(str(eval_run_dir))
     checkpoints = find_checkpoints(run_dir)
     if not checkpoints:
-        raise ValueError(f"--eval {run_dir}: no complete checkpoints (directories with actor_state.json)")
+        raise ValueError(f"--eval {run_dir}: no complete checkpoints (checkpoints/step_<N>/ with trainer_state.json)")
     cfg = _resolved(cfg)
     results = run_dir / "eval"
     ckpt_file = run_dir / "slurm" / "eval_checkpoints.txt"

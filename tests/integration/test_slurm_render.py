@@ -136,19 +136,21 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 def test_eval_plan_lists_complete_checkpoints_in_step_order(tmp_path):
-    for name in ("step_10", "step_9", "step_100", "step_11.tmp"):
-        (tmp_path / "checkpoints" / name).mkdir(parents=True)
-        (tmp_path / "checkpoints" / name / "actor_state.json").write_text("{}")
-    (tmp_path / "checkpoints" / "step_12").mkdir()  # no actor_state.json: incomplete
+    for step in (10, 9, 100):
+        (tmp_path / "checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"step_{step:06d}" / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoints" / "step_000011.tmp").mkdir()  # being written
+    (tmp_path / "checkpoints" / "step_000011.tmp" / "trainer_state.json").write_text("{}")
+    (tmp_path / "checkpoints" / "step_000012").mkdir()  # no trainer_state.json: incomplete
     plan = submit.plan_eval(load_config(None), tmp_path)
     assert plan.files["slurm/eval_checkpoints.txt"].split() == [
-        str(tmp_path / "checkpoints" / n) for n in ("step_9", "step_10", "step_100")]
+        str(tmp_path / "checkpoints" / f"step_{n:06d}") for n in (9, 10, 100)]
     eval_job, gather_job = plan.jobs
     assert eval_job.sbatch_args[0] == "--array=0-2%2"
     assert gather_job.dependency == ("afterok", "eval")
     assert "--dependency=afterok:41" in submit.sbatch_argv(plan, gather_job, {"eval": "41"})
     with pytest.raises(ValueError, match="no complete checkpoints"):
-        submit.plan_eval(load_config(None), tmp_path / "checkpoints" / "step_12")
+        submit.plan_eval(load_config(None), tmp_path / "checkpoints" / "step_000012")
 
 
 def test_gather_writes_one_table_in_step_order(tmp_path):
