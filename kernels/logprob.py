@@ -241,6 +241,8 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if _OUT_DTYPE_MM:
         try:
             return torch.mm(a, b, out_dtype=torch.float32)
+        except torch.OutOfMemoryError:
+            raise
         except (TypeError, RuntimeError, NotImplementedError) as err:
             _out_dtype_mm_failed(err)
     return (a @ b).float()
@@ -257,9 +259,13 @@ def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
             try:
                 torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
                 return
+            except torch.OutOfMemoryError:
+                raise
             except (TypeError, RuntimeError, NotImplementedError) as err:
                 _out_dtype_mm_failed(err)
-        acc.add_(a @ b)
+        rows = max(1, (64 << 20) // (acc.shape[1] * a.element_size()))  # 16-bit temporaries <= 64 MiB
+        for r0 in range(0, acc.shape[0], rows):
+            acc[r0:r0 + rows].add_(a[r0:r0 + rows] @ b)
 
 
 def _chunk_rows(n: int, v: int, element_size: int) -> int:

@@ -98,7 +98,7 @@ def test_fp16_and_fp32_inputs_match_float64(dtype):
     assert ((wd.grad.double() - w64.grad).norm() / w64.grad.norm()).item() < tol
 
 
-def test_no_n_by_v_allocation_and_bounded_workspace():
+def test_no_n_by_v_allocation_and_bounded_workspace(recwarn):
     import dapo_kernels.logprob as logprob_mod
     from dapo_kernels import linear_logprob_entropy
 
@@ -119,6 +119,8 @@ def test_no_n_by_v_allocation_and_bounded_workspace():
     fp32_weight_acc = weight.numel() * 4  # grad_weight accumulator, independent of N
     stats = 16 * 4 * n * 4 + 8 * n * 4  # per-split forward stats + per-token saved stats
     workspace = peak_extra - outputs - fp32_weight_acc - stats
+    # the fp32 grad_weight accumulation used torch.addmm(out_dtype=float32), not the fallback
+    assert not [w for w in recwarn if "out_dtype" in str(w.message)]
     assert peak_extra < n_by_v_bf16 / 2
     # slack: cuBLAS's own workspace (32 MiB on Hopper, allocated through torch on first use) and
     # the loss' small temporaries
