@@ -24,6 +24,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from dapo_kernels import linear_logprob_entropy, linear_logprob_entropy_reference
+from dapo_kernels import logprob as logprob_mod
 from dapo_kernels.bench.common import CsvWriter, PeakMemory, bf16_matmul_tflops, is_oom, print_table, time_calls
 
 MODELS = {"7b": (3584, 152064), "32b": (5120, 152064)}  # Qwen2.5: (hidden, vocab)
@@ -75,6 +76,8 @@ def make_call(provider: str, hidden, weight, targets, *, backward: bool):
 
 def bench_shape(out: CsvWriter, table: list, *, n, h, v, tp, providers, modes, repeats, device="cuda"):
     x = f"N={n},H={h},V={v},tp={tp}"
+    if logprob_mod.BACKWARD_WORKSPACE_BYTES != 256 << 20:
+        x += f",bwd_ws={logprob_mod.BACKWARD_WORKSPACE_BYTES >> 20}MiB"
     v_local = v // tp
     matmul = bf16_matmul_tflops(n, h, v_local, repeats=repeats, device=device)
     out.add("cublas_bf16_matmul", "fwd", "tflops", "TFLOP/s", x, matmul)
@@ -142,9 +145,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", default="1,4,8", help="vocab shard widths V/tp")
     parser.add_argument("--providers", default=",".join(PROVIDERS))
     parser.add_argument("--modes", default="fwd,fwd_bwd")
+    parser.add_argument("--bwd-workspace-mb", type=int, default=None,
+                        help="fused backward's dL/dlogits chunk budget (default 256): larger chunks mean fewer "
+                             "fp32 grad_weight read-modify-writes")
 
 
 def run(args) -> list[dict]:
+    if args.bwd_workspace_mb is not None:
+        logprob_mod.BACKWARD_WORKSPACE_BYTES = args.bwd_workspace_mb << 20
     out = CsvWriter(args.csv, "linear_logprob_entropy")
     table: list[dict] = []
     providers = [p for p in args.providers.split(",") if p]
