@@ -120,6 +120,15 @@ def test_without_entropy_grads_flow_from_logprob_only():
     assert rel_err(gh, gh64) < 1e-5 and rel_err(gw, gw64) < 1e-5
 
 
+def test_empty_batch_gives_empty_outputs_and_zero_grads():
+    hidden = torch.zeros(0, 16, requires_grad=True)
+    weight = torch.randn(70, 16, requires_grad=True)
+    lp, ent = linear_logprob_entropy(hidden, weight, torch.zeros(0, dtype=torch.long))
+    assert lp.shape == (0,) and ent.shape == (0,)
+    (lp.sum() + ent.sum()).backward()
+    assert hidden.grad.shape == (0, 16) and torch.equal(weight.grad, torch.zeros_like(weight))
+
+
 def test_bit_identical_reruns(monkeypatch):
     monkeypatch.setattr(logprob_mod, "BACKWARD_WORKSPACE_BYTES", 16 * 170 * 2)
     inputs = make_inputs(40, 32, 170, dtype=torch.float16, seed=11)
