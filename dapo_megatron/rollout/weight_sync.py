@@ -39,6 +39,7 @@ import os
 import socket
 import struct
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
@@ -181,7 +182,8 @@ class DistributedWeightSync:
         tp_sizes = [int(i.get("tp_size", 1)) for i in infos]
         world_size = 1 + sum(tp_sizes)
         self._generation += 1
-        self._group_name = f"{self.base_group_name}_{self._generation}"
+        # unique per trainer and membership: engines may still hold an older group of ours
+        self._group_name = f"{self.base_group_name}_{uuid.uuid4().hex[:8]}_{self._generation}"
         port = self.master_port or _free_port(self.master_address)
         offsets = [1 + sum(tp_sizes[:i]) for i in range(len(clients))]
         loop = asyncio.get_running_loop()
@@ -192,11 +194,15 @@ class DistributedWeightSync:
                                              rank_offset=off, world_size=world_size,
                                              group_name=self._group_name, backend=self.backend)
                  for c, off in zip(clients, offsets)]
-        results = await asyncio.gather(own, *joins, return_exceptions=True)
-        errors = [r for r in results if isinstance(r, BaseException)]
+        # an engine that refuses to join leaves our rendezvous waiting (until timeout_s): fail fast
+        tasks = [asyncio.ensure_future(j) for j in joins]
+        done, _ = await asyncio.wait([own, *tasks], return_when=asyncio.FIRST_EXCEPTION)
+        errors = [t.exception() for t in done if t.exception() is not None]
         if errors:
-            raise EngineError(f"weight sync: forming the group failed: {errors[0]}")
-        self._pg = results[0]
+            for t in tasks:
+                t.cancel()
+            raise EngineError(f"weight sync: forming the group {self._group_name} failed: {errors[0]}")
+        self._pg = own.result()
         self._members = tuple(c.url for c in clients)
         self._shapes = dict(zip(self._members, await asyncio.gather(*(engine_shapes(c) for c in clients))))
 
