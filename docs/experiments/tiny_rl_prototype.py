@@ -1,13 +1,15 @@
 """Prototype of the tiny run's RL dynamics: plain torch + transformers, no Megatron, no HTTP.
 
-    HF_HUB_OFFLINE=1 python docs/experiments/tiny_rl_prototype.py --out /tmp/proto --steps 40
-    python docs/experiments/tiny_rl_prototype.py --recipe grpo ...      # naive-GRPO rung
+    HF_HUB_OFFLINE=1 python docs/experiments/tiny_rl_prototype.py configs/runs/tiny_cpu.yaml \
+        trainer.output_dir=/tmp/proto trainer.lr=3e-4            # any config, any dotted overrides
+    python docs/experiments/tiny_rl_prototype.py configs/runs/tiny_cpu_grpo.yaml   # naive-GRPO rung
 
 It exists to choose the embedded default's settings (task difficulty, model size, n, batch sizes,
 lr, response length, steps) before the real loop (train.py: Megatron actor + CPU rollout server)
-exists, and it uses the same pieces that loop uses: dapo_megatron.tiny (tokenizer, model, warm
+exists, from the same config file, and it uses the same pieces that loop uses: dapo_megatron.tiny (tokenizer, model, warm
 start), dapo_megatron.algo (advantages, policy loss, dynamic sampling, overlong shaping, KL),
-dapo_megatron.evaluate (avg@k / pass@k) and the synthetic task / math_dapo reward when present.
+dapo_megatron.evaluate (avg@k / pass@k), the synthetic task and the math_dapo reward. What it
+leaves out: Megatron, the HTTP rollout server, weight sync, checkpoints (train.py's overheads).
 Results go to docs/LOG.md.
 """
 
@@ -15,27 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import time
-from pathlib import Path
 
 import torch
 
 from dapo_megatron import algo
 from dapo_megatron.reward import math_dapo
-from dapo_megatron.data.synthetic import make_synthetic_task
 from dapo_megatron.evaluate import avg_at_k, pass_at_k
-from dapo_megatron.tiny import TinyModelSpec, build_tiny_model, prompt_ids, warm_start
+from dapo_megatron.config import load_config
+from dapo_megatron.tiny import prepare_tiny_model, prompt_ids, synthetic_train_eval
 
 # ------------------------------------------------------------------------------------------------
-# Task and reward (the project's own when they exist, else local stand-ins with the same contract)
-
-
-def make_task(num: int, *, difficulty: int, seed: int) -> list[tuple[str, str]]:
-    """(prompt text, integer answer string) pairs of the project's synthetic task, compact style."""
-    rows = make_synthetic_task(num, difficulty=difficulty, seed=seed, style="compact")
-    return [(r.prompt, r.ground_truth) for r in rows]
 
 
 def score(text: str, truth: str) -> float:
@@ -100,77 +93,58 @@ def evaluate(model, tok, problems, *, k: int, max_new: int, top_p: float, seed: 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="/tmp/tiny_proto")
-    ap.add_argument("--recipe", choices=["dapo", "grpo"], default="dapo")
-    ap.add_argument("--difficulty", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--sft-steps", type=int, default=200)
-    ap.add_argument("--sft-lr", type=float, default=3e-3)
-    ap.add_argument("--sft-batch", type=int, default=64)
-    ap.add_argument("--smooth", type=float, default=0.1)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--train-batch", type=int, default=16)
-    ap.add_argument("--gen-batch", type=int, default=32)
-    ap.add_argument("--mini-batch", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--max-new", type=int, default=16)
-    ap.add_argument("--eval-every", type=int, default=5)
-    ap.add_argument("--eval-prompts", type=int, default=100)
-    ap.add_argument("--eval-k", type=int, default=8)
-    ap.add_argument("--num-train", type=int, default=2000)
+    ap.add_argument("config", nargs="?", default="configs/runs/tiny_cpu.yaml")
+    ap.add_argument("overrides", nargs="*", help="dotted key=value, as for `dapo-megatron train`")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--budget-s", type=float, default=1e9, help="stop RL after this many seconds")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    dapo = args.recipe == "dapo"
+    cfg = load_config(args.config, args.overrides)
+    r, al, t, syn = cfg.rollout, cfg.algorithm, cfg.trainer, cfg.data.synthetic
 
     t0 = time.time()
-    train = make_task(args.num_train, difficulty=args.difficulty, seed=1234)
-    held = make_task(args.eval_prompts, difficulty=args.difficulty, seed=99991)
-    spec = TinyModelSpec(hidden_size=args.hidden, num_layers=args.layers, intermediate_size=2 * args.hidden)
-    init = build_tiny_model(args.out, seed=args.seed, spec=spec)
-    warm = warm_start(init, args.out, prompts=[p for p, _ in train], answers=[a for _, a in train],
-                      steps=args.sft_steps, batch_size=args.sft_batch, lr=args.sft_lr, seed=args.seed,
-                      label_smoothing=args.smooth)
+    train_rec, held_rec = synthetic_train_eval(num_train=syn.num_train, num_eval=syn.num_eval,
+                                               difficulty=syn.difficulty, seed=syn.seed, style=syn.style)
+    train = [(x.prompt, x.ground_truth) for x in train_rec]
+    held = [(x.prompt, x.ground_truth) for x in held_rec]
+    warm = prepare_tiny_model(cfg)
     t_build = time.time() - t0
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(warm)
     model = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32)
-    ref = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32) if not dapo else None
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.99))
-    ev = lambda s: evaluate(model.eval(), tok, held, k=args.eval_k, max_new=args.max_new, top_p=1.0, seed=7 + s)  # noqa: E731
+    ref = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32) if al.use_kl else None
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
+                            betas=(t.adam_beta1, t.adam_beta2))
+    ev = lambda s: evaluate(model.eval(), tok, held, k=t.eval_n, max_new=r.max_response_length,  # noqa: E731
+                            top_p=t.eval_top_p, seed=7 + s)
     curve = []
     e = ev(0)
-    print(f"build+warm {t_build:.1f}s  step 0 avg@{args.eval_k}={e['avg']:.3f} pass@{args.eval_k}={e['pass']:.3f}", flush=True)
+    print(f"build+warm {t_build:.1f}s  step 0 avg@{t.eval_n}={e['avg']:.3f} pass@{t.eval_n}={e['pass']:.3f}", flush=True)
     curve.append({"step": 0, "t": 0.0, **e})
-    rng = random.Random(args.seed)
+    rng = random.Random(t.seed)
     order = list(range(len(train)))
     rng.shuffle(order)
     cursor = 0
     t_rl = time.time()
-    for step in range(1, args.steps + 1):
+    for step in range(1, t.total_steps + 1):
         ts = time.time()
-        sampler = algo.DynamicSampler(train_batch_size=args.train_batch, enabled=dapo, max_num_gen_batches=10,
-                                      on_exhausted="train")
+        sampler = algo.DynamicSampler(train_batch_size=t.train_batch_size, enabled=al.dynamic_sampling,
+                                      max_num_gen_batches=al.max_num_gen_batches,
+                                      on_exhausted=al.on_gen_batches_exhausted)
         rounds_gen = 0
         accs = []
         while not sampler.done:
-            take = [train[order[(cursor + i) % len(order)]] for i in range(args.gen_batch if dapo else args.train_batch)]
+            take = [train[order[(cursor + i) % len(order)]] for i in range(r.gen_batch_size)]
             cursor += len(take)
-            res = sample(model.eval(), tok, [p for p, _ in take], n=args.n, max_new=args.max_new,
-                         temperature=1.0, top_p=1.0, seed=args.seed * 100003 + step * 101 + rounds_gen)
+            res = sample(model.eval(), tok, [p for p, _ in take], n=r.n, max_new=r.max_response_length,
+                         temperature=r.temperature, top_p=r.top_p, seed=t.seed * 100003 + step * 101 + rounds_gen)
             rounds_gen += 1
             groups = []
             for g, (_, truth) in enumerate(take):
                 grp = []
-                for p, r, trunc in res[g * args.n:(g + 1) * args.n]:
-                    acc = score(tok.decode(r, skip_special_tokens=True), truth)
-                    grp.append({"p": p, "r": r, "trunc": trunc, "acc": acc})
+                for p, resp, trunc in res[g * r.n:(g + 1) * r.n]:
+                    acc = score(tok.decode(resp, skip_special_tokens=True), truth)
+                    grp.append({"p": p, "r": resp, "trunc": trunc, "acc": acc})
                     accs.append(acc)
                 groups.append(grp)
             sampler.add_round([_Group(g) for g in groups])
@@ -178,34 +152,38 @@ def main() -> None:
         t_gen = time.time() - ts
         flat = [s for grp in batch_groups for s in grp.samples]
         rewards = torch.tensor([2 * s["acc"] - 1 for s in flat])
-        if dapo:
+        if al.overlong_shaping:
             lengths = torch.tensor([len(s["r"]) for s in flat])
-            rewards = rewards + algo.overlong_penalty(lengths, max_length=args.max_new, buffer_length=4, factor=1.0)
+            rewards = rewards + algo.overlong_penalty(lengths, max_length=r.max_response_length,
+                                                      buffer_length=al.overlong_buffer_length,
+                                                      factor=al.overlong_penalty_factor)
         gidx = torch.tensor([gi for gi, grp in enumerate(batch_groups) for _ in grp.samples])
-        adv = algo.group_advantages(rewards, gidx)
+        adv = algo.group_advantages(rewards, gidx, eps=al.advantage_eps)
         batch = [(s["p"], s["r"], s["trunc"]) for s in flat]
         model.eval()
         with torch.no_grad():
             old_lp, mask = token_logprobs(model, batch)
             ref_lp = token_logprobs(ref, batch)[0] if ref is not None else None
         model.train()
-        per_mb = args.mini_batch * args.n
+        per_mb = t.mini_batch_size * r.n
         stats = []
         for lo in range(0, len(batch), per_mb):
             sl = slice(lo, lo + per_mb)
             lp, m = token_logprobs(model, batch[sl])
             T = lp.shape[1]
-            loss, st = algo.policy_loss(lp, old_lp[sl, :T], adv[sl, None], m, eps_low=0.2,
-                                        eps_high=0.28 if dapo else 0.2, clip_ratio_c=10.0,
-                                        agg_mode="token-mean" if dapo else "seq-mean-token-mean")
-            if ref_lp is not None:
-                kl = algo.kl_penalty(lp, ref_lp[sl, :T], "k3")
-                loss = loss + 0.001 * ((kl * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
+            if al.overlong_filter:
+                m = m * algo.overlong_filter_mask([b[2] for b in batch[sl]])[:, None]
+            loss, st = algo.policy_loss(lp, old_lp[sl, :T], adv[sl, None], m, eps_low=al.eps_low,
+                                        eps_high=al.eps_high, clip_ratio_c=al.clip_ratio_c,
+                                        agg_mode=al.loss_agg_mode)
+            if ref_lp is not None:  # GRPO: per-sequence mean of the per-token k3 estimate
+                kl = algo.kl_penalty(lp, ref_lp[sl, :T], al.kl_kind)
+                loss = loss + al.kl_coef * ((kl * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
             for g in opt.param_groups:
-                g["lr"] = args.lr * min(1.0, step / max(1, args.warmup))
+                g["lr"] = t.lr * min(1.0, step / max(1, t.warmup_steps))
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            gn = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
             opt.step()
             stats.append({k: float(v) for k, v in st.items()} | {"grad_norm": float(gn)})
         dt = time.time() - ts
@@ -213,12 +191,13 @@ def main() -> None:
                 "train_acc": sum(accs) / len(accs), "resp_len": float(mask.sum(1).mean()),
                 "clip_high": sum(s["clipfrac_high"] for s in stats) / len(stats),
                 "kl": sum(s["approx_kl"] for s in stats) / len(stats)}
-        if step % args.eval_every == 0 or step == args.steps:
+        if (t.eval_every and step % t.eval_every == 0) or step == t.total_steps:
+            te = time.time()
             line |= ev(step)
+            line["eval_s"] = time.time() - te
             curve.append({"step": step, "t": line["t"], "avg": line["avg"], "pass": line["pass"]})
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in line.items()}), flush=True)
-        if time.time() - t_rl > args.budget_s:
-            break
+    print(f"RL phase {time.time() - t_rl:.1f}s; build + warm start {t_build:.1f}s")
     print("CURVE", json.dumps(curve))
 
 
