@@ -53,7 +53,7 @@ trap on_term TERM
 # cache under the run directory, before the engines and the ranks load it. Prints "" otherwise.
 MODEL_DIR=$("$PYTHON" -m dapo_megatron.launch.prepare "$CONFIG") || { echo "model preparation failed" >&2; exit 1; }
 MODEL_ARGS=()
-if [ -n "$MODEL_DIR" ]; then MODEL_ARGS=("model.path=$MODEL_DIR"); fi
+if [ -n "$MODEL_DIR" ]; then MODEL_ARGS=("model.path=$MODEL_DIR" "tiny.enabled=false"); fi
 
 # Colocated rollout engines (rollout.placement=colocated): this node's share of rollout.num_engines,
 # started in the trainer's own allocation (srun --overlap: the same nodes and GPUs) and registering
