@@ -55,6 +55,22 @@ CONSOLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("time/step_s", "t_step", "{:.1f}"),
 )
 
+# A column or curve shows the first of these keys a step has (the old-policy entropy comes for free
+# with the pi_old forward; the actor's updates may report their own).
+ALIASES: dict[str, tuple[str, ...]] = {"actor/entropy": ("actor/entropy", "actor/entropy_old")}
+
+
+def _get(metrics: Mapping[str, Any], key: str) -> Any:
+    for name in ALIASES.get(key, (key,)):
+        if name in metrics:
+            return metrics[name]
+    return None
+
+
+def _has(metrics: Mapping[str, Any], key: str) -> bool:
+    return any(name in metrics for name in ALIASES.get(key, (key,)))
+
+
 # PNG panels: (title, [(metric key, legend label), ...]); panels with no data are left out.
 PLOT_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("accuracy", (("acc/mean", "train acc"), ("eval/avg@k", "eval avg@k"), ("eval/pass@k", "eval pass@k"))),
@@ -87,7 +103,7 @@ def format_header(keys: Iterable[str]) -> str:
 def format_row(step: int, metrics: Mapping[str, Any], keys: Iterable[str]) -> str:
     """One table row for the columns `keys` selects (same order and widths as format_header)."""
     wanted = set(keys)
-    cells = [f" {_fmt(metrics.get(k), f):>{max(len(h), 8)}}" for k, h, f in CONSOLE_COLUMNS if k in wanted]
+    cells = [f" {_fmt(_get(metrics, k), f):>{max(len(h), 8)}}" for k, h, f in CONSOLE_COLUMNS if k in wanted]
     return f"{step:>6}" + "".join(cells)
 
 
@@ -143,7 +159,7 @@ class MetricsLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._console is not None:
-            columns = tuple(k for k, _, _ in CONSOLE_COLUMNS if k in record)
+            columns = tuple(k for k, _, _ in CONSOLE_COLUMNS if _has(record, k))
             if columns != self._columns or self._rows % self._header_every == 0:
                 print(format_header(columns), file=self._console)
                 self._columns = columns
@@ -191,7 +207,7 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 def _series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for r in records:
-        value = r.get(key)
+        value = _get(r, key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             xs.append(int(r["step"]))
             ys.append(float(value))

@@ -46,6 +46,12 @@ def test_format_row_missing_value_is_dash():
     assert format_row(7, {"reward/mean": 0.125}, keys).split() == ["7", "+0.125", "-"]
 
 
+def test_entropy_alias_fills_the_entropy_column():
+    keys = ["actor/entropy"]
+    assert format_row(3, {"actor/entropy_old": 0.5}, keys).split() == ["3", "0.500"]
+    assert format_row(3, {"actor/entropy": 0.25, "actor/entropy_old": 0.5}, keys).split() == ["3", "0.250"]
+
+
 def test_resume_drops_steps_after_checkpoint(tmp_path):
     logger = MetricsLogger(tmp_path, wandb_mode="disabled", console=None)
     for step in range(1, 5):
