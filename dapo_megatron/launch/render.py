@@ -28,6 +28,8 @@ from dapo_megatron.config import Config
 SLURM_DIR = Path(__file__).resolve().parents[2] / "slurm"
 # what torchrun starts on every rank (after its own flags): `python -m dapo_megatron.cli train CONFIG`
 TRAIN_ENTRY = ("--module", "dapo_megatron.cli", "train")
+# what an eval array task runs (after the interpreter): `python -m dapo_megatron.cli eval CONFIG --checkpoint DIR`
+EVAL_ENTRY = ("-m", "dapo_megatron.cli", "eval")
 
 Value = Union[str, int, Sequence[str]]
 _NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
@@ -178,10 +180,14 @@ def render_rollout_array(cfg: Config, *, register_dir: str) -> str:
                 values=values, setup=cfg.slurm.setup)
 
 
-def render_eval_array(cfg: Config, *, config_file: str, checkpoints_file: str, results_dir: str) -> str:
-    """slurm/eval_array.sbatch: array task i evaluates line i+1 of checkpoints_file into results_dir."""
+def render_eval_array(cfg: Config, *, config_file: str, checkpoints_file: str, results_dir: str,
+                      entry: Sequence[str] = EVAL_ENTRY) -> str:
+    """slurm/eval_array.sbatch: array task i evaluates line i+1 of checkpoints_file into results_dir.
+
+    entry: what the interpreter runs, before CONFIG --checkpoint DIR --output FILE.
+    """
     gpus = min(cfg.slurm.gpus_per_node, max(cfg.rollout.engine_tp, 1))
-    values: dict[str, Value] = {"PYTHON": python_of(cfg), "CONFIG": config_file,
+    values: dict[str, Value] = {"PYTHON": python_of(cfg), "EVAL_ENTRY": list(entry), "CONFIG": config_file,
                                 "CHECKPOINTS_FILE": checkpoints_file, "RESULTS_DIR": results_dir}
     return fill(template_text("eval_array.sbatch"), sbatch=sbatch_resource_lines(cfg, nodes=1, gpus_per_node=gpus),
                 values=values, setup=cfg.slurm.setup)

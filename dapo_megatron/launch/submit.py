@@ -164,7 +164,7 @@ def find_checkpoints(run_dir: Path) -> list[Path]:
     return [path for _, path in list_checkpoints(run_dir)]
 
 
-def plan_eval(cfg: Config, eval_run_dir: str | Path) -> Plan:
+def plan_eval(cfg: Config, eval_run_dir: str | Path, *, entry: Sequence[str] = render.EVAL_ENTRY) -> Plan:
     """One eval array task per checkpoint of eval_run_dir, then a gather job (afterok) for the table."""
     run_dir = _abs(str(eval_run_dir))
     checkpoints = find_checkpoints(run_dir)
@@ -177,7 +177,7 @@ def plan_eval(cfg: Config, eval_run_dir: str | Path) -> Plan:
         raise ValueError(f"--eval {run_dir}: a checkpoint path contains a line break")
     eval_job = JobSpec("eval", _fixed(render.render_eval_array(
                            cfg, config_file=str(run_dir / "slurm" / "eval_config.yaml"),
-                           checkpoints_file=str(ckpt_file), results_dir=str(results))),
+                           checkpoints_file=str(ckpt_file), results_dir=str(results), entry=entry)),
                        [f"--array=0-{len(checkpoints) - 1}%{cfg.slurm.array_throttle}",
                         *_log_args(run_dir, "eval", array=True)])
     gather = JobSpec("eval_gather", _fixed(render.render_eval_gather(cfg, results_dir=str(results))),

@@ -237,3 +237,27 @@ def test_cluster_stop_leaves_nothing_running(tmp_path):
     assert cluster.still_running() == {}
     for pid in daemons.values():
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_eval_array_then_afterok_gather_builds_one_table(slurm_cluster, tmp_path):
+    """One array task per checkpoint (eval STAND-IN: avg@4 = step/100), then the dependent gather job."""
+    run_dir = tmp_path / "run"
+    for step in (20, 5, 10):
+        ckpt = run_dir / "checkpoints" / f"step_{step:06d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text(json.dumps({"step": step}))
+    cfg = load_config(write_config(tmp_path / "c.yaml", run_dir))
+    plan = submit.plan_eval(cfg, run_dir, entry=[str(REPO / "tests/integration/slurm_eval_stand_in.py")])
+    ids = submit.submit(plan, env=slurm_cluster.env)
+    shown = slurm_cluster.run(["scontrol", "-o", "show", "job", ids["eval_gather"]]).stdout
+    assert f"Dependency=afterok:{ids['eval']}" in shown
+    assert slurm_cluster.wait_done([ids["eval_gather"]], timeout_s=120) == {ids["eval_gather"]: "COMPLETED"}, \
+        logs(run_dir)
+    assert set(slurm_cluster.job_states([ids["eval"]]).values()) == {"COMPLETED"}
+    assert (run_dir / "eval/results.md").read_text() == (
+        "| checkpoint | step | avg@4 | pass@4 |\n"
+        "|---|---|---|---|\n"
+        "| step_000005 | 5 | 0.0500 | 0.1000 |\n"
+        "| step_000010 | 10 | 0.1000 | 0.2000 |\n"
+        "| step_000020 | 20 | 0.2000 | 0.4000 |\n")
+    assert (run_dir / "eval/results.csv").read_text().splitlines()[1] == "step_000005,5,0.05,0.1"

@@ -180,3 +180,30 @@ def test_status_falls_back_from_squeue_to_scontrol_to_gone():
     assert rows[0]["state"] == "RUNNING" and rows[0]["elapsed"] == "0:05"
     rows = status.job_rows("14", lambda argv: None)  # nothing knows it, sacct unavailable
     assert rows[0]["state"] == "gone"
+
+
+def test_colocated_engines_split_per_node(monkeypatch):
+    from dapo_megatron.launch import colocated
+
+    cfg = load_config(REPO / "configs/runs/qwen2.5-32b_dapo.yaml", ["model.path=/m"])  # 32 engines, tp 4, 16 nodes
+    monkeypatch.setenv("SLURM_NODEID", "3")
+    cmds = colocated.engine_commands(cfg, host="10.0.0.3", python="py")
+    assert len(cmds) == 2  # 32 engines / 16 nodes; 2 x tp 4 = the node's 8 GPUs
+    assert [c[c.index("--base-gpu-id") + 1] for c in cmds] == ["0", "4"]
+    assert [c[c.index("--seed") + 1] for c in cmds] == ["48", "49"]  # seed 42 + node 3 * 2 + i
+    assert all("--colocate" in c and c[c.index("--register-dir") + 1] == "/shared/runs/qwen2.5-32b_dapo/engines"
+               for c in cmds)
+    with pytest.raises(ValueError, match="rollout.num_engines"):
+        colocated.engines_per_node(load_config(REPO / "configs/runs/qwen2.5-32b_dapo.yaml", ["rollout.num_engines=33"]))
+    with pytest.raises(ValueError, match="rollout.num_engines"):  # 4 per node x tp 4 > 8 GPUs
+        colocated.engines_per_node(load_config(REPO / "configs/runs/qwen2.5-32b_dapo.yaml", ["rollout.num_engines=64"]))
+
+
+def test_colocated_removes_only_this_hosts_registrations(tmp_path):
+    from dapo_megatron.launch import colocated
+
+    for host, port in (("10.0.0.1", 1), ("10.0.0.1", 2), ("10.0.0.2", 1)):
+        (tmp_path / f"{host}_{port}.json").write_text(json.dumps({"host": host, "port": port}))
+    removed = colocated.remove_stale_registrations(tmp_path, "10.0.0.1")
+    assert sorted(p.name for p in removed) == ["10.0.0.1_1.json", "10.0.0.1_2.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["10.0.0.2_1.json"]
