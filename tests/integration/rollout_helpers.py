@@ -44,15 +44,16 @@ def make_tiny_checkpoint(out_dir: Path, *, seed: int = 0) -> Path:
 class ServerProcess:
     """One `dapo-megatron serve-rollout` subprocess; url known once it has registered."""
 
-    def __init__(self, model_dir: Path, register_dir: Path, *, seed: int = 0, log_path: Path | None = None):
+    def __init__(self, model_dir: Path, register_dir: Path, *, seed: int = 0, log_path: Path | None = None,
+                 port: int = 0, extra_args: tuple[str, ...] = ()):
         self.register_dir = Path(register_dir)
         before = set(self.register_dir.glob("*.json")) if self.register_dir.exists() else set()
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-        self.log = open(log_path or os.devnull, "wb")
+        self.log = open(log_path or os.devnull, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", str(model_dir),
-             "--host", "127.0.0.1", "--port", "0", "--register-dir", str(register_dir), "--seed", str(seed),
-             "--threads", "1"],
+             "--host", "127.0.0.1", "--port", str(port), "--register-dir", str(register_dir), "--seed", str(seed),
+             "--threads", "1", *extra_args],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         self.record = self._wait_registered(before)
         self.url = self.record["url"]
@@ -62,7 +63,7 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"serve-rollout exited with {self.proc.returncode}")
-            for path in set(self.register_dir.glob("*.json")) - before:
+            for path in self.register_dir.glob("*.json"):  # a restart on a known port rewrites its file
                 rec = json.loads(path.read_text())
                 if rec["pid"] == self.proc.pid:
                     return rec

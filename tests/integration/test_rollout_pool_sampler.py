@@ -1,0 +1,143 @@
+"""Engine pool and sampler against two real serve-rollout processes (each decoding one sequence at
+a time, --max-batch-size 1, so a round keeps requests queued long enough to kill or abort them)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+from rollout_helpers import ServerProcess, get_json, make_tiny_checkpoint
+
+from dapo_megatron.rollout.pool import EnginePool
+from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
+from dapo_megatron.rollout.weight_sync import DistributedWeightSync
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("rollout_pool")
+    model_dir = make_tiny_checkpoint(root / "model", seed=0)
+    servers = [ServerProcess(model_dir, root / "engines", seed=i, log_path=root / f"s{i}.log",
+                             extra_args=("--max-batch-size", "1")) for i in range(2)]
+    yield SimpleNamespace(root=root, model_dir=model_dir, servers=servers,
+                          tokenizer=AutoTokenizer.from_pretrained(model_dir))
+    for s in servers:
+        s.kill()
+
+
+def records(kinds):
+    return [SimpleNamespace(prompt=f"What is {i} + 1?", ground_truth=kind) for i, kind in enumerate(kinds)]
+
+
+class ScriptedReward:
+    """acc from the ground truth: "mixed" alternates 1, 0, 1, 0 ... (an informative group of n=2),
+    "same" is always 1 (a group dynamic sampling drops)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, response: str, ground_truth: str):
+        self.calls += 1
+        acc = float(self.calls % 2) if ground_truth == "mixed" else 1.0
+        return SimpleNamespace(score=2 * acc - 1, acc=acc, pred=None)
+
+
+def test_dynamic_sampling_stops_when_full_and_aborts_leftovers(env):
+    url = env.servers[0].url
+    source = iter(records(["mixed", "same", "mixed", "same"] + ["mixed"] * 16))
+    settings = RolloutSettings(n=2, max_new_tokens=24, gen_batch_size=4, dynamic_sampling=True,
+                               max_num_gen_batches=5, overlong_shaping=True, overlong_buffer_length=8,
+                               stop_token_ids=(), progress=False, seed=7)
+
+    async def scenario():
+        pool = EnginePool(urls=[url])
+        sampler = RolloutSampler(pool, env.tokenizer, settings, reward_fn=ScriptedReward(), rid_prefix="dyn")
+        aborted_before = len(get_json(url + "/get_server_info")["aborted_rids"])
+        result = await sampler.collect(source, train_batch_size=3)
+        await pool.close()
+        return result, aborted_before
+
+    result, aborted_before = asyncio.run(scenario())
+    st = result.stats
+    assert st["rounds"] == 2  # round 1 keeps 2 of 4 groups; round 2 stops at its first group
+    assert st["groups_seen"] == 5 and st["groups_filtered"] == 2 and st["groups_returned"] == 3
+    assert st["requests_aborted"] == 3
+    server_aborted = get_json(url + "/get_server_info")["aborted_rids"][aborted_before:]
+    assert len(server_aborted) == 3 and set(server_aborted) < {f"dyn-{k}" for k in range(4, 8)}
+    assert next(source).prompt == "What is 8 + 1?"  # exactly two rounds of prompts were drawn
+
+    assert [len(g) for g in result.groups] == [2, 2, 2]
+    for gi, group in enumerate(result.groups):
+        assert sorted(s.acc for s in group) == [0.0, 1.0]
+        for s in group:
+            assert s.group_index == gi and s.ground_truth == "mixed"
+            assert len(s.rollout_logprobs) == len(s.response_ids) > 0
+            assert s.truncated == (s.extra["finish_reason"] == "length")
+            # overlong shaping with L_max 24, L_cache 8: the ramp starts after 16 tokens
+            L = len(s.response_ids)
+            assert s.extra["overlong_penalty"] == pytest.approx(0.0 if L <= 16 else (16 - L) / 8)
+            assert s.reward == pytest.approx(s.extra["score"] + s.extra["overlong_penalty"])
+    assert st["tokens_generated"] > 0 and st["tokens_per_s"] > 0
+
+
+def test_engine_killed_mid_round_loses_no_prompt_and_rejoins_after_resync(env):
+    a, b = env.servers
+    settings = RolloutSettings(n=2, max_new_tokens=48, gen_batch_size=8, dynamic_sampling=False,
+                               overlong_shaping=False, progress=False, seed=3)
+    served_before = get_json(a.url + "/get_server_info")["num_requests"]
+
+    def reward_killing_b(response, ground_truth, _state={"killed": False}):
+        if not _state["killed"]:  # the first finished group: b still holds queued requests
+            _state["killed"] = True
+            b.kill()
+        return SimpleNamespace(score=1.0, acc=1.0, pred=None)
+
+    async def round_with_kill():
+        pool = await EnginePool.from_registry(str(env.root / "engines"), min_engines=2, wait_s=30, max_retries=2)
+        sampler = RolloutSampler(pool, env.tokenizer, settings, reward_fn=reward_killing_b, rid_prefix="kill")
+        result = await sampler.collect(iter(records([f"gt{i}" for i in range(8)])), train_batch_size=8)
+        return pool, result
+
+    async def scenario():
+        pool, result = await round_with_kill()
+        state_after_kill = pool.load()
+        # b comes back on the same host:port (a requeued array task): pending until synced
+        restarted = ServerProcess(env.model_dir, env.root / "engines", seed=5, port=b.record["port"],
+                                  log_path=env.root / "s1.log", extra_args=("--max-batch-size", "1"))
+        env.servers[1] = restarted
+        pending = await pool.discover()
+        live_before_admit = pool.live_urls()
+        from transformers import AutoModelForCausalLM
+
+        trainer = AutoModelForCausalLM.from_pretrained(env.model_dir, dtype=torch.float32)
+        with torch.no_grad():
+            for p in trainer.parameters():
+                p.mul_(1.01)
+        sync = DistributedWeightSync(master_address="127.0.0.1", backend="gloo")
+        stats = await sync.sync(pool.weight_targets(), iter(trainer.state_dict().items()))
+        await sync.close(pool.weight_targets())
+        pool.admit(pending)
+        client_b = next(c for c in pool.live_clients() if c.url == restarted.url)
+        row = await client_b.get_weights_by_name("lm_head.weight", truncate_size=2)
+        await pool.close()
+        return result, state_after_kill, pending, live_before_admit, pool, stats, row, trainer
+
+    result, state, pending, live_before_admit, pool, stats, row, trainer = asyncio.run(scenario())
+    assert sorted(g[0].ground_truth for g in result.groups) == sorted(f"gt{i}" for i in range(8))
+    assert all(len(g) == 2 for g in result.groups)
+    assert state[b.url]["state"] == "dead" and state[b.url]["failures"] == 1
+    served = get_json(a.url + "/get_server_info")["num_requests"] - served_before
+    assert served > 4  # a served its own share and b's retried requests
+    assert state[a.url]["served"] + state[b.url]["served"] == 8
+
+    assert pending == [b.url] and live_before_admit == [a.url]
+    assert stats.num_engines == 2
+    assert sorted(pool.live_urls()) == sorted([a.url, b.url])
+    assert torch.equal(torch.tensor(row), trainer.state_dict()["lm_head.weight"][:2])
+    assert [e.split(":")[0] for _, e, u in pool.events if u == b.url] == [
+        "pending", "admitted", "dropped", "pending", "admitted"]
