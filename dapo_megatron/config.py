@@ -422,8 +422,8 @@ def _validate_tiny(cfg: Config) -> None:
     tn = cfg.tiny
     if not tn.enabled:
         return
-    _require(not cfg.model.path, "model.path", cfg.model.path,
-             "leave it empty with tiny.enabled=true (the tiny model is built under trainer.output_dir)")
+    # model.path may be set: `train` builds the tiny model, then hands its directory to the actor ranks
+    # as model.path (with tiny.enabled still true)
     _require(not cfg.data.train_path, "data.train_path", cfg.data.train_path,
              "leave it empty with tiny.enabled=true (the tiny model warm-starts on the synthetic task)")
     for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
