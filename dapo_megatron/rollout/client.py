@@ -47,7 +47,7 @@ class EngineClient:
             self._session = None
 
     def _sess(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
+        if self._session is None:
             # no connection pooling limits: a rollout round keeps hundreds of requests in flight
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
             self._own_session = True

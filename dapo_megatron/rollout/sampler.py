@@ -1,7 +1,7 @@
 """The rollout sampler: prompts -> scored groups of n responses, with DAPO's dynamic sampling.
 
     settings = RolloutSettings.from_config(cfg)          # or RolloutSettings(n=16, max_new_tokens=..., ...)
-    sampler = RolloutSampler(pool, tokenizer, settings)  # reward_fn defaults to reward.math_dapo.score
+    sampler = RolloutSampler(pool, tokenizer, settings)  # reward: each record's data_source scorer
     result = await sampler.collect(prompt_iter, train_batch_size=512)
     result.groups    # list of train_batch_size groups, each a list of n dapo_megatron.batch.Sample
     result.stats     # rounds, groups seen/kept/filtered, tokens generated, tokens/s, aborted requests
@@ -75,10 +75,11 @@ class RolloutResult:
         return [s for g in self.groups for s in g]
 
 
-def _default_reward() -> Callable[[str, str], Any]:
-    from dapo_megatron.reward.math_dapo import score
+def _reward_for(record: Any) -> Callable[[str, str], Any]:
+    """The record's scorer (reward.scorer_for_data_source of its data_source; math_dapo if none)."""
+    from dapo_megatron.reward import scorer_for_data_source
 
-    return score
+    return scorer_for_data_source(getattr(record, "data_source", "") or "math_dapo")
 
 
 class RolloutSampler:
@@ -89,7 +90,7 @@ class RolloutSampler:
         self.pool = pool
         self.tokenizer = tokenizer
         self.settings = settings
-        self.reward_fn = reward_fn or _default_reward()
+        self.reward_fn = reward_fn  # None: each record's own scorer
         self.rid_prefix = rid_prefix or uuid.uuid4().hex[:8]
         self.num_requests = 0  # k of the next request (seeds and rids)
 
@@ -97,12 +98,13 @@ class RolloutSampler:
     def prompt_ids(self, record: Any) -> list[int]:
         ids = getattr(record, "prompt_ids", None)
         if not ids:
-            prompt = record.prompt
-            if isinstance(prompt, str):
-                ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            else:  # chat messages
-                ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-                ids = ids["input_ids"] if isinstance(ids, dict) else ids
+            chat = record.chat() if hasattr(record, "chat") else record.prompt
+            if isinstance(chat, str) or not getattr(self.tokenizer, "chat_template", None):
+                text = chat if isinstance(chat, str) else record.prompt
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            else:  # PromptRecord: its chat through the tokenizer's template, ready for the answer
+                ids = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+                ids = ids["input_ids"] if hasattr(ids, "keys") else ids
         limit = self.settings.max_prompt_length
         if limit and len(ids) > limit:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds rollout.max_prompt_length={limit}: {str(record)[:200]}")
@@ -132,7 +134,7 @@ class RolloutSampler:
         ground_truth = str(getattr(record, "ground_truth", ""))
         samples = []
         for o, extra_reward in zip(outputs, shaping):
-            result = self.reward_fn(o["text"], ground_truth)
+            result = (self.reward_fn or _reward_for(record))(o["text"], ground_truth)
             meta = o["meta_info"]
             samples.append(Sample(
                 prompt_ids=o["prompt_ids"], response_ids=list(o["output_ids"]), group_index=-1,
