@@ -1,19 +1,20 @@
-"""The embedded default's model: a fixed character-level tokenizer, a tiny Qwen2, and a warm start.
+"""The embedded default's model: a fixed byte-level tokenizer, a tiny Qwen2, and a warm start.
 
-    from dapo_megatron.tiny import prepare_tiny_model
-    path = prepare_tiny_model(output_dir="outputs/tiny_cpu", prompts=[...], answers=[...], seed=42)
-    # -> outputs/tiny_cpu/tiny_model/warm  (HF directory: config.json, model.safetensors, tokenizer)
+    path = prepare_tiny_model(cfg)       # cfg.tiny.enabled; -> <trainer.output_dir>/tiny_model/warm
+    # the pieces: build_tiny_model(out_dir, seed=, spec=) -> .../init; warm_start(init, out_dir, ...) -> .../warm
+    # the data:   synthetic_train_eval(num_train=, num_eval=, difficulty=, seed=, style=) -> (train, held-out)
 
 Nothing is downloaded: the tokenizer is a fixed byte-level vocabulary with no merges (every byte is
 one token, so every digit is its own token, which is what small models need for arithmetic), and the
 model is a randomly initialised Qwen2 from a Qwen2Config. The warm start is a short supervised pass
 (plain torch on the transformers model) on "prompt -> Answer: N<eos>" so that the model emits the
-answer format and gets a fraction of the problems right at temperature 1, leaving room for RL.
+answer format and gets ~30% of the problems right at temperature 1, leaving room for RL (label
+smoothing sets that fraction; see warm_start and docs/LOG.md).
 
 Both stages are cached under `<output_dir>/tiny_model/{init,warm}` next to a `build.json` holding
 every argument that shaped them; a second call with the same arguments reuses the directory, a call
-with different arguments rebuilds it. Everything is deterministic from the seed (fp32, one thread
-order of operations on CPU).
+with different arguments rebuilds it. Everything is deterministic from the seed (fp32; bit-identical
+for the same torch thread count on the same CPU).
 """
 
 from __future__ import annotations
