@@ -29,14 +29,11 @@ from dapo_megatron.config import load_config
 from dapo_megatron.tiny import prepare_tiny_model, prompt_ids, synthetic_train_eval
 
 # ------------------------------------------------------------------------------------------------
+# Reward, sampling and log-probs on the HF model
 
 
 def score(text: str, truth: str) -> float:
     return float(math_dapo.score(text, truth).acc)
-
-
-# ------------------------------------------------------------------------------------------------
-# Sampling and log-probs on the HF model
 
 
 @torch.no_grad()
@@ -70,7 +67,6 @@ def token_logprobs(model, batch):
     logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
     lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
     T = max(len(r) for _, r, _ in batch)
-    out = torch.zeros(len(batch), T)
     mask = torch.zeros(len(batch), T)
     lp_rows = []
     for i, (p, r, _) in enumerate(batch):
