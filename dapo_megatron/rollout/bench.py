@@ -1,0 +1,94 @@
+"""Rollout benchmark on this machine: a random Qwen2 behind a real serve-rollout process; prints
+generation throughput (tokens/s at several numbers of concurrent requests) and weight-sync
+bandwidth (gloo broadcast vs tensors-by-value over HTTP).
+
+    python -m dapo_megatron.rollout.bench [--hidden 512 --layers 8 --vocab 32000] [--new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def _random_qwen2(out_dir: str, *, hidden: int, layers: int, vocab: int) -> int:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    cfg = Qwen2Config(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
+                      vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=2)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    return sum(p.numel() for p in model.parameters())
+
+
+async def _run(url: str, model_dir: str, *, new_tokens: int, concurrency: list[int]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from dapo_megatron.rollout.client import EngineClient
+    from dapo_megatron.rollout.weight_sync import DistributedWeightSync, sync_by_tensor
+
+    async with EngineClient(url) as c:
+        print(f"{'concurrent requests':>20} {'tokens':>8} {'seconds':>8} {'tokens/s':>9}")
+        for conc in concurrency:
+            tic = time.perf_counter()
+            outs = await asyncio.gather(*(c.generate(input_ids=[1, 5 + i, 9], sampling_params={
+                "max_new_tokens": new_tokens, "ignore_eos": True, "sampling_seed": i}) for i in range(conc)))
+            dt = time.perf_counter() - tic
+            tokens = sum(len(o["output_ids"]) for o in outs)
+            print(f"{conc:>20} {tokens:>8} {dt:>8.2f} {tokens / dt:>9.1f}")
+        weights = list(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict().items())
+        print(f"\n{'weight sync':>20} {'MB':>8} {'seconds':>8} {'GB/s':>9}")
+        sync = DistributedWeightSync(backend="gloo", bucket_bytes=64 << 20)
+        for label in ("gloo (1st, +group)", "gloo"):  # the first sync also forms the group
+            tic = time.perf_counter()
+            st = await sync.sync([c], iter(weights))
+            st.seconds = time.perf_counter() - tic
+            print(f"{label:>20} {st.bytes / 1e6:>8.1f} {st.seconds:>8.2f} {st.gb_per_s:>9.3f}")
+        await sync.close([c])
+        st = await sync_by_tensor([c], iter(weights), bucket_bytes=64 << 20)
+        print(f"{'http by value':>20} {st.bytes / 1e6:>8.1f} {st.seconds:>8.2f} {st.gb_per_s:>9.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", default="1,8,32")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = os.path.join(tmp, "model")
+        n = _random_qwen2(model_dir, hidden=args.hidden, layers=args.layers, vocab=args.vocab)
+        print(f"random Qwen2: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {n / 1e6:.1f} M params, "
+              f"fp32, torch threads {torch.get_num_threads()}\n")
+        reg = os.path.join(tmp, "engines")
+        proc = subprocess.Popen([sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", model_dir,
+                                 "--port", "0", "--register-dir", reg], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            from dapo_megatron.rollout.registry import read_registrations
+
+            while not (os.path.isdir(reg) and read_registrations(reg)):
+                if proc.poll() is not None:
+                    raise RuntimeError("serve-rollout exited")
+                time.sleep(0.2)
+            url = read_registrations(reg)[0]["url"]
+            asyncio.run(_run(url, model_dir, new_tokens=args.new_tokens,
+                             concurrency=[int(x) for x in args.concurrency.split(",")]))
+        finally:
+            proc.kill()
+            proc.wait()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
