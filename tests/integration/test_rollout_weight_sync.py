@@ -7,10 +7,11 @@ import asyncio
 
 import pytest
 import torch
-from rollout_helpers import ServerProcess, make_tiny_checkpoint
+from rollout_helpers import make_tiny_checkpoint
 from test_rollout_server import PROMPT, reference_logprobs
 
 from dapo_megatron.rollout.client import EngineClient
+from dapo_megatron.rollout.local import LocalEngines
 from dapo_megatron.rollout.weight_sync import DistributedWeightSync, sync_by_tensor
 
 
@@ -18,10 +19,9 @@ from dapo_megatron.rollout.weight_sync import DistributedWeightSync, sync_by_ten
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("rollout_sync")
     model_dir = make_tiny_checkpoint(root / "model", seed=0)
-    servers = [ServerProcess(model_dir, root / "engines", seed=i, log_path=root / f"s{i}.log") for i in range(2)]
-    yield {"root": root, "model_dir": model_dir, "servers": servers}
-    for s in servers:
-        s.kill()
+    with LocalEngines(str(model_dir), num_engines=2, register_dir=str(root / "engines")) as engines:
+        assert len(set(engines.urls)) == 2 and (root / "logs" / "engine_1.log").exists()
+        yield {"root": root, "model_dir": model_dir, "urls": engines.urls}
 
 
 def updated_model(model_dir, seed: int):
@@ -47,7 +47,7 @@ def test_distributed_sync_then_engine_logprobs_match_trainer(setup):
     weights = list(trainer.state_dict().items())
 
     async def scenario():
-        clients = [EngineClient(s.url) for s in setup["servers"]]
+        clients = [EngineClient(url) for url in setup["urls"]]
         sync = DistributedWeightSync(master_address="127.0.0.1", backend="gloo", bucket_bytes=64 * 1024)
         stats = await sync.sync(clients, iter(weights))
         results = [await _engine_logprobs(c) for c in clients]
@@ -84,7 +84,7 @@ def test_corrupted_tensor_is_refused_before_anything_is_written(setup, corruptio
         bad = victim
 
     async def scenario():
-        clients = [EngineClient(s.url) for s in setup["servers"]]
+        clients = [EngineClient(url) for url in setup["urls"]]
         before = await _engine_logprobs(clients[0])
         sync = DistributedWeightSync(master_address="127.0.0.1", backend="gloo")  # one bucket holds all
         with pytest.raises(ValueError) as info:
@@ -113,7 +113,7 @@ def test_sync_by_tensor_value_transport(setup):
     trainer = updated_model(setup["model_dir"], seed=3)
 
     async def scenario():
-        clients = [EngineClient(s.url) for s in setup["servers"]]
+        clients = [EngineClient(url) for url in setup["urls"]]
         stats = await sync_by_tensor(clients, iter(trainer.state_dict().items()), bucket_bytes=100_000)
         out = [await _engine_logprobs(c) for c in clients]
         for c in clients:
