@@ -43,7 +43,9 @@ on_usr1() {
     REQUEUE_ASKED=1
     if [ -n "$STEP_PID" ]; then kill -USR1 "$STEP_PID" 2>/dev/null || true; fi
 }
+GOT_TERM=0
 on_term() {
+    GOT_TERM=1
     echo "[$(date -u +%FT%TZ)] SIGTERM: job cancelled or requeued by Slurm; ranks checkpoint and exit"
 }
 trap on_usr1 USR1
@@ -92,8 +94,11 @@ if [ "$REQUEUE_ASKED" = 1 ] && [ "$rc" != 0 ]; then
     exit 0
 fi
 echo "[$(date -u +%FT%TZ)] trainer exited with $rc"
-if [ "$rc" = 0 ] && [ -n "$ENGINE_JOB" ]; then
-    echo "training finished: cancelling the rollout engines (job $ENGINE_JOB)"
+# Done for good (finished or failed): the engine array would otherwise hold its GPUs until its time
+# limit. Not after a SIGTERM: Slurm may be requeueing this job, which then needs its engines again
+# (after `scancel` of the trainer, cancel the engines too: `slurm status` lists both).
+if [ -n "$ENGINE_JOB" ] && [ "$GOT_TERM" = 0 ]; then
+    echo "training ended: cancelling the rollout engines (job $ENGINE_JOB)"
     scancel "$ENGINE_JOB" || true
 fi
 exit "$rc"

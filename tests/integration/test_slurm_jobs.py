@@ -221,7 +221,7 @@ def test_engine_array_and_trainer_rendezvous_through_the_registry(slurm_cluster,
     # the trainer cancelled its engines when it finished
     engine_states = slurm_cluster.wait_done([ids["engines"]], timeout_s=60)
     assert set(engine_states.values()) == {"CANCELLED"}, engine_states
-    assert f"cancelling the rollout engines (job {ids['engines']})" in text
+    assert f"training ended: cancelling the rollout engines (job {ids['engines']})" in text
 
 
 def test_cluster_stop_leaves_nothing_running(tmp_path):
