@@ -238,8 +238,12 @@ class DistributedWeightSync:
                 for c in clients]
             tensors = [t.detach().contiguous() for _, t in bucket]
             send = loop.run_in_executor(None, lambda: [_broadcast(self._pg, t) for t in tensors])
-            results = await asyncio.gather(send, *posts, return_exceptions=True)
-            errors = [r for r in results if isinstance(r, BaseException)]
+            # an engine that refuses the bucket never joins the broadcasts: fail at its answer instead
+            # of waiting out the group timeout (the blocked broadcast thread ends at timeout_s)
+            done, _ = await asyncio.wait([send, *posts], return_when=asyncio.FIRST_EXCEPTION)
+            errors = [t.exception() for t in done if t.exception() is not None]
+            if not errors:
+                await asyncio.gather(send, *posts)
             if errors:
                 self._pg = None  # the group's state is unknown now: re-form it next time
                 raise EngineError(f"weight sync: bucket {stats.num_buckets} ({names[0]} ...) failed: {errors[0]}")
