@@ -28,12 +28,40 @@ class EngineUnreachable(EngineError):
     """The engine did not answer (connection refused/reset, timeout)."""
 
 
+class SessionHolder:
+    """One aiohttp session per event loop: a new one when used from another loop, so a training
+    loop may call asyncio.run(...) once per step with the same pool and clients."""
+
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def get(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            if self._session is not None and not self._session.closed:
+                self._session.detach()  # its loop has ended: let go without touching that loop
+            # no connection limit (a rollout round keeps hundreds of requests in flight); no keep-alive
+            # (force_close), so a session left behind by an ended loop holds no open socket
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True))
+            self._loop = loop
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            if self._loop is asyncio.get_running_loop():
+                await self._session.close()
+            else:
+                self._session.detach()
+        self._session = None
+
+
 class EngineClient:
-    def __init__(self, url: str, *, timeout_s: float = 3600.0, session: aiohttp.ClientSession | None = None):
+    def __init__(self, url: str, *, timeout_s: float = 3600.0, sessions: SessionHolder | None = None):
         self.url = url.rstrip("/")
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._session = session
-        self._own_session = session is None
+        self._own_sessions = sessions is None
+        self._sessions = sessions or SessionHolder()
 
     async def __aenter__(self) -> "EngineClient":
         return self
@@ -42,16 +70,11 @@ class EngineClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._own_session and self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._own_sessions:
+            await self._sessions.close()
 
     def _sess(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            # no connection pooling limits: a rollout round keeps hundreds of requests in flight
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-            self._own_session = True
-        return self._session
+        return self._sessions.get()
 
     async def _request(self, method: str, path: str, payload: dict | None = None, *, timeout_s: float | None = None) -> Any:
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else self.timeout

@@ -22,9 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
-from dapo_megatron.rollout.client import EngineClient, EngineError, EngineUnreachable
+from dapo_megatron.rollout.client import EngineClient, EngineError, EngineUnreachable, SessionHolder
 from dapo_megatron.rollout.registry import read_registrations
 
 
@@ -46,7 +44,7 @@ class EnginePool:
         self.registry_dir = registry_dir
         self.timeout_s = timeout_s
         self.max_retries = max_retries
-        self._session: aiohttp.ClientSession | None = None
+        self._sessions = SessionHolder()  # shared by this pool's clients
         self._engines: dict[str, _Engine] = {}
         self._where: dict[str, str] = {}  # rid -> url of the engine serving it now
         self.events: list[tuple[float, str, str]] = []  # (time, event, url): dropped / pending / admitted
@@ -70,14 +68,10 @@ class EnginePool:
             await asyncio.sleep(1.0)
 
     def _client(self, url: str) -> EngineClient:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        return EngineClient(url, timeout_s=self.timeout_s, session=self._session)
+        return EngineClient(url, timeout_s=self.timeout_s, sessions=self._sessions)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._sessions.close()
 
     # ------------------------------------------------------------------ membership
     def live_urls(self) -> list[str]:

@@ -141,3 +141,17 @@ def test_engine_killed_mid_round_loses_no_prompt_and_rejoins_after_resync(env):
     assert torch.equal(torch.tensor(row), trainer.state_dict()["lm_head.weight"][:2])
     assert [e.split(":")[0] for _, e, u in pool.events if u == b.url] == [
         "pending", "admitted", "dropped", "pending", "admitted"]
+
+
+def test_pool_survives_one_event_loop_per_step(env):
+    """The training loop may call asyncio.run once per step with the same pool (and sampler)."""
+    pool = EnginePool(urls=[env.servers[0].url])
+    sampler = RolloutSampler(pool, env.tokenizer, RolloutSettings(n=2, max_new_tokens=4, gen_batch_size=2,
+                                                                  dynamic_sampling=False, progress=False),
+                             reward_fn=lambda text, gt: SimpleNamespace(score=1.0, acc=1.0, pred=None))
+    source = iter(records(["x"] * 4))
+    first = asyncio.run(sampler.collect(source, train_batch_size=2))
+    second = asyncio.run(sampler.collect(source, train_batch_size=2))
+    asyncio.run(pool.close())
+    assert [len(r.groups) for r in (first, second)] == [2, 2]
+    assert {g[0].prompt_ids[0] for g in first.groups + second.groups} and sampler.num_requests == 4
