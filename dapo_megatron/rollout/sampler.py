@@ -4,7 +4,8 @@
     sampler = RolloutSampler(pool, tokenizer, settings)  # reward: each record's data_source scorer
     result = await sampler.collect(prompt_iter, train_batch_size=512)
     result.groups    # list of train_batch_size groups, each a list of n dapo_megatron.batch.Sample
-    result.stats     # rounds, groups seen/kept/filtered, tokens generated, tokens/s, aborted requests
+    result.stats     # rounds, groups seen/kept/filtered, tokens generated, tokens/s, requests_aborted,
+                     # groups_unscored (finished together with the batch-filling group, dropped)
 
 One round takes gen_batch_size prompts from `prompt_iter` (an iterator the training loop owns, so
 the data order is resumable; prompts drawn in a round count as consumed even when their requests
@@ -157,7 +158,7 @@ class RolloutSampler:
             from tqdm import tqdm
 
             bar = tqdm(total=train_batch_size, desc="rollout groups", unit="grp", leave=False)
-        tokens = aborted = 0
+        tokens = aborted = unscored = 0
         tic = time.perf_counter()
         try:
             while not acc.done:
@@ -165,9 +166,10 @@ class RolloutSampler:
                 if not records:
                     raise ValueError(f"the prompt source ran out after {acc.stats()['rounds']} rounds with "
                                      f"{acc.num_kept} of {train_batch_size} groups kept")
-                round_groups, round_tokens, round_aborted = await self._round(records, acc.num_kept, train_batch_size, bar)
-                tokens += round_tokens
-                aborted += round_aborted
+                round_groups, counts = await self._round(records, acc.num_kept, train_batch_size, bar)
+                tokens += counts["tokens"]
+                aborted += counts["aborted"]
+                unscored += counts["unscored"]
                 acc.add_round(round_groups)  # raises when the round budget is spent (on_exhausted="raise")
         finally:
             if bar is not None:
@@ -178,23 +180,31 @@ class RolloutSampler:
             for sample in group:
                 sample.group_index = gi
         stats = {**acc.stats(), "tokens_generated": tokens, "seconds": seconds,
-                 "tokens_per_s": tokens / seconds if seconds > 0 else 0.0, "requests_aborted": aborted}
+                 "tokens_per_s": tokens / seconds if seconds > 0 else 0.0, "requests_aborted": aborted,
+                 "groups_unscored": unscored}
         return RolloutResult(groups=groups, stats=stats)
 
-    async def _round(self, records: list[Any], kept_before: int, target: int, bar) -> tuple[list, int, int]:
-        tasks: dict[asyncio.Task, str] = {}
+    async def _round(self, records: list[Any], kept_before: int, target: int, bar) -> tuple[list, dict]:
+        """One generation round; returns (scored groups, counters). Groups are scored in completion
+        order (request order among those finishing together) and the round stops at the group that
+        fills the batch: finished groups after it are dropped unscored, unfinished ones aborted."""
+        tasks: dict[asyncio.Task, int] = {}
         for record in records:
             k = self.num_requests
             self.num_requests += 1
-            rid = f"{self.rid_prefix}-{k}"
-            tasks[asyncio.ensure_future(self._generate_group(record, rid, k))] = rid
+            tasks[asyncio.ensure_future(self._generate_group(record, f"{self.rid_prefix}-{k}", k))] = k
         groups: list[list[Sample]] = []
         tokens = kept = 0
-        pending = set(tasks)
+        pending, unscored = set(tasks), []
         try:
             while pending and kept_before + kept < target:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
+                ordered = sorted(done, key=tasks.__getitem__)
+                for i, task in enumerate(ordered):
+                    if kept_before + kept >= target:
+                        unscored = ordered[i:]  # generated all the same: their tokens count
+                        tokens += sum(len(o["output_ids"]) for t in unscored for o in t.result()[1])
+                        break
                     record, outputs = task.result()
                     group = self.score_group(record, outputs)
                     groups.append(group)
@@ -202,12 +212,13 @@ class RolloutSampler:
                     informative = (not self.settings.dynamic_sampling) or keep_group(group)
                     kept += int(informative)
                     if bar is not None:
-                        bar.update(int(informative) if kept_before + kept <= target else 0)
+                        bar.update(int(informative))
                         bar.set_postfix(seen=len(groups), refresh=False)
         finally:
             if pending:  # the batch is full (or we are failing): stop the engines' work on the rest
-                await asyncio.gather(*(self.pool.abort(tasks[t]) for t in pending), return_exceptions=True)
+                await asyncio.gather(*(self.pool.abort(f"{self.rid_prefix}-{tasks[t]}") for t in pending),
+                                     return_exceptions=True)
                 for t in pending:
                     t.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
-        return groups, tokens, len(pending)
+        return groups, {"tokens": tokens, "aborted": len(pending), "unscored": len(unscored)}

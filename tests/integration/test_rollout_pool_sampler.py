@@ -50,7 +50,7 @@ class ScriptedReward:
 def test_dynamic_sampling_stops_when_full_and_aborts_leftovers(env):
     url = env.servers[0].url
     source = iter(records(["mixed", "same", "mixed", "same"] + ["mixed"] * 16))
-    settings = RolloutSettings(n=2, max_new_tokens=24, gen_batch_size=4, dynamic_sampling=True,
+    settings = RolloutSettings(n=2, max_new_tokens=32, gen_batch_size=4, dynamic_sampling=True,
                                max_num_gen_batches=5, overlong_shaping=True, overlong_buffer_length=8,
                                stop_token_ids=(), progress=False, seed=7)
 
@@ -66,9 +66,11 @@ def test_dynamic_sampling_stops_when_full_and_aborts_leftovers(env):
     st = result.stats
     assert st["rounds"] == 2  # round 1 keeps 2 of 4 groups; round 2 stops at its first group
     assert st["groups_seen"] == 5 and st["groups_filtered"] == 2 and st["groups_returned"] == 3
-    assert st["requests_aborted"] == 3
+    # the 3 other requests of round 2: aborted in flight (normally all 3, decoded one sequence at a
+    # time), or dropped unscored if one finished in the same instant as the batch-filling group
+    assert st["requests_aborted"] + st["groups_unscored"] == 3 and st["requests_aborted"] >= 2
     server_aborted = get_json(url + "/get_server_info")["aborted_rids"][aborted_before:]
-    assert len(server_aborted) == 3 and set(server_aborted) < {f"dyn-{k}" for k in range(4, 8)}
+    assert len(server_aborted) == st["requests_aborted"] and set(server_aborted) < {f"dyn-{k}" for k in range(4, 8)}
     assert next(source).prompt == "What is 8 + 1?"  # exactly two rounds of prompts were drawn
 
     assert [len(g) for g in result.groups] == [2, 2, 2]
@@ -78,9 +80,9 @@ def test_dynamic_sampling_stops_when_full_and_aborts_leftovers(env):
             assert s.group_index == gi and s.ground_truth == "mixed"
             assert len(s.rollout_logprobs) == len(s.response_ids) > 0
             assert s.truncated == (s.extra["finish_reason"] == "length")
-            # overlong shaping with L_max 24, L_cache 8: the ramp starts after 16 tokens
+            # overlong shaping with L_max 32, L_cache 8: the ramp starts after 24 tokens
             L = len(s.response_ids)
-            assert s.extra["overlong_penalty"] == pytest.approx(0.0 if L <= 16 else (16 - L) / 8)
+            assert s.extra["overlong_penalty"] == pytest.approx(0.0 if L <= 24 else (24 - L) / 8)
             assert s.reward == pytest.approx(s.extra["score"] + s.extra["overlong_penalty"])
     assert st["tokens_generated"] > 0 and st["tokens_per_s"] > 0
 
