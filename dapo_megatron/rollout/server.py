@@ -257,9 +257,10 @@ class RolloutServer:
             rank_offset = self._require(body, "rank_offset", int)
             world_size = self._require(body, "world_size", int)
             group_name = body.get("group_name", "weight_update_group")
-            backend = body.get("backend", "gloo")
-            if backend not in ("gloo", "nccl"):
-                raise RequestError("backend", f"must be gloo or nccl, got {backend!r}")
+            backend = body.get("backend", "nccl")  # SGLang's default; a CPU engine can only join gloo
+            if backend != "gloo":
+                raise RequestError("backend", f"this CPU engine joins gloo groups only, got {backend!r} "
+                                              "(DistributedWeightSync(backend='gloo'))")
             if not 1 <= rank_offset < world_size:
                 raise RequestError("rank_offset", f"must be in [1, world_size={world_size}), got {rank_offset}")
             if group_name in self.groups:
@@ -268,7 +269,7 @@ class RolloutServer:
             return _error(400, str(err), err.field)
         from dapo_megatron.rollout.weight_sync import open_weight_group
 
-        try:  # gloo on CPU whatever the trainer asked: this engine holds no GPU
+        try:
             pg = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: open_weight_group(backend="gloo", master_address=address, master_port=port,
                                                 rank=rank_offset, world_size=world_size, group_name=group_name))
