@@ -11,7 +11,8 @@ Per step, rank 0 appends to <trainer.output_dir>/metrics.jsonl:
   {"step", "world_size", "rank_sum" (all-reduce of rank+1: proves the ranks rendezvoused),
    "restart" (SLURM_RESTART_COUNT), "engines" (with rollout.placement=disaggregated: the number of
    registered engines that answered /health)}
-Environment: COUNTER_STEP_SECONDS (default 0.5) = time one step takes.
+Environment: COUNTER_STEP_SECONDS (default 0.5) = time one step takes; COUNTER_HOLD_FILE = before its
+last step, rank 0 waits until this file exists (a test releases the run when it has seen what it needs).
 """
 
 from __future__ import annotations
@@ -85,8 +86,11 @@ def main() -> int:
             assert len(tokens) == 3
         engines = len(records)
     step_seconds = float(os.environ.get("COUNTER_STEP_SECONDS", "0.5"))
+    hold = os.environ.get("COUNTER_HOLD_FILE", "")
     for step in range(start + 1, cfg.trainer.total_steps + 1):
         time.sleep(step_seconds)
+        while rank == 0 and hold and step == cfg.trainer.total_steps and not Path(hold).exists():
+            time.sleep(0.2)
         value = torch.tensor([rank + 1])
         dist.all_reduce(value)
         if rank == 0:

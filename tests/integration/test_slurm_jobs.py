@@ -189,10 +189,11 @@ def test_engine_array_and_trainer_rendezvous_through_the_registry(slurm_cluster,
 
     model = make_tiny_checkpoint(tmp_path / "model")
     run_dir = tmp_path / "run"
-    cfg = load_config(write_config(tmp_path / "c.yaml", run_dir, trainer={"total_steps": 4}),
+    cfg = load_config(write_config(tmp_path / "c.yaml", run_dir, trainer={"total_steps": 3}),
                       [f"model.path={model}", "rollout.engine_urls=[]"])
-    # slow steps keep the trainer alive while a replaced engine comes back (~10 s)
-    env = dict(slurm_cluster.env, COUNTER_STEP_SECONDS="8", HF_HUB_OFFLINE="1")
+    # the trainer holds its last step until the replaced engine is back (the test creates `release`)
+    env = dict(slurm_cluster.env, COUNTER_STEP_SECONDS="0.5", HF_HUB_OFFLINE="1",
+               COUNTER_HOLD_FILE=str(tmp_path / "release"))
     plan = submit.plan_train(cfg, engines=2, entry=STAND_IN)
     ids = submit.submit(plan, env=env)
     registry = run_dir / "engines"
@@ -211,8 +212,9 @@ def test_engine_array_and_trainer_rendezvous_through_the_registry(slurm_cluster,
     while len(list(registry.glob("*.json"))) < 3:
         assert time.monotonic() < deadline, logs(run_dir)
         time.sleep(0.3)
+    (tmp_path / "release").touch()
     assert slurm_cluster.wait_done([ids["train"]], timeout_s=120) == {ids["train"]: "COMPLETED"}, logs(run_dir)
-    assert [(m["step"], m["engines"]) for m in metrics(run_dir)] == [(1, 2), (2, 2), (3, 2), (4, 2)]
+    assert [(m["step"], m["engines"]) for m in metrics(run_dir)] == [(1, 2), (2, 2), (3, 2)]
     text = logs(run_dir)
     assert text.count("generated [") == 2 and all(f"engine {url} generated" in text for url in first)
     records = [json.loads(p.read_text()) for p in registry.glob("*.json")]
