@@ -91,11 +91,10 @@ class ParamMap:
 
 
 def expected_hf_shapes(dims: Dims) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of this config holds (lm_head only when untied)."""
+    """Every tensor a checkpoint of this config holds (lm_head only when untied), in streaming
+    order: embedding, layers 0..L-1, final norm, lm_head."""
     h, d, f = dims.hidden, dims.head_dim, dims.ffn
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (dims.vocab, h), "model.norm.weight": (h,)}
-    if not dims.tied:
-        shapes["lm_head.weight"] = (dims.vocab, h)
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (dims.vocab, h)}
     for i in range(dims.num_layers):
         p = f"model.layers.{i}."
         shapes.update({
@@ -110,6 +109,9 @@ def expected_hf_shapes(dims: Dims) -> dict[str, tuple[int, ...]]:
             shapes.update({p + "self_attn.q_proj.bias": (dims.num_heads * d,),
                            p + "self_attn.k_proj.bias": (dims.num_groups * d,),
                            p + "self_attn.v_proj.bias": (dims.num_groups * d,)})
+    shapes["model.norm.weight"] = (h,)
+    if not dims.tied:
+        shapes["lm_head.weight"] = (dims.vocab, h)
     return shapes
 
 

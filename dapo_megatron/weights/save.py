@@ -40,7 +40,8 @@ def save_hf_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], hf_con
         shard_names: list[list[str]] = []
         total = 0
         for k, bucket in enumerate(bucketize(named_tensors, max_shard_bytes)):
-            tensors = {name: t.detach().to("cpu").contiguous() for name, t in bucket}
+            # clone: tensors that share storage (tied embeddings) cannot go into one safetensors file
+            tensors = {name: t.detach().to("cpu").clone(memory_format=torch.contiguous_format) for name, t in bucket}
             save_file(tensors, str(tmp_dir / f"shard-{k}.tmp"), metadata={"format": "pt"})
             shard_names.append(list(tensors))
             total += sum(tensor_bytes(t) for t in tensors.values())

@@ -1,0 +1,151 @@
+"""`dapo-megatron convert`: HF checkpoint <-> Megatron distributed checkpoint (dist_checkpointing).
+
+    torchrun --nproc-per-node 4 -m dapo_megatron.cli convert hf-to-mcore --hf /ckpt/Qwen2.5-7B \
+        --out /ckpt/qwen7b_mcore --tp 2 --pp 2
+    torchrun --nproc-per-node 2 -m dapo_megatron.cli convert mcore-to-hf --mcore /runs/x/ckpt/step_100 \
+        --hf-config /ckpt/Qwen2.5-7B --out /ckpt/step_100_hf --tp 2
+
+hf-to-mcore builds the model in the given layout, loads the safetensors into the shards
+(weights/load.py) and saves the model's sharded state dict with megatron's dist_checkpointing
+under the key "model" (one chunk) or "model0".. (VPP), the keys Actor.save uses, plus config.json
+and convert_meta.json. Megatron's distributed format is layout-independent, so mcore-to-hf may run
+with ANY TP/PP/VPP: it builds the model in that layout, loads the model part of a converted or an
+Actor checkpoint (optimizer and RNG entries are ignored), streams full tensors out
+(iter_hf_weights) and writes sharded safetensors + index + config.json + tokenizer files on
+global rank 0. Both outputs are written to a temporary sibling and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+_DTYPE_TO_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _precision_of(hf_config: Any, requested: str | None) -> str:
+    if requested:
+        return requested
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return _DTYPE_TO_PRECISION.get(dtype, "fp32")
+
+
+def _state_key(index: int, num_chunks: int) -> str:
+    return "model" if num_chunks == 1 else f"model{index}"
+
+
+def _barrier() -> None:
+    dist.barrier()
+
+
+def hf_to_mcore(*, hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None, precision: str | None) -> Path:
+    from megatron.core import dist_checkpointing
+    from transformers import AutoConfig
+
+    from dapo_megatron.actor.model import build_model_chunks
+    from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.weights.load import load_hf_into_model
+
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    final = Path(out_dir).absolute()
+    tmp = final.with_name(final.name + ".tmp")
+    with model_parallel(tp=tp, pp=pp, vpp=vpp):
+        chunks = build_model_chunks(hf_config, attention_backend="torch", precision=_precision_of(hf_config, precision))
+        load_hf_into_model(chunks, hf_dir, hf_config=hf_config)
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        state = {_state_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)}
+        dist_checkpointing.save(state, str(tmp))
+        _barrier()
+    if dist.get_rank() == 0:
+        hf_config.save_pretrained(str(tmp))
+        meta = {"source": str(Path(hf_dir).absolute()), "layout": {"tp": tp, "pp": pp, "vpp": vpp}}
+        (tmp / "convert_meta.json").write_text(json.dumps(meta, indent=2))
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def mcore_to_hf(*, mcore_dir: str, hf_config_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None,
+                precision: str | None) -> Path:
+    from megatron.core import dist_checkpointing
+    from transformers import AutoConfig
+
+    from dapo_megatron.actor.model import build_model_chunks
+    from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.weights.export import iter_hf_weights
+    from dapo_megatron.weights.save import save_hf_checkpoint
+
+    if not (Path(mcore_dir) / "metadata.json").exists():
+        raise ValueError(f"--mcore {mcore_dir}: not a Megatron distributed checkpoint (no metadata.json)")
+    hf_config = AutoConfig.from_pretrained(hf_config_dir)
+    with model_parallel(tp=tp, pp=pp, vpp=vpp):
+        chunks = build_model_chunks(hf_config, attention_backend="torch", precision=_precision_of(hf_config, precision))
+        state = {_state_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)}
+        loaded = dist_checkpointing.load(state, mcore_dir)
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(loaded[_state_key(i, len(chunks))], strict=False)
+        tensors = iter_hf_weights(chunks, hf_config)
+        if dist.get_rank() == 0:
+            save_hf_checkpoint(tensors, hf_config, out_dir, copy_from=hf_config_dir)
+        else:
+            for _ in tensors:  # a collective: every rank streams, only the driver writes
+                pass
+        _barrier()
+    return Path(out_dir)
+
+
+def _parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="dapo-megatron convert", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="direction", required=True)
+    to_mcore = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron distributed checkpoint")
+    to_mcore.add_argument("--hf", required=True)
+    to_mcore.add_argument("--out", required=True)
+    to_hf = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF safetensors")
+    to_hf.add_argument("--mcore", required=True)
+    to_hf.add_argument("--hf-config", required=True, help="HF directory with config.json (and tokenizer files)")
+    to_hf.add_argument("--out", required=True)
+    for p in (to_mcore, to_hf):
+        p.add_argument("--tp", type=int, default=1)
+        p.add_argument("--pp", type=int, default=1)
+        p.add_argument("--vpp", type=int, default=None)
+        p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
+                       help="parameter dtype (default: the HF config's dtype)")
+    return parser.parse_args(list(argv))
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of `dapo-megatron convert` (see the module docstring); run under torchrun."""
+    from dapo_megatron.actor.parallel import init_distributed
+
+    args = _parse(argv)
+    created = not dist.is_initialized()
+    init_distributed()
+    try:
+        if args.direction == "hf-to-mcore":
+            out = hf_to_mcore(hf_dir=args.hf, out_dir=args.out, tp=args.tp, pp=args.pp, vpp=args.vpp,
+                              precision=args.precision)
+        else:
+            out = mcore_to_hf(mcore_dir=args.mcore, hf_config_dir=args.hf_config, out_dir=args.out, tp=args.tp,
+                              pp=args.pp, vpp=args.vpp, precision=args.precision)
+        if dist.get_rank() == 0:
+            print(f"convert {args.direction}: wrote {out}", flush=True)
+    finally:
+        if created:
+            dist.destroy_process_group()
+    return 0
