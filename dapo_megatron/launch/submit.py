@@ -16,10 +16,11 @@ Run directory layout (run_dir = trainer.output_dir; a sweep's is its own directo
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
-import re
+import shlex
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,7 +76,8 @@ def dump_config(cfg: Config) -> str:
 
 
 def _resolved(cfg: Config) -> Config:
-    """The config with trainer.output_dir made absolute: jobs do not share the submitter's cwd."""
+    """A copy with trainer.output_dir made absolute: jobs do not share the submitter's cwd."""
+    cfg = copy.deepcopy(cfg)
     cfg.trainer.output_dir = str(_abs(cfg.trainer.output_dir))
     return cfg
 
@@ -223,7 +225,7 @@ def submit(plan: Plan, *, dry_run: bool = False, out: Callable[[str], None] = pr
             out(f"# ---- {plan.run_dir / rel} (written at submission)\n{text}")
         for job in plan.jobs:
             out(f"# ---- {plan.script_path(job)}\n{job.script()}")
-            out(f"# submit: {' '.join(_quote(a) for a in sbatch_argv(plan, job, {}))}\n")
+            out(f"# submit: {shlex.join(sbatch_argv(plan, job, {}))}\n")
         out("# dry run: nothing written, nothing submitted")
         return {}
     (plan.run_dir / "slurm" / "logs").mkdir(parents=True, exist_ok=True)
@@ -249,12 +251,6 @@ def submit(plan: Plan, *, dry_run: bool = False, out: Callable[[str], None] = pr
         out(f"{job.role}: {job_ids[job.role]}")
     _record(plan.run_dir, records)
     return job_ids
-
-
-def _quote(arg: str) -> str:
-    import shlex
-
-    return shlex.quote(arg)
 
 
 def _record(run_dir: Path, records: list[dict]) -> None:
