@@ -6,7 +6,7 @@ per-token log-probs of a HF checkpoint? Run it before a long job on a new model.
 
 It loads the checkpoint into Megatron (weights/load.py), computes the log-prob of every next token
 of K random sequences twice (one unpacked [K, L] micro-batch and one packed row of all K sequences
-with lengths L, L-1, ...) through the pipeline schedule, and compares them on the driver with
+with lengths L, L-2, ...) through the pipeline schedule, and compares them on the driver with
 transformers' AutoModelForCausalLM. The last printed line is `max_abs_logprob_diff=<x>`; the exit
 status is 1 when x > --tolerance (default 1e-5: fp32 on CPU measures ~1e-6).
 
@@ -93,7 +93,9 @@ def _parity_batches(*, num_seqs: int, seq_len: int, vocab_size: int, seed: int, 
 
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab_size, (num_seqs, seq_len), generator=gen)
-    lengths = [max(2, seq_len - i) for i in range(num_seqs)]  # distinct lengths exercise the mask
+    # distinct lengths exercise the mask; steps of 2 keep the packed total even for an even seq_len
+    # (sequence parallel at tp=2 splits the packed row in two)
+    lengths = [max(2, seq_len - 2 * i) for i in range(num_seqs)]
     labels = torch.roll(tokens, -1, dims=1)
     unpacked = dict(input_ids=tokens.to(device), labels=labels.to(device),
                     position_ids=torch.arange(seq_len).expand(num_seqs, -1).to(device))

@@ -30,7 +30,7 @@ def hf_dirs(tmp_path_factory):
     }
 
 
-def _megatron_on_rank(hf_dir, tp, pp, vpp):
+def _megatron_on_rank(hf_dir, tp, pp, vpp, sequence_parallel=False):
     from transformers import AutoConfig
 
     from dapo_megatron.actor.model import build_model_chunks
@@ -40,7 +40,8 @@ def _megatron_on_rank(hf_dir, tp, pp, vpp):
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     with model_parallel(tp=tp, pp=pp, vpp=vpp, seed=0):
-        chunks = build_model_chunks(hf_config, attention_backend="torch", precision="fp32")
+        chunks = build_model_chunks(hf_config, attention_backend="torch", precision="fp32",
+                                    sequence_parallel=sequence_parallel)
         load_hf_into_model(chunks, hf_dir, hf_config=hf_config)
         tokens, lengths, batches = _parity_batches(num_seqs=NUM_SEQS, seq_len=SEQ_LEN,
                                                    vocab_size=hf_config.vocab_size, seed=0, device="cpu")
@@ -57,19 +58,20 @@ def _reference(hf_dir, tokens):
     return hf_logprobs(model, tokens)
 
 
-LAYOUTS = [  # (world size, tp, pp, vpp)
-    (2, 1, 1, None),  # DP=2
-    (2, 2, 1, None),
-    (2, 1, 2, None),
-    (4, 2, 2, None),
-    (4, 1, 2, 2),     # PP=2 x VPP=2 (DP=2): interleaved schedule, 1 layer per chunk
+LAYOUTS = [  # (world size, tp, pp, vpp, sequence parallel)
+    (2, 1, 1, None, False),  # DP=2
+    (2, 2, 1, None, False),
+    (2, 2, 1, None, True),   # sequence parallel: TorchRMSNorm instead of megatron's WrappedTorchNorm
+    (2, 1, 2, None, False),
+    (4, 2, 2, None, False),
+    (4, 1, 2, 2, False),     # PP=2 x VPP=2 (DP=2): interleaved schedule, 1 layer per chunk
 ]
 
 
-@pytest.mark.parametrize("world,tp,pp,vpp", LAYOUTS, ids=lambda v: str(v))
-def test_logprobs_match_transformers(rank_pool, hf_dirs, world, tp, pp, vpp):
+@pytest.mark.parametrize("world,tp,pp,vpp,sp", LAYOUTS, ids=lambda v: str(v))
+def test_logprobs_match_transformers(rank_pool, hf_dirs, world, tp, pp, vpp, sp):
     hf_dir = str(hf_dirs["qwen2"])
-    results = rank_pool(world).run(_megatron_on_rank, hf_dir, tp, pp, vpp)
+    results = rank_pool(world).run(_megatron_on_rank, hf_dir, tp, pp, vpp, sp)
     last_stage = [r for r in results if r is not None]
     assert len(last_stage) == world // pp  # every last-stage rank answers, the others return None
     tokens, lengths, ours = last_stage[0]
