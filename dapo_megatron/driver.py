@@ -18,9 +18,10 @@ import torch
 from dapo_megatron.algo import group_advantages
 from dapo_megatron.batch import Sample
 from dapo_megatron.config import Config
-from dapo_megatron.data import load_prompts, make_synthetic_task
+from dapo_megatron.data import load_prompts
 from dapo_megatron.data.stream import PromptStream
 from dapo_megatron.evaluate import summarize
+from dapo_megatron.reward import scorer_for_data_source
 from dapo_megatron.rollout.pool import EnginePool
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
 from dapo_megatron.rollout.weight_sync import DistributedWeightSync
@@ -34,12 +35,11 @@ def load_datasets(cfg: Config) -> tuple[list, list]:
         train = load_prompts(d.train_path, dedup=d.dedup, prompt_template=d.prompt_template)
         evals = load_prompts(d.eval_path, dedup=False, prompt_template=d.prompt_template) if d.eval_path else []
         return list(train), list(evals)
+    from dapo_megatron.tiny import synthetic_train_eval
+
     s = d.synthetic
-    train = make_synthetic_task(s.num_train, difficulty=s.difficulty, seed=s.seed, style=s.style)
-    seen = {r.prompt for r in train}
-    candidates = make_synthetic_task(4 * s.num_eval, difficulty=s.difficulty, seed=s.seed + 1, style=s.style)
-    evals = [r for r in candidates if r.prompt not in seen][: s.num_eval]
-    return train, evals
+    return synthetic_train_eval(num_train=s.num_train, num_eval=s.num_eval, difficulty=s.difficulty, seed=s.seed,
+                                style=s.style)
 
 
 def fill_advantages(groups: list[list[Sample]], *, eps: float) -> None:
@@ -91,13 +91,15 @@ class Driver:
         fill_advantages(result.groups, eps=self.cfg.algorithm.advantage_eps)
         samples = result.samples
         lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
-        stats = {f"rollout/{k}": float(v) for k, v in result.stats.items() if isinstance(v, (int, float))}
+        stats = {f"sampler/{k}": float(v) for k, v in result.stats.items()
+                 if isinstance(v, (int, float)) and k not in ("tokens_per_s", "seconds")}
         stats.update({
+            "throughput/rollout_tok_s": float(result.stats.get("tokens_per_s", 0.0)),
             "reward/mean": float(torch.tensor([s.reward for s in samples]).mean()) if samples else 0.0,
-            "reward/acc": float(torch.tensor([s.acc for s in samples]).mean()) if samples else 0.0,
-            "response/length_mean": float(lengths.mean()) if samples else 0.0,
-            "response/length_max": float(lengths.max()) if samples else 0.0,
-            "response/clip_ratio": float(sum(s.truncated for s in samples) / max(len(samples), 1)),
+            "acc/mean": float(torch.tensor([s.acc for s in samples]).mean()) if samples else 0.0,
+            "response_length/mean": float(lengths.mean()) if samples else 0.0,
+            "response_length/max": float(lengths.max()) if samples else 0.0,
+            "response_length/clip_ratio": float(sum(s.truncated for s in samples) / max(len(samples), 1)),
         })
         return samples, stats
 
@@ -132,14 +134,17 @@ class Driver:
             out = await self.pool.generate(input_ids=ids, rid=f"eval-{i}",
                                            sampling_params={**params, "sampling_seed": t.seed * 7919 + i})
             outs = out if isinstance(out, list) else [out]
-            return [float(self.sampler.reward_fn(o["text"], str(record.ground_truth)).acc) for o in outs]
+            scorer = scorer_for_data_source(record.data_source)
+            return [float(scorer(o["text"], str(record.ground_truth)).acc) for o in outs]
 
         async def run():
             return await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
 
         correct = torch.tensor(self.loop.run_until_complete(run()), dtype=torch.float64)
-        ks = sorted({1, t.eval_n})
-        return {f"eval/{k}": v for k, v in summarize(correct, ks=ks).items()}
+        summary = summarize(correct, ks=(1, t.eval_n))
+        # "avg@k"/"pass@k" with k = eval_n (the names the console and the plots use), and pass@1
+        return {"eval/avg@k": summary[f"avg@{t.eval_n}"], "eval/pass@k": summary[f"pass@{t.eval_n}"],
+                "eval/pass@1": summary["pass@1"], "eval/k": float(t.eval_n), "eval/num_prompts": float(len(records))}
 
     def close(self) -> None:
         async def run():

@@ -114,7 +114,8 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
             if driver:
                 driver.load_state_dict(state["driver"])
             push_weights(actor, driver)  # engines start from the base model; bring them to the checkpoint
-        metrics = MetricsLogger(cfg, run_dir, resume=bool(latest)) if driver else None
+        metrics = MetricsLogger(run_dir, wandb_mode=tr.wandb_mode, wandb_project=tr.wandb_project,
+                                config=cfg.to_dict(), resume_step=int(state["step"]) if latest else None) if driver else None
         preempt = PreemptionSignal().install()
         nonfinite_in_row = int(state["nonfinite_in_row"])
         if driver and latest is None and tr.eval_every:
@@ -144,9 +145,9 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
                 log.update(reduce_updates(updates))
                 log.update(logprob_mismatch(samples))
                 log["actor/entropy_old"] = float(torch.cat(old.entropies).mean()) if samples else 0.0
-                log.update({"time/rollout": t1 - t0, "time/logprobs": t2 - t1, "time/train": t3 - t2,
-                            "time/sync": t4 - t3, "time/step": t4 - t0,
-                            "throughput/train_tokens_per_s": train_tokens / max(t3 - t2, 1e-9),
+                log.update({"time/gen_s": t1 - t0, "time/logprob_s": t2 - t1, "time/train_s": t3 - t2,
+                            "time/sync_s": t4 - t3, "time/step_s": t4 - t0,
+                            "throughput/train_tok_s": train_tokens / max(t3 - t2, 1e-9),
                             "nonfinite_in_row": float(nonfinite_in_row)})
                 if tr.eval_every and (step + 1) % tr.eval_every == 0:
                     log.update(driver.evaluate())
@@ -174,11 +175,13 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
 def launch(cfg: Config, config_path: str, overrides: list[str], *, resume: bool) -> int:
     """This machine: prepare the model, start CPU engines, run the actor ranks under torchrun."""
     from dapo_megatron.launch.local import LocalProcesses
-    from dapo_megatron.tiny import prepare_model
+    from dapo_megatron.tiny import prepare_tiny_model
 
     run_dir = Path(cfg.trainer.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = prepare_model(cfg)
+    model_dir = prepare_tiny_model(cfg) if cfg.tiny.enabled else cfg.model.path
+    if not model_dir:
+        raise ValueError("config key 'model.path' is empty: name a HF checkpoint directory (or set tiny.enabled=true)")
     overrides = [*overrides, f"model.path={model_dir}"]
     with LocalProcesses(run_dir / "logs") as procs:
         if cfg.rollout.engine == "cpu" and not cfg.rollout.engine_urls:

@@ -61,54 +61,69 @@ class LocalProcesses:
             self._stop(proc, signal.SIGINT)  # let the ranks see Ctrl-C first
             raise
 
-    def start_cpu_engines(self, model_dir: str | Path, *, num: int, register_dir: str | Path, seed: int,
-                          threads: int = 1, timeout_s: float = 300.0) -> list[str]:
-        """Start `num` serve-rollout processes on 127.0.0.1 and wait until all have registered."""
+    def start_cpu_engines(self, model_dir: str | Path, *, num: int, register_dir: str | Path, seed: int = 0,
+                          threads: int = 1, max_batch_size: int = 64, host: str = "127.0.0.1",
+                          timeout_s: float = 300.0) -> list[str]:
+        """Start `num` serve-rollout processes and wait until each has registered; returns their
+        URLs in start order. Records of other processes in register_dir (an earlier run, SGLang
+        engines of the same run) are left alone: only these processes' pids count."""
+        if num < 1:
+            raise ValueError(f"rollout.num_engines must be >= 1, got {num}")
+        if not Path(model_dir).is_dir():
+            raise ValueError(f"model.path: no such directory '{model_dir}'")
         register_dir = Path(register_dir)
         register_dir.mkdir(parents=True, exist_ok=True)
-        for stale in register_dir.glob("*.json"):  # a previous run's engines are gone
-            stale.unlink()
-        names = []
+        procs = []
         for index in range(num):
-            name = f"engine{index}"
-            self.start(name, [sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", str(model_dir),
-                              "--port", "0", "--seed", str(seed + index), "--threads", str(threads),
-                              "--register-dir", str(register_dir)])
-            names.append(name)
+            name = f"engine_{index}"
+            procs.append((name, self.start(name, [
+                sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", str(model_dir), "--host", host,
+                "--port", "0", "--seed", str(seed + index), "--threads", str(threads),
+                "--max-batch-size", str(max_batch_size), "--register-dir", str(register_dir)],
+                env={"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"})))
+        order = [proc.pid for _, proc in procs]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for name in names:
-                if self.children[name].poll() is not None:
-                    raise RuntimeError(f"rollout engine {name} exited with code {self.children[name].returncode} "
-                                       f"before registering; its log ({self.log_path(name)}) ends with:\n"
-                                       f"{self.tail(name)}")
-            records = read_registrations(str(register_dir))
-            if len(records) >= num:
-                return [r["url"] for r in records]
+            for name, proc in procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"rollout engine {name} exited with code {proc.returncode} before "
+                                       f"registering; its log ({self.log_path(name)}) ends with:\n{self.tail(name)}")
+            mine = [r for r in read_registrations(str(register_dir)) if r.get("pid") in order]
+            if len(mine) == num:
+                return [r["url"] for r in sorted(mine, key=lambda r: order.index(r["pid"]))]
             time.sleep(0.2)
-        raise RuntimeError(f"only {len(read_registrations(str(register_dir)))} of {num} rollout engines registered in "
-                           f"{register_dir} within {timeout_s:.0f} s; see {self.log_dir}/engine*.log")
+        raise TimeoutError(f"{num} rollout engines did not all register in {register_dir} within {timeout_s:.0f} s; "
+                           f"see {self.log_dir}/engine_*.log")
 
     def tail(self, name: str, lines: int = 20) -> str:
         path = self.log_path(name)
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
     @staticmethod
-    def _stop(proc: subprocess.Popen, sig: int, grace_s: float = 10.0) -> None:
+    def _stop(proc: subprocess.Popen, sig: int, grace_s: float = 15.0) -> None:
+        """Signal the child's process group, then SIGKILL every descendant still alive after the
+        grace period. Descendants are listed up front: torchrun starts its ranks in sessions of
+        their own, so a process-group signal alone can leave them running."""
+        import psutil
+
         if proc.poll() is not None:
             return
         try:
+            family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            family = []
+        try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
+            pass
+        _, alive = psutil.wait_procs(family, timeout=grace_s)
+        for p in alive:
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
+                p.kill()
+            except psutil.NoSuchProcess:
                 pass
-            proc.wait()
+        psutil.wait_procs(alive, timeout=5)
+        proc.poll()
 
     def stop_all(self) -> None:
         for proc in self.children.values():

@@ -131,11 +131,14 @@ def open_weight_group(*, backend: str, master_address: str, master_port: int, ra
     gloo: a bare ProcessGroupGloo (needs no default process group, so a CPU engine can join);
     nccl: torch's _new_process_group_helper, exactly as SGLang builds its side.
     """
-    from torch.distributed.distributed_c10d import PrefixStore, rendezvous
+    from torch.distributed import TCPStore
+    from torch.distributed.distributed_c10d import PrefixStore
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, _, _ = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # An explicit TCPStore, not rendezvous("tcp://..."): under torchrun (TORCHELASTIC_USE_AGENT_STORE
+    # set) rendezvous makes rank 0 a mere client of a store nobody hosts, and the group never forms.
+    store = TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout,
+                     wait_for_workers=False)
     store = PrefixStore(group_name, store)
     if backend == "gloo":
         return torch.distributed.ProcessGroupGloo(store, rank, world_size, timeout)
