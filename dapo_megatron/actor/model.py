@@ -223,7 +223,13 @@ class TorchSDPAttention(torch.nn.Module):
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             # [T, np, hn] -> [1, np, T, hn]
             total = query.size(0)
-            mask = block_causal_mask(packed_seq_params.cu_seqlens_q, total)
+            # one [T, T] mask per forward, not per layer: cached on the params object that every
+            # layer of this forward receives
+            cached = getattr(packed_seq_params, "_dapo_block_mask", None)
+            if cached is None or cached.size(0) != total or cached.device != query.device:
+                cached = block_causal_mask(packed_seq_params.cu_seqlens_q.to(query.device), total)
+                packed_seq_params._dapo_block_mask = cached
+            mask = cached
             out = self._sdpa(*(x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value)), mask)
             return out.squeeze(0).permute(1, 0, 2).reshape(total, -1)  # [T, np*hn]
         if packed_seq_params is not None:
