@@ -61,6 +61,7 @@ class RolloutConfig:
     max_prompt_length: int = 2048
     max_response_length: int = 20480  # L_max, the generation cap
     gen_batch_size: int = 1536  # prompts per generation round (3x train_batch_size in the recipe)
+    in_order: bool = True  # dynamic sampling keeps groups in request order: reproducible batches
     engine: Literal["cpu", "sglang"] = "sglang"
     placement: Literal["colocated", "disaggregated"] = "colocated"
     num_engines: int = 1

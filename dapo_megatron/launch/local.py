@@ -19,7 +19,6 @@ import sys
 import time
 from pathlib import Path
 
-from dapo_megatron.rollout.registry import read_registrations
 
 
 class LocalProcesses:
@@ -67,6 +66,8 @@ class LocalProcesses:
         """Start `num` serve-rollout processes and wait until each has registered; returns their
         URLs in start order. Records of other processes in register_dir (an earlier run, SGLang
         engines of the same run) are left alone: only these processes' pids count."""
+        from dapo_megatron.rollout.registry import read_registrations  # (rollout imports this module)
+
         if num < 1:
             raise ValueError(f"rollout.num_engines must be >= 1, got {num}")
         if not Path(model_dir).is_dir():

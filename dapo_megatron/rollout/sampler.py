@@ -51,6 +51,7 @@ class RolloutSettings:
     overlong_penalty_factor: float = 1.0
     seed: int = 0
     progress: bool = True
+    in_order: bool = True  # groups fill the batch in request order: reproducible (see _round)
 
     @classmethod
     def from_config(cls, cfg: Any, **overrides: Any) -> "RolloutSettings":
@@ -61,7 +62,7 @@ class RolloutSettings:
                       dynamic_sampling=a.dynamic_sampling, max_num_gen_batches=a.max_num_gen_batches,
                       on_exhausted=a.on_gen_batches_exhausted, overlong_shaping=a.overlong_shaping,
                       overlong_buffer_length=a.overlong_buffer_length, overlong_penalty_factor=a.overlong_penalty_factor,
-                      seed=cfg.trainer.seed)
+                      seed=cfg.trainer.seed, in_order=r.in_order)
         values.update(overrides)
         return cls(**values)
 
@@ -158,7 +159,7 @@ class RolloutSampler:
             from tqdm import tqdm
 
             bar = tqdm(total=train_batch_size, desc="rollout groups", unit="grp", leave=False)
-        tokens = aborted = unscored = 0
+        tokens = aborted = unscored = correct = scored = 0
         tic = time.perf_counter()
         try:
             while not acc.done:
@@ -170,6 +171,8 @@ class RolloutSampler:
                 tokens += counts["tokens"]
                 aborted += counts["aborted"]
                 unscored += counts["unscored"]
+                correct += counts["correct"]
+                scored += counts["scored"]
                 acc.add_round(round_groups)  # raises when the round budget is spent (on_exhausted="raise")
         finally:
             if bar is not None:
@@ -181,39 +184,58 @@ class RolloutSampler:
                 sample.group_index = gi
         stats = {**acc.stats(), "tokens_generated": tokens, "seconds": seconds,
                  "tokens_per_s": tokens / seconds if seconds > 0 else 0.0, "requests_aborted": aborted,
-                 "groups_unscored": unscored}
+                 "groups_unscored": unscored,
+                 # accuracy of every scored response, before the filter (kept groups bias it to ~0.5)
+                 "acc_all": correct / scored if scored else 0.0, "responses_scored": scored}
         return RolloutResult(groups=groups, stats=stats)
 
     async def _round(self, records: list[Any], kept_before: int, target: int, bar) -> tuple[list, dict]:
-        """One generation round; returns (scored groups, counters). Groups are scored in completion
-        order (request order among those finishing together) and the round stops at the group that
-        fills the batch: finished groups after it are dropped unscored, unfinished ones aborted."""
+        """One generation round; returns (scored groups, counters). The round stops at the group that
+        fills the batch: finished groups after it are dropped unscored, unfinished ones aborted.
+
+        Which groups fill the batch: with settings.in_order (the default) groups are taken in request
+        order (group k is scored only once groups < k are), so the batch is a function of the seeds
+        alone and a resumed or repeated run trains on the same data; otherwise in completion order,
+        which never waits on a slow early request (faster with long-tailed 20K-token responses)."""
         tasks: dict[asyncio.Task, int] = {}
         for record in records:
             k = self.num_requests
             self.num_requests += 1
             tasks[asyncio.ensure_future(self._generate_group(record, f"{self.rid_prefix}-{k}", k))] = k
         groups: list[list[Sample]] = []
-        tokens = kept = 0
+        tokens = kept = correct = scored = 0
         pending, unscored = set(tasks), []
+        finished: dict[int, asyncio.Task] = {}  # in_order: done but not yet reachable in order
+        next_k = min(tasks.values()) if tasks else 0
         try:
             while pending and kept_before + kept < target:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                ordered = sorted(done, key=tasks.__getitem__)
-                for i, task in enumerate(ordered):
+                if self.settings.in_order:
+                    finished.update((tasks[t], t) for t in done)
+                    ready = []
+                    while next_k in finished:
+                        ready.append(finished.pop(next_k))
+                        next_k += 1
+                else:
+                    ready = sorted(done, key=tasks.__getitem__)
+                for i, task in enumerate(ready):
                     if kept_before + kept >= target:
-                        unscored = ordered[i:]  # generated all the same: their tokens count
-                        tokens += sum(len(o["output_ids"]) for t in unscored for o in t.result()[1])
+                        unscored = ready[i:]
                         break
                     record, outputs = task.result()
                     group = self.score_group(record, outputs)
                     groups.append(group)
                     tokens += sum(len(x.response_ids) for x in group)
+                    correct += sum(int(x.acc > 0) for x in group)
+                    scored += len(group)
                     informative = (not self.settings.dynamic_sampling) or keep_group(group)
                     kept += int(informative)
                     if bar is not None:
                         bar.update(int(informative))
                         bar.set_postfix(seen=len(groups), refresh=False)
+            unscored = [*unscored, *finished.values()]
+            # generated all the same: their tokens count towards throughput
+            tokens += sum(len(o["output_ids"]) for t in unscored for o in t.result()[1])
         finally:
             if pending:  # the batch is full (or we are failing): stop the engines' work on the rest
                 await asyncio.gather(*(self.pool.abort(f"{self.rid_prefix}-{tasks[t]}") for t in pending),
@@ -221,4 +243,5 @@ class RolloutSampler:
                 for t in pending:
                     t.cancel()
                 await asyncio.gather(*pending, return_exceptions=True)
-        return groups, {"tokens": tokens, "aborted": len(pending), "unscored": len(unscored)}
+        return groups, {"tokens": tokens, "aborted": len(pending), "unscored": len(unscored),
+                        "correct": correct, "scored": scored}
