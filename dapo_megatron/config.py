@@ -167,6 +167,7 @@ class TinyConfig:
     warm_start_batch_size: int = 64
     warm_start_lr: float = 3e-3
     label_smoothing: float = 0.1  # sets the warm start's accuracy: ~(1 - eps)^response_tokens
+    cache_dir: str = ""  # where tiny_model/ is built and reused; "" = trainer.output_dir
 
 
 @dataclass

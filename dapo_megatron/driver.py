@@ -20,8 +20,7 @@ from dapo_megatron.batch import Sample
 from dapo_megatron.config import Config
 from dapo_megatron.data import load_prompts
 from dapo_megatron.data.stream import PromptStream
-from dapo_megatron.evaluate import summarize
-from dapo_megatron.reward import scorer_for_data_source
+from dapo_megatron.evaluate import eval_metrics, sample_correct
 from dapo_megatron.rollout.pool import EnginePool
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
 from dapo_megatron.rollout.weight_sync import DistributedWeightSync
@@ -125,26 +124,11 @@ class Driver:
         if not records:
             return {}
         t = self.cfg.trainer
-        params = {"n": t.eval_n, "temperature": t.eval_temperature, "top_p": t.eval_top_p,
-                  "max_new_tokens": self.cfg.rollout.max_response_length,
-                  "stop_token_ids": list(self.sampler.settings.stop_token_ids)}
-
-        async def one(i, record):
-            ids = self.sampler.prompt_ids(record)
-            out = await self.pool.generate(input_ids=ids, rid=f"eval-{i}",
-                                           sampling_params={**params, "sampling_seed": t.seed * 7919 + i})
-            outs = out if isinstance(out, list) else [out]
-            scorer = scorer_for_data_source(record.data_source)
-            return [float(scorer(o["text"], str(record.ground_truth)).acc) for o in outs]
-
-        async def run():
-            return await asyncio.gather(*(one(i, r) for i, r in enumerate(records)))
-
-        correct = torch.tensor(self.loop.run_until_complete(run()), dtype=torch.float64)
-        summary = summarize(correct, ks=(1, t.eval_n))
-        # "avg@k"/"pass@k" with k = eval_n (the names the console and the plots use), and pass@1
-        return {"eval/avg@k": summary[f"avg@{t.eval_n}"], "eval/pass@k": summary[f"pass@{t.eval_n}"],
-                "eval/pass@1": summary["pass@1"], "eval/k": float(t.eval_n), "eval/num_prompts": float(len(records))}
+        correct = self.loop.run_until_complete(sample_correct(
+            self.pool, [self.sampler.prompt_ids(r) for r in records], records, n=t.eval_n,
+            temperature=t.eval_temperature, top_p=t.eval_top_p, max_new_tokens=self.cfg.rollout.max_response_length,
+            seed=t.seed, stop_token_ids=self.sampler.settings.stop_token_ids))
+        return eval_metrics(correct)
 
     def close(self) -> None:
         async def run():

@@ -64,3 +64,128 @@ def summarize(correct: torch.Tensor | Sequence[Sequence[float]], *, ks: Iterable
         if k <= n:
             result[f"pass@{k}"] = float(pass_at_k(table, k=k).mean())
     return result
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampling a policy on the eval set (used by `train` every trainer.eval_every steps and by `eval`)
+
+
+async def sample_correct(pool, prompt_ids: Sequence[Sequence[int]], records: Sequence, *, n: int, temperature: float,
+                         top_p: float, max_new_tokens: int, seed: int, stop_token_ids: Sequence[int] = ()) -> torch.Tensor:
+    """[P, n] float64 table: 1.0 where sample j of problem i is correct under its record's scorer.
+
+    Request i carries sampling_seed seed * 7919 + i, so the same policy gives the same table."""
+    import asyncio
+
+    from dapo_megatron.reward import scorer_for_data_source
+
+    params = {"n": n, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
+              "stop_token_ids": list(stop_token_ids)}
+
+    async def one(i: int, ids: Sequence[int], record) -> list[float]:
+        out = await pool.generate(input_ids=list(ids), rid=f"eval-{seed}-{i}",
+                                  sampling_params={**params, "sampling_seed": seed * 7919 + i})
+        outs = out if isinstance(out, list) else [out]
+        scorer = scorer_for_data_source(getattr(record, "data_source", "") or "math_dapo")
+        return [float(scorer(o["text"], str(record.ground_truth)).acc) for o in outs]
+
+    rows = await asyncio.gather(*(one(i, ids, r) for i, (ids, r) in enumerate(zip(prompt_ids, records))))
+    return torch.tensor(rows, dtype=torch.float64).reshape(len(records), n)
+
+
+def eval_metrics(correct: torch.Tensor) -> dict[str, float]:
+    """The names train.py logs: avg@k / pass@k with k = samples per problem, and pass@1."""
+    n = correct.shape[1]
+    summary = summarize(correct, ks=(1, n))
+    return {"eval/avg@k": summary[f"avg@{n}"], "eval/pass@k": summary[f"pass@{n}"], "eval/pass@1": summary["pass@1"],
+            "eval/k": float(n), "eval/num_prompts": float(correct.shape[0])}
+
+
+def _hf_dir_of(checkpoint: str) -> str:
+    """A run checkpoint (checkpoints/step_N with hf/ inside) or a HF model directory."""
+    from pathlib import Path
+
+    path = Path(checkpoint)
+    for candidate in (path / "hf", path):
+        if (candidate / "config.json").is_file():
+            return str(candidate)
+    raise ValueError(f"--checkpoint {checkpoint}: neither it nor {path / 'hf'} holds a HF model (config.json); "
+                     "run checkpoints have hf/ when trainer.save_hf is true")
+
+
+def main(argv: list[str]) -> int:
+    """dapo-megatron eval CONFIG [key=value ...] --checkpoint DIR [--output FILE.json]
+
+    avg@k and pass@k (k = trainer.eval_n) of a checkpoint on the config's eval set with the eval
+    sampling settings (trainer.eval_temperature / eval_top_p; DAPO: k=32, T=1.0, top_p=0.7).
+    rollout.engine=cpu starts CPU engines on the checkpoint; otherwise the engines of
+    rollout.engine_urls or <output_dir>/engines load it with update_weights_from_disk.
+    """
+    import argparse
+    import asyncio
+    import json
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from dapo_megatron.config import load_config
+
+    parser = argparse.ArgumentParser(prog="dapo-megatron eval", description=main.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config")
+    parser.add_argument("overrides", nargs="*")
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--output", default="", help="JSON results (default <checkpoint>/eval.json)")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    hf_dir = _hf_dir_of(args.checkpoint)
+    output = Path(args.output or Path(args.checkpoint) / "eval.json")
+
+    from transformers import AutoTokenizer
+
+    from dapo_megatron.driver import load_datasets
+    from dapo_megatron.rollout.pool import EnginePool
+    from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
+
+    _, records = load_datasets(cfg)
+    if not records:
+        raise ValueError("the eval set is empty: set data.eval_path (or data.synthetic.num_eval)")
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    t, r = cfg.trainer, cfg.rollout
+
+    async def run(urls: list[str] | None) -> torch.Tensor:
+        if urls:
+            pool = EnginePool(urls, timeout_s=r.request_timeout_s, max_retries=r.max_retries)
+        else:
+            pool = await EnginePool.from_registry(str(Path(t.output_dir) / "engines"), min_engines=1,
+                                                  timeout_s=r.request_timeout_s, max_retries=r.max_retries)
+            await asyncio.gather(*(c.update_weights_from_disk(hf_dir) for c in pool.live_clients()))
+        try:
+            sampler = RolloutSampler(pool, tokenizer, RolloutSettings.from_config(cfg, progress=False))
+            ids = [sampler.prompt_ids(rec) for rec in records]
+            eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+            return await sample_correct(pool, ids, records, n=t.eval_n, temperature=t.eval_temperature,
+                                        top_p=t.eval_top_p, max_new_tokens=r.max_response_length, seed=t.seed,
+                                        stop_token_ids=eos)
+        finally:
+            await pool.close()
+
+    if r.engine == "cpu" and not r.engine_urls:
+        from dapo_megatron.rollout.local import LocalEngines
+
+        with tempfile.TemporaryDirectory() as tmp, LocalEngines(hf_dir, num_engines=r.num_engines,
+                                                                register_dir=os.path.join(tmp, "engines"),
+                                                                seed=t.seed) as engines:
+            correct = asyncio.run(run(engines.urls))
+    else:
+        correct = asyncio.run(run(list(r.engine_urls) or None))
+    result = {"checkpoint": str(args.checkpoint), "model": hf_dir, "num_prompts": len(records), "k": t.eval_n,
+              "temperature": t.eval_temperature, "top_p": t.eval_top_p,
+              **{key.removeprefix("eval/"): value for key, value in eval_metrics(correct).items()},
+              "per_prompt_acc": correct.mean(dim=1).tolist()}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp_out = output.with_name(f".{output.name}.tmp")
+    tmp_out.write_text(json.dumps(result, indent=1))
+    tmp_out.replace(output)
+    print(json.dumps({k: v for k, v in result.items() if k != "per_prompt_acc"}))
+    return 0

@@ -73,7 +73,7 @@ def _has(metrics: Mapping[str, Any], key: str) -> bool:
 
 # PNG panels: (title, [(metric key, legend label), ...]); panels with no data are left out.
 PLOT_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
-    ("accuracy", (("acc/mean", "train acc"), ("eval/avg@k", "eval avg@k"), ("eval/pass@k", "eval pass@k"))),
+    ("accuracy", (("acc/mean", "train acc (kept groups)"), ("sampler/acc_all", "train acc (all)"), ("eval/avg@k", "eval avg@k"), ("eval/pass@k", "eval pass@k"))),
     ("reward", (("reward/mean", "reward"),)),
     ("response length", (("response_length/mean", "mean"), ("response_length/max", "max"))),
     ("entropy / KL", (("actor/entropy", "entropy"), ("actor/approx_kl", "approx KL"))),

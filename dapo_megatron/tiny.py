@@ -329,10 +329,11 @@ def prepare_tiny_model(cfg) -> str:
     spec = TinyModelSpec(hidden_size=tn.hidden_size, num_layers=tn.num_layers, num_heads=tn.num_heads,
                          num_kv_heads=tn.num_kv_heads, intermediate_size=tn.intermediate_size,
                          max_position_embeddings=max(256, cfg.rollout.max_prompt_length + cfg.rollout.max_response_length))
-    init = build_tiny_model(cfg.trainer.output_dir, seed=cfg.trainer.seed, spec=spec)
+    cache = tn.cache_dir or cfg.trainer.output_dir
+    init = build_tiny_model(cache, seed=cfg.trainer.seed, spec=spec)
     train, _ = synthetic_train_eval(num_train=syn.num_train, num_eval=syn.num_eval, difficulty=syn.difficulty,
                                     seed=syn.seed, style=syn.style)
-    warm = warm_start(init, cfg.trainer.output_dir, prompts=[r.prompt for r in train],
+    warm = warm_start(init, cache, prompts=[r.prompt for r in train],
                       answers=[r.ground_truth for r in train], steps=tn.warm_start_steps,
                       batch_size=tn.warm_start_batch_size, lr=tn.warm_start_lr, seed=cfg.trainer.seed,
                       label_smoothing=tn.label_smoothing)
