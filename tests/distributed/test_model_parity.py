@@ -49,13 +49,13 @@ def _megatron_on_rank(hf_dir, tp, pp, vpp, sequence_parallel=False):
         return None if out is None else (tokens, lengths, _comparable(out, lengths))
 
 
-def _reference(hf_dir, tokens):
+def _reference(hf_dir, tokens, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
     from dapo_megatron.actor.parity import hf_logprobs
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    return hf_logprobs(model, tokens)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
+    return hf_logprobs(model, tokens).to(torch.float32 if dtype == torch.float32 else torch.float64)
 
 
 LAYOUTS = [  # (world size, tp, pp, vpp, sequence parallel)
@@ -85,6 +85,10 @@ def test_logprobs_match_transformers(rank_pool, hf_dirs, world, tp, pp, vpp, sp)
     assert (packed[valid] - reference[valid]).abs().max().item() <= TOLERANCE
     # packed and unpacked agree (different attention masks and RoPE paths, same maths)
     assert (packed[valid] - unpacked[valid]).abs().max().item() <= TOLERANCE
+    # and against float64 transformers (the exact function), Megatron's own fp32 error is smaller
+    exact = _reference(hf_dir, tokens, torch.float64)
+    assert (unpacked.double() - exact).abs().max().item() <= TOLERANCE
+    assert (packed.double()[valid] - exact[valid]).abs().max().item() <= TOLERANCE
     assert reference.abs().max() > 1.0  # the random model is far from uniform: a real comparison
 
 
