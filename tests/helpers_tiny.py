@@ -51,9 +51,10 @@ def tiny_hf_model(*, arch: str = "qwen2", tied: bool = False, num_layers: int = 
     return model.eval()
 
 
-def save_tiny_hf(out_dir, *, arch: str = "qwen2", tied: bool = False, num_layers: int = 2, seed: int = 0) -> Path:
-    """Build, randomize and save_pretrained a tiny model into out_dir; returns the directory."""
+def save_tiny_hf(out_dir, *, arch: str = "qwen2", tied: bool = False, num_layers: int = 2, seed: int = 0,
+                 dtype: torch.dtype = torch.float32) -> Path:
+    """Build, randomize and save_pretrained a tiny model into out_dir (in `dtype`); returns the directory."""
     out_dir = Path(out_dir)
-    model = tiny_hf_model(arch=arch, tied=tied, num_layers=num_layers, seed=seed)
+    model = tiny_hf_model(arch=arch, tied=tied, num_layers=num_layers, seed=seed).to(dtype)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

@@ -21,6 +21,8 @@ def hf_dirs(tmp_path_factory):
         "qwen2": save_tiny_hf(root / "qwen2", arch="qwen2", tied=False, num_layers=4),
         "qwen2_tied": save_tiny_hf(root / "qwen2_tied", arch="qwen2", tied=True, num_layers=4, seed=1),
         "llama": save_tiny_hf(root / "llama", arch="llama", tied=False, num_layers=4, seed=2),
+        "qwen2_bf16": save_tiny_hf(root / "qwen2_bf16", arch="qwen2", tied=True, num_layers=4, seed=3,
+                                   dtype=torch.bfloat16),
     }
 
 
@@ -39,8 +41,9 @@ def _roundtrip_on_rank(hf_dir, tp, pp, vpp):
     from dapo_megatron.weights import iter_hf_weights, load_hf_into_model
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
+    precision = "bf16" if hf_config.dtype == torch.bfloat16 else "fp32"
     with model_parallel(tp=tp, pp=pp, vpp=vpp):
-        chunks = build_model_chunks(hf_config, attention_backend="torch", precision="fp32")
+        chunks = build_model_chunks(hf_config, attention_backend="torch", precision=precision)
         load_hf_into_model(chunks, hf_dir, hf_config=hf_config)
         return [(name, tensor.clone()) for name, tensor in iter_hf_weights(chunks, hf_config)]
 
@@ -50,6 +53,7 @@ ROUNDTRIPS = [  # (checkpoint, world, tp, pp, vpp)
     ("qwen2", 4, 2, 2, None), ("qwen2", 4, 1, 2, 2), ("qwen2", 4, 2, 1, None),
     ("qwen2_tied", 2, 2, 1, None), ("qwen2_tied", 2, 1, 2, None), ("qwen2_tied", 4, 2, 2, None),
     ("llama", 4, 2, 2, None),
+    ("qwen2_bf16", 4, 2, 2, None),  # bf16 parameters (what runs on GPUs), streamed as bf16
 ]
 
 
