@@ -33,7 +33,7 @@ SHORT = {
     "tiny": {"warm_start_steps": 20},
     "data": {"synthetic": {"num_train": 64, "num_eval": 8}},
     "rollout": {"n": 2, "gen_batch_size": 4, "num_engines": 1},
-    "algorithm": {"max_num_gen_batches": 2, "on_gen_batches_exhausted": "train"},
+    "algorithm": {"dynamic_sampling": False},  # every group kept: a step never waits on lucky samples
     "actor": {"world_size": 1},
     "trainer": {"total_steps": 2, "train_batch_size": 2, "mini_batch_size": 2, "eval_every": 0, "save_every": 1,
                 "wandb_mode": "disabled"},
