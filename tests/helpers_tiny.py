@@ -30,6 +30,11 @@ def tiny_hf_config(*, arch: str = "qwen2", tied: bool = False, num_layers: int =
         return Qwen2Config(**common, rope_theta=10000.0)
     if arch == "llama":
         return LlamaConfig(**common, rope_theta=500000.0)
+    if arch == "llama3":  # Llama 3.1-style RoPE scaling (theta 1e4 so the scaled bands matter at 12 tokens)
+        common["max_position_embeddings"] = 16384
+        return LlamaConfig(**common, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     raise ValueError(f"unknown tiny arch {arch!r}")
 
 

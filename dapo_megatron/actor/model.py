@@ -63,16 +63,32 @@ def model_type_of(hf_config: Any) -> str:
     return model_type
 
 
-def rope_theta_of(hf_config: Any) -> float:
-    """RoPE base from either transformers <5 (`rope_theta`) or >=5 (`rope_parameters`) configs."""
-    params = getattr(hf_config, "rope_parameters", None) or {}
+# Megatron's RoPE scaling is HF's "llama3" type with these constants hard-coded
+# (rotary_pos_embedding.py _apply_scaling); only the factor is a parameter.
+_MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def rope_settings_of(hf_config: Any) -> tuple[float, Optional[float]]:
+    """(rope theta, llama3 scaling factor or None) from transformers <5 (`rope_theta`,
+    `rope_scaling`) or >=5 (`rope_parameters`) configs. Other RoPE types raise ValueError."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    params = {**(getattr(hf_config, "rope_scaling", None) or {}), **params}
     theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
     if theta is None:
         raise ValueError("config.json has no rope_theta (nor rope_parameters.rope_theta)")
-    rope_type = params.get("rope_type") or (getattr(hf_config, "rope_scaling", None) or {}).get("rope_type", "default")
-    if rope_type not in ("default", None):
-        raise ValueError(f"config.json rope_type {rope_type!r} is not supported (only default RoPE)")
-    return float(theta)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type == "llama3":
+        for key, value in _MEGATRON_LLAMA3_ROPE.items():
+            if float(params.get(key, -1)) != value:
+                raise ValueError(f"config.json llama3 RoPE {key}={params.get(key)!r}: megatron-core supports only {value}")
+        return float(theta), float(params["factor"])
+    raise ValueError(f"config.json rope_type {rope_type!r} is not supported (default and llama3 are)")
+
+
+def rope_theta_of(hf_config: Any) -> float:
+    return rope_settings_of(hf_config)[0]
 
 
 def head_dim_of(hf_config: Any) -> int:
@@ -324,6 +340,7 @@ def build_gpt_model(hf_config: Any, *, attention_backend: AttentionBackend = "to
     if post_process is None:
         post_process = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    rope_theta, rope_factor = rope_settings_of(hf_config)
     model = GPTModel(
         config=config,
         transformer_layer_spec=_block_spec(config, layer_spec, vp_stage, attention_backend),
@@ -334,7 +351,9 @@ def build_gpt_model(hf_config: Any, *, attention_backend: AttentionBackend = "to
         parallel_output=True,
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
         position_embedding_type="rope",
-        rotary_base=rope_theta_of(hf_config),
+        rotary_base=rope_theta,
+        rope_scaling=rope_factor is not None,
+        rope_scaling_factor=rope_factor or 8.0,
         vp_stage=vp_stage,
     )
     if torch.cuda.is_available():

@@ -27,6 +27,7 @@ def hf_dirs(tmp_path_factory):
         "qwen2": save_tiny_hf(root / "qwen2", arch="qwen2", tied=False, num_layers=4),
         "qwen2_tied": save_tiny_hf(root / "qwen2_tied", arch="qwen2", tied=True, num_layers=4, seed=1),
         "llama": save_tiny_hf(root / "llama", arch="llama", tied=False, num_layers=4, seed=2),
+        "llama3": save_tiny_hf(root / "llama3", arch="llama3", tied=False, num_layers=2, seed=3),
     }
 
 
@@ -114,3 +115,19 @@ def test_check_parity_cli_under_torchrun(hf_dirs, tmp_path):
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("max_abs_logprob_diff="), proc.stdout
     assert float(last.split("=", 1)[1]) <= TOLERANCE
+
+
+def test_llama3_rope_scaling_matches_transformers(rank_pool, hf_dirs):
+    from transformers import AutoModelForCausalLM
+
+    from dapo_megatron.actor.parity import hf_logprobs
+
+    hf_dir = str(hf_dirs["llama3"])
+    results = [r for r in rank_pool(2).run(_megatron_on_rank, hf_dir, 2, 1, None) if r is not None]
+    tokens, _, ours = results[0]
+    reference = _reference(hf_dir, tokens)
+    assert (ours[0] - reference).abs().max().item() <= TOLERANCE
+    # the scaling matters here: the same weights with plain RoPE give clearly different log-probs
+    plain = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, rope_parameters={
+        "rope_type": "default", "rope_theta": 10000.0}).eval()
+    assert (hf_logprobs(plain, tokens) - reference).abs().max().item() > 10 * TOLERANCE

@@ -82,3 +82,14 @@ def test_te_backend_without_transformer_engine_names_the_config_key():
         pass
     with pytest.raises(ValueError, match="actor.attention_backend"):
         model_mod.te_layer_spec()
+
+
+def test_llama3_rope_settings_and_unsupported_constants():
+    from transformers import LlamaConfig
+
+    params = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert model_mod.rope_settings_of(LlamaConfig(max_position_embeddings=131072, rope_parameters=params)) == (500000.0, 8.0)
+    odd = LlamaConfig(max_position_embeddings=131072, rope_parameters={**params, "high_freq_factor": 2.0})
+    with pytest.raises(ValueError, match="high_freq_factor"):
+        model_mod.rope_settings_of(odd)
