@@ -123,6 +123,8 @@ def transformer_config_from_hf(hf_config: Any, *, precision: Precision = "bf16",
         raise ValueError(f"config.json hidden_act {hf_config.hidden_act!r}: only silu (SwiGLU) is supported")
     if getattr(hf_config, "mlp_bias", False):
         raise ValueError("config.json mlp_bias=True is not supported")
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("config.json use_sliding_window=true is not supported (full attention only)")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
