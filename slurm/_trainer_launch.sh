@@ -31,17 +31,21 @@ RESUME=()
 if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(--resume); fi
 
 # Preemption: `#SBATCH --signal=B:USR1@SIGNAL_SECONDS` sends USR1 to this script (B: = batch shell
-# only) before the time limit. Forward it to srun, which passes it to torchrun on every node, which
-# (--signals-to-handle) passes it to every rank; the ranks agree at the next step boundary, write a
-# checkpoint and exit (dapo_megatron/launch/signals.py). Then this script requeues the job.
+# only) before the time limit. The trap creates DAPO_PREEMPT_FILE, next to the config on the shared
+# run directory; every rank checks for it at each step boundary, the ranks agree (one all-reduce),
+# write a checkpoint and exit (dapo_megatron/launch/signals.py). Then this script requeues the job.
+# The signal itself is not forwarded: through srun it would reach every process of the step, and
+# helpers that do not handle it (Megatron's checkpoint writer processes) would die mid-checkpoint.
 # SIGTERM (scancel, `scontrol requeue`, preemption) reaches the ranks directly from Slurm; it is
 # not forwarded again, because a second signal would interrupt torchrun's orderly shutdown.
+DAPO_PREEMPT_FILE="$(dirname "$CONFIG")/preempt-$JOB_REF"
+export DAPO_PREEMPT_FILE
+rm -f "$DAPO_PREEMPT_FILE"   # a request of an earlier incarnation of this job
 REQUEUE_ASKED=0
-STEP_PID=""
 on_usr1() {
     echo "[$(date -u +%FT%TZ)] SIGUSR1: the time limit is near; checkpointing, then requeue"
     REQUEUE_ASKED=1
-    if [ -n "$STEP_PID" ]; then kill -USR1 "$STEP_PID" 2>/dev/null || true; fi
+    touch "$DAPO_PREEMPT_FILE"
 }
 GOT_TERM=0
 on_term() {
@@ -67,8 +71,8 @@ ENGINES_STEP=$!
 
 echo "[$(date -u +%FT%TZ)] job $JOB_REF restart ${SLURM_RESTART_COUNT:-0}: $NNODES node(s) x $NPROC_PER_NODE rank(s)," \
      "rendezvous $MASTER_ADDR:$MASTER_PORT, config $CONFIG"
-# torchrun waits SHUTDOWN_S after forwarding a signal before it kills the ranks: the time they
-# have to finish the step and write the checkpoint.
+# torchrun waits SHUTDOWN_S after forwarding a signal (SIGTERM from Slurm) before it kills the
+# ranks: the time they have to finish the step and write the checkpoint.
 SHUTDOWN_S=$(( SIGNAL_SECONDS > 30 ? SIGNAL_SECONDS : 30 ))
 srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
     "$PYTHON" -m torch.distributed.run \
@@ -85,13 +89,18 @@ while :; do
 done
 
 kill -TERM "$ENGINES_STEP" 2>/dev/null && wait "$ENGINES_STEP"
+rm -f "$DAPO_PREEMPT_FILE"
 
-# torchrun exits non-zero after it forwarded a signal; 0 means training finished before the signal
-# reached it, and a finished run is not requeued.
-if [ "$REQUEUE_ASKED" = 1 ] && [ "$rc" != 0 ]; then
-    echo "[$(date -u +%FT%TZ)] ranks checkpointed and exited (torchrun rc $rc); requeueing $JOB_REF"
-    scontrol requeue "$JOB_REF"
-    exit 0
+# A run that reached trainer.total_steps before the request took effect is finished, not requeued
+# (launch/progress.py reads the latest complete checkpoint); one that stopped early is.
+if [ "$REQUEUE_ASKED" = 1 ]; then
+    if PROGRESS=$("$PYTHON" -m dapo_megatron.launch.progress "$CONFIG" "${MODEL_ARGS[@]}"); then
+        echo "[$(date -u +%FT%TZ)] trainer exited with $rc; the run is complete ($PROGRESS steps): no requeue"
+    else
+        echo "[$(date -u +%FT%TZ)] trainer exited with $rc at checkpoint $PROGRESS; requeueing $JOB_REF"
+        scontrol requeue "$JOB_REF"
+        exit 0
+    fi
 fi
 echo "[$(date -u +%FT%TZ)] trainer exited with $rc"
 # Done for good (finished or failed): the engine array would otherwise hold its GPUs until its time

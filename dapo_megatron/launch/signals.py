@@ -1,4 +1,4 @@
-"""Preemption: turn Slurm's signals into "checkpoint at the next step boundary, then exit".
+"""Preemption: turn Slurm's warnings into "checkpoint at the next step boundary, then exit".
 
     stop = PreemptionSignal().install()      # in every rank, before the training loop
     for step in range(start, total_steps):
@@ -7,22 +7,26 @@
             save_checkpoint(step)
             return 0                         # train.sbatch then runs `scontrol requeue`
 
-Who sends what (slurm/_trainer_launch.sh):
-  SIGUSR1  `#SBATCH --signal=B:USR1@<slurm.signal_seconds>` before the time limit -> batch script ->
-           srun -> torchrun (--signals-to-handle ... SIGUSR1) -> every rank. The batch script
-           requeues the job once the ranks have exited; the restart runs `train ... --resume`.
-  SIGTERM  scancel, `scontrol requeue`, preemption by a higher-priority job: Slurm signals every
-           process of the job and sends SIGKILL KillWait seconds later (site setting, often 30 s;
-           torchrun waits up to max(signal_seconds, 30) s), so a step that ends within that time
-           still gets its checkpoint.
-The handlers only set a flag (nothing unsafe happens inside a signal handler). Ranks can receive the
-signal at different moments, even in different steps, so `should_stop` takes the max of the flag
-over all ranks (one int all-reduce): every rank sees the same answer at the same step and they
-write the same checkpoint together.
+A stop is requested by either
+  the request file  $DAPO_PREEMPT_FILE exists. `#SBATCH --signal=B:USR1@<slurm.signal_seconds>`
+                    sends USR1 to the batch script only, whose trap creates this file (on the shared
+                    run directory, so ranks on every node see it); the script requeues the job once
+                    the ranks have exited, and the restart runs `train ... --resume`. The signal is
+                    not forwarded: a signal sent through srun reaches every process of the step, and
+                    helpers that do not expect it (Megatron's checkpoint writer processes, data
+                    loader workers) die of it, in the middle of the very checkpoint it asked for.
+  SIGUSR1 / SIGTERM sent to a rank (by hand, by torchrun forwarding its own signal, or by Slurm on
+                    scancel, `scontrol requeue` or preemption, which signals every process of the
+                    job and sends SIGKILL KillWait seconds later, often 30 s).
+The handlers only set a flag (nothing unsafe happens inside a signal handler). Ranks can see a
+request at different moments, even in different steps, so `should_stop` takes the max of the flag
+over all ranks (one int all-reduce): every rank answers the same at the same step and they write
+the same checkpoint together.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 from typing import Any, Callable, Sequence
 
@@ -30,11 +34,13 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+PREEMPT_FILE_ENV = "DAPO_PREEMPT_FILE"  # set by slurm/_trainer_launch.sh
 
 
 class PreemptionSignal:
-    def __init__(self, signals: Sequence[signal.Signals] = DEFAULT_SIGNALS) -> None:
+    def __init__(self, signals: Sequence[signal.Signals] = DEFAULT_SIGNALS, *, request_file: str | None = None) -> None:
         self.signals = tuple(signals)
+        self.request_file = os.environ.get(PREEMPT_FILE_ENV, "") if request_file is None else request_file
         self.received: signal.Signals | None = None  # the first signal that arrived
         self._previous: dict[signal.Signals, Callable[..., Any] | int | None] = {}
 
@@ -57,11 +63,17 @@ class PreemptionSignal:
 
     @property
     def requested(self) -> bool:
-        """This rank's flag only; use should_stop() for the decision all ranks share."""
-        return self.received is not None
+        """This rank's view only (a signal or the request file); use should_stop() for the shared decision."""
+        return self.received is not None or bool(self.request_file and os.path.exists(self.request_file))
+
+    @property
+    def reason(self) -> str:
+        if self.received is not None:
+            return self.received.name
+        return f"request file {self.request_file}" if self.requested else "another rank"
 
     def should_stop(self, group: dist.ProcessGroup | None = None) -> bool:
-        """True on every rank if any rank got a signal; a collective when torch.distributed is up."""
+        """True on every rank if any rank has a request; a collective when torch.distributed is up."""
         flag = 1 if self.requested else 0
         if dist.is_available() and dist.is_initialized():
             backend = dist.get_backend(group)

@@ -1,5 +1,6 @@
 """STAND-IN for `dapo-megatron train` in the Slurm tests, named as such: a real torchrun job with
-real gloo ranks that counts steps instead of training, checkpoints the counter after every step,
+real gloo ranks that counts steps instead of training, checkpoints the counter after every step
+(checkpoints/step_N/trainer_state.json, the trainer's layout),
 resumes from it with --resume, and handles preemption through the trainer's own
 dapo_megatron.launch.signals. It lets the launch path (sbatch -> srun -> torchrun -> ranks, the
 USR1 trap, requeue, --resume, arrays, the engine registry) be tested in seconds; the real trainer
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dapo_megatron import checkpointing
 from dapo_megatron.config import load_config
 from dapo_megatron.launch.signals import PreemptionSignal
 from dapo_megatron.rollout.registry import read_registrations
@@ -71,10 +73,10 @@ def main() -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    ckpt = out / "checkpoint.json"
     start = 0
-    if args.resume and ckpt.exists():
-        start = json.loads(ckpt.read_text())["step"]
+    latest = checkpointing.latest_checkpoint(out) if args.resume else None
+    if latest is not None:
+        start = checkpointing.read_state(latest)["step"]
         if rank == 0:
             print(f"resumed from step {start}", flush=True)
     engines = 0
@@ -98,14 +100,15 @@ def main() -> int:
                       "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")), "engines": engines}
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
-            tmp = ckpt.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"step": step}))
-            os.replace(tmp, ckpt)
+            final = checkpointing.step_dir(out, step)  # the trainer's layout: launch/progress.py reads it
+            tmp = final.with_name(final.name + ".tmp")
+            tmp.mkdir(parents=True, exist_ok=True)
+            checkpointing.write_state(tmp, {"step": step})
+            checkpointing.commit(tmp, final, keep=2)
         dist.barrier()
         if stop.should_stop():
             if rank == 0:
-                print(f"preempted by {stop.received.name if stop.received else 'another rank'}: "
-                      f"checkpoint at step {step}, exiting", flush=True)
+                print(f"preempted by {stop.reason}: checkpoint at step {step}, exiting", flush=True)
             dist.destroy_process_group()
             return 0
     if rank == 0:

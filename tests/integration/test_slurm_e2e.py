@@ -8,6 +8,7 @@ registry, and a USR1 -> checkpoint -> requeue -> --resume cycle.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -57,8 +58,8 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def logs(run_dir: Path) -> str:
-    return "\n".join(p.read_text(errors="replace")[-6000:] for p in sorted((run_dir / "slurm/logs").glob("*.out")))
+def logs(run_dir: Path, *, tail: int = 6000) -> str:
+    return "\n".join(p.read_text(errors="replace")[-tail:] for p in sorted((run_dir / "slurm/logs").glob("*.out")))
 
 
 def steps_of(run_dir: Path) -> list[int]:
@@ -116,5 +117,9 @@ def test_real_trainer_requeued_by_usr1_resumes(slurm_cluster, tmp_path):
     assert slurm_cluster.wait_done([job], timeout_s=300) == {job: "COMPLETED"}, logs(run_dir)
     assert "Restarts=1" in slurm_cluster.run(["scontrol", "-o", "show", "job", job]).stdout
     assert steps_of(run_dir) == [1, 2, 3]  # each step once: the restart continued from the checkpoint
-    text = logs(run_dir)
+    text = logs(run_dir, tail=10**7)
     assert "SIGUSR1" in text and "restart 1:" in text
+    before, after = text.split("restart 1:")
+    (k,) = [int(n) for n in re.findall(r"checkpoint of step (\d+) written", before)]
+    assert 1 <= k < 3 and f"at checkpoint {k}/3; requeueing {job}" in before
+    assert "Traceback" not in before  # the checkpoint was written cleanly, no helper process died

@@ -123,8 +123,9 @@ def test_sweep_array_runs_each_config_into_its_own_run_dir(slurm_cluster, tmp_pa
 
 def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     """Slurm's `--signal=B:USR1@T` is `scancel --batch --signal=USR1` at T seconds before the limit:
-    the trap forwards it to the 2 ranks, they checkpoint and exit, the script requeues the job, and
-    the restart (SLURM_RESTART_COUNT=1) runs with --resume from the checkpoint to the end."""
+    the trap writes the request file, the 2 ranks see it at a step boundary, checkpoint and exit, the
+    script requeues the job, and the restart (SLURM_RESTART_COUNT=1) runs with --resume from the
+    checkpoint to the end."""
     run_dir = tmp_path / "run"
     cfg = load_config(write_config(tmp_path / "c.yaml", run_dir, trainer={"total_steps": 6},
                                    actor={"world_size": 2}))
@@ -145,7 +146,10 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     # every step exactly once: 1..k before the requeue, k+1..6 after it, both ranks in each (1 + 2 = 3)
     assert steps == [(s, 0, 3) for s in range(1, k + 1)] + [(s, 1, 3) for s in range(k + 1, 7)]
     text = logs(run_dir)
-    assert "SIGUSR1" in text and f"checkpoint at step {k}" in text and f"resumed from step {k}" in text
+    assert "SIGUSR1" in text and f"preempted by request file {run_dir}/slurm/preempt-{job}" in text
+    assert f"checkpoint at step {k}, exiting" in text and f"at checkpoint {k}/6; requeueing {job}" in text
+    assert f"resumed from step {k}" in text
+    assert not (run_dir / "slurm" / f"preempt-{job}").exists()  # removed by the script
     status = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "slurm", "status", str(run_dir)],
                             env=slurm_cluster.env, capture_output=True, text=True, timeout=60)
     assert f"train        {job}" in status.stdout and "COMPLETED" in status.stdout

@@ -207,3 +207,43 @@ def test_colocated_removes_only_this_hosts_registrations(tmp_path):
     removed = colocated.remove_stale_registrations(tmp_path, "10.0.0.1")
     assert sorted(p.name for p in removed) == ["10.0.0.1_1.json", "10.0.0.1_2.json"]
     assert [p.name for p in tmp_path.iterdir()] == ["10.0.0.2_1.json"]
+
+
+def test_preemption_request_by_file_or_signal(tmp_path):
+    import os
+    import signal
+
+    from dapo_megatron.launch.signals import PreemptionSignal
+
+    request = tmp_path / "preempt-7"
+    stop = PreemptionSignal(request_file=str(request)).install()
+    try:
+        assert not stop.should_stop()
+        request.touch()  # what the batch script's USR1 trap does
+        assert stop.should_stop() and stop.reason == f"request file {request}"
+        request.unlink()
+        os.kill(os.getpid(), signal.SIGUSR1)  # a signal sent to the rank itself
+        assert stop.should_stop() and stop.reason == "SIGUSR1"
+    finally:
+        stop.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+
+
+def test_progress_compares_the_latest_checkpoint_with_total_steps(tmp_path):
+    from dapo_megatron.launch import progress
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml_dump({"trainer": {"output_dir": str(tmp_path / "run"), "total_steps": 3}}))
+    assert progress.main([str(cfg)]) == 1  # no checkpoint yet
+    for step in (2, 3):
+        (tmp_path / "run/checkpoints" / f"step_{step:06d}").mkdir(parents=True)
+    (tmp_path / "run/checkpoints/step_000002/trainer_state.json").write_text("{}")
+    assert progress.main([str(cfg)]) == 1  # step 3 is not complete (no trainer_state.json)
+    (tmp_path / "run/checkpoints/step_000003/trainer_state.json").write_text("{}")
+    assert progress.main([str(cfg)]) == 0
+
+
+def yaml_dump(data) -> str:
+    import yaml
+
+    return yaml.safe_dump(data)
