@@ -5,7 +5,8 @@
         load_hf_into_model(chunks, "/ckpt/Qwen2.5-7B")
 
 Every rank reads only the tensors its own parameters need (a PP stage never opens the others'
-layers), builds its shard with weights/mapping.py's layout maths and copies it in. No
+layers) and of those only its TP slice (safetensors get_slice: a TP=8 rank reads 1/8 of each
+split matrix), builds its shard with weights/mapping.py's layout maths and copies it in. No
 communication: it works for any TP x PP (x VPP) layout, with DP/CP replicas reading the same files.
 """
 
@@ -17,7 +18,7 @@ from typing import Any, Iterable
 
 import torch
 
-from dapo_megatron.weights.mapping import Dims, ParamMap, expected_hf_shapes, map_param, shard_for_rank
+from dapo_megatron.weights.mapping import Dims, ParamMap, expected_hf_shapes, map_param, read_shard
 
 
 def unwrap_model(chunk: Any) -> Any:
@@ -63,7 +64,7 @@ class SafetensorsCheckpoint:
             raise ValueError(f"HF checkpoint {self.hf_dir}: no model.safetensors or model.safetensors.index.json")
         self._open: dict[str, Any] = {}
 
-    def get(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         from safetensors import safe_open
 
         file_name = self.weight_map.get(name)
@@ -71,7 +72,20 @@ class SafetensorsCheckpoint:
             raise ValueError(f"HF checkpoint {self.hf_dir}: tensor {name!r} is missing")
         if file_name not in self._open:
             self._open[file_name] = safe_open(os.path.join(self.hf_dir, file_name), framework="pt")
-        return self._open[file_name].get_tensor(name)
+        return self._open[file_name]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def read_rows(self, name: str, start, stop, dim: int) -> torch.Tensor:
+        """tensor[name][start:stop] along dim 0 or 1, reading only that part of the file."""
+        part = self._handle(name).get_slice(name)
+        if dim == 0:
+            return part[start:stop]
+        return part[:, start:stop]
 
 
 def load_hf_into_model(model_chunks: Iterable[Any], hf_dir: str | os.PathLike, *, hf_config: Any = None) -> None:
@@ -95,15 +109,13 @@ def load_hf_into_model(model_chunks: Iterable[Any], hf_dir: str | os.PathLike, *
     for chunk in model_chunks:
         model = unwrap_model(chunk)
         for pmap, param in chunk_param_maps(model, dims):
-            full = []
             for hf_name in pmap.hf_names:
-                tensor = ckpt.get(hf_name)
-                if tuple(tensor.shape) != shapes[hf_name]:
+                shape = ckpt.shape(hf_name)
+                if shape != shapes[hf_name]:
                     raise ValueError(f"HF checkpoint {ckpt.hf_dir}: tensor {hf_name!r} has shape "
-                                     f"{tuple(tensor.shape)}, the config implies {shapes[hf_name]}")
-                full.append(tensor)
-            shard = shard_for_rank(pmap.kind, full, tp_rank=tp_rank, tp_size=tp_size, dims=dims,
-                                   vocab_rows=param.shape[0] * tp_size if pmap.kind == "vocab" else None)
+                                     f"{shape}, the config implies {shapes[hf_name]}")
+            shard = read_shard(pmap.kind, pmap.hf_names, ckpt.read_rows, tp_rank=tp_rank, tp_size=tp_size, dims=dims,
+                               vocab_rows=param.shape[0] * tp_size if pmap.kind == "vocab" else None)
             if shard.shape != param.shape:  # internal invariant: config and model disagree
                 raise ValueError(f"megatron parameter {pmap.mcore_name!r} has shape {tuple(param.shape)} but "
                                  f"{', '.join(pmap.hf_names)} give a shard of {tuple(shard.shape)}")

@@ -191,3 +191,37 @@ def merge_shards(kind: str, shards: Sequence[torch.Tensor], *, dims: Dims) -> li
         halves = [s.chunk(2, dim=0) for s in shards]  # each shard = [gate_r; up_r]
         return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
     raise AssertionError(f"unknown kind {kind}")
+
+
+def read_shard(kind: str, hf_names: Sequence[str], read_rows, *, tp_rank: int, tp_size: int, dims: Dims,
+               vocab_rows: Optional[int] = None) -> torch.Tensor:
+    """Like shard_for_rank, but reads only the rows / columns this rank needs.
+
+    read_rows(name, start, stop, dim) returns tensor[name] restricted to [start, stop) along dim
+    (safetensors' get_slice does this without reading the rest of the file), so a TP rank reads
+    1/tp of each split tensor instead of all of it. Same result as shard_for_rank, bit for bit
+    (vocab_rows likewise: the model's padded vocabulary over all ranks, default padded_vocab_size).
+    """
+    t, r = tp_size, tp_rank
+    if kind == "replicated":
+        return read_rows(hf_names[0], None, None, 0)
+    if kind == "vocab":
+        rows = (vocab_rows or padded_vocab_size(dims.vocab, tp=t)) // t
+        start, stop = r * rows, (r + 1) * rows
+        real = read_rows(hf_names[0], min(start, dims.vocab), min(stop, dims.vocab), 0)
+        shard = real.new_zeros(rows, dims.hidden)
+        shard[: real.size(0)] = real
+        return shard
+    if kind == "row":
+        cols = dims.num_heads * dims.head_dim if "o_proj" in hf_names[0] else dims.ffn
+        return read_rows(hf_names[0], r * cols // t, (r + 1) * cols // t, 1)
+    if kind == "fc1":
+        return torch.cat([read_rows(n, r * dims.ffn // t, (r + 1) * dims.ffn // t, 0) for n in hf_names], dim=0)
+    if kind == "qkv":
+        groups = dims.num_groups // t  # this rank's query groups: [r*groups, (r+1)*groups)
+        q_rows = dims.num_heads // dims.num_groups * dims.head_dim
+        q = read_rows(hf_names[0], r * groups * q_rows, (r + 1) * groups * q_rows, 0)
+        k, v = (read_rows(n, r * groups * dims.head_dim, (r + 1) * groups * dims.head_dim, 0) for n in hf_names[1:])
+        local = Dims(**{**dims.__dict__, "num_groups": groups, "num_heads": dims.num_heads // t})
+        return _interleave_qkv(q, k, v, local)
+    raise AssertionError(f"unknown kind {kind}")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dapo_megatron.weights.export import bucketize
-from dapo_megatron.weights.mapping import Dims, expected_hf_shapes, map_param, merge_shards, shard_for_rank
+from dapo_megatron.weights.mapping import Dims, expected_hf_shapes, map_param, merge_shards, read_shard, shard_for_rank
 
 # 4 query heads, 2 KV groups, head_dim 1, hidden 3, ffn 4, vocab 5: small enough to write out by hand
 DIMS = Dims(hidden=3, num_heads=4, num_groups=2, head_dim=1, ffn=4, vocab=5, num_layers=2, qkv_bias=True, tied=False)
@@ -63,6 +63,32 @@ def test_merge_inverts_shard_bit_for_bit(kind, tp):
     assert len(merged) == len(full)
     for a, b in zip(merged, full):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind,names,tps", [
+    ("replicated", ["norm"], [1, 2]), ("vocab", ["embed"], [1, 2, 4]), ("row", ["o_proj"], [1, 2]),
+    ("row", ["down_proj"], [1, 2, 4]), ("fc1", ["gate", "up"], [1, 2, 4]), ("qkv", ["q", "k", "v"], [1, 2]),
+    ("qkv", ["q_bias", "k_bias", "v_bias"], [1, 2])])
+def test_sliced_read_equals_full_read_then_shard(kind, names, tps):
+    gen = torch.Generator().manual_seed(1)
+    shapes = {"norm": (3,), "embed": (5, 3), "o_proj": (3, 4), "down_proj": (3, 4), "gate": (4, 3), "up": (4, 3),
+              "q": (4, 3), "k": (2, 3), "v": (2, 3), "q_bias": (4,), "k_bias": (2,), "v_bias": (2,)}
+    store = {n: torch.randn(shapes[n], generator=gen) for n in names}
+    reads = []
+
+    def read_rows(name, start, stop, dim):
+        reads.append((name, start, stop, dim))
+        return store[name][start:stop] if dim == 0 else store[name][:, start:stop]
+
+    for tp in tps:
+        for vocab_rows in ([None, 8] if kind == "vocab" else [None]):
+            for rank in range(tp):
+                expected = shard_for_rank(kind, [store[n] for n in names], tp_rank=rank, tp_size=tp, dims=DIMS,
+                                          vocab_rows=vocab_rows)
+                got = read_shard(kind, names, read_rows, tp_rank=rank, tp_size=tp, dims=DIMS, vocab_rows=vocab_rows)
+                assert torch.equal(got, expected), (tp, rank, vocab_rows)
+    if kind != "replicated" and max(tps) > 1:  # at tp > 1 a rank never reads a whole split tensor
+        assert any(start not in (None, 0) for _, start, _, _ in reads)
 
 
 def test_map_param_names_layers_with_the_stage_offset_and_both_specs():
