@@ -387,7 +387,11 @@ class Actor:
         state = {}
         for index, chunk in enumerate(self._chunks):
             state["model" if len(self._chunks) == 1 else f"model{index}"] = chunk.sharded_state_dict()
-        state["optimizer"] = self.optimizer.sharded_state_dict(dict(state), is_loading=is_loading)
+        # dp_reshardable: every rank writes its own optimizer shard (megatron 0.16's default
+        # "fully_sharded_model_space" needs ShardedTensor.flattened_range, which 0.16.1 rejects);
+        # a checkpoint can be resumed with another DP size but the same TP x PP.
+        state["optimizer"] = self.optimizer.sharded_state_dict(
+            dict(state), is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
         state["rng_state"] = rng_sharded_object()
         return state
 
@@ -396,7 +400,9 @@ class Actor:
         written to `<path>.tmp` and renamed (checkpoint.py)."""
         from dapo_megatron.actor.checkpoint import save_checkpoint
 
-        meta = {"num_updates": self.num_updates, "last_step": self.last_step,
+        from dapo_megatron.actor.optimizer import adam_step
+
+        meta = {"num_updates": self.num_updates, "last_step": self.last_step, "adam_step": adam_step(self.optimizer),
                 "lr_schedule": self.lr_schedule.state_dict(),
                 "layout": {"tp": parallel.tp_size(), "pp": parallel.pp_size(), "cp": parallel.cp_size(),
                            "dp": parallel.dp_size(), "vpp": parallel.vpp_size()}}
@@ -405,11 +411,15 @@ class Actor:
     def load(self, path: str | Path) -> dict:
         """Collective: restore what save() wrote; returns its actor_state.json."""
         from dapo_megatron.actor.checkpoint import load_checkpoint, restore_rng
+        from dapo_megatron.actor.optimizer import init_empty_optimizer_state, set_adam_step
 
+        init_empty_optimizer_state(self.optimizer)
         state, meta = load_checkpoint(path, sharded_state_dict=self._sharded_state_dict(is_loading=True))
         for index, chunk in enumerate(self._chunks):
             chunk.load_state_dict(state["model" if len(self._chunks) == 1 else f"model{index}"], strict=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():  # megatron copies into fp32 main-param views that require grad
+            self.optimizer.load_state_dict(state["optimizer"])
+        set_adam_step(self.optimizer, int(meta["adam_step"]))
         restore_rng(state["rng_state"])
         self.num_updates = int(meta["num_updates"])
         self.last_step = int(meta["last_step"])

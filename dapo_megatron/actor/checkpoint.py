@@ -59,10 +59,23 @@ def save_checkpoint(path: str | Path, *, sharded_state_dict: dict, meta: dict) -
     _barrier()
     dist_checkpointing.save(sharded_state_dict, str(tmp))
     _barrier()
+    error = None
     if _is_rank0():
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
-        _publish(tmp, final)
-    _barrier()
+        try:
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+            _publish(tmp, final)
+        except Exception as err:  # noqa: BLE001 - re-raised below, after telling the other ranks
+            error = err
+    # every rank learns whether rank 0 published (instead of waiting forever in a barrier)
+    ok = torch.tensor([0 if error else 1], dtype=torch.int32)
+    if dist.is_initialized():
+        if dist.get_backend() == "nccl":
+            ok = ok.cuda()
+        dist.broadcast(ok, src=0)
+    if error is not None:
+        raise error
+    if not int(ok.item()):
+        raise RuntimeError(f"checkpoint {final}: rank 0 failed to publish {tmp}; the previous checkpoint is kept")
     return final
 
 

@@ -96,3 +96,46 @@ def guarded_step(optimizer, *, grad_clip: float, loss_is_finite: bool) -> tuple[
                     use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
                 )
     return bool(optimizer.step_with_ready_grads()), grad_norm
+
+
+def init_empty_optimizer_state(optimizer) -> None:
+    """Zero Adam state at step 0 for every parameter that has none yet (before loading a checkpoint).
+
+    megatron's DistributedOptimizer builds even its *loading* sharded state dict from the inner
+    optimizer's state and, without apex / Transformer Engine (torch AdamW), asserts that every
+    parameter has a 'step'; a fresh torch AdamW has no state until its first step. The values are
+    overwritten by the checkpoint.
+    """
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(param.data)
+                    state["exp_avg_sq"] = torch.zeros_like(param.data)
+
+
+def adam_step(optimizer) -> int:
+    """The inner Adam step counter (the same for every parameter; 0 before the first update)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for state in (inner.state.values() if inner is not None else ()):
+            if "step" in state:
+                return int(state["step"])
+    return 0
+
+
+def set_adam_step(optimizer, step: int) -> None:
+    """Restore the Adam step counter after loading a checkpoint. megatron 0.16.1's DistributedOptimizer
+    (torch AdamW, no apex/TE) restores exp_avg / exp_avg_sq but leaves the per-parameter 'step' at
+    its pre-load value, which changes the bias correction of the next update (measured: the resumed
+    step's weights differed from an uninterrupted run while its loss was identical)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for state in (inner.state.values() if inner is not None else ()):
+            if "step" in state:
+                state["step"] = torch.tensor(float(step), dtype=state["step"].dtype, device=state["step"].device)

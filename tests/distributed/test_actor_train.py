@@ -1,0 +1,137 @@
+"""Actor.train on gloo ranks (fp32, tiny Qwen2): the gradient of 3 micro-batches x DP=2 is the
+big-batch gradient of the token-mean loss (plain torch autograd on the transformers model), and one
+step at TP=2 updates the weights exactly as TP=1 x DP=2 (distributed optimizer) does."""
+
+import random
+
+import pytest
+import torch
+
+from test_actor_logprobs import hf_logprobs, make_cfg, make_samples
+
+
+
+
+def fill_rl_fields(samples, hf_logps, *, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for i, (s, lp) in enumerate(zip(samples, hf_logps)):
+        s.old_logprobs = (lp + 0.3 * torch.randn(lp.shape, generator=gen)).tolist()
+        s.advantage = [1.5, -1.0, 0.5, -1.5][i % 4]
+    samples[1].loss_mask = [1] * (len(samples[1].response_ids) - 1) + [0]
+    return samples
+
+
+def hf_big_batch_grads(hf_dir, samples, *, eps_low, eps_high, clip_ratio_c):
+    """d/dtheta of sum_all_tokens(mask * l) / sum(mask) on the transformers model, in one batch."""
+    from transformers import AutoModelForCausalLM
+
+    from dapo_megatron.algo.policy_loss import policy_loss
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    logps, olds, advs, masks = [], [], [], []
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        logp = torch.log_softmax(model(ids).logits[0], -1)[len(s.prompt_ids) - 1:-1]
+        logps.append(logp.gather(1, ids[0, len(s.prompt_ids):, None])[:, 0])
+        olds.append(torch.tensor(s.old_logprobs))
+        advs.append(torch.full((len(s.response_ids),), s.advantage))
+        masks.append(torch.tensor(s.response_mask(), dtype=torch.float32))
+    loss, _ = policy_loss(torch.cat(logps), torch.cat(olds), torch.cat(advs), torch.cat(masks),
+                          eps_low=eps_low, eps_high=eps_high, clip_ratio_c=clip_ratio_c)
+    loss.backward()
+    return float(loss), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _grads_rank(hf_dir, samples, budget):
+    """One train step at TP=1 x DP=2 without the distributed optimizer (grads all-reduced, so
+    every rank holds the full gradient); returns the gradient by HF name, read just before the step."""
+    import dapo_megatron.actor.optimizer as opt_module
+    from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.actor.parallel import model_parallel
+
+    captured = {}
+    original = opt_module.guarded_step
+
+    def capture(optimizer, **kw):
+        params = [p for m in actor.model for p in m.module.parameters()]
+        saved = [p.data.clone() for p in params]
+        for p in params:
+            p.data.copy_(p.main_grad)
+        captured.update({k: v.clone() for k, v in actor.iter_hf_weights()})
+        for p, s in zip(params, saved):
+            p.data.copy_(s)
+        return original(optimizer, **kw)
+
+    opt_module.guarded_step = capture
+    try:
+        with model_parallel(tp=1, seed=7):
+            cfg = make_cfg(micro_batch_tokens=budget, lr=1e-3, warmup_steps=0)
+            cfg.actor.use_distributed_optimizer = False
+            actor = Actor(cfg, hf_dir)
+            metrics = actor.train(samples, step=0)
+            num_micro = metrics["num_micro_batches"]
+    finally:
+        opt_module.guarded_step = original
+    return metrics, num_micro, captured
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from helpers_tiny import save_tiny_hf
+
+    return str(save_tiny_hf(tmp_path_factory.mktemp("qwen"), arch="qwen2", tied=False))
+
+
+def test_three_micro_batches_times_two_dp_ranks_give_the_big_batch_gradient(rank_pool, tiny_dir):
+    samples = make_samples(12, seed=3)
+    logps, _ = hf_logprobs(tiny_dir, samples)
+    samples = fill_rl_fields(samples, logps)
+    budget = 30
+    want_loss, want = hf_big_batch_grads(tiny_dir, samples, eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0)
+    results = rank_pool(2).run(_grads_rank, tiny_dir, samples, budget)
+    for metrics, num_micro, grads in results:
+        assert num_micro == 3  # the budget splits each DP rank's half into 3 micro-batches
+        assert metrics["update_skipped"] == 0
+        assert metrics["loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+        assert metrics["num_tokens"] == sum(sum(s.response_mask()) for s in samples)
+        assert 0 < metrics["clipfrac_low"] + metrics["clipfrac_high"] < 1
+        assert set(grads) == set(want)
+        for name, g in want.items():
+            torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-5, msg=name)
+    assert max(float(g.abs().max()) for g in want.values()) > 1e-2  # the comparison is not vacuous
+
+
+def _updated_weights_rank(hf_dir, samples, tp):
+    from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.actor.parallel import model_parallel
+
+    with model_parallel(tp=tp, seed=7):
+        actor = Actor(make_cfg(tp=tp, micro_batch_tokens=40, lr=1e-3, warmup_steps=0), hf_dir)
+        # Adam's first step is lr * g / (|g| + eps): its slope at g ~ 0 is lr / eps = 1e5 with the
+        # default eps 1e-8, so fp32 rounding of ~1e-9 in a gradient that cancels to ~0 moves a weight
+        # by ~1e-5 between layouts. eps = 1e-4 bounds that amplification at 10 (1e-8 here) while
+        # every weight with |g| >> 1e-4 still moves by ~lr.
+        for group in actor.optimizer.param_groups:
+            group["eps"] = 1e-4
+        metrics = actor.train(samples, step=0)
+        weights = {k: v.clone() for k, v in actor.iter_hf_weights()}
+    return metrics, weights
+
+
+def test_one_step_at_tp2_updates_weights_like_tp1_dp2(rank_pool, tiny_dir):
+    from safetensors.torch import load_file
+
+    samples = make_samples(10, seed=5)
+    logps, _ = hf_logprobs(tiny_dir, samples)
+    samples = fill_rl_fields(samples, logps, seed=2)
+    (m1, w1), _ = rank_pool(2).run(_updated_weights_rank, tiny_dir, samples, 1)
+    (m2, w2), (m2b, w2b) = rank_pool(2).run(_updated_weights_rank, tiny_dir, samples, 2)
+    before = load_file(f"{tiny_dir}/model.safetensors")
+    assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-6)
+    assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)
+    moved = 0.0
+    for name, w in w1.items():
+        torch.testing.assert_close(w2[name], w, atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+        assert torch.equal(w2[name], w2b[name])
+        moved = max(moved, float((w - before[name]).abs().max()))
+    assert moved > 5e-4  # ~lr = 1e-3: 500x the tolerance
