@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from dapo_megatron.actor.parallel import dp_size, init_distributed, model_parallel
     from dapo_megatron.config import ActorConfig, Config
 
+    owns_group = not torch.distributed.is_initialized()
     init_distributed()
     rank0 = torch.distributed.get_rank() == 0
     ckpt = Path(args.checkpoint_dir or Path(tempfile.gettempdir()) / f"dapo_bench_qwen25_1.5b_l{args.layers}")
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             if new:
                 writer.writeheader()
             writer.writerows(rows)
-    torch.distributed.destroy_process_group()
+    if owns_group:
+        torch.distributed.destroy_process_group()
     return 0
 
 

@@ -18,7 +18,7 @@ set -u -o pipefail
 OUT=${1:?usage: tests/gpu/run_all.sh OUT_DIR}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PY=${PYTHON:-python3}
-SECTIONS=${SECTIONS:-"env kernels"}
+SECTIONS=${SECTIONS:-"env kernels actor"}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$ROOT"
@@ -55,6 +55,16 @@ section_kernels() {
     --junitxml="$OUT/kernels/junit.xml"
   # shellcheck disable=SC2086
   run_section kernels_bench $PY -m dapo_kernels.bench.run ${BENCH_ARGS:---quick} --csv "$OUT/kernels/results.csv"
+}
+
+# ---- section: actor (issue 4: Megatron actor in bf16 + NCCL; needs megatron-core + transformers wheels) --
+section_actor() {
+  mkdir -p "$OUT/actor"
+  run_section actor_tests $PY -m pytest -m gpu tests/gpu/test_actor_gpu.py -q -p no:cacheprovider \
+    --junitxml="$OUT/actor/junit.xml"
+  # Qwen2.5-1.5B-shaped random model, 4K and 16K tokens per micro-batch: table + CSV
+  run_section actor_bench $PY -m dapo_megatron.actor.bench --tokens 4096 16384 --csv "$OUT/actor/actor_bench.csv" \
+    --checkpoint-dir /tmp/dapo_bench_qwen25_1.5b
 }
 
 for section in $SECTIONS; do
