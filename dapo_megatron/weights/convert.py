@@ -9,7 +9,9 @@ hf-to-mcore builds the model in the given layout, loads the safetensors into the
 (weights/load.py) and saves the model's sharded state dict with megatron's dist_checkpointing
 under the key "model" (one chunk) or "model0".. (VPP), the keys Actor.save uses, plus config.json
 and convert_meta.json. Megatron's distributed format is layout-independent, so mcore-to-hf may run
-with ANY TP/PP/VPP: it builds the model in that layout, loads the model part of a converted or an
+with ANY TP/PP/VPP: it reads the embedding's padded row count and dtype from the checkpoint
+metadata (converted checkpoints pad to 128 x tp, Actor checkpoints not at all), builds the model in
+that layout, loads the model part of a converted or an
 Actor checkpoint (optimizer and RNG entries are ignored), streams full tensors out
 (iter_hf_weights) and writes sharded safetensors + index + config.json + tokenizer files on
 global rank 0. Both outputs are written to a temporary sibling and renamed when complete.
@@ -46,7 +48,8 @@ def _barrier() -> None:
     dist.barrier()
 
 
-def hf_to_mcore(*, hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None, precision: str | None) -> Path:
+def hf_to_mcore(*, hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None, precision: str | None,
+                vocab_divisible_by: int = 128) -> Path:
     from megatron.core import dist_checkpointing
     from transformers import AutoConfig
 
@@ -58,7 +61,8 @@ def hf_to_mcore(*, hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None,
     final = Path(out_dir).absolute()
     tmp = final.with_name(final.name + ".tmp")
     with model_parallel(tp=tp, pp=pp, vpp=vpp):
-        chunks = build_model_chunks(hf_config, attention_backend="torch", precision=_precision_of(hf_config, precision))
+        chunks = build_model_chunks(hf_config, attention_backend="torch", precision=_precision_of(hf_config, precision),
+                                    vocab_divisible_by=vocab_divisible_by)
         load_hf_into_model(chunks, hf_dir, hf_config=hf_config)
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -81,6 +85,28 @@ def hf_to_mcore(*, hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None,
     return final
 
 
+def _checkpoint_vocab_and_dtype(mcore_dir: str) -> tuple[int, torch.dtype]:
+    """Padded vocabulary rows and parameter dtype of the embedding stored in a checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    metadata = dist_checkpointing.load_tensors_metadata(mcore_dir)
+    for key, tensor in metadata.items():
+        if key.endswith("embedding.word_embeddings.weight"):
+            return int(tensor.global_shape[0]), tensor.dtype
+    raise ValueError(f"--mcore {mcore_dir}: no embedding.word_embeddings.weight in the checkpoint")
+
+
+def _vocab_divisible_by_for(rows: int, vocab: int, tp: int, mcore_dir: str) -> int:
+    """The vocab_divisible_by that rebuilds `rows` padded rows at this TP size."""
+    from dapo_megatron.actor.model import padded_vocab_size
+
+    for candidate in (1, 128, rows // tp):
+        if candidate >= 1 and rows % tp == 0 and padded_vocab_size(vocab, tp=tp, divisible_by=candidate) == rows:
+            return candidate
+    raise ValueError(f"--mcore {mcore_dir}: its embedding has {rows} rows; vocabulary {vocab} cannot be padded to "
+                     f"that at --tp {tp}")
+
+
 def mcore_to_hf(*, mcore_dir: str, hf_config_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None,
                 precision: str | None) -> Path:
     from megatron.core import dist_checkpointing
@@ -94,8 +120,13 @@ def mcore_to_hf(*, mcore_dir: str, hf_config_dir: str, out_dir: str, tp: int, pp
     if not (Path(mcore_dir) / "metadata.json").exists():
         raise ValueError(f"--mcore {mcore_dir}: not a Megatron distributed checkpoint (no metadata.json)")
     hf_config = AutoConfig.from_pretrained(hf_config_dir)
+    # rebuild the checkpoint's own vocabulary padding and dtype (Actor checkpoints use no padding)
+    rows, dtype = _checkpoint_vocab_and_dtype(mcore_dir)
+    divisible_by = _vocab_divisible_by_for(rows, hf_config.vocab_size, tp, mcore_dir)
     with model_parallel(tp=tp, pp=pp, vpp=vpp):
-        chunks = build_model_chunks(hf_config, attention_backend="torch", precision=_precision_of(hf_config, precision))
+        chunks = build_model_chunks(hf_config, attention_backend="torch",
+                                    precision=precision or _DTYPE_TO_PRECISION.get(dtype, "fp32"),
+                                    vocab_divisible_by=divisible_by)
         state = {_state_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)}
         loaded = dist_checkpointing.load(state, mcore_dir)
         for i, chunk in enumerate(chunks):
@@ -120,12 +151,15 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     to_hf.add_argument("--mcore", required=True)
     to_hf.add_argument("--hf-config", required=True, help="HF directory with config.json (and tokenizer files)")
     to_hf.add_argument("--out", required=True)
+    to_mcore.add_argument("--vocab-divisible-by", type=int, default=128,
+                          help="pad the vocabulary to a multiple of this x tp (Megatron-LM's default 128; "
+                               "the actor uses 1)")
     for p in (to_mcore, to_hf):
         p.add_argument("--tp", type=int, default=1)
         p.add_argument("--pp", type=int, default=1)
         p.add_argument("--vpp", type=int, default=None)
         p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
-                       help="parameter dtype (default: the HF config's dtype)")
+                       help="parameter dtype (default: the HF config's dtype / the checkpoint's)")
     return parser.parse_args(list(argv))
 
 
@@ -139,7 +173,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         if args.direction == "hf-to-mcore":
             out = hf_to_mcore(hf_dir=args.hf, out_dir=args.out, tp=args.tp, pp=args.pp, vpp=args.vpp,
-                              precision=args.precision)
+                              precision=args.precision, vocab_divisible_by=args.vocab_divisible_by)
         else:
             out = mcore_to_hf(mcore_dir=args.mcore, hf_config_dir=args.hf_config, out_dir=args.out, tp=args.tp,
                               pp=args.pp, vpp=args.vpp, precision=args.precision)

@@ -146,3 +146,46 @@ def test_convert_hf_to_mcore_and_back_with_another_layout(rank_pool, hf_dirs, tm
     assert set(result) == set(reference)
     for name, tensor in reference.items():
         assert torch.equal(result[name], tensor), name
+
+
+def _actor_checkpoint_to_hf_on_rank(hf_dir, batch, ckpt_dir, out_dir):
+    import multiprocessing
+
+    from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.weights.convert import main
+    from test_actor_logprobs import make_cfg
+
+    me = multiprocessing.current_process()  # see _convert_on_rank
+    was_daemon = me.daemon
+    me.daemon = False
+    try:
+        with model_parallel(tp=2):
+            actor = Actor(make_cfg(tp=2, lr=1e-2, warmup_steps=1), hf_dir)
+            actor.train(batch, step=0)  # move the weights away from the HF checkpoint
+            actor.save(ckpt_dir)  # model + optimizer + RNG, in the actor's (unpadded-vocab) layout
+            streamed = {name: tensor.clone() for name, tensor in actor.iter_hf_weights()}
+            del actor
+        # exported with another layout (TP=1 x PP=2)
+        rc = main(["mcore-to-hf", "--mcore", ckpt_dir, "--hf-config", hf_dir, "--out", out_dir, "--pp", "2"])
+        return rc, streamed
+    finally:
+        me.daemon = was_daemon
+
+
+def test_trained_actor_checkpoint_exports_to_hf(rank_pool, hf_dirs, tmp_path):
+    from test_actor_logprobs import hf_logprobs, make_samples
+    from test_actor_train import fill_rl_fields
+
+    hf_dir = str(hf_dirs["qwen2"])
+    samples = make_samples(6, seed=3)
+    batch = fill_rl_fields(samples, hf_logprobs(hf_dir, samples)[0], seed=3)
+    out = tmp_path / "exported"
+    results = rank_pool(2).run(_actor_checkpoint_to_hf_on_rank, hf_dir, batch, str(tmp_path / "actor_ckpt"), str(out))
+    original, exported = _hf_state(hf_dirs["qwen2"]), _hf_state(out)
+    assert set(exported) == set(original)
+    for rc, streamed in results:
+        assert rc == 0
+        for name, tensor in streamed.items():
+            assert torch.equal(exported[name], tensor), name  # the checkpoint holds what the actor held
+    assert sum(not torch.equal(exported[n], original[n]) for n in original) > len(original) // 2  # it trained
