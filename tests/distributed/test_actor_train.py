@@ -42,7 +42,7 @@ def hf_big_batch_grads(hf_dir, samples, *, eps_low, eps_high, clip_ratio_c):
     return float(loss), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
-def _grads_rank(hf_dir, samples, budget):
+def _grads_rank(hf_dir, samples, budget, algo=None):
     """One train step at TP=1 x DP=2 without the distributed optimizer (grads all-reduced, so
     every rank holds the full gradient); returns the gradient by HF name, read just before the step."""
     import dapo_megatron.actor.optimizer as opt_module
@@ -67,6 +67,8 @@ def _grads_rank(hf_dir, samples, budget):
         with model_parallel(tp=1, seed=7):
             cfg = make_cfg(micro_batch_tokens=budget, lr=1e-3, warmup_steps=0)
             cfg.actor.use_distributed_optimizer = False
+            for key, value in (algo or {}).items():
+                setattr(cfg.algorithm, key, value)
             actor = Actor(cfg, hf_dir)
             metrics = actor.train(samples, step=0)
             num_micro = metrics["num_micro_batches"]
@@ -135,3 +137,59 @@ def test_one_step_at_tp2_updates_weights_like_tp1_dp2(rank_pool, tiny_dir):
         assert torch.equal(w2[name], w2b[name])
         moved = max(moved, float((w - before[name]).abs().max()))
     assert moved > 5e-4  # ~lr = 1e-3: 500x the tolerance
+
+
+def hf_seq_mean_grads(hf_dir, samples, *, eps_low, eps_high, clip_ratio_c, tis_cap, kl_coef):
+    """The same big-batch gradient, written out per sequence for seq-mean-token-mean with overlong
+    filtering, truncated importance sampling and a k3 KL term (DAPO_SPEC 5 + the GRPO baseline):
+        loss = mean over sequences with a trained token of
+               sum_t m_t * (min(pi_old/pi_rollout, C) * l_t + kl_coef * k3_t) / sum_t m_t
+    with m_t = 0 for every token of a truncated sample."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
+    per_seq = []
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        logp = torch.log_softmax(model(ids).logits[0], -1)[len(s.prompt_ids) - 1:-1]
+        lp = logp.gather(1, ids[0, len(s.prompt_ids):, None])[:, 0]
+        old, rollout, ref = (torch.tensor(v) for v in (s.old_logprobs, s.rollout_logprobs, s.ref_logprobs))
+        mask = torch.tensor(s.response_mask(), dtype=torch.float32) * (0.0 if s.truncated else 1.0)
+        if mask.sum() == 0:
+            continue
+        adv = s.advantage
+        ratio = torch.exp(torch.clamp(lp - old, -20, 20))
+        l = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - eps_low, 1 + eps_high))
+        if adv < 0:
+            l = torch.minimum(l, torch.full_like(l, -adv * clip_ratio_c))
+        tis = torch.clamp(torch.exp(old - rollout), max=tis_cap)
+        x = torch.clamp(ref - lp, -20, 20)
+        k3 = torch.clamp(torch.exp(x) - x - 1, -10, 10)
+        per_seq.append((mask * (tis * l + kl_coef * k3)).sum() / mask.sum())
+    loss = torch.stack(per_seq).mean()
+    loss.backward()
+    return float(loss), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_seq_mean_token_mean_with_overlong_filter_tis_and_kl_gives_the_big_batch_gradient(rank_pool, tiny_dir):
+    samples = make_samples(12, seed=4)
+    logps, _ = hf_logprobs(tiny_dir, samples)
+    samples = fill_rl_fields(samples, logps, seed=3)
+    gen = torch.Generator().manual_seed(9)
+    for i, s in enumerate(samples):
+        n = len(s.response_ids)
+        s.rollout_logprobs = (torch.tensor(s.old_logprobs) + 0.5 * torch.randn(n, generator=gen)).tolist()
+        s.ref_logprobs = (torch.tensor(s.old_logprobs) + 0.2 * torch.randn(n, generator=gen)).tolist()
+        s.truncated = i in (2, 7)
+    algo = dict(loss_agg_mode="seq-mean-token-mean", overlong_filter=True, tis_cap=1.5, use_kl=True,
+                kl_coef=0.1, kl_kind="k3")
+    want_loss, want = hf_seq_mean_grads(tiny_dir, samples, eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0,
+                                        tis_cap=1.5, kl_coef=0.1)
+    results = rank_pool(2).run(_grads_rank, tiny_dir, samples, 22, algo)  # 22 tokens: 3 micro-batches per rank
+    for metrics, num_micro, grads in results:
+        assert num_micro == 3
+        assert metrics["loss_denominator"] == 10  # 12 sequences, 2 truncated and filtered out
+        assert metrics["loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+        assert metrics["kl_loss"] > 0 and metrics["tis_weight"] < 1.5
+        for name, g in want.items():
+            torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-5, msg=name)
