@@ -174,7 +174,8 @@ class Actor:
         targets = self._local(mb.targets, mb).to(hidden_SH.device)
         pos = positions.to(hidden_SH.device)
         return token_logprobs_entropy(hidden_SH[pos], output_weight(gpt), targets[pos],
-                                      temperature=self.cfg.rollout.temperature, tp_group=parallel.tp_group())
+                                      temperature=self.cfg.rollout.temperature, tp_group=parallel.tp_group(),
+                                      fused=self.cfg.actor.fused_logprob)
 
     def _run(self, micro_batches: list[MicroBatch], *, head, length: int | None, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func

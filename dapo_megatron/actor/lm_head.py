@@ -31,10 +31,11 @@ def _fused_op():
 
 
 def token_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                           temperature: float, tp_group) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logprob[N], entropy[N]) of softmax(hidden @ weight.T / temperature) at `targets`, fp32."""
-    hidden = hidden.to(weight.dtype)  # Float16Module hands the last stage's output back as fp32
-    fused = _fused_op() if hidden.is_cuda else None
+                           temperature: float, tp_group, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob[N], entropy[N]) of softmax(hidden @ weight.T / temperature) at `targets`, fp32.
+    fused=False (actor.fused_logprob=false) forces the plain-torch reference on a GPU too."""
+    hidden = hidden.to(weight.dtype)  # a Float16Module wrapper would hand the output back as fp32
+    fused = _fused_op() if (fused and hidden.is_cuda) else None
     if fused is not None:
         return fused(hidden, weight, targets, temperature=temperature, tp_group=tp_group)
     from dapo_kernels.reference import linear_logprob_entropy_reference

@@ -9,12 +9,13 @@ import torch
 from dapo_megatron.batch import Sample
 
 
-def make_cfg(*, tp=1, pp=1, micro_batch_tokens=256, **trainer):
+def make_cfg(*, tp=1, pp=1, micro_batch_tokens=256, sequence_parallel=False, **trainer):
     from dapo_megatron.config import ActorConfig, Config
 
     cfg = Config()
     cfg.actor = ActorConfig(tp=tp, pp=pp, attention_backend="torch", precision="fp32",
-                            micro_batch_tokens=micro_batch_tokens, use_distributed_optimizer=True)
+                            micro_batch_tokens=micro_batch_tokens, use_distributed_optimizer=True,
+                            sequence_parallel=sequence_parallel)
     cfg.rollout.temperature = 1.0
     for key, value in trainer.items():
         setattr(cfg.trainer, key, value)
@@ -45,12 +46,12 @@ def hf_logprobs(hf_dir, samples):
     return logps, ents
 
 
-def _logprobs_rank(hf_dir, samples, tp, pp, micro_batch_tokens):
+def _logprobs_rank(hf_dir, samples, tp, pp, micro_batch_tokens, sp=False):
     from dapo_megatron.actor.actor import Actor
     from dapo_megatron.actor.parallel import model_parallel
 
     with model_parallel(tp=tp, pp=pp, seed=7):
-        actor = Actor(make_cfg(tp=tp, pp=pp, micro_batch_tokens=micro_batch_tokens), hf_dir)
+        actor = Actor(make_cfg(tp=tp, pp=pp, micro_batch_tokens=micro_batch_tokens, sequence_parallel=sp), hf_dir)
         out = actor.logprobs(samples)
     return out.logprobs, out.entropies
 
@@ -64,13 +65,14 @@ def tiny_dirs(tmp_path_factory):
 
 # budget 256: all 7 samples in one packed micro-batch per DP rank; 18 = the longest sample: mostly
 # one sample per micro-batch (the "unpacked" case); PP=2 pads every micro-batch to one length.
-@pytest.mark.parametrize("tp,pp,budget,tied", [(1, 1, 256, False), (1, 1, 18, False), (2, 1, 64, False),
-                                               (1, 2, 40, False), (2, 1, 40, True)])
-def test_logprobs_match_transformers(rank_pool, tiny_dirs, tp, pp, budget, tied):
+@pytest.mark.parametrize("tp,pp,budget,tied,sp", [(1, 1, 256, False, False), (1, 1, 18, False, False),
+                                                  (2, 1, 64, False, False), (1, 2, 40, False, False),
+                                                  (2, 1, 40, True, False), (2, 1, 40, False, True)])
+def test_logprobs_match_transformers(rank_pool, tiny_dirs, tp, pp, budget, tied, sp):
     tiny_dir = tiny_dirs[tied]
     samples = make_samples(7)
     want, want_ent = hf_logprobs(tiny_dir, samples)
-    results = rank_pool(2).run(_logprobs_rank, tiny_dir, samples, tp, pp, budget)
+    results = rank_pool(2).run(_logprobs_rank, tiny_dir, samples, tp, pp, budget, sp)
     (logps, ents) = results[0]
     for other in results[1:]:  # identical on every rank
         assert all(torch.equal(a, b) for a, b in zip(other[0], logps))

@@ -1,6 +1,6 @@
 """Actor.train on gloo ranks (fp32, tiny Qwen2): the gradient of 3 micro-batches x DP=2 is the
 big-batch gradient of the token-mean loss (plain torch autograd on the transformers model), and one
-step at TP=2 updates the weights exactly as TP=1 x DP=2 (distributed optimizer) does."""
+step at TP=2 (and at PP=2) updates the weights exactly as TP=1 x DP=2 (distributed optimizer) does."""
 
 import random
 
@@ -103,12 +103,12 @@ def test_three_micro_batches_times_two_dp_ranks_give_the_big_batch_gradient(rank
     assert max(float(g.abs().max()) for g in want.values()) > 1e-2  # the comparison is not vacuous
 
 
-def _updated_weights_rank(hf_dir, samples, tp):
+def _updated_weights_rank(hf_dir, samples, tp, pp=1):
     from dapo_megatron.actor.actor import Actor
     from dapo_megatron.actor.parallel import model_parallel
 
-    with model_parallel(tp=tp, seed=7):
-        actor = Actor(make_cfg(tp=tp, micro_batch_tokens=40, lr=1e-3, warmup_steps=0), hf_dir)
+    with model_parallel(tp=tp, pp=pp, seed=7):
+        actor = Actor(make_cfg(tp=tp, pp=pp, micro_batch_tokens=40, lr=1e-3, warmup_steps=0), hf_dir)
         # Adam's first step is lr * g / (|g| + eps): its slope at g ~ 0 is lr / eps = 1e5 with the
         # default eps 1e-8, so fp32 rounding of ~1e-9 in a gradient that cancels to ~0 moves a weight
         # by ~1e-5 between layouts. eps = 1e-4 bounds that amplification at 10 (1e-8 here) while
@@ -128,13 +128,16 @@ def test_one_step_at_tp2_updates_weights_like_tp1_dp2(rank_pool, tiny_dir):
     samples = fill_rl_fields(samples, logps, seed=2)
     (m1, w1), _ = rank_pool(2).run(_updated_weights_rank, tiny_dir, samples, 1)
     (m2, w2), (m2b, w2b) = rank_pool(2).run(_updated_weights_rank, tiny_dir, samples, 2)
+    (m3, w3), (m3b, w3b) = rank_pool(2).run(_updated_weights_rank, tiny_dir, samples, 1, 2)  # PP=2
     before = load_file(f"{tiny_dir}/model.safetensors")
-    assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-6)
-    assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)
+    for m in (m2, m3, m2b, m3b):
+        assert m["loss"] == pytest.approx(m1["loss"], rel=1e-6)
+        assert m["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
     moved = 0.0
     for name, w in w1.items():
-        torch.testing.assert_close(w2[name], w, atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
-        assert torch.equal(w2[name], w2b[name])
+        for other in (w2, w3):
+            torch.testing.assert_close(other[name], w, atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+        assert torch.equal(w2[name], w2b[name]) and torch.equal(w3[name], w3b[name])
         moved = max(moved, float((w - before[name]).abs().max()))
     assert moved > 5e-4  # ~lr = 1e-3: 500x the tolerance
 
