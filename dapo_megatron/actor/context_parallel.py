@@ -20,7 +20,6 @@ Transformer Engine's `thd_get_partitioned_indices` produces, so TE attention wit
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 
 def cp_local_indices(cu_seqlens_padded: torch.Tensor | list[int], *, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -63,13 +62,3 @@ def merge_from_cp(parts: list[torch.Tensor], cu_seqlens_padded, *, dim: int = 0)
         index = cp_local_indices(cu_seqlens_padded, cp_size=cp_size, cp_rank=rank).to(part.device)
         out.index_copy_(dim, index, part)
     return out
-
-
-def gather_from_cp(local: torch.Tensor, cu_seqlens_padded, *, cp_group, dim: int = 0) -> torch.Tensor:
-    """All-gather per-token outputs (no autograd) over the CP group and restore the packed order."""
-    cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
-    if cp_size == 1:
-        return local
-    parts = [torch.empty_like(local) for _ in range(cp_size)]
-    dist.all_gather(parts, local.contiguous(), group=cp_group)
-    return merge_from_cp(parts, cu_seqlens_padded, dim=dim)
