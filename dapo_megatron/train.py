@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -172,30 +171,6 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
     return 0
 
 
-def launch(cfg: Config, config_path: str, overrides: list[str], *, resume: bool) -> int:
-    """This machine: prepare the model, start CPU engines, run the actor ranks under torchrun."""
-    from dapo_megatron.launch.local import LocalProcesses
-    from dapo_megatron.tiny import prepare_tiny_model
-
-    run_dir = Path(cfg.trainer.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = prepare_tiny_model(cfg) if cfg.tiny.enabled else cfg.model.path
-    if not model_dir:
-        raise ValueError("config key 'model.path' is empty: name a HF checkpoint directory (or set tiny.enabled=true)")
-    overrides = [*overrides, f"model.path={model_dir}"]
-    with LocalProcesses(run_dir / "logs") as procs:
-        if cfg.rollout.engine == "cpu" and not cfg.rollout.engine_urls:
-            procs.start_cpu_engines(model_dir, num=cfg.rollout.num_engines, register_dir=run_dir / "engines",
-                                    seed=cfg.trainer.seed)
-        elif cfg.rollout.engine == "sglang" and not cfg.rollout.engine_urls:
-            print(f"[train] waiting for SGLang engines to register in {run_dir / 'engines'} "
-                  "(slurm/rollout_array.sbatch or `python -m dapo_megatron.rollout.sglang_launcher`)", flush=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={cfg.actor.world_size}", "-m", "dapo_megatron.cli", "train", config_path,
-               *overrides, *(["--resume"] if resume else [])]
-        return procs.run_foreground("actor", cmd, env={"OMP_NUM_THREADS": "1"})
-
-
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dapo-megatron train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -206,4 +181,6 @@ def main(argv: list[str]) -> int:
     cfg = load_config(args.config, args.overrides)
     if "RANK" in os.environ:
         return run_worker(cfg, resume=args.resume)
-    return launch(cfg, args.config, args.overrides, resume=args.resume)
+    from dapo_megatron.launch.local import launch_training
+
+    return launch_training(cfg, args.config, args.overrides, resume=args.resume)

@@ -1,5 +1,7 @@
 """Processes that `dapo-megatron train` starts on one machine, and their clean-up.
 
+    launch_training(cfg, "configs/runs/tiny_cpu.yaml", overrides, resume=False)   # what `train` runs
+
     with LocalProcesses(run_dir / "logs") as procs:
         urls = procs.start_cpu_engines(model_dir, num=2, register_dir=run_dir / "engines", seed=42)
         rc = procs.run_foreground("actor", ["torchrun", "--nproc-per-node", "2", ...])
@@ -130,3 +132,26 @@ class LocalProcesses:
         for proc in self.children.values():
             self._stop(proc, signal.SIGTERM)
         self.children.clear()
+
+
+def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool) -> int:
+    """This machine: prepare the model, start CPU engines, run the actor ranks under torchrun."""
+    from dapo_megatron.tiny import prepare_tiny_model
+
+    run_dir = Path(cfg.trainer.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = prepare_tiny_model(cfg) if cfg.tiny.enabled else cfg.model.path
+    if not model_dir:
+        raise ValueError("config key 'model.path' is empty: name a HF checkpoint directory (or set tiny.enabled=true)")
+    overrides = [*overrides, f"model.path={model_dir}"]
+    with LocalProcesses(run_dir / "logs") as procs:
+        if cfg.rollout.engine == "cpu" and not cfg.rollout.engine_urls:
+            procs.start_cpu_engines(model_dir, num=cfg.rollout.num_engines, register_dir=run_dir / "engines",
+                                    seed=cfg.trainer.seed)
+        elif cfg.rollout.engine == "sglang" and not cfg.rollout.engine_urls:
+            print(f"[train] waiting for SGLang engines to register in {run_dir / 'engines'} "
+                  "(slurm/rollout_array.sbatch or `python -m dapo_megatron.rollout.sglang_launcher`)", flush=True)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={cfg.actor.world_size}", "-m", "dapo_megatron.cli", "train", config_path,
+               *overrides, *(["--resume"] if resume else [])]
+        return procs.run_foreground("actor", cmd, env={"OMP_NUM_THREADS": "1"})
