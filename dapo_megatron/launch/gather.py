@@ -2,7 +2,7 @@
 
     python -m dapo_megatron.launch.gather RUN_DIR/eval      # run by slurm/eval_gather.sbatch
 
-Each `<checkpoint>.json` becomes one row: `checkpoint` then its scalar fields, nested objects
+Each `<checkpoint>.json` becomes one row: `checkpoint` (the file name) then its scalar fields, nested objects
 flattened with dots (`{"aime": {"avg@32": 0.5}}` -> column `aime.avg@32`). Rows are in step order
 (the first integer in the checkpoint name, e.g. step_000120 -> 120), columns in first-seen order;
 a field missing from a file is an empty cell. Writes results.md and results.csv next to the JSONs.
@@ -47,15 +47,16 @@ def load_rows(results_dir: Path) -> list[dict[str, Any]]:
             raise ValueError(f"eval result {path}: not JSON ({err})") from None
         if not isinstance(data, dict):
             raise ValueError(f"eval result {path}: expected a JSON object, got {type(data).__name__}")
-        rows.append({"checkpoint": path.stem, **_flatten(data)})
+        # the file name names the row; a "checkpoint" field inside (eval writes the full path) is dropped
+        rows.append({"checkpoint": path.stem, **{k: v for k, v in _flatten(data).items() if k != "checkpoint"}})
     return rows
 
 
 def _cell(value: Any) -> str:
     if value is None:
         return ""
-    if isinstance(value, float):
-        return f"{value:.4f}"
+    if isinstance(value, float):  # counts stored as floats read as counts: 8.0 -> 8, 0.25 -> 0.2500
+        return str(int(value)) if value.is_integer() and abs(value) < 1e15 else f"{value:.4f}"
     return str(value)
 
 

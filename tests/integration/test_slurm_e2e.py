@@ -104,7 +104,7 @@ def test_real_trainer_with_an_engine_array(slurm_cluster, tmp_path):
     assert set(engine_states.values()) == {"CANCELLED"}, engine_states  # the trainer stopped them
 
 
-def test_real_trainer_requeued_by_usr1_resumes(slurm_cluster, tmp_path):
+def test_real_trainer_requeued_by_usr1_resumes_then_eval_sweep(slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
     cfg = load_config(write_config(tmp_path / "c.yaml", run_dir, trainer={"total_steps": 3}))
     job = submit.submit(submit.plan_train(cfg), env=slurm_cluster.env)["train"]
@@ -123,3 +123,15 @@ def test_real_trainer_requeued_by_usr1_resumes(slurm_cluster, tmp_path):
     (k,) = [int(n) for n in re.findall(r"checkpoint of step (\d+) written", before)]
     assert 1 <= k < 3 and f"at checkpoint {k}/3; requeueing {job}" in before
     assert "Traceback" not in before  # the checkpoint was written cleanly, no helper process died
+
+    # then an eval sweep of the run's checkpoints: one real `dapo-megatron eval` per checkpoint, one table
+    plan = submit.plan_eval(load_config(run_dir / "slurm/config.yaml", ["trainer.eval_n=2"]), run_dir)
+    ids = submit.submit(plan, env=slurm_cluster.env)
+    assert slurm_cluster.wait_done([ids["eval_gather"]], timeout_s=300) == {ids["eval_gather"]: "COMPLETED"}, \
+        logs(run_dir)
+    rows = (run_dir / "eval/results.csv").read_text().splitlines()
+    header = rows[0].split(",")
+    assert [r.split(",")[0] for r in rows[1:]] == ["step_000002", "step_000003"]  # keep_checkpoints = 2
+    for row in rows[1:]:
+        values = dict(zip(header, row.split(",")))
+        assert 0.0 <= float(values["avg@k"]) <= float(values["pass@k"]) <= 1.0 and float(values["k"]) == 2
