@@ -25,6 +25,7 @@ TINY_CPU = REPO / "configs/runs/tiny_cpu.yaml"
 
 pytestmark = [
     pytest.mark.slurm,
+    pytest.mark.slow,
     pytest.mark.skipif(not TINY_CPU.exists(), reason="configs/runs/tiny_cpu.yaml (the training-loop issue) "
                                                      "has not landed; test_slurm_jobs.py covers the launch path"),
 ]
