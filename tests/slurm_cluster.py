@@ -23,6 +23,7 @@ work itself is tiny).
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -74,6 +75,9 @@ class LocalSlurm:
         self.pid_files = {name: self.root / "run" / f"{name}.pid" for name in DAEMONS}
         self.env = dict(os.environ, SLURM_CONF=str(self.conf))
         self.started: dict[str, int] = {}
+        # job ids from a random start: two clusters on one machine (two test sessions) then derive
+        # different rendezvous ports from them (train.sbatch: 20000 + job id % 10000)
+        self.first_job_id = random.randrange(1, 9000)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, timeout_s: float = 30.0) -> "LocalSlurm":
@@ -156,6 +160,7 @@ ReturnToService=2
 KillWait=3
 MinJobAge=600
 JobRequeue=1
+FirstJobId={self.first_job_id}
 NodeName=localhost NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN
 PartitionName={self.partition} Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 """)
