@@ -144,6 +144,26 @@ def model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] 
         yield
     finally:
         parallel_state.destroy_model_parallel()
+        destroy_subgroups()
+
+
+def destroy_subgroups() -> None:
+    """Destroy every process group but the default one. megatron's destroy_model_parallel only
+    forgets most of the groups it made: each leaked gloo group keeps its transport threads polling,
+    so a process that sets up parallel state many times (the test rank pool, a sweep in one
+    process) would slow down without bound."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        return
+    default = c10d._get_default_group()
+    for group in list(c10d._world.pg_map):
+        if group is not default and group is not c10d.GroupMember.WORLD:
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError):  # already destroyed by megatron (its gloo DP groups)
+                pass
 
 
 # --- small accessors so callers need not know parallel_state's names ------------------------------
