@@ -35,7 +35,7 @@ from dapo_megatron.launch.signals import PreemptionSignal
 from dapo_megatron.rollout.registry import read_registrations
 
 
-def _wait_engines(register_dir: Path, count: int, timeout_s: float = 120.0) -> list[dict]:
+def _wait_engines(register_dir: Path, count: int, timeout_s: float = 600.0) -> list[dict]:
     """Wait until `count` registered engines answer /health (the trainer's pool does this for real)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
