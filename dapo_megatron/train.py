@@ -41,6 +41,8 @@ def logprob_mismatch(samples: list) -> dict[str, float]:
 
 def reduce_updates(updates: list[dict[str, float]]) -> dict[str, float]:
     """Per-step view of the mini-batch updates: means, except counts (sum) and maxima (max)."""
+    if not updates:
+        return {"actor/num_updates": 0.0}
     out = {}
     for key in updates[0]:
         values = [u[key] for u in updates]
@@ -126,17 +128,21 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
             dist.broadcast_object_list(box, src=0)
             samples = box[0]
             t1 = time.perf_counter()
-            old = actor.logprobs(samples)
-            for sample, lp in zip(samples, old.logprobs):
-                sample.old_logprobs = lp.tolist()
-            if ref is not None:
-                for sample, lp in zip(samples, ref.logprobs(samples).logprobs):
-                    sample.ref_logprobs = lp.tolist()
+            old, updates = None, []  # no kept group (on_gen_batches_exhausted=train): no update
+            if samples:  # every rank holds the same list, so every rank takes the same branch
+                old = actor.logprobs(samples)
+                for sample, lp in zip(samples, old.logprobs):
+                    sample.old_logprobs = lp.tolist()
+                if ref is not None:
+                    for sample, lp in zip(samples, ref.logprobs(samples).logprobs):
+                        sample.ref_logprobs = lp.tolist()
             t2 = time.perf_counter()
-            updates = [actor.train(mb, step=step) for mb in
-                       mini_batches(samples, group_size=cfg.rollout.n, prompts_per_update=tr.mini_batch_size)]
+            if samples:
+                updates = [actor.train(mb, step=step) for mb in
+                           mini_batches(samples, group_size=cfg.rollout.n, prompts_per_update=tr.mini_batch_size)]
             t3 = time.perf_counter()
-            log.update(push_weights(actor, driver))
+            if updates:
+                log.update(push_weights(actor, driver))
             t4 = time.perf_counter()
             nonfinite_in_row = nonfinite_in_row + 1 if any(u["nonfinite"] for u in updates) else 0
             if driver:
