@@ -45,6 +45,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from dapo_megatron.weights.export import bucketize as buckets  # the one bucketizer (size-bounded, order kept)
 from dapo_megatron.rollout.client import EngineClient, EngineError
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
@@ -67,23 +68,6 @@ class SyncStats:
         return {"weight_sync/tensors": self.num_tensors, "weight_sync/buckets": self.num_buckets,
                 "weight_sync/bytes": self.bytes, "weight_sync/seconds": self.seconds,
                 "weight_sync/gb_per_s": self.gb_per_s, "weight_sync/engines": self.num_engines}
-
-
-def buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group consecutive tensors into lists of at most max_bytes (a larger tensor goes alone)."""
-    if max_bytes < 1:
-        raise ValueError(f"weight sync: bucket size must be >= 1 byte, got {max_bytes}")
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > max_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 def check_against(specs: dict[str, list[int]], bucket: list[tuple[str, torch.Tensor]], *, engine: str) -> None:
