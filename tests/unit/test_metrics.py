@@ -100,7 +100,7 @@ def test_png_has_the_logged_series(tmp_path):
     panels = {ax.get_title(): ax for ax in fig.axes}
     assert set(panels) == {"accuracy", "reward", "response length"}  # panels without data are left out
     lines = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in panels["accuracy"].get_lines()}
-    assert lines["train acc"] == ([1, 2, 3], [0.25, 0.5, 0.75])
+    assert lines["train acc (kept groups)"] == ([1, 2, 3], [0.25, 0.5, 0.75])
     assert lines["eval avg@k"] == ([2], [0.625])
     assert lines["eval pass@k"] == ([2], [0.875])
     reward = panels["reward"].get_lines()[0]
