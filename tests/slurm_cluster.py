@@ -246,7 +246,9 @@ PartitionName={self.partition} Nodes=localhost Default=YES MaxTime=INFINITE Stat
         return result
 
     def sbatch(self, args: list[str]) -> str:
-        return self.run(["sbatch", "--parsable", *args]).stdout.strip().split(";")[0]
+        # --chdir: a job without --output writes slurm-<id>.out into its working directory; keep
+        # those in the cluster's folder, not in the checkout the tests run from
+        return self.run(["sbatch", "--parsable", f"--chdir={self.root}", *args]).stdout.strip().split(";")[0]
 
     def job_states(self, job_ids: list[str]) -> dict[str, str]:
         """job id (or array task `J_i`) -> state, from `scontrol show job` (keeps finished jobs for MinJobAge)."""
