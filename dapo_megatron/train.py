@@ -89,6 +89,9 @@ def save_checkpoint(cfg: Config, actor, driver, *, step: int, extra: dict) -> No
                 pass
     if driver is not None:
         ckpt.write_state(tmp, {"step": step, "driver": driver.state_dict(), **extra})
+    dist.barrier()
+    ckpt.write_manifest(tmp)  # last: sizes + checksums of everything above (collective)
+    if driver is not None:
         ckpt.commit(tmp, final, keep=cfg.trainer.keep_checkpoints)
     dist.barrier()
 
@@ -108,7 +111,7 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
         is_driver = dist.get_rank() == 0
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         driver = Driver(cfg, model_dir=cfg.model.path, run_dir=run_dir, backend=backend) if is_driver else None
-        latest = ckpt.latest_checkpoint(run_dir) if resume else None
+        latest = ckpt.newest_valid_checkpoint(run_dir) if resume else None  # verified against its manifest
         state = ckpt.read_state(latest) if latest else {"step": 0, "nonfinite_in_row": 0}
         if latest:
             actor.load(latest / "actor")

@@ -26,9 +26,14 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export PYTHONUNBUFFERED=1
 
 # A requeued job starts this script again from the top with SLURM_RESTART_COUNT > 0: continue from
-# the latest complete checkpoint instead of starting over.
+# the newest checkpoint that verifies against its manifest instead of starting over. One requeued
+# before its first checkpoint starts from the beginning (`train --resume` refuses to when there is
+# none, so that a run whose checkpoints are all damaged stops and says so instead).
 RESUME=()
-if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then RESUME=(--resume); fi
+if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
+    CHECKPOINTED=$("$PYTHON" -m dapo_megatron.launch.progress "$CONFIG") || true
+    if [ "${CHECKPOINTED%%/*}" != 0 ]; then RESUME=(--resume); fi
+fi
 
 # Preemption: `#SBATCH --signal=B:USR1@SIGNAL_SECONDS` sends USR1 to this script (B: = batch shell
 # only) before the time limit. The trap creates DAPO_PREEMPT_FILE, next to the config on the shared

@@ -29,13 +29,15 @@ FLOAT_KEYS = ("actor/loss", "actor/grad_norm", "actor/clipfrac_low", "actor/clip
               "actor/approx_kl")
 
 
-def _train(out: Path, cache: Path, *extra: str) -> list[dict]:
+def _train(out: Path, cache: Path, *extra: str, log: Path | None = None) -> list[dict]:
     cmd = [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu.yaml"),
            f"trainer.output_dir={out}", f"tiny.cache_dir={cache}", "tiny.warm_start_steps=300",
            "trainer.eval_every=4", "trainer.save_every=2", "trainer.wandb_mode=disabled", *extra]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    if log is not None:
+        log.write_text(proc.stdout + proc.stderr)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -81,6 +83,28 @@ def test_resume_continues_as_if_never_stopped(runs):
         for key in FLOAT_KEYS if ra["step"] else ():
             # the same tokens through the same deterministic gloo/fp32 maths: identical to the bit
             assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
+
+
+def test_resume_skips_a_damaged_checkpoint_and_names_the_file(runs):
+    """A copy of run A whose newest checkpoint lost its largest actor shard (truncated to 0 bytes):
+    --resume names that file, sets step 4 aside, resumes from step 2, and retrains steps 3-4 exactly
+    as the uninterrupted run did."""
+    import shutil
+
+    src, dst = runs["root"] / "a", runs["root"] / "damaged"
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("engines", "logs"))
+    shards = [p for p in (dst / "checkpoints" / "step_000004" / "actor").rglob("*") if p.is_file()]
+    biggest = max(shards, key=lambda p: p.stat().st_size)
+    biggest.write_bytes(b"")
+    log = dst / "resume.log"
+    rows = _train(dst, runs["root"] / "cache", "trainer.total_steps=4", "--resume", log=log)
+    said = log.read_text()
+    assert f"{biggest}: 0 bytes" in said and "resuming from step_000002" in said, said[-3000:]
+    assert (dst / "checkpoints" / "step_000004.corrupt").is_dir()
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    for ra, rd in zip(runs["a"][3:], rows[3:]):
+        for key in EXACT_KEYS + FLOAT_KEYS:
+            assert ra[key] == rd[key], (ra["step"], key)
 
 
 def test_golden_reward_curve(runs):
