@@ -3,6 +3,7 @@
     dapo-megatron train configs/runs/tiny_cpu.yaml [key=value ...] [--resume]
     dapo-megatron eval CONFIG --checkpoint DIR
     dapo-megatron config show CONFIG [key=value ...]
+    dapo-megatron plan CONFIG [key=value ...]                   (per-GPU memory of every phase)
     dapo-megatron convert hf-to-mcore | mcore-to-hf ...
     dapo-megatron check-parity --model HF_DIR --tp T --pp P      (under torchrun)
     dapo-megatron bench kernels | reward
@@ -24,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("dapo_megatron.train", "main", "run DAPO training from a config"),
     "eval": ("dapo_megatron.evaluate", "main", "avg@k / pass@k of a checkpoint on the eval set"),
     "config": ("dapo_megatron.config", "main", "show the resolved config (`config show FILE [k=v ...]`)"),
+    "plan": ("dapo_megatron.memplan.report", "main", "per-GPU memory of every phase of a step; exit 1 if it does not fit"),
     "convert": ("dapo_megatron.weights.convert", "main", "convert checkpoints: hf-to-mcore | mcore-to-hf"),
     "check-parity": ("dapo_megatron.actor.parity", "main", "Megatron vs transformers log-prob parity"),
     "bench": ("dapo_megatron.bench", "main", "benchmarks: kernels | reward"),

@@ -15,6 +15,7 @@ import difflib
 import re
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -150,6 +151,7 @@ class SlurmConfig:
     setup: list[str] = field(default_factory=list)  # shell lines run first (module load, venv)
     extra_sbatch: list[str] = field(default_factory=list)  # more `#SBATCH` options, e.g. "--exclusive"
     python: str = ""  # interpreter on the compute nodes; "" = the one running `slurm submit`
+    gpu_memory_gb: float = 80.0  # memory of one GPU in GiB (H100 80GB); `dapo-megatron plan` checks every phase against it
 
 
 @dataclass
@@ -195,14 +197,25 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     for item in overrides:
         _apply_override(raw, item)
     cfg = _build(Config, raw, prefix="")
+    _derive(cfg)
     validate(cfg)
     return cfg
 
 
 def config_from_dict(raw: dict[str, Any]) -> Config:
     cfg = _build(Config, raw, prefix="")
+    _derive(cfg)
     validate(cfg)
     return cfg
+
+
+def _derive(cfg: Config) -> None:
+    """Settings that follow from others, as Megatron-LM derives them (with a warning, never silently)."""
+    if cfg.actor.sequence_parallel and cfg.actor.tp == 1:
+        # megatron/training/arguments.py: "disable sequence parallelism when tp=1" (it splits over TP ranks),
+        # so `actor.tp=1` on a preset with sequence parallelism works as a one-key override
+        warnings.warn("actor.sequence_parallel=true has no effect at actor.tp=1: turned off")
+        cfg.actor.sequence_parallel = False
 
 
 def _load_yaml_chain(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
@@ -362,7 +375,6 @@ def validate(cfg: Config) -> None:
     _require(ac.vpp is None or ac.pp > 1, "actor.vpp", ac.vpp, "virtual pipeline stages need actor.pp > 1")
     _require(ac.cp == 1 or ac.attention_backend == "te", "actor.cp", ac.cp,
              "context parallelism needs actor.attention_backend=te (Transformer Engine)")
-    _require(not ac.sequence_parallel or ac.tp > 1, "actor.sequence_parallel", True, "needs actor.tp > 1")
     _require(ac.micro_batch_tokens >= 1, "actor.micro_batch_tokens", ac.micro_batch_tokens, "must be >= 1")
     _require(ac.micro_batch_tokens >= r.max_prompt_length + r.max_response_length, "actor.micro_batch_tokens",
              ac.micro_batch_tokens, f"must hold one full sequence: >= rollout.max_prompt_length + "
@@ -395,6 +407,7 @@ def validate(cfg: Config) -> None:
     _require(s.gpus_per_node >= 0, "slurm.gpus_per_node", s.gpus_per_node, "must be >= 0")
     _require(s.signal_seconds >= 0, "slurm.signal_seconds", s.signal_seconds, "must be >= 0")
     _require(s.array_throttle >= 1, "slurm.array_throttle", s.array_throttle, "must be >= 1")
+    _require(s.gpu_memory_gb > 0, "slurm.gpu_memory_gb", s.gpu_memory_gb, "GiB of one GPU, > 0 (80 for an H100 80GB)")
     # `#SBATCH` lines are parsed by sbatch, not a shell, but a newline or a space would end the option and
     # start a script line: only the characters Slurm's own syntax uses are allowed.
     for key, pattern, allowed in _SLURM_SYNTAX:

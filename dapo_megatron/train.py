@@ -186,10 +186,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    parser.add_argument("--skip-plan", action="store_true", help="launch without checking the memory plan first")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     if "RANK" in os.environ:
         return run_worker(cfg, resume=args.resume)
     from dapo_megatron.launch.local import launch_training
 
-    return launch_training(cfg, args.config, args.overrides, resume=args.resume)
+    return launch_training(cfg, args.config, args.overrides, resume=args.resume, skip_plan=args.skip_plan)

@@ -47,6 +47,7 @@ def _submit(argv: list[str]) -> int:
     ap.add_argument("--engines", type=int, default=0, metavar="K",
                     help="K disaggregated rollout engines (an array job) for the trainer")
     ap.add_argument("--dry-run", action="store_true", help="print the scripts and sbatch commands only")
+    ap.add_argument("--skip-plan", action="store_true", help="submit training runs without checking the memory plan")
     args = ap.parse_intermixed_args(argv)
     configs, overrides = _split(args.args)
     if args.engines and (args.sweep or args.eval or args.bench_kernels):
@@ -55,6 +56,8 @@ def _submit(argv: list[str]) -> int:
         if configs:
             raise ValueError(f"--sweep takes its configs from DIR; drop {configs} (overrides key=value are fine)")
         plan = submit.plan_sweep(args.sweep, overrides)
+        if not args.skip_plan:
+            submit.check_memory(plan)
     else:
         cfg = load_config(_one_config(configs, "slurm submit"), overrides)
         if args.eval:
@@ -63,6 +66,8 @@ def _submit(argv: list[str]) -> int:
             plan = submit.plan_bench_kernels(cfg)
         else:
             plan = submit.plan_train(cfg, engines=args.engines)
+            if not args.skip_plan:
+                submit.check_memory(plan)
     submit.submit(plan, dry_run=args.dry_run)
     if not args.dry_run:
         print(f"run directory: {plan.run_dir}   (dapo-megatron slurm status {plan.run_dir})")

@@ -134,9 +134,13 @@ class LocalProcesses:
         self.children.clear()
 
 
-def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool) -> int:
-    """This machine: prepare the model, start CPU engines, run the actor ranks under torchrun."""
+def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool, skip_plan: bool = False) -> int:
+    """This machine: check the memory plan, prepare the model, start CPU engines, run the actor ranks under torchrun."""
+    from dapo_megatron.memplan import check_before_launch
     from dapo_megatron.tiny import prepare_tiny_model
+
+    if not skip_plan:
+        check_before_launch(cfg)  # ValueError naming the phase and component that do not fit
 
     run_dir = Path(cfg.trainer.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

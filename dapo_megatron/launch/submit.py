@@ -196,6 +196,20 @@ def plan_bench_kernels(cfg: Config) -> Plan:
                                   _log_args(run_dir, "bench_kernels", array=False))])
 
 
+def check_memory(plan: Plan, *, out: Callable[[str], None] = print) -> None:
+    """The memory plan (`dapo-megatron plan`) of every training config the plan's jobs will load: one
+    line each when it fits, else the full plan and a ValueError naming the config, phase and component."""
+    from dapo_megatron.config import config_from_dict
+    from dapo_megatron.memplan import check_before_launch
+
+    for rel, text in plan.files.items():
+        if rel == "slurm/config.yaml" or rel.startswith("slurm/configs/"):
+            try:
+                check_before_launch(config_from_dict(yaml.safe_load(text)), out=out, label=Path(rel).stem)
+            except ValueError as err:
+                raise ValueError(f"{plan.run_dir / rel}: {err}") from None
+
+
 # -------------------------------------------------------------------------------- submission
 
 def sbatch_argv(plan: Plan, job: JobSpec, job_ids: dict[str, str]) -> list[str]:

@@ -1,0 +1,189 @@
+"""Activation memory of the actor: what one packed micro-batch keeps for the backward pass.
+
+    act = ActivationModel(dims, tp=8, sequence_parallel=True, cp=1, backend="te", recompute="full",
+                          precision="bf16", fused_logprob=True)
+    act.saved_per_layer(tokens=24576)          # bytes one transformer layer keeps until its backward
+    act.saved(tokens=24576, response_tokens=20480, layers=32, first=True, last=False)   # -> {component: bytes}
+
+Notation (per TP rank; tokens are this CP rank's tokens T/cp): h hidden, F ffn, q_w = heads*d,
+kv_w = kv_heads*d, t = TP, s = t with sequence parallelism else 1, a = bytes of one activation
+(2 for bf16, 4 for fp32). Per layer and token:
+
+  torch backend (local spec, CPU-measured, exact on CPU: tests/distributed/test_memplan_activations.py)
+    2 RMSNorms     2 * ((8 + a) h + 4) / s     torch's RMSNorm keeps an fp32 copy of x and of x/rms
+                                               (+ rsqrt), the next linear keeps its input (a h)
+    RoPE           4 d a                       cos and sin of q and of k, per layer
+    attention      a (q_w + 2 q_w + q_w) / t + 4 heads / t   SDPA keeps q, the KV groups repeated
+                   + a T_kv (per token: the mask)             to every query head, out, logsumexp
+                                                              and the boolean mask as a float [T, T_kv]
+    SwiGLU MLP     5 F a / t                   fc1 out (2F), x_linear + 0 (F), silu (F), product (F)
+  te backend (TE spec, bias_activation_fusion and fused RoPE: read from TE / megatron source, not
+  measurable on CPU)
+    2 norms        2 * (2 a h + 4) / s         LayerNormLinear keeps its input and ln_out (+ rsigma)
+    attention      a (3 q_w + 3 kv_w) / t + 4 heads / t   RoPE'd q and k, the fused QKV output (kept
+                                                           alive by v, a view of it), out, softmax lse
+    SwiGLU MLP     3 F a / t                   the fused swiglu keeps fc1's output, fc2 its input
+  recompute=selective: the core attention is checkpointed: its inputs (q, k, v -> the QKV output) and
+    out stay, its internals (lse; the repeated K/V and the [T, T] mask of the torch backend) go.
+  recompute=full (uniform, 1 layer per checkpoint): each layer keeps only its input, a h / s.
+Outside the layers: the first stage keeps the token ids (8 bytes per token), the last stage the final
+norm's saved tensors, the LM-head input gathered from the sequence-parallel region (a h per response
+token) and the logits path:
+  fused kernel (dapo_kernels.linear_logprob_entropy): hidden + 20 bytes per response token, no logits;
+  unfused (actor.fused_logprob=false or no CUDA): three fp32 [N, V/t] tensors, 12 V / t bytes per
+  response token (logits, exp and log-softmax; at TP > 1 logits, exp and shifted logits), measured.
+plus the DAPO loss's per-token fp32 terms (LOSS_BYTES_PER_TOKEN, measured).
+
+Context parallelism divides every per-token term by cp except the keys and values, which each CP
+rank gathers for the whole sequence (the torch backend's all-gather; TE's ring keeps them too):
+that part is an estimate, not measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dapo_megatron.memplan.arch import ModelDims
+
+ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# DAPO loss terms per response token (old/advantage/mask gathers, ratio, clip masks, k3 KL, metrics),
+# fp32; measured with the real Actor on CPU (test_memplan_activations.py prints it).
+LOSS_BYTES_PER_TOKEN = 60
+# megatron-core's RotaryEmbedding.forward is functools.lru_cache(maxsize=32) (models/common/embeddings/
+# rotary_pos_embedding.py:177): one fp32 [S, 1, 1, d] table per distinct packed max length, shared by
+# every model chunk of the process (the cache belongs to the function), and not freed by offloading
+ROPE_CACHE_ENTRIES = 32
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    dims: ModelDims
+    tp: int = 1
+    sequence_parallel: bool = False
+    cp: int = 1
+    backend: str = "te"
+    recompute: str = "none"
+    precision: str = "bf16"
+    fused_logprob: bool = True
+
+    def __post_init__(self):
+        if self.backend not in ("te", "torch"):
+            raise ValueError(f"actor.attention_backend={self.backend!r}: allowed te, torch")
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"actor.recompute={self.recompute!r}: allowed none, selective, full")
+
+    @property
+    def a(self) -> int:
+        return ACT_BYTES[self.precision]
+
+    @property
+    def s(self) -> int:
+        return self.tp if self.sequence_parallel else 1
+
+    def local_tokens(self, tokens: int) -> int:
+        return -(-tokens // self.cp)
+
+    # --- one transformer layer -----------------------------------------------------------------------
+
+    def layer_parts(self, *, tokens: int, recompute: str | None = None) -> dict[str, float]:
+        """Bytes one layer keeps for a micro-batch of `tokens` tokens (before the CP split)."""
+        d, a, t, s = self.dims, self.a, self.tp, self.s
+        recompute = self.recompute if recompute is None else recompute
+        n = self.local_tokens(tokens)
+        n_kv = tokens if self.cp > 1 else n  # keys/values gathered over the CP group
+        if recompute == "full":
+            return {"layer input (full recompute)": n * a * d.hidden / s}
+        if self.backend == "torch":
+            parts = {"norms": n * 2 * ((8 + a) * d.hidden + 4) / s,
+                     "rope cos/sin": n * 4 * d.head_dim * a,
+                     "mlp": n * 5 * d.ffn * a / t}
+            if recompute == "selective":
+                parts["attention"] = n * a * (3 * d.q_width + 3 * d.kv_width) / t
+            else:
+                if d.heads > d.kv_heads:  # K and V repeated to every query head (TorchSDPAttention._sdpa)
+                    keys_values = n_kv * a * 2 * d.q_width / t
+                else:  # no repeat: the RoPE'd k, and v keeps the whole QKV output alive (it is a view)
+                    keys_values = n_kv * a * (d.q_width + 3 * d.kv_width) / t
+                parts["attention"] = n * a * 2 * d.q_width / t + keys_values + n * 4 * d.heads / t
+                parts["attention mask"] = n * n_kv * a
+            return parts
+        parts = {"norms": n * 2 * (2 * a * d.hidden + 4) / s,
+                 "attention": n * a * (3 * d.q_width + 3 * d.kv_width) / t,
+                 "mlp": n * 3 * d.ffn * a / t}
+        if self.cp > 1:
+            parts["attention"] += n_kv * a * 2 * d.kv_width / t
+        if recompute != "selective":
+            parts["attention"] += n * 4 * d.heads / t
+        return parts
+
+    def saved_per_layer(self, *, tokens: int) -> float:
+        return sum(self.layer_parts(tokens=tokens).values())
+
+    # --- one micro-batch on one pipeline stage ---------------------------------------------------------
+
+    def head_parts(self, *, response_tokens: int) -> dict[str, float]:
+        d, a = self.dims, self.a
+        n = self.local_tokens(response_tokens)
+        if self.fused_logprob:
+            return {"logits path (fused kernel)": n * (a * d.hidden + 20)}
+        # three fp32 [N, V/t] tensors (logits, exp, log-softmax or shifted logits) + small per-token terms
+        small = 13 if self.tp == 1 else 25
+        return {f"logits path (unfused, 3 x fp32 [N, V/{self.tp}])": n * (a * d.hidden + 12 * d.vocab / self.tp + small)}
+
+    def final_norm(self, *, tokens: int) -> float:
+        n = self.local_tokens(tokens)
+        per = 8 * self.dims.hidden + 4 if self.backend == "torch" else self.a * self.dims.hidden + 4
+        return n * per / self.s
+
+    def saved(self, *, tokens: int, response_tokens: int, layers: int, first: bool, last: bool,
+              max_sequence: int | None = None) -> dict[str, float]:
+        """Bytes kept for the backward by one micro-batch on a stage with `layers` layers (max_sequence:
+        the longest packed sequence, which sizes the RoPE table that full recompute keeps)."""
+        parts = {name: value * layers for name, value in self.layer_parts(tokens=tokens).items()}
+        if self.recompute == "full" and layers:
+            parts["rope table (full recompute)"] = min(max_sequence or tokens, tokens) * self.dims.head_dim * 4
+        if first:
+            parts["token ids"] = self.local_tokens(tokens) * 8
+        if last:
+            parts["final norm"] = self.final_norm(tokens=tokens)
+            parts.update(self.head_parts(response_tokens=response_tokens))
+            parts["loss terms"] = self.local_tokens(response_tokens) * LOSS_BYTES_PER_TOKEN
+        return parts
+
+    # --- transients ----------------------------------------------------------------------------------
+
+    def backward_working_set(self, *, tokens: int, response_tokens: int, last: bool,
+                             largest_param_numel: int) -> dict[str, float]:
+        """Estimates of what exists on top of the saved activations while a micro-batch runs: one layer's
+        full activations (recomputed under full recompute; gradients in flight otherwise), the largest
+        parameter's gradient before DDP adds it to main_grad, the torch backend's boolean mask, and the
+        unfused head's two fp32 [N, V/t] gradient buffers."""
+        n = self.local_tokens(tokens)
+        n_kv = tokens if self.cp > 1 else n
+        parts = {"one layer in backward": sum(self.layer_parts(tokens=tokens, recompute="none").values()),
+                 "largest parameter gradient": largest_param_numel * self.a}
+        if self.backend == "torch":
+            parts["boolean attention mask"] = n * n_kv
+        if last and not self.fused_logprob:
+            parts["logits gradient"] = self.local_tokens(response_tokens) * 8 * self.dims.vocab / self.tp
+        return parts
+
+    def forward_only_working_set(self, *, tokens: int, response_tokens: int, last: bool) -> dict[str, float]:
+        """Log-prob pass (no_grad): nothing is saved; one layer's intermediates and the head's live at once."""
+        n = self.local_tokens(tokens)
+        n_kv = tokens if self.cp > 1 else n
+        parts = {"one layer forward": sum(self.layer_parts(tokens=tokens, recompute="none").values())}
+        if self.backend == "torch":
+            parts["boolean attention mask"] = n * n_kv
+        if last:
+            r = self.local_tokens(response_tokens)
+            vocab_local = self.dims.vocab / self.tp
+            head = r * self.a * self.dims.hidden
+            if not self.fused_logprob:
+                head += r * 3 * 4 * vocab_local  # fp32 logits, exp, exp * shifted
+            parts["logits path"] = head
+        return parts
+
+    def rope_cache(self, *, max_sequence: int) -> float:
+        """Upper bound of megatron's RoPE table cache: 32 fp32 [S, d] tables of at most max_sequence rows."""
+        return ROPE_CACHE_ENTRIES * max_sequence * self.dims.head_dim * 4

@@ -1,0 +1,123 @@
+"""The model's dimensions for the memory plan, and where they come from.
+
+    dims = model_dims_for(cfg)        # ModelDims; dims.source says which file (or config keys) it read
+
+Three sources, in this order (the first that exists wins):
+  1. <model.path>/config.json: the checkpoint the run will load (the truth).
+  2. tiny.enabled: the embedded default's Qwen2, built at run time from the tiny.* keys
+     (dapo_megatron/tiny.py) with its byte-level vocabulary padded to 320 rows.
+  3. a committed copy of the config.json of a known checkpoint, found by the directory name of
+     model.path (`/shared/models/Qwen2.5-32B` -> memplan/models/Qwen2.5-32B.json): the presets name
+     checkpoints on a cluster's shared filesystem that this machine does not have, so `plan` reads
+     the shape fields copied from the public config.json (each file names its source URL).
+Only what shapes memory is read: no transformers import, no download.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+KNOWN_MODELS_DIR = Path(__file__).parent / "models"
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")  # what actor/model.py builds
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    model_type: str
+    hidden: int  # h
+    ffn: int  # F (SwiGLU: fc1 has 2F rows)
+    layers: int  # L
+    heads: int  # query heads
+    kv_heads: int  # key/value heads (GQA groups)
+    head_dim: int  # d
+    vocab: int  # V (the actor builds the LM head without vocab padding: actor.py)
+    tied: bool  # tie_word_embeddings
+    qkv_bias: bool
+    dtype_bytes: int  # bytes of one weight in the checkpoint's torch_dtype (the engines serve this dtype)
+    name: str
+    source: str
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def describe(self) -> str:
+        tie = "tied" if self.tied else "untied"
+        return (f"{self.name}: {self.layers} layers, hidden {self.hidden}, {self.heads}/{self.kv_heads} heads of "
+                f"{self.head_dim}, ffn {self.ffn}, vocab {self.vocab}, {tie} embeddings")
+
+
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def dims_from_hf_config(config: dict[str, Any], *, name: str, source: str) -> ModelDims:
+    """ModelDims from the fields of a HF config.json (a dict). ValueError names the missing field."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{source}: model_type {model_type!r} is not supported by the actor "
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if not isinstance(config.get(key), int) or config[key] < 1:
+            raise ValueError(f"{source}: '{key}' must be a positive integer, got {config.get(key)!r}")
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    qkv_bias = model_type == "qwen2" or bool(config.get("attention_bias", False))  # model.py has_qkv_bias
+    dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    return ModelDims(
+        model_type=model_type, hidden=config["hidden_size"], ffn=config["intermediate_size"],
+        layers=config["num_hidden_layers"], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        vocab=config["vocab_size"], tied=bool(config.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
+        dtype_bytes=_DTYPE_BYTES.get(dtype, 2), name=name, source=source,
+    )
+
+
+def known_models() -> dict[str, Path]:
+    """Lower-cased checkpoint directory name -> committed config.json copy."""
+    return {path.stem.lower(): path for path in sorted(KNOWN_MODELS_DIR.glob("*.json"))}
+
+
+def _tiny_dims(cfg) -> ModelDims:
+    from dapo_megatron.tiny import SPECIAL_TOKENS, _vocab_size_padded
+
+    tn = cfg.tiny
+    # the tiny tokenizer: 5 special tokens + 256 byte symbols, padded like build_tiny_model does
+    vocab = _vocab_size_padded(len(SPECIAL_TOKENS) + 256)
+    config = {"model_type": "qwen2", "hidden_size": tn.hidden_size, "intermediate_size": tn.intermediate_size,
+              "num_hidden_layers": tn.num_layers, "num_attention_heads": tn.num_heads,
+              "num_key_value_heads": tn.num_kv_heads, "vocab_size": vocab, "tie_word_embeddings": False,
+              "torch_dtype": "float32"}
+    return dims_from_hf_config(config, name="tiny Qwen2", source="tiny.* config keys (built at run time, dapo_megatron/tiny.py)")
+
+
+def model_dims_for(cfg) -> ModelDims:
+    """The dims of the model cfg trains (see the module docstring for the order of sources)."""
+    path = Path(cfg.model.path) if cfg.model.path else None
+    if path is not None and (path / "config.json").is_file():
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"model.path: {path / 'config.json'} is not valid JSON: {err}") from None
+        return dims_from_hf_config(config, name=path.name, source=str(path / "config.json"))
+    if cfg.tiny.enabled:
+        return _tiny_dims(cfg)
+    if path is None:
+        raise ValueError("config key 'model.path' is empty: name a HF checkpoint directory (or set tiny.enabled=true)")
+    known = known_models()
+    copy = known.get(path.name.lower())
+    if copy is None:
+        names = ", ".join(p.stem for p in known.values())
+        raise ValueError(f"model.path: {path}/config.json not found, and '{path.name}' is not one of the committed "
+                         f"architectures ({names}, in {KNOWN_MODELS_DIR}); point model.path at a HF checkpoint "
+                         f"directory, or add its config.json there as <directory name>.json")
+    config = json.loads(copy.read_text())
+    where = config.get("_source", "")
+    return dims_from_hf_config(config, name=copy.stem,
+                               source=f"committed copy {copy.name} of {where.split(' ')[0]} ({path}/config.json is not on this machine)")

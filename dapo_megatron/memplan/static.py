@@ -1,0 +1,240 @@
+"""Static per-GPU memory of the actor: parameters, the DDP gradient buffer, the optimizer state.
+
+    layout = Layout(tp=8, pp=2, cp=1, dp=8, vpp=None, sequence_parallel=True)
+    s = static_bytes(dims, layout, precision="bf16", distributed_optimizer=True, pp_rank=0, dp_rank=3)
+    s.weights, s.grads, s.main_params, s.adam          # bytes on that GPU
+
+These are exact, not estimates: they replay what megatron-core 0.16.1 allocates for the actor
+(actor/actor.py builds GPTModel chunks, wraps each in DistributedDataParallel with
+grad_reduce_in_fp32=True and overlap_grad_reduce=False, then get_megatron_optimizer), and
+tests/distributed/test_memplan_static.py compares every number with the real objects on gloo ranks.
+
+What megatron allocates (file:line of megatron/core in 0.16.1):
+- Parameters: one per tensor of this rank's chunks, split over TP (vocab-parallel embedding and LM
+  head, column-parallel QKV/fc1, row-parallel proj/fc2; norms replicated). The first pipeline stage
+  holds the word embeddings, the last the final norm and the LM head (with tied embeddings and
+  PP > 1 the last stage keeps its own copy, `output_layer.weight`; with PP = 1 it has none).
+- DDP gradient buffer (distributed/param_and_grad_buffer.py:591-806): one flat fp32 buffer per chunk
+  (grad_reduce_in_fp32). overlap_grad_reduce=False makes bucket_size None (distributed_data_parallel
+  .py:66-68): one bucket, except that with the distributed optimizer a shared (tied, PP > 1)
+  embedding gets a bucket of its own (:698-710). Walking the parameters in reverse, each one starts
+  at a multiple of 64 elements and each bucket ends at a multiple of lcm(DP*CP, 128) (:635-665) when
+  the distributed optimizer is on; without it, no padding at all.
+- With the distributed optimizer the parameters are re-homed into a parameter buffer of the same
+  padded layout in the parameter dtype (:795-835); without it each parameter keeps its own storage.
+- Distributed optimizer (optimizer/distrib_optimizer.py:320-420): data-parallel rank r (of the DP*CP
+  group) owns the slice [r*n/dp, (r+1)*n/dp) of every bucket; for each parameter piece in its slice it
+  keeps an fp32 master copy (bf16/fp16 models; fp32 models use a view) and Adam's exp_avg and
+  exp_avg_sq (fp32). Without it (Float16OptimizerWithFloat16Params / FP32Optimizer) every rank keeps
+  them for all of its parameters.
+- Adam's `step` is a host scalar per parameter in torch's AdamW (not capturable) and a per-group
+  scalar in TE/apex FusedAdam: no GPU memory, not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from dapo_megatron.memplan.arch import ModelDims
+
+PARAM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+GRAD_BYTES = 4  # DistributedDataParallelConfig(grad_reduce_in_fp32=True) in actor.py
+MASTER_BYTES = 4  # fp32 main parameters of a bf16/fp16 model
+ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The actor's parallel layout: world = tp * pp * cp * dp."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    vpp: Optional[int] = None
+    sequence_parallel: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def chunks(self) -> int:
+        return self.vpp or 1
+
+    @property
+    def dp_shards(self) -> int:
+        """Megatron's DDP buffers and the distributed optimizer use the DP x CP group."""
+        return self.dp * self.cp
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    numel: int
+    shared_embedding: bool = False  # LanguageModule marks the tied copies when PP > 1
+
+
+def check_layout(dims: ModelDims, layout: Layout) -> None:
+    """ValueError for layouts megatron (or the actor) refuses, naming the config key."""
+    tp = layout.tp
+    for what, value, key in (("attention heads", dims.heads, "num_attention_heads"),
+                             ("KV heads", dims.kv_heads, "num_key_value_heads"),
+                             ("FFN width", dims.ffn, "intermediate_size"),
+                             ("vocabulary", dims.vocab, "vocab_size")):
+        if value % tp:
+            raise ValueError(f"actor.tp={tp} must divide the model's {what} ({key}={value}, {dims.source})")
+    per = layout.pp * layout.chunks
+    if dims.layers % per:
+        raise ValueError(f"actor.pp * actor.vpp = {per} must divide num_hidden_layers={dims.layers} ({dims.source})")
+
+
+def layers_per_chunk(dims: ModelDims, layout: Layout) -> int:
+    return dims.layers // (layout.pp * layout.chunks)
+
+
+def chunk_params(dims: ModelDims, layout: Layout, *, pp_rank: int, vp_stage: int = 0) -> list[Param]:
+    """This chunk's parameters, in GPTModel's named_parameters() order (local layer spec)."""
+    tp, h = layout.tp, dims.hidden
+    pre = pp_rank == 0 and vp_stage == 0
+    post = pp_rank == layout.pp - 1 and vp_stage == layout.chunks - 1
+    params: list[Param] = []
+    if pre:
+        params.append(Param("embedding.word_embeddings.weight", dims.vocab // tp * h,
+                            shared_embedding=dims.tied and not post))
+    qkv_rows = (dims.q_width + 2 * dims.kv_width) // tp
+    for i in range(layers_per_chunk(dims, layout)):
+        prefix = f"decoder.layers.{i}."
+        params += [Param(prefix + "input_layernorm.weight", h),
+                   Param(prefix + "self_attention.linear_proj.weight", h * dims.q_width // tp),
+                   Param(prefix + "self_attention.linear_qkv.weight", qkv_rows * h)]
+        if dims.qkv_bias:
+            params.append(Param(prefix + "self_attention.linear_qkv.bias", qkv_rows))
+        params += [Param(prefix + "pre_mlp_layernorm.weight", h),
+                   Param(prefix + "mlp.linear_fc1.weight", 2 * dims.ffn // tp * h),
+                   Param(prefix + "mlp.linear_fc2.weight", h * dims.ffn // tp)]
+    if post:
+        params.append(Param("decoder.final_layernorm.weight", h))
+        if not dims.tied or not pre:  # tied and PP = 1: the LM head IS the embedding (no parameter)
+            params.append(Param("output_layer.weight", dims.vocab // tp * h, shared_embedding=dims.tied))
+    return params
+
+
+@dataclass
+class Bucket:
+    start: int
+    end: int  # padded
+    pieces: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each parameter
+
+
+def buffer_buckets(params: list[Param], *, dp_shards: int, distributed_optimizer: bool) -> list[Bucket]:
+    """The DDP buffer's buckets (bucket_size None), laid out like _ParamAndGradBuffer does."""
+    align = 64 if distributed_optimizer else 1
+    bucket_multiple = math.lcm(dp_shards, 128) if distributed_optimizer else 1
+
+    def up(n: int, multiple: int) -> int:
+        return -(-n // multiple) * multiple
+
+    buckets: list[Bucket] = []
+    current = Bucket(0, 0)
+    pos = 0
+    for param in reversed(params):  # megatron walks the parameters in reverse (backprop order)
+        pos = up(pos, align)
+        own_bucket = param.shared_embedding and distributed_optimizer
+        if own_bucket and current.pieces:
+            current.end = up(pos, bucket_multiple)
+            buckets.append(current)
+            pos = current.end
+            current = Bucket(pos, pos)
+        current.pieces.append((pos, pos + param.numel))
+        pos += param.numel
+        if own_bucket:
+            current.end = up(pos, bucket_multiple)
+            buckets.append(current)
+            pos = current.end
+            current = Bucket(pos, pos)
+    if current.pieces:
+        current.end = up(pos, bucket_multiple)
+        buckets.append(current)
+    return buckets
+
+
+def owned_numel(buckets: list[Bucket], *, dp_shards: int, dp_rank: int) -> int:
+    """Parameter elements in data-parallel rank dp_rank's slice of every bucket (distributed optimizer)."""
+    total = 0
+    for bucket in buckets:
+        size = (bucket.end - bucket.start) // dp_shards
+        lo = bucket.start + dp_rank * size
+        hi = lo + size
+        total += sum(max(0, min(end, hi) - max(start, lo)) for start, end in bucket.pieces)
+    return total
+
+
+@dataclass
+class StaticBytes:
+    weights: int = 0  # model parameters (the parameter buffer with the distributed optimizer)
+    grads: int = 0  # the fp32 DDP gradient buffer (main_grad)
+    main_params: int = 0  # fp32 master copies (bf16/fp16)
+    adam: int = 0  # exp_avg + exp_avg_sq
+    param_numel: int = 0  # parameter elements without padding
+    largest_param_numel: int = 0
+
+    @property
+    def optimizer(self) -> int:
+        return self.main_params + self.adam
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.main_params + self.adam
+
+    def add(self, other: "StaticBytes") -> None:
+        for name in ("weights", "grads", "main_params", "adam", "param_numel"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.largest_param_numel = max(self.largest_param_numel, other.largest_param_numel)
+
+
+def static_bytes(dims: ModelDims, layout: Layout, *, precision: str, distributed_optimizer: bool,
+                 pp_rank: int, dp_rank: int = 0) -> StaticBytes:
+    """Bytes the actor allocates on the GPU of (pipeline rank pp_rank, DP*CP rank dp_rank), all chunks."""
+    check_layout(dims, layout)
+    param_bytes = PARAM_BYTES[precision]
+    master = MASTER_BYTES if precision != "fp32" else 0
+    out = StaticBytes()
+    for vp_stage in range(layout.chunks):
+        params = chunk_params(dims, layout, pp_rank=pp_rank, vp_stage=vp_stage)
+        numel = sum(p.numel for p in params)
+        buckets = buffer_buckets(params, dp_shards=layout.dp_shards, distributed_optimizer=distributed_optimizer)
+        buffer_numel = buckets[-1].end if buckets else 0
+        if distributed_optimizer:
+            owned = owned_numel(buckets, dp_shards=layout.dp_shards, dp_rank=dp_rank)
+            chunk = StaticBytes(weights=buffer_numel * param_bytes, grads=buffer_numel * GRAD_BYTES,
+                                main_params=owned * master, adam=owned * ADAM_BYTES)
+        else:
+            chunk = StaticBytes(weights=numel * param_bytes, grads=buffer_numel * GRAD_BYTES,
+                                main_params=numel * master, adam=numel * ADAM_BYTES)
+        chunk.param_numel = numel
+        chunk.largest_param_numel = max((p.numel for p in params), default=0)
+        out.add(chunk)
+    return out
+
+
+def worst_static(dims: ModelDims, layout: Layout, *, precision: str, distributed_optimizer: bool,
+                 pp_rank: int) -> StaticBytes:
+    """The DP rank of pipeline stage pp_rank with the most static bytes (ranks differ by padding)."""
+    ranks = range(layout.dp_shards) if distributed_optimizer else range(1)
+    return max((static_bytes(dims, layout, precision=precision, distributed_optimizer=distributed_optimizer,
+                             pp_rank=pp_rank, dp_rank=r) for r in ranks), key=lambda s: s.total)
+
+
+def frozen_weight_bytes(dims: ModelDims, layout: Layout, *, precision: str, pp_rank: int) -> int:
+    """The KL reference model on one GPU: the same sharding, weights only (no DDP buffer, no optimizer)."""
+    return sum(p.numel for v in range(layout.chunks) for p in chunk_params(dims, layout, pp_rank=pp_rank, vp_stage=v)) \
+        * PARAM_BYTES[precision]
+
+
+def total_params(dims: ModelDims) -> int:
+    """Parameters of the whole model (one copy, as in the HF checkpoint)."""
+    one = Layout()
+    return sum(p.numel for p in chunk_params(dims, one, pp_rank=0))
