@@ -24,6 +24,10 @@ KNOWN_MODELS_DIR = Path(__file__).parent / "models"
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")  # what actor/model.py builds
 
 
+class UnsupportedModel(ValueError):
+    """config.json names an architecture the plan does not model (the launch hooks warn and go on)."""
+
+
 @dataclass(frozen=True)
 class ModelDims:
     model_type: str
@@ -61,8 +65,8 @@ def dims_from_hf_config(config: dict[str, Any], *, name: str, source: str) -> Mo
     """ModelDims from the fields of a HF config.json (a dict). ValueError names the missing field."""
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{source}: model_type {model_type!r} is not supported by the actor "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise UnsupportedModel(f"{source}: model_type {model_type!r} is not modelled by the memory plan "
+                               f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if not isinstance(config.get(key), int) or config[key] < 1:
             raise ValueError(f"{source}: '{key}' must be a positive integer, got {config.get(key)!r}")

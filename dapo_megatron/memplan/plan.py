@@ -25,6 +25,7 @@ padding); `fits` compares it with slurm.gpu_memory_gb.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -124,7 +125,7 @@ def _inputs(cfg, dims: ModelDims) -> _Inputs:
     tokens = -(-ac.micro_batch_tokens // pad) * pad
     max_sequence = ro.max_prompt_length + ro.max_response_length
     responses = tr.train_batch_size * ro.n
-    share_tokens = -(-responses * max_sequence // (layout.dp * ac.cp)) if layout.dp else 0
+    share_tokens = -(-responses * max_sequence // layout.dp)  # every CP rank of a DP rank holds full-length rows
     # the yielded full HF tensors: embedding / LM head [V, h], fc1 halves [F, h], QKV pieces
     largest_full = max(dims.vocab, dims.ffn, dims.q_width) * dims.hidden * PARAM_BYTES[ac.precision]
     engine, per_gpu = None, 0
@@ -236,6 +237,22 @@ def _trainer_table(x: _Inputs, title: str, *, colocated: bool, with_engine: bool
     return table
 
 
+def _what_if(x: _Inputs) -> list[str]:
+    """The actor's train-phase peak per GPU (alone, worst stage) under the alternatives of its memory knobs."""
+    def peak(inputs: _Inputs) -> str:
+        worst = max(sum(_trainer_phases(inputs, s, colocated=False)["train"].values()) for s in range(inputs.layout.pp))
+        return f"{worst / GIB:.2f}"
+
+    def act(**changes) -> _Inputs:
+        return dataclasses.replace(x, act=dataclasses.replace(x.act, **changes))
+
+    return ["what-if: the actor's train-phase peak per GPU (GiB, trainer GPU without engine or reference model)",
+            f"  optimizer: distributed {peak(dataclasses.replace(x, distributed=True, use_kl=False))} / "
+            f"replicated {peak(dataclasses.replace(x, distributed=False, use_kl=False))}",
+            "  recompute: " + " / ".join(f"{r} {peak(act(recompute=r))}" for r in ("none", "selective", "full")),
+            f"  logits path: fused kernel {peak(act(fused_logprob=True))} / unfused fp32 {peak(act(fused_logprob=False))}"]
+
+
 def build_plan(cfg) -> MemoryPlan:
     dims = model_dims_for(cfg)
     x = _inputs(cfg, dims)
@@ -265,6 +282,7 @@ def build_plan(cfg) -> MemoryPlan:
                             "rollout.mem_fraction_static or rollout.engine_tp")
     else:
         header.append("engines: rollout.engine=cpu: the engines run on the host CPU (no GPU memory)")
+    header += _what_if(dataclasses.replace(x, use_kl=False))
     colocated = _trainer_table(x, "colocated: one GPU = one trainer rank + its engine TP rank",
                                colocated=True, with_engine=True)
     disagg = [_trainer_table(x, "disaggregated: trainer GPUs", colocated=False, with_engine=False)]

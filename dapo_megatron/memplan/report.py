@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
+from dapo_megatron.memplan.arch import UnsupportedModel
 from dapo_megatron.memplan.engine import GIB
 from dapo_megatron.memplan.plan import PHASES, GpuTable, MemoryPlan, build_plan
 
@@ -52,13 +53,21 @@ def summary_line(plan: MemoryPlan) -> str:
     return f"peak_gb_per_gpu={plan.peak / GIB:.2f} limit_gb={plan.limit / GIB:g} fits={'yes' if plan.fits else 'no'}"
 
 
-def check_before_launch(cfg, *, out: Callable[[str], None] = print, label: str = "") -> MemoryPlan:
+def check_before_launch(cfg, *, out: Callable[[str], None] = print, label: str = "") -> MemoryPlan | None:
     """What `train` / `slurm submit` run first: one line when the plan fits; else the whole plan and a
-    ValueError naming what does not fit (the launchers' --skip-plan skips this)."""
-    plan = build_plan(cfg)
+    ValueError naming what does not fit (the launchers' --skip-plan skips this). An architecture the plan
+    does not model is reported and skipped (the actor may support more than the plan does)."""
+    tag = f"[plan]{f' {label}:' if label else ''}"
+    try:
+        plan = build_plan(cfg)
+    except UnsupportedModel as err:
+        out(f"{tag} not checked: {err}")
+        return None
+    except ValueError as err:
+        raise ValueError(f"the memory plan cannot run: {err} (fix it, or pass --skip-plan to launch without the plan)") from None
     if plan.fits:
         peak, phase = max((t.peak() for t in plan.tables[plan.placement]), key=lambda p: p[0])
-        out(f"[plan]{f' {label}:' if label else ''} {plan.placement}: peak {peak / GIB:.2f} GiB per GPU ({phase}) of "
+        out(f"{tag} {plan.placement}: peak {peak / GIB:.2f} GiB per GPU ({phase}) of "
             f"{plan.limit / GIB:g} GiB: fits (`dapo-megatron plan CONFIG` shows every phase)")
         return plan
     out(format_plan(plan))

@@ -166,7 +166,7 @@ def test_architecture_sources(tmp_path):
         model_dims_for(cfg)
     tiny = model_dims_for(_load(TINY))
     assert (tiny.hidden, tiny.layers, tiny.vocab, tiny.dtype_bytes) == (128, 2, 320, 4)
-    with pytest.raises(ValueError, match="model_type 'gpt2'"):
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not modelled"):
         dims_from_hf_config({"model_type": "gpt2"}, name="x", source="x.json")
 
 
@@ -178,6 +178,19 @@ def test_check_before_launch_one_line_or_the_table():
     with pytest.raises(ValueError, match="does not fit: colocated / .*--skip-plan"):
         check_before_launch(_load(TINY, ["slurm.gpu_memory_gb=1"]), out=lines.append)
     assert "fits=no" in lines[0] and "trainer runtime" in lines[0]
+
+
+def test_check_before_launch_skips_an_unmodelled_architecture_and_names_other_errors(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_moe", "hidden_size": 64}')
+    cfg = _load(Q7)
+    cfg.model.path = str(tmp_path)
+    lines = []
+    assert check_before_launch(cfg, out=lines.append) is None
+    assert lines == [f"[plan] not checked: {tmp_path / 'config.json'}: model_type 'qwen3_moe' is not modelled by "
+                     "the memory plan (supported: qwen2, llama)"]
+    cfg.model.path = str(tmp_path / "Missing-7B")
+    with pytest.raises(ValueError, match="memory plan cannot run: model.path: .*Missing-7B.*--skip-plan"):
+        check_before_launch(cfg, out=lines.append)
 
 
 def test_train_runs_the_plan_first_and_skip_plan_skips_it(tmp_path, monkeypatch):
