@@ -301,6 +301,7 @@ def build_plan(cfg) -> MemoryPlan:
             if total > limit:
                 where = f" on pipeline stage {table.stages[phase]}" if phase in table.stages and ac.pp > 1 else ""
                 top = ", ".join(f"{name} {value / GIB:.2f}" for name, value in table.largest(phase))
+                digits = 2 if f"{total / GIB:.2f}" != f"{limit / GIB:.2f}" else 4  # never "2.00 GiB > 2 GiB"
                 problems.append(f"{ro.placement} / {phase}{where} ({table.title.split(': ', 1)[-1]}): "
-                                f"{total / GIB:.2f} GiB > {limit / GIB:g} GiB; largest: {top} GiB")
+                                f"{total / GIB:.{digits}f} GiB > {limit / GIB:g} GiB; largest: {top} GiB")
     return MemoryPlan(header=header, tables=tables, placement=ro.placement, limit=limit, problems=problems)
