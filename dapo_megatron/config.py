@@ -373,12 +373,17 @@ def validate(cfg: Config) -> None:
         _require(val >= 1, f"actor.{key}", val, "must be >= 1")
     _require(ac.vpp is None or ac.vpp >= 1, "actor.vpp", ac.vpp, "null or >= 1")
     _require(ac.vpp is None or ac.pp > 1, "actor.vpp", ac.vpp, "virtual pipeline stages need actor.pp > 1")
-    _require(ac.cp == 1 or ac.attention_backend == "te", "actor.cp", ac.cp,
-             "context parallelism needs actor.attention_backend=te (Transformer Engine)")
+    # Context parallelism runs on both attention backends (te: TE's kernels; torch: K/V all-gather,
+    # actor/context_parallel.py). What it does constrain is lengths: every sequence is padded to a
+    # multiple of 2*cp tokens (the load-balanced split), so the budget must hold a padded one.
     _require(ac.micro_batch_tokens >= 1, "actor.micro_batch_tokens", ac.micro_batch_tokens, "must be >= 1")
-    _require(ac.micro_batch_tokens >= r.max_prompt_length + r.max_response_length, "actor.micro_batch_tokens",
+    longest = r.max_prompt_length + r.max_response_length
+    seq_multiple = 2 * ac.cp if ac.cp > 1 else 1
+    longest_padded = -(-longest // seq_multiple) * seq_multiple
+    _require(ac.micro_batch_tokens >= longest_padded, "actor.micro_batch_tokens",
              ac.micro_batch_tokens, f"must hold one full sequence: >= rollout.max_prompt_length + "
-             f"rollout.max_response_length ({r.max_prompt_length + r.max_response_length})")
+             f"rollout.max_response_length ({longest})"
+             + (f", padded to a multiple of 2*actor.cp = {seq_multiple} ({longest_padded})" if ac.cp > 1 else ""))
     model_parallel = ac.tp * ac.pp * ac.cp
     _require(ac.world_size % model_parallel == 0, "actor.world_size", ac.world_size,
              f"must be a multiple of tp*pp*cp = {model_parallel}")

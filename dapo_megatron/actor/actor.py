@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.actor import parallel
-from dapo_megatron.actor.context_parallel import split_for_cp
+from dapo_megatron.actor.context_parallel import merge_from_cp, split_for_cp
 from dapo_megatron.actor.lm_head import gather_sequence_parallel, output_weight, return_hidden_states, token_logprobs_entropy
 from dapo_megatron.actor.packing import MicroBatch, pack_for_rank, unpack_response_values
 from dapo_megatron.batch import Sample
@@ -198,15 +198,34 @@ class Actor:
 
         return parallel_state.is_pipeline_last_stage(ignore_virtual=True) and parallel.tp_rank() == 0
 
+    def _merge_cp(self, local_outputs: list[torch.Tensor], micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        """Per-micro-batch [C, T/cp] outputs of this CP rank -> [C, T] in packed token order, on every
+        rank of the CP group (a last-stage call: the CP group lies inside one pipeline stage).
+
+        One all-gather over the CP group for all micro-batches together; the values stay within
+        the group that computed them (issue 12: results are reduced only within the groups that
+        hold them). Identity without CP."""
+        cp = parallel.cp_size()
+        if cp == 1:
+            return local_outputs
+        flat = torch.cat(local_outputs, dim=1).contiguous()
+        parts = [torch.empty_like(flat) for _ in range(cp)]
+        dist.all_gather(parts, flat, group=parallel.cp_group())
+        widths = [out.size(1) for out in local_outputs]
+        per_rank = [part.split(widths, dim=1) for part in parts]
+        return [merge_from_cp([per_rank[r][i] for r in range(cp)], mb.cu_seqlens_padded, dim=1)
+                for i, mb in enumerate(micro_batches)]
+
     # --- log-probs -----------------------------------------------------------------------------------
 
     @torch.no_grad()
     def logprobs(self, samples: list[Sample]) -> LogProbs:
         """pi_theta log-probs and entropies of every response token (at rollout.temperature), fp32.
 
-        Collective; identical on every rank: each DP rank scores its share, the owners write their
-        values into one flat buffer (zeros elsewhere) and a world all-reduce SUM fills it in (adding
-        zeros is exact, so the values are bit-for-bit those computed)."""
+        Collective; identical on every rank: each DP rank scores its share (with CP, each CP rank
+        its chunks, merged over the CP group: _merge_cp), the owners (last stage, TP and CP rank 0)
+        write their values into one flat buffer (zeros elsewhere) and a world all-reduce SUM fills
+        it in (adding zeros is exact, so the values are bit-for-bit those computed)."""
         for m in self.model:
             m.eval()
         share = self._pack(samples, mask_truncated=False)
@@ -214,21 +233,23 @@ class Actor:
         def head(mb, gpt, output):
             pos = self._local(mb.response_mask, mb).nonzero()[:, 0]
             logprob, entropy = self._head(mb, gpt, output, positions=pos)
-            # back to packed positions; with CP each rank fills its own, the all-reduce merges them
-            where = self._local(torch.arange(mb.length), mb)[pos].to(logprob.device)
-            full = torch.zeros(2, mb.length, dtype=torch.float32, device=logprob.device)
-            full[0, where] = logprob.float()
-            full[1, where] = entropy.float()
-            return torch.zeros((), device=logprob.device), torch.tensor(0, dtype=torch.int), full
+            # this rank's tokens (its CP chunks, in local order); _merge_cp restores packed positions
+            local = torch.zeros(2, mb.length // parallel.cp_size(), dtype=torch.float32, device=logprob.device)
+            local[0, pos.to(logprob.device)] = logprob.float()
+            local[1, pos.to(logprob.device)] = entropy.float()
+            return torch.zeros((), device=logprob.device), torch.tensor(0, dtype=torch.int), local
 
         outputs = self._run(share.micro_batches, head=head, length=share.length, forward_only=True)
+        owner = self._owns_results() and parallel.cp_rank() == 0  # CP peers hold the same merged values
+        if self._owns_results():
+            outputs = self._merge_cp(outputs, share.micro_batches)
         offsets, total = [], 0
         for s in samples:
             offsets.append(total)
             total += len(s.response_ids)
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         flat = torch.zeros(2, total, dtype=torch.float32, device=device)
-        if self._owns_results():
+        if owner:
             for mb, full in zip(share.micro_batches, outputs):
                 values = unpack_response_values(full.T, mb, samples)  # {index: [R, 2]}
                 for index, v in values.items():

@@ -14,7 +14,27 @@ Each sequence must be padded to a multiple of 2*cp (packing.py's seq_pad_multipl
 segment boundaries are `cu_seqlens_padded` (the padding tail of a micro-batch is one more segment).
 A rank's local tensor is the concatenation, sequence by sequence, of its two chunks: the order
 Transformer Engine's `thd_get_partitioned_indices` produces, so TE attention with
-`cu_seqlens_q_padded` sees its expected layout. Runs on clusters with TE; tested here on CPU.
+`cu_seqlens_q_padded` sees its expected layout.
+
+Attention across the chunks (the torch attention backend, actor/model.py; TE has its own kernels):
+every rank all-gathers K and V of the whole micro-batch over the CP group, puts them back in token
+order and attends with its own queries under a mask built from true positions:
+
+    query at packed position q may see key k  <=>  same padded segment and k <= q
+
+so each rank computes exactly the attention rows of its two chunks. The all-gather's backward is a
+reduce-scatter (sum over the CP group) of dK / dV: every rank's queries contribute to every key's
+gradient, and the owner of the key receives the sum. This is megatron-core's cp_comm_type
+"all_gather" (transformer_config.py: "All-gather to get full sequence of KV before attention"),
+as in Transformer Engine's AttnFuncWithCPAndKVAllGather (attention/dot_product_attention/
+context_parallel.py, Llama 3 paper section 3.3.2), which re-orders the gathered chunks with
+get_seq_chunk_ids_for_reordering_before_attn and reduce-scatters dK/dV in backward; TE supports it
+only for bshd/sbhd (it asserts qkv_format != "thd"), here it also covers THD packed sequences
+because the mask, not the kernel, carries the segment boundaries. Why not the other comm types:
+"p2p" (ring of K/V chunks, overlapped with compute) pays off only with async streams and a
+flash kernel that merges partial softmaxes; "a2a" (Ulysses) scatters heads over CP and needs the
+KV heads per TP rank to be divisible by cp (a 2-KV-head model at tp=2 has 1). Cost here: the
+gathered K/V of one layer (T x kv_heads/tp x head_dim, kept for backward) and a [T/cp, T] mask.
 """
 
 from __future__ import annotations
@@ -62,3 +82,41 @@ def merge_from_cp(parts: list[torch.Tensor], cu_seqlens_padded, *, dim: int = 0)
         index = cp_local_indices(cu_seqlens_padded, cp_size=cp_size, cp_rank=rank).to(part.device)
         out.index_copy_(dim, index, part)
     return out
+
+
+def gathered_to_token_order(cu_seqlens_padded, *, cp_size: int) -> torch.Tensor:
+    """Index that puts an all-gathered tensor (rank 0's local tokens, then rank 1's, ...) back in
+    packed token order: token_order = gathered.index_select(0, index)."""
+    gathered_positions = torch.cat([cp_local_indices(cu_seqlens_padded, cp_size=cp_size, cp_rank=r)
+                                    for r in range(cp_size)])
+    return torch.argsort(gathered_positions)
+
+
+def cp_causal_mask(cu_seqlens_padded, *, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """Boolean [T/cp, T] mask, True = may attend: this rank's queries (in local order) against every
+    key in token order, same padded segment and key position <= query position.
+
+    With cp_size=1 it is the block-diagonal causal mask of the whole micro-batch."""
+    bounds = torch.as_tensor([int(x) for x in cu_seqlens_padded], dtype=torch.int64)
+    total = int(bounds[-1])
+    query_positions = cp_local_indices(bounds, cp_size=cp_size, cp_rank=cp_rank)
+    key_positions = torch.arange(total)
+    # segment id of a position: how many segment ends lie at or before it
+    query_segments = torch.bucketize(query_positions, bounds[1:], right=True)
+    key_segments = torch.bucketize(key_positions, bounds[1:], right=True)
+    mask = (query_segments[:, None] == key_segments[None, :]) & (key_positions[None, :] <= query_positions[:, None])
+    return mask.to(device) if device is not None else mask
+
+
+def gather_for_cp(local: torch.Tensor, *, token_order: torch.Tensor, cp_group) -> torch.Tensor:
+    """All-gather a [T/cp, ...] tensor over the CP group and return it in token order [T, ...].
+
+    Differentiable: megatron's all-gather-along-the-first-dim autograd function (the one sequence
+    parallelism uses, tensor_parallel/mappings.py _GatherFromSequenceParallelRegion) with
+    tensor_parallel_output_grad=True, i.e. the backward reduce-scatters (sums) the gradient over
+    cp_group; it runs on NCCL and on gloo. The re-ordering is an index_select (its backward
+    scatters the gradient back)."""
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    gathered = gather_from_sequence_parallel_region(local, tensor_parallel_output_grad=True, group=cp_group)
+    return gathered.index_select(0, token_order.to(gathered.device))

@@ -9,7 +9,8 @@ Two attention backends, both selected through ModuleSpecs (no layer is edited):
   te     Transformer Engine layer spec: THD packed sequences, context parallelism (clusters only).
   torch  megatron-core's local spec with the core attention replaced by `TorchSDPAttention`
          (torch scaled_dot_product_attention) and RMSNorm by `TorchRMSNorm` (allows sequence
-         parallel). Runs on CPU (gloo, fp32) and on GPUs without TE (bf16).
+         parallel). Runs on CPU (gloo, fp32) and on GPUs without TE (bf16), context parallelism
+         included (K/V all-gathered over the CP group: context_parallel.py).
 
 Packed-sequence interface (the SAME call for both backends)
 -----------------------------------------------------------
@@ -35,7 +36,13 @@ the padding as one more "sequence" and ignore its outputs):
   the padded vocabulary (rows >= hf vocab_size are padding; their logits come from zero rows of
   the loaded embedding/output weights, so mask them before any softmax over the vocabulary:
   `actor/parity.py: vocab_parallel_logprobs` does).
-- Context parallelism (cp > 1) needs attention_backend="te"; the sequence split is the caller's.
+- Context parallelism (cp > 1), both backends: the sequence split is the caller's
+  (context_parallel.split_for_cp: every padded segment cut into 2*cp chunks, rank r holding chunks
+  r and 2*cp-1-r); pass the GLOBAL boundaries as cu_seqlens_q_padded (or cu_seqlens_q) and the
+  GLOBAL max_seqlen. megatron's THD RoPE (rope_utils._apply_rotary_pos_emb_thd with
+  _get_thd_freqs_on_this_cp_rank) then gives each local token the rotary angle of its true position
+  in its sequence, and attention sees the whole sequence. Unpacked [B, S] batches are split the same
+  way along S (megatron's get_batch_on_this_cp_rank; RoPE slices with get_pos_emb_on_this_cp_rank).
 """
 
 from __future__ import annotations
@@ -130,8 +137,6 @@ def transformer_config_from_hf(hf_config: Any, *, precision: Precision = "bf16",
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     cp = parallel_state.get_context_parallel_world_size()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    if cp > 1 and attention_backend != "te":
-        raise ValueError("actor.cp > 1 needs actor.attention_backend=te (Transformer Engine)")
     if sequence_parallel and tp == 1:
         raise ValueError("actor.sequence_parallel needs actor.tp > 1")
     if hf_config.num_hidden_layers % (pp * (vpp or 1)):
@@ -205,15 +210,19 @@ class TorchSDPAttention(torch.nn.Module):
 
     Drop-in for megatron's DotProductAttention (same constructor and forward signature), plus
     packed sequences: with packed_seq_params.qkv_format == "thd" the inputs are [T, heads, dim]
-    and attention is restricted by `block_causal_mask(cu_seqlens_q)`.
+    and attention is restricted by `block_causal_mask` of the segment boundaries.
+
+    Context parallelism (config.context_parallel_size > 1): the inputs hold this CP rank's tokens
+    only (two chunks of every segment, context_parallel.py). K and V are all-gathered over the CP
+    group and put back in token order, and this rank's queries attend to them under
+    `cp_causal_mask` (true positions: same segment, key <= query). megatron-core's cp_comm_type
+    "all_gather"; the other comm types are refused.
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  cp_comm_type: Optional[str] = None, pg_collection=None):
         super().__init__()
-        if config.context_parallel_size != 1:
-            raise ValueError("context parallelism needs actor.attention_backend=te")
         from megatron.core import parallel_state
 
         self.config = config
@@ -222,6 +231,13 @@ class TorchSDPAttention(torch.nn.Module):
         self.groups_per_rank = config.num_query_groups // tp
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            if cp_comm_type not in (None, "all_gather"):
+                raise ValueError(f"cp_comm_type={cp_comm_type!r}: the torch attention backend implements "
+                                 "context parallelism as 'all_gather' only (use attention_backend=te for p2p/a2a)")
+            cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+            self.cp_group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
 
     def _sdpa(self, q, k, v, mask):
         # q [b, np, sq, hn]; k, v [b, ng, sk, hn]: repeat each KV group for its np/ng query heads
@@ -234,31 +250,65 @@ class TorchSDPAttention(torch.nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=self.softmax_scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=self.softmax_scale)
 
+    def _cp_layout(self, cu_seqlens_padded, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index putting gathered K/V in token order, [T/cp, T] mask of this rank's queries)."""
+        from dapo_megatron.actor.context_parallel import cp_causal_mask, gathered_to_token_order
+
+        cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()
+        order = gathered_to_token_order(cu_seqlens_padded, cp_size=cp_size).to(device)
+        return order, cp_causal_mask(cu_seqlens_padded, cp_size=cp_size, cp_rank=cp_rank, device=device)
+
+    def _gather_kv(self, key, value, order):
+        from dapo_megatron.actor.context_parallel import gather_for_cp
+
+        return (gather_for_cp(key, token_order=order, cp_group=self.cp_group),
+                gather_for_cp(value, token_order=order, cp_group=self.cp_group))
+
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by the torch attention backend")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            # [T, np, hn] -> [1, np, T, hn]
-            total = query.size(0)
-            # one [T, T] mask per forward, not per layer: cached on the params object that every
-            # layer of this forward receives
-            cached = getattr(packed_seq_params, "_dapo_block_mask", None)
-            if cached is None or cached.size(0) != total or cached.device != query.device:
-                cached = block_causal_mask(packed_seq_params.cu_seqlens_q.to(query.device), total)
-                packed_seq_params._dapo_block_mask = cached
-            mask = cached
-            out = self._sdpa(*(x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value)), mask)
-            return out.squeeze(0).permute(1, 0, 2).reshape(total, -1)  # [T, np*hn]
+            return self._forward_thd(query, key, value, packed_seq_params)
         if packed_seq_params is not None:
             raise ValueError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: only 'thd'")
         # [s, b, n, hn] -> [b, n, s, hn]
         seq, batch = query.size(0), query.size(1)
         mask = None
-        if attention_mask is not None:
+        if self.cp_group is not None:
+            if attention_mask is not None:
+                raise ValueError("an explicit attention_mask with context parallelism: the torch backend "
+                                 "supports causal (attention_mask=None) or packed THD batches")
+            # the row is split like megatron's get_batch_on_this_cp_rank: one segment of seq*cp tokens
+            order, mask = self._cp_layout([0, seq * self.cp_group.size()], query.device)
+            key, value = self._gather_kv(key, value, order)
+        elif attention_mask is not None:
             mask = ~attention_mask  # megatron: True = masked out; SDPA: True = attend
         out = self._sdpa(*(x.permute(1, 2, 0, 3) for x in (query, key, value)), mask)
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)  # [s, b, np*hn]
+
+    def _forward_thd(self, query, key, value, packed_seq_params):
+        # [T, np, hn] -> [1, np, T, hn]; T is this CP rank's share of the packed tokens.
+        # The segment boundaries are the padded ones when given (tokens are laid out by them; the
+        # RoPE of attention.py reads the same ones).
+        bounds = packed_seq_params.cu_seqlens_q_padded
+        if bounds is None:
+            bounds = packed_seq_params.cu_seqlens_q
+        total = query.size(0)
+        # one mask per forward, not per layer: cached on the params object that every layer of
+        # this forward receives
+        cached = getattr(packed_seq_params, "_dapo_attention_layout", None)
+        if cached is None or cached[1].size(0) != total or cached[1].device != query.device:
+            if self.cp_group is None:
+                cached = (None, block_causal_mask(bounds.to(query.device), total))
+            else:
+                cached = self._cp_layout(bounds.tolist(), query.device)
+            packed_seq_params._dapo_attention_layout = cached
+        order, mask = cached
+        if self.cp_group is not None:
+            key, value = self._gather_kv(key, value, order)
+        out = self._sdpa(*(x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value)), mask)
+        return out.squeeze(0).permute(1, 0, 2).reshape(total, -1)  # [T, np*hn]
 
 
 class TorchRMSNorm(torch.nn.RMSNorm):

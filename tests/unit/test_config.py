@@ -147,7 +147,8 @@ def test_overrides_apply_with_types():
         (["algorithm.clip_ratio_c=0.5"], ["algorithm.clip_ratio_c", "0.5", "> 1"]),
         (["trainer.mini_batch_size=33"], ["trainer.mini_batch_size", "33", "must divide trainer.train_batch_size (512)"]),
         (["rollout.n=1"], ["rollout.n", "1", "dynamic sampling needs n >= 2"]),
-        (["actor.cp=2", "actor.attention_backend=torch"], ["actor.cp", "2", "attention_backend=te"]),
+        (["actor.cp=2", "actor.pp=1", "rollout.max_prompt_length=2049", "actor.micro_batch_tokens=22529"],
+         ["actor.micro_batch_tokens", "22529", "2*actor.cp = 4 (22532)"]),
         (["actor.micro_batch_tokens=4096"], ["actor.micro_batch_tokens", "4096", "22528"]),
         (["algorithm.overlong_buffer_length=20480"], ["algorithm.overlong_buffer_length", "20480", "< rollout.max_response_length"]),
         (["actor.world_size=100"], ["actor.world_size", "100", "tp*pp*cp = 16"]),
@@ -164,6 +165,11 @@ def test_mistakes_raise_naming_key_and_value(overrides, needles):
     message = _error(overrides)
     for needle in needles:
         assert needle in message, f"{needle!r} not in {message!r}"
+
+
+def test_context_parallelism_is_allowed_on_the_torch_backend():
+    cfg = load_config(DAPO_32B, ["actor.cp=2", "actor.pp=1", "actor.attention_backend=torch"])
+    assert cfg.actor.cp == 2 and cfg.actor.attention_backend == "torch"
 
 
 def test_n_of_one_is_fine_without_dynamic_sampling():

@@ -36,3 +36,68 @@ def test_merge_inverts_split_on_a_2d_tensor(cp_size):
 def test_segment_not_a_multiple_of_2cp_is_a_value_error():
     with pytest.raises(ValueError, match="not a multiple of 2\\*cp = 4"):
         cp_local_indices([0, 6], cp_size=2, cp_rank=0)
+
+
+# --- what the torch attention backend does with the chunks (actor/model.py TorchSDPAttention) ---
+
+def test_cp_causal_mask_of_rank_1_by_hand():
+    from dapo_megatron.actor.context_parallel import cp_causal_mask
+
+    # one 8-token sequence, cp=2: rank 1 holds positions 2 3 4 5 and sees keys up to its own position
+    mask = cp_causal_mask([0, 8], cp_size=2, cp_rank=1)
+    assert mask.tolist() == [
+        [1, 1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 1, 1, 0, 0],
+    ]
+
+
+def test_cp_causal_mask_stops_at_segment_boundaries():
+    from dapo_megatron.actor.context_parallel import cp_causal_mask
+
+    # two 4-token segments, cp=2: rank 0 holds positions 0, 3 (segment 0) and 4, 7 (segment 1)
+    mask = cp_causal_mask([0, 4, 8], cp_size=2, cp_rank=0)
+    assert mask.tolist() == [
+        [1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0, 0],
+        [0, 0, 0, 0, 1, 0, 0, 0],  # position 4 starts segment 1: only itself
+        [0, 0, 0, 0, 1, 1, 1, 1],
+    ]
+
+
+def test_gathered_to_token_order_undoes_the_rank_major_gather():
+    from dapo_megatron.actor.context_parallel import gathered_to_token_order
+
+    cu = [0, 8, 12]
+    tokens = torch.arange(12) * 10
+    gathered = torch.cat([split_for_cp(tokens, cu, cp_size=2, cp_rank=r) for r in range(2)])
+    assert gathered.tolist() == [0, 10, 60, 70, 80, 110, 20, 30, 40, 50, 90, 100]
+    order = gathered_to_token_order(cu, cp_size=2)
+    assert torch.equal(gathered.index_select(0, order), tokens)
+
+
+@pytest.mark.parametrize("cp_size", [2, 3])
+def test_per_rank_attention_rows_equal_whole_sequence_attention(cp_size):
+    """Each rank's queries against all keys under cp_causal_mask give exactly its rows of the
+    block-diagonal causal attention over the packed micro-batch (fp64)."""
+    import torch.nn.functional as F
+
+    from dapo_megatron.actor.context_parallel import cp_causal_mask
+    from dapo_megatron.actor.model import block_causal_mask
+
+    m = 2 * cp_size
+    cu = torch.tensor([0, 3 * m, 4 * m, 7 * m], dtype=torch.int32)  # 3 segments
+    total = int(cu[-1])
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, total, 8, generator=gen, dtype=torch.float64) for _ in range(3))  # [heads, T, dim]
+    whole = F.scaled_dot_product_attention(q, k, v, attn_mask=block_causal_mask(cu, total))
+    parts = []
+    for rank in range(cp_size):
+        q_local = split_for_cp(q, cu, cp_size=cp_size, cp_rank=rank, dim=1)
+        mask = cp_causal_mask(cu, cp_size=cp_size, cp_rank=rank)
+        parts.append(F.scaled_dot_product_attention(q_local, k, v, attn_mask=mask))
+    torch.testing.assert_close(merge_from_cp(parts, cu, dim=1), whole, atol=1e-12, rtol=0)
+    # not vacuous: attending over the whole row (no segment mask) gives other values
+    unmasked = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert (unmasked - whole).abs().max() > 1e-2
