@@ -1,5 +1,6 @@
 """Actor.logprobs on gloo ranks (fp32, tiny Qwen2) equals transformers' log-probs, packed or not,
-for TP=1 x DP=2, TP=2 and PP=2; every rank returns the same values."""
+for TP=1 x DP=2, TP=2 and PP=2, and with context parallelism (CP=2, TP=2 x CP=2 with sequence
+parallel, CP=2 x PP=2) equals CP=1; every rank returns the same values."""
 
 import random
 
@@ -9,11 +10,11 @@ import torch
 from dapo_megatron.batch import Sample
 
 
-def make_cfg(*, tp=1, pp=1, micro_batch_tokens=256, sequence_parallel=False, **trainer):
+def make_cfg(*, tp=1, pp=1, cp=1, micro_batch_tokens=256, sequence_parallel=False, **trainer):
     from dapo_megatron.config import ActorConfig, Config
 
     cfg = Config()
-    cfg.actor = ActorConfig(tp=tp, pp=pp, attention_backend="torch", precision="fp32",
+    cfg.actor = ActorConfig(tp=tp, pp=pp, cp=cp, attention_backend="torch", precision="fp32",
                             micro_batch_tokens=micro_batch_tokens, use_distributed_optimizer=True,
                             sequence_parallel=sequence_parallel)
     cfg.rollout.temperature = 1.0
@@ -46,12 +47,13 @@ def hf_logprobs(hf_dir, samples):
     return logps, ents
 
 
-def _logprobs_rank(hf_dir, samples, tp, pp, micro_batch_tokens, sp=False):
+def _logprobs_rank(hf_dir, samples, tp, pp, micro_batch_tokens, sp=False, cp=1):
     from dapo_megatron.actor.actor import Actor
     from dapo_megatron.actor.parallel import model_parallel
 
-    with model_parallel(tp=tp, pp=pp, seed=7):
-        actor = Actor(make_cfg(tp=tp, pp=pp, micro_batch_tokens=micro_batch_tokens, sequence_parallel=sp), hf_dir)
+    with model_parallel(tp=tp, pp=pp, cp=cp, seed=7):
+        actor = Actor(make_cfg(tp=tp, pp=pp, cp=cp, micro_batch_tokens=micro_batch_tokens, sequence_parallel=sp),
+                      hf_dir)
         out = actor.logprobs(samples)
     return out.logprobs, out.entropies
 
@@ -80,6 +82,50 @@ def test_logprobs_match_transformers(rank_pool, tiny_dirs, tp, pp, budget, tied,
     assert max(len(s.prompt_ids) + len(s.response_ids) for s in samples) == 18
     for got, ref, ent, ref_ent, s in zip(logps, want, ents, want_ent, samples):
         assert got.shape == ent.shape == (len(s.response_ids),)
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
+
+
+# (world, tp, pp, cp, sp, budget): the 2-rank layout is CP=2 alone (DP=1); the 4-rank ones add TP=2 with
+# sequence parallel (rows padded to 2*cp*tp) and PP=2 (every micro-batch padded to one length).
+CP_LAYOUTS = [(2, 1, 1, 2, False, 48), (4, 2, 1, 2, True, 48), (4, 1, 2, 2, False, 48)]
+# The same maths in another order: CP changes the matmul shapes (T/cp rows), the attention tiling
+# and the number of masked (exactly zero) keys, so values may differ by fp32 rounding only. Bound:
+# 4 fp32 epsilons relative to the largest |log-prob| of the batch (10.7 here: 5.1e-6); measured max
+# 1.9e-6 (2 ulps at 10.7). Not looser: a real error (a RoPE position off by one chunk, a padding
+# token in a real token's context) moves log-probs by 1e-2 to 1.
+CP_ULPS = 4
+
+
+@pytest.mark.parametrize("world,tp,pp,cp,sp,budget", CP_LAYOUTS, ids=lambda v: str(v))
+def test_context_parallel_logprobs_equal_cp1(rank_pool, tiny_dirs, world, tp, pp, cp, sp, budget):
+    """Sequences of odd lengths, none a multiple of 2*cp = 4, so packing pads every one of them
+    (and the split puts real and padding tokens on both ranks): the log-probs and entropies the
+    actor returns at CP=2 equal CP=1's (DP=2 on the same 2 ranks) and transformers'."""
+    tiny_dir = tiny_dirs[False]
+    samples = make_samples(9, seed=11)
+    for s in samples:  # make every sequence odd-length
+        if s.num_tokens % 2 == 0:
+            s.response_ids = s.response_ids + [7]
+    assert all(s.num_tokens % 4 for s in samples)
+    want, want_ent = hf_logprobs(tiny_dir, samples)
+    pool = rank_pool(world)
+    (base, base_ent) = pool.run(_logprobs_rank, tiny_dir, samples, tp, pp, budget, sp, 1)[0]  # DP=cp instead
+    results = pool.run(_logprobs_rank, tiny_dir, samples, tp, pp, budget, sp, cp)
+    logps, ents = results[0]
+    for other in results[1:]:  # identical on every rank
+        assert all(torch.equal(a, b) for a, b in zip(other[0], logps))
+        assert all(torch.equal(a, b) for a, b in zip(other[1], ents))
+    diff = max(float((a - b).abs().max()) for a, b in zip(logps, base))
+    diff_ent = max(float((a - b).abs().max()) for a, b in zip(ents, base_ent))
+    print(f"actor cp layout world={world} tp={tp} pp={pp} cp={cp} sp={sp}: max |logprob - cp1| {diff:.2e}, "
+          f"max |entropy - cp1| {diff_ent:.2e}, max |logprob| {max(float(a.abs().max()) for a in base):.2f}")
+    tolerance = CP_ULPS * torch.finfo(torch.float32).eps * max(float(a.abs().max()) for a in base)
+    assert tolerance < 1e-5
+    for got, ent, ref, ref_ent, b, b_ent, s in zip(logps, ents, want, want_ent, base, base_ent, samples):
+        assert got.shape == ent.shape == (len(s.response_ids),)
+        torch.testing.assert_close(got, b, atol=tolerance, rtol=0)
+        torch.testing.assert_close(ent, b_ent, atol=tolerance, rtol=0)
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
         torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=0)
 
