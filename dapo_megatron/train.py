@@ -99,6 +99,8 @@ def save_checkpoint(cfg: Config, actor, driver, *, step: int, extra: dict) -> No
 def run_worker(cfg: Config, *, resume: bool) -> int:
     from dapo_megatron.actor import parallel
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.actor.offload import trainer_memory_gb
+    from dapo_megatron.actor.reference import ReferencePolicy
     from dapo_megatron.driver import Driver
     from dapo_megatron.launch.signals import PreemptionSignal
     from dapo_megatron.metrics import MetricsLogger
@@ -107,7 +109,7 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
     tr, run_dir = cfg.trainer, Path(cfg.trainer.output_dir)
     with parallel.model_parallel(tp=cfg.actor.tp, pp=cfg.actor.pp, cp=cfg.actor.cp, vpp=cfg.actor.vpp, seed=tr.seed):
         actor = Actor(cfg, cfg.model.path)
-        ref = Actor(cfg, cfg.model.path) if cfg.algorithm.use_kl else None  # frozen: only logprobs() is called
+        ref = ReferencePolicy(cfg, cfg.model.path) if cfg.algorithm.use_kl else None  # frozen, off-device when idle
         is_driver = dist.get_rank() == 0
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         driver = Driver(cfg, model_dir=cfg.model.path, run_dir=run_dir, backend=backend) if is_driver else None
@@ -126,6 +128,7 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
             metrics.log(0, driver.evaluate())  # the starting point of the curve
         for step in range(int(state["step"]), tr.total_steps):
             t0 = time.perf_counter()
+            memory = trainer_memory_gb(phase="rollout", actor=actor, ref=ref)  # what the trainer holds while engines generate
             samples, log = driver.rollout() if driver else (None, {})
             box = [samples]
             dist.broadcast_object_list(box, src=0)
@@ -144,6 +147,7 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
                 updates = [actor.train(mb, step=step) for mb in
                            mini_batches(samples, group_size=cfg.rollout.n, prompts_per_update=tr.mini_batch_size)]
             t3 = time.perf_counter()
+            memory.update(trainer_memory_gb(phase="train", actor=actor, ref=ref))
             if updates:
                 log.update(push_weights(actor, driver))
             t4 = time.perf_counter()
@@ -151,6 +155,7 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
             if driver:
                 train_tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
                 log.update(reduce_updates(updates))
+                log.update(memory)
                 log.update(logprob_mismatch(samples))
                 log["actor/entropy_old"] = float(torch.cat(old.entropies).mean()) if samples else 0.0
                 log.update({"time/gen_s": t1 - t0, "time/logprob_s": t2 - t1, "time/train_s": t3 - t2,

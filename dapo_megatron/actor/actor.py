@@ -58,13 +58,17 @@ def _unwrap(module):
 
 
 class Actor:
-    def __init__(self, cfg: Config, hf_dir: str | Path) -> None:
+    def __init__(self, cfg: Config, hf_dir: str | Path, *, frozen: bool = False) -> None:
         """Build the model for this rank's place in the (already initialized) parallel layout, load
-        the HF checkpoint into it, wrap it in megatron DDP and build the optimizer."""
+        the HF checkpoint into it, wrap it in megatron DDP and build the optimizer.
+
+        frozen=True (the KL reference, reference.py): log-probs only; no DDP wrapper (so no
+        param/grad buffers, no main_grad), no optimizer; train/save/load refuse."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
         from transformers import AutoConfig
 
         from dapo_megatron.actor.model import build_model_chunks
+        from dapo_megatron.actor.offload import DeviceMemory, actor_tensors
         from dapo_megatron.actor.optimizer import build_lr_schedule, build_optimizer
         from dapo_megatron.weights import load_hf_into_model
 
@@ -89,6 +93,18 @@ class Actor:
         for chunk in chunks:
             chunk.config.calculate_per_token_loss = True  # see the module docstring
             return_hidden_states(chunk)
+        self.frozen = frozen
+        self.num_updates = 0
+        self.last_step = -1
+        if frozen:
+            # Parameters keep requires_grad=True although nothing ever trains them (logprobs runs
+            # under no_grad, so no .grad is made): ATen's matmul picks its kernel by the weight's
+            # requires_grad flag (LinearAlgebra.cpp should_fold: fold to one mm if the 2-D operand
+            # requires grad, else bmm for megatron's [S, 1, H] input strides), and a frozen flag made
+            # the reference's log-probs differ from the actor's in the last bits at TP=2 (measured).
+            self.model, self.optimizer, self.lr_schedule = chunks, None, None
+            self.memory = DeviceMemory(lambda: actor_tensors(self._chunks, None), frozen=True)
+            return
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -114,8 +130,31 @@ class Actor:
             chunk.config.no_sync_func = config.no_sync_func
             chunk.config.grad_scale_func = config.grad_scale_func
             chunk.config.finalize_model_grads_func = config.finalize_model_grads_func
-        self.num_updates = 0
-        self.last_step = -1
+        self.memory = DeviceMemory(lambda: actor_tensors(self._chunks, self.optimizer))
+
+    # --- device memory (offload.py) ------------------------------------------------------------------
+
+    def offload(self, *what: str, keep_grads: bool = False) -> None:
+        """Free the device memory of "params", "grads", "optimizer" (all without arguments) into a host
+        backup; gradients are dropped (zeros on onload) unless keep_grads. Local to this rank."""
+        self.memory.offload(*what, keep_grads=keep_grads)
+
+    def onload(self, *what: str) -> None:
+        """Bring back what offload freed (all without arguments), bit for bit."""
+        self.memory.onload(*what)
+
+    def resident_bytes(self) -> dict[str, int]:
+        """{"params", "grads", "optimizer": bytes of device storage held now} on this rank."""
+        return self.memory.resident_bytes()
+
+    def _require(self, *what: str, action: str, trains: bool = False) -> None:
+        """Refuse an action whose tensors are offloaded (or, with trains, a frozen actor) clearly,
+        rather than letting megatron touch a freed storage."""
+        if self.frozen and trains:
+            raise RuntimeError(f"Actor.{action}: this actor is frozen (the reference model): log-probs only")
+        missing = [c for c in what if c in self.memory.offloaded()]
+        if missing:
+            raise RuntimeError(f"Actor.{action}: {', '.join(missing)} offloaded; call actor.onload() first")
 
     # --- accessors ---------------------------------------------------------------------------------
 
@@ -129,6 +168,7 @@ class Actor:
         iter_hf_weights over this actor's chunks."""
         from dapo_megatron.weights import iter_hf_weights
 
+        self._require("params", action="iter_hf_weights")
         return iter_hf_weights(self._chunks, self.hf_config)
 
     # --- packing and the forward ---------------------------------------------------------------------
@@ -226,6 +266,7 @@ class Actor:
         its chunks, merged over the CP group: _merge_cp), the owners (last stage, TP and CP rank 0)
         write their values into one flat buffer (zeros elsewhere) and a world all-reduce SUM fills
         it in (adding zeros is exact, so the values are bit-for-bit those computed)."""
+        self._require("params", action="logprobs")
         for m in self.model:
             m.eval()
         share = self._pack(samples, mask_truncated=False)
@@ -274,6 +315,7 @@ class Actor:
         from dapo_megatron.actor.optimizer import guarded_step, set_lr_for_step
 
         al = self.cfg.algorithm
+        self._require("params", "grads", "optimizer", action="train", trains=True)
         self._check_train_inputs(mini_batch)
         for m in self.model:
             m.train()
@@ -424,6 +466,7 @@ class Actor:
 
         from dapo_megatron.actor.optimizer import adam_step
 
+        self._require("params", "optimizer", action="save", trains=True)
         meta = {"num_updates": self.num_updates, "last_step": self.last_step, "adam_step": adam_step(self.optimizer),
                 "lr_schedule": self.lr_schedule.state_dict(),
                 "layout": {"tp": parallel.tp_size(), "pp": parallel.pp_size(), "cp": parallel.cp_size(),
@@ -435,6 +478,7 @@ class Actor:
         from dapo_megatron.actor.checkpoint import load_checkpoint, restore_rng
         from dapo_megatron.actor.optimizer import init_empty_optimizer_state, set_adam_step
 
+        self._require("params", "optimizer", action="load", trains=True)
         init_empty_optimizer_state(self.optimizer)
         state, meta = load_checkpoint(path, sharded_state_dict=self._sharded_state_dict(is_loading=True))
         for index, chunk in enumerate(self._chunks):

@@ -1,0 +1,48 @@
+"""The KL reference policy: the initial model, frozen, on the device only while it scores.
+
+    ref = ReferencePolicy(cfg, cfg.model.path)      # every rank, inside parallel.model_parallel(...)
+    out = ref.logprobs(samples)                      # onload -> Actor.logprobs -> offload
+
+A frozen Actor (actor.py, frozen=True): the same model chunks, layout and log-prob code as the
+trained actor, so its log-probs equal those of a full Actor built from the same checkpoint bit for
+bit, but no DDP wrapper (no contiguous param/grad buffers, no main_grad) and no optimizer; it only
+runs under torch.no_grad, so no gradient is ever made (its parameters keep requires_grad=True
+because ATen's matmul chooses its kernel by that flag: see Actor.__init__). A second full Actor cost the weights again plus an fp32 grad buffer and fp32
+Adam state (about 10 GB per GPU at 32B on the naive-GRPO rung, issue 11). Between calls its
+parameters live in a host backup taken once (the weights never change, so later offloads only free
+the device storage); slime and verl likewise keep the reference off the GPU outside its forward.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dapo_megatron.config import Config
+
+
+class ReferencePolicy:
+    def __init__(self, cfg: Config, hf_dir: str | Path) -> None:
+        from dapo_megatron.actor.actor import Actor
+
+        self._policy = Actor(cfg, hf_dir, frozen=True)
+        self._policy.offload()
+
+    def logprobs(self, samples: list):
+        """Actor.logprobs of the reference model (collective; same contract). The weights come onto
+        the device for the call and leave after it, also when it raises."""
+        self._policy.onload()
+        try:
+            return self._policy.logprobs(samples)
+        finally:
+            self._policy.offload()
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Device bytes held now by category (params only; zero between calls)."""
+        return self._policy.resident_bytes()
+
+    def host_backup_bytes(self) -> int:
+        return self._policy.memory.host_backup_bytes()
+
+    @property
+    def model_chunks(self) -> list:
+        return self._policy.model_chunks
