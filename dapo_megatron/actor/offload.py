@@ -17,9 +17,16 @@ param groups) has to be rebuilt. Megatron-core 0.16.1 frees its own DDP buffers 
 (distributed/param_and_grad_buffer.py `_ParamAndGradBuffer.offload_to_cpu`, distributed_data_parallel.py
 `offload_grad_buffers`), and so does verl (verl/utils/megatron_utils.py `offload_megatron_model_to_cpu`;
 its newer worker frees Adam state by resize too, "so the tensor can be offloaded correctly even when
-it has tensor views"). We do not call megatron's `MegatronOptimizer.offload_to_cpu`: it rebinds
-`p.data = p.data.cpu()`, which silently detaches the distributed optimizer's fp32 shards from the
-param buffer they are views of, and it skips CPU tensors (so it cannot run in CI).
+it has tensor views"). We do not call megatron's `MegatronOptimizer.offload_to_cpu` (optimizer.py): it rebinds
+`p.data = p.data.cpu()` on the optimizer's parameters, which under fp32 ARE the model's parameters
+(FP32Optimizer) or views into the DDP param buffer (the distributed optimizer's shards, which come
+back as separate copies: memory the buffer already holds), so "offload the optimizer" would also
+move the weights the transfer reads; and it skips CPU tensors (so it cannot run in CI).
+
+The colocated step offloads in two stages, as NeMo-RL's Megatron policy worker does
+(nemo_rl/models/policy/megatron_policy_worker.py: `offload_before_refit` drops the grad buffers and
+moves the optimizer state out but keeps the parameters the refit reads; `offload_after_refit` moves
+the parameters too): offload("grads", "optimizer") before the weight transfer, offload("params") after.
 
 Aliasing: tensors are grouped by the storage they view and every storage is handled exactly once, by
 the first category that names it, in the order params -> grads -> optimizer. So Megatron's contiguous
