@@ -1,7 +1,8 @@
 """dapo_kernels: fused Triton kernels for DAPO (installed from the folder kernels/).
 
     linear_logprob_entropy(hidden[N,H], weight[V_local,H], targets[N], *, temperature=1.0,
-                           tp_group=None, return_entropy=True) -> (logprob[N], entropy[N] | None)
+                           tp_group=None, return_entropy=True, vocab_size=None)
+        -> (logprob[N], entropy[N] | None)        (vocab_size: rows past it are padding)
     policy_loss(logprob, old_logprob, advantages, mask, *, eps_low, eps_high, clip_ratio_c,
                 loss_denominator) -> (loss, stats)
 

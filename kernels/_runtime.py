@@ -21,6 +21,18 @@ import torch
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def why_not_runnable(device_type: str) -> str | None:
+    """None when the fused kernels run on `device_type` tensors in this process, else the reason."""
+    if INTERPRET and device_type != "cpu":
+        return (f"TRITON_INTERPRET=1 is set, so the kernels run in the Triton interpreter, which needs CPU "
+                f"tensors; got {device_type} tensors")
+    if not INTERPRET and device_type != "cuda":
+        return (f"the fused Triton kernels need CUDA tensors (got {device_type}); on CPU they run only in the "
+                "Triton interpreter: set TRITON_INTERPRET=1 in the environment before the process starts "
+                "(slow: tiny models and tests)")
+    return None
+
+
 def require_runnable(*tensors: torch.Tensor, op: str) -> None:
     """RuntimeError when the Triton path cannot run on these tensors in this process."""
     devices = {t.device.type for t in tensors}

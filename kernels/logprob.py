@@ -18,6 +18,10 @@ Splits (and, with tp_group, ranks) are merged with the same rule (`merge_stats`)
 merge is ONE all_gather of 4 floats per token. Then
     lse = m + log s,  logprob = (zt - m) - log s <= 0,  entropy = log s - t / s >= 0.
 
+Padded vocabularies (Megatron pads V to a multiple of divisible_by * tp with zero rows): with
+vocab_size, rows at or past it on this shard are never read; they take no probability and get a zero
+weight gradient (the kernels just see the shard's first `real` rows, a row-prefix view).
+
 Backward (bounded chunks; workspace <= BACKWARD_WORKSPACE_BYTES whatever N is): for each chunk of
 C rows, `_dlogits_kernel` recomputes the logit tiles and writes dL/dlogits[C, V_local] in the input
 dtype, with p = exp((z - m) - log s):
@@ -39,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ._runtime import INTERPRET, cast_dot_inputs_to_fp32, num_sms, require_runnable
-from .reference import check_logprob_args, check_targets_in_vocab, vocab_shard
+from .reference import check_logprob_args, check_targets_in_vocab, check_vocab_size, vocab_shard
 
 # dL/dlogits chunk size bound for the backward (bytes): C = this // (V_local * element size).
 BACKWARD_WORKSPACE_BYTES = 256 << 20
@@ -173,7 +177,14 @@ def _hopper_configs(with_group: bool):
     return configs
 
 
-_INTERPRET_META = {"BLOCK_N": 16, "BLOCK_V": 64, "BLOCK_K": 32}
+# Interpreter tiles. The interpreter runs every program instance op by op in numpy, so its cost is
+# about the number of (program, tile) steps and hardly depends on the tile size (measured on the
+# 2-core CI machine: N=200, V=300, H=64 forward 5.9 s with 16x64x32 tiles, 1.7 s with 64x256x64).
+# Tiles therefore grow with the problem up to these caps; tests/kernels pin small caps to run several
+# vocab tiles per program (the online rescaling) and partial tiles on every edge.
+INTERPRET_TILE_CAPS = {"BLOCK_N": 64, "BLOCK_V": 256, "BLOCK_K": 64}
+# Backward chunks are a multiple of this many rows (one row block of the compiled configurations).
+CHUNK_ROW_ALIGN = 16 if INTERPRET else 128
 if INTERPRET:
     _fwd = _fwd_kernel
     _dlogits = _dlogits_kernel
@@ -182,8 +193,14 @@ else:  # pragma: no cover - compiled path, exercised by tests/gpu
     _dlogits = triton.autotune(configs=_hopper_configs(False), key=["V", "H", "HAS_ENT", "IEEE"])(_dlogits_kernel)
 
 
-def _launch_meta(extra: dict) -> dict:
-    return {**_INTERPRET_META, **extra} if INTERPRET else {}
+def _launch_meta(extra: dict, *, n: int, v: int, h: int) -> dict:
+    """Compiled: {} (autotune picks the tiles). Interpreter: power-of-two tiles covering the problem,
+    at least 16 (tl.dot's minimum), at most INTERPRET_TILE_CAPS."""
+    if not INTERPRET:
+        return {}
+    size = {"BLOCK_N": n, "BLOCK_V": v, "BLOCK_K": h}
+    meta = {key: min(cap, max(16, triton.next_power_of_2(size[key]))) for key, cap in INTERPRET_TILE_CAPS.items()}
+    return {**meta, **extra}
 
 
 def merge_stats(stats: torch.Tensor) -> torch.Tensor:
@@ -203,11 +220,15 @@ def merge_stats(stats: torch.Tensor) -> torch.Tensor:
 def _forward_stats(hidden, weight, targets_local, inv_temp: float) -> torch.Tensor:
     n, h = hidden.shape
     v = weight.shape[0]
+    if v == 0:  # a shard of vocabulary padding only: the empty part (m = -inf, s = 0) merge_stats skips
+        stats = torch.zeros((4, n), device=hidden.device, dtype=torch.float32)
+        stats[0] = float("-inf")
+        return stats
     splits = NUM_SPLITS_INTERPRET if INTERPRET else NUM_SPLITS_GPU
     splits = max(1, min(splits, triton.cdiv(v, 64)))
     stats = torch.empty((splits, 4, n), device=hidden.device, dtype=torch.float32)
     flags = {"CAST_F32": cast_dot_inputs_to_fp32(hidden.dtype), "IEEE": hidden.dtype == torch.float32}
-    meta = _launch_meta({"GROUP_N": 2})
+    meta = _launch_meta({"GROUP_N": 2}, n=n, v=v, h=h)
     grid = lambda META: (triton.cdiv(n, META["BLOCK_N"]) * splits,)  # noqa: E731
     _fwd[grid](hidden, weight, targets_local, stats, n, v, h, hidden.stride(0), weight.stride(0), splits,
                inv_temp, **flags, **meta)
@@ -270,17 +291,18 @@ def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 def _chunk_rows(n: int, v: int, element_size: int) -> int:
     rows = BACKWARD_WORKSPACE_BYTES // max(1, v * element_size)
-    align = 16 if INTERPRET else 128
+    align = CHUNK_ROW_ALIGN
     return max(align, rows // align * align) if rows < n else n
 
 
 class _LinearLogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, tp_group, return_entropy):
-        vocab_start, _, _ = vocab_shard(weight, tp_group)
+    def forward(ctx, hidden, weight, targets, temperature, tp_group, return_entropy, vocab_size):
+        vocab_start, vocab_local, _ = vocab_shard(weight, tp_group)
+        real_rows = max(0, min(vocab_local, vocab_size - vocab_start))  # the rest of the shard is padding
         targets_local = (targets.long() - vocab_start).contiguous()
         inv_temp = 1.0 / float(temperature)
-        stats = _forward_stats(hidden, weight, targets_local, inv_temp)
+        stats = _forward_stats(hidden, weight[:real_rows], targets_local, inv_temp)
         if tp_group is not None:
             stats = _gather_merge(stats, tp_group)
         big_m, s, t, zt = stats.unbind(0)
@@ -289,15 +311,16 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         entropy = log_s - t / s
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, targets_local, big_m, log_s, t / s)
-        ctx.inv_temp, ctx.tp_group = inv_temp, tp_group
+        ctx.inv_temp, ctx.tp_group, ctx.real_rows = inv_temp, tp_group, real_rows
         return logprob, entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):
-        hidden, weight, targets_local, big_m, log_s, mean_c = ctx.saved_tensors
+        hidden, weight_shard, targets_local, big_m, log_s, mean_c = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_logprob is None and grad_entropy is None) or not (need_h or need_w):
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
+        weight = weight_shard[:ctx.real_rows]  # padding rows: no logits, so no dL/dz and a zero gradient
         n, h = hidden.shape
         v = weight.shape[0]
         g_lp = torch.zeros_like(log_s) if grad_logprob is None else grad_logprob.float().contiguous()
@@ -306,24 +329,28 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         chunk = _chunk_rows(n, v, hidden.element_size())
         workspace = torch.empty((min(chunk, n), v), device=hidden.device, dtype=hidden.dtype)
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = None
-        acc_w = None
+        grad_shard = grad_w = acc_w = None
         if need_w:
+            padded = v < weight_shard.shape[0]
+            grad_shard = torch.zeros_like(weight_shard) if padded else torch.empty_like(weight_shard)
             if chunk >= n:
-                grad_w = torch.empty_like(weight)
+                grad_w = grad_shard[:v]
             else:
                 acc_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
         flags = {"CAST_F32": cast_dot_inputs_to_fp32(hidden.dtype), "IEEE": hidden.dtype == torch.float32}
-        meta = _launch_meta({})
         for r0 in range(0, n, chunk):
             r1 = min(n, r0 + chunk)
             rows = r1 - r0
             dz = workspace[:rows]
             h_chunk = hidden[r0:r1]
-            grid = lambda META, rows=rows: (triton.cdiv(rows, META["BLOCK_N"]) * triton.cdiv(v, META["BLOCK_V"]),)  # noqa: E731
-            _dlogits[grid](h_chunk, weight, targets_local[r0:r1], big_m[r0:r1], log_s[r0:r1], mean_c[r0:r1],
-                           g_lp[r0:r1], g_ent[r0:r1], dz, rows, v, h, hidden.stride(0), weight.stride(0), dz.stride(0),
-                           ctx.inv_temp, HAS_ENT=has_ent, **flags, **meta)
+            if v > 0:  # (a shard of padding only has dz = [rows, 0]: the products below are zeros)
+                meta = _launch_meta({}, n=rows, v=v, h=h)
+
+                def grid(META, rows=rows):
+                    return (triton.cdiv(rows, META["BLOCK_N"]) * triton.cdiv(v, META["BLOCK_V"]),)
+                _dlogits[grid](h_chunk, weight, targets_local[r0:r1], big_m[r0:r1], log_s[r0:r1], mean_c[r0:r1],
+                               g_lp[r0:r1], g_ent[r0:r1], dz, rows, v, h, hidden.stride(0), weight.stride(0),
+                               dz.stride(0), ctx.inv_temp, HAS_ENT=has_ent, **flags, **meta)
             if need_h:
                 if ctx.tp_group is None:
                     torch.mm(dz, weight, out=grad_h[r0:r1])
@@ -337,8 +364,8 @@ class _LinearLogprobEntropy(torch.autograd.Function):
                 else:
                     _addmm_fp32_(acc_w, dz.t(), h_chunk)
         if acc_w is not None:
-            grad_w = acc_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None
+            grad_shard[:v] = acc_w.to(weight.dtype)
+        return grad_h, grad_shard, None, None, None, None, None
 
 
 def linear_logprob_entropy(
@@ -349,6 +376,7 @@ def linear_logprob_entropy(
     temperature: float = 1.0,
     tp_group=None,
     return_entropy: bool = True,
+    vocab_size: int | None = None,
 ):
     """(logprob[N] fp32, entropy[N] fp32 or None) of softmax(hidden @ weight.T / temperature).
 
@@ -356,6 +384,8 @@ def linear_logprob_entropy(
     ids. With tp_group, rank r holds vocab rows [r*V_local, (r+1)*V_local): the forward does one
     all_gather of 4 floats per token, the hidden gradient is all-reduced over the group and the
     weight gradient stays local. Differentiable in hidden and weight through logprob AND entropy.
+    vocab_size: the real vocabulary (default: all V_local * tp rows); global rows at or past it are
+    padding: excluded from the softmax, zero weight gradient.
     Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1; anything else raises
     RuntimeError (use linear_logprob_entropy_reference there).
     """
@@ -363,13 +393,14 @@ def linear_logprob_entropy(
     if hidden.dtype not in _SUPPORTED:
         raise ValueError(f"linear_logprob_entropy supports {_SUPPORTED}; got {hidden.dtype}")
     require_runnable(hidden, weight, targets, op="linear_logprob_entropy")
-    _, _, vocab_total = vocab_shard(weight, tp_group)
-    check_targets_in_vocab(targets, vocab_total)
+    _, _, vocab_rows = vocab_shard(weight, tp_group)
+    vocab_size = check_vocab_size(vocab_size, vocab_rows)
+    check_targets_in_vocab(targets, vocab_size)
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32) + (hidden.sum() + weight.sum()) * 0
         return empty, (empty.clone() if return_entropy else None)
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     logprob, entropy = _LinearLogprobEntropy.apply(hidden, weight, targets, float(temperature), tp_group,
-                                                   bool(return_entropy))
+                                                   bool(return_entropy), vocab_size)
     return logprob, (entropy if return_entropy else None)

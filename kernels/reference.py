@@ -51,6 +51,16 @@ def vocab_shard(weight: torch.Tensor, tp_group) -> tuple[int, int, int]:
     return rank * vocab_local, vocab_local, vocab_local * world
 
 
+def check_vocab_size(vocab_size, vocab_rows: int) -> int:
+    """The real vocabulary: vocab_size, or every row (vocab_rows = V_local * tp) when None."""
+    if vocab_size is None:
+        return vocab_rows
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= vocab_rows:
+        raise ValueError(f"vocab_size must be an int in [1, {vocab_rows}] (the weight's rows over all TP ranks; "
+                         f"the rest is padding); got {vocab_size!r}")
+    return vocab_size
+
+
 def check_targets_in_vocab(targets: torch.Tensor, vocab_total: int):
     if targets.numel() == 0:
         return
@@ -112,6 +122,7 @@ def linear_logprob_entropy_reference(
     temperature: float = 1.0,
     tp_group=None,
     return_entropy: bool = True,
+    vocab_size: int | None = None,
 ):
     """logprob[N] and entropy[N] of softmax(hidden @ weight.T / temperature), fp32 (float64 in,
     float64 out). Materializes [N, V_local] logits: the oracle, not the fast path.
@@ -119,10 +130,13 @@ def linear_logprob_entropy_reference(
     With tp_group the vocab is sharded (rank r holds rows [r*V_local, (r+1)*V_local)); the
     per-token max, sum-exp, sum p*z and target logit are all-reduced, and the hidden gradient is
     summed over the group (the weight gradient stays local), exactly like the fused op.
+    vocab_size: the real vocabulary (default: every row); global rows at or past it are padding,
+    excluded from the softmax (zero probability, zero gradient).
     """
     check_logprob_args(hidden, weight, targets, temperature)
-    vocab_start, vocab_local, vocab_total = vocab_shard(weight, tp_group)
-    check_targets_in_vocab(targets, vocab_total)
+    vocab_start, vocab_local, vocab_rows = vocab_shard(weight, tp_group)
+    vocab_size = check_vocab_size(vocab_size, vocab_rows)
+    check_targets_in_vocab(targets, vocab_size)
     math_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     if tp_group is not None:
         hidden = _AllReduceSumGrad.apply(hidden, tp_group)
@@ -130,6 +144,10 @@ def linear_logprob_entropy_reference(
     local_t = targets.long() - vocab_start
     owns = (local_t >= 0) & (local_t < vocab_local)
     target_logit = torch.where(owns, logits_NV.gather(1, local_t.clamp(0, vocab_local - 1)[:, None])[:, 0], 0.0)
+    real_rows = max(0, min(vocab_local, vocab_size - vocab_start))
+    if real_rows < vocab_local:
+        return _padded_vocab_reference(logits_NV, target_logit, real_rows=real_rows, tp_group=tp_group,
+                                       return_entropy=return_entropy)
     if tp_group is None:
         lse = torch.logsumexp(logits_NV, dim=1)
         logp_NV = logits_NV - lse[:, None]
@@ -149,6 +167,27 @@ def linear_logprob_entropy_reference(
     # H = lse - E[z] = log(sum_exp) - sum(exp * shifted) / sum_exp  (shifted keeps it cancellation-free)
     sum_pz = _AllReduceSum.apply((exp * shifted).sum(1), tp_group)
     entropy = sum_exp.log() - sum_pz / sum_exp
+    return logprob, entropy
+
+
+def _padded_vocab_reference(logits_NV, target_logit, *, real_rows: int, tp_group, return_entropy: bool):
+    """The vocab-parallel formulas below with the padding columns' exp() set to 0 (the logits stay
+    finite, so no 0 * -inf appears; a shard of padding only contributes nothing)."""
+    real = torch.arange(logits_NV.shape[1], device=logits_NV.device) < real_rows
+    local_max = logits_NV.masked_fill(~real, float("-inf")).max(dim=1).values
+    gmax = local_max if tp_group is None else _AllReduceMaxNoGrad.apply(local_max, tp_group)
+    shifted = (logits_NV - gmax.detach()[:, None]).masked_fill(~real, 0.0)
+    exp = shifted.exp().masked_fill(~real, 0.0)
+
+    def total(x):
+        return x if tp_group is None else _AllReduceSum.apply(x, tp_group)
+
+    sum_exp = total(exp.sum(1))
+    lse = gmax.detach() + sum_exp.log()
+    logprob = total(target_logit) - lse
+    if not return_entropy:
+        return logprob, None
+    entropy = sum_exp.log() - total((exp * shifted).sum(1)) / sum_exp
     return logprob, entropy
 
 

@@ -1,9 +1,11 @@
-"""Fused linear log-prob + entropy (Triton, interpreter on CPU) against a float64 oracle.
+"""Fused linear log-prob + entropy (Triton: interpreted on CPU, compiled on a GPU) against a
+float64 oracle.
 
-Run: /work/venv/bin/pytest tests/kernels/test_logprob.py -q
+Run: pytest tests/kernels/test_logprob.py -q          (any device: see tests/kernels/conftest.py)
 Forward AND gradients (hidden, weight; through logprob and entropy) on odd shapes: V not a multiple
-of the 64-wide vocab tile, N = 1, +-1e4 logit offsets (all-negative logits), temperature != 1,
-fp32/fp16/bf16 inputs, several backward chunks; vocab-parallel TP=2 on two gloo ranks equals TP=1.
+of the vocab tile, N = 1, +-1e4 logit offsets (all-negative logits), temperature != 1,
+fp32/fp16/bf16 inputs, several backward chunks, Megatron's vocab padding (vocab_size); vocab-parallel
+TP=2 on two ranks equals TP=1, also when one rank's shard is all padding.
 """
 
 from __future__ import annotations
@@ -17,30 +19,37 @@ import dapo_kernels._runtime as runtime
 import dapo_kernels.logprob as logprob_mod
 from dapo_kernels import linear_logprob_entropy, linear_logprob_entropy_reference
 
-pytestmark = pytest.mark.skipif(not dapo_kernels.INTERPRET, reason="CPU kernel tests run in the Triton interpreter")
+from kernels_device import DEVICE
 
 
-def make_inputs(n, h, v, *, dtype, seed, offset=0.0, scale=0.3):
-    """hidden, weight, targets, and upstream grads for logprob and entropy.
+def make_inputs(n, h, v, *, dtype, seed, offset=0.0, scale=0.3, device=DEVICE, vocab_size=None):
+    """hidden, weight, targets, and upstream grads for logprob and entropy (drawn on the CPU, then
+    moved: the same numbers on every device). Targets are < vocab_size (default v).
 
     offset shifts EVERY logit by the same amount: column 0 of hidden is 100 and of weight offset/100,
-    so z_j = offset + (random part); the log-softmax is unchanged, fp32 has to cope with it."""
+    so z_j = offset + (random part); the log-softmax is unchanged, fp32 has to cope with it. The
+    random parts are then multiples of 2^-5, so every product is a multiple of 2^-10 and every
+    partial sum of the dot product (|z| < 16384, fp32 spacing 2^-10) is exact in any summation
+    order: the test measures the kernel's softmax at +-1e4, not the BLAS's order of additions
+    (with unrounded inputs a 32-term fp32 dot at 1e4 is off by up to ~4 spacings on its own)."""
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, h, generator=gen)
     weight = torch.randn(v, h, generator=gen) * scale
     if offset:
+        hidden, weight = (torch.round(t * 32) / 32 for t in (hidden, weight))
         hidden[:, 0] = 100.0
         weight[:, 0] = offset / 100.0
-    targets = torch.randint(0, v, (n,), generator=gen)
+    targets = torch.randint(0, vocab_size or v, (n,), generator=gen)
     g_lp = torch.randn(n, generator=gen)
     g_ent = torch.randn(n, generator=gen)
-    return hidden.to(dtype), weight.to(dtype), targets, g_lp, g_ent
+    return tuple(t.to(device) for t in (hidden.to(dtype), weight.to(dtype), targets, g_lp, g_ent))
 
 
-def run_fused(hidden, weight, targets, g_lp, g_ent, *, temperature=1.0, return_entropy=True):
+def run_fused(hidden, weight, targets, g_lp, g_ent, *, temperature=1.0, return_entropy=True,
+              impl=linear_logprob_entropy, **kw):
     hidden = hidden.clone().requires_grad_()
     weight = weight.clone().requires_grad_()
-    lp, ent = linear_logprob_entropy(hidden, weight, targets, temperature=temperature, return_entropy=return_entropy)
+    lp, ent = impl(hidden, weight, targets, temperature=temperature, return_entropy=return_entropy, **kw)
     loss = (lp * g_lp).sum() + ((ent * g_ent).sum() if return_entropy else 0.0)
     loss.backward()
     return lp.detach(), (ent.detach() if ent is not None else None), hidden.grad, weight.grad
@@ -75,13 +84,20 @@ CASES = {
 }
 
 
+def force_chunks(monkeypatch, *, rows, v, dtype):
+    """Backward chunks of `rows` rows (fp32 grad_weight accumulation), on the GPU too (whose chunks
+    are otherwise multiples of 128 rows)."""
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    monkeypatch.setattr(logprob_mod, "BACKWARD_WORKSPACE_BYTES", rows * v * itemsize)
+    monkeypatch.setattr(logprob_mod, "CHUNK_ROW_ALIGN", 16)
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_forward_and_grads_match_float64(name, monkeypatch):
+def test_forward_and_grads_match_float64(name, monkeypatch, device):
     n, h, v, dtype, temperature, chunk_rows = CASES[name]
-    if chunk_rows is not None:  # force several backward chunks (fp32 grad_weight accumulation path)
-        itemsize = torch.tensor([], dtype=dtype).element_size()
-        monkeypatch.setattr(logprob_mod, "BACKWARD_WORKSPACE_BYTES", chunk_rows * v * itemsize)
-    inputs = make_inputs(n, h, v, dtype=dtype, seed=hash(name) % 1000)
+    if chunk_rows is not None:
+        force_chunks(monkeypatch, rows=chunk_rows, v=v, dtype=dtype)
+    inputs = make_inputs(n, h, v, dtype=dtype, seed=sum(map(ord, name)))
     lp, ent, gh, gw = run_fused(*inputs, temperature=temperature)
     lp64, ent64, gh64, gw64 = run_oracle(*inputs, temperature=temperature)
     assert lp.dtype == torch.float32 and ent.dtype == torch.float32 and lp.shape == (n,)
@@ -95,9 +111,10 @@ def test_forward_and_grads_match_float64(name, monkeypatch):
 
 
 @pytest.mark.parametrize("offset", [1e4, -1e4])
-def test_large_logit_offsets(offset):
-    """Every logit shifted by +-1e4 (at -1e4 all logits are negative). fp32 spacing at 1e4 is 2^-10,
-    so the logits themselves carry ~1e-3 absolute error; allow 4 spacings, nothing more."""
+def test_large_logit_offsets(offset, device):
+    """Every logit shifted by +-1e4 (at -1e4 all logits are negative). fp32 spacing at 1e4 is 2^-10:
+    the logits are exact (make_inputs) but z / T rounds each by up to half a spacing, and a
+    log-prob combines two of them and the log-sum-exp; allow 4 spacings, nothing more."""
     n, h, v = 24, 32, 190
     inputs = make_inputs(n, h, v, dtype=torch.float32, seed=7, offset=offset)
     lp, ent, gh, gw = run_fused(*inputs, temperature=0.9)
@@ -111,7 +128,7 @@ def test_large_logit_offsets(offset):
     assert rel_err(gw, gw64) < 4 * spacing
 
 
-def test_without_entropy_grads_flow_from_logprob_only():
+def test_without_entropy_grads_flow_from_logprob_only(device):
     inputs = make_inputs(19, 32, 150, dtype=torch.float32, seed=3)
     lp, ent, gh, gw = run_fused(*inputs, return_entropy=False)
     lp64, _, gh64, gw64 = run_oracle(*inputs, return_entropy=False)
@@ -120,17 +137,17 @@ def test_without_entropy_grads_flow_from_logprob_only():
     assert rel_err(gh, gh64) < 1e-5 and rel_err(gw, gw64) < 1e-5
 
 
-def test_empty_batch_gives_empty_outputs_and_zero_grads():
-    hidden = torch.zeros(0, 16, requires_grad=True)
-    weight = torch.randn(70, 16, requires_grad=True)
-    lp, ent = linear_logprob_entropy(hidden, weight, torch.zeros(0, dtype=torch.long))
+def test_empty_batch_gives_empty_outputs_and_zero_grads(device):
+    hidden = torch.zeros(0, 16, device=device, requires_grad=True)
+    weight = torch.randn(70, 16, device=device, requires_grad=True)
+    lp, ent = linear_logprob_entropy(hidden, weight, torch.zeros(0, dtype=torch.long, device=device))
     assert lp.shape == (0,) and ent.shape == (0,)
     (lp.sum() + ent.sum()).backward()
     assert hidden.grad.shape == (0, 16) and torch.equal(weight.grad, torch.zeros_like(weight))
 
 
-def test_bit_identical_reruns(monkeypatch):
-    monkeypatch.setattr(logprob_mod, "BACKWARD_WORKSPACE_BYTES", 16 * 170 * 2)
+def test_bit_identical_reruns(monkeypatch, device):
+    force_chunks(monkeypatch, rows=16, v=170, dtype=torch.float16)
     inputs = make_inputs(40, 32, 170, dtype=torch.float16, seed=11)
     first = run_fused(*inputs, temperature=0.8)
     second = run_fused(*inputs, temperature=0.8)
@@ -138,12 +155,17 @@ def test_bit_identical_reruns(monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_bad_inputs_raise_value_error():
+def test_bad_inputs_raise_value_error(device):
     hidden, weight, targets, _, _ = make_inputs(4, 16, 70, dtype=torch.float32, seed=0)
     with pytest.raises(ValueError, match="hidden size mismatch"):
         linear_logprob_entropy(hidden, weight[:, :8], targets)
     with pytest.raises(ValueError, match=r"targets must be token ids in \[0, 70\)"):
-        linear_logprob_entropy(hidden, weight, torch.tensor([0, 1, 70, 2]))
+        linear_logprob_entropy(hidden, weight, torch.tensor([0, 1, 70, 2], device=device))
+    with pytest.raises(ValueError, match=r"targets must be token ids in \[0, 60\)"):  # 60..69: padding rows
+        linear_logprob_entropy(hidden, weight, torch.tensor([0, 1, 65, 2], device=device), vocab_size=60)
+    for bad in (0, 71, 3.5):
+        with pytest.raises(ValueError, match=r"vocab_size must be an int in \[1, 70\]"):
+            linear_logprob_entropy(hidden, weight, targets, vocab_size=bad)
     with pytest.raises(ValueError, match="same dtype"):
         linear_logprob_entropy(hidden, weight.half(), targets)
     with pytest.raises(ValueError, match="temperature"):
@@ -156,43 +178,103 @@ def test_without_cuda_or_interpreter_the_fused_op_refuses(monkeypatch):
         runtime.require_runnable(torch.zeros(2), op="linear_logprob_entropy")
 
 
-# ---- vocab-parallel: TP=2 on two gloo ranks equals TP=1 -------------------------------------------
+# ---- Megatron's vocab padding -------------------------------------------------------------------
 
-TP_N, TP_H, TP_V = 21, 32, 2 * 75  # V_local = 75: not a multiple of the 64-wide tile
+@pytest.mark.parametrize("chunked", [False, True])
+def test_padded_vocab_rows_take_no_probability_and_no_gradient(chunked, monkeypatch, device):
+    """vocab_size=261 of 320 rows (the padding rows hold random values, not Megatron's zeros, so a
+    leak would show): equal to the float64 oracle on the 261 real rows; zero gradient on the rest."""
+    n, h, v, real = 29, 32, 320, 261
+    if chunked:
+        force_chunks(monkeypatch, rows=16, v=v, dtype=torch.float32)
+    hidden, weight, targets, g_lp, g_ent = make_inputs(n, h, v, dtype=torch.float32, seed=21, vocab_size=real)
+    targets[:2] = torch.tensor([0, real - 1])
+    lp, ent, gh, gw = run_fused(hidden, weight, targets, g_lp, g_ent, temperature=0.9, vocab_size=real)
+    lp64, ent64, gh64, gw64 = run_oracle(hidden, weight[:real], targets, g_lp, g_ent, temperature=0.9)
+    assert (lp.double() - lp64).abs().max().item() < 2e-5
+    assert (ent.double() - ent64).abs().max().item() < 2e-5
+    assert rel_err(gh, gh64) < 1e-5 and rel_err(gw[:real], gw64) < 1e-5
+    assert torch.equal(gw[real:], torch.zeros_like(gw[real:]))
+    ref = run_fused(hidden, weight, targets, g_lp, g_ent, temperature=0.9, vocab_size=real,
+                    impl=linear_logprob_entropy_reference)
+    for got, want in zip((lp, ent, gh, gw), ref):  # the plain-torch head pads the same way
+        assert (got - want).abs().max().item() < 1e-5
 
 
-def _tp_inputs():
-    hidden, weight, targets, g_lp, g_ent = make_inputs(TP_N, TP_H, TP_V, dtype=torch.float32, seed=5)
+# ---- vocab-parallel: TP=2 on two ranks equals TP=1 ------------------------------------------------
+
+TP_N, TP_H, TP_V = 21, 32, 2 * 75  # V_local = 75: not a multiple of the vocab tile
+
+
+def _tp_inputs(*, vocab_size=None, device=DEVICE):
+    real = vocab_size or TP_V
+    hidden, weight, targets, g_lp, g_ent = make_inputs(TP_N, TP_H, TP_V, dtype=torch.float32, seed=5,
+                                                       vocab_size=real, device=device)
     v_local = TP_V // 2
-    # targets on both sides of the shard boundary and at the ends of the vocab
-    targets[:6] = torch.tensor([0, v_local - 1, v_local, v_local + 1, TP_V - 1, v_local - 2])
+    # targets on both sides of the shard boundary and at the ends of the (real) vocab
+    edges = [t for t in (0, v_local - 1, v_local, v_local + 1, real - 1, v_local - 2) if t < real]
+    targets[:len(edges)] = torch.tensor(edges, device=targets.device)
     return hidden, weight, targets, g_lp, g_ent
 
 
-def _tp_rank(impl: str):
-    """On each rank: its vocab shard of the weight, fused or reference op with tp_group=WORLD."""
+def _tp_group(device: str):
+    """The pool's gloo world on CPU. On GPUs: an NCCL group over the first two (gloo has no CUDA
+    all_gather, and NCCL refuses two ranks on one device)."""
+    if device == "cpu":
+        return dist.group.WORLD
+    torch.cuda.set_device(dist.get_rank())
+    return dist.new_group(backend="nccl")
+
+
+def _tp_rank(impl: str, vocab_size, device: str):
+    """On each rank: its vocab shard of the weight, fused or reference op over the TP group."""
+    caps = logprob_mod.INTERPRET_TILE_CAPS
+    if dapo_kernels.INTERPRET:  # the same small tiles as the single-process tests (restored below)
+        logprob_mod.INTERPRET_TILE_CAPS = {"BLOCK_N": 16, "BLOCK_V": 64, "BLOCK_K": 32}
+    try:
+        return _tp_rank_body(impl, vocab_size, device)
+    finally:
+        logprob_mod.INTERPRET_TILE_CAPS = caps
+
+
+def _tp_rank_body(impl: str, vocab_size, device: str):
     rank, world = dist.get_rank(), dist.get_world_size()
-    hidden, weight, targets, g_lp, g_ent = _tp_inputs()
+    group = _tp_group(device)
+    hidden, weight, targets, g_lp, g_ent = _tp_inputs(vocab_size=vocab_size, device=device if device == "cpu" else rank)
     v_local = TP_V // world
     shard = weight[rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
     hidden = hidden.clone().requires_grad_()
     fn = linear_logprob_entropy if impl == "fused" else linear_logprob_entropy_reference
-    lp, ent = fn(hidden, shard, targets, temperature=0.8, tp_group=dist.group.WORLD)
+    lp, ent = fn(hidden, shard, targets, temperature=0.8, tp_group=group, vocab_size=vocab_size)
     ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
-    return lp.detach(), ent.detach(), hidden.grad, shard.grad
+    if group is not dist.group.WORLD:
+        dist.destroy_process_group(group)
+    return tuple(t.detach().cpu() for t in (lp, ent, hidden.grad, shard.grad))
 
 
+# vocab_size None: no padding; 110: rank 1 holds 35 real rows and 40 of padding; 60: rank 0 holds
+# 60 real rows and 15 of padding, rank 1 only padding (it must still join every collective).
+@pytest.mark.parametrize("vocab_size", [None, 110, 60])
 @pytest.mark.parametrize("impl", ["fused", "reference"])
-def test_vocab_parallel_tp2_equals_tp1(impl, rank_pool):
-    results = rank_pool(2).run(_tp_rank, impl)
-    lp1, ent1, gh1, gw1 = run_fused(*_tp_inputs(), temperature=0.8)
-    lp64, ent64, gh64, gw64 = run_oracle(*_tp_inputs(), temperature=0.8)
+def test_vocab_parallel_tp2_equals_tp1(impl, vocab_size, rank_pool, device):
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("vocab-parallel on GPUs needs two of them (NCCL: one rank per device)")
+    results = rank_pool(2).run(_tp_rank, impl, vocab_size, device)
+    real = vocab_size or TP_V
+    inputs = _tp_inputs(vocab_size=vocab_size)
+    lp1, ent1, gh1, gw1 = (t.cpu() for t in run_fused(*inputs, temperature=0.8, vocab_size=vocab_size))
+    inputs64 = list(inputs)
+    inputs64[1] = inputs[1][:real]  # the oracle sees only the real rows
+    lp64, ent64, gh64, gw64 = (t.cpu() for t in run_oracle(*inputs64, temperature=0.8))
     assert (lp1.double() - lp64).abs().max().item() < 2e-5
     for rank, (lp, ent, gh, gw_shard) in enumerate(results):
         # fp32 on both sides, merged in a different order: agreement to a few fp32 roundings
         assert (lp - lp1).abs().max().item() < 2e-6
         assert (ent - ent1).abs().max().item() < 2e-6
         assert rel_err(gh, gh1.double()) < 1e-6  # all-reduced: the full hidden gradient on each rank
-        rows = slice(rank * TP_V // 2, (rank + 1) * TP_V // 2)
-        assert rel_err(gw_shard, gw1[rows].double()) < 1e-6  # the weight gradient stays local
-        assert rel_err(gw_shard, gw64[rows]) < 1e-5
+        start = rank * TP_V // 2
+        real_rows = max(0, min(TP_V // 2, real - start))  # the weight gradient stays local
+        if real_rows:
+            assert rel_err(gw_shard[:real_rows], gw1[start:start + real_rows].double()) < 1e-6
+            assert rel_err(gw_shard[:real_rows], gw64[start:start + real_rows]) < 1e-5
+        assert torch.equal(gw_shard[real_rows:], torch.zeros_like(gw_shard[real_rows:]))

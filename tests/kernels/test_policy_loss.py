@@ -1,7 +1,8 @@
-"""Fused DAPO policy loss (Triton, interpreter on CPU) against float64, kernels/reference.py and
-dapo_megatron.algo.policy_loss: value, gradient and stats; hand-computed tokens; bit-identical reruns.
+"""Fused DAPO policy loss (Triton: interpreted on CPU, compiled on a GPU) against float64,
+kernels/reference.py and dapo_megatron.algo.policy_loss: value, gradient and stats; hand-computed
+tokens; bit-identical reruns.
 
-Run: /work/venv/bin/pytest tests/kernels/test_policy_loss.py -q
+Run: pytest tests/kernels/test_policy_loss.py -q        (any device: see tests/kernels/conftest.py)
 """
 
 from __future__ import annotations
@@ -9,24 +10,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dapo_kernels
 import dapo_kernels._runtime as runtime
 from dapo_kernels import policy_loss, policy_loss_reference
 from dapo_kernels.reference import POLICY_LOSS_STAT_KEYS
 
-pytestmark = pytest.mark.skipif(not dapo_kernels.INTERPRET, reason="CPU kernel tests run in the Triton interpreter")
+from kernels_device import DEVICE
 
 KW = dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0)
 
 
 def make_inputs(shape, *, seed, spread=0.6):
-    """Ratios spanning every branch: below 1-eps_low, inside, above 1+eps_high, above c."""
+    """Ratios spanning every branch: below 1-eps_low, inside, above 1+eps_high, above c (drawn on
+    the CPU, then moved: the same numbers on every device)."""
     gen = torch.Generator().manual_seed(seed)
     logprob = -torch.rand(shape, generator=gen) * 3
     old = logprob + torch.randn(shape, generator=gen) * spread
     adv = torch.randn(shape, generator=gen)
     mask = torch.rand(shape, generator=gen) > 0.25
-    return logprob, old, adv, mask
+    return tuple(t.to(DEVICE) for t in (logprob, old, adv, mask))
+
+
+def on_device(*tensors):
+    return tuple(t.to(DEVICE) for t in tensors)
 
 
 def fused(logprob, old, adv, mask, **kw):
@@ -44,7 +49,7 @@ def oracle(fn, logprob, old, adv, mask, *, dtype=torch.float64, **kw):
 
 
 @pytest.mark.parametrize("clip_ratio_c", [3.0, None])
-def test_matches_float64_reference(clip_ratio_c):
+def test_matches_float64_reference(clip_ratio_c, device):
     inputs = make_inputs((6, 101), seed=1)
     kw = dict(KW, clip_ratio_c=clip_ratio_c, loss_denominator=500.0)
     loss, grad, stats = fused(*inputs, **kw)
@@ -59,7 +64,7 @@ def test_matches_float64_reference(clip_ratio_c):
         assert abs(stats[key].item() - stats64[key].item()) < 1e-6 * max(1.0, abs(stats64[key].item())), key
 
 
-def test_matches_algo_policy_loss():
+def test_matches_algo_policy_loss(device):
     algo = pytest.importorskip("dapo_megatron.algo.policy_loss")
     inputs = make_inputs((4, 300), seed=2)
     kw = dict(KW, loss_denominator=4321.0)
@@ -72,16 +77,15 @@ def test_matches_algo_policy_loss():
         assert abs(stats[key].item() - stats_a[key].item()) < 1e-6 * max(1.0, abs(stats_a[key].item())), key
 
 
-def test_hand_computed_tokens():
+def test_hand_computed_tokens(device):
     """eps 0.2 / 0.28, c = 3, denominator 5 (one token of 5 is masked out), logp_old = 0:
     A=+1 r=1.5 -> l=-1.28 (clipped high, grad 0);  A=-1 r=0.5 -> l=0.8 (clipped low, grad 0);
     A=-1 r=4 -> l=3 (dual clip, grad 0);  A=-1 r=2 -> l=2, dl/dlogp = -A*r = 2;
     masked A=+1 r=1.1 -> nothing.  loss = (-1.28 + 0.8 + 3 + 2) / 5 = 0.904."""
     ratio = torch.tensor([1.5, 0.5, 4.0, 2.0, 1.1])
-    logprob = ratio.log()
-    adv = torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0])
-    mask = torch.tensor([True, True, True, True, False])
-    loss, grad, stats = fused(logprob, torch.zeros(5), adv, mask, **KW, loss_denominator=5)
+    logprob, adv, mask, old = on_device(ratio.log(), torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0]),
+                                        torch.tensor([True, True, True, True, False]), torch.zeros(5))
+    loss, grad, stats = fused(logprob, old, adv, mask, **KW, loss_denominator=5)
     assert loss.item() == pytest.approx(0.904, abs=1e-6)
     assert grad.tolist() == pytest.approx([0.0, 0.0, 0.0, 2.0 / 5, 0.0], abs=1e-7)
     assert stats["clipfrac_low"].item() == 0.25 and stats["clipfrac_high"].item() == 0.25
@@ -90,12 +94,11 @@ def test_hand_computed_tokens():
     assert stats["approx_kl"].item() == pytest.approx(sum(0.5 * r.log().item() ** 2 for r in ratio[:4]) / 4, abs=1e-6)
 
 
-def test_log_ratio_clamp_stops_the_gradient():
+def test_log_ratio_clamp_stops_the_gradient(device):
     # |d| > 20: r = e^20 (A=+1: l1 < l2 anyway) or e^-20; the clamp passes no gradient.
-    logprob = torch.tensor([-1.0, -30.0, -1.0])
-    old = torch.tensor([-30.0, -1.0, -1.0])
-    adv = torch.tensor([-1.0, -1.0, 2.0])
-    loss, grad, stats = fused(logprob, old, adv, torch.ones(3, dtype=torch.bool), eps_low=0.2, eps_high=0.28,
+    logprob, old, adv, mask = on_device(torch.tensor([-1.0, -30.0, -1.0]), torch.tensor([-30.0, -1.0, -1.0]),
+                                        torch.tensor([-1.0, -1.0, 2.0]), torch.ones(3, dtype=torch.bool))
+    loss, grad, stats = fused(logprob, old, adv, mask, eps_low=0.2, eps_high=0.28,
                               clip_ratio_c=None, loss_denominator=3)
     # token 0: A<0, r=e^20: l = max(e^20, 1.28) with grad 0 from the clamp; token 1: r=e^-20 clipped
     # low (grad 0); token 2: r = 1 inside the range: dl/dlogp = -A * r = -2, over 3.
@@ -103,14 +106,15 @@ def test_log_ratio_clamp_stops_the_gradient():
     assert loss.item() == pytest.approx((torch.exp(torch.tensor(20.0)).item() + 0.8 - 2.0) / 3, rel=1e-6)
 
 
-def test_nothing_masked_gives_zero_stats_and_grad():
+def test_nothing_masked_gives_zero_stats_and_grad(device):
     logprob, old, adv, _ = make_inputs((3, 40), seed=3)
-    loss, grad, stats = fused(logprob, old, adv, torch.zeros(3, 40, dtype=torch.bool), **KW, loss_denominator=7)
+    nothing = torch.zeros(3, 40, dtype=torch.bool, device=device)
+    loss, grad, stats = fused(logprob, old, adv, nothing, **KW, loss_denominator=7)
     assert loss.item() == 0.0 and not grad.any()
     assert all(stats[k].item() == 0.0 for k in POLICY_LOSS_STAT_KEYS)
 
 
-def test_per_sequence_advantages_broadcast():
+def test_per_sequence_advantages_broadcast(device):
     logprob, old, adv, mask = make_inputs((3, 50), seed=7)
     per_seq = adv[:, :1]
     loss, grad, stats = fused(logprob, old, per_seq, mask, **KW, loss_denominator=99.0)
@@ -120,7 +124,7 @@ def test_per_sequence_advantages_broadcast():
     assert abs(loss.item() - loss64.item()) < 1e-6
 
 
-def test_float_mask_weights():
+def test_float_mask_weights(device):
     logprob, old, adv, mask = make_inputs((2, 90), seed=4)
     weights = mask.float() * 0.5
     loss, grad, stats = fused(logprob, old, adv, weights, **KW, loss_denominator=33.0)
@@ -130,7 +134,7 @@ def test_float_mask_weights():
     assert stats["num_tokens"].item() == pytest.approx(0.5 * mask.sum().item())
 
 
-def test_bit_identical_reruns():
+def test_bit_identical_reruns(device):
     inputs = make_inputs((2500,), seed=5)
     first = fused(*inputs, **KW, loss_denominator=2500)
     second = fused(*inputs, **KW, loss_denominator=2500)
@@ -138,7 +142,7 @@ def test_bit_identical_reruns():
     assert all(torch.equal(first[2][k], second[2][k]) for k in POLICY_LOSS_STAT_KEYS)
 
 
-def test_bad_inputs_raise_value_error():
+def test_bad_inputs_raise_value_error(device):
     logprob, old, adv, mask = make_inputs((10,), seed=6)
     with pytest.raises(ValueError, match="advantages .* must have the shape"):
         policy_loss(logprob, old, adv[:5], mask, **KW, loss_denominator=1)
@@ -150,7 +154,7 @@ def test_bad_inputs_raise_value_error():
         policy_loss(logprob, old, adv, mask, eps_low=1.2, eps_high=0.2, clip_ratio_c=None, loss_denominator=1)
 
 
-def test_without_cuda_or_interpreter_the_fused_op_refuses(monkeypatch):
+def test_without_cuda_or_interpreter_the_fused_op_refuses(monkeypatch, device):
     monkeypatch.setattr(runtime, "INTERPRET", False)
     with pytest.raises(RuntimeError, match="policy_loss.*CUDA"):
         runtime.require_runnable(torch.zeros(2), op="policy_loss")
