@@ -106,7 +106,11 @@ class ActorConfig:
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     recompute: Literal["none", "selective", "full"] = "none"
     use_distributed_optimizer: bool = True
-    fused_logprob: bool = True  # dapo_kernels.linear_logprob_entropy on the LM head
+    # Fused Triton kernels (dapo_kernels) for the LM-head log-prob/entropy and the policy loss; false =
+    # plain torch. They need CUDA, or on CPU the Triton interpreter (TRITON_INTERPRET=1; tests, tiny
+    # models): the Actor refuses to start when they cannot run rather than falling back silently.
+    fused_logprob: bool = True
+    fused_policy_loss: bool = True
     world_size: int = 1  # actor processes launched by `train` on one node (torchrun)
 
 

@@ -5,6 +5,7 @@
 
 Shapes: hidden 64, 4 heads of 16, 2 KV heads (GQA 2:1), FFN 128, vocab 300 (NOT a multiple of
 128 * tp, so Megatron's vocab padding is exercised), fp32 safetensors. Qwen2 has q/k/v biases.
+`shape=` overrides any of them (e.g. an odd vocabulary, MHA or GQA 4:1): see TINY_SHAPE.
 The random init is rescaled (std 0.2 for matrices, non-zero biases and norm weights) so every
 parameter visibly shapes the log-probs: a mapping bug cannot hide behind near-zero weights.
 """
@@ -16,15 +17,20 @@ from pathlib import Path
 import torch
 
 VOCAB_SIZE = 300
+TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=VOCAB_SIZE)
 
 
-def tiny_hf_config(*, arch: str = "qwen2", tied: bool = False, num_layers: int = 2):
+def tiny_hf_config(*, arch: str = "qwen2", tied: bool = False, num_layers: int = 2, shape: dict | None = None):
     from transformers import LlamaConfig, Qwen2Config
 
+    unknown = set(shape or {}) - set(TINY_SHAPE)
+    if unknown:
+        raise ValueError(f"tiny shape keys {sorted(unknown)} unknown; allowed {sorted(TINY_SHAPE)}")
     common = dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB_SIZE, max_position_embeddings=256, rms_norm_eps=1e-6,
-        tie_word_embeddings=tied, torch_dtype="float32", bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        **{**TINY_SHAPE, **(shape or {})}, num_hidden_layers=num_layers, max_position_embeddings=256,
+        rms_norm_eps=1e-6, tie_word_embeddings=tied, torch_dtype="float32", bos_token_id=1, eos_token_id=2,
+        pad_token_id=0,
     )
     if arch == "qwen2":
         return Qwen2Config(**common, rope_theta=10000.0)
@@ -38,11 +44,12 @@ def tiny_hf_config(*, arch: str = "qwen2", tied: bool = False, num_layers: int =
     raise ValueError(f"unknown tiny arch {arch!r}")
 
 
-def tiny_hf_model(*, arch: str = "qwen2", tied: bool = False, num_layers: int = 2, seed: int = 0):
+def tiny_hf_model(*, arch: str = "qwen2", tied: bool = False, num_layers: int = 2, seed: int = 0,
+                  shape: dict | None = None):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = tiny_hf_config(arch=arch, tied=tied, num_layers=num_layers)
+    config = tiny_hf_config(arch=arch, tied=tied, num_layers=num_layers, shape=shape)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -57,9 +64,9 @@ def tiny_hf_model(*, arch: str = "qwen2", tied: bool = False, num_layers: int = 
 
 
 def save_tiny_hf(out_dir, *, arch: str = "qwen2", tied: bool = False, num_layers: int = 2, seed: int = 0,
-                 dtype: torch.dtype = torch.float32) -> Path:
+                 dtype: torch.dtype = torch.float32, shape: dict | None = None) -> Path:
     """Build, randomize and save_pretrained a tiny model into out_dir (in `dtype`); returns the directory."""
     out_dir = Path(out_dir)
-    model = tiny_hf_model(arch=arch, tied=tied, num_layers=num_layers, seed=seed).to(dtype)
+    model = tiny_hf_model(arch=arch, tied=tied, num_layers=num_layers, seed=seed, shape=shape).to(dtype)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from dapo_megatron.actor import parallel
 from dapo_megatron.actor.context_parallel import merge_from_cp, split_for_cp
-from dapo_megatron.actor.lm_head import gather_sequence_parallel, output_weight, return_hidden_states, token_logprobs_entropy
+from dapo_megatron.actor.lm_head import (full_sequence_hidden, output_weight, require_fused_kernels,
+                                         return_hidden_states, token_logprobs_entropy)
 from dapo_megatron.actor.packing import MicroBatch, pack_for_rank, unpack_response_values
 from dapo_megatron.batch import Sample
 from dapo_megatron.config import Config
@@ -79,12 +80,13 @@ class Actor:
         if layout != wanted:
             raise ValueError(f"actor: megatron parallel state {layout} does not match the config's actor.{wanted} "
                              "(initialize with parallel.model_parallel(tp=cfg.actor.tp, ...))")
+        for key in ("fused_logprob", "fused_policy_loss"):  # fail here, not in the middle of a step
+            if getattr(ac, key):
+                require_fused_kernels(f"actor.{key}", device_type="cuda" if torch.cuda.is_available() else "cpu")
         self.hf_dir = Path(hf_dir)
         self.hf_config = AutoConfig.from_pretrained(self.hf_dir)
-        if self.hf_config.vocab_size % ac.tp:
-            raise ValueError(f"actor.tp={ac.tp} must divide the vocabulary size {self.hf_config.vocab_size} of "
-                             f"{self.hf_dir}/config.json (the LM head is built without vocab padding)")
-        # vocab_divisible_by=1: no padded vocab rows, whose logits would otherwise enter the softmax.
+        # vocab_divisible_by=1: the vocabulary is padded only up to a multiple of tp (< tp zero rows);
+        # the head excludes rows >= vocab_size from the softmax (token_logprobs_entropy(vocab_size=)).
         chunks = build_model_chunks(self.hf_config, attention_backend=ac.attention_backend, precision=ac.precision,
                                     sequence_parallel=ac.sequence_parallel, recompute=ac.recompute,
                                     vocab_divisible_by=1)
@@ -207,15 +209,13 @@ class Actor:
 
     def _head(self, mb: MicroBatch, gpt, output: torch.Tensor, *, positions: torch.Tensor):
         """Log-prob and entropy at the local response positions `positions` (last stage only)."""
-        hidden_SH = output.transpose(0, 1)  # [1, S, H] -> [S, 1, H]
-        if self.cfg.actor.sequence_parallel:
-            hidden_SH = gather_sequence_parallel(hidden_SH, tp_group=parallel.tp_group())
-        hidden_SH = hidden_SH[:, 0]
+        hidden_SH = full_sequence_hidden(output, sequence_parallel=self.cfg.actor.sequence_parallel,
+                                         tp_group=parallel.tp_group())[0]  # [1, S, H] -> [S, H]
         targets = self._local(mb.targets, mb).to(hidden_SH.device)
         pos = positions.to(hidden_SH.device)
         return token_logprobs_entropy(hidden_SH[pos], output_weight(gpt), targets[pos],
                                       temperature=self.cfg.rollout.temperature, tp_group=parallel.tp_group(),
-                                      fused=self.cfg.actor.fused_logprob)
+                                      vocab_size=self.hf_config.vocab_size, fused=self.cfg.actor.fused_logprob)
 
     def _run(self, micro_batches: list[MicroBatch], *, head, length: int | None, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -424,7 +424,8 @@ class Actor:
             tis = torch.clamp(torch.exp(old - take(mb.rollout_logprobs)), max=al.tis_cap)
             pg_weight = weight * tis
         pg_loss, stats = _policy_loss(logprob, old, adv, pg_weight, eps_low=al.eps_low, eps_high=al.eps_high,
-                                      clip_ratio_c=al.clip_ratio_c, loss_denominator=denom)
+                                      clip_ratio_c=al.clip_ratio_c, loss_denominator=denom,
+                                      fused=self.cfg.actor.fused_policy_loss)
         kl = torch.zeros_like(logprob)
         kl_loss = torch.zeros((), dtype=torch.float32, device=dev)
         if al.use_kl:
@@ -499,16 +500,15 @@ def _per_sequence_count(mb: MicroBatch) -> torch.Tensor:
     return counts[1:]
 
 
-def _policy_loss(logprob, old, adv, weight, *, eps_low, eps_high, clip_ratio_c, loss_denominator):
-    """dapo_kernels.policy_loss (fused) on CUDA, algo.policy_loss elsewhere; both token-mean form."""
-    if logprob.is_cuda:
-        try:
-            from dapo_kernels import policy_loss as fused
-        except ImportError:
-            fused = None
-        if fused is not None:
-            return fused(logprob, old, adv, weight, eps_low=eps_low, eps_high=eps_high, clip_ratio_c=clip_ratio_c,
-                         loss_denominator=float(loss_denominator))
+def _policy_loss(logprob, old, adv, weight, *, eps_low, eps_high, clip_ratio_c, loss_denominator, fused: bool):
+    """Token-mean form with the global denominator: dapo_kernels.policy_loss (fused: one Triton pass
+    for loss, gradient and stats; compiled, or interpreted on CPU) or algo.policy_loss (plain torch).
+    Same value, gradient and stats (tests/distributed/test_actor_fused.py)."""
+    if fused:
+        from dapo_kernels import policy_loss as fused_policy_loss
+
+        return fused_policy_loss(logprob, old, adv, weight, eps_low=eps_low, eps_high=eps_high,
+                                 clip_ratio_c=clip_ratio_c, loss_denominator=float(loss_denominator))
     from dapo_megatron.algo.policy_loss import policy_loss
 
     return policy_loss(logprob, old, adv, weight, eps_low=eps_low, eps_high=eps_high, clip_ratio_c=clip_ratio_c,

@@ -10,13 +10,15 @@ import torch
 from dapo_megatron.batch import Sample
 
 
-def make_cfg(*, tp=1, pp=1, cp=1, micro_batch_tokens=256, sequence_parallel=False, **trainer):
+def make_cfg(*, tp=1, pp=1, cp=1, micro_batch_tokens=256, sequence_parallel=False, fused=False, **trainer):
+    """fused: the Triton kernels (interpreted on CPU) for the head and the loss; the tests that do not
+    compare the two paths use plain torch (fast); test_actor_fused.py compares them."""
     from dapo_megatron.config import ActorConfig, Config
 
     cfg = Config()
     cfg.actor = ActorConfig(tp=tp, pp=pp, cp=cp, attention_backend="torch", precision="fp32",
                             micro_batch_tokens=micro_batch_tokens, use_distributed_optimizer=True,
-                            sequence_parallel=sequence_parallel)
+                            sequence_parallel=sequence_parallel, fused_logprob=fused, fused_policy_loss=fused)
     cfg.rollout.temperature = 1.0
     for key, value in trainer.items():
         setattr(cfg.trainer, key, value)

@@ -48,16 +48,21 @@ section_env() {
   run_section env bash -c "nvidia-smi; $PY -c 'import torch, triton, sys; print(sys.version); print(torch.__version__, torch.version.cuda, triton.__version__); print(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0))'"
 }
 
-# ---- section: kernels (issue 3: dapo_kernels) --------------------------------------------------
+# ---- section: kernels (issue 3: dapo_kernels; issue 17: the CPU suite's kernel tests, compiled) ----
 section_kernels() {
   mkdir -p "$OUT/kernels"
   run_section kernels_tests $PY -m pytest -m gpu tests/gpu/test_kernels_gpu.py -q -p no:cacheprovider \
     --junitxml="$OUT/kernels/junit.xml"
+  # tests/kernels: the same assertions the CPU suite runs in the interpreter, on CUDA tensors and
+  # compiled kernels (the vocab-parallel case needs 2 GPUs and is skipped on one)
+  run_section kernels_suite $PY -m pytest tests/kernels -q -p no:cacheprovider \
+    --junitxml="$OUT/kernels/junit_suite.xml"
   # shellcheck disable=SC2086
   run_section kernels_bench $PY -m dapo_kernels.bench.run ${BENCH_ARGS:---quick} --csv "$OUT/kernels/results.csv"
 }
 
-# ---- section: actor (issue 4: Megatron actor in bf16 + NCCL; needs megatron-core + transformers wheels) --
+# ---- section: actor (issue 4: Megatron actor in bf16 + NCCL; issue 17: the fused kernels inside it,
+# fused vs plain-torch actor and check-parity --fused-logprob; needs megatron-core + transformers wheels) --
 section_actor() {
   mkdir -p "$OUT/actor"
   run_section actor_tests $PY -m pytest -m gpu tests/gpu/test_actor_gpu.py -q -p no:cacheprovider \

@@ -1,6 +1,7 @@
 """The actor on a GPU (bf16, NCCL, one process): log-probs of a tiny Qwen2 match transformers at
-bf16 tolerance, a train step runs the fused kernels and moves the weights, and the Qwen2.5-1.5B
-benchmark (dapo_megatron/actor/bench.py) produces sane numbers.
+bf16 tolerance, a train step runs the fused kernels and moves the weights, the compiled fused head
+and loss equal the plain-torch ones in fp32, `check-parity --fused-logprob` passes, and the
+Qwen2.5-1.5B benchmark (dapo_megatron/actor/bench.py) produces sane numbers.
 
     tests/gpu/run_all.sh OUT     (section "actor"), or: pytest -m gpu tests/gpu/test_actor_gpu.py
 """
@@ -129,3 +130,76 @@ def test_offload_frees_cuda_memory_and_onload_restores_bit_for_bit(tmp_path):
         assert len(restored) == len(snapshot)
         assert all(torch.equal(a, b) for a, b in zip(snapshot, restored))
         assert actor.train(samples, step=1)["update_skipped"] == 0
+
+
+def _samples_with_rl_fields(hf_dir, *, num=8, seed=3):
+    """Random prompts/responses with old log-probs 0.3 nats off the model's (clipping happens)."""
+    from transformers import AutoModelForCausalLM
+
+    from dapo_megatron.batch import Sample
+
+    gen = torch.Generator().manual_seed(seed)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    samples = []
+    for i in range(num):
+        prompt = torch.randint(5, 300, (int(torch.randint(2, 9, (1,), generator=gen)),), generator=gen).tolist()
+        response = torch.randint(5, 300, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([prompt + response])).logits[0], -1)[len(prompt) - 1:-1]
+        lp = logp.gather(1, torch.tensor(response)[:, None])[:, 0]
+        samples.append(Sample(prompt_ids=prompt, response_ids=response, group_index=i // 2,
+                              advantage=[1.5, -1.0, 0.5, -1.5][i % 4],
+                              old_logprobs=(lp + 0.3 * torch.randn(lp.shape, generator=gen)).tolist()))
+    return samples
+
+
+def test_fused_actor_equals_torch_actor_fp32(tmp_path):
+    """The compiled fused head and loss (actor.fused_logprob / fused_policy_loss) against the
+    plain-torch ones in fp32 at TP=1: log-probs and entropies within 1e-5, every stat, and the
+    weights after one step within 1e-6 (the CPU suite checks TP=2 and sequence parallelism in the
+    interpreter: tests/distributed/test_actor_fused.py)."""
+    from helpers_tiny import save_tiny_hf
+
+    from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.config import ActorConfig, Config
+
+    _single_process_group()
+    hf_dir = save_tiny_hf(tmp_path / "llama", arch="llama", tied=True, shape=dict(vocab_size=301))
+    samples = _samples_with_rl_fields(hf_dir)
+    runs = {}
+    for fused in (False, True):
+        cfg = Config()
+        cfg.actor = ActorConfig(attention_backend="torch", precision="fp32", micro_batch_tokens=40,
+                                use_distributed_optimizer=False, fused_logprob=fused, fused_policy_loss=fused)
+        cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-3, 0
+        with model_parallel(tp=1, seed=7):
+            actor = Actor(cfg, hf_dir)
+            for group in actor.optimizer.param_groups:
+                group["eps"] = 1e-4  # see tests/distributed/test_actor_train.py
+            out = actor.logprobs(samples)
+            metrics = actor.train(samples, step=0)
+            runs[fused] = (out, metrics, {k: v.float().cpu() for k, v in actor.iter_hf_weights()})
+    (ref, m_ref, w_ref), (got, m_got, w_got) = runs[False], runs[True]
+    for a, b in zip(got.logprobs + got.entropies, ref.logprobs + ref.entropies):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    for key in ("loss", "clipfrac_low", "clipfrac_high", "dualclip_frac", "approx_kl", "ratio_mean", "ratio_max",
+                "entropy", "num_tokens"):
+        assert m_got[key] == pytest.approx(m_ref[key], rel=1e-5, abs=1e-6), key
+    for name, w in w_ref.items():
+        torch.testing.assert_close(w_got[name], w, atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def test_check_parity_fused_logprob_on_gpu(tmp_path):
+    """`check-parity --fused-logprob` with the compiled kernels (one process, NCCL) on an
+    odd-vocabulary tied Llama: log-probs and entropies vs transformers within the defaults."""
+    from helpers_tiny import save_tiny_hf
+
+    from dapo_megatron.actor import parity
+
+    _single_process_group()
+    hf_dir = save_tiny_hf(tmp_path / "llama", arch="llama", tied=True,
+                          shape=dict(vocab_size=301, num_attention_heads=8))
+    numbers = parity.run_check(["--model", str(hf_dir), "--fused-logprob", "--seq-len", "32"])
+    print(numbers)
+    assert parity.failures(numbers, tolerance=1e-5, grad_tolerance=1e-4) == []

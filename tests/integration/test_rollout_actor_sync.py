@@ -20,7 +20,7 @@ def _cfg(tp: int):
 
     cfg = Config()
     cfg.actor = ActorConfig(tp=tp, attention_backend="torch", precision="fp32", micro_batch_tokens=64,
-                            use_distributed_optimizer=True)
+                            use_distributed_optimizer=True, fused_logprob=False, fused_policy_loss=False)
     cfg.rollout.temperature = 1.0
     cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-3, 0
     return cfg
