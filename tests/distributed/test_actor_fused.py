@@ -2,7 +2,7 @@
 interpreter here, compiled on a GPU: the same call path, lm_head.token_logprobs_entropy and
 actor._policy_loss) equals the Actor with the plain-torch head and loss, on gloo ranks, fp32.
 
-At TP=1 (x DP=2), TP=2 and TP=2 with sequence parallelism, and on an odd-vocabulary tied Llama
+At TP=1 (x DP=2), TP=2, TP=2 with sequence parallelism, CP=2, and on an odd-vocabulary tied Llama
 (vocab 301: the actor pads it to 302 rows at TP=2, the head must exclude the padding row):
   - Actor.logprobs: log-probs and entropies within 1e-5;
   - one Actor.train step: every stat equal, the gradient of every weight equal (max |diff| within
@@ -26,7 +26,7 @@ STAT_KEYS = ("loss", "pg_loss", "kl_loss", "clipfrac_low", "clipfrac_high", "dua
              "num_micro_batches", "update_skipped")
 
 
-def _step_rank(hf_dir, samples, *, tp, sp, budget, fused_logprob, fused_policy_loss, algo=None):
+def _step_rank(hf_dir, samples, *, tp, sp, budget, fused_logprob, fused_policy_loss, algo=None, cp=1):
     """Every rank: Actor.logprobs, then one train step; returns (logprobs, entropies, metrics, the
     gradient and the updated weights by HF name). The gradient is read just before the optimizer
     step (FP32 optimizer without sharding: each main_grad holds the full reduced gradient)."""
@@ -49,8 +49,8 @@ def _step_rank(hf_dir, samples, *, tp, sp, budget, fused_logprob, fused_policy_l
 
     opt_module.guarded_step = capture
     try:
-        with model_parallel(tp=tp, seed=7):
-            cfg = make_cfg(tp=tp, micro_batch_tokens=budget, sequence_parallel=sp, lr=1e-3, warmup_steps=0)
+        with model_parallel(tp=tp, cp=cp, seed=7):
+            cfg = make_cfg(tp=tp, cp=cp, micro_batch_tokens=budget, sequence_parallel=sp, lr=1e-3, warmup_steps=0)
             cfg.actor.use_distributed_optimizer = False
             cfg.actor.fused_logprob, cfg.actor.fused_policy_loss = fused_logprob, fused_policy_loss
             for key, value in (algo or {}).items():
@@ -107,18 +107,18 @@ def tiny_dirs(tmp_path_factory):
 
 
 # budget 40 tokens: 2-3 packed micro-batches per rank (samples of up to 18 tokens)
-@pytest.mark.parametrize("model,tp,sp", [("qwen2", 1, False), ("qwen2", 2, False), ("qwen2", 2, True),
-                                         ("llama_v301_tied", 2, True)],
-                         ids=["tp1_dp2", "tp2", "tp2_sp", "llama_v301_tied_tp2_sp"])
-def test_fused_actor_equals_torch_actor(rank_pool, tiny_dirs, model, tp, sp):
+@pytest.mark.parametrize("model,tp,sp,cp", [("qwen2", 1, False, 1), ("qwen2", 2, False, 1), ("qwen2", 2, True, 1),
+                                            ("llama_v301_tied", 2, True, 1), ("qwen2", 1, False, 2)],
+                         ids=["tp1_dp2", "tp2", "tp2_sp", "llama_v301_tied_tp2_sp", "cp2"])
+def test_fused_actor_equals_torch_actor(rank_pool, tiny_dirs, model, tp, sp, cp):
     hf_dir = tiny_dirs[model]
     samples = make_samples(8, seed=11)
     hf_logps, hf_ents = hf_logprobs(hf_dir, samples)
     samples = fill_rl_fields(samples, hf_logps, seed=4)
     pool = rank_pool(2)
-    ref = pool.run(_step_rank, hf_dir, samples, tp=tp, sp=sp, budget=40, fused_logprob=False,
+    ref = pool.run(_step_rank, hf_dir, samples, tp=tp, sp=sp, cp=cp, budget=40, fused_logprob=False,
                    fused_policy_loss=False)
-    fused = pool.run(_step_rank, hf_dir, samples, tp=tp, sp=sp, budget=40, fused_logprob=True,
+    fused = pool.run(_step_rank, hf_dir, samples, tp=tp, sp=sp, cp=cp, budget=40, fused_logprob=True,
                      fused_policy_loss=True)
     for rank_result in fused[1:]:  # identical on every rank
         assert all(torch.equal(a, b) for a, b in zip(rank_result[0], fused[0][0]))
@@ -133,7 +133,7 @@ def test_fused_actor_equals_torch_actor(rank_pool, tiny_dirs, model, tp, sp):
     assert max(float(e.max()) for e in ref[0][1]) > 1.0  # far from one-hot: the entropies are compared
     assert ref[0][2]["clipfrac_low"] + ref[0][2]["clipfrac_high"] > 0  # the clip branches are hit
     grad_diff, grad_scale, weight_diff = _assert_same_step(ref[0], fused[0], label=f"{model} tp={tp} sp={sp}")
-    print(f"\n[fused actor] {model} tp={tp} sp={sp}: logprob max|diff| {lp_diff:.2e}, entropy {ent_diff:.2e}, "
+    print(f"\n[fused actor] {model} tp={tp} sp={sp} cp={cp}: logprob max|diff| {lp_diff:.2e}, entropy {ent_diff:.2e}, "
           f"gradient {grad_diff:.2e} (max|g| {grad_scale:.2e}), updated weights {weight_diff:.2e}")
 
 
