@@ -38,7 +38,9 @@ def rank_pool():
 
     def get(world_size: int) -> RankPool:
         pool = pools.get(world_size)
-        if pool is None or not pool.alive:
+        if pool is not None and pool.alive and pool.worn_out:
+            pool.close()  # leaked gloo threads (rank_pool.MAX_THREADS_PER_RANK): start fresh ranks
+        if pool is None or not pool.alive or pool.worn_out:
             pool = pools[world_size] = RankPool(world_size)
         return pool
 

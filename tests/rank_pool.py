@@ -63,6 +63,7 @@ def _worker(rank: int, world_size: int, port: int, conn) -> None:
             reply = (True, fn(*args, **kwargs))
         except BaseException:  # noqa: BLE001 - the traceback goes back to the test
             reply = (False, f"rank {rank}:\n{traceback.format_exc()}")
+        reply = (*reply, len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0)
         try:
             payload = _dumps(reply)
         except Exception:  # noqa: BLE001 - an unpicklable result is a test bug, say so
@@ -71,10 +72,21 @@ def _worker(rank: int, world_size: int, port: int, conn) -> None:
     dist.destroy_process_group()
 
 
+# An Actor with megatron's DDP + distributed optimizer is never freed once built: DDP registers its
+# grad hooks on C++ autograd nodes, a reference cycle the garbage collector cannot see through, and
+# the objects in it hold megatron's gloo groups, each with polling threads (~45 threads per Actor,
+# measured 2026-11-23; destroy_process_group cannot stop them while the group is referenced). A
+# training process builds one Actor and is unaffected; a pool that builds hundreds reached 1,700
+# threads per rank and a load average of 700 on a 2-core machine. So a rank whose thread count passes
+# this bound is replaced before the pool's next use (conftest.rank_pool).
+MAX_THREADS_PER_RANK = 300
+
+
 class RankPool:
     def __init__(self, world_size: int, *, timeout: float = 600.0) -> None:
         self.world_size = world_size
         self.timeout = timeout
+        self.max_threads = 0  # the largest thread count a rank reported after a job
         ctx = mp.get_context("spawn")
         port = _free_port()
         self._conns, self._procs = [], []
@@ -89,6 +101,11 @@ class RankPool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self._procs)
 
+    @property
+    def worn_out(self) -> bool:
+        """Leaked threads past MAX_THREADS_PER_RANK (see there): time for fresh ranks."""
+        return self.max_threads > MAX_THREADS_PER_RANK
+
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         assert self.alive, "rank pool has a dead rank"
         msg = _dumps((fn, args, kwargs))
@@ -99,7 +116,8 @@ class RankPool:
             if not conn.poll(self.timeout):
                 self.close(force=True)
                 raise TimeoutError(f"rank {rank} did not answer within {self.timeout:.0f} s; pool killed")
-            ok, value = _loads(conn.recv_bytes())
+            ok, value, threads = _loads(conn.recv_bytes())
+            self.max_threads = max(self.max_threads, threads)
             (results if ok else errors).append(value)
         if errors:
             raise RuntimeError("\n".join(errors))
