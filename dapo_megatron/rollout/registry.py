@@ -2,7 +2,9 @@
 
 Record: {"host", "port", "url", "tp_size", "model", "pid", "started_at" (ISO 8601 UTC), ...}.
 A restarted engine (e.g. a requeued Slurm array task) writes its file again with a newer
-`started_at`; the pool treats that as a new incarnation that must be re-synced before use.
+`started_at`; the pool treats that as a new incarnation that must be re-synced before use. An
+engine that exits (normally, Ctrl-C or SIGTERM) removes its own file with `remove_registration`,
+so the directory lists only engines that may still answer.
 """
 
 from __future__ import annotations
@@ -33,6 +35,22 @@ def write_registration(register_dir: str, record: dict) -> str:
     return path
 
 
+def remove_registration(path: str, *, pid: int) -> bool:
+    """Delete the registration at `path` if it is still this engine's (same pid); True if removed.
+
+    The pid check matters when a newer incarnation on the same host:port (a requeued array task)
+    has already written its own record there: an old process on its way out must not delete it.
+    """
+    try:
+        with open(path) as f:
+            if json.load(f).get("pid") != pid:
+                return False
+        os.remove(path)
+        return True
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
 def read_registrations(register_dir: str) -> list[dict]:
     """Every valid record in the directory (sorted by url); a malformed file raises ValueError."""
     records = []
@@ -40,6 +58,8 @@ def read_registrations(register_dir: str) -> list[dict]:
         try:
             with open(path) as f:
                 rec = json.load(f)
+        except FileNotFoundError:  # its engine exited (remove_registration) between glob and open
+            continue
         except json.JSONDecodeError as err:
             raise ValueError(f"engine registry file {path}: not JSON ({err})") from None
         missing = [k for k in _REQUIRED if k not in rec]

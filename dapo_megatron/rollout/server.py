@@ -43,6 +43,7 @@ import datetime
 import io
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -53,7 +54,7 @@ from aiohttp import web
 
 from dapo_megatron.rollout.cpu_engine import CpuEngine, WeightError
 from dapo_megatron.rollout.protocol import RequestError, SequenceRequest, parse_generate
-from dapo_megatron.rollout.registry import write_registration
+from dapo_megatron.rollout.registry import remove_registration, write_registration
 
 
 def _error(status: int, message: str, field: str | None = None) -> web.Response:
@@ -419,14 +420,23 @@ async def _serve(server: RolloutServer, *, host: str, port: int, model: str, reg
     await web.TCPSite(runner, host, port).start()
     url = f"http://{host}:{port}"
     print(f"serve-rollout: serving {model} at {url}", flush=True)
-    if register_dir:  # only once the socket accepts connections
-        write_registration(register_dir, {
-            "host": host, "port": port, "url": url, "tp_size": 1, "model": model, "pid": os.getpid(),
-            "engine": "cpu", "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        })
+    # SIGTERM (what the launcher, scancel and `kill` send) ends the wait below like Ctrl-C does, so the
+    # `finally` runs: the registration goes away with the engine instead of pointing at a dead port
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    registration = ""
     try:
-        await asyncio.Event().wait()
+        if register_dir:  # only once the socket accepts connections
+            registration = write_registration(register_dir, {
+                "host": host, "port": port, "url": url, "tp_size": 1, "model": model, "pid": os.getpid(),
+                "engine": "cpu", "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            })
+        await stop.wait()
+        print("serve-rollout: stopping", flush=True)
     finally:
+        if registration:
+            remove_registration(registration, pid=os.getpid())
         await runner.cleanup()
 
 

@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from dapo_megatron.rollout.registry import write_registration
+from dapo_megatron.rollout.registry import remove_registration, write_registration
 
 
 @dataclass
@@ -105,20 +105,26 @@ def main(argv: list[str] | None = None) -> int:
     settings = SGLangSettings(model_path=args.model, tp_size=args.tp, mem_fraction_static=args.mem_fraction,
                               colocate=args.colocate, seed=args.seed, host=args.host, port=args.port, dtype=args.dtype,
                               base_gpu_id=args.base_gpu_id, extra_args=tuple(extra))
+    # SIGTERM (scancel, the colocated supervisor) unwinds like Ctrl-C, so the `finally` below stops
+    # the server and removes its registration instead of leaving both behind
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     proc = subprocess.Popen(sglang_command(settings))
     host = advertised_host(args.host)
     url = f"http://{host}:{args.port}"
+    registration = ""
     try:
         wait_healthy(f"http://127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "") else url,
                      proc=proc, timeout_s=args.health_timeout)
         if args.register_dir:
-            write_registration(args.register_dir, {
+            registration = write_registration(args.register_dir, {
                 "host": host, "port": args.port, "url": url, "tp_size": args.tp, "model": args.model,
                 "pid": proc.pid, "engine": "sglang",
                 "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat()})
         print(f"sglang engine ready at {url}", flush=True)
         return proc.wait()
     finally:
+        if registration:
+            remove_registration(registration, pid=proc.pid)
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)

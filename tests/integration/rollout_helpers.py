@@ -64,6 +64,8 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"serve-rollout exited with {self.proc.returncode}")
             for path in self.register_dir.glob("*.json"):  # a restart on a known port rewrites its file
+                if path.name.startswith("."):  # write_registration's temp file, possibly half written
+                    continue
                 rec = json.loads(path.read_text())
                 if rec["pid"] == self.proc.pid:
                     return rec

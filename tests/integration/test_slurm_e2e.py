@@ -100,10 +100,16 @@ def test_real_trainer_with_an_engine_array(slurm_cluster, tmp_path):
     ids = submit.submit(submit.plan_train(cfg, engines=2), env=slurm_cluster.env)
     assert slurm_cluster.wait_done([ids["train"]], timeout_s=600) == {ids["train"]: "COMPLETED"}, logs(run_dir)
     assert steps_of(run_dir) == [1]
-    registered = [json.loads(p.read_text()) for p in (run_dir / "engines").glob("*.json")]
-    assert len({r["url"] for r in registered}) == 2
+    served = {line.rsplit(" at ", 1)[-1] for p in (run_dir / "slurm/logs").glob("engines-*.out")
+              for line in p.read_text(errors="replace").splitlines() if line.startswith("serve-rollout: serving ")}
+    assert len(served) == 2, logs(run_dir)
     engine_states = slurm_cluster.wait_done([ids["engines"]], timeout_s=60)
     assert set(engine_states.values()) == {"CANCELLED"}, engine_states  # the trainer stopped them
+    # scancel's SIGTERM reached each engine, which removed its own registration on the way out
+    deadline = time.monotonic() + 30
+    while list((run_dir / "engines").glob("*.json")) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert list((run_dir / "engines").glob("*.json")) == [], logs(run_dir)
 
 
 def test_real_trainer_requeued_by_usr1_resumes_then_eval_sweep(slurm_cluster, tmp_path):

@@ -67,6 +67,13 @@ def queue(slurm) -> list[str]:
     return slurm.run(["squeue", "-h", "-o", "%i"]).stdout.split()
 
 
+def _records(registry: Path) -> list[dict]:
+    """The registrations present now (an engine that stops removes its file, possibly mid-listing)."""
+    from dapo_megatron.rollout.registry import read_registrations
+
+    return read_registrations(str(registry)) if registry.is_dir() else []
+
+
 def logs(run_dir: Path) -> str:
     return "\n".join(p.read_text() for p in sorted((run_dir / "slurm" / "logs").glob("*.out")))
 
@@ -214,9 +221,10 @@ def test_engine_array_and_trainer_rendezvous_through_the_registry(slurm_cluster,
         assert time.monotonic() < deadline, logs(run_dir)
         time.sleep(0.3)
     # replace engine task 1 while the trainer runs: Slurm requeues it, it serves and registers again
+    # (the stopped incarnation removed its own file on SIGTERM: the registry lists live engines)
     slurm_cluster.run(["scontrol", "requeue", f"{ids['engines']}_1"])
     deadline = time.monotonic() + 300
-    while len(list(registry.glob("*.json"))) < 3:
+    while not (fresh := [r for r in _records(registry) if r["url"] not in first]):
         assert time.monotonic() < deadline, logs(run_dir)
         time.sleep(0.3)
     (tmp_path / "release").touch()
@@ -224,12 +232,16 @@ def test_engine_array_and_trainer_rendezvous_through_the_registry(slurm_cluster,
     assert [(m["step"], m["engines"]) for m in metrics(run_dir)] == [(1, 2), (2, 2), (3, 2)]
     text = logs(run_dir)
     assert text.count("generated [") == 2 and all(f"engine {url} generated" in text for url in first)
-    records = [json.loads(p.read_text()) for p in registry.glob("*.json")]
-    newest = max(records, key=lambda r: r["started_at"])
-    assert newest["url"] not in first and newest["started_at"] > max(r["started_at"] for r in first.values())
-    # the trainer cancelled its engines when it finished
+    (newest,) = fresh
+    assert newest["started_at"] > max(r["started_at"] for r in first.values())
+    # the trainer cancelled its engines when it finished; scancel's SIGTERM made the requeued engine
+    # remove its registration on the way out
     engine_states = slurm_cluster.wait_done([ids["engines"]], timeout_s=150)
     assert set(engine_states.values()) == {"CANCELLED"}, engine_states
+    deadline = time.monotonic() + 30
+    while newest["url"] in {r["url"] for r in _records(registry)} and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert newest["url"] not in {r["url"] for r in _records(registry)}, logs(run_dir)
     assert f"training ended: cancelling the rollout engines (job {ids['engines']})" in text
 
 
