@@ -1,6 +1,6 @@
 """Actor training throughput and MFU on a GPU: a Qwen2.5-1.5B-shaped model with random weights.
 
-    python -m dapo_megatron.actor.bench --tokens 4096 16384 --csv docs/actor_bench.csv
+    dapo-megatron bench actor --tokens 4096 16384 [--results-dir DIR]      # -> ./results/actor.csv
     torchrun --nproc-per-node 8 -m dapo_megatron.actor.bench --tp 2 --tokens 16384
     tests/gpu/run_all.sh OUT   # section "actor" runs it where a GPU is lent
 
@@ -17,13 +17,13 @@ FLOPs per step (the usual model-FLOPs accounting, no recompute counted):
                                                  per layer forward for a full mask, half of it causal,
                                                  times 3 for forward + backward
 MFU = FLOPs / step time / (num_gpus * peak); peak = 989 TFLOP/s, the H100 SXM bf16 dense figure
-(also used for H200: same tensor cores). A table is printed and rows appended to --csv.
+(also used for H200: same tensor cores). A table is printed and rows appended to
+<--results-dir>/actor.csv (default ./results/actor.csv) or --csv FILE (dapo_megatron/bench.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import json
 import os
@@ -86,7 +86,9 @@ def flops_per_step(samples, *, num_params: int, hidden: int, layers: int) -> flo
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dapo_megatron.actor.bench", description=__doc__.split("\n")[0])
+    from dapo_megatron.bench import add_output_args, append_rows, results_csv
+
+    parser = argparse.ArgumentParser(prog="dapo-megatron bench actor", description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384], help="tokens per micro-batch")
     parser.add_argument("--seqs-per-mb", type=int, default=2)
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per DP rank per step")
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", choices=["torch", "te"], default="torch")
     parser.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
     parser.add_argument("--checkpoint-dir", default="", help="reuse / write the random HF checkpoint here")
-    parser.add_argument("--csv", default="docs/actor_bench.csv")
+    add_output_args(parser, name="actor")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise ValueError("the actor benchmark needs a CUDA GPU (bf16 + NCCL)")
@@ -163,14 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         for row in rows:
             print(" | ".join(f"{row[k]!s:>22}" for k in keys))
         print(json.dumps({"device": device, "num_params": rows[0]["num_params"], "num_gpus": rows[0]["num_gpus"]}))
-        path = Path(args.csv)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        new = not path.exists()
-        with path.open("a", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-            if new:
-                writer.writeheader()
-            writer.writerows(rows)
+        append_rows(results_csv(args, name="actor"), rows, fields=list(rows[0]))
     if owns_group:
         torch.distributed.destroy_process_group()
     return 0

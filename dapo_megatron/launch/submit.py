@@ -190,10 +190,11 @@ def plan_eval(cfg: Config, eval_run_dir: str | Path, *, entry: Sequence[str] = r
 
 
 def plan_bench_kernels(cfg: Config) -> Plan:
+    """`bench kernels` on one GPU; its CSV rows go to <run_dir>/bench/kernels.csv (not the job's cwd)."""
     cfg = _resolved(cfg)
     run_dir = Path(cfg.trainer.output_dir)
-    return Plan(run_dir, [JobSpec("bench_kernels", _fixed(render.render_bench_kernels(cfg)),
-                                  _log_args(run_dir, "bench_kernels", array=False))])
+    text = render.render_bench_kernels(cfg, bench_args=["--results-dir", str(run_dir / "bench")])
+    return Plan(run_dir, [JobSpec("bench_kernels", _fixed(text), _log_args(run_dir, "bench_kernels", array=False))])
 
 
 def check_memory(plan: Plan, *, out: Callable[[str], None] = print) -> None:

@@ -1,19 +1,19 @@
 r"""Reward-scoring throughput: math_dapo on 10,000 responses of ~20K tokens (~80K characters) each.
 
     dapo-megatron bench reward                       # defaults: 10000 responses x 80000 chars, 3 repeats
-    dapo-megatron bench reward --num 1000 --chars 8000 --repeats 5 --csv /tmp/r.csv
+    dapo-megatron bench reward --num 1000 --chars 8000 --repeats 5 --results-dir /tmp/bench
 
 Responses are slices of one deterministic pseudo-text pool (so only one response is alive at a time)
 with an answer tail that varies: correct, wrong, \boxed{}, $1,234$ thousands commas, `x = 5`, none.
-Only the score() calls are timed. Prints a table and appends one row per run to bench_results.csv
-(kernel,provider,mode,metric,unit,x,p50,p20,p80,device,date; x = characters per response,
+Only the score() calls are timed. Prints a table and appends one row per run to
+<--results-dir>/reward.csv (default ./results/reward.csv; dapo_megatron/bench.py) with the columns
+kernel,provider,mode,metric,unit,x,p50,p20,p80,device,date (x = characters per response,
 p50/p20/p80 over the repeats of the seconds for all responses).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import platform
 import random
@@ -21,9 +21,9 @@ import statistics
 import time
 from pathlib import Path
 
+from dapo_megatron.bench import add_output_args, append_rows, results_csv
 from dapo_megatron.reward.math_dapo import score
 
-CSV_PATH = Path(__file__).with_name("bench_results.csv")
 CSV_FIELDS = ["kernel", "provider", "mode", "metric", "unit", "x", "p50", "p20", "p80", "device", "date"]
 WORDS = ("the", "so", "we", "get", "then", "therefore", "let", "x", "=", "+", "-", "\\frac{1}{2}", "$", "sum",
          "of", "is", "12", "7", "\\cdot", "(", ")", "\n", "Wait,", "check:", "answer", "step", "\\boxed{3}")
@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--chars", type=int, default=80_000, help="characters per response (~4 per token)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--csv", type=Path, default=CSV_PATH)
+    add_output_args(parser, name="reward")
     args = parser.parse_args(argv)
     if args.num < 1 or args.chars < 100 or args.repeats < 1:
         raise ValueError(f"bench reward: need --num >= 1, --chars >= 100, --repeats >= 1 (got {args.num}, {args.chars}, {args.repeats})")
@@ -103,14 +103,9 @@ def main(argv: list[str]) -> int:
 
     print(f"{'responses':>10} {'chars':>8} {'seconds p50':>12} {'p20':>8} {'p80':>8} {'responses/s':>12}  device")
     print(f"{args.num:>10} {args.chars:>8} {p50:>12.4f} {p20:>8.4f} {p80:>8.4f} {args.num / p50:>12.0f}  {device}")
-    new_file = not args.csv.exists()
-    with args.csv.open("a", newline="") as fh:
-        writer = csv.writer(fh)
-        if new_file:
-            writer.writerow(CSV_FIELDS)
-        writer.writerow(["reward_math_dapo", "python", "score", f"seconds_per_{args.num}_responses", "s",
-                         args.chars, f"{p50:.6f}", f"{p20:.6f}", f"{p80:.6f}", device, date])
-    print(f"appended to {args.csv}")
+    row = ["reward_math_dapo", "python", "score", f"seconds_per_{args.num}_responses", "s", args.chars,
+           f"{p50:.6f}", f"{p20:.6f}", f"{p80:.6f}", device, date]
+    append_rows(results_csv(args, name="reward"), [dict(zip(CSV_FIELDS, row))], fields=CSV_FIELDS)
     return 0
 
 

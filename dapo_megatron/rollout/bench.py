@@ -2,7 +2,12 @@
 generation throughput (tokens/s at several numbers of concurrent requests) and weight-sync
 bandwidth (gloo broadcast vs tensors-by-value over HTTP).
 
-    python -m dapo_megatron.rollout.bench [--hidden 512 --layers 8 --vocab 32000] [--new-tokens 64]
+    dapo-megatron bench rollout [--hidden 512 --layers 8 --vocab 32000] [--new-tokens 64] [--results-dir DIR]
+    python -m dapo_megatron.rollout.bench ...          # the same
+
+Rows go to <--results-dir>/rollout.csv (default ./results/rollout.csv; dapo_megatron/bench.py), in
+the kernel benchmarks' columns: kernel (rollout_generate | weight_sync), provider, mode, metric,
+unit, x (concurrent requests | MB), p50 (= p20 = p80: one measurement), device, date.
 """
 
 from __future__ import annotations
@@ -30,12 +35,26 @@ def _random_qwen2(out_dir: str, *, hidden: int, layers: int, vocab: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-async def _run(url: str, model_dir: str, *, new_tokens: int, concurrency: list[int]) -> None:
+CSV_FIELDS = ("kernel", "provider", "mode", "metric", "unit", "x", "p50", "p20", "p80", "device", "date")
+
+
+def _row(kernel: str, provider: str, mode: str, metric: str, unit: str, x: object, value: float) -> dict:
+    import datetime
+
+    from dapo_megatron.reward.bench import _device
+
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    return dict(zip(CSV_FIELDS, (kernel, provider, mode, metric, unit, x, f"{value:.6g}", f"{value:.6g}",
+                                 f"{value:.6g}", _device(), date)))
+
+
+async def _run(url: str, model_dir: str, *, new_tokens: int, concurrency: list[int]) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     from dapo_megatron.rollout.client import EngineClient
     from dapo_megatron.rollout.weight_sync import DistributedWeightSync, sync_by_tensor
 
+    rows: list[dict] = []
     async with EngineClient(url) as c:
         print(f"{'concurrent requests':>20} {'tokens':>8} {'seconds':>8} {'tokens/s':>9}")
         for conc in concurrency:
@@ -45,6 +64,8 @@ async def _run(url: str, model_dir: str, *, new_tokens: int, concurrency: list[i
             dt = time.perf_counter() - tic
             tokens = sum(len(o["output_ids"]) for o in outs)
             print(f"{conc:>20} {tokens:>8} {dt:>8.2f} {tokens / dt:>9.1f}")
+            rows.append(_row("rollout_generate", "cpu_server", f"new_tokens={new_tokens}", "tokens_per_s", "tok/s",
+                             conc, tokens / dt))
         weights = list(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict().items())
         print(f"\n{'weight sync':>20} {'MB':>8} {'seconds':>8} {'GB/s':>9}")
         sync = DistributedWeightSync(backend="gloo", bucket_bytes=64 << 20)
@@ -53,18 +74,26 @@ async def _run(url: str, model_dir: str, *, new_tokens: int, concurrency: list[i
             st = await sync.sync([c], iter(weights))
             st.seconds = time.perf_counter() - tic
             print(f"{label:>20} {st.bytes / 1e6:>8.1f} {st.seconds:>8.2f} {st.gb_per_s:>9.3f}")
+            rows.append(_row("weight_sync", "gloo_broadcast", "first" if "1st" in label else "repeat", "gb_per_s",
+                             "GB/s", round(st.bytes / 1e6, 1), st.gb_per_s))
         await sync.close([c])
         st = await sync_by_tensor([c], iter(weights), bucket_bytes=64 << 20)
         print(f"{'http by value':>20} {st.bytes / 1e6:>8.1f} {st.seconds:>8.2f} {st.gb_per_s:>9.3f}")
+        rows.append(_row("weight_sync", "http_by_value", "repeat", "gb_per_s", "GB/s", round(st.bytes / 1e6, 1),
+                         st.gb_per_s))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from dapo_megatron.bench import add_output_args, append_rows, results_csv
+
+    ap = argparse.ArgumentParser(prog="dapo-megatron bench rollout", description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--concurrency", default="1,8,32")
+    add_output_args(ap, name="rollout")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")
@@ -82,11 +111,12 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError("serve-rollout exited")
                 time.sleep(0.2)
             url = read_registrations(reg)[0]["url"]
-            asyncio.run(_run(url, model_dir, new_tokens=args.new_tokens,
-                             concurrency=[int(x) for x in args.concurrency.split(",")]))
+            rows = asyncio.run(_run(url, model_dir, new_tokens=args.new_tokens,
+                                    concurrency=[int(x) for x in args.concurrency.split(",")]))
         finally:
             proc.kill()
             proc.wait()
+    append_rows(results_csv(args, name="rollout"), rows, fields=CSV_FIELDS)
     return 0
 
 

@@ -174,7 +174,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(parser)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--csv", default=None, help="results CSV (default kernels/bench/results.csv)")
+    parser.add_argument("--csv", default=None, help="results CSV (default ./results/kernels.csv)")
     args = parser.parse_args(argv)
     args.device = "cuda"
     if not torch.cuda.is_available():

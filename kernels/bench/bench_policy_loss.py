@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(parser)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--csv", default=None)
+    parser.add_argument("--csv", default=None, help="results CSV (default ./results/kernels.csv)")
     args = parser.parse_args(argv)
     args.device = "cuda"
     if not torch.cuda.is_available():

@@ -18,7 +18,9 @@ from typing import Callable
 import torch
 
 CSV_FIELDS = ("kernel", "provider", "mode", "metric", "unit", "x", "p50", "p20", "p80", "device", "date")
-DEFAULT_CSV = Path(__file__).with_name("results.csv")
+# relative to where the benchmark runs (`dapo-megatron bench kernels --results-dir DIR` names another):
+# results never land in the installed package or the checkout's source; docs/benchmarks.md holds the tables
+DEFAULT_CSV = Path("results") / "kernels.csv"
 
 
 def device_name() -> str:

@@ -6,9 +6,10 @@
     python -m dapo_kernels.bench.run --correctness            # the no-GPU pass, on any machine
 
 With a CUDA GPU: bench_logprob and bench_policy_loss (see their docstrings), each printing a table
-and appending to kernels/bench/results.csv. Without one it says so and runs a tiny correctness pass
-in the Triton interpreter (max errors against the float64 reference; no timings), re-executing
-itself with TRITON_INTERPRET=1 when the variable was not set before dapo_kernels was imported.
+and appending to <--results-dir>/kernels.csv (default ./results/kernels.csv) or --csv FILE. Without
+one it says so and runs a tiny correctness pass in the Triton interpreter (max errors against the
+float64 reference; no timings), re-executing itself with TRITON_INTERPRET=1 when the variable was
+not set before dapo_kernels was imported.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kernels", default="logprob,policy_loss", help="subset of logprob,policy_loss")
     parser.add_argument("--quick", action="store_true", help=f"a subset that fits a 10-minute GPU call: {QUICK}")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per point (median, p20, p80)")
-    parser.add_argument("--csv", default=None, help="results CSV (default kernels/bench/results.csv)")
+    parser.add_argument("--results-dir", default=None, help="rows go to DIR/kernels.csv (default ./results)")
+    parser.add_argument("--csv", default=None, help="append to this CSV file instead (overrides --results-dir)")
     parser.add_argument("--correctness", action="store_true", help="run the interpreter correctness pass only")
     parser.add_argument("--cpu-dry-run", action="store_true",
-                        help="run the benchmark code on CPU in the interpreter (tests; times are meaningless; needs --csv)")
+                        help="run the benchmark code on CPU in the interpreter (tests; times are meaningless; "
+                             "needs --csv or --results-dir)")
     bench_logprob.add_args(parser)
     bench_policy_loss.add_args(parser)
     return parser
@@ -96,9 +99,12 @@ def correctness_pass() -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    if args.csv is None and args.results_dir:
+        args.csv = os.path.join(args.results_dir, "kernels.csv")
     if args.cpu_dry_run or args.correctness or not torch.cuda.is_available():
         if args.cpu_dry_run and not args.csv:
-            raise ValueError("--cpu-dry-run needs --csv: kernels/bench/results.csv keeps GPU measurements only")
+            raise ValueError("--cpu-dry-run needs --csv or --results-dir: the default results/kernels.csv keeps GPU "
+                             "measurements only")
         if not (args.correctness or args.cpu_dry_run):
             print("no CUDA GPU on this machine: no timings. Running the tiny correctness pass in the Triton interpreter.")
             argv = ["--correctness"]

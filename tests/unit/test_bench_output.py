@@ -1,0 +1,71 @@
+"""Benchmark results go to a results directory the user names (default ./results where the command
+runs), never into the package source; `bench` dispatches every benchmark.
+
+    pytest tests/unit/test_bench_output.py
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+from pathlib import Path
+
+import dapo_megatron
+from dapo_megatron import bench
+from dapo_megatron.reward import bench as reward_bench
+
+PACKAGE = Path(dapo_megatron.__file__).resolve().parent
+
+
+def _rows(path: Path) -> list[dict]:
+    with path.open() as fh:
+        return list(csv.DictReader(fh))
+
+
+def test_reward_bench_appends_to_the_named_results_dir(tmp_path):
+    out = tmp_path / "my results"
+    for _ in range(2):  # a second run appends a row under the same header
+        assert bench.main(["reward", "--num", "12", "--chars", "300", "--repeats", "2", "--results-dir", str(out)]) == 0
+    rows = _rows(out / "reward.csv")
+    assert len(rows) == 2 and list(rows[0]) == reward_bench.CSV_FIELDS
+    row = rows[0]
+    assert (row["kernel"], row["metric"], row["unit"], row["x"]) == ("reward_math_dapo", "seconds_per_12_responses",
+                                                                     "s", "300")
+    assert float(row["p20"]) <= float(row["p50"]) <= float(row["p80"])
+    assert list(PACKAGE.rglob("*.csv")) == []  # nothing written next to the code
+
+
+def test_default_results_dir_is_relative_to_where_the_command_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert bench.main(["reward", "--num", "6", "--chars", "200", "--repeats", "1"]) == 0
+    assert [r["x"] for r in _rows(tmp_path / "results" / "reward.csv")] == ["200"]
+    # --csv names one exact file instead
+    assert bench.main(["reward", "--num", "6", "--chars", "250", "--repeats", "1", "--csv", "one.csv"]) == 0
+    assert [r["x"] for r in _rows(tmp_path / "one.csv")] == ["250"]
+    assert [r["x"] for r in _rows(tmp_path / "results" / "reward.csv")] == ["200"]
+
+
+def test_kernel_results_default_outside_the_package(tmp_path, monkeypatch):
+    from dapo_kernels.bench import common
+
+    monkeypatch.chdir(tmp_path)
+    writer = common.CsvWriter(None, "policy_loss")
+    writer.add("fused", "fwd", "ms", "ms", "T=8", 1.25)
+    writer.flush()
+    assert [(r["kernel"], r["p50"]) for r in _rows(tmp_path / "results" / "kernels.csv")] == [("policy_loss", "1.25")]
+
+
+def test_every_bench_subcommand_takes_the_same_output_options():
+    for name, module in bench.BENCHES.items():
+        source = Path(importlib.util.find_spec(module).origin).read_text()
+        assert "--results-dir" in source or "add_output_args" in source, name
+    assert bench.main([]) == 2  # usage
+
+
+def test_slurm_kernel_bench_writes_into_the_run_directory(tmp_path):
+    from dapo_megatron.config import load_config
+    from dapo_megatron.launch import submit
+
+    cfg = load_config(None, [f"trainer.output_dir={tmp_path}/run"])
+    (job,) = submit.plan_bench_kernels(cfg).jobs
+    assert f"BENCH_ARGS=(--results-dir {tmp_path}/run/bench)" in job.script()
