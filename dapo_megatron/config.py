@@ -152,9 +152,13 @@ class SlurmConfig:
     constraint: str = ""
     signal_seconds: int = 600  # SIGUSR1 this long before the time limit: checkpoint, then requeue
     array_throttle: int = 2  # %K of sweep / eval arrays
-    setup: list[str] = field(default_factory=list)  # shell lines run first (module load, venv)
+    # shell lines every job runs first (module load, venv activation); they choose the interpreter:
+    # jobs run `python` from the PATH these lines leave, unless `python` below names another
+    setup: list[str] = field(default_factory=list)
     extra_sbatch: list[str] = field(default_factory=list)  # more `#SBATCH` options, e.g. "--exclusive"
-    python: str = ""  # interpreter on the compute nodes; "" = the one running `slurm submit`
+    # interpreter on the compute nodes; "" = `python` after slurm.setup, or (no setup lines) the
+    # interpreter running `slurm submit`
+    python: str = ""
     gpu_memory_gb: float = 80.0  # memory of one GPU in GiB (H100 80GB); `dapo-megatron plan` checks every phase against it
 
 

@@ -99,7 +99,13 @@ def fill(template: str, *, sbatch: Sequence[str], values: dict[str, Value], setu
 
 
 def python_of(cfg: Config) -> str:
-    return cfg.slurm.python or sys.executable
+    """The interpreter the jobs run: slurm.python if set; else `python` as the slurm.setup lines leave
+    it on PATH (they activate the cluster's environment, which the submitter's interpreter path may
+    not even exist in); with no setup lines, the interpreter running `slurm submit` (same machine
+    image, e.g. the local test cluster)."""
+    if cfg.slurm.python:
+        return cfg.slurm.python
+    return "python" if cfg.slurm.setup else sys.executable
 
 
 def trainer_procs_per_node(cfg: Config) -> int:

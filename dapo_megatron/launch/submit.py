@@ -233,14 +233,18 @@ def submit(plan: Plan, *, dry_run: bool = False, out: Callable[[str], None] = pr
            env: Optional[dict[str, str]] = None) -> dict[str, str]:
     """Write the plan's files and scripts, sbatch each job in order, record jobs.json; role -> job id.
 
-    dry_run: print every file and the sbatch command lines instead; writes nothing, submits nothing.
+    dry_run: print the sbatch command lines, the scripts, then the other files (the resolved config,
+    last: it is the longest and the least surprising); writes nothing, submits nothing.
     """
     if dry_run:
-        for rel, text in plan.files.items():
-            out(f"# ---- {plan.run_dir / rel} (written at submission)\n{text}")
+        out("# dry run: nothing is written or submitted. `slurm submit` without --dry-run would run, in order:")
+        for job in plan.jobs:
+            out(f"#   {shlex.join(sbatch_argv(plan, job, {}))}")
+        out("")
         for job in plan.jobs:
             out(f"# ---- {plan.script_path(job)}\n{job.script()}")
-            out(f"# submit: {shlex.join(sbatch_argv(plan, job, {}))}\n")
+        for rel, text in plan.files.items():
+            out(f"# ---- {plan.run_dir / rel} (written at submission)\n{text}")
         out("# dry run: nothing written, nothing submitted")
         return {}
     (plan.run_dir / "slurm" / "logs").mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -247,3 +248,40 @@ def yaml_dump(data) -> str:
     import yaml
 
     return yaml.safe_dump(data)
+
+
+def test_dry_run_prints_the_sbatch_lines_and_scripts_before_the_config(tmp_path, capsys):
+    from dapo_megatron.launch import cli
+
+    assert cli.main(["submit", str(REPO / "configs/runs/qwen2.5-7b_dapo.yaml"), f"trainer.output_dir={tmp_path}/run",
+                     "slurm.partition=h100", "--engines", "2", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    lines = text.splitlines()
+    assert lines[0].startswith("# dry run: nothing is written or submitted")
+    # what `head` shows first: the two sbatch command lines, in submission order
+    assert lines[1] == (f"#   sbatch --parsable --array=0-1 --output={tmp_path}/run/slurm/logs/engines-%A_%a.out "
+                        f"--job-name=dapo-engines {tmp_path}/run/slurm/engines.sbatch")
+    assert lines[2].startswith("#   sbatch --parsable --output=") and "'--dependency=after:<engines job id>'" in lines[2]
+    order = [text.index(marker) for marker in (f"# ---- {tmp_path}/run/slurm/engines.sbatch",
+                                               f"# ---- {tmp_path}/run/slurm/train.sbatch",
+                                               f"# ---- {tmp_path}/run/slurm/config.yaml")]
+    assert order == sorted(order)
+    assert not (tmp_path / "run").exists()  # a dry run writes nothing
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["slurm.setup=['source /shared/venvs/dapo/bin/activate']"], "python"),  # the venv's, after activation
+    (["slurm.setup=['module load python']", "slurm.python=/opt/py/bin/python3.12"], "/opt/py/bin/python3.12"),
+    ([], sys.executable),  # no setup lines: the submitter's own interpreter (same image, e.g. the test cluster)
+])
+def test_jobs_run_the_interpreter_the_setup_lines_provide(overrides, expected, tmp_path):
+    import shlex
+
+    cfg = load_config(REPO / "configs/runs/qwen2.5-7b_dapo.yaml", overrides)
+    plan = submit.plan_train(cfg, engines=1)
+    for job in plan.jobs:
+        text = job.script({"engines": "1"})
+        assert f"\nPYTHON={shlex.quote(expected)}\n" in text, job.role
+        # the setup lines run before the first use of the interpreter
+        if cfg.slurm.setup:
+            assert text.index(cfg.slurm.setup[0]) < text.index('"$PYTHON"'), job.role
