@@ -101,25 +101,37 @@ def eval_metrics(correct: torch.Tensor) -> dict[str, float]:
             "eval/k": float(n), "eval/num_prompts": float(correct.shape[0])}
 
 
-def _hf_dir_of(checkpoint: str) -> str:
-    """A run checkpoint (checkpoints/step_N with hf/ inside) or a HF model directory."""
+def resolve_checkpoint(checkpoint: str) -> tuple[str, str]:
+    """(checkpoint directory, HF model directory) of what `eval --checkpoint` names: a run directory
+    (its newest complete checkpoints/step_N), a run checkpoint (step_N with hf/ inside) or a HF
+    model directory."""
     from pathlib import Path
 
+    from dapo_megatron.checkpointing import checkpoint_root, latest_checkpoint
+
     path = Path(checkpoint)
+    if checkpoint_root(path).is_dir():  # a run directory
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise ValueError(f"--checkpoint {checkpoint}: a run directory without a complete checkpoint "
+                             f"({checkpoint_root(path)}/step_N with trainer_state.json)")
+        path = latest
     for candidate in (path / "hf", path):
         if (candidate / "config.json").is_file():
-            return str(candidate)
-    raise ValueError(f"--checkpoint {checkpoint}: neither it nor {path / 'hf'} holds a HF model (config.json); "
+            return str(path), str(candidate)
+    raise ValueError(f"--checkpoint {path}: neither it nor {path / 'hf'} holds a HF model (config.json); "
                      "run checkpoints have hf/ when trainer.save_hf is true")
 
 
 def main(argv: list[str]) -> int:
-    """dapo-megatron eval CONFIG [key=value ...] --checkpoint DIR [--output FILE.json]
+    """dapo-megatron eval CONFIG [key=value ...] [--checkpoint DIR] [--output FILE.json]
 
     avg@k and pass@k (k = trainer.eval_n) of a checkpoint on the config's eval set with the eval
     sampling settings (trainer.eval_temperature / eval_top_p; DAPO: k=32, T=1.0, top_p=0.7).
     rollout.engine=cpu starts CPU engines on the checkpoint; otherwise the engines of
     rollout.engine_urls or <output_dir>/engines load it with update_weights_from_disk.
+    DIR is a run checkpoint (checkpoints/step_N), a HF model directory, or a run directory (its
+    newest complete checkpoint); without --checkpoint, the config's trainer.output_dir.
     """
     import argparse
     import asyncio
@@ -134,12 +146,15 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--checkpoint", default="",
+                        help="run checkpoint, HF model or run directory (default: the config's trainer.output_dir)")
     parser.add_argument("--output", default="", help="JSON results (default <checkpoint>/eval.json)")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    hf_dir = _hf_dir_of(args.checkpoint)
-    output = Path(args.output or Path(args.checkpoint) / "eval.json")
+    checkpoint, hf_dir = resolve_checkpoint(args.checkpoint or cfg.trainer.output_dir)
+    if checkpoint != args.checkpoint:
+        print(f"[eval] checkpoint: {checkpoint}", flush=True)
+    output = Path(args.output or Path(checkpoint) / "eval.json")
 
     from transformers import AutoTokenizer
 
@@ -179,7 +194,7 @@ def main(argv: list[str]) -> int:
             correct = asyncio.run(run(engines.urls))
     else:
         correct = asyncio.run(run(list(r.engine_urls) or None))
-    result = {"checkpoint": str(args.checkpoint), "model": hf_dir, "num_prompts": len(records), "k": t.eval_n,
+    result = {"checkpoint": checkpoint, "model": hf_dir, "num_prompts": len(records), "k": t.eval_n,
               "temperature": t.eval_temperature, "top_p": t.eval_top_p,
               **{key.removeprefix("eval/"): value for key, value in eval_metrics(correct).items()},
               "per_prompt_acc": correct.mean(dim=1).tolist()}
