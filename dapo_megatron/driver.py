@@ -10,6 +10,7 @@ evaluation and the weight push. Every other rank only runs the actor (train.py).
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -124,11 +125,12 @@ class Driver:
         if not records:
             return {}
         t = self.cfg.trainer
+        start = time.perf_counter()
         correct = self.loop.run_until_complete(sample_correct(
             self.pool, [self.sampler.prompt_ids(r) for r in records], records, n=t.eval_n,
             temperature=t.eval_temperature, top_p=t.eval_top_p, max_new_tokens=self.cfg.rollout.max_response_length,
             seed=t.seed, stop_token_ids=self.sampler.settings.stop_token_ids))
-        return eval_metrics(correct)
+        return {**eval_metrics(correct), "time/eval_s": time.perf_counter() - start}
 
     def close(self) -> None:
         async def run():

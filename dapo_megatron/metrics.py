@@ -6,8 +6,8 @@
 
     dapo-megatron plot RUN_DIR [--out FILE.png]      # the PNG of a finished or running run
 
-Metric names are "group/name" (wandb groups panels by the prefix). The console shows the columns of
-CONSOLE_COLUMNS that a step has; every key goes to the JSONL and wandb. On resume from step k,
+Metric names are "group/name" (wandb groups panels by the prefix). The console shows the fixed
+columns of console.STEP_COLUMNS (a table that fits 120 characters); every key goes to the JSONL and wandb. On resume from step k,
 `MetricsLogger(..., resume_step=k)` drops the JSONL lines of steps after k (written after the last
 checkpoint) so the file reads as if the run had never stopped.
 """
@@ -18,57 +18,22 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence, TextIO
+from typing import Any, Mapping, Sequence, TextIO
+
+from dapo_megatron import console as _console
 
 __all__ = [
-    "CONSOLE_COLUMNS", "PLOT_PANELS", "MetricsLogger", "format_header", "format_row", "read_jsonl",
+    "PLOT_PANELS", "MetricsLogger", "read_jsonl",
     "build_figure", "plot_run", "plot_main", "progress",
 ]
 
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
 
-# (metric key, column header, format). The names train.py logs; a missing key prints as "-".
-CONSOLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
-    ("reward/mean", "reward", "{:+.3f}"),
-    ("acc/mean", "acc", "{:.3f}"),
-    ("eval/avg@k", "eval", "{:.3f}"),
-    ("response_length/mean", "len", "{:.1f}"),
-    ("response_length/max", "lmax", "{:.0f}"),
-    ("response_length/clip_ratio", "lclip", "{:.2f}"),
-    ("actor/entropy", "entropy", "{:.3f}"),
-    ("actor/clipfrac_low", "clip_lo", "{:.3f}"),
-    ("actor/clipfrac_high", "clip_hi", "{:.3f}"),
-    ("actor/approx_kl", "kl", "{:.1e}"),
-    ("actor/grad_norm", "gnorm", "{:.2f}"),
-    ("sampler/groups_kept", "kept", "{:.0f}"),
-    ("sampler/groups_seen", "seen", "{:.0f}"),
-    ("sampler/rounds", "rnd", "{:.0f}"),
-    ("mismatch/mean", "mism", "{:.1e}"),
-    ("mismatch/max", "mism_max", "{:.1e}"),
-    ("throughput/rollout_tok_s", "gen_tok/s", "{:.0f}"),
-    ("throughput/train_tok_s", "train_tok/s", "{:.0f}"),
-    ("time/gen_s", "t_gen", "{:.1f}"),
-    ("time/logprob_s", "t_lp", "{:.1f}"),
-    ("time/train_s", "t_train", "{:.1f}"),
-    ("time/sync_s", "t_sync", "{:.1f}"),
-    ("time/step_s", "t_step", "{:.1f}"),
-)
-
-# A column or curve shows the first of these keys a step has (the old-policy entropy comes for free
-# with the pi_old forward; the actor's updates may report their own).
-ALIASES: dict[str, tuple[str, ...]] = {"actor/entropy": ("actor/entropy", "actor/entropy_old")}
-
-
-def _get(metrics: Mapping[str, Any], key: str) -> Any:
-    for name in ALIASES.get(key, (key,)):
-        if name in metrics:
-            return metrics[name]
-    return None
-
-
-def _has(metrics: Mapping[str, Any], key: str) -> bool:
-    return any(name in metrics for name in ALIASES.get(key, (key,)))
+# A column or curve shows the first of these keys a step has (console.ALIASES: the old-policy
+# entropy comes for free with the pi_old forward; the actor's updates may report their own).
+ALIASES = _console.ALIASES
+_get = _console._get
 
 
 # PNG panels: (title, [(metric key, legend label), ...]); panels with no data are left out.
@@ -80,31 +45,6 @@ PLOT_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("clip fraction", (("actor/clipfrac_low", "low"), ("actor/clipfrac_high", "high"))),
     ("step time (s)", (("time/gen_s", "generate"), ("time/train_s", "train"), ("time/step_s", "step"))),
 )
-
-
-def _fmt(value: Any, fmt: str) -> str:
-    if value is None:
-        return "-"
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return str(value)
-    if math.isnan(number) or math.isinf(number):
-        return str(number)
-    return fmt.format(number)
-
-
-def format_header(keys: Iterable[str]) -> str:
-    wanted = set(keys)
-    cols = [(h, f) for k, h, f in CONSOLE_COLUMNS if k in wanted]
-    return f"{'step':>6}" + "".join(f" {h:>{max(len(h), 8)}}" for h, _ in cols)
-
-
-def format_row(step: int, metrics: Mapping[str, Any], keys: Iterable[str]) -> str:
-    """One table row for the columns `keys` selects (same order and widths as format_header)."""
-    wanted = set(keys)
-    cells = [f" {_fmt(_get(metrics, k), f):>{max(len(h), 8)}}" for k, h, f in CONSOLE_COLUMNS if k in wanted]
-    return f"{step:>6}" + "".join(cells)
 
 
 def _jsonable(value: Any) -> Any:
@@ -142,9 +82,8 @@ class MetricsLogger:
             self.path.unlink()  # a fresh run in an old directory starts a fresh file
         self._file = self.path.open("a")
         self._console = console
-        self._header_every = header_every
-        self._rows = 0
-        self._columns: tuple[str, ...] = ()
+        total_steps = (config or {}).get("trainer", {}).get("total_steps") if isinstance(config, Mapping) else None
+        self._table = _console.StepTable(total_steps=total_steps, header_every=header_every, out=console)
         self._wandb = None
         if wandb_mode != "disabled":
             import wandb
@@ -159,12 +98,7 @@ class MetricsLogger:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._console is not None:
-            columns = tuple(k for k, _, _ in CONSOLE_COLUMNS if _has(record, k))
-            if columns != self._columns or self._rows % self._header_every == 0:
-                print(format_header(columns), file=self._console)
-                self._columns = columns
-            print(format_row(step, record, columns), file=self._console, flush=True)
-            self._rows += 1
+            self._table.print_row(step, record)
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))},
                             step=int(step))

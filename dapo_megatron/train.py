@@ -97,6 +97,9 @@ def save_checkpoint(cfg: Config, actor, driver, *, step: int, extra: dict) -> No
 
 
 def run_worker(cfg: Config, *, resume: bool) -> int:
+    from dapo_megatron import console
+
+    console.quiet_backend_warnings()  # before megatron-core is imported (console.py: which, and why)
     from dapo_megatron.actor import parallel
     from dapo_megatron.actor.actor import Actor
     from dapo_megatron.actor.offload import trainer_memory_gb
@@ -113,6 +116,8 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
         is_driver = dist.get_rank() == 0
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         driver = Driver(cfg, model_dir=cfg.model.path, run_dir=run_dir, backend=backend) if is_driver else None
+        if driver:
+            console.actor_ready(cfg)
         latest = ckpt.newest_valid_checkpoint(run_dir) if resume else None  # verified against its manifest
         state = ckpt.read_state(latest) if latest else {"step": 0, "nonfinite_in_row": 0}
         if latest:
@@ -191,6 +196,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    parser.add_argument("--overwrite", action="store_true", help="clear a previous run in trainer.output_dir first")
     parser.add_argument("--skip-plan", action="store_true", help="launch without checking the memory plan first")
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
@@ -198,4 +204,5 @@ def main(argv: list[str]) -> int:
         return run_worker(cfg, resume=args.resume)
     from dapo_megatron.launch.local import launch_training
 
-    return launch_training(cfg, args.config, args.overrides, resume=args.resume, skip_plan=args.skip_plan)
+    return launch_training(cfg, args.config, args.overrides, resume=args.resume, overwrite=args.overwrite,
+                           skip_plan=args.skip_plan)

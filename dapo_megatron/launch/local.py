@@ -134,28 +134,67 @@ class LocalProcesses:
         self.children.clear()
 
 
-def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool, skip_plan: bool = False) -> int:
-    """This machine: check the memory plan, prepare the model, start CPU engines, run the actor ranks under torchrun."""
+def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool, overwrite: bool = False,
+                    skip_plan: bool = False) -> int:
+    """This machine: decide about the run directory, check the memory plan, prepare the model, start
+    CPU engines, run the actor ranks under torchrun, then print where everything is (console.run_summary)."""
+    from dapo_megatron import console
+    from dapo_megatron.launch.run_dir import check_run_dir
     from dapo_megatron.memplan import check_before_launch
-    from dapo_megatron.tiny import prepare_tiny_model
 
+    t_start = time.perf_counter()
+    run_dir = Path(cfg.trainer.output_dir)
+    # before anything starts: a finished run says so at once, and two runs never mix in one directory
+    decision = check_run_dir(run_dir, resume=resume, overwrite=overwrite, total_steps=cfg.trainer.total_steps,
+                             command=f"dapo-megatron train {config_path}")
+    if decision.message:
+        print(decision.message, flush=True)
+    if decision.nothing_to_do:
+        return 0
     if not skip_plan:
         check_before_launch(cfg)  # ValueError naming the phase and component that do not fit
-
-    run_dir = Path(cfg.trainer.output_dir)
+    console.quiet_backend_warnings()
     run_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = prepare_tiny_model(cfg) if cfg.tiny.enabled else cfg.model.path
-    if not model_dir:
-        raise ValueError("config key 'model.path' is empty: name a HF checkpoint directory (or set tiny.enabled=true)")
+    phases = console.Phases()
+    with phases.phase("model", slow_note="building and warm-starting the tiny model (once: it is cached)") as note:
+        model_dir = _prepare_model(cfg)
+        note["detail"] = _model_line(cfg, model_dir)
     overrides = [*overrides, f"model.path={model_dir}"]
     with LocalProcesses(run_dir / "logs") as procs:
         if cfg.rollout.engine == "cpu" and not cfg.rollout.engine_urls:
-            procs.start_cpu_engines(model_dir, num=cfg.rollout.num_engines, register_dir=run_dir / "engines",
-                                    seed=cfg.trainer.seed)
+            with phases.phase("rollout", slow_note=f"starting {cfg.rollout.num_engines} CPU engine(s)") as note:
+                urls = procs.start_cpu_engines(model_dir, num=cfg.rollout.num_engines,
+                                               register_dir=run_dir / "engines", seed=cfg.trainer.seed)
+                note["detail"] = (f"{len(urls)} CPU engine{'s' if len(urls) > 1 else ''} serving at {', '.join(urls)} "
+                                  f"(logs in {procs.log_dir})")
         elif cfg.rollout.engine == "sglang" and not cfg.rollout.engine_urls:
             print(f"[train] waiting for SGLang engines to register in {run_dir / 'engines'} "
                   "(slurm/rollout_array.sbatch or `python -m dapo_megatron.rollout.sglang_launcher`)", flush=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={cfg.actor.world_size}", "-m", "dapo_megatron.cli", "train", config_path,
                *overrides, *(["--resume"] if resume else [])]
-        return procs.run_foreground("actor", cmd, env={"OMP_NUM_THREADS": "1"})
+        t_ranks = time.perf_counter()
+        rc = procs.run_foreground("actor", cmd, env={"OMP_NUM_THREADS": "1"})
+        ranks_wall_s = time.perf_counter() - t_ranks
+    if rc == 0:
+        print(console.run_summary(run_dir, phase_seconds=phases.seconds, ranks_wall_s=ranks_wall_s,
+                                  wall_s=time.perf_counter() - t_start), flush=True)
+    return rc
+
+
+def _prepare_model(cfg) -> str:
+    if cfg.tiny.enabled:
+        from dapo_megatron.tiny import prepare_tiny_model
+
+        return prepare_tiny_model(cfg)
+    if not cfg.model.path:
+        raise ValueError("config key 'model.path' is empty: name a HF checkpoint directory (or set tiny.enabled=true)")
+    return cfg.model.path
+
+
+def _model_line(cfg, model_dir: str) -> str:
+    if not cfg.tiny.enabled:
+        return f"{model_dir} (model.path)"
+    tn = cfg.tiny
+    return (f"tiny Qwen2 ({tn.hidden_size} hidden, {tn.num_layers} layers), warm-started on the answer format "
+            f"({tn.warm_start_steps} steps), in {model_dir}")

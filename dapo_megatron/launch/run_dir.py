@@ -1,0 +1,84 @@
+"""What `train` does with an existing run directory (trainer.output_dir), decided before any engine
+or rank starts: two runs never mix in one directory.
+
+    decision = check_run_dir(run_dir, resume=False, overwrite=False, total_steps=40)
+    # a fresh directory, or only a cached tiny model in it: go
+    # a directory holding a run (checkpoints or metrics): ValueError naming both ways out,
+    #   --resume (continue it) or --overwrite (clear it first), or another trainer.output_dir
+    # --resume on a run already at total_steps: decision.nothing_to_do, with the message to print
+
+Only the run's own files are cleared by --overwrite (RUN_FILES); a cached tiny model
+(<run_dir>/tiny_model, keyed by its build arguments) is kept: it is rebuilt when they differ.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from dapo_megatron import checkpointing as ckpt
+
+# what one run writes into its directory (README, "run directory"); --overwrite removes exactly these
+RUN_FILES = ("checkpoints", "metrics.jsonl", "curves.png", "wandb", "logs", "engines", "eval")
+
+
+@dataclass
+class RunDirDecision:
+    start_step: int  # the step training starts from (0 fresh, N after --resume from step_N)
+    nothing_to_do: bool = False
+    message: str = ""  # what to print before anything starts ("" = nothing)
+
+
+def _has_metrics(run_dir: Path) -> bool:
+    path = run_dir / "metrics.jsonl"
+    return path.is_file() and path.stat().st_size > 0
+
+
+def clear_run(run_dir: Path) -> list[str]:
+    """Delete the run's own files (RUN_FILES) from run_dir; returns the names removed."""
+    removed = []
+    for name in RUN_FILES:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
+
+
+def check_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool, total_steps: int,
+                  command: str = "dapo-megatron train CONFIG") -> RunDirDecision:
+    """Refuse to mix two runs; clear with `overwrite`; say when `resume` has nothing left to do."""
+    run_dir = Path(run_dir)
+    if resume and overwrite:
+        raise ValueError("--resume continues the run in trainer.output_dir and --overwrite deletes it: choose one")
+    checkpoints = ckpt.list_checkpoints(run_dir)
+    latest_step = checkpoints[-1][0] if checkpoints else None
+    if overwrite:
+        removed = clear_run(run_dir) if run_dir.is_dir() else []
+        message = f"[train] --overwrite: removed {', '.join(removed)} from {run_dir}" if removed else ""
+        return RunDirDecision(start_step=0, message=message)
+    if resume:
+        if latest_step is None:
+            note = " (metrics.jsonl of an earlier attempt is replaced)" if _has_metrics(run_dir) else ""
+            return RunDirDecision(start_step=0, message=f"[train] --resume: no complete checkpoint in "
+                                                       f"{ckpt.checkpoint_root(run_dir)}; starting at step 0{note}")
+        if latest_step >= total_steps:
+            return RunDirDecision(start_step=latest_step, nothing_to_do=True, message=(
+                f"[train] {run_dir} is already at step {latest_step} of {total_steps} "
+                f"(trainer.total_steps): nothing to do. Raise trainer.total_steps to train further."))
+        return RunDirDecision(start_step=latest_step, message=(
+            f"[train] resuming {run_dir} from step {latest_step} of {total_steps} ({checkpoints[-1][1].name})"))
+    if latest_step is not None or _has_metrics(run_dir):
+        held = (f"checkpoints up to step {latest_step}" if latest_step is not None else
+                "metrics.jsonl of an earlier run (no complete checkpoint)")
+        ways = [f"continue it: {command} ... --resume"] if latest_step is not None else []
+        ways.append(f"start over: {command} ... --overwrite (deletes {', '.join(RUN_FILES)} there)")
+        ways.append("or write elsewhere: trainer.output_dir=NEW_DIR")
+        raise ValueError(f"trainer.output_dir {run_dir} already holds a run ({held}); a new run there would mix "
+                         "with it. " + "; ".join(ways))
+    return RunDirDecision(start_step=0)
