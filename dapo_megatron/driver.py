@@ -43,7 +43,7 @@ def load_datasets(cfg: Config) -> tuple[list, list]:
 
 
 def fill_advantages(groups: list[list[Sample]], *, eps: float) -> None:
-    """A_i = (R_i - mean_g R) / (std_g R + eps) per group (DAPO_SPEC section 4)."""
+    """A_i = (R_i - mean_g R) / (std_g R + eps) per group (docs/algorithm.md section 4)."""
     samples = [s for g in groups for s in g]
     if not samples:
         return

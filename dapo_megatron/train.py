@@ -1,4 +1,4 @@
-"""The DAPO training loop (DESIGN.md, "One training step").
+"""The DAPO training loop (docs/architecture.md, "One training step").
 
     dapo-megatron train configs/runs/tiny_cpu.yaml                      # CPU engines + actor, this machine
     dapo-megatron train configs/runs/tiny_cpu.yaml trainer.total_steps=5 --resume

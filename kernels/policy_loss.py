@@ -5,7 +5,7 @@
                               clip_ratio_c=3.0, loss_denominator=global_num_tokens)
     loss.backward()   # d loss / d logprob was written by the forward kernel; backward scales it
 
-Per token (DAPO_SPEC s5), with d = logp - old:
+Per token (docs/algorithm.md s5), with d = logp - old:
     r  = exp(clamp(d, -20, 20)),  l1 = -A r,  l2 = -A clip(r, 1 - eps_low, 1 + eps_high)
     l  = max(l1, l2);  if A < 0 and c is not None: l = min(l, -A c)
     loss = sum(mask * l) / loss_denominator          (token-mean with the global denominator)

@@ -192,7 +192,7 @@ def _padded_vocab_reference(logits_NV, target_logit, *, real_rows: int, tp_group
 
 
 def policy_loss_terms(logprob, old_logprob, advantages, *, eps_low, eps_high, clip_ratio_c):
-    """Per-token DAPO loss l and ratio (DAPO_SPEC s5), differentiable in logprob."""
+    """Per-token DAPO loss l and ratio (docs/algorithm.md s5), differentiable in logprob."""
     log_ratio = logprob - old_logprob
     ratio = torch.exp(torch.clamp(log_ratio, -20.0, 20.0))
     l1 = -advantages * ratio
@@ -232,7 +232,7 @@ def policy_loss_reference(
     clip_ratio_c: float | None,
     loss_denominator: float,
 ):
-    """loss = sum(mask * l) / loss_denominator with l from DAPO_SPEC s5, and stats (means over the
+    """loss = sum(mask * l) / loss_denominator with l from docs/algorithm.md s5, and stats (means over the
     masked tokens of this call; 0 when none is masked). Differentiable in logprob."""
     check_policy_loss_args(logprob, old_logprob, advantages, mask, eps_low, eps_high, clip_ratio_c, loss_denominator)
     math_dtype = torch.float64 if logprob.dtype == torch.float64 else torch.float32

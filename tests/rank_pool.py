@@ -4,7 +4,7 @@ Spawning ranks costs ~9 s each time (imports: torch, megatron-core), so tests se
 processes instead. `pool.run(fn, *args)` calls the module-level function `fn(*args)` on every rank,
 with torch.distributed initialized (gloo) and the CPU compatibility module applied, and returns the
 per-rank results. Results cross process boundaries as torch.save bytes: passing tensors through a
-multiprocessing queue failed once on these machines (notes/environment.md).
+multiprocessing queue failed once on these machines (docs/architecture.md, "Running Megatron-Core on CPU").
 
 fn owns Megatron's parallel state: it must initialize and destroy it (actor.parallel.model_parallel).
 A rank that raises sends its traceback; a rank that hangs past `timeout` kills the pool (the next

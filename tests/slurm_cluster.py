@@ -12,7 +12,7 @@ commands need SLURM_CONF: use `slurm.env` (or `slurm.run([...])`). The daemons r
 Debian packages' `slurm` user is not needed) and are stopped by their pid files; `stop()` checks
 that none of them is left running.
 
-Settings that make this work on one container (measured, see /work/shared/notes/environment.md):
+Settings that make this work on one container (measured; docs/architecture.md, "Running Megatron-Core on CPU"):
 proctrack/linuxproc and task/none (no cgroups), no accounting (sacct does not work), select
 cons_tres with CR_Core, sched_interval=1 so jobs start within a second, KillWait=3 so a cancelled
 or requeued job is gone in seconds, and `SlurmdParameters=config_overrides` so the node may

@@ -4,7 +4,7 @@
     apply_cpu_compat()          # before building any Megatron module
 
 megatron-core 0.16.1 works on CPU with gloo except for a handful of CUDA-only call sites
-(measured in ../shared/notes/environment.md). This module neutralizes exactly those:
+(docs/architecture.md, "Running Megatron-Core on CPU"). This module neutralizes exactly those:
 
   call site (megatron-core 0.16.1)                         what it becomes on CPU
   torch.cuda.current_device()   rotary_pos_embedding.py,   the CPU device

@@ -1,4 +1,4 @@
-"""Pure tensor maths of DAPO: no config objects, no torch.distributed (DESIGN.md)."""
+"""Pure tensor maths of DAPO: no config objects, no torch.distributed (docs/architecture.md, "Layout")."""
 
 from dapo_megatron.algo.advantages import group_advantages
 from dapo_megatron.algo.dynamic_sampling import DynamicSampler, SamplerStats, group_accuracies, keep_group

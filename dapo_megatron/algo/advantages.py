@@ -1,4 +1,4 @@
-"""Group-relative advantages (GRPO, DAPO_SPEC section 4).
+"""Group-relative advantages (GRPO, docs/algorithm.md section 4).
 
     A_i = (R_i - mean_g R) / (std_g R + eps)      unbiased (n - 1) std; a group of one: mean 0, std 1
 

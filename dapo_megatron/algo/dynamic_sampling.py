@@ -1,4 +1,4 @@
-"""Dynamic sampling (DAPO_SPEC section 2.2): keep only groups whose accuracy is strictly between 0 and 1.
+"""Dynamic sampling (docs/algorithm.md section 2.2): keep only groups whose accuracy is strictly between 0 and 1.
 
 A group whose G responses are all correct (or all wrong) has identical rewards up to overlong shaping,
 hence ~zero advantages and no gradient. The sampler over-generates, drops those groups and repeats

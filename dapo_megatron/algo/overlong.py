@@ -1,4 +1,4 @@
-"""Overlong reward shaping (DAPO_SPEC section 3) and overlong filtering (the ablation's simpler variant).
+"""Overlong reward shaping (docs/algorithm.md section 3) and overlong filtering (the ablation's simpler variant).
 
 Soft overlong punishment, with L the response length in tokens, L_max the generation cap and L_cache
 the buffer (L_max - L_cache is the expected maximum length):

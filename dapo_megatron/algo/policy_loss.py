@@ -1,4 +1,4 @@
-"""The DAPO policy loss: clip-higher PPO surrogate with dual clip, and its aggregation (DAPO_SPEC 5).
+"""The DAPO policy loss: clip-higher PPO surrogate with dual clip, and its aggregation (docs/algorithm.md 5).
 
 Per token, with A the advantage and r the importance ratio:
 

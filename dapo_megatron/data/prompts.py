@@ -1,4 +1,4 @@
-"""Prompt datasets in the DAPO-Math-17K schema (DAPO_SPEC section 8): load, validate, de-duplicate, save.
+"""Prompt datasets in the DAPO-Math-17K schema (docs/algorithm.md section 8): load, validate, de-duplicate, save.
 
     records = load_prompts("/shared/data/dapo-math-17k.parquet")      # dedup=True by default
     records.num_duplicates     # the public file repeats each of its 17,917 prompts ~100 times

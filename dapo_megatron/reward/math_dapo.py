@@ -1,4 +1,4 @@
-r"""The DAPO rule-based math reward (DAPO_SPEC section 3), equal to the public recipe's math_dapo scorer.
+r"""The DAPO rule-based math reward (docs/algorithm.md section 3), equal to the public recipe's math_dapo scorer.
 
     score("...so the total is 12.\nAnswer: $1,234$", "1234") -> RewardResult(score=1.0, acc=True, pred="1234")
 

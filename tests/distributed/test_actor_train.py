@@ -148,7 +148,7 @@ def test_one_step_at_tp2_updates_weights_like_tp1_dp2(rank_pool, tiny_dir):
 
 def hf_seq_mean_grads(hf_dir, samples, *, eps_low, eps_high, clip_ratio_c, tis_cap, kl_coef):
     """The same big-batch gradient, written out per sequence for seq-mean-token-mean with overlong
-    filtering, truncated importance sampling and a k3 KL term (DAPO_SPEC 5 + the GRPO baseline):
+    filtering, truncated importance sampling and a k3 KL term (docs/algorithm.md 5 + the GRPO baseline):
         loss = mean over sequences with a trained token of
                sum_t m_t * (min(pi_old/pi_rollout, C) * l_t + kl_coef * k3_t) / sum_t m_t
     with m_t = 0 for every token of a truncated sample."""

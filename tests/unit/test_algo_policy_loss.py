@@ -1,4 +1,4 @@
-"""policy_loss against hand-computed values (DAPO_SPEC 5): clip low, clip high, dual clip, agg modes,
+"""policy_loss against hand-computed values (docs/algorithm.md 5): clip low, clip high, dual clip, agg modes,
 and micro-batch accumulation with a global denominator equal to one big batch."""
 
 import math
