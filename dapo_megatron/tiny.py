@@ -177,6 +177,11 @@ def build_tiny_model(out_dir: str | Path, *, seed: int, spec: TinyModelSpec = Ti
 # --------------------------------------------------------------------------------------------
 # Warm start: supervised pass on the answer format
 
+# One thread: the model is so small that a second thread only adds synchronisation, and on a loaded
+# 2-core machine OpenMP's spinning made 30 steps take 128 s with 2 threads against 6 s with 1
+# (docs/LOG.md, 2026-11-23). A fixed count also makes the result independent of the machine's cores.
+WARM_START_THREADS = 1
+
 
 def answer_text(answer: str) -> str:
     """The response the warm start teaches (and math_dapo parses): `Answer: N`."""
@@ -222,8 +227,6 @@ def warm_start(
     RL's job is to make the model sure of what it knows (and every error it samples is a plain
     token slip, never an unknown id: the padded vocabulary rows get no smoothing mass).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if len(prompts) != len(answers) or not prompts:
         raise ValueError(f"warm start: need equally many prompts and answers (got {len(prompts)} and {len(answers)})")
     if steps < 0 or batch_size < 1 or lr <= 0 or not 0 <= label_smoothing < 1:
@@ -234,9 +237,23 @@ def warm_start(
     digest = _digest(list(prompts), list(answers))
     init_record = json.loads((init_dir / "build.json").read_text()) if (init_dir / "build.json").is_file() else {}
     record = {"stage": "warm", "init": init_record, "data": digest, "steps": steps,
-              "batch_size": batch_size, "lr": lr, "seed": seed, "label_smoothing": label_smoothing}
+              "batch_size": batch_size, "lr": lr, "seed": seed, "label_smoothing": label_smoothing,
+              "torch_threads": WARM_START_THREADS}
     if _cache_ok(path, record):
         return path
+    threads = torch.get_num_threads()
+    torch.set_num_threads(WARM_START_THREADS)
+    try:
+        return _warm_start(init_dir, path, record, prompts=prompts, answers=answers, steps=steps,
+                           batch_size=batch_size, lr=lr, seed=seed, label_smoothing=label_smoothing)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _warm_start(init_dir: Path, path: Path, record: dict, *, prompts: Sequence[str], answers: Sequence[str],
+                steps: int, batch_size: int, lr: float, seed: int, label_smoothing: float) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(init_dir)
     model = AutoModelForCausalLM.from_pretrained(init_dir, dtype=torch.float32)
     model.train()

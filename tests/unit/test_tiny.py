@@ -105,11 +105,21 @@ def test_warm_start_is_deterministic_cached_and_learns(tmp_path):
     prompts, answers = [r.prompt for r in train], [r.ground_truth for r in train]
     init = build_tiny_model(tmp_path / "a", seed=0, spec=SMALL)
     kw = dict(prompts=prompts, answers=answers, steps=40, batch_size=16, lr=3e-3, seed=5, label_smoothing=0.1)
-    warm_a = warm_start(init, tmp_path / "a", **kw)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        warm_a = warm_start(init, tmp_path / "a", **kw)
+    finally:
+        torch.set_num_threads(threads)
     stamp = (warm_a / "model.safetensors").stat().st_mtime_ns
     assert warm_start(init, tmp_path / "a", **kw) == warm_a
     assert (warm_a / "model.safetensors").stat().st_mtime_ns == stamp  # cache hit
-    warm_b = warm_start(init, tmp_path / "b", **kw)
+    torch.set_num_threads(2)  # the caller's thread count does not reach the warm start (it runs on 1)
+    try:
+        warm_b = warm_start(init, tmp_path / "b", **kw)
+        assert torch.get_num_threads() == 2  # and is restored afterwards
+    finally:
+        torch.set_num_threads(threads)
     wa, wb = load_file(warm_a / "model.safetensors"), load_file(warm_b / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)  # same seed -> bit-identical weights
 
