@@ -12,6 +12,10 @@ takes the newest checkpoint that verifies against it (`newest_valid_checkpoint`)
 does not is named with the first bad file, renamed `step_<N>.corrupt` (kept for inspection, never
 listed again), and the previous one is tried. The ranks share the hashing (file i goes to rank
 i % world), so a 32B checkpoint's hundreds of GB are read in parallel, not by rank 0 alone.
+
+With trainer.keep_best_checkpoint, `checkpoints/best.json` = {"step", "eval"} names the checkpoint
+whose eval (the held-out avg@k logged at its step, stored as trainer_state's "eval") is the best so
+far; rotation (trainer.keep_checkpoints) keeps it besides the newest ones.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any, Callable
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
 CORRUPT_SUFFIX = ".corrupt"
+BEST_FILE = "best.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -66,14 +71,47 @@ def read_state(ckpt_dir: str | Path) -> dict[str, Any]:
         raise ValueError(f"checkpoint {ckpt_dir}: cannot read {STATE_FILE}: {err}") from None
 
 
-def commit(tmp_dir: Path, final_dir: Path, *, keep: int) -> None:
-    """Rename a complete tmp checkpoint into place, then drop all but the newest `keep` (0 = all)."""
+def best_checkpoint(output_dir: str | Path) -> tuple[int, float, Path] | None:
+    """(step, eval, directory) of the best-eval checkpoint recorded in checkpoints/best.json, if any."""
+    path = checkpoint_root(output_dir) / BEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        best = json.loads(path.read_text())
+        step, score = int(best["step"]), float(best["eval"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not a best-checkpoint record ({err})") from None
+    found = dict(list_checkpoints(output_dir))
+    return (step, score, found[step]) if step in found else None
+
+
+def _update_best(final_dir: Path, step: int) -> None:
+    score = read_state(final_dir).get("eval")
+    if not isinstance(score, (int, float)):
+        return  # no eval at this step
+    current = best_checkpoint(final_dir.parent.parent)
+    if current is not None and current[1] >= score:
+        return  # the earliest of equal bests stays
+    path = final_dir.parent / BEST_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "eval": float(score)}))
+    tmp.replace(path)
+
+
+def commit(tmp_dir: Path, final_dir: Path, *, keep: int, keep_best: bool = False) -> None:
+    """Rename a complete tmp checkpoint into place, then drop all but the newest `keep` (0 = all)
+    and, with keep_best, the best-eval one (BEST_FILE)."""
     if final_dir.exists():  # a re-run of the same step after a resume: replace it whole
         shutil.rmtree(final_dir)
     tmp_dir.rename(final_dir)
+    match = _STEP_DIR.match(final_dir.name)
+    if keep_best and match:
+        _update_best(final_dir, int(match.group(1)))
+    best = best_checkpoint(final_dir.parent.parent) if keep_best else None
     if keep > 0:
-        for _, old in list_checkpoints(final_dir.parent.parent)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        for step, old in list_checkpoints(final_dir.parent.parent)[:-keep]:
+            if best is None or step != best[0]:
+                shutil.rmtree(old, ignore_errors=True)
 
 
 # --- manifest: sizes and checksums, written last, verified on resume ----------------------------------

@@ -120,6 +120,8 @@ class TrainerConfig:
     mini_batch_size: int = 32  # prompts per gradient update
     lr: float = 1e-6
     warmup_steps: int = 10
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up (the paper: constant)
+    min_lr: float = 0.0  # lr at the last step with linear / cosine decay
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     adam_beta1: float = 0.9
@@ -134,6 +136,9 @@ class TrainerConfig:
     output_dir: str = "outputs/run"
     max_nonfinite_in_row: int = 3  # NaN/inf updates skipped before the run stops
     keep_checkpoints: int = 2
+    # also keep the checkpoint of the best eval so far (checkpoints/best.json names it); needs a
+    # checkpoint at every eval: trainer.save_every must divide trainer.eval_every
+    keep_best_checkpoint: bool = False
     save_hf: bool = True  # also write each checkpoint as a HF model (checkpoints/step_N/hf) for eval / engines
     wandb_project: str = "dapo-megatron"
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
@@ -401,6 +406,9 @@ def validate(cfg: Config) -> None:
     _require(t.train_batch_size % t.mini_batch_size == 0, "trainer.mini_batch_size", t.mini_batch_size,
              f"must divide trainer.train_batch_size ({t.train_batch_size})")
     _require(t.lr > 0, "trainer.lr", t.lr, "must be > 0")
+    _require(0 <= t.min_lr <= t.lr, "trainer.min_lr", t.min_lr, f"must be in [0, trainer.lr = {t.lr}]")
+    _require(t.lr_decay_style == "constant" or t.total_steps > t.warmup_steps, "trainer.lr_decay_style",
+             t.lr_decay_style, f"needs trainer.total_steps ({t.total_steps}) > trainer.warmup_steps ({t.warmup_steps})")
     for key in ("warmup_steps", "total_steps", "eval_every", "save_every", "keep_checkpoints"):
         val = getattr(t, key)
         _require(val >= 0, f"trainer.{key}", val, "must be >= 0")
@@ -411,6 +419,10 @@ def validate(cfg: Config) -> None:
     _require(t.eval_n >= 1, "trainer.eval_n", t.eval_n, "must be >= 1")
     _require(t.eval_temperature > 0, "trainer.eval_temperature", t.eval_temperature, "must be > 0")
     _require(0 < t.eval_top_p <= 1, "trainer.eval_top_p", t.eval_top_p, "must be in (0, 1]")
+    _require(not t.keep_best_checkpoint or (t.eval_every > 0 and t.save_every > 0 and t.eval_every % t.save_every == 0),
+             "trainer.keep_best_checkpoint", t.keep_best_checkpoint,
+             f"needs a checkpoint at every eval: trainer.save_every ({t.save_every}) must divide trainer.eval_every "
+             f"({t.eval_every}), both > 0")
     _require(t.max_nonfinite_in_row >= 1, "trainer.max_nonfinite_in_row", t.max_nonfinite_in_row, "must be >= 1")
     _require(bool(t.output_dir), "trainer.output_dir", t.output_dir, "must be a directory path")
 

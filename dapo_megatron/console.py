@@ -210,7 +210,7 @@ def run_summary(run_dir: str | Path, *, phase_seconds: Mapping[str, float] | Non
     checkpoints on disk, and time per phase (start-up phases as measured by the launcher; the
     training phases summed from metrics.jsonl; `other` = the rest of the ranks' wall time:
     their start-up, checkpoints, logging)."""
-    from dapo_megatron.checkpointing import list_checkpoints
+    from dapo_megatron.checkpointing import best_checkpoint, list_checkpoints
     from dapo_megatron.metrics import CURVES_FILE, METRICS_FILE, read_jsonl
 
     run_dir = Path(run_dir)
@@ -239,9 +239,9 @@ def run_summary(run_dir: str | Path, *, phase_seconds: Mapping[str, float] | Non
         lines.append(f"  checkpoints:  {names} in {run_dir / 'checkpoints'}")
     else:
         lines.append("  checkpoints:  none")
-    best_dir = run_dir / "checkpoints" / "best"
-    if (best_dir / "trainer_state.json").is_file():
-        lines.append(f"  best ckpt:    {best_dir}")
+    best = best_checkpoint(run_dir)
+    if best is not None:
+        lines.append(f"  best ckpt:    {best[2]} (eval {best[1]:.1%}, kept by trainer.keep_best_checkpoint)")
     steps = [r for r in records if int(r.get("step", 0)) > 0 and "time/step_s" in r]
     phases: list[tuple[str, float]] = list((phase_seconds or {}).items())
     sums = {key: sum(float(r.get(key, 0.0)) for r in records)

@@ -92,7 +92,7 @@ def save_checkpoint(cfg: Config, actor, driver, *, step: int, extra: dict) -> No
     dist.barrier()
     ckpt.write_manifest(tmp)  # last: sizes + checksums of everything above (collective)
     if driver is not None:
-        ckpt.commit(tmp, final, keep=cfg.trainer.keep_checkpoints)
+        ckpt.commit(tmp, final, keep=cfg.trainer.keep_checkpoints, keep_best=cfg.trainer.keep_best_checkpoint)
     dist.barrier()
 
 
@@ -178,7 +178,8 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
             last_step = step + 1 == tr.total_steps
             stop = preempt.should_stop()  # collective: every rank decides the same at the same step
             if (tr.save_every and (step + 1) % tr.save_every == 0) or last_step or stop:
-                save_checkpoint(cfg, actor, driver, step=step + 1, extra={"nonfinite_in_row": nonfinite_in_row})
+                save_checkpoint(cfg, actor, driver, step=step + 1, extra={"nonfinite_in_row": nonfinite_in_row,
+                                                                          "eval": log.get("eval/avg@k")})
             if stop and not last_step:
                 if driver:
                     print(f"[train] {preempt.received.name if preempt.received else 'signal'}: checkpoint of "

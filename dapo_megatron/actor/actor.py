@@ -122,7 +122,8 @@ class Actor:
             grad_clip=tr.grad_clip, precision=ac.precision, use_distributed_optimizer=ac.use_distributed_optimizer,
         )
         self.lr_schedule = build_lr_schedule(self.optimizer, lr=tr.lr, warmup_steps=tr.warmup_steps,
-                                             weight_decay=tr.weight_decay)
+                                             weight_decay=tr.weight_decay, decay_style=tr.lr_decay_style,
+                                             min_lr=tr.min_lr, total_steps=tr.total_steps)
         config = chunks[0].config
         config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
         config.grad_scale_func = self.optimizer.scale_loss

@@ -1,15 +1,20 @@
-"""Megatron optimizer (AdamW, distributed over DP when asked), linear lr warm-up, and one guarded step.
+"""Megatron optimizer (AdamW, distributed over DP when asked), lr warm-up and decay, and one guarded step.
 
     optimizer = build_optimizer(model_chunks, lr=1e-6, weight_decay=0.1, ...)
     schedule = build_lr_schedule(optimizer, lr=1e-6, warmup_steps=10)
     set_lr_for_step(schedule, step=3)                 # lr = 1e-6 * (3 + 1) / 10
+    schedule = build_lr_schedule(optimizer, lr=1e-6, warmup_steps=10, decay_style="cosine", min_lr=1e-7,
+                                 total_steps=400)     # after warm-up: cosine from 1e-6 to 1e-7 at step 400
     updated, grad_norm = guarded_step(optimizer, grad_clip=1.0, loss_is_finite=True)
 
 Warm-up is counted in ROLLOUT steps, as in the DAPO paper ("linear warm-up over 20 rollout
 steps"): every mini-batch update of rollout step s (0-based) uses lr * min(1, (s + 1) / W), so the
 first step already trains (lr / W) and step W - 1 onwards uses the full lr; W = 0 means constant.
-The schedule is megatron's OptimizerParamScheduler with init_lr 0 and constant decay, which also
-sets each parameter group's weight decay (biases and norms get none: wd_mult 0).
+The schedule is megatron's OptimizerParamScheduler with init_lr 0, which also sets each parameter
+group's weight decay (biases and norms get none: wd_mult 0). After the warm-up the lr stays constant
+(the paper's setting) or, with decay_style linear / cosine, decays to min_lr at the last rollout
+step (total_steps - 1): megatron's formula with lr_decay_steps = total_steps, where rollout step s
+counts as num_steps = s + 1.
 """
 
 from __future__ import annotations
@@ -43,17 +48,24 @@ def build_optimizer(model_chunks: list, *, lr: float, weight_decay: float, adam_
     return get_megatron_optimizer(config, model_chunks)
 
 
-def build_lr_schedule(optimizer, *, lr: float, warmup_steps: int, weight_decay: float):
+def build_lr_schedule(optimizer, *, lr: float, warmup_steps: int, weight_decay: float,
+                      decay_style: str = "constant", min_lr: float = 0.0, total_steps: int = 0):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    if decay_style not in ("constant", "linear", "cosine"):
+        raise ValueError(f"trainer.lr_decay_style={decay_style!r} is not allowed; choose constant, linear or cosine")
+    if decay_style != "constant" and total_steps <= warmup_steps:
+        raise ValueError(f"trainer.lr_decay_style={decay_style}: trainer.total_steps ({total_steps}) must exceed "
+                         f"trainer.warmup_steps ({warmup_steps}) to leave steps to decay over")
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=lr,
-        min_lr=0.0,
+        min_lr=min_lr if decay_style != "constant" else 0.0,
         lr_warmup_steps=warmup_steps,
-        lr_decay_steps=warmup_steps + 1,  # unused by the constant style, but must exceed warm-up
-        lr_decay_style="constant",
+        # constant: unused, but megatron wants it past the warm-up
+        lr_decay_steps=total_steps if decay_style != "constant" else warmup_steps + 1,
+        lr_decay_style=decay_style,
         start_wd=weight_decay,
         end_wd=weight_decay,
         wd_incr_steps=1,
