@@ -38,6 +38,9 @@ _QUIET_WARNINGS: tuple[tuple[str, str, str], ...] = (
      "megatron-core announces, at import, each fused Apex/TE implementation it replaces with its torch one; "
      "dapo-megatron chooses its backends explicitly (actor.attention_backend=torch runs without TE, Apex is "
      "optional), so on CPU they print 14 times and say nothing the config does not"),
+    (r"full scope is deprecated\. Use empty cuda_graph_scope", r"megatron\.core",
+     "megatron-core 0.16.1's own TransformerConfig default (cuda_graph_scope='full') trips its deprecation "
+     "warning in __post_init__ (transformer_config.py:1705) once per rank; CUDA graphs are not used"),
 )
 
 

@@ -156,9 +156,13 @@ class RolloutSampler:
                              max_num_gen_batches=s.max_num_gen_batches, on_exhausted=s.on_exhausted)
         bar = None
         if s.progress:
+            import sys
+
             from tqdm import tqdm
 
-            bar = tqdm(total=train_batch_size, desc="rollout groups", unit="grp", leave=False)
+            # a live bar on a terminal only: in a log file its redraws would bury the step table
+            bar = tqdm(total=train_batch_size, desc="rollout groups", unit="grp", leave=False,
+                       disable=not sys.stderr.isatty())
         tokens = aborted = unscored = correct = scored = 0
         tic = time.perf_counter()
         try:

@@ -36,6 +36,7 @@ def _train(out: Path, cache: Path, *extra: str, log: Path | None = None) -> list
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    (out / "console.txt").write_text(proc.stdout + proc.stderr)  # what the user saw (test_console_output)
     if log is not None:
         log.write_text(proc.stdout + proc.stderr)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -71,6 +72,31 @@ def test_metrics_are_written_and_sane(runs):
     assert ckpts == ["step_000002", "step_000004"]  # keep_checkpoints=2, nothing half-written left
     assert (run_dir / "checkpoints" / "step_000004" / "hf" / "config.json").is_file()
     assert (run_dir / "curves.png").stat().st_size > 0
+
+
+def test_console_output(runs):
+    """Start-up phase lines, a step table within 120 columns, no backend warning or loading bar, and a
+    closing summary that names the run directory, the curves, the evals and the checkpoints."""
+    run_dir = runs["root"] / "a"
+    text = (run_dir / "console.txt").read_text()
+    lines = text.splitlines()
+    for phase in ("model", "rollout", "actor"):
+        assert sum(line.startswith(f"[train] {phase}: ") for line in lines) >= 1, phase
+    table = [line for line in lines if line.split()[:1] and "/4" in line.split()[0]]
+    assert [line.split()[0] for line in table] == ["0/4", "1/4", "2/4", "3/4", "4/4"]
+    assert max(len(line) for line in table) <= 120
+    assert len({len(line.split()) for line in table}) == 1  # the same columns in every row
+    assert "UserWarning" not in text and "Loading weights" not in text
+    evals = [r for r in runs["a"] if "eval/avg@k" in r]
+    assert f"[train] done. run directory: {run_dir}" in lines
+    assert f"  curves:       {run_dir / 'curves.png'}" in lines
+    assert f"  final eval:   avg@8 {evals[-1]['eval/avg@k']:.1%} at step 4, pass@8 {evals[-1]['eval/pass@k']:.1%}" in lines
+    assert f"  checkpoints:  step_000002, step_000004 in {run_dir / 'checkpoints'}" in lines
+    # resuming the finished run: nothing to do, said at once
+    proc = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu.yaml"),
+                           f"trainer.output_dir={run_dir}", "trainer.total_steps=4", "--resume"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "already at step 4 of 4 (trainer.total_steps): nothing to do" in proc.stdout
 
 
 def test_resume_continues_as_if_never_stopped(runs):

@@ -76,6 +76,9 @@ def test_megatron_fallback_warnings_are_filtered_and_others_are_not():
                                "gpt_layer_specs.py", 70, module="megatron.core.models.gpt.gpt_layer_specs")
         warnings.warn_explicit("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
                                UserWarning, "__init__.py", 24, module="megatron.core.optimizer")
+        warnings.warn_explicit("full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.",
+                               UserWarning, "transformer_config.py", 1705,
+                               module="megatron.core.transformer.transformer_config")
         warnings.warn_explicit("Apex is not installed. Falling back to Torch Norm", UserWarning, "x.py", 1,
                                module="someone_else")  # the same words from another package still show
         warnings.warn_explicit("something megatron says that matters", UserWarning, "y.py", 2, module="megatron.core")
