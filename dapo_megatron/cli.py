@@ -1,12 +1,12 @@
 """`dapo-megatron` command line: one sub-command per concern, each implemented in its own module.
 
-    dapo-megatron train configs/runs/tiny_cpu.yaml [key=value ...] [--resume]
-    dapo-megatron eval CONFIG --checkpoint DIR
+    dapo-megatron train configs/runs/tiny_cpu.yaml [key=value ...] [--resume | --overwrite]
+    dapo-megatron eval CONFIG [--checkpoint DIR]      (a checkpoint, a HF model or a run directory)
     dapo-megatron config show CONFIG [key=value ...]
     dapo-megatron plan CONFIG [key=value ...]                   (per-GPU memory of every phase)
     dapo-megatron convert hf-to-mcore | mcore-to-hf ...
     dapo-megatron check-parity --model HF_DIR --tp T --pp P      (under torchrun)
-    dapo-megatron bench kernels | reward
+    dapo-megatron bench kernels | reward | rollout | actor [--results-dir DIR]
     dapo-megatron serve-rollout --model DIR --port P
     dapo-megatron slurm submit | status ...
     dapo-megatron plot RUN_DIR
@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "plan": ("dapo_megatron.memplan.report", "main", "per-GPU memory of every phase of a step; exit 1 if it does not fit"),
     "convert": ("dapo_megatron.weights.convert", "main", "convert checkpoints: hf-to-mcore | mcore-to-hf"),
     "check-parity": ("dapo_megatron.actor.parity", "main", "Megatron vs transformers log-prob parity"),
-    "bench": ("dapo_megatron.bench", "main", "benchmarks: kernels | reward"),
+    "bench": ("dapo_megatron.bench", "main", "benchmarks: kernels | reward | rollout | actor"),
     "serve-rollout": ("dapo_megatron.rollout.server", "main", "CPU rollout server (SGLang HTTP API)"),
     "slurm": ("dapo_megatron.launch.cli", "main", "render / submit sbatch jobs, show their status"),
     "plot": ("dapo_megatron.metrics", "plot_main", "PNG of a run's curves"),

@@ -121,7 +121,7 @@ class TrainerConfig:
     lr: float = 1e-6
     warmup_steps: int = 10
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up (the paper: constant)
-    min_lr: float = 0.0  # lr at the last step with linear / cosine decay
+    min_lr: float = 0.0  # lr at the last step with linear / cosine decay (a run within its warm-up never decays)
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     adam_beta1: float = 0.9
@@ -407,8 +407,6 @@ def validate(cfg: Config) -> None:
              f"must divide trainer.train_batch_size ({t.train_batch_size})")
     _require(t.lr > 0, "trainer.lr", t.lr, "must be > 0")
     _require(0 <= t.min_lr <= t.lr, "trainer.min_lr", t.min_lr, f"must be in [0, trainer.lr = {t.lr}]")
-    _require(t.lr_decay_style == "constant" or t.total_steps > t.warmup_steps, "trainer.lr_decay_style",
-             t.lr_decay_style, f"needs trainer.total_steps ({t.total_steps}) > trainer.warmup_steps ({t.warmup_steps})")
     for key in ("warmup_steps", "total_steps", "eval_every", "save_every", "keep_checkpoints"):
         val = getattr(t, key)
         _require(val >= 0, f"trainer.{key}", val, "must be >= 0")

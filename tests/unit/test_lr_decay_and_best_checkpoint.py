@@ -43,11 +43,15 @@ def test_cosine_and_linear_decay_reach_min_lr_at_the_last_step():
     assert linear == pytest.approx([1e-3 * (1 - (s + 1) / 10) for s in range(10)])  # 0.9e-3 ... 0
 
 
+def test_a_run_within_its_warm_up_never_decays():
+    # e.g. `train tiny_cpu.yaml trainer.total_steps=4` with warmup_steps 5: warm-up only, no error
+    lrs = _lrs(warmup_steps=20, decay_style="cosine", min_lr=1e-4, total_steps=10)
+    assert lrs == pytest.approx([1e-3 * (s + 1) / 20 for s in range(10)])
+
+
 def test_decay_settings_are_validated():
     with pytest.raises(ValueError, match="trainer.min_lr"):
         load_config(None, ["trainer.lr=1e-4", "trainer.min_lr=2e-4"])
-    with pytest.raises(ValueError, match="trainer.lr_decay_style"):
-        load_config(None, ["trainer.lr_decay_style=cosine", "trainer.total_steps=5", "trainer.warmup_steps=5"])
     with pytest.raises(ValueError, match="trainer.lr_decay_style"):
         load_config(None, ["trainer.lr_decay_style=exponential"])
     with pytest.raises(ValueError, match="trainer.keep_best_checkpoint.*save_every \\(4\\) must divide"):
