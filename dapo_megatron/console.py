@@ -211,8 +211,8 @@ def run_summary(run_dir: str | Path, *, phase_seconds: Mapping[str, float] | Non
                 ranks_wall_s: float | None = None, wall_s: float | None = None) -> str:
     """Where things are and how the run went: run directory, curves, final and best eval, the
     checkpoints on disk, and time per phase (start-up phases as measured by the launcher; the
-    training phases summed from metrics.jsonl; `other` = the rest of the ranks' wall time:
-    their start-up, checkpoints, logging)."""
+    ranks' phases summed from metrics.jsonl; `other` = the rest of the ranks' wall time: their
+    start-up, checkpoints, logging)."""
     from dapo_megatron.checkpointing import best_checkpoint, list_checkpoints
     from dapo_megatron.metrics import CURVES_FILE, METRICS_FILE, read_jsonl
 
@@ -246,16 +246,18 @@ def run_summary(run_dir: str | Path, *, phase_seconds: Mapping[str, float] | Non
     if best is not None:
         lines.append(f"  best ckpt:    {best[2]} (eval {best[1]:.1%}, kept by trainer.keep_best_checkpoint)")
     steps = [r for r in records if int(r.get("step", 0)) > 0 and "time/step_s" in r]
-    phases: list[tuple[str, float]] = list((phase_seconds or {}).items())
     sums = {key: sum(float(r.get(key, 0.0)) for r in records)
             for key in ("time/gen_s", "time/logprob_s", "time/train_s", "time/sync_s", "time/eval_s")}
     trained = [("generate", sums["time/gen_s"]), ("log-probs", sums["time/logprob_s"]),
                ("train", sums["time/train_s"]), ("weight sync", sums["time/sync_s"]), ("eval", sums["time/eval_s"])]
-    phases += [(name, secs) for name, secs in trained if secs > 0]
+    ran = [(name, secs) for name, secs in trained if secs > 0]
     if ranks_wall_s is not None:
-        phases.append(("other", max(0.0, ranks_wall_s - sum(secs for _, secs in trained))))
-    if phases:
-        lines.append("  time:         " + ", ".join(f"{name} {_fmt_s(secs)}" for name, secs in phases))
+        ran.append(("other", max(0.0, ranks_wall_s - sum(secs for _, secs in trained))))
+    label = "  time:         "
+    for title, items in (("start-up", list((phase_seconds or {}).items())), ("ranks", ran)):
+        if items:
+            lines.append(f"{label}{title}: " + ", ".join(f"{name} {_fmt_s(secs)}" for name, secs in items))
+            label = " " * len(label)
     if steps:
         step_total = sum(float(r["time/step_s"]) for r in steps)
         lines.append(f"  steps:        {len(steps)} in {_fmt_s(step_total)} "

@@ -118,8 +118,10 @@ def test_summary_says_where_things_are_and_how_the_run_went(tmp_path):
     assert f"  checkpoints:  step_000002, step_000004 in {run / 'checkpoints'}" in lines
     # generate 0.25 * (1+2+3+4) = 2.5 s, log-probs 4 * 0.1, train 4 * 0.2, sync 4 * 0.05, eval 1.5+1+1.25 = 3.75;
     # other = 20 - (2.5 + 0.4 + 0.8 + 0.2 + 3.75) = 12.35
-    assert ("  time:         model 2.0 s, rollout 5.5 s, generate 2.5 s, log-probs 0.4 s, train 0.8 s, "
-            "weight sync 0.2 s, eval 3.8 s, other 12.3 s") in lines
+    assert "  time:         start-up: model 2.0 s, rollout 5.5 s" in lines
+    assert ("                ranks: generate 2.5 s, log-probs 0.4 s, train 0.8 s, weight sync 0.2 s, eval 3.8 s, "
+            "other 12.3 s") in lines
+    assert max(map(len, lines[1:])) <= 120
     # step times 0.6, 0.85, 1.1, 1.35: 3.9 s in all, median (upper) 1.1
     assert "  steps:        4 in 3.9 s (median 1.10 s per step); whole command 1 min 15.0 s" in lines
 
