@@ -137,7 +137,7 @@ class TrainerConfig:
     max_nonfinite_in_row: int = 3  # NaN/inf updates skipped before the run stops
     keep_checkpoints: int = 2
     # also keep the checkpoint of the best eval so far (checkpoints/best.json names it); needs a
-    # checkpoint at every eval: trainer.save_every must divide trainer.eval_every
+    # checkpoint at every eval: trainer.save_every must divide trainer.eval_every (unless eval_every=0)
     keep_best_checkpoint: bool = False
     save_hf: bool = True  # also write each checkpoint as a HF model (checkpoints/step_N/hf) for eval / engines
     wandb_project: str = "dapo-megatron"
@@ -178,7 +178,7 @@ class TinyConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 256
-    warm_start_steps: int = 600  # supervised AdamW steps on the train prompts' "Answer: N"
+    warm_start_steps: int = 1000  # supervised AdamW steps on the train prompts' "Answer: N"
     warm_start_batch_size: int = 64
     warm_start_lr: float = 3e-3
     label_smoothing: float = 0.1  # sets the warm start's accuracy: ~(1 - eps)^response_tokens
@@ -417,10 +417,11 @@ def validate(cfg: Config) -> None:
     _require(t.eval_n >= 1, "trainer.eval_n", t.eval_n, "must be >= 1")
     _require(t.eval_temperature > 0, "trainer.eval_temperature", t.eval_temperature, "must be > 0")
     _require(0 < t.eval_top_p <= 1, "trainer.eval_top_p", t.eval_top_p, "must be in (0, 1]")
-    _require(not t.keep_best_checkpoint or (t.eval_every > 0 and t.save_every > 0 and t.eval_every % t.save_every == 0),
+    # (with trainer.eval_every=0 there is no eval, hence no best, and the option does nothing)
+    _require(not t.keep_best_checkpoint or t.eval_every == 0 or (t.save_every > 0 and t.eval_every % t.save_every == 0),
              "trainer.keep_best_checkpoint", t.keep_best_checkpoint,
              f"needs a checkpoint at every eval: trainer.save_every ({t.save_every}) must divide trainer.eval_every "
-             f"({t.eval_every}), both > 0")
+             f"({t.eval_every})")
     _require(t.max_nonfinite_in_row >= 1, "trainer.max_nonfinite_in_row", t.max_nonfinite_in_row, "must be >= 1")
     _require(bool(t.output_dir), "trainer.output_dir", t.output_dir, "must be a directory path")
 

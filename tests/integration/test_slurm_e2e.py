@@ -39,7 +39,7 @@ SHORT = {
     "algorithm": {"dynamic_sampling": False},  # every group kept: a step never waits on lucky samples
     "actor": {"world_size": 1},
     "trainer": {"total_steps": 2, "train_batch_size": 2, "mini_batch_size": 2, "eval_every": 0, "save_every": 1,
-                "wandb_mode": "disabled"},
+                "keep_checkpoints": 2, "keep_best_checkpoint": False, "wandb_mode": "disabled"},
     "slurm": {"nodes": 1, "gpus_per_node": 0, "cpus_per_task": 1, "time": "15:00", "signal_seconds": 60,
               "array_throttle": 2},
 }

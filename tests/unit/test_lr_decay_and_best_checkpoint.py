@@ -56,7 +56,10 @@ def test_decay_settings_are_validated():
         load_config(None, ["trainer.lr_decay_style=exponential"])
     with pytest.raises(ValueError, match="trainer.keep_best_checkpoint.*save_every \\(4\\) must divide"):
         load_config(None, ["trainer.keep_best_checkpoint=true", "trainer.eval_every=10", "trainer.save_every=4"])
+    with pytest.raises(ValueError, match="trainer.keep_best_checkpoint.*save_every \\(0\\) must divide"):
+        load_config(None, ["trainer.keep_best_checkpoint=true", "trainer.eval_every=10", "trainer.save_every=0"])
     load_config(None, ["trainer.keep_best_checkpoint=true", "trainer.eval_every=10", "trainer.save_every=5"])
+    load_config(None, ["trainer.keep_best_checkpoint=true", "trainer.eval_every=0", "trainer.save_every=0"])  # no eval
 
 
 def _save(run, step: int, score):

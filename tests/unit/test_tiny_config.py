@@ -21,12 +21,15 @@ def _flat(d, prefix=""):
 
 def test_tiny_cpu_is_the_prototyped_setup():
     cfg = load_config(RUNS / "tiny_cpu.yaml")
-    assert cfg.tiny.enabled and cfg.tiny.label_smoothing == 0.1 and cfg.tiny.warm_start_steps == 600
+    assert cfg.tiny.enabled and cfg.tiny.label_smoothing == 0.1 and cfg.tiny.warm_start_steps == 1000
     assert (cfg.rollout.engine, cfg.actor.attention_backend, cfg.actor.precision) == ("cpu", "torch", "fp32")
     assert (cfg.actor.world_size, cfg.actor.tp, cfg.actor.pp) == (2, 1, 1)
     assert (cfg.data.synthetic.difficulty, cfg.data.synthetic.style) == (2, "compact")
     assert (cfg.rollout.n, cfg.trainer.train_batch_size, cfg.trainer.mini_batch_size) == (8, 16, 8)
     assert (cfg.trainer.lr, cfg.trainer.total_steps, cfg.trainer.eval_top_p) == (5e-4, 40, 1.0)
+    # ends at its best (docs/LOG.md, 2026-11-23): cosine decay to 0.1 x lr, the best eval's checkpoint kept
+    assert (cfg.trainer.lr_decay_style, cfg.trainer.min_lr, cfg.trainer.warmup_steps) == ("cosine", 5e-5, 5)
+    assert (cfg.trainer.eval_every, cfg.trainer.save_every, cfg.trainer.keep_best_checkpoint) == (10, 10, True)
     # the longest correct response ("Answer: 198" + EOS, 12 tokens) is not punished by overlong shaping
     assert cfg.rollout.max_response_length - cfg.algorithm.overlong_buffer_length == 12
 
