@@ -26,7 +26,7 @@ def test_tiny_cpu_is_the_prototyped_setup():
     assert (cfg.actor.world_size, cfg.actor.tp, cfg.actor.pp) == (2, 1, 1)
     assert (cfg.data.synthetic.difficulty, cfg.data.synthetic.style) == (2, "compact")
     assert (cfg.rollout.n, cfg.trainer.train_batch_size, cfg.trainer.mini_batch_size) == (8, 16, 8)
-    assert (cfg.trainer.lr, cfg.trainer.total_steps, cfg.trainer.eval_top_p) == (5e-4, 40, 1.0)
+    assert (cfg.trainer.lr, cfg.trainer.total_steps, cfg.trainer.eval_top_p) == (5e-4, 60, 1.0)
     # ends at its best (docs/LOG.md, 2026-11-23): cosine decay to 0.1 x lr, the best eval's checkpoint kept
     assert (cfg.trainer.lr_decay_style, cfg.trainer.min_lr, cfg.trainer.warmup_steps) == ("cosine", 5e-5, 5)
     assert (cfg.trainer.eval_every, cfg.trainer.save_every, cfg.trainer.keep_best_checkpoint) == (10, 10, True)
