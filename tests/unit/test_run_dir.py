@@ -96,7 +96,7 @@ def test_train_command_decides_before_starting_anything(tmp_path):
     refused = _train(f"trainer.output_dir={run}", "trainer.total_steps=2")
     assert refused.returncode == 2
     assert "already holds a run (checkpoints up to step 40)" in refused.stderr and "--overwrite" in refused.stderr
-    resumed = _train(f"trainer.output_dir={run}", "--resume")
+    resumed = _train(f"trainer.output_dir={run}", "trainer.total_steps=40", "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stdout.strip() == (f"[train] {run} is already at step 40 of 40 (trainer.total_steps): nothing to "
                                       "do. Raise trainer.total_steps to train further.")
