@@ -6,6 +6,7 @@ or rank starts: two runs never mix in one directory.
     # a directory holding a run (checkpoints or metrics): ValueError naming both ways out,
     #   --resume (continue it) or --overwrite (clear it first), or another trainer.output_dir
     # --resume on a run already at total_steps: decision.nothing_to_do, with the message to print
+    # --resume with no checkpoint at all: ValueError (never a silent start from nothing)
 
 Only the run's own files are cleared by --overwrite (RUN_FILES); a cached tiny model
 (<run_dir>/tiny_model, keyed by its build arguments) is kept: it is rebuilt when they differ.
@@ -63,10 +64,16 @@ def check_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool, total_s
         message = f"[train] --overwrite: removed {', '.join(removed)} from {run_dir}" if removed else ""
         return RunDirDecision(start_step=0, message=message)
     if resume:
-        if latest_step is None:
-            note = " (metrics.jsonl of an earlier attempt is replaced)" if _has_metrics(run_dir) else ""
-            return RunDirDecision(start_step=0, message=f"[train] --resume: no complete checkpoint in "
-                                                       f"{ckpt.checkpoint_root(run_dir)}; starting at step 0{note}")
+        if latest_step is None:  # as the ranks would (checkpointing.newest_valid_checkpoint), but before they start
+            raise ValueError(f"--resume: no checkpoint in {ckpt.checkpoint_root(run_dir)} (a complete step_<N>/ "
+                             f"with {ckpt.STATE_FILE}); run without --resume to start this run from the beginning")
+        # a finished run is only finished if its last checkpoint is intact (its manifest verifies);
+        # otherwise the ranks set it aside and resume from an earlier one (checkpointing.py)
+        problems = ckpt.verify_checkpoint(checkpoints[-1][1]) if latest_step >= total_steps else []
+        if problems:
+            return RunDirDecision(start_step=latest_step, message=(
+                f"[train] {checkpoints[-1][1].name} does not verify ({problems[0]}): resuming from an earlier "
+                "checkpoint"))
         if latest_step >= total_steps:
             return RunDirDecision(start_step=latest_step, nothing_to_do=True, message=(
                 f"[train] {run_dir} is already at step {latest_step} of {total_steps} "

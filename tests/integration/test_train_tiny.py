@@ -32,7 +32,8 @@ FLOAT_KEYS = ("actor/loss", "actor/grad_norm", "actor/clipfrac_low", "actor/clip
 def _train(out: Path, cache: Path, *extra: str, log: Path | None = None) -> list[dict]:
     cmd = [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu.yaml"),
            f"trainer.output_dir={out}", f"tiny.cache_dir={cache}", "tiny.warm_start_steps=300",
-           "trainer.eval_every=4", "trainer.save_every=2", "trainer.wandb_mode=disabled", *extra]
+           "trainer.eval_every=4", "trainer.save_every=2", "trainer.keep_checkpoints=2", "trainer.wandb_mode=disabled",
+           *extra]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -69,8 +70,9 @@ def test_metrics_are_written_and_sane(runs):
         assert r["actor/ratio_max"] >= 1.0 - 1e-6
     run_dir = runs["root"] / "a"
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    # keep_checkpoints=1 plus the best eval's (keep_best_checkpoint): step 4 is both; nothing half-written left
-    assert ckpts == ["best.json", "step_000004"]
+    # keep_checkpoints=2 (step 2 stays for test_resume_skips_a_damaged_checkpoint); the best eval's
+    # (keep_best_checkpoint) is step 4's; nothing half-written left
+    assert ckpts == ["best.json", "step_000002", "step_000004"]
     assert json.loads((run_dir / "checkpoints" / "best.json").read_text()) == {"step": 4, "eval": steps[-1]["eval/avg@k"]}
     assert (run_dir / "checkpoints" / "step_000004" / "hf" / "config.json").is_file()
     assert (run_dir / "curves.png").stat().st_size > 0
@@ -93,7 +95,9 @@ def test_console_output(runs):
     assert f"[train] done. run directory: {run_dir}" in lines
     assert f"  curves:       {run_dir / 'curves.png'}" in lines
     assert f"  final eval:   avg@8 {evals[-1]['eval/avg@k']:.1%} at step 4, pass@8 {evals[-1]['eval/pass@k']:.1%}" in lines
-    assert f"  checkpoints:  step_000004 in {run_dir / 'checkpoints'}" in lines
+    assert f"  checkpoints:  step_000002, step_000004 in {run_dir / 'checkpoints'}" in lines
+    assert f"  best ckpt:    {run_dir / 'checkpoints' / 'step_000004'} (eval {evals[-1]['eval/avg@k']:.1%}, " \
+        "kept by trainer.keep_best_checkpoint)" in lines
     # resuming the finished run: nothing to do, said at once
     proc = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu.yaml"),
                            f"trainer.output_dir={run_dir}", "trainer.total_steps=4", "--resume"], cwd=ROOT,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from dapo_megatron import checkpointing as ckpt
 from dapo_megatron.launch.run_dir import RUN_FILES, check_run_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,6 +27,7 @@ def _finished_run(run_dir: Path, *, steps: tuple[int, ...] = (20, 40)) -> None:
         path = run_dir / "checkpoints" / f"step_{step:06d}"
         path.mkdir(parents=True)
         (path / "trainer_state.json").write_text(json.dumps({"step": step}))
+        ckpt.write_manifest(path)  # sizes + checksums, as a real save writes them last
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(41)))
     (run_dir / "curves.png").write_bytes(b"png")
     (run_dir / "logs").mkdir()
@@ -76,8 +78,12 @@ def test_resume_reports_where_it_continues_or_that_nothing_is_left(tmp_path):
     assert "already at step 40 of 40 (trainer.total_steps): nothing to do" in done.message
     more = check_run_dir(tmp_path, resume=True, overwrite=False, total_steps=60)
     assert (more.nothing_to_do, more.start_step) == (False, 40) and "from step 40 of 60 (step_000040)" in more.message
-    empty = check_run_dir(tmp_path / "empty", resume=True, overwrite=False, total_steps=60)
-    assert (empty.nothing_to_do, empty.start_step) == (False, 0) and "starting at step 0" in empty.message
+    # a last checkpoint that no longer verifies is not "finished": the ranks will fall back to step 20
+    (tmp_path / "checkpoints" / "step_000040" / "trainer_state.json").write_text('{"step": 41}')
+    damaged = check_run_dir(tmp_path, resume=True, overwrite=False, total_steps=40)
+    assert not damaged.nothing_to_do and "step_000040 does not verify" in damaged.message
+    with pytest.raises(ValueError, match="--resume: no checkpoint in .*run without --resume"):
+        check_run_dir(tmp_path / "empty", resume=True, overwrite=False, total_steps=60)
 
 
 def _train(*args: str) -> subprocess.CompletedProcess:
