@@ -50,6 +50,7 @@ def _submit(argv: list[str]) -> int:
     ap.add_argument("--skip-plan", action="store_true", help="submit training runs without checking the memory plan")
     args = ap.parse_intermixed_args(argv)
     configs, overrides = _split(args.args)
+    plan_lines: list[str] = []  # the memory plan's verdicts; a plan that does not fit raises before any submission
     if args.engines and (args.sweep or args.eval or args.bench_kernels):
         raise ValueError("--engines goes with a training run, not with --sweep, --eval or --bench-kernels")
     if args.sweep:
@@ -57,7 +58,7 @@ def _submit(argv: list[str]) -> int:
             raise ValueError(f"--sweep takes its configs from DIR; drop {configs} (overrides key=value are fine)")
         plan = submit.plan_sweep(args.sweep, overrides)
         if not args.skip_plan:
-            submit.check_memory(plan)
+            _check_memory(plan, plan_lines)
     else:
         cfg = load_config(_one_config(configs, "slurm submit"), overrides)
         if args.eval:
@@ -67,11 +68,24 @@ def _submit(argv: list[str]) -> int:
         else:
             plan = submit.plan_train(cfg, engines=args.engines)
             if not args.skip_plan:
-                submit.check_memory(plan)
+                _check_memory(plan, plan_lines)
+    if plan_lines and not args.dry_run:
+        print("\n".join(plan_lines))
     submit.submit(plan, dry_run=args.dry_run)
+    if plan_lines and args.dry_run:  # a dry run shows the sbatch lines first (what `head` shows)
+        print("\n".join(plan_lines))
     if not args.dry_run:
         print(f"run directory: {plan.run_dir}   (dapo-megatron slurm status {plan.run_dir})")
     return 0
+
+
+def _check_memory(plan, lines: list[str]) -> None:
+    """The memory plan's verdict lines go into `lines`; a plan that does not fit prints all of it and raises."""
+    try:
+        submit.check_memory(plan, out=lines.append)
+    except ValueError:
+        print("\n".join(lines))
+        raise
 
 
 def _render(argv: list[str]) -> int:

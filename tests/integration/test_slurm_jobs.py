@@ -86,7 +86,7 @@ def test_dry_run_prints_and_submits_nothing(slurm_cluster, tmp_path):
     out = cli(slurm_cluster, "submit", str(cfg), "--dry-run", "trainer.total_steps=3", "--engines", "2", "--skip-plan")
     assert out.returncode == 0, out.stderr
     assert "#SBATCH --requeue" in out.stdout and "serve-rollout" in out.stdout
-    assert f"# submit: sbatch --parsable --array=0-1 --output={tmp_path}/run/slurm/logs/engines-%A_%a.out" in out.stdout
+    assert f"#   sbatch --parsable --array=0-1 --output={tmp_path}/run/slurm/logs/engines-%A_%a.out" in out.stdout
     assert "'--dependency=after:<engines job id>'" in out.stdout
     assert "total_steps: 3" in out.stdout  # the resolved config that would be written
     assert queue(slurm_cluster) == before
