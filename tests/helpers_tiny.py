@@ -6,6 +6,9 @@
 Shapes: hidden 64, 4 heads of 16, 2 KV heads (GQA 2:1), FFN 128, vocab 300 (NOT a multiple of
 128 * tp, so Megatron's vocab padding is exercised), fp32 safetensors. Qwen2 has q/k/v biases.
 `shape=` overrides any of them (e.g. an odd vocabulary, MHA or GQA 4:1): see TINY_SHAPE.
+Qwen3 has QK-norm and heads of 24 (head_dim from the config: 4 x 24 = 96 != hidden 64).
+Qwen3-MoE: heads of 24, 4 experts of width 32, top-2, layer 1 dense (mlp_only_layers), the others
+sparse; norm_topk_prob as asked.
 The random init is rescaled (std 0.2 for matrices, non-zero biases and norm weights) so every
 parameter visibly shapes the log-probs: a mapping bug cannot hide behind near-zero weights.
 """
@@ -21,8 +24,9 @@ TINY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, 
                   vocab_size=VOCAB_SIZE)
 
 
-def tiny_hf_config(*, arch: str = "qwen2", tied: bool = False, num_layers: int = 2, shape: dict | None = None):
-    from transformers import LlamaConfig, Qwen2Config
+def tiny_hf_config(*, arch: str = "qwen2", tied: bool = False, num_layers: int = 2, shape: dict | None = None,
+                   norm_topk_prob: bool = True):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     unknown = set(shape or {}) - set(TINY_SHAPE)
     if unknown:
@@ -36,6 +40,12 @@ def tiny_hf_config(*, arch: str = "qwen2", tied: bool = False, num_layers: int =
         return Qwen2Config(**common, rope_theta=10000.0)
     if arch == "llama":
         return LlamaConfig(**common, rope_theta=500000.0)
+    if arch == "qwen3":
+        return Qwen3Config(**common, head_dim=24, rope_theta=1000000.0)
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, head_dim=24, rope_theta=1000000.0, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=32, norm_topk_prob=norm_topk_prob, decoder_sparse_step=1,
+                              mlp_only_layers=[1])
     if arch == "llama3":  # Llama 3.1-style RoPE scaling (theta 1e4 so the scaled bands matter at 12 tokens)
         common["max_position_embeddings"] = 16384
         return LlamaConfig(**common, rope_parameters={
@@ -45,11 +55,11 @@ def tiny_hf_config(*, arch: str = "qwen2", tied: bool = False, num_layers: int =
 
 
 def tiny_hf_model(*, arch: str = "qwen2", tied: bool = False, num_layers: int = 2, seed: int = 0,
-                  shape: dict | None = None):
+                  shape: dict | None = None, norm_topk_prob: bool = True):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = tiny_hf_config(arch=arch, tied=tied, num_layers=num_layers, shape=shape)
+    config = tiny_hf_config(arch=arch, tied=tied, num_layers=num_layers, shape=shape, norm_topk_prob=norm_topk_prob)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -64,9 +74,11 @@ def tiny_hf_model(*, arch: str = "qwen2", tied: bool = False, num_layers: int = 
 
 
 def save_tiny_hf(out_dir, *, arch: str = "qwen2", tied: bool = False, num_layers: int = 2, seed: int = 0,
-                 dtype: torch.dtype = torch.float32, shape: dict | None = None) -> Path:
-    """Build, randomize and save_pretrained a tiny model into out_dir (in `dtype`); returns the directory."""
+                 dtype: torch.dtype = torch.float32, shape: dict | None = None, norm_topk_prob: bool = True) -> Path:
+    """Build, randomize and save_pretrained a tiny model into out_dir (in `dtype`); returns the directory.
+    MoE models are written in the public per-expert layout (what save_pretrained writes)."""
     out_dir = Path(out_dir)
-    model = tiny_hf_model(arch=arch, tied=tied, num_layers=num_layers, seed=seed, shape=shape).to(dtype)
+    model = tiny_hf_model(arch=arch, tied=tied, num_layers=num_layers, seed=seed, shape=shape,
+                          norm_topk_prob=norm_topk_prob).to(dtype)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

@@ -16,6 +16,20 @@ megatron-core 0.16.1 works on CPU with gloo except for a handful of CUDA-only ca
   tensor.type() == 'torch.cuda.FloatTensor' (optimizer,    CPU tensors report the cuda type name
   clip_grads, distrib_optimizer)                           inside the same mode
 
+Mixture-of-experts layers (measured with a Qwen3-MoE GPTModel, EP=2, "alltoall" dispatcher) need
+four more:
+  torch.cuda.Stream() / current_stream() / stream(s)      one stand-in stream (CPU work is ordered
+                      token_dispatcher.py __init__ and        already): wait_stream, record_event,
+                      _maybe_dtoh_and_synchronize            synchronize are no-ops
+  torch.cuda.Event()  same call sites                      a stand-in event (synchronize: no-op)
+  moe_utils.te_general_gemm  router_gating_linear reads    None, the value it has when TE imports
+                      the name, which is never bound        (the torch.mm path is then taken)
+                      when Transformer Engine is missing
+  torch.distributed.all_to_all_single  the dispatcher's    split sizes given as tensors / numpy
+                      split sizes (tensors or numpy on      arrays become lists of int (gloo's
+                      CPU: maybe_move_tensor_to_cpu only     binding accepts only those)
+                      converts CUDA tensors)
+
 `check_patch_targets()` lists the patched symbols that no longer exist (or are imported by value
 somewhere, which would escape the patch); tests/distributed/test_compat.py fails on any of them
 so a megatron-core upgrade cannot silently bring a CUDA call back.
@@ -23,6 +37,7 @@ so a megatron-core upgrade cannot silently bring a CUDA call back.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
@@ -42,6 +57,12 @@ PATCH_TARGETS: tuple[tuple[str, str, str], ...] = (
     ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", "CudaRNGStatesTracker.add/fork"),
     ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker", "the tracker whose fork() we rely on"),
     ("megatron.core.tensor_parallel.random", "model_parallel_cuda_manual_seed", "called by parallel.py"),
+    ("torch.cuda", "Stream", "transformer/moe/token_dispatcher.py MoEAlltoAllTokenDispatcher.__init__"),
+    ("torch.cuda", "Event", "token_dispatcher.py _maybe_dtoh_and_synchronize (d2h_event)"),
+    ("torch.cuda", "current_stream", "token_dispatcher.py _maybe_dtoh_and_synchronize"),
+    ("torch.cuda", "stream", "token_dispatcher.py _maybe_dtoh_and_synchronize"),
+    ("megatron.core.transformer.moe.moe_utils", "RouterGatingLinearFunction", "reads te_general_gemm"),
+    ("torch.distributed", "all_to_all_single", "tensor_parallel/mappings.py _AllToAll (the MoE dispatcher)"),
 )
 
 # Call sites whose CUDA use the TorchFunctionMode / patches above must cover; a moved file or a
@@ -54,6 +75,11 @@ CALL_SITES: tuple[tuple[str, str], ...] = (
     ("optimizer/clip_grads.py", "'torch.cuda.FloatTensor'"),
     ("optimizer/optimizer.py", "'torch.cuda.FloatTensor'"),
     ("optimizer/distrib_optimizer.py", "'torch.cuda.FloatTensor'"),
+    ("transformer/moe/token_dispatcher.py", "torch.cuda.Stream()"),
+    ("transformer/moe/token_dispatcher.py", "with torch.cuda.stream(self.cuda_dtoh_stream):"),
+    ("transformer/moe/token_dispatcher.py", "self.d2h_event = self.cuda_dtoh_stream.record_event()"),
+    ("transformer/moe/moe_utils.py", "if te_general_gemm is not None"),
+    ("tensor_parallel/mappings.py", "torch.distributed.all_to_all_single("),
 )
 
 _CPU = torch.device("cpu")
@@ -121,6 +147,86 @@ def _megatron_set_cuda_rng_state(new_state: torch.Tensor, device: Any = -1, grap
     torch.set_rng_state(new_state)
 
 
+class _CpuEvent:
+    """Stand-in for torch.cuda.Event: CPU work is complete when the call returns."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """Stand-in for torch.cuda.Stream: one stream, because CPU kernels run in program order. A class
+    (other libraries use torch.cuda.Stream in type annotations such as `Stream | None`) whose
+    constructor returns the one instance."""
+
+    _instance: "_CpuStream | None" = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "_CpuStream":
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _split_sizes_as_ints(sizes: Any) -> Any:
+    """Tensor / numpy split sizes -> list of int (what gloo's all_to_all_single accepts)."""
+    if sizes is None or isinstance(sizes, list):
+        return sizes
+    if hasattr(sizes, "tolist"):
+        return [int(v) for v in sizes.tolist()]
+    return [int(v) for v in sizes]
+
+
+def _patch_moe() -> None:
+    import torch.distributed as dist
+    from megatron.core.transformer.moe import moe_utils
+
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.current_stream = lambda device=None: _CPU_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.Event = _CpuEvent
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    original = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        return original(output, input, _split_sizes_as_ints(output_split_sizes),
+                        _split_sizes_as_ints(input_split_sizes), group=group, async_op=async_op)
+
+    all_to_all_single._dapo_original = original
+    dist.all_to_all_single = all_to_all_single
+
+
 def apply_cpu_compat() -> None:
     """Patch the CUDA-only call sites of megatron-core to CPU. Idempotent; no-op when CUDA exists."""
     global _APPLIED, _MODE
@@ -137,6 +243,7 @@ def apply_cpu_compat() -> None:
 
     mcore_random._get_cuda_rng_state = _megatron_get_cuda_rng_state
     mcore_random._set_cuda_rng_state = _megatron_set_cuda_rng_state
+    _patch_moe()
     # The mode stays on for the life of the process (it is entered, never exited). Torch function
     # modes are per thread: work done in other threads does not see it (Megatron's CPU paths do
     # not create threads).

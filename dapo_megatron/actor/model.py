@@ -1,4 +1,5 @@
-"""Model provider: a megatron-core GPTModel built from a Hugging Face config (Qwen2/Qwen2.5, Llama).
+"""Model provider: a megatron-core GPTModel built from a Hugging Face config (Qwen2/Qwen2.5, Llama,
+Qwen3, Qwen3-MoE).
 
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.actor.model import build_model_chunks
@@ -43,6 +44,11 @@ the padding as one more "sequence" and ignore its outputs):
   _get_thd_freqs_on_this_cp_rank) then gives each local token the rotary angle of its true position
   in its sequence, and attention sees the whole sequence. Unpacked [B, S] batches are split the same
   way along S (megatron's get_batch_on_this_cp_rank; RoPE slices with get_pos_emb_on_this_cp_rank).
+
+Qwen3 adds QK-norm (an RMSNorm over each head's query and key, before RoPE: megatron's
+qk_layernorm), no QKV bias and a head_dim that need not be hidden / heads. Qwen3-MoE replaces the
+MLP of its sparse layers by a router and per-expert SwiGLU MLPs (actor/moe.py: which layers, the
+router's softmax/top-k, expert parallelism).
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ import torch.nn.functional as F
 Precision = Literal["bf16", "fp16", "fp32"]
 AttentionBackend = Literal["torch", "te"]
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 VOCAB_DIVISIBLE_BY = 128  # megatron's make_vocab_size_divisible_by default
 
 
@@ -104,10 +110,15 @@ def head_dim_of(hf_config: Any) -> int:
 
 
 def has_qkv_bias(hf_config: Any) -> bool:
-    """Qwen2/2.5 always carry q/k/v biases; Llama only with attention_bias=True."""
+    """Qwen2/2.5 always carry q/k/v biases; Llama and Qwen3 only with attention_bias=True."""
     if model_type_of(hf_config) == "qwen2":
         return True
     return bool(getattr(hf_config, "attention_bias", False))
+
+
+def has_qk_norm(hf_config: Any) -> bool:
+    """Qwen3 (dense and MoE) normalises each query and key head (q_norm / k_norm) before RoPE."""
+    return model_type_of(hf_config) in ("qwen3", "qwen3_moe")
 
 
 def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
@@ -124,6 +135,8 @@ def transformer_config_from_hf(hf_config: Any, *, precision: Precision = "bf16",
     """TransformerConfig for the current parallel_state layout (call inside model_parallel())."""
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
+
+    from dapo_megatron.actor.moe import moe_transformer_kwargs
 
     model_type_of(hf_config)
     if getattr(hf_config, "hidden_act", "silu") != "silu":
@@ -164,6 +177,7 @@ def transformer_config_from_hf(hf_config: Any, *, precision: Precision = "bf16",
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=has_qkv_bias(hf_config),
+        qk_layernorm=has_qk_norm(hf_config),
         hidden_dropout=0.0,
         attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
         init_method_std=getattr(hf_config, "initializer_range", 0.02),
@@ -178,7 +192,10 @@ def transformer_config_from_hf(hf_config: Any, *, precision: Precision = "bf16",
         bf16=precision == "bf16",
         fp16=precision == "fp16",
         variable_seq_lengths=True,  # packed micro-batches differ in length
-        moe_token_dispatcher_type="alltoall",  # unused (no experts) but the default rejects the line above
+        # alltoall: the default "allgather" dispatcher rejects variable_seq_lengths (also set for
+        # dense models, whose config validation checks it all the same)
+        moe_token_dispatcher_type="alltoall",
+        **moe_transformer_kwargs(hf_config, attention_backend=attention_backend),
         use_cpu_initialization=not on_gpu,
         bias_activation_fusion=fuse,
         masked_softmax_fusion=fuse,
@@ -322,16 +339,21 @@ class TorchRMSNorm(torch.nn.RMSNorm):
             param.sequence_parallel = config.sequence_parallel
 
 
-def torch_layer_spec():
-    """Local layer spec with TorchSDPAttention as core attention and TorchRMSNorm norms."""
+def torch_layer_spec(*, qk_layernorm: bool = False, num_experts: Optional[int] = None):
+    """Local layer spec with TorchSDPAttention as core attention and TorchRMSNorm norms (the QK-norms
+    too when qk_layernorm). num_experts: the MoE layer spec (router + SequentialMLP of local experts)."""
     import dataclasses
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm, num_experts=num_experts,
+                                    moe_grouped_gemm=False)
     attention = spec.submodules.self_attention
-    attention_submodules = dataclasses.replace(attention.submodules, core_attention=ModuleSpec(module=TorchSDPAttention))
+    replaced = dict(core_attention=ModuleSpec(module=TorchSDPAttention))
+    if qk_layernorm:
+        replaced.update(q_layernorm=ModuleSpec(module=TorchRMSNorm), k_layernorm=ModuleSpec(module=TorchRMSNorm))
+    attention_submodules = dataclasses.replace(attention.submodules, **replaced)
     layer_submodules = dataclasses.replace(
         spec.submodules,
         input_layernorm=ModuleSpec(module=TorchRMSNorm),
@@ -341,27 +363,44 @@ def torch_layer_spec():
     return ModuleSpec(module=spec.module, params=spec.params, submodules=layer_submodules)
 
 
-def te_layer_spec():
+def te_layer_spec(*, qk_layernorm: bool = False):
     try:
         import transformer_engine  # noqa: F401
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     except (ImportError, RuntimeError, AssertionError) as err:
         raise ValueError("actor.attention_backend=te needs Transformer Engine (pip install "
                          "'transformer-engine[pytorch]' on a CUDA machine, or an NGC container); "
                          f"use actor.attention_backend=torch without it ({type(err).__name__}: {err})") from err
 
 
-def _block_spec(config, layer_spec, vp_stage: Optional[int], attention_backend: AttentionBackend):
-    """Decoder block with our final norm for the torch backend (megatron's default would be
-    WrappedTorchNorm, which refuses sequence parallel)."""
-    if attention_backend == "te":
-        return layer_spec
+def _block_spec(config, hf_config, vp_stage: Optional[int], attention_backend: AttentionBackend):
+    """The decoder block of this (virtual) pipeline stage: one layer spec per layer, MoE or dense as
+    the HF config says (actor/moe.py moe_layer_pattern), with our final norm for the torch backend
+    (megatron's default would be WrappedTorchNorm, which refuses sequence parallel). The TE
+    backend uses megatron's own block spec (TE grouped-GEMM experts, TE norms), which reads the same
+    layer pattern from config.moe_layer_freq."""
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+    from dapo_megatron.actor.moe import moe_layer_pattern
+
+    qk_norm = has_qk_norm(hf_config)
+    pattern = moe_layer_pattern(hf_config)
+    if attention_backend == "te":
+        if not any(pattern):
+            return te_layer_spec(qk_layernorm=qk_norm)
+        te_layer_spec(qk_layernorm=qk_norm)  # the clear error when TE is missing
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
+                                          vp_stage=vp_stage)
+    dense = torch_layer_spec(qk_layernorm=qk_norm)
+    sparse = torch_layer_spec(qk_layernorm=qk_norm, num_experts=config.num_moe_experts) if any(pattern) else None
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=ModuleSpec(module=TorchRMSNorm))
+    layer_specs = [sparse if pattern[offset + i] else dense for i in range(num_layers)]
+    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=ModuleSpec(module=TorchRMSNorm))
 
 
 # --- the provider ---------------------------------------------------------------------------------
@@ -382,7 +421,6 @@ def build_gpt_model(hf_config: Any, *, attention_backend: AttentionBackend = "to
 
     if attention_backend not in ("torch", "te"):
         raise ValueError(f"actor.attention_backend={attention_backend!r}: allowed torch, te")
-    layer_spec = te_layer_spec() if attention_backend == "te" else torch_layer_spec()
     config = transformer_config_from_hf(hf_config, precision=precision, sequence_parallel=sequence_parallel,
                                         recompute=recompute, attention_backend=attention_backend)
     if config.virtual_pipeline_model_parallel_size is not None and vp_stage is None:
@@ -395,7 +433,7 @@ def build_gpt_model(hf_config: Any, *, attention_backend: AttentionBackend = "to
     rope_theta, rope_factor = rope_settings_of(hf_config)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_block_spec(config, layer_spec, vp_stage, attention_backend),
+        transformer_layer_spec=_block_spec(config, hf_config, vp_stage, attention_backend),
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp=tp, divisible_by=vocab_divisible_by),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,

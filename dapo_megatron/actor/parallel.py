@@ -108,8 +108,11 @@ def init_distributed(*, timeout_minutes: int = 30) -> LaunchEnv:
     return env
 
 
-def initialize_model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None) -> None:
-    """Megatron's parallel_state groups for a TP x CP x DP x PP layout over the whole world."""
+def initialize_model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None,
+                              ep: int = 1, etp: Optional[int] = None) -> None:
+    """Megatron's parallel_state groups for a TP x CP x DP x PP layout over the whole world, and for
+    the experts an ETP x EP x EDP x PP layout over the same ranks (megatron's expert rank generator:
+    the expert-parallel group is carved out of the data-parallel ranks; etp None = tp)."""
     from megatron.core import parallel_state
 
     world_size = dist.get_world_size()
@@ -118,27 +121,36 @@ def initialize_model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Opt
         raise ValueError(f"world size {world_size} is not a multiple of tp*pp*cp = {tp}*{pp}*{cp}")
     if vpp is not None and pp == 1:
         raise ValueError("virtual pipeline stages (vpp) need pp > 1")
+    expert_etp = tp if etp is None else etp
+    if ep < 1 or expert_etp < 1:
+        raise ValueError(f"actor.ep={ep} and actor.etp={etp} must be >= 1")
+    if world_size % (expert_etp * ep * pp):
+        raise ValueError(f"world size {world_size} is not a multiple of etp*ep*pp = {expert_etp}*{ep}*{pp} "
+                         "(actor.etp, actor.ep, actor.pp: each pipeline stage's ranks hold etp x ep expert shards)")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
         context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
     )
 
 
 @contextlib.contextmanager
-def model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None,
-                   seed: int = 1234) -> Iterator[None]:
+def model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None, ep: int = 1,
+                   etp: Optional[int] = None, seed: int = 1234) -> Iterator[None]:
     """Megatron parallel state + RNG tracker for the body; destroyed on exit (also on errors).
 
     torch.distributed must already be initialized (init_distributed() or the test rank pool).
     `seed` feeds model_parallel_cuda_manual_seed: the default RNG gets seed + 100 * pp_rank (+ a
     DP offset on the data-parallel seed), the tensor-parallel tracker seed + 2718 + tp_rank.
+    ep / etp: expert parallel and expert tensor parallel sizes (etp None = tp, megatron's default).
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    initialize_model_parallel(tp=tp, pp=pp, cp=cp, vpp=vpp)
+    initialize_model_parallel(tp=tp, pp=pp, cp=cp, vpp=vpp, ep=ep, etp=etp)
     try:
         model_parallel_cuda_manual_seed(seed)
         yield
@@ -226,6 +238,42 @@ def cp_size() -> int:
     from megatron.core import parallel_state
 
     return parallel_state.get_context_parallel_world_size()
+
+
+def ep_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_world_size()
+
+
+def ep_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank()
+
+
+def ep_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_group()
+
+
+def etp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_tensor_parallel_world_size()
+
+
+def etp_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_tensor_parallel_rank()
+
+
+def etp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_tensor_parallel_group()
 
 
 def dp_group(*, with_context_parallel: bool = False):

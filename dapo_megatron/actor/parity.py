@@ -5,6 +5,7 @@ per-token log-probs of a HF checkpoint? Run it before a long job on a new model.
     torchrun --nproc-per-node 4 -m dapo_megatron.cli check-parity --model DIR --tp 2 --pp 2 --seqs 4 --seq-len 64
     torchrun --nproc-per-node 4 -m dapo_megatron.cli check-parity --model DIR --tp 2 --cp 2
     torchrun --nproc-per-node 2 -m dapo_megatron.cli check-parity --model DIR --tp 2 --sequence-parallel --fused-logprob
+    torchrun --nproc-per-node 2 -m dapo_megatron.cli check-parity --model /ckpt/Qwen3-30B-A3B --ep 2   # MoE
 
 It loads the checkpoint into Megatron (weights/load.py), computes the log-prob of every next token
 of K random sequences twice (one unpacked [K, L] micro-batch and one packed row of all K sequences
@@ -15,6 +16,9 @@ status is 1 when x > --tolerance (default 1e-5). Measured on the tiny random Qwe
 transformers' own fp32 rounding. So without CUDA (small models) transformers runs in float64 by
 default (--reference-dtype auto), and the diff is Megatron's own error; on GPUs it runs in the
 dtype of --precision (a float64 copy of a large model would not fit).
+Tiny random Qwen3 / Qwen3-MoE (4 x 12 tokens, fp32, CPU; tests/distributed/test_moe_parity.py):
+within 1e-5 at TP=1, EP=2, TP=2 and PP=2. With --ep the data-parallel ranks hold different experts
+and run the same sequences (the alltoall dispatcher moves each token to its experts' ranks and back).
 
 With --cp > 1 every sequence is padded to a multiple of 2*cp and cut into 2*cp chunks (rank r holds
 chunks r and 2*cp-1-r, context_parallel.py), so the check covers the CP split, the RoPE position of
@@ -335,6 +339,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--vocab-divisible-by", type=int, default=128,
                         help="Megatron pads the vocabulary to a multiple of this x tp (Megatron-LM's 128; the "
                              "actor uses 1); padding rows are excluded from the softmax")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE models)")
+    parser.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
     parser.add_argument("--tolerance", type=float, default=1e-5)
     parser.add_argument("--grad-tolerance", type=float, default=1e-4,
                         help="--fused-logprob: max |fused - torch| / max |torch| of the head's gradients")
@@ -430,7 +436,8 @@ def run_check(argv: Sequence[str]) -> dict[str, float]:
     # CP: every sequence padded to a multiple of 2*cp; SP: rows (and the packed total) to a multiple of tp too
     seq_multiple = 2 * args.cp if args.cp > 1 else 1
     row_multiple = seq_multiple * (args.tp if args.sequence_parallel else 1)
-    with model_parallel(tp=args.tp, pp=args.pp, cp=args.cp, vpp=args.vpp, seed=args.seed):
+    with model_parallel(tp=args.tp, pp=args.pp, cp=args.cp, vpp=args.vpp, ep=args.ep, etp=args.etp,
+                        seed=args.seed):
         chunks = build_model_chunks(hf_config, attention_backend=args.attention_backend, precision=args.precision,
                                     sequence_parallel=args.sequence_parallel,
                                     vocab_divisible_by=args.vocab_divisible_by)
@@ -483,7 +490,8 @@ def _compare_with_transformers(args: argparse.Namespace, tokens: torch.Tensor, r
 
     reference = transformers_values(dtype)
     diff = (result.double() - reference[: result.shape[0], None]).abs()  # [kinds, 2, K, L-1]
-    layout = (f"tp={args.tp} pp={args.pp} cp={args.cp} vpp={args.vpp} sp={args.sequence_parallel} precision={args.precision} "
+    layout = (f"tp={args.tp} pp={args.pp} cp={args.cp} vpp={args.vpp} ep={args.ep} etp={args.etp} "
+              f"sp={args.sequence_parallel} precision={args.precision} "
               f"head={'fused' if args.fused_logprob else 'megatron-logits'} seqs={args.seqs} seq_len={args.seq_len} "
               f"reference={str(dtype).replace('torch.', '')}")
     print(f"check-parity: {args.model} {layout}", flush=True)

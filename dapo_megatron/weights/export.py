@@ -5,52 +5,93 @@
 
 iter_hf_weights is a COLLECTIVE: every rank of the job must iterate it to the end, in step. For
 each HF tensor (in a fixed order: embedding, layers 0..L-1, final norm, lm_head):
-  1. the PP stage that owns it all-gathers the megatron shards over its TP group and merges them
-     into full HF tensors (mapping.merge_shards: un-interleave QKV, split fc1, drop vocab padding);
-  2. the owner broadcasts each full tensor over the PP group,
+  1. the PP stage that owns it all-gathers the megatron shards over its TP group (the expert TP
+     group for expert matrices) and merges them into full HF tensors (mapping.merge_shards:
+     un-interleave QKV, split fc1, drop vocab padding);
+  2. expert matrices: local expert j of every EP rank q (global expert q * E/ep + j) is all-gathered
+     over the expert-parallel group, so the stage holds all E experts' tensors for index j;
+  3. the owner broadcasts each full tensor over the PP group,
 so EVERY rank yields every (hf_name, full tensor), identical across ranks (DP/CP replicas repeat
 the same work in their own groups). Tensors keep the parameter dtype and device. Callers that
 only need them on the driver simply ignore them elsewhere. Peak extra memory: one parameter's
-full tensors (e.g. 7B QKV: 3584 x 4608 x 2 bytes = 33 MB), not the model.
+full tensors (e.g. 7B QKV: 3584 x 4608 x 2 bytes = 33 MB; Qwen3-30B-A3B, EP=8: 8 experts' gate+up,
+8 x 2 x 768 x 2048 x 2 bytes = 50 MB), not the model. Experts stream in the public per-expert
+layout (`mlp.experts.{e}.gate_proj.weight`, ...), the names SGLang loads, grouped by local index
+(EP=2, 4 experts: 0, 2, 1, 3).
 Tied embeddings: no lm_head.weight is yielded (HF drops it from tied checkpoints too).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.weights.load import chunk_param_maps, unwrap_model
+from dapo_megatron.weights.load import chunk_param_maps, expert_offset, unwrap_model
 from dapo_megatron.weights.mapping import Dims, ParamMap, expected_hf_shapes, merge_shards
 
 
-def _tp_all_gather(shard: torch.Tensor) -> list[torch.Tensor]:
-    from megatron.core import parallel_state
-
-    size = parallel_state.get_tensor_model_parallel_world_size()
+def _all_gather(tensor: torch.Tensor, group, size: int) -> list[torch.Tensor]:
     if size == 1:
-        return [shard]
-    shard = shard.detach().contiguous()
-    out = [torch.empty_like(shard) for _ in range(size)]
-    dist.all_gather(out, shard, group=parallel_state.get_tensor_model_parallel_group())
+        return [tensor]
+    tensor = tensor.detach().contiguous()
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(out, tensor, group=group)
     return out
 
 
+def _shard_all_gather(shard: torch.Tensor, pmap: ParamMap) -> list[torch.Tensor]:
+    """All ranks' shards of a split parameter: over the expert TP group for experts, TP otherwise."""
+    from megatron.core import parallel_state
+
+    if pmap.is_expert:
+        return _all_gather(shard, parallel_state.get_expert_tensor_parallel_group(),
+                           parallel_state.get_expert_tensor_parallel_world_size())
+    return _all_gather(shard, parallel_state.get_tensor_model_parallel_group(),
+                       parallel_state.get_tensor_model_parallel_world_size())
+
+
+def _with_expert(names: Sequence[str], expert: int) -> tuple[str, ...]:
+    return tuple(re.sub(r"\.experts\.\d+\.", f".experts.{expert}.", n) for n in names)
+
+
 def _local_maps(model_chunks: Sequence[Any], dims: Dims) -> dict[str, tuple[ParamMap, torch.Tensor]]:
-    """HF name of the first tensor of each parameter this rank holds -> (mapping, parameter).
+    """Key -> (mapping, parameter) for each parameter this rank holds. The key is the HF name of
+    its first tensor, for experts as on EP rank 0 (local expert j -> expert j), so that every EP
+    rank iterates the same keys in step.
 
     The output layer is skipped when tied (its HF tensor is the embedding's) and, on the last
     stage of a tied PP>1 model, would duplicate model.embed_tokens.weight.
     """
     local: dict[str, tuple[ParamMap, torch.Tensor]] = {}
     for chunk in model_chunks:
-        for pmap, param in chunk_param_maps(unwrap_model(chunk), dims):
+        for pmap, param in chunk_param_maps(unwrap_model(chunk), dims, first_expert=0):
             if pmap.mcore_name == "output_layer.weight" and dims.tied:
                 continue
             local[pmap.hf_names[0]] = (pmap, param)
     return local
+
+
+def _full_tensors(pmap: ParamMap, param: torch.Tensor, dims: Dims) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) of one local parameter; for an expert, of the same local expert on
+    every EP rank (collective over the TP / expert-TP and EP groups)."""
+    from megatron.core import parallel_state
+
+    tensors = merge_shards(pmap.kind, _shard_all_gather(param.detach(), pmap), dims=dims)
+    ep = parallel_state.get_expert_model_parallel_world_size() if pmap.is_expert else 1
+    if ep == 1:
+        return list(zip(_with_expert(pmap.hf_names, expert_offset(dims) + pmap.local_expert) if pmap.is_expert
+                        else pmap.hf_names, tensors))
+    group = parallel_state.get_expert_model_parallel_group()
+    per_rank = [_all_gather(t, group, ep) for t in tensors]  # [tensor k][ep rank q]
+    num_local = dims.moe.num_experts // ep
+    out = []
+    for q in range(ep):
+        names = _with_expert(pmap.hf_names, q * num_local + pmap.local_expert)
+        out.extend(zip(names, (gathered[q] for gathered in per_rank)))
+    return out
 
 
 def iter_hf_weights(model_chunks: Iterable[Any], hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
@@ -61,6 +102,7 @@ def iter_hf_weights(model_chunks: Iterable[Any], hf_config: Any) -> Iterator[tup
     dims = Dims.from_hf(hf_config)
     shapes = expected_hf_shapes(dims)
     local = _local_maps(chunks, dims)
+    ep = parallel_state.get_expert_model_parallel_world_size()
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     pp_group = parallel_state.get_pipeline_model_parallel_group() if pp_size > 1 else None
     # owner PP stage of every parameter (keyed by its first HF name): one small exchange up front
@@ -75,10 +117,9 @@ def iter_hf_weights(model_chunks: Iterable[Any], hf_config: Any) -> Iterator[tup
     for first_name in [n for n in shapes if n in owners]:
         if first_name in local:
             pmap, param = local[first_name]
-            names = pmap.hf_names
-            tensors = merge_shards(pmap.kind, _tp_all_gather(param.detach()), dims=dims)
+            names, tensors = zip(*_full_tensors(pmap, param, dims))
         else:
-            names, tensors = _names_owned_with(first_name, shapes), None
+            names, tensors = _names_owned_with(first_name, dims, ep=ep), None
         for j, name in enumerate(names):
             if pp_size > 1:
                 owner = owners[first_name]
@@ -90,13 +131,20 @@ def iter_hf_weights(model_chunks: Iterable[Any], hf_config: Any) -> Iterator[tup
             yield name, tensor
 
 
-def _names_owned_with(first_name: str, shapes: dict[str, tuple[int, ...]]) -> tuple[str, ...]:
-    """HF names that travel with first_name in one megatron parameter (q -> q, k, v; gate -> gate,
-    up), for ranks that do not hold the parameter and must know what the owner broadcasts."""
+def _names_owned_with(first_name: str, dims: Dims, *, ep: int) -> tuple[str, ...]:
+    """HF names the owner of first_name's parameter yields, in its order (q -> q, k, v; gate ->
+    gate, up; local expert j -> the same matrices of experts q * E/ep + j for every EP rank q), for
+    ranks that do not hold the parameter and must know what the owner broadcasts."""
+    names: tuple[str, ...] = (first_name,)
     for first, rest in ((".q_proj.", (".k_proj.", ".v_proj.")), (".gate_proj.", (".up_proj.",))):
         if first in first_name:
-            return (first_name, *(first_name.replace(first, r) for r in rest))
-    return (first_name,)
+            names = (first_name, *(first_name.replace(first, r) for r in rest))
+            break
+    match = re.search(r"\.experts\.(\d+)\.", first_name)
+    if match is None:
+        return names
+    num_local = dims.moe.num_experts // ep
+    return tuple(n for q in range(ep) for n in _with_expert(names, q * num_local + int(match.group(1))))
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:

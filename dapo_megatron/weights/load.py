@@ -5,19 +5,23 @@
         load_hf_into_model(chunks, "/ckpt/Qwen2.5-7B")
 
 Every rank reads only the tensors its own parameters need (a PP stage never opens the others'
-layers) and of those only its TP slice (safetensors get_slice: a TP=8 rank reads 1/8 of each
-split matrix), builds its shard with weights/mapping.py's layout maths and copies it in. No
-communication: it works for any TP x PP (x VPP) layout, with DP/CP replicas reading the same files.
+layers, an EP rank only its own experts) and of those only its TP slice (safetensors get_slice: a
+TP=8 rank reads 1/8 of each split matrix; expert matrices are split over the expert TP group),
+builds its shard with weights/mapping.py's layout maths and copies it in. No communication: it
+works for any TP x PP (x VPP) x EP x ETP layout, with DP/CP replicas reading the same files.
+MoE checkpoints may hold the experts per expert (public layout) or fused (transformers' in-memory
+layout): weights/hf_layout.py reads a public name out of the fused tensor.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 
+from dapo_megatron.weights.hf_layout import fused_source, public_shape, read_fused_rows
 from dapo_megatron.weights.mapping import Dims, ParamMap, expected_hf_shapes, map_param, read_shard
 
 
@@ -39,10 +43,32 @@ def chunk_layer_offset(model: Any) -> int:
     return get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None))
 
 
-def chunk_param_maps(model: Any, dims: Dims) -> list[tuple[ParamMap, torch.nn.Parameter]]:
-    """(mapping, parameter) for every parameter of one unwrapped chunk, in named_parameters order."""
+def expert_offset(dims: Dims) -> int:
+    """Global index of this EP rank's first expert (0 for dense models)."""
+    from megatron.core import parallel_state
+
+    if dims.moe is None:
+        return 0
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    return parallel_state.get_expert_model_parallel_rank() * dims.moe.num_experts // ep
+
+
+def shard_group_of(pmap: ParamMap) -> tuple[int, int]:
+    """(rank, size) of the group a parameter is split over: the expert TP group for experts, TP otherwise."""
+    from megatron.core import parallel_state
+
+    if pmap.is_expert:
+        return parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size()
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def chunk_param_maps(model: Any, dims: Dims, *, first_expert: Optional[int] = None) -> list[tuple[ParamMap, torch.nn.Parameter]]:
+    """(mapping, parameter) for every parameter of one unwrapped chunk, in named_parameters order.
+    first_expert: global index of local expert 0 (default: this EP rank's)."""
     offset = chunk_layer_offset(model)
-    return [(map_param(name, layer_offset=offset, dims=dims), param) for name, param in model.named_parameters()]
+    first = expert_offset(dims) if first_expert is None else first_expert
+    return [(map_param(name, layer_offset=offset, dims=dims, expert_offset=first), param)
+            for name, param in model.named_parameters()]
 
 
 class SafetensorsCheckpoint:
@@ -74,15 +100,35 @@ class SafetensorsCheckpoint:
             self._open[file_name] = safe_open(os.path.join(self.hf_dir, file_name), framework="pt")
         return self._open[file_name]
 
+    def _fused(self, name: str) -> Optional[tuple[str, int, str]]:
+        """Where a public per-expert name lives in a fused-layout checkpoint (None: read it as is)."""
+        if name in self.weight_map:
+            return None
+        source = fused_source(name)
+        return source if source is not None and source[0] in self.weight_map else None
+
+    def _slice(self, name: str):
+        return self._handle(name).get_slice(name)
+
     def get(self, name: str) -> torch.Tensor:
+        if self._fused(name):
+            return self.read_rows(name, None, None, 0)
         return self._handle(name).get_tensor(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        fused = self._fused(name)
+        if fused:
+            return public_shape(tuple(self._slice(fused[0]).get_shape()), fused[2])
+        return tuple(self._slice(name).get_shape())
 
     def read_rows(self, name: str, start, stop, dim: int) -> torch.Tensor:
         """tensor[name][start:stop] along dim 0 or 1, reading only that part of the file."""
-        part = self._handle(name).get_slice(name)
+        fused = self._fused(name)
+        if fused:
+            fused_name, expert, proj = fused
+            return read_fused_rows(self._slice, tuple(self._slice(fused_name).get_shape()), fused_name, expert, proj,
+                                   start, stop, dim)
+        part = self._slice(name)
         if dim == 0:
             return part[start:stop]
         return part[:, start:stop]
@@ -95,8 +141,6 @@ def load_hf_into_model(model_chunks: Iterable[Any], hf_dir: str | os.PathLike, *
     the tensor for a missing tensor or a tensor of the wrong shape, and naming the parameter for a
     megatron parameter no mapping covers.
     """
-    from megatron.core import parallel_state
-
     if hf_config is None:
         from transformers import AutoConfig
 
@@ -104,8 +148,6 @@ def load_hf_into_model(model_chunks: Iterable[Any], hf_dir: str | os.PathLike, *
     dims = Dims.from_hf(hf_config)
     shapes = expected_hf_shapes(dims)
     ckpt = SafetensorsCheckpoint(hf_dir)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
     for chunk in model_chunks:
         model = unwrap_model(chunk)
         for pmap, param in chunk_param_maps(model, dims):
@@ -114,8 +156,9 @@ def load_hf_into_model(model_chunks: Iterable[Any], hf_dir: str | os.PathLike, *
                 if shape != shapes[hf_name]:
                     raise ValueError(f"HF checkpoint {ckpt.hf_dir}: tensor {hf_name!r} has shape "
                                      f"{shape}, the config implies {shapes[hf_name]}")
-            shard = read_shard(pmap.kind, pmap.hf_names, ckpt.read_rows, tp_rank=tp_rank, tp_size=tp_size, dims=dims,
-                               vocab_rows=param.shape[0] * tp_size if pmap.kind == "vocab" else None)
+            rank, size = shard_group_of(pmap)
+            shard = read_shard(pmap.kind, pmap.hf_names, ckpt.read_rows, tp_rank=rank, tp_size=size, dims=dims,
+                               vocab_rows=param.shape[0] * size if pmap.kind == "vocab" else None)
             if shard.shape != param.shape:  # internal invariant: config and model disagree
                 raise ValueError(f"megatron parameter {pmap.mcore_name!r} has shape {tuple(param.shape)} but "
                                  f"{', '.join(pmap.hf_names)} give a shard of {tuple(shard.shape)}")

@@ -1,6 +1,6 @@
-"""HF <-> megatron-core parameter names and shard layouts for Qwen2/Qwen2.5 and Llama.
+"""HF <-> megatron-core parameter names and shard layouts for Qwen2/Qwen2.5, Llama, Qwen3 and Qwen3-MoE.
 
-Every megatron parameter is one of five layouts ("kinds"); the maths of each, for TP size t and
+Every megatron parameter is one of seven layouts ("kinds"); the maths of each, for TP size t and
 TP rank r (full tensors are HF's, shards are megatron's local parameter):
 
   replicated  norms: every rank holds the full HF tensor.
@@ -13,6 +13,17 @@ TP rank r (full tensors are HF's, shards are megatron's local parameter):
               g = 0..ng-1; rank r holds the contiguous groups [r*ng/t, (r+1)*ng/t).
   fc1         linear_fc1 (SwiGLU): rank r holds [gate rows r*F/t..(r+1)*F/t ; up rows same], i.e.
               each shard is its own [gate_shard; up_shard], NOT a slice of cat(gate, up).
+  expert_fc1  one expert's linear_fc1: fc1's maths with the expert width F_e (moe_intermediate_size)
+              over the EXPERT tensor-parallel group (size etp, rank r_e) instead of the TP group.
+  expert_row  one expert's linear_fc2: row's maths with F_e over the expert TP group.
+
+Experts (Qwen3-MoE): the router `mlp.router.weight` [E, H] is replicated (HF `mlp.gate.weight`).
+Megatron holds E / ep experts per expert-parallel rank: local expert j of EP rank q is global expert
+e = q * E / ep + j, HF `model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight` (the public
+checkpoint layout, which transformers' save_pretrained also writes; the fused in-memory layout of
+transformers 5 is read by weights/hf_layout.py). Local-spec names
+`mlp.experts.local_experts.{j}.linear_fc{1,2}.weight` (SequentialMLP), TE grouped-GEMM names
+`mlp.experts.linear_fc{1,2}.weight{j}` (TEGroupedMLP).
 
 The same megatron parameter has two names depending on the layer spec: the local spec keeps
 separate norms (`input_layernorm.weight`), the TE spec fuses them into the next linear
@@ -21,17 +32,23 @@ separate norms (`input_layernorm.weight`), the TE spec fuses them into the next 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
-from dapo_megatron.actor.model import has_qkv_bias, head_dim_of, model_type_of, padded_vocab_size
+from dapo_megatron.actor.model import has_qk_norm, has_qkv_bias, head_dim_of, model_type_of, padded_vocab_size
+from dapo_megatron.actor.moe import MoEShape, moe_shape_of
 
 # (megatron local-spec suffix, TE-spec suffix, HF templates, kind) for the parameters of one layer.
 _LAYER_PARAMS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight",
      ("model.layers.{i}.input_layernorm.weight",), "replicated"),
+    ("self_attention.q_layernorm.weight", "self_attention.q_layernorm.weight",
+     ("model.layers.{i}.self_attn.q_norm.weight",), "replicated"),
+    ("self_attention.k_layernorm.weight", "self_attention.k_layernorm.weight",
+     ("model.layers.{i}.self_attn.k_norm.weight",), "replicated"),
     ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.weight",
      ("model.layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.self_attn.k_proj.weight",
       "model.layers.{i}.self_attn.v_proj.weight"), "qkv"),
@@ -46,6 +63,17 @@ _LAYER_PARAMS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
      ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"), "fc1"),
     ("mlp.linear_fc2.weight", "mlp.linear_fc2.weight",
      ("model.layers.{i}.mlp.down_proj.weight",), "row"),
+    ("mlp.router.weight", "mlp.router.weight", ("model.layers.{i}.mlp.gate.weight",), "replicated"),
+)
+
+# One expert's matrices: (local-spec regex, TE grouped-GEMM regex) over the layer-relative suffix,
+# HF templates with {i} = layer and {e} = global expert, kind.
+_EXPERT_PARAMS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight", r"mlp\.experts\.linear_fc1\.weight(\d+)",
+     ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "model.layers.{i}.mlp.experts.{e}.up_proj.weight"),
+     "expert_fc1"),
+    (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight", r"mlp\.experts\.linear_fc2\.weight(\d+)",
+     ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",), "expert_row"),
 )
 
 # (megatron name, HF name, kind) outside the layers. Qwen2 and Llama share these HF names.
@@ -69,6 +97,8 @@ class Dims:
     num_layers: int
     qkv_bias: bool
     tied: bool
+    qk_norm: bool = False
+    moe: Optional[MoEShape] = None
 
     @staticmethod
     def from_hf(hf_config: Any) -> "Dims":
@@ -77,7 +107,15 @@ class Dims:
                     num_groups=hf_config.num_key_value_heads, head_dim=head_dim_of(hf_config),
                     ffn=hf_config.intermediate_size, vocab=hf_config.vocab_size,
                     num_layers=hf_config.num_hidden_layers, qkv_bias=has_qkv_bias(hf_config),
-                    tied=bool(getattr(hf_config, "tie_word_embeddings", False)))
+                    tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
+                    qk_norm=has_qk_norm(hf_config), moe=moe_shape_of(hf_config))
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.sparse_layers[layer]
+
+    def ffn_of(self, kind: str) -> int:
+        """The MLP width a kind splits: an expert's for expert kinds, the dense MLP's otherwise."""
+        return self.moe.ffn if kind.startswith("expert") else self.ffn
 
 
 @dataclass(frozen=True)
@@ -88,6 +126,11 @@ class ParamMap:
     hf_names: tuple[str, ...]
     kind: str
     global_layer: Optional[int] = None
+    local_expert: Optional[int] = None  # expert kinds: index among this EP rank's experts
+
+    @property
+    def is_expert(self) -> bool:
+        return self.kind.startswith("expert")
 
 
 def expected_hf_shapes(dims: Dims) -> dict[str, tuple[int, ...]]:
@@ -103,8 +146,19 @@ def expected_hf_shapes(dims: Dims) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (dims.num_groups * d, h),
             p + "self_attn.v_proj.weight": (dims.num_groups * d, h),
             p + "self_attn.o_proj.weight": (h, dims.num_heads * d),
-            p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h), p + "mlp.down_proj.weight": (h, f),
         })
+        if dims.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+        if dims.is_sparse(i):
+            fe = dims.moe.ffn
+            shapes[p + "mlp.gate.weight"] = (dims.moe.num_experts, h)
+            for e in range(dims.moe.num_experts):
+                q = f"{p}mlp.experts.{e}."
+                shapes.update({q + "gate_proj.weight": (fe, h), q + "up_proj.weight": (fe, h),
+                               q + "down_proj.weight": (h, fe)})
+        else:
+            shapes.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                           p + "mlp.down_proj.weight": (h, f)})
         if dims.qkv_bias:
             shapes.update({p + "self_attn.q_proj.bias": (dims.num_heads * d,),
                            p + "self_attn.k_proj.bias": (dims.num_groups * d,),
@@ -120,9 +174,10 @@ def hf_names_in_order(dims: Dims) -> list[str]:
     return list(expected_hf_shapes(dims))
 
 
-def map_param(mcore_name: str, *, layer_offset: int, dims: Dims) -> ParamMap:
+def map_param(mcore_name: str, *, layer_offset: int, dims: Dims, expert_offset: int = 0) -> ParamMap:
     """The HF tensors behind one megatron parameter name of a chunk whose first layer is global
-    layer `layer_offset`. Raises ValueError for a name no mapping covers."""
+    layer `layer_offset`; expert parameters are this EP rank's, whose first expert is global expert
+    `expert_offset` (ep_rank * num_experts / ep). Raises ValueError for a name no mapping covers."""
     for name, hf_name, kind in _TOP_PARAMS:
         if mcore_name == name:
             if name == "output_layer.weight" and dims.tied:
@@ -136,7 +191,13 @@ def map_param(mcore_name: str, *, layer_offset: int, dims: Dims) -> ParamMap:
             for local_suffix, te_suffix, templates, kind in _LAYER_PARAMS:
                 if suffix in (local_suffix, te_suffix):
                     return ParamMap(mcore_name, tuple(t.format(i=layer) for t in templates), kind, layer)
-    raise ValueError(f"megatron parameter {mcore_name!r} has no HF mapping (supported: qwen2, llama)")
+            for local_re, te_re, templates, kind in _EXPERT_PARAMS:
+                match = re.fullmatch(local_re, suffix) or re.fullmatch(te_re, suffix)
+                if match:
+                    j = int(match.group(1))
+                    names = tuple(t.format(i=layer, e=expert_offset + j) for t in templates)
+                    return ParamMap(mcore_name, names, kind, layer, local_expert=j)
+    raise ValueError(f"megatron parameter {mcore_name!r} has no HF mapping (supported: qwen2, llama, qwen3, qwen3_moe)")
 
 
 # --- shard maths ----------------------------------------------------------------------------------
@@ -167,27 +228,28 @@ def shard_for_rank(kind: str, hf_tensors: Sequence[torch.Tensor], *, tp_rank: in
         padded = full.new_zeros(vocab_rows or padded_vocab_size(dims.vocab, tp=tp_size), *full.shape[1:])
         padded[: dims.vocab] = full
         return padded.chunk(tp_size, dim=0)[tp_rank]
-    if kind == "row":
+    if kind in ("row", "expert_row"):
         return hf_tensors[0].chunk(tp_size, dim=1)[tp_rank]
     if kind == "qkv":
         return _interleave_qkv(*hf_tensors, dims).chunk(tp_size, dim=0)[tp_rank]
-    if kind == "fc1":
+    if kind in ("fc1", "expert_fc1"):
         gate, up = (t.chunk(tp_size, dim=0)[tp_rank] for t in hf_tensors)
         return torch.cat([gate, up], dim=0)
     raise AssertionError(f"unknown kind {kind}")
 
 
 def merge_shards(kind: str, shards: Sequence[torch.Tensor], *, dims: Dims) -> list[torch.Tensor]:
-    """Full HF tensors (in ParamMap.hf_names order) from all TP ranks' shards, rank order."""
+    """Full HF tensors (in ParamMap.hf_names order) from all TP ranks' shards, rank order (expert
+    kinds: the expert TP group's shards)."""
     if kind == "replicated":
         return [shards[0]]
     if kind == "vocab":
         return [torch.cat(list(shards), dim=0)[: dims.vocab]]
-    if kind == "row":
+    if kind in ("row", "expert_row"):
         return [torch.cat(list(shards), dim=1)]
     if kind == "qkv":
         return _deinterleave_qkv(torch.cat(list(shards), dim=0), dims)
-    if kind == "fc1":
+    if kind in ("fc1", "expert_fc1"):
         halves = [s.chunk(2, dim=0) for s in shards]  # each shard = [gate_r; up_r]
         return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
     raise AssertionError(f"unknown kind {kind}")
@@ -212,11 +274,12 @@ def read_shard(kind: str, hf_names: Sequence[str], read_rows, *, tp_rank: int, t
         shard = real.new_zeros(rows, dims.hidden)
         shard[: real.size(0)] = real
         return shard
-    if kind == "row":
-        cols = dims.num_heads * dims.head_dim if "o_proj" in hf_names[0] else dims.ffn
+    if kind in ("row", "expert_row"):
+        cols = dims.num_heads * dims.head_dim if "o_proj" in hf_names[0] else dims.ffn_of(kind)
         return read_rows(hf_names[0], r * cols // t, (r + 1) * cols // t, 1)
-    if kind == "fc1":
-        return torch.cat([read_rows(n, r * dims.ffn // t, (r + 1) * dims.ffn // t, 0) for n in hf_names], dim=0)
+    if kind in ("fc1", "expert_fc1"):
+        ffn = dims.ffn_of(kind)
+        return torch.cat([read_rows(n, r * ffn // t, (r + 1) * ffn // t, 0) for n in hf_names], dim=0)
     if kind == "qkv":
         groups = dims.num_groups // t  # this rank's query groups: [r*groups, (r+1)*groups)
         q_rows = dims.num_heads // dims.num_groups * dims.head_dim

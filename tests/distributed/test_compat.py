@@ -62,7 +62,35 @@ def _cpu_behaviour():
                forked_is_seed_stream=torch.equal(forked_1, seeded_ref),
                forked_advances=not torch.equal(forked_1, forked_2))
     tracker.reset()
+    out.update(_moe_behaviour())
     return out
+
+
+def _moe_behaviour():
+    """The MoE dispatcher's CUDA stream/event calls and gloo's all-to-all with tensor split sizes."""
+    import torch.distributed as dist
+    from megatron.core.transformer.moe import moe_utils
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        stream.wait_stream(torch.cuda.current_stream())
+        event = stream.record_event()
+    event.synchronize()
+    torch.cuda.Event().synchronize()
+    # rank r sends r*10 + [0..r] to rank 0 and r*10 + [r+1..2] to rank 1: uneven splits given as a
+    # tensor and a numpy array (what the dispatcher holds on CPU)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    send = torch.arange(3, dtype=torch.float32) + 10 * rank
+    input_splits = torch.tensor([rank + 1, 2 - rank])
+    counts = [[r + 1, 2 - r] for r in range(world)]  # counts[src][dst]
+    output_splits = torch.tensor([counts[src][rank] for src in range(world)]).numpy()
+    received = torch.empty(int(output_splits.sum()))
+    dist.all_to_all_single(received, send, output_split_sizes=output_splits, input_split_sizes=input_splits)
+    return {
+        "one_stream": stream is torch.cuda.current_stream() and isinstance(stream, torch.cuda.Stream),
+        "te_general_gemm": moe_utils.te_general_gemm,
+        "all_to_all": received.tolist(),
+    }
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the compat layer is a no-op with CUDA")
@@ -76,3 +104,7 @@ def test_cpu_behaviour_inside_ranks(rank_pool):
         assert out["types"] == ("torch.cuda.FloatTensor", "torch.cuda.BFloat16Tensor", torch.float64)
         assert out["current_device"] == "cpu"
         assert out["after_fork_equal"] and out["forked_is_seed_stream"] and out["forked_advances"]
+        assert out["one_stream"] and out["te_general_gemm"] is None
+    # rank 0 receives rank 0's first element and rank 1's first two; rank 1 the rest
+    assert results[0]["all_to_all"] == [0.0, 10.0, 11.0]
+    assert results[1]["all_to_all"] == [1.0, 2.0, 12.0]
