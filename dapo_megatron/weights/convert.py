@@ -4,12 +4,14 @@
         --out /ckpt/qwen7b_mcore --tp 2 --pp 2
     torchrun --nproc-per-node 2 -m dapo_megatron.cli convert mcore-to-hf --mcore /runs/x/ckpt/step_100 \
         --hf-config /ckpt/Qwen2.5-7B --out /ckpt/step_100_hf --tp 2
+    torchrun --nproc-per-node 8 -m dapo_megatron.cli convert hf-to-mcore --hf /ckpt/Qwen3-30B-A3B \
+        --out /ckpt/qwen3moe_mcore --tp 2 --ep 4 --etp 1
 
 hf-to-mcore builds the model in the given layout, loads the safetensors into the shards
 (weights/load.py) and saves the model's sharded state dict with megatron's dist_checkpointing
 under the key "model" (one chunk) or "model0".. (VPP), the keys Actor.save uses, plus config.json
 and convert_meta.json. Megatron's distributed format is layout-independent, so mcore-to-hf may run
-with ANY TP/PP/VPP: it reads the embedding's padded row count and dtype from the checkpoint
+with ANY TP/PP/VPP/EP/ETP (expert tensors are stored per global expert): it reads the embedding's padded row count and dtype from the checkpoint
 metadata (converted checkpoints pad to 128 x tp, Actor checkpoints not at all), builds the model in
 that layout, loads the model part of a converted or an
 Actor checkpoint (optimizer and RNG entries are ignored), streams full tensors out
@@ -49,7 +51,7 @@ def _barrier() -> None:
 
 
 def hf_to_mcore(*, hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None, precision: str | None,
-                vocab_divisible_by: int = 128) -> Path:
+                vocab_divisible_by: int = 128, ep: int = 1, etp: int | None = None) -> Path:
     from megatron.core import dist_checkpointing
     from transformers import AutoConfig
 
@@ -60,7 +62,7 @@ def hf_to_mcore(*, hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None,
     hf_config = AutoConfig.from_pretrained(hf_dir)
     final = Path(out_dir).absolute()
     tmp = final.with_name(final.name + ".tmp")
-    with model_parallel(tp=tp, pp=pp, vpp=vpp):
+    with model_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp):
         chunks = build_model_chunks(hf_config, attention_backend="torch", precision=_precision_of(hf_config, precision),
                                     vocab_divisible_by=vocab_divisible_by)
         load_hf_into_model(chunks, hf_dir, hf_config=hf_config)
@@ -73,7 +75,7 @@ def hf_to_mcore(*, hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None,
         _barrier()
     if dist.get_rank() == 0:
         hf_config.save_pretrained(str(tmp))
-        meta = {"source": str(Path(hf_dir).absolute()), "layout": {"tp": tp, "pp": pp, "vpp": vpp}}
+        meta = {"source": str(Path(hf_dir).absolute()), "layout": {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp}}
         (tmp / "convert_meta.json").write_text(json.dumps(meta, indent=2))
         old = final.with_name(final.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -108,7 +110,7 @@ def _vocab_divisible_by_for(rows: int, vocab: int, tp: int, mcore_dir: str) -> i
 
 
 def mcore_to_hf(*, mcore_dir: str, hf_config_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None,
-                precision: str | None) -> Path:
+                precision: str | None, ep: int = 1, etp: int | None = None) -> Path:
     from megatron.core import dist_checkpointing
     from transformers import AutoConfig
 
@@ -123,7 +125,7 @@ def mcore_to_hf(*, mcore_dir: str, hf_config_dir: str, out_dir: str, tp: int, pp
     # rebuild the checkpoint's own vocabulary padding and dtype (Actor checkpoints use no padding)
     rows, dtype = _checkpoint_vocab_and_dtype(mcore_dir)
     divisible_by = _vocab_divisible_by_for(rows, hf_config.vocab_size, tp, mcore_dir)
-    with model_parallel(tp=tp, pp=pp, vpp=vpp):
+    with model_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp):
         chunks = build_model_chunks(hf_config, attention_backend="torch",
                                     precision=precision or _DTYPE_TO_PRECISION.get(dtype, "fp32"),
                                     vocab_divisible_by=divisible_by)
@@ -158,6 +160,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         p.add_argument("--tp", type=int, default=1)
         p.add_argument("--pp", type=int, default=1)
         p.add_argument("--vpp", type=int, default=None)
+        p.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE models)")
+        p.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
         p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
                        help="parameter dtype (default: the HF config's dtype / the checkpoint's)")
     return parser.parse_args(list(argv))
@@ -173,10 +177,11 @@ def main(argv: Sequence[str]) -> int:
     try:
         if args.direction == "hf-to-mcore":
             out = hf_to_mcore(hf_dir=args.hf, out_dir=args.out, tp=args.tp, pp=args.pp, vpp=args.vpp,
-                              precision=args.precision, vocab_divisible_by=args.vocab_divisible_by)
+                              precision=args.precision, vocab_divisible_by=args.vocab_divisible_by, ep=args.ep,
+                              etp=args.etp)
         else:
             out = mcore_to_hf(mcore_dir=args.mcore, hf_config_dir=args.hf_config, out_dir=args.out, tp=args.tp,
-                              pp=args.pp, vpp=args.vpp, precision=args.precision)
+                              pp=args.pp, vpp=args.vpp, precision=args.precision, ep=args.ep, etp=args.etp)
         if dist.get_rank() == 0:
             print(f"convert {args.direction}: wrote {out}", flush=True)
     finally:

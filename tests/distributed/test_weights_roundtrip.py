@@ -138,7 +138,7 @@ def test_convert_hf_to_mcore_and_back_with_another_layout(rank_pool, hf_dirs, tm
     mcore, back = tmp_path / "mcore", tmp_path / "hf_back"
     pool = rank_pool(2)
     assert pool.run(_convert_on_rank, ["hf-to-mcore", "--hf", str(hf_dir), "--out", str(mcore), "--tp", "2"]) == [0, 0]
-    assert json.loads((mcore / "convert_meta.json").read_text())["layout"] == {"tp": 2, "pp": 1, "vpp": None}
+    assert json.loads((mcore / "convert_meta.json").read_text())["layout"] == {"tp": 2, "pp": 1, "vpp": None, "ep": 1, "etp": None}
     # reshard on the way back: TP=2 checkpoint read as PP=2
     assert pool.run(_convert_on_rank, ["mcore-to-hf", "--mcore", str(mcore), "--hf-config", str(hf_dir),
                                        "--out", str(back), "--pp", "2"]) == [0, 0]
