@@ -28,7 +28,7 @@ LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 @dataclass
 class ModelConfig:
     path: str = ""  # HF checkpoint directory (config.json + safetensors + tokenizer)
-    arch: Literal["auto", "qwen2", "llama"] = "auto"  # auto: read config.json's model_type
+    arch: Literal["auto", "qwen2", "llama", "qwen3", "qwen3_moe"] = "auto"  # auto: read config.json's model_type
     tokenizer: str = ""  # defaults to `path`
 
 
@@ -72,6 +72,9 @@ class RolloutConfig:
     weight_bucket_mb: int = 512
     request_timeout_s: float = 3600.0
     max_retries: int = 3
+    # MoE: engines return each token's experts (SGLang's return_routed_experts; SGLang servers need
+    # --enable-return-routed-experts). Needed by actor.routing_replay; alone it logs routing agreement.
+    return_routed_experts: bool = False
 
 
 @dataclass
@@ -112,6 +115,10 @@ class ActorConfig:
     fused_logprob: bool = True
     fused_policy_loss: bool = True
     world_size: int = 1  # actor processes launched by `train` on one node (torchrun)
+    # mixture-of-experts models (Qwen3-MoE)
+    ep: int = 1  # expert parallel: each expert lives on one of ep ranks (carved out of the DP ranks)
+    etp: Optional[int] = None  # expert tensor parallel: each expert split over etp ranks; null = actor.tp
+    routing_replay: bool = False  # R3: old log-probs and the loss use the engine's experts for every token
 
 
 @dataclass
@@ -400,6 +407,7 @@ def validate(cfg: Config) -> None:
     model_parallel = ac.tp * ac.pp * ac.cp
     _require(ac.world_size % model_parallel == 0, "actor.world_size", ac.world_size,
              f"must be a multiple of tp*pp*cp = {model_parallel}")
+    _validate_experts(cfg)
 
     _require(t.train_batch_size >= 1, "trainer.train_batch_size", t.train_batch_size, "must be >= 1")
     _require(t.mini_batch_size >= 1, "trainer.mini_batch_size", t.mini_batch_size, "must be >= 1")
@@ -455,6 +463,24 @@ _SLURM_SYNTAX = (  # (key, regex, message)
     ("time", r"[0-9]+-[0-9]+(:[0-9]+){0,2}|[0-9]+(:[0-9]+){1,2}|UNLIMITED|INFINITE",
      "a Slurm time like \"48:00:00\" or \"2-00:00:00\" (quote it in YAML: unquoted 48:00:00 reads as a number)"),
 )
+
+
+def _validate_experts(cfg: Config) -> None:
+    """actor.ep / actor.etp / actor.routing_replay (what needs the model's config.json, such as
+    num_experts % ep, is checked when the model is built: actor/moe.py check_expert_parallel)."""
+    ac, r = cfg.actor, cfg.rollout
+    _require(ac.ep >= 1, "actor.ep", ac.ep, "must be >= 1")
+    _require(ac.etp is None or ac.etp >= 1, "actor.etp", ac.etp, "null (= actor.tp) or >= 1")
+    etp = ac.tp if ac.etp is None else ac.etp
+    expert_parallel = etp * ac.ep * ac.pp
+    _require(ac.world_size % expert_parallel == 0, "actor.world_size", ac.world_size,
+             f"must be a multiple of etp*ep*pp = {etp}*{ac.ep}*{ac.pp} = {expert_parallel} "
+             "(actor.etp, actor.ep, actor.pp: every pipeline stage holds etp x ep expert shards)")
+    _require(not ac.routing_replay or r.return_routed_experts, "actor.routing_replay", ac.routing_replay,
+             "needs rollout.return_routed_experts=true (the engines must say which experts they used)")
+    _require(not (ac.routing_replay and ac.recompute == "full" and ac.pp > 1), "actor.routing_replay",
+             ac.routing_replay, "with actor.recompute=full needs actor.pp=1: the recomputed forward of a "
+             "pipelined schedule would replay another micro-batch's experts")
 
 
 def _validate_tiny(cfg: Config) -> None:

@@ -110,7 +110,8 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
 
     parallel.init_distributed()
     tr, run_dir = cfg.trainer, Path(cfg.trainer.output_dir)
-    with parallel.model_parallel(tp=cfg.actor.tp, pp=cfg.actor.pp, cp=cfg.actor.cp, vpp=cfg.actor.vpp, seed=tr.seed):
+    with parallel.model_parallel(tp=cfg.actor.tp, pp=cfg.actor.pp, cp=cfg.actor.cp, vpp=cfg.actor.vpp, ep=cfg.actor.ep,
+                                 etp=cfg.actor.etp, seed=tr.seed):
         actor = Actor(cfg, cfg.model.path)
         ref = ReferencePolicy(cfg, cfg.model.path) if cfg.algorithm.use_kl else None  # frozen, off-device when idle
         is_driver = dist.get_rank() == 0

@@ -75,8 +75,9 @@ class Actor:
 
         self.cfg = cfg
         ac, tr = cfg.actor, cfg.trainer
-        layout = dict(tp=parallel.tp_size(), pp=parallel.pp_size(), cp=parallel.cp_size(), vpp=parallel.vpp_size())
-        wanted = dict(tp=ac.tp, pp=ac.pp, cp=ac.cp, vpp=ac.vpp)
+        layout = dict(tp=parallel.tp_size(), pp=parallel.pp_size(), cp=parallel.cp_size(), vpp=parallel.vpp_size(),
+                      ep=parallel.ep_size(), etp=parallel.etp_size())
+        wanted = dict(tp=ac.tp, pp=ac.pp, cp=ac.cp, vpp=ac.vpp, ep=ac.ep, etp=ac.tp if ac.etp is None else ac.etp)
         if layout != wanted:
             raise ValueError(f"actor: megatron parallel state {layout} does not match the config's actor.{wanted} "
                              "(initialize with parallel.model_parallel(tp=cfg.actor.tp, ...))")
@@ -85,6 +86,15 @@ class Actor:
                 require_fused_kernels(f"actor.{key}", device_type="cuda" if torch.cuda.is_available() else "cpu")
         self.hf_dir = Path(hf_dir)
         self.hf_config = AutoConfig.from_pretrained(self.hf_dir)
+        from dapo_megatron.actor.moe import moe_shape_of
+
+        self.moe = moe_shape_of(self.hf_config)
+        if self.moe is not None and ac.tp > 1 and not ac.sequence_parallel:
+            raise ValueError(f"actor.sequence_parallel must be true for the mixture-of-experts model {self.hf_dir} "
+                             f"at actor.tp={ac.tp} (megatron-core's MoELayer refuses to train TP without it)")
+        if self.moe is None and ac.routing_replay:
+            raise ValueError(f"actor.routing_replay=true needs a mixture-of-experts model; {self.hf_dir}/config.json "
+                             f"model_type {self.hf_config.model_type!r} has no router")
         # vocab_divisible_by=1: the vocabulary is padded only up to a multiple of tp (< tp zero rows);
         # the head excludes rows >= vocab_size from the softmax (token_logprobs_entropy(vocab_size=)).
         chunks = build_model_chunks(self.hf_config, attention_backend=ac.attention_backend, precision=ac.precision,

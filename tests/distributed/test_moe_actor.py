@@ -1,0 +1,88 @@
+"""The Actor on a tiny Qwen3-MoE (gloo ranks, fp32): log-probs equal transformers' at EP=2 and at
+TP=2 x EP=2 (ETP=1, sequence parallel), and one DAPO update at EP=2 (each rank holds half the
+experts, tokens cross ranks through the all-to-all) moves every weight exactly as at EP=1 (experts
+replicated), as does one at TP=2 x EP=2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_actor_logprobs import hf_logprobs, make_samples
+from test_actor_train import fill_rl_fields
+
+
+def moe_cfg(*, tp=1, ep=1, etp=None, micro_batch_tokens=64, **trainer):
+    from dapo_megatron.config import ActorConfig, Config
+
+    cfg = Config()
+    cfg.actor = ActorConfig(tp=tp, ep=ep, etp=etp, attention_backend="torch", precision="fp32",
+                            micro_batch_tokens=micro_batch_tokens, use_distributed_optimizer=True, world_size=2,
+                            sequence_parallel=tp > 1)  # megatron's MoELayer trains TP only with SP
+    cfg.rollout.temperature = 1.0
+    for key, value in trainer.items():
+        setattr(cfg.trainer, key, value)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from helpers_tiny import save_tiny_hf
+
+    return str(save_tiny_hf(tmp_path_factory.mktemp("qwen3_moe"), arch="qwen3_moe", num_layers=2, seed=6))
+
+
+def logprobs_on_rank(hf_dir, samples, tp, ep, etp):
+    from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.actor.parallel import model_parallel
+
+    with model_parallel(tp=tp, ep=ep, etp=etp, seed=7):
+        actor = Actor(moe_cfg(tp=tp, ep=ep, etp=etp), hf_dir)
+        return actor.logprobs(samples).logprobs
+
+
+@pytest.mark.parametrize("tp,ep,etp", [(1, 2, None), (2, 2, 1)])
+def test_moe_actor_logprobs_match_transformers(rank_pool, moe_dir, tp, ep, etp):
+    samples = make_samples(7, seed=1)
+    want, _ = hf_logprobs(moe_dir, samples)
+    first, second = rank_pool(2).run(logprobs_on_rank, moe_dir, samples, tp, ep, etp)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert max(float((a - b).abs().max()) for a, b in zip(first, want)) <= 1e-5
+
+
+def updated_weights_on_rank(hf_dir, samples, tp, ep, etp):
+    from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.actor.parallel import model_parallel
+
+    with model_parallel(tp=tp, ep=ep, etp=etp, seed=7):
+        actor = Actor(moe_cfg(tp=tp, ep=ep, etp=etp, micro_batch_tokens=40, lr=1e-3, warmup_steps=0), hf_dir)
+        for group in actor.optimizer.param_groups:
+            group["eps"] = 1e-4  # see test_actor_train: bounds Adam's amplification of rounding at g ~ 0
+        metrics = actor.train(samples, step=0)
+        weights = {k: v.clone() for k, v in actor.iter_hf_weights()}
+    return metrics, weights
+
+
+def test_train_step_at_ep2_equals_ep1(rank_pool, moe_dir):
+    from safetensors.torch import load_file
+
+    samples = make_samples(10, seed=5)
+    logps, _ = hf_logprobs(moe_dir, samples)
+    samples = fill_rl_fields(samples, logps, seed=2)
+    pool = rank_pool(2)
+    (m1, w1), _ = pool.run(updated_weights_on_rank, moe_dir, samples, 1, 1, None)
+    (m2, w2), (m2b, w2b) = pool.run(updated_weights_on_rank, moe_dir, samples, 1, 2, None)
+    (m3, w3), _ = pool.run(updated_weights_on_rank, moe_dir, samples, 2, 2, 1)  # TP=2 x EP=2, ETP=1
+    before = load_file(f"{moe_dir}/model.safetensors")
+    for m in (m2, m2b, m3):
+        assert m["loss"] == pytest.approx(m1["loss"], rel=1e-6)
+        assert m["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-5)
+    assert m1["update_skipped"] == 0
+    moved_experts = 0
+    for name, w in w1.items():
+        for other in (w2, w3):
+            torch.testing.assert_close(other[name], w, atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+        assert torch.equal(w2[name], w2b[name])
+        if ".experts." in name:
+            moved_experts += int(float((w - before[name]).abs().max()) > 5e-4)  # ~lr = 1e-3
+    assert moved_experts >= 3 * 4  # gate, up and down of all 4 experts of the sparse layer moved
