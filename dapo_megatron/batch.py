@@ -1,6 +1,7 @@
 """The one record that flows sampler -> advantages -> actor: a prompt and one sampled response.
 
-The sampler fills ids, text, reward, acc, truncation and the engine's log-probs; `advantages` fills
+The sampler fills ids, text, reward, acc, truncation, the engine's log-probs (and, for MoE models,
+the engine's routed experts); `advantages` fills
 `advantage`; the actor fills `old_logprobs` (pi_old computed by the trainer, not the engine).
 Token lists stay plain Python lists until the actor packs them into micro-batches.
 """
@@ -8,6 +9,7 @@ Token lists stay plain Python lists until the actor packs them into micro-batche
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -25,6 +27,9 @@ class Sample:
     old_logprobs: list[float] | None = None  # the trainer's pi_old of response_ids
     ref_logprobs: list[float] | None = None  # reference policy (KL baseline only)
     loss_mask: list[int] | None = None  # per response token; None = all ones
+    # MoE: the engine's experts of every processed token, [prompt + response - 1, layers * topk] uint8 /
+    # int16 (rollout/routing.py); row t = position t. The actor replays them (actor.routing_replay).
+    routed_experts: Any = None
     extra: dict = field(default_factory=dict)
 
     @property

@@ -95,8 +95,10 @@ class EngineClient:
     # ------------------------------------------------------------------ generation
     async def generate(self, *, input_ids: list | None = None, text: str | list | None = None,
                        sampling_params: dict | list | None = None, return_logprob: bool = False,
-                       rid: str | list | None = None) -> Any:
+                       rid: str | list | None = None, return_routed_experts: bool = False) -> Any:
         payload: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
+        if return_routed_experts:  # MoE: meta_info.routed_experts (rollout/routing.py)
+            payload["return_routed_experts"] = True
         if input_ids is not None:
             payload["input_ids"] = input_ids
         if text is not None:

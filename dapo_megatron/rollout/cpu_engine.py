@@ -25,6 +25,8 @@ from typing import Iterable
 import torch
 
 from dapo_megatron.rollout.protocol import SequenceRequest
+from dapo_megatron.rollout.routing import RoutedExpertsRecorder
+from dapo_megatron.weights.hf_layout import public_expert_views
 
 
 class WeightError(ValueError):
@@ -52,19 +54,26 @@ class CpuEngine:
         self._seed_rng = torch.Generator().manual_seed(seed)
         self._released: dict[str, torch.Tensor] | None = None  # host copies while "released"
         self.weight_version = 0
+        self.routing = RoutedExpertsRecorder(self.model)  # MoE: the experts of every token (routing.py)
 
     # ------------------------------------------------------------------ model description
     def parameter_specs(self) -> dict[str, dict]:
         """Every name a weight update may target (state_dict keys, tied aliases included)."""
         return {
             name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-            for name, t in self._tensors().items()
+            for name, t in self._public_tensors().items()
         }
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         if self._released is not None:
             return self._released
         return dict(self.model.state_dict(keep_vars=True))
+
+    def _public_tensors(self) -> dict[str, torch.Tensor]:
+        """Parameters under the checkpoint's names: transformers 5 fuses MoE experts in memory
+        (mlp.experts.gate_up_proj), SGLang and checkpoints name them per expert; the per-expert
+        views write into the fused parameters (weights/hf_layout.py)."""
+        return public_expert_views(self._tensors())
 
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -77,7 +86,7 @@ class CpuEngine:
     # ------------------------------------------------------------------ weights
     def check_weights(self, specs: Iterable[tuple[str, list[int]]]) -> None:
         """Raise WeightError naming the first tensor that does not fit; writes nothing."""
-        ours = self._tensors()
+        ours = self._public_tensors()
         for name, shape in specs:
             if name not in ours:
                 raise WeightError(f"unknown parameter name '{name}' (the model has {len(ours)} tensors)")
@@ -89,7 +98,7 @@ class CpuEngine:
         self.check_weights((n, list(t.shape)) for n, t in named)
         if self._released is not None:
             raise WeightError("weights are released; call /resume_memory_occupation first")
-        ours = self._tensors()
+        ours = self._public_tensors()
         with torch.no_grad():
             for name, tensor in named:
                 ours[name].data.copy_(tensor.to(ours[name].dtype))
@@ -107,7 +116,7 @@ class CpuEngine:
         return len(named)
 
     def weights_by_name(self, name: str, truncate_size: int) -> list:
-        ours = self._tensors()
+        ours = self._public_tensors()
         if name not in ours:
             raise WeightError(f"unknown parameter name '{name}'")
         t = ours[name].detach()
@@ -172,6 +181,7 @@ class CpuEngine:
             if s.params.max_new_tokens == 0:
                 done[b], s.finish_reason = True, {"type": "length", "length": 0}
         step_input, step_pos = ids, positions
+        self.routing.start(active=any(s.return_routed_experts for s in seqs), batch_size=batch)
         while not all(done):
             out = self.model(input_ids=step_input, attention_mask=mask, position_ids=step_pos,
                              past_key_values=cache, use_cache=True)
@@ -196,6 +206,7 @@ class CpuEngine:
             step_input = next_tokens[:, None]
             step_pos = step_pos[:, -1:] + 1
             mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+        self.routing.finish(seqs, prompt_lengths=lengths, width=width)
 
     @staticmethod
     def _sample(logits_V: torch.Tensor, s: SequenceRequest, gen: torch.Generator) -> tuple[int, float]:

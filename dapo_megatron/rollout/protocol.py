@@ -16,7 +16,9 @@ from typing import Any
 
 # SGLang fields we accept and ignore (they do not change what a CPU engine computes).
 _IGNORED_FIELDS = {"stream", "log_metrics", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"}
-_KNOWN_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "rid"} | _IGNORED_FIELDS
+# return_routed_experts / routed_experts_start_len: MoE routing, rollout/routing.py
+_KNOWN_FIELDS = ({"text", "input_ids", "sampling_params", "return_logprob", "rid", "return_routed_experts",
+                  "routed_experts_start_len"} | _IGNORED_FIELDS)
 _SAMPLING_KEYS = {
     "n", "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos",
     "sampling_seed", "skip_special_tokens", "min_p", "stop", "no_stop_trim", "spaces_between_special_tokens",
@@ -57,6 +59,9 @@ class SequenceRequest:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     finish_reason: dict[str, Any] | None = None
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    routed_experts: Any = None  # [rows, layers, topk] once generated (rollout/routing.py)
 
 
 def _number(value: Any, name: str, *, kind: type, lo: float | None = None, hi: float | None = None) -> Any:
@@ -175,8 +180,15 @@ def parse_generate(body: Any, *, vocab_size: int, tokenize) -> tuple[list[Sequen
     else:
         raise RequestError("rid", f"must be a string or a list of {num} strings")
 
+    routed = body.get("return_routed_experts", False)
+    if not isinstance(routed, bool):
+        raise RequestError("return_routed_experts", f"must be true or false, got {routed!r}")
+    routed_start = body.get("routed_experts_start_len", 0)
+    if isinstance(routed_start, bool) or not isinstance(routed_start, int) or routed_start < 0:
+        raise RequestError("routed_experts_start_len", f"must be an integer >= 0, got {routed_start!r}")
     seqs = [
-        SequenceRequest(list(prompts[i]), params[i], rids[i], j, bool(flags[i]))
+        SequenceRequest(list(prompts[i]), params[i], rids[i], j, bool(flags[i]), return_routed_experts=routed,
+                        routed_experts_start_len=routed_start)
         for i in range(num)
         for j in range(params[i].n)
     ]

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 from dapo_megatron.algo import DynamicSampler, keep_group, overlong_penalty
 from dapo_megatron.batch import Sample
 from dapo_megatron.rollout.pool import EnginePool
+from dapo_megatron.rollout.routing import routed_experts_of
 
 
 @dataclass
@@ -52,6 +53,7 @@ class RolloutSettings:
     seed: int = 0
     progress: bool = True
     in_order: bool = True  # groups fill the batch in request order: reproducible (see _round)
+    return_routed_experts: bool = False  # MoE: each Sample carries the engine's experts (routing.py)
 
     @classmethod
     def from_config(cls, cfg: Any, **overrides: Any) -> "RolloutSettings":
@@ -62,7 +64,7 @@ class RolloutSettings:
                       dynamic_sampling=a.dynamic_sampling, max_num_gen_batches=a.max_num_gen_batches,
                       on_exhausted=a.on_gen_batches_exhausted, overlong_shaping=a.overlong_shaping,
                       overlong_buffer_length=a.overlong_buffer_length, overlong_penalty_factor=a.overlong_penalty_factor,
-                      seed=cfg.trainer.seed, in_order=r.in_order)
+                      seed=cfg.trainer.seed, in_order=r.in_order, return_routed_experts=r.return_routed_experts)
         values.update(overrides)
         return cls(**values)
 
@@ -120,8 +122,9 @@ class RolloutSampler:
 
     async def _generate_group(self, record: Any, rid: str, k: int) -> tuple[Any, list[dict]]:
         ids = self.prompt_ids(record)
+        routed = {"return_routed_experts": True} if self.settings.return_routed_experts else {}
         out = await self.pool.generate(input_ids=ids, sampling_params=self.sampling_params(k),
-                                       return_logprob=True, rid=rid)
+                                       return_logprob=True, rid=rid, **routed)
         outs = out if isinstance(out, list) else [out]
         return record, [dict(o, prompt_ids=ids) for o in outs]
 
@@ -144,6 +147,7 @@ class RolloutSampler:
                 reward=float(result.score) + float(extra_reward), acc=float(result.acc),
                 truncated=meta["finish_reason"]["type"] == "length",
                 rollout_logprobs=[float(lp[0]) for lp in meta.get("output_token_logprobs", [])],
+                routed_experts=routed_experts_of(o, where=f"request {meta.get('id')}"),
                 extra={"score": float(result.score), "overlong_penalty": float(extra_reward),
                        "pred": getattr(result, "pred", None), "finish_reason": meta["finish_reason"]["type"]},
             ))

@@ -5,9 +5,11 @@
 Endpoints (request/response shapes of sglang 0.5.21, entrypoints/http_server.py + io_struct.py):
   POST /generate                        text | input_ids (single or batch), sampling_params
                                         (n, temperature, top_p, top_k, max_new_tokens, stop_token_ids,
-                                        ignore_eos, sampling_seed), return_logprob, rid
+                                        ignore_eos, sampling_seed), return_logprob, rid,
+                                        return_routed_experts, routed_experts_start_len (MoE)
         -> {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
-            "completion_tokens", "output_token_logprobs": [[logprob, token_id, null], ...]}}
+            "completion_tokens", "output_token_logprobs": [[logprob, token_id, null], ...],
+            "routed_experts": base64 int32 [prompt + completion - 1, layers, topk] (rollout/routing.py)}}
            (a list of those for a batch or n > 1, prompt-major)
   POST /abort_request                   {"rid": ...} or {"abort_all": true}
   GET|POST /flush_cache                 no prefix cache on CPU: succeeds, nothing to drop
@@ -55,6 +57,7 @@ from aiohttp import web
 from dapo_megatron.rollout.cpu_engine import CpuEngine, WeightError
 from dapo_megatron.rollout.protocol import RequestError, SequenceRequest, parse_generate
 from dapo_megatron.rollout.registry import remove_registration, write_registration
+from dapo_megatron.rollout.routing import encode_routed_experts
 
 
 def _error(status: int, message: str, field: str | None = None) -> web.Response:
@@ -221,6 +224,8 @@ class RolloutServer:
         }
         if s.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.output_logprobs, s.output_ids)]
+        if s.routed_experts is not None:  # a dense model records none and, like SGLang, sends none
+            meta["routed_experts"] = encode_routed_experts(s.routed_experts)
         text = self.engine.decode(s.output_ids, s.params.skip_special_tokens)
         return {"text": text, "output_ids": s.output_ids, "meta_info": meta}
 
