@@ -26,7 +26,7 @@ grad(global sum / D).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -50,6 +50,7 @@ class LogProbs:
 
     logprobs: list[torch.Tensor]
     entropies: list[torch.Tensor]
+    routing: dict[str, float] = field(default_factory=dict)  # MoE: routing agreement with the engine
 
 
 def _unwrap(module):
@@ -102,6 +103,10 @@ class Actor:
                                     vocab_divisible_by=1)
         load_hf_into_model(chunks, self.hf_dir)
         self._chunks = chunks
+        from dapo_megatron.actor.routing_replay import make_routing_replay
+
+        self.routing = make_routing_replay(chunks, self.hf_config, sequence_parallel=ac.sequence_parallel)
+        self._routed_samples: list[Sample] | None = None  # the list the current pass's micro-batches index
         for chunk in chunks:
             chunk.config.calculate_per_token_loss = True  # see the module docstring
             return_hidden_states(chunk)
@@ -215,8 +220,41 @@ class Actor:
                                  cu_seqlens_kv_padded=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len)
         tokens = self._local(mb.tokens, mb).to(device)[None]
         positions = self._local(mb.position_ids, mb).to(device)[None]
+        if self._routed_samples is not None:
+            self._set_routing(_unwrap(model), mb)
         output = model(tokens, positions, None, packed_seq_params=packed)
         return output, functools.partial(head, mb, _unwrap(model))
+
+    def _set_routing(self, chunk, mb: MicroBatch) -> None:
+        """The engine's experts of this micro-batch for the chunk's routers (routing_replay.py)."""
+        from dapo_megatron.actor.routing_replay import pack_routed_experts
+
+        experts, valid = pack_routed_experts(self._routed_samples, mb.sample_indices, mb.seq_lengths_padded,
+                                             length=mb.length, num_layers=self.routing.num_layers,
+                                             topk=self.routing.topk)
+        self.routing.before_forward(chunk, experts, valid, lambda t: self._local(t, mb))
+
+    def _begin_routing(self, samples: list[Sample], *, measure: bool) -> None:
+        """Before a pass: replay the engine's experts (actor.routing_replay) and/or measure agreement."""
+        replay = self.cfg.actor.routing_replay
+        measure = measure and self.routing is not None and any(s.routed_experts is not None for s in samples)
+        if replay:
+            from dapo_megatron.actor.routing_replay import validate_routed_experts
+
+            validate_routed_experts(samples, num_layers=self.routing.num_layers, topk=self.routing.topk)
+        if self.routing is None or not (replay or measure):
+            self._routed_samples = None
+            return
+        self.routing.begin(replay=replay, measure=measure)
+        self._routed_samples = samples
+
+    def _end_routing(self, *, collect: bool = True) -> dict[str, float]:
+        """After a pass: routers back to normal routing; the agreement metrics (collective) unless
+        the pass failed (collect=False: no collective on an error path)."""
+        if self._routed_samples is None:
+            return {}
+        self._routed_samples = None
+        return self.routing.end(collect=collect)
 
     def _head(self, mb: MicroBatch, gpt, output: torch.Tensor, *, positions: torch.Tensor):
         """Log-prob and entropy at the local response positions `positions` (last stage only)."""
@@ -281,6 +319,7 @@ class Actor:
         for m in self.model:
             m.eval()
         share = self._pack(samples, mask_truncated=False)
+        self._begin_routing(samples, measure=True)
 
         def head(mb, gpt, output):
             pos = self._local(mb.response_mask, mb).nonzero()[:, 0]
@@ -291,7 +330,12 @@ class Actor:
             local[1, pos.to(logprob.device)] = entropy.float()
             return torch.zeros((), device=logprob.device), torch.tensor(0, dtype=torch.int), local
 
-        outputs = self._run(share.micro_batches, head=head, length=share.length, forward_only=True)
+        try:
+            outputs = self._run(share.micro_batches, head=head, length=share.length, forward_only=True)
+        except BaseException:
+            self._end_routing(collect=False)
+            raise
+        routing = self._end_routing()  # a world collective, before the owners' CP merge
         owner = self._owns_results() and parallel.cp_rank() == 0  # CP peers hold the same merged values
         if self._owns_results():
             outputs = self._merge_cp(outputs, share.micro_batches)
@@ -310,7 +354,7 @@ class Actor:
         flat = flat.cpu()
         logps = [flat[0, o: o + len(s.response_ids)].clone() for o, s in zip(offsets, samples)]
         ents = [flat[1, o: o + len(s.response_ids)].clone() for o, s in zip(offsets, samples)]
-        return LogProbs(logprobs=logps, entropies=ents)
+        return LogProbs(logprobs=logps, entropies=ents, routing=routing)
 
     # --- the train step ------------------------------------------------------------------------------
 
@@ -348,7 +392,11 @@ class Actor:
                 ratio_max = torch.maximum(ratio_max, values["ratio_max"].double().to(device))
             return loss, torch.tensor(0, dtype=torch.int), {}
 
-        self._run(share.micro_batches, head=head, length=share.length, forward_only=False)
+        self._begin_routing(mini_batch, measure=False)
+        try:
+            self._run(share.micro_batches, head=head, length=share.length, forward_only=False)
+        finally:
+            self._end_routing(collect=False)
         dist.all_reduce(sums)
         dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
         m = dict(zip(METRIC_SUMS, sums.tolist()))

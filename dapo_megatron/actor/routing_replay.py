@@ -1,0 +1,180 @@
+"""Routing replay (R3) and routing agreement in the actor's forward passes (Qwen3-MoE).
+
+The problem: the rollout engine and the trainer compute the router logits with different kernels,
+batch shapes and precisions, so near-ties between experts go different ways, the two policies send
+the same token through different experts, and pi_old / pi_rollout and the importance ratios drift.
+R3 ("rollout routing replay", arXiv 2510.11370; slime's --use-rollout-routing-replay,
+slime/utils/routing_replay.py; verl's router_replay mode "R3", verl/utils/megatron/router_replay_patch.py)
+makes the trainer route every token to the experts the engine used: the router still computes its
+scores, but the top-k indices are the engine's, and the gate weights are the trainer's scores
+gathered at those experts (so gradients still reach the router).
+
+Here: megatron-core 0.16.1's own hook. With config.moe_enable_routing_replay (set by actor/moe.py)
+every TopKRouter owns a RouterReplay (transformer/moe/router_replay.py); with the action
+REPLAY_FORWARD, topk_routing_with_score_function takes `target_topk_idx` instead of computing
+top-k. Before each chunk's forward of each micro-batch (Actor._forward_step) this module sets,
+for every router of that chunk, the engine's experts of that micro-batch's local tokens (after the
+context-parallel split and the sequence-parallel split, in the order the router sees them). It is
+set right before the call that uses it, so any pipeline schedule works; with full recompute the
+backward's recomputation runs right after the forward at pp=1 and finds the same targets (pp>1 is
+refused by the config). Tokens without engine data (the last token of each sequence, which the
+engine never fed to its model, and padding) get experts 0..k-1: their outputs feed no log-prob.
+
+Agreement (logged every step, replay on or off): a forward hook on each router recomputes the
+router's own top-k from its input (one [T, H] x [H, E] matmul per layer, in the old-log-prob pass
+only) and compares it with the engine's for every token the engine reported:
+  routing/agreement    mean over tokens and MoE layers of |top-k_trainer ∩ top-k_engine| / k
+  routing/exact_match  fraction of (token, layer) pairs whose k experts are the same set
+With replay on, the trainer's own choice at layer l is made on hidden states that replayed layers
+< l, so the numbers measure the routers' disagreement layer by layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dapo_megatron.batch import Sample
+
+
+def validate_routed_experts(samples: Sequence[Sample], *, num_layers: int, topk: int) -> None:
+    """ValueError naming the sample whose routed experts do not fit its tokens and the model."""
+    for index, s in enumerate(samples):
+        if s.routed_experts is None:
+            raise ValueError(f"sample {index}: routed_experts is None but actor.routing_replay=true needs the engine's "
+                             "experts (rollout.return_routed_experts=true; SGLang: --enable-return-routed-experts)")
+        want = (s.num_tokens - 1, num_layers * topk)
+        if tuple(s.routed_experts.shape) != want:
+            raise ValueError(f"sample {index}: routed_experts has shape {tuple(s.routed_experts.shape)}, the sample and "
+                             f"the model need {want} (prompt + response - 1 tokens, layers x top-k)")
+
+
+def pack_routed_experts(samples: Sequence[Sample], sample_indices: Sequence[int], seq_lengths_padded: Sequence[int],
+                        *, length: int, num_layers: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's experts of one packed micro-batch, aligned with its tokens (packing.py layout):
+    ([length, num_layers, topk] int64, [length] bool: the engine reported this token)."""
+    experts = torch.arange(topk, dtype=torch.int64).expand(length, num_layers, topk).clone()
+    valid = torch.zeros(length, dtype=torch.bool)
+    offset = 0
+    for index, padded in zip(sample_indices, seq_lengths_padded):
+        rows = samples[index].routed_experts
+        if rows is not None:
+            n = rows.shape[0]
+            experts[offset: offset + n] = rows.to(torch.int64).view(n, num_layers, topk)
+            valid[offset: offset + n] = True
+        offset += padded
+    return experts, valid
+
+
+def _moe_routers(chunk: Any) -> list[tuple[int, Any]]:
+    """(global layer index, TopKRouter) of every MoE layer of one unwrapped GPTModel chunk."""
+    out = []
+    for layer in chunk.decoder.layers:
+        router = getattr(layer.mlp, "router", None)
+        if router is not None:
+            out.append((layer.layer_number - 1, router))  # megatron numbers layers from 1
+    return out
+
+
+class RoutingReplay:
+    """Drives the routers of one Actor's model chunks: replay (R3) and the agreement counters."""
+
+    def __init__(self, chunks: Sequence[Any], *, num_layers: int, topk: int, sequence_parallel: bool) -> None:
+        from megatron.core import parallel_state
+
+        self.num_layers, self.topk = num_layers, topk
+        self.sequence_parallel = sequence_parallel
+        self.routers = {id(chunk): _moe_routers(chunk) for chunk in chunks}
+        # TP ranks without SP see the same tokens: only TP rank 0 counts them
+        self.counts_tokens = sequence_parallel or parallel_state.get_tensor_model_parallel_rank() == 0
+        self._current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # router id -> (engine [t, k], valid [t])
+        self._measure = False
+        self._counts = torch.zeros(3, dtype=torch.float64)  # overlap, exact, tokens
+        for routers in self.routers.values():
+            for _, router in routers:
+                router.register_forward_hook(self._compare)
+
+    # --- one pass (old log-probs or one train step) ---------------------------------------------------
+
+    def begin(self, *, replay: bool, measure: bool) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        self._measure = measure
+        self._replay = replay
+        self._counts.zero_()
+        action = RouterReplayAction.REPLAY_FORWARD if replay else None
+        for routers in self.routers.values():
+            for _, router in routers:
+                router.router_replay.clear_indices()
+                if action is None:
+                    router.router_replay.clear_router_replay_action()
+                else:
+                    router.router_replay.set_router_replay_action(action)
+
+    def before_forward(self, chunk: Any, experts: torch.Tensor, valid: torch.Tensor,
+                       local: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Targets of this chunk's routers for one micro-batch: experts [T, L, k] and valid [T] of the
+        packed tokens; `local` cuts a [T, ...] tensor to this CP rank's tokens."""
+        from megatron.core import parallel_state
+
+        if not (self._replay or self._measure):
+            return
+        experts, valid = local(experts), local(valid)
+        if self.sequence_parallel:  # the MoE layer sees this TP rank's contiguous slice of the sequence
+            tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+            experts, valid = experts.chunk(tp)[rank], valid.chunk(tp)[rank]
+        for layer, router in self.routers.get(id(chunk), []):
+            target = experts[:, layer].contiguous()
+            if self._replay:
+                router.router_replay.target_topk_idx = None
+                router.router_replay.replay_backward_list.clear()  # set_target_indices appends to it
+                router.router_replay.set_target_indices(target)
+            self._current[id(router)] = (target, valid)
+
+    def _compare(self, router: Any, args: Any, output: Any) -> None:
+        if not self._measure or id(router) not in self._current:
+            return
+        engine, valid = self._current[id(router)]
+        with torch.no_grad():
+            logits = router.gating(args[0]).view(-1, router.config.num_moe_experts)
+            own = torch.topk(logits, k=self.topk, dim=-1).indices.to(engine.device)
+        if own.shape[0] != engine.shape[0]:  # internal invariant: the split above matches the router's input
+            raise AssertionError(f"routing replay: router saw {own.shape[0]} tokens, targets hold {engine.shape[0]}")
+        overlap = (own[:, :, None] == engine[:, None, :]).any(-1).sum(-1)[valid]
+        if self.counts_tokens:
+            self._counts += torch.tensor([float(overlap.sum()), float((overlap == self.topk).sum()),
+                                          float(overlap.numel())], dtype=torch.float64)
+
+    def end(self, *, collect: bool = True) -> dict[str, float]:
+        """Clear every router (no replay outside a pass); the pass's agreement metrics, summed over
+        all ranks (a collective when it measured and `collect`), or {}."""
+        for routers in self.routers.values():
+            for _, router in routers:
+                router.router_replay.clear_indices()
+                router.router_replay.clear_router_replay_action()
+        self._current.clear()
+        measured, self._measure = self._measure, False
+        if not (measured and collect):
+            return {}
+        counts = self._counts.clone()
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        counts = counts.to(device)
+        dist.all_reduce(counts)
+        overlap, exact, tokens = counts.tolist()
+        if tokens == 0:
+            return {}
+        return {"routing/agreement": overlap / (tokens * self.topk), "routing/exact_match": exact / tokens,
+                "routing/token_layers": tokens}
+
+
+def make_routing_replay(chunks: Sequence[Any], hf_config: Any, *, sequence_parallel: bool) -> Optional[RoutingReplay]:
+    """A RoutingReplay for a MoE model's chunks, None for a dense model."""
+    from dapo_megatron.actor.moe import moe_shape_of
+
+    shape = moe_shape_of(hf_config)
+    if shape is None:
+        return None
+    return RoutingReplay(chunks, num_layers=hf_config.num_hidden_layers, topk=shape.topk,
+                         sequence_parallel=sequence_parallel)
