@@ -180,11 +180,15 @@ class TinyConfig:
     are built and warm-started under <trainer.output_dir>/tiny_model/ and used instead of model.path."""
 
     enabled: bool = False
+    arch: Literal["qwen2", "qwen3_moe"] = "qwen2"  # qwen3_moe: the tiny mixture-of-experts variant
     hidden_size: int = 128
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 2
     intermediate_size: int = 256
+    num_experts: int = 4  # qwen3_moe only: experts per layer (every layer sparse), top-k, expert width
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
     warm_start_steps: int = 1000  # supervised AdamW steps on the train prompts' "Answer: N"
     warm_start_batch_size: int = 64
     warm_start_lr: float = 3e-3
@@ -500,6 +504,14 @@ def _validate_tiny(cfg: Config) -> None:
              f"must be a multiple of tiny.num_kv_heads ({tn.num_kv_heads})")
     _require(tn.num_kv_heads % cfg.actor.tp == 0, "tiny.num_kv_heads", tn.num_kv_heads,
              f"must be a multiple of actor.tp ({cfg.actor.tp}): tensor parallelism splits the KV heads")
+    if tn.arch == "qwen3_moe":
+        _require(tn.num_experts >= 1 and tn.num_experts % cfg.actor.ep == 0, "tiny.num_experts", tn.num_experts,
+                 f"must be a positive multiple of actor.ep ({cfg.actor.ep})")
+        _require(1 <= tn.num_experts_per_tok <= tn.num_experts, "tiny.num_experts_per_tok", tn.num_experts_per_tok,
+                 f"must be in [1, tiny.num_experts={tn.num_experts}]")
+        etp = cfg.actor.tp if cfg.actor.etp is None else cfg.actor.etp
+        _require(tn.moe_intermediate_size >= 1 and tn.moe_intermediate_size % etp == 0, "tiny.moe_intermediate_size",
+                 tn.moe_intermediate_size, f"must be a positive multiple of the expert tensor parallel size ({etp})")
     _require(tn.warm_start_steps >= 0, "tiny.warm_start_steps", tn.warm_start_steps, "must be >= 0")
     _require(tn.warm_start_lr > 0, "tiny.warm_start_lr", tn.warm_start_lr, "must be > 0")
     _require(0 <= tn.label_smoothing < 1, "tiny.label_smoothing", tn.label_smoothing, "must be in [0, 1)")

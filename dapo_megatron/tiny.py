@@ -6,7 +6,9 @@
 
 Nothing is downloaded: the tokenizer is a fixed byte-level vocabulary with no merges (every byte is
 one token, so every digit is its own token, which is what small models need for arithmetic), and the
-model is a randomly initialised Qwen2 from a Qwen2Config. The warm start is a short supervised pass
+model is a randomly initialised Qwen2 from a Qwen2Config, or (TinyModelSpec.arch="qwen3_moe") a
+Qwen3-MoE with every layer sparse: QK-norm, a router and num_experts SwiGLU experts of which each
+token uses num_experts_per_tok (configs/runs/tiny_cpu_moe.yaml). The warm start is a short supervised pass
 (plain torch on the transformers model) on "prompt -> Answer: N<eos>" so that the model emits the
 answer format and gets ~30% of the problems right at temperature 1, leaving room for RL (label
 smoothing sets that fraction; see warm_start and docs/LOG.md).
@@ -50,10 +52,16 @@ class TinyModelSpec:
     num_kv_heads: int = 2  # GQA like Qwen2.5; 2 so that TP=2 splits the KV heads too
     intermediate_size: int = 256
     max_position_embeddings: int = 256
+    arch: str = "qwen2"  # or "qwen3_moe"
+    num_experts: int = 4  # qwen3_moe only
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
 
     def validate(self) -> None:
+        if self.arch not in ("qwen2", "qwen3_moe"):
+            raise ValueError(f"tiny model: arch={self.arch!r} must be qwen2 or qwen3_moe")
         for name, value in asdict(self).items():
-            if value < 1:
+            if name != "arch" and value < 1:
                 raise ValueError(f"tiny model: {name}={value} must be >= 1")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"tiny model: hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}")
@@ -142,11 +150,15 @@ def build_tiny_model(out_dir: str | Path, *, seed: int, spec: TinyModelSpec = Ti
 
     spec.validate()
     path = Path(out_dir) / "tiny_model" / "init"
-    record = {"stage": "init", "seed": seed, "spec": asdict(spec)}
+    spec_record = asdict(spec)
+    if spec.arch == "qwen2":  # the dense default's cache key as before the MoE variant existed
+        for key in ("arch", "num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            spec_record.pop(key)
+    record = {"stage": "init", "seed": seed, "spec": spec_record}
     if _cache_ok(path, record):
         return path
     tok = build_tiny_tokenizer()
-    config = Qwen2Config(
+    common = dict(
         vocab_size=_vocab_size_padded(len(tok)),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -154,7 +166,7 @@ def build_tiny_model(out_dir: str | Path, *, seed: int, spec: TinyModelSpec = Ti
         num_attention_heads=spec.num_heads,
         num_key_value_heads=spec.num_kv_heads,
         max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=False,  # like Qwen2.5-7B/32B: a separate LM head
+        tie_word_embeddings=False,  # like Qwen2.5-7B/32B and Qwen3-30B-A3B: a separate LM head
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
         bos_token_id=None,
@@ -163,7 +175,16 @@ def build_tiny_model(out_dir: str | Path, *, seed: int, spec: TinyModelSpec = Ti
         torch_dtype="float32",
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).float()
+    if spec.arch == "qwen3_moe":
+        from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+        config = Qwen3MoeConfig(**common, head_dim=spec.hidden_size // spec.num_heads, num_experts=spec.num_experts,
+                                num_experts_per_tok=spec.num_experts_per_tok, norm_topk_prob=True,
+                                moe_intermediate_size=spec.moe_intermediate_size, decoder_sparse_step=1,
+                                mlp_only_layers=[])  # Qwen3-30B-A3B's routing: every layer sparse, normalised top-k
+        model = AutoModelForCausalLM.from_config(config).float()
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common)).float()
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
 
@@ -335,6 +356,15 @@ def synthetic_train_eval(*, num_train: int, num_eval: int, difficulty: int, seed
     return train, held
 
 
+def _moe_spec_fields(tn) -> dict:
+    """TinyModelSpec fields of the MoE variant (none for the dense default, so its cache key and
+    build.json stay what they were)."""
+    if tn.arch != "qwen3_moe":
+        return {}
+    return dict(arch=tn.arch, num_experts=tn.num_experts, num_experts_per_tok=tn.num_experts_per_tok,
+                moe_intermediate_size=tn.moe_intermediate_size)
+
+
 def prepare_tiny_model(cfg) -> str:
     """Build (or reuse) `<trainer.output_dir>/tiny_model/warm` from cfg.tiny and the synthetic train set.
 
@@ -345,7 +375,8 @@ def prepare_tiny_model(cfg) -> str:
         raise ValueError("prepare_tiny_model: tiny.enabled is false (set model.path instead)")
     spec = TinyModelSpec(hidden_size=tn.hidden_size, num_layers=tn.num_layers, num_heads=tn.num_heads,
                          num_kv_heads=tn.num_kv_heads, intermediate_size=tn.intermediate_size,
-                         max_position_embeddings=max(256, cfg.rollout.max_prompt_length + cfg.rollout.max_response_length))
+                         max_position_embeddings=max(256, cfg.rollout.max_prompt_length + cfg.rollout.max_response_length),
+                         **_moe_spec_fields(tn))
     cache = tn.cache_dir or cfg.trainer.output_dir
     init = build_tiny_model(cache, seed=cfg.trainer.seed, spec=spec)
     train, _ = synthetic_train_eval(num_train=syn.num_train, num_eval=syn.num_eval, difficulty=syn.difficulty,

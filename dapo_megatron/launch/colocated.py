@@ -62,6 +62,8 @@ def _free_port() -> int:
 
 def engine_commands(cfg: Config, *, host: str, python: str = sys.executable) -> list[list[str]]:
     """The argv of every engine this node starts."""
+    from dapo_megatron.rollout.routing import sglang_routing_args
+
     r, per_node = cfg.rollout, engines_per_node(cfg)
     register_dir = str(Path(cfg.trainer.output_dir) / "engines")
     node_id = int(os.environ.get("SLURM_NODEID", "0"))
@@ -72,7 +74,8 @@ def engine_commands(cfg: Config, *, host: str, python: str = sys.executable) -> 
             cmds.append([python, "-m", "dapo_megatron.rollout.sglang_launcher", "--model", cfg.model.path,
                          "--tp", str(r.engine_tp), "--mem-fraction", str(r.mem_fraction_static), "--colocate",
                          "--seed", seed, "--host", "0.0.0.0", "--port", str(_free_port()),
-                         "--base-gpu-id", str(i * r.engine_tp), "--register-dir", register_dir])
+                         "--base-gpu-id", str(i * r.engine_tp), "--register-dir", register_dir,
+                         *sglang_routing_args(return_routed_experts=r.return_routed_experts)])
         else:
             threads = max(1, cfg.slurm.cpus_per_task // max(per_node, 1) // 2)  # the actor needs CPUs too
             cmds.append([python, "-m", "dapo_megatron.cli", "serve-rollout", "--model", cfg.model.path,

@@ -171,6 +171,8 @@ def engine_resources(cfg: Config) -> tuple[int, int]:
 
 def render_rollout_array(cfg: Config, *, register_dir: str) -> str:
     """slurm/rollout_array.sbatch: one engine per array task, registering in register_dir."""
+    from dapo_megatron.rollout.routing import sglang_routing_args
+
     gpus, cpus = engine_resources(cfg)
     values: dict[str, Value] = {
         "PYTHON": python_of(cfg),
@@ -180,6 +182,7 @@ def render_rollout_array(cfg: Config, *, register_dir: str) -> str:
         "MEM_FRACTION": cfg.rollout.mem_fraction_static,
         "BASE_SEED": cfg.trainer.seed,
         "REGISTER_DIR": register_dir,
+        "SGLANG_ARGS": sglang_routing_args(return_routed_experts=cfg.rollout.return_routed_experts),
     }
     return fill(template_text("rollout_array.sbatch"),
                 sbatch=sbatch_resource_lines(cfg, nodes=1, gpus_per_node=gpus, cpus_per_task=cpus),

@@ -36,6 +36,13 @@ import torch
 _ROUTER_NAME = re.compile(r"model\.layers\.(\d+)\.mlp\.gate")
 
 
+def sglang_routing_args(*, return_routed_experts: bool) -> list[str]:
+    """SGLang server flags for routed experts: its capturer exists only when the server starts with
+    --enable-return-routed-experts (srt/state_capturer/routed_experts.py RoutedExpertsCapturer.create);
+    without it a request's return_routed_experts is silently answered without the field."""
+    return ["--enable-return-routed-experts"] if return_routed_experts else []
+
+
 def encode_routed_experts(rows_LK: torch.Tensor) -> str:
     """[rows, layers, topk] -> SGLang's base64 of int32 (C order)."""
     return base64.b64encode(rows_LK.to(torch.int32).contiguous().numpy().tobytes()).decode("ascii")

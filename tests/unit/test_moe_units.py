@@ -165,3 +165,65 @@ def test_valid_expert_layouts_pass():
                              "actor.sequence_parallel=true", "actor.routing_replay=true",
                              "rollout.return_routed_experts=true"])
     assert (cfg.actor.ep, cfg.actor.etp, cfg.actor.routing_replay) == (4, 1, True)
+
+
+def test_tiny_moe_variant_builds_a_qwen3_moe_that_keeps_the_tokenizer(tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dapo_megatron.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer, prompt_ids
+
+    spec = TinyModelSpec(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64,
+                         max_position_embeddings=64, arch="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=16)
+    path = build_tiny_model(tmp_path / "moe", seed=0, spec=spec)
+    cfg = AutoModelForCausalLM.from_pretrained(path).config
+    assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == ("qwen3_moe", 4, 2, 16)
+    assert cfg.head_dim == 16 and cfg.norm_topk_prob and moe_layer_pattern(cfg) == [1, 1]
+    reloaded = AutoTokenizer.from_pretrained(path)
+    assert prompt_ids(reloaded, "27+58=") == prompt_ids(build_tiny_tokenizer(), "27+58=")
+    # the dense default's cache record is what it was before the MoE variant existed
+    dense = build_tiny_model(tmp_path / "dense", seed=0, spec=TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2,
+                                                                             num_kv_heads=2, intermediate_size=64))
+    assert "arch" not in json.loads((dense / "build.json").read_text())["spec"]
+
+
+def test_sglang_engines_are_started_with_routed_experts_capture_when_asked():
+    from dapo_megatron.config import load_config
+    from dapo_megatron.launch.colocated import engine_commands
+    from dapo_megatron.launch.render import render_rollout_array
+
+    on = load_config(None, ["rollout.engine=sglang", "rollout.return_routed_experts=true", "trainer.output_dir=/r"])
+    off = load_config(None, ["rollout.engine=sglang", "trainer.output_dir=/r"])
+    assert "SGLANG_ARGS=(--enable-return-routed-experts)" in render_rollout_array(on, register_dir="/r/engines")
+    assert "SGLANG_ARGS=()" in render_rollout_array(off, register_dir="/r/engines")
+    assert all(cmd[-1] == "--enable-return-routed-experts" for cmd in engine_commands(on, host="h"))
+    assert not any("--enable-return-routed-experts" in cmd for cmd in engine_commands(off, host="h"))
+
+
+def test_qwen3_30b_a3b_layout_fits_its_arithmetic():
+    """configs/runs/qwen3-30b-a3b_dapo.yaml: the checkpoint splits into that layout, and the per-GPU
+    parameter counts its comment derives the memory from are the checkpoint's."""
+    from dapo_megatron.actor.model import padded_vocab_size
+    from dapo_megatron.config import load_config
+
+    cfg = load_config("configs/runs/qwen3-30b-a3b_dapo.yaml")
+    ac = cfg.actor
+    hf = _moe_config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     num_experts=128, num_experts_per_tok=8, tie_word_embeddings=False)
+    check_expert_parallel(hf, ep=ac.ep, etp=ac.etp)
+    assert hf.num_key_value_heads % ac.tp == 0 and padded_vocab_size(hf.vocab_size, tp=ac.tp, divisible_by=1) == 151936
+    shapes = expected_hf_shapes(Dims.from_hf(hf))
+    numel = lambda names: sum(int(torch.tensor(shapes[n]).prod()) for n in names)  # noqa: E731
+    experts = numel([n for n in shapes if ".experts." in n])
+    dense = numel([n for n in shapes if ".experts." not in n])
+    assert round((experts + dense) / 1e9, 2) == 30.53 and round(experts / 1e9, 2) == 28.99
+    assert round(dense / 1e9, 2) == 1.54
+    per_gpu = experts / ac.ep + dense / ac.tp  # ETP=1: whole experts; the norms are replicated (negligible)
+    assert round(per_gpu / 1e9, 2) == 4.01
+    edp, dp = ac.world_size // (ac.etp * ac.ep * ac.pp), ac.world_size // (ac.tp * ac.pp)
+    assert (edp, dp) == (4, 8)
+    static_gb = per_gpu * (2 + 4) / 1e9 + experts / ac.ep * 12 / edp / 1e9 + dense / ac.tp * 12 / dp / 1e9
+    assert 35 < static_gb < 36  # weights + fp32 grads + distributed Adam, as the comment says
