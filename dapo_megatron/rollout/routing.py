@@ -13,6 +13,8 @@ SGLang 0.5.21 (read from its source):
             the model processed (the last generated token is sampled, never fed back)
             (srt/managers/scheduler_components/batch_result_processor.py, state_capturer/base.py
             get_topk); layers without a router keep the zeros their capture buffer starts with.
+  ids       logical expert ids: captured before EPLB's logical-to-physical remap
+            (srt/layers/moe/topk.py _post_process_topk_ids), i.e. the checkpoint's expert numbers.
 
 Row t holds the experts position t's hidden state was sent to in each layer, so the trainer can
 replay them for the forward pass that produces the log-prob of token t + 1 (R3, "rollout routing
