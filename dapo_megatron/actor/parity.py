@@ -485,7 +485,9 @@ def _compare_with_transformers(args: argparse.Namespace, tokens: torch.Tensor, r
         dtype = torch.float64
 
     def transformers_values(model_dtype):
-        hf_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=model_dtype).to(tokens.device).eval()
+        # MoE experts: transformers' default grouped_mm kernel refuses float64; the eager loop is exact
+        kwargs = {"experts_implementation": "eager"} if model_dtype == torch.float64 else {}
+        hf_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=model_dtype, **kwargs).to(tokens.device).eval()
         return torch.stack(hf_logprobs_entropies(hf_model, tokens)).double()  # [2, K, L-1]
 
     reference = transformers_values(dtype)

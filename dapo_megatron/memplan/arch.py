@@ -94,11 +94,12 @@ def _tiny_dims(cfg) -> ModelDims:
     tn = cfg.tiny
     # the tiny tokenizer: 5 special tokens + 256 byte symbols, padded like build_tiny_model does
     vocab = _vocab_size_padded(len(SPECIAL_TOKENS) + 256)
-    config = {"model_type": "qwen2", "hidden_size": tn.hidden_size, "intermediate_size": tn.intermediate_size,
+    config = {"model_type": tn.arch, "hidden_size": tn.hidden_size, "intermediate_size": tn.intermediate_size,
               "num_hidden_layers": tn.num_layers, "num_attention_heads": tn.num_heads,
               "num_key_value_heads": tn.num_kv_heads, "vocab_size": vocab, "tie_word_embeddings": False,
               "torch_dtype": "float32"}
-    return dims_from_hf_config(config, name="tiny Qwen2", source="tiny.* config keys (built at run time, dapo_megatron/tiny.py)")
+    return dims_from_hf_config(config, name=f"tiny {tn.arch}",
+                               source="tiny.* config keys (built at run time, dapo_megatron/tiny.py)")
 
 
 def model_dims_for(cfg) -> ModelDims:
