@@ -193,6 +193,16 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
     return 0
 
 
+def _run_worker_recorded(cfg, *, resume: bool) -> int:
+    """run_worker, with an exception written to the error file torchrun gives each rank
+    (TORCHELASTIC_ERROR_FILE), so torchrun's closing "Root Cause" block shows the first failing rank's
+    whole traceback, after the other ranks' errors, rather than "To enable traceback see: ..."
+    (torch/distributed/elastic/multiprocessing/errors/__init__.py, `record`)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(run_worker)(cfg, resume=resume)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dapo-megatron train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -204,7 +214,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     if "RANK" in os.environ:
-        return run_worker(cfg, resume=args.resume)
+        return _run_worker_recorded(cfg, resume=args.resume)
     from dapo_megatron.launch.local import launch_training
 
     return launch_training(cfg, args.config, args.overrides, resume=args.resume, overwrite=args.overwrite,

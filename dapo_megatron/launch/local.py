@@ -176,6 +176,12 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
         t_ranks = time.perf_counter()
         rc = procs.run_foreground("actor", cmd, env={"OMP_NUM_THREADS": "1"})
         ranks_wall_s = time.perf_counter() - t_ranks
+    if rc != 0:
+        # the ranks' own output went to this terminal; torchrun's closing "Root Cause" block carries the
+        # first failing rank's whole traceback (train.py records it with torch elastic's error file),
+        # which a rank killed by its peer's failure (gloo "Connection closed by peer") would bury
+        print(f"[train] the actor ranks failed (torchrun exit code {rc}): the first failing rank's error is the "
+              f"\"Root Cause\" block above; engine logs in {run_dir / 'logs'}", file=sys.stderr, flush=True)
     if rc == 0:
         print(console.run_summary(run_dir, phase_seconds=phases.seconds, ranks_wall_s=ranks_wall_s,
                                   wall_s=time.perf_counter() - t_start), flush=True)
@@ -196,5 +202,7 @@ def _model_line(cfg, model_dir: str) -> str:
     if not cfg.tiny.enabled:
         return f"{model_dir} (model.path)"
     tn = cfg.tiny
-    return (f"tiny Qwen2 ({tn.hidden_size} hidden, {tn.num_layers} layers), warm-started on the answer format "
+    kind = (f"Qwen3-MoE, {tn.num_experts} experts top-{tn.num_experts_per_tok}" if tn.arch == "qwen3_moe"
+            else "Qwen2")
+    return (f"tiny {kind} ({tn.hidden_size} hidden, {tn.num_layers} layers), warm-started on the answer format "
             f"({tn.warm_start_steps} steps), in {model_dir}")
