@@ -70,6 +70,9 @@ class RolloutConfig:
     engine_urls: list[str] = field(default_factory=list)  # fixed engines; else <run_dir>/engines/
     mem_fraction_static: float = 0.7
     weight_bucket_mb: int = 512
+    # master address of the trainer<->engines weight group: "" = this host's address that the engines
+    # reach (NCCL/GLOO_SOCKET_IFNAME's interface, else the route to them; loopback if all are local)
+    weight_sync_address: str = ""
     request_timeout_s: float = 3600.0
     max_retries: int = 3
     # MoE: engines return each token's experts (SGLang's return_routed_experts; SGLang servers need

@@ -3,7 +3,7 @@ evaluation and the weight push. Every other rank only runs the actor (train.py).
 
     driver = Driver(cfg, model_dir=..., run_dir=...)
     samples, stats = driver.rollout()          # dynamic sampling -> scored, advantage-filled Samples
-    stats = driver.push_weights(actor.iter_hf_weights())   # while the other ranks drain the same iterator
+    stats = driver.push_weights(actor.iter_hf_weights(), step=3)   # the other ranks drain the same iterator
     scores = driver.evaluate()                 # avg@k / pass@k on the eval set
 """
 
@@ -69,12 +69,16 @@ class Driver:
                 max_retries=r.max_retries))
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        # sampling_seed only where every engine honours it (SGLang: --enable-deterministic-inference)
+        seeded = self.loop.run_until_complete(self.pool.seeds_honoured())
         self.sampler = RolloutSampler(self.pool, self.tokenizer,
-                                      RolloutSettings.from_config(cfg, stop_token_ids=tuple(eos)),
+                                      RolloutSettings.from_config(cfg, stop_token_ids=tuple(eos), per_sample_seeds=seeded),
                                       rid_prefix="train")
         train, self.eval_records = load_datasets(cfg)
         self.prompts = PromptStream(train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
-        self.weight_sync = DistributedWeightSync(backend=backend, bucket_bytes=r.weight_bucket_mb << 20)
+        # master_address "" = the trainer address every engine reaches (weight_group.trainer_address)
+        self.weight_sync = DistributedWeightSync(backend=backend, bucket_bytes=r.weight_bucket_mb << 20,
+                                                 master_address=r.weight_sync_address)
 
     # --- state carried by checkpoints ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -104,19 +108,22 @@ class Driver:
         return samples, stats
 
     # --- weights out ----------------------------------------------------------------------------------
-    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
-        """Send the actor's HF-named tensors to every engine, then admit re-registered engines that
-        were waiting for the current weights."""
+    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, step: int) -> dict[str, float]:
+        """Send the actor's HF-named tensors (the weights after `step` updates) to every engine as weight
+        version "step_<step>", then admit re-registered engines that were waiting for them. From here
+        on, a reply made by any other version is stale (the sampler drops and counts it)."""
+        version = f"step_{step}"
 
         async def run():
             await self.pool.discover()
-            stats = await self.weight_sync.sync(self.pool.weight_targets(), named_tensors)
+            stats = await self.weight_sync.sync(self.pool.weight_targets(), named_tensors, weight_version=version)
             self.pool.admit(self.pool.pending_urls())
             return stats
 
         stats = self.loop.run_until_complete(run())
+        self.sampler.weight_version = version
         return {"sync/seconds": stats.seconds, "sync/gb": stats.bytes / 1e9, "sync/gb_per_s": stats.gb_per_s,
-                "sync/buckets": float(stats.num_buckets)}
+                "sync/buckets": float(stats.num_buckets), "sync/collectives": float(stats.num_collectives)}
 
     # --- evaluation -----------------------------------------------------------------------------------
     def evaluate(self, *, records: list | None = None) -> dict[str, float]:
@@ -129,7 +136,8 @@ class Driver:
         correct = self.loop.run_until_complete(sample_correct(
             self.pool, [self.sampler.prompt_ids(r) for r in records], records, n=t.eval_n,
             temperature=t.eval_temperature, top_p=t.eval_top_p, max_new_tokens=self.cfg.rollout.max_response_length,
-            seed=t.seed, stop_token_ids=self.sampler.settings.stop_token_ids))
+            seed=t.seed, stop_token_ids=self.sampler.settings.stop_token_ids,
+            per_sample_seeds=self.sampler.settings.per_sample_seeds))
         return {**eval_metrics(correct), "time/eval_s": time.perf_counter() - start}
 
     def close(self) -> None:

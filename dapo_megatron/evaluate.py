@@ -71,21 +71,25 @@ def summarize(correct: torch.Tensor | Sequence[Sequence[float]], *, ks: Iterable
 
 
 async def sample_correct(pool, prompt_ids: Sequence[Sequence[int]], records: Sequence, *, n: int, temperature: float,
-                         top_p: float, max_new_tokens: int, seed: int, stop_token_ids: Sequence[int] = ()) -> torch.Tensor:
+                         top_p: float, max_new_tokens: int, seed: int, stop_token_ids: Sequence[int] = (),
+                         per_sample_seeds: bool = True) -> torch.Tensor:
     """[P, n] float64 table: 1.0 where sample j of problem i is correct under its record's scorer.
 
-    Request i carries sampling_seed seed * 7919 + i, so the same policy gives the same table."""
+    Problem i is one request of n items (n = 1 each, rid f"eval-{seed}-{i}-{j}.", as the sampler's);
+    where the engines honour seeds, sample j carries sampling_seed seed * 7919 + i + j, so the same
+    policy gives the same table."""
     import asyncio
 
     from dapo_megatron.reward import scorer_for_data_source
 
-    params = {"n": n, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
+    params = {"n": 1, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
               "stop_token_ids": list(stop_token_ids)}
 
     async def one(i: int, ids: Sequence[int], record) -> list[float]:
-        out = await pool.generate(input_ids=list(ids), rid=f"eval-{seed}-{i}",
-                                  sampling_params={**params, "sampling_seed": seed * 7919 + i})
-        outs = out if isinstance(out, list) else [out]
+        first = seed * 7919 + i
+        sampling = [{**params, "sampling_seed": first + j} if per_sample_seeds else params for j in range(n)]
+        outs = await pool.generate(input_ids=[list(ids)] * n, rid=[f"eval-{seed}-{i}-{j}." for j in range(n)],
+                                   sampling_params=sampling)
         scorer = scorer_for_data_source(getattr(record, "data_source", "") or "math_dapo")
         return [float(scorer(o["text"], str(record.ground_truth)).acc) for o in outs]
 
@@ -181,7 +185,7 @@ def main(argv: list[str]) -> int:
             eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
             return await sample_correct(pool, ids, records, n=t.eval_n, temperature=t.eval_temperature,
                                         top_p=t.eval_top_p, max_new_tokens=r.max_response_length, seed=t.seed,
-                                        stop_token_ids=eos)
+                                        stop_token_ids=eos, per_sample_seeds=await pool.seeds_honoured())
         finally:
             await pool.close()
 

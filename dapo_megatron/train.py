@@ -57,11 +57,12 @@ def reduce_updates(updates: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def push_weights(actor, driver) -> dict[str, float]:
-    """Collective: every rank walks actor.iter_hf_weights() in step; rank 0 sends what it yields."""
+def push_weights(actor, driver, *, step: int) -> dict[str, float]:
+    """Collective: every rank walks actor.iter_hf_weights() in step; rank 0 sends what it yields
+    (the engines then report weight version "step_<step>")."""
     named = actor.iter_hf_weights()
     if driver is not None:
-        return driver.push_weights(named)
+        return driver.push_weights(named, step=step)
     for _ in named:
         pass
     return {}
@@ -125,7 +126,7 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
             actor.load(latest / "actor")
             if driver:
                 driver.load_state_dict(state["driver"])
-            push_weights(actor, driver)  # engines start from the base model; bring them to the checkpoint
+            push_weights(actor, driver, step=int(state["step"]))  # engines start from the base model
         metrics = MetricsLogger(run_dir, wandb_mode=tr.wandb_mode, wandb_project=tr.wandb_project,
                                 config=cfg.to_dict(), resume_step=int(state["step"]) if latest else None) if driver else None
         preempt = PreemptionSignal().install()
@@ -155,7 +156,7 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
             t3 = time.perf_counter()
             memory.update(trainer_memory_gb(phase="train", actor=actor, ref=ref))
             if updates:
-                log.update(push_weights(actor, driver))
+                log.update(push_weights(actor, driver, step=step + 1))
             t4 = time.perf_counter()
             nonfinite_in_row = nonfinite_in_row + 1 if any(u["nonfinite"] for u in updates) else 0
             if driver:

@@ -65,6 +65,7 @@ def engine_commands(cfg: Config, *, host: str, python: str = sys.executable) -> 
     from dapo_megatron.rollout.routing import sglang_routing_args
 
     r, per_node = cfg.rollout, engines_per_node(cfg)
+    context_length = r.max_prompt_length + r.max_response_length  # what requests may need, no more
     register_dir = str(Path(cfg.trainer.output_dir) / "engines")
     node_id = int(os.environ.get("SLURM_NODEID", "0"))
     cmds = []
@@ -72,7 +73,8 @@ def engine_commands(cfg: Config, *, host: str, python: str = sys.executable) -> 
         seed = str(cfg.trainer.seed + node_id * per_node + i)
         if r.engine == "sglang":
             cmds.append([python, "-m", "dapo_megatron.rollout.sglang_launcher", "--model", cfg.model.path,
-                         "--tp", str(r.engine_tp), "--mem-fraction", str(r.mem_fraction_static), "--colocate",
+                         "--tp", str(r.engine_tp), "--context-length", str(context_length),
+                         "--mem-fraction", str(r.mem_fraction_static), "--colocate",
                          "--seed", seed, "--host", "0.0.0.0", "--port", str(_free_port()),
                          "--base-gpu-id", str(i * r.engine_tp), "--register-dir", register_dir,
                          *sglang_routing_args(return_routed_experts=r.return_routed_experts)])
@@ -80,6 +82,7 @@ def engine_commands(cfg: Config, *, host: str, python: str = sys.executable) -> 
             threads = max(1, cfg.slurm.cpus_per_task // max(per_node, 1) // 2)  # the actor needs CPUs too
             cmds.append([python, "-m", "dapo_megatron.cli", "serve-rollout", "--model", cfg.model.path,
                          "--host", host, "--port", "0", "--seed", seed, "--threads", str(threads),
+                         "--context-length", str(context_length),
                          "--register-dir", register_dir])
     return cmds
 

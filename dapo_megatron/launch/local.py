@@ -64,10 +64,11 @@ class LocalProcesses:
 
     def start_cpu_engines(self, model_dir: str | Path, *, num: int, register_dir: str | Path, seed: int = 0,
                           threads: int = 1, max_batch_size: int = 64, host: str = "127.0.0.1",
-                          timeout_s: float = 300.0) -> list[str]:
+                          timeout_s: float = 300.0, context_length: int = 0) -> list[str]:
         """Start `num` serve-rollout processes and wait until each has registered; returns their
         URLs in start order. Records of other processes in register_dir (an earlier run, SGLang
-        engines of the same run) are left alone: only these processes' pids count."""
+        engines of the same run) are left alone: only these processes' pids count.
+        context_length: --context-length (max_prompt_length + max_response_length), as for SGLang."""
         from dapo_megatron.rollout.registry import read_registrations  # (rollout imports this module)
 
         if num < 1:
@@ -82,7 +83,8 @@ class LocalProcesses:
             procs.append((name, self.start(name, [
                 sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", str(model_dir), "--host", host,
                 "--port", "0", "--seed", str(seed + index), "--threads", str(threads),
-                "--max-batch-size", str(max_batch_size), "--register-dir", str(register_dir)],
+                "--max-batch-size", str(max_batch_size), "--register-dir", str(register_dir),
+                *(["--context-length", str(context_length)] if context_length else [])],
                 env={"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"})))
         order = [proc.pid for _, proc in procs]
         deadline = time.monotonic() + timeout_s
@@ -163,8 +165,9 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
     with LocalProcesses(run_dir / "logs") as procs:
         if cfg.rollout.engine == "cpu" and not cfg.rollout.engine_urls:
             with phases.phase("rollout", slow_note=f"starting {cfg.rollout.num_engines} CPU engine(s)") as note:
-                urls = procs.start_cpu_engines(model_dir, num=cfg.rollout.num_engines,
-                                               register_dir=run_dir / "engines", seed=cfg.trainer.seed)
+                urls = procs.start_cpu_engines(
+                    model_dir, num=cfg.rollout.num_engines, register_dir=run_dir / "engines", seed=cfg.trainer.seed,
+                    context_length=cfg.rollout.max_prompt_length + cfg.rollout.max_response_length)
                 note["detail"] = (f"{len(urls)} CPU engine{'s' if len(urls) > 1 else ''} serving at {', '.join(urls)} "
                                   f"(logs in {procs.log_dir})")
         elif cfg.rollout.engine == "sglang" and not cfg.rollout.engine_urls:

@@ -180,6 +180,7 @@ def render_rollout_array(cfg: Config, *, register_dir: str) -> str:
         "ENGINE_KIND": cfg.rollout.engine,
         "ENGINE_TP": cfg.rollout.engine_tp,
         "MEM_FRACTION": cfg.rollout.mem_fraction_static,
+        "CONTEXT_LENGTH": cfg.rollout.max_prompt_length + cfg.rollout.max_response_length,
         "BASE_SEED": cfg.trainer.seed,
         "REGISTER_DIR": register_dir,
         "SGLANG_ARGS": sglang_routing_args(return_routed_experts=cfg.rollout.return_routed_experts),

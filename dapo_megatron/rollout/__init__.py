@@ -8,7 +8,7 @@ from dapo_megatron.rollout.client import EngineClient, EngineError, EngineUnreac
 from dapo_megatron.rollout.local import LocalEngines
 from dapo_megatron.rollout.pool import EnginePool
 from dapo_megatron.rollout.sampler import RolloutResult, RolloutSampler, RolloutSettings
-from dapo_megatron.rollout.weight_sync import DistributedWeightSync, SyncStats, sync_by_tensor
+from dapo_megatron.rollout.weight_sync import DistributedWeightSync, SyncStats, TensorWeightSync, weight_update_session
 
 __all__ = [
     "DistributedWeightSync",
@@ -21,5 +21,6 @@ __all__ = [
     "RolloutSampler",
     "RolloutSettings",
     "SyncStats",
-    "sync_by_tensor",
+    "TensorWeightSync",
+    "weight_update_session",
 ]

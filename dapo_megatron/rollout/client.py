@@ -1,12 +1,16 @@
-"""EngineClient: async HTTP client for one engine speaking SGLang's API (SGLang or serve-rollout).
+"""EngineClient: async HTTP client for one engine speaking SGLang's HTTP API (sglang 0.5.21's
+entrypoints/http_server.py; the CPU engine of serve-rollout speaks the same).
 
     async with EngineClient("http://127.0.0.1:30000") as c:
-        out = await c.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 8},
-                               return_logprob=True, rid="req-1")
-        await c.abort("req-1")
+        outs = await c.generate(input_ids=[[1, 2, 3]] * 2, rid=["q7-0.", "q7-1."], return_logprob=True,
+                                sampling_params={"max_new_tokens": 8})
+        await c.abort("q7-1.")                        # exact: one sample's own rid
+        await c.begin_weight_update(); ...; await c.end_weight_update()
 
-Errors: a 4xx/5xx answer raises EngineError carrying the status and the server's message;
-a dead engine (refused connection, reset, timeout) raises EngineUnreachable, which the pool
+Every body is the JSON of one SGLang request class (managers/io_struct.py); docs/sglang.md lists the
+endpoints, what we send, and the SGLang code each was checked against (tests/conformance).
+Errors: a 4xx/5xx answer raises EngineError carrying the status, the engine's URL and the server's
+message; a dead engine (refused connection, reset, timeout) raises EngineUnreachable, which the pool
 treats as "drop the engine and retry elsewhere".
 """
 
@@ -19,9 +23,10 @@ import aiohttp
 
 
 class EngineError(RuntimeError):
-    def __init__(self, message: str, status: int | None = None):
+    def __init__(self, message: str, status: int | None = None, url: str | None = None):
         super().__init__(message)
         self.status = status
+        self.url = url
 
 
 class EngineUnreachable(EngineError):
@@ -83,14 +88,15 @@ class EngineClient:
                 body = await resp.read()
                 if resp.status >= 400:
                     raise EngineError(f"{self.url}{path}: HTTP {resp.status}: {body.decode(errors='replace')[:2000]}",
-                                      resp.status)
+                                      resp.status, self.url)
                 if not body:
                     return None
                 if resp.content_type == "application/json":
                     return await resp.json()
                 return body.decode(errors="replace")
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError, ConnectionError) as err:
-            raise EngineUnreachable(f"{self.url}{path}: engine unreachable ({type(err).__name__}: {err})") from err
+            raise EngineUnreachable(f"{self.url}{path}: engine unreachable ({type(err).__name__}: {err})",
+                                    url=self.url) from err
 
     # ------------------------------------------------------------------ generation
     async def generate(self, *, input_ids: list | None = None, text: str | list | None = None,
@@ -107,15 +113,39 @@ class EngineClient:
             payload["rid"] = rid
         return await self._request("POST", "/generate", payload)
 
-    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> Any:
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        """POST /abort_request. SGLang answers 200 with no body whether or not anything matched: the
+        aborted request's own reply (finish_reason "abort") is the only confirmation."""
         payload: dict[str, Any] = {"abort_all": abort_all}
         if rid is not None:
             payload["rid"] = rid
-        return await self._request("POST", "/abort_request", payload, timeout_s=30)
+        await self._request("POST", "/abort_request", payload, timeout_s=30)
+
+    async def pause_generation(self, mode: str = "abort") -> Any:
+        """POST /pause_generation: "abort" (abort everything in flight, answer once it has returned),
+        "retract" (running requests go back to the queue, their KV cache freed, recomputed on continue)
+        or "in_place" (requests keep their KV cache and resume where they stopped). New requests wait
+        until continue_generation."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause_generation: mode must be abort, retract or in_place, got {mode!r}")
+        return await self._request("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> Any:
+        return await self._request("POST", "/continue_generation", {})
 
     # ------------------------------------------------------------------ weights
     async def flush_cache(self) -> Any:
+        """POST /flush_cache; SGLang refuses (400) while any request runs or waits."""
         return await self._request("POST", "/flush_cache")
+
+    async def begin_weight_update(self) -> Any:
+        """Opens the weight-update session: SGLang refuses update_weights_from_distributed/_tensor (400)
+        outside one. One session at a time per engine."""
+        return await self._request("POST", "/begin_weight_update", {})
+
+    async def end_weight_update(self) -> Any:
+        """Closes the session (the engine runs its post-load processing)."""
+        return await self._request("POST", "/end_weight_update", {})
 
     async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str = "weight_update_group",
@@ -128,30 +158,40 @@ class EngineClient:
         return await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
     async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str = "weight_update_group", flush_cache: bool = True) -> Any:
+                                              group_name: str = "weight_update_group", flush_cache: bool = True,
+                                              load_format: str | None = None, weight_version: str | None = None) -> Any:
+        """One bucket; the tensors follow as broadcasts from rank 0 of the group: one per tensor, or
+        one for the whole bucket with load_format "flattened_bucket". Needs an open session."""
         return await self._request("POST", "/update_weights_from_distributed", {
-            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": flush_cache})
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": flush_cache,
+            "load_format": load_format, "weight_version": weight_version})
 
     async def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None = None,
-                                         flush_cache: bool = True) -> Any:
+                                         flush_cache: bool = True, weight_version: str | None = None) -> Any:
+        """One bucket as one payload per engine TP rank (tensor_payload.serialize_for_engine_rank).
+        Needs an open session."""
         return await self._request("POST", "/update_weights_from_tensor", {
             "serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
-            "flush_cache": flush_cache})
+            "flush_cache": flush_cache, "weight_version": weight_version})
 
-    async def update_weights_from_disk(self, model_path: str) -> Any:
-        return await self._request("POST", "/update_weights_from_disk", {"model_path": model_path})
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> Any:
+        return await self._request("POST", "/update_weights_from_disk",
+                                   {"model_path": model_path, "weight_version": weight_version})
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
         return await self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 
     async def release_memory(self, tags: list[str] | None = None) -> Any:
+        """POST /release_memory_occupation {tags}: "weights", "kv_cache" (None: all). The engine must
+        be idle. Without a CPU backup the weights' content is gone: resume, then sync them again."""
         return await self._request("POST", "/release_memory_occupation", {"tags": tags})
 
     async def resume_memory(self, tags: list[str] | None = None) -> Any:
         return await self._request("POST", "/resume_memory_occupation", {"tags": tags})
 
     # ------------------------------------------------------------------ info
-    async def health(self, *, timeout_s: float = 5.0) -> bool:
+    async def health(self, *, timeout_s: float = 30.0) -> bool:
+        """GET /health: 200 once the server has started and a 1-token generation works (503 before)."""
         try:
             await self._request("GET", "/health", timeout_s=timeout_s)
             return True
@@ -159,15 +199,7 @@ class EngineClient:
             return False
 
     async def model_info(self) -> dict:
-        return await self._request("GET", "/get_model_info")
+        return await self._request("GET", "/model_info")
 
     async def server_info(self) -> dict:
-        return await self._request("GET", "/get_server_info")
-
-    async def server_info_or_empty(self) -> dict:
-        """SGLang's /get_server_info has a different shape; callers read only optional keys."""
-        try:
-            info = await self.server_info()
-            return info if isinstance(info, dict) else {}
-        except EngineError:
-            return {}
+        return await self._request("GET", "/server_info")

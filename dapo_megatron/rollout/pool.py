@@ -2,10 +2,16 @@
 
     pool = EnginePool(urls=["http://10.0.0.5:30000", ...])         # fixed engines, or
     pool = await EnginePool.from_registry(run_dir + "/engines", min_engines=4, wait_s=1800)
-    out = await pool.generate(input_ids=ids, sampling_params={...}, return_logprob=True, rid="g17")
-    await pool.abort("g17")                                        # reaches the engine serving it
+    outs = await pool.generate(input_ids=[ids] * 2, rid=["g17-0.", "g17-1."], sampling_params={...})
+    await pool.abort(["g17-0.", "g17-1."])                         # reaches the engines serving them
 
 Placement: each request goes to the live engine with the fewest requests in flight.
+Aborts are exact: SGLang matches /abort_request {"rid": r} against the rid of each sample it runs
+(after a rid lookup in the tokenizer manager, the scheduler aborts every request whose rid starts with
+r), so the pool aborts the samples' own rids, never a parent request's (a request with n > 1 gets fresh
+uuid rids per sample, which no abort by the caller's rid reaches). Where every request this pool has
+in flight on an engine is to be aborted, one {"abort_all": true} does it: exact because the run's
+engines serve only this pool (eval and rollout never overlap).
 Failure: a request whose engine stops answering (refused, reset, timed out) marks that engine
 dead and is retried on the least-loaded live engine (up to max_retries times); nothing is lost
 while one engine lives. HTTP 4xx/5xx answers are the request's own fault and are not retried.
@@ -47,6 +53,7 @@ class EnginePool:
         self._sessions = SessionHolder()  # shared by this pool's clients
         self._engines: dict[str, _Engine] = {}
         self._where: dict[str, str] = {}  # rid -> url of the engine serving it now
+        self._aborted: set[str] = set()  # rids aborted by abort(): never retried elsewhere
         self.events: list[tuple[float, str, str]] = []  # (time, event, url): dropped / pending / admitted
         for url in urls or []:
             self._engines[url.rstrip("/")] = _Engine(self._client(url))
@@ -139,37 +146,60 @@ class EnginePool:
             raise EngineError("EnginePool: no live engine left (all dropped); restart engines and discover()")
         return min(live, key=lambda e: e.in_flight)
 
-    async def generate(self, *, rid: str | None = None, **kwargs: Any) -> Any:
-        """EngineClient.generate on the least-loaded engine, retried elsewhere if that engine dies."""
+    async def generate(self, *, rid: str | list[str] | None = None, **kwargs: Any) -> Any:
+        """EngineClient.generate on the least-loaded engine, retried elsewhere if that engine dies
+        (unless the request was aborted meanwhile: then the EngineUnreachable is raised)."""
+        rids = [rid] if isinstance(rid, str) else list(rid or [])
         last: Exception | None = None
-        for _ in range(self.max_retries + 1):
-            engine = self._pick()
-            engine.in_flight += 1
-            if rid is not None:
-                self._where[rid] = engine.client.url
-            try:
-                out = await engine.client.generate(rid=rid, **kwargs)
-                engine.served += 1
-                return out
-            except EngineUnreachable as err:
-                last = err
-                self.mark_dead(engine.client.url, str(err))
-            finally:
-                engine.in_flight -= 1
-                if rid is not None and self._where.get(rid) == engine.client.url:
-                    del self._where[rid]
+        try:
+            for _ in range(self.max_retries + 1):
+                engine = self._pick()
+                engine.in_flight += 1
+                for r in rids:
+                    self._where[r] = engine.client.url
+                try:
+                    out = await engine.client.generate(rid=rid, **kwargs)
+                    engine.served += 1
+                    return out
+                except EngineUnreachable as err:
+                    last = err
+                    self.mark_dead(engine.client.url, str(err))
+                    if any(r in self._aborted for r in rids):
+                        raise
+                finally:
+                    engine.in_flight -= 1
+                    for r in rids:
+                        if self._where.get(r) == engine.client.url:
+                            del self._where[r]
+        finally:
+            self._aborted.difference_update(rids)
         raise EngineError(f"EnginePool: request {rid} failed on {self.max_retries + 1} engines; last error: {last}")
 
-    async def abort(self, rid: str) -> bool:
-        """Abort a request on the engine serving it; False if it is not in flight."""
-        url = self._where.get(rid)
-        if url is None:
-            return False
-        try:
-            await self._engines[url].client.abort(rid)
-        except EngineError:
-            return False
-        return True
+    def in_flight_rids(self, url: str) -> set[str]:
+        return {r for r, u in self._where.items() if u == url}
 
-    async def abort_all(self) -> None:
-        await asyncio.gather(*(c.abort(abort_all=True) for c in self.live_clients()), return_exceptions=True)
+    async def abort(self, rids: list[str]) -> int:
+        """Abort these samples wherever they run; returns the number of /abort_request calls made.
+        The engines confirm in the aborted requests' own replies (finish_reason "abort")."""
+        self._aborted.update(r for r in rids if r in self._where)  # finished ones need nothing
+        by_engine: dict[str, list[str]] = {}
+        for r in rids:
+            url = self._where.get(r)
+            if url is not None:
+                by_engine.setdefault(url, []).append(r)
+        calls = []
+        for url, mine in by_engine.items():
+            client = self._engines[url].client
+            if self.in_flight_rids(url) <= set(mine):
+                calls.append(client.abort(abort_all=True))
+            else:
+                calls.extend(client.abort(r) for r in mine)
+        await asyncio.gather(*calls, return_exceptions=True)  # a dead engine has nothing left to abort
+        return len(calls)
+
+    async def seeds_honoured(self) -> bool:
+        """Whether every live engine honours sampling_seed: SGLang only under
+        --enable-deterministic-inference (layers/sampler.py reads the seed only then; the CPU engine
+        always does and reports the flag true)."""
+        infos = await asyncio.gather(*(c.server_info() for c in self.live_clients()))
+        return bool(infos) and all(bool(i.get("enable_deterministic_inference")) for i in infos)

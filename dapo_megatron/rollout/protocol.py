@@ -1,11 +1,25 @@
-"""SGLang's /generate request shape, parsed and validated: what the CPU server accepts.
+"""SGLang's /generate request, parsed and validated as SGLang 0.5.21 does: what the CPU engine accepts.
 
-Shapes follow sglang 0.5.21 (managers/io_struct.py GenerateReqInput, sampling/sampling_params.py):
-`text` or `input_ids`, single or batch; `sampling_params` one dict for all prompts or one per
-prompt; `return_logprob`; `rid` (str, or one per prompt). A batch with n > 1 expands prompt-major
-(prompt 0 sample 0..n-1, prompt 1 sample 0..n-1, ...), as SGLang's tokenizer manager does.
+Read from sglang/srt/managers/io_struct.py (GenerateReqInput.normalize_batch_and_arguments),
+managers/tokenizer_manager.py (_handle_batch_request, _validate_one_request) and
+sampling/sampling_params.py (SamplingParams, verify):
+  - `text` or `input_ids`, single or batch; `sampling_params` one dict for all prompts or one per prompt;
+    `return_logprob` a flag or one per prompt (not a list when n > 1); unknown top-level fields are
+    ignored (SGLang's schema ignores extras).
+  - rids: a single prompt keeps its rid (a uuid if none); a batch turns rid "r" into r_0, r_1, ...,
+    and a list must hold one rid per prompt; duplicates are refused. With n > 1 every sample gets a
+    FRESH uuid rid (TokenizerManager._handle_batch_request, regenerate_rid): no rid the client chose
+    names a sample, so /abort_request with the request's rid reaches nothing.
+  - samples come out prompt-major (prompt 0 sample 0..n-1, prompt 1 ...); n > 1 turns a single prompt
+    into a list reply.
+  - context length: a prompt of >= context_length tokens, or prompt + max_new_tokens beyond it, is a 400
+    (SGLang's messages), unless the server allows auto-truncation (the CPU engine does not).
+  - sampling: temperature 0 is greedy; top_k -1 (all) or >= 1; top_p in (0, 1]; an unknown sampling
+    parameter raises TypeError in SamplingParams(**...) which SGLang does not catch: HTTP 500.
+CPU engine differences (400 naming the field): stop strings, streaming, and the SGLang features it does
+not implement (penalties, grammars, logit_bias, LoRA, multimodal, top/prompt log-probs, hidden states).
 
-Every mistake raises RequestError naming the field, which the server turns into HTTP 400.
+Every mistake raises RequestError (status 400, or 500 where SGLang answers 500) naming the field.
 """
 
 from __future__ import annotations
@@ -14,23 +28,35 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-# SGLang fields we accept and ignore (they do not change what a CPU engine computes).
-_IGNORED_FIELDS = {"stream", "log_metrics", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs"}
-# return_routed_experts / routed_experts_start_len: MoE routing, rollout/routing.py
-_KNOWN_FIELDS = ({"text", "input_ids", "sampling_params", "return_logprob", "rid", "return_routed_experts",
-                  "routed_experts_start_len"} | _IGNORED_FIELDS)
+# SGLang GenerateReqInput fields that change the result and that the CPU engine does not implement:
+# refused when set to anything but their default.
+_UNSUPPORTED_FIELDS = {
+    "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None, "lora_path": None,
+    "top_logprobs_num": (None, 0), "token_ids_logprob": (None, []), "return_hidden_states": (None, False),
+    "session_params": None, "custom_logit_processor": None,
+    "return_text_in_logprobs": (None, False), "return_sampling_mask": (None, False), "return_entropy": (None, False),
+}  # (return_routed_experts / routed_experts_start_len are implemented: MoE routing, rollout/routing.py)
+# SGLang SamplingParams keys the CPU engine implements ...
 _SAMPLING_KEYS = {
-    "n", "temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos",
-    "sampling_seed", "skip_special_tokens", "min_p", "stop", "no_stop_trim", "spaces_between_special_tokens",
+    "n", "temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos",
+    "sampling_seed", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval",
+}
+# ... and those it refuses unless at their default (value: the defaults SGLang treats as "off")
+_SAMPLING_UNSUPPORTED = {
+    "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "repetition_penalty": (1, 1.0, None),
+    "min_new_tokens": (0, None), "beam_width": (None, 1), "json_schema": (None, ""), "regex": (None, ""),
+    "ebnf": (None, ""), "structural_tag": (None, ""), "stop_regex": (None, "", []), "logit_bias": (None, {}),
+    "custom_params": (None, {}),
 }
 
 
 class RequestError(ValueError):
-    """A malformed request; `field` is the JSON path of the offending value."""
+    """A malformed request; `field` is the JSON path of the offending value, `status` the HTTP status."""
 
-    def __init__(self, field_name: str, message: str):
+    def __init__(self, field_name: str, message: str, *, status: int = 400):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+        self.status = status
 
 
 @dataclass
@@ -39,7 +65,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 = whole vocabulary
-    max_new_tokens: int = 128
+    max_new_tokens: int = 128  # SGLang's default
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     sampling_seed: int | None = None
@@ -52,23 +78,25 @@ class SequenceRequest:
 
     prompt_ids: list[int]
     params: SamplingParams
-    rid: str  # the request id the client gave (abort matches it) ...
-    sample_index: int  # ... and which of its n samples this is
+    rid: str  # this sample's own rid (what /abort_request matches), as SGLang names it
+    sample_index: int  # which of its request's n samples this is
     return_logprob: bool
     aborted: bool = False
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[str] = field(default_factory=list)  # weight version that made each token
     finish_reason: dict[str, Any] | None = None
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
     routed_experts: Any = None  # [rows, layers, topk] once generated (rollout/routing.py)
 
 
-def _number(value: Any, name: str, *, kind: type, lo: float | None = None, hi: float | None = None) -> Any:
+def _number(value: Any, name: str, *, kind: type, lo: float | None = None, hi: float | None = None,
+            lo_open: bool = False) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         raise RequestError(name, f"must be {'a number' if kind is float else 'an integer'}, got {value!r}")
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise RequestError(name, f"must be in [{lo}, {hi}], got {value!r}")
+    if (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi):
+        raise RequestError(name, f"must be in {'(' if lo_open else '['}{lo}, {hi}], got {value!r}")
     return kind(value)
 
 
@@ -77,27 +105,32 @@ def parse_sampling_params(raw: Any, name: str, *, vocab_size: int) -> SamplingPa
         return SamplingParams()
     if not isinstance(raw, dict):
         raise RequestError(name, f"must be an object, got {type(raw).__name__}")
-    unknown = sorted(set(raw) - _SAMPLING_KEYS)
-    if unknown:
-        raise RequestError(f"{name}.{unknown[0]}", f"unknown sampling parameter (known: {sorted(_SAMPLING_KEYS)})")
+    for key, value in raw.items():
+        if key in _SAMPLING_UNSUPPORTED:
+            if value not in _SAMPLING_UNSUPPORTED[key]:
+                raise RequestError(f"{name}.{key}", "is not supported by the CPU engine")
+        elif key not in _SAMPLING_KEYS:
+            # SGLang: SamplingParams(**params) raises TypeError, uncaught by its handler -> HTTP 500
+            raise RequestError(f"{name}.{key}", "unexpected keyword argument (not an SGLang sampling parameter)",
+                               status=500)
     if raw.get("stop"):
         raise RequestError(f"{name}.stop", "stop strings are not supported by the CPU engine; use stop_token_ids")
-    if raw.get("min_p", 0.0) not in (0, 0.0):
+    if raw.get("min_p") not in (None, 0, 0.0):
         raise RequestError(f"{name}.min_p", "min_p is not supported by the CPU engine")
     p = SamplingParams()
-    if "n" in raw:
+    if raw.get("n") is not None:
         p.n = _number(raw["n"], f"{name}.n", kind=int, lo=1, hi=1024)
-    if "temperature" in raw:
+    if raw.get("temperature") is not None:
         p.temperature = _number(raw["temperature"], f"{name}.temperature", kind=float, lo=0.0)
-    if "top_p" in raw:
-        p.top_p = _number(raw["top_p"], f"{name}.top_p", kind=float, lo=1e-9, hi=1.0)
-    if "top_k" in raw:
+    if raw.get("top_p") is not None:
+        p.top_p = _number(raw["top_p"], f"{name}.top_p", kind=float, lo=0.0, hi=1.0, lo_open=True)
+    if raw.get("top_k") is not None:
         p.top_k = _number(raw["top_k"], f"{name}.top_k", kind=int, lo=-1)
         if p.top_k == 0:
-            raise RequestError(f"{name}.top_k", "must be -1 (disabled) or >= 1, got 0")
-    if "max_new_tokens" in raw:
+            raise RequestError(f"{name}.top_k", "must be -1 (disable) or at least 1, got 0")
+    if raw.get("max_new_tokens") is not None:
         p.max_new_tokens = _number(raw["max_new_tokens"], f"{name}.max_new_tokens", kind=int, lo=0, hi=1 << 20)
-    if "stop_token_ids" in raw and raw["stop_token_ids"] is not None:
+    if raw.get("stop_token_ids") is not None:
         ids = raw["stop_token_ids"]
         if not isinstance(ids, list):
             raise RequestError(f"{name}.stop_token_ids", f"must be a list of token ids, got {ids!r}")
@@ -105,7 +138,7 @@ def parse_sampling_params(raw: Any, name: str, *, vocab_size: int) -> SamplingPa
             _number(t, f"{name}.stop_token_ids[{i}]", kind=int, lo=0, hi=vocab_size - 1) for i, t in enumerate(ids)
         )
     for flag in ("ignore_eos", "skip_special_tokens"):
-        if flag in raw:
+        if raw.get(flag) is not None:
             if not isinstance(raw[flag], bool):
                 raise RequestError(f"{name}.{flag}", f"must be true or false, got {raw[flag]!r}")
             setattr(p, flag, raw[flag])
@@ -116,25 +149,65 @@ def parse_sampling_params(raw: Any, name: str, *, vocab_size: int) -> SamplingPa
 
 def _token_list(value: Any, name: str, *, vocab_size: int) -> list[int]:
     if not isinstance(value, list) or not value:
-        raise RequestError(name, "must be a non-empty list of token ids")
+        raise RequestError(name, "input_ids cannot be empty" if value == [] else "must be a non-empty list of token ids")
     for i, t in enumerate(value):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
             raise RequestError(f"{name}[{i}]", f"must be a token id in [0, {vocab_size}), got {t!r}")
     return value
 
 
-def parse_generate(body: Any, *, vocab_size: int, tokenize) -> tuple[list[SequenceRequest], bool]:
+def _check_unsupported(body: dict) -> None:
+    for key, defaults in _UNSUPPORTED_FIELDS.items():
+        allowed = defaults if isinstance(defaults, tuple) else (defaults,)
+        if key in body and body[key] not in allowed:
+            raise RequestError(key, "is not supported by the CPU engine")
+    if body.get("stream"):
+        raise RequestError("stream", "streaming is not supported by the CPU engine")
+    if body.get("logprob_start_len") not in (None, -1):
+        raise RequestError("logprob_start_len", "prompt log-probs are not supported by the CPU engine (use -1)")
+
+
+def check_context_length(prompt_len: int, max_new_tokens: int, *, context_length: int, name: str) -> None:
+    """SGLang's TokenizerManager._validate_one_request (no auto-truncation), same messages."""
+    if prompt_len >= context_length:
+        raise RequestError(name, f"The input ({prompt_len} tokens) is longer than the model's context length "
+                                 f"({context_length} tokens).")
+    if prompt_len + max_new_tokens > context_length:
+        raise RequestError(name, f"Requested token count exceeds the model's maximum context length of {context_length} "
+                                 f"tokens. You requested a total of {prompt_len + max_new_tokens} tokens: {prompt_len} "
+                                 f"tokens from the input messages and {max_new_tokens} tokens for the completion.")
+
+
+def _rids(rid: Any, *, num_prompts: int, is_batch: bool) -> list[str]:
+    """One rid per prompt, as GenerateReqInput._normalize_rid leaves them (before n > 1 expansion)."""
+    if not is_batch:
+        if rid is None:
+            return [uuid.uuid4().hex]
+        if not isinstance(rid, str):
+            raise RequestError("rid", "The rid should be a string or a list of strings.")
+        return [rid]
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(num_prompts)]
+    if isinstance(rid, str):
+        return [f"{rid}_{i}" for i in range(num_prompts)]
+    if isinstance(rid, list) and all(isinstance(r, str) for r in rid):
+        if len(rid) != num_prompts:
+            raise RequestError("rid", "The specified rids length mismatch with the batch_size for batch processing.")
+        if len(set(rid)) != len(rid):
+            duplicates = sorted({r for r in rid if rid.count(r) > 1})
+            raise RequestError("rid", f"Duplicate request IDs detected within the request: {duplicates}")
+        return rid
+    raise RequestError("rid", "The rid should be a string or a list of strings.")
+
+
+def parse_generate(body: Any, *, vocab_size: int, tokenize, context_length: int) -> tuple[list[SequenceRequest], bool]:
     """Body of POST /generate -> (sequences in SGLang's output order, whether the reply is a list).
 
     `tokenize(text) -> list[int]`, or None when the server has no tokenizer.
     """
     if not isinstance(body, dict):
         raise RequestError("body", "must be a JSON object")
-    unknown = sorted(set(body) - _KNOWN_FIELDS)
-    if unknown:
-        raise RequestError(unknown[0], f"unknown field (known: {sorted(_KNOWN_FIELDS)})")
-    if body.get("stream"):
-        raise RequestError("stream", "streaming is not supported by the CPU engine")
+    _check_unsupported(body)
     has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
     if has_text == has_ids:
         raise RequestError("text/input_ids", "give exactly one of text or input_ids")
@@ -162,24 +235,27 @@ def parse_generate(body: Any, *, vocab_size: int, tokenize) -> tuple[list[Sequen
         if not is_batch or len(raw_params) != num:
             raise RequestError("sampling_params", f"a list needs one entry per prompt ({num}), got {len(raw_params)}")
         params = [parse_sampling_params(r, f"sampling_params[{i}]", vocab_size=vocab_size) for i, r in enumerate(raw_params)]
+        if len({p.n for p in params}) > 1:
+            raise RequestError("sampling_params", "The parallel_sample_num should be the same for all samples in sample params.")
     else:
         params = [parse_sampling_params(raw_params, "sampling_params", vocab_size=vocab_size)] * num
+    n = params[0].n
 
     raw_logprob = body.get("return_logprob", False)
-    flags = raw_logprob if isinstance(raw_logprob, list) else [raw_logprob] * num
+    if isinstance(raw_logprob, list):
+        if n > 1:
+            raise RequestError("return_logprob", "Cannot use list return_logprob with parallel_sample_num > 1")
+        flags = raw_logprob
+    else:
+        flags = [raw_logprob] * num
     if len(flags) != num or not all(isinstance(f, bool) or f is None for f in flags):
         raise RequestError("return_logprob", "must be true/false or a list of them, one per prompt")
 
-    rid = body.get("rid")
-    if rid is None:
-        rids = [uuid.uuid4().hex for _ in range(num)]
-    elif isinstance(rid, str):
-        rids = [rid] if num == 1 else [f"{rid}_{i}" for i in range(num)]
-    elif isinstance(rid, list) and len(rid) == num and all(isinstance(r, str) for r in rid):
-        rids = rid
-    else:
-        raise RequestError("rid", f"must be a string or a list of {num} strings")
-
+    batch = is_batch or n > 1  # n > 1 turns a single prompt into a batch of one (_handle_parallel_sampling)
+    rids = _rids(body.get("rid"), num_prompts=num, is_batch=batch)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        check_context_length(len(prompt), p.max_new_tokens, context_length=context_length,
+                             name=f"input_ids[{i}]" if is_batch else "input_ids")
     routed = body.get("return_routed_experts", False)
     if not isinstance(routed, bool):
         raise RequestError("return_routed_experts", f"must be true or false, got {routed!r}")
@@ -187,10 +263,10 @@ def parse_generate(body: Any, *, vocab_size: int, tokenize) -> tuple[list[Sequen
     if isinstance(routed_start, bool) or not isinstance(routed_start, int) or routed_start < 0:
         raise RequestError("routed_experts_start_len", f"must be an integer >= 0, got {routed_start!r}")
     seqs = [
-        SequenceRequest(list(prompts[i]), params[i], rids[i], j, bool(flags[i]), return_routed_experts=routed,
-                        routed_experts_start_len=routed_start)
+        # n > 1: every sample gets a fresh uuid rid (regenerate_rid), none of the client's
+        SequenceRequest(list(prompts[i]), params[i], rids[i] if n == 1 else uuid.uuid4().hex, j, bool(flags[i]),
+                        return_routed_experts=routed, routed_experts_start_len=routed_start)
         for i in range(num)
-        for j in range(params[i].n)
+        for j in range(n)
     ]
-    # n > 1 turns a single prompt into a list reply, as in SGLang.
-    return seqs, is_batch or any(p.n > 1 for p in params)
+    return seqs, batch

@@ -111,25 +111,29 @@ class RoutedExpertsRecorder:
         return record
 
     def start(self, *, active: bool, batch_size: int) -> None:
-        """Record the forwards that follow when `active` (some sequence asked) and the model has experts."""
+        """Record the forwards that follow when `active` (some sequence asked) and the model has experts.
+        Called again before a prefill that recomputes every row (continue after a retract pause): the
+        recomputed prefill covers every earlier position, with the weights of then."""
         self._calls = [] if active and self.enabled else None
         self._batch = batch_size
 
-    def finish(self, seqs: Sequence[Any], *, prompt_lengths: Sequence[int], width: int) -> None:
-        """Stop recording; give every sequence that asked `routed_experts` [rows, layers, topk] int16
-        with rows = P + n - 1 - start (n = its output tokens; SGLang's seqlen - 1 - start_len)."""
-        calls, self._calls = self._calls, None
-        if calls is None:
+    def stop(self) -> None:
+        self._calls = None
+
+    def take(self, seq: Any, *, row: int, prefill_length: int, width: int) -> None:
+        """Give `seq` (row `row` of the batch, which asked for them) its `routed_experts` [rows, layers,
+        topk] int16, rows = P + n - 1 - start (P its prompt, n its output tokens so far: SGLang's
+        seqlen - 1 - start_len). prefill_length: the row's tokens in the last prefill (left padded to
+        `width`); every later forward fed it one token. Called as the sequence finishes, before its
+        reply leaves."""
+        calls = self._calls
+        if not calls or not getattr(seq, "return_routed_experts", False):
             return
-        for b, seq in enumerate(seqs):
-            if not getattr(seq, "return_routed_experts", False):
-                continue
-            num_prompt, num_out = prompt_lengths[b], len(seq.output_ids)
-            total = num_prompt + num_out - 1
-            rows = torch.zeros(max(total, 0), self.num_layers, self.topk, dtype=torch.int16)
-            for layer in self.layers:
-                prefill = calls[0][layer][b, width - num_prompt:]  # left padding: the prompt ends the row
-                fed_back = [calls[step][layer][b] for step in range(1, num_out)]  # output token step - 1
-                rows[:, layer] = torch.cat([prefill, *fed_back])[:total]
-            start = min(int(getattr(seq, "routed_experts_start_len", 0)), max(total, 0))
-            seq.routed_experts = rows[start:]
+        total = len(seq.prompt_ids) + len(seq.output_ids) - 1
+        rows = torch.zeros(max(total, 0), self.num_layers, self.topk, dtype=torch.int16)
+        for layer in self.layers:
+            prefill = calls[0][layer][row, width - prefill_length:]  # left padding: the prompt ends the row
+            fed_back = [call[layer][row] for call in calls[1:]]  # one token per decode step
+            rows[:, layer] = torch.cat([prefill, *fed_back])[:total]
+        start = min(int(getattr(seq, "routed_experts_start_len", 0)), max(total, 0))
+        seq.routed_experts = rows[start:]

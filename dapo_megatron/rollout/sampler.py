@@ -4,25 +4,37 @@
     sampler = RolloutSampler(pool, tokenizer, settings)  # reward: each record's data_source scorer
     result = await sampler.collect(prompt_iter, train_batch_size=512)
     result.groups    # list of train_batch_size groups, each a list of n dapo_megatron.batch.Sample
-    result.stats     # rounds, groups seen/kept/filtered, tokens generated, tokens/s, requests_aborted,
-                     # groups_unscored (finished together with the batch-filling group, dropped)
+    result.stats     # rounds, groups seen/kept/filtered, tokens generated, tokens/s,
+                     # samples_abort_requested / samples_aborted (confirmed by the engines),
+                     # groups_unscored (finished together with the batch-filling group, dropped),
+                     # groups_stale / samples_stale (made by other weights than the last sync's)
 
 One round takes gen_batch_size prompts from `prompt_iter` (an iterator the training loop owns, so
 the data order is resumable; prompts drawn in a round count as consumed even when their requests
-are aborted) and sends one /generate with sampling_params.n = n per prompt. Each finished group
-is scored (reward_fn on the decoded response; overlong shaping from the response length; accuracy;
-truncated = finish_reason "length"). As soon as the groups kept so far fill the batch, every
-request still in flight is aborted (/abort_request by rid) so no compute is wasted, and the round
-ends; otherwise a new round starts, up to max_num_gen_batches (algo.DynamicSampler decides).
+are aborted) and sends one /generate per prompt holding its n samples as n items (input_ids = [ids]
+* n, one rid per sample, n = 1 each): SGLang gives the samples of an n > 1 request fresh uuid rids
+that no abort can name, so the samples are separate items with our own rids. Each finished group is
+scored (reward_fn on the decoded response; overlong shaping from the response length; accuracy;
+truncated = finish_reason "length"). As soon as the groups kept so far fill the batch, every sample
+still in flight is aborted (EnginePool.abort) and the round waits for the engines' replies: a sample
+counts as aborted when its reply says finish_reason "abort", not when we asked.
 
-Request rid = f"{rid_prefix}-{k}" and sampling_seed = seed * 1_000_003 + k for the k-th request of
-this sampler, so a run with the same seed asks the engines for the same samples (the groups'
-arrival order, hence which ones fill a batch, depends on timing).
+Every reply carries the engine's weight_version (meta_info, and per-token spans in weight_versions
+after a mid-request update). A group with a sample from other weights than `weight_version` (the
+last sync's, set by the driver) is stale: counted and dropped, never trained on.
+
+Sample j of the k-th request of this sampler: rid f"{rid_prefix}-{k}-{j}." (the terminating "."
+keeps rids prefix-free: SGLang's scheduler aborts every rid that STARTS with the one named) and, where
+the engines honour seeds (settings.per_sample_seeds; SGLang only with
+--enable-deterministic-inference), sampling_seed = seed * 1_000_003 + k + j, so a run with the same
+seed asks the engines for the same samples (the groups' arrival order, hence which ones fill a batch,
+depends on timing unless in_order).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -32,6 +44,10 @@ from dapo_megatron.algo import DynamicSampler, keep_group, overlong_penalty
 from dapo_megatron.batch import Sample
 from dapo_megatron.rollout.pool import EnginePool
 from dapo_megatron.rollout.routing import routed_experts_of
+
+log = logging.getLogger(__name__)
+RID_END = "."  # terminates every rid: no rid is a prefix of another (SGLang aborts by prefix)
+INITIAL_WEIGHT_VERSION = "default"  # what SGLang (--weight-version) and the CPU engine report before a sync
 
 
 @dataclass
@@ -54,6 +70,7 @@ class RolloutSettings:
     progress: bool = True
     in_order: bool = True  # groups fill the batch in request order: reproducible (see _round)
     return_routed_experts: bool = False  # MoE: each Sample carries the engine's experts (routing.py)
+    per_sample_seeds: bool = True  # send sampling_seed (only where the engines honour it: pool.seeds_honoured)
 
     @classmethod
     def from_config(cls, cfg: Any, **overrides: Any) -> "RolloutSettings":
@@ -96,7 +113,10 @@ class RolloutSampler:
         self.settings = settings
         self.reward_fn = reward_fn  # None: each record's own scorer
         self.rid_prefix = rid_prefix or uuid.uuid4().hex[:8]
+        if RID_END in self.rid_prefix:
+            raise ValueError(f"RolloutSampler: rid_prefix {self.rid_prefix!r} must not contain {RID_END!r}")
         self.num_requests = 0  # k of the next request (seeds and rids)
+        self.weight_version = INITIAL_WEIGHT_VERSION  # replies made by other weights are stale
 
     # ------------------------------------------------------------------ one group
     def prompt_ids(self, record: Any) -> list[int]:
@@ -114,19 +134,37 @@ class RolloutSampler:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds rollout.max_prompt_length={limit}: {str(record)[:200]}")
         return list(ids)
 
-    def sampling_params(self, k: int) -> dict:
-        s = self.settings
-        return {"n": s.n, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-                "max_new_tokens": s.max_new_tokens, "stop_token_ids": list(s.stop_token_ids),
-                "sampling_seed": (s.seed * 1_000_003 + k) % (2**62)}
+    def sample_rid(self, k: int, j: int) -> str:
+        return f"{self.rid_prefix}-{k}-{j}{RID_END}"
 
-    async def _generate_group(self, record: Any, rid: str, k: int) -> tuple[Any, list[dict]]:
+    def sampling_params(self, k: int) -> list[dict]:
+        """One dict per sample of request k (n = 1 each; per-sample seeds where honoured)."""
+        s = self.settings
+        base = {"n": 1, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                "max_new_tokens": s.max_new_tokens, "stop_token_ids": list(s.stop_token_ids)}
+        if not s.per_sample_seeds:
+            return [base] * s.n
+        first = s.seed * 1_000_003 + k
+        return [{**base, "sampling_seed": (first + j) % (2**62)} for j in range(s.n)]
+
+    def rids(self, k: int) -> list[str]:
+        return [self.sample_rid(k, j) for j in range(self.settings.n)]
+
+    async def _generate_group(self, record: Any, k: int) -> tuple[Any, list[dict]]:
         ids = self.prompt_ids(record)
         routed = {"return_routed_experts": True} if self.settings.return_routed_experts else {}
-        out = await self.pool.generate(input_ids=ids, sampling_params=self.sampling_params(k),
-                                       return_logprob=True, rid=rid, **routed)
-        outs = out if isinstance(out, list) else [out]
+        outs = await self.pool.generate(input_ids=[ids] * self.settings.n, sampling_params=self.sampling_params(k),
+                                        return_logprob=True, rid=self.rids(k), **routed)
         return record, [dict(o, prompt_ids=ids) for o in outs]
+
+    def is_stale(self, outputs: list[dict]) -> bool:
+        """Whether any sample was made (even partly) by other weights than self.weight_version."""
+        for o in outputs:
+            meta = o["meta_info"]
+            spans = meta.get("weight_versions") or [{"version": meta.get("weight_version")}]
+            if any(str(span["version"]) != self.weight_version for span in spans):
+                return True
+        return False
 
     def score_group(self, record: Any, outputs: list[dict]) -> list[Sample]:
         s = self.settings
@@ -167,7 +205,7 @@ class RolloutSampler:
             # a live bar on a terminal only: in a log file its redraws would bury the step table
             bar = tqdm(total=train_batch_size, desc="rollout groups", unit="grp", leave=False,
                        disable=not sys.stderr.isatty())
-        tokens = aborted = unscored = correct = scored = 0
+        totals: dict[str, int] = {}
         tic = time.perf_counter()
         try:
             while not acc.done:
@@ -176,11 +214,8 @@ class RolloutSampler:
                     raise ValueError(f"the prompt source ran out after {acc.stats()['rounds']} rounds with "
                                      f"{acc.num_kept} of {train_batch_size} groups kept")
                 round_groups, counts = await self._round(records, acc.num_kept, train_batch_size, bar)
-                tokens += counts["tokens"]
-                aborted += counts["aborted"]
-                unscored += counts["unscored"]
-                correct += counts["correct"]
-                scored += counts["scored"]
+                for key, value in counts.items():
+                    totals[key] = totals.get(key, 0) + value
                 acc.add_round(round_groups)  # raises when the round budget is spent (on_exhausted="raise")
         finally:
             if bar is not None:
@@ -190,11 +225,16 @@ class RolloutSampler:
         for gi, group in enumerate(groups):
             for sample in group:
                 sample.group_index = gi
-        stats = {**acc.stats(), "tokens_generated": tokens, "seconds": seconds,
-                 "tokens_per_s": tokens / seconds if seconds > 0 else 0.0, "requests_aborted": aborted,
-                 "groups_unscored": unscored,
+        scored = totals.get("scored", 0)
+        stats = {**acc.stats(), "tokens_generated": totals.get("tokens", 0), "seconds": seconds,
+                 "tokens_per_s": totals.get("tokens", 0) / seconds if seconds > 0 else 0.0,
+                 "samples_abort_requested": totals.get("abort_requested", 0),
+                 "samples_aborted": totals.get("aborted", 0),  # confirmed: the engine replied finish_reason abort
+                 "samples_finished_after_abort": totals.get("finished_after_abort", 0),  # the abort came too late
+                 "groups_unscored": totals.get("unscored", 0),
+                 "groups_stale": totals.get("stale_groups", 0), "samples_stale": totals.get("stale_samples", 0),
                  # accuracy of every scored response, before the filter (kept groups bias it to ~0.5)
-                 "acc_all": correct / scored if scored else 0.0, "responses_scored": scored}
+                 "acc_all": totals.get("correct", 0) / scored if scored else 0.0, "responses_scored": scored}
         return RolloutResult(groups=groups, stats=stats)
 
     async def _round(self, records: list[Any], kept_before: int, target: int, bar) -> tuple[list, dict]:
@@ -209,9 +249,10 @@ class RolloutSampler:
         for record in records:
             k = self.num_requests
             self.num_requests += 1
-            tasks[asyncio.ensure_future(self._generate_group(record, f"{self.rid_prefix}-{k}", k))] = k
+            tasks[asyncio.ensure_future(self._generate_group(record, k))] = k
         groups: list[list[Sample]] = []
-        tokens = kept = correct = scored = 0
+        counts = {"tokens": 0, "correct": 0, "scored": 0, "stale_groups": 0, "stale_samples": 0}
+        kept = 0
         pending, unscored = set(tasks), []
         finished: dict[int, asyncio.Task] = {}  # in_order: done but not yet reachable in order
         next_k = min(tasks.values()) if tasks else 0
@@ -231,11 +272,18 @@ class RolloutSampler:
                         unscored = ready[i:]
                         break
                     record, outputs = task.result()
+                    counts["tokens"] += sum(len(o["output_ids"]) for o in outputs)
+                    if self.is_stale(outputs):
+                        counts["stale_groups"] += 1
+                        counts["stale_samples"] += len(outputs)
+                        log.warning("rollout: request %d was answered by weights %s, expected %s: group dropped",
+                                    tasks[task], sorted({o["meta_info"].get("weight_version") for o in outputs}),
+                                    self.weight_version)
+                        continue
                     group = self.score_group(record, outputs)
                     groups.append(group)
-                    tokens += sum(len(x.response_ids) for x in group)
-                    correct += sum(int(x.acc > 0) for x in group)
-                    scored += len(group)
+                    counts["correct"] += sum(int(x.acc > 0) for x in group)
+                    counts["scored"] += len(group)
                     informative = (not self.settings.dynamic_sampling) or keep_group(group)
                     kept += int(informative)
                     if bar is not None:
@@ -243,13 +291,33 @@ class RolloutSampler:
                         bar.set_postfix(seen=len(groups), refresh=False)
             unscored = [*unscored, *finished.values()]
             # generated all the same: their tokens count towards throughput
-            tokens += sum(len(o["output_ids"]) for t in unscored for o in t.result()[1])
-        finally:
-            if pending:  # the batch is full (or we are failing): stop the engines' work on the rest
-                await asyncio.gather(*(self.pool.abort(f"{self.rid_prefix}-{tasks[t]}") for t in pending),
-                                     return_exceptions=True)
-                for t in pending:
-                    t.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
-        return groups, {"tokens": tokens, "aborted": len(pending), "unscored": len(unscored),
-                        "correct": correct, "scored": scored}
+            counts["tokens"] += sum(len(o["output_ids"]) for t in unscored for o in t.result()[1])
+        except BaseException:
+            await self._abort(pending, tasks, wait=False)  # failing: stop the engines' work, do not wait
+            raise
+        for key, value in (await self._abort(pending, tasks, wait=True)).items():  # the batch is full
+            counts[key] = counts.get(key, 0) + value
+        counts["unscored"] = len(unscored)
+        return groups, counts
+
+    async def _abort(self, pending: set, tasks: dict, *, wait: bool) -> dict[str, int]:
+        """Abort every sample of the pending requests; with wait, collect the engines' replies and count
+        what they confirm: a sample is aborted when its reply says finish_reason "abort" (one that
+        finished before the abort reached it is not)."""
+        if not pending:
+            return {"abort_requested": 0, "aborted": 0}
+        rids = [rid for t in pending for rid in self.rids(tasks[t])]
+        await self.pool.abort(rids)
+        if not wait:
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            return {}
+        results = await asyncio.gather(*pending, return_exceptions=True)
+        outputs = [o for r in results if not isinstance(r, BaseException) for o in r[1]]
+        for r in results:
+            if isinstance(r, BaseException):
+                log.warning("rollout: an aborted request failed instead of confirming: %s", r)
+        aborted = sum(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outputs)
+        return {"abort_requested": len(rids), "aborted": aborted, "finished_after_abort": len(outputs) - aborted,
+                "tokens": sum(len(o["output_ids"]) for o in outputs)}

@@ -1,19 +1,27 @@
 """Start an SGLang server with our settings, wait for /health, register it for the trainer.
 
-    python -m dapo_megatron.rollout.sglang_launcher --model /ckpt/Qwen2.5-7B --tp 2 \
+    python -m dapo_megatron.rollout.sglang_launcher --model /ckpt/Qwen2.5-7B --tp 2 --context-length 22528 \
         --port 30000 --register-dir $RUN_DIR/engines [--colocate --mem-fraction 0.5] [--seed 42]
 
 (one per Slurm array task in disaggregated runs). GPU clusters only: SGLang cannot run on the CPU
-machines this project is developed on; the command line is built by `sglang_command` (a pure
-function, unit-tested) from the flags of sglang 0.5.21's ServerArgs (--model-path, --tp-size,
---mem-fraction-static, --enable-memory-saver, --random-seed, --host, --port, --dtype, --base-gpu-id).
-NOT yet verified on a GPU (README, "Rollout engines").
+machines this project is developed on. The command line is built by `sglang_command` from the flags
+of sglang 0.5.21's ServerArgs (--model-path, --tp-size, --context-length, --mem-fraction-static,
+--enable-memory-saver, --random-seed, --host, --port, --dtype, --base-gpu-id) and parsed by SGLang's
+own parser in tests/conformance. --context-length is rollout.max_prompt_length +
+rollout.max_response_length: SGLang refuses (400) a request whose prompt plus max_new_tokens exceeds
+its context length (tokenizer_manager.py _validate_one_request), and the model's own maximum may be
+smaller or larger than what the run needs.
+
+The installed sglang must be of the minor release the protocol was verified against (docs/sglang.md):
+another one is refused unless --allow-sglang-version or DAPO_ALLOW_SGLANG_VERSION=1.
+NOT yet run on a GPU (README, "Rollout engines").
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import os
 import signal
 import socket
@@ -26,11 +34,34 @@ from dataclasses import dataclass
 
 from dapo_megatron.rollout.registry import remove_registration, write_registration
 
+VERIFIED_SGLANG = "0.5.21"  # docs/sglang.md and tests/conformance were checked against this release
+ALLOW_ENV = "DAPO_ALLOW_SGLANG_VERSION"
+
+
+def check_sglang_version(installed: str | None, *, allow_other: bool) -> None:
+    """Refuse an sglang whose major.minor differs from the verified release (clear error), unless allowed."""
+    if installed is None:
+        raise RuntimeError(f"sglang is not installed in this environment: pip install -e '.[sglang]' "
+                           f"(sglang=={VERIFIED_SGLANG})")
+    if installed.split(".")[:2] != VERIFIED_SGLANG.split(".")[:2] and not allow_other:
+        raise RuntimeError(f"sglang {installed} is installed, but dapo-megatron speaks the protocol of sglang "
+                           f"{VERIFIED_SGLANG} (docs/sglang.md, verified by tests/conformance); another minor "
+                           f"release may differ (session rules, request fields). Install sglang=={VERIFIED_SGLANG}, "
+                           f"or run anyway with --allow-sglang-version or {ALLOW_ENV}=1")
+
+
+def installed_sglang_version() -> str | None:
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
 
 @dataclass
 class SGLangSettings:
     model_path: str
     tp_size: int = 1
+    context_length: int = 0  # rollout.max_prompt_length + rollout.max_response_length; 0 = the model's
     mem_fraction_static: float = 0.7
     colocate: bool = False  # --enable-memory-saver: release/resume memory around training
     seed: int = 0
@@ -52,6 +83,8 @@ def sglang_command(s: SGLangSettings) -> list[str]:
         raise ValueError(f"sglang launcher: mem_fraction_static must be in (0, 1), got {s.mem_fraction_static}")
     if not 0 < s.port < 65536:
         raise ValueError(f"sglang launcher: port must be in 1..65535, got {s.port}")
+    if s.context_length < 0:
+        raise ValueError(f"sglang launcher: context_length must be >= 0 (0 = the model's), got {s.context_length}")
     cmd = [s.python, "-m", "sglang.launch_server",
            "--model-path", s.model_path,
            "--tp-size", str(s.tp_size),
@@ -61,6 +94,8 @@ def sglang_command(s: SGLangSettings) -> list[str]:
            "--port", str(s.port),
            "--dtype", s.dtype,
            "--base-gpu-id", str(s.base_gpu_id)]
+    if s.context_length:
+        cmd += ["--context-length", str(s.context_length)]
     if s.colocate:
         cmd.append("--enable-memory-saver")
     return cmd + list(s.extra_args)
@@ -92,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="launch an SGLang rollout engine and register it")
     ap.add_argument("--model", required=True)
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--context-length", type=int, default=0,
+                    help="rollout.max_prompt_length + rollout.max_response_length (0 = the model's own)")
     ap.add_argument("--mem-fraction", type=float, default=0.7)
     ap.add_argument("--colocate", action="store_true", help="--enable-memory-saver (shares GPUs with the trainer)")
     ap.add_argument("--seed", type=int, default=0)
@@ -101,8 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base-gpu-id", type=int, default=0)
     ap.add_argument("--register-dir", default="")
     ap.add_argument("--health-timeout", type=float, default=1800.0)
+    ap.add_argument("--allow-sglang-version", action="store_true",
+                    help=f"run an sglang other than {VERIFIED_SGLANG.rsplit('.', 1)[0]}.x (also {ALLOW_ENV}=1)")
     args, extra = ap.parse_known_args(argv)
-    settings = SGLangSettings(model_path=args.model, tp_size=args.tp, mem_fraction_static=args.mem_fraction,
+    check_sglang_version(installed_sglang_version(),
+                         allow_other=args.allow_sglang_version or os.environ.get(ALLOW_ENV) == "1")
+    settings = SGLangSettings(model_path=args.model, tp_size=args.tp, context_length=args.context_length,
+                              mem_fraction_static=args.mem_fraction,
                               colocate=args.colocate, seed=args.seed, host=args.host, port=args.port, dtype=args.dtype,
                               base_gpu_id=args.base_gpu_id, extra_args=tuple(extra))
     # SIGTERM (scancel, the colocated supervisor) unwinds like Ctrl-C, so the `finally` below stops

@@ -55,10 +55,14 @@ class ServerProcess:
              "--host", "127.0.0.1", "--port", str(port), "--register-dir", str(register_dir), "--seed", str(seed),
              "--threads", "1", *extra_args],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        self.record = self._wait_registered(before)
+        try:
+            self.record = self._wait_registered(before)
+        except BaseException:
+            self.kill()  # never leave a server behind a failed start
+            raise
         self.url = self.record["url"]
 
-    def _wait_registered(self, before: set, timeout: float = 120.0) -> dict:
+    def _wait_registered(self, before: set, timeout: float = 300.0) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -61,7 +61,7 @@ def _train_sync_score_rank(hf_dir: str, url: str):
             async def push_and_sample():
                 async with EngineClient(url) as client:
                     sync = DistributedWeightSync(master_address="127.0.0.1", backend="gloo", bucket_bytes=100_000)
-                    stats = await sync.sync([client], actor.iter_hf_weights())
+                    stats = await sync.sync([client], actor.iter_hf_weights(), weight_version="step_1")
                     await sync.close([client])
                     outs = await client.generate(input_ids=PROMPTS, return_logprob=True,
                                                  sampling_params={"max_new_tokens": 16, "sampling_seed": 21,

@@ -54,10 +54,13 @@ def test_dynamic_sampling_stops_when_full_and_aborts_leftovers(env):
                                max_num_gen_batches=5, overlong_shaping=True, overlong_buffer_length=8,
                                stop_token_ids=(), progress=False, seed=7)
 
+    def server_aborted() -> list[str]:
+        return get_json(url + "/server_info")["cpu_engine"]["aborted_rids"]
+
     async def scenario():
         pool = EnginePool(urls=[url])
         sampler = RolloutSampler(pool, env.tokenizer, settings, reward_fn=ScriptedReward(), rid_prefix="dyn")
-        aborted_before = len(get_json(url + "/get_server_info")["aborted_rids"])
+        aborted_before = len(server_aborted())
         result = await sampler.collect(source, train_batch_size=3)
         await pool.close()
         return result, aborted_before
@@ -66,11 +69,16 @@ def test_dynamic_sampling_stops_when_full_and_aborts_leftovers(env):
     st = result.stats
     assert st["rounds"] == 2  # round 1 keeps 2 of 4 groups; round 2 stops at its first group
     assert st["groups_seen"] == 5 and st["groups_filtered"] == 2 and st["groups_returned"] == 3
-    # the 3 other requests of round 2: aborted in flight (normally all 3, decoded one sequence at a
-    # time), or dropped unscored if one finished in the same instant as the batch-filling group
-    assert st["requests_aborted"] + st["groups_unscored"] == 3 and st["requests_aborted"] >= 2
-    server_aborted = get_json(url + "/get_server_info")["aborted_rids"][aborted_before:]
-    assert len(server_aborted) == st["requests_aborted"] and set(server_aborted) < {f"dyn-{k}" for k in range(4, 8)}
+    # the 3 other requests of round 2 (6 samples): aborted in flight (normally all, decoded one sequence
+    # at a time), or dropped unscored if one finished in the same instant as the batch-filling group
+    leftover = 3 - st["groups_unscored"]
+    assert leftover >= 2 and st["samples_abort_requested"] == 2 * leftover
+    # the metric is what the engine confirmed: replies with finish_reason "abort", exactly the samples the
+    # engine reports it aborted; a sample that finished before the abort reached it is not counted
+    hits = server_aborted()[aborted_before:]
+    assert st["samples_aborted"] == len(hits) and st["samples_aborted"] >= st["samples_abort_requested"] - 1
+    assert st["samples_aborted"] + st["samples_finished_after_abort"] == st["samples_abort_requested"]
+    assert set(hits) <= {f"dyn-{k}-{j}." for k in range(5, 8) for j in range(2)}  # the samples' own rids
     assert next(source).prompt == "What is 8 + 1?"  # exactly two rounds of prompts were drawn
 
     assert [len(g) for g in result.groups] == [2, 2, 2]
@@ -91,7 +99,7 @@ def test_engine_killed_mid_round_loses_no_prompt_and_rejoins_after_resync(env):
     a, b = env.servers
     settings = RolloutSettings(n=2, max_new_tokens=48, gen_batch_size=8, dynamic_sampling=False,
                                overlong_shaping=False, progress=False, seed=3)
-    served_before = get_json(a.url + "/get_server_info")["num_requests"]
+    served_before = get_json(a.url + "/get_server_info")["cpu_engine"]["num_requests"]
 
     def reward_killing_b(response, ground_truth, _state={"killed": False}):
         if not _state["killed"]:  # the first finished group: b still holds queued requests
@@ -121,7 +129,7 @@ def test_engine_killed_mid_round_loses_no_prompt_and_rejoins_after_resync(env):
             for p in trainer.parameters():
                 p.mul_(1.01)
         sync = DistributedWeightSync(master_address="127.0.0.1", backend="gloo")
-        stats = await sync.sync(pool.weight_targets(), iter(trainer.state_dict().items()))
+        stats = await sync.sync(pool.weight_targets(), iter(trainer.state_dict().items()), weight_version="step_1")
         await sync.close(pool.weight_targets())
         pool.admit(pending)
         client_b = next(c for c in pool.live_clients() if c.url == restarted.url)
@@ -133,7 +141,7 @@ def test_engine_killed_mid_round_loses_no_prompt_and_rejoins_after_resync(env):
     assert sorted(g[0].ground_truth for g in result.groups) == sorted(f"gt{i}" for i in range(8))
     assert all(len(g) == 2 for g in result.groups)
     assert state[b.url]["state"] == "dead" and state[b.url]["failures"] == 1
-    served = get_json(a.url + "/get_server_info")["num_requests"] - served_before
+    served = get_json(a.url + "/get_server_info")["cpu_engine"]["num_requests"] - served_before
     assert served > 4  # a served its own share and b's retried requests
     assert state[a.url]["served"] + state[b.url]["served"] == 8
 

@@ -13,7 +13,7 @@ import torch
 from rollout_helpers import ServerProcess, get_json, make_tiny_checkpoint
 
 from dapo_megatron.rollout.client import EngineClient, EngineError
-from dapo_megatron.rollout.weight_sync import serialize_tensors_by_value
+from dapo_megatron.rollout.tensor_payload import serialize_for_engine_rank
 
 PROMPT = [1, 17, 42, 99, 7, 250]
 
@@ -90,16 +90,20 @@ def test_batched_padded_requests_match_transformers(server, hf_models):
         assert torch.allclose(got, want, atol=1e-4, rtol=0)
 
 
-def test_n_samples_are_seeded_per_sample(server):
-    params = {"max_new_tokens": 16, "n": 3, "sampling_seed": 100, "ignore_eos": True}
-    outs = generate(server.url, input_ids=PROMPT, sampling_params=params)
-    assert isinstance(outs, list) and len(outs) == 3
-    assert len({tuple(o["output_ids"]) for o in outs}) == 3  # distinct samples
-    again = generate(server.url, input_ids=PROMPT, sampling_params=params)
-    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]  # reproducible
-    # sample j of seed s is drawn from seed s + j
-    third = generate(server.url, input_ids=PROMPT, sampling_params={**params, "n": 1, "sampling_seed": 102})
-    assert third["output_ids"] == outs[2]["output_ids"]
+def test_seeds_follow_sglang_deterministic_inference(server):
+    """As SGLang with --enable-deterministic-inference: the n samples of one request share its seed
+    (identical samples, each with a fresh uuid rid), so per-sample seeds need per-sample items."""
+    params = {"max_new_tokens": 16, "sampling_seed": 100, "ignore_eos": True}
+    shared = generate(server.url, input_ids=PROMPT, sampling_params={**params, "n": 3}, rid="parent")
+    assert len(shared) == 3 and len({tuple(o["output_ids"]) for o in shared}) == 1
+    assert len({o["meta_info"]["id"] for o in shared}) == 3 and "parent" not in {o["meta_info"]["id"] for o in shared}
+    items = generate(server.url, input_ids=[PROMPT] * 3, rid=["s-0.", "s-1.", "s-2."],
+                     sampling_params=[{**params, "sampling_seed": 100 + j} for j in range(3)])
+    assert [o["meta_info"]["id"] for o in items] == ["s-0.", "s-1.", "s-2."]
+    assert len({tuple(o["output_ids"]) for o in items}) == 3  # distinct samples
+    assert items[0]["output_ids"] == shared[0]["output_ids"]  # seed 100 draws the same either way
+    again = generate(server.url, input_ids=[PROMPT] * 3, sampling_params=[{**params, "sampling_seed": 100 + j} for j in range(3)])
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in items]  # reproducible
 
 
 def test_batch_with_n_is_prompt_major(server):
@@ -133,8 +137,8 @@ def test_stop_token_ids_and_eos(server):
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     # eos (id 2 in the tiny config) ends a sample unless ignore_eos: find seeds whose sample meets it
     # (p(eos) ~ 1/300 per token), then the same seed with ignore_eos continues past it
-    params = {"max_new_tokens": 64, "n": 16, "sampling_seed": 0}
-    outs = generate(server.url, input_ids=PROMPT, sampling_params=params)
+    params = [{"max_new_tokens": 64, "sampling_seed": j} for j in range(16)]
+    outs = generate(server.url, input_ids=[PROMPT] * 16, sampling_params=params)
     stopped = [o for o in outs if o["meta_info"]["finish_reason"]["type"] == "stop"]
     assert stopped, "no sample met eos; pick another seed"
     for o in outs:
@@ -143,7 +147,7 @@ def test_stop_token_ids_and_eos(server):
             assert fr["matched"] == 2 and o["output_ids"][-1] == 2 and 2 not in o["output_ids"][:-1]
         else:
             assert fr == {"type": "length", "length": 64} and 2 not in o["output_ids"]
-    longer = generate(server.url, input_ids=PROMPT, sampling_params={**params, "ignore_eos": True})
+    longer = generate(server.url, input_ids=[PROMPT] * 16, sampling_params=[{**p, "ignore_eos": True} for p in params])
     for o, l in zip(outs, longer):
         assert l["output_ids"][:len(o["output_ids"])] == o["output_ids"] and len(l["output_ids"]) == 64
 
@@ -160,49 +164,58 @@ def test_text_prompt_is_tokenized(server, ckpts):
     assert a["text"] == tok.decode(a["output_ids"], skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("body, field", [
-    (b"{not json", "body"),
-    ([1, 2], "body"),
-    ({"sampling_params": {}}, "text/input_ids"),
-    ({"input_ids": [1, 2], "text": "x"}, "text/input_ids"),
-    ({"input_ids": []}, "input_ids"),
-    ({"input_ids": [1, 300]}, "input_ids[1]"),
-    ({"input_ids": [1, "a"]}, "input_ids[1]"),
-    ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
-    ({"input_ids": [1], "sampling_params": {"top_p": 1.5}}, "sampling_params.top_p"),
-    ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "sampling_params.top_k"),
-    ({"input_ids": [1], "sampling_params": {"n": 0}}, "sampling_params.n"),
-    ({"input_ids": [1], "sampling_params": {"max_new_tokens": "many"}}, "sampling_params.max_new_tokens"),
-    ({"input_ids": [1], "sampling_params": {"stop_token_ids": [1, 9999]}}, "sampling_params.stop_token_ids[1]"),
-    ({"input_ids": [1], "sampling_params": {"temprature": 1.0}}, "sampling_params.temprature"),
-    ({"input_ids": [1], "sampling_params": {"stop": ["\n"]}}, "sampling_params.stop"),
-    ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params"),
-    ({"input_ids": [1], "rid": 5}, "rid"),
-    ({"input_ids": [1], "prompt": "x"}, "prompt"),
+@pytest.mark.parametrize("body, field, status", [
+    (b"{not json", "body", 400),
+    ([1, 2], "body", 400),
+    ({"sampling_params": {}}, "text/input_ids", 400),
+    ({"input_ids": [1, 2], "text": "x"}, "text/input_ids", 400),
+    ({"input_ids": []}, "input_ids", 400),
+    ({"input_ids": [1, 300]}, "input_ids[1]", 400),
+    ({"input_ids": [1, "a"]}, "input_ids[1]", 400),
+    ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "sampling_params.temperature", 400),
+    ({"input_ids": [1], "sampling_params": {"top_p": 1.5}}, "sampling_params.top_p", 400),
+    ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "sampling_params.top_k", 400),
+    ({"input_ids": [1], "sampling_params": {"n": 0}}, "sampling_params.n", 400),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": "many"}}, "sampling_params.max_new_tokens", 400),
+    ({"input_ids": [1], "sampling_params": {"stop_token_ids": [1, 9999]}}, "sampling_params.stop_token_ids[1]", 400),
+    ({"input_ids": [1], "sampling_params": {"temprature": 1.0}}, "sampling_params.temprature", 500),  # SGLang: 500
+    ({"input_ids": [1], "sampling_params": {"stop": ["\n"]}}, "sampling_params.stop", 400),
+    ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params", 400),
+    ({"input_ids": [1], "rid": 5}, "rid", 400),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": 256}}, "input_ids", 400),  # beyond the context length
 ])
-def test_malformed_generate_is_400_naming_the_field(server, body, field):
-    status, out = post(server.url + "/generate", body)
-    assert status == 400
+def test_malformed_generate_is_refused_naming_the_field(server, body, field, status):
+    got, out = post(server.url + "/generate", body)
+    assert got == status
     assert out["error"]["field"] == field and field in out["error"]["message"]
 
 
 def test_malformed_admin_requests_are_400_and_server_lives(server):
     cases = [
-        ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}, "group_name"),
-        ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"]}, "shapes"),
+        ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"]}, "shapes", "missing"),
+        ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}, None,
+         "must run between begin_weight_update() and end_weight_update()"),
+        ("/update_weights_from_tensor", {"serialized_named_tensors": ["%%%"]}, None, "must run between"),
         ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0,
-                                        "world_size": 2, "backend": "gloo"}, "rank_offset"),
+                                        "world_size": 2, "backend": "gloo"}, "rank_offset", "rank_offset"),
         ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
-                                        "world_size": 2, "backend": "nccl"}, "backend"),
-        ("/update_weights_from_disk", {"model_path": "/nonexistent/dir"}, "model_path"),
-        ("/update_weights_from_tensor", {"serialized_named_tensors": ["%%%"]}, "serialized_named_tensors[0]"),
-        ("/abort_request", {}, "rid"),
-        ("/get_weights_by_name", {"name": "no.such.weight"}, "name"),
+                                        "world_size": 2, "backend": "nccl"}, "backend", "gloo"),
+        ("/update_weights_from_disk", {"model_path": "/nonexistent/dir"}, "model_path", "no such directory"),
+        ("/abort_request", {"abort_all": "yes"}, "abort_all", "wrong type"),
+        ("/get_weights_by_name", {"name": "no.such.weight"}, "name", "unknown parameter"),
+        ("/resume_memory_occupation", {"tags": ["weights"]}, "tags", "not released"),
+        ("/end_weight_update", {}, None, "no weight-update session is open"),
+        ("/pause_generation", {"mode": "sometimes"}, "mode", "abort, retract or in_place"),
     ]
-    for path, body, field in cases:
+    for path, body, field, words in cases:
         status, out = post(server.url + path, body)
         assert status == 400, (path, out)
-        assert out["error"]["field"] == field, (path, out)
+        assert out["error"]["field"] == field and words in out["message"], (path, out)
+    # inside a session a bad payload is refused naming the entry
+    assert post(server.url + "/begin_weight_update", {})[0] == 200
+    status, out = post(server.url + "/update_weights_from_tensor", {"serialized_named_tensors": ["%%%"]})
+    assert status == 400 and out["error"]["field"] == "serialized_named_tensors[0]" and "base64" in out["message"]
+    assert post(server.url + "/end_weight_update", {})[0] == 200
     with urllib.request.urlopen(server.url + "/health_generate", timeout=60) as resp:
         assert resp.status == 200
     generate(server.url, input_ids=[1, 2], sampling_params={"max_new_tokens": 2})
@@ -218,43 +231,54 @@ def test_abort_running_request(server):
             return await task, await c.server_info()
 
     out, info = asyncio.run(scenario())
-    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
+                                                 "err_type": None}  # SGLang's FINISH_ABORT of a running request
     assert 0 < out["meta_info"]["completion_tokens"] < 5000
-    assert "long-one" in info["aborted_rids"]
+    assert "long-one" in info["cpu_engine"]["aborted_rids"]
 
 
 def test_release_resume_and_weight_updates(server, hf_models, ckpts):
+    """SGLang's semantics without a CPU backup: release frees the weights, resume brings storage back
+    with undefined content (NaN here), and a sync refills them."""
     params = {"max_new_tokens": 10, "sampling_seed": 5, "ignore_eos": True}
     before = generate(server.url, input_ids=PROMPT, sampling_params=params, return_logprob=True)
-    assert post(server.url + "/release_memory_occupation", {})[0] == 200
+    resident = get_json(server.url + "/server_info")["cpu_engine"]["resident_memory_bytes"]
+    assert resident["weights"] == sum(t.numel() * 4 for t in hf_models["a"].parameters())
+    assert post(server.url + "/release_memory_occupation", {"tags": ["weights", "kv_cache"]}) == (200, None)
+    info = get_json(server.url + "/server_info")["cpu_engine"]
+    assert info["resident_memory_bytes"] == {"weights": 0, "kv_cache": 0}
+    assert info["released_tags"] == ["kv_cache", "weights"]
     status, out = post(server.url + "/generate", {"input_ids": PROMPT})
     assert status == 503 and "released" in out["error"]["message"]
-    assert post(server.url + "/resume_memory_occupation", {})[0] == 200
-    resumed = generate(server.url, input_ids=PROMPT, sampling_params=params, return_logprob=True)
-    assert resumed["output_ids"] == before["output_ids"]
-    assert resumed["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+    assert post(server.url + "/resume_memory_occupation", {"tags": ["weights", "kv_cache"]}) == (200, None)
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert all(x != x for x in get_json_post(server.url, name)[0])  # NaN: the content did not survive
 
-    # from disk: model b, then logprobs follow model b
-    status, out = post(server.url + "/update_weights_from_disk", {"model_path": str(ckpts["b"])})
+    # by tensor (shared memory on CPU), in a session: model a again, a wrong shape refused first
+    named = list(hf_models["a"].state_dict().items())
+    bad = named[:3] + [(named[3][0], torch.zeros(7, 7))]
+    assert post(server.url + "/begin_weight_update", {})[0] == 200
+    status, out = post(server.url + "/update_weights_from_tensor", {"serialized_named_tensors": [serialize_for_engine_rank(bad)]})
+    assert status == 400 and named[3][0] in out["error"]["message"] and "shape" in out["error"]["message"]
+    status, out = post(server.url + "/update_weights_from_tensor", {"serialized_named_tensors": [serialize_for_engine_rank(named)],
+                                                                   "weight_version": "refilled"})
+    assert status == 200 and out["message"] == "Success Weight version updated to refilled.", out
+    assert post(server.url + "/end_weight_update", {})[0] == 200
+    again = generate(server.url, input_ids=PROMPT, sampling_params=params, return_logprob=True)
+    assert again["output_ids"] == before["output_ids"]
+    assert again["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+    assert again["meta_info"]["weight_version"] == "refilled"
+    assert get_json(server.url + "/server_info")["cpu_engine"]["resident_memory_bytes"]["weights"] == resident["weights"]
+
+    # from disk (no session needed): model b, then logprobs follow model b
+    status, out = post(server.url + "/update_weights_from_disk", {"model_path": str(ckpts["b"]), "weight_version": "b"})
     assert status == 200 and out["success"]
     out_b = generate(server.url, input_ids=PROMPT, sampling_params=params, return_logprob=True)
     got = torch.tensor([lp for lp, _, _ in out_b["meta_info"]["output_token_logprobs"]], dtype=torch.float64)
     assert torch.allclose(got, reference_logprobs(hf_models["b"], PROMPT, out_b["output_ids"], 1.0), atol=1e-4, rtol=0)
-    assert get_json(server.url + "/get_model_info")["model_path"] == str(ckpts["b"])
-
-    # by tensor (tensors by value on CPU): back to model a, one tensor of a wrong shape refused first
-    named = list(hf_models["a"].state_dict().items())
-    bad = named[:3] + [(named[3][0], torch.zeros(7, 7))]
-    status, out = post(server.url + "/update_weights_from_tensor", {"serialized_named_tensors": [serialize_tensors_by_value(bad)]})
-    assert status == 400 and named[3][0] in out["error"]["message"] and "shape" in out["error"]["message"]
-    # nothing was written: still model b
-    w = get_json_post(server.url, named[0][0])
-    assert torch.allclose(torch.tensor(w), hf_models["b"].state_dict()[named[0][0]][:100])
-    status, out = post(server.url + "/update_weights_from_tensor", {"serialized_named_tensors": [serialize_tensors_by_value(named)]})
-    assert status == 200, out
-    again = generate(server.url, input_ids=PROMPT, sampling_params=params, return_logprob=True)
-    assert again["output_ids"] == before["output_ids"]
-    assert again["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
+    assert out_b["meta_info"]["weight_version"] == "b"
+    assert get_json(server.url + "/model_info")["model_path"] == str(ckpts["b"])
+    assert get_json(server.url + "/get_model_info")["weight_version"] == "b"  # the deprecated alias
 
 
 def get_json_post(url: str, name: str):

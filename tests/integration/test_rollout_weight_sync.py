@@ -1,5 +1,7 @@
-"""Weight sync into two real serve-rollout processes over a gloo group (SGLang's
-update_weights_from_distributed protocol), from a transformers model's updated weights."""
+"""Weight sync into two real serve-rollout processes (SGLang's protocol: a session around every sync,
+update_weights_from_distributed over a gloo group with flattened buckets, update_weights_from_tensor with
+shared-memory payloads), from a transformers model's updated weights; failures close every session and
+name the engine."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import torch
 from rollout_helpers import make_tiny_checkpoint
 from test_rollout_server import PROMPT, reference_logprobs
 
-from dapo_megatron.rollout.client import EngineClient
+from dapo_megatron.rollout import weight_sync as ws
+from dapo_megatron.rollout.client import EngineClient, EngineError
 from dapo_megatron.rollout.local import LocalEngines
-from dapo_megatron.rollout.weight_sync import DistributedWeightSync, sync_by_tensor
+from dapo_megatron.rollout.weight_sync import DistributedWeightSync, TensorWeightSync, weight_update_session
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +45,10 @@ async def _engine_logprobs(client: EngineClient, max_new_tokens: int = 12):
     return out["output_ids"], torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]], dtype=torch.float64)
 
 
+async def _sessions_open(clients: list[EngineClient]) -> list[bool]:
+    return [(await c.server_info())["cpu_engine"]["weight_update_session_open"] for c in clients]
+
+
 def test_distributed_sync_then_engine_logprobs_match_trainer(setup):
     trainer = updated_model(setup["model_dir"], seed=1)
     weights = list(trainer.state_dict().items())
@@ -49,22 +56,27 @@ def test_distributed_sync_then_engine_logprobs_match_trainer(setup):
     async def scenario():
         clients = [EngineClient(url) for url in setup["urls"]]
         sync = DistributedWeightSync(master_address="127.0.0.1", backend="gloo", bucket_bytes=64 * 1024)
-        stats = await sync.sync(clients, iter(weights))
+        stats = await sync.sync(clients, iter(weights), weight_version="step_1")
         results = [await _engine_logprobs(c) for c in clients]
         row = await clients[1].get_weights_by_name("model.layers.1.mlp.down_proj.weight", truncate_size=3)
+        versions = [(await c.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1}))["meta_info"]["weight_version"]
+                    for c in clients]
         # a second sync re-uses the group (no re-forming) and records its own numbers
-        stats2 = await sync.sync(clients, iter(weights))
+        stats2 = await sync.sync(clients, iter(weights), weight_version="step_2")
+        sessions = await _sessions_open(clients)
         await sync.close(clients)
         for c in clients:
             await c.close()
-        return stats, stats2, results, row, sync
+        return stats, stats2, results, row, sync, versions, sessions
 
-    stats, stats2, results, row, sync = asyncio.run(scenario())
+    stats, stats2, results, row, sync, versions, sessions = asyncio.run(scenario())
     total_bytes = sum(t.numel() * t.element_size() for _, t in weights)
     assert stats.num_tensors == len(weights) and stats.bytes == total_bytes
-    assert stats.num_buckets > 3  # 64 KiB buckets on a ~330 KB model
+    assert stats.num_buckets > 3  # 64 KiB buckets on a ~450 KB model
+    assert stats.num_collectives == stats.num_buckets  # flattened: one broadcast per bucket, not per tensor
     assert stats.gb_per_s > 0 and stats.missing == [] and stats.num_engines == 2
-    assert len(sync.history) == 2 and sync._generation == 1
+    assert len(sync.history) == 2 and sync._generation == 1 and stats2.weight_version == "step_2"
+    assert versions == ["step_1", "step_1"] and sessions == [False, False]  # every session closed
     assert torch.equal(torch.tensor(row), trainer.state_dict()["model.layers.1.mlp.down_proj.weight"][:3])
     for tokens, got in results:
         want = reference_logprobs(trainer, PROMPT, tokens, 1.0)
@@ -72,7 +84,7 @@ def test_distributed_sync_then_engine_logprobs_match_trainer(setup):
 
 
 @pytest.mark.parametrize("corruption", ["name", "shape"])
-def test_corrupted_tensor_is_refused_before_anything_is_written(setup, corruption):
+def test_corrupted_tensor_is_refused_before_anything_is_written(setup, corruption, monkeypatch):
     trainer = updated_model(setup["model_dir"], seed=2)
     weights = list(trainer.state_dict().items())
     victim = weights[5][0]
@@ -88,39 +100,66 @@ def test_corrupted_tensor_is_refused_before_anything_is_written(setup, corruptio
         before = await _engine_logprobs(clients[0])
         sync = DistributedWeightSync(master_address="127.0.0.1", backend="gloo")  # one bucket holds all
         with pytest.raises(ValueError) as info:
-            await sync.sync(clients, iter(weights))
+            await sync.sync(clients, iter(weights), weight_version="bad")
         after = await _engine_logprobs(clients[0])
-        # the server refuses by itself too (a trainer without the check): 400 naming the tensor
-        from dapo_megatron.rollout.client import EngineError
-
-        await sync.connect(clients)
+        # the engines refuse by themselves too (a trainer without the check): after receiving the
+        # bucket, 400 naming the tensor; the sync fails naming the engine and closes every session
+        monkeypatch.setattr(ws, "check_against", lambda *a, **k: None)
         with pytest.raises(EngineError) as server_info:
-            await clients[0].update_weights_from_distributed(
-                names=[n for n, _ in weights], dtypes=["float32"] * len(weights),
-                shapes=[list(t.shape) for _, t in weights], group_name=sync._group_name)
+            await sync.sync(clients, iter(weights), weight_version="bad")
+        sessions = await _sessions_open(clients)
+        after_server = await _engine_logprobs(clients[0])
         await sync.close(clients)
         for c in clients:
             await c.close()
-        return info.value, before, after, server_info.value
+        return info.value, before, after, server_info.value, sessions, after_server
 
-    err, before, after, server_err = asyncio.run(scenario())
+    err, before, after, server_err, sessions, after_server = asyncio.run(scenario())
     assert bad in str(err)
     assert before[0] == after[0] and torch.equal(before[1], after[1])  # nothing written
-    assert server_err.status == 400 and bad in str(server_err)
+    assert bad in str(server_err) and setup["urls"][0] in str(server_err) and "400" in str(server_err)
+    assert sessions == [False, False]
+    assert before[0] == after_server[0] and torch.equal(before[1], after_server[1])  # still nothing written
 
 
-def test_sync_by_tensor_value_transport(setup):
+def test_session_refused_by_one_engine_is_closed_on_the_others(setup):
+    """begin_weight_update refused by engine 1 (its session is already open): engine 0's session is
+    closed again and the error names engine 1; nothing was sent."""
+    async def scenario():
+        clients = [EngineClient(url) for url in setup["urls"]]
+        await clients[1].begin_weight_update()  # someone else's session
+        with pytest.raises(EngineError) as info:
+            async with weight_update_session(clients):
+                raise AssertionError("the body must not run")
+        sessions = await _sessions_open(clients)
+        await clients[1].end_weight_update()
+        for c in clients:
+            await c.close()
+        return info.value, sessions
+
+    err, sessions = asyncio.run(scenario())
+    assert err.url == setup["urls"][1] and "begin_weight_update" in str(err) and "already open" in str(err)
+    assert setup["urls"][0] not in str(err)
+    assert sessions == [False, True]  # engine 0 closed by us; engine 1's foreign session untouched
+
+
+def test_tensor_sync_shared_memory_transport(setup):
     trainer = updated_model(setup["model_dir"], seed=3)
 
     async def scenario():
         clients = [EngineClient(url) for url in setup["urls"]]
-        stats = await sync_by_tensor(clients, iter(trainer.state_dict().items()), bucket_bytes=100_000)
+        stats = await TensorWeightSync(bucket_bytes=100_000).sync(clients, iter(trainer.state_dict().items()),
+                                                                  weight_version="colocated_1")
         out = [await _engine_logprobs(c) for c in clients]
+        rows = [await c.get_weights_by_name("lm_head.weight", truncate_size=300) for c in clients]
+        sessions = await _sessions_open(clients)
         for c in clients:
             await c.close()
-        return stats, out
+        return stats, out, rows, sessions
 
-    stats, results = asyncio.run(scenario())
-    assert stats.num_buckets > 1 and stats.missing == []
+    stats, results, rows, sessions = asyncio.run(scenario())
+    assert stats.num_buckets > 1 and stats.missing == [] and stats.num_collectives == 0 and sessions == [False, False]
+    for row in rows:  # bit for bit: the whole head
+        assert torch.equal(torch.tensor(row, dtype=torch.float32), trainer.state_dict()["lm_head.weight"])
     for tokens, got in results:
         assert torch.allclose(got, reference_logprobs(trainer, PROMPT, tokens, 1.0), atol=1e-4, rtol=0)

@@ -12,20 +12,32 @@ from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
 
 
 class ScriptedPool:
-    """Request k (the sampler's k-th request) answers after delays[k] seconds with answers[k]."""
+    """Request k (the sampler's k-th request; its samples' rids are "t-k-j.") answers after delays[k]
+    seconds with answers[k]; an abort makes a request still sleeping answer at once, every sample with
+    finish_reason "abort" (as an engine confirms an abort)."""
 
     def __init__(self, delays, answers):
         self.delays, self.answers, self.aborted = delays, answers, []
+        self.abort_events: dict[int, asyncio.Event] = {}
 
     async def generate(self, *, rid, input_ids, sampling_params, return_logprob):
-        k = int(rid.rsplit("-", 1)[1])
-        await asyncio.sleep(self.delays[k])
-        return [{"text": f"Answer: {a}", "output_ids": [7, 7], "prompt_ids": input_ids,
-                 "meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": [[-0.5, 7, None]] * 2}}
-                for a in self.answers[k]]
+        k = int(rid[0].split("-")[1])
+        assert [r.split("-")[2] for r in rid] == [f"{j}." for j in range(len(rid))] and len(input_ids) == len(rid)
+        event = self.abort_events.setdefault(k, asyncio.Event())
+        try:
+            await asyncio.wait_for(event.wait(), self.delays[k])
+            finish = "abort"
+        except asyncio.TimeoutError:
+            finish = "stop"
+        return [{"text": f"Answer: {a}", "output_ids": [7, 7], "meta_info": {
+                    "finish_reason": {"type": finish}, "weight_version": "default",
+                    "output_token_logprobs": [[-0.5, 7, None]] * 2}} for a in self.answers[k]]
 
-    async def abort(self, rid):
-        self.aborted.append(rid)
+    async def abort(self, rids):
+        self.aborted.extend(rids)
+        for r in rids:
+            self.abort_events.setdefault(int(r.split("-")[1]), asyncio.Event()).set()
+        return len(rids)
 
 
 class Tok:
@@ -55,7 +67,7 @@ def test_in_order_takes_the_first_informative_groups_by_request_index():
     # the batch is requests 1 and 2 whatever the timing: request 3 finished first but comes later
     assert stats["groups_unscored"] == 1
     assert stats["acc_all"] == (2 + 1 + 1) / 6  # 0: 2 right; 1, 2: one right each
-    assert pool.aborted == []  # everything had finished by the time 0 arrived
+    assert pool.aborted == [] and stats["samples_aborted"] == 0  # everything had finished by the time 0 arrived
 
 
 def test_completion_order_takes_the_fastest_groups():
@@ -63,4 +75,6 @@ def test_completion_order_takes_the_fastest_groups():
     answers = [ALL_RIGHT, MIXED, MIXED, MIXED]
     groups, stats, pool = _collect(False, delays, answers)
     assert stats["groups_kept"] == 2 and stats["groups_seen"] == 2  # 3 then 2, both informative
-    assert sorted(pool.aborted) == ["t-0", "t-1"]  # still running when the batch filled
+    # requests 0 and 1 were still running when the batch filled: all 4 samples aborted, and confirmed
+    assert sorted(pool.aborted) == ["t-0-0.", "t-0-1.", "t-1-0.", "t-1-1."]
+    assert stats["samples_abort_requested"] == 4 and stats["samples_aborted"] == 4

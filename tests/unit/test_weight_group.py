@@ -1,0 +1,77 @@
+"""The weight group's master address: loopback only when every engine is on this host; otherwise the
+interface NCCL/GLOO_SOCKET_IFNAME names, or the route to the engines (tests/integration/
+test_weight_sync_two_hosts.py checks the routed case across two network namespaces); a group opened
+with open_weight_group on both sides exchanges a broadcast (the store keys SGLang's side derives)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dapo_megatron.rollout.weight_group import (
+    open_weight_group, route_source_address, socket_ifname_address, trainer_address)
+
+
+def test_loopback_only_when_every_engine_is_local():
+    local = ["http://127.0.0.1:30000", "http://localhost:30001"]
+    assert trainer_address(engine_urls=local, backend="nccl", environ={}) == "127.0.0.1"
+    assert trainer_address(engine_urls=local, backend="nccl", configured="10.1.2.3", environ={}) == "10.1.2.3"
+
+
+def test_socket_ifname_selects_the_interface():
+    assert socket_ifname_address("lo") == "127.0.0.1"  # a prefix, as NCCL reads it
+    assert socket_ifname_address("=lo") == "127.0.0.1"
+    assert socket_ifname_address("no_such_if") is None
+    other = socket_ifname_address("^lo")  # anything but loopback (None on a host without another interface)
+    assert other is None or not other.startswith("127.")
+    # the variable of the backend decides, for engines elsewhere
+    remote = ["http://192.0.2.10:30000"]  # TEST-NET-1: never routed to this host's loopback
+    assert trainer_address(engine_urls=remote, backend="gloo", environ={"GLOO_SOCKET_IFNAME": "lo"}) == "127.0.0.1"
+    with pytest.raises(ValueError, match="NCCL_SOCKET_IFNAME='nope'"):
+        trainer_address(engine_urls=remote, backend="nccl", environ={"NCCL_SOCKET_IFNAME": "nope"})
+
+
+def test_route_source_of_a_remote_engine_is_not_loopback():
+    assert route_source_address("127.0.0.1") == "127.0.0.1"
+    try:
+        addr = route_source_address("192.0.2.10")
+    except OSError:
+        pytest.skip("this host has no route off-host (no default route)")
+    assert not addr.startswith("127.")
+    assert trainer_address(engine_urls=["http://192.0.2.10:1"], backend="gloo", environ={}) == addr
+
+
+def test_group_members_exchange_a_broadcast():
+    """Two members built by open_weight_group (the trainer's side here, the CPU engine's side in another
+    process; SGLang's side is checked against it in tests/conformance) agree on the store keys."""
+    import socket
+    import subprocess
+    import sys
+    import uuid
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    name = f"g_test_{uuid.uuid4().hex[:8]}"
+    engine = subprocess.Popen([sys.executable, "-c", f"""
+import torch
+from dapo_megatron.rollout.weight_group import open_weight_group
+pg = open_weight_group(backend="gloo", master_address="127.0.0.1", master_port={port}, rank=1, world_size=2,
+                       group_name="{name}", timeout_s=120)
+got = torch.zeros(5)
+pg.broadcast(got, 0).wait()
+print(got.tolist())
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        pg = open_weight_group(backend="gloo", master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
+                               group_name=name, timeout_s=120)
+        pg.broadcast(torch.arange(5.0), 0).wait()
+        out, _ = engine.communicate(timeout=120)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
+    assert engine.returncode == 0 and out.strip().splitlines()[-1] == "[0.0, 1.0, 2.0, 3.0, 4.0]"
+    with pytest.raises(ValueError, match="gloo or nccl"):
+        open_weight_group(backend="mpi", master_address="127.0.0.1", master_port=port, rank=0, world_size=1,
+                          group_name="x")
