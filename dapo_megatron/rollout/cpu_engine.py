@@ -65,6 +65,11 @@ class CpuEngine:
         self.model_path = model_path
         self.dtype = getattr(torch, dtype)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).eval()
+        for p in self.model.parameters():
+            # each parameter in storage of its own, as after a resume: CPU GEMV kernels pick their path by
+            # memory alignment (~1e-6 log-prob differences), so release/resume must not change it; this
+            # also detaches the weights from the checkpoint's memory-mapped file
+            p.data = p.data.clone(memory_format=torch.contiguous_format)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         except (OSError, ValueError):  # a weights-only directory: input_ids requests only

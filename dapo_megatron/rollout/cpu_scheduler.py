@@ -95,7 +95,8 @@ class Batcher:
         self.running: list[_Item] = []
         self.paused: str | None = None  # scheduler pause: None, "retract" or "in_place"
         self.retracted = False  # the running batch went back to the waiting queue (retract pause)
-        self.last_step = 0.0  # time.monotonic() of the last decode step or reply (health checks)
+        self.parked = False  # the decode loop waits at a step boundary (paused)
+        self.last_finish = 0.0  # time.monotonic() of the last sequence that finished (health checks)
         self.cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="cpu-engine-scheduler", daemon=True)
@@ -108,11 +109,12 @@ class Batcher:
             self.cond.notify_all()
         self._thread.join(60)
 
-    def counts(self) -> dict[str, int]:
+    def counts(self) -> dict:
         with self.cond:
-            running = 0 if self.retracted else sum(i.seq.finish_reason is None for i in self.running)
-            return {"num_waiting_sequences": len(self.waiting) + (len(self.running) if self.retracted else 0),
-                    "num_running_sequences": running}
+            live = [i.seq for i in self.running if i.seq.finish_reason is None]
+            return {"num_waiting_sequences": len(self.waiting) + (len(live) if self.retracted else 0),
+                    "num_running_sequences": 0 if self.retracted else len(live),
+                    "running": [{"rid": s.rid, "completion_tokens": len(s.output_ids)} for s in live]}
 
     # ------------------------------------------------------------------ from the event loop
     def submit(self, seqs: list[SequenceRequest]) -> list[asyncio.Future]:
@@ -144,21 +146,34 @@ class Batcher:
             self.cond.notify_all()
         return hit
 
+    def cancel(self, seqs: list[SequenceRequest]) -> None:
+        """The client went away: drop these sequences from the queue, stop them if they run."""
+        ids = {id(s) for s in seqs}
+        with self.cond:
+            self.waiting = deque(i for i in self.waiting if id(i.seq) not in ids)
+            for s in seqs:
+                s.aborted = True
+            self.cond.notify_all()
+
     def set_pause(self, mode: str | None) -> None:
+        """Pause ("retract"/"in_place") or continue (None). A pause returns once the running batch is
+        parked at a step boundary (SGLang's scheduler handles the pause before any later request)."""
         with self.cond:
             self.paused = mode
             self.cond.notify_all()
+            if mode is not None:
+                self.cond.wait_for(lambda: self.parked or not any(i.seq.finish_reason is None for i in self.running))
 
     def is_fully_idle(self, *, ignore_waiting: bool = False) -> bool:
         """SGLang's Scheduler.is_fully_idle: nothing running (a retracted batch waits), nothing waiting."""
         with self.cond:
-            running = bool(self.running) and not self.retracted
-            waiting = bool(self.waiting) or (bool(self.running) and self.retracted)
+            live = any(i.seq.finish_reason is None for i in self.running)  # finished ones only await the batch end
+            running = live and not self.retracted
+            waiting = bool(self.waiting) or (live and self.retracted)
             return not running and (ignore_waiting or not waiting)
 
     # ------------------------------------------------------------------ engine hooks (worker thread)
     def pause_mode(self) -> str | None:
-        self.last_step = time.monotonic()
         with self.cond:
             return self.paused
 
@@ -167,15 +182,16 @@ class Batcher:
         self.engine.lock.release()
         try:
             with self.cond:
-                self.retracted = self.paused == "retract"
+                self.retracted, self.parked = self.paused == "retract", True
+                self.cond.notify_all()
                 live = [i.seq for i in self.running if i.seq.finish_reason is None]
                 self.cond.wait_for(lambda: self.paused is None or any(s.aborted for s in live))
-                self.retracted = False
+                self.retracted, self.parked = False, False
         finally:
             self.engine.lock.acquire()
 
     def finished(self, seq: SequenceRequest) -> None:
-        self.last_step = time.monotonic()
+        self.last_finish = time.monotonic()
         with self.cond:
             item = next((i for i in self.running if i.seq is seq), None)
         if item is not None:
@@ -214,4 +230,3 @@ class Batcher:
                 self.running = []
             for item in take:
                 self._resolve(item, error)
-            self.last_step = time.monotonic()

@@ -153,8 +153,7 @@ class RolloutServer:
                 try:
                     return list(await asyncio.gather(*futs))
                 except asyncio.CancelledError:  # the client went away: stop spending compute on it
-                    for s in seqs:
-                        s.aborted = True
+                    self.batcher.cancel(seqs)
                     raise
         finally:
             self.live_rids -= rids
@@ -236,8 +235,8 @@ class RolloutServer:
                 if self.model_update_lock.readers == 0:
                     break
                 await asyncio.sleep(0.05)
-        else:
-            self.batcher.set_pause(mode)
+        else:  # returns once the running batch is parked between two steps
+            await asyncio.get_running_loop().run_in_executor(None, self.batcher.set_pause, mode)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
@@ -501,7 +500,7 @@ class RolloutServer:
     # ------------------------------------------------------------------ info
     async def health(self, request: web.Request) -> web.Response:
         """SGLang's health_generate: 503 while starting, else a 1-token generation; 200 as soon as the
-        engine produced anything (this request or another) within the timeout."""
+        engine finished anything (this request or another) within the timeout."""
         if self.status != "Up" or self.engine.released:
             return web.Response(status=503)
         tic = time.monotonic()
@@ -510,14 +509,13 @@ class RolloutServer:
         task = asyncio.ensure_future(self.run_sequences([seq]))
         try:
             while time.monotonic() < tic + HEALTH_CHECK_TIMEOUT_S:
-                if task.done() or self.batcher.last_step > tic:
+                if task.done() or self.batcher.last_finish > tic:
                     return web.Response(status=200)
                 await asyncio.sleep(0.05)
             return web.Response(status=503)
         finally:
             if not task.done():
-                seq.aborted = True
-                task.cancel()
+                task.cancel()  # run_sequences drops it from the scheduler
 
     async def warm_up(self) -> None:
         """The server's first 1-token generation (SGLang's _wait_and_warmup); then it is Up."""

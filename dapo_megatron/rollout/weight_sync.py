@@ -288,7 +288,10 @@ class DistributedWeightSync:
         send = asyncio.get_running_loop().run_in_executor(None, lambda: [broadcast_from_trainer(pg, p) for p in payloads])
         # an engine that refuses the bucket never joins the broadcasts: fail at its answer instead of
         # waiting out the group timeout (the blocked broadcast thread ends at timeout_s)
-        await asyncio.wait([send, *posts], return_when=asyncio.FIRST_EXCEPTION)
+        done, pending = await asyncio.wait([send, *posts], return_when=asyncio.FIRST_EXCEPTION)
+        unanswered = [p for p in posts if p in pending]
+        if unanswered and any(t.exception() is not None for t in done):  # hear every engine out, briefly
+            await asyncio.wait(unanswered, timeout=30)
         failures = {c.url: p.exception() for c, p in zip(clients, posts) if p.done() and p.exception() is not None}
         if send.done() and send.exception() is not None:
             failures["trainer"] = send.exception()

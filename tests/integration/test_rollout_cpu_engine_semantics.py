@@ -21,7 +21,7 @@ from test_rollout_server import PROMPT, post, reference_logprobs
 from dapo_megatron.rollout.client import EngineClient
 from dapo_megatron.rollout.tensor_payload import serialize_for_engine_rank
 
-LONG = {"max_new_tokens": 200, "ignore_eos": True, "sampling_seed": 1}
+LONG = {"ignore_eos": True, "sampling_seed": 1}
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +58,19 @@ async def wait_for(predicate, what: str, timeout_s: float = 120.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def start_long(client: EngineClient, url: str, rid: str, *, max_new_tokens: int = 200) -> asyncio.Task:
-    """A request that occupies the engine (one running sequence) until aborted or done."""
-    task = asyncio.ensure_future(client.generate(input_ids=PROMPT, rid=rid, return_logprob=True,
-                                                 sampling_params={**LONG, "max_new_tokens": max_new_tokens}))
-    await wait_for(lambda: info(url)["num_running_sequences"] == 1, "the long request to run")
+async def start_long(client: EngineClient, url: str, rid: str, *, items: int = 1, max_new_tokens: int = 240,
+                     min_tokens: int = 0) -> asyncio.Task:
+    """A request of `items` samples (rids rid-0., rid-1., ...; one runs at a time: --max-batch-size 1)
+    that occupies the engine until aborted or done; returns once the first one runs with at least
+    min_tokens tokens (bounded by the context length: 6 + 240 = 246 <= 256 tokens each)."""
+    task = asyncio.ensure_future(client.generate(
+        input_ids=[PROMPT] * items, rid=[f"{rid}-{i}." for i in range(items)], return_logprob=True,
+        sampling_params={**LONG, "max_new_tokens": max_new_tokens}))
+
+    def running() -> bool:
+        return any(r["rid"] == f"{rid}-0." and r["completion_tokens"] >= min_tokens for r in info(url)["running"])
+
+    await wait_for(running, f"{rid}-0. to run")
     return task
 
 
@@ -101,44 +109,49 @@ def test_health_is_503_until_the_warm_up_generation(env):
 def test_flush_cache_refuses_while_busy(env):
     async def scenario():
         async with EngineClient(env.url) as c:
-            task = await start_long(c, env.url, "busy")
+            task = await start_long(c, env.url, "busy", items=8)  # 8 x 240 tokens, one at a time
             busy = flush(env.url)
-            waited = asyncio.get_running_loop().run_in_executor(None, flush, env.url, "?timeout=60")
+            waited = asyncio.get_running_loop().run_in_executor(None, flush, env.url, "?timeout=120")
             await asyncio.sleep(0.5)
-            await c.abort("busy")
-            out = await task
-            return busy, await waited, out, flush(env.url)
+            for i in range(8):
+                await c.abort(f"busy-{i}.")
+            outs = await task
+            return busy, await waited, outs, flush(env.url)
 
-    busy, waited, out, idle = asyncio.run(scenario())
+    busy, waited, outs, idle = asyncio.run(scenario())
     assert busy == 400  # SGLang: not while requests run or wait
     assert waited == 200 and idle == 200  # ?timeout=: flushed once the engine went idle
-    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert [o["meta_info"]["finish_reason"]["type"] for o in outs[2:]] == ["abort"] * 6  # still queued then
 
 
 def test_abort_names_samples_exactly_then_matches_by_prefix(env):
     """SGLang: a rid the tokenizer manager does not hold is ignored (the samples of an n > 1 request
-    have fresh uuids, so their parent's rid aborts nothing); a known rid aborts every queued or running
-    request whose rid starts with it ("s1" also aborts "s10", hence the sampler's terminated rids)."""
+    have fresh uuids, so their parent's rid aborts nothing; so does a rid naming no sample, like
+    "long" for long-0. ...); a known rid aborts every queued or running request whose rid starts with
+    it ("s1" also aborts "s10", hence the sampler's terminated rids)."""
     async def scenario():
         async with EngineClient(env.url) as c:
             before = info(env.url)["num_requests"]
-            long = await start_long(c, env.url, "long")
+            long = await start_long(c, env.url, "long", items=8)  # keeps the others queued behind it
             parent = asyncio.ensure_future(c.generate(input_ids=PROMPT, rid="parent",
                                                       sampling_params={"n": 2, "max_new_tokens": 4}))
             prefix = asyncio.ensure_future(c.generate(input_ids=[PROMPT] * 2, rid=["s1", "s10"],
                                                       sampling_params={"max_new_tokens": 4}))
             exact = asyncio.ensure_future(c.generate(input_ids=[PROMPT] * 2, rid=["q-0-1.", "q-0-10."],
                                                      sampling_params={"max_new_tokens": 4}))
-            await wait_for(lambda: info(env.url)["num_waiting_sequences"] == 6, "6 queued samples")
-            assert info(env.url)["num_requests"] == before + 4
-            for rid in ("parent", "parent_0", "s1", "q-0-1.", "long"):
+            await wait_for(lambda: info(env.url)["num_requests"] == before + 4
+                           and info(env.url)["num_waiting_sequences"] >= 6, "6 queued samples")
+            for rid in ("parent", "parent_0", "long", "s1", "q-0-1."):
                 await c.abort(rid)
+            for i in range(8):  # the samples of "long", by their own rids
+                await c.abort(f"long-{i}.")
             return await long, await parent, await prefix, await exact
 
     long, parent, prefix, exact = asyncio.run(scenario())
     running_abort = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
     waiting_abort = {"type": "abort", "message": "Abort in waiting queue"}
-    assert long["meta_info"]["finish_reason"] == running_abort and 0 < len(long["output_ids"]) < 200
+    assert long[0]["meta_info"]["finish_reason"] == running_abort and 0 < len(long[0]["output_ids"]) < 240
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in long)
     assert [o["meta_info"]["finish_reason"]["type"] for o in parent] == ["length", "length"]  # nothing reached them
     assert [o["meta_info"]["finish_reason"] for o in prefix] == [waiting_abort, waiting_abort]
     assert [o["meta_info"]["id"] for o in prefix] == ["s1", "s10"] and prefix[0]["output_ids"] == []
@@ -157,8 +170,7 @@ def test_weights_updated_during_a_pause_show_in_the_versions_of_the_tokens(env, 
 
     async def scenario():
         async with EngineClient(env.url) as c:
-            task = await start_long(c, env.url, f"paused-{mode}", max_new_tokens=120)
-            await asyncio.sleep(0.3)
+            task = await start_long(c, env.url, f"paused-{mode}", min_tokens=5)  # mid-generation
             await c.pause_generation(mode)
             flushed = flush(env.url)  # retracted requests wait, and waiting ones do not count while paused
             waiting = asyncio.ensure_future(c.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 2}))
@@ -168,7 +180,7 @@ def test_weights_updated_during_a_pause_show_in_the_versions_of_the_tokens(env, 
             await asyncio.sleep(0.5)
             held = waiting.done()  # new requests wait for continue_generation
             await c.continue_generation()
-            out = await task
+            (out,) = await task
             await waiting
             # back to model a for the other tests
             await c.update_weights_from_disk(str(env.model_a), weight_version="default")
@@ -178,8 +190,8 @@ def test_weights_updated_during_a_pause_show_in_the_versions_of_the_tokens(env, 
     spans = out["meta_info"]["weight_versions"]
     assert [s["version"] for s in spans] == ["default", f"b-{mode}"] and out["meta_info"]["weight_version"] == f"b-{mode}"
     k = spans[0]["end"]
-    assert spans == [{"version": "default", "start": 0, "end": k}, {"version": f"b-{mode}", "start": k, "end": 120}]
-    assert 0 < k < 120 and not held
+    assert spans == [{"version": "default", "start": 0, "end": k}, {"version": f"b-{mode}", "start": k, "end": 240}]
+    assert 5 <= k < 240 and not held
     assert flushed == (200 if mode == "retract" else 400)  # in_place keeps the running batch (and its cache)
     if mode == "retract":
         got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]], dtype=torch.float64)
@@ -190,7 +202,7 @@ def test_weights_updated_during_a_pause_show_in_the_versions_of_the_tokens(env, 
 def test_pause_abort_mode_returns_once_everything_is_aborted(env):
     async def scenario():
         async with EngineClient(env.url) as c:
-            long = await start_long(c, env.url, "to-abort")
+            long = await start_long(c, env.url, "to-abort", items=8)
             await c.pause_generation("abort")
             aborted_done = long.done()  # SGLang answers once no request holds the model-update lock
             later = asyncio.ensure_future(c.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 2}))
@@ -200,16 +212,16 @@ def test_pause_abort_mode_returns_once_everything_is_aborted(env):
             return aborted_done, await long, held, await later
 
     aborted_done, long, held, later = asyncio.run(scenario())
-    assert aborted_done and long["meta_info"]["finish_reason"]["type"] == "abort"
+    assert aborted_done and {o["meta_info"]["finish_reason"]["type"] for o in long} == {"abort"}
     assert not held and later["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def test_release_needs_an_idle_engine(env):
     async def scenario():
         async with EngineClient(env.url) as c:
-            long = await start_long(c, env.url, "busy-release")
+            long = await start_long(c, env.url, "busy-release", items=8)
             refused = post(env.url + "/release_memory_occupation", {"tags": ["weights"]})
-            await c.abort("busy-release")
+            await c.abort(abort_all=True)
             await long
             return refused
 

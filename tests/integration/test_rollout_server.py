@@ -225,15 +225,21 @@ def test_abort_running_request(server):
     async def scenario():
         async with EngineClient(server.url) as c:
             task = asyncio.ensure_future(c.generate(input_ids=PROMPT, rid="long-one",
-                                                    sampling_params={"max_new_tokens": 5000, "ignore_eos": True}))
-            await asyncio.sleep(0.5)
+                                                    sampling_params={"max_new_tokens": 240, "ignore_eos": True}))
+            while not any(r["rid"] == "long-one" and r["completion_tokens"] > 0
+                          for r in (await c.server_info())["cpu_engine"]["running"]):
+                assert not task.done(), "the request finished before it was seen running"
+                await asyncio.sleep(0.02)
+            await c.pause_generation("in_place")  # holds it mid-generation: the abort cannot come too late
             await c.abort("long-one")
-            return await task, await c.server_info()
+            out = await task
+            await c.continue_generation()
+            return out, await c.server_info()
 
     out, info = asyncio.run(scenario())
     assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
                                                  "err_type": None}  # SGLang's FINISH_ABORT of a running request
-    assert 0 < out["meta_info"]["completion_tokens"] < 5000
+    assert 0 < out["meta_info"]["completion_tokens"] < 240
     assert "long-one" in info["cpu_engine"]["aborted_rids"]
 
 
