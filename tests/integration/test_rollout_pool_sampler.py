@@ -159,6 +159,8 @@ def test_pool_survives_one_event_loop_per_step(env):
     sampler = RolloutSampler(pool, env.tokenizer, RolloutSettings(n=2, max_new_tokens=4, gen_batch_size=2,
                                                                   dynamic_sampling=False, progress=False),
                              reward_fn=lambda text, gt: SimpleNamespace(score=1.0, acc=1.0, pred=None))
+    # the engine may hold a trainer's weights from an earlier test: expect the version it serves
+    sampler.weight_version = get_json(env.servers[0].url + "/model_info")["weight_version"]
     source = iter(records(["x"] * 4))
     first = asyncio.run(sampler.collect(source, train_batch_size=2))
     second = asyncio.run(sampler.collect(source, train_batch_size=2))
