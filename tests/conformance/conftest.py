@@ -20,10 +20,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))  # rollout_helpers
 
-SGLANG_VERSION = "0.5.21"  # docs/sglang.md was verified against this release
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sglang_pins import CONTEXT_LENGTH, ORACLE_TP_SIZE, SGLANG_VERSION  # noqa: E402
+
 ORACLE = Path(__file__).with_name("sglang_oracle.py")
-ORACLE_TP_SIZE = 2
-CONTEXT_LENGTH = 256  # the tiny checkpoint's max_position_embeddings; both servers get it explicitly
 
 
 def _free_port() -> int:

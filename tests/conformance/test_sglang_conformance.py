@@ -35,7 +35,7 @@ from dapo_megatron.rollout.sglang_launcher import SGLangSettings, sglang_command
 from dapo_megatron.rollout.tensor_payload import ALLOWED_GLOBALS
 from dapo_megatron.rollout.weight_sync import DistributedWeightSync, TensorWeightSync
 
-from conftest import CONTEXT_LENGTH, ORACLE_TP_SIZE
+from sglang_pins import CONTEXT_LENGTH, ORACLE_TP_SIZE
 
 
 def call(url: str, path: str, body=None, method: str = "POST"):

@@ -14,7 +14,7 @@ import torch
 from rollout_helpers import ServerProcess, get_json
 
 from dapo_megatron.rollout.routing import decode_routed_experts, encode_routed_experts, routed_experts_of
-from dapo_megatron.rollout.weight_sync import serialize_tensors_by_value
+from dapo_megatron.rollout.tensor_payload import serialize_for_engine_rank
 from helpers_tiny import save_tiny_hf
 from test_rollout_server import generate, post
 
@@ -103,9 +103,11 @@ def test_weights_are_named_per_expert_and_update_the_fused_parameters(server, mo
     name = "model.layers.2.mlp.experts.3.up_proj.weight"
     assert params[name]["shape"] == [32, 64] and "model.layers.2.mlp.experts.gate_up_proj" not in params
     new = torch.full((32, 64), 0.5)
+    assert post(server.url + "/begin_weight_update", {})[0] == 200  # SGLang: updates only inside a session
     status, out = post(server.url + "/update_weights_from_tensor",
-                       {"serialized_named_tensors": [serialize_tensors_by_value([(name, new)])]})
+                       {"serialized_named_tensors": [serialize_for_engine_rank([(name, new)])]})
     assert status == 200, out
+    assert post(server.url + "/end_weight_update", {})[0] == 200
     status, values = post(server.url + "/get_weights_by_name", {"name": name, "truncate_size": 2})
     assert status == 200 and values == [[0.5] * 64] * 2
     status, gate = post(server.url + "/get_weights_by_name",

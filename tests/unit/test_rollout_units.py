@@ -36,7 +36,7 @@ def test_parse_single_batch_and_n_expansion():
     # n > 1: prompt-major samples, each with a FRESH uuid rid (SGLang's regenerate_rid): never "b", "b_0" ...
     seqs, as_list = parse({"input_ids": [[1], [2, 3]], "sampling_params": {"n": 2}, "rid": "b"})
     assert as_list and [(s.prompt_ids, s.sample_index) for s in seqs] == [([1], 0), ([1], 1), ([2, 3], 0), ([2, 3], 1)]
-    assert len({s.rid for s in seqs}) == 4 and all(len(s.rid) == 32 and not s.rid.startswith("b") for s in seqs)
+    assert len({s.rid for s in seqs}) == 4 and all(len(s.rid) == 32 and "_" not in s.rid for s in seqs)
     seqs, as_list = parse({"text": "ab", "sampling_params": {"n": 3}})
     assert as_list and len(seqs) == 3 and seqs[0].prompt_ids == [97 % V, 98 % V]
     seqs, _ = parse({"input_ids": [[1], [2]], "sampling_params": [{"temperature": 0.5}, {"top_k": 4}],
