@@ -52,7 +52,7 @@ async def _run(url: str, model_dir: str, *, new_tokens: int, concurrency: list[i
     from transformers import AutoModelForCausalLM
 
     from dapo_megatron.rollout.client import EngineClient
-    from dapo_megatron.rollout.weight_sync import DistributedWeightSync, sync_by_tensor
+    from dapo_megatron.rollout.weight_sync import DistributedWeightSync, TensorWeightSync
 
     rows: list[dict] = []
     async with EngineClient(url) as c:
@@ -68,18 +68,18 @@ async def _run(url: str, model_dir: str, *, new_tokens: int, concurrency: list[i
                              conc, tokens / dt))
         weights = list(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict().items())
         print(f"\n{'weight sync':>20} {'MB':>8} {'seconds':>8} {'GB/s':>9}")
-        sync = DistributedWeightSync(backend="gloo", bucket_bytes=64 << 20)
-        for label in ("gloo (1st, +group)", "gloo"):  # the first sync also forms the group
+        sync = DistributedWeightSync(backend="gloo", bucket_bytes=64 << 20)  # flattened buckets
+        for step, label in enumerate(("gloo (1st, +group)", "gloo"), start=1):  # the first also forms the group
             tic = time.perf_counter()
-            st = await sync.sync([c], iter(weights))
+            st = await sync.sync([c], iter(weights), weight_version=f"bench_{step}")
             st.seconds = time.perf_counter() - tic
             print(f"{label:>20} {st.bytes / 1e6:>8.1f} {st.seconds:>8.2f} {st.gb_per_s:>9.3f}")
             rows.append(_row("weight_sync", "gloo_broadcast", "first" if "1st" in label else "repeat", "gb_per_s",
                              "GB/s", round(st.bytes / 1e6, 1), st.gb_per_s))
         await sync.close([c])
-        st = await sync_by_tensor([c], iter(weights), bucket_bytes=64 << 20)
-        print(f"{'http by value':>20} {st.bytes / 1e6:>8.1f} {st.seconds:>8.2f} {st.gb_per_s:>9.3f}")
-        rows.append(_row("weight_sync", "http_by_value", "repeat", "gb_per_s", "GB/s", round(st.bytes / 1e6, 1),
+        st = await TensorWeightSync(bucket_bytes=64 << 20).sync([c], iter(weights), weight_version="bench_tensor")
+        print(f"{'shared memory':>20} {st.bytes / 1e6:>8.1f} {st.seconds:>8.2f} {st.gb_per_s:>9.3f}")
+        rows.append(_row("weight_sync", "tensor_shared_memory", "repeat", "gb_per_s", "GB/s", round(st.bytes / 1e6, 1),
                          st.gb_per_s))
     return rows
 
