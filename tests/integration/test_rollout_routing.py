@@ -6,6 +6,7 @@ SGLang's do."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 
 import numpy as np
@@ -13,6 +14,7 @@ import pytest
 import torch
 from rollout_helpers import ServerProcess, get_json
 
+from dapo_megatron.rollout.client import EngineClient
 from dapo_megatron.rollout.routing import decode_routed_experts, encode_routed_experts, routed_experts_of
 from dapo_megatron.rollout.tensor_payload import serialize_for_engine_rank
 from helpers_tiny import save_tiny_hf
@@ -87,6 +89,32 @@ def test_start_len_and_absence(server):
     assert torch.equal(rows[len(PROMPT):], tail_rows)
     plain = generate(server.url, input_ids=PROMPT, sampling_params={"max_new_tokens": 2})
     assert "routed_experts" not in plain["meta_info"]  # not asked: not sent (SGLang's behaviour)
+
+
+def test_experts_survive_a_retract_pause(server, moe_dir):
+    """A retract pause drops the KV cache; on continue the engine re-prefills prompt + output so far.
+    The experts it reports must still be one row per processed token, the router's choice for it."""
+    async def scenario():
+        async with EngineClient(server.url) as c:
+            task = asyncio.ensure_future(c.generate(
+                input_ids=PROMPT, rid="moe-retract", return_routed_experts=True,
+                sampling_params={"max_new_tokens": 200, "ignore_eos": True, "temperature": 1.0}))
+            while not any(r["rid"] == "moe-retract" and r["completion_tokens"] >= 3
+                          for r in (await c.server_info())["cpu_engine"]["running"]):
+                assert not task.done(), "finished before it was seen running"
+                await asyncio.sleep(0.02)
+            await c.pause_generation("retract")
+            paused_mid_generation = not task.done()
+            await c.continue_generation()
+            return await task, paused_mid_generation
+
+    out, paused_mid_generation = asyncio.run(scenario())
+    assert paused_mid_generation and len(out["output_ids"]) == 200
+    ids = PROMPT + out["output_ids"]
+    engine = decode_routed_experts(out["meta_info"]["routed_experts"], num_rows=len(ids) - 1, where="retract")
+    engine = engine.long().view(len(ids) - 1, NUM_LAYERS, TOPK)
+    want = router_topk(moe_dir, ids)[:-1]
+    assert torch.equal(engine.sort(-1).values, want.sort(-1).values)
 
 
 @pytest.mark.parametrize("body,field", [
