@@ -108,3 +108,102 @@ def test_moe_static_hand_computed():
     rank0_dense = dense_buffer // 8  # [0, 12592): inside the LM head (19,200), no gap
     assert s8.adam == 8 * (rank0_dense + expert_buffer // 4)
     assert s8.main_params == 4 * (rank0_dense + expert_buffer // 4)
+
+
+# --- activations ------------------------------------------------------------------------------------
+
+def _measure_activations(hf_dir, tp, ep, precision, recompute):
+    """What each micro-batch keeps for its backward (saved_tensors_hooks, as test_memplan_activations
+    measures the dense model), with the token-expert pairs the MoE layer's local experts received."""
+    import dataclasses
+
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.memplan.activations import ActivationModel
+    from dapo_megatron.memplan.arch import model_dims_for
+    from test_memplan_activations import _samples
+
+    etp = 1 if tp > 1 else None
+    with model_parallel(tp=tp, ep=ep, etp=etp, seed=3):
+        cfg = moe_cfg(tp=tp, ep=ep, etp=etp, micro_batch_tokens=512, lr=1e-3, warmup_steps=0)
+        cfg.actor.precision, cfg.actor.recompute = precision, recompute
+        cfg.actor.fused_logprob = cfg.actor.fused_policy_loss = False
+        cfg.model.path = hf_dir
+        actor = Actor(cfg, hf_dir)
+        params = {p.untyped_storage().data_ptr() for m in actor.model for p in m.module.parameters()}
+        records, current, routed = [], None, []
+
+        def pack(t):
+            if current is not None:
+                st = t.untyped_storage()
+                if st.data_ptr() not in params:
+                    current[st.data_ptr()] = st.nbytes()
+            return t
+
+        for layer in actor.model[0].module.decoder.layers:  # count the rows each rank's experts receive
+            experts = getattr(layer.mlp, "experts", None)
+            if experts is not None:
+                def counting(hidden, tokens_per_expert, probs, _forward=experts.forward):
+                    if current is not None:
+                        routed.append(int(tokens_per_expert.sum()))
+                    return _forward(hidden, tokens_per_expert, probs)
+                experts.forward = counting
+
+        forward_step, loss = actor._forward_step, actor._loss
+
+        def start_forward(*args, **kwargs):
+            nonlocal current
+            current = {}
+            routed.clear()
+            return forward_step(*args, **kwargs)
+
+        def end_forward(mb, pos, *args, **kwargs):
+            nonlocal current
+            out = loss(mb, pos, *args, **kwargs)
+            records.append((sum(current.values()), mb.length, int(pos.numel()), max(mb.seq_lengths_padded),
+                            list(routed)))
+            current = None
+            return out
+
+        actor._forward_step, actor._loss = start_forward, end_forward
+        with saved_tensors_hooks(pack, lambda t: t):
+            actor.train(_samples(8), step=0)
+        dims = model_dims_for(cfg)
+        model = ActivationModel(dims, tp=tp, sequence_parallel=tp > 1, backend="torch", recompute=recompute,
+                                precision=precision, fused_logprob=False, ep=ep, etp=1)
+        rows = []
+        for measured, length, n, longest, pairs in records:
+            balanced = model.routed_pairs(tokens=length)
+            # the one sparse layer (layer 0) with the token-expert pairs it really received on this rank
+            exact = dataclasses.replace(model, expert_load=sum(pairs) / balanced if pairs else 1.0)
+            planned = sum(exact.saved(tokens=length, response_tokens=n, layers=dims.layers, first=True, last=True,
+                                      max_sequence=longest, sparse_layers=dims.num_sparse_layers).values())
+            rows.append((measured, planned, length, pairs, balanced))
+        return rows
+
+
+# (tp, ep, precision, recompute); 2 ranks
+ACTIVATION_CASES = [
+    (1, 2, "fp32", "none"),       # EP=2 fp32: QK-norm's k keeps the QKV output; experts' SwiGLU + weighted act
+    (1, 2, "bf16", "none"),       # bf16: fp32 norm copies, bf16 probs
+    (1, 2, "bf16", "selective"),  # the core attention recomputed; the MoE terms stay (recompute_modules core_attn)
+    (1, 2, "fp32", "full"),       # only each layer's input
+    (2, 2, "fp32", "none"),       # TP=2 + SP x EP=2 (ETP=1): each rank routes its T/2 tokens
+]
+
+
+@pytest.mark.parametrize("tp,ep,precision,recompute", ACTIVATION_CASES)
+def test_moe_activations_match_cpu_measurement(rank_pool, moe_dir, tp, ep, precision, recompute):
+    """Within 2% of the measurement given the token-expert pairs the rank received (the plan's formula is
+    exact up to the loss terms' per-token constant, as for the dense model); the plan itself assumes
+    MOE_EXPERT_LOAD_ALLOWANCE x the balanced share, printed here next to the measured share."""
+    rows = [row for rank in rank_pool(2).run(_measure_activations, moe_dir, tp, ep, precision, recompute)
+            for row in rank]
+    assert rows and all(measured > 0 for measured, *_ in rows)
+    for measured, planned, length, pairs, balanced in rows:
+        print(f"tp={tp} ep={ep} {precision} {recompute} T={length}: measured {measured} B, planned {planned:.0f} B "
+              f"({planned / measured - 1:+.2%}); routed pairs {pairs} vs balanced {balanced:.0f}")
+        assert len(pairs) == 1  # one sparse layer, one forward per micro-batch
+        assert abs(planned / measured - 1) < 0.02, (measured, planned, length)
