@@ -72,6 +72,17 @@ def test_moe_static_bytes_equal_the_real_actor(rank_pool, moe_dir, tp, ep, etp, 
         assert (measured["main_params"] > 0) == (precision == "bf16")
 
 
+@pytest.mark.parametrize("tp,precision", [(1, "bf16"), (2, "bf16")])
+def test_qwen3_dense_static_bytes_equal_the_real_actor(rank_pool, tmp_path_factory, tp, precision):
+    """Qwen3 dense (QK-norm, head_dim 24 from the config: q/k norms of 24 elements move the next tensor to
+    a multiple of 64 in the distributed optimizer's buffer)."""
+    from helpers_tiny import save_tiny_hf
+
+    hf_dir = str(save_tiny_hf(tmp_path_factory.mktemp("qwen3"), arch="qwen3", num_layers=2, seed=4))
+    for measured, planned, expert_buffers in rank_pool(2).run(_rank, hf_dir, tp, 1, None, precision, True):
+        assert planned == measured and expert_buffers == 0
+
+
 def test_moe_static_hand_computed():
     """The same tiny Qwen3-MoE by hand. Attention per layer: norms 64 + 64, q/k norms 24 + 24, proj
     64*96, qkv (96 + 2*48)*64 = 6144 + 12288 = 18608. Dense MLP (layer 1): 256*64 + 64*128 = 24576.
