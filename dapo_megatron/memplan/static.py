@@ -101,10 +101,12 @@ class Param:
 def check_layout(dims: ModelDims, layout: Layout) -> None:
     """ValueError for layouts megatron (or the actor) refuses, naming the config key."""
     tp = layout.tp
-    for what, value, key in (("attention heads", dims.heads, "num_attention_heads"),
-                             ("KV heads", dims.kv_heads, "num_key_value_heads"),
-                             ("FFN width", dims.ffn, "intermediate_size"),
-                             ("vocabulary", dims.vocab, "vocab_size")):
+    checks = [("attention heads", dims.heads, "num_attention_heads"),
+              ("KV heads", dims.kv_heads, "num_key_value_heads"),
+              ("vocabulary", dims.vocab, "vocab_size")]
+    if dims.num_sparse_layers < dims.layers:  # some layer has a dense MLP (an all-MoE model never builds one)
+        checks.append(("FFN width", dims.ffn, "intermediate_size"))
+    for what, value, key in checks:
         if value % tp:
             raise ValueError(f"actor.tp={tp} must divide the model's {what} ({key}={value}, {dims.source})")
     if dims.is_moe:
