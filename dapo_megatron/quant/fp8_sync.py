@@ -118,6 +118,7 @@ class Fp8SyncConverter:
                 yield name, fp8
                 yield f"{module}.weight_scale", scale
                 if module in self.input_scales:
-                    yield f"{module}.input_scale", self.input_scales[module]
+                    # on the weight's device: on GPUs the actor's tensors are CUDA, the checkpoint's scales CPU
+                    yield f"{module}.input_scale", self.input_scales[module].to(fp8.device)
             else:
                 yield name, tensor.detach().to(self.dtype)
