@@ -78,6 +78,9 @@ class RolloutConfig:
     # MoE: engines return each token's experts (SGLang's return_routed_experts; SGLang servers need
     # --enable-return-routed-experts). Needed by actor.routing_replay; alone it logs routing agreement.
     return_routed_experts: bool = False
+    # none | fp8: fp8 engines load a modelopt FP8 checkpoint and every sync sends fp8 weights + scales
+    # (dapo_megatron/quant, docs/fp8.md)
+    quantization: str = "none"
 
 
 @dataclass
@@ -376,6 +379,7 @@ def validate(cfg: Config) -> None:
     _require(r.weight_bucket_mb >= 1, "rollout.weight_bucket_mb", r.weight_bucket_mb, "must be >= 1")
     _require(r.request_timeout_s > 0, "rollout.request_timeout_s", r.request_timeout_s, "must be > 0")
     _require(r.max_retries >= 0, "rollout.max_retries", r.max_retries, "must be >= 0")
+    _require(r.quantization in ("none", "fp8"), "rollout.quantization", r.quantization, "one of: none, fp8")
     for url in r.engine_urls:
         _require(url.startswith(("http://", "https://")), "rollout.engine_urls", url, "URLs start with http://")
 

@@ -26,6 +26,33 @@ kv_w = kv_heads*d, t = TP, s = t with sequence parallelism else 1, a = bytes of 
   recompute=selective: the core attention is checkpointed: its inputs (q, k, v -> the QKV output) and
     out stay, its internals (lse; the repeated K/V and the [T, T] mask of the torch backend) go.
   recompute=full (uniform, 1 layer per checkpoint): each layer keeps only its input, a h / s.
+Qwen3 QK-norm (q_layernorm / k_layernorm, RMSNorm over each head's d values), per layer and token:
+  torch backend (measured)  (8 q_w + 4 heads + 8 kv_w + 4 kv_heads) / t in bf16: each norm keeps its fp32
+                            input copy, the 1/rms per head and x/rms. In fp32 there is no cast copy: the
+                            inputs are views of the fused QKV output, kept whole (4 (q_w + 2 kv_w) / t,
+                            unless something already keeps it), plus 4 q_w / t where megatron's split
+                            copied q (more than one local KV group of several query heads)
+  te backend (read, not measured)  a (q_w + kv_w) / t + 4 (heads + kv_heads) / t   TE's RMSNorm: input, rsigma
+Mixture-of-experts layers (Qwen3-MoE: megatron's MoELayer, alltoall dispatcher, no capacity factor:
+no token is dropped), replacing the SwiGLU MLP term; n = tokens reaching the layer on this rank (T / s),
+k = top-k, E = experts, F_e = expert width, r = token-expert pairs this rank's experts receive
+(balanced routing: r = n k ETP; the measured r in the test, `expert_load` x that in the plan):
+  router (transformer/moe/router.py, moe_utils.py topk_routing_with_score_function and permute)
+                 n (8k + 4k + E + a E + 8k)   top-k expert ids (int64), top-k fp32 softmax, the bool
+                                              routing map and the probs [E, n], the int64 sort order of
+                                              the n k permuted rows (measured)
+  experts, torch backend (SequentialMLP, experts.py:820-900; measured)
+                 r (a h + a + 6 a F_e / ETP)  the dispatched tokens [r, h] (token_dispatcher.py
+                                              dispatch_postprocess), their probs, and per expert fc1's
+                                              output (2F_e), SwiGLU's three F_e tensors and the
+                                              prob-weighted activation (F_e, activation_func_with_probs:
+                                              experts.py:112-117) that fc2 keeps
+  experts, te backend (TEGroupedMLP: grouped GEMM + fused weighted SwiGLU; read, not measured)
+                 r (a h + 4 + 3 a F_e / ETP)  fc1's input, its output (2F_e) and fc2's input (F_e)
+  The all-to-all buffers (n k rows before the exchange, r after) are transients of the forward and of
+  the backward: they are in the working set, not in what a micro-batch keeps.
+  recompute=selective recomputes only the core attention (recompute_modules default ["core_attn"],
+  transformer_config.py:1193): the MoE terms stay; recompute=full keeps only each layer's input.
 Outside the layers: the first stage keeps the token ids (8 bytes per token), the last stage the final
 norm's saved tensors, the LM-head input gathered from the sequence-parallel region (a h per response
 token) and the logits path:
@@ -65,6 +92,11 @@ class ActivationModel:
     recompute: str = "none"
     precision: str = "bf16"
     fused_logprob: bool = True
+    ep: int = 1
+    etp: int = 1
+    # token-expert pairs the experts of this rank receive, as a multiple of the balanced n * k * ETP: routing
+    # is data-dependent (no capacity factor, no dropping), so the plan states an allowance (plan.py)
+    expert_load: float = 1.0
 
     def __post_init__(self):
         if self.backend not in ("te", "torch"):
@@ -85,8 +117,9 @@ class ActivationModel:
 
     # --- one transformer layer -----------------------------------------------------------------------
 
-    def layer_parts(self, *, tokens: int, recompute: str | None = None) -> dict[str, float]:
-        """Bytes one layer keeps for a micro-batch of `tokens` tokens (before the CP split)."""
+    def layer_parts(self, *, tokens: int, recompute: str | None = None, sparse: bool = False) -> dict[str, float]:
+        """Bytes one layer keeps for a micro-batch of `tokens` tokens (before the CP split); sparse: a
+        mixture-of-experts layer (router + experts in place of the dense MLP)."""
         d, a, t, s = self.dims, self.a, self.tp, self.s
         recompute = self.recompute if recompute is None else recompute
         n = self.local_tokens(tokens)
@@ -95,8 +128,8 @@ class ActivationModel:
             return {"layer input (full recompute)": n * a * d.hidden / s}
         if self.backend == "torch":
             parts = {"norms": n * 2 * ((8 + a) * d.hidden + 4) / s,
-                     "rope cos/sin": n * 4 * d.head_dim * a,
-                     "mlp": n * 5 * d.ffn * a / t}
+                     "rope cos/sin": n * 4 * d.head_dim * a}
+            qkv_kept = recompute == "selective" or d.heads == d.kv_heads  # something else keeps the QKV output
             if recompute == "selective":
                 parts["attention"] = n * a * (3 * d.q_width + 3 * d.kv_width) / t
             else:
@@ -106,18 +139,51 @@ class ActivationModel:
                     keys_values = n_kv * a * (d.q_width + 3 * d.kv_width) / t
                 parts["attention"] = n * a * 2 * d.q_width / t + keys_values + n * 4 * d.heads / t
                 parts["attention mask"] = n * n_kv * a
-            return parts
-        parts = {"norms": n * 2 * (2 * a * d.hidden + 4) / s,
-                 "attention": n * a * (3 * d.q_width + 3 * d.kv_width) / t,
-                 "mlp": n * 3 * d.ffn * a / t}
-        if self.cp > 1:
-            parts["attention"] += n_kv * a * 2 * d.kv_width / t
-        if recompute != "selective":
-            parts["attention"] += n * 4 * d.heads / t
+            if d.qk_norm:
+                if a == 4:  # fp32: no cast copy; the norms keep views of the QKV output (kept whole) ...
+                    qkv = 0 if qkv_kept else 4 * (d.q_width + 2 * d.kv_width)
+                    # ... except q when megatron's split had to copy it: several local KV groups of several
+                    # query heads each (attention.py get_query_key_value_tensors reshapes a strided view)
+                    q_copied = d.kv_heads // t > 1 and d.heads > d.kv_heads
+                    inputs = qkv + (4 * d.q_width if q_copied else 0)
+                else:  # bf16/fp16: x.float() copies of q and k
+                    inputs = 4 * (d.q_width + d.kv_width)
+                parts["qk norms"] = n * (inputs + 4 * (d.heads + d.kv_heads) + 4 * (d.q_width + d.kv_width)) / t
+        else:
+            parts = {"norms": n * 2 * (2 * a * d.hidden + 4) / s,
+                     "attention": n * a * (3 * d.q_width + 3 * d.kv_width) / t}
+            if self.cp > 1:
+                parts["attention"] += n_kv * a * 2 * d.kv_width / t
+            if recompute != "selective":
+                parts["attention"] += n * 4 * d.heads / t
+            if d.qk_norm:
+                parts["qk norms"] = n * (a * (d.q_width + d.kv_width) + 4 * (d.heads + d.kv_heads)) / t
+        if sparse:
+            parts.update(self.moe_parts(tokens=tokens))
+        else:
+            parts["mlp"] = n * (5 if self.backend == "torch" else 3) * d.ffn * a / t
         return parts
 
-    def saved_per_layer(self, *, tokens: int) -> float:
-        return sum(self.layer_parts(tokens=tokens).values())
+    def routed_pairs(self, *, tokens: int) -> float:
+        """Token-expert pairs this rank's experts receive: the n / s tokens of each of the EP ranks send k
+        rows each, spread over EP ranks (balanced: n k / s), gathered over ETP (dispatch_postprocess)."""
+        return self.local_tokens(tokens) / self.s * self.dims.topk * self.etp * self.expert_load
+
+    def moe_parts(self, *, tokens: int, routed: float | None = None) -> dict[str, float]:
+        """A mixture-of-experts MLP's saved bytes (see the module docstring); routed: the measured r."""
+        d, a = self.dims, self.a
+        n = self.local_tokens(tokens) / self.s
+        r = self.routed_pairs(tokens=tokens) if routed is None else routed
+        k, e, width = d.topk, d.num_experts, d.moe_ffn / self.etp
+        parts = {"moe router": n * (20 * k + e * (1 + a))}
+        if self.backend == "torch":
+            parts["moe experts"] = r * (a * d.hidden + a + 6 * a * width)
+        else:
+            parts["moe experts"] = r * (a * d.hidden + 4 + 3 * a * width)
+        return parts
+
+    def saved_per_layer(self, *, tokens: int, sparse: bool = False) -> float:
+        return sum(self.layer_parts(tokens=tokens, sparse=sparse).values())
 
     # --- one micro-batch on one pipeline stage ---------------------------------------------------------
 
@@ -136,10 +202,14 @@ class ActivationModel:
         return n * per / self.s
 
     def saved(self, *, tokens: int, response_tokens: int, layers: int, first: bool, last: bool,
-              max_sequence: int | None = None) -> dict[str, float]:
-        """Bytes kept for the backward by one micro-batch on a stage with `layers` layers (max_sequence:
-        the longest packed sequence, which sizes the RoPE table that full recompute keeps)."""
-        parts = {name: value * layers for name, value in self.layer_parts(tokens=tokens).items()}
+              max_sequence: int | None = None, sparse_layers: int = 0) -> dict[str, float]:
+        """Bytes kept for the backward by one micro-batch on a stage with `layers` layers of which
+        `sparse_layers` are mixture-of-experts layers (max_sequence: the longest packed sequence, which
+        sizes the RoPE table that full recompute keeps)."""
+        parts: dict[str, float] = {}
+        for sparse, count in ((False, layers - sparse_layers), (True, sparse_layers)):
+            for name, value in self.layer_parts(tokens=tokens, sparse=sparse).items():
+                parts[name] = parts.get(name, 0.0) + value * count
         if self.recompute == "full" and layers:
             parts["rope table (full recompute)"] = min(max_sequence or tokens, tokens) * self.dims.head_dim * 4
         if first:
@@ -160,7 +230,7 @@ class ActivationModel:
         unfused head's two fp32 [N, V/t] gradient buffers."""
         n = self.local_tokens(tokens)
         n_kv = tokens if self.cp > 1 else n
-        parts = {"one layer in backward": sum(self.layer_parts(tokens=tokens, recompute="none").values()),
+        parts = {"one layer in backward": self._one_layer(tokens=tokens),
                  "largest parameter gradient": largest_param_numel * self.a}
         if self.backend == "torch":
             parts["boolean attention mask"] = n * n_kv
@@ -172,7 +242,7 @@ class ActivationModel:
         """Log-prob pass (no_grad): nothing is saved; one layer's intermediates and the head's live at once."""
         n = self.local_tokens(tokens)
         n_kv = tokens if self.cp > 1 else n
-        parts = {"one layer forward": sum(self.layer_parts(tokens=tokens, recompute="none").values())}
+        parts = {"one layer forward": self._one_layer(tokens=tokens)}
         if self.backend == "torch":
             parts["boolean attention mask"] = n * n_kv
         if last:
@@ -183,6 +253,17 @@ class ActivationModel:
                 head += r * 3 * 4 * vocab_local  # fp32 logits, exp, exp * shifted
             parts["logits path"] = head
         return parts
+
+    def _one_layer(self, *, tokens: int) -> float:
+        """The heaviest layer's full activations, plus for a MoE layer its all-to-all buffers: the n k
+        permuted rows before the exchange and the r received ones (token_dispatcher.py token_dispatch)."""
+        dense = sum(self.layer_parts(tokens=tokens, recompute="none").values())
+        if not self.dims.is_moe:
+            return dense
+        exchange = (self.local_tokens(tokens) / self.s * self.dims.topk + self.routed_pairs(tokens=tokens)) \
+            * self.a * self.dims.hidden
+        sparse = sum(self.layer_parts(tokens=tokens, recompute="none", sparse=True).values()) + exchange
+        return max(dense, sparse) if self.dims.num_sparse_layers < self.dims.layers else sparse
 
     def rope_cache(self, *, max_sequence: int) -> float:
         """Upper bound of megatron's RoPE table cache: 32 fp32 [S, d] tables of at most max_sequence rows."""

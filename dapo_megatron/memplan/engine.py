@@ -49,9 +49,14 @@ def sglang_runtime_reserve(*, gpu_bytes: int, engine_tp: int) -> int:
 
 
 def engine_weight_bytes(dims: ModelDims, *, engine_tp: int) -> int:
-    """One TP rank's weights: everything split over TP except the norms (replicated)."""
-    norms = (2 * dims.layers + 1) * dims.hidden
-    return int(((total_params(dims) - norms) / engine_tp + norms) * dims.dtype_bytes)
+    """One TP rank's weights: everything split over TP except what SGLang replicates: the norms (QK-norms
+    too) and, for Qwen3-MoE, each sparse layer's router (srt/models/qwen3_moe.py: the gate is a
+    ReplicatedLinear; the experts are split over the engine's TP ranks by its fused-MoE layer)."""
+    replicated = (2 * dims.layers + 1) * dims.hidden
+    if dims.qk_norm:
+        replicated += 2 * dims.layers * dims.head_dim
+    replicated += dims.num_sparse_layers * dims.num_experts * dims.hidden
+    return int(((total_params(dims) - replicated) / engine_tp + replicated) * dims.dtype_bytes)
 
 
 def kv_bytes_per_token(dims: ModelDims, *, engine_tp: int) -> int:

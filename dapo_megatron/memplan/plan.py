@@ -39,6 +39,10 @@ PHASES = ("rollout", "log-prob", "train", "optimizer step", "transfer")
 # CUDA context (~0.5 GiB) + NCCL communicator buffers of the trainer's TP/PP/DP/CP groups: an allowance,
 # not a measurement (no GPU in this project's CI); see docs/memory.md.
 TRAINER_RUNTIME_BYTES = 2 * GIB
+# Mixture of experts: the token-expert pairs the most loaded EP rank receives in a micro-batch, as a multiple
+# of the balanced share (routing is data-dependent; megatron drops nothing without a capacity factor, and RL
+# trains without the load-balancing loss): an allowance, not a measurement (docs/memory.md)
+MOE_EXPERT_LOAD_ALLOWANCE = 2.0
 
 
 # display order of the rows (by prefix): actor state, activations, transients, runtime, engine
@@ -120,7 +124,7 @@ def _inputs(cfg, dims: ModelDims) -> _Inputs:
     ac, ro, tr = cfg.actor, cfg.rollout, cfg.trainer
     mp = ac.tp * ac.pp * ac.cp
     layout = Layout(tp=ac.tp, pp=ac.pp, cp=ac.cp, dp=ac.world_size // mp, vpp=ac.vpp,
-                    sequence_parallel=ac.sequence_parallel)
+                    sequence_parallel=ac.sequence_parallel, ep=ac.ep, etp=ac.etp)
     pad = (ac.tp if ac.sequence_parallel else 1) * (2 * ac.cp if ac.cp > 1 else 1)
     tokens = -(-ac.micro_batch_tokens // pad) * pad
     max_sequence = ro.max_prompt_length + ro.max_response_length
@@ -137,7 +141,8 @@ def _inputs(cfg, dims: ModelDims) -> _Inputs:
         dims=dims, layout=layout,
         act=ActivationModel(dims, tp=ac.tp, sequence_parallel=ac.sequence_parallel, cp=ac.cp,
                             backend=ac.attention_backend, recompute=ac.recompute, precision=ac.precision,
-                            fused_logprob=ac.fused_logprob),
+                            fused_logprob=ac.fused_logprob, ep=ac.ep, etp=layout.expert_tp,
+                            expert_load=MOE_EXPERT_LOAD_ALLOWANCE if dims.is_moe else 1.0),
         precision=ac.precision, distributed=ac.use_distributed_optimizer, tokens=tokens,
         max_sequence=max_sequence, use_kl=cfg.algorithm.use_kl,
         logprob_flat=8 * responses * ro.max_response_length, logprob_share=8 * share_tokens,
@@ -147,6 +152,13 @@ def _inputs(cfg, dims: ModelDims) -> _Inputs:
         largest_full=largest_full,
         engine=engine, engines_per_gpu=per_gpu,
     )
+
+
+def _sparse_per_chunk(dims: ModelDims, layout: Layout) -> int:
+    """MoE layers in the chunk that has the most (every chunk is charged that many: an upper bound)."""
+    per = layers_per_chunk(dims, layout)
+    return max((sum(dims.is_sparse(c * per + i) for i in range(per)) for c in range(layout.pp * layout.chunks)),
+               default=0)
 
 
 def _in_flight(layout: Layout, stage: int) -> int:
@@ -176,7 +188,7 @@ def _trainer_phases(x: _Inputs, stage: int, *, colocated: bool) -> dict[str, dic
                "RoPE table cache (megatron lru_cache)": act.rope_cache(max_sequence=min(x.max_sequence, x.tokens))}
     layers = layers_per_chunk(x.dims, lay)
     chunk = act.saved(tokens=x.tokens, response_tokens=x.tokens, layers=layers, first=False, last=False,
-                      max_sequence=x.max_sequence)
+                      max_sequence=x.max_sequence, sparse_layers=_sparse_per_chunk(x.dims, lay))
     saved = sum(chunk.values()) * _in_flight(lay, stage)
     ends = act.saved(tokens=x.tokens, response_tokens=x.tokens, layers=0, first=first, last=last)
     ends_body, head = _split_head(ends)
@@ -260,7 +272,10 @@ def build_plan(cfg) -> MemoryPlan:
     ro, ac = cfg.rollout, cfg.actor
     header = [f"model: {dims.describe()}", f"  from {dims.source}",
               f"actor: {ac.world_size} ranks = tp {ac.tp} x pp {ac.pp}{f' x vpp {ac.vpp}' if ac.vpp else ''} x cp {ac.cp}"
-              f" x dp {x.layout.dp}; sequence parallel {'on' if ac.sequence_parallel else 'off'}; {ac.precision}; "
+              f" x dp {x.layout.dp}"
+              + (f" (experts: ep {ac.ep} x etp {x.layout.expert_tp} x expert-dp {x.layout.expert_dp}; routed-token "
+                 f"allowance {MOE_EXPERT_LOAD_ALLOWANCE:g}x the balanced share)" if dims.is_moe else "")
+              + f"; sequence parallel {'on' if ac.sequence_parallel else 'off'}; {ac.precision}; "
               f"recompute {ac.recompute}; {'distributed' if ac.use_distributed_optimizer else 'replicated'} optimizer; "
               f"{ac.attention_backend} attention; logits {'fused kernel' if ac.fused_logprob else 'unfused fp32'}",
               f"  micro-batch {x.tokens} tokens; reference model {'yes (algorithm.use_kl)' if x.use_kl else 'no'}"]

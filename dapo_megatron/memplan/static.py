@@ -27,6 +27,15 @@ What megatron allocates (file:line of megatron/core in 0.16.1):
   keeps an fp32 master copy (bf16/fp16 models; fp32 models use a view) and Adam's exp_avg and
   exp_avg_sq (fp32). Without it (Float16OptimizerWithFloat16Params / FP32Optimizer) every rank keeps
   them for all of its parameters.
+- Mixture of experts (Qwen3-MoE): a sparse layer holds the router (TopKRouter.weight [E, h], replicated
+  over TP, transformer/moe/router.py:53) and its E / EP local experts (SequentialMLP on CPU, TE's
+  grouped GEMM on GPUs: the same tensors, fc1 [2 F_e / ETP, h] and fc2 [h, F_e / ETP] each,
+  transformer/moe/experts.py). With EP > 1 the expert weights carry allreduce=False (tensor_parallel/
+  layers.py:886, expert_parallel = expert_model_parallel_size > 1): DDP puts them in buffers of their
+  own over the expert-data-parallel group (distributed_data_parallel.py:109-125, 295-302), of size
+  EDP = world / (ETP * EP * PP) (parallel_state.py:788-791), and get_megatron_optimizer builds a second
+  distributed optimizer over that group (optimizer/__init__.py:640-680): the same padding and slicing
+  rules with EDP in place of DP * CP. With EP = 1 the experts are ordinary parameters of the dense buffer.
 - Adam's `step` is a host scalar per parameter in torch's AdamW (not capturable) and a per-group
   scalar in TE/apex FusedAdam: no GPU memory, not counted.
 """
@@ -55,10 +64,21 @@ class Layout:
     dp: int = 1
     vpp: Optional[int] = None
     sequence_parallel: bool = False
+    ep: int = 1  # expert model parallel (actor.ep)
+    etp: Optional[int] = None  # expert tensor parallel (actor.etp; None = tp, megatron's default)
 
     @property
     def world(self) -> int:
         return self.tp * self.pp * self.cp * self.dp
+
+    @property
+    def expert_tp(self) -> int:
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """The expert-data-parallel group: world / (ETP * EP * PP) (parallel_state.py:788-791)."""
+        return self.world // (self.expert_tp * self.ep * self.pp)
 
     @property
     def chunks(self) -> int:
@@ -75,17 +95,32 @@ class Param:
     name: str
     numel: int
     shared_embedding: bool = False  # LanguageModule marks the tied copies when PP > 1
+    expert_parallel: bool = False  # allreduce=False: the expert-data-parallel buffer and optimizer
 
 
 def check_layout(dims: ModelDims, layout: Layout) -> None:
     """ValueError for layouts megatron (or the actor) refuses, naming the config key."""
     tp = layout.tp
-    for what, value, key in (("attention heads", dims.heads, "num_attention_heads"),
-                             ("KV heads", dims.kv_heads, "num_key_value_heads"),
-                             ("FFN width", dims.ffn, "intermediate_size"),
-                             ("vocabulary", dims.vocab, "vocab_size")):
+    checks = [("attention heads", dims.heads, "num_attention_heads"),
+              ("KV heads", dims.kv_heads, "num_key_value_heads"),
+              ("vocabulary", dims.vocab, "vocab_size")]
+    if dims.num_sparse_layers < dims.layers:  # some layer has a dense MLP (an all-MoE model never builds one)
+        checks.append(("FFN width", dims.ffn, "intermediate_size"))
+    for what, value, key in checks:
         if value % tp:
             raise ValueError(f"actor.tp={tp} must divide the model's {what} ({key}={value}, {dims.source})")
+    if dims.is_moe:
+        if dims.num_experts % layout.ep:
+            raise ValueError(f"actor.ep={layout.ep} must divide the number of experts num_experts={dims.num_experts} "
+                             f"({dims.source})")
+        if dims.moe_ffn % layout.expert_tp:
+            raise ValueError(f"actor.etp={layout.expert_tp} must divide each expert's width "
+                             f"moe_intermediate_size={dims.moe_ffn} ({dims.source})")
+        if layout.world % (layout.expert_tp * layout.ep * layout.pp):
+            raise ValueError(f"actor.world_size={layout.world} must be a multiple of etp*ep*pp = "
+                             f"{layout.expert_tp}*{layout.ep}*{layout.pp}")
+    elif layout.ep > 1:
+        raise ValueError(f"actor.ep={layout.ep}: expert parallelism needs a mixture-of-experts model ({dims.source})")
     per = layout.pp * layout.chunks
     if dims.layers % per:
         raise ValueError(f"actor.pp * actor.vpp = {per} must divide num_hidden_layers={dims.layers} ({dims.source})")
@@ -105,20 +140,39 @@ def chunk_params(dims: ModelDims, layout: Layout, *, pp_rank: int, vp_stage: int
         params.append(Param("embedding.word_embeddings.weight", dims.vocab // tp * h,
                             shared_embedding=dims.tied and not post))
     qkv_rows = (dims.q_width + 2 * dims.kv_width) // tp
-    for i in range(layers_per_chunk(dims, layout)):
+    per_chunk = layers_per_chunk(dims, layout)
+    first_layer = (vp_stage * layout.pp + pp_rank) * per_chunk  # megatron's layer offset (interleaved order)
+    for i in range(per_chunk):
         prefix = f"decoder.layers.{i}."
         params += [Param(prefix + "input_layernorm.weight", h),
                    Param(prefix + "self_attention.linear_proj.weight", h * dims.q_width // tp),
                    Param(prefix + "self_attention.linear_qkv.weight", qkv_rows * h)]
         if dims.qkv_bias:
             params.append(Param(prefix + "self_attention.linear_qkv.bias", qkv_rows))
-        params += [Param(prefix + "pre_mlp_layernorm.weight", h),
-                   Param(prefix + "mlp.linear_fc1.weight", 2 * dims.ffn // tp * h),
-                   Param(prefix + "mlp.linear_fc2.weight", h * dims.ffn // tp)]
+        if dims.qk_norm:  # one RMSNorm weight of head_dim for all query heads, one for all key heads
+            params += [Param(prefix + "self_attention.q_layernorm.weight", dims.head_dim),
+                       Param(prefix + "self_attention.k_layernorm.weight", dims.head_dim)]
+        params.append(Param(prefix + "pre_mlp_layernorm.weight", h))
+        if dims.is_sparse(first_layer + i):
+            params += _moe_params(dims, layout, prefix=prefix + "mlp.")
+        else:
+            params += [Param(prefix + "mlp.linear_fc1.weight", 2 * dims.ffn // tp * h),
+                       Param(prefix + "mlp.linear_fc2.weight", h * dims.ffn // tp)]
     if post:
         params.append(Param("decoder.final_layernorm.weight", h))
         if not dims.tied or not pre:  # tied and PP = 1: the LM head IS the embedding (no parameter)
             params.append(Param("output_layer.weight", dims.vocab // tp * h, shared_embedding=dims.tied))
+    return params
+
+
+def _moe_params(dims: ModelDims, layout: Layout, *, prefix: str) -> list[Param]:
+    """A sparse layer's MoE MLP on one rank: the router, then this EP rank's experts (SequentialMLP order)."""
+    h, width = dims.hidden, dims.moe_ffn // layout.expert_tp
+    expert = layout.ep > 1  # allreduce=False only with expert parallelism (tensor_parallel/layers.py:829, 886)
+    params = [Param(prefix + "router.weight", dims.num_experts * h)]
+    for e in range(dims.num_experts // layout.ep):
+        params += [Param(prefix + f"experts.local_experts.{e}.linear_fc1.weight", 2 * width * h, expert_parallel=expert),
+                   Param(prefix + f"experts.local_experts.{e}.linear_fc2.weight", h * width, expert_parallel=expert)]
     return params
 
 
@@ -195,37 +249,57 @@ class StaticBytes:
         self.largest_param_numel = max(self.largest_param_numel, other.largest_param_numel)
 
 
-def static_bytes(dims: ModelDims, layout: Layout, *, precision: str, distributed_optimizer: bool,
-                 pp_rank: int, dp_rank: int = 0) -> StaticBytes:
-    """Bytes the actor allocates on the GPU of (pipeline rank pp_rank, DP*CP rank dp_rank), all chunks."""
-    check_layout(dims, layout)
+def _buffer_bytes(params: list[Param], *, precision: str, distributed_optimizer: bool, dp_shards: int,
+                  dp_rank: int) -> StaticBytes:
+    """One DDP buffer (and its optimizer's state) over a data-parallel group of dp_shards ranks."""
     param_bytes = PARAM_BYTES[precision]
     master = MASTER_BYTES if precision != "fp32" else 0
+    numel = sum(p.numel for p in params)
+    buckets = buffer_buckets(params, dp_shards=dp_shards, distributed_optimizer=distributed_optimizer)
+    buffer_numel = buckets[-1].end if buckets else 0
+    if distributed_optimizer:
+        owned = owned_numel(buckets, dp_shards=dp_shards, dp_rank=dp_rank)
+        out = StaticBytes(weights=buffer_numel * param_bytes, grads=buffer_numel * GRAD_BYTES,
+                          main_params=owned * master, adam=owned * ADAM_BYTES)
+    else:
+        out = StaticBytes(weights=numel * param_bytes, grads=buffer_numel * GRAD_BYTES,
+                          main_params=numel * master, adam=numel * ADAM_BYTES)
+    out.param_numel = numel
+    out.largest_param_numel = max((p.numel for p in params), default=0)
+    return out
+
+
+def static_bytes(dims: ModelDims, layout: Layout, *, precision: str, distributed_optimizer: bool,
+                 pp_rank: int, dp_rank: int = 0, expert_dp_rank: int = 0) -> StaticBytes:
+    """Bytes the actor allocates on the GPU of (pipeline rank pp_rank, DP*CP rank dp_rank, expert-data-
+    parallel rank expert_dp_rank), all chunks. Expert-parallel weights (EP > 1) form a buffer of their own
+    per chunk, sharded over the expert-data-parallel group (see the module docstring)."""
+    check_layout(dims, layout)
     out = StaticBytes()
     for vp_stage in range(layout.chunks):
         params = chunk_params(dims, layout, pp_rank=pp_rank, vp_stage=vp_stage)
-        numel = sum(p.numel for p in params)
-        buckets = buffer_buckets(params, dp_shards=layout.dp_shards, distributed_optimizer=distributed_optimizer)
-        buffer_numel = buckets[-1].end if buckets else 0
-        if distributed_optimizer:
-            owned = owned_numel(buckets, dp_shards=layout.dp_shards, dp_rank=dp_rank)
-            chunk = StaticBytes(weights=buffer_numel * param_bytes, grads=buffer_numel * GRAD_BYTES,
-                                main_params=owned * master, adam=owned * ADAM_BYTES)
-        else:
-            chunk = StaticBytes(weights=numel * param_bytes, grads=buffer_numel * GRAD_BYTES,
-                                main_params=numel * master, adam=numel * ADAM_BYTES)
-        chunk.param_numel = numel
-        chunk.largest_param_numel = max((p.numel for p in params), default=0)
-        out.add(chunk)
+        out.add(_buffer_bytes([p for p in params if not p.expert_parallel], precision=precision,
+                              distributed_optimizer=distributed_optimizer, dp_shards=layout.dp_shards, dp_rank=dp_rank))
+        experts = [p for p in params if p.expert_parallel]
+        if experts:
+            out.add(_buffer_bytes(experts, precision=precision, distributed_optimizer=distributed_optimizer,
+                                  dp_shards=layout.expert_dp, dp_rank=expert_dp_rank))
     return out
 
 
 def worst_static(dims: ModelDims, layout: Layout, *, precision: str, distributed_optimizer: bool,
                  pp_rank: int) -> StaticBytes:
-    """The DP rank of pipeline stage pp_rank with the most static bytes (ranks differ by padding)."""
+    """The DP rank of pipeline stage pp_rank with the most static bytes (ranks differ by padding; the dense
+    and expert buffers' worst ranks are taken together: an upper bound by at most the padding)."""
+    def at(dp_rank: int, expert_dp_rank: int) -> StaticBytes:
+        return static_bytes(dims, layout, precision=precision, distributed_optimizer=distributed_optimizer,
+                            pp_rank=pp_rank, dp_rank=dp_rank, expert_dp_rank=expert_dp_rank)
+
     ranks = range(layout.dp_shards) if distributed_optimizer else range(1)
-    return max((static_bytes(dims, layout, precision=precision, distributed_optimizer=distributed_optimizer,
-                             pp_rank=pp_rank, dp_rank=r) for r in ranks), key=lambda s: s.total)
+    worst_dense = max(ranks, key=lambda r: at(r, 0).total)
+    expert_ranks = range(layout.expert_dp) if distributed_optimizer and dims.is_moe and layout.ep > 1 else range(1)
+    worst_expert = max(expert_ranks, key=lambda r: at(worst_dense, r).total)
+    return at(worst_dense, worst_expert)
 
 
 def frozen_weight_bytes(dims: ModelDims, layout: Layout, *, precision: str, pp_rank: int) -> int:
@@ -238,3 +312,8 @@ def total_params(dims: ModelDims) -> int:
     """Parameters of the whole model (one copy, as in the HF checkpoint)."""
     one = Layout()
     return sum(p.numel for p in chunk_params(dims, one, pp_rank=0))
+
+
+def expert_params(dims: ModelDims) -> int:
+    """Parameters of all experts of all sparse layers (one copy): what expert parallelism shards."""
+    return dims.num_sparse_layers * dims.num_experts * 3 * dims.moe_ffn * dims.hidden
