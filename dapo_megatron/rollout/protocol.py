@@ -48,6 +48,8 @@ _SAMPLING_UNSUPPORTED = {
     "ebnf": (None, ""), "structural_tag": (None, ""), "stop_regex": (None, "", []), "logit_bias": (None, {}),
     "custom_params": (None, {}),
 }
+# every key SGLang's SamplingParams accepts that the CPU engine knows of (any other key: SGLang's HTTP 500)
+SAMPLING_PARAM_NAMES = frozenset(_SAMPLING_KEYS) | frozenset(_SAMPLING_UNSUPPORTED)
 
 
 class RequestError(ValueError):
