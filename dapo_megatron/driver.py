@@ -22,7 +22,7 @@ from dapo_megatron.config import Config
 from dapo_megatron.data import load_prompts
 from dapo_megatron.data.stream import PromptStream
 from dapo_megatron.evaluate import eval_metrics, sample_correct
-from dapo_megatron.rollout.pool import EnginePool
+from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
 from dapo_megatron.rollout.weight_sync import DistributedWeightSync
 
@@ -68,6 +68,7 @@ class Driver:
                 str(self.run_dir / "engines"), min_engines=r.num_engines, timeout_s=r.request_timeout_s,
                 max_retries=r.max_retries))
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.engine_report = EngineEventReport(self.pool)  # start-up admissions are not faults
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         # sampling_seed only where every engine honours it (SGLang: --enable-deterministic-inference)
         seeded = self.loop.run_until_complete(self.pool.seeds_honoured())
@@ -124,6 +125,11 @@ class Driver:
         self.sampler.weight_version = version
         return {"sync/seconds": stats.seconds, "sync/gb": stats.bytes / 1e9, "sync/gb_per_s": stats.gb_per_s,
                 "sync/buckets": float(stats.num_buckets), "sync/collectives": float(stats.num_collectives)}
+
+    # --- engine faults --------------------------------------------------------------------------------
+    def engine_events(self) -> dict[str, float]:
+        """Engines dropped / back / rejoined since the last call: console lines and running counts."""
+        return self.engine_report.report()
 
     # --- evaluation -----------------------------------------------------------------------------------
     def evaluate(self, *, records: list | None = None) -> dict[str, float]:

@@ -165,6 +165,7 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
                 log.update(memory)
                 log.update(logprob_mismatch(samples))
                 log.update(old.routing if samples else {})  # MoE: routing agreement with the engine
+                log.update(driver.engine_events())  # engines dropped / back / rejoined: console lines + counts
                 log["actor/entropy_old"] = float(torch.cat(old.entropies).mean()) if samples else 0.0
                 log.update({"time/gen_s": t1 - t0, "time/logprob_s": t2 - t1, "time/train_s": t3 - t2,
                             "time/sync_s": t4 - t3, "time/step_s": t4 - t0,

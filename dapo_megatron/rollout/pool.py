@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from dapo_megatron.rollout.client import EngineClient, EngineError, EngineUnreachable, SessionHolder
 from dapo_megatron.rollout.registry import read_registrations
@@ -203,3 +203,33 @@ class EnginePool:
         always does and reports the flag true)."""
         infos = await asyncio.gather(*(c.server_info() for c in self.live_clients()))
         return bool(infos) and all(bool(i.get("enable_deterministic_inference")) for i in infos)
+
+
+class EngineEventReport:
+    """The pool's engine faults as a person and a dashboard see them: one console line per event since
+    the last report (an engine dropped, back and waiting for weights, rejoined after a re-sync) and
+    running counts (metrics engines/dropped_total, engines/returned_total, engines/rejoined_total,
+    engines/live). Events before construction (the start-up admissions) are not reported."""
+
+    def __init__(self, pool: EnginePool) -> None:
+        self.pool = pool
+        self._seen = len(pool.events)
+        self._dropped: set[str] = set()
+        self.counts = {"dropped": 0, "returned": 0, "rejoined": 0}
+
+    def report(self, *, out: Callable[[str], None] = print) -> dict[str, float]:
+        for _, event, url in self.pool.events[self._seen:]:
+            if event.startswith("dropped"):
+                self.counts["dropped"] += 1
+                self._dropped.add(url)
+                reason = event.removeprefix("dropped").lstrip(": ") or "no reason given"
+                out(f"[engines] {url} dropped ({reason}); {len(self.pool.live_urls())} live")
+            elif event == "pending" and url in self._dropped:
+                self.counts["returned"] += 1
+                out(f"[engines] {url} answers again; it rejoins after the next weight sync")
+            elif event == "admitted" and url in self._dropped:
+                self.counts["rejoined"] += 1
+                out(f"[engines] {url} rejoined with the current weights; {len(self.pool.live_urls())} live")
+        self._seen = len(self.pool.events)
+        return {"engines/live": float(len(self.pool.live_urls())),
+                **{f"engines/{kind}_total": float(n) for kind, n in self.counts.items()}}

@@ -11,7 +11,7 @@ import pytest
 import torch
 from rollout_helpers import ServerProcess, get_json, make_tiny_checkpoint
 
-from dapo_megatron.rollout.pool import EnginePool
+from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
 from dapo_megatron.rollout.weight_sync import DistributedWeightSync
 
@@ -109,19 +109,22 @@ def test_engine_killed_mid_round_loses_no_prompt_and_rejoins_after_resync(env):
 
     async def round_with_kill():
         pool = await EnginePool.from_registry(str(env.root / "engines"), min_engines=2, wait_s=30, max_retries=2)
+        report = EngineEventReport(pool)  # what the trainer prints and logs each step
         sampler = RolloutSampler(pool, env.tokenizer, settings, reward_fn=reward_killing_b, rid_prefix="kill")
         result = await sampler.collect(iter(records([f"gt{i}" for i in range(8)])), train_batch_size=8)
-        return pool, result
+        return pool, result, report
 
     async def scenario():
-        pool, result = await round_with_kill()
+        pool, result, report = await round_with_kill()
         state_after_kill = pool.load()
+        after_kill = report.report(out=lines.append)
         # b comes back on the same host:port (a requeued array task): pending until synced
         restarted = ServerProcess(env.model_dir, env.root / "engines", seed=5, port=b.record["port"],
                                   log_path=env.root / "s1.log", extra_args=("--max-batch-size", "1"))
         env.servers[1] = restarted
         pending = await pool.discover()
         live_before_admit = pool.live_urls()
+        after_return = report.report(out=lines.append)
         from transformers import AutoModelForCausalLM
 
         trainer = AutoModelForCausalLM.from_pretrained(env.model_dir, dtype=torch.float32)
@@ -132,11 +135,14 @@ def test_engine_killed_mid_round_loses_no_prompt_and_rejoins_after_resync(env):
         stats = await sync.sync(pool.weight_targets(), iter(trainer.state_dict().items()), weight_version="step_1")
         await sync.close(pool.weight_targets())
         pool.admit(pending)
+        after_rejoin = report.report(out=lines.append)
+        counts.extend([after_kill, after_return, after_rejoin])
         client_b = next(c for c in pool.live_clients() if c.url == restarted.url)
         row = await client_b.get_weights_by_name("lm_head.weight", truncate_size=2)
         await pool.close()
         return result, state_after_kill, pending, live_before_admit, pool, stats, row, trainer
 
+    lines, counts = [], []
     result, state, pending, live_before_admit, pool, stats, row, trainer = asyncio.run(scenario())
     assert sorted(g[0].ground_truth for g in result.groups) == sorted(f"gt{i}" for i in range(8))
     assert all(len(g) == 2 for g in result.groups)
@@ -151,6 +157,15 @@ def test_engine_killed_mid_round_loses_no_prompt_and_rejoins_after_resync(env):
     assert torch.equal(torch.tensor(row), trainer.state_dict()["lm_head.weight"][:2])
     assert [e.split(":")[0] for _, e, u in pool.events if u == b.url] == [
         "pending", "admitted", "dropped", "pending", "admitted"]
+    # one console line per fault event (start-up admissions are not faults), running counts as metrics
+    assert len(lines) == 3, lines
+    assert lines[0].startswith(f"[engines] {b.url} dropped (") and lines[0].endswith("; 1 live")
+    assert lines[1] == f"[engines] {b.url} answers again; it rejoins after the next weight sync"
+    assert lines[2] == f"[engines] {b.url} rejoined with the current weights; 2 live"
+    assert counts == [
+        {"engines/live": 1.0, "engines/dropped_total": 1.0, "engines/returned_total": 0.0, "engines/rejoined_total": 0.0},
+        {"engines/live": 1.0, "engines/dropped_total": 1.0, "engines/returned_total": 1.0, "engines/rejoined_total": 0.0},
+        {"engines/live": 2.0, "engines/dropped_total": 1.0, "engines/returned_total": 1.0, "engines/rejoined_total": 1.0}]
 
 
 def test_pool_survives_one_event_loop_per_step(env):
