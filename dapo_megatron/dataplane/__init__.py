@@ -1,0 +1,1 @@
+"""The data plane of a step: the rollout batch as tensors, its per-DP-share scatter, rank roles."""
