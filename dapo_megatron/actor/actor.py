@@ -4,15 +4,19 @@
     with model_parallel(tp=cfg.actor.tp, pp=cfg.actor.pp, cp=cfg.actor.cp, vpp=cfg.actor.vpp,
                         seed=cfg.trainer.seed):
         actor = Actor(cfg, hf_dir)                       # on EVERY rank
-        out = actor.logprobs(samples)                    # out.logprobs[i], out.entropies[i]
-        for i, s in enumerate(samples): s.old_logprobs = out.logprobs[i].tolist()
-        metrics = actor.train(mini_batch, step=rollout_step)
+        share, _ = scatter_batch(...)                    # this DP rank's share (dataplane/scatter.py)
+        old = actor.logprobs(share)                      # fp32 [response tokens of the share], last stage
+        share.batch.old_logprobs = old.logprobs
+        for mini in share.mini_batches():
+            metrics = actor.train(mini, step=rollout_step)
         actor.save(run_dir / "ckpt" / f"step_{rollout_step}")
 
-Contract: every rank passes the SAME list of Samples (the driver broadcasts them). Each DP rank
-packs its balanced share into token-budget micro-batches (packing.py), runs megatron's
-forward/backward schedule (pipeline-parallel aware), and the results are summed back so that every
-rank returns identical log-probs and identical metrics.
+Contract: each DP rank passes its own BatchShare (dataplane/share.py); its TP/CP/PP peers pass the
+same one. The rank packs it into its token-budget micro-batches (packing.py) and runs megatron's
+forward/backward schedule (pipeline-parallel aware). Log-probs stay on the ranks that computed
+them (the last pipeline stage); train metrics are identical on every rank. Tests and tools may
+instead pass the same list of Samples to every rank: each rank then takes its share itself
+(share.share_of_samples) and logprobs() returns every sample's values on every rank.
 
 The gradient is exactly the one of a single big batch: each micro-batch loss is
 sum(per-token terms) / D with D the GLOBAL count of the mini-batch (masked tokens for token-mean,
@@ -36,9 +40,11 @@ from dapo_megatron.actor import parallel
 from dapo_megatron.actor.context_parallel import merge_from_cp, split_for_cp
 from dapo_megatron.actor.lm_head import (full_sequence_hidden, output_weight, require_fused_kernels,
                                          return_hidden_states, token_logprobs_entropy)
-from dapo_megatron.actor.packing import MicroBatch, pack_for_rank, unpack_response_values
+from dapo_megatron.actor.packing import MicroBatch, PackedShare, pack_batch_micro_batch
 from dapo_megatron.batch import Sample
 from dapo_megatron.config import Config
+from dapo_megatron.dataplane.batch import RolloutBatch, exclusive_cumsum, ranges_index
+from dapo_megatron.dataplane.share import BatchShare, PackSettings, share_of_samples
 
 METRIC_SUMS = ("loss", "pg_loss", "kl_loss", "clipfrac_low", "clipfrac_high", "dualclip_frac", "approx_kl",
                "ratio_mean", "entropy", "kl", "tis_weight", "num_tokens", "num_weight")
@@ -46,11 +52,23 @@ METRIC_SUMS = ("loss", "pg_loss", "kl_loss", "clipfrac_low", "clipfrac_high", "d
 
 @dataclass
 class LogProbs:
-    """Per-sample fp32 tensors over the response tokens (len = len(sample.response_ids))."""
+    """Per-sample fp32 tensors over the response tokens (len = len(sample.response_ids)): what
+    logprobs() returns for a list of Samples, on every rank."""
 
     logprobs: list[torch.Tensor]
     entropies: list[torch.Tensor]
     routing: dict[str, float] = field(default_factory=dict)  # MoE: routing agreement with the engine
+
+
+@dataclass
+class TokenLogProbs:
+    """What logprobs() returns for a BatchShare: fp32 [response tokens of the share], in the share's
+    order, on the ranks that computed them (the last pipeline stage: every TP and CP rank there);
+    None on the other stages."""
+
+    logprobs: torch.Tensor | None
+    entropies: torch.Tensor | None
+    routing: dict[str, float] = field(default_factory=dict)  # MoE: routing agreement, on every rank
 
 
 def _unwrap(module):
@@ -106,7 +124,7 @@ class Actor:
         from dapo_megatron.actor.routing_replay import make_routing_replay
 
         self.routing = make_routing_replay(chunks, self.hf_config, sequence_parallel=ac.sequence_parallel)
-        self._routed_samples: list[Sample] | None = None  # the list the current pass's micro-batches index
+        self._routed_batch: RolloutBatch | None = None  # the batch the current pass's micro-batches index
         for chunk in chunks:
             chunk.config.calculate_per_token_loss = True  # see the module docstring
             return_hidden_states(chunk)
@@ -191,17 +209,34 @@ class Actor:
 
     # --- packing and the forward ---------------------------------------------------------------------
 
-    def _pack(self, samples: list[Sample], *, mask_truncated: bool):
-        ac = self.cfg.actor
-        tp, cp = parallel.tp_size(), parallel.cp_size()
-        seq_pad = 2 * cp if cp > 1 else 1
-        pad = (tp if ac.sequence_parallel else 1) * seq_pad
-        return pack_for_rank(
-            samples, micro_batch_tokens=ac.micro_batch_tokens, dp_size=parallel.dp_size(), dp_rank=parallel.dp_rank(),
-            pad_multiple=pad, seq_pad_multiple=seq_pad, uniform_length=parallel.pp_size() > 1,
-            min_micro_batches=parallel.pp_size() if parallel.vpp_size() else 1,
-            pad_token_id=int(getattr(self.hf_config, "pad_token_id", None) or 0), mask_truncated=mask_truncated,
-        )
+    @property
+    def pack_settings(self) -> PackSettings:
+        """How this actor packs sequences (the driver plans every DP rank's share with the same)."""
+        return PackSettings.for_layout(micro_batch_tokens=self.cfg.actor.micro_batch_tokens, tp=parallel.tp_size(),
+                                       pp=parallel.pp_size(), cp=parallel.cp_size(), vpp=parallel.vpp_size(),
+                                       sequence_parallel=self.cfg.actor.sequence_parallel)
+
+    def _share_of(self, data: BatchShare | list[Sample]) -> BatchShare:
+        if isinstance(data, BatchShare):
+            return data
+        return share_of_samples(list(data), settings=self.pack_settings, dp_size=parallel.dp_size(),
+                                dp_rank=parallel.dp_rank())
+
+    def _pack(self, mini: BatchShare, *, mask_truncated: bool) -> PackedShare:
+        """The micro-batches of one mini-batch of this rank's share."""
+        settings = self.pack_settings
+        pad_token = int(getattr(self.hf_config, "pad_token_id", None) or 0)
+        micro_batches = [pack_batch_micro_batch(mini.batch, a, b, length=length,
+                                                seq_pad_multiple=settings.seq_pad_multiple, pad_token_id=pad_token,
+                                                mask_truncated=mask_truncated)
+                         for a, b, length in mini.micro_batch_spans(settings)]
+        shared = int(mini.mini_batch_lengths[0])
+        return PackedShare(micro_batches=micro_batches, num_micro_batches=len(micro_batches), length=shared or None)
+
+    def _holds_results(self) -> bool:
+        from megatron.core import parallel_state
+
+        return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
 
     def _local(self, tensor: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """This CP rank's tokens of a packed [T] tensor (identity without CP)."""
@@ -220,40 +255,41 @@ class Actor:
                                  cu_seqlens_kv_padded=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len)
         tokens = self._local(mb.tokens, mb).to(device)[None]
         positions = self._local(mb.position_ids, mb).to(device)[None]
-        if self._routed_samples is not None:
+        if self._routed_batch is not None:
             self._set_routing(_unwrap(model), mb)
         output = model(tokens, positions, None, packed_seq_params=packed)
         return output, functools.partial(head, mb, _unwrap(model))
 
     def _set_routing(self, chunk, mb: MicroBatch) -> None:
         """The engine's experts of this micro-batch for the chunk's routers (routing_replay.py)."""
-        from dapo_megatron.actor.routing_replay import pack_routed_experts
+        from dapo_megatron.actor.routing_replay import pack_batch_routed_experts
 
-        experts, valid = pack_routed_experts(self._routed_samples, mb.sample_indices, mb.seq_lengths_padded,
-                                             length=mb.length, num_layers=self.routing.num_layers,
-                                             topk=self.routing.topk)
+        experts, valid = pack_batch_routed_experts(self._routed_batch, mb.sample_indices, mb.seq_lengths_padded,
+                                                   length=mb.length, num_layers=self.routing.num_layers,
+                                                   topk=self.routing.topk)
         self.routing.before_forward(chunk, experts, valid, lambda t: self._local(t, mb))
 
-    def _begin_routing(self, samples: list[Sample], *, measure: bool) -> None:
-        """Before a pass: replay the engine's experts (actor.routing_replay) and/or measure agreement."""
+    def _begin_routing(self, batch: RolloutBatch, *, measure: bool) -> None:
+        """Before a pass: replay the engine's experts (actor.routing_replay) and/or measure agreement.
+        The engine's experts travel with the batch (token_fields["routed_experts"], batch.py)."""
         replay = self.cfg.actor.routing_replay
-        measure = measure and self.routing is not None and any(s.routed_experts is not None for s in samples)
+        measure = measure and self.routing is not None and "routed_experts" in batch.token_fields
         if replay:
-            from dapo_megatron.actor.routing_replay import validate_routed_experts
+            from dapo_megatron.actor.routing_replay import validate_batch_routed_experts
 
-            validate_routed_experts(samples, num_layers=self.routing.num_layers, topk=self.routing.topk)
+            validate_batch_routed_experts(batch, num_layers=self.routing.num_layers, topk=self.routing.topk)
         if self.routing is None or not (replay or measure):
-            self._routed_samples = None
+            self._routed_batch = None
             return
         self.routing.begin(replay=replay, measure=measure)
-        self._routed_samples = samples
+        self._routed_batch = batch
 
     def _end_routing(self, *, collect: bool = True) -> dict[str, float]:
         """After a pass: routers back to normal routing; the agreement metrics (collective) unless
         the pass failed (collect=False: no collective on an error path)."""
-        if self._routed_samples is None:
+        if self._routed_batch is None:
             return {}
-        self._routed_samples = None
+        self._routed_batch = None
         return self.routing.end(collect=collect)
 
     def _head(self, mb: MicroBatch, gpt, output: torch.Tensor, *, positions: torch.Tensor):
@@ -308,18 +344,24 @@ class Actor:
     # --- log-probs -----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def logprobs(self, samples: list[Sample]) -> LogProbs:
+    def logprobs(self, data: BatchShare | list[Sample]) -> TokenLogProbs | LogProbs:
         """pi_theta log-probs and entropies of every response token (at rollout.temperature), fp32.
 
-        Collective; identical on every rank: each DP rank scores its share (with CP, each CP rank
-        its chunks, merged over the CP group: _merge_cp), the owners (last stage, TP and CP rank 0)
-        write their values into one flat buffer (zeros elsewhere) and a world all-reduce SUM fills
-        it in (adding zeros is exact, so the values are bit-for-bit those computed)."""
+        Collective over the model's ranks. A BatchShare: TokenLogProbs of this DP rank's share, on
+        the last pipeline stage (with CP, each CP rank scores its chunks and the CP group merges
+        them: _merge_cp); nothing is reduced beyond the groups that computed the values. A list of
+        Samples (the same on every rank; tests and tools): LogProbs of every sample on every rank.
+        """
+        if isinstance(data, BatchShare):
+            return self._share_logprobs(data)
+        return self._gathered_logprobs(list(data))
+
+    def _share_logprobs(self, share: BatchShare) -> TokenLogProbs:
+        """Over the same micro-batches as the updates (one schedule per mini-batch), so that the
+        first update of a step reproduces these values bit for bit."""
         self._require("params", action="logprobs")
         for m in self.model:
             m.eval()
-        share = self._pack(samples, mask_truncated=False)
-        self._begin_routing(samples, measure=True)
 
         def head(mb, gpt, output):
             pos = self._local(mb.response_mask, mb).nonzero()[:, 0]
@@ -330,53 +372,76 @@ class Actor:
             local[1, pos.to(logprob.device)] = entropy.float()
             return torch.zeros((), device=logprob.device), torch.tensor(0, dtype=torch.int), local
 
+        holds = self._holds_results()
+        values = []
+        self._begin_routing(share.batch, measure=True)
         try:
-            outputs = self._run(share.micro_batches, head=head, length=share.length, forward_only=True)
+            for mini in share.mini_batches():
+                if self._routed_batch is not None:  # the micro-batches of this pass index the mini-batch
+                    self._routed_batch = mini.batch
+                packed = self._pack(mini, mask_truncated=False)
+                outputs = self._run(packed.micro_batches, head=head, length=packed.length, forward_only=True)
+                if holds:
+                    outputs = self._merge_cp(outputs, packed.micro_batches)
+                    # response positions in packed order = the share's response-token order
+                    values += [full[:, mb.response_mask.to(full.device)]
+                               for mb, full in zip(packed.micro_batches, outputs)]
         except BaseException:
             self._end_routing(collect=False)
             raise
-        routing = self._end_routing()  # a world collective, before the owners' CP merge
-        owner = self._owns_results() and parallel.cp_rank() == 0  # CP peers hold the same merged values
-        if self._owns_results():
-            outputs = self._merge_cp(outputs, share.micro_batches)
-        offsets, total = [], 0
-        for s in samples:
-            offsets.append(total)
-            total += len(s.response_ids)
+        routing = self._end_routing()  # a world collective (every rank measured its own tokens)
+        if not holds:
+            return TokenLogProbs(logprobs=None, entropies=None, routing=routing)
+        flat = torch.cat(values, dim=1).cpu() if values else torch.zeros(2, 0)
+        return TokenLogProbs(logprobs=flat[0].contiguous(), entropies=flat[1].contiguous(), routing=routing)
+
+    def _gathered_logprobs(self, samples: list[Sample]) -> LogProbs:
+        """Every sample's values on every rank: this rank's share scored, then one world all-reduce of
+        a [2, response tokens of the list] buffer that only the reporting ranks (last stage, TP and
+        CP rank 0) fill (adding zeros is exact: the values are bit for bit those computed). For
+        tests and tools; the training loop keeps log-probs where they were computed."""
+        share = self._share_of(samples)
+        out = self._share_logprobs(share)
+        lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.int64)
+        offsets = exclusive_cumsum(lengths)
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        flat = torch.zeros(2, total, dtype=torch.float32, device=device)
-        if owner:
-            for mb, full in zip(share.micro_batches, outputs):
-                values = unpack_response_values(full.T, mb, samples)  # {index: [R, 2]}
-                for index, v in values.items():
-                    flat[:, offsets[index]: offsets[index] + v.shape[0]] = v.T
+        flat = torch.zeros(2, int(offsets[-1]), dtype=torch.float32, device=device)
+        if self._holds_results() and parallel.tp_rank() == 0 and parallel.cp_rank() == 0 and share.num_mini_batches:
+            index = ranges_index(offsets[share.source_indices], share.batch.response_lengths).to(flat.device)
+            flat[0, index] = out.logprobs.to(flat.device)
+            flat[1, index] = out.entropies.to(flat.device)
         dist.all_reduce(flat)
         flat = flat.cpu()
-        logps = [flat[0, o: o + len(s.response_ids)].clone() for o, s in zip(offsets, samples)]
-        ents = [flat[1, o: o + len(s.response_ids)].clone() for o, s in zip(offsets, samples)]
-        return LogProbs(logprobs=logps, entropies=ents, routing=routing)
+        bounds = offsets.tolist()
+        return LogProbs(logprobs=[flat[0, a:b].clone() for a, b in zip(bounds, bounds[1:])],
+                        entropies=[flat[1, a:b].clone() for a, b in zip(bounds, bounds[1:])], routing=out.routing)
 
     # --- the train step ------------------------------------------------------------------------------
 
-    def train(self, mini_batch: list[Sample], *, step: int) -> dict[str, float]:
-        """One optimizer update on a mini-batch (collective; every rank passes the same list).
+    def train(self, mini_batch: BatchShare | list[Sample], *, step: int) -> dict[str, float]:
+        """One optimizer update on a mini-batch (collective): this DP rank's share of it (one of
+        BatchShare.mini_batches()), or the same list of Samples on every rank.
 
         step: the rollout step (0-based) this update belongs to; it sets the warm-up lr
-        (optimizer.py). Each sample needs old_logprobs (Actor.logprobs), plus rollout_logprobs
-        with algorithm.tis_cap and ref_logprobs with algorithm.use_kl. Returns identical metrics on
-        every rank; an update whose loss or grad norm is NaN/inf is skipped (nonfinite=1), and so is
-        one with no trained token (update_skipped=1).
+        (optimizer.py). The last pipeline stage needs old_logprobs (Actor.logprobs), plus
+        rollout_logprobs with algorithm.tis_cap and ref_logprobs with algorithm.use_kl. Returns
+        identical metrics on every rank; an update whose loss or grad norm is NaN/inf is skipped
+        (nonfinite=1), and so is one with no trained token (update_skipped=1).
         """
         from dapo_megatron.actor.optimizer import guarded_step, set_lr_for_step
 
         al = self.cfg.algorithm
         self._require("params", "grads", "optimizer", action="train", trains=True)
-        self._check_train_inputs(mini_batch)
+        mini = self._share_of(mini_batch)
+        if mini.num_mini_batches != 1:
+            raise ValueError(f"Actor.train: one mini-batch per update, got {mini.num_mini_batches} "
+                             "(iterate BatchShare.mini_batches())")
+        self._check_train_inputs(mini.batch)
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        share = self._pack(mini_batch, mask_truncated=al.overlong_filter)
+        share = self._pack(mini, mask_truncated=al.overlong_filter)
         denom = self._global_denominator(share.micro_batches)
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         sums = torch.zeros(len(METRIC_SUMS), dtype=torch.float64, device=device)
@@ -392,7 +457,7 @@ class Actor:
                 ratio_max = torch.maximum(ratio_max, values["ratio_max"].double().to(device))
             return loss, torch.tensor(0, dtype=torch.int), {}
 
-        self._begin_routing(mini_batch, measure=False)
+        self._begin_routing(mini.batch, measure=False)
         try:
             self._run(share.micro_batches, head=head, length=share.length, forward_only=False)
         finally:
@@ -424,15 +489,17 @@ class Actor:
             "nonfinite": float(denom > 0 and not updated), "update_skipped": float(not updated),
         }
 
-    def _check_train_inputs(self, samples: list[Sample]) -> None:
+    def _check_train_inputs(self, batch: RolloutBatch) -> None:
+        """The loss runs on the last pipeline stage: the per-token inputs it reads must be there."""
         al = self.cfg.algorithm
-        for index, s in enumerate(samples):
-            if s.old_logprobs is None:
-                raise ValueError(f"sample {index}: old_logprobs is None (fill it from Actor.logprobs before train)")
-            if al.tis_cap is not None and s.rollout_logprobs is None:
-                raise ValueError(f"sample {index}: rollout_logprobs is None but algorithm.tis_cap={al.tis_cap} needs them")
-            if al.use_kl and s.ref_logprobs is None:
-                raise ValueError(f"sample {index}: ref_logprobs is None but algorithm.use_kl=true needs them")
+        if not self._holds_results() or batch.num_sequences == 0:
+            return
+        if batch.old_logprobs is None:
+            raise ValueError("Actor.train: old_logprobs missing (fill them from Actor.logprobs before train)")
+        if al.tis_cap is not None and batch.rollout_logprobs is None:
+            raise ValueError(f"Actor.train: rollout_logprobs missing but algorithm.tis_cap={al.tis_cap} needs them")
+        if al.use_kl and batch.ref_logprobs is None:
+            raise ValueError("Actor.train: ref_logprobs missing but algorithm.use_kl=true needs them")
 
     def _global_denominator(self, micro_batches: list[MicroBatch]) -> float:
         """D of the loss: masked tokens (token-mean) or sequences with a masked token (seq modes) over

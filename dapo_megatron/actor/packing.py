@@ -1,8 +1,11 @@
-"""Pack Samples into token-budget micro-batches, balanced across data-parallel ranks.
+"""Pack sequences into token-budget micro-batches, balanced across data-parallel ranks.
 
-Every rank receives the same full mini-batch; `plan_micro_batches` decides, deterministically and
-without communication, which samples each DP rank trains on and how they are grouped into
-micro-batches. Megatron's schedules need the same number of micro-batches on every DP rank, so
+`plan_micro_batches` decides, deterministically, which sequences of a mini-batch each DP rank
+trains on and how they are grouped into micro-batches: the driver plans the whole step with it
+(dataplane/batch.py: plan_shares) and sends every DP rank only its share; tests may instead pass
+the same list of Samples to every rank, which then plans and keeps its share without talking.
+`pack_batch_micro_batch` builds one micro-batch from a tensor RolloutBatch with tensor ops only
+(no per-token Python object); `pack_micro_batch` is the same layout from Samples. Megatron's schedules need the same number of micro-batches on every DP rank, so
 the plan gives every rank exactly `num_micro_batches` of them (a rank with fewer samples than that
 gets empty micro-batches: padding only, loss mask 0).
 
@@ -259,6 +262,65 @@ def pack_micro_batch(
         old_logprobs=per_token["old_logprobs"],
         rollout_logprobs=per_token["rollout_logprobs"],
         ref_logprobs=per_token["ref_logprobs"],
+    )
+
+
+def pack_batch_micro_batch(batch, start: int, stop: int, *, length: int, seq_pad_multiple: int = 1,
+                           pad_token_id: int = 0, mask_truncated: bool = False) -> MicroBatch:
+    """pack_micro_batch for sequences start..stop-1 of a RolloutBatch (dataplane/batch.py), with
+    tensor ops only: the same tensors, bit for bit, as pack_micro_batch on the equivalent Samples
+    (tests/unit/test_dataplane_batch.py). An empty range gives a padding-only micro-batch."""
+    from dapo_megatron.dataplane.batch import exclusive_cumsum, ranges_index
+
+    part = batch.narrow(start, stop - start)
+    n = part.num_sequences
+    lens = part.seq_lengths.to(torch.int64)
+    padded = -(-lens // seq_pad_multiple) * seq_pad_multiple
+    fill = int(padded.sum())
+    if fill > length:
+        raise ValueError(f"micro-batch of {fill} tokens does not fit the packed length {length}")
+    starts = exclusive_cumsum(padded)[:-1]  # where each padded sequence begins
+    seq_of = torch.repeat_interleave(torch.arange(n), lens)  # per real token
+    dst = ranges_index(starts, lens)  # packed position of every real token
+    src = part.tokens.to(torch.int64)
+
+    tokens = torch.full((length,), pad_token_id, dtype=torch.int64)
+    tokens[dst] = src
+    targets = torch.zeros(length, dtype=torch.int64)
+    has_next = (dst - starts[seq_of]) < lens[seq_of] - 1  # not the last token of its sequence
+    targets[dst[has_next]] = src[1:][has_next[:-1]] if src.numel() else src
+    seq_ids = torch.full((length,), -1, dtype=torch.int64)
+    seq_ids[:fill] = torch.repeat_interleave(torch.arange(n), padded)
+    # padding inside a padded sequence continues its positions; the tail restarts at 0
+    position_ids = torch.zeros(length, dtype=torch.int64)
+    position_ids[:fill] = ranges_index(torch.zeros(n, dtype=torch.int64), padded)
+    position_ids[fill:] = torch.arange(length - fill)
+
+    response_lengths = part.response_lengths
+    response_dst = ranges_index(starts + part.prompt_lengths.to(torch.int64) - 1, response_lengths)
+    response_mask = torch.zeros(length, dtype=torch.bool)
+    response_mask[response_dst] = True
+    mask = part.loss_mask.to(torch.float32) if part.loss_mask is not None else torch.ones(response_dst.numel())
+    if mask_truncated:
+        mask = mask.masked_fill(torch.repeat_interleave(part.truncated, response_lengths), 0.0)
+    loss_mask = torch.zeros(length, dtype=torch.float32)
+    loss_mask[response_dst] = mask
+    advantages = torch.zeros(length, dtype=torch.float32)
+    advantages[response_dst] = torch.repeat_interleave(part.advantages, response_lengths)
+    per_token = {}
+    for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs"):
+        values = getattr(part, name)
+        if values is None or n == 0:
+            per_token[name] = None
+            continue
+        buf = torch.zeros(length, dtype=torch.float32)
+        buf[response_dst] = values
+        per_token[name] = buf
+    return MicroBatch(
+        sample_indices=list(range(start, stop)), seq_lengths=lens.tolist(), seq_lengths_padded=padded.tolist(),
+        tokens=tokens, position_ids=position_ids, seq_ids=seq_ids, targets=targets, response_mask=response_mask,
+        loss_mask=loss_mask, advantages=advantages, old_logprobs=per_token["old_logprobs"],
+        rollout_logprobs=per_token["rollout_logprobs"], ref_logprobs=per_token["ref_logprobs"],
     )
 
 

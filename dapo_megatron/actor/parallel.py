@@ -135,6 +135,33 @@ def initialize_model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Opt
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
     )
+    _init_replica_groups()
+
+
+_REPLICA_GROUP = None
+
+
+def _init_replica_groups() -> None:
+    """One group per DP replica: the TP x CP x PP ranks that share a DP index (megatron has tp-pp
+    and tp-cp groups but none with all three). A replica's batch source broadcasts its share over
+    it (dataplane/scatter.py). Membership is read from every rank's DP index, not from a rank
+    formula, so it holds for any megatron rank order."""
+    global _REPLICA_GROUP
+    mine = torch.tensor([dp_rank()], dtype=torch.int64)
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    dp_of = [int(t) for t in everyone]
+    for replica in range(dp_size()):  # every rank creates every group, in the same order
+        group = dist.new_group([rank for rank, d in enumerate(dp_of) if d == replica])
+        if replica == int(mine):
+            _REPLICA_GROUP = group
+
+
+def replica_group():
+    """This rank's DP replica: its TP, CP and PP peers (itself included)."""
+    if _REPLICA_GROUP is None:
+        raise RuntimeError("replica_group: model parallel state is not initialized (use parallel.model_parallel)")
+    return _REPLICA_GROUP
 
 
 @contextlib.contextmanager
@@ -155,8 +182,10 @@ def model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] 
         model_parallel_cuda_manual_seed(seed)
         yield
     finally:
+        global _REPLICA_GROUP
         parallel_state.destroy_model_parallel()
         destroy_subgroups()
+        _REPLICA_GROUP = None
 
 
 def destroy_subgroups() -> None:

@@ -36,35 +36,47 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.batch import Sample
+
+def validate_batch_routed_experts(batch: Any, *, num_layers: int, topk: int) -> None:
+    """ValueError naming the sequence of a RolloutBatch (dataplane/batch.py) whose tokens carry no
+    engine experts, or a width the model does not have (each sample's rows were checked against its
+    tokens when the batch was built: RolloutBatch.from_samples)."""
+    experts = batch.token_fields.get("routed_experts")
+    if experts is None:
+        raise ValueError("the batch carries no routed_experts but actor.routing_replay=true needs the engine's experts "
+                         "(rollout.return_routed_experts=true; SGLang: --enable-return-routed-experts)")
+    if experts.shape[-1] != num_layers * topk:
+        raise ValueError(f"routed_experts has {experts.shape[-1]} ids per token, the model needs {num_layers * topk} "
+                         f"(layers {num_layers} x top-k {topk})")
+    first_rows = batch.seq_offsets[:-1]
+    missing = (experts[first_rows, 0] < 0).nonzero()[:, 0] if batch.num_sequences else torch.zeros(0)
+    if missing.numel():
+        raise ValueError(f"sequence {int(missing[0])} of the batch: routed_experts is None but actor.routing_replay=true "
+                         "needs the engine's experts of every sequence (rollout.return_routed_experts=true)")
 
 
-def validate_routed_experts(samples: Sequence[Sample], *, num_layers: int, topk: int) -> None:
-    """ValueError naming the sample whose routed experts do not fit its tokens and the model."""
-    for index, s in enumerate(samples):
-        if s.routed_experts is None:
-            raise ValueError(f"sample {index}: routed_experts is None but actor.routing_replay=true needs the engine's "
-                             "experts (rollout.return_routed_experts=true; SGLang: --enable-return-routed-experts)")
-        want = (s.num_tokens - 1, num_layers * topk)
-        if tuple(s.routed_experts.shape) != want:
-            raise ValueError(f"sample {index}: routed_experts has shape {tuple(s.routed_experts.shape)}, the sample and "
-                             f"the model need {want} (prompt + response - 1 tokens, layers x top-k)")
-
-
-def pack_routed_experts(samples: Sequence[Sample], sample_indices: Sequence[int], seq_lengths_padded: Sequence[int],
-                        *, length: int, num_layers: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_batch_routed_experts(batch: Any, sample_indices: Sequence[int], seq_lengths_padded: Sequence[int], *,
+                              length: int, num_layers: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's experts of one packed micro-batch, aligned with its tokens (packing.py layout):
-    ([length, num_layers, topk] int64, [length] bool: the engine reported this token)."""
+    ([length, num_layers, topk] int64, [length] bool: the engine reported this token), for
+    sequences `sample_indices` (a consecutive run) of a RolloutBatch whose
+    token_fields["routed_experts"] holds the engine's experts per token (-1: none reported)."""
+    from dapo_megatron.dataplane.batch import exclusive_cumsum, ranges_index
+
     experts = torch.arange(topk, dtype=torch.int64).expand(length, num_layers, topk).clone()
     valid = torch.zeros(length, dtype=torch.bool)
-    offset = 0
-    for index, padded in zip(sample_indices, seq_lengths_padded):
-        rows = samples[index].routed_experts
-        if rows is not None:
-            n = rows.shape[0]
-            experts[offset: offset + n] = rows.to(torch.int64).view(n, num_layers, topk)
-            valid[offset: offset + n] = True
-        offset += padded
+    if not len(sample_indices):
+        return experts, valid
+    first, count = int(sample_indices[0]), len(sample_indices)
+    if list(sample_indices) != list(range(first, first + count)):  # pack_batch_micro_batch's contract
+        raise AssertionError(f"micro-batch sequences are not consecutive: {list(sample_indices)}")
+    part = batch.narrow(first, count)
+    lens = part.seq_lengths.to(torch.int64)
+    dst = ranges_index(exclusive_cumsum(torch.tensor(list(seq_lengths_padded), dtype=torch.int64))[:-1], lens)
+    rows = part.token_fields["routed_experts"].to(torch.int64)
+    reported = rows[:, 0] >= 0
+    experts[dst[reported]] = rows[reported].view(-1, num_layers, topk)
+    valid[dst[reported]] = True
     return experts, valid
 
 

@@ -27,7 +27,9 @@ ends with
 X: max over ranks that receive a share of bytes received / bytes of that rank's share as tensors;
 Y: max over ranks of objects per token; Z: max over ranks of export peak / the largest bucket
 (max(--bucket-mb, the largest single tensor): a tensor is never split). Targets X <= 1.1, Y = 0,
-Z <= 2. docs/benchmarks.md has the measured tables and the extrapolation to 128 ranks.
+Z <= 2. The line before it: the largest tensor any rank that sends nothing materialised. Roles:
+driver (rank 0), exporter (a later pipeline stage's exporting rank, which sends its buckets to the
+driver), rank (everything else). docs/benchmarks.md has the measured tables and the extrapolation to 128 ranks.
 """
 
 from __future__ import annotations
@@ -109,82 +111,53 @@ def peak_rss_bytes() -> int:
 # ------------------------------------------------------------- the implementations being measured
 
 def distribute(samples, *, cfg, step_tokens: int) -> tuple[object, dict]:
-    """Today's path: rank 0 pickles the whole list and broadcast_object_list sends it to every rank."""
-    import pickle
-
+    """The driver turns the Samples into one RolloutBatch and scatter_batch sends each DP replica
+    its token-balanced share of every mini-batch (dataplane/scatter.py)."""
     import torch.distributed as dist
 
-    from dapo_megatron.actor import parallel
-    from dapo_megatron.actor.packing import padded_lengths, plan_micro_batches
-    from dapo_megatron.train import mini_batches
+    from dapo_megatron.dataplane.batch import RolloutBatch
+    from dapo_megatron.dataplane.scatter import scatter_batch
+    from dapo_megatron.dataplane.share import PackSettings
 
-    size = torch.tensor([len(pickle.dumps(samples)) if samples is not None else 0])
-    dist.broadcast(size, src=0)
-    box = [samples]
-    dist.broadcast_object_list(box, src=0)
-    samples = box[0]
-    # what this rank would hold as tensors: its share of every mini-batch (packing.py's plan)
-    tokens = response_tokens = count = 0
-    for mb in mini_batches(samples, group_size=cfg.rollout.n, prompts_per_update=cfg.trainer.mini_batch_size):
-        plan = plan_micro_batches(padded_lengths(mb, 1), micro_batch_tokens=cfg.actor.micro_batch_tokens,
-                                  dp_size=parallel.dp_size())
-        for i in (i for micro in plan[parallel.dp_rank()] for i in micro):
-            tokens += mb[i].num_tokens
-            response_tokens += len(mb[i].response_ids)
-            count += 1
-    received = 0 if dist.get_rank() == 0 else int(size)
-    return samples, {"batch_recv_bytes": received, "share_bytes": share_tensor_bytes(tokens, response_tokens, count)}
+    batch = RolloutBatch.from_samples(samples) if dist.get_rank() == 0 else None
+    share, stats = scatter_batch(batch, settings=PackSettings.from_actor_config(cfg.actor),
+                                 sequences_per_mini_batch=cfg.trainer.mini_batch_size * cfg.rollout.n)
+    return share, {"batch_recv_bytes": stats.bytes_received, "share_bytes": stats.share_bytes}
 
 
 def bookkeep(held, *, cfg) -> tuple[object, dict]:
-    """Today's path: Actor.logprobs all-reduces [2, all response tokens] over the world, every rank
-    turns its log-probs into lists on the Samples, the driver's mismatch loops over tokens."""
-    import torch.distributed as dist
+    """Old log-probs stay tensors on the ranks that compute them (the last stage: random values
+    here, no forward runs); mismatch and entropy are tensor sums reduced over DP."""
+    from dapo_megatron.dataplane.metrics import old_logprob_metrics
+    from dapo_megatron.dataplane.roles import RankRoles
 
-    from dapo_megatron.train import logprob_mismatch
-
-    samples = held
-    total = sum(len(s.response_ids) for s in samples)
-    flat = torch.zeros(2, total)
-    flat[0] = -torch.rand(total)
-    dist.all_reduce(flat)
-    offsets = [0]
-    for s in samples:
-        offsets.append(offsets[-1] + len(s.response_ids))
-    logps = [flat[0, a:b].clone() for a, b in zip(offsets, offsets[1:])]
-    ents = [flat[1, a:b].clone() for a, b in zip(offsets, offsets[1:])]
-    for s, lp in zip(samples, logps):
-        s.old_logprobs = lp.tolist()
-    metrics = {}
-    if dist.get_rank() == 0:
-        metrics = logprob_mismatch(samples)
-        metrics["entropy"] = float(torch.cat(ents).mean())
-    return (samples, logps, ents), {"logprob_reduce_recv_bytes": flat.numel() * flat.element_size()}
+    share, roles = held, RankRoles.current()
+    logprobs = entropies = None
+    if roles.holds_results:
+        count = share.batch.num_response_tokens
+        logprobs, entropies = -torch.rand(count), torch.rand(count)
+        share.batch.old_logprobs = logprobs
+    old_logprob_metrics(share.batch, logprobs, entropies, reports=roles.reports)
+    return (share, logprobs, entropies), {"logprob_reduce_recv_bytes": 5 * 8}
 
 
 def export(chunks, hf_config, *, bucket_bytes: int) -> dict:
-    """Today's path: every rank iterates iter_hf_weights (TP all-gather + PP broadcast of every
-    tensor); the driver groups them in buckets (as DistributedWeightSync does) and holds each one
-    until it is sent."""
-    import torch.distributed as dist
+    """Each stage's exporter gathers its own parameters over TP (weights/stage_export.py); later
+    stages hand their flat buckets to the driver, which holds one bucket at a time while it is sent
+    (the disaggregated sync path; the engine transfer itself is not timed)."""
+    from dapo_megatron.weights.stage_export import StageExporter, gather_manifests, weights_for_driver
 
-    from dapo_megatron.weights import bucketize, iter_hf_weights
-    from dapo_megatron.weights.export import tensor_bytes
-
+    exporter = StageExporter(chunks, hf_config, bucket_bytes=bucket_bytes)
     largest = largest_bucket = 0
-    if dist.get_rank() == 0:
-        for bucket in bucketize(iter_hf_weights(chunks, hf_config), bucket_bytes):
-            largest = max(largest, *(tensor_bytes(t) for _, t in bucket))
-            largest_bucket = max(largest_bucket, sum(tensor_bytes(t) for _, t in bucket))
-            del bucket
-    else:
-        for _, tensor in iter_hf_weights(chunks, hf_config):
-            largest = max(largest, tensor_bytes(tensor))
-            largest_bucket = max(largest_bucket, tensor_bytes(tensor))
-    return {"largest_tensor_bytes": largest, "largest_bucket_bytes": largest_bucket}
+    for bucket in weights_for_driver(exporter, gather_manifests(exporter)):
+        sizes = [t.numel() * t.element_size() for _, t in bucket]
+        largest, largest_bucket = max(largest, *sizes), max(largest_bucket, sum(sizes))
+        del bucket
+    return {"largest_tensor_bytes": max(largest, exporter.stats.largest_tensor),
+            "largest_bucket_bytes": max(largest_bucket, exporter.stats.largest_bucket)}
 
 
-CODE_VERSION = "before: broadcast_object_list + world all-reduce + iter_hf_weights everywhere"
+CODE_VERSION = "after: tensor batch scattered per DP share + per-stage export"
 
 
 # ----------------------------------------------------------------------------------------- one rank
@@ -243,6 +216,7 @@ def _rank_step(layout: dict, args) -> dict:
     from dapo_megatron.actor.model import build_model_chunks
 
     parallel.init_distributed()
+    _import_everything_measured()
     cfg = _bench_config(layout, args)
     hf_config = Qwen2Config(**MODEL, torch_dtype="bfloat16")
     with parallel.model_parallel(tp=layout["tp"], pp=layout["pp"], cp=layout["cp"], seed=0):
@@ -280,13 +254,37 @@ def _rank_step(layout: dict, args) -> dict:
         step_peak = max(step_peak, peak_rss_bytes())
         largest_bucket = torch.tensor([exported["largest_bucket_bytes"]])
         dist.all_reduce(largest_bucket, op=dist.ReduceOp.MAX)
+        role = _role()
     return {
         **recv, **reduce, "tokens": step_tokens, "distribute_s": t1 - t0, "bookkeep_s": t2 - t1, "export_s": t4 - t3,
         "peak_rss_mb": step_peak / 2**20, "py_objects_per_token": objects / max(step_tokens, 1),
         "export_peak_mb": max(export_peak, 0) / 2**20, "largest_tensor_mb": exported["largest_tensor_bytes"] / 2**20,
         "largest_bucket_mb": max(int(largest_bucket), args.bucket_mb << 20) / 2**20,
-        "role": "driver" if dist.get_rank() == 0 else "rank",
+        "role": role,
     }
+
+
+def _role() -> str:
+    """driver (rank 0), exporter (a later stage's exporter: it sends its stage's buckets) or rank."""
+    from dapo_megatron.dataplane.roles import RankRoles
+
+    roles = RankRoles.current()
+    return "driver" if roles.driver else "exporter" if roles.exporter else "rank"
+
+
+def _import_everything_measured() -> None:
+    """Import the measured code before counting objects: module import is a one-time cost, not a
+    per-token one."""
+    import importlib
+    import pickle  # noqa: F401
+
+    for name in ("dapo_megatron.train", "dapo_megatron.weights", "dapo_megatron.actor.packing",
+                 "dapo_megatron.dataplane.scatter", "dapo_megatron.dataplane.metrics", "dapo_megatron.dataplane.roles",
+                 "dapo_megatron.weights.stage_export"):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a module the measured revision does not have
+            pass
 
 
 def _free_port() -> int:
@@ -330,7 +328,9 @@ def summarize(rows: list[dict]) -> dict:
     x = max((r["batch_recv_bytes"] / r["share_bytes"] for r in receivers), default=0.0)
     y = max(r["py_objects_per_token"] for r in rows)
     z = max(r["export_peak_mb"] / r["largest_bucket_mb"] for r in rows)
-    return {"batch_bytes_over_share": x, "python_objects_per_token": y, "export_peak_over_bucket": z}
+    quiet = max((r["largest_tensor_mb"] for r in rows if r["role"] == "rank"), default=0.0)
+    return {"batch_bytes_over_share": x, "python_objects_per_token": y, "export_peak_over_bucket": z,
+            "non_sender_largest_tensor_mb": quiet}
 
 
 def print_table(rows: list[dict]) -> None:
@@ -388,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows)
     append_csv(Path(args.csv) if args.csv else Path(args.results_dir) / "dataplane.csv", rows)
     s = summarize(rows)
+    print(f"largest tensor a non-sending rank materialised in the export: {s['non_sender_largest_tensor_mb']:.1f} MB")
     print(f"dataplane: batch_bytes_over_share={s['batch_bytes_over_share']:.3f} "
           f"python_objects_per_token={s['python_objects_per_token']:.3f} "
           f"export_peak_over_bucket={s['export_peak_over_bucket']:.2f}")

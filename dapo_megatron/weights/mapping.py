@@ -255,6 +255,41 @@ def merge_shards(kind: str, shards: Sequence[torch.Tensor], *, dims: Dims) -> li
     raise AssertionError(f"unknown kind {kind}")
 
 
+def merge_shards_into(kind: str, shards: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
+                      dims: Dims) -> None:
+    """merge_shards written straight into `outputs` (the full HF tensors, e.g. views of a flat
+    export bucket), shard by shard: no full-size temporary. Same values, bit for bit."""
+    t = len(shards)
+    if kind == "replicated":
+        outputs[0].copy_(shards[0])
+    elif kind == "vocab":
+        rows = shards[0].shape[0]
+        for r, shard in enumerate(shards):
+            start, stop = r * rows, min((r + 1) * rows, dims.vocab)
+            if start < stop:
+                outputs[0][start:stop].copy_(shard[: stop - start])
+    elif kind == "row":
+        cols = shards[0].shape[1]
+        for r, shard in enumerate(shards):
+            outputs[0][:, r * cols: (r + 1) * cols].copy_(shard)
+    elif kind == "fc1":
+        half = shards[0].shape[0] // 2
+        for r, shard in enumerate(shards):
+            outputs[0][r * half: (r + 1) * half].copy_(shard[:half])
+            outputs[1][r * half: (r + 1) * half].copy_(shard[half:])
+    elif kind == "qkv":
+        d, groups = dims.head_dim, dims.num_groups // t  # query groups per shard
+        q_rows = dims.num_heads // dims.num_groups * d
+        for r, shard in enumerate(shards):
+            grouped = shard.reshape(groups, q_rows + 2 * d, *shard.shape[1:])
+            q, k, v = torch.split(grouped, [q_rows, d, d], dim=1)
+            g0 = r * groups
+            for out, part, rows in ((outputs[0], q, q_rows), (outputs[1], k, d), (outputs[2], v, d)):
+                out[g0 * rows: (g0 + groups) * rows].copy_(part.reshape(-1, *shard.shape[1:]))
+    else:
+        raise AssertionError(f"unknown kind {kind}")
+
+
 def read_shard(kind: str, hf_names: Sequence[str], read_rows, *, tp_rank: int, tp_size: int, dims: Dims,
                vocab_rows: Optional[int] = None) -> torch.Tensor:
     """Like shard_for_rank, but reads only the rows / columns this rank needs.

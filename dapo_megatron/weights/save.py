@@ -50,25 +50,37 @@ def save_hf_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], hf_con
         n = len(shard_names)
         weight_map = {}
         for k, names in enumerate(shard_names):
-            file_name = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+            file_name = shard_file_name(k, n)
             os.replace(tmp_dir / f"shard-{k}.tmp", tmp_dir / file_name)
             weight_map.update({name: file_name for name in names})
-        with open(tmp_dir / "model.safetensors.index.json", "w", encoding="utf-8") as handle:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, handle, indent=2)
-        hf_config.save_pretrained(str(tmp_dir))
-        if copy_from is not None:
-            for name in AUX_FILES:
-                src = Path(copy_from) / name
-                if src.exists():
-                    shutil.copy2(src, tmp_dir / name)
-        if out_dir.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
-            os.replace(out_dir, old / out_dir.name)
-            os.replace(tmp_dir, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp_dir, out_dir)
+        finish_hf_dir(tmp_dir, out_dir, weight_map=weight_map, total_size=total, hf_config=hf_config,
+                      copy_from=copy_from)
     finally:
         if tmp_dir.exists():
             shutil.rmtree(tmp_dir, ignore_errors=True)
     return out_dir
+
+
+def shard_file_name(index: int, count: int) -> str:
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def finish_hf_dir(tmp_dir: Path, out_dir: Path, *, weight_map: dict[str, str], total_size: int, hf_config: Any,
+                  copy_from: str | os.PathLike | None) -> None:
+    """Index, config and tokenizer files into tmp_dir, then tmp_dir becomes out_dir (an existing
+    out_dir is replaced only now)."""
+    with open(tmp_dir / "model.safetensors.index.json", "w", encoding="utf-8") as handle:
+        json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, handle, indent=2)
+    hf_config.save_pretrained(str(tmp_dir))
+    if copy_from is not None:
+        for name in AUX_FILES:
+            src = Path(copy_from) / name
+            if src.exists():
+                shutil.copy2(src, tmp_dir / name)
+    if out_dir.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        os.replace(out_dir, old / out_dir.name)
+        os.replace(tmp_dir, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp_dir, out_dir)

@@ -1,0 +1,41 @@
+"""Per-token statistics of a step as tensor maths on each rank's share, reduced over DP.
+
+    metrics = old_logprob_metrics(share.batch, old, reports=roles.reports)   # collective
+
+Each DP replica's reporting rank (last pipeline stage, TP and CP rank 0: it holds its share's
+log-probs) sums over its own tokens; one all-reduce of five float64 numbers (and one of a maximum)
+over the world adds the replicas (every other rank contributes zeros), so every rank, the driver
+included, gets the step's values without any per-token list or per-token loop.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dapo_megatron.dataplane.batch import RolloutBatch
+
+
+def old_logprob_metrics(batch: RolloutBatch, logprobs: torch.Tensor | None, entropies: torch.Tensor | None, *,
+                        reports: bool) -> dict[str, float]:
+    """actor/entropy_old: mean entropy of pi_old over the step's response tokens; mismatch/mean and
+    mismatch/max: |log pi_trainer - log pi_engine| on the sampled tokens (kernels, precision and
+    attention differences between trainer and engine show up here before they show up as
+    instability), when the engines returned log-probs."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # entropy sum, tokens, |diff| sum, compared tokens
+    largest = torch.zeros(1, dtype=torch.float64, device=device)
+    if reports and logprobs is not None and logprobs.numel():
+        sums[0] = entropies.double().sum()
+        sums[1] = entropies.numel()
+        if batch.rollout_logprobs is not None:
+            diff = (logprobs.double() - batch.rollout_logprobs.double()).abs()
+            sums[2], sums[3] = diff.sum(), diff.numel()
+            largest[0] = diff.max()
+    dist.all_reduce(sums)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    entropy_sum, tokens, diff_sum, compared = sums.tolist()
+    out = {"actor/entropy_old": entropy_sum / tokens if tokens else 0.0}
+    if compared:
+        out.update({"mismatch/mean": diff_sum / compared, "mismatch/max": float(largest[0])})
+    return out

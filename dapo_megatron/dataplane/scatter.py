@@ -1,0 +1,161 @@
+"""Send each data-parallel rank its share of the step, as tensors of exact sizes.
+
+    share, stats = scatter_batch(batch if roles.driver else None, settings=..., sequences_per_mini_batch=...)
+
+Collective over the world. Two levels, so that no rank receives more than its own share:
+  1. the driver (global rank 0, holding the whole RolloutBatch) plans every DP rank's share
+     (share.plan_shares) and sends share r to the batch source of replica r (its TP/CP/PP rank 0)
+     point to point over the data-parallel group: a small header (field names, dtypes, shapes,
+     the step's sequence count), then each tensor at its exact size, nothing padded to the largest
+     share. All sends are posted before any is waited on.
+  2. each batch source broadcasts its share over its replica group (its tensor-, context- and
+     pipeline-parallel peers: parallel.replica_group()).
+With NCCL the tensors travel on the current device and come back to the host (the packing works
+on the host); with gloo they stay on the CPU. The header is a pickled dict of a few names and
+integers (send_object_list), O(fields), never O(tokens).
+
+slime sends each DP rank its own slice of the rollout data as well (one Ray object per DP rank:
+slime/ray/rollout.py splits by dp_size; only then do the Megatron ranks read it), and verl's
+dispatch modes split a batch per DP rank; here the split is token-balanced and per mini-batch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dapo_megatron.dataplane.batch import RolloutBatch
+from dapo_megatron.dataplane.share import BatchShare, PackSettings, SharePlan, plan_shares
+
+PLAN_FIELDS = ("micro_batch_sizes", "micro_batches_per_mini", "mini_batch_lengths")
+
+
+@dataclass
+class ScatterStats:
+    bytes_received: int = 0  # tensor bytes + header bytes that reached this rank
+    share_bytes: int = 0  # bytes of this rank's share tensors (RolloutBatch.nbytes)
+    seconds: float = 0.0
+    largest_received: int = 0  # the largest single tensor received, bytes
+
+
+def _comm_device(group) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def _header(share: BatchShare) -> dict:
+    tensors = _share_tensors(share)
+    return {"step_sequences": share.step_sequences,
+            "tensors": [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in tensors.items()]}
+
+
+def _share_tensors(share: BatchShare) -> dict[str, torch.Tensor]:
+    out = {f"batch.{k}": v for k, v in share.batch.tensors().items()
+           if k not in ("old_logprobs", "ref_logprobs")}  # computed by the ranks themselves
+    out.update({f"plan.{k}": getattr(share, k) for k in PLAN_FIELDS})
+    return out
+
+
+def _share_from_tensors(header: dict, tensors: dict[str, torch.Tensor]) -> BatchShare:
+    batch_fields = {k.removeprefix("batch."): v for k, v in tensors.items() if k.startswith("batch.")}
+    token_fields = {k.removeprefix("token_fields."): batch_fields.pop(k) for k in list(batch_fields)
+                    if k.startswith("token_fields.")}
+    batch = RolloutBatch(**batch_fields, token_fields=token_fields)
+    return BatchShare(batch=batch, step_sequences=int(header["step_sequences"]),
+                      **{k: tensors[f"plan.{k}"] for k in PLAN_FIELDS})
+
+
+def _empty_like_header(header: dict, device: torch.device) -> dict[str, torch.Tensor]:
+    return {name: torch.empty(shape, dtype=getattr(torch, dtype), device=device) for name, dtype, shape in header["tensors"]}
+
+
+def _header_bytes(header: dict) -> int:
+    import pickle
+
+    return len(pickle.dumps(header))
+
+
+def scatter_batch(batch: RolloutBatch | None, *, settings: PackSettings, sequences_per_mini_batch: int,
+                  ) -> tuple[BatchShare, ScatterStats]:
+    """Collective: every rank returns its DP replica's share (module docstring). `batch` on the
+    driver (global rank 0), None elsewhere."""
+    from dapo_megatron.actor import parallel
+
+    tic = time.perf_counter()
+    stats = ScatterStats()
+    rank, dp_group, replica = dist.get_rank(), parallel.dp_group(), parallel.replica_group()
+    replica_ranks = dist.get_process_group_ranks(replica)
+    source = min(replica_ranks)
+    if rank == 0:
+        if batch is None:
+            raise ValueError("scatter_batch: the driver (rank 0) must pass the step's batch")
+        share = _send_shares(batch, settings=settings, sequences_per_mini_batch=sequences_per_mini_batch,
+                             dp_group=dp_group)
+    elif rank == source:
+        # megatron's order (tp-cp-ep-dp-pp) puts each replica's first rank in rank 0's DP group
+        assert 0 in dist.get_process_group_ranks(dp_group), f"rank {rank}: batch source outside the driver's DP group"
+        share = _receive(src=0, group=dp_group, stats=stats)
+    else:
+        share = None
+    if len(replica_ranks) > 1:
+        share = _broadcast_share(share, src=source, group=replica, stats=stats)
+    stats.share_bytes = share.batch.nbytes()
+    stats.seconds = time.perf_counter() - tic
+    return share, stats
+
+
+def _send_shares(batch: RolloutBatch, *, settings: PackSettings, sequences_per_mini_batch: int,
+                 dp_group) -> BatchShare:
+    """Driver: plan, cut and post one share per DP source; returns the driver's own (DP rank 0)."""
+    dp_ranks = dist.get_process_group_ranks(dp_group)  # the batch sources, DP rank order
+    plans: list[SharePlan] = plan_shares(batch.seq_lengths, sequences_per_mini_batch=sequences_per_mini_batch,
+                                         settings=settings, dp_size=len(dp_ranks))
+    shares = [BatchShare.from_plan(batch, plan, step_sequences=batch.num_sequences) for plan in plans]
+    device = _comm_device(dp_group)
+    pending = []
+    for dst, share in zip(dp_ranks[1:], shares[1:]):
+        dist.send_object_list([_header(share)], dst=dst, group=dp_group)
+        for tensor in _share_tensors(share).values():
+            if tensor.numel():  # empty fields (a share of no sequence) are known from the header alone
+                pending.append(dist.isend(tensor.contiguous().to(device), dst=dst, group=dp_group))
+    for work in pending:
+        work.wait()
+    return shares[0]
+
+
+def _receive(*, src: int, group, stats: ScatterStats) -> BatchShare:
+    box = [None]
+    dist.recv_object_list(box, src=src, group=group)
+    header = box[0]
+    tensors = _empty_like_header(header, _comm_device(group))
+    works = [dist.irecv(t, src=src, group=group) for t in tensors.values() if t.numel()]
+    for work in works:
+        work.wait()
+    _count(stats, header, tensors)
+    return _share_from_tensors(header, {k: v.cpu() for k, v in tensors.items()})
+
+
+def _broadcast_share(share: BatchShare | None, *, src: int, group, stats: ScatterStats) -> BatchShare:
+    device = _comm_device(group)
+    box = [_header(share) if share is not None else None]
+    dist.broadcast_object_list(box, src=src, group=group)
+    header = box[0]
+    if share is not None:
+        tensors = {k: v.contiguous().to(device) for k, v in _share_tensors(share).items()}
+    else:
+        tensors = _empty_like_header(header, device)
+    for tensor in tensors.values():
+        if tensor.numel():
+            dist.broadcast(tensor, src=src, group=group)
+    if share is not None:
+        return share
+    _count(stats, header, tensors)
+    return _share_from_tensors(header, {k: v.cpu() for k, v in tensors.items()})
+
+
+def _count(stats: ScatterStats, header: dict, tensors: dict[str, torch.Tensor]) -> None:
+    sizes = [t.numel() * t.element_size() for t in tensors.values()]
+    stats.bytes_received += sum(sizes) + _header_bytes(header)
+    stats.largest_received = max([stats.largest_received, *sizes])
