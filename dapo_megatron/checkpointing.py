@@ -244,3 +244,29 @@ def newest_valid_checkpoint(output_dir: str | Path, *, log: Callable[[str], None
     raise ValueError("--resume: every checkpoint failed verification (each is kept as step_<N>.corrupt); "
                      "refusing to start from nothing:\n  "
                      + "\n  ".join(rejected))
+
+
+def save_step(cfg, actor, driver, roles, *, step: int, extra: dict) -> None:
+    """All ranks: write checkpoints/step_<step>.tmp (actor; HF weights written by each pipeline stage),
+    then the driver renames it into place."""
+    import torch.distributed as dist
+
+    final = step_dir(cfg.trainer.output_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if roles.driver:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    actor.save(tmp / "actor")
+    if cfg.trainer.save_hf:
+        from dapo_megatron.weights.stage_save import save_hf_by_stage
+
+        save_hf_by_stage(actor.stage_exporter(bucket_bytes=cfg.rollout.weight_bucket_mb << 20), actor.hf_config,
+                         tmp / "hf", copy_from=cfg.model.path)
+    if roles.driver:
+        write_state(tmp, {"step": step, "driver": driver.state_dict(), **extra})
+    dist.barrier()
+    write_manifest(tmp)  # last: sizes + checksums of everything above (collective)
+    if roles.driver:
+        commit(tmp, final, keep=cfg.trainer.keep_checkpoints, keep_best=cfg.trainer.keep_best_checkpoint)
+    dist.barrier()

@@ -1,9 +1,10 @@
-"""What global rank 0 owns in a DAPO run: prompts, rollout engines, the sampler, advantages,
-evaluation and the weight push. Every other rank only runs the actor (train.py).
+"""What global rank 0 owns in a DAPO run: prompts, rollout engines, the sampler, evaluation and the
+engine side of the weight transfer. Every other rank only runs the actor (train.py).
 
     driver = Driver(cfg, model_dir=..., run_dir=...)
-    samples, stats = driver.rollout()          # dynamic sampling -> scored, advantage-filled Samples
-    stats = driver.push_weights(actor.iter_hf_weights(), step=3)   # the other ranks drain the same iterator
+    groups, stats = driver.rollout()           # dynamic sampling: generated, scored (+ overlong shaping) groups
+    fill_advantages(groups, eps=...)           # group-normalised advantages
+    stats = driver.push_weights(buckets, step=3)   # the actor's export buckets (placement.py) -> every engine
     scores = driver.evaluate()                 # avg@k / pass@k on the eval set
 """
 
@@ -19,27 +20,12 @@ import torch
 from dapo_megatron.algo import group_advantages
 from dapo_megatron.batch import Sample
 from dapo_megatron.config import Config
-from dapo_megatron.data import load_prompts
+from dapo_megatron.data.datasets import train_and_eval_records
 from dapo_megatron.data.stream import PromptStream
 from dapo_megatron.evaluate import eval_metrics, sample_correct
 from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
 from dapo_megatron.rollout.weight_sync import DistributedWeightSync
-
-
-def load_datasets(cfg: Config) -> tuple[list, list]:
-    """(train, eval) prompt records: files in the DAPO-Math schema, or the synthetic task with a
-    held-out eval split (eval problems that also occur in the train split are dropped)."""
-    d = cfg.data
-    if d.train_path:
-        train = load_prompts(d.train_path, dedup=d.dedup, prompt_template=d.prompt_template)
-        evals = load_prompts(d.eval_path, dedup=False, prompt_template=d.prompt_template) if d.eval_path else []
-        return list(train), list(evals)
-    from dapo_megatron.tiny import synthetic_train_eval
-
-    s = d.synthetic
-    return synthetic_train_eval(num_train=s.num_train, num_eval=s.num_eval, difficulty=s.difficulty, seed=s.seed,
-                                style=s.style)
 
 
 def fill_advantages(groups: list[list[Sample]], *, eps: float) -> None:
@@ -75,7 +61,7 @@ class Driver:
         self.sampler = RolloutSampler(self.pool, self.tokenizer,
                                       RolloutSettings.from_config(cfg, stop_token_ids=tuple(eos), per_sample_seeds=seeded),
                                       rid_prefix="train")
-        train, self.eval_records = load_datasets(cfg)
+        train, self.eval_records = train_and_eval_records(cfg.data)
         self.prompts = PromptStream(train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         # master_address "" = the trainer address every engine reaches (weight_group.trainer_address)
         self.weight_sync = DistributedWeightSync(backend=backend, bucket_bytes=r.weight_bucket_mb << 20,
@@ -90,10 +76,11 @@ class Driver:
         self.sampler.num_requests = int(state["num_requests"])
 
     # --- one step's data ------------------------------------------------------------------------------
-    def rollout(self) -> tuple[list[Sample], dict[str, float]]:
+    def rollout(self) -> tuple[list[list[Sample]], dict[str, float]]:
+        """train_batch_size groups of rollout.n scored responses (rewards with overlong shaping; groups
+        all right or all wrong dropped and refilled: DAPO's dynamic sampling), and their statistics."""
         result = self.loop.run_until_complete(
             self.sampler.collect(self.prompts, train_batch_size=self.cfg.trainer.train_batch_size))
-        fill_advantages(result.groups, eps=self.cfg.algorithm.advantage_eps)
         samples = result.samples
         lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
         stats = {f"sampler/{k}": float(v) for k, v in result.stats.items()
@@ -106,18 +93,22 @@ class Driver:
             "response_length/max": float(lengths.max()) if samples else 0.0,
             "response_length/clip_ratio": float(sum(s.truncated for s in samples) / max(len(samples), 1)),
         })
-        return samples, stats
+        return result.groups, stats
 
     # --- weights out ----------------------------------------------------------------------------------
-    def push_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, step: int) -> dict[str, float]:
-        """Send the actor's HF-named tensors (the weights after `step` updates) to every engine as weight
-        version "step_<step>", then admit re-registered engines that were waiting for them. From here
-        on, a reply made by any other version is stale (the sampler drops and counts it)."""
+    def push_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], *, step: int) -> dict[str, float]:
+        """Send the actor's buckets of HF-named tensors (the weights after `step` updates) to every
+        engine as weight version "step_<step>", bucket by bucket as they come, then admit re-registered
+        engines that were waiting for them. From here on, a reply made by any other version is stale
+        (the sampler drops and counts it). The weight sync regroups the tensors by the same
+        rollout.weight_bucket_mb (it holds views into at most two export buckets at a time); sending
+        each stage's flat buffer as it is waits for the per-stage weight groups (stage_export.py)."""
         version = f"step_{step}"
+        named = (pair for bucket in buckets for pair in bucket)
 
         async def run():
             await self.pool.discover()
-            stats = await self.weight_sync.sync(self.pool.weight_targets(), named_tensors, weight_version=version)
+            stats = await self.weight_sync.sync(self.pool.weight_targets(), named, weight_version=version)
             self.pool.admit(self.pool.pending_urls())
             return stats
 

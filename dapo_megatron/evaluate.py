@@ -162,11 +162,11 @@ def main(argv: list[str]) -> int:
 
     from transformers import AutoTokenizer
 
-    from dapo_megatron.driver import load_datasets
+    from dapo_megatron.data.datasets import train_and_eval_records
     from dapo_megatron.rollout.pool import EnginePool
     from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
 
-    _, records = load_datasets(cfg)
+    _, records = train_and_eval_records(cfg.data)
     if not records:
         raise ValueError("the eval set is empty: set data.eval_path (or data.synthetic.num_eval)")
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)

@@ -2,7 +2,7 @@
 
     path = prepare_tiny_model(cfg)       # cfg.tiny.enabled; -> <trainer.output_dir>/tiny_model/warm
     # the pieces: build_tiny_model(out_dir, seed=, spec=) -> .../init; warm_start(init, out_dir, ...) -> .../warm
-    # the data:   synthetic_train_eval(num_train=, num_eval=, difficulty=, seed=, style=) -> (train, held-out)
+    # the data it warm-starts on lives with the data: data/synthetic.py (synthetic_train_eval)
 
 Nothing is downloaded: the tokenizer is a fixed byte-level vocabulary with no merges (every byte is
 one token, so every digit is its own token, which is what small models need for arithmetic), and the
@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+
+from dapo_megatron.data.synthetic import synthetic_train_eval  # the warm start trains on its train split
 
 PAD, EOS, UNK, USER, ASSISTANT = "<|pad|>", "<|endoftext|>", "<|unk|>", "<|user|>", "<|assistant|>"
 SPECIAL_TOKENS = [PAD, EOS, UNK, USER, ASSISTANT]  # ids 0..4
@@ -332,28 +334,6 @@ def _digest(prompts: list[str], answers: list[str]) -> str:
 
 # --------------------------------------------------------------------------------------------
 # The embedded default, from a Config
-
-
-def synthetic_train_eval(*, num_train: int, num_eval: int, difficulty: int, seed: int, style: str):
-    """Train and held-out eval PromptRecords of the synthetic task; no eval prompt occurs in train.
-
-    Train is make_synthetic_task(num_train, seed=seed); eval draws from seed + 1 and skips prompts
-    the train set holds (level 2 has 90 * 90 = 8100 distinct problems: 2000 train prompts cover
-    ~22% of them, so an unfiltered eval set would be ~22% memorisable).
-    """
-    from dapo_megatron.data.synthetic import make_synthetic_task
-
-    train = make_synthetic_task(num_train, difficulty=difficulty, seed=seed, style=style)
-    seen = {r.prompt for r in train}
-    held, draw = [], num_eval
-    while len(held) < num_eval:
-        pool = [r for r in make_synthetic_task(draw, difficulty=difficulty, seed=seed + 1, style=style) if r.prompt not in seen]
-        held = pool[:num_eval]
-        if draw > 64 * max(num_eval, 1):
-            raise ValueError(f"data.synthetic: cannot draw {num_eval} eval problems outside the {num_train} train "
-                             f"problems at difficulty {difficulty}; lower data.synthetic.num_eval or num_train")
-        draw *= 2
-    return train, held
 
 
 def _moe_spec_fields(tn) -> dict:

@@ -199,9 +199,17 @@ class Actor:
         """This rank's GPTModel chunks (unwrapped; one per virtual pipeline stage)."""
         return self._chunks
 
+    def stage_exporter(self, *, bucket_bytes: int):
+        """This rank's part of the per-stage weight export (weights/stage_export.py): iterate its
+        buckets() on every rank; only the stage's exporter holds full tensors."""
+        from dapo_megatron.weights.stage_export import StageExporter
+
+        self._require("params", action="stage_exporter")
+        return StageExporter(self._chunks, self.hf_config, bucket_bytes=bucket_bytes)
+
     def iter_hf_weights(self):
-        """Full HF-named tensors (collective over the model-parallel ranks): the weights layer's
-        iter_hf_weights over this actor's chunks."""
+        """Every full HF-named tensor on EVERY rank (collective; the weights layer's iter_hf_weights):
+        for tests and tools that compare weights; the training loop uses stage_exporter."""
         from dapo_megatron.weights import iter_hf_weights
 
         self._require("params", action="iter_hf_weights")

@@ -2,6 +2,7 @@
 
     records = make_synthetic_task(2000, difficulty=2, seed=1234)                  # DAPO template
     records = make_synthetic_task(64, difficulty=1, seed=0, style="compact")      # "3+4=" -> "Answer: 7"
+    train, held_out = synthetic_train_eval(num_train=2000, num_eval=100, difficulty=2, seed=1234, style="compact")
 
 Difficulty levels (operands drawn uniformly; answers are integers, possibly negative at level 5):
     1  a + b               a, b in 0..9                       ("3+4")
@@ -24,7 +25,7 @@ import random
 
 from dapo_megatron.data.prompts import PromptRecord, apply_template
 
-__all__ = ["make_synthetic_task", "DIFFICULTY_LEVELS", "SYNTHETIC_STYLES"]
+__all__ = ["make_synthetic_task", "synthetic_train_eval", "DIFFICULTY_LEVELS", "SYNTHETIC_STYLES"]
 
 DIFFICULTY_LEVELS = {
     1: "a + b, a and b in 0..9",
@@ -78,3 +79,23 @@ def make_synthetic_task(num: int, *, difficulty: int, seed: int, style: str = "d
         records.append(PromptRecord(prompt=prompt, ground_truth=str(value), data_source="math_dapo",
                                     index=f"synthetic-d{difficulty}-s{seed}-{i}", ability="ARITHMETIC"))
     return records
+
+
+def synthetic_train_eval(*, num_train: int, num_eval: int, difficulty: int, seed: int, style: str):
+    """Train and held-out eval PromptRecords of the synthetic task; no eval prompt occurs in train.
+
+    Train is make_synthetic_task(num_train, seed=seed); eval draws from seed + 1 and skips prompts
+    the train set holds (level 2 has 90 * 90 = 8100 distinct problems: 2000 train prompts cover
+    ~22% of them, so an unfiltered eval set would be ~22% memorisable).
+    """
+    train = make_synthetic_task(num_train, difficulty=difficulty, seed=seed, style=style)
+    seen = {r.prompt for r in train}
+    held, draw = [], num_eval
+    while len(held) < num_eval:
+        pool = [r for r in make_synthetic_task(draw, difficulty=difficulty, seed=seed + 1, style=style) if r.prompt not in seen]
+        held = pool[:num_eval]
+        if draw > 64 * max(num_eval, 1):
+            raise ValueError(f"data.synthetic: cannot draw {num_eval} eval problems outside the {num_train} train "
+                             f"problems at difficulty {difficulty}; lower data.synthetic.num_eval or num_train")
+        draw *= 2
+    return train, held

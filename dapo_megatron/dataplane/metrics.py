@@ -1,6 +1,8 @@
-"""Per-token statistics of a step as tensor maths on each rank's share, reduced over DP.
+"""A step's metrics: per-token statistics as tensor maths on each rank's share, reduced over DP;
+the mini-batch updates summarised; phase times.
 
-    metrics = old_logprob_metrics(share.batch, old, reports=roles.reports)   # collective
+    metrics = old_logprob_metrics(share.batch, old.logprobs, old.entropies, reports=roles.reports)  # collective
+    metrics = reduce_updates([actor.train(mini, step=s) for mini in share.mini_batches()])
 
 Each DP replica's reporting rank (last pipeline stage, TP and CP rank 0: it holds its share's
 log-probs) sums over its own tokens; one all-reduce of five float64 numbers (and one of a maximum)
@@ -9,6 +11,8 @@ included, gets the step's values without any per-token list or per-token loop.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.distributed as dist
@@ -38,4 +42,39 @@ def old_logprob_metrics(batch: RolloutBatch, logprobs: torch.Tensor | None, entr
     out = {"actor/entropy_old": entropy_sum / tokens if tokens else 0.0}
     if compared:
         out.update({"mismatch/mean": diff_sum / compared, "mismatch/max": float(largest[0])})
+    return out
+
+
+class Clock:
+    """Seconds of each phase of a step (time/<phase>_s) and of the whole step."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.laps[phase], self.last = now - self.last, now
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"time/{k}_s": v for k, v in self.laps.items()}
+        out["time/step_s"] = self.last - self.start
+        return out
+
+
+def reduce_updates(updates: list[dict[str, float]]) -> dict[str, float]:
+    """Per-step view of the mini-batch updates: means, except counts (sum) and maxima (max)."""
+    if not updates:
+        return {"actor/num_updates": 0.0}
+    out = {}
+    for key in updates[0]:
+        values = [u[key] for u in updates]
+        if key in ("num_tokens", "nonfinite", "update_skipped"):
+            out[f"actor/{key}"] = float(sum(values))
+        elif key in ("ratio_max",):
+            out[f"actor/{key}"] = float(max(values))
+        else:
+            out[f"actor/{key}"] = float(sum(values) / len(values))
+    out["actor/grad_norm_max"] = float(max(u["grad_norm"] for u in updates))
+    out["actor/num_updates"] = float(len(updates))
     return out

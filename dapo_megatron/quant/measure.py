@@ -43,7 +43,7 @@ def measure(*, model_dir: str, num_prompts: int, seed: int) -> dict[str, float]:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dapo_megatron.tiny import synthetic_train_eval
+    from dapo_megatron.data.synthetic import synthetic_train_eval
 
     train, _ = synthetic_train_eval(num_train=num_prompts, num_eval=1, difficulty=2, seed=seed, style="compact")
     prompts, answers = [r.prompt for r in train], [r.ground_truth for r in train]

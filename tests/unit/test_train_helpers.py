@@ -1,16 +1,8 @@
-"""Pure helpers of the training loop: mini-batch split, per-step reduction, mismatch."""
+"""Pure helpers of the training loop: the per-step reduction of the updates, the phase clock.
+(The mini-batch split: tests/unit/test_dataplane_batch.py; the DP-reduced entropy and mismatch:
+tests/distributed/test_dataplane_scatter.py.)"""
 
-import pytest
-
-from dapo_megatron.batch import Sample
-from dapo_megatron.train import logprob_mismatch, mini_batches, reduce_updates
-
-
-def test_mini_batches_never_split_a_group():
-    samples = list(range(24))  # 6 prompts x 4 responses, group-major as the sampler returns them
-    batches = mini_batches(samples, group_size=4, prompts_per_update=2)
-    assert batches == [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
-    assert mini_batches([], group_size=4, prompts_per_update=2) == []
+from dapo_megatron.dataplane.metrics import Clock, reduce_updates
 
 
 def test_reduce_updates_means_sums_and_maxima():
@@ -24,11 +16,10 @@ def test_reduce_updates_means_sums_and_maxima():
     assert reduce_updates([]) == {"actor/num_updates": 0.0}  # a step with nothing kept
 
 
-def test_logprob_mismatch_over_sampled_tokens():
-    s1 = Sample(prompt_ids=[1], response_ids=[2, 3], group_index=0, old_logprobs=[-1.0, -2.0],
-                rollout_logprobs=[-1.5, -2.0])
-    s2 = Sample(prompt_ids=[1], response_ids=[4], group_index=0, old_logprobs=[-0.25], rollout_logprobs=[0.0])
-    out = logprob_mismatch([s1, s2])
-    assert out["mismatch/max"] == 0.5
-    assert out["mismatch/mean"] == pytest.approx((0.5 + 0.0 + 0.25) / 3, abs=1e-15)
-    assert logprob_mismatch([]) == {}
+def test_clock_names_each_phase_and_the_whole_step():
+    clock = Clock()
+    clock.lap("gen")
+    clock.lap("train")
+    out = clock.metrics()
+    assert set(out) == {"time/gen_s", "time/train_s", "time/step_s"}
+    assert abs(out["time/step_s"] - out["time/gen_s"] - out["time/train_s"]) < 1e-9
