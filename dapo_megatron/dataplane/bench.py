@@ -1,7 +1,7 @@
 """`dapo-megatron bench dataplane`: the data plane of one DAPO step at the 32B preset's shape, on
 gloo ranks of this machine.
 
-    dapo-megatron bench dataplane                                  # 2 and 4 ranks, 7 layouts
+    dapo-megatron bench dataplane                                  # 2 and 4 ranks, 8 layouts
     dapo-megatron bench dataplane --layouts 4:tp2,pp2 --prompts 16 --results-dir /tmp/bench
 
 The step (DAPO's, minus the model maths): global rank 0 holds the scored responses of a step
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_LAYOUTS = ("2:dp2", "2:tp2", "2:pp2", "4:dp4", "4:tp2,dp2", "4:pp2,dp2", "4:tp2,pp2")
+DEFAULT_LAYOUTS = ("2:dp2", "2:tp2", "2:pp2", "4:dp4", "4:tp2,dp2", "4:pp2,dp2", "4:tp2,pp2", "4:cp2,dp2")
 # The 32B architecture (hidden 5120, 64 layers, 40/8 heads, FFN 27648, vocab 152064) scaled down.
 MODEL = dict(hidden_size=640, intermediate_size=3456, num_hidden_layers=8, num_attention_heads=10,
              num_key_value_heads=2, vocab_size=19008, max_position_embeddings=32768, rms_norm_eps=1e-6,
