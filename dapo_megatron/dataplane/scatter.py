@@ -14,9 +14,11 @@ With NCCL the tensors travel on the current device and come back to the host (th
 on the host); with gloo they stay on the CPU. The header is a pickled dict of a few names and
 integers (send_object_list), O(fields), never O(tokens).
 
-slime sends each DP rank its own slice of the rollout data as well (one Ray object per DP rank:
-slime/ray/rollout.py splits by dp_size; only then do the Megatron ranks read it), and verl's
-dispatch modes split a batch per DP rank; here the split is token-balanced and per mini-batch.
+slime splits the rollout data per DP rank as well (THUDM/slime, slime/ray/rollout.py,
+RolloutManager._split_train_data_by_dp: sequence-length-balanced partitions with --balance-data,
+one Ray object per DP rank, still Python lists per sample, which every rank of that DP replica
+reads from Ray's object store). Here the share is tensors from the start, split per mini-batch
+with the actor's own packing plan, and travels over the process groups that already exist.
 """
 
 from __future__ import annotations

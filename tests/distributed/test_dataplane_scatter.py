@@ -167,3 +167,35 @@ def test_actor_on_scattered_shares_equals_the_list_path(rank_pool, tiny_dir, tp,
         assert m["mismatch/max"] == float(diff.max())
     for got, ref in zip(holders[0]["list_old"], want):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def _roles_rank(tp, pp, cp):
+    import torch.distributed as dist
+
+    from dapo_megatron.actor import parallel
+    from dapo_megatron.dataplane.roles import RankRoles
+
+    with parallel.model_parallel(tp=tp, pp=pp, cp=cp):
+        r = RankRoles.current()
+        names = {n for n in ("driver", "batch_source", "holds_results", "reports", "exporter") if getattr(r, n)}
+        return names, dist.get_process_group_ranks(parallel.replica_group())
+
+
+# megatron's order tp-cp-dp-pp, worked out by hand: rank = tp + TP * (cp + CP * (dp + DP * pp))
+ROLES = {
+    (2, 2, 1): [{"driver", "batch_source", "exporter"}, set(), {"holds_results", "reports", "exporter"},
+                {"holds_results"}],
+    (1, 1, 2): [{"driver", "batch_source", "holds_results", "reports", "exporter"}, {"holds_results"},
+                {"batch_source", "holds_results", "reports"}, {"holds_results"}],
+    (1, 2, 1): [{"driver", "batch_source", "exporter"}, {"batch_source"},
+                {"holds_results", "reports", "exporter"}, {"holds_results", "reports"}],
+}
+REPLICAS = {(2, 2, 1): [[0, 1, 2, 3]] * 4, (1, 1, 2): [[0, 1], [0, 1], [2, 3], [2, 3]],
+            (1, 2, 1): [[0, 2], [1, 3], [0, 2], [1, 3]]}
+
+
+@pytest.mark.parametrize("layout", list(ROLES), ids=lambda v: f"tp{v[0]}pp{v[1]}cp{v[2]}")
+def test_rank_roles_and_replica_groups(rank_pool, layout):
+    results = rank_pool(4).run(_roles_rank, *layout)
+    assert [names for names, _ in results] == ROLES[layout]
+    assert [ranks for _, ranks in results] == REPLICAS[layout]
