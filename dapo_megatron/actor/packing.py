@@ -2,11 +2,11 @@
 
 `plan_micro_batches` decides, deterministically, which sequences of a mini-batch each DP rank
 trains on and how they are grouped into micro-batches: the driver plans the whole step with it
-(dataplane/batch.py: plan_shares) and sends every DP rank only its share; tests may instead pass
+(dataplane/share.py: plan_shares) and sends every DP rank only its share; tests may instead pass
 the same list of Samples to every rank, which then plans and keeps its share without talking.
 `pack_batch_micro_batch` builds one micro-batch from a tensor RolloutBatch with tensor ops only
-(no per-token Python object); `pack_micro_batch` is the same layout from Samples. Megatron's schedules need the same number of micro-batches on every DP rank, so
-the plan gives every rank exactly `num_micro_batches` of them (a rank with fewer samples than that
+(no per-token Python object); `pack_micro_batch` is the same layout from Samples. Megatron's
+schedules need the same number of micro-batches on every DP rank, so the plan gives every rank exactly `num_micro_batches` of them (a rank with fewer samples than that
 gets empty micro-batches: padding only, loss mask 0).
 
 Layout of one packed micro-batch (two samples, prompt p / response r, then a padding tail):

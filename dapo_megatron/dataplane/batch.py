@@ -134,7 +134,8 @@ class RolloutBatch:
         ids += [torch.tensor(s.response_ids, dtype=torch.int32) for s in samples]
         n = len(samples)
         prompts, responses = ids[:n], ids[n:]
-        tokens = torch.cat([t for pair in zip(prompts, responses) for t in pair]) if n else torch.zeros(0, dtype=torch.int32)
+        pieces = [t for pair in zip(prompts, responses) for t in pair]
+        tokens = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int32)
         batch = cls(
             tokens=tokens,
             seq_lengths=torch.tensor([s.num_tokens for s in samples], dtype=torch.int32),

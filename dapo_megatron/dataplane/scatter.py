@@ -44,7 +44,9 @@ class ScatterStats:
 
 
 def _comm_device(group) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _header(share: BatchShare) -> dict:
@@ -70,7 +72,8 @@ def _share_from_tensors(header: dict, tensors: dict[str, torch.Tensor]) -> Batch
 
 
 def _empty_like_header(header: dict, device: torch.device) -> dict[str, torch.Tensor]:
-    return {name: torch.empty(shape, dtype=getattr(torch, dtype), device=device) for name, dtype, shape in header["tensors"]}
+    return {name: torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            for name, dtype, shape in header["tensors"]}
 
 
 def _header_bytes(header: dict) -> int:

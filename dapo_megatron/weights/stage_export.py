@@ -34,7 +34,7 @@ only the exporter receives the shards, and the next bucket's gather overlaps the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch

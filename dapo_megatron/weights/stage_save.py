@@ -85,20 +85,22 @@ def save_hf_by_stage(exporter: StageExporter, hf_config: Any, out_dir: str | os.
         first = sum(len(f) for f in files_per_stage[:parallel.pp_rank()])
         bucket_file = {b: k for k, bs in enumerate(files_per_stage[parallel.pp_rank()]) for b in bs}
     handle, current = None, -1
-    for index, bucket in enumerate(exporter.buckets()):
-        if exporter.is_exporter:
-            k = bucket_file[index]
-            if k != current:
-                if handle is not None:
-                    handle.close()
-                handle, current = open(tmp_dir / shard_file_name(first + k, total), "wb"), k
-                members = [exporter.plan[b] for b in files_per_stage[parallel.pp_rank()][k]]
-                handle.write(safetensors_header([item for items in members for item in items]))
-            for _, tensor in bucket.named:
-                _write_tensor(handle, tensor)
-        del bucket
-    if handle is not None:
-        handle.close()
+    try:
+        for index, bucket in enumerate(exporter.buckets()):
+            if exporter.is_exporter:
+                k = bucket_file[index]
+                if k != current:  # a new shard file: its header first, from the plan
+                    if handle is not None:
+                        handle.close()
+                    handle, current = open(tmp_dir / shard_file_name(first + k, total), "wb"), k
+                    members = [exporter.plan[b] for b in files_per_stage[parallel.pp_rank()][k]]
+                    handle.write(safetensors_header([item for items in members for item in items]))
+                for _, tensor in bucket.named:
+                    _write_tensor(handle, tensor)
+            del bucket
+    finally:
+        if handle is not None:
+            handle.close()
     dist.barrier()
     if dist.get_rank() == 0:
         weight_map, size = {}, 0

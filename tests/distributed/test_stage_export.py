@@ -30,7 +30,7 @@ def _hf_state(hf_dir):
     return state
 
 
-def _export_on_rank(hf_dir, tp, pp, bucket_bytes, save_to):
+def _export_on_rank(hf_dir, tp, pp, bucket_bytes, save_to, vpp=None):
     import torch.distributed as dist
     from transformers import AutoConfig
 
@@ -42,7 +42,7 @@ def _export_on_rank(hf_dir, tp, pp, bucket_bytes, save_to):
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     precision = "bf16" if hf_config.dtype == torch.bfloat16 else "fp32"
-    with parallel.model_parallel(tp=tp, pp=pp):
+    with parallel.model_parallel(tp=tp, pp=pp, vpp=vpp):
         # as the Actor builds it: no vocabulary padding beyond a multiple of tp (a padded vocabulary's
         # gathered shards would be larger than the full tensor the bucket plan counts)
         chunks = build_model_chunks(hf_config, attention_backend="torch", precision=precision, vocab_divisible_by=1)
@@ -62,14 +62,16 @@ def _export_on_rank(hf_dir, tp, pp, bucket_bytes, save_to):
                 "exporter": exporter.is_exporter, "stage": parallel.pp_rank(), "received_buckets": sizes}
 
 
-LAYOUTS = [("qwen2", 4, 2, 2), ("qwen2", 2, 2, 1), ("qwen2", 2, 1, 2), ("qwen2", 4, 1, 2), ("tied_bf16", 4, 2, 2)]
+LAYOUTS = [("qwen2", 4, 2, 2, None), ("qwen2", 2, 2, 1, None), ("qwen2", 2, 1, 2, None), ("qwen2", 4, 1, 2, None),
+           ("qwen2", 4, 1, 2, 2), ("tied_bf16", 4, 2, 2, None)]
 
 
-@pytest.mark.parametrize("name,world,tp,pp", LAYOUTS, ids=lambda v: str(v))
-def test_driver_receives_every_tensor_and_only_exporters_materialise(rank_pool, hf_dirs, tmp_path, name, world, tp, pp):
+@pytest.mark.parametrize("name,world,tp,pp,vpp", LAYOUTS, ids=lambda v: str(v))
+def test_driver_receives_every_tensor_and_only_exporters_materialise(rank_pool, hf_dirs, tmp_path, name, world, tp,
+                                                                     pp, vpp):
     reference = _hf_state(hf_dirs[name])
     bucket = 40_000  # bytes: several buckets per stage, the embedding (~80 KB fp32) alone in its own
-    results = rank_pool(world).run(_export_on_rank, str(hf_dirs[name]), tp, pp, bucket, str(tmp_path / "hf"))
+    results = rank_pool(world).run(_export_on_rank, str(hf_dirs[name]), tp, pp, bucket, str(tmp_path / "hf"), vpp)
     driver = results[0]
     names = [n for n, _ in driver["received"]]
     assert len(names) == len(set(names)) and set(names) == set(reference)

@@ -54,7 +54,8 @@ def test_shard_files_group_buckets_and_the_header_reads_back(tmp_path):
     a, b = _item("a", (2, 3)), _item("b", (4,), (1,), dtype=torch.bfloat16)
     assert plan_files([[a], [b], [a]], 40) == [[0, 1], [2]]  # 24 + 10 <= 40; + 24 > 40
     tensors = {"a.0": torch.arange(6, dtype=torch.float32).reshape(2, 3),
-               "b.0": torch.tensor([1.5, -2, 3, 4], dtype=torch.bfloat16), "b.1": torch.tensor([7.0], dtype=torch.bfloat16)}
+               "b.0": torch.tensor([1.5, -2, 3, 4], dtype=torch.bfloat16),
+               "b.1": torch.tensor([7.0], dtype=torch.bfloat16)}
     path = tmp_path / "x.safetensors"
     with open(path, "wb") as fh:
         fh.write(safetensors_header([a, b]))
