@@ -8,22 +8,27 @@ parallelism onto ONE rank of the stage, in flat buckets.
 
 Who does what (roles.py): the stage's exporter is its TP rank 0 of DP rank 0 and CP rank 0. Its
 TP peers send it their shards (a gather by point-to-point, not an all-gather: nobody else holds a
-full tensor);
-every other DP / CP replica returns at once (their weights are the same). Only the exporter
-materialises full tensors, and only a bucket or two of them at a time:
+full tensor); every other DP / CP replica returns at once (their weights are the same). Only the
+exporter materialises full tensors, and only a bucket or two of them at a time:
 
     gather bucket 0 | merge 0 | start gather 1 | yield 0 (consumer sends) | wait 1 | merge 1 | start 2 | yield 1 ...
 
 so bucket k+1's shards travel while bucket k is sent, and the exporter holds at most two buckets
-(bucket k's flat buffer and bucket k+1's gathered shards, its own shard not copied). A bucket's tensors are views of one
-flat byte buffer (offsets aligned to 16 bytes): it leaves in one transfer (SGLang's
-FlattenedTensorBucket sends the same shape of payload), and the HF shard writer streams it to disk
-without copies.
+(bucket k's flat buffer and bucket k+1's gathered shards, its own shard not copied). A bucket's
+tensors are views of one flat byte buffer, back to back: exactly the bytes of SGLang's
+FlattenedTensorBucket for the same names (sglang/srt/weight_sync/tensor_bucket.py), so a bucket
+can leave in one broadcast without a copy, and the HF shard writer streams it to disk as it is.
 
 The bucket plan is known before any data moves: each parameter's full size follows from the HF
 config (`stage_manifest`), and buckets are consecutive greedy groups of at most bucket_bytes (a
-larger tensor alone), the rule of export.bucketize. `gather_manifests` hands every stage's
-manifest to the driver (one small exchange over the exporters' pipeline group, cached).
+larger parameter alone). `gather_manifests` hands every stage's manifest to the driver (one small
+exchange of names and shapes over the exporters' pipeline group).
+
+Next step, once the SGLang weight-update session lands (rollout/weight_sync.py): each exporter
+joins its own weight group with the engines (slime's "slime-pp_{pp_rank}") and broadcasts its
+buckets' flat buffers itself inside the session, while the driver, which holds every stage's
+manifest, posts each bucket's names, dtypes and shapes (plan_buckets over manifests[stage]) to the
+engines; the loop in weights_for_driver that funnels later stages through the driver then goes.
 
 slime (THUDM/slime, slime/backends/megatron_utils/update_weight/update_weight_from_distributed.py,
 commit 02a644a): every PP stage's DP=TP=0 rank forms its own NCCL group "slime-pp_{pp_rank}" with
@@ -43,7 +48,6 @@ import torch.distributed as dist
 from dapo_megatron.weights.export import _local_maps
 from dapo_megatron.weights.mapping import Dims, expected_hf_shapes, merge_shards_into
 
-ALIGN = 16  # byte alignment of each tensor inside a flat bucket (any dtype view is legal)
 
 
 @dataclass(frozen=True)
@@ -56,27 +60,28 @@ class ExportItem:
     dtype: torch.dtype
     kind: str  # shard layout (mapping.py): replicated, vocab, row, qkv, fc1
 
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
     def sizes(self) -> list[int]:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return [elem * int(torch.Size(s).numel()) for s in self.shapes]
+        return [self.element_size * int(torch.Size(s).numel()) for s in self.shapes]
 
     @property
     def nbytes(self) -> int:
         return sum(self.sizes())
 
 
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
 def plan_buckets(items: Sequence[ExportItem], max_bytes: int) -> list[list[ExportItem]]:
-    """Consecutive groups of at most max_bytes of full tensors (a bigger parameter alone)."""
+    """Consecutive groups of at most max_bytes of full tensors (a bigger parameter alone). A new
+    group also starts where a tensor's byte offset would not be a multiple of its element size
+    (mixed dtypes), the rule of SGLang's flattened buckets: every tensor must view back out."""
     if max_bytes <= 0:
         raise ValueError(f"rollout.weight_bucket_mb: bucket bound must be positive, got {max_bytes} bytes")
     buckets: list[list[ExportItem]] = []
     size = 0
     for item in items:
-        if buckets and buckets[-1] and size + item.nbytes <= max_bytes:
+        if buckets and size + item.nbytes <= max_bytes and size % item.element_size == 0:
             buckets[-1].append(item)
             size += item.nbytes
         else:
@@ -86,12 +91,13 @@ def plan_buckets(items: Sequence[ExportItem], max_bytes: int) -> list[list[Expor
 
 
 def bucket_layout(items: Sequence[ExportItem]) -> list[tuple[str, tuple[int, ...], torch.dtype, int, int]]:
-    """(name, shape, dtype, byte offset, byte size) of each tensor in the bucket's flat buffer."""
+    """(name, shape, dtype, byte offset, byte size) of each tensor in the bucket's flat buffer: back
+    to back in order, the bytes SGLang's FlattenedTensorBucket holds for the same names."""
     out, offset = [], 0
     for item in items:
         for name, shape, size in zip(item.names, item.shapes, item.sizes()):
             out.append((name, shape, item.dtype, offset, size))
-            offset = _align(offset + size)
+            offset += size
     return out
 
 

@@ -40,12 +40,16 @@ def test_bucket_plan_layout_and_views():
     # 40 | 36 + 4 = 40 -> new bucket; c = 400 alone (bigger than the bound); d = 10 bytes
     assert [[i.key for i in g] for g in plan_buckets([a, b, c, d], 64)] == [["a"], ["b"], ["c"], ["d"]]
     assert [[i.key for i in g] for g in plan_buckets([a, b, c, d], 80)] == [["a", "b"], ["c"], ["d"]]
-    layout = bucket_layout([a, b])  # offsets aligned to 16 bytes
-    assert [(n, off, size) for n, _, _, off, size in layout] == [("a.0", 0, 40), ("b.0", 48, 36), ("b.1", 96, 4)]
-    flat = torch.zeros(100, dtype=torch.uint8)
+    layout = bucket_layout([a, b])  # back to back: SGLang's flattened-bucket bytes
+    assert [(n, off, size) for n, _, _, off, size in layout] == [("a.0", 0, 40), ("b.0", 40, 36), ("b.1", 76, 4)]
+    flat = torch.zeros(80, dtype=torch.uint8)
     views = views_of(flat, [a, b])
     views[1][1].fill_(1.0)
-    assert flat[48:84].view(torch.float32).reshape(3, 3).sum() == 9.0 and views[0][1].shape == (10,)
+    assert flat[40:76].view(torch.float32).reshape(3, 3).sum() == 9.0 and views[0][1].shape == (10,)
+    # mixed dtypes: a tensor never starts at an offset its element size does not divide
+    # d is 10 bytes: an fp32 tensor after one d (offset 10) or after a + d (offset 50) starts a new bucket
+    assert [[i.key for i in g] for g in plan_buckets([d, a, d, a], 1000)] == [["d"], ["a", "d"], ["a"]]
+    assert [[i.key for i in g] for g in plan_buckets([a, d, d, a], 1000)] == [["a", "d", "d", "a"]]  # 60 % 4 == 0
     with pytest.raises(ValueError, match="bucket bound must be positive"):
         plan_buckets([a], 0)
 
