@@ -119,13 +119,14 @@ def _send_shares(batch: RolloutBatch, *, settings: PackSettings, sequences_per_m
                                          settings=settings, dp_size=len(dp_ranks))
     shares = [BatchShare.from_plan(batch, plan, step_sequences=batch.num_sequences) for plan in plans]
     device = _comm_device(dp_group)
-    pending = []
+    pending = []  # (work, tensor): the sent copy must outlive its send
     for dst, share in zip(dp_ranks[1:], shares[1:]):
         dist.send_object_list([_header(share)], dst=dst, group=dp_group)
         for tensor in _share_tensors(share).values():
             if tensor.numel():  # empty fields (a share of no sequence) are known from the header alone
-                pending.append(dist.isend(tensor.contiguous().to(device), dst=dst, group=dp_group))
-    for work in pending:
+                sent = tensor.contiguous().to(device)
+                pending.append((dist.isend(sent, dst=dst, group=dp_group), sent))
+    for work, _ in pending:
         work.wait()
     return shares[0]
 
