@@ -246,6 +246,28 @@ def newest_valid_checkpoint(output_dir: str | Path, *, log: Callable[[str], None
                      + "\n  ".join(rejected))
 
 
+def _save_hf(cfg, actor, roles, out_dir: Path) -> None:
+    """Collective: the HF checkpoint written by the pipeline stages (weights/stage_save.py), or, for
+    expert-parallel layouts the stage export does not cover yet, streamed to the driver through
+    iter_hf_weights (every rank walks it in step)."""
+    from dapo_megatron.weights.stage_export import covers_layout
+
+    if covers_layout():
+        from dapo_megatron.weights.stage_save import save_hf_by_stage
+
+        save_hf_by_stage(actor.stage_exporter(bucket_bytes=cfg.rollout.weight_bucket_mb << 20), actor.hf_config,
+                         out_dir, copy_from=cfg.model.path)
+        return
+    named = actor.iter_hf_weights()
+    if roles.driver:
+        from dapo_megatron.weights import save_hf_checkpoint
+
+        save_hf_checkpoint(named, actor.hf_config, out_dir, copy_from=cfg.model.path)
+    else:
+        for _ in named:
+            pass
+
+
 def save_step(cfg, actor, driver, roles, *, step: int, extra: dict) -> None:
     """All ranks: write checkpoints/step_<step>.tmp (actor; HF weights written by each pipeline stage),
     then the driver renames it into place."""
@@ -259,10 +281,7 @@ def save_step(cfg, actor, driver, roles, *, step: int, extra: dict) -> None:
     dist.barrier()
     actor.save(tmp / "actor")
     if cfg.trainer.save_hf:
-        from dapo_megatron.weights.stage_save import save_hf_by_stage
-
-        save_hf_by_stage(actor.stage_exporter(bucket_bytes=cfg.rollout.weight_bucket_mb << 20), actor.hf_config,
-                         tmp / "hf", copy_from=cfg.model.path)
+        _save_hf(cfg, actor, roles, tmp / "hf")
     if roles.driver:
         write_state(tmp, {"step": step, "driver": driver.state_dict(), **extra})
     dist.barrier()

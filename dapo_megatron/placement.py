@@ -56,14 +56,28 @@ class DisaggregatedPlacement:
     def transfer_weights(self, actor, *, step: int) -> dict[str, float]:
         """Collective: every rank takes part in its stage's export; the driver sends to the engines
         (as weight version "step_<step>": the weights after `step` updates)."""
-        from dapo_megatron.weights.stage_export import gather_manifests, weights_for_driver
+        from dapo_megatron.weights.stage_export import covers_layout, gather_manifests, weights_for_driver
 
+        if not covers_layout():
+            return self._transfer_through_every_rank(actor, step=step)
         exporter = actor.stage_exporter(bucket_bytes=self.bucket_bytes)
         buckets = weights_for_driver(exporter, gather_manifests(exporter))
         if self.roles.driver:
             return self.driver.push_weights(buckets, step=step)
         for bucket in buckets:
             del bucket
+        return {}
+
+    def _transfer_through_every_rank(self, actor, *, step: int) -> dict[str, float]:
+        """Expert-parallel layouts (stage_export.covers_layout): every rank walks iter_hf_weights in
+        step (experts gathered over EP, stages broadcast over PP) and the driver sends its buckets."""
+        from dapo_megatron.weights.export import bucketize
+
+        named = actor.iter_hf_weights()
+        if self.roles.driver:
+            return self.driver.push_weights(bucketize(named, self.bucket_bytes), step=step)
+        for _ in named:
+            pass
         return {}
 
 

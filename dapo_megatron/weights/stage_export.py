@@ -49,6 +49,16 @@ from dapo_megatron.weights.export import _local_maps
 from dapo_megatron.weights.mapping import Dims, expected_hf_shapes, merge_shards_into
 
 
+def covers_layout() -> bool:
+    """Whether this layout's weights can leave by stage exporters. Not yet with expert parallelism
+    (actor.ep > 1, or experts split over an expert-TP group other than TP): a stage's experts then
+    live on several DP ranks, which this exporter (one DP replica, a TP gather) does not visit.
+    Those layouts keep the funnel, weights/export.py's iter_hf_weights, which gathers experts over
+    EP on every rank (placement.py, checkpointing.save_step)."""
+    from dapo_megatron.actor import parallel
+
+    return parallel.ep_size() == 1 and parallel.etp_size() == parallel.tp_size()
+
 
 @dataclass(frozen=True)
 class ExportItem:
@@ -146,6 +156,9 @@ class StageExporter:
     def __init__(self, model_chunks: Sequence[Any], hf_config: Any, *, bucket_bytes: int) -> None:
         from dapo_megatron.actor import parallel
 
+        if not covers_layout():
+            raise ValueError(f"per-stage weight export: actor.ep={parallel.ep_size()}, actor.etp={parallel.etp_size()} "
+                             f"(tp={parallel.tp_size()}) is not supported yet; use iter_hf_weights (covers_layout())")
         self.dims = Dims.from_hf(hf_config)
         self.params = stage_manifest(model_chunks, hf_config)
         self.items = [item for item, _ in self.params]
