@@ -131,3 +131,45 @@ def test_plan_splits_every_mini_batch_over_dp_and_shares_partition_the_step():
     for j in range(3):
         loads = [int(list(s.mini_batches())[j].batch.seq_lengths.sum()) for s in shares]
         assert abs(loads[0] - loads[1]) <= max(s.num_tokens for s in samples[8 * j: 8 * j + 8])
+
+
+def test_routed_experts_travel_as_a_token_field_and_pack_at_their_tokens():
+    """MoE routing replay: the engine's experts ([tokens - 1, layers x top-k] per sample) become one
+    int16 [T, layers x top-k] field aligned with `tokens`, -1 where the engine reported nothing; a
+    share's cut keeps them with their tokens and the packing puts them at the packed positions."""
+    from dapo_megatron.actor.routing_replay import pack_batch_routed_experts, validate_batch_routed_experts
+
+    rows_a = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 0], [2, 3, 0, 1]], dtype=torch.uint8)  # 2 layers x top-2
+    rows_c = torch.tensor([[3, 2, 1, 0], [1, 0, 3, 2]], dtype=torch.int16)
+    a = Sample(prompt_ids=[1, 2], response_ids=[3, 4], group_index=0, routed_experts=rows_a)
+    b = Sample(prompt_ids=[5], response_ids=[6, 7], group_index=0)  # the engine returned none
+    c = Sample(prompt_ids=[8, 9], response_ids=[10], group_index=1, routed_experts=rows_c)
+    batch = RolloutBatch.from_samples([a, b, c])
+    field = batch.token_fields["routed_experts"]
+    none = [[-1] * 4]
+    assert field.dtype == torch.int16 and field.shape == (10, 4)
+    assert field.tolist() == rows_a.tolist() + none + none * 3 + rows_c.tolist() + none
+    assert batch.select(torch.tensor([2, 0])).token_fields["routed_experts"].tolist() == \
+        rows_c.tolist() + none + rows_a.tolist() + none
+
+    # sequences 0..2 padded to 4 tokens each (seq_pad_multiple 2), packed length 14
+    experts, valid = pack_batch_routed_experts(batch, [0, 1, 2], [4, 4, 4], length=14, num_layers=2, topk=2)
+    default = torch.arange(2).expand(14, 2, 2)
+    want = default.clone()
+    want[0:3] = rows_a.long().view(3, 2, 2)
+    want[8:10] = rows_c.long().view(2, 2, 2)
+    assert torch.equal(experts, want)
+    assert valid.nonzero()[:, 0].tolist() == [0, 1, 2, 8, 9]
+    experts, valid = pack_batch_routed_experts(batch, [2], [4], length=4, num_layers=2, topk=2)  # one sequence
+    assert experts[:2].tolist() == rows_c.long().view(2, 2, 2).tolist() and valid.tolist() == [True, True, False, False]
+
+    with pytest.raises(ValueError, match="sequence 1 of the batch: routed_experts is None"):
+        validate_batch_routed_experts(batch, num_layers=2, topk=2)
+    with pytest.raises(ValueError, match="routed_experts has 4 ids per token, the model needs 6"):
+        validate_batch_routed_experts(batch.select(torch.tensor([0])), num_layers=3, topk=2)
+    with pytest.raises(ValueError, match="carries no routed_experts"):
+        validate_batch_routed_experts(RolloutBatch.from_samples([b]), num_layers=2, topk=2)
+    validate_batch_routed_experts(batch.select(torch.tensor([0, 2])), num_layers=2, topk=2)
+    with pytest.raises(ValueError, match=r"sample 1: routed_experts has shape \(2, 4\), expected \(3, 4\)"):
+        RolloutBatch.from_samples([a, Sample(prompt_ids=[1, 2], response_ids=[3, 4], group_index=0,
+                                             routed_experts=rows_c)])
