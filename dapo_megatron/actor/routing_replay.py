@@ -51,8 +51,9 @@ def validate_batch_routed_experts(batch: Any, *, num_layers: int, topk: int) -> 
     first_rows = batch.seq_offsets[:-1]
     missing = (experts[first_rows, 0] < 0).nonzero()[:, 0] if batch.num_sequences else torch.zeros(0)
     if missing.numel():
-        raise ValueError(f"sequence {int(missing[0])} of the batch: routed_experts is None but actor.routing_replay=true "
-                         "needs the engine's experts of every sequence (rollout.return_routed_experts=true)")
+        raise ValueError(f"sequence {int(missing[0])} of the batch: routed_experts is None but "
+                         "actor.routing_replay=true needs the engine's experts of every sequence "
+                         "(rollout.return_routed_experts=true)")
 
 
 def pack_batch_routed_experts(batch: Any, sample_indices: Sequence[int], seq_lengths_padded: Sequence[int], *,

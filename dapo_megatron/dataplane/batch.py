@@ -190,7 +190,8 @@ def _response_field(samples: Sequence, name: str) -> torch.Tensor | None:
     return torch.cat([torch.tensor(getattr(s, name), dtype=torch.float32) for s in samples])
 
 
-ROUTED_EXPERTS_DTYPE = torch.int16  # expert ids < 2^15 (256 experts in the largest MoE models); half of int32 on the wire
+# expert ids < 2^15 (256 experts in the largest MoE models); half the bytes of int32 on the wire
+ROUTED_EXPERTS_DTYPE = torch.int16
 
 
 def _routed_experts_field(samples: Sequence) -> torch.Tensor | None:
@@ -209,7 +210,8 @@ def _routed_experts_field(samples: Sequence) -> torch.Tensor | None:
             rows = torch.as_tensor(rows)
             if tuple(rows.shape) != (s.num_tokens - 1, width):
                 raise ValueError(f"sample {index}: routed_experts has shape {tuple(rows.shape)}, expected "
-                                 f"{(s.num_tokens - 1, width)} (prompt + response - 1 tokens, the batch's layers x top-k)")
+                                 f"{(s.num_tokens - 1, width)} (prompt + response - 1 tokens, "
+                                 "the batch's layers x top-k)")
             if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) > torch.iinfo(ROUTED_EXPERTS_DTYPE).max):
                 raise ValueError(f"sample {index}: routed_experts holds expert ids outside 0..32767")
             out[offset: offset + rows.shape[0]] = rows.to(ROUTED_EXPERTS_DTYPE)

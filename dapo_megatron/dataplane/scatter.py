@@ -71,8 +71,20 @@ def _share_from_tensors(header: dict, tensors: dict[str, torch.Tensor]) -> Batch
                       **{k: tensors[f"plan.{k}"] for k in PLAN_FIELDS})
 
 
+def _wire(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor's bytes as uint8 [nbytes]: every field travels as bytes, so dtypes that a backend
+    cannot send (int16 routed experts: neither gloo nor NCCL has int16) arrive bit for bit."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8).to(device)
+
+
 def _empty_like_header(header: dict, device: torch.device) -> dict[str, torch.Tensor]:
-    return {name: torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+    """uint8 receive buffers of each field's bytes (_wire's layout)."""
+    return {name: torch.empty(torch.Size(shape).numel() * getattr(torch, dtype).itemsize, dtype=torch.uint8,
+                              device=device) for name, dtype, shape in header["tensors"]}
+
+
+def _unwire(header: dict, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: buffers[name].cpu().view(getattr(torch, dtype)).view(shape)
             for name, dtype, shape in header["tensors"]}
 
 
@@ -124,7 +136,7 @@ def _send_shares(batch: RolloutBatch, *, settings: PackSettings, sequences_per_m
         dist.send_object_list([_header(share)], dst=dst, group=dp_group)
         for tensor in _share_tensors(share).values():
             if tensor.numel():  # empty fields (a share of no sequence) are known from the header alone
-                sent = tensor.contiguous().to(device)
+                sent = _wire(tensor, device)
                 pending.append((dist.isend(sent, dst=dst, group=dp_group), sent))
     for work, _ in pending:
         work.wait()
@@ -140,7 +152,7 @@ def _receive(*, src: int, group, stats: ScatterStats) -> BatchShare:
     for work in works:
         work.wait()
     _count(stats, header, tensors)
-    return _share_from_tensors(header, {k: v.cpu() for k, v in tensors.items()})
+    return _share_from_tensors(header, _unwire(header, tensors))
 
 
 def _broadcast_share(share: BatchShare | None, *, src: int, group, stats: ScatterStats) -> BatchShare:
@@ -149,7 +161,7 @@ def _broadcast_share(share: BatchShare | None, *, src: int, group, stats: Scatte
     dist.broadcast_object_list(box, src=src, group=group)
     header = box[0]
     if share is not None:
-        tensors = {k: v.contiguous().to(device) for k, v in _share_tensors(share).items()}
+        tensors = {k: _wire(v, device) for k, v in _share_tensors(share).items()}
     else:
         tensors = _empty_like_header(header, device)
     for tensor in tensors.values():
@@ -158,7 +170,7 @@ def _broadcast_share(share: BatchShare | None, *, src: int, group, stats: Scatte
     if share is not None:
         return share
     _count(stats, header, tensors)
-    return _share_from_tensors(header, {k: v.cpu() for k, v in tensors.items()})
+    return _share_from_tensors(header, _unwire(header, tensors))
 
 
 def _count(stats: ScatterStats, header: dict, tensors: dict[str, torch.Tensor]) -> None:

@@ -16,7 +16,8 @@ from dapo_megatron.batch import Sample
 from test_actor_logprobs import hf_logprobs, make_cfg
 
 
-def make_step(num_groups, n, *, seed, vocab=300):
+def make_step(num_groups, n, *, seed, vocab=300, experts_width=0):
+    """experts_width > 0: MoE samples with the engine's routed experts (ids 0..7), one in five without."""
     rng = random.Random(seed)
     out = []
     for g in range(num_groups):
@@ -27,6 +28,9 @@ def make_step(num_groups, n, *, seed, vocab=300):
                               group_index=g, advantage=rng.uniform(-1.5, 1.5), reward=rng.choice([-1.0, 1.0]),
                               truncated=rng.random() < 0.2,
                               rollout_logprobs=[-rng.random() * 6 for _ in range(r)]))
+            if experts_width and rng.random() < 0.8:
+                rows = [[rng.randrange(8) for _ in range(experts_width)] for _ in range(len(prompt) + r - 1)]
+                out[-1].routed_experts = torch.tensor(rows, dtype=torch.uint8)
     return out
 
 
@@ -59,7 +63,7 @@ def _scatter_rank(samples, tp, pp, cp, per_mini, budget):
                 "header": _header_bytes(_header(mine)), "sequences": share.batch.num_sequences,
                 "plan": sum(8 * getattr(mine, k).numel() for k in ("micro_batch_sizes", "micro_batches_per_mini",
                                                                     "mini_batch_lengths")),
-                "dp_rank": parallel.dp_rank()}
+                "dp_rank": parallel.dp_rank(), "fields": sorted(k for k in got if k.startswith("token_fields."))}
 
 
 # (world, tp, pp, cp): pure DP, TP and PP peers, CP peers, no DP at all
@@ -68,8 +72,11 @@ SCATTER_LAYOUTS = [(4, 1, 1, 1), (4, 2, 1, 1), (4, 1, 2, 1), (4, 1, 1, 2), (4, 2
 
 @pytest.mark.parametrize("world,tp,pp,cp", SCATTER_LAYOUTS, ids=lambda v: str(v))
 def test_every_rank_receives_exactly_its_share(rank_pool, world, tp, pp, cp):
-    samples = make_step(6, 4, seed=world * 10 + tp + 2 * pp + 3 * cp)  # 3 mini-batches of 8 sequences
+    experts_width = 6 if world == 2 or (tp, pp) == (2, 2) else 0  # MoE: the routed experts travel too
+    # 3 mini-batches of 8 sequences
+    samples = make_step(6, 4, seed=world * 10 + tp + 2 * pp + 3 * cp, experts_width=experts_width)
     results = rank_pool(world).run(_scatter_rank, samples, tp, pp, cp, 8, 64)
+    assert all(r["fields"] == (["token_fields.routed_experts"] if experts_width else []) for r in results)
     assert sum(r["sequences"] for r in results if r["rank"] == min(
         q["rank"] for q in results if q["dp_rank"] == r["dp_rank"])) == len(samples)
     for r in results:
