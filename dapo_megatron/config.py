@@ -73,6 +73,9 @@ class RolloutConfig:
     # master address of the trainer<->engines weight group: "" = this host's address that the engines
     # reach (NCCL/GLOO_SOCKET_IFNAME's interface, else the route to them; loopback if all are local)
     weight_sync_address: str = ""
+    # after every weight sync, read each tensor back from the engines (/get_weights_by_name) and fail
+    # unless it equals the trainer's bit for bit: a debugging aid (slow: the whole model over HTTP)
+    verify_weight_sync: bool = False
     request_timeout_s: float = 3600.0
     max_retries: int = 3
     # MoE: engines return each token's experts (SGLang's return_routed_experts; SGLang servers need

@@ -117,6 +117,12 @@ class Driver:
         return {"sync/seconds": stats.seconds, "sync/gb": stats.bytes / 1e9, "sync/gb_per_s": stats.gb_per_s,
                 "sync/buckets": float(stats.num_buckets), "sync/collectives": float(stats.num_collectives)}
 
+    def weights_now(self, version: str) -> None:
+        """The engines hold weight version `version` (a transfer by another transport, placement.py):
+        replies of any other version are stale from here on; engines that waited for it are admitted."""
+        self.sampler.weight_version = version
+        self.pool.admit(self.pool.pending_urls())
+
     # --- engine faults --------------------------------------------------------------------------------
     def engine_events(self) -> dict[str, float]:
         """Engines dropped / back / rejoined since the last call: console lines and running counts."""

@@ -24,15 +24,14 @@ from dapo_megatron.dataplane.metrics import Clock, reduce_updates
 
 def dapo_step(cfg: Config, step: int, *, roles, actor, ref, driver, placement) -> dict[str, float]:
     """One DAPO step on every rank; the step's metrics (complete on the driver)."""
-    from dapo_megatron.actor.offload import trainer_memory_gb
     from dapo_megatron.dataplane.batch import RolloutBatch
     from dapo_megatron.dataplane.metrics import old_logprob_metrics
     from dapo_megatron.dataplane.scatter import scatter_batch
     from dapo_megatron.driver import fill_advantages
 
     clock, log, batch = Clock(), {}, None
-    log.update(trainer_memory_gb(phase="rollout", actor=actor, ref=ref))  # held while the engines generate
-    placement.before_rollout(actor)
+    placement.before_rollout(actor)  # colocated: the actor leaves the device, the engines come back
+    log.update(placement.ledger("rollout", actor, ref))  # who holds what while the engines generate
     if roles.driver:
         groups, log_rollout = driver.rollout()  # dynamic sampling over scored groups (rewards + overlong shaping)
         fill_advantages(groups, eps=cfg.algorithm.advantage_eps)  # group-normalised advantages
@@ -40,7 +39,7 @@ def dapo_step(cfg: Config, step: int, *, roles, actor, ref, driver, placement) -
         del groups  # no per-token Python list outlives the batch
         log.update(log_rollout)
     clock.lap("gen")
-    placement.before_train(actor)
+    placement.before_train(actor)  # colocated: the engines release weights and KV cache, the actor onloads
     share, scattered = scatter_batch(batch, settings=actor.pack_settings,  # each DP rank: its token-balanced share
                                      sequences_per_mini_batch=cfg.rollout.n * cfg.trainer.mini_batch_size)
     clock.lap("scatter")
@@ -55,9 +54,10 @@ def dapo_step(cfg: Config, step: int, *, roles, actor, ref, driver, placement) -
         clock.lap("logprob")
         updates = [actor.train(mini, step=step) for mini in share.mini_batches()]  # token-mean over each mini-batch
         clock.lap("train")
+    log.update(placement.ledger("train", actor, ref))  # who holds what while the actor trains
+    if share.step_sequences:
         log.update(placement.transfer_weights(actor, step=step + 1))  # the engines get weight version step+1
         clock.lap("sync")
-    log.update(trainer_memory_gb(phase="train", actor=actor, ref=ref))
     log.update(reduce_updates(updates))
     log.setdefault("actor/entropy_old", 0.0)
     log.update(clock.metrics())
@@ -120,8 +120,9 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
             last_step = step + 1 == tr.total_steps
             stop = preempt.should_stop()  # collective: every rank decides the same at the same step
             if (tr.save_every and (step + 1) % tr.save_every == 0) or last_step or stop:
-                ckpt.save_step(cfg, actor, driver, roles, step=step + 1,
-                               extra={"nonfinite_in_row": nonfinite_in_row, "eval": log.get("eval/avg@k")})
+                with placement.actor_on_device(actor, step=step + 1):  # colocated: the engines make room
+                    ckpt.save_step(cfg, actor, driver, roles, step=step + 1,
+                                   extra={"nonfinite_in_row": nonfinite_in_row, "eval": log.get("eval/avg@k")})
             if stop and not last_step:
                 if driver:
                     print(f"[train] {preempt.received.name if preempt.received else 'signal'}: checkpoint of "

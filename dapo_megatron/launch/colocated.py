@@ -82,7 +82,7 @@ def engine_commands(cfg: Config, *, host: str, python: str = sys.executable) -> 
             threads = max(1, cfg.slurm.cpus_per_task // max(per_node, 1) // 2)  # the actor needs CPUs too
             cmds.append([python, "-m", "dapo_megatron.cli", "serve-rollout", "--model", cfg.model.path,
                          "--host", host, "--port", "0", "--seed", seed, "--threads", str(threads),
-                         "--context-length", str(context_length),
+                         "--context-length", str(context_length), "--base-gpu-id", str(i * r.engine_tp),
                          "--register-dir", register_dir])
     return cmds
 

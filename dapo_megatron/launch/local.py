@@ -84,6 +84,7 @@ class LocalProcesses:
                 sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", str(model_dir), "--host", host,
                 "--port", "0", "--seed", str(seed + index), "--threads", str(threads),
                 "--max-batch-size", str(max_batch_size), "--register-dir", str(register_dir),
+                "--base-gpu-id", str(index),  # engine i on slot i: the colocated placement's map
                 *(["--context-length", str(context_length)] if context_length else [])],
                 env={"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"})))
         order = [proc.pid for _, proc in procs]

@@ -93,6 +93,8 @@ def plan_train(cfg: Config, *, engines: int = 0, entry: Sequence[str] = render.T
     if engines:
         cfg.rollout.placement = "disaggregated"
         cfg.rollout.num_engines = engines
+    else:
+        _require_engines(cfg, "")
     run_dir = Path(cfg.trainer.output_dir)
     config_file = run_dir / "slurm" / "config.yaml"
     jobs = []
@@ -111,6 +113,15 @@ def plan_train(cfg: Config, *, engines: int = 0, entry: Sequence[str] = render.T
         train.dependency = ("after", "engines")
     jobs.append(train)
     return Plan(run_dir, jobs, {"slurm/config.yaml": dump_config(cfg)})
+
+
+def _require_engines(cfg: Config, where: str) -> None:
+    """A trainer job alone starts engines only when they are colocated: a disaggregated run without
+    fixed URLs would wait for registrations nobody writes."""
+    if cfg.rollout.placement == "disaggregated" and not cfg.rollout.engine_urls:
+        raise ValueError(f"{where}config key 'rollout.placement': disaggregated engines run as their own array "
+                         f"job: pass --engines K (or set rollout.engine_urls); rollout.placement=colocated "
+                         f"starts them inside the trainer's job, on its GPUs")
 
 
 def plan_sweep(sweep_dir: str | Path, overrides: Sequence[str] = (), *,
@@ -138,6 +149,7 @@ def plan_sweep(sweep_dir: str | Path, overrides: Sequence[str] = (), *,
         configs.append((path, _resolved(load_config(path, [*rest, *extra]))))
     seen: dict[str, Path] = {}
     for path, cfg in configs:
+        _require_engines(cfg, f"--sweep {sweep_dir}: {path.name}: ")
         out = cfg.trainer.output_dir
         if out in seen:
             raise ValueError(f"--sweep {sweep_dir}: {seen[out].name} and {path.name} both write to trainer.output_dir "

@@ -55,6 +55,7 @@ class EnginePool:
         self._where: dict[str, str] = {}  # rid -> url of the engine serving it now
         self._aborted: set[str] = set()  # rids aborted by abort(): never retried elsewhere
         self.events: list[tuple[float, str, str]] = []  # (time, event, url): dropped / pending / admitted
+        self._records: dict[str, dict] = {}  # url -> its registry record (node, GPUs, tp_size ...)
         for url in urls or []:
             self._engines[url.rstrip("/")] = _Engine(self._client(url))
 
@@ -94,6 +95,11 @@ class EnginePool:
         """Engines the next weight sync must reach: the live ones and those waiting to be admitted."""
         return [e.client for e in self._engines.values() if e.state in ("live", "pending")]
 
+    def registrations(self) -> list[dict]:
+        """The registry records of the engines the next weight sync reaches (live + pending)."""
+        targets = {c.url for c in self.weight_targets()}
+        return [rec for url, rec in sorted(self._records.items()) if url in targets]
+
     def load(self) -> dict[str, dict]:
         return {url: {"state": e.state, "in_flight": e.in_flight, "served": e.served, "failures": e.failures}
                 for url, e in self._engines.items()}
@@ -124,6 +130,7 @@ class EnginePool:
                 records = []
             for rec in records:
                 url = rec["url"].rstrip("/")
+                self._records[url] = rec
                 known = self._engines.get(url)
                 if known is None or (known.state == "dead" and known.started_at != rec["started_at"]):
                     candidates.append((url, rec["started_at"]))

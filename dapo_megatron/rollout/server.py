@@ -560,7 +560,8 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-async def _serve(server: RolloutServer, *, host: str, port: int, model: str, register_dir: str) -> None:
+async def _serve(server: RolloutServer, *, host: str, port: int, model: str, register_dir: str,
+                 base_gpu_id: int | None = None) -> None:
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
@@ -578,6 +579,8 @@ async def _serve(server: RolloutServer, *, host: str, port: int, model: str, reg
             registration = write_registration(register_dir, {
                 "host": host, "port": port, "url": url, "tp_size": 1, "model": model, "pid": os.getpid(),
                 "engine": "cpu", "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                # where it sits (colocated placement: the trainer rank on this slot feeds it)
+                "node": socket.gethostname(), "base_gpu_id": base_gpu_id,
             })
         await stop.wait()
         print("serve-rollout: stopping", flush=True)
@@ -602,6 +605,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together")
     ap.add_argument("--register-dir", default="", help="write <host>_<port>.json here once serving")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--base-gpu-id", type=int, default=None,
+                    help="the device slot this engine occupies on its node, as SGLang's flag (the CPU twin of a "
+                         "colocated engine's GPU: the trainer rank with this local rank feeds it its weights)")
     args = ap.parse_args(argv)
     if not os.path.isdir(args.model):
         raise ValueError(f"--model: no such directory '{args.model}'")
@@ -611,7 +617,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = CpuEngine(args.model, dtype=args.dtype, seed=args.seed, max_batch_size=args.max_batch_size,
                        deterministic=args.enable_deterministic_inference, context_length=args.context_length)
     server = RolloutServer(engine, model_name=os.path.basename(os.path.normpath(args.model)), seed=args.seed)
-    asyncio.run(_serve(server, host=args.host, port=port, model=args.model, register_dir=args.register_dir))
+    asyncio.run(_serve(server, host=args.host, port=port, model=args.model, register_dir=args.register_dir,
+                       base_gpu_id=args.base_gpu_id))
     return 0
 
 

@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.register_dir:
             registration = write_registration(args.register_dir, {
                 "host": host, "port": args.port, "url": url, "tp_size": args.tp, "model": args.model,
-                "pid": proc.pid, "engine": "sglang",
+                "pid": proc.pid, "engine": "sglang", "node": socket.gethostname(), "base_gpu_id": args.base_gpu_id,
                 "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat()})
         print(f"sglang engine ready at {url}", flush=True)
         return proc.wait()

@@ -35,7 +35,8 @@ pytestmark = [
 SHORT = {
     "tiny": {"warm_start_steps": 20},
     "data": {"synthetic": {"num_train": 64, "num_eval": 8}},
-    "rollout": {"n": 2, "gen_batch_size": 4, "num_engines": 1},
+    # colocated: the trainer job starts the CPU engine on its node and feeds it by shared memory
+    "rollout": {"n": 2, "gen_batch_size": 4, "num_engines": 1, "placement": "colocated"},
     "algorithm": {"dynamic_sampling": False},  # every group kept: a step never waits on lucky samples
     "actor": {"world_size": 1},
     "trainer": {"total_steps": 2, "train_batch_size": 2, "mini_batch_size": 2, "eval_every": 0, "save_every": 1,

@@ -175,7 +175,7 @@ def test_check_before_launch_one_line_or_the_table():
     check_before_launch(_load(TINY), out=lines.append)
     assert len(lines) == 1 and "fits" in lines[0]
     lines = []
-    with pytest.raises(ValueError, match="does not fit: colocated / .*--skip-plan"):
+    with pytest.raises(ValueError, match="does not fit: disaggregated / .*--skip-plan"):
         check_before_launch(_load(TINY, ["slurm.gpu_memory_gb=1"]), out=lines.append)
     assert "fits=no" in lines[0] and "trainer runtime" in lines[0]
 
@@ -213,7 +213,8 @@ def test_slurm_submit_runs_the_plan_first(tmp_path, capsys):
     from dapo_megatron.cli import main
 
     out = str(tmp_path / "run")
-    cpu = ["slurm.gpus_per_node=0", "slurm.cpus_per_task=1", "slurm.gpu_memory_gb=1", f"trainer.output_dir={out}"]
+    cpu = ["slurm.gpus_per_node=0", "slurm.cpus_per_task=1", "slurm.gpu_memory_gb=1", f"trainer.output_dir={out}",
+           "rollout.placement=colocated"]  # tiny_cpu.yaml is disaggregated: its engine would need --engines
     assert main(["slurm", "submit", TINY, *cpu, "--dry-run"]) == 2
     assert "does not fit" in capsys.readouterr().err
     assert main(["slurm", "submit", TINY, *cpu, "--dry-run", "--skip-plan"]) == 0

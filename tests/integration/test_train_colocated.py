@@ -1,0 +1,95 @@
+"""The real `dapo-megatron train` on configs/runs/tiny_cpu_colocated.yaml: the CPU engine and 2 gloo
+actor ranks take turns on the memory as on a GPU node (placement.py), shortened to 4 steps.
+
+  A  4 colocated steps, checkpoints at 2 and 4, every sync read back from the engine
+     (rollout.verify_weight_sync: the run fails unless the engine's tensors equal the actor's bit for bit)
+  B  the same stopped after step 2, then --resume'd to 4 (the start-up sync into resident engines,
+     a checkpoint written while the engines are released)
+
+The per-step rewards equal tests/assets/tiny_golden.json, the disaggregated run's (test_train_tiny.py,
+same settings): the weights reach the engine bit for bit through shared memory, so the engine samples
+the same tokens as after a broadcast. The memory ledger in metrics.jsonl is asserted phase by phase.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = ROOT / "tests" / "assets" / "tiny_golden.json"
+EXACT_KEYS = tuple(json.loads(GOLDEN.read_text())[0])  # rewards, accuracies, lengths, groups, token counts
+FLOAT_KEYS = ("actor/loss", "actor/grad_norm", "actor/entropy", "actor/approx_kl")
+NUM_TENSORS = 27  # the tiny Qwen2's HF tensors (2 layers x 12 + embed, final norm, lm_head)
+
+pytestmark = pytest.mark.slow
+
+
+def _train(out: Path, cache: Path, *extra: str) -> list[dict]:
+    cmd = [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu_colocated.yaml"),
+           f"trainer.output_dir={out}", f"tiny.cache_dir={cache}", "tiny.warm_start_steps=300",
+           "trainer.eval_every=4", "trainer.save_every=2", "trainer.keep_checkpoints=2", "trainer.wandb_mode=disabled",
+           "rollout.verify_weight_sync=true", *extra]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("colocated")
+    cache = root / "cache"
+    return {"a": _train(root / "a", cache, "trainer.total_steps=4"),
+            "b_first": _train(root / "b", cache, "trainer.total_steps=2"),
+            "b": _train(root / "b", cache, "trainer.total_steps=4", "--resume")}
+
+
+def test_colocated_steps_equal_the_disaggregated_golden_curve(runs):
+    curve = [{k: r[k] for k in EXACT_KEYS} for r in runs["a"][1:]]
+    assert curve == json.loads(GOLDEN.read_text())
+
+
+def test_every_sync_put_the_actors_weights_into_the_engine_bit_for_bit(runs):
+    for r in runs["a"][1:]:
+        # verify_weight_sync read each tensor back and compared it (a difference fails the run);
+        # every tensor was sent (colocated engines resume their weights without content)
+        assert r["sync/verified_tensors"] == NUM_TENSORS and r["sync/buckets"] == 1
+        assert r["sync/collectives"] == 0  # shared memory, not the broadcast group
+        assert r["mismatch/max"] < 1e-3  # trainer vs engine log-probs of the sampled tokens
+
+
+def test_memory_ledger_shows_the_phases_taking_turns(runs):
+    for r in runs["a"][1:]:
+        # the engine generates: nothing of the actor (or the reference) on the device
+        assert r["memory/actor_gb_during_rollout"] == 0.0
+        assert r["memory/actor_params_gb_during_rollout"] == 0.0
+        # ... and the engine holds its fp32 weights: the same bytes as the actor's fp32 parameters
+        assert r["memory/engine_gb_during_rollout"] == r["memory/actor_params_gb_during_train"] > 0
+        # the actor trains: the engine released everything
+        assert r["memory/engine_gb_during_train"] == 0.0
+        # ... and the actor holds parameters, gradients (fp32, same size) and Adam's two moments
+        params = r["memory/actor_params_gb_during_train"]
+        assert r["memory/actor_grads_gb_during_train"] == params
+        assert r["memory/actor_optimizer_gb_during_train"] >= 2 * params
+        assert r["memory/actor_gb_during_train"] == params + r["memory/actor_grads_gb_during_train"] + \
+            r["memory/actor_optimizer_gb_during_train"]
+    # the host keeps what was offloaded: after the first update, parameters and Adam's moments
+    for r in runs["a"][2:]:
+        assert r["memory/host_backup_gb_during_rollout"] >= 3 * r["memory/actor_params_gb_during_train"]
+
+
+def test_colocated_resume_continues_as_if_never_stopped(runs):
+    a, b = runs["a"], runs["b"]
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    for ra, rb in zip(a[1:], b[1:]):
+        for key in EXACT_KEYS:
+            assert ra[key] == rb[key], (ra["step"], key)
+        for key in FLOAT_KEYS:
+            assert ra[key] == rb[key], (ra["step"], key, ra[key], rb[key])
+    assert a[-1]["eval/avg@k"] == b[-1]["eval/avg@k"]
