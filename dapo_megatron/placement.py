@@ -217,7 +217,7 @@ class ColocatedPlacement:
             return {}
         self.driver.weights_now(f"step_{step}")
         return {"sync/seconds": stats.seconds, "sync/gb": stats.bytes / 1e9, "sync/gb_per_s": stats.gb_per_s,
-                "sync/buckets": float(stats.num_buckets), "sync/collectives": 0.0,
+                "sync/buckets": float(stats.num_buckets), "sync/collectives": 0.0, "sync/engines": float(stats.num_engines),
                 "sync/verified_tensors": float(stats.num_tensors if self.transfer.verify else 0)}
 
     @contextlib.contextmanager

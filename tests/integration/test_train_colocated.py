@@ -1,14 +1,16 @@
-"""The real `dapo-megatron train` on configs/runs/tiny_cpu_colocated.yaml: the CPU engine and 2 gloo
-actor ranks take turns on the memory as on a GPU node (placement.py), shortened to 4 steps.
+"""The real `dapo-megatron train` on configs/runs/tiny_cpu_colocated.yaml: two CPU engines and 2 gloo
+actor ranks take turns on the memory as on a GPU node (placement.py), shortened to 4 steps. Engine i
+sits on slot i, so rank 0 feeds engine 0 and rank 1 feeds engine 1: rank 1's shared-memory payloads
+reach the driver by gather and its engine through the driver's POST, as on a GPU node.
 
   A  4 colocated steps, checkpoints at 2 and 4, every sync read back from the engine
      (rollout.verify_weight_sync: the run fails unless the engine's tensors equal the actor's bit for bit)
   B  the same stopped after step 2, then --resume'd to 4 (the start-up sync into resident engines,
      a checkpoint written while the engines are released)
 
-The per-step rewards equal tests/assets/tiny_golden.json, the disaggregated run's (test_train_tiny.py,
-same settings): the weights reach the engine bit for bit through shared memory, so the engine samples
-the same tokens as after a broadcast. The memory ledger in metrics.jsonl is asserted phase by phase.
+The per-step rewards equal tests/assets/tiny_golden.json, the disaggregated one-engine run's
+(test_train_tiny.py, same settings): the weights reach the engines bit for bit through shared memory,
+and per-sample seeds make the sampled tokens independent of which engine serves a request. The memory ledger in metrics.jsonl is asserted phase by phase.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def _train(out: Path, cache: Path, *extra: str) -> list[dict]:
     cmd = [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu_colocated.yaml"),
            f"trainer.output_dir={out}", f"tiny.cache_dir={cache}", "tiny.warm_start_steps=300",
            "trainer.eval_every=4", "trainer.save_every=2", "trainer.keep_checkpoints=2", "trainer.wandb_mode=disabled",
-           "rollout.verify_weight_sync=true", *extra]
+           "rollout.verify_weight_sync=true", "rollout.num_engines=2", *extra]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -61,6 +63,7 @@ def test_every_sync_put_the_actors_weights_into_the_engine_bit_for_bit(runs):
         # every tensor was sent (colocated engines resume their weights without content)
         assert r["sync/verified_tensors"] == NUM_TENSORS and r["sync/buckets"] == 1
         assert r["sync/collectives"] == 0  # shared memory, not the broadcast group
+        assert r["sync/engines"] == 2
         assert r["mismatch/max"] < 1e-3  # trainer vs engine log-probs of the sampled tokens
 
 
