@@ -44,6 +44,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterable, Iterator
+from urllib.parse import urlparse
 
 import torch
 
@@ -126,6 +127,20 @@ async def _gather_per_engine(clients: list[EngineClient], calls) -> dict[str, Ba
 
 def _name_failures(what: str, failures: dict[str, BaseException]) -> str:
     return "; ".join(f"engine {url}: {what} failed: {err}" for url, err in failures.items())
+
+
+async def _unreachable(url: str, timeout_s: float = 5.0) -> BaseException | None:
+    """None if a TCP connection to the engine's HTTP port opens, else the error (refused: its process
+    is gone; timed out: its host is)."""
+    parsed = urlparse(url)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(parsed.hostname, parsed.port), timeout_s)
+    except (OSError, asyncio.TimeoutError) as err:
+        return err if str(err) else TimeoutError(f"no TCP connection within {timeout_s:.0f} s")
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return None
 
 
 # --------------------------------------------------------------------------------------- session
@@ -238,6 +253,18 @@ class DistributedWeightSync:
         log.info("weight sync: group %s formed at %s:%d with %d engines (world size %d)",
                  self._group_name, address, port, len(clients), world_size)
 
+    def _abandon_group(self) -> None:
+        """Forget the trainer's side of a failed group (the entry open_weight_group made in torch's
+        group registry would keep it, and its sockets, alive for the rest of the run). Measured
+        (torch 2.13, gloo): neither pg.abort() nor pg.shutdown() closes the sockets, so an engine still
+        waiting in a broadcast of this group waits until the group's timeout: hence the reachability
+        check before every bucket (_send_bucket)."""
+        from torch.distributed.distributed_c10d import _world
+
+        pg, self._pg, self._members = self._pg, None, ()
+        if pg is not None:
+            _world.pg_group_ranks.pop(pg, None)
+
     async def close(self, clients: list[EngineClient]) -> None:
         """Destroy the group on the engines (also after a failed sync left it in an unknown state)."""
         if not self._members:
@@ -277,6 +304,14 @@ class DistributedWeightSync:
 
     async def _send_bucket(self, clients: list[EngineClient], bucket: list[tuple[str, torch.Tensor]],
                            stats: SyncStats, *, weight_version: str, flush_cache: bool) -> None:
+        # an engine that died since the last bucket: fail before the broadcast, which the others would
+        # otherwise wait in until the group's timeout (see _abandon_group); a refused connection says it
+        down = {c.url: err for c, err in zip(clients, await asyncio.gather(*(_unreachable(c.url) for c in clients)))
+                if err is not None}
+        if down:
+            self._abandon_group()
+            raise EngineError(f"weight sync {weight_version}: bucket {stats.num_buckets}: "
+                              f"{_name_failures('connecting', down)}", url=next(iter(down)))
         names = [n for n, _ in bucket]
         tensors = [t.detach().contiguous() for _, t in bucket]
         payloads = [flatten_bucket(bucket)] if self.flattened else tensors
@@ -302,7 +337,7 @@ class DistributedWeightSync:
             stats.num_tensors += len(bucket)
             stats.bytes += sum(t.numel() * t.element_size() for t in tensors)
             return
-        self._pg = None  # the group's state is unknown now: re-form it next time
+        self._abandon_group()  # the group's state is unknown now: re-form it next time
         for p in posts:
             p.cancel()
         raise EngineError(f"weight sync {weight_version}: bucket {stats.num_buckets} ({names[0]} ...): "
