@@ -254,16 +254,11 @@ class DistributedWeightSync:
                  self._group_name, address, port, len(clients), world_size)
 
     def _abandon_group(self) -> None:
-        """Forget the trainer's side of a failed group (the entry open_weight_group made in torch's
-        group registry would keep it, and its sockets, alive for the rest of the run). Measured
-        (torch 2.13, gloo): neither pg.abort() nor pg.shutdown() closes the sockets, so an engine still
-        waiting in a broadcast of this group waits until the group's timeout: hence the reachability
-        check before every bucket (_send_bucket)."""
-        from torch.distributed.distributed_c10d import _world
-
-        pg, self._pg, self._members = self._pg, None, ()
-        if pg is not None:
-            _world.pg_group_ranks.pop(pg, None)
+        """Forget the trainer's side of a failed or closed group (re-formed at the next sync). Measured
+        (torch 2.13, gloo): neither pg.abort() nor pg.shutdown() closes its sockets, so an engine still
+        waiting in a broadcast of a failed group waits until the group's timeout: hence the
+        reachability check before every bucket (_send_bucket)."""
+        self._pg, self._members = None, ()
 
     async def close(self, clients: list[EngineClient]) -> None:
         """Destroy the group on the engines (also after a failed sync left it in an unknown state)."""
@@ -272,7 +267,7 @@ class DistributedWeightSync:
         live = [c for c in clients if c.url in self._members]
         await asyncio.gather(*(asyncio.wait_for(c.destroy_weights_update_group(self._group_name), 60) for c in live),
                              return_exceptions=True)
-        self._pg, self._members = None, ()
+        self._abandon_group()
 
     async def sync(self, clients: list[EngineClient], named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                    weight_version: str, manifest: dict[str, list[int]] | None = None,
