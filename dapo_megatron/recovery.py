@@ -62,9 +62,9 @@ def broadcast_text(text: str) -> str:
 
 # --------------------------------------------------------------------------------------- weight sync
 async def _drop_unreachable(pool, clients, *, why: str) -> list[str]:
-    from dapo_megatron.rollout.weight_sync import _unreachable
+    from dapo_megatron.rollout.weight_sync import engine_unreachable
 
-    errors = await asyncio.gather(*(_unreachable(c.url) for c in clients))
+    errors = await asyncio.gather(*(engine_unreachable(c.url) for c in clients))
     dead = [c.url for c, err in zip(clients, errors) if err is not None]
     for url, err in zip([c.url for c in clients], errors):
         if err is not None:

@@ -129,7 +129,7 @@ def _name_failures(what: str, failures: dict[str, BaseException]) -> str:
     return "; ".join(f"engine {url}: {what} failed: {err}" for url, err in failures.items())
 
 
-async def _unreachable(url: str, timeout_s: float = 5.0) -> BaseException | None:
+async def engine_unreachable(url: str, timeout_s: float = 5.0) -> BaseException | None:
     """None if a TCP connection to the engine's HTTP port opens, else the error (refused: its process
     is gone; timed out: its host is)."""
     parsed = urlparse(url)
@@ -301,8 +301,8 @@ class DistributedWeightSync:
                            stats: SyncStats, *, weight_version: str, flush_cache: bool) -> None:
         # an engine that died since the last bucket: fail before the broadcast, which the others would
         # otherwise wait in until the group's timeout (see _abandon_group); a refused connection says it
-        down = {c.url: err for c, err in zip(clients, await asyncio.gather(*(_unreachable(c.url) for c in clients)))
-                if err is not None}
+        errors = await asyncio.gather(*(engine_unreachable(c.url) for c in clients))
+        down = {c.url: err for c, err in zip(clients, errors) if err is not None}
         if down:
             self._abandon_group()
             raise EngineError(f"weight sync {weight_version}: bucket {stats.num_buckets}: "
