@@ -103,7 +103,8 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
             actor.load(latest / "actor")
             if driver:
                 driver.load_state_dict(state["driver"])
-            placement.transfer_weights(actor, step=int(state["step"]))  # engines start from the base model
+            # the engines start from the base model
+            transfer_with_recovery(placement, actor, step=int(state["step"]), roles=roles, driver=driver)
         metrics = MetricsLogger(run_dir, wandb_mode=tr.wandb_mode, wandb_project=tr.wandb_project,
                                 config=cfg.to_dict(), resume_step=int(state["step"]) if latest else None) if driver else None
         preempt = PreemptionSignal().install()
