@@ -210,16 +210,18 @@ class EngineEventReport:
     """The pool's engine faults as a person and a dashboard see them: one console line per event since
     the last report (an engine dropped, back and waiting for weights, rejoined after a re-sync) and
     running counts (metrics engines/dropped_total, engines/returned_total, engines/rejoined_total,
-    engines/restarted_total, engines/live). Events before construction (the start-up admissions) are
-    not reported. Restarts are the local launcher's: launch/supervise.py prints their console lines
-    and writes them to `restart_events`, a JSON-lines file counted here."""
+    engines/live; engines/restarted_total with restart_events). Events before construction (the
+    start-up admissions) are not reported. Restarts are the local launcher's: launch/supervise.py
+    prints their console lines and writes them to `restart_events`, a JSON-lines file counted here."""
 
     def __init__(self, pool: EnginePool, *, restart_events: str | Path | None = None) -> None:
         self.pool = pool
         self.restart_events = restart_events
         self._seen = len(pool.events)
         self._dropped: set[str] = set()
-        self.counts = {"dropped": 0, "returned": 0, "rejoined": 0, "restarted": 0}
+        self.counts = {"dropped": 0, "returned": 0, "rejoined": 0}
+        if restart_events:
+            self.counts["restarted"] = 0
 
     def report(self, *, out: Callable[[str], None] = print) -> dict[str, float]:
         for _, event, url in self.pool.events[self._seen:]:
