@@ -78,6 +78,12 @@ class RolloutConfig:
     verify_weight_sync: bool = False
     request_timeout_s: float = 3600.0
     max_retries: int = 3
+    # engine faults (docs/architecture.md, "Faults"): the local launcher restarts a CPU engine that
+    # exits mid-run at most this many times in the run; with no engine left, the driver waits at most
+    # engine_wait_s for one to register again (then re-syncs it and redoes the step's rollout) before
+    # checkpointing the last completed step and stopping
+    engine_restarts: int = 3
+    engine_wait_s: float = 300.0
     # MoE: engines return each token's experts (SGLang's return_routed_experts; SGLang servers need
     # --enable-return-routed-experts). Needed by actor.routing_replay; alone it logs routing agreement.
     return_routed_experts: bool = False
@@ -382,6 +388,10 @@ def validate(cfg: Config) -> None:
     _require(r.weight_bucket_mb >= 1, "rollout.weight_bucket_mb", r.weight_bucket_mb, "must be >= 1")
     _require(r.request_timeout_s > 0, "rollout.request_timeout_s", r.request_timeout_s, "must be > 0")
     _require(r.max_retries >= 0, "rollout.max_retries", r.max_retries, "must be >= 0")
+    _require(isinstance(r.engine_restarts, int) and r.engine_restarts >= 0, "rollout.engine_restarts",
+             r.engine_restarts, "an integer >= 0 (restarts of exited CPU engines per run; 0 = none)")
+    _require(r.engine_wait_s >= 0, "rollout.engine_wait_s", r.engine_wait_s,
+             "must be >= 0 (seconds to wait for an engine when none is left; 0 = stop at once)")
     _require(r.quantization in ("none", "fp8"), "rollout.quantization", r.quantization, "one of: none, fp8")
     for url in r.engine_urls:
         _require(url.startswith(("http://", "https://")), "rollout.engine_urls", url, "URLs start with http://")

@@ -23,6 +23,8 @@ from dapo_megatron.config import Config
 from dapo_megatron.data.datasets import train_and_eval_records
 from dapo_megatron.data.stream import PromptStream
 from dapo_megatron.evaluate import eval_metrics, sample_correct
+from dapo_megatron.launch.supervise import engine_events_path
+from dapo_megatron.recovery import sync_dropping_dead
 from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
 from dapo_megatron.rollout.weight_sync import DistributedWeightSync
@@ -54,7 +56,10 @@ class Driver:
                 str(self.run_dir / "engines"), min_engines=r.num_engines, timeout_s=r.request_timeout_s,
                 max_retries=r.max_retries))
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        self.engine_report = EngineEventReport(self.pool)  # start-up admissions are not faults
+        # start-up admissions are not faults; restarts are the local launcher's (launch/supervise.py)
+        self.engine_report = EngineEventReport(self.pool, restart_events=engine_events_path(self.run_dir))
+        self.sync_redo = False  # the last push lost an engine mid-sync: the others need it again (recovery.py)
+        self.lost_reason = ""  # why no engine is left (recovery.py)
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         # sampling_seed only where every engine honours it (SGLang: --enable-deterministic-inference)
         seeded = self.loop.run_until_complete(self.pool.seeds_honoured())
@@ -106,13 +111,12 @@ class Driver:
         version = f"step_{step}"
         named = (pair for bucket in buckets for pair in bucket)
 
-        async def run():
-            await self.pool.discover()
-            stats = await self.weight_sync.sync(self.pool.weight_targets(), named, weight_version=version)
-            self.pool.admit(self.pool.pending_urls())
-            return stats
-
-        stats = self.loop.run_until_complete(run())
+        # an engine dying during the sync is dropped from it and the pass is still consumed to its end;
+        # sync_redo asks every rank for another pass (recovery.transfer_with_recovery)
+        stats, self.sync_redo = self.loop.run_until_complete(
+            sync_dropping_dead(self.pool, self.weight_sync, named, weight_version=version))
+        if stats is None:
+            return {}
         self.sampler.weight_version = version
         return {"sync/seconds": stats.seconds, "sync/gb": stats.bytes / 1e9, "sync/gb_per_s": stats.gb_per_s,
                 "sync/buckets": float(stats.num_buckets), "sync/collectives": float(stats.num_collectives)}

@@ -20,6 +20,7 @@ from pathlib import Path
 from dapo_megatron import checkpointing as ckpt
 from dapo_megatron.config import Config, load_config
 from dapo_megatron.dataplane.metrics import Clock, reduce_updates
+from dapo_megatron.recovery import EnginesLost, rollout_with_recovery, save_before_stopping, transfer_with_recovery
 
 
 def dapo_step(cfg: Config, step: int, *, roles, actor, ref, driver, placement) -> dict[str, float]:
@@ -32,8 +33,11 @@ def dapo_step(cfg: Config, step: int, *, roles, actor, ref, driver, placement) -
     clock, log, batch = Clock(), {}, None
     placement.before_rollout(actor)  # colocated: the actor leaves the device, the engines come back
     log.update(placement.ledger("rollout", actor, ref))  # who holds what while the engines generate
+    # dynamic sampling over scored groups (rewards + overlong shaping); redone after a re-sync if the
+    # only engine died (every rank takes part: recovery.py)
+    rolled = rollout_with_recovery(cfg, step, roles=roles, actor=actor, driver=driver, placement=placement)
     if roles.driver:
-        groups, log_rollout = driver.rollout()  # dynamic sampling over scored groups (rewards + overlong shaping)
+        groups, log_rollout = rolled
         fill_advantages(groups, eps=cfg.algorithm.advantage_eps)  # group-normalised advantages
         batch = RolloutBatch.from_groups(groups)  # the step as tensors, built once
         del groups  # no per-token Python list outlives the batch
@@ -56,7 +60,8 @@ def dapo_step(cfg: Config, step: int, *, roles, actor, ref, driver, placement) -
         clock.lap("train")
     log.update(placement.ledger("train", actor, ref))  # who holds what while the actor trains
     if share.step_sequences:
-        log.update(placement.transfer_weights(actor, step=step + 1))  # the engines get weight version step+1
+        # the engines get weight version step+1 (another pass if one died mid-sync: recovery.py)
+        log.update(transfer_with_recovery(placement, actor, step=step + 1, roles=roles, driver=driver))
         clock.lap("sync")
     log.update(reduce_updates(updates))
     log.setdefault("actor/entropy_old", 0.0)
@@ -98,7 +103,8 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
             actor.load(latest / "actor")
             if driver:
                 driver.load_state_dict(state["driver"])
-            placement.transfer_weights(actor, step=int(state["step"]))  # engines start from the base model
+            # the engines start from the base model
+            transfer_with_recovery(placement, actor, step=int(state["step"]), roles=roles, driver=driver)
         metrics = MetricsLogger(run_dir, wandb_mode=tr.wandb_mode, wandb_project=tr.wandb_project,
                                 config=cfg.to_dict(), resume_step=int(state["step"]) if latest else None) if driver else None
         preempt = PreemptionSignal().install()
@@ -106,7 +112,13 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
         if driver and latest is None and tr.eval_every:
             metrics.log(0, driver.evaluate())  # the starting point of the curve
         for step in range(int(state["step"]), tr.total_steps):
-            log = dapo_step(cfg, step, roles=roles, actor=actor, ref=ref, driver=driver, placement=placement)
+            try:
+                log = dapo_step(cfg, step, roles=roles, actor=actor, ref=ref, driver=driver, placement=placement)
+            except EnginesLost as err:  # no engine came back: keep what was trained, name the cause
+                actor.onload()  # colocated: it was offloaded for the rollout (no engine is left to make room for)
+                saved = save_before_stopping(cfg, actor, driver, roles, step=step,
+                                             extra={"nonfinite_in_row": nonfinite_in_row, "eval": None})
+                raise EnginesLost(f"{err}; {saved}") from None
             nonfinite_in_row = nonfinite_in_row + 1 if log.get("actor/nonfinite") else 0
             log["nonfinite_in_row"] = float(nonfinite_in_row)
             if driver:

@@ -28,6 +28,9 @@ class LocalProcesses:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: dict[str, subprocess.Popen] = {}
+        # CPU engines by name: argv with the port left out, host, port and url once registered
+        # (what launch/supervise.py needs to start one again)
+        self.engines: dict[str, dict] = {}
         self._old_sigterm = None
 
     def __enter__(self) -> "LocalProcesses":
@@ -80,13 +83,14 @@ class LocalProcesses:
         procs = []
         for index in range(num):
             name = f"engine_{index}"
-            procs.append((name, self.start(name, [
+            self.engines[name] = {"host": host, "port": 0, "url": "", "register_dir": str(register_dir),
+                                  "threads": threads, "argv": [
                 sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", str(model_dir), "--host", host,
-                "--port", "0", "--seed", str(seed + index), "--threads", str(threads),
+                "--seed", str(seed + index), "--threads", str(threads),
                 "--max-batch-size", str(max_batch_size), "--register-dir", str(register_dir),
                 "--base-gpu-id", str(index),  # engine i on slot i: the colocated placement's map
-                *(["--context-length", str(context_length)] if context_length else [])],
-                env={"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"})))
+                *(["--context-length", str(context_length)] if context_length else [])]}
+            procs.append((name, self.restart_engine(name, port=0)))
         order = [proc.pid for _, proc in procs]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -96,10 +100,20 @@ class LocalProcesses:
                                        f"registering; its log ({self.log_path(name)}) ends with:\n{self.tail(name)}")
             mine = [r for r in read_registrations(str(register_dir)) if r.get("pid") in order]
             if len(mine) == num:
-                return [r["url"] for r in sorted(mine, key=lambda r: order.index(r["pid"]))]
+                mine.sort(key=lambda r: order.index(r["pid"]))
+                for (name, _), rec in zip(procs, mine):
+                    self.engines[name].update(url=rec["url"], port=int(rec["port"]))
+                return [r["url"] for r in mine]
             time.sleep(0.2)
         raise TimeoutError(f"{num} rollout engines did not all register in {register_dir} within {timeout_s:.0f} s; "
                            f"see {self.log_dir}/engine_*.log")
+
+    def restart_engine(self, name: str, *, port: int) -> subprocess.Popen:
+        """Start CPU engine `name` (again) with its own arguments on `port` (0 = a free one); its log
+        goes on in the same file."""
+        spec = self.engines[name]
+        return self.start(name, [*spec["argv"], "--port", str(port)],
+                          env={"OMP_NUM_THREADS": str(spec["threads"]), "TOKENIZERS_PARALLELISM": "false"})
 
     def tail(self, name: str, lines: int = 20) -> str:
         path = self.log_path(name)
@@ -143,6 +157,7 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
     CPU engines, run the actor ranks under torchrun, then print where everything is (console.run_summary)."""
     from dapo_megatron import console
     from dapo_megatron.launch.run_dir import check_run_dir
+    from dapo_megatron.launch.supervise import EngineSupervisor, engine_events_path
     from dapo_megatron.memplan import check_before_launch
 
     t_start = time.perf_counter()
@@ -178,7 +193,10 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
                f"--nproc-per-node={cfg.actor.world_size}", "-m", "dapo_megatron.cli", "train", config_path,
                *overrides, *(["--resume"] if resume else [])]
         t_ranks = time.perf_counter()
-        rc = procs.run_foreground("actor", cmd, env={"OMP_NUM_THREADS": "1"})
+        # engines that exit while the ranks run are restarted (rollout.engine_restarts); the supervisor
+        # stops before the clean-up below stops the engines
+        with EngineSupervisor(procs, budget=cfg.rollout.engine_restarts, events_path=engine_events_path(run_dir)):
+            rc = procs.run_foreground("actor", cmd, env={"OMP_NUM_THREADS": "1"})
         ranks_wall_s = time.perf_counter() - t_ranks
     if rc != 0:
         # the ranks' own output went to this terminal; torchrun's closing "Root Cause" block carries the

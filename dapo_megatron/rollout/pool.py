@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 from dapo_megatron.rollout.client import EngineClient, EngineError, EngineUnreachable, SessionHolder
@@ -216,13 +217,18 @@ class EngineEventReport:
     """The pool's engine faults as a person and a dashboard see them: one console line per event since
     the last report (an engine dropped, back and waiting for weights, rejoined after a re-sync) and
     running counts (metrics engines/dropped_total, engines/returned_total, engines/rejoined_total,
-    engines/live). Events before construction (the start-up admissions) are not reported."""
+    engines/live; engines/restarted_total with restart_events). Events before construction (the
+    start-up admissions) are not reported. Restarts are the local launcher's: launch/supervise.py
+    prints their console lines and writes them to `restart_events`, a JSON-lines file counted here."""
 
-    def __init__(self, pool: EnginePool) -> None:
+    def __init__(self, pool: EnginePool, *, restart_events: str | Path | None = None) -> None:
         self.pool = pool
+        self.restart_events = restart_events
         self._seen = len(pool.events)
         self._dropped: set[str] = set()
         self.counts = {"dropped": 0, "returned": 0, "rejoined": 0}
+        if restart_events:
+            self.counts["restarted"] = 0
 
     def report(self, *, out: Callable[[str], None] = print) -> dict[str, float]:
         for _, event, url in self.pool.events[self._seen:]:
@@ -238,5 +244,9 @@ class EngineEventReport:
                 self.counts["rejoined"] += 1
                 out(f"[engines] {url} rejoined with the current weights; {len(self.pool.live_urls())} live")
         self._seen = len(self.pool.events)
+        if self.restart_events:
+            from dapo_megatron.launch.supervise import read_engine_events
+
+            self.counts["restarted"] = sum(e["action"] == "restarted" for e in read_engine_events(self.restart_events))
         return {"engines/live": float(len(self.pool.live_urls())),
                 **{f"engines/{kind}_total": float(n) for kind, n in self.counts.items()}}

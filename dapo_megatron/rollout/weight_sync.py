@@ -44,6 +44,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterable, Iterator
+from urllib.parse import urlparse
 
 import torch
 
@@ -126,6 +127,20 @@ async def _gather_per_engine(clients: list[EngineClient], calls) -> dict[str, Ba
 
 def _name_failures(what: str, failures: dict[str, BaseException]) -> str:
     return "; ".join(f"engine {url}: {what} failed: {err}" for url, err in failures.items())
+
+
+async def engine_unreachable(url: str, timeout_s: float = 5.0) -> BaseException | None:
+    """None if a TCP connection to the engine's HTTP port opens, else the error (refused: its process
+    is gone; timed out: its host is)."""
+    parsed = urlparse(url)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(parsed.hostname, parsed.port), timeout_s)
+    except (OSError, asyncio.TimeoutError) as err:
+        return err if str(err) else TimeoutError(f"no TCP connection within {timeout_s:.0f} s")
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return None
 
 
 # --------------------------------------------------------------------------------------- session
@@ -238,6 +253,13 @@ class DistributedWeightSync:
         log.info("weight sync: group %s formed at %s:%d with %d engines (world size %d)",
                  self._group_name, address, port, len(clients), world_size)
 
+    def _abandon_group(self) -> None:
+        """Forget the trainer's side of a failed or closed group (re-formed at the next sync). Measured
+        (torch 2.13, gloo): neither pg.abort() nor pg.shutdown() closes its sockets, so an engine still
+        waiting in a broadcast of a failed group waits until the group's timeout: hence the
+        reachability check before every bucket (_send_bucket)."""
+        self._pg, self._members = None, ()
+
     async def close(self, clients: list[EngineClient]) -> None:
         """Destroy the group on the engines (also after a failed sync left it in an unknown state)."""
         if not self._members:
@@ -245,7 +267,7 @@ class DistributedWeightSync:
         live = [c for c in clients if c.url in self._members]
         await asyncio.gather(*(asyncio.wait_for(c.destroy_weights_update_group(self._group_name), 60) for c in live),
                              return_exceptions=True)
-        self._pg, self._members = None, ()
+        self._abandon_group()
 
     async def sync(self, clients: list[EngineClient], named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                    weight_version: str, manifest: dict[str, list[int]] | None = None,
@@ -277,6 +299,14 @@ class DistributedWeightSync:
 
     async def _send_bucket(self, clients: list[EngineClient], bucket: list[tuple[str, torch.Tensor]],
                            stats: SyncStats, *, weight_version: str, flush_cache: bool) -> None:
+        # an engine that died since the last bucket: fail before the broadcast, which the others would
+        # otherwise wait in until the group's timeout (see _abandon_group); a refused connection says it
+        errors = await asyncio.gather(*(engine_unreachable(c.url) for c in clients))
+        down = {c.url: err for c, err in zip(clients, errors) if err is not None}
+        if down:
+            self._abandon_group()
+            raise EngineError(f"weight sync {weight_version}: bucket {stats.num_buckets}: "
+                              f"{_name_failures('connecting', down)}", url=next(iter(down)))
         names = [n for n, _ in bucket]
         tensors = [t.detach().contiguous() for _, t in bucket]
         payloads = [flatten_bucket(bucket)] if self.flattened else tensors
@@ -302,7 +332,7 @@ class DistributedWeightSync:
             stats.num_tensors += len(bucket)
             stats.bytes += sum(t.numel() * t.element_size() for t in tensors)
             return
-        self._pg = None  # the group's state is unknown now: re-form it next time
+        self._abandon_group()  # the group's state is unknown now: re-form it next time
         for p in posts:
             p.cancel()
         raise EngineError(f"weight sync {weight_version}: bucket {stats.num_buckets} ({names[0]} ...): "

@@ -153,6 +153,9 @@ def test_overrides_apply_with_types():
         (["algorithm.overlong_buffer_length=20480"], ["algorithm.overlong_buffer_length", "20480", "< rollout.max_response_length"]),
         (["actor.world_size=100"], ["actor.world_size", "100", "tp*pp*cp = 16"]),
         (["rollout.top_p=0"], ["rollout.top_p", "0", "(0, 1]"]),
+        (["rollout.engine_restarts=-1"], ["rollout.engine_restarts", "-1", ">= 0"]),
+        (["rollout.engine_restarts=1.5"], ["rollout.engine_restarts", "1.5"]),
+        (["rollout.engine_wait_s=-5"], ["rollout.engine_wait_s", "-5", ">= 0"]),
         (["trainer.lr=nan"], ["trainer.lr", "nan", "> 0"]),
         (["actor.vpp=2", "actor.pp=1"], ["actor.vpp", "2", "pp > 1"]),
         # bad override syntax
