@@ -72,8 +72,9 @@ def _engine_bytes(info: dict, released: set[str]) -> float:
 
 
 async def resident_gb(clients: list[EngineClient], *, released: set[str]) -> float:
-    """The most any engine TP rank holds now, in GiB (one GPU's share, as the trainer's ledger)."""
-    if not clients:
-        return 0.0
-    infos = await asyncio.gather(*(c.server_info() for c in clients))
-    return max(_engine_bytes(i, released) for i in infos) / GIB
+    """The most any engine TP rank holds now, in GiB (one GPU's share, as the trainer's ledger). An
+    engine that does not answer holds nothing we can count: the ledger is no place to fail a step
+    (the rollout that follows notices the engine and recovers: recovery.py)."""
+    infos = await asyncio.gather(*(c.server_info() for c in clients), return_exceptions=True)
+    held = [_engine_bytes(i, released) for i in infos if isinstance(i, dict)]
+    return max(held, default=0.0) / GIB
