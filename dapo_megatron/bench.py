@@ -26,6 +26,7 @@ BENCHES = {
     "rollout": "dapo_megatron.rollout.bench",  # CPU rollout server tokens/s and weight-sync bandwidth
     "actor": "dapo_megatron.actor.bench",  # Megatron actor training throughput and MFU (GPU)
     "dataplane": "dapo_megatron.dataplane.bench",  # batch scatter + weight export of a 32B-shaped step (gloo)
+    "rollout-quant": "dapo_megatron.quant.bench",  # bf16 vs modelopt FP8 CPU engine: weight bytes, tok/s, mismatch
 }
 DEFAULT_RESULTS_DIR = "results"
 
