@@ -129,7 +129,8 @@ def run(model_dir: str, *, num_prompts: int, new_tokens: int, seed: int, tmp: st
               f"{s['mismatch_max']:>13.3e}")
         mode = f"prompts={num_prompts},new_tokens={new_tokens}"
         rows += [_row("rollout_quant", f"engine_{label}", mode, "weight_bytes", "B", num_prompts, s["weight_bytes"]),
-                 _row("rollout_quant", f"engine_{label}", mode, "tokens_per_s", "tok/s", num_prompts, s["tokens_per_s"]),
+                 _row("rollout_quant", f"engine_{label}", mode, "tokens_per_s", "tok/s", num_prompts,
+                      s["tokens_per_s"]),
                  _row("rollout_quant", f"engine_{label}", mode, "logprob_mismatch_mean", "nat", num_prompts,
                       s["mismatch_mean"]),
                  _row("rollout_quant", f"engine_{label}", mode, "logprob_mismatch_max", "nat", num_prompts,

@@ -103,7 +103,8 @@ def load_fp8_model(model_dir: str | Path, *, dtype: torch.dtype):
     with torch.no_grad():
         for name, tensor in state.items():
             if list(ours[name].shape) != list(tensor.shape):
-                raise ValueError(f"{model_dir}: '{name}' has shape {list(tensor.shape)}, the model {list(ours[name].shape)}")
+                raise ValueError(f"{model_dir}: '{name}' has shape {list(tensor.shape)}, "
+                                 f"the model {list(ours[name].shape)}")
             ours[name].copy_(tensor.to(ours[name].dtype))
     missing = sorted(set(ours) - set(state))
     tied = config.tie_word_embeddings if hasattr(config, "tie_word_embeddings") else False
