@@ -1,4 +1,4 @@
-"""`dapo-megatron bench kernels | reward | rollout | actor | dataplane [args]`: the project's benchmarks, each
+"""`dapo-megatron bench kernels | reward | rollout | actor | dataplane | rollout-quant [args]`: the project's benchmarks, each
 printing a table and appending rows to a CSV in a results directory (speed is measured here, never
 asserted in tests).
 
