@@ -173,7 +173,8 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
         if cfg.rollout.engine == "cpu" and not cfg.rollout.engine_urls:
             with phases.phase("rollout", slow_note=f"starting {cfg.rollout.num_engines} CPU engine(s)") as note:
                 urls = procs.start_cpu_engines(
-                    engine_model_dir, num=cfg.rollout.num_engines, register_dir=run_dir / "engines", seed=cfg.trainer.seed,
+                    engine_model_dir, num=cfg.rollout.num_engines, register_dir=run_dir / "engines",
+                    seed=cfg.trainer.seed,
                     context_length=cfg.rollout.max_prompt_length + cfg.rollout.max_response_length)
                 note["detail"] = (f"{len(urls)} CPU engine{'s' if len(urls) > 1 else ''} serving at {', '.join(urls)} "
                                   f"(logs in {procs.log_dir})")
