@@ -173,6 +173,11 @@ def render_rollout_array(cfg: Config, *, register_dir: str) -> str:
     """slurm/rollout_array.sbatch: one engine per array task, registering in register_dir."""
     from dapo_megatron.rollout.routing import sglang_routing_args
 
+    if cfg.rollout.quantization == "fp8":
+        # the engines must start from the modelopt export the launcher writes (quant/rollout.py); only the
+        # local launcher (`dapo-megatron train`) does that today (SGLang + fp8 is refused anyway: docs/fp8.md)
+        raise ValueError("config key 'rollout.quantization': 'fp8' runs through `dapo-megatron train` (CPU engines "
+                         "started from the modelopt FP8 export), not through Slurm engine arrays")
     gpus, cpus = engine_resources(cfg)
     values: dict[str, Value] = {
         "PYTHON": python_of(cfg),

@@ -240,3 +240,15 @@ def test_cpu_engine_serves_the_fp8_export_dequantized_per_matmul(tiny):
     with pytest.raises(WeightError, match=r"dtype mismatch for 'lm_head.weight'.*float8_e4m3fn"):
         engine.load_weights([("lm_head.weight", torch.zeros(specs["lm_head.weight"]["shape"]).to(torch.float8_e4m3fn))])
 
+
+
+def test_slurm_engine_array_refuses_fp8():
+    """Slurm's engine array would start engines from the base model: an fp8 run is refused at render."""
+    from pathlib import Path
+
+    from dapo_megatron.config import load_config
+    from dapo_megatron.launch.render import render_rollout_array
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "runs" / "tiny_cpu_fp8.yaml")
+    with pytest.raises(ValueError, match=r"rollout\.quantization.*fp8.*dapo-megatron train.*not through Slurm"):
+        render_rollout_array(cfg, register_dir="/tmp/engines")
