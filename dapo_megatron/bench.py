@@ -1,4 +1,4 @@
-"""`dapo-megatron bench kernels | reward | rollout | actor | dataplane [args]`: the project's benchmarks, each
+"""`dapo-megatron bench kernels | reward | rollout | actor | dataplane | rollout-quant [args]`: the project's benchmarks, each
 printing a table and appending rows to a CSV in a results directory (speed is measured here, never
 asserted in tests).
 
@@ -26,6 +26,7 @@ BENCHES = {
     "rollout": "dapo_megatron.rollout.bench",  # CPU rollout server tokens/s and weight-sync bandwidth
     "actor": "dapo_megatron.actor.bench",  # Megatron actor training throughput and MFU (GPU)
     "dataplane": "dapo_megatron.dataplane.bench",  # batch scatter + weight export of a 32B-shaped step (gloo)
+    "rollout-quant": "dapo_megatron.quant.bench",  # bf16 vs modelopt FP8 CPU engine: weight bytes, tok/s, mismatch
 }
 DEFAULT_RESULTS_DIR = "results"
 

@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "plan": ("dapo_megatron.memplan.report", "main", "per-GPU memory of every phase of a step; exit 1 if it does not fit"),
     "convert": ("dapo_megatron.weights.convert", "main", "convert checkpoints: hf-to-mcore | mcore-to-hf"),
     "check-parity": ("dapo_megatron.actor.parity", "main", "Megatron vs transformers log-prob parity"),
-    "bench": ("dapo_megatron.bench", "main", "benchmarks: kernels | reward | rollout | actor"),
+    "bench": ("dapo_megatron.bench", "main", "benchmarks: kernels | reward | rollout | actor | dataplane | rollout-quant"),
     "serve-rollout": ("dapo_megatron.rollout.server", "main", "CPU rollout server (SGLang HTTP API)"),
     "slurm": ("dapo_megatron.launch.cli", "main", "render / submit sbatch jobs, show their status"),
     "plot": ("dapo_megatron.metrics", "plot_main", "PNG of a run's curves"),

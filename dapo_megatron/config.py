@@ -393,6 +393,12 @@ def validate(cfg: Config) -> None:
     _require(r.engine_wait_s >= 0, "rollout.engine_wait_s", r.engine_wait_s,
              "must be >= 0 (seconds to wait for an engine when none is left; 0 = stop at once)")
     _require(r.quantization in ("none", "fp8"), "rollout.quantization", r.quantization, "one of: none, fp8")
+    # SGLang 0.5.21 cannot reload a modelopt FP8 checkpoint in place (docs/fp8.md, "SGLang GPU engines"):
+    # ModelOptFp8LinearMethod.process_weights_after_loading replaces `weight` by a transposed Parameter
+    # without weight_loader, so the first sync fails in qwen2.py's stacked q/k/v loader
+    _require(not (r.quantization == "fp8" and r.engine == "sglang"), "rollout.quantization", r.quantization,
+             "fp8 runs with rollout.engine=cpu only: SGLang 0.5.21 cannot hot-reload modelopt per-tensor FP8 "
+             "weights (ModelOptFp8LinearMethod has no restore_weights_before_loading; see docs/fp8.md)")
     for url in r.engine_urls:
         _require(url.startswith(("http://", "https://")), "rollout.engine_urls", url, "URLs start with http://")
 

@@ -71,6 +71,12 @@ class Driver:
         # master_address "" = the trainer address every engine reaches (weight_group.trainer_address)
         self.weight_sync = DistributedWeightSync(backend=backend, bucket_bytes=r.weight_bucket_mb << 20,
                                                  master_address=r.weight_sync_address)
+        # rollout.quantization=fp8: every sync sends modelopt's fp8 weights + scales (quant/rollout.py)
+        self.fp8 = None
+        if r.quantization == "fp8":
+            from dapo_megatron.quant.rollout import fp8_converter
+
+            self.fp8 = fp8_converter(cfg)
 
     # --- state carried by checkpoints ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -110,6 +116,8 @@ class Driver:
         each stage's flat buffer as it is waits for the per-stage weight groups (stage_export.py)."""
         version = f"step_{step}"
         named = (pair for bucket in buckets for pair in bucket)
+        if self.fp8 is not None:
+            named = self.fp8.convert(named)
 
         # an engine dying during the sync is dropped from it and the pass is still consumed to its end;
         # sync_redo asks every rank for another pass (recovery.transfer_with_recovery)

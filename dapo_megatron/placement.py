@@ -193,6 +193,11 @@ class ColocatedPlacement:
         self.slots = box[0]
         self.transfer = ColocatedTransfer(self.slots, driver=driver, bucket_bytes=cfg.rollout.weight_bucket_mb << 20,
                                           verify=cfg.rollout.verify_weight_sync)
+        self.fp8 = None  # rollout.quantization=fp8: every rank converts what it hands its engine (quant/rollout.py)
+        if cfg.rollout.quantization == "fp8":
+            from dapo_megatron.quant.rollout import fp8_converter
+
+            self.fp8 = fp8_converter(cfg)
 
     def before_rollout(self, actor) -> None:
         actor.offload()  # parameters, gradients (dropped: dead between steps), optimizer state
@@ -210,7 +215,10 @@ class ColocatedPlacement:
         parameters (the only actor state left on the device), then the actor leaves entirely."""
         actor.offload("grads", "optimizer")
         self.engines.resume(["weights"])
-        stats = self.transfer.send(actor.iter_hf_weights(), weight_version=f"step_{step}")
+        named = actor.iter_hf_weights()
+        if self.fp8 is not None:
+            named = self.fp8.convert(named)
+        stats = self.transfer.send(named, weight_version=f"step_{step}")
         actor.offload("params")
         self.engines.resume(["kv_cache"])
         if not self.roles.driver:

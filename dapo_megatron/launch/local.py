@@ -178,11 +178,19 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
         model_dir = _prepare_model(cfg)
         note["detail"] = _model_line(cfg, model_dir)
     overrides = [*overrides, f"model.path={model_dir}"]
+    engine_model_dir = model_dir
+    if cfg.rollout.quantization == "fp8":  # the engines serve modelopt's FP8 export of the base model
+        from dapo_megatron.quant.rollout import prepare_fp8_rollout
+
+        with phases.phase("fp8", slow_note="exporting the base model with modelopt FP8 for the engines") as note:
+            engine_model_dir = str(prepare_fp8_rollout(cfg, model_dir))
+            note["detail"] = f"modelopt FP8 checkpoint for the engines in {engine_model_dir}"
     with LocalProcesses(run_dir / "logs") as procs:
         if cfg.rollout.engine == "cpu" and not cfg.rollout.engine_urls:
             with phases.phase("rollout", slow_note=f"starting {cfg.rollout.num_engines} CPU engine(s)") as note:
                 urls = procs.start_cpu_engines(
-                    model_dir, num=cfg.rollout.num_engines, register_dir=run_dir / "engines", seed=cfg.trainer.seed,
+                    engine_model_dir, num=cfg.rollout.num_engines, register_dir=run_dir / "engines",
+                    seed=cfg.trainer.seed,
                     context_length=cfg.rollout.max_prompt_length + cfg.rollout.max_response_length)
                 note["detail"] = (f"{len(urls)} CPU engine{'s' if len(urls) > 1 else ''} serving at {', '.join(urls)} "
                                   f"(logs in {procs.log_dir})")

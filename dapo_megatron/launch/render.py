@@ -142,6 +142,11 @@ def render_train(cfg: Config, *, config_file: str, engine_job: str = "", entry: 
     engine_job: job id of a rollout array to cancel when training ends ("" = none).
     entry: what torchrun starts on each rank, before CONFIG [--resume].
     """
+    if cfg.rollout.quantization == "fp8" and cfg.rollout.placement == "colocated" and not cfg.rollout.engine_urls:
+        # launch/colocated.py starts the engines from model.path, not from the modelopt export
+        raise ValueError("config key 'rollout.quantization': 'fp8' with colocated engines runs through "
+                         "`dapo-megatron train` on one node (CPU engines started from the modelopt FP8 export), "
+                         "not through Slurm")
     values = {"CONFIG": config_file, **_trainer_values(cfg, engine_job=engine_job, entry=entry)}
     return fill(template_text("train.sbatch"), sbatch=sbatch_resource_lines(cfg) + _signal_lines(cfg),
                 values=values, setup=cfg.slurm.setup)
@@ -173,6 +178,11 @@ def render_rollout_array(cfg: Config, *, register_dir: str) -> str:
     """slurm/rollout_array.sbatch: one engine per array task, registering in register_dir."""
     from dapo_megatron.rollout.routing import sglang_routing_args
 
+    if cfg.rollout.quantization == "fp8":
+        # the engines must start from the modelopt export the launcher writes (quant/rollout.py); only the
+        # local launcher (`dapo-megatron train`) does that today (SGLang + fp8 is refused anyway: docs/fp8.md)
+        raise ValueError("config key 'rollout.quantization': 'fp8' runs through `dapo-megatron train` (CPU engines "
+                         "started from the modelopt FP8 export), not through Slurm engine arrays")
     gpus, cpus = engine_resources(cfg)
     values: dict[str, Value] = {
         "PYTHON": python_of(cfg),

@@ -35,6 +35,7 @@ from typing import Iterable, Protocol
 
 import torch
 
+from dapo_megatron.quant.cpu_fp8 import is_fp8_checkpoint, load_fp8_model
 from dapo_megatron.rollout.protocol import SequenceRequest
 from dapo_megatron.rollout.routing import RoutedExpertsRecorder
 from dapo_megatron.weights.hf_layout import public_expert_views
@@ -64,7 +65,11 @@ class CpuEngine:
 
         self.model_path = model_path
         self.dtype = getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).eval()
+        self.fp8 = is_fp8_checkpoint(model_path)
+        if self.fp8:  # a modelopt FP8 export: float8 weights + scales, dequantized per matmul (quant/cpu_fp8.py)
+            self.model = load_fp8_model(model_path, dtype=self.dtype)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).eval()
         for p in self.model.parameters():
             # each parameter in storage of its own, as after a resume: CPU GEMV kernels pick their path by
             # memory alignment (~1e-6 log-prob differences), so release/resume must not change it; this
@@ -148,6 +153,13 @@ class CpuEngine:
         if "weights" in self.released_tags:
             raise WeightError("weights are released; call /resume_memory_occupation first")
         ours = self._public_tensors()
+        for name, tensor in named:
+            # float8 bytes mean nothing without their scale, and a float8 parameter takes only float8 values
+            # scaled by the trainer's converter: a bf16/fp32 tensor cast here would skip the scale
+            if (tensor.dtype == torch.float8_e4m3fn) != (ours[name].dtype == torch.float8_e4m3fn):
+                raise WeightError(f"dtype mismatch for '{name}': got {str(tensor.dtype).removeprefix('torch.')}, the "
+                                  f"engine holds {str(ours[name].dtype).removeprefix('torch.')} (an FP8 engine takes "
+                                  "the modelopt-quantized weights of rollout.quantization=fp8; a plain one takes none)")
         with torch.no_grad():
             for name, tensor in named:
                 ours[name].data.copy_(tensor.to(ours[name].dtype))

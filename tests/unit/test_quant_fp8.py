@@ -190,12 +190,74 @@ def test_fp8_weight_logprob_mismatch_nonzero_and_bounded(tiny):
 def test_rollout_quantization_key_is_validated():
     from dapo_megatron.config import config_from_dict
 
-    assert config_from_dict({"rollout": {"quantization": "fp8"}}).rollout.quantization == "fp8"
+    assert config_from_dict({"rollout": {"quantization": "fp8", "engine": "cpu"}}).rollout.quantization == "fp8"
     assert config_from_dict({}).rollout.quantization == "none"
     with pytest.raises(ValueError, match=r"rollout\.quantization.*'int3'.*none, fp8"):
         config_from_dict({"rollout": {"quantization": "int3"}})
+    # SGLang 0.5.21 cannot hot-reload modelopt FP8 (docs/fp8.md): refused before anything starts
+    with pytest.raises(ValueError, match=r"rollout\.quantization.*'fp8'.*rollout\.engine=cpu only.*restore_weights"):
+        config_from_dict({"rollout": {"quantization": "fp8", "engine": "sglang"}})
 
 
 def test_converter_refuses_a_checkpoint_without_modelopt_config(tmp_path):
     with pytest.raises(ValueError, match="hf_quant_config.json"):
         Fp8SyncConverter.from_checkpoint(tmp_path)
+
+
+def test_cpu_engine_serves_the_fp8_export_dequantized_per_matmul(tiny):
+    """The CPU engine started from the export holds float8 weights + fp32 scales (1 byte per fp8
+    element), and its logits equal, bit for bit, those of an fp32 model whose quantized Linears hold
+    dequantize_fp8(weight, scale) and whose other tensors are the export's bf16 values: the weight
+    error is exactly modelopt's."""
+    from transformers import AutoModelForCausalLM
+
+    from dapo_megatron.rollout.cpu_engine import CpuEngine, WeightError
+
+    model_dir, export_dir, sd = tiny
+    engine = CpuEngine(str(export_dir), dtype="float32")
+    specs = engine.parameter_specs()
+    fp8 = [n for n, t in sd.items() if t.dtype == torch.float8_e4m3fn]
+    assert len(fp8) == 14 and all(specs[n]["dtype"] == "float8_e4m3fn" for n in fp8)
+    assert all(specs[n.removesuffix(".weight") + ".weight_scale"]["dtype"] == "float32" for n in fp8)
+    assert set(specs) == set(sd)  # the checkpoint's names, nothing more or less
+    expected_bytes = sum(t.numel() * (1 if t.dtype == torch.float8_e4m3fn else 4) for t in sd.values())
+    assert engine.resident_weight_bytes() == expected_bytes
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    state = ref.state_dict()
+    with torch.no_grad():
+        for name, t in sd.items():
+            if name in state:
+                scale = sd.get(name.removesuffix(".weight") + ".weight_scale")
+                src = dequantize_fp8(t, scale) if name in fp8 else t.float()
+                state[name].copy_(src)
+    ids = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 4]])
+    with torch.no_grad():
+        want = ref(ids).logits
+        assert torch.equal(engine.model(ids).logits, want)
+    # release / resume (the colocated placement's cycle) frees the fp8 storage too; a sync of the
+    # export's own tensors (what the converter sends for the base weights) restores the same logits
+    engine.release(["weights"])
+    assert engine.resident_weight_bytes() == 0
+    engine.resume(["weights"])
+    engine.load_weights(list(sd.items()))
+    with torch.no_grad():
+        assert torch.equal(engine.model(ids).logits, want)
+    # a float value into a float8 parameter would skip the scale; a float8 one into a plain one too
+    q = "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(WeightError, match=r"dtype mismatch for 'model.layers.0.self_attn.q_proj.weight'.*float32"):
+        engine.load_weights([(q, torch.zeros(specs[q]["shape"]))])
+    with pytest.raises(WeightError, match=r"dtype mismatch for 'lm_head.weight'.*float8_e4m3fn"):
+        engine.load_weights([("lm_head.weight", torch.zeros(specs["lm_head.weight"]["shape"]).to(torch.float8_e4m3fn))])
+
+
+
+def test_slurm_engine_array_refuses_fp8():
+    """Slurm's engine array would start engines from the base model: an fp8 run is refused at render."""
+    from pathlib import Path
+
+    from dapo_megatron.config import load_config
+    from dapo_megatron.launch.render import render_rollout_array
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "runs" / "tiny_cpu_fp8.yaml")
+    with pytest.raises(ValueError, match=r"rollout\.quantization.*fp8.*dapo-megatron train.*not through Slurm"):
+        render_rollout_array(cfg, register_dir="/tmp/engines")

@@ -1,0 +1,120 @@
+"""A modelopt FP8 checkpoint served for real on CPU: each quantized Linear holds its weight in
+float8_e4m3fn with its per-tensor scale, and dequantizes it in every forward (docs/fp8.md, part B).
+
+    model = load_fp8_model("out/run/rollout_fp8", dtype=torch.float32)   # what CpuEngine loads
+    is_fp8_checkpoint("out/run/rollout_fp8")                             # hf_quant_config.json present
+
+What an FP8 GEMM computes with a per-tensor scale (SGLang's ModelOptFp8LinearMethod.apply ->
+apply_fp8_linear, srt/layers/quantization/fp8_utils.py) is x @ (w_fp8 * weight_scale)^T with the
+activations also cast to fp8 by their static input_scale. The CPU engine reproduces the weight part
+exactly (dequantize_fp8: w_fp8.to(dtype) * weight_scale, the error the trainer cannot see) and keeps
+the activations in the engine dtype: `input_scale` is held (the sync sends it, the layout has it) but
+not applied, so the engine's mismatch is the weight error alone. Which Linears are fp8 is read from
+the checkpoint (a module is fp8 iff modelopt wrote `<module>.weight_scale`), as Fp8SyncConverter does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dapo_megatron.quant.fp8_export import read_quant_config
+from dapo_megatron.quant.fp8_sync import dequantize_fp8
+
+
+def is_fp8_checkpoint(model_dir: str | Path) -> bool:
+    """A modelopt FP8 export (hf_quant_config.json, or config.json's quantization_config from modelopt)."""
+    path = Path(model_dir)
+    if (path / "hf_quant_config.json").is_file():
+        return True
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        return False
+    qc = json.loads(cfg.read_text()).get("quantization_config") or {}
+    return qc.get("quant_method") == "modelopt"
+
+
+class Fp8Linear(nn.Module):
+    """nn.Linear with a float8_e4m3fn weight, a per-tensor fp32 weight_scale and the (unused on CPU)
+    input_scale, under the names of the modelopt checkpoint: <m>.weight, <m>.weight_scale, <m>.input_scale."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn),
+                                   requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
+        self.input_scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # dequantized per matmul: nothing but the fp8 bytes and the scale is kept between forwards
+        return F.linear(x, dequantize_fp8(self.weight, self.weight_scale, dtype=x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3fn per-tensor"
+
+
+def _quantized_modules(state: dict[str, torch.Tensor]) -> set[str]:
+    return {k.removesuffix(".weight_scale") for k in state if k.endswith(".weight_scale")}
+
+
+def load_fp8_model(model_dir: str | Path, *, dtype: torch.dtype):
+    """The HF causal LM of a modelopt FP8 export with its quantized Linears as Fp8Linear, the other
+    tensors (embeddings, norms, biases, lm_head: bf16 in the export) in `dtype`. Every tensor of the
+    checkpoint must land in the model and every model tensor must come from the checkpoint (tied
+    aliases aside): ValueError naming the first that does not."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    model_dir = Path(model_dir)
+    read_quant_config(model_dir)  # ValueError unless quant_algo is FP8 (the only format served)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no *.safetensors files")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    config = AutoConfig.from_pretrained(str(model_dir))
+    # transformers would hand quantization_config to its own quantizer integration; this module is
+    # the CPU engine's FP8 implementation, so the model is built plain and the Linears swapped below
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for name in sorted(_quantized_modules(state)):
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        linear = getattr(parent, leaf, None)
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"{model_dir}: '{name}.weight_scale' names {type(linear).__name__}, not an nn.Linear")
+        if state[f"{name}.weight"].dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{model_dir}: '{name}.weight' is {state[f'{name}.weight'].dtype}, expected float8_e4m3fn")
+        setattr(parent, leaf, Fp8Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                        dtype=dtype))
+    ours = model.state_dict()
+    unknown = sorted(set(state) - set(ours))
+    if unknown:
+        raise ValueError(f"{model_dir}: checkpoint tensor '{unknown[0]}' has no place in the model "
+                         f"({len(unknown)} such tensors)")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if list(ours[name].shape) != list(tensor.shape):
+                raise ValueError(f"{model_dir}: '{name}' has shape {list(tensor.shape)}, "
+                                 f"the model {list(ours[name].shape)}")
+            ours[name].copy_(tensor.to(ours[name].dtype))
+    missing = sorted(set(ours) - set(state))
+    tied = config.tie_word_embeddings if hasattr(config, "tie_word_embeddings") else False
+    missing = [m for m in missing if not (tied and m == "lm_head.weight")]
+    if missing:
+        raise ValueError(f"{model_dir}: model tensor '{missing[0]}' is not in the checkpoint ({len(missing)} missing)")
+    if tied:
+        model.tie_weights()
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(str(model_dir))
+    except OSError:
+        pass  # no generation_config.json: the model config's eos stands
+    return model.eval()
