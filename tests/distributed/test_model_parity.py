@@ -132,10 +132,12 @@ def test_tied_and_llama_match_transformers(rank_pool, hf_dirs, name, world, tp, 
     hf_dir = str(hf_dirs[name])
     results = [r for r in rank_pool(world).run(_megatron_on_rank, hf_dir, tp, pp, None) if r is not None]
     tokens, lengths, ours = results[0]
-    reference = _reference(hf_dir, tokens)
-    assert (ours[0] - reference).abs().max().item() <= TOLERANCE
+    # against float64 transformers (the exact function): only our own fp32 rounding counts. Against
+    # fp32 transformers both sides' rounding adds up (1.0014e-05 at TP=2 on one 2026-11-24 machine)
+    exact = _reference(hf_dir, tokens, torch.float64)
+    assert (ours[0].double() - exact).abs().max().item() <= TOLERANCE
     valid = ~torch.isnan(ours[1])
-    assert (ours[1][valid] - reference[valid]).abs().max().item() <= TOLERANCE
+    assert (ours[1].double()[valid] - exact[valid]).abs().max().item() <= TOLERANCE
 
 
 def test_check_parity_cli_under_torchrun(hf_dirs, tmp_path):
