@@ -1,4 +1,4 @@
-"""`dapo-megatron bench kernels | reward | rollout | actor | dataplane [args]`: the project's benchmarks, each
+"""`dapo-megatron bench kernels | reward | rollout | actor | dataplane | overlap [args]`: the project's benchmarks, each
 printing a table and appending rows to a CSV in a results directory (speed is measured here, never
 asserted in tests).
 
@@ -26,6 +26,7 @@ BENCHES = {
     "rollout": "dapo_megatron.rollout.bench",  # CPU rollout server tokens/s and weight-sync bandwidth
     "actor": "dapo_megatron.actor.bench",  # Megatron actor training throughput and MFU (GPU)
     "dataplane": "dapo_megatron.dataplane.bench",  # batch scatter + weight export of a 32B-shaped step (gloo)
+    "overlap": "dapo_megatron.overlap",  # the embedded task at rollout.max_staleness 0 and 1: step time, hidden share
 }
 DEFAULT_RESULTS_DIR = "results"
 

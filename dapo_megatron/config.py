@@ -65,6 +65,9 @@ class RolloutConfig:
     in_order: bool = True  # dynamic sampling keeps groups in request order: reproducible batches
     engine: Literal["cpu", "sglang"] = "sglang"
     placement: Literal["colocated", "disaggregated"] = "colocated"
+    # 0 = synchronous steps; k >= 1 = the engines generate the batches of the next k steps while the
+    # trainer trains (disaggregated only; rollout/async_rollout.py): no sample older than k updates is trained on
+    max_staleness: int = 0
     num_engines: int = 1
     engine_tp: int = 1
     engine_urls: list[str] = field(default_factory=list)  # fixed engines; else <run_dir>/engines/
@@ -379,6 +382,13 @@ def validate(cfg: Config) -> None:
     _require(r.weight_bucket_mb >= 1, "rollout.weight_bucket_mb", r.weight_bucket_mb, "must be >= 1")
     _require(r.request_timeout_s > 0, "rollout.request_timeout_s", r.request_timeout_s, "must be > 0")
     _require(r.max_retries >= 0, "rollout.max_retries", r.max_retries, "must be >= 0")
+    _require(r.max_staleness >= 0, "rollout.max_staleness", r.max_staleness, "0 (synchronous) or >= 1")
+    _require(r.max_staleness == 0 or r.placement == "disaggregated", "rollout.max_staleness", r.max_staleness,
+             f"0 with rollout.placement={r.placement!r}: colocated engines share the trainer's GPUs, so generation "
+             "cannot overlap training (set rollout.placement=disaggregated)")
+    _require(r.max_staleness == 0 or cfg.algorithm.tis_cap is not None, "rollout.max_staleness", r.max_staleness,
+             "0 unless algorithm.tis_cap is set: off-policy samples need the truncated behaviour-policy weight "
+             "(docs/architecture.md, 'Overlapped steps')")
     _require(r.quantization in ("none", "fp8"), "rollout.quantization", r.quantization, "one of: none, fp8")
     for url in r.engine_urls:
         _require(url.startswith(("http://", "https://")), "rollout.engine_urls", url, "URLs start with http://")

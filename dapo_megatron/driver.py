@@ -66,6 +66,21 @@ class Driver:
         # master_address "" = the trainer address every engine reaches (weight_group.trainer_address)
         self.weight_sync = DistributedWeightSync(backend=backend, bucket_bytes=r.weight_bucket_mb << 20,
                                                  master_address=r.weight_sync_address)
+        # phase stamps (phase, step, start, end) for overlap.py; rollout.max_staleness >= 1 runs this loop on
+        # a thread that generates the next k batches while the trainer trains (rollout/async_rollout.py)
+        self.timeline: list[tuple[str, int, float, float]] = []
+        self.next_step, self._rollout_end = 0, 0.0
+        self.overlap = None
+        if r.max_staleness >= 1:
+            from dapo_megatron.rollout.async_rollout import AsyncRollout
+
+            self.overlap = AsyncRollout(self.loop, self.sampler, self.prompts, max_staleness=r.max_staleness,
+                                        train_batch_size=cfg.trainer.train_batch_size,
+                                        total_steps=cfg.trainer.total_steps, timeline=self.timeline)
+
+    def _run(self, coro):
+        """A coroutine on the driver's loop: here, or on its thread while steps overlap."""
+        return self.overlap.run(coro) if self.overlap is not None else self.loop.run_until_complete(coro)
 
     # --- state carried by checkpoints ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -79,8 +94,14 @@ class Driver:
     def rollout(self) -> tuple[list[list[Sample]], dict[str, float]]:
         """train_batch_size groups of rollout.n scored responses (rewards with overlong shaping; groups
         all right or all wrong dropped and refilled: DAPO's dynamic sampling), and their statistics."""
-        result = self.loop.run_until_complete(
-            self.sampler.collect(self.prompts, train_batch_size=self.cfg.trainer.train_batch_size))
+        tic, step, overlap_stats = time.time(), self.next_step, {}
+        if self.overlap is not None:  # generated while earlier steps trained; groups staler than k dropped
+            result, overlap_stats = self.overlap.next_batch(step)
+        else:
+            result = self.loop.run_until_complete(
+                self.sampler.collect(self.prompts, train_batch_size=self.cfg.trainer.train_batch_size))
+            self.timeline.append(("generate", step, tic, time.time()))
+        self.next_step, self._rollout_end = step + 1, time.time()
         samples = result.samples
         lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
         stats = {f"sampler/{k}": float(v) for k, v in result.stats.items()
@@ -93,6 +114,7 @@ class Driver:
             "response_length/max": float(lengths.max()) if samples else 0.0,
             "response_length/clip_ratio": float(sum(s.truncated for s in samples) / max(len(samples), 1)),
         })
+        stats.update(overlap_stats)
         return result.groups, stats
 
     # --- weights out ----------------------------------------------------------------------------------
@@ -108,12 +130,23 @@ class Driver:
 
         async def run():
             await self.pool.discover()
-            stats = await self.weight_sync.sync(self.pool.weight_targets(), named, weight_version=version)
+            targets = self.pool.weight_targets()
+            if self.overlap is None:
+                stats = await self.weight_sync.sync(targets, named, weight_version=version)
+            else:  # partial rollouts: rollout/async_rollout.py (why "retract")
+                stats = await self.overlap.paused_sync(targets, self.weight_sync.sync(targets, named,
+                                                                                      weight_version=version))
             self.pool.admit(self.pool.pending_urls())
             return stats
 
-        stats = self.loop.run_until_complete(run())
+        tic = time.time()
+        if self._rollout_end:  # the trainer's part of step step-1 on this rank: scatter, log-probs, updates
+            self.timeline.append(("train", step - 1, self._rollout_end, tic))
+        stats = self._run(run())
         self.sampler.weight_version = version
+        if self._rollout_end:
+            self.timeline.append(("sync", step - 1, tic, time.time()))
+        self.next_step, self._rollout_end = step, 0.0
         return {"sync/seconds": stats.seconds, "sync/gb": stats.bytes / 1e9, "sync/gb_per_s": stats.gb_per_s,
                 "sync/buckets": float(stats.num_buckets), "sync/collectives": float(stats.num_collectives)}
 
@@ -130,7 +163,7 @@ class Driver:
             return {}
         t = self.cfg.trainer
         start = time.perf_counter()
-        correct = self.loop.run_until_complete(sample_correct(
+        correct = self._run(sample_correct(
             self.pool, [self.sampler.prompt_ids(r) for r in records], records, n=t.eval_n,
             temperature=t.eval_temperature, top_p=t.eval_top_p, max_new_tokens=self.cfg.rollout.max_response_length,
             seed=t.seed, stop_token_ids=self.sampler.settings.stop_token_ids,
@@ -142,5 +175,11 @@ class Driver:
             await self.weight_sync.close(self.pool.live_clients())
             await self.pool.close()
 
+        if self.overlap is not None:
+            self.overlap.close()  # the producer's requests aborted; the loop stopped, back on this thread
+        if self.timeline:
+            from dapo_megatron.overlap import write_timeline
+
+            write_timeline(self.timeline, self.run_dir)
         self.loop.run_until_complete(run())
         self.loop.close()
