@@ -76,6 +76,8 @@ def filter_stale(groups: list[list[Any]], step: int, max_staleness: int) -> tupl
     stats = {f"overlap/staleness_{i}": float(c) for i, c in enumerate(hist[:-1])}
     stats[f"overlap/staleness_gt{max_staleness}"] = float(hist[-1])
     stats["overlap/groups_dropped_stale"] = float(len(groups) - len(kept))
+    # partial rollouts: samples whose tokens were made by more than one version (a push mid-request)
+    stats["overlap/samples_partial"] = float(sum(len(set(x.extra["weight_versions"])) > 1 for g in groups for x in g))
     kept_s = [sample_staleness(x, step) for g in kept for x in g]
     stats["overlap/staleness_mean"] = sum(kept_s) / len(kept_s) if kept_s else 0.0
     for gi, group in enumerate(kept):
