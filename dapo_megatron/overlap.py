@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--eval-every", type=int, default=0, help="held-out eval every N steps (default: at the end)")
     ap.add_argument("--repeats", type=int, default=1, help="pairs of runs (staleness 0, then 1)")
+    ap.add_argument("--first", type=int, choices=(0, 1), default=0, help="which staleness runs first in each pair")
     ap.add_argument("--out", default=None, help="run directories (default: a temporary one)")
     ap.add_argument("overrides", nargs="*", help="section.key=value for every run")
     add_output_args(ap, name="overlap")
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     date, machine = time.strftime("%Y-%m-%d", time.gmtime()), f"{platform.machine()} {os.cpu_count()} cores"
     rows = []
     for rep in range(args.repeats):
-        for staleness in (0, 1):  # alternating, so that drift of the shared machine hits both alike
+        for staleness in ((0, 1) if args.first == 0 else (1, 0)):  # alternating, so that drift of the shared machine hits both alike
             out = root / f"s{staleness}_r{rep}"
             row = {"date": date, "machine": machine, "staleness": staleness, "run": str(out),
                    **_run(args.config, out, staleness, args.steps, args.eval_every or args.steps, args.overrides)}
