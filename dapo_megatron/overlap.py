@@ -154,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     date, machine = time.strftime("%Y-%m-%d", time.gmtime()), f"{platform.machine()} {os.cpu_count()} cores"
     rows = []
     for rep in range(args.repeats):
-        for staleness in ((0, 1) if args.first == 0 else (1, 0)):  # alternating, so that drift of the shared machine hits both alike
+        # alternating, so that drift of the shared machine hits both alike
+        for staleness in ((0, 1) if args.first == 0 else (1, 0)):
             out = root / f"s{staleness}_r{rep}"
             row = {"date": date, "machine": machine, "staleness": staleness, "run": str(out),
                    **_run(args.config, out, staleness, args.steps, args.eval_every or args.steps, args.overrides)}

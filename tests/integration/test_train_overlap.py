@@ -19,7 +19,8 @@ def test_staleness_one_run(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu.yaml"),
            f"trainer.output_dir={out}", f"tiny.cache_dir={tmp_path / 'cache'}", "tiny.warm_start_steps=300",
-           "trainer.total_steps=4", "trainer.eval_every=0", "trainer.save_every=0", "trainer.keep_best_checkpoint=false",
+           "trainer.total_steps=4", "trainer.eval_every=0", "trainer.save_every=0",
+           "trainer.keep_best_checkpoint=false",
            "trainer.wandb_mode=disabled", "rollout.placement=disaggregated", "rollout.max_staleness=1",
            "algorithm.tis_cap=2.0"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
