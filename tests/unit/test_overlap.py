@@ -119,3 +119,20 @@ def test_config_rules(tmp_path):
     ok = load_config(str(cfg), ["rollout.max_staleness=2", "rollout.placement=disaggregated", "algorithm.tis_cap=2"])
     assert ok.rollout.max_staleness == 2
     assert load_config(str(cfg), []).rollout.max_staleness == 0
+
+
+def test_sampler_accepts_only_the_versions_it_is_given():
+    from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
+
+    settings = RolloutSettings(n=1, max_new_tokens=4, gen_batch_size=1)
+    sampler = RolloutSampler(pool=None, tokenizer=None, settings=settings, rid_prefix="s")
+
+    def reply(*versions):
+        return [{"meta_info": {"weight_version": versions[-1],
+                               "weight_versions": [{"version": v} for v in versions]}}]
+
+    sampler.weight_version = "step_3"
+    assert not sampler.is_stale(reply("step_3")) and sampler.is_stale(reply("step_2", "step_3"))  # synchronous
+    sampler.accepted_versions = accepted_versions(4, 1)  # batch 4 at staleness 1: step_3, step_4
+    assert not sampler.is_stale(reply("step_3", "step_4"))  # a partial rollout across the push
+    assert sampler.is_stale(reply("step_2", "step_3")) and sampler.is_stale(reply("step_5"))
