@@ -1,4 +1,5 @@
-"""`dapo-megatron bench kernels | reward | rollout | actor | dataplane | rollout-quant [args]`: the project's benchmarks, each
+"""`dapo-megatron bench kernels | reward | rollout | actor | dataplane | rollout-quant | overlap [args]`: the project's
+benchmarks, each
 printing a table and appending rows to a CSV in a results directory (speed is measured here, never
 asserted in tests).
 
@@ -27,6 +28,7 @@ BENCHES = {
     "actor": "dapo_megatron.actor.bench",  # Megatron actor training throughput and MFU (GPU)
     "dataplane": "dapo_megatron.dataplane.bench",  # batch scatter + weight export of a 32B-shaped step (gloo)
     "rollout-quant": "dapo_megatron.quant.bench",  # bf16 vs modelopt FP8 CPU engine: weight bytes, tok/s, mismatch
+    "overlap": "dapo_megatron.overlap",  # the embedded task at rollout.max_staleness 0 and 1: step time, hidden share
 }
 DEFAULT_RESULTS_DIR = "results"
 

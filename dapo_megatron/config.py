@@ -65,6 +65,9 @@ class RolloutConfig:
     in_order: bool = True  # dynamic sampling keeps groups in request order: reproducible batches
     engine: Literal["cpu", "sglang"] = "sglang"
     placement: Literal["colocated", "disaggregated"] = "colocated"
+    # 0 = synchronous steps; k >= 1 = the engines generate the batches of the next k steps while the
+    # trainer trains (disaggregated only; rollout/async_rollout.py): no sample older than k updates is trained on
+    max_staleness: int = 0
     num_engines: int = 1
     engine_tp: int = 1
     engine_urls: list[str] = field(default_factory=list)  # fixed engines; else <run_dir>/engines/
@@ -392,6 +395,13 @@ def validate(cfg: Config) -> None:
              r.engine_restarts, "an integer >= 0 (restarts of exited CPU engines per run; 0 = none)")
     _require(r.engine_wait_s >= 0, "rollout.engine_wait_s", r.engine_wait_s,
              "must be >= 0 (seconds to wait for an engine when none is left; 0 = stop at once)")
+    _require(r.max_staleness >= 0, "rollout.max_staleness", r.max_staleness, "0 (synchronous) or >= 1")
+    _require(r.max_staleness == 0 or r.placement == "disaggregated", "rollout.max_staleness", r.max_staleness,
+             f"0 with rollout.placement={r.placement!r}: colocated engines share the trainer's GPUs, so generation "
+             "cannot overlap training (set rollout.placement=disaggregated)")
+    _require(r.max_staleness == 0 or cfg.algorithm.tis_cap is not None, "rollout.max_staleness", r.max_staleness,
+             "0 unless algorithm.tis_cap is set: off-policy samples need the truncated behaviour-policy weight "
+             "(docs/architecture.md, 'Overlapped steps')")
     _require(r.quantization in ("none", "fp8"), "rollout.quantization", r.quantization, "one of: none, fp8")
     # SGLang 0.5.21 cannot reload a modelopt FP8 checkpoint in place (docs/fp8.md, "SGLang GPU engines"):
     # ModelOptFp8LinearMethod.process_weights_after_loading replaces `weight` by a transposed Parameter

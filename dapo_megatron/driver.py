@@ -77,6 +77,22 @@ class Driver:
             from dapo_megatron.quant.rollout import fp8_converter
 
             self.fp8 = fp8_converter(cfg)
+        # phase stamps (phase, step, start, end) for overlap.py; rollout.max_staleness >= 1 runs this loop on
+        # a thread that generates the next k batches while the trainer trains (rollout/async_rollout.py)
+        self.timeline: list[tuple[str, int, float, float]] = []
+        self.next_step, self._rollout_end = 0, 0.0
+        self.overlap = None
+        if r.max_staleness >= 1:
+            from dapo_megatron.rollout.async_rollout import AsyncRollout
+
+            self.overlap = AsyncRollout(self.loop, self.sampler, self.prompts, max_staleness=r.max_staleness,
+                                        train_batch_size=cfg.trainer.train_batch_size,
+                                        total_steps=cfg.trainer.total_steps, timeline=self.timeline)
+
+    def run(self, coro):
+        """A coroutine on the driver's loop: here, or on its thread while steps overlap (every caller of
+        the engines goes through this, never through self.loop directly)."""
+        return self.overlap.run(coro) if self.overlap is not None else self.loop.run_until_complete(coro)
 
     # --- state carried by checkpoints ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -90,8 +106,14 @@ class Driver:
     def rollout(self) -> tuple[list[list[Sample]], dict[str, float]]:
         """train_batch_size groups of rollout.n scored responses (rewards with overlong shaping; groups
         all right or all wrong dropped and refilled: DAPO's dynamic sampling), and their statistics."""
-        result = self.loop.run_until_complete(
-            self.sampler.collect(self.prompts, train_batch_size=self.cfg.trainer.train_batch_size))
+        tic, step, overlap_stats = time.time(), self.next_step, {}
+        if self.overlap is not None:  # generated while earlier steps trained; groups staler than k dropped
+            result, overlap_stats = self.overlap.next_batch(step)
+        else:
+            result = self.loop.run_until_complete(
+                self.sampler.collect(self.prompts, train_batch_size=self.cfg.trainer.train_batch_size))
+            self.timeline.append(("generate", step, tic, time.time()))
+        self.next_step, self._rollout_end = step + 1, time.time()
         samples = result.samples
         lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
         stats = {f"sampler/{k}": float(v) for k, v in result.stats.items()
@@ -104,6 +126,7 @@ class Driver:
             "response_length/max": float(lengths.max()) if samples else 0.0,
             "response_length/clip_ratio": float(sum(s.truncated for s in samples) / max(len(samples), 1)),
         })
+        stats.update(overlap_stats)
         return result.groups, stats
 
     # --- weights out ----------------------------------------------------------------------------------
@@ -120,12 +143,20 @@ class Driver:
             named = self.fp8.convert(named)
 
         # an engine dying during the sync is dropped from it and the pass is still consumed to its end;
-        # sync_redo asks every rank for another pass (recovery.transfer_with_recovery)
-        stats, self.sync_redo = self.loop.run_until_complete(
-            sync_dropping_dead(self.pool, self.weight_sync, named, weight_version=version))
+        # sync_redo asks every rank for another pass (recovery.transfer_with_recovery). While steps
+        # overlap, the engines are paused in "retract" mode around it (partial rollouts: async_rollout.py)
+        around = self.overlap.paused_sync if self.overlap is not None else None
+        tic = time.time()
+        if self._rollout_end:  # the trainer's part of step step-1 on this rank: scatter, log-probs, updates
+            self.timeline.append(("train", step - 1, self._rollout_end, tic))
+        stats, self.sync_redo = self.run(
+            sync_dropping_dead(self.pool, self.weight_sync, named, weight_version=version, around=around))
         if stats is None:
             return {}
         self.sampler.weight_version = version
+        if self._rollout_end:
+            self.timeline.append(("sync", step - 1, tic, time.time()))
+        self.next_step, self._rollout_end = step, 0.0
         return {"sync/seconds": stats.seconds, "sync/gb": stats.bytes / 1e9, "sync/gb_per_s": stats.gb_per_s,
                 "sync/buckets": float(stats.num_buckets), "sync/collectives": float(stats.num_collectives)}
 
@@ -148,7 +179,7 @@ class Driver:
             return {}
         t = self.cfg.trainer
         start = time.perf_counter()
-        correct = self.loop.run_until_complete(sample_correct(
+        correct = self.run(sample_correct(
             self.pool, [self.sampler.prompt_ids(r) for r in records], records, n=t.eval_n,
             temperature=t.eval_temperature, top_p=t.eval_top_p, max_new_tokens=self.cfg.rollout.max_response_length,
             seed=t.seed, stop_token_ids=self.sampler.settings.stop_token_ids,
@@ -160,5 +191,11 @@ class Driver:
             await self.weight_sync.close(self.pool.live_clients())
             await self.pool.close()
 
+        if self.overlap is not None:
+            self.overlap.close()  # the producer's requests aborted; the loop stopped, back on this thread
+        if self.timeline:
+            from dapo_megatron.overlap import write_timeline
+
+            write_timeline(self.timeline, self.run_dir)
         self.loop.run_until_complete(run())
         self.loop.close()

@@ -67,7 +67,7 @@ class _EngineSide:
         message = ""
         if self.driver is not None:
             try:
-                self.driver.loop.run_until_complete(fn(self.driver.pool.weight_targets(), *args))
+                self.driver.run(fn(self.driver.pool.weight_targets(), *args))
             except Exception as err:  # noqa: BLE001 - re-raised on every rank below
                 message = f"{type(err).__name__}: {err}"
         if dist.is_initialized() and dist.get_world_size() > 1:
@@ -96,7 +96,7 @@ class _EngineSide:
     def resident_gb(self) -> float:
         from dapo_megatron.rollout import engine_memory
 
-        return self.driver.loop.run_until_complete(
+        return self.driver.run(
             engine_memory.resident_gb(self.driver.pool.weight_targets(), released=self.released))
 
 

@@ -72,7 +72,7 @@ async def _drop_unreachable(pool, clients, *, why: str) -> list[str]:
     return dead
 
 
-async def sync_dropping_dead(pool, weight_sync, named, *, weight_version: str):
+async def sync_dropping_dead(pool, weight_sync, named, *, weight_version: str, around=None):
     """One export pass into the live + pending engines (driver). Returns (stats or None, redo): redo is
     True when an engine died during the pass (dropped; the survivors need the whole sync again). The
     iterator `named` is always consumed to its end: the other ranks run its collectives."""
@@ -85,7 +85,9 @@ async def sync_dropping_dead(pool, weight_sync, named, *, weight_version: str):
     try:
         if not targets:  # nothing to send to: the next rollout waits for an engine (rollout_with_recovery)
             return None, False
-        stats = await weight_sync.sync(targets, named, weight_version=weight_version)
+        sync = weight_sync.sync(targets, named, weight_version=weight_version)
+        # around(targets, sync): e.g. the engines paused while steps overlap (rollout/async_rollout.py)
+        stats = await (around(targets, sync) if around is not None else sync)
     except EngineError as err:
         if not await _drop_unreachable(pool, targets, why=f"died during weight sync {weight_version}"):
             raise  # every engine answers: not a dead engine (a refused bucket is a bug to see)
@@ -168,7 +170,7 @@ def _driver_attempt(driver, step: int):
         print(f"[engines] no engine left during step {step + 1}'s rollout ({type(err).__name__}); waiting up to "
               f"{wait_s:g} s (rollout.engine_wait_s) for one to register again", flush=True)
         tic = time.monotonic()
-        if driver.loop.run_until_complete(wait_for_engine(driver, wait_s=wait_s)):
+        if driver.run(wait_for_engine(driver, wait_s=wait_s)):
             print(f"[engines] {', '.join(driver.pool.pending_urls())} registered after {time.monotonic() - tic:.1f} s: "
                   f"re-syncing the weights of step {step}, then step {step + 1}'s rollout starts over", flush=True)
             return RESYNC, None

@@ -41,6 +41,7 @@ from dapo_megatron.actor.context_parallel import merge_from_cp, split_for_cp
 from dapo_megatron.actor.lm_head import (full_sequence_hidden, output_weight, require_fused_kernels,
                                          return_hidden_states, token_logprobs_entropy)
 from dapo_megatron.actor.packing import MicroBatch, PackedShare, pack_batch_micro_batch
+from dapo_megatron.algo.off_policy import behaviour_weight
 from dapo_megatron.batch import Sample
 from dapo_megatron.config import Config
 from dapo_megatron.dataplane.batch import RolloutBatch, exclusive_cumsum, ranges_index
@@ -555,7 +556,7 @@ class Actor:
         pg_weight = weight
         tis = torch.ones_like(mask)
         if al.tis_cap is not None:
-            tis = torch.clamp(torch.exp(old - take(mb.rollout_logprobs)), max=al.tis_cap)
+            tis = behaviour_weight(old, take(mb.rollout_logprobs), al.tis_cap)  # algo/off_policy.py
             pg_weight = weight * tis
         pg_loss, stats = _policy_loss(logprob, old, adv, pg_weight, eps_low=al.eps_low, eps_high=al.eps_high,
                                       clip_ratio_c=al.clip_ratio_c, loss_denominator=denom,

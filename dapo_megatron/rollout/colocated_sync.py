@@ -183,7 +183,7 @@ class ColocatedTransfer:
         return [clients[u] for u in self.tp_sizes]
 
     def _run(self, coro):
-        return self.driver.loop.run_until_complete(coro)
+        return self.driver.run(coro)
 
     def _begin(self, weight_version: str) -> str:
         clients = self._clients()

@@ -228,5 +228,8 @@ class Batcher:
                 error = err
             with self.cond:
                 self.running = []
+                # wake a pause waiting for this batch to park: a batch that finished in its last step
+                # never parks, and without this the pause would wait forever (seen with overlapped steps)
+                self.cond.notify_all()
             for item in take:
                 self._resolve(item, error)

@@ -117,6 +117,9 @@ class RolloutSampler:
             raise ValueError(f"RolloutSampler: rid_prefix {self.rid_prefix!r} must not contain {RID_END!r}")
         self.num_requests = 0  # k of the next request (seeds and rids)
         self.weight_version = INITIAL_WEIGHT_VERSION  # replies made by other weights are stale
+        # overlapped steps (rollout/async_rollout.py): the versions a reply may have been made by; None = only
+        # weight_version (the synchronous step)
+        self.accepted_versions: set[str] | None = None
 
     # ------------------------------------------------------------------ one group
     def prompt_ids(self, record: Any) -> list[int]:
@@ -162,7 +165,8 @@ class RolloutSampler:
         for o in outputs:
             meta = o["meta_info"]
             spans = meta.get("weight_versions") or [{"version": meta.get("weight_version")}]
-            if any(str(span["version"]) != self.weight_version for span in spans):
+            accepted = self.accepted_versions if self.accepted_versions is not None else {self.weight_version}
+            if any(str(span["version"]) not in accepted for span in spans):
                 return True
         return False
 
@@ -187,7 +191,10 @@ class RolloutSampler:
                 rollout_logprobs=[float(lp[0]) for lp in meta.get("output_token_logprobs", [])],
                 routed_experts=routed_experts_of(o, where=f"request {meta.get('id')}"),
                 extra={"score": float(result.score), "overlong_penalty": float(extra_reward),
-                       "pred": getattr(result, "pred", None), "finish_reason": meta["finish_reason"]["type"]},
+                       "pred": getattr(result, "pred", None), "finish_reason": meta["finish_reason"]["type"],
+                       # the weights that made it (every version, for a reply spanning an update)
+                       "weight_versions": [str(sp["version"]) for sp in
+                                           meta.get("weight_versions") or [{"version": meta.get("weight_version")}]]},
             ))
         return samples
 
