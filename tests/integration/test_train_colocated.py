@@ -7,7 +7,8 @@ reach the driver by gather and its engine through the driver's POST, as on a GPU
      weights sent again), every sync read back from the engine (rollout.verify_weight_sync: the run
      fails unless the engine's tensors equal the actor's bit for bit)
 
-  D  the same 4 steps disaggregated (tiny_cpu.yaml: one engine, weights broadcast over gloo)
+  D  the same 4 steps disaggregated (tiny_cpu.yaml: one engine, weights broadcast over gloo): the
+     session's tiny_run_a (conftest.py), from the same warm-start cache
 A's per-step metrics equal D's to the bit: the weights reach the engines bit for bit through shared
 memory, and per-sample seeds make the sampled tokens independent of which engine serves a request. The memory ledger in metrics.jsonl is asserted phase by phase.
 """
@@ -43,12 +44,11 @@ def _train(config: str, out: Path, cache: Path, *extra: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, tiny_run_a):
     root = tmp_path_factory.mktemp("colocated")
-    cache = root / "cache"
-    return {"a": _train("tiny_cpu_colocated.yaml", root / "a", cache, "rollout.verify_weight_sync=true",
+    return {"a": _train("tiny_cpu_colocated.yaml", root / "a", tiny_run_a["cache"], "rollout.verify_weight_sync=true",
                         "rollout.num_engines=2"),
-            "d": _train("tiny_cpu.yaml", root / "d", cache)}
+            "d": tiny_run_a["a"]}
 
 
 def test_colocated_steps_equal_the_disaggregated_run(runs):

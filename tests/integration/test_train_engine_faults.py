@@ -1,12 +1,12 @@
 """The real `dapo-megatron train` on the tiny CPU config (launcher, CPU rollout engine, 2 gloo actor
 ranks under torchrun) with its only engine SIGKILLed mid-run.
 
-One tiny model is built and warm-started once for the module (tiny.cache_dir) and shared by:
-  A  an uninterrupted 2-step run
+The session's tiny model (warm-start cache) is shared by:
+  A  the uninterrupted 4-step run (conftest.py: tiny_run_a, test_train_tiny.py's run)
   K  the same run whose engine is SIGKILLed once step 1 is logged: the launcher restarts it, the
      driver waits for it, re-syncs the current weights and redoes what the step lost
-  Z  the same kill with rollout.engine_restarts=0: the run stops with the engine named and the
-     checkpoint of step 1 on disk
+  Z  a 2-step run with the same kill and rollout.engine_restarts=0: the run stops with the engine
+     named and the checkpoint of step 1 on disk
 K's per-step data (the keys test_train_tiny.py calls exact) must equal A's: the redone rollout asks
 for the same samples (same prompts, rids and per-sample seeds) from the same weights.
 """
@@ -32,13 +32,14 @@ ROOT = Path(__file__).resolve().parents[2]
 def _cmd(out: Path, cache: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu.yaml"),
             f"trainer.output_dir={out}", f"tiny.cache_dir={cache}", "tiny.warm_start_steps=300",
-            "trainer.total_steps=2", "trainer.eval_every=0", "trainer.save_every=0", "trainer.wandb_mode=disabled",
-            "rollout.engine_wait_s=120", *extra]
+            "trainer.total_steps=4", "trainer.eval_every=4", "trainer.save_every=2", "trainer.keep_checkpoints=2",
+            "trainer.wandb_mode=disabled", "rollout.engine_wait_s=120", *extra]  # tiny_run_a's settings
 
 
 def _rows(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return [r for r in rows if r["step"] > 0]  # step 0: the starting eval
 
 
 def _engine_pid(out: Path) -> int:
@@ -70,22 +71,20 @@ def _train_killing_engine(out: Path, cache: Path, *extra: str, after_step: int =
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, tiny_run_a):
     root = tmp_path_factory.mktemp("faults")
-    cache = root / "cache"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(_cmd(root / "a", cache), cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    cache = tiny_run_a["cache"]
     killed = _train_killing_engine(root / "k", cache)
-    no_budget = _train_killing_engine(root / "z", cache, "rollout.engine_restarts=0", "rollout.engine_wait_s=60")
-    return {"root": root, "a": _rows(root / "a"), "k": killed, "z": no_budget}
+    no_budget = _train_killing_engine(root / "z", cache, "rollout.engine_restarts=0", "rollout.engine_wait_s=60",
+                                      "trainer.total_steps=2", "trainer.eval_every=0", "trainer.save_every=0")
+    return {"root": root, "a": [r for r in tiny_run_a["a"] if r["step"] > 0], "k": killed, "z": no_budget}
 
 
 def test_only_engine_killed_restarts_and_trains_every_step_as_if_uninterrupted(runs):
     rc, console, record = runs["k"]
     assert rc == 0, console[-6000:]
     a, k = runs["a"], _rows(runs["root"] / "k")
-    assert [r["step"] for r in k] == [1, 2]
+    assert [r["step"] for r in k] == [1, 2, 3, 4]
     for ra, rk in zip(a, k):
         for key in EXACT_KEYS:
             assert ra[key] == rk[key], (ra["step"], key, ra[key], rk[key])
@@ -93,8 +92,8 @@ def test_only_engine_killed_restarts_and_trains_every_step_as_if_uninterrupted(r
     assert f"[engines] engine_0 ({record['url']}, pid {record['pid']}) exited with code -9 (SIGKILL); restarting it" \
         in console, console[-4000:]
     assert "(restart 1 of rollout.engine_restarts=3)" in console
-    assert [r["engines/restarted_total"] for r in k] == [0.0, 1.0]
-    assert [r["engines/live"] for r in k] == [1.0, 1.0]
+    assert [r["engines/restarted_total"] for r in k] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["engines/live"] for r in k] == [1.0, 1.0, 1.0, 1.0]
     assert k[1]["engines/dropped_total"] >= 1.0
     events = read_engine_events(runs["root"] / "k" / "logs" / "engine_restarts.jsonl")
     assert [(e["engine"], e["action"], e["returncode"], e["pid"]) for e in events] == \

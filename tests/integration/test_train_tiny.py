@@ -44,10 +44,8 @@ def _train(out: Path, cache: Path, *extra: str, log: Path | None = None) -> list
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    cache = root / "cache"
-    uninterrupted = _train(root / "a", cache, "trainer.total_steps=4")
+def runs(tiny_run_a):
+    root, cache, uninterrupted = tiny_run_a["root"], tiny_run_a["cache"], tiny_run_a["a"]  # conftest.py
     first = _train(root / "b", cache, "trainer.total_steps=2")
     resumed = _train(root / "b", cache, "trainer.total_steps=4", "--resume")
     return {"root": root, "a": uninterrupted, "b_first": first, "b": resumed}
