@@ -50,6 +50,12 @@ def append_rows(path: str | Path, rows: Sequence[Mapping[str, object]], *, field
     fields = list(fields)
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
+    if not new:  # rows under another header would land in the wrong columns
+        with path.open(newline="") as fh:
+            header = next(csv.reader(fh), [])
+        if header != fields:
+            raise ValueError(f"{path}: its columns {header} are not this benchmark's {fields} (an older version's "
+                             "file?); pass another --csv or --results-dir, or move the file away")
     with path.open("a", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields)
         if new:

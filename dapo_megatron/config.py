@@ -93,6 +93,10 @@ class RolloutConfig:
     # none | fp8: fp8 engines load a modelopt FP8 checkpoint and every sync sends fp8 weights + scales
     # (dapo_megatron/quant, docs/fp8.md)
     quantization: str = "none"
+    # CPU engines started by the local launcher run on these CPU cores only ([] = wherever the OS puts
+    # them); with actor.cpu_cores this is disaggregation on one CPU machine: each side gets cores of its
+    # own, as disaggregated SGLang engines get GPUs of their own (bench overlap --engine-cores)
+    cpu_engine_cores: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -137,6 +141,9 @@ class ActorConfig:
     ep: int = 1  # expert parallel: each expert lives on one of ep ranks (carved out of the DP ranks)
     etp: Optional[int] = None  # expert tensor parallel: each expert split over etp ranks; null = actor.tp
     routing_replay: bool = False  # R3: old log-probs and the loss use the engine's experts for every token
+    # the local launcher runs the actor ranks on these CPU cores only ([] = anywhere); see
+    # rollout.cpu_engine_cores
+    cpu_cores: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -409,6 +416,9 @@ def validate(cfg: Config) -> None:
     _require(not (r.quantization == "fp8" and r.engine == "sglang"), "rollout.quantization", r.quantization,
              "fp8 runs with rollout.engine=cpu only: SGLang 0.5.21 cannot hot-reload modelopt per-tensor FP8 "
              "weights (ModelOptFp8LinearMethod has no restore_weights_before_loading; see docs/fp8.md)")
+    for key, cores in (("rollout.cpu_engine_cores", r.cpu_engine_cores), ("actor.cpu_cores", cfg.actor.cpu_cores)):
+        _require(all(c >= 0 for c in cores) and len(set(cores)) == len(cores), key, cores,
+                 "distinct CPU core numbers >= 0 ([] = no pinning)")
     for url in r.engine_urls:
         _require(url.startswith(("http://", "https://")), "rollout.engine_urls", url, "URLs start with http://")
 

@@ -24,6 +24,7 @@ from dapo_megatron.data.datasets import train_and_eval_records
 from dapo_megatron.data.stream import PromptStream
 from dapo_megatron.evaluate import eval_metrics, sample_correct
 from dapo_megatron.launch.supervise import engine_events_path
+from dapo_megatron.overlap import engine_phases
 from dapo_megatron.recovery import sync_dropping_dead
 from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
@@ -113,6 +114,8 @@ class Driver:
             result = self.loop.run_until_complete(
                 self.sampler.collect(self.prompts, train_batch_size=self.cfg.trainer.train_batch_size))
             self.timeline.append(("generate", step, tic, time.time()))
+            self.timeline.extend(engine_phases(self.sampler.engine_spans, step))
+            self.sampler.engine_spans.clear()
         self.next_step, self._rollout_end = step + 1, time.time()
         samples = result.samples
         lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)

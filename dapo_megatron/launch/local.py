@@ -19,8 +19,27 @@ import signal
 import subprocess
 import sys
 import time
+import shutil
 from pathlib import Path
 
+
+def check_cores(cores: list[int], key: str) -> None:
+    """A core pinning that cannot be applied fails before anything starts, naming the config key."""
+    if not cores:
+        return
+    available = os.sched_getaffinity(0)
+    missing = [c for c in cores if c not in available]
+    if missing:
+        raise ValueError(f"config key '{key}': CPU cores {missing} are not available to this process "
+                         f"(available: {sorted(available)})")
+    if shutil.which("taskset") is None:
+        raise ValueError(f"config key '{key}': pinning to cores {cores} needs `taskset` (util-linux) on PATH")
+
+
+def pinned(argv: list[str], cores: list[int]) -> list[str]:
+    """argv run on `cores` only. taskset sets the affinity before exec, so the process and every thread
+    and child it starts (torchrun's ranks, torch's intra-op threads) inherit it from the first instruction."""
+    return ["taskset", "-c", ",".join(str(c) for c in cores), *argv] if cores else list(argv)
 
 
 class LocalProcesses:
@@ -67,11 +86,12 @@ class LocalProcesses:
 
     def start_cpu_engines(self, model_dir: str | Path, *, num: int, register_dir: str | Path, seed: int = 0,
                           threads: int = 1, max_batch_size: int = 64, host: str = "127.0.0.1",
-                          timeout_s: float = 300.0, context_length: int = 0) -> list[str]:
+                          timeout_s: float = 300.0, context_length: int = 0, cores: list[int] = ()) -> list[str]:
         """Start `num` serve-rollout processes and wait until each has registered; returns their
         URLs in start order. Records of other processes in register_dir (an earlier run, SGLang
         engines of the same run) are left alone: only these processes' pids count.
-        context_length: --context-length (max_prompt_length + max_response_length), as for SGLang."""
+        context_length: --context-length (max_prompt_length + max_response_length), as for SGLang.
+        cores: CPU cores every engine runs on (rollout.cpu_engine_cores; empty = no pinning)."""
         from dapo_megatron.rollout.registry import read_registrations  # (rollout imports this module)
 
         if num < 1:
@@ -84,7 +104,7 @@ class LocalProcesses:
         for index in range(num):
             name = f"engine_{index}"
             self.engines[name] = {"host": host, "port": 0, "url": "", "register_dir": str(register_dir),
-                                  "threads": threads, "argv": [
+                                  "threads": threads, "cores": list(cores), "argv": [
                 sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", str(model_dir), "--host", host,
                 "--seed", str(seed + index), "--threads", str(threads),
                 "--max-batch-size", str(max_batch_size), "--register-dir", str(register_dir),
@@ -112,7 +132,7 @@ class LocalProcesses:
         """Start CPU engine `name` (again) with its own arguments on `port` (0 = a free one); its log
         goes on in the same file."""
         spec = self.engines[name]
-        return self.start(name, [*spec["argv"], "--port", str(port)],
+        return self.start(name, pinned([*spec["argv"], "--port", str(port)], spec.get("cores", [])),
                           env={"OMP_NUM_THREADS": str(spec["threads"]), "TOKENIZERS_PARALLELISM": "false"})
 
     def tail(self, name: str, lines: int = 20) -> str:
@@ -169,6 +189,8 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
         print(decision.message, flush=True)
     if decision.nothing_to_do:
         return 0
+    check_cores(cfg.rollout.cpu_engine_cores, "rollout.cpu_engine_cores")
+    check_cores(cfg.actor.cpu_cores, "actor.cpu_cores")
     if not skip_plan:
         check_before_launch(cfg)  # ValueError naming the phase and component that do not fit
     console.quiet_backend_warnings()
@@ -190,7 +212,7 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
             with phases.phase("rollout", slow_note=f"starting {cfg.rollout.num_engines} CPU engine(s)") as note:
                 urls = procs.start_cpu_engines(
                     engine_model_dir, num=cfg.rollout.num_engines, register_dir=run_dir / "engines",
-                    seed=cfg.trainer.seed,
+                    seed=cfg.trainer.seed, cores=cfg.rollout.cpu_engine_cores,
                     context_length=cfg.rollout.max_prompt_length + cfg.rollout.max_response_length)
                 note["detail"] = (f"{len(urls)} CPU engine{'s' if len(urls) > 1 else ''} serving at {', '.join(urls)} "
                                   f"(logs in {procs.log_dir})")
@@ -204,7 +226,7 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
         # engines that exit while the ranks run are restarted (rollout.engine_restarts); the supervisor
         # stops before the clean-up below stops the engines
         with EngineSupervisor(procs, budget=cfg.rollout.engine_restarts, events_path=engine_events_path(run_dir)):
-            rc = procs.run_foreground("actor", cmd, env={"OMP_NUM_THREADS": "1"})
+            rc = procs.run_foreground("actor", pinned(cmd, cfg.actor.cpu_cores), env={"OMP_NUM_THREADS": "1"})
         ranks_wall_s = time.perf_counter() - t_ranks
     if rc != 0:
         # the ranks' own output went to this terminal; torchrun's closing "Root Cause" block carries the

@@ -23,7 +23,8 @@ rollouts): their tokens are tagged by version (meta_info.weight_versions spans),
 of a sample is taken from its OLDEST version.
 
 Every phase start/end is stamped (time.time()) into `timeline`: "generate" (the producer's collect of
-batch j), "wait" (the trainer blocked on batch j), and the driver adds "train" / "sync" (overlap.py).
+batch j), "engine" (the engines' own stamps of batch j's replies), "wait" (the trainer blocked on
+batch j), and the driver adds "train" / "sync" (overlap.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 
 from dapo_megatron.algo.off_policy import staleness_histogram
+from dapo_megatron.overlap import engine_phases
 from dapo_megatron.rollout.sampler import INITIAL_WEIGHT_VERSION
 
 
@@ -124,6 +126,8 @@ class AsyncRollout:
                 tic = time.time()
                 result = await self.sampler.collect(self.prompts, train_batch_size=self.train_batch_size)
                 self.timeline.append(("generate", j, tic, time.time()))
+                self.timeline.extend(engine_phases(self.sampler.engine_spans, j))  # the engines' own stamps
+                self.sampler.engine_spans.clear()
                 self.ready.put((j, result))
                 j += 1
         except asyncio.CancelledError:

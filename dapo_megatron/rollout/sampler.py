@@ -103,6 +103,21 @@ def _reward_for(record: Any) -> Callable[[str, str], Any]:
     return scorer_for_data_source(getattr(record, "data_source", "") or "math_dapo")
 
 
+def engine_span(output: dict, received: float) -> tuple[float, float] | None:
+    """When the engine worked on one reply, by its own clock: SGLang's meta_info carries e2e_latency
+    (finished_time - created_time of the request, TokenizerManager) and, with --enable-metrics,
+    request_received_ts (created_time as epoch seconds; srt/observability/req_time_stats.py:
+    convert_to_output_meta_info); the CPU engine sends both. Without request_received_ts the span ends
+    when the reply reached us (`received`). None when the engine reports no latency."""
+    meta = output.get("meta_info") or {}
+    latency = meta.get("e2e_latency")
+    if not isinstance(latency, (int, float)):
+        return None
+    start = meta.get("request_received_ts")
+    start = float(start) if isinstance(start, (int, float)) else received - float(latency)
+    return start, start + float(latency)
+
+
 class RolloutSampler:
     def __init__(self, pool: EnginePool, tokenizer: Any, settings: RolloutSettings, *,
                  reward_fn: Callable[[str, str], Any] | None = None, rid_prefix: str | None = None):
@@ -116,6 +131,9 @@ class RolloutSampler:
         if RID_END in self.rid_prefix:
             raise ValueError(f"RolloutSampler: rid_prefix {self.rid_prefix!r} must not contain {RID_END!r}")
         self.num_requests = 0  # k of the next request (seeds and rids)
+        # the engines' own stamps of every reply, (start, end) in epoch seconds (engine_span); the driver
+        # drains them after each collect into its timeline's "engine" lane (overlap.py)
+        self.engine_spans: list[tuple[float, float]] = []
         self.weight_version = INITIAL_WEIGHT_VERSION  # replies made by other weights are stale
         # overlapped steps (rollout/async_rollout.py): the versions a reply may have been made by; None = only
         # weight_version (the synchronous step)
@@ -158,6 +176,8 @@ class RolloutSampler:
         routed = {"return_routed_experts": True} if self.settings.return_routed_experts else {}
         outs = await self.pool.generate(input_ids=[ids] * self.settings.n, sampling_params=self.sampling_params(k),
                                         return_logprob=True, rid=self.rids(k), **routed)
+        received = time.time()
+        self.engine_spans.extend(span for span in (engine_span(o, received) for o in outs) if span is not None)
         return record, [dict(o, prompt_ids=ids) for o in outs]
 
     def is_stale(self, outputs: list[dict]) -> bool:

@@ -11,7 +11,7 @@ tokenizer_control_mixin.py, scheduler.py, scheduler_components/weight_updater.py
     generation), then run a 1-token generation (200 once the engine produced anything within 20 s).
   - /generate: SGLang's request shape and normalisation (protocol.py): n > 1 samples get fresh uuid
     rids; replies carry meta_info {id, finish_reason, prompt_tokens, completion_tokens, cached_tokens,
-    weight_version, weight_versions (per-token spans of the versions that made the output),
+    e2e_latency and request_received_ts (SGLang sends the latter with --enable-metrics), weight_version, weight_versions (per-token spans of the versions that made the output),
     output_token_logprobs, and routed_experts (base64 int32 [prompt + completion - 1, layers, topk],
     rollout/routing.py) when asked of an MoE model}; a request waits while generation is paused.
   - /abort_request {rid | abort_all}: 200 with no body; a rid the server does not know is ignored; a
@@ -159,6 +159,9 @@ class RolloutServer:
             self.live_rids -= rids
 
     async def generate(self, request: web.Request) -> web.Response:
+        # SGLang stamps a request when its TokenizerManager receives it (time_stats.set_created_time):
+        # e2e_latency and request_received_ts count from here, parsing included
+        received, tic = time.time(), time.perf_counter()
         try:
             body = await _json(request)
             tokenize = self.engine.tokenize if self.engine.tokenizer is not None else None
@@ -171,16 +174,15 @@ class RolloutServer:
                                "call /resume_memory_occupation first")
         self.stats["num_requests"] += 1
         self.stats["num_sequences"] += len(seqs)
-        tic = time.perf_counter()
         try:
             done = await self.run_sequences(seqs)
         except Exception as err:  # noqa: BLE001
             return _error(500, f"generation failed: {err}")
         latency = time.perf_counter() - tic
-        outs = [self._output(s, latency) for s in done]
+        outs = [self._output(s, latency, received) for s in done]
         return web.json_response(outs if as_list else outs[0])
 
-    def _output(self, s: SequenceRequest, latency: float) -> dict:
+    def _output(self, s: SequenceRequest, latency: float, received: float) -> dict:
         # versions: per-token spans as sglang/srt/utils/weight_versions.py reports them
         spans: list[dict] = []
         for i, version in enumerate(s.output_versions):
@@ -192,6 +194,7 @@ class RolloutServer:
             spans = [{"version": self.engine.weight_version, "start": 0, "end": 0}]
         meta = {"id": s.rid, "finish_reason": s.finish_reason, "prompt_tokens": len(s.prompt_ids),
                 "completion_tokens": len(s.output_ids), "cached_tokens": 0, "e2e_latency": latency,
+                "request_received_ts": received,
                 "weight_version": spans[-1]["version"], "weight_versions": spans}
         if s.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.output_logprobs, s.output_ids)]

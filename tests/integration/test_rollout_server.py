@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -67,8 +68,13 @@ def generate(url, **body):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_of_sampled_tokens_match_transformers(server, hf_models, temperature):
+    sent = time.time()
     out = generate(server.url, input_ids=PROMPT, return_logprob=True,
                    sampling_params={"max_new_tokens": 24, "temperature": temperature, "sampling_seed": 3, "ignore_eos": True})
+    replied = time.time()
+    # the engine's own stamps, as SGLang sends them (--enable-metrics): inside our send .. reply window
+    meta = out["meta_info"]
+    assert sent <= meta["request_received_ts"] <= meta["request_received_ts"] + meta["e2e_latency"] <= replied
     got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]], dtype=torch.float64)
     tokens = [t for _, t, _ in out["meta_info"]["output_token_logprobs"]]
     assert tokens == out["output_ids"] and len(tokens) == 24

@@ -2,7 +2,8 @@
 rollout engine, 2 gloo actor ranks, weight pushes inside a retract pause), shortened to 4 steps:
 no sample staler than 1 is trained on, every step's samples are all counted in the histogram, the
 first batch is on-policy (its behaviour weight is 1 up to engine/trainer numerics), batches are
-generated while earlier steps train (the timeline's order), and the timeline PNG is written."""
+generated while earlier steps train (the timeline's order), the engine's own stamps of each batch lie
+inside the driver's collect of it, and the timeline PNG is written."""
 
 from __future__ import annotations
 
@@ -40,5 +41,11 @@ def test_staleness_one_run(tmp_path):
     start = {(t["phase"], t["step"]): t["start"] for t in timeline}
     for j in range(1, 4):  # batch j is requested as soon as step j-1 starts, before its weight push
         assert start[("generate", j)] < start[("sync", j - 1)]
-    assert {t["phase"] for t in timeline} >= {"generate", "wait", "train", "sync", "paused"}
+    assert {t["phase"] for t in timeline} >= {"engine", "generate", "wait", "train", "sync", "paused"}
+    # the engine's own stamps of batch j lie inside the driver's collect of batch j (one clock here)
+    gen = {t["step"]: (t["start"], t["end"]) for t in timeline if t["phase"] == "generate"}
+    engine = [t for t in timeline if t["phase"] == "engine"]
+    assert {t["step"] for t in engine} == set(gen) == {0, 1, 2, 3}
+    for t in engine:
+        assert gen[t["step"]][0] <= t["start"] < t["end"] <= gen[t["step"]][1], (t, gen[t["step"]])
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

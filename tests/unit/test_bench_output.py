@@ -69,3 +69,16 @@ def test_slurm_kernel_bench_writes_into_the_run_directory(tmp_path):
     cfg = load_config(None, [f"trainer.output_dir={tmp_path}/run"])
     (job,) = submit.plan_bench_kernels(cfg).jobs
     assert f"BENCH_ARGS=(--results-dir {tmp_path}/run/bench)" in job.script()
+
+
+def test_rows_under_another_header_are_refused_and_the_file_kept(tmp_path):
+    path = tmp_path / "overlap.csv"
+    bench.append_rows(path, [{"a": 1, "b": 2}], fields=("a", "b"))
+    before = path.read_text()
+    try:
+        bench.append_rows(path, [{"a": 1, "c": 3, "b": 2}], fields=("a", "c", "b"))
+    except ValueError as err:
+        assert str(path) in str(err) and "['a', 'b']" in str(err) and "--results-dir" in str(err)
+    else:
+        raise AssertionError("a row under another header was appended")
+    assert path.read_text() == before == "a,b\n1,2\n"

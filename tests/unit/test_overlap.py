@@ -107,6 +107,25 @@ def test_hidden_fraction_by_hand():
     assert h["generate_s"] == 11.0 and h["train_s"] == 5.0 and h["overlap_s"] == 4.0
     assert h["hidden_fraction"] == pytest.approx(4.0 / 5.0)
     assert step_wall_times(timeline) == [4.0]
+    assert h["engine_s"] == 0.0 and h["engine_hidden_fraction"] == 0.0  # no engine stamps: nothing claimed
+
+
+def test_engine_stamps_by_hand():
+    from dapo_megatron.overlap import engine_phases
+    from dapo_megatron.rollout.sampler import engine_span
+
+    # request_received_ts + e2e_latency (SGLang with --enable-metrics, and the CPU engine) ...
+    assert engine_span({"meta_info": {"request_received_ts": 100.0, "e2e_latency": 2.5}}, received=103.0) == (100.0, 102.5)
+    # ... else the span ends when the reply arrived; no latency, no span
+    assert engine_span({"meta_info": {"e2e_latency": 2.0}}, received=103.0) == (101.0, 103.0)
+    assert engine_span({"meta_info": {}}, received=103.0) is None
+    # a batch's replies: overlapping spans merge, a gap stays a gap
+    spans = [(1.0, 3.0), (2.0, 4.0), (6.0, 7.0), (3.5, 4.5)]
+    assert engine_phases(spans, 5) == [("engine", 5, 1.0, 4.5), ("engine", 5, 6.0, 7.0)]
+    timeline = [*engine_phases(spans, 0), ("train", 0, 4.0, 6.5), ("sync", 0, 6.5, 7.0)]
+    h = hidden_fraction(timeline)
+    # engines busy 4.5 s, trainer 3 s; both at once: 4.0..4.5 and 6.0..7.0 = 1.5 s of the shorter 3 s
+    assert h["engine_s"] == 4.5 and h["engine_overlap_s"] == 1.5 and h["engine_hidden_fraction"] == 0.5
 
 
 def test_config_rules(tmp_path):
