@@ -44,18 +44,26 @@ def results_csv(args: argparse.Namespace, *, name: str) -> Path:
     return Path(args.csv) if args.csv else Path(args.results_dir) / f"{name}.csv"
 
 
+def check_header(path: str | Path, fields: Iterable[str]) -> None:
+    """Refuse a CSV whose header is not `fields` (rows would land in the wrong columns); a benchmark
+    that runs for minutes calls this before it starts, so its rows are never lost at the end."""
+    path, fields = Path(path), list(fields)
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with path.open(newline="") as fh:
+        header = next(csv.reader(fh), [])
+    if header != fields:
+        raise ValueError(f"{path}: its columns {header} are not this benchmark's {fields} (an older version's "
+                         "file?); pass another --csv or --results-dir, or move the file away")
+
+
 def append_rows(path: str | Path, rows: Sequence[Mapping[str, object]], *, fields: Iterable[str]) -> Path:
     """Append rows to a CSV (header written when the file is new or empty); creates the directory."""
     path = Path(path)
     fields = list(fields)
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists() or path.stat().st_size == 0
-    if not new:  # rows under another header would land in the wrong columns
-        with path.open(newline="") as fh:
-            header = next(csv.reader(fh), [])
-        if header != fields:
-            raise ValueError(f"{path}: its columns {header} are not this benchmark's {fields} (an older version's "
-                             "file?); pass another --csv or --results-dir, or move the file away")
+    check_header(path, fields)
     with path.open("a", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=fields)
         if new:

@@ -113,15 +113,17 @@ def plot_timeline(rows: list[dict], path: Path) -> None:
 
     lanes = [p for p in ("engine", "generate", "wait", "train", "sync") if any(r["phase"] == p for r in rows)]
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(lanes) + 1.2))
+    span = max((r["end"] for r in rows), default=1.0) - min((r["start"] for r in rows), default=0.0)
     for y, lane in enumerate(lanes):
         for r in rows:
             if r["phase"] == lane:
                 ax.barh(y, r["end"] - r["start"], left=r["start"], color=COLORS[lane], edgecolor="black", lw=0.3)
-                if lane in ("engine", "generate", "train"):
+                # a label only where it fits (the engines' spans come in many small pieces)
+                if lane in ("engine", "generate", "train") and r["end"] - r["start"] > 0.008 * span:
                     ax.text((r["start"] + r["end"]) / 2, y, str(r["step"]), ha="center", va="center", fontsize=6)
     ax.set_yticks(range(len(lanes)), lanes)
     ax.invert_yaxis()
-    ax.set_xlabel("seconds (driver clock)")
+    ax.set_xlabel("seconds since the first stamp (driver's clock; the engine lane: the engines' own stamps)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -158,7 +160,7 @@ def _run(config: str, out: Path, staleness: int, steps: int, eval_every: int, ex
 def main(argv: list[str] | None = None) -> int:
     import platform
 
-    from dapo_megatron.bench import add_output_args, append_rows, results_csv
+    from dapo_megatron.bench import add_output_args, append_rows, check_header, results_csv
 
     ap = argparse.ArgumentParser(prog="dapo-megatron bench overlap", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/runs/tiny_cpu.yaml")
@@ -174,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="section.key=value for every run")
     add_output_args(ap, name="overlap")
     args = ap.parse_args(argv)
+    check_header(results_csv(args, name="overlap"), FIELDS)  # before minutes of runs, not after
     root = Path(args.out or tempfile.mkdtemp(prefix="bench_overlap_"))
     date, machine = time.strftime("%Y-%m-%d", time.gmtime()), f"{platform.machine()} {os.cpu_count()} cores"
     overrides = list(args.overrides)

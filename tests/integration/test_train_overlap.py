@@ -16,10 +16,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_staleness_one_run(tmp_path):
-    out = tmp_path / "run"
+def test_staleness_one_run(tmp_path, tiny_run_a):
+    out = tmp_path / "run"  # the session's warm-started tiny model (conftest.py: tiny_run_a), not a new one
     cmd = [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu.yaml"),
-           f"trainer.output_dir={out}", f"tiny.cache_dir={tmp_path / 'cache'}", "tiny.warm_start_steps=300",
+           f"trainer.output_dir={out}", f"tiny.cache_dir={tiny_run_a['cache']}", "tiny.warm_start_steps=300",
            "trainer.total_steps=4", "trainer.eval_every=0", "trainer.save_every=0",
            "trainer.keep_best_checkpoint=false",
            "trainer.wandb_mode=disabled", "rollout.placement=disaggregated", "rollout.max_staleness=1",

@@ -138,16 +138,32 @@ def test_resume_skips_a_damaged_checkpoint_and_names_the_file(runs):
 
 
 def numerics_fingerprint() -> str:
-    """The bits of a fixed fp32 matmul + log-softmax on this machine. CPUs whose kernels round
-    differently (another ISA path of the BLAS) give other bits here, and also another 300-step warm
-    start (a chaotic one: docs/LOG.md, 2026-11-22), hence another, equally valid, reward curve."""
+    """The bits this machine's floating point gives for the computations a tiny run is made of: a
+    fixed fp32 matmul + log-softmax, and 3 steps of the warm start itself (tiny Qwen2 forward,
+    backward, AdamW) in a temporary directory, hashed with torch's CPU kernel path. A matmul alone was
+    not enough: two machines agreed on it and still warm-started to different models (the 300-step
+    warm start is chaotic: docs/LOG.md, 2026-11-22), hence different, equally valid, reward curves."""
     import hashlib
+    import tempfile
 
     import torch
+    from safetensors.torch import load_file
 
+    from dapo_megatron.tiny import build_tiny_model, warm_start
+
+    h = hashlib.sha256(torch.backends.cpu.get_cpu_capability().encode())
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(64, 512, generator=g), torch.randn(512, 64, generator=g)
-    return hashlib.sha256(torch.log_softmax(a @ b, dim=-1).numpy().tobytes()).hexdigest()[:16]
+    h.update(torch.log_softmax(a @ b, dim=-1).numpy().tobytes())
+    with tempfile.TemporaryDirectory() as tmp:
+        prompts = [f"What is {i} + {2 * i + 1}?" for i in range(8)]
+        answers = [str(3 * i + 1) for i in range(8)]
+        warm = warm_start(build_tiny_model(tmp, seed=0), tmp, prompts=prompts, answers=answers, steps=3,
+                          batch_size=4, lr=1e-3, seed=0, label_smoothing=0.1)
+        weights = load_file(str(warm / "model.safetensors"))
+        for name in sorted(weights):
+            h.update(weights[name].numpy().tobytes())
+    return "v2-" + h.hexdigest()[:16]
 
 
 def test_golden_reward_curve(runs):

@@ -82,3 +82,16 @@ def test_rows_under_another_header_are_refused_and_the_file_kept(tmp_path):
     else:
         raise AssertionError("a row under another header was appended")
     assert path.read_text() == before == "a,b\n1,2\n"
+
+
+def test_bench_overlap_refuses_a_foreign_csv_before_running_anything(tmp_path):
+    from dapo_megatron import overlap
+
+    (tmp_path / "overlap.csv").write_text("date,machine,staleness\n2026-11-23,x,0\n")
+    try:  # a run would take minutes; the refusal comes first (no run directory is made)
+        overlap.main(["--results-dir", str(tmp_path), "--out", str(tmp_path / "runs")])
+    except ValueError as err:
+        assert "overlap.csv" in str(err) and "'engine_hidden_fraction'" in str(err)
+    else:
+        raise AssertionError("bench overlap ran against a CSV with other columns")
+    assert not (tmp_path / "runs").exists()
