@@ -158,14 +158,23 @@ def _lost_message(driver, step: int, err: BaseException, waited_s: float) -> str
 
 def _driver_attempt(driver, step: int):
     from dapo_megatron.rollout.client import EngineError
+    from dapo_megatron.rollout.pool import NoLiveEngine
 
-    state = copy.deepcopy(driver.state_dict())  # where this step's prompts and request numbers begin
+    # where this step's prompts and request numbers begin; not while steps overlap: the producer thread
+    # draws prompts ahead, and its failed batch's prompts stay used (rollout/async_rollout.py)
+    state = copy.deepcopy(driver.state_dict()) if driver.overlap is None else None
     try:
         return OK, driver.rollout()
     except EngineError as err:
-        if driver.pool.live_urls():
+        if driver.pool.live_urls() and not isinstance(err, NoLiveEngine):
             raise  # engines answer: not an engine loss
-        driver.load_state_dict(state)  # the redone rollout asks for the same samples
+        if state is not None:
+            driver.load_state_dict(state)  # the redone rollout asks for the same samples
+        if driver.pool.live_urls():  # overlapped steps: an engine came back and took a push meanwhile
+            print(f"[engines] every engine was lost while batch {step + 1} was generating; "
+                  f"{', '.join(driver.pool.live_urls())} is back: re-syncing the weights of step {step}, then "
+                  f"step {step + 1}'s rollout starts over", flush=True)
+            return RESYNC, None
         wait_s = driver.cfg.rollout.engine_wait_s
         print(f"[engines] no engine left during step {step + 1}'s rollout ({type(err).__name__}); waiting up to "
               f"{wait_s:g} s (rollout.engine_wait_s) for one to register again", flush=True)

@@ -39,6 +39,7 @@ import torch
 
 from dapo_megatron.algo.off_policy import staleness_histogram
 from dapo_megatron.overlap import engine_phases
+from dapo_megatron.rollout.client import EngineError
 from dapo_megatron.rollout.sampler import INITIAL_WEIGHT_VERSION
 
 
@@ -115,6 +116,9 @@ class AsyncRollout:
             self._task = asyncio.ensure_future(self._produce(step))
         self._wake.set()
 
+    def _forget_producer(self) -> None:  # on the loop thread, before any later _start_step
+        self._task = None
+
     async def _produce(self, first: int) -> None:
         j = first
         try:
@@ -142,6 +146,12 @@ class AsyncRollout:
         j, result = self.ready.get()
         self.timeline.append(("wait", step, tic, time.time()))
         if isinstance(result, BaseException):
+            # the producer has stopped; the next next_batch starts a new one at its step (after the
+            # recovery's re-sync when the engines were lost: recovery.py). The prompts the failed batch
+            # drew stay used, as those of batches generated ahead do at a checkpoint.
+            self.loop.call_soon_threadsafe(self._forget_producer)
+            if isinstance(result, EngineError):  # recovery.py tells an engine loss by its type
+                raise result
             raise RuntimeError(f"overlapped rollout: generating batch {j} failed") from result
         if j != step:
             raise RuntimeError(f"overlapped rollout: batch {j} arrived for step {step}")

@@ -33,6 +33,11 @@ from dapo_megatron.rollout.client import EngineClient, EngineError, EngineUnreac
 from dapo_megatron.rollout.registry import read_registrations
 
 
+class NoLiveEngine(EngineError):
+    """Every engine of the pool has been dropped: an engine loss, whatever the pool looks like by the
+    time the error is handled (while steps overlap, a restarted engine may be live again by then)."""
+
+
 @dataclass
 class _Engine:
     client: EngineClient
@@ -151,7 +156,7 @@ class EnginePool:
     def _pick(self) -> _Engine:
         live = [e for e in self._engines.values() if e.state == "live"]
         if not live:
-            raise EngineError("EnginePool: no live engine left (all dropped); restart engines and discover()")
+            raise NoLiveEngine("EnginePool: no live engine left (all dropped); restart engines and discover()")
         return min(live, key=lambda e: e.in_flight)
 
     async def generate(self, *, rid: str | list[str] | None = None, **kwargs: Any) -> Any:

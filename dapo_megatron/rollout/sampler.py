@@ -103,6 +103,11 @@ def _reward_for(record: Any) -> Callable[[str, str], Any]:
     return scorer_for_data_source(getattr(record, "data_source", "") or "math_dapo")
 
 
+def _consume_outcome(task: asyncio.Task) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 def engine_span(output: dict, received: float) -> tuple[float, float] | None:
     """When the engine worked on one reply, by its own clock: SGLang's meta_info carries e2e_latency
     (finished_time - created_time of the request, TokenizerManager) and, with --enable-metrics,
@@ -321,6 +326,8 @@ class RolloutSampler:
             counts["tokens"] += sum(len(o["output_ids"]) for t in unscored for o in t.result()[1])
         except BaseException:
             await self._abort(pending, tasks, wait=False)  # failing: stop the engines' work, do not wait
+            for task in tasks:  # the first failure is raised; the rest (mostly the same engine loss) are not
+                task.add_done_callback(_consume_outcome)  # news: no "Task exception was never retrieved" dumps
             raise
         for key, value in (await self._abort(pending, tasks, wait=True)).items():  # the batch is full
             counts[key] = counts.get(key, 0) + value

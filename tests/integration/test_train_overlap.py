@@ -49,3 +49,25 @@ def test_staleness_one_run(tmp_path, tiny_run_a):
     for t in engine:
         assert gen[t["step"]][0] <= t["start"] < t["end"] <= gen[t["step"]][1], (t, gen[t["step"]])
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_staleness_one_survives_its_only_engine_killed(tmp_path, tiny_run_a):
+    """The only engine SIGKILLed once step 1 is logged, while batches are generated ahead: the launcher
+    restarts it and the run ends all its steps (recovery.py: the producer's batch fails with
+    NoLiveEngine, the driver re-syncs the returned engine and a new producer starts at that batch; or,
+    when the kill lands in a push, the sync's own recovery), still never training on a sample staler
+    than 1, every step's samples all counted."""
+    from test_train_engine_faults import _rows, _train_killing_engine
+
+    out = tmp_path / "k"
+    rc, console, _ = _train_killing_engine(out, tiny_run_a["cache"], "rollout.placement=disaggregated",
+                                           "rollout.max_staleness=1", "algorithm.tis_cap=2.0",
+                                           "trainer.eval_every=0", "trainer.save_every=0", after_step=1)
+    assert rc == 0, console[-4000:]
+    steps = _rows(out)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:
+        assert r["overlap/staleness_gt1"] == 0
+        assert r["overlap/staleness_0"] + r["overlap/staleness_1"] == 16 * 8
+    assert steps[-1]["engines/restarted_total"] == 1
+    assert "Task exception was never retrieved" not in console  # the failed batch's other requests are quiet
