@@ -4,7 +4,8 @@
     conv = fp8_converter(cfg)                          # driver / colocated ranks: the same checkpoint's layout
     named = conv.convert(named)                        # every sync (Driver.push_weights, ColocatedPlacement)
 
-    python -m dapo_megatron.quant.rollout CONFIG [key=value ...]   # the export alone (Slurm: slurm/fp8_export.sbatch)
+    python -m dapo_megatron.quant.rollout CONFIG [key=value ...]   # the export alone (slurm/fp8_export.sbatch)
+    python -m dapo_megatron.quant.rollout CONFIG ... --colocated-only  # only for colocated engines (_trainer_launch.sh)
 
 The checkpoint is the base model exported by modelopt (export_fp8_checkpoint: 128 x 128 block FP8 weights,
 weight-only, so no calibration data) into <trainer.output_dir>/rollout_fp8, in the layout SGLang's `fp8`
@@ -53,10 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     from dapo_megatron.config import load_config
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    colocated_only = "--colocated-only" in argv
+    argv = [a for a in argv if a != "--colocated-only"]
     if not argv:
         print("usage: python -m dapo_megatron.quant.rollout CONFIG [key=value ...]", file=sys.stderr)
         return 2
     cfg = load_config(argv[0], argv[1:])
+    r = cfg.rollout
+    if colocated_only and not (r.quantization == "fp8" and r.placement == "colocated" and not r.engine_urls):
+        print("")  # the trainer job starts no engines that need it (disaggregated: the fp8_export job)
+        return 0
     if cfg.rollout.quantization != "fp8":
         print(f"rollout: error: config key 'rollout.quantization' is {cfg.rollout.quantization!r}; nothing to export",
               file=sys.stderr)
