@@ -72,7 +72,8 @@ def check_sglang_block_shapes(hf_config: dict, *, block: int = BLOCK, tp_size: i
     Fp8LinearMethod.validate_block_quant_shapes (fp8.py), at engine start: every output shard of a fused
     layer (q/k/v of qkv_proj, gate/up of gate_up_proj) and of a column-parallel layer split over TP ranks
     must be a multiple of block_n, and the per-rank input of a row-parallel layer (o_proj, down_proj)
-    at TP > 1 a multiple of block_k. Dense Qwen2 / Qwen3 / Llama layouts (config.json keys).
+    at TP > 1 a multiple of block_k. Those inputs are q_proj's and gate_proj's per-rank outputs, so the
+    checks below cover them. Dense Qwen2 / Qwen3 / Llama layouts (config.json keys).
     """
     hidden = int(hf_config["hidden_size"])
     heads = int(hf_config["num_attention_heads"])
@@ -87,9 +88,3 @@ def check_sglang_block_shapes(hf_config: dict, *, block: int = BLOCK, tp_size: i
             raise ValueError(f"rollout.quantization=fp8 on SGLang: {name} has {size} output features per engine TP "
                              f"rank (rollout.engine_tp={tp_size}), not a multiple of the FP8 block {block}; SGLang's "
                              "Fp8LinearMethod.validate_block_quant_shapes refuses it at start-up")
-    if tp_size > 1:
-        for name, size in (("o_proj", heads * head_dim // tp_size), ("down_proj", inter // tp_size)):
-            if size % block:
-                raise ValueError(f"rollout.quantization=fp8 on SGLang: {name} has {size} input features per engine TP "
-                                 f"rank (rollout.engine_tp={tp_size}), not a multiple of the FP8 block {block}; "
-                                 "SGLang's Fp8LinearMethod.validate_block_quant_shapes refuses it at start-up")
