@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import torch
 
+# SGLang models whose loader keeps the name weight_scale_inv (qwen2.py, qwen3.py load_weights); llama.py
+# renames it to weight_scale before the lookup, so block scales would not load (docs/fp8.md)
+SGLANG_FP8_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 BLOCK = 128  # SGLang's and DeepGEMM's block (weight_block_size [128, 128]); modelopt's FP8_2D_BLOCKWISE default
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -73,8 +76,14 @@ def check_sglang_block_shapes(hf_config: dict, *, block: int = BLOCK, tp_size: i
     layer (q/k/v of qkv_proj, gate/up of gate_up_proj) and of a column-parallel layer split over TP ranks
     must be a multiple of block_n, and the per-rank input of a row-parallel layer (o_proj, down_proj)
     at TP > 1 a multiple of block_k. Those inputs are q_proj's and gate_proj's per-rank outputs, so the
-    checks below cover them. Dense Qwen2 / Qwen3 / Llama layouts (config.json keys).
+    checks below cover them. Dense Qwen2 / Qwen3 layouts (config.json keys); other architectures are
+    refused (SGLANG_FP8_ARCHITECTURES).
     """
+    archs = list(hf_config.get("architectures") or [])
+    if not set(archs) & set(SGLANG_FP8_ARCHITECTURES):
+        raise ValueError(f"rollout.quantization=fp8 on SGLang: architectures {archs} not supported; block-FP8 "
+                         f"reloads are verified for {', '.join(SGLANG_FP8_ARCHITECTURES)} (Llama's SGLang loader "
+                         "renames weight_scale_inv, so its block scales would not load; docs/fp8.md)")
     hidden = int(hf_config["hidden_size"])
     heads = int(hf_config["num_attention_heads"])
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)

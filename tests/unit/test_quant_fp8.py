@@ -244,17 +244,22 @@ def test_rollout_quantization_key_is_validated():
 def test_sglang_block_shape_rule():
     """Fp8LinearMethod.validate_block_quant_shapes' rule per engine TP rank, on Qwen2.5-7B's shapes
     (hidden 3584 = 28 x 128, 4 KV heads of 128, intermediate 18944 = 148 x 128)."""
-    q7b = {"hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944}
+    q7b = {"hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944,
+           "architectures": ["Qwen2ForCausalLM"]}
     for tp in (1, 2, 4):
         check_sglang_block_shapes(q7b, tp_size=tp)
     with pytest.raises(ValueError, match=r"q_proj has 448 output features per engine TP rank \(rollout.engine_tp=8\)"):
         check_sglang_block_shapes(q7b, tp_size=8)  # 3584 / 8 = 448 = 3.5 blocks
-    tiny = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256}
+    tiny = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256,
+            "architectures": ["Qwen2ForCausalLM"]}
     with pytest.raises(ValueError, match=r"k_proj has 64 output features"):
         check_sglang_block_shapes(tiny)  # the tiny model runs on CPU engines only
     with pytest.raises(ValueError, match=r"gate_proj has 320 output features"):
         check_sglang_block_shapes({"hidden_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                   "head_dim": 128, "intermediate_size": 640}, tp_size=2)
+                                   "head_dim": 128, "intermediate_size": 640, "architectures": ["Qwen3ForCausalLM"]},
+                                  tp_size=2)
+    with pytest.raises(ValueError, match=r"architectures \['LlamaForCausalLM'\] not supported"):
+        check_sglang_block_shapes({**q7b, "architectures": ["LlamaForCausalLM"]})
 
 
 def test_converter_refuses_a_checkpoint_without_block_fp8_config(tmp_path):
