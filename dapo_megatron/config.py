@@ -90,8 +90,8 @@ class RolloutConfig:
     # MoE: engines return each token's experts (SGLang's return_routed_experts; SGLang servers need
     # --enable-return-routed-experts). Needed by actor.routing_replay; alone it logs routing agreement.
     return_routed_experts: bool = False
-    # none | fp8: fp8 engines load a modelopt FP8 checkpoint and every sync sends fp8 weights + scales
-    # (dapo_megatron/quant, docs/fp8.md)
+    # none | fp8: the engines (cpu or sglang) load modelopt's 128x128 block-FP8 export of the base model and
+    # every sync sends fp8 weights + block scales (dapo_megatron/quant, docs/fp8.md)
     quantization: str = "none"
     # CPU engines started by the local launcher run on these CPU cores only ([] = wherever the OS puts
     # them); with actor.cpu_cores this is disaggregation on one CPU machine: each side gets cores of its
@@ -410,12 +410,6 @@ def validate(cfg: Config) -> None:
              "0 unless algorithm.tis_cap is set: off-policy samples need the truncated behaviour-policy weight "
              "(docs/architecture.md, 'Overlapped steps')")
     _require(r.quantization in ("none", "fp8"), "rollout.quantization", r.quantization, "one of: none, fp8")
-    # SGLang 0.5.21 cannot reload a modelopt FP8 checkpoint in place (docs/fp8.md, "SGLang GPU engines"):
-    # ModelOptFp8LinearMethod.process_weights_after_loading replaces `weight` by a transposed Parameter
-    # without weight_loader, so the first sync fails in qwen2.py's stacked q/k/v loader
-    _require(not (r.quantization == "fp8" and r.engine == "sglang"), "rollout.quantization", r.quantization,
-             "fp8 runs with rollout.engine=cpu only: SGLang 0.5.21 cannot hot-reload modelopt per-tensor FP8 "
-             "weights (ModelOptFp8LinearMethod has no restore_weights_before_loading; see docs/fp8.md)")
     for key, cores in (("rollout.cpu_engine_cores", r.cpu_engine_cores), ("actor.cpu_cores", cfg.actor.cpu_cores)):
         _require(all(c >= 0 for c in cores) and len(set(cores)) == len(cores), key, cores,
                  "distinct CPU core numbers >= 0 ([] = no pinning)")

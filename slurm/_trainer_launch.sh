@@ -66,6 +66,12 @@ MODEL_DIR=$("$PYTHON" -m dapo_megatron.launch.prepare "$CONFIG") || { echo "mode
 MODEL_ARGS=()
 if [ -n "$MODEL_DIR" ]; then MODEL_ARGS=("model.path=$MODEL_DIR" "tiny.enabled=false"); fi
 
+# rollout.quantization=fp8 with colocated engines: the engines' block-FP8 export of the base model, written
+# to <output_dir>/rollout_fp8 here, once, before any engine starts (a no-op printing "" otherwise: a
+# disaggregated run's export is its fp8_export job; docs/fp8.md).
+"$PYTHON" -m dapo_megatron.quant.rollout "$CONFIG" "${MODEL_ARGS[@]}" --colocated-only >/dev/null \
+    || { echo "FP8 rollout export failed" >&2; exit 1; }
+
 # Colocated rollout engines (rollout.placement=colocated): this node's share of rollout.num_engines,
 # started in the trainer's own allocation (srun --overlap: the same nodes and GPUs) and registering
 # in <output_dir>/engines/ for the driver's engine pool. A no-op for disaggregated engines (the

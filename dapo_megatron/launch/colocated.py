@@ -65,6 +65,13 @@ def engine_commands(cfg: Config, *, host: str, python: str = sys.executable) -> 
     from dapo_megatron.rollout.routing import sglang_routing_args
 
     r, per_node = cfg.rollout, engines_per_node(cfg)
+    # rollout.quantization=fp8: the block-FP8 export _trainer_launch.sh wrote before starting this
+    model, quant = cfg.model.path, []
+    if r.quantization == "fp8":
+        from dapo_megatron.quant.rollout import fp8_rollout_dir
+
+        model = str(fp8_rollout_dir(cfg))
+        quant = ["--quantization", "fp8"] if r.engine == "sglang" else []
     context_length = r.max_prompt_length + r.max_response_length  # what requests may need, no more
     register_dir = str(Path(cfg.trainer.output_dir) / "engines")
     node_id = int(os.environ.get("SLURM_NODEID", "0"))
@@ -72,7 +79,7 @@ def engine_commands(cfg: Config, *, host: str, python: str = sys.executable) -> 
     for i in range(per_node):
         seed = str(cfg.trainer.seed + node_id * per_node + i)
         if r.engine == "sglang":
-            cmds.append([python, "-m", "dapo_megatron.rollout.sglang_launcher", "--model", cfg.model.path,
+            cmds.append([python, "-m", "dapo_megatron.rollout.sglang_launcher", "--model", model, *quant,
                          "--tp", str(r.engine_tp), "--context-length", str(context_length),
                          "--mem-fraction", str(r.mem_fraction_static), "--colocate",
                          "--seed", seed, "--host", "0.0.0.0", "--port", str(_free_port()),
@@ -80,7 +87,7 @@ def engine_commands(cfg: Config, *, host: str, python: str = sys.executable) -> 
                          *sglang_routing_args(return_routed_experts=r.return_routed_experts)])
         else:
             threads = max(1, cfg.slurm.cpus_per_task // max(per_node, 1) // 2)  # the actor needs CPUs too
-            cmds.append([python, "-m", "dapo_megatron.cli", "serve-rollout", "--model", cfg.model.path,
+            cmds.append([python, "-m", "dapo_megatron.cli", "serve-rollout", "--model", model,
                          "--host", host, "--port", "0", "--seed", seed, "--threads", str(threads),
                          "--context-length", str(context_length), "--base-gpu-id", str(i * r.engine_tp),
                          "--register-dir", register_dir])

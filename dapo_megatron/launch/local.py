@@ -201,12 +201,12 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
         note["detail"] = _model_line(cfg, model_dir)
     overrides = [*overrides, f"model.path={model_dir}"]
     engine_model_dir = model_dir
-    if cfg.rollout.quantization == "fp8":  # the engines serve modelopt's FP8 export of the base model
+    if cfg.rollout.quantization == "fp8":  # the engines serve modelopt's block-FP8 export of the base model
         from dapo_megatron.quant.rollout import prepare_fp8_rollout
 
-        with phases.phase("fp8", slow_note="exporting the base model with modelopt FP8 for the engines") as note:
+        with phases.phase("fp8", slow_note="exporting the base model with modelopt block FP8 for the engines") as note:
             engine_model_dir = str(prepare_fp8_rollout(cfg, model_dir))
-            note["detail"] = f"modelopt FP8 checkpoint for the engines in {engine_model_dir}"
+            note["detail"] = f"block-FP8 checkpoint (modelopt) for the engines in {engine_model_dir}"
     with LocalProcesses(run_dir / "logs") as procs:
         if cfg.rollout.engine == "cpu" and not cfg.rollout.engine_urls:
             with phases.phase("rollout", slow_note=f"starting {cfg.rollout.num_engines} CPU engine(s)") as note:
@@ -217,8 +217,10 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
                 note["detail"] = (f"{len(urls)} CPU engine{'s' if len(urls) > 1 else ''} serving at {', '.join(urls)} "
                                   f"(logs in {procs.log_dir})")
         elif cfg.rollout.engine == "sglang" and not cfg.rollout.engine_urls:
+            fp8_args = (f" --model {engine_model_dir} --quantization fp8" if cfg.rollout.quantization == "fp8" else "")
             print(f"[train] waiting for SGLang engines to register in {run_dir / 'engines'} "
-                  "(slurm/rollout_array.sbatch or `python -m dapo_megatron.rollout.sglang_launcher`)", flush=True)
+                  f"(slurm/rollout_array.sbatch or `python -m dapo_megatron.rollout.sglang_launcher{fp8_args}`)",
+                  flush=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={cfg.actor.world_size}", "-m", "dapo_megatron.cli", "train", config_path,
                *overrides, *(["--resume"] if resume else [])]

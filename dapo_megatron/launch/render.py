@@ -142,11 +142,6 @@ def render_train(cfg: Config, *, config_file: str, engine_job: str = "", entry: 
     engine_job: job id of a rollout array to cancel when training ends ("" = none).
     entry: what torchrun starts on each rank, before CONFIG [--resume].
     """
-    if cfg.rollout.quantization == "fp8" and cfg.rollout.placement == "colocated" and not cfg.rollout.engine_urls:
-        # launch/colocated.py starts the engines from model.path, not from the modelopt export
-        raise ValueError("config key 'rollout.quantization': 'fp8' with colocated engines runs through "
-                         "`dapo-megatron train` on one node (CPU engines started from the modelopt FP8 export), "
-                         "not through Slurm")
     values = {"CONFIG": config_file, **_trainer_values(cfg, engine_job=engine_job, entry=entry)}
     return fill(template_text("train.sbatch"), sbatch=sbatch_resource_lines(cfg) + _signal_lines(cfg),
                 values=values, setup=cfg.slurm.setup)
@@ -176,17 +171,16 @@ def engine_resources(cfg: Config) -> tuple[int, int]:
 
 def render_rollout_array(cfg: Config, *, register_dir: str) -> str:
     """slurm/rollout_array.sbatch: one engine per array task, registering in register_dir."""
+    from dapo_megatron.quant.rollout import fp8_rollout_dir
     from dapo_megatron.rollout.routing import sglang_routing_args
 
-    if cfg.rollout.quantization == "fp8":
-        # the engines must start from the modelopt export the launcher writes (quant/rollout.py); only the
-        # local launcher (`dapo-megatron train`) does that today (SGLang + fp8 is refused anyway: docs/fp8.md)
-        raise ValueError("config key 'rollout.quantization': 'fp8' runs through `dapo-megatron train` (CPU engines "
-                         "started from the modelopt FP8 export), not through Slurm engine arrays")
+    fp8 = cfg.rollout.quantization == "fp8"
     gpus, cpus = engine_resources(cfg)
     values: dict[str, Value] = {
         "PYTHON": python_of(cfg),
-        "MODEL": cfg.model.path,
+        # rollout.quantization=fp8: the block-FP8 export the fp8_export job writes before the array starts
+        "MODEL": str(fp8_rollout_dir(cfg)) if fp8 else cfg.model.path,
+        "QUANTIZATION": "fp8" if fp8 and cfg.rollout.engine == "sglang" else "",
         "ENGINE_KIND": cfg.rollout.engine,
         "ENGINE_TP": cfg.rollout.engine_tp,
         "MEM_FRACTION": cfg.rollout.mem_fraction_static,
@@ -197,6 +191,15 @@ def render_rollout_array(cfg: Config, *, register_dir: str) -> str:
     }
     return fill(template_text("rollout_array.sbatch"),
                 sbatch=sbatch_resource_lines(cfg, nodes=1, gpus_per_node=gpus, cpus_per_task=cpus),
+                values=values, setup=cfg.slurm.setup)
+
+
+def render_fp8_export(cfg: Config, *, config_file: str) -> str:
+    """slurm/fp8_export.sbatch: the engines' block-FP8 export of the base model (rollout.quantization=fp8
+    with an engine array, which starts after it: --dependency=afterok), on one node's CPUs."""
+    values: dict[str, Value] = {"PYTHON": python_of(cfg), "CONFIG": config_file}
+    return fill(template_text("fp8_export.sbatch"),
+                sbatch=sbatch_resource_lines(cfg, nodes=1, gpus_per_node=0),
                 values=values, setup=cfg.slurm.setup)
 
 

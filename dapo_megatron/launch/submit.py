@@ -34,7 +34,7 @@ from dapo_megatron.launch import render
 
 @dataclass
 class JobSpec:
-    role: str  # train | engines | sweep | eval | eval_gather | bench_kernels
+    role: str  # train | fp8_export | engines | sweep | eval | eval_gather | bench_kernels
     render: Callable[[dict[str, str]], str]  # job ids submitted so far (role -> id) -> sbatch text
     sbatch_args: list[str]  # run-specific options passed to sbatch (job name, log path, array)
     dependency: Optional[tuple[str, str]] = None  # (type, role): e.g. ("afterok", "eval")
@@ -99,8 +99,14 @@ def plan_train(cfg: Config, *, engines: int = 0, entry: Sequence[str] = render.T
     config_file = run_dir / "slurm" / "config.yaml"
     jobs = []
     if engines:
-        jobs.append(JobSpec("engines", _fixed(render.render_rollout_array(cfg, register_dir=str(run_dir / "engines"))),
-                            [f"--array=0-{engines - 1}", *_log_args(run_dir, "engines", array=True)]))
+        array = JobSpec("engines", _fixed(render.render_rollout_array(cfg, register_dir=str(run_dir / "engines"))),
+                        [f"--array=0-{engines - 1}", *_log_args(run_dir, "engines", array=True)])
+        if cfg.rollout.quantization == "fp8":
+            # the engines start from the block-FP8 export of the base model: written by its own job first
+            jobs.append(JobSpec("fp8_export", _fixed(render.render_fp8_export(cfg, config_file=str(config_file))),
+                                _log_args(run_dir, "fp8_export", array=False)))
+            array.dependency = ("afterok", "fp8_export")
+        jobs.append(array)
     # the trainer cancels its engine array when training ends: the id is known once engines are submitted
     train = JobSpec("train", lambda ids: render.render_train(cfg, config_file=str(config_file), entry=entry,
                                                              engine_job=ids.get("engines", "<engines job id>")

@@ -7,8 +7,8 @@ the engine and the trainer (fp32 HF model of the same weights) on the engine's o
 
 Two real serve-rollout processes, one after the other (never both on the 2 cores at once): the bf16
 engine from the model directory (--dtype bfloat16) and the FP8 engine from modelopt's export of it
-(export_fp8_checkpoint, calibrated on the first 16 prompts; --dtype bfloat16 for the unquantized
-tensors, as exported). Prompts: the synthetic addition task through the tiny byte tokenizer's chat
+(export_fp8_checkpoint: 128 x 128 block FP8 weights, weight-only, nothing to calibrate; --dtype
+bfloat16 for the unquantized tensors, as exported). Prompts: the synthetic addition task through the tiny byte tokenizer's chat
 template (or the model's own tokenizer with --model). Rows go to <--results-dir>/rollout_quant.csv in
 the rollout benchmark's columns (provider = engine_bf16 | engine_fp8).
 
@@ -110,8 +110,8 @@ def run(model_dir: str, *, num_prompts: int, new_tokens: int, seed: int, tmp: st
     from dapo_megatron.quant import export_fp8_checkpoint
     from dapo_megatron.rollout.bench import _row
 
-    texts, prompts = _prompts(model_dir, num_prompts, seed)
-    fp8_dir = str(export_fp8_checkpoint(model_dir, os.path.join(tmp, "fp8"), calib_texts=texts[:16]))
+    _, prompts = _prompts(model_dir, num_prompts, seed)
+    fp8_dir = str(export_fp8_checkpoint(model_dir, os.path.join(tmp, "fp8")))
     results = {}
     for label, path in (("bf16", model_dir), ("fp8", fp8_dir)):
         proc, url = _serve(path, os.path.join(tmp, f"engines_{label}"), dtype="bfloat16")

@@ -1,16 +1,16 @@
-"""A modelopt FP8 checkpoint served for real on CPU: each quantized Linear holds its weight in
-float8_e4m3fn with its per-tensor scale, and dequantizes it in every forward (docs/fp8.md, part B).
+"""A block-FP8 rollout checkpoint served for real on CPU: each quantized Linear holds its weight in
+float8_e4m3fn with one fp32 scale per 128 x 128 block, and dequantizes it in every forward (docs/fp8.md).
 
     model = load_fp8_model("out/run/rollout_fp8", dtype=torch.float32)   # what CpuEngine loads
-    is_fp8_checkpoint("out/run/rollout_fp8")                             # hf_quant_config.json present
+    is_fp8_checkpoint("out/run/rollout_fp8")                             # config.json quant_method "fp8"
 
-What an FP8 GEMM computes with a per-tensor scale (SGLang's ModelOptFp8LinearMethod.apply ->
-apply_fp8_linear, srt/layers/quantization/fp8_utils.py) is x @ (w_fp8 * weight_scale)^T with the
-activations also cast to fp8 by their static input_scale. The CPU engine reproduces the weight part
-exactly (dequantize_fp8: w_fp8.to(dtype) * weight_scale, the error the trainer cannot see) and keeps
-the activations in the engine dtype: `input_scale` is held (the sync sends it, the layout has it) but
-not applied, so the engine's mismatch is the weight error alone. Which Linears are fp8 is read from
-the checkpoint (a module is fp8 iff modelopt wrote `<module>.weight_scale`), as Fp8SyncConverter does.
+The format is the one SGLang's engines load (fp8_format.py). What SGLang's block-FP8 GEMM computes
+(Fp8LinearMethod.apply -> w8a8_block_fp8_linear, srt/layers/quantization/fp8_utils.py) is x times the
+block-dequantized weight, with the activations also quantized to fp8 per token and 128 channels
+(dynamic scales). The CPU engine reproduces the weight part exactly (dequantize_block_fp8, SGLang's
+block_quant_dequant: the error the trainer cannot see) and keeps the activations in the engine dtype,
+so its mismatch is the weight error alone. Which Linears are fp8 is read from the checkpoint (a module
+is fp8 iff it holds `<module>.weight_scale_inv`), as Fp8SyncConverter does.
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from dapo_megatron.quant.fp8_export import read_quant_config
-from dapo_megatron.quant.fp8_sync import dequantize_fp8
+from dapo_megatron.quant.fp8_format import block_scale_shape, dequantize_block_fp8
 
 
 def is_fp8_checkpoint(model_dir: str | Path) -> bool:
-    """A modelopt FP8 export (hf_quant_config.json, or config.json's quantization_config from modelopt)."""
+    """An FP8 rollout checkpoint: config.json's quantization_config says quant_method "fp8" (SGLang's
+    reading, ModelConfig._parse_quant_hf_config), or a modelopt export that was not converted (refused
+    by load_fp8_model with the reason)."""
     path = Path(model_dir)
     if (path / "hf_quant_config.json").is_file():
         return True
@@ -35,44 +37,49 @@ def is_fp8_checkpoint(model_dir: str | Path) -> bool:
     if not cfg.is_file():
         return False
     qc = json.loads(cfg.read_text()).get("quantization_config") or {}
-    return qc.get("quant_method") == "modelopt"
+    return qc.get("quant_method") in ("fp8", "modelopt")
 
 
 class Fp8Linear(nn.Module):
-    """nn.Linear with a float8_e4m3fn weight, a per-tensor fp32 weight_scale and the (unused on CPU)
-    input_scale, under the names of the modelopt checkpoint: <m>.weight, <m>.weight_scale, <m>.input_scale."""
+    """nn.Linear with a float8_e4m3fn weight and fp32 per-block scales, under the checkpoint's names
+    <m>.weight [out, in] and <m>.weight_scale_inv [ceil(out/block), ceil(in/block)]."""
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype):
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype, block: int):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
+        self.in_features, self.out_features, self.block = in_features, out_features, block
         self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn),
                                    requires_grad=False)
-        self.weight_scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
-        self.input_scale = nn.Parameter(torch.ones((), dtype=torch.float32), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(torch.ones(block_scale_shape((out_features, in_features), block),
+                                                        dtype=torch.float32), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # dequantized per matmul: nothing but the fp8 bytes and the scale is kept between forwards
-        return F.linear(x, dequantize_fp8(self.weight, self.weight_scale, dtype=x.dtype), self.bias)
+        # dequantized per matmul: nothing but the fp8 bytes and the block scales is kept between forwards
+        w = dequantize_block_fp8(self.weight, self.weight_scale_inv, block=self.block, dtype=x.dtype)
+        return F.linear(x, w, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3fn per-tensor"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"fp8_e4m3fn {self.block}x{self.block} blocks")
 
 
 def _quantized_modules(state: dict[str, torch.Tensor]) -> set[str]:
-    return {k.removesuffix(".weight_scale") for k in state if k.endswith(".weight_scale")}
+    return {k.removesuffix(".weight_scale_inv") for k in state if k.endswith(".weight_scale_inv")}
 
 
 def load_fp8_model(model_dir: str | Path, *, dtype: torch.dtype):
-    """The HF causal LM of a modelopt FP8 export with its quantized Linears as Fp8Linear, the other
-    tensors (embeddings, norms, biases, lm_head: bf16 in the export) in `dtype`. Every tensor of the
-    checkpoint must land in the model and every model tensor must come from the checkpoint (tied
-    aliases aside): ValueError naming the first that does not."""
+    """The HF causal LM of a block-FP8 export with its quantized Linears as Fp8Linear, the other tensors
+    (embeddings, norms, biases, lm_head: bf16 in the export) in `dtype`. Every tensor of the checkpoint
+    must land in the model and every model tensor must come from the checkpoint (tied aliases aside):
+    ValueError naming the first that does not."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     model_dir = Path(model_dir)
-    read_quant_config(model_dir)  # ValueError unless quant_algo is FP8 (the only format served)
+    if (model_dir / "hf_quant_config.json").is_file():
+        raise ValueError(f"{model_dir}: a modelopt export not converted to the block-FP8 rollout layout "
+                         "(hf_quant_config.json present); export it with dapo_megatron.quant.export_fp8_checkpoint")
+    block = int(read_quant_config(model_dir)["weight_block_size"][0])  # ValueError unless block FP8
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{model_dir}: no *.safetensors files")
@@ -90,11 +97,11 @@ def load_fp8_model(model_dir: str | Path, *, dtype: torch.dtype):
         parent = model.get_submodule(parent_name) if parent_name else model
         linear = getattr(parent, leaf, None)
         if not isinstance(linear, nn.Linear):
-            raise ValueError(f"{model_dir}: '{name}.weight_scale' names {type(linear).__name__}, not an nn.Linear")
+            raise ValueError(f"{model_dir}: '{name}.weight_scale_inv' names {type(linear).__name__}, not an nn.Linear")
         if state[f"{name}.weight"].dtype != torch.float8_e4m3fn:
             raise ValueError(f"{model_dir}: '{name}.weight' is {state[f'{name}.weight'].dtype}, expected float8_e4m3fn")
         setattr(parent, leaf, Fp8Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                        dtype=dtype))
+                                        dtype=dtype, block=block))
     ours = model.state_dict()
     unknown = sorted(set(state) - set(ours))
     if unknown:

@@ -4,9 +4,9 @@ log-prob mismatch of the fp8-weight model against the fp32 model, on the synthet
     python -m dapo_megatron.quant.measure --model out/tiny_model/warm --results results/quant_fp8.csv
 
 Prints a table and appends one CSV row per metric to --results (outside the package source). The fp8
-model is the modelopt export (export_fp8_checkpoint) with each fp8 weight dequantized per tensor
-(dequantize_fp8) into an fp32 copy of the model: weight error only, activations in fp32, which is
-what the CPU engine will compute (docs/fp8.md).
+model is the modelopt export (export_fp8_checkpoint: 128 x 128 block FP8) with each fp8 weight
+dequantized per block (dequantize_block_fp8) into an fp32 copy of the model: weight error only,
+activations in fp32, which is what the CPU engine computes (docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dapo_megatron.quant import dequantize_fp8, export_fp8_checkpoint
+from dapo_megatron.quant import dequantize_block_fp8, export_fp8_checkpoint
 
 
 def _bytes(state: dict[str, torch.Tensor]) -> int:
@@ -49,7 +49,7 @@ def measure(*, model_dir: str, num_prompts: int, seed: int) -> dict[str, float]:
     prompts, answers = [r.prompt for r in train], [r.ground_truth for r in train]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with tempfile.TemporaryDirectory() as tmp:
-        out = export_fp8_checkpoint(model_dir, Path(tmp) / "fp8", calib_texts=prompts[:16])
+        out = export_fp8_checkpoint(model_dir, Path(tmp) / "fp8")
         fp8_sd = {}
         for f in sorted(out.glob("*.safetensors")):
             fp8_sd.update(load_file(str(f)))
@@ -60,12 +60,13 @@ def measure(*, model_dir: str, num_prompts: int, seed: int) -> dict[str, float]:
     quantized = [k for k, v in fp8_sd.items() if v.dtype == torch.float8_e4m3fn]
     with torch.no_grad():
         for name in quantized:
-            state[name].copy_(dequantize_fp8(fp8_sd[name], fp8_sd[name.removesuffix(".weight") + ".weight_scale"]))
+            state[name].copy_(dequantize_block_fp8(fp8_sd[name], fp8_sd[name.removesuffix(".weight") + ".weight_scale_inv"]))
     ref = _answer_logprobs(fp32, tokenizer, prompts, answers)
     got = _answer_logprobs(fp8_model, tokenizer, prompts, answers)
     diff = (got - ref).abs()
     lin_bf16 = sum(state[k].numel() * 2 for k in quantized)
-    lin_fp8 = sum(fp8_sd[k].numel() for k in quantized)
+    lin_fp8 = sum(fp8_sd[k].numel() + 4 * fp8_sd[k.removesuffix(".weight") + ".weight_scale_inv"].numel()
+                  for k in quantized)  # 1 byte per weight + one fp32 scale per block
     return {
         "weights_bytes_bf16": bf16_bytes, "weights_bytes_fp8_export": _bytes(fp8_sd),
         "linear_bytes_bf16": lin_bf16, "linear_bytes_fp8": lin_fp8,

@@ -66,7 +66,7 @@ class CpuEngine:
         self.model_path = model_path
         self.dtype = getattr(torch, dtype)
         self.fp8 = is_fp8_checkpoint(model_path)
-        if self.fp8:  # a modelopt FP8 export: float8 weights + scales, dequantized per matmul (quant/cpu_fp8.py)
+        if self.fp8:  # the block-FP8 export: float8 weights + block scales, dequantized per matmul (quant/cpu_fp8.py)
             self.model = load_fp8_model(model_path, dtype=self.dtype)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).eval()
@@ -159,7 +159,7 @@ class CpuEngine:
             if (tensor.dtype == torch.float8_e4m3fn) != (ours[name].dtype == torch.float8_e4m3fn):
                 raise WeightError(f"dtype mismatch for '{name}': got {str(tensor.dtype).removeprefix('torch.')}, the "
                                   f"engine holds {str(ours[name].dtype).removeprefix('torch.')} (an FP8 engine takes "
-                                  "the modelopt-quantized weights of rollout.quantization=fp8; a plain one takes none)")
+                                  "the block-FP8 weights of rollout.quantization=fp8; a plain one takes none)")
         with torch.no_grad():
             for name, tensor in named:
                 ours[name].data.copy_(tensor.to(ours[name].dtype))

@@ -2,6 +2,7 @@
 
     python -m dapo_megatron.rollout.sglang_launcher --model /ckpt/Qwen2.5-7B --tp 2 --context-length 22528 \
         --port 30000 --register-dir $RUN_DIR/engines [--colocate --mem-fraction 0.5] [--seed 42]
+    python -m dapo_megatron.rollout.sglang_launcher --model $RUN_DIR/rollout_fp8 --quantization fp8 ...   # rollout.quantization=fp8
 
 (one per Slurm array task in disaggregated runs). GPU clusters only: SGLang cannot run on the CPU
 machines this project is developed on. The command line is built by `sglang_command` from the flags
@@ -10,7 +11,12 @@ of sglang 0.5.21's ServerArgs (--model-path, --tp-size, --context-length, --mem-
 own parser in tests/conformance. --context-length is rollout.max_prompt_length +
 rollout.max_response_length: SGLang refuses (400) a request whose prompt plus max_new_tokens exceeds
 its context length (tokenizer_manager.py _validate_one_request), and the model's own maximum may be
-smaller or larger than what the run needs.
+smaller or larger than what the run needs. --quantization fp8 (rollout.quantization=fp8) requires --model
+to be the block-FP8 export (dapo_megatron/quant: config.json quantization_config {"quant_method": "fp8",
+"weight_block_size": [128, 128]}, checked here) and passes `--quantization fp8`, which SGLang's
+ModelConfig._verify_quantization checks against that quantization_config: started from the base model
+instead, SGLang would quantize online per channel (Fp8LinearMethod's non-block path, which replaces its
+parameters and so cannot reload a sync; docs/fp8.md).
 
 The installed sglang must be of the minor release the protocol was verified against (docs/sglang.md):
 another one is refused unless --allow-sglang-version or DAPO_ALLOW_SGLANG_VERSION=1.
@@ -69,6 +75,7 @@ class SGLangSettings:
     port: int = 30000
     dtype: str = "auto"
     base_gpu_id: int = 0
+    quantization: str = ""  # "" or "fp8" (model_path must then be the block-FP8 export)
     python: str = sys.executable
     extra_args: tuple[str, ...] = ()
 
@@ -85,6 +92,12 @@ def sglang_command(s: SGLangSettings) -> list[str]:
         raise ValueError(f"sglang launcher: port must be in 1..65535, got {s.port}")
     if s.context_length < 0:
         raise ValueError(f"sglang launcher: context_length must be >= 0 (0 = the model's), got {s.context_length}")
+    if s.quantization not in ("", "fp8"):
+        raise ValueError(f"sglang launcher: quantization must be '' or 'fp8', got {s.quantization!r}")
+    if s.quantization == "fp8":
+        from dapo_megatron.quant.fp8_export import read_quant_config
+
+        read_quant_config(s.model_path)  # ValueError naming config.json unless it is the block-FP8 export
     cmd = [s.python, "-m", "sglang.launch_server",
            "--model-path", s.model_path,
            "--tp-size", str(s.tp_size),
@@ -98,6 +111,8 @@ def sglang_command(s: SGLangSettings) -> list[str]:
         cmd += ["--context-length", str(s.context_length)]
     if s.colocate:
         cmd.append("--enable-memory-saver")
+    if s.quantization:
+        cmd += ["--quantization", s.quantization]
     return cmd + list(s.extra_args)
 
 
@@ -136,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--base-gpu-id", type=int, default=0)
+    ap.add_argument("--quantization", default="", choices=["", "fp8"],
+                    help="fp8: --model is the block-FP8 export of rollout.quantization=fp8 (docs/fp8.md)")
     ap.add_argument("--register-dir", default="")
     ap.add_argument("--health-timeout", type=float, default=1800.0)
     ap.add_argument("--allow-sglang-version", action="store_true",
@@ -146,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = SGLangSettings(model_path=args.model, tp_size=args.tp, context_length=args.context_length,
                               mem_fraction_static=args.mem_fraction,
                               colocate=args.colocate, seed=args.seed, host=args.host, port=args.port, dtype=args.dtype,
-                              base_gpu_id=args.base_gpu_id, extra_args=tuple(extra))
+                              base_gpu_id=args.base_gpu_id, quantization=args.quantization,
+                              extra_args=tuple(extra))
     # SIGTERM (scancel, the colocated supervisor) unwinds like Ctrl-C, so the `finally` below stops
     # the server and removes its registration instead of leaving both behind
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -18,7 +18,7 @@ set -u -o pipefail
 OUT=${1:?usage: tests/gpu/run_all.sh OUT_DIR}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PY=${PYTHON:-python3}
-SECTIONS=${SECTIONS:-"env kernels actor"}
+SECTIONS=${SECTIONS:-"env kernels actor sglang_fp8"}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$ROOT"
@@ -70,6 +70,15 @@ section_actor() {
   # Qwen2.5-1.5B-shaped random model, 4K and 16K tokens per micro-batch: table + CSV
   run_section actor_bench $PY -m dapo_megatron.actor.bench --tokens 4096 16384 --csv "$OUT/actor/actor_bench.csv" \
     --checkpoint-dir /tmp/dapo_bench_qwen25_1.5b
+}
+
+# ---- section: sglang_fp8 (issue 14: rollout.quantization=fp8 on a real SGLang engine: start-up from the
+# block-FP8 export, in-place reload of syncs; skipped inside pytest when sglang 0.5.21 + sgl_kernel or
+# nvidia-modelopt are not installed on the GPU machine) ----
+section_sglang_fp8() {
+  mkdir -p "$OUT/sglang_fp8"
+  run_section sglang_fp8_tests $PY -m pytest -m gpu tests/gpu/test_sglang_fp8_gpu.py -q -s -p no:cacheprovider \
+    --junitxml="$OUT/sglang_fp8/junit.xml"
 }
 
 for section in $SECTIONS; do

@@ -1,12 +1,12 @@
 """rollout.quantization=fp8 end to end on real components (issue 14 part B, docs/fp8.md): a Megatron
-actor (2 gloo ranks), a real serve-rollout process started from modelopt's FP8 export of the same model,
+actor (2 gloo ranks), a real serve-rollout process started from modelopt's block-FP8 export of the same model,
 and a plain fp32 serve-rollout beside it. Two syncs (before and after one training step), each through
 the per-sync converter (Fp8SyncConverter, what Driver.push_weights applies) inside SGLang's
 weight-update session (DistributedWeightSync).
 
-After every sync the FP8 engine holds float8_e4m3fn weights (its /model_info) whose bytes and scales
-are modelopt's quantization of the actor's weights, and whose dequantized values lie within the FP8
-error bound of the actor's. The FP8 engine's log-probs differ from the actor's far more than the fp32
+After every sync the FP8 engine holds float8_e4m3fn weights and fp32 128 x 128 block scales (its
+/model_info) whose bytes and scales are modelopt's quantization of the actor's weights, and whose
+dequantized values lie within the FP8 error bound of the actor's. The FP8 engine's log-probs differ from the actor's far more than the fp32
 engine's do (the quantization really happened), and truncated importance sampling with those
 log-probs bounds the update: min(exp(old - engine), tis_cap) <= tis_cap on every token, and the
 actor's loss equals a float64 reference computed with those weights.
@@ -26,7 +26,6 @@ from dapo_megatron.batch import Sample  # noqa: E402
 
 PROMPTS = [[1, 17, 42, 99, 7, 250], [1, 5, 6], [1, 200, 201, 202, 203, 204, 205, 9], [1, 33, 34]]
 TIS_CAP = 1.0  # the smallest allowed cap: every token whose engine prob exceeds the trainer's is clamped
-CALIB = ["What is 12 + 7? Answer: 19", "What is 3 + 4? Answer: 7", "What is 30 + 13? Answer: 43"]
 
 
 def _cfg():
@@ -128,7 +127,7 @@ def engines(tmp_path_factory):
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("rollout_fp8")
     model_dir = make_tiny_checkpoint(root / "model", seed=0)
-    fp8_dir = export_fp8_checkpoint(model_dir, root / "fp8", calib_texts=CALIB, dtype=torch.bfloat16)
+    fp8_dir = export_fp8_checkpoint(model_dir, root / "fp8", dtype=torch.bfloat16)
     fp8 = ServerProcess(fp8_dir, root / "engines", log_path=root / "fp8.log")
     try:
         plain = ServerProcess(model_dir, root / "engines", log_path=root / "plain.log", seed=1)
@@ -147,12 +146,13 @@ def run(rank_pool, engines):
 
 
 def test_engine_holds_float8_within_fp8_error_of_the_actor_after_every_sync(run):
-    """Bound from the format. The actor's fp32 weight is cast to bf16 (unit roundoff 2**-8), divided by
-    the scale in bf16 (2**-8 again: modelopt's to_quantized_weight), then cast to E4M3 (4 bits of
-    precision: 2**-4 for normals; below the smallest normal 2**-6 the step is 2**-9, half of it 2**-10
-    absolute, times the scale). (1 + 2**-8)**2 (1 + 2**-4) - 1 < 2**-4 + 2**-7 + 2**-10, so
-        |dequant - w| <= max(|w| (2**-4 + 2**-7 + 2**-10), scale 2**-10 + |w| (2**-7 + 2**-10))."""
-    from dapo_megatron.quant import dequantize_fp8
+    """Bound from the format, with s the element's block scale. The actor's fp32 weight is cast to bf16
+    (unit roundoff 2**-8), divided by the scale (in bf16 for a one-block weight, whose scale modelopt
+    squeezes to 0-dim: a second 2**-8; in fp32 otherwise), then cast to E4M3 (4 bits of precision: 2**-4
+    for normals; below the smallest normal 2**-6 the step is 2**-9, half of it 2**-10 absolute, times s).
+    (1 + 2**-8)**2 (1 + 2**-4) - 1 < 2**-4 + 2**-7 + 2**-10, so
+        |dequant - w| <= max(|w| (2**-4 + 2**-7 + 2**-10), s 2**-10 + |w| (2**-7 + 2**-10))."""
+    from dapo_megatron.quant import BLOCK, dequantize_block_fp8
 
     for sync in run["syncs"]:
         actor, sent, held, params = sync["actor"], sync["sent"], sync["held"], sync["params"]
@@ -161,19 +161,23 @@ def test_engine_holds_float8_within_fp8_error_of_the_actor_after_every_sync(run)
         for name in fp8_names:
             module = name.removesuffix(".weight")
             assert params[name]["dtype"] == "float8_e4m3fn"
-            assert params[f"{module}.weight_scale"]["dtype"] == "float32"
+            scale = sent[f"{module}.weight_scale_inv"]
+            n, k = sent[name].shape
+            blocks = [-(-n // BLOCK), -(-k // BLOCK)]  # ceil: a partial last block has a scale too
+            assert params[f"{module}.weight_scale_inv"] == {"shape": blocks, "dtype": "float32"}
+            assert list(scale.shape) == blocks
             # the engine holds exactly what modelopt's quantization of the actor's weights is
             assert torch.equal(held[name], sent[name].double())
-            assert held[f"{module}.weight_scale"].item() == sent[f"{module}.weight_scale"].item()
+            assert torch.equal(held[f"{module}.weight_scale_inv"], scale.double())
             w = actor[name].double()
-            scale = sent[f"{module}.weight_scale"]
-            deq = dequantize_fp8(sent[name], scale, dtype=torch.float64)
+            deq = dequantize_block_fp8(sent[name], scale, dtype=torch.float64)
+            s_full = scale.double().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:n, :k]
             a, err = w.abs(), (deq - w).abs()
-            bound = torch.maximum(a * (2**-4 + 2**-7 + 2**-10), float(scale) * 2**-10 + a * (2**-7 + 2**-10))
+            bound = torch.maximum(a * (2**-4 + 2**-7 + 2**-10), s_full * 2**-10 + a * (2**-7 + 2**-10))
             assert bool((err <= bound).all()), name
             assert err.max() > 0  # it is quantized, not a copy
         for name, t in sent.items():  # the rest: bf16 values of the actor's, held in the engine's fp32
-            if t.dtype != torch.float8_e4m3fn and not name.endswith(("_scale",)):
+            if t.dtype != torch.float8_e4m3fn and not name.endswith("_scale_inv"):
                 assert torch.equal(held[name], actor[name].to(torch.bfloat16).double()), name
     before, after = run["syncs"][0]["actor"], run["syncs"][1]["actor"]
     moved = max(float((after[n] - before[n]).abs().max()) for n in before)

@@ -1,5 +1,6 @@
 """The real `dapo-megatron train configs/runs/tiny_cpu_fp8.yaml`, shortened to 1 step: the launcher
-exports the base model with modelopt into <output_dir>/rollout_fp8 and starts the CPU engine from it,
+exports the base model with modelopt (128 x 128 block FP8, SGLang's `fp8` layout) into
+<output_dir>/rollout_fp8 and starts the CPU engine from it,
 the driver converts every sync (a plain fp32 sync into that engine is refused: dtype mismatch), and
 the engine's log-probs carry the FP8 weight error. The 60-step learning curve is in docs/benchmarks.md.
 
@@ -33,9 +34,10 @@ def test_tiny_fp8_run_serves_modelopt_fp8_and_syncs_fp8(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    assert "[train] fp8: modelopt FP8 checkpoint for the engines in" in proc.stdout
-    quant = json.loads((out / "rollout_fp8" / "hf_quant_config.json").read_text())["quantization"]
-    assert quant["quant_algo"] == "FP8" and "lm_head" in quant["exclude_modules"]
+    assert "[train] fp8: block-FP8 checkpoint (modelopt) for the engines in" in proc.stdout
+    quant = json.loads((out / "rollout_fp8" / "config.json").read_text())["quantization_config"]
+    assert quant == {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+                     "ignored_layers": ["lm_head", "model.embed_tokens"]}
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1]
     r = rows[0]

@@ -1,5 +1,6 @@
-"""FP8 rollout weights (dapo_megatron/quant): modelopt's export of the tiny Qwen2, the per-sync conversion,
-dequantization, and the log-prob mismatch fp8 weights cause.
+"""FP8 rollout weights (dapo_megatron/quant): modelopt's 128 x 128 block-FP8 export of the tiny Qwen2 in
+SGLang's `fp8` layout, the per-sync conversion, block dequantization, the CPU engine serving it, and
+the log-prob mismatch fp8 weights cause.
 
     python -m pytest -q tests/unit/test_quant_fp8.py
 """
@@ -13,10 +14,10 @@ import torch
 
 pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt not installed (pip install -e '.[modelopt]')")
 
-from dapo_megatron.quant import Fp8SyncConverter, dequantize_fp8, export_fp8_checkpoint  # noqa: E402
+from dapo_megatron.quant import (BLOCK, Fp8SyncConverter, check_sglang_block_shapes,  # noqa: E402
+                                 dequantize_block_fp8, export_fp8_checkpoint)
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn (1.75 * 2**8)
-CALIB = ["Q: 12 + 7 = ?", "Q: 3 * 4 = ?", "Q: 40 - 13 = ?"]
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
@@ -36,79 +37,85 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """The tiny Qwen2 (fp32, random init) and its modelopt FP8 export."""
+    """The tiny Qwen2 (fp32, random init) and its block-FP8 export."""
     from dapo_megatron.tiny import build_tiny_model
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("fp8")
     model_dir = build_tiny_model(root, seed=3)
-    export_dir = export_fp8_checkpoint(model_dir, root / "fp8", calib_texts=CALIB)
+    export_dir = export_fp8_checkpoint(model_dir, root / "fp8")
     return model_dir, export_dir, _load_dir(export_dir)
 
 
-def test_export_layout_is_what_sglang_modelopt_fp8_loads(tiny):
-    """Names/dtypes/shapes that SGLang 0.5.21's ModelOptFp8LinearMethod.create_weights registers per
-    Linear (weight fp8 [out, in], weight_scale and input_scale one fp32 per logical shard) and the
-    config sections ModelOptFp8Config.from_config reads (srt/layers/quantization/modelopt_quant.py)."""
+def _blocks(w: torch.Tensor) -> torch.Tensor:
+    """max|w| of every 128 x 128 block (the last row / column of blocks may be partial)."""
+    n, k = w.shape
+    nb, kb = -(-n // BLOCK), -(-k // BLOCK)
+    padded = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.float32)
+    padded[:n, :k] = w.float().abs()
+    return padded.reshape(nb, BLOCK, kb, BLOCK).amax(dim=(1, 3))
+
+
+def test_export_layout_is_what_sglang_fp8_loads(tiny):
+    """Names/dtypes/shapes SGLang 0.5.21's Fp8LinearMethod.create_weights registers per Linear (weight fp8
+    [out, in], weight_scale_inv fp32 [ceil(out/128), ceil(in/128)]), the config Fp8Config.from_config
+    reads, and the scale values: max|w_bf16| of the block / 448, except where modelopt's export gives the
+    one-block Linears that read one input a common amax (q/k/v of the tiny model: preprocess_linear_fusion)."""
     model_dir, export_dir, sd = tiny
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).state_dict()
     for layer in range(2):
+        amax = {}
         for lin in LINEARS:
             m = f"model.layers.{layer}.{lin}"
-            w = sd[f"{m}.weight"]
+            w, s = sd[f"{m}.weight"], sd[f"{m}.weight_scale_inv"]
             assert w.dtype == torch.float8_e4m3fn and w.shape == ref[f"{m}.weight"].shape
-            for scale in ("weight_scale", "input_scale"):
-                s = sd[f"{m}.{scale}"]
-                assert s.dtype == torch.float32 and s.shape == () and s.item() > 0
-            # per-tensor max scaling: max|w_bf16| maps onto 448, and the largest fp8 code is +-448
-            assert sd[f"{m}.weight_scale"].item() == pytest.approx(ref[f"{m}.weight"].abs().max().item() / E4M3_MAX, rel=1e-6)
-            assert w.float().abs().max().item() == E4M3_MAX
-        # q/k/v read the same input (and gate/up): one activation scale, as a fused qkv_proj needs
-        qkv = [sd[f"model.layers.{layer}.self_attn.{p}_proj.input_scale"] for p in "qkv"]
-        assert qkv[0] == qkv[1] == qkv[2]
-        assert sd[f"model.layers.{layer}.mlp.gate_proj.input_scale"] == sd[f"model.layers.{layer}.mlp.up_proj.input_scale"]
+            assert s.dtype == torch.float32 and tuple(s.shape) == (-(-w.shape[0] // BLOCK), -(-w.shape[1] // BLOCK))
+            assert f"{m}.weight_scale" not in sd and f"{m}.input_scale" not in sd  # weight-only, SGLang's names
+            amax[lin] = _blocks(ref[f"{m}.weight"])
+        qkv = [f"self_attn.{p}_proj" for p in "qkv"]
+        assert all(amax[p].numel() == 1 for p in qkv)  # one block each (128 x 128, 64 x 128)
+        shared = max(amax[p].item() for p in qkv) / E4M3_MAX
+        for lin in LINEARS:
+            m = f"model.layers.{layer}.{lin}"
+            want = torch.full_like(amax[lin], shared) if lin in qkv else amax[lin] / E4M3_MAX
+            assert torch.equal(sd[f"{m}.weight_scale_inv"], want), m
+            # the block(s) owning the scale's max|w| map it onto the largest fp8 code, +-448
+            if lin not in qkv or amax[lin].item() == shared * E4M3_MAX:
+                assert sd[f"{m}.weight"].float().abs().max().item() == E4M3_MAX
+        assert sd[f"model.layers.{layer}.mlp.gate_proj.weight_scale_inv"].shape == (2, 1)  # 256 x 128: 2 blocks
+        assert sd[f"model.layers.{layer}.mlp.down_proj.weight_scale_inv"].shape == (1, 2)
     # modelopt's disabled list: embeddings, norms, biases and lm_head stay bf16, unscaled
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.bias"):
         assert sd[name].dtype == torch.bfloat16
     assert not any(k.startswith(("lm_head.", "model.embed_tokens.")) and "scale" in k for k in sd)
-    nested = json.loads((export_dir / "hf_quant_config.json").read_text())["quantization"]
-    assert nested["quant_algo"] == "FP8" and set(nested["exclude_modules"]) == {"lm_head", "model.embed_tokens"}
-    flat = json.loads((export_dir / "config.json").read_text())["quantization_config"]
-    assert flat["quant_method"] == "modelopt" and flat["quant_algo"] == "FP8"
-    assert set(flat["ignore"]) == {"lm_head", "model.embed_tokens"}
+    qc = json.loads((export_dir / "config.json").read_text())["quantization_config"]
+    assert qc == {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+                  "ignored_layers": ["lm_head", "model.embed_tokens"]}
+    assert not (export_dir / "hf_quant_config.json").exists()  # it would describe modelopt's own names
 
 
-def test_sglang_modelopt_config_reads_export(tiny):
-    """SGLang's own ModelOptFp8Config parses both config forms and excludes lm_head/embeddings."""
-    mq = pytest.importorskip("sglang.srt.layers.quantization.modelopt_quant",
-                             reason="sglang 0.5.21 not importable here (GPU-cluster dependency; CPU venvs lack its deps)")
-    _, export_dir, _ = tiny
-    for raw in (json.loads((export_dir / "hf_quant_config.json").read_text()),
-                json.loads((export_dir / "config.json").read_text())["quantization_config"]):
-        cfg = mq.ModelOptFp8Config.from_config(raw)
-        assert cfg.is_checkpoint_fp8_serialized
-        assert cfg.is_layer_excluded("lm_head") and not cfg.is_layer_excluded("model.layers.0.self_attn.qkv_proj")
-
-
-def test_dequantize_hand_checked():
-    """E4M3 has 3 mantissa bits: 0.3 = 1.2 * 2**-2 lies between codes 0.28125 and 0.3125 (step 2**-5)
-    and rounds to 0.3125; 1.0 and 448 are exact; times the scale."""
-    w = torch.tensor([0.3, 1.0, 448.0, -0.3]).to(torch.float8_e4m3fn)
-    out = dequantize_fp8(w, torch.tensor(0.5))
-    assert out.tolist() == [0.15625, 0.5, 224.0, -0.15625]
+def test_dequantize_block_hand_checked():
+    """E4M3 has 3 mantissa bits: 0.3 = 1.2 * 2**-2 lies between codes 0.28125 and 0.3125 (step 2**-5) and
+    rounds to 0.3125; 1, 2, 3 and 448 are exact. Block 2: a 2 x 3 weight has scales [1, 2] (columns 0-1,
+    then the partial column 2), each multiplying its own block."""
+    w = torch.tensor([[0.3, 1.0, 448.0], [-0.3, 2.0, 3.0]]).to(torch.float8_e4m3fn)
+    out = dequantize_block_fp8(w, torch.tensor([[0.5, 2.0]]), block=2)
+    assert out.tolist() == [[0.15625, 0.5, 896.0], [-0.15625, 1.0, 6.0]]
+    with pytest.raises(ValueError, match=r"needs a scale of shape \(1, 2\), got \(1, 1\)"):
+        dequantize_block_fp8(w, torch.tensor([[1.0]]), block=2)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
-        dequantize_fp8(torch.ones(2), torch.tensor(1.0))
+        dequantize_block_fp8(torch.ones(2, 2), torch.ones(1, 1), block=2)
 
 
 def test_dequantized_weights_within_fp8_error(tiny):
-    """Error bound from the format. modelopt's to_quantized_weight computes (w_bf16 / scale) in bf16
-    (a 0-dim fp32 scale does not promote a bf16 tensor) and then casts to E4M3, so two roundings:
-    bf16 (8 mantissa bits) errs by <= 2**-9 relative, then E4M3 (3 mantissa bits) by half a step,
-    <= 2**-4 relative for normals; below the smallest normal (2**-6) the E4M3 step is the subnormal
-    2**-9, half of it 2**-10 absolute. Times the per-tensor scale:
-        |dequant - w| <= max(|w| (2**-4 + 2**-9 + 2**-13), scale 2**-10 + |w| 2**-9)   (+ fp32 dequant: 2**-22 |w|)."""
+    """Error bound from the format, with s the element's block scale. modelopt's to_quantized_weight
+    divides w_bf16 by the scale (in bf16 when the scale is 0-dim, i.e. a one-block weight: a second
+    rounding, <= 2**-9 relative; in fp32 otherwise) and casts to E4M3 (3 mantissa bits: half a step,
+    <= 2**-4 relative for normals; below the smallest normal 2**-6 the step is the subnormal 2**-9, half
+    of it 2**-10 absolute). Times s:
+        |dequant - w| <= max(|w| (2**-4 + 2**-9 + 2**-13), s 2**-10 + |w| 2**-9)   (+ fp32 dequant: 2**-22 |w|)."""
     model_dir, _, sd = tiny
     from transformers import AutoModelForCausalLM
 
@@ -117,46 +124,82 @@ def test_dequantized_weights_within_fp8_error(tiny):
     for name, w in sd.items():
         if w.dtype != torch.float8_e4m3fn:
             continue
-        module = name.removesuffix(".weight")
-        scale = sd[f"{module}.weight_scale"]
+        scale = sd[name.removesuffix(".weight") + ".weight_scale_inv"]
+        n, k = w.shape
+        s_full = scale.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)[:n, :k]
         orig = ref[name].float()
-        err = (dequantize_fp8(w, scale) - orig).abs()
+        err = (dequantize_block_fp8(w, scale) - orig).abs()
         a = orig.abs()
-        bound = torch.maximum(a * (2**-4 + 2**-9 + 2**-13), scale * 2**-10 + a * 2**-9) + a * 2**-22
+        bound = torch.maximum(a * (2**-4 + 2**-9 + 2**-13), s_full * 2**-10 + a * 2**-9) + a * 2**-22
         assert bool((err <= bound).all()), name
         worst = max(worst, (err / bound).max().item())
     assert 0.5 < worst <= 1.0  # the bound is tight: some element errs by more than half of it
 
 
-def test_sync_conversion_equals_modelopt_export_bit_for_bit(tiny, tmp_path):
-    """After a 'training step' (weights moved), converting the actor's fp32 weights gives the same fp8
-    bytes and weight scales as quantizing + exporting that model with modelopt; input scales stay the
-    engine checkpoint's (a sync has no activations to calibrate)."""
-    model_dir, export_dir, base_sd = tiny
+def _stepped(model_dir, out_dir, *, seed: int):
+    """The model at model_dir after a 'training step' (every weight moved), saved to out_dir."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=gen) * p.abs().mean() * 0.3)
-    model.save_pretrained(tmp_path / "stepped")
-    from dapo_megatron.tiny import build_tiny_tokenizer
+    model.save_pretrained(out_dir)
+    return model
 
-    build_tiny_tokenizer().save_pretrained(tmp_path / "stepped")
-    expected = _load_dir(export_fp8_checkpoint(tmp_path / "stepped", tmp_path / "stepped_fp8", calib_texts=CALIB))
 
-    conv = Fp8SyncConverter.from_checkpoint(export_dir)
+def _assert_conversion_equals_export(conv, model, expected) -> int:
     got = dict(conv.convert(model.state_dict().items()))
     assert set(got) == set(expected)
-    n_fp8 = 0
     for name, t in got.items():
-        ref = base_sd[name] if name.endswith(".input_scale") else expected[name]
-        assert t.dtype == ref.dtype and torch.equal(_bits(t), _bits(ref)), name
-        n_fp8 += t.dtype == torch.float8_e4m3fn
-    assert n_fp8 == 2 * len(LINEARS)
+        assert t.dtype == expected[name].dtype and torch.equal(_bits(t), _bits(expected[name])), name
+    return sum(t.dtype == torch.float8_e4m3fn for t in got.values())
+
+
+def test_sync_conversion_equals_modelopt_export_bit_for_bit(tiny, tmp_path):
+    """After a 'training step' (weights moved), converting the actor's fp32 weights gives the same fp8
+    bytes and block scales as quantizing + exporting that model with modelopt, one-block q/k/v with
+    their shared amax included."""
+    model_dir, export_dir, base_sd = tiny
+    model = _stepped(model_dir, tmp_path / "stepped", seed=0)
+    expected = _load_dir(export_fp8_checkpoint(tmp_path / "stepped", tmp_path / "stepped_fp8"))
+    conv = Fp8SyncConverter.from_checkpoint(export_dir)
+    assert _assert_conversion_equals_export(conv, model, expected) == 2 * len(LINEARS)
     # the step really changed the quantized bytes (the test would pass vacuously otherwise)
-    assert not torch.equal(_bits(got["model.layers.0.mlp.up_proj.weight"]), _bits(base_sd["model.layers.0.mlp.up_proj.weight"]))
+    assert not torch.equal(_bits(expected["model.layers.0.mlp.up_proj.weight"]),
+                           _bits(base_sd["model.layers.0.mlp.up_proj.weight"]))
+    # q/k/v arrive in any order and apart (a bucket boundary): the converter waits for the whole group
+    named = list(model.state_dict().items())
+    q = next(i for i, (n, _) in enumerate(named) if n == "model.layers.1.self_attn.q_proj.weight")
+    reordered = [named[q]] + named[:q] + named[q + 1:][::-1]
+    got = dict(conv.convert(reordered))
+    for name in ("model.layers.1.self_attn.q_proj.weight_scale_inv", "model.layers.1.self_attn.v_proj.weight"):
+        assert torch.equal(_bits(got[name]), _bits(expected[name]))
+
+
+def test_sync_conversion_with_dims_not_divisible_by_the_block(tmp_path):
+    """hidden 160 (1.25 blocks), intermediate 200 (1.56), 2 KV heads of 40: partial blocks in both
+    dimensions, several blocks per weight. Still bit-identical to modelopt's export, and every scale
+    has the ceil shape SGLang allocates."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(5)
+    cfg = Qwen2Config(hidden_size=160, intermediate_size=200, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=64,
+                      architectures=["Qwen2ForCausalLM"])
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "base")
+    conv = Fp8SyncConverter.from_checkpoint(export_fp8_checkpoint(tmp_path / "base", tmp_path / "base_fp8"))
+    model = _stepped(tmp_path / "base", tmp_path / "stepped", seed=1)
+    expected = _load_dir(export_fp8_checkpoint(tmp_path / "stepped", tmp_path / "stepped_fp8"))
+    assert _assert_conversion_equals_export(conv, model, expected) == len(LINEARS)
+    shapes = {lin: tuple(expected[f"model.layers.0.{lin}.weight_scale_inv"].shape) for lin in LINEARS}
+    assert shapes == {"self_attn.q_proj": (2, 2), "self_attn.k_proj": (1, 2), "self_attn.v_proj": (1, 2),
+                      "self_attn.o_proj": (2, 2), "mlp.gate_proj": (2, 2), "mlp.up_proj": (2, 2),
+                      "mlp.down_proj": (2, 2)}
+    # each partial block's scale is that block's own max: the last column block of down_proj (72 columns)
+    w = model.state_dict()["model.layers.0.mlp.down_proj.weight"].to(torch.bfloat16)
+    assert expected["model.layers.0.mlp.down_proj.weight_scale_inv"][1, 1] == w[128:, 128:].float().abs().max() / E4M3_MAX
 
 
 def _token_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
@@ -165,9 +208,10 @@ def _token_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def test_fp8_weight_logprob_mismatch_nonzero_and_bounded(tiny):
-    """Per-token log-prob |fp8-weight model - fp32 model| on the tiny model's own samples: fp8 weights
-    (dequantized per tensor, activations kept fp32, as the CPU engine will) change every log-prob a
-    little and none by much. Measured 2026-11-23: see docs/benchmarks.md."""
+    """Per-token log-prob |fp8-weight model - fp32 model| on random token sequences: fp8 weights
+    (dequantized per block, activations kept fp32, as the CPU engine does) change every log-prob a
+    little and none by much. Measured 2026-11-24 (this machine): mean 7.8e-3, max 5.1e-2; per-tensor FP8
+    of the same weights (the earlier format) gave mean 7.9e-3, max 3.5e-2."""
     model_dir, _, sd = tiny
     from transformers import AutoModelForCausalLM
 
@@ -177,38 +221,75 @@ def test_fp8_weight_logprob_mismatch_nonzero_and_bounded(tiny):
     with torch.no_grad():
         for name, w in sd.items():
             if w.dtype == torch.float8_e4m3fn:
-                state[name].copy_(dequantize_fp8(w, sd[name.removesuffix(".weight") + ".weight_scale"]))
+                state[name].copy_(dequantize_block_fp8(w, sd[name.removesuffix(".weight") + ".weight_scale_inv"]))
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(5, 261, (8, 48), generator=gen)
     with torch.no_grad():
         diff = (_token_logprobs(fp8, ids) - _token_logprobs(fp32, ids)).abs()
     print(f"fp8-weight log-prob mismatch: mean {diff.mean().item():.3e} max {diff.max().item():.3e}")
     assert diff.mean().item() > 1e-5  # the quantization really happened
-    assert diff.max().item() < 0.05  # and stays small
+    # and stays small: the measured values with ~20% headroom for other machines' fp32 rounding (a
+    # tighter mean than the per-tensor test's 0.05 max bound allowed; the max moved with the format)
+    assert diff.mean().item() < 0.0095 and diff.max().item() < 0.062
 
 
 def test_rollout_quantization_key_is_validated():
     from dapo_megatron.config import config_from_dict
 
     assert config_from_dict({"rollout": {"quantization": "fp8", "engine": "cpu"}}).rollout.quantization == "fp8"
+    assert config_from_dict({"rollout": {"quantization": "fp8", "engine": "sglang"}}).rollout.engine == "sglang"
     assert config_from_dict({}).rollout.quantization == "none"
     with pytest.raises(ValueError, match=r"rollout\.quantization.*'int3'.*none, fp8"):
         config_from_dict({"rollout": {"quantization": "int3"}})
-    # SGLang 0.5.21 cannot hot-reload modelopt FP8 (docs/fp8.md): refused before anything starts
-    with pytest.raises(ValueError, match=r"rollout\.quantization.*'fp8'.*rollout\.engine=cpu only.*restore_weights"):
-        config_from_dict({"rollout": {"quantization": "fp8", "engine": "sglang"}})
 
 
-def test_converter_refuses_a_checkpoint_without_modelopt_config(tmp_path):
-    with pytest.raises(ValueError, match="hf_quant_config.json"):
+def test_sglang_block_shape_rule():
+    """Fp8LinearMethod.validate_block_quant_shapes' rule per engine TP rank, on Qwen2.5-7B's shapes
+    (hidden 3584 = 28 x 128, 4 KV heads of 128, intermediate 18944 = 148 x 128)."""
+    q7b = {"hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944,
+           "architectures": ["Qwen2ForCausalLM"]}
+    for tp in (1, 2, 4):
+        check_sglang_block_shapes(q7b, tp_size=tp)
+    with pytest.raises(ValueError, match=r"q_proj has 448 output features per engine TP rank \(rollout.engine_tp=8\)"):
+        check_sglang_block_shapes(q7b, tp_size=8)  # 3584 / 8 = 448 = 3.5 blocks
+    tiny = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256,
+            "architectures": ["Qwen2ForCausalLM"]}
+    with pytest.raises(ValueError, match=r"k_proj has 64 output features"):
+        check_sglang_block_shapes(tiny)  # the tiny model runs on CPU engines only
+    with pytest.raises(ValueError, match=r"gate_proj has 320 output features"):
+        check_sglang_block_shapes({"hidden_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                   "head_dim": 128, "intermediate_size": 640, "architectures": ["Qwen3ForCausalLM"]},
+                                  tp_size=2)
+    with pytest.raises(ValueError, match=r"architectures \['LlamaForCausalLM'\] not supported"):
+        check_sglang_block_shapes({**q7b, "architectures": ["LlamaForCausalLM"]})
+
+
+def test_converter_refuses_a_checkpoint_without_block_fp8_config(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        Fp8SyncConverter.from_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "modelopt",
+                                                                              "quant_algo": "FP8"}}))
+    with pytest.raises(ValueError, match=r"config.json: quantization_config=.*is not block FP8"):
         Fp8SyncConverter.from_checkpoint(tmp_path)
 
 
+def test_sglang_launcher_fp8_starts_from_the_export_only(tiny):
+    from dapo_megatron.rollout.sglang_launcher import SGLangSettings, sglang_command
+
+    model_dir, export_dir, _ = tiny
+    cmd = sglang_command(SGLangSettings(model_path=str(export_dir), quantization="fp8", python="p"))
+    assert cmd[cmd.index("--model-path") + 1] == str(export_dir) and cmd[cmd.index("--quantization") + 1] == "fp8"
+    assert "--quantization" not in sglang_command(SGLangSettings(model_path=str(model_dir), python="p"))
+    # the base model with --quantization fp8 would be quantized online by SGLang (no reload): refused
+    with pytest.raises(ValueError, match=r"config.json: quantization_config=\{\} is not block FP8"):
+        sglang_command(SGLangSettings(model_path=str(model_dir), quantization="fp8"))
+
+
 def test_cpu_engine_serves_the_fp8_export_dequantized_per_matmul(tiny):
-    """The CPU engine started from the export holds float8 weights + fp32 scales (1 byte per fp8
-    element), and its logits equal, bit for bit, those of an fp32 model whose quantized Linears hold
-    dequantize_fp8(weight, scale) and whose other tensors are the export's bf16 values: the weight
-    error is exactly modelopt's."""
+    """The CPU engine started from the export holds float8 weights + fp32 block scales (1 byte per fp8
+    element, 4 per scale), and its logits equal, bit for bit, those of an fp32 model whose quantized
+    Linears hold dequantize_block_fp8(weight, weight_scale_inv) and whose other tensors are the export's
+    bf16 values: the weight error is exactly modelopt's."""
     from transformers import AutoModelForCausalLM
 
     from dapo_megatron.rollout.cpu_engine import CpuEngine, WeightError
@@ -218,7 +299,9 @@ def test_cpu_engine_serves_the_fp8_export_dequantized_per_matmul(tiny):
     specs = engine.parameter_specs()
     fp8 = [n for n, t in sd.items() if t.dtype == torch.float8_e4m3fn]
     assert len(fp8) == 14 and all(specs[n]["dtype"] == "float8_e4m3fn" for n in fp8)
-    assert all(specs[n.removesuffix(".weight") + ".weight_scale"]["dtype"] == "float32" for n in fp8)
+    for n in fp8:
+        scale = n.removesuffix(".weight") + ".weight_scale_inv"
+        assert specs[scale] == {"dtype": "float32", "shape": list(sd[scale].shape)}
     assert set(specs) == set(sd)  # the checkpoint's names, nothing more or less
     expected_bytes = sum(t.numel() * (1 if t.dtype == torch.float8_e4m3fn else 4) for t in sd.values())
     assert engine.resident_weight_bytes() == expected_bytes
@@ -227,8 +310,8 @@ def test_cpu_engine_serves_the_fp8_export_dequantized_per_matmul(tiny):
     with torch.no_grad():
         for name, t in sd.items():
             if name in state:
-                scale = sd.get(name.removesuffix(".weight") + ".weight_scale")
-                src = dequantize_fp8(t, scale) if name in fp8 else t.float()
+                src = dequantize_block_fp8(t, sd[name.removesuffix(".weight") + ".weight_scale_inv"]) \
+                    if name in fp8 else t.float()
                 state[name].copy_(src)
     ids = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 4]])
     with torch.no_grad():
@@ -248,16 +331,35 @@ def test_cpu_engine_serves_the_fp8_export_dequantized_per_matmul(tiny):
         engine.load_weights([(q, torch.zeros(specs[q]["shape"]))])
     with pytest.raises(WeightError, match=r"dtype mismatch for 'lm_head.weight'.*float8_e4m3fn"):
         engine.load_weights([("lm_head.weight", torch.zeros(specs["lm_head.weight"]["shape"]).to(torch.float8_e4m3fn))])
+    with pytest.raises(WeightError, match=r"shape mismatch for 'model.layers.0.mlp.up_proj.weight_scale_inv'"):
+        engine.load_weights([("model.layers.0.mlp.up_proj.weight_scale_inv", torch.ones(1, 1))])
 
 
-
-def test_slurm_engine_array_refuses_fp8():
-    """Slurm's engine array would start engines from the base model: an fp8 run is refused at render."""
+def test_slurm_runs_start_fp8_engines_from_the_export(tmp_path):
+    """Engine arrays start from <output_dir>/rollout_fp8 (SGLang with --quantization fp8) after an
+    fp8_export job wrote it (afterok); colocated engines start from it too (the trainer job exports it
+    first, slurm/_trainer_launch.sh); every script is valid bash."""
+    import subprocess
     from pathlib import Path
 
     from dapo_megatron.config import load_config
-    from dapo_megatron.launch.render import render_rollout_array
+    from dapo_megatron.launch import colocated, render, submit
 
-    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "runs" / "tiny_cpu_fp8.yaml")
-    with pytest.raises(ValueError, match=r"rollout\.quantization.*fp8.*dapo-megatron train.*not through Slurm"):
-        render_rollout_array(cfg, register_dir="/tmp/engines")
+    repo = Path(__file__).resolve().parents[2]
+    cfg = load_config(repo / "configs/runs/qwen2.5-7b_dapo.yaml", ["rollout.quantization=fp8",
+                                                                   f"trainer.output_dir={tmp_path / 'run'}"])
+    plan = submit.plan_train(cfg, engines=2)
+    assert [(j.role, j.dependency) for j in plan.jobs] == [
+        ("fp8_export", None), ("engines", ("afterok", "fp8_export")), ("train", ("after", "engines"))]
+    export, array, train = (j.script({"engines": "12"}) for j in plan.jobs)
+    assert f"MODEL={tmp_path / 'run' / 'rollout_fp8'}\n" in array and "QUANTIZATION=fp8\n" in array
+    assert '-m dapo_megatron.quant.rollout "$CONFIG"' in export and "--gpus-per-node" not in export
+    assert "dapo_megatron.quant.rollout \"$CONFIG\" \"${MODEL_ARGS[@]}\" --colocated-only" in train
+    for text in (export, array, train):
+        assert subprocess.run(["bash", "-n"], input=text.encode()).returncode == 0
+    plain = render.render_rollout_array(load_config(repo / "configs/runs/qwen2.5-7b_dapo.yaml"), register_dir="/r")
+    assert "QUANTIZATION=''" in plain and "rollout_fp8" not in plain
+    coloc = load_config(repo / "configs/runs/qwen2.5-7b_dapo.yaml", ["rollout.quantization=fp8",
+                                                                     "rollout.placement=colocated"])
+    cmd = colocated.engine_commands(coloc, host="h")[0]
+    assert cmd[cmd.index("--model") + 1].endswith("/rollout_fp8") and cmd[cmd.index("--quantization") + 1] == "fp8"
