@@ -141,6 +141,10 @@ class ActorConfig:
     ep: int = 1  # expert parallel: each expert lives on one of ep ranks (carved out of the DP ranks)
     etp: Optional[int] = None  # expert tensor parallel: each expert split over etp ranks; null = actor.tp
     routing_replay: bool = False  # R3: old log-probs and the loss use the engine's experts for every token
+    # with rollout.quantization=fp8: every Linear the engines hold in FP8 runs its forward (old log-probs and
+    # training) with the engines' block-FP8 values of its weights, straight-through gradient; master weights,
+    # optimizer, checkpoints and the export unchanged (actor/fake_quant.py, docs/fp8.md)
+    quantization_aware: bool = False
     # the local launcher runs the actor ranks on these CPU cores only ([] = anywhere); see
     # rollout.cpu_engine_cores
     cpu_cores: list[int] = field(default_factory=list)
@@ -410,6 +414,9 @@ def validate(cfg: Config) -> None:
              "0 unless algorithm.tis_cap is set: off-policy samples need the truncated behaviour-policy weight "
              "(docs/architecture.md, 'Overlapped steps')")
     _require(r.quantization in ("none", "fp8"), "rollout.quantization", r.quantization, "one of: none, fp8")
+    _require(not cfg.actor.quantization_aware or r.quantization == "fp8", "actor.quantization_aware",
+             cfg.actor.quantization_aware, f"true only with rollout.quantization=fp8 (it is {r.quantization!r}): the "
+             "trainer's forward reproduces the FP8 engines' weights, and these engines hold none")
     for key, cores in (("rollout.cpu_engine_cores", r.cpu_engine_cores), ("actor.cpu_cores", cfg.actor.cpu_cores)):
         _require(all(c >= 0 for c in cores) and len(set(cores)) == len(cores), key, cores,
                  "distinct CPU core numbers >= 0 ([] = no pinning)")

@@ -1,0 +1,251 @@
+"""Quantization-aware trainer forward (actor.quantization_aware, rollout.quantization=fp8; docs/fp8.md).
+
+    handles = apply_weight_fake_quant(chunks, hf_config, quantized_modules=conv.quantized_modules,
+                                      block=conv.block, dtype=conv.dtype)    # conv: Fp8SyncConverter
+    ...                        # every forward of a listed Linear now multiplies by dequant(quant(w))
+    for h in handles: h.remove()
+
+The rollout engines multiply by block-FP8 weights: what Fp8SyncConverter sends, dequantized
+(dequantize_block_fp8). With this on, every Megatron Linear whose HF weights the engines hold in FP8
+(a module is fp8 iff the engines' checkpoint holds `<m>.weight_scale_inv`: linear_qkv, linear_proj,
+linear_fc1, linear_fc2 of the decoder layers; embeddings, norms, biases and the LM head stay as they are)
+runs its forward with exactly those values, bit for bit as fp32 values, computed from its own weights:
+
+  1. amax: the max |w| of each 128 x 128 block of the HF tensors (q_proj, k_proj, ... : the engines'
+     blocks), taken on the weight cast to the checkpoint dtype (bf16), as the converter calibrates.
+     Megatron holds fused, TP-sharded, interleaved layouts (weights/mapping.py), so each local element's
+     block is looked up (`ShardBlocks`, built with mapping.shard_for_rank itself), the local block maxima
+     are reduced into the HF grids, and the grids (a few numbers per weight, not the weight) are MAX
+     all-reduced over the TP group: at TP=2 on the tiny model one 128-row block spans both ranks.
+  2. modelopt's shared amax for a q/k/v or gate/up group whose members are one block each
+     (quant_utils.preprocess_linear_fusion, which the converter runs), and modelopt's export clean-up of
+     the amax (TensorQuantizer._sanitize_export_amax, export_amax's clamp); scale = amax / 448.
+  3. the values: modelopt's own export quantizer, FP8QTensor.quantize (what _export_quantized_weight
+     calls: (w / scale).to(float8_e4m3fn)), given per-element scales so that it runs on the Megatron
+     layout, then FP8QTensor.dequantize in fp32 (fp8 * scale: dequantize_block_fp8's product).
+Why not modelopt's fake-quant op (tensor_quant.scaled_e4m3, what TensorQuantizer runs in QAT) with the
+same amax: it multiplies by 448/amax and dequantizes with 1/(448/amax), which differ from the engine's
+w / (amax/448) and fp8 * (amax/448) in the last bit for most blocks (tests/unit/test_fake_quant.py
+measures it); and why not mtq.quantize on the Megatron model (plugins/megatron.py): its quantizers would
+see the local, interleaved shards, i.e. other blocks, and no TP reduction.
+
+The gradient is straight-through (d/dw = identity, modelopt's pass_through_bwd; its clipped STE is the
+same here since no element exceeds its block's amax). Master weights, optimizer, checkpoints and the
+weight export never see the fake-quantized values: the Linear reads them only inside its forward, the
+way modelopt's QuantLinear does (a dynamic `weight` attribute, quant_module.py): a forward pre-hook puts
+the fake-quantized tensor in the module's parameter slot and a forward hook (always_call) puts the
+Parameter back. Both Megatron's local linears and TE's read `self.weight` inside their forward, so the
+same hooks reach both; only the local spec is verified on CPU (docs/fp8.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dapo_megatron.weights.mapping import Dims, ParamMap, shard_for_rank
+
+# Megatron Linears the engines may hold in FP8 (the HF names they map to decide whether they do)
+LINEAR_NAMES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# the HF groups that read one input (fp8_sync.SHARED_INPUT_GROUPS) and the Megatron kinds that fuse them
+FUSED_KINDS = ("qkv", "fc1")
+
+
+@dataclass(frozen=True)
+class ShardBlocks:
+    """Where each element of a local shard [R, C] lies in the engines' block grids of its HF tensors.
+
+    The HF tensors of one parameter (q, k, v; gate, up; or one) share their input dimension, so their
+    grids are stacked into one [num_block_rows, num_block_cols] grid: element (i, j) is in block
+    (row_block[i], col_block[j]); HF tensor t owns grid rows [row_starts[t], row_starts[t+1])."""
+
+    row_block: torch.Tensor  # int64 [R]
+    col_block: torch.Tensor  # int64 [C]
+    row_starts: tuple[int, ...]
+    num_block_cols: int
+    # modelopt's preprocess_linear_fusion applies: a fused group (q/k/v, gate/up; all of them fp8, which
+    # quantized_linears requires) whose members are one block each
+    shared_amax: bool
+
+    @property
+    def num_block_rows(self) -> int:
+        return self.row_starts[-1]
+
+
+def shard_blocks(pmap: ParamMap, hf_shapes: Sequence[tuple[int, int]], *, dims: Dims, tp_rank: int, tp_size: int,
+                 block: int) -> ShardBlocks:
+    """The block of every local element, from the mapping's own shard maths: shard_for_rank applied to
+    HF-shaped tensors of block ids gives the local layout of the ids (no layout code repeated here)."""
+    block_rows = [-(-rows // block) for rows, _ in hf_shapes]
+    starts = [0]
+    for n in block_rows:
+        starts.append(starts[-1] + n)
+    in_features = hf_shapes[0][1]
+    col_ids = torch.arange(in_features, dtype=torch.int64) // block
+    if pmap.kind == "row":  # columns split over TP, rows whole (one HF tensor)
+        col_block = shard_for_rank("row", [col_ids[None, :]], tp_rank=tp_rank, tp_size=tp_size, dims=dims)[0]
+        row_block = torch.arange(hf_shapes[0][0], dtype=torch.int64) // block
+    elif pmap.kind in FUSED_KINDS:  # rows fused from several HF tensors, interleaved / stacked per TP shard
+        ids = [(start + torch.arange(rows, dtype=torch.int64) // block)[:, None]
+               for start, (rows, _) in zip(starts, hf_shapes)]
+        row_block = shard_for_rank(pmap.kind, ids, tp_rank=tp_rank, tp_size=tp_size, dims=dims)[:, 0]
+        col_block = col_ids
+    else:
+        raise ValueError(f"{pmap.mcore_name}: the engines hold {pmap.hf_names} in FP8, but quantization-aware "
+                         f"forward supports dense Linear kinds only (not {pmap.kind!r}: MoE experts are not covered)")
+    one_block = all(n == 1 for n in block_rows) and -(-in_features // block) == 1
+    return ShardBlocks(row_block=row_block.contiguous(), col_block=col_block.contiguous(), row_starts=tuple(starts),
+                       num_block_cols=-(-in_features // block),
+                       shared_amax=pmap.kind in FUSED_KINDS and one_block)
+
+
+def local_block_amax(weight_q: torch.Tensor, blocks: ShardBlocks) -> torch.Tensor:
+    """fp32 [num_block_rows, num_block_cols]: max |w| of this shard's elements in every block (0 where it
+    holds none). weight_q: the local shard already cast to the checkpoint dtype."""
+    w_abs = weight_q.detach().abs().float()  # exact: every bf16 value is an fp32 value
+    rows, cols = w_abs.shape
+    col_index = blocks.col_block.to(w_abs.device).expand(rows, cols)
+    per_row = w_abs.new_zeros(rows, blocks.num_block_cols).scatter_reduce_(1, col_index, w_abs, "amax")
+    grid = w_abs.new_zeros(blocks.num_block_rows, blocks.num_block_cols)
+    row_index = blocks.row_block.to(w_abs.device)[:, None].expand(rows, blocks.num_block_cols)
+    return grid.scatter_reduce_(0, row_index, per_row, "amax")
+
+
+def block_scales(amax: torch.Tensor, blocks: ShardBlocks) -> torch.Tensor:
+    """fp32 grid of dequantization scales (= the engines' weight_scale_inv) from the full-tensor amax grid."""
+    from modelopt.torch.quantization.utils.numeric_utils import E4M3_MAX
+
+    if blocks.shared_amax:  # preprocess_linear_fusion: the group's members take their common max
+        amax = amax.max().expand_as(amax)
+    # TensorQuantizer.export_amax: _sanitize_export_amax (0 or NaN -> maxbound), clamp to [tiny, max]
+    amax = torch.nan_to_num(torch.where(amax == 0, torch.full_like(amax, E4M3_MAX), amax), nan=E4M3_MAX)
+    amax = amax.clamp(min=torch.finfo(amax.dtype).tiny, max=torch.finfo(amax.dtype).max)
+    return amax.float() / E4M3_MAX  # export/quant_utils.get_scaling_factor: amax.float() / maxbound
+
+
+def fake_quant_values(weight: torch.Tensor, blocks: ShardBlocks, *, dtype: torch.dtype,
+                      tp_group: Any = None) -> torch.Tensor:
+    """dequant(quant(weight)) of this local shard in fp32: the engines' weight values, bit for bit.
+    Collective over tp_group (one small MAX all-reduce of the amax grid) when it has more than one rank."""
+    weight_q = weight.detach().to(dtype)
+    amax = local_block_amax(weight_q, blocks)
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group)
+    return values_from_amax(weight_q, blocks, amax)
+
+
+def values_from_amax(weight_q: torch.Tensor, blocks: ShardBlocks, amax: torch.Tensor) -> torch.Tensor:
+    """fp32 dequant(quant(weight_q)) given the full-tensor amax grid (all TP ranks' blocks reduced)."""
+    from modelopt.torch.quantization.qtensor import FP8QTensor
+
+    scale_grid = block_scales(amax, blocks)
+    device = scale_grid.device
+    scales = scale_grid[blocks.row_block.to(device)][:, blocks.col_block.to(device)]  # fp32 [R, C]
+    qtensor, _ = FP8QTensor.quantize(weight_q, scales=scales)  # (w / s).to(e4m3): the export's division
+    return qtensor.dequantize(dtype=torch.float32, scale=scales)  # fp8.float() * s
+
+
+class _StraightThroughFakeQuant(torch.autograd.Function):
+    """forward: the fake-quantized weight in the weight's dtype; backward: the gradient unchanged."""
+
+    @staticmethod
+    def forward(ctx, weight, blocks, dtype, tp_group):
+        return fake_quant_values(weight, blocks, dtype=dtype, tp_group=tp_group).to(weight.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None
+
+
+def fake_quant_weight(weight: torch.Tensor, blocks: ShardBlocks, *, dtype: torch.dtype,
+                      tp_group: Any = None) -> torch.Tensor:
+    """The tensor the Linear multiplies by: fake-quantized values, straight-through gradient to `weight`."""
+    out = _StraightThroughFakeQuant.apply(weight, blocks, dtype, tp_group)
+    if not torch.is_grad_enabled() and weight.requires_grad:
+        # keep requires_grad as the Parameter has it: megatron picks linear_with_frozen_weight for a weight
+        # that does not require grad, and ATen's matmul folds differently by that flag (actor.py, frozen=),
+        # so the log-prob pass (no_grad) and the training forward would differ in the last bits
+        out.requires_grad_(True)
+    return out
+
+
+class _Hooks:
+    """The pre/post forward hooks of one Linear: swap the fake-quantized weight in, the Parameter back."""
+
+    def __init__(self, blocks: ShardBlocks, *, dtype: torch.dtype, tp_group: Any,
+                 input_fake_quant: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> None:
+        self.blocks, self.dtype, self.tp_group = blocks, dtype, tp_group
+        self.input_fake_quant = input_fake_quant
+        self.master: Optional[torch.nn.Parameter] = None
+
+    def pre(self, module, args):
+        self.master = module._parameters["weight"]
+        module._parameters["weight"] = fake_quant_weight(self.master, self.blocks, dtype=self.dtype,
+                                                         tp_group=self.tp_group)
+        # The place for activation fake quantization (SGLang's dynamic per-token 1 x 128 groups,
+        # quant/fp8_activation.py): the Linear's input is args[0]; returning new args replaces it.
+        if self.input_fake_quant is not None:
+            return (self.input_fake_quant(args[0]), *args[1:])
+        return None
+
+    def post(self, module, args, output):
+        if self.master is not None:
+            module._parameters["weight"] = self.master
+            self.master = None
+        return None
+
+
+def _linears(chunk) -> list[tuple[str, torch.nn.Module]]:
+    return [(name, m) for name, m in chunk.named_modules()
+            if name.rpartition(".")[2] in LINEAR_NAMES and isinstance(m._parameters.get("weight"), torch.nn.Parameter)]
+
+
+def quantized_linears(chunks: Sequence[Any], hf_config: Any, *, quantized_modules: set[str], block: int,
+                      tp_rank: int, tp_size: int) -> list[tuple[torch.nn.Module, ParamMap, ShardBlocks]]:
+    """(module, mapping, blocks) of every local Linear whose HF weights the engines hold in FP8."""
+    from dapo_megatron.weights.load import chunk_layer_offset, unwrap_model
+    from dapo_megatron.weights.mapping import expected_hf_shapes, map_param
+
+    dims = Dims.from_hf(hf_config)
+    shapes = expected_hf_shapes(dims)
+    found = []
+    for chunk in chunks:
+        gpt = unwrap_model(chunk)
+        offset = chunk_layer_offset(gpt)
+        for name, module in _linears(gpt):
+            pmap = map_param(f"{name}.weight", layer_offset=offset, dims=dims)
+            members = [n.removesuffix(".weight") for n in pmap.hf_names]
+            held = [m in quantized_modules for m in members]
+            if not any(held):
+                continue
+            if not all(held):
+                raise ValueError(f"actor.quantization_aware: the engines' checkpoint holds only some of "
+                                 f"{members} in FP8 (a fused Megatron weight is quantized whole or not at all)")
+            blocks = shard_blocks(pmap, [shapes[n] for n in pmap.hf_names], dims=dims, tp_rank=tp_rank,
+                                  tp_size=tp_size, block=block)
+            found.append((module, pmap, blocks))
+    return found
+
+
+def apply_weight_fake_quant(chunks: Sequence[Any], hf_config: Any, *, quantized_modules: set[str], block: int,
+                            dtype: torch.dtype,
+                            input_fake_quant: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> list:
+    """Register the hooks on every FP8 Linear of this rank's chunks (call inside model_parallel, after the
+    model is built). Returns the hook handles. input_fake_quant: left for activation quantization (None)."""
+    from megatron.core import parallel_state
+
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp_group = parallel_state.get_tensor_model_parallel_group() if tp_size > 1 else None
+    linears = quantized_linears(chunks, hf_config, quantized_modules=quantized_modules, block=block,
+                                tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=tp_size)
+    if quantized_modules and not linears:
+        raise ValueError("actor.quantization_aware: none of the engines' FP8 modules maps to a Linear of this model")
+    handles = []
+    for module, _, blocks in linears:
+        hooks = _Hooks(blocks, dtype=dtype, tp_group=tp_group, input_fake_quant=input_fake_quant)
+        handles.append(module.register_forward_pre_hook(hooks.pre))
+        handles.append(module.register_forward_hook(hooks.post, always_call=True))
+    return handles
