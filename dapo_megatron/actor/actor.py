@@ -121,6 +121,13 @@ class Actor:
                                     sequence_parallel=ac.sequence_parallel, recompute=ac.recompute,
                                     vocab_divisible_by=1)
         load_hf_into_model(chunks, self.hf_dir)
+        if ac.quantization_aware:  # every forward multiplies by the FP8 engines' weights (actor/fake_quant.py)
+            from dapo_megatron.actor.fake_quant import apply_weight_fake_quant
+            from dapo_megatron.quant.rollout import fp8_converter
+
+            conv = fp8_converter(cfg)  # which modules are fp8, block and dtype: the engines' checkpoint says
+            apply_weight_fake_quant(chunks, self.hf_config, quantized_modules=conv.quantized_modules,
+                                    block=conv.block, dtype=conv.dtype)
         self._chunks = chunks
         from dapo_megatron.actor.routing_replay import make_routing_replay
 
