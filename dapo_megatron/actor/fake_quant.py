@@ -237,6 +237,10 @@ def apply_weight_fake_quant(chunks: Sequence[Any], hf_config: Any, *, quantized_
     model is built). Returns the hook handles. input_fake_quant: left for activation quantization (None)."""
     from megatron.core import parallel_state
 
+    experts = sorted(m for m in quantized_modules if ".experts." in m)
+    if experts:  # TE's grouped experts hold weight0, weight1, ...: they would be skipped silently
+        raise ValueError(f"actor.quantization_aware: the engines hold MoE experts in FP8 ({experts[0]}, ...), which the "
+                         "quantization-aware forward does not cover")
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     tp_group = parallel_state.get_tensor_model_parallel_group() if tp_size > 1 else None
     linears = quantized_linears(chunks, hf_config, quantized_modules=quantized_modules, block=block,
