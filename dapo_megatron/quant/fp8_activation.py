@@ -11,7 +11,7 @@ _per_token_group_quant_8bit_raw = per_token_group_quant_fp8 off CUDA), in fp32:
     s      = absmax / 448                448 = the largest finite float8_e4m3fn
     q      = clamp(x * (1 / s), -448, 448) -> float8_e4m3fn, rounded to nearest even
 Note the reciprocal: x * (1/s) is not always x / s (the column-major variant of the same kernel divides).
-tests/conformance/test_fp8_activation_sglang.py checks bit equality with that kernel run by Triton's
+tests/conformance/test_fp8_gemm_sglang.py checks bit equality with that kernel run by Triton's
 interpreter. On CUDA SGLang swaps in a JIT CUDA kernel (per_token_group_quant.cuh: s = absmax * (1/448),
 q = x * (448/absmax) under --use_fast_math); docs/fp8.md says what that changes (last-bit differences).
 """

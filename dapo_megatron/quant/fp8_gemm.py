@@ -4,7 +4,7 @@
 
 SGLang's Fp8LinearMethod.apply -> triton_w8a8_block_fp8_linear (srt/layers/quantization/fp8_utils.py):
   1. the activations are quantized per token and 128 input channels (fp8_activation.py);
-  2. w8a8_block_fp8_matmul_triton's kernel (_w8a8_block_fp8_matmul, kernels/ops/gemm/fp8_kernel.py) walks K
+  2. w8a8_block_fp8_matmul_triton's kernel (_w8a8_block_fp8_matmul, sglang/kernels/ops/gemm/fp8_kernel.py) walks K
      in tiles of one group: per tile `acc += dot(q_x, q_w) * x_scale[:, None] * w_scale[None, :]`, an fp32
      accumulator, w_scale the block scale of the output column's block (n // 128: the last block of rows
      may be partial, its columns read the same scale);

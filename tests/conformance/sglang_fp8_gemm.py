@@ -7,7 +7,7 @@ CASES holds, per case c: `c.x` (the activations), and for GEMM cases `c.weight` 
 `c.weight_scale_inv` (fp32 [ceil(N/128), K/128]) and optionally `c.bias`. For every case this runs, from the
 installed sglang (imported, not copied):
   - srt/layers/quantization/fp8_utils.py per_token_group_quant_fp8(x, 128, column_major_scales=False): the
-    call triton_w8a8_block_fp8_linear makes; off CUDA it is kernels/ops/quantization/fp8_kernel.py
+    call triton_w8a8_block_fp8_linear makes; off CUDA it is sglang/kernels/ops/quantization/fp8_kernel.py
     _per_token_group_quant_8bit_raw, the Triton kernel _per_token_group_quant_8bit -> `c.q`, `c.scale`;
   - for GEMM cases, triton_w8a8_block_fp8_linear(x, weight, [128, 128], weight_scale_inv, None, bias), the
     whole function Fp8LinearMethod.apply calls (quantization, w8a8_block_fp8_matmul_triton's kernel

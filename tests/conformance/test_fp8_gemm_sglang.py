@@ -76,12 +76,15 @@ def sglang_run(sglang_installed, tmp_path_factory):
     gen = torch.Generator().manual_seed(0)
     cases = {f"{c}.x": x.contiguous() for c, x in _quant_cases(gen).items()}
     x, w = _exact_operands(gen, 3, 192, 256, torch.bfloat16)  # 192 rows: the second block of rows is partial
-    cases.update({"exactbf16.x": x, "exactbf16.weight": w, "exactbf16.weight_scale_inv": torch.rand(2, 2, generator=gen),
+    cases.update({"exactbf16.x": x, "exactbf16.weight": w,
+                  "exactbf16.weight_scale_inv": torch.rand(2, 2, generator=gen),
                   "exactbf16.bias": torch.randn(192, generator=gen).to(torch.bfloat16)})
     x, w = _exact_operands(gen, 1, 256, 384, torch.float32)
-    cases.update({"exact32.x": x, "exact32.weight": w, "exact32.weight_scale_inv": torch.rand(2, 3, generator=gen) / 100})
-    cases.update({"rand.x": torch.randn(4, 384, generator=gen), "rand.weight": (torch.randn(320, 384, generator=gen) * 100)
-                  .clamp(-448, 448).to(torch.float8_e4m3fn), "rand.weight_scale_inv": torch.rand(3, 3, generator=gen) / 1000})
+    cases.update({"exact32.x": x, "exact32.weight": w,
+                  "exact32.weight_scale_inv": torch.rand(2, 3, generator=gen) / 100})
+    w = (torch.randn(320, 384, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    cases.update({"rand.x": torch.randn(4, 384, generator=gen), "rand.weight": w,
+                  "rand.weight_scale_inv": torch.rand(3, 3, generator=gen) / 1000})
     root = tmp_path_factory.mktemp("fp8_gemm")
     save_file(cases, str(root / "cases.safetensors"))
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
