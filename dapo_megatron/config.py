@@ -417,6 +417,10 @@ def validate(cfg: Config) -> None:
     _require(not cfg.actor.quantization_aware or r.quantization == "fp8", "actor.quantization_aware",
              cfg.actor.quantization_aware, f"true only with rollout.quantization=fp8 (it is {r.quantization!r}): the "
              "trainer's forward reproduces the FP8 engines' weights, and these engines hold none")
+    _require(not cfg.actor.quantization_aware or cfg.actor.attention_backend == "torch", "actor.quantization_aware",
+             cfg.actor.quantization_aware, f"true only with actor.attention_backend=torch (it is "
+             f"{cfg.actor.attention_backend!r}): TE's fused LayerNorm + Linear hides the normalized input that the "
+             "engines quantize to FP8 (docs/fp8.md)")
     for key, cores in (("rollout.cpu_engine_cores", r.cpu_engine_cores), ("actor.cpu_cores", cfg.actor.cpu_cores)):
         _require(all(c >= 0 for c in cores) and len(set(cores)) == len(cores), key, cores,
                  "distinct CPU core numbers >= 0 ([] = no pinning)")

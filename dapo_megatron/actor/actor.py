@@ -127,7 +127,7 @@ class Actor:
 
             conv = fp8_converter(cfg)  # which modules are fp8, block and dtype: the engines' checkpoint says
             apply_weight_fake_quant(chunks, self.hf_config, quantized_modules=conv.quantized_modules,
-                                    block=conv.block, dtype=conv.dtype)
+                                    block=conv.block, dtype=conv.dtype, quantize_inputs=True)
         self._chunks = chunks
         from dapo_megatron.actor.routing_replay import make_routing_replay
 

@@ -1,8 +1,9 @@
 """Quantization-aware trainer forward (actor.quantization_aware, rollout.quantization=fp8; docs/fp8.md).
 
     handles = apply_weight_fake_quant(chunks, hf_config, quantized_modules=conv.quantized_modules,
-                                      block=conv.block, dtype=conv.dtype)    # conv: Fp8SyncConverter
-    ...                        # every forward of a listed Linear now multiplies by dequant(quant(w))
+                                      block=conv.block, dtype=conv.dtype,    # conv: Fp8SyncConverter
+                                      quantize_inputs=True)
+    ...     # every forward of a listed Linear now computes dequant(quant(x)) @ dequant(quant(w)).T
     for h in handles: h.remove()
 
 The rollout engines multiply by block-FP8 weights: what Fp8SyncConverter sends, dequantized
@@ -23,6 +24,10 @@ runs its forward with exactly those values, bit for bit as fp32 values, computed
   3. the values: modelopt's own export quantizer, FP8QTensor.quantize (what _export_quantized_weight
      calls: (w / scale).to(float8_e4m3fn)), given per-element scales so that it runs on the Megatron
      layout, then FP8QTensor.dequantize in fp32 (fp8 * scale: dequantize_block_fp8's product).
+  4. with quantize_inputs (the actor's setting): the Linear's input as the engines' GEMM quantizes it,
+     per token and per 128 input channels (SGLang's dynamic activations, quant/fp8_activation.py); a
+     row-parallel Linear's groups may span TP ranks, so their per-token maxima are MAX all-reduced too
+     (fake_quant_input_values). Straight-through gradient as for the weights.
 Why not modelopt's fake-quant op (tensor_quant.scaled_e4m3, what TensorQuantizer runs in QAT) with the
 same amax: it multiplies by 448/amax and dequantizes with 1/(448/amax), which differ from the engine's
 w / (amax/448) and fp8 * (amax/448) in the last bit for most blocks (tests/unit/test_fake_quant.py
@@ -172,23 +177,55 @@ def fake_quant_weight(weight: torch.Tensor, blocks: ShardBlocks, *, dtype: torch
     return out
 
 
-class _Hooks:
-    """The pre/post forward hooks of one Linear: swap the fake-quantized weight in, the Parameter back."""
+def fake_quant_input_values(x: torch.Tensor, blocks: ShardBlocks, *, tp_group: Any = None) -> torch.Tensor:
+    """dequant(quant(x)) of a Linear's input as the engines' GEMM quantizes it (SGLang's dynamic
+    activations: one scale per token and per 128 input channels, quant/fp8_activation.py), in x's dtype.
 
-    def __init__(self, blocks: ShardBlocks, *, dtype: torch.dtype, tp_group: Any,
-                 input_fake_quant: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> None:
+    The groups are the weight's column blocks (the GEMM pairs activation group j with weight block
+    column j). A row-parallel Linear (linear_proj, linear_fc2) holds K / tp input channels per rank; when a
+    group spans ranks (the tiny model at TP=2: 64 channels a rank, 128 a group) its maximum is the MAX
+    all-reduce over tp_group of the ranks' per-token, per-group maxima ([tokens, groups] numbers), so
+    every rank quantizes with the scale the engine computes from the whole row."""
+    from dapo_megatron.quant.fp8_activation import quant_with_absmax
+
+    xf = x.detach().float().reshape(-1, x.shape[-1])
+    col = blocks.col_block.to(xf.device)
+    absmax = xf.new_zeros(xf.shape[0], blocks.num_block_cols)
+    absmax.scatter_reduce_(1, col.expand_as(xf), xf.abs(), "amax")
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(absmax, op=dist.ReduceOp.MAX, group=tp_group)
+    q, scale = quant_with_absmax(xf, absmax[:, col])
+    return (q.float() * scale).reshape(x.shape).to(x.dtype)  # dequantize_activation_fp8's fp32 product
+
+
+class _StraightThroughInput(torch.autograd.Function):
+    """forward: the Linear's input as the engines quantize it; backward: the gradient unchanged (STE)."""
+
+    @staticmethod
+    def forward(ctx, x, blocks, tp_group):
+        return fake_quant_input_values(x, blocks, tp_group=tp_group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _Hooks:
+    """The pre/post forward hooks of one Linear: swap the fake-quantized weight in (and, with
+    quantize_inputs, replace the input by its FP8 values), put the Parameter back after the forward."""
+
+    def __init__(self, blocks: ShardBlocks, *, dtype: torch.dtype, tp_group: Any, input_tp_group: Any,
+                 quantize_inputs: bool) -> None:
         self.blocks, self.dtype, self.tp_group = blocks, dtype, tp_group
-        self.input_fake_quant = input_fake_quant
+        self.input_tp_group, self.quantize_inputs = input_tp_group, quantize_inputs
         self.master: Optional[torch.nn.Parameter] = None
 
     def pre(self, module, args):
         self.master = module._parameters["weight"]
         module._parameters["weight"] = fake_quant_weight(self.master, self.blocks, dtype=self.dtype,
                                                          tp_group=self.tp_group)
-        # The place for activation fake quantization (SGLang's dynamic per-token 1 x 128 groups,
-        # quant/fp8_activation.py): the Linear's input is args[0]; returning new args replaces it.
-        if self.input_fake_quant is not None:
-            return (self.input_fake_quant(args[0]), *args[1:])
+        if self.quantize_inputs:  # the Linear's input is args[0]; returning new args replaces it
+            return (_StraightThroughInput.apply(args[0], self.blocks, self.input_tp_group), *args[1:])
         return None
 
     def post(self, module, args, output):
@@ -231,10 +268,11 @@ def quantized_linears(chunks: Sequence[Any], hf_config: Any, *, quantized_module
 
 
 def apply_weight_fake_quant(chunks: Sequence[Any], hf_config: Any, *, quantized_modules: set[str], block: int,
-                            dtype: torch.dtype,
-                            input_fake_quant: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> list:
+                            dtype: torch.dtype, quantize_inputs: bool = False) -> list:
     """Register the hooks on every FP8 Linear of this rank's chunks (call inside model_parallel, after the
-    model is built). Returns the hook handles. input_fake_quant: left for activation quantization (None)."""
+    model is built). Returns the hook handles. quantize_inputs: also give each such Linear its input as
+    the engines' GEMM quantizes it (the actor turns it on: SGLang's block-FP8 GEMM always does); needs
+    every quantized Linear's input dimension to be a multiple of `block`, as SGLang does."""
     from megatron.core import parallel_state
 
     experts = sorted(m for m in quantized_modules if ".experts." in m)
@@ -248,8 +286,21 @@ def apply_weight_fake_quant(chunks: Sequence[Any], hf_config: Any, *, quantized_
     if quantized_modules and not linears:
         raise ValueError("actor.quantization_aware: none of the engines' FP8 modules maps to a Linear of this model")
     handles = []
-    for module, _, blocks in linears:
-        hooks = _Hooks(blocks, dtype=dtype, tp_group=tp_group, input_fake_quant=input_fake_quant)
+    for module, pmap, blocks in linears:
+        in_features = int(blocks.col_block.numel()) * (tp_size if pmap.kind == "row" else 1)
+        if quantize_inputs and in_features % block:
+            raise ValueError(f"actor.quantization_aware: {pmap.hf_names[0]} reads {in_features} input features, not a "
+                             f"multiple of the FP8 group {block} (SGLang's block-FP8 GEMM refuses such inputs)")
+        if quantize_inputs and "LayerNorm" in type(module).__name__:
+            # TE's fused norm + Linear (the te spec's linear_qkv / linear_fc1) normalizes inside its forward:
+            # a hook sees the input before the norm, and the engines quantize the normalized one
+            raise ValueError(f"actor.quantization_aware: {type(module).__name__} ({pmap.mcore_name}) fuses the norm into "
+                             "the Linear, so its FP8 input cannot be reproduced from a hook; use "
+                             "actor.attention_backend=torch (separate norm modules) with quantization_aware")
+        # a row-parallel Linear's input is split over TP along the channels its groups are made of
+        input_tp_group = tp_group if pmap.kind == "row" else None
+        hooks = _Hooks(blocks, dtype=dtype, tp_group=tp_group, input_tp_group=input_tp_group,
+                       quantize_inputs=quantize_inputs)
         handles.append(module.register_forward_pre_hook(hooks.pre))
         handles.append(module.register_forward_hook(hooks.post, always_call=True))
     return handles

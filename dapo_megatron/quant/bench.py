@@ -12,9 +12,10 @@ bfloat16 for the unquantized tensors, as exported). Prompts: the synthetic addit
 template (or the model's own tokenizer with --model). Rows go to <--results-dir>/rollout_quant.csv in
 the rollout benchmark's columns (provider = engine_bf16 | engine_fp8).
 
-On CPU there is no FP8 GEMM: the FP8 engine dequantizes every weight per matmul (quant/cpu_fp8.py),
-so its tokens/s is a lower bound of what an FP8 kernel would give; its weight bytes are what an FP8
-engine holds.
+On CPU there is no FP8 GEMM kernel: the FP8 engine computes SGLang's block-FP8 GEMM numerics in plain
+torch (quant/fp8_gemm.py: activations quantized per token x 128, each 128-wide tile's dot summed exactly
+in float64), so its tokens/s says nothing about an FP8 kernel; its weight bytes are what an FP8 engine
+holds, and its mismatch carries the weight and the activation error an SGLang FP8 engine has.
 """
 
 from __future__ import annotations

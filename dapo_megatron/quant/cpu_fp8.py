@@ -1,16 +1,18 @@
 """A block-FP8 rollout checkpoint served for real on CPU: each quantized Linear holds its weight in
-float8_e4m3fn with one fp32 scale per 128 x 128 block, and dequantizes it in every forward (docs/fp8.md).
+float8_e4m3fn with one fp32 scale per 128 x 128 block, and multiplies as SGLang's GEMM does (docs/fp8.md).
 
     model = load_fp8_model("out/run/rollout_fp8", dtype=torch.float32)   # what CpuEngine loads
     is_fp8_checkpoint("out/run/rollout_fp8")                             # config.json quant_method "fp8"
 
-The format is the one SGLang's engines load (fp8_format.py). What SGLang's block-FP8 GEMM computes
-(Fp8LinearMethod.apply -> w8a8_block_fp8_linear, srt/layers/quantization/fp8_utils.py) is x times the
-block-dequantized weight, with the activations also quantized to fp8 per token and 128 channels
-(dynamic scales). The CPU engine reproduces the weight part exactly (dequantize_block_fp8, SGLang's
-block_quant_dequant: the error the trainer cannot see) and keeps the activations in the engine dtype,
-so its mismatch is the weight error alone. Which Linears are fp8 is read from the checkpoint (a module
-is fp8 iff it holds `<module>.weight_scale_inv`), as Fp8SyncConverter does.
+The format is the one SGLang's engines load (fp8_format.py), and every forward computes what SGLang's
+block-FP8 GEMM computes (Fp8LinearMethod.apply -> triton_w8a8_block_fp8_linear, srt/layers/quantization/
+fp8_utils.py; fp8_gemm.py): the activations are quantized to fp8 dynamically, per token and 128 input
+channels (fp8_activation.py), multiplied by the fp8 weight with its block scales, accumulated in fp32,
+cast to the engine dtype, bias added. So the engine's mismatch carries the weight error and the
+activation error a GPU engine has. Like SGLang's GEMM (which asserts it at the first forward), a
+quantized Linear whose input dimension is not a multiple of the block is refused, at load. Which
+Linears are fp8 is read from the checkpoint (a module is fp8 iff it holds `<module>.weight_scale_inv`),
+as Fp8SyncConverter does.
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from dapo_megatron.quant.fp8_export import read_quant_config
-from dapo_megatron.quant.fp8_format import block_scale_shape, dequantize_block_fp8
+from dapo_megatron.quant.fp8_format import block_scale_shape
+from dapo_megatron.quant.fp8_gemm import block_fp8_linear
 
 
 def is_fp8_checkpoint(model_dir: str | Path) -> bool:
@@ -42,7 +44,8 @@ def is_fp8_checkpoint(model_dir: str | Path) -> bool:
 
 class Fp8Linear(nn.Module):
     """nn.Linear with a float8_e4m3fn weight and fp32 per-block scales, under the checkpoint's names
-    <m>.weight [out, in] and <m>.weight_scale_inv [ceil(out/block), ceil(in/block)]."""
+    <m>.weight [out, in] and <m>.weight_scale_inv [ceil(out/block), in/block]; the input is quantized to
+    fp8 per token and block channels at every forward (fp8_gemm.block_fp8_linear)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype, block: int):
         super().__init__()
@@ -54,13 +57,12 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # dequantized per matmul: nothing but the fp8 bytes and the block scales is kept between forwards
-        w = dequantize_block_fp8(self.weight, self.weight_scale_inv, block=self.block, dtype=x.dtype)
-        return F.linear(x, w, self.bias)
+        # SGLang's GEMM numerics from the fp8 bytes and block scales; nothing dequantized is kept
+        return block_fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, block=self.block)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"fp8_e4m3fn {self.block}x{self.block} blocks")
+                f"fp8_e4m3fn {self.block}x{self.block} blocks, dynamic fp8 activations per token x {self.block}")
 
 
 def _quantized_modules(state: dict[str, torch.Tensor]) -> set[str]:
@@ -98,6 +100,10 @@ def load_fp8_model(model_dir: str | Path, *, dtype: torch.dtype):
         linear = getattr(parent, leaf, None)
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"{model_dir}: '{name}.weight_scale_inv' names {type(linear).__name__}, not an nn.Linear")
+        if linear.in_features % block:
+            raise ValueError(f"{model_dir}: '{name}' takes {linear.in_features} input features, not a multiple of "
+                             f"the FP8 block {block}: SGLang's block-FP8 GEMM quantizes activations per {block} "
+                             "channels and asserts it (per_token_group_quant_fp8); so does this engine")
         if state[f"{name}.weight"].dtype != torch.float8_e4m3fn:
             raise ValueError(f"{model_dir}: '{name}.weight' is {state[f'{name}.weight'].dtype}, expected float8_e4m3fn")
         setattr(parent, leaf, Fp8Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,

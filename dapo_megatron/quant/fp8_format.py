@@ -76,8 +76,13 @@ def check_sglang_block_shapes(hf_config: dict, *, block: int = BLOCK, tp_size: i
     layer (q/k/v of qkv_proj, gate/up of gate_up_proj) and of a column-parallel layer split over TP ranks
     must be a multiple of block_n, and the per-rank input of a row-parallel layer (o_proj, down_proj)
     at TP > 1 a multiple of block_k. Those inputs are q_proj's and gate_proj's per-rank outputs, so the
-    checks below cover them. Dense Qwen2 / Qwen3 layouts (config.json keys); other architectures are
-    refused (SGLANG_FP8_ARCHITECTURES).
+    checks below cover them. And the GEMM (Fp8LinearMethod.apply -> the w8a8 block linear) quantizes the
+    activations per token and block_k channels: every Hopper path reaches per_token_group_quant_fp8 /
+    sglang_per_token_group_quant_fp8, which assert `x.shape[-1] % group_size == 0` (DeepGEMM and FlashInfer's
+    SM90 DeepGEMM fall back to Triton when K % 128 != 0; CUTLASS is refused on SM90), so the input of
+    q/k/v/gate/up_proj on every rank, hidden_size, must be a multiple of block too: SGLang would load such a
+    model and fail at its first forward. Dense Qwen2 / Qwen3 layouts (config.json keys); other architectures
+    are refused (SGLANG_FP8_ARCHITECTURES).
     """
     archs = list(hf_config.get("architectures") or [])
     if not set(archs) & set(SGLANG_FP8_ARCHITECTURES):
@@ -92,8 +97,16 @@ def check_sglang_block_shapes(hf_config: dict, *, block: int = BLOCK, tp_size: i
     kv_per_rank = max(1, kv_heads // tp_size) * head_dim  # fewer KV heads than ranks: replicated, one per rank
     outs = {"q_proj": heads * head_dim // tp_size, "k_proj": kv_per_rank, "v_proj": kv_per_rank,
             "gate_proj": inter // tp_size, "up_proj": inter // tp_size}
+    if hidden % block:
+        raise ValueError(f"rollout.quantization=fp8 on SGLang: hidden_size {hidden} (the input of q/k/v/gate/up_proj on "
+                         f"every engine TP rank, rollout.engine_tp={tp_size}) is not a multiple of the FP8 block {block}; "
+                         f"SGLang's block-FP8 GEMM quantizes activations per {block} channels and asserts it at the "
+                         "first forward (per_token_group_quant_fp8: x.shape[-1] % group_size == 0)")
+    # the row-parallel inputs are these outputs: o_proj reads q_proj's, down_proj gate_proj's (intermediate_size
+    # per rank), so their K % block rule is the one below too
+    also = {"q_proj": "; also o_proj's input", "gate_proj": f"; intermediate_size {inter} per rank, down_proj's input"}
     for name, size in outs.items():
         if size % block:
             raise ValueError(f"rollout.quantization=fp8 on SGLang: {name} has {size} output features per engine TP "
-                             f"rank (rollout.engine_tp={tp_size}), not a multiple of the FP8 block {block}; SGLang's "
-                             "Fp8LinearMethod.validate_block_quant_shapes refuses it at start-up")
+                             f"rank (rollout.engine_tp={tp_size}{also.get(name, '')}), not a multiple of the FP8 block "
+                             f"{block}; SGLang's Fp8LinearMethod.validate_block_quant_shapes refuses it at start-up")

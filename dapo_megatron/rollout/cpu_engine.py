@@ -66,7 +66,7 @@ class CpuEngine:
         self.model_path = model_path
         self.dtype = getattr(torch, dtype)
         self.fp8 = is_fp8_checkpoint(model_path)
-        if self.fp8:  # the block-FP8 export: float8 weights + block scales, dequantized per matmul (quant/cpu_fp8.py)
+        if self.fp8:  # block-FP8 export: fp8 weights + block scales, SGLang's w8a8 GEMM (quant/cpu_fp8.py)
             self.model = load_fp8_model(model_path, dtype=self.dtype)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).eval()

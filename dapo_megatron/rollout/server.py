@@ -545,6 +545,7 @@ class RolloutServer:
             "model_path": e.model_path, "tp_size": 1, "dp_size": 1, "context_length": e.context_length,
             "random_seed": self.seed, "enable_deterministic_inference": e.deterministic,
             "max_running_requests": e.max_batch_size, "weight_version": e.weight_version, "device": "cpu",
+            "quantization": "fp8" if e.fp8 else None,
             "version": "dapo-megatron cpu engine (sglang 0.5.21 protocol)",
             "internal_states": [{"memory_usage": {  # SGLang's build_memory_usage shape, in GB
                 "weight": round(e.loaded_weight_bytes / gb, 3), "kvcache": 0.0, "token_capacity": 0,
@@ -553,7 +554,10 @@ class RolloutServer:
                 **self.stats, **self.batcher.counts(), "pid": os.getpid(), "status": self.status,
                 "is_paused": self.is_pause,
                 "weight_update_session_open": self.session_open, "released_tags": sorted(e.released_tags),
-                "resident_memory_bytes": {"weights": e.resident_weight_bytes(), "kv_cache": e.kv_cache_bytes}},
+                "resident_memory_bytes": {"weights": e.resident_weight_bytes(), "kv_cache": e.kv_cache_bytes},
+                # CPU extra: what a GEMM of an fp8 Linear computes (quant/fp8_gemm.py, SGLang's numerics)
+                "fp8_gemm": ("w8a8 block fp8: weights 128x128 blocks, activations quantized dynamically per token "
+                             "x 128 channels" if e.fp8 else None)},
         })
 
 

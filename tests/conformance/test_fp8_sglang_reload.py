@@ -2,9 +2,11 @@
 reload in place, at engine TP 1 and TP 2 (sglang_fp8_reload.py runs SGLang's code in its own process).
 
 The model has the projection shapes SGLang's block FP8 accepts (every fused shard a multiple of 128 per
-TP rank: Fp8LinearMethod.validate_block_quant_shapes) and a hidden size that is not a multiple of the
-block (320 = 2.5 blocks: the input columns of q/k/v/gate/up and the output rows of o_proj/down_proj end
-in a partial block). The sync tensors are our converter's output after the weights moved. For each
+TP rank: Fp8LinearMethod.validate_block_quant_shapes; the hidden size a multiple of 128 too, since the
+GEMM quantizes activations per 128 channels and asserts it at the first forward: check_sglang_block_shapes).
+Under those rules no weight of a dense Qwen2 / Qwen3 has a partial block (every in/out dim is a hidden,
+q/k/v or gate/up size), so none is tested here; partial blocks are the converter's and the CPU engine's
+concern (tests/unit/test_quant_fp8.py, tests/conformance/test_fp8_gemm_sglang.py). The sync tensors are our converter's output after the weights moved. For each
 engine TP rank and each phase (start-up load, sync 1 over update_weights_from_distributed with a
 flattened bucket, sync 2 over update_weights_from_tensor), every byte of every fp8 weight and every
 block scale must be where SGLang reads it (the TP rank's slice of the fused parameter), the parameters
@@ -27,7 +29,7 @@ pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt not i
 
 SCRIPT = Path(__file__).with_name("sglang_fp8_reload.py")
 BLOCK = 128
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 320, 4, 2, 128, 512
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 256, 4, 2, 128, 512  # 2 blocks of hidden; q 4 blocks, k/v 2, gate/up 4
 # SGLang module -> (our shards, row-parallel?); qwen2.py stacked_params_mapping
 FUSED = {"self_attn.qkv_proj": (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], False),
          "mlp.gate_up_proj": (["mlp.gate_proj", "mlp.up_proj"], False),
@@ -92,6 +94,10 @@ def test_sglang_loads_the_export_and_reloads_every_sync_in_place(sglang_installe
     from dapo_megatron.quant import dequantize_block_fp8
 
     root, start, (sync1, sync2) = checkpoints
+    from dapo_megatron.quant import check_sglang_block_shapes
+
+    # the shapes are ones our start-up check lets through (and SGLang's validate_block_quant_shapes below)
+    check_sglang_block_shapes(json.loads((root / "fp8" / "config.json").read_text()), tp_size=tp)
     out = root / f"out_tp{tp}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(SCRIPT), str(root / "fp8"), str(root / "sync1.safetensors"),

@@ -6,6 +6,11 @@
     TP=2 with sequence parallel; on the tiny run's shape (q/k/v one block each, modelopt's shared amax;
     a 128-row block of gate/up spanning both TP ranks) and on dims that are not multiples of 128. After
     the forward the modules hold their Parameters again, unchanged.
+(c) With quantize_inputs (the actor's setting), the input every FP8 Linear multiplies, gathered over TP
+    (row-parallel Linears split their input channels; sequence parallel splits the tokens), equals the
+    engines' quantization of the whole unquantized input (quant/fp8_activation.py, checked against
+    SGLang's kernel in tests/conformance), bit for bit: TP=1, TP=2 (a 128-channel group spans both
+    ranks of linear_proj and linear_fc2) and TP=2 with sequence parallel.
 (b) The gradient w.r.t. the master weights of a fixed loss (a weighted sum of next-token log-probs)
     equals, at TP=1 and TP=2, the gradient of the same loss in a float64 transformers model whose FP8
     Linears hold the (constant) engine values: the straight-through estimator.
@@ -51,7 +56,7 @@ def _merged(local: torch.Tensor, pmap, dims) -> list[torch.Tensor]:
     return merge_shards(pmap.kind, parts, dims=dims)
 
 
-def _build(hf_dir, tp, sequence_parallel):
+def _build(hf_dir, tp, sequence_parallel, quantize_inputs=False):
     from transformers import AutoConfig
 
     from dapo_megatron.actor.fake_quant import apply_weight_fake_quant
@@ -63,7 +68,7 @@ def _build(hf_dir, tp, sequence_parallel):
                                 sequence_parallel=sequence_parallel)
     load_hf_into_model(chunks, hf_dir, hf_config=hf_config)
     apply_weight_fake_quant(chunks, hf_config, quantized_modules=_fp8_modules(hf_config), block=128,
-                            dtype=torch.bfloat16)
+                            dtype=torch.bfloat16, quantize_inputs=quantize_inputs)
     return hf_config, chunks
 
 
@@ -120,6 +125,63 @@ def test_forward_weights_equal_dequantized_engine_weights_bit_for_bit(rank_pool,
         for name, value in res["engine"].items():
             assert res["trainer"][name].dtype == torch.float32
             assert torch.equal(res["trainer"][name], value), name
+
+
+def _gather_input(x, *, kind, sequence_parallel):
+    """The whole input of a Linear from the TP ranks' parts: row-parallel Linears split the channels (the
+    last dim); with sequence parallel a column-parallel Linear's pre-hook sees a shard of the tokens."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1 or (kind != "row" and not sequence_parallel):
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp)]
+    dist.all_gather(parts, x.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1 if kind == "row" else 0)
+
+
+def _inputs_on_rank(hf_dir, tp, sequence_parallel):
+    from megatron.core import parallel_state
+
+    from dapo_megatron.actor.fake_quant import quantized_linears
+    from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.quant.fp8_activation import fake_quant_activation_fp8
+
+    with model_parallel(tp=tp, seed=0):
+        hf_config, chunks = _build(hf_dir, tp, sequence_parallel, quantize_inputs=True)
+        linears = quantized_linears(chunks, hf_config, quantized_modules=_fp8_modules(hf_config), block=128,
+                                    tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=tp)
+        raw, seen = {}, {}
+        for module, pmap, _ in linears:
+            def before(mod, args, name=pmap.mcore_name):
+                raw[name] = args[0].detach().clone()
+
+            def after(mod, args, name=pmap.mcore_name):
+                seen[name] = args[0].detach().clone()
+            module.register_forward_pre_hook(before, prepend=True)  # before fake_quant's: the raw input
+            module.register_forward_pre_hook(after)  # after it: what the Linear multiplies
+        tokens = _tokens(hf_config.vocab_size)
+        with torch.no_grad():
+            chunks[0](tokens, torch.arange(SEQ)[None], None)
+        out = {}
+        for _, pmap, _ in linears:
+            name = pmap.mcore_name
+            whole_raw = _gather_input(raw[name], kind=pmap.kind, sequence_parallel=sequence_parallel)
+            whole_seen = _gather_input(seen[name], kind=pmap.kind, sequence_parallel=sequence_parallel)
+            out[name] = (whole_seen, fake_quant_activation_fp8(whole_raw), whole_raw)
+        return out
+
+
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True)])
+def test_linear_inputs_equal_the_engines_fp8_activations_bit_for_bit(rank_pool, hf_dirs, tp, sp):
+    results = rank_pool(2).run(_inputs_on_rank, str(hf_dirs["tiny_run"]), tp, sp)
+    for res in results:
+        assert len(res) == 2 * 4
+        for name, (seen, engine, whole_raw) in res.items():
+            assert seen.shape[-1] % 128 == 0 and seen.shape[0] == SEQ, (name, seen.shape)
+            assert torch.equal(seen, engine), name
+            assert not torch.equal(seen, whole_raw), name  # the quantization really happened
 
 
 def _grads_on_rank(hf_dir, tp, coef):

@@ -35,8 +35,8 @@ def save_tiny_tokenizer(out_dir: Path) -> None:
     fast.save_pretrained(out_dir)
 
 
-def make_tiny_checkpoint(out_dir: Path, *, seed: int = 0) -> Path:
-    save_tiny_hf(out_dir, arch="qwen2", tied=False, num_layers=2, seed=seed)
+def make_tiny_checkpoint(out_dir: Path, *, seed: int = 0, shape: dict | None = None) -> Path:
+    save_tiny_hf(out_dir, arch="qwen2", tied=False, num_layers=2, seed=seed, shape=shape)
     save_tiny_tokenizer(out_dir)
     return out_dir
 

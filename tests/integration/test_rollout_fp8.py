@@ -6,7 +6,8 @@ weight-update session (DistributedWeightSync).
 
 After every sync the FP8 engine holds float8_e4m3fn weights and fp32 128 x 128 block scales (its
 /model_info) whose bytes and scales are modelopt's quantization of the actor's weights, and whose
-dequantized values lie within the FP8 error bound of the actor's. The FP8 engine's log-probs differ from the actor's far more than the fp32
+dequantized values lie within the FP8 error bound of the actor's. The FP8 engine's log-probs (SGLang's GEMM
+numerics: fp8 weights and dynamic fp8 activations) differ from the actor's far more than the fp32
 engine's do (the quantization really happened), and truncated importance sampling with those
 log-probs bounds the update: min(exp(old - engine), tis_cap) <= tis_cap on every token, and the
 actor's loss equals a float64 reference computed with those weights.
@@ -126,7 +127,9 @@ def engines(tmp_path_factory):
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("rollout_fp8")
-    model_dir = make_tiny_checkpoint(root / "model", seed=0)
+    # hidden and FFN whole FP8 blocks: the engine's GEMM quantizes activations per 128 input channels and
+    # refuses other input dims (as SGLang's does); k/v keep a partial block of rows (64 of 128)
+    model_dir = make_tiny_checkpoint(root / "model", seed=0, shape={"hidden_size": 128, "intermediate_size": 256})
     fp8_dir = export_fp8_checkpoint(model_dir, root / "fp8", dtype=torch.bfloat16)
     fp8 = ServerProcess(fp8_dir, root / "engines", log_path=root / "fp8.log")
     try:

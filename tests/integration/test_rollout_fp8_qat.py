@@ -7,8 +7,11 @@ The checkpoint's weights are bf16 values (stored as such), so the tensors the en
 (embeddings, norms, biases, lm_head: cast to bf16 by the sync) are exactly the fp32 actor's and the only
 difference left is the FP8 weights: without quantization_aware the actor misses it (the mismatch of
 test_rollout_fp8.py), with it the actor multiplies by the engine's very values and what remains is fp32
-rounding. Measured (2026-11-25, 2-core dev machine; the test model's weights have std 0.2, so FP8's
-error is large): mismatch mean 1.7e-1 / max 8.9e-1 without, 1.0e-6 / 2.9e-6 with (ratio 1.7e5). The first update of the quantization-aware actor sees ratio 1 (the training forward
+rounding. The engine's GEMM also quantizes its inputs per token and 128 channels (SGLang's dynamic
+activations), and so does the quantization-aware forward. Measured (2026-11-25, 2-core dev machine; the
+test model's weights have std 0.2, so FP8's error is large): mismatch mean 4.0e-1 / max 2.2 without,
+9.8e-7 / 3.3e-6 with (ratio 4.1e5); with the weights fake-quantized but not the inputs, 2.8e-1 / 1.2.
+The first update of the quantization-aware actor sees ratio 1 (the training forward
 reproduces the log-prob pass) and trains.
 """
 
@@ -27,7 +30,7 @@ pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt not i
 from dapo_megatron.batch import Sample  # noqa: E402
 
 PROMPTS = [[1, 17, 42, 99, 7, 250], [1, 5, 6], [1, 200, 201, 202, 203, 204, 205, 9], [1, 33, 34]]
-# measured ratios without / with quantization_aware: 1.7e5 (means), 3.1e5 (maxima); see the docstring
+# measured ratio of the means without / with quantization_aware: 4.1e5; see the docstring
 MIN_RATIO = 10_000
 
 
@@ -92,7 +95,9 @@ def run(rank_pool, tmp_path_factory):
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("rollout_fp8_qat")
-    model_dir = save_tiny_hf(root / "model", arch="qwen2", tied=False, num_layers=2, seed=0, dtype=torch.bfloat16)
+    # whole 128-channel groups: the engine's GEMM quantizes activations per 128 input channels (SGLang's rule)
+    model_dir = save_tiny_hf(root / "model", arch="qwen2", tied=False, num_layers=2, seed=0, dtype=torch.bfloat16,
+                             shape={"hidden_size": 128, "intermediate_size": 256})
     save_tiny_tokenizer(model_dir)
     fp8_dir = export_fp8_checkpoint(model_dir, root / "run" / "rollout_fp8", dtype=torch.bfloat16)
     fp8 = ServerProcess(fp8_dir, root / "engines", log_path=root / "fp8.log")

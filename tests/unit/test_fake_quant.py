@@ -134,7 +134,10 @@ def test_straight_through_gradient():
 def test_quantization_aware_key_is_validated():
     from dapo_megatron.config import config_from_dict
 
-    cfg = config_from_dict({"rollout": {"quantization": "fp8"}, "actor": {"quantization_aware": True}})
+    with pytest.raises(ValueError, match=r"actor\.quantization_aware.*attention_backend=torch.*'te'"):
+        config_from_dict({"rollout": {"quantization": "fp8"}, "actor": {"quantization_aware": True}})
+    cfg = config_from_dict({"rollout": {"quantization": "fp8"},
+                            "actor": {"quantization_aware": True, "attention_backend": "torch"}})
     assert cfg.actor.quantization_aware is True
     assert config_from_dict({}).actor.quantization_aware is False
     with pytest.raises(ValueError, match=r"actor\.quantization_aware.*rollout\.quantization=fp8.*'none'"):

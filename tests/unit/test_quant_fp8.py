@@ -1,6 +1,6 @@
 """FP8 rollout weights (dapo_megatron/quant): modelopt's 128 x 128 block-FP8 export of the tiny Qwen2 in
-SGLang's `fp8` layout, the per-sync conversion, block dequantization, the CPU engine serving it, and
-the log-prob mismatch fp8 weights cause.
+SGLang's `fp8` layout, the per-sync conversion, block dequantization, the CPU engine serving it (SGLang's
+GEMM: dynamic fp8 activations too), and the log-prob mismatch fp8 weights and activations cause.
 
     python -m pytest -q tests/unit/test_quant_fp8.py
 """
@@ -200,6 +200,12 @@ def test_sync_conversion_with_dims_not_divisible_by_the_block(tmp_path):
     # each partial block's scale is that block's own max: the last column block of down_proj (72 columns)
     w = model.state_dict()["model.layers.0.mlp.down_proj.weight"].to(torch.bfloat16)
     assert expected["model.layers.0.mlp.down_proj.weight_scale_inv"][1, 1] == w[128:, 128:].float().abs().max() / E4M3_MAX
+    # no engine serves it: SGLang's GEMM asserts K % 128 == 0 at the first forward, the CPU engine at load
+    from dapo_megatron.quant.cpu_fp8 import load_fp8_model
+
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.down_proj' takes 200 input features, not a multiple "
+                                         r"of the FP8 block 128"):
+        load_fp8_model(tmp_path / "stepped_fp8", dtype=torch.float32)
 
 
 def _token_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
@@ -207,30 +213,45 @@ def _token_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
 
 
-def test_fp8_weight_logprob_mismatch_nonzero_and_bounded(tiny):
-    """Per-token log-prob |fp8-weight model - fp32 model| on random token sequences: fp8 weights
-    (dequantized per block, activations kept fp32, as the CPU engine does) change every log-prob a
-    little and none by much. Measured 2026-11-24 (this machine): mean 7.8e-3, max 5.1e-2; per-tensor FP8
-    of the same weights (the earlier format) gave mean 7.9e-3, max 3.5e-2."""
-    model_dir, _, sd = tiny
+def _weight_only_model(model_dir, sd):
+    """fp32 model whose quantized Linears hold dequantize_block_fp8(weight, scale): the fp8 weight error alone."""
     from transformers import AutoModelForCausalLM
 
-    fp32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    fp8 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    state = fp8.state_dict()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    state = model.state_dict()
     with torch.no_grad():
         for name, w in sd.items():
             if w.dtype == torch.float8_e4m3fn:
                 state[name].copy_(dequantize_block_fp8(w, sd[name.removesuffix(".weight") + ".weight_scale_inv"]))
+    return model
+
+
+def test_fp8_logprob_mismatch_nonzero_and_bounded(tiny):
+    """Per-token log-prob |fp8 model - fp32 model| on random token sequences, for fp8 weights alone
+    (dequantized per block, activations fp32) and for what the CPU engine computes (SGLang's GEMM: fp8
+    weights and dynamic fp8 activations per token x 128). Both change every log-prob a little and none by
+    much. Measured 2026-11-25 (2-core dev machine): weights only mean 7.8e-3, max 5.1e-2; weights +
+    activations mean 1.05e-2, max 5.2e-2. (2026-11-24: per-tensor FP8 weights, the earlier format, 7.9e-3 / 3.5e-2.)"""
+    model_dir, export_dir, sd = tiny
+    from transformers import AutoModelForCausalLM
+
+    from dapo_megatron.quant.cpu_fp8 import load_fp8_model
+
+    fp32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    weights_only = _weight_only_model(model_dir, sd)
+    engine_model = load_fp8_model(export_dir, dtype=torch.float32)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(5, 261, (8, 48), generator=gen)
     with torch.no_grad():
-        diff = (_token_logprobs(fp8, ids) - _token_logprobs(fp32, ids)).abs()
-    print(f"fp8-weight log-prob mismatch: mean {diff.mean().item():.3e} max {diff.max().item():.3e}")
-    assert diff.mean().item() > 1e-5  # the quantization really happened
-    # and stays small: the measured values with ~20% headroom for other machines' fp32 rounding (a
-    # tighter mean than the per-tensor test's 0.05 max bound allowed; the max moved with the format)
-    assert diff.mean().item() < 0.0095 and diff.max().item() < 0.062
+        ref = _token_logprobs(fp32, ids)
+        w_diff = (_token_logprobs(weights_only, ids) - ref).abs()
+        wa_diff = (_token_logprobs(engine_model, ids) - ref).abs()
+    print(f"fp8 log-prob mismatch: weights only mean {w_diff.mean().item():.3e} max {w_diff.max().item():.3e}; "
+          f"weights + activations mean {wa_diff.mean().item():.3e} max {wa_diff.max().item():.3e}")
+    assert w_diff.mean().item() > 1e-5 and wa_diff.mean().item() > w_diff.mean().item()  # both really quantize
+    # and stay small: the measured values with ~20% headroom for other machines' fp32 rounding
+    assert w_diff.mean().item() < 0.0095 and w_diff.max().item() < 0.062
+    assert wa_diff.mean().item() < 0.0126 and wa_diff.max().item() < 0.063
 
 
 def test_rollout_quantization_key_is_validated():
@@ -250,7 +271,8 @@ def test_sglang_block_shape_rule():
            "architectures": ["Qwen2ForCausalLM"]}
     for tp in (1, 2, 4):
         check_sglang_block_shapes(q7b, tp_size=tp)
-    with pytest.raises(ValueError, match=r"q_proj has 448 output features per engine TP rank \(rollout.engine_tp=8\)"):
+    with pytest.raises(ValueError, match=r"q_proj has 448 output features per engine TP rank \(rollout.engine_tp=8; "
+                                         r"also o_proj's input\)"):
         check_sglang_block_shapes(q7b, tp_size=8)  # 3584 / 8 = 448 = 3.5 blocks
     tiny = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256,
             "architectures": ["Qwen2ForCausalLM"]}
@@ -259,6 +281,16 @@ def test_sglang_block_shape_rule():
     with pytest.raises(ValueError, match=r"gate_proj has 320 output features"):
         check_sglang_block_shapes({"hidden_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
                                    "head_dim": 128, "intermediate_size": 640, "architectures": ["Qwen3ForCausalLM"]},
+                                  tp_size=2)
+    with pytest.raises(ValueError, match=r"gate_proj has 192 output features .*engine_tp=4; intermediate_size 768 per "
+                                         r"rank, down_proj's input"):
+        check_sglang_block_shapes({**q7b, "intermediate_size": 768}, tp_size=4)
+    # the GEMM quantizes activations per 128 input channels (asserted at SGLang's first forward): hidden 320
+    # (2.5 blocks) is refused even though every output shard is whole blocks
+    with pytest.raises(ValueError, match=r"hidden_size 320 \(the input of q/k/v/gate/up_proj on every engine TP rank, "
+                                         r"rollout.engine_tp=2\) is not a multiple of the FP8 block 128"):
+        check_sglang_block_shapes({"hidden_size": 320, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                   "head_dim": 128, "intermediate_size": 512, "architectures": ["Qwen2ForCausalLM"]},
                                   tp_size=2)
     with pytest.raises(ValueError, match=r"architectures \['LlamaForCausalLM'\] not supported"):
         check_sglang_block_shapes({**q7b, "architectures": ["LlamaForCausalLM"]})
@@ -285,11 +317,38 @@ def test_sglang_launcher_fp8_starts_from_the_export_only(tiny):
         sglang_command(SGLangSettings(model_path=str(model_dir), quantization="fp8"))
 
 
-def test_cpu_engine_serves_the_fp8_export_dequantized_per_matmul(tiny):
+class _SglangLinearRef(torch.nn.Module):
+    """SGLang's triton_w8a8_block_fp8_linear written out again, loop by loop (not fp8_gemm.py's code): per
+    token and 128-column group g, s = max(absmax, 1e-10) / 448 and q = clamp(x * (1 / s)) in fp8; per block
+    of rows, the tile's exact dot rounded to fp32, times s, times the block scale, added into an fp32
+    output; cast to x's dtype; + bias."""
+
+    def __init__(self, weight, scale, bias):
+        super().__init__()
+        self.weight, self.scale, self.bias = weight, scale, bias
+
+    def forward(self, x):
+        n, k = self.weight.shape
+        x2 = x.reshape(-1, k).float()
+        out = torch.zeros(x2.shape[0], n, dtype=torch.float32)
+        for g in range(k // BLOCK):
+            cols = slice(g * BLOCK, (g + 1) * BLOCK)
+            sx = x2[:, cols].abs().amax(1).clamp_min(1e-10) / E4M3_MAX
+            qx = (x2[:, cols] * (1 / sx)[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+            for nb in range(-(-n // BLOCK)):
+                rows = slice(nb * BLOCK, min(n, (nb + 1) * BLOCK))
+                dot = (qx.double() @ self.weight[rows, cols].double().T).float()
+                out[:, rows] += dot * sx[:, None] * self.scale[nb, g]
+        out = out.to(x.dtype)
+        return (out + self.bias if self.bias is not None else out).reshape(*x.shape[:-1], n)
+
+
+def test_cpu_engine_serves_the_fp8_export_with_sglangs_gemm(tiny):
     """The CPU engine started from the export holds float8 weights + fp32 block scales (1 byte per fp8
     element, 4 per scale), and its logits equal, bit for bit, those of an fp32 model whose quantized
-    Linears hold dequantize_block_fp8(weight, weight_scale_inv) and whose other tensors are the export's
-    bf16 values: the weight error is exactly modelopt's."""
+    Linears compute SGLang's block-FP8 linear (_SglangLinearRef: dynamic fp8 activations, the export's fp8
+    weights and scales) and whose other tensors are the export's bf16 values; they differ from a model of
+    the dequantized weights with fp32 activations (the activation error is there too)."""
     from transformers import AutoModelForCausalLM
 
     from dapo_megatron.rollout.cpu_engine import CpuEngine, WeightError
@@ -309,14 +368,19 @@ def test_cpu_engine_serves_the_fp8_export_dequantized_per_matmul(tiny):
     state = ref.state_dict()
     with torch.no_grad():
         for name, t in sd.items():
-            if name in state:
-                src = dequantize_block_fp8(t, sd[name.removesuffix(".weight") + ".weight_scale_inv"]) \
-                    if name in fp8 else t.float()
-                state[name].copy_(src)
+            if name in state and name not in fp8:
+                state[name].copy_(t.float())
+    for name in fp8:
+        module = name.removesuffix(".weight")
+        parent, _, leaf = module.rpartition(".")
+        bias = sd.get(f"{module}.bias")
+        setattr(ref.get_submodule(parent), leaf, _SglangLinearRef(sd[name], sd[f"{module}.weight_scale_inv"],
+                                                                  None if bias is None else bias.float()))
     ids = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 4]])
     with torch.no_grad():
         want = ref(ids).logits
         assert torch.equal(engine.model(ids).logits, want)
+        assert not torch.allclose(_weight_only_model(model_dir, sd)(ids).logits, want, rtol=0, atol=1e-4)
     # release / resume (the colocated placement's cycle) frees the fp8 storage too; a sync of the
     # export's own tensors (what the converter sends for the base weights) restores the same logits
     engine.release(["weights"])
