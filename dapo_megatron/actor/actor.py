@@ -121,13 +121,15 @@ class Actor:
                                     sequence_parallel=ac.sequence_parallel, recompute=ac.recompute,
                                     vocab_divisible_by=1)
         load_hf_into_model(chunks, self.hf_dir)
+        self._engine_dtype: torch.dtype | None = None
         if ac.quantization_aware:  # every forward multiplies by the FP8 engines' weights (actor/fake_quant.py)
             from dapo_megatron.actor.fake_quant import apply_weight_fake_quant
             from dapo_megatron.quant.rollout import fp8_converter
 
             conv = fp8_converter(cfg)  # which modules are fp8, block and dtype: the engines' checkpoint says
             apply_weight_fake_quant(chunks, self.hf_config, quantized_modules=conv.quantized_modules,
-                                    block=conv.block, dtype=conv.dtype, quantize_inputs=True)
+                                    block=conv.block, dtype=conv.dtype, quantize_inputs=True, cast_unquantized=True)
+            self._engine_dtype = conv.dtype  # the LM head weight, read outside the model's forward: _head
         self._chunks = chunks
         from dapo_megatron.actor.routing_replay import make_routing_replay
 
@@ -314,7 +316,12 @@ class Actor:
                                          tp_group=parallel.tp_group())[0]  # [1, S, H] -> [S, H]
         targets = self._local(mb.targets, mb).to(hidden_SH.device)
         pos = positions.to(hidden_SH.device)
-        return token_logprobs_entropy(hidden_SH[pos], output_weight(gpt), targets[pos],
+        weight = output_weight(gpt)
+        if self._engine_dtype is not None:  # actor.quantization_aware: the engines' bf16 LM head
+            from dapo_megatron.actor.fake_quant import cast_like_engines
+
+            weight = cast_like_engines(weight, self._engine_dtype)
+        return token_logprobs_entropy(hidden_SH[pos], weight, targets[pos],
                                       temperature=self.cfg.rollout.temperature, tp_group=parallel.tp_group(),
                                       vocab_size=self.hf_config.vocab_size, fused=self.cfg.actor.fused_logprob)
 

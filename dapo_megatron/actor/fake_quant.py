@@ -235,6 +235,73 @@ class _Hooks:
         return None
 
 
+class _StraightThroughCast(torch.autograd.Function):
+    """forward: the tensor rounded to the engines' dtype (and back to its own); backward: unchanged."""
+
+    @staticmethod
+    def forward(ctx, t, dtype):
+        return t.detach().to(dtype).to(t.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def cast_like_engines(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor the engines hold unquantized (embeddings, norms, biases, the LM head), at their values:
+    rounded to the checkpoint dtype the sync sends it in (fp8_sync: every tensor that is not FP8 is cast
+    to it), straight-through gradient. A no-op when the trainer already runs in that dtype (bf16 on GPUs)."""
+    if t.dtype == dtype:
+        return t
+    out = _StraightThroughCast.apply(t, dtype)
+    if not torch.is_grad_enabled() and t.requires_grad:
+        out.requires_grad_(True)  # as fake_quant_weight: the no_grad pass must fold like the training pass
+    return out
+
+
+class _CastHooks:
+    """Pre/post forward hooks of a module holding parameters the engines keep unquantized: each is
+    swapped for cast_like_engines of itself during the module's own forward (so activation recompute
+    sees the same values), the Parameters put back after it."""
+
+    def __init__(self, names: Sequence[str], dtype: torch.dtype) -> None:
+        self.names, self.dtype = tuple(names), dtype
+        self.masters: dict[str, torch.nn.Parameter] = {}
+
+    def pre(self, module, args):
+        for name in self.names:
+            self.masters[name] = module._parameters[name]
+            module._parameters[name] = cast_like_engines(self.masters[name], self.dtype)
+        return None
+
+    def post(self, module, args, output):
+        for name, master in self.masters.items():
+            module._parameters[name] = master
+        self.masters.clear()
+        return None
+
+
+def apply_engine_dtype_casts(chunks: Sequence[Any], *, skip: set[int], dtype: torch.dtype) -> list:
+    """Register _CastHooks on every module of the chunks that holds parameters directly, except the
+    parameters whose id() is in `skip` (the FP8 weights, which fake_quant_weight handles) and the LM head
+    (its forward is replaced by an identity: the actor casts the head weight where it reads it, see
+    Actor._head). Returns the hook handles."""
+    from dapo_megatron.weights.load import unwrap_model
+
+    handles = []
+    for chunk in chunks:
+        for name, module in unwrap_model(chunk).named_modules():
+            if name.rpartition(".")[2] == "output_layer":
+                continue
+            names = [n for n, p in module._parameters.items()
+                     if p is not None and id(p) not in skip and p.is_floating_point()]
+            if names:
+                hooks = _CastHooks(names, dtype)
+                handles.append(module.register_forward_pre_hook(hooks.pre))
+                handles.append(module.register_forward_hook(hooks.post, always_call=True))
+    return handles
+
+
 def _linears(chunk) -> list[tuple[str, torch.nn.Module]]:
     return [(name, m) for name, m in chunk.named_modules()
             if name.rpartition(".")[2] in LINEAR_NAMES and isinstance(m._parameters.get("weight"), torch.nn.Parameter)]
@@ -268,11 +335,15 @@ def quantized_linears(chunks: Sequence[Any], hf_config: Any, *, quantized_module
 
 
 def apply_weight_fake_quant(chunks: Sequence[Any], hf_config: Any, *, quantized_modules: set[str], block: int,
-                            dtype: torch.dtype, quantize_inputs: bool = False) -> list:
+                            dtype: torch.dtype, quantize_inputs: bool = False, cast_unquantized: bool = False) -> list:
     """Register the hooks on every FP8 Linear of this rank's chunks (call inside model_parallel, after the
     model is built). Returns the hook handles. quantize_inputs: also give each such Linear its input as
     the engines' GEMM quantizes it (the actor turns it on: SGLang's block-FP8 GEMM always does); needs
-    every quantized Linear's input dimension to be a multiple of `block`, as SGLang does."""
+    every quantized Linear's input dimension to be a multiple of `block`, as SGLang does.
+    cast_unquantized: every other parameter (embeddings, norms, biases; not the LM head) at the engines'
+    values too, i.e. rounded to `dtype` (apply_engine_dtype_casts). The actor turns it on: with FP8
+    activations a norm weight off by bf16's rounding moves activations across FP8 rounding boundaries,
+    and the tiny fp32 run's mismatch stayed at the unquantized trainer's level without it."""
     from megatron.core import parallel_state
 
     experts = sorted(m for m in quantized_modules if ".experts." in m)
@@ -303,4 +374,7 @@ def apply_weight_fake_quant(chunks: Sequence[Any], hf_config: Any, *, quantized_
                        quantize_inputs=quantize_inputs)
         handles.append(module.register_forward_pre_hook(hooks.pre))
         handles.append(module.register_forward_hook(hooks.post, always_call=True))
+    if cast_unquantized:
+        skip = {id(module._parameters["weight"]) for module, _, _ in linears}
+        handles += apply_engine_dtype_casts(chunks, skip=skip, dtype=dtype)
     return handles

@@ -3,14 +3,15 @@ a Megatron actor at TP=2 (2 gloo ranks) with the fake-quant forward and one with
 a real `serve-rollout` started from modelopt's block-FP8 export and synced from the actor through
 Fp8SyncConverter inside SGLang's weight-update session; its sampled tokens' log-probs against both actors'.
 
-The checkpoint's weights are bf16 values (stored as such), so the tensors the engines keep unquantized
-(embeddings, norms, biases, lm_head: cast to bf16 by the sync) are exactly the fp32 actor's and the only
-difference left is the FP8 weights: without quantization_aware the actor misses it (the mismatch of
-test_rollout_fp8.py), with it the actor multiplies by the engine's very values and what remains is fp32
-rounding. The engine's GEMM also quantizes its inputs per token and 128 channels (SGLang's dynamic
-activations), and so does the quantization-aware forward. Measured (2026-11-25, 2-core dev machine; the
-test model's weights have std 0.2, so FP8's error is large): mismatch mean 4.0e-1 / max 2.2 without,
-9.8e-7 / 3.3e-6 with (ratio 4.1e5); with the weights fake-quantized but not the inputs, 2.8e-1 / 1.2.
+The checkpoint holds fp32 weights, as the tiny run's trainer does. The engine holds the FP8 Linears'
+block-FP8 values, quantizes their inputs per token and 128 channels (SGLang's dynamic activations), and
+holds every other tensor (embeddings, norms, biases, lm_head) at the bf16 values the sync casts it to.
+The quantization-aware actor reproduces all three; what remains is fp32 rounding. Measured (2026-11-25,
+2-core dev machine; the test model's weights have std 0.2, so FP8's error is large): mismatch mean
+4.0e-1 / max 2.2 without quantization_aware, 9.8e-7 / 3.3e-6 with it (ratio 4.1e5). Reproducing
+less is far off: with the FP8 weights and inputs but the other tensors left in fp32, 2.1e-1 / 7.6e-1
+(a norm weight off by bf16's rounding moves activations across FP8 rounding boundaries); with the FP8
+weights alone (bf16-valued checkpoint), 2.8e-1 / 1.2.
 The first update of the quantization-aware actor sees ratio 1 (the training forward
 reproduces the log-prob pass) and trains.
 """
@@ -96,7 +97,7 @@ def run(rank_pool, tmp_path_factory):
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("rollout_fp8_qat")
     # whole 128-channel groups: the engine's GEMM quantizes activations per 128 input channels (SGLang's rule)
-    model_dir = save_tiny_hf(root / "model", arch="qwen2", tied=False, num_layers=2, seed=0, dtype=torch.bfloat16,
+    model_dir = save_tiny_hf(root / "model", arch="qwen2", tied=False, num_layers=2, seed=0, dtype=torch.float32,
                              shape={"hidden_size": 128, "intermediate_size": 256})
     save_tiny_tokenizer(model_dir)
     fp8_dir = export_fp8_checkpoint(model_dir, root / "run" / "rollout_fp8", dtype=torch.bfloat16)
