@@ -23,13 +23,15 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_tiny_moe_run_learns_with_routing_replay(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu_moe.yaml"),
-           f"trainer.output_dir={out}", "trainer.wandb_mode=disabled"]
+           f"trainer.output_dir={out}", "trainer.wandb_mode=disabled",
+           # evals (100 problems x 8 samples each) and checkpoints at 0, 30, 60 only: CI time
+           "trainer.eval_every=30", "trainer.save_every=30"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=5400)
     assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r["eval/avg@k"] for r in rows if "eval/avg@k" in r]
-    assert rows[0]["step"] == 0 and len(evals) == 7  # steps 0, 10, ..., 60
+    assert rows[0]["step"] == 0 and len(evals) == 3  # steps 0, 30, 60
     assert evals[-1] - evals[0] >= 0.30, evals
     steps = [r for r in rows if r["step"] > 0]
     assert len(steps) == 60
