@@ -97,6 +97,8 @@ class ActivationModel:
     # token-expert pairs the experts of this rank receive, as a multiple of the balanced n * k * ETP: routing
     # is data-dependent (no capacity factor, no dropping), so the plan states an allowance (plan.py)
     expert_load: float = 1.0
+    # actor.quantization_aware (actor/fake_quant.py): the Linears multiply fake-quantized copies
+    quantization_aware: bool = False
 
     def __post_init__(self):
         if self.backend not in ("te", "torch"):
@@ -162,6 +164,27 @@ class ActivationModel:
             parts.update(self.moe_parts(tokens=tokens))
         else:
             parts["mlp"] = n * (5 if self.backend == "torch" else 3) * d.ffn * a / t
+        if self.quantization_aware:
+            parts.update(self.quantization_aware_parts(tokens=tokens, recompute=recompute, sparse=sparse))
+        return parts
+
+    def quantization_aware_parts(self, *, tokens: int, recompute: str, sparse: bool) -> dict[str, float]:
+        """What actor.quantization_aware adds to a layer's saved bytes (measured on CPU, torch backend; the te
+        backend is refused with it). Each FP8 Linear's matmul keeps the fake-quantized weight it multiplied
+        (a new tensor of the weight's dtype, per micro-batch) instead of the Parameter; linear_proj keeps the
+        fake-quantized attention output while SDPA still keeps the original (without selective recompute);
+        an fp32 trainer's norms keep their bf16-rounded weight copies. The Linears' fake-quantized inputs
+        replace tensors nobody else keeps: no extra. Full recompute keeps only the layer input."""
+        d, a, t = self.dims, self.a, self.tp
+        n = self.local_tokens(tokens)
+        linear_numel = d.hidden * (d.q_width + 2 * d.kv_width) // t + d.q_width // t * d.hidden  # qkv, proj
+        if not sparse:  # MoE experts are not fake-quantized (refused), dense fc1 + fc2 are
+            linear_numel += 3 * d.ffn // t * d.hidden
+        parts = {"fake-quantized FP8 weights (quantization-aware)": linear_numel * a}
+        if recompute == "none":
+            parts["attention output kept twice (quantization-aware)"] = n * a * d.q_width / t
+        if a == 4:  # fp32 trainer: every norm weight rounded to bf16 in its forward, kept by its backward
+            parts["bf16-rounded norm weights (quantization-aware)"] = 4 * (2 * d.hidden + (2 * d.head_dim if d.qk_norm else 0))
         return parts
 
     def routed_pairs(self, *, tokens: int) -> float:
@@ -218,6 +241,9 @@ class ActivationModel:
             parts["final norm"] = self.final_norm(tokens=tokens)
             parts.update(self.head_parts(response_tokens=response_tokens))
             parts["loss terms"] = self.local_tokens(response_tokens) * LOSS_BYTES_PER_TOKEN
+            if self.quantization_aware and self.a == 4:  # the LM head and final norm weights rounded to bf16
+                parts["bf16-rounded LM head + final norm (quantization-aware)"] = \
+                    4 * (-(-self.dims.vocab // self.tp) * self.dims.hidden + self.dims.hidden)
         return parts
 
     # --- transients ----------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ def _samples(n, *, seed=0, vocab=300):
     return out
 
 
-def _measure_rank(hf_dir, tp, sp, precision, recompute, budget, num_samples):
+def _measure_rank(hf_dir, tp, sp, precision, recompute, budget, num_samples, fp8_run_dir=None):
     from torch.autograd.graph import saved_tensors_hooks
 
     from dapo_megatron.actor.actor import Actor
@@ -45,6 +45,9 @@ def _measure_rank(hf_dir, tp, sp, precision, recompute, budget, num_samples):
         cfg = make_cfg(tp=tp, micro_batch_tokens=budget, sequence_parallel=sp, lr=1e-3, warmup_steps=0)
         cfg.actor.precision, cfg.actor.recompute, cfg.actor.fused_logprob = precision, recompute, False
         cfg.model.path = hf_dir
+        if fp8_run_dir is not None:  # actor.quantization_aware: the engines' FP8 export is in the run dir
+            cfg.rollout.quantization, cfg.actor.quantization_aware = "fp8", True
+            cfg.trainer.output_dir = fp8_run_dir
         actor = Actor(cfg, hf_dir)
         params = {p.untyped_storage().data_ptr() for m in actor.model for p in m.module.parameters()}
         records, current = [], None
@@ -74,7 +77,8 @@ def _measure_rank(hf_dir, tp, sp, precision, recompute, budget, num_samples):
         with saved_tensors_hooks(pack, lambda t: t):
             actor.train(_samples(num_samples), step=0)
         model = ActivationModel(model_dims_for(cfg), tp=tp, sequence_parallel=sp, backend="torch",
-                                recompute=recompute, precision=precision, fused_logprob=False)
+                                recompute=recompute, precision=precision, fused_logprob=False,
+                                quantization_aware=fp8_run_dir is not None)
         layers = model.dims.layers
         return [(measured, sum(model.saved(tokens=length, response_tokens=n, layers=layers, first=True, last=True,
                                            max_sequence=longest).values()), length)
@@ -109,4 +113,40 @@ def test_activations_match_cpu_measurement(rank_pool, tiny_dir, tp, sp, precisio
     for measured, planned, length in rows:
         print(f"tp={tp} sp={sp} {precision} {recompute} T={length}: measured {measured} B, planned {planned:.0f} B "
               f"({planned / measured - 1:+.2%})")
+        assert abs(planned / measured - 1) < 0.02, (measured, planned, length)
+
+
+@pytest.fixture(scope="module")
+def fp8_tiny(tmp_path_factory):
+    """A tiny Qwen2 with whole 128-channel groups (the FP8 engines' rule) and its block-FP8 export."""
+    from helpers_tiny import save_tiny_hf
+
+    from dapo_megatron.quant import export_fp8_checkpoint
+
+    root = tmp_path_factory.mktemp("qat_mem")
+    hf_dir = save_tiny_hf(root / "qwen", arch="qwen2", shape={"hidden_size": 128, "intermediate_size": 256})
+    export_fp8_checkpoint(hf_dir, root / "run" / "rollout_fp8", dtype=torch.bfloat16)
+    return str(hf_dir), str(root / "run")
+
+
+# quantization-aware forward: the fake-quantized weights, the attention output kept twice, fp32 casts
+QAT_CASES = [
+    (1, False, "fp32", "none", 512, 8),
+    (2, True, "fp32", "none", 512, 8),        # TP shards of the weights, the row-parallel inputs' groups
+    (1, False, "bf16", "selective", 512, 8),  # no casts in bf16; checkpointed attention: no second output
+]
+
+
+@pytest.mark.parametrize("tp,sp,precision,recompute,budget,num_samples", QAT_CASES)
+def test_quantization_aware_activations_match_cpu_measurement(rank_pool, fp8_tiny, tp, sp, precision, recompute,
+                                                              budget, num_samples):
+    pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt not installed")
+    hf_dir, run_dir = fp8_tiny
+    results = rank_pool(2).run(_measure_rank, hf_dir, tp, sp, precision, recompute, budget, num_samples, run_dir)
+    plain = rank_pool(2).run(_measure_rank, hf_dir, tp, sp, precision, recompute, budget, num_samples)
+    for (measured, planned, length), (plain_measured, _, _) in zip(
+            [row for rank in results for row in rank], [row for rank in plain for row in rank]):
+        print(f"quantization-aware tp={tp} sp={sp} {precision} {recompute} T={length}: measured {measured} B "
+              f"(without: {plain_measured} B), planned {planned:.0f} B ({planned / measured - 1:+.2%})")
+        assert measured > plain_measured  # the fake-quantized copies really are kept
         assert abs(planned / measured - 1) < 0.02, (measured, planned, length)
