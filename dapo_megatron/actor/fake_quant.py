@@ -45,7 +45,7 @@ same hooks reach both; only the local spec is verified on CPU (docs/fp8.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -78,6 +78,10 @@ class ShardBlocks:
     @property
     def num_block_rows(self) -> int:
         return self.row_starts[-1]
+
+    def to(self, device: Any) -> "ShardBlocks":
+        """The index tensors on `device`, once at set-up (not a host-to-device copy in every forward)."""
+        return replace(self, row_block=self.row_block.to(device), col_block=self.col_block.to(device))
 
 
 def shard_blocks(pmap: ParamMap, hf_shapes: Sequence[tuple[int, int]], *, dims: Dims, tp_rank: int, tp_size: int,
@@ -153,28 +157,34 @@ def values_from_amax(weight_q: torch.Tensor, blocks: ShardBlocks, amax: torch.Te
     return qtensor.dequantize(dtype=torch.float32, scale=scales)  # fp8.float() * s
 
 
-class _StraightThroughFakeQuant(torch.autograd.Function):
-    """forward: the fake-quantized weight in the weight's dtype; backward: the gradient unchanged."""
+class _StraightThrough(torch.autograd.Function):
+    """forward: value(t) (computed without autograd); backward: the gradient to t unchanged (the STE every
+    fake quantization and cast of this module uses: rounding has zero derivative almost everywhere)."""
 
     @staticmethod
-    def forward(ctx, weight, blocks, dtype, tp_group):
-        return fake_quant_values(weight, blocks, dtype=dtype, tp_group=tp_group).to(weight.dtype)
+    def forward(ctx, t, value):
+        return value(t.detach())
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None, None
+        return grad, None
 
 
-def fake_quant_weight(weight: torch.Tensor, blocks: ShardBlocks, *, dtype: torch.dtype,
-                      tp_group: Any = None) -> torch.Tensor:
-    """The tensor the Linear multiplies by: fake-quantized values, straight-through gradient to `weight`."""
-    out = _StraightThroughFakeQuant.apply(weight, blocks, dtype, tp_group)
-    if not torch.is_grad_enabled() and weight.requires_grad:
+def _straight_through(t: torch.Tensor, value: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    out = _StraightThrough.apply(t, value)
+    if not torch.is_grad_enabled() and t.requires_grad:
         # keep requires_grad as the Parameter has it: megatron picks linear_with_frozen_weight for a weight
         # that does not require grad, and ATen's matmul folds differently by that flag (actor.py, frozen=),
         # so the log-prob pass (no_grad) and the training forward would differ in the last bits
         out.requires_grad_(True)
     return out
+
+
+def fake_quant_weight(weight: torch.Tensor, blocks: ShardBlocks, *, dtype: torch.dtype,
+                      tp_group: Any = None) -> torch.Tensor:
+    """The tensor the Linear multiplies by: fake-quantized values, straight-through gradient to `weight`."""
+    return _straight_through(weight, lambda w: fake_quant_values(w, blocks, dtype=dtype, tp_group=tp_group)
+                             .to(w.dtype))
 
 
 def fake_quant_input_values(x: torch.Tensor, blocks: ShardBlocks, *, tp_group: Any = None) -> torch.Tensor:
@@ -198,18 +208,6 @@ def fake_quant_input_values(x: torch.Tensor, blocks: ShardBlocks, *, tp_group: A
     return (q.float() * scale).reshape(x.shape).to(x.dtype)  # dequantize_activation_fp8's fp32 product
 
 
-class _StraightThroughInput(torch.autograd.Function):
-    """forward: the Linear's input as the engines quantize it; backward: the gradient unchanged (STE)."""
-
-    @staticmethod
-    def forward(ctx, x, blocks, tp_group):
-        return fake_quant_input_values(x, blocks, tp_group=tp_group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
-
-
 class _Hooks:
     """The pre/post forward hooks of one Linear: swap the fake-quantized weight in (and, with
     quantize_inputs, replace the input by its FP8 values), put the Parameter back after the forward."""
@@ -225,7 +223,9 @@ class _Hooks:
         module._parameters["weight"] = fake_quant_weight(self.master, self.blocks, dtype=self.dtype,
                                                          tp_group=self.tp_group)
         if self.quantize_inputs:  # the Linear's input is args[0]; returning new args replaces it
-            return (_StraightThroughInput.apply(args[0], self.blocks, self.input_tp_group), *args[1:])
+            x = _straight_through(args[0], lambda x: fake_quant_input_values(x, self.blocks,
+                                                                             tp_group=self.input_tp_group))
+            return (x, *args[1:])
         return None
 
     def post(self, module, args, output):
@@ -235,28 +235,13 @@ class _Hooks:
         return None
 
 
-class _StraightThroughCast(torch.autograd.Function):
-    """forward: the tensor rounded to the engines' dtype (and back to its own); backward: unchanged."""
-
-    @staticmethod
-    def forward(ctx, t, dtype):
-        return t.detach().to(dtype).to(t.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
 def cast_like_engines(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A tensor the engines hold unquantized (embeddings, norms, biases, the LM head), at their values:
     rounded to the checkpoint dtype the sync sends it in (fp8_sync: every tensor that is not FP8 is cast
     to it), straight-through gradient. A no-op when the trainer already runs in that dtype (bf16 on GPUs)."""
     if t.dtype == dtype:
         return t
-    out = _StraightThroughCast.apply(t, dtype)
-    if not torch.is_grad_enabled() and t.requires_grad:
-        out.requires_grad_(True)  # as fake_quant_weight: the no_grad pass must fold like the training pass
-    return out
+    return _straight_through(t, lambda v: v.to(dtype).to(v.dtype))
 
 
 class _CastHooks:
@@ -329,7 +314,7 @@ def quantized_linears(chunks: Sequence[Any], hf_config: Any, *, quantized_module
                 raise ValueError(f"actor.quantization_aware: the engines' checkpoint holds only some of "
                                  f"{members} in FP8 (a fused Megatron weight is quantized whole or not at all)")
             blocks = shard_blocks(pmap, [shapes[n] for n in pmap.hf_names], dims=dims, tp_rank=tp_rank,
-                                  tp_size=tp_size, block=block)
+                                  tp_size=tp_size, block=block).to(module.weight.device)
             found.append((module, pmap, blocks))
     return found
 

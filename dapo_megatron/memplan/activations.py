@@ -173,18 +173,21 @@ class ActivationModel:
         backend is refused with it). Each FP8 Linear's matmul keeps the fake-quantized weight it multiplied
         (a new tensor of the weight's dtype, per micro-batch) instead of the Parameter; linear_proj keeps the
         fake-quantized attention output while SDPA still keeps the original (without selective recompute);
-        an fp32 trainer's norms keep their bf16-rounded weight copies. The Linears' fake-quantized inputs
-        replace tensors nobody else keeps: no extra. Full recompute keeps only the layer input."""
+        a trainer not in bf16 (the engines' dtype) keeps its norms' bf16-rounded weight copies. The Linears'
+        fake-quantized inputs replace tensors nobody else keeps: no extra. Full recompute keeps only the
+        layer input."""
         d, a, t = self.dims, self.a, self.tp
         n = self.local_tokens(tokens)
-        linear_numel = d.hidden * (d.q_width + 2 * d.kv_width) // t + d.q_width // t * d.hidden  # qkv, proj
+        # linear_qkv + linear_proj
+        linear_numel = d.hidden * (d.q_width + 2 * d.kv_width) // t + d.q_width // t * d.hidden
         if not sparse:  # MoE experts are not fake-quantized (refused), dense fc1 + fc2 are
             linear_numel += 3 * d.ffn // t * d.hidden
         parts = {"fake-quantized FP8 weights (quantization-aware)": linear_numel * a}
         if recompute == "none":
             parts["attention output kept twice (quantization-aware)"] = n * a * d.q_width / t
-        if a == 4:  # fp32 trainer: every norm weight rounded to bf16 in its forward, kept by its backward
-            parts["bf16-rounded norm weights (quantization-aware)"] = 4 * (2 * d.hidden + (2 * d.head_dim if d.qk_norm else 0))
+        if self.precision != "bf16":  # every norm weight rounded to bf16 in its forward, kept by its backward
+            norms = 2 * d.hidden + (2 * d.head_dim if d.qk_norm else 0)
+            parts["bf16-rounded norm weights (quantization-aware)"] = a * norms
         return parts
 
     def routed_pairs(self, *, tokens: int) -> float:
@@ -241,9 +244,9 @@ class ActivationModel:
             parts["final norm"] = self.final_norm(tokens=tokens)
             parts.update(self.head_parts(response_tokens=response_tokens))
             parts["loss terms"] = self.local_tokens(response_tokens) * LOSS_BYTES_PER_TOKEN
-            if self.quantization_aware and self.a == 4:  # the LM head and final norm weights rounded to bf16
+            if self.quantization_aware and self.precision != "bf16":  # LM head + final norm rounded to bf16
                 parts["bf16-rounded LM head + final norm (quantization-aware)"] = \
-                    4 * (-(-self.dims.vocab // self.tp) * self.dims.hidden + self.dims.hidden)
+                    self.a * (-(-self.dims.vocab // self.tp) * self.dims.hidden + self.dims.hidden)
         return parts
 
     # --- transients ----------------------------------------------------------------------------------
