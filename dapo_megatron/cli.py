@@ -22,16 +22,16 @@ import sys
 
 # sub-command -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "train": ("dapo_megatron.train", "main", "run DAPO training from a config"),
-    "eval": ("dapo_megatron.evaluate", "main", "avg@k / pass@k of a checkpoint on the eval set"),
+    "train": ("dapo_megatron.launch.commands", "train", "run DAPO training from a config"),
+    "eval": ("dapo_megatron.launch.commands", "evaluate", "avg@k / pass@k of a checkpoint on the eval set"),
     "config": ("dapo_megatron.config", "main", "show the resolved config (`config show FILE [k=v ...]`)"),
     "plan": ("dapo_megatron.memplan.report", "main", "per-GPU memory of every phase of a step; exit 1 if it does not fit"),
-    "convert": ("dapo_megatron.weights.convert", "main", "convert checkpoints: hf-to-mcore | mcore-to-hf"),
-    "check-parity": ("dapo_megatron.actor.parity", "main", "Megatron vs transformers log-prob parity"),
-    "bench": ("dapo_megatron.bench", "main", "benchmarks: kernels | reward | rollout | actor | dataplane | rollout-quant"),
-    "serve-rollout": ("dapo_megatron.rollout.server", "main", "CPU rollout server (SGLang HTTP API)"),
-    "slurm": ("dapo_megatron.launch.cli", "main", "render / submit sbatch jobs, show their status"),
-    "plot": ("dapo_megatron.metrics", "plot_main", "PNG of a run's curves"),
+    "convert": ("dapo_megatron.tools.convert", "main", "convert checkpoints: hf-to-mcore | mcore-to-hf"),
+    "check-parity": ("dapo_megatron.tools.parity", "main", "Megatron vs transformers log-prob parity"),
+    "bench": ("dapo_megatron.benchmarks.run", "main", "benchmarks: kernels | reward | rollout | actor | dataplane | rollout-quant"),
+    "serve-rollout": ("dapo_megatron.cpu_engine.server", "main", "CPU rollout server (SGLang HTTP API)"),
+    "slurm": ("dapo_megatron.launch.slurm_cli", "main", "render / submit sbatch jobs, show their status"),
+    "plot": ("dapo_megatron.trainer.run_log", "plot_main", "PNG of a run's curves"),
 }
 
 

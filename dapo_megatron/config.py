@@ -205,7 +205,7 @@ class SlurmConfig:
 
 @dataclass
 class TinyConfig:
-    """The embedded default's model (dapo_megatron.tiny): with `enabled`, a tiny Qwen2 and its tokenizer
+    """The embedded default's model (dapo_megatron.data.tiny_model): with `enabled`, a tiny Qwen2 and its tokenizer
     are built and warm-started under <trainer.output_dir>/tiny_model/ and used instead of model.path."""
 
     enabled: bool = False

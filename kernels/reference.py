@@ -203,6 +203,35 @@ def policy_loss_terms(logprob, old_logprob, advantages, *, eps_low, eps_high, cl
     return loss, ratio, log_ratio
 
 
+def policy_loss_stats(log_ratio, ratio, advantages, weight, *, eps_low, eps_high, clip_ratio_c):
+    """The POLICY_LOSS_STAT_KEYS over the tokens `weight` counts, in weight's dtype: means over
+    sum(weight) (0 when nothing counts), the largest counted ratio, and sum(weight) itself."""
+    num = weight.sum()
+    safe = num.clamp(min=1.0)
+
+    def mean(x):
+        return (x.to(weight.dtype) * weight).sum() / safe
+
+    if clip_ratio_c is None:
+        dual = torch.zeros((), dtype=weight.dtype, device=weight.device)
+    else:
+        dual = mean((advantages < 0) & (ratio > clip_ratio_c))
+    # ratios are > 0, so filling uncounted tokens with 0 gives the counted max (0 when nothing counts)
+    if ratio.numel():
+        ratio_max = torch.where(weight != 0, ratio, torch.zeros_like(ratio)).max()
+    else:
+        ratio_max = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
+    return {
+        "clipfrac_low": mean((advantages < 0) & (ratio < 1.0 - eps_low)),
+        "clipfrac_high": mean((advantages > 0) & (ratio > 1.0 + eps_high)),
+        "dualclip_frac": dual,
+        "approx_kl": mean(0.5 * log_ratio.square()),
+        "ratio_mean": mean(ratio),
+        "ratio_max": ratio_max,
+        "num_tokens": num,
+    }
+
+
 def check_policy_loss_args(logprob, old_logprob, advantages, mask, eps_low, eps_high, clip_ratio_c, loss_denominator):
     for name, t in (("old_logprob", old_logprob), ("mask", mask)):
         if t.shape != logprob.shape:
@@ -245,21 +274,6 @@ def policy_loss_reference(
     )
     loss = (maskf * per_token).sum() / loss_denominator
     with torch.no_grad():
-        ratio, log_ratio = ratio.detach(), log_ratio.detach()
-        num = maskf.sum()
-        denom = num.clamp(min=1.0)  # means are 0 when nothing is masked in
-
-        def masked_mean(x):
-            return (maskf * x.to(math_dtype)).sum() / denom
-
-        dual = (adv < 0) & (ratio > clip_ratio_c) if clip_ratio_c is not None else torch.zeros_like(ratio, dtype=torch.bool)
-        stats = {
-            "clipfrac_low": masked_mean((adv < 0) & (ratio < 1.0 - eps_low)),
-            "clipfrac_high": masked_mean((adv > 0) & (ratio > 1.0 + eps_high)),
-            "dualclip_frac": masked_mean(dual),
-            "approx_kl": masked_mean(0.5 * log_ratio * log_ratio),
-            "ratio_mean": masked_mean(ratio),
-            "ratio_max": torch.where(maskf > 0, ratio, torch.zeros_like(ratio)).max() if ratio.numel() else num * 0,
-            "num_tokens": num,
-        }
+        stats = policy_loss_stats(log_ratio.detach(), ratio.detach(), adv, maskf, eps_low=eps_low, eps_high=eps_high,
+                                  clip_ratio_c=clip_ratio_c)
     return loss, stats

@@ -38,7 +38,7 @@ fi
 # Preemption: `#SBATCH --signal=B:USR1@SIGNAL_SECONDS` sends USR1 to this script (B: = batch shell
 # only) before the time limit. The trap creates DAPO_PREEMPT_FILE, next to the config on the shared
 # run directory; every rank checks for it at each step boundary, the ranks agree (one all-reduce),
-# write a checkpoint and exit (dapo_megatron/launch/signals.py). Then this script requeues the job.
+# write a checkpoint and exit (dapo_megatron/trainer/preemption.py). Then this script requeues the job.
 # The signal itself is not forwarded: through srun it would reach every process of the step, and
 # helpers that do not handle it (Megatron's checkpoint writer processes) would die mid-checkpoint.
 # SIGTERM (scancel, `scontrol requeue`, preemption) reaches the ranks directly from Slurm; it is
@@ -69,7 +69,7 @@ if [ -n "$MODEL_DIR" ]; then MODEL_ARGS=("model.path=$MODEL_DIR" "tiny.enabled=f
 # rollout.quantization=fp8 with colocated engines: the engines' block-FP8 export of the base model, written
 # to <output_dir>/rollout_fp8 here, once, before any engine starts (a no-op printing "" otherwise: a
 # disaggregated run's export is its fp8_export job; docs/fp8.md).
-"$PYTHON" -m dapo_megatron.quant.rollout "$CONFIG" "${MODEL_ARGS[@]}" --colocated-only >/dev/null \
+"$PYTHON" -m dapo_megatron.quant.engine_checkpoint "$CONFIG" "${MODEL_ARGS[@]}" --colocated-only >/dev/null \
     || { echo "FP8 rollout export failed" >&2; exit 1; }
 
 # Colocated rollout engines (rollout.placement=colocated): this node's share of rollout.num_engines,

@@ -42,7 +42,7 @@ from dapo_megatron.actor.lm_head import (full_sequence_hidden, output_weight, re
                                          return_hidden_states, token_logprobs_entropy)
 from dapo_megatron.actor.packing import MicroBatch, PackedShare, pack_batch_micro_batch
 from dapo_megatron.algo.off_policy import behaviour_weight
-from dapo_megatron.batch import Sample
+from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.config import Config
 from dapo_megatron.dataplane.batch import RolloutBatch, exclusive_cumsum, ranges_index
 from dapo_megatron.dataplane.share import BatchShare, PackSettings, share_of_samples
@@ -124,7 +124,7 @@ class Actor:
         self._engine_dtype: torch.dtype | None = None
         if ac.quantization_aware:  # every forward multiplies by the FP8 engines' weights (actor/fake_quant.py)
             from dapo_megatron.actor.fake_quant import apply_weight_fake_quant
-            from dapo_megatron.quant.rollout import fp8_converter
+            from dapo_megatron.quant.engine_checkpoint import fp8_converter
 
             conv = fp8_converter(cfg)  # which modules are fp8, block and dtype: the engines' checkpoint says
             apply_weight_fake_quant(chunks, self.hf_config, quantized_modules=conv.quantized_modules,
@@ -209,17 +209,15 @@ class Actor:
         """This rank's GPTModel chunks (unwrapped; one per virtual pipeline stage)."""
         return self._chunks
 
-    def stage_exporter(self, *, bucket_bytes: int):
-        """This rank's part of the per-stage weight export (weights/stage_export.py): iterate its
-        buckets() on every rank; only the stage's exporter holds full tensors."""
-        from dapo_megatron.weights.stage_export import StageExporter
-
-        self._require("params", action="stage_exporter")
-        return StageExporter(self._chunks, self.hf_config, bucket_bytes=bucket_bytes)
+    def export_chunks(self) -> list:
+        """The model chunks the per-stage weight export reads (transfer/stage_export.py:
+        actor_exporter); refused while the parameters are offloaded."""
+        self._require("params", action="export_chunks")
+        return self._chunks
 
     def iter_hf_weights(self):
         """Every full HF-named tensor on EVERY rank (collective; the weights layer's iter_hf_weights):
-        for tests and tools that compare weights; the training loop uses stage_exporter."""
+        for tests and tools that compare weights; the training loop uses transfer/stage_export.py."""
         from dapo_megatron.weights import iter_hf_weights
 
         self._require("params", action="iter_hf_weights")
@@ -289,7 +287,7 @@ class Actor:
 
     def _begin_routing(self, batch: RolloutBatch, *, measure: bool) -> None:
         """Before a pass: replay the engine's experts (actor.routing_replay) and/or measure agreement.
-        The engine's experts travel with the batch (token_fields["routed_experts"], batch.py)."""
+        The engine's experts travel with the batch (token_fields["routed_experts"], dataplane/sample.py)."""
         replay = self.cfg.actor.routing_replay
         measure = measure and self.routing is not None and "routed_experts" in batch.token_fields
         if replay:

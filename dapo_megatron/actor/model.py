@@ -36,7 +36,7 @@ the padding as one more "sequence" and ignore its outputs):
 - Outputs are in the vocab-parallel layout: each TP rank holds logits for its V_padded/tp slice of
   the padded vocabulary (rows >= hf vocab_size are padding; their logits come from zero rows of
   the loaded embedding/output weights, so mask them before any softmax over the vocabulary:
-  `actor/parity.py: vocab_parallel_logprobs` does).
+  `tools/parity.py: vocab_parallel_logprobs` does).
 - Context parallelism (cp > 1), both backends: the sequence split is the caller's
   (context_parallel.split_for_cp: every padded segment cut into 2*cp chunks, rank r holding chunks
   r and 2*cp-1-r); pass the GLOBAL boundaries as cu_seqlens_q_padded (or cu_seqlens_q) and the
@@ -53,7 +53,6 @@ router's softmax/top-k, expert parallelism).
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal, Optional, Sequence
 
 import torch
@@ -62,19 +61,13 @@ import torch.nn.functional as F
 Precision = Literal["bf16", "fp16", "fp32"]
 AttentionBackend = Literal["torch", "te"]
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
-VOCAB_DIVISIBLE_BY = 128  # megatron's make_vocab_size_divisible_by default
+# what a checkpoint's config.json says about its shapes: weights/hf_config.py (the weight mapping reads it too)
+from dapo_megatron.weights.hf_config import (  # noqa: E402,F401 (re-exported)
+    SUPPORTED_MODEL_TYPES, VOCAB_DIVISIBLE_BY, has_qk_norm, has_qkv_bias, head_dim_of, model_type_of, padded_vocab_size)
+
 
 
 # --- HF config -> TransformerConfig ----------------------------------------------------------------
-
-def model_type_of(hf_config: Any) -> str:
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model.arch: config.json model_type {model_type!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    return model_type
-
 
 # Megatron's RoPE scaling is HF's "llama3" type with these constants hard-coded
 # (rotary_pos_embedding.py _apply_scaling); only the factor is a parameter.
@@ -102,30 +95,6 @@ def rope_settings_of(hf_config: Any) -> tuple[float, Optional[float]]:
 
 def rope_theta_of(hf_config: Any) -> float:
     return rope_settings_of(hf_config)[0]
-
-
-def head_dim_of(hf_config: Any) -> int:
-    head_dim = getattr(hf_config, "head_dim", None)
-    return int(head_dim) if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
-
-
-def has_qkv_bias(hf_config: Any) -> bool:
-    """Qwen2/2.5 always carry q/k/v biases; Llama and Qwen3 only with attention_bias=True."""
-    if model_type_of(hf_config) == "qwen2":
-        return True
-    return bool(getattr(hf_config, "attention_bias", False))
-
-
-def has_qk_norm(hf_config: Any) -> bool:
-    """Qwen3 (dense and MoE) normalises each query and key head (q_norm / k_norm) before RoPE."""
-    return model_type_of(hf_config) in ("qwen3", "qwen3_moe")
-
-
-def padded_vocab_size(vocab_size: int, *, tp: int, divisible_by: int = VOCAB_DIVISIBLE_BY) -> int:
-    """Megatron pads the vocabulary to a multiple of divisible_by * tp so every TP rank holds an
-    equal slice: 300 tokens at tp=2 -> multiple of 256 -> 512 rows (256 per rank)."""
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 def transformer_config_from_hf(hf_config: Any, *, precision: Precision = "bf16",

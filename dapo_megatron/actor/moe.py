@@ -29,38 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-MOE_MODEL_TYPES = ("qwen3_moe",)
-
-
-@dataclass(frozen=True)
-class MoEShape:
-    """The sizes of a MoE checkpoint the provider and the weight mapping need."""
-
-    num_experts: int
-    topk: int
-    ffn: int  # moe_intermediate_size: each expert's SwiGLU width
-    norm_topk_prob: bool
-    sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or dense MLP (False)
-
-
-def moe_shape_of(hf_config: Any) -> Optional[MoEShape]:
-    """MoEShape of a Qwen3-MoE config, None for a dense model. ValueError for what we cannot build."""
-    if getattr(hf_config, "model_type", None) not in MOE_MODEL_TYPES:
-        return None
-    num_experts = int(getattr(hf_config, "num_experts", 0) or 0)
-    if num_experts <= 0:
-        return None
-    if getattr(hf_config, "shared_expert_intermediate_size", 0):
-        raise ValueError("config.json shared_expert_intermediate_size: shared experts are not supported "
-                         "(Qwen3-MoE has none)")
-    topk = int(hf_config.num_experts_per_tok)
-    if not 1 <= topk <= num_experts:
-        raise ValueError(f"config.json num_experts_per_tok={topk} must be in [1, num_experts={num_experts}]")
-    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
-    dense_only = set(getattr(hf_config, "mlp_only_layers", None) or [])
-    sparse = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(hf_config.num_hidden_layers))
-    return MoEShape(num_experts=num_experts, topk=topk, ffn=int(hf_config.moe_intermediate_size),
-                    norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)), sparse_layers=sparse)
+from dapo_megatron.weights.hf_config import MOE_MODEL_TYPES, MoEShape, moe_shape_of  # noqa: F401 (re-exported)
 
 
 def moe_layer_pattern(hf_config: Any) -> list[int]:

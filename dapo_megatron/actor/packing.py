@@ -32,12 +32,12 @@ the same shape (Megatron's p2p send/recv buffers are allocated from one `seq_len
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from dapo_megatron.batch import Sample
+from dapo_megatron.dataplane.micro_batches import plan_micro_batches, round_up  # noqa: F401 (re-exported)
+from dapo_megatron.dataplane.sample import Sample, validate_samples  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -84,109 +84,6 @@ def _cumsum(lengths: list[int]) -> torch.Tensor:
     if lengths:
         out[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0).to(torch.int32)
     return out
-
-
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-# --------------------------------------------------------------------------------------------
-# Planning: which samples go to which DP rank and micro-batch (pure, deterministic)
-
-
-def plan_micro_batches(lengths: list[int], *, micro_batch_tokens: int, dp_size: int,
-                       min_micro_batches: int = 1) -> list[list[list[int]]]:
-    """Split sample indices into `plan[dp_rank][micro_batch] -> [sample indices]`.
-
-    1. DP shares: longest-first greedy (LPT): each sample, longest first (ties: lower index), goes to
-       the rank holding the fewest tokens so far (ties: fewer samples, then lower rank). The token
-       imbalance is at most one sequence.
-    2. The number of micro-batches M is the smallest count, starting from the lower bound
-       max_rank ceil(tokens_rank / budget), for which every rank's share fits into M micro-batches
-       of at most `micro_batch_tokens` tokens: first by LPT into the least-filled micro-batch
-       (balanced lengths, which matters when PP pads them all to the longest), else by
-       first-fit-decreasing. M grows by one until both fail on no rank; M = the largest share always
-       fits (one sample per micro-batch).
-    Inside a micro-batch, samples keep their mini-batch order. `min_micro_batches` raises the floor
-    of M (megatron's interleaved pipeline schedule needs at least pp micro-batches).
-    """
-    if dp_size < 1:
-        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
-    if micro_batch_tokens < 1:
-        raise ValueError(f"actor.micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
-    for index, length in enumerate(lengths):
-        if length > micro_batch_tokens:
-            raise ValueError(
-                f"sample {index} has {length} tokens (prompt + response, after padding), more than "
-                f"actor.micro_batch_tokens={micro_batch_tokens}: raise the budget or cap the lengths"
-            )
-        if length < 1:
-            raise ValueError(f"sample {index} has {length} tokens; a sequence needs at least one")
-
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    shares: list[list[int]] = [[] for _ in range(dp_size)]
-    load = [0] * dp_size
-    for i in order:
-        rank = min(range(dp_size), key=lambda r: (load[r], len(shares[r]), r))
-        shares[rank].append(i)  # stays sorted longest-first
-        load[rank] += lengths[i]
-
-    num_micro = max(1, min_micro_batches, max(math.ceil(tokens / micro_batch_tokens) for tokens in load))
-    while True:
-        plan = []
-        for share in shares:
-            bins = _fill_balanced(share, lengths, num_micro, micro_batch_tokens)
-            if bins is None:
-                bins = _fill_first_fit(share, lengths, num_micro, micro_batch_tokens)
-            if bins is None:
-                break
-            plan.append([sorted(b) for b in bins])
-        if len(plan) == dp_size:
-            return plan
-        num_micro += 1
-
-
-def _fill_balanced(items: list[int], lengths: list[int], num_bins: int, budget: int) -> list[list[int]] | None:
-    bins: list[list[int]] = [[] for _ in range(num_bins)]
-    fill = [0] * num_bins
-    for i in items:
-        fits = [b for b in range(num_bins) if fill[b] + lengths[i] <= budget]
-        if not fits:
-            return None
-        b = min(fits, key=lambda k: (fill[k], k))
-        bins[b].append(i)
-        fill[b] += lengths[i]
-    return bins
-
-
-def _fill_first_fit(items: list[int], lengths: list[int], num_bins: int, budget: int) -> list[list[int]] | None:
-    bins: list[list[int]] = [[] for _ in range(num_bins)]
-    fill = [0] * num_bins
-    for i in items:
-        b = next((k for k in range(num_bins) if fill[k] + lengths[i] <= budget), None)
-        if b is None:
-            return None
-        bins[b].append(i)
-        fill[b] += lengths[i]
-    return bins
-
-
-# --------------------------------------------------------------------------------------------
-# Building the tensors
-
-
-def validate_samples(samples: list[Sample]) -> None:
-    """ValueError naming the sample and the field for records the actor cannot train on."""
-    for index, s in enumerate(samples):
-        if not s.prompt_ids:
-            raise ValueError(f"sample {index}: prompt_ids is empty (the first response token needs a context)")
-        if not s.response_ids:
-            raise ValueError(f"sample {index}: response_ids is empty")
-        num = len(s.response_ids)
-        for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs", "loss_mask"):
-            values = getattr(s, name)
-            if values is not None and len(values) != num:
-                raise ValueError(f"sample {index}: {name} has {len(values)} entries, response_ids has {num}")
 
 
 def padded_lengths(samples: list[Sample], seq_pad_multiple: int) -> list[int]:

@@ -29,11 +29,15 @@ from __future__ import annotations
 
 import torch
 
+# the per-token formula and the stats: the one torch reference of both (kernels/reference.py); this
+# module adds the aggregation modes and the argument checks of the trainer's configuration
+from dapo_kernels.reference import POLICY_LOSS_STAT_KEYS, policy_loss_stats, policy_loss_terms
+
 __all__ = ["policy_loss", "count_loss_units", "AGG_MODES", "STAT_KEYS"]
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 # The stats every policy-loss implementation returns (kernels/policy_loss.py returns the same keys).
-STAT_KEYS = ("clipfrac_low", "clipfrac_high", "dualclip_frac", "approx_kl", "ratio_mean", "ratio_max", "num_tokens")
+STAT_KEYS = POLICY_LOSS_STAT_KEYS
 
 
 def count_loss_units(mask: torch.Tensor, *, agg_mode: str) -> int:
@@ -95,13 +99,8 @@ def policy_loss(
 
     adv = advantages.to(logprob.dtype).expand_as(logprob)
     weight = mask.to(logprob.dtype)
-    log_ratio = logprob - old_logprob
-    ratio = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))
-    loss_1 = -adv * ratio
-    loss_2 = -adv * torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
-    per_token = torch.maximum(loss_1, loss_2)
-    if clip_ratio_c is not None:
-        per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * clip_ratio_c), per_token)
+    per_token, ratio, log_ratio = policy_loss_terms(logprob, old_logprob, adv, eps_low=eps_low, eps_high=eps_high,
+                                                    clip_ratio_c=clip_ratio_c)
 
     masked = per_token * weight
     if agg_mode == "token-mean":
@@ -120,36 +119,9 @@ def policy_loss(
             raise ValueError(f"policy_loss: loss_denominator={denom} must be > 0")
     loss = total / denom
 
-    stats = _stats(log_ratio.detach(), ratio.detach(), adv.detach(), weight.detach(),
-                   eps_low=eps_low, eps_high=eps_high, clip_ratio_c=clip_ratio_c)
-    return loss, stats
-
-
-def _stats(log_ratio, ratio, adv, weight, *, eps_low, eps_high, clip_ratio_c) -> dict[str, torch.Tensor]:
-    num = weight.sum()
-    safe = num.clamp(min=1.0)
-
-    def frac(cond: torch.Tensor) -> torch.Tensor:
-        return ((cond.to(weight.dtype) * weight).sum() / safe).float()
-
-    if clip_ratio_c is None:
-        dual = torch.zeros((), dtype=torch.float32, device=ratio.device)
-    else:
-        dual = frac((adv < 0) & (ratio > clip_ratio_c))
-    # ratios are > 0, so filling unmasked tokens with 0 gives the masked max (0 when nothing is masked in)
-    if ratio.numel():
-        ratio_max = torch.where(weight != 0, ratio, torch.zeros_like(ratio)).max()
-    else:
-        ratio_max = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
-    return {
-        "clipfrac_low": frac((adv < 0) & (ratio < 1.0 - eps_low)),
-        "clipfrac_high": frac((adv > 0) & (ratio > 1.0 + eps_high)),
-        "dualclip_frac": dual,
-        "approx_kl": ((0.5 * log_ratio.square() * weight).sum() / safe).float(),
-        "ratio_mean": ((ratio * weight).sum() / safe).float(),
-        "ratio_max": ratio_max.float(),
-        "num_tokens": num.float(),
-    }
+    stats = policy_loss_stats(log_ratio.detach(), ratio.detach(), adv.detach(), weight.detach(), eps_low=eps_low,
+                              eps_high=eps_high, clip_ratio_c=clip_ratio_c)
+    return loss, {key: value.float() for key, value in stats.items()}
 
 
 def _check_agg_mode(agg_mode: str) -> None:

@@ -37,6 +37,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from dapo_megatron.dataplane.sample import validate_samples
+
 SEQUENCE_FIELDS = ("seq_lengths", "prompt_lengths", "group_index", "rewards", "advantages", "truncated")
 RESPONSE_FIELDS = ("loss_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs")
 
@@ -127,9 +129,9 @@ class RolloutBatch:
 
     @classmethod
     def from_samples(cls, samples: Sequence, *, group_index: Sequence[int] | None = None) -> "RolloutBatch":
-        """Tensors from Samples (dapo_megatron.batch.Sample): the one place per-token Python lists
+        """Tensors from Samples (dapo_megatron.dataplane.sample.Sample): the one place per-token Python lists
         are read. ValueError names the sample and the field of a record the actor cannot train on."""
-        _validate(samples)
+        validate_samples(samples)
         ids = [torch.tensor(s.prompt_ids, dtype=torch.int32) for s in samples]
         ids += [torch.tensor(s.response_ids, dtype=torch.int32) for s in samples]
         n = len(samples)
@@ -217,16 +219,3 @@ def _routed_experts_field(samples: Sequence) -> torch.Tensor | None:
             out[offset: offset + rows.shape[0]] = rows.to(ROUTED_EXPERTS_DTYPE)
         offset += s.num_tokens
     return out
-
-
-def _validate(samples: Iterable) -> None:
-    for index, s in enumerate(samples):
-        if not s.prompt_ids:
-            raise ValueError(f"sample {index}: prompt_ids is empty (the first response token needs a context)")
-        if not s.response_ids:
-            raise ValueError(f"sample {index}: response_ids is empty")
-        num = len(s.response_ids)
-        for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs", "loss_mask"):
-            values = getattr(s, name)
-            if values is not None and len(values) != num:
-                raise ValueError(f"sample {index}: {name} has {len(values)} entries, response_ids has {num}")

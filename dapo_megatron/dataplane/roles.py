@@ -1,6 +1,6 @@
 """What this rank does in a step, named once instead of tested as `rank == 0` / `driver is None`.
 
-    roles = RankRoles.current()        # inside parallel.model_parallel(...)
+    roles = RankRoles.current(parallel)   # inside parallel.model_parallel(...)
     if roles.driver: ...               # global rank 0: engines, sampler, batch, metrics, run files
 
 Roles of a TP x CP x PP x DP layout (megatron order tp-cp-ep-dp-pp; one DP replica = the TP x CP x
@@ -36,10 +36,10 @@ class RankRoles:
     exporter: bool
 
     @classmethod
-    def current(cls) -> "RankRoles":
+    def current(cls, parallel) -> "RankRoles":
+        """This rank's roles; `parallel` is the actor's parallel state (actor/parallel.py), passed in
+        because the data plane sits below the actor."""
         import torch.distributed as dist
-
-        from dapo_megatron.actor import parallel
 
         tp0, cp0 = parallel.tp_rank() == 0, parallel.cp_rank() == 0
         stage, stages = parallel.pp_rank(), parallel.pp_size()

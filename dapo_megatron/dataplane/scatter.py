@@ -1,6 +1,6 @@
 """Send each data-parallel rank its share of the step, as tensors of exact sizes.
 
-    share, stats = scatter_batch(batch if roles.driver else None, settings=..., sequences_per_mini_batch=...)
+    share, stats = scatter_batch(batch if roles.driver else None, groups=parallel, settings=..., sequences_per_mini_batch=...)
 
 Collective over the world. Two levels, so that no rank receives more than its own share:
   1. the driver (global rank 0, holding the whole RolloutBatch) plans every DP rank's share
@@ -94,12 +94,13 @@ def _header_bytes(header: dict) -> int:
     return len(pickle.dumps(header))
 
 
-def scatter_batch(batch: RolloutBatch | None, *, settings: PackSettings, sequences_per_mini_batch: int,
+def scatter_batch(batch: RolloutBatch | None, *, groups, settings: PackSettings, sequences_per_mini_batch: int,
                   ) -> tuple[BatchShare, ScatterStats]:
     """Collective: every rank returns its DP replica's share (module docstring). `batch` on the
-    driver (global rank 0), None elsewhere."""
-    from dapo_megatron.actor import parallel
-
+    driver (global rank 0), None elsewhere. `groups` gives the process groups (dp_group(),
+    replica_group()): the actor's parallel state (actor/parallel.py), passed in because the data
+    plane sits below the actor."""
+    parallel = groups
     tic = time.perf_counter()
     stats = ScatterStats()
     rank, dp_group, replica = dist.get_rank(), parallel.dp_group(), parallel.replica_group()

@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from dapo_megatron.actor.packing import plan_micro_batches, round_up
+from dapo_megatron.dataplane.micro_batches import plan_micro_batches, round_up
 from dapo_megatron.dataplane.batch import RolloutBatch
 
 

@@ -68,7 +68,7 @@ def engine_commands(cfg: Config, *, host: str, python: str = sys.executable) -> 
     # rollout.quantization=fp8: the block-FP8 export _trainer_launch.sh wrote before starting this
     model, quant = cfg.model.path, []
     if r.quantization == "fp8":
-        from dapo_megatron.quant.rollout import fp8_rollout_dir
+        from dapo_megatron.quant.engine_checkpoint import fp8_rollout_dir
 
         model = str(fp8_rollout_dir(cfg))
         quant = ["--quantization", "fp8"] if r.engine == "sglang" else []

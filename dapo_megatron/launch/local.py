@@ -175,7 +175,7 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
                     skip_plan: bool = False) -> int:
     """This machine: decide about the run directory, check the memory plan, prepare the model, start
     CPU engines, run the actor ranks under torchrun, then print where everything is (console.run_summary)."""
-    from dapo_megatron import console
+    from dapo_megatron.trainer import console
     from dapo_megatron.launch.run_dir import check_run_dir
     from dapo_megatron.launch.supervise import EngineSupervisor, engine_events_path
     from dapo_megatron.memplan import check_before_launch
@@ -202,7 +202,7 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
     overrides = [*overrides, f"model.path={model_dir}"]
     engine_model_dir = model_dir
     if cfg.rollout.quantization == "fp8":  # the engines serve modelopt's block-FP8 export of the base model
-        from dapo_megatron.quant.rollout import prepare_fp8_rollout
+        from dapo_megatron.quant.engine_checkpoint import prepare_fp8_rollout
 
         with phases.phase("fp8", slow_note="exporting the base model with modelopt block FP8 for the engines") as note:
             engine_model_dir = str(prepare_fp8_rollout(cfg, model_dir))
@@ -232,7 +232,7 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
         ranks_wall_s = time.perf_counter() - t_ranks
     if rc != 0:
         # the ranks' own output went to this terminal; torchrun's closing "Root Cause" block carries the
-        # first failing rank's whole traceback (train.py records it with torch elastic's error file),
+        # first failing rank's whole traceback (trainer/train.py records it with torch elastic's error file),
         # which a rank killed by its peer's failure (gloo "Connection closed by peer") would bury
         print(f"[train] the actor ranks failed (torchrun exit code {rc}): the first failing rank's error is the "
               f"\"Root Cause\" block above; engine logs in {run_dir / 'logs'}", file=sys.stderr, flush=True)
@@ -244,7 +244,7 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
 
 def _prepare_model(cfg) -> str:
     if cfg.tiny.enabled:
-        from dapo_megatron.tiny import prepare_tiny_model
+        from dapo_megatron.data.tiny_model import prepare_tiny_model
 
         return prepare_tiny_model(cfg)
     if not cfg.model.path:

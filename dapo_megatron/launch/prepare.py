@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg.tiny.enabled:
         print("")
         return 0
-    from dapo_megatron.tiny import prepare_tiny_model
+    from dapo_megatron.data.tiny_model import prepare_tiny_model
 
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the directory (the caller captures it)
         model_dir = prepare_tiny_model(cfg)

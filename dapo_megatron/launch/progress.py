@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-from dapo_megatron.checkpointing import list_checkpoints
+from dapo_megatron.trainer.run_checkpoint import list_checkpoints
 from dapo_megatron.config import load_config
 
 

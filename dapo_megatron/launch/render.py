@@ -171,7 +171,7 @@ def engine_resources(cfg: Config) -> tuple[int, int]:
 
 def render_rollout_array(cfg: Config, *, register_dir: str) -> str:
     """slurm/rollout_array.sbatch: one engine per array task, registering in register_dir."""
-    from dapo_megatron.quant.rollout import fp8_rollout_dir
+    from dapo_megatron.quant.engine_checkpoint import fp8_rollout_dir
     from dapo_megatron.rollout.routing import sglang_routing_args
 
     fp8 = cfg.rollout.quantization == "fp8"

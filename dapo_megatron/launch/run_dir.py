@@ -18,7 +18,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from dapo_megatron import checkpointing as ckpt
+from dapo_megatron.trainer import run_checkpoint as ckpt
 
 # what one run writes into its directory (README, "run directory"); --overwrite removes exactly these
 RUN_FILES = ("checkpoints", "metrics.jsonl", "curves.png", "wandb", "logs", "engines", "eval")
@@ -68,7 +68,7 @@ def check_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool, total_s
             raise ValueError(f"--resume: no checkpoint in {ckpt.checkpoint_root(run_dir)} (a complete step_<N>/ "
                              f"with {ckpt.STATE_FILE}); run without --resume to start this run from the beginning")
         # a finished run is only finished if its last checkpoint is intact (its manifest verifies);
-        # otherwise the ranks set it aside and resume from an earlier one (checkpointing.py)
+        # otherwise the ranks set it aside and resume from an earlier one (trainer/run_checkpoint.py)
         problems = ckpt.verify_checkpoint(checkpoints[-1][1]) if latest_step >= total_steps else []
         if problems:
             return RunDirDecision(start_step=latest_step, message=(

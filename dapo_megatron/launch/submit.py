@@ -178,8 +178,8 @@ def plan_sweep(sweep_dir: str | Path, overrides: Sequence[str] = (), *,
 
 
 def find_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete run checkpoints, <run_dir>/checkpoints/step_<N>/ (dapo_megatron/checkpointing.py), by step."""
-    from dapo_megatron.checkpointing import list_checkpoints
+    """Complete run checkpoints, <run_dir>/checkpoints/step_<N>/ (dapo_megatron/trainer/run_checkpoint.py), by step."""
+    from dapo_megatron.trainer.run_checkpoint import list_checkpoints
 
     return [path for _, path in list_checkpoints(run_dir)]
 

@@ -10,7 +10,7 @@ else on a new port. Either way it writes a new registration in <run_dir>/engines
 started_at, which the engine pool treats as a new incarnation: pending until the trainer has pushed
 the current weights to it (rollout/pool.py, discover / admit). At most `budget` restarts per launch
 (rollout.engine_restarts); past it an exited engine stays down and the trainer copes with the ones
-left (or, with none left, checkpoints and stops: recovery.py).
+left (or, with none left, checkpoints and stops: trainer/recovery.py).
 
 Each exit is a console line and a JSON line in events_path: {"time", "engine", "url", "pid",
 "returncode", "action": "restarted" | "budget_spent", "restarts", "budget"}. The driver reads that
@@ -26,6 +26,8 @@ import socket
 import threading
 import time
 from pathlib import Path
+
+from dapo_megatron.rollout.registry import engine_events_path, read_engine_events  # noqa: F401 (re-exported)
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -46,15 +48,6 @@ def _exit_name(returncode: int) -> str:
         except ValueError:
             pass
     return f"code {returncode}"
-
-
-def read_engine_events(path: str | Path) -> list[dict]:
-    """The supervisor's events (a missing file: none yet)."""
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 class EngineSupervisor:
@@ -145,8 +138,3 @@ class EngineSupervisor:
     def _record(self, event: dict) -> None:
         with open(self.events_path, "a") as f:
             f.write(json.dumps(event) + "\n")
-
-
-def engine_events_path(run_dir: str | Path) -> Path:
-    """Where the launcher's supervisor writes its events and the driver reads them."""
-    return Path(run_dir) / "logs" / "engine_restarts.jsonl"

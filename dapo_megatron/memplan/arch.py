@@ -5,7 +5,7 @@
 Three sources, in this order (the first that exists wins):
   1. <model.path>/config.json: the checkpoint the run will load (the truth).
   2. tiny.enabled: the embedded default's Qwen2, built at run time from the tiny.* keys
-     (dapo_megatron/tiny.py) with its byte-level vocabulary padded to 320 rows.
+     (dapo_megatron/data/tiny_model.py) with its byte-level vocabulary padded to 320 rows.
   3. a committed copy of the config.json of a known checkpoint, found by the directory name of
      model.path (`/shared/models/Qwen2.5-32B` -> memplan/models/Qwen2.5-32B.json): the presets name
      checkpoints on a cluster's shared filesystem that this machine does not have, so `plan` reads
@@ -134,7 +134,7 @@ def known_models() -> dict[str, Path]:
 
 
 def _tiny_dims(cfg) -> ModelDims:
-    from dapo_megatron.tiny import SPECIAL_TOKENS, _vocab_size_padded
+    from dapo_megatron.data.tiny_model import SPECIAL_TOKENS, _vocab_size_padded
 
     tn = cfg.tiny
     # the tiny tokenizer: 5 special tokens + 256 byte symbols, padded like build_tiny_model does
@@ -148,7 +148,7 @@ def _tiny_dims(cfg) -> ModelDims:
                       num_experts_per_tok=tn.num_experts_per_tok, moe_intermediate_size=tn.moe_intermediate_size,
                       decoder_sparse_step=1, mlp_only_layers=[])
     return dims_from_hf_config(config, name=f"tiny {tn.arch}",
-                               source="tiny.* config keys (built at run time, dapo_megatron/tiny.py)")
+                               source="tiny.* config keys (built at run time, dapo_megatron/data/tiny_model.py)")
 
 
 def model_dims_for(cfg) -> ModelDims:

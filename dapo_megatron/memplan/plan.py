@@ -4,7 +4,7 @@
     plan.peak, plan.limit, plan.fits, plan.problems       # configured placement (rollout.placement)
     plan.tables["colocated"], plan.tables["disaggregated"]  # GpuTable: rows x phases, bytes
 
-Phases of one step (train.py; docs/architecture.md, "One training step") and what is on a GPU in each:
+Phases of one step (trainer/train.py; docs/architecture.md, "One training step") and what is on a GPU in each:
   rollout         engines generate. colocated: the actor is offloaded (parameters, gradients and
                   optimizer state on the host); the engine holds mem_fraction_static of the GPU
                   (weights + KV cache) plus its runtime reserve. disaggregated: trainer GPUs idle with

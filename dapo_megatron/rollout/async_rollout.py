@@ -7,14 +7,14 @@ steps while the trainer trains (docs/architecture.md, "Overlapped steps").
     overlap.close()
 
 The driver's asyncio loop runs forever on a background thread; a producer task on it collects batch
-j (the sampler's dynamic sampling, unchanged) as soon as the trainer has started step j - k, and puts
+j (the sampler's dynamic sampling, unchanged) as the trainer has started step j - k, and puts
 it in a queue. Why that bound keeps every sample within k: step j - k starts after the weights of
 version j - k were pushed (end of step j - k - 1), so every request of batch j is answered by weights
 >= j - k, and batch j is trained at step j. The sampler accepts only those versions
 (sampler.accepted_versions); at consumption every group is checked again against the step it is
 trained at and a group staler than k is dropped and counted (never trained on).
 
-Weight pushes come from the main thread (Driver.push_weights, run on this loop) as soon as an update
+Weight pushes come from the main thread (Driver.push_weights, run on this loop) as an update
 ends, inside a pause (`paused_sync`): without it the CPU engine and SGLang hold a weight update until
 the running requests have finished (TokenizerManager's model_update_lock is writer-preferring:
 sglang/srt/utils/aio_rwlock.py), so the trainer would wait for the whole generation round. Paused in
@@ -24,7 +24,7 @@ of a sample is taken from its OLDEST version.
 
 Every phase start/end is stamped (time.time()) into `timeline`: "generate" (the producer's collect of
 batch j), "engine" (the engines' own stamps of batch j's replies), "wait" (the trainer blocked on
-batch j), and the driver adds "train" / "sync" (overlap.py).
+batch j), and the driver adds "train" / "sync" (trainer/timeline.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from typing import Any
 import torch
 
 from dapo_megatron.algo.off_policy import staleness_histogram
-from dapo_megatron.overlap import engine_phases
 from dapo_megatron.rollout.client import EngineError
 from dapo_megatron.rollout.sampler import INITIAL_WEIGHT_VERSION
 
@@ -147,10 +146,10 @@ class AsyncRollout:
         self.timeline.append(("wait", step, tic, time.time()))
         if isinstance(result, BaseException):
             # the producer has stopped; the next next_batch starts a new one at its step (after the
-            # recovery's re-sync when the engines were lost: recovery.py). The prompts the failed batch
+            # recovery's re-sync when the engines were lost: trainer/recovery.py). The prompts the failed batch
             # drew stay used, as those of batches generated ahead do at a checkpoint.
             self.loop.call_soon_threadsafe(self._forget_producer)
-            if isinstance(result, EngineError):  # recovery.py tells an engine loss by its type
+            if isinstance(result, EngineError):  # trainer/recovery.py tells an engine loss by its type
                 raise result
             raise RuntimeError(f"overlapped rollout: generating batch {j} failed") from result
         if j != step:
@@ -187,3 +186,19 @@ class AsyncRollout:
         self.run(cancel())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
+
+
+# the engines' own spans of a batch, as timeline entries (trainer/timeline.py draws them)
+def engine_phases(spans: list[tuple[float, float]], step: int) -> list[tuple[str, int, float, float]]:
+    """A batch's "engine" timeline entries: the union of the engines' own spans for its replies."""
+    return [("engine", step, a, b) for a, b in _union(spans)]
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]

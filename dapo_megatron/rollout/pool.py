@@ -250,7 +250,7 @@ class EngineEventReport:
                 out(f"[engines] {url} rejoined with the current weights; {len(self.pool.live_urls())} live")
         self._seen = len(self.pool.events)
         if self.restart_events:
-            from dapo_megatron.launch.supervise import read_engine_events
+            from dapo_megatron.rollout.registry import read_engine_events
 
             self.counts["restarted"] = sum(e["action"] == "restarted" for e in read_engine_events(self.restart_events))
         return {"engines/live": float(len(self.pool.live_urls())),

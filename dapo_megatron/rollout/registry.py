@@ -13,6 +13,7 @@ import glob
 import json
 import os
 import tempfile
+from pathlib import Path
 
 _REQUIRED = ("host", "port", "url", "tp_size", "started_at")
 
@@ -67,3 +68,18 @@ def read_registrations(register_dir: str) -> list[dict]:
             raise ValueError(f"engine registry file {path}: missing keys {missing}")
         records.append(rec)
     return sorted(records, key=lambda r: r["url"])
+
+
+# the launcher's engine supervisor (launch/supervise.py) writes these events; the pool and the driver read them
+def engine_events_path(run_dir: str | Path) -> Path:
+    """Where the launcher's supervisor writes its events and the driver reads them."""
+    return Path(run_dir) / "logs" / "engine_restarts.jsonl"
+
+
+def read_engine_events(path: str | Path) -> list[dict]:
+    """The supervisor's events (a missing file: none yet)."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

@@ -3,7 +3,7 @@
     settings = RolloutSettings.from_config(cfg)          # or RolloutSettings(n=16, max_new_tokens=..., ...)
     sampler = RolloutSampler(pool, tokenizer, settings)  # reward: each record's data_source scorer
     result = await sampler.collect(prompt_iter, train_batch_size=512)
-    result.groups    # list of train_batch_size groups, each a list of n dapo_megatron.batch.Sample
+    result.groups    # list of train_batch_size groups, each a list of n dapo_megatron.dataplane.sample.Sample
     result.stats     # rounds, groups seen/kept/filtered, tokens generated, tokens/s,
                      # samples_abort_requested / samples_aborted (confirmed by the engines),
                      # groups_unscored (finished together with the batch-filling group, dropped),
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from dapo_megatron.algo import DynamicSampler, keep_group, overlong_penalty
-from dapo_megatron.batch import Sample
+from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.rollout.pool import EnginePool
 from dapo_megatron.rollout.routing import routed_experts_of
 
@@ -137,7 +137,7 @@ class RolloutSampler:
             raise ValueError(f"RolloutSampler: rid_prefix {self.rid_prefix!r} must not contain {RID_END!r}")
         self.num_requests = 0  # k of the next request (seeds and rids)
         # the engines' own stamps of every reply, (start, end) in epoch seconds (engine_span); the driver
-        # drains them after each collect into its timeline's "engine" lane (overlap.py)
+        # drains them after each collect into its timeline's "engine" lane (trainer/timeline.py)
         self.engine_spans: list[tuple[float, float]] = []
         self.weight_version = INITIAL_WEIGHT_VERSION  # replies made by other weights are stale
         # overlapped steps (rollout/async_rollout.py): the versions a reply may have been made by; None = only

@@ -38,8 +38,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from dapo_megatron.actor.model import has_qk_norm, has_qkv_bias, head_dim_of, model_type_of, padded_vocab_size
-from dapo_megatron.actor.moe import MoEShape, moe_shape_of
+from dapo_megatron.weights.hf_config import (MoEShape, has_qk_norm, has_qkv_bias, head_dim_of, model_type_of, moe_shape_of,
+                                             padded_vocab_size)
 
 # (megatron local-spec suffix, TE-spec suffix, HF templates, kind) for the parameters of one layer.
 _LAYER_PARAMS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (

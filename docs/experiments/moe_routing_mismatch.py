@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 docs/experiments/moe_routing_mismatch.py MODEL_DIR [float32|bfloat16] [EP]
 
 Rank 0 generates 16 prompts x 8 responses of the synthetic task with the CPU engine's generator
-(rollout/cpu_engine.py, in process, in the given dtype) asking for the routed experts; both ranks
+(cpu_engine/engine.py, in process, in the given dtype) asking for the routed experts; both ranks
 then compute the trainer's log-probs of the same tokens with the Megatron actor (fp32, EP as given)
 twice, with actor.routing_replay off and on, and rank 0 prints |log pi_trainer - log pi_engine| over
 all response tokens (mean, 99th percentile, max, tokens above 0.1) and the routing agreement. The
@@ -21,10 +21,10 @@ import torch.distributed as dist
 def generate(model_dir: str, dtype: str):
     from transformers import AutoTokenizer
 
-    from dapo_megatron.batch import Sample
-    from dapo_megatron.rollout.cpu_engine import CpuEngine
-    from dapo_megatron.rollout.protocol import SamplingParams, SequenceRequest
-    from dapo_megatron.tiny import prompt_ids, synthetic_train_eval
+    from dapo_megatron.dataplane.sample import Sample
+    from dapo_megatron.cpu_engine.engine import CpuEngine
+    from dapo_megatron.cpu_engine.protocol import SamplingParams, SequenceRequest
+    from dapo_megatron.data.tiny_model import prompt_ids, synthetic_train_eval
 
     engine = CpuEngine(model_dir, dtype=dtype, seed=0)
     tok = AutoTokenizer.from_pretrained(model_dir)

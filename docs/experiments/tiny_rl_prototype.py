@@ -5,11 +5,11 @@
     python docs/experiments/tiny_rl_prototype.py configs/runs/tiny_cpu_grpo.yaml   # naive-GRPO rung
 
 It exists to choose the embedded default's settings (task difficulty, model size, n, batch sizes,
-lr, response length, steps) before the real loop (train.py: Megatron actor + CPU rollout server)
-exists, from the same config file, and it uses the same pieces that loop uses: dapo_megatron.tiny (tokenizer, model, warm
+lr, response length, steps) before the real loop (trainer/train.py: Megatron actor + CPU rollout server)
+exists, from the same config file, and it uses the same pieces that loop uses: dapo_megatron.data.tiny_model (tokenizer, model, warm
 start), dapo_megatron.algo (advantages, policy loss, dynamic sampling, overlong shaping, KL),
-dapo_megatron.evaluate (avg@k / pass@k), the synthetic task and the math_dapo reward. What it
-leaves out: Megatron, the HTTP rollout server, weight sync, checkpoints (train.py's overheads).
+dapo_megatron.trainer.evaluate (avg@k / pass@k), the synthetic task and the math_dapo reward. What it
+leaves out: Megatron, the HTTP rollout server, weight sync, checkpoints (trainer/train.py's overheads).
 Results go to docs/LOG.md.
 """
 
@@ -24,9 +24,9 @@ import torch
 
 from dapo_megatron import algo
 from dapo_megatron.reward import math_dapo
-from dapo_megatron.evaluate import avg_at_k, pass_at_k
+from dapo_megatron.trainer.evaluate import avg_at_k, pass_at_k
 from dapo_megatron.config import load_config
-from dapo_megatron.tiny import prepare_tiny_model, prompt_ids, synthetic_train_eval
+from dapo_megatron.data.tiny_model import prepare_tiny_model, prompt_ids, synthetic_train_eval
 
 # ------------------------------------------------------------------------------------------------
 # Reward, sampling and log-probs on the HF model

@@ -3,8 +3,8 @@
     python -m dapo_kernels.bench.bench_policy_loss --tokens 1048576,4194304,16777216
 
 Providers: fused (dapo_kernels.policy_loss: one kernel writes loss partials, stats and the
-gradient), torch (kernels/reference.py, eager fp32), algo (dapo_megatron.algo.policy_loss when
-importable). Modes: fwd (the loss call: for fused that is the whole one-kernel job, gradient
+gradient), torch (kernels/reference.py, eager fp32; dapo_megatron.algo.policy_loss runs the same
+formula, and dapo_kernels imports nothing from dapo_megatron). Modes: fwd (the loss call: for fused that is the whole one-kernel job, gradient
 included) and fwd_bwd (plus loss.backward(): for fused one extra multiply by the upstream grad). Effective bandwidth counts the
 fewest bytes any implementation must move: read logprob, old_logprob, advantages (fp32) and the
 bool mask, write the fp32 gradient = 17 + 4 = 21 bytes per token; reported as GB/s and as percent
@@ -20,7 +20,7 @@ import torch
 from dapo_kernels import policy_loss, policy_loss_reference
 from dapo_kernels.bench.common import CsvWriter, copy_bandwidth_gbs, is_oom, print_table, time_calls
 
-PROVIDERS = ("fused", "torch", "algo")
+PROVIDERS = ("fused", "torch")
 BYTES_PER_TOKEN = 4 * 3 + 1 + 4
 KW = dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0)
 
@@ -30,11 +30,7 @@ def _provider(name):
         return policy_loss
     if name == "torch":
         return policy_loss_reference
-    try:
-        from dapo_megatron.algo.policy_loss import policy_loss as algo_policy_loss
-    except ImportError:
-        return None
-    return lambda *a, **kw: algo_policy_loss(*a, agg_mode="token-mean", **kw)
+    return None
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -162,7 +162,7 @@ def sync_distributed(manager, runner, named) -> dict:
     from sglang.srt.managers.io_struct import (BeginWeightUpdateReqInput, EndWeightUpdateReqInput,
                                                UpdateWeightsFromDistributedReqInput)
 
-    from dapo_megatron.rollout.tensor_payload import flatten_bucket
+    from dapo_megatron.transfer.tensor_payload import flatten_bucket
 
     flat = flatten_bucket(named)
     real_broadcast = dist.broadcast
@@ -233,7 +233,7 @@ def main() -> None:
     # the trainer's payloads, made before any engine-side code runs: deserialize_own_rank installs SGLang's
     # CUDA-IPC tensor reductions in this process (monkey_patch_torch_reductions), which the trainer's CPU
     # path never meets in its own process
-    from dapo_megatron.rollout.tensor_payload import serialize_for_engine_rank
+    from dapo_megatron.transfer.tensor_payload import serialize_for_engine_rank
 
     payload = [serialize_for_engine_rank(syncs[1]) for _ in range(args.tp_size)]
     report = {}

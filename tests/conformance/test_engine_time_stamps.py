@@ -1,4 +1,4 @@
-"""The engines' own time stamps in the step timeline (overlap.py "engine" lane) read the fields SGLang
+"""The engines' own time stamps in the step timeline (trainer/timeline.py "engine" lane) read the fields SGLang
 0.5.21 really sends: its APIServerReqTimeStats (srt/observability/req_time_stats.py) builds them, in a
 process of its own (torchvision stubbed as for the oracle), and rollout/sampler.py: engine_span must
 turn them into [request_received_ts, request_finished_ts]; the CPU engine sends the same two fields

@@ -32,8 +32,8 @@ from dapo_megatron.rollout.client import EngineClient, EngineError
 from dapo_megatron.rollout.pool import EnginePool
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
 from dapo_megatron.rollout.sglang_launcher import SGLangSettings, sglang_command
-from dapo_megatron.rollout.tensor_payload import ALLOWED_GLOBALS
-from dapo_megatron.rollout.weight_sync import DistributedWeightSync, TensorWeightSync
+from dapo_megatron.transfer.tensor_payload import ALLOWED_GLOBALS
+from dapo_megatron.transfer.weight_sync import DistributedWeightSync, TensorWeightSync
 
 from sglang_pins import CONTEXT_LENGTH, ORACLE_TP_SIZE
 

@@ -189,7 +189,7 @@ def _grads_on_rank(hf_dir, tp, coef):
 
     from dapo_megatron.actor.fake_quant import quantized_linears
     from dapo_megatron.actor.parallel import model_parallel
-    from dapo_megatron.actor.parity import vocab_parallel_logprobs
+    from dapo_megatron.tools.parity import vocab_parallel_logprobs
     from dapo_megatron.weights.mapping import Dims
 
     with model_parallel(tp=tp, seed=0):

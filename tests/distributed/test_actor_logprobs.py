@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from dapo_megatron.batch import Sample
+from dapo_megatron.dataplane.sample import Sample
 
 
 def make_cfg(*, tp=1, pp=1, cp=1, micro_batch_tokens=256, sequence_parallel=False, fused=False, **trainer):

@@ -196,11 +196,11 @@ def _live_storage_bytes():
 def _reference_rank(hf_dir, samples, tp):
     from dapo_megatron.actor.actor import Actor
     from dapo_megatron.actor.parallel import model_parallel
-    from dapo_megatron.actor.reference import ReferencePolicy
+    from dapo_megatron.actor.ref_policy import ReferencePolicy
 
     with model_parallel(tp=tp, seed=7):
         cfg = _cfg(tp=tp, dist_opt=True)
-        old_ref = Actor(cfg, hf_dir)  # what train.py used as the reference before
+        old_ref = Actor(cfg, hf_dir)  # what trainer/train.py used as the reference before
         want = old_ref.logprobs(samples)
         old_ref.train(samples, step=0)  # allocates the Adam state a full Actor carries
         base = _live_storage_bytes()

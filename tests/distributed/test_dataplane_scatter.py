@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from dapo_megatron.batch import Sample
+from dapo_megatron.dataplane.sample import Sample
 from test_actor_logprobs import hf_logprobs, make_cfg
 
 
@@ -46,7 +46,7 @@ def _scatter_rank(samples, tp, pp, cp, per_mini, budget):
                                        sequence_parallel=tp > 1)
     with parallel.model_parallel(tp=tp, pp=pp, cp=cp):
         batch = RolloutBatch.from_samples(samples)
-        share, stats = scatter_batch(batch if dist.get_rank() == 0 else None, settings=settings,
+        share, stats = scatter_batch(batch if dist.get_rank() == 0 else None, groups=parallel, settings=settings,
                                      sequences_per_mini_batch=per_mini)
         # what this rank would have selected itself from the full list
         plan = plan_shares(batch.seq_lengths, sequences_per_mini_batch=per_mini, settings=settings,
@@ -102,17 +102,17 @@ def _share_vs_list_rank(hf_dir, samples, tp, pp, per_mini, budget):
     from dapo_megatron.actor import parallel
     from dapo_megatron.actor.actor import Actor
     from dapo_megatron.dataplane.batch import RolloutBatch
-    from dapo_megatron.dataplane.metrics import old_logprob_metrics
+    from dapo_megatron.dataplane.step_metrics import old_logprob_metrics
     from dapo_megatron.dataplane.roles import RankRoles
     from dapo_megatron.dataplane.scatter import scatter_batch
     from dapo_megatron.dataplane.share import plan_shares
 
     cfg = make_cfg(tp=tp, pp=pp, micro_batch_tokens=budget, lr=1e-3, warmup_steps=0)
     with parallel.model_parallel(tp=tp, pp=pp, seed=7):
-        roles = RankRoles.current()
+        roles = RankRoles.current(parallel)
         actor = Actor(cfg, hf_dir)
         batch = RolloutBatch.from_samples(samples) if roles.driver else None
-        share, _ = scatter_batch(batch, settings=actor.pack_settings, sequences_per_mini_batch=per_mini)
+        share, _ = scatter_batch(batch, groups=parallel, settings=actor.pack_settings, sequences_per_mini_batch=per_mini)
         old = actor.logprobs(share)
         share.batch.old_logprobs = old.logprobs
         metrics = old_logprob_metrics(share.batch, old.logprobs, old.entropies, reports=roles.reports)
@@ -183,7 +183,7 @@ def _roles_rank(tp, pp, cp):
     from dapo_megatron.dataplane.roles import RankRoles
 
     with parallel.model_parallel(tp=tp, pp=pp, cp=cp):
-        r = RankRoles.current()
+        r = RankRoles.current(parallel)
         names = {n for n in ("driver", "batch_source", "holds_results", "reports", "exporter") if getattr(r, n)}
         return names, dist.get_process_group_ranks(parallel.replica_group())
 

@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from dapo_megatron.batch import Sample
+from dapo_megatron.dataplane.sample import Sample
 from test_actor_logprobs import make_cfg
 
 

@@ -37,7 +37,7 @@ def _megatron_on_rank(hf_dir, tp, pp, vpp, sequence_parallel=False, cp=1, seq_le
 
     from dapo_megatron.actor.model import build_model_chunks
     from dapo_megatron.actor.parallel import model_parallel
-    from dapo_megatron.actor.parity import _comparable, _parity_batches, megatron_logprobs
+    from dapo_megatron.tools.parity import _comparable, _parity_batches, megatron_logprobs
     from dapo_megatron.weights.load import load_hf_into_model
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
@@ -56,7 +56,7 @@ def _megatron_on_rank(hf_dir, tp, pp, vpp, sequence_parallel=False, cp=1, seq_le
 def _reference(hf_dir, tokens, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
-    from dapo_megatron.actor.parity import hf_logprobs
+    from dapo_megatron.tools.parity import hf_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype).eval()
     return hf_logprobs(model, tokens).to(torch.float32 if dtype == torch.float32 else torch.float64)
@@ -159,7 +159,7 @@ def test_check_parity_cli_under_torchrun(hf_dirs, tmp_path):
 def test_llama3_rope_scaling_matches_transformers(rank_pool, hf_dirs):
     from transformers import AutoModelForCausalLM
 
-    from dapo_megatron.actor.parity import hf_logprobs
+    from dapo_megatron.tools.parity import hf_logprobs
 
     hf_dir = str(hf_dirs["llama3"])
     results = [r for r in rank_pool(2).run(_megatron_on_rank, hf_dir, 2, 1, None) if r is not None]

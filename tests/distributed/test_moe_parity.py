@@ -36,7 +36,7 @@ def megatron_logprobs_on_rank(hf_dir, tp, pp, ep, etp=None):
 
     from dapo_megatron.actor.model import build_model_chunks
     from dapo_megatron.actor.parallel import model_parallel
-    from dapo_megatron.actor.parity import _comparable, _parity_batches, megatron_logprobs
+    from dapo_megatron.tools.parity import _comparable, _parity_batches, megatron_logprobs
     from dapo_megatron.weights.load import load_hf_into_model
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
@@ -56,7 +56,7 @@ def megatron_logprobs_on_rank(hf_dir, tp, pp, ep, etp=None):
 def reference_logprobs(hf_dir, tokens):
     from transformers import AutoModelForCausalLM
 
-    from dapo_megatron.actor.parity import hf_logprobs
+    from dapo_megatron.tools.parity import hf_logprobs
 
     return hf_logprobs(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval(), tokens)
 
@@ -94,7 +94,7 @@ def test_routing_matters_in_the_moe_checkpoint(hf_dirs):
     0 and 1 everywhere changes transformers' log-probs by far more than the tolerance."""
     from transformers import AutoModelForCausalLM
 
-    from dapo_megatron.actor.parity import hf_logprobs
+    from dapo_megatron.tools.parity import hf_logprobs
 
     hf_dir = str(hf_dirs["qwen3_moe"])
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()

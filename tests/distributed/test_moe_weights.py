@@ -116,7 +116,7 @@ def test_each_ep_rank_reads_only_its_experts(rank_pool, hf_dirs, tmp_path):
 def _convert_on_rank(argv):
     import multiprocessing
 
-    from dapo_megatron.weights.convert import main
+    from dapo_megatron.tools.convert import main
 
     me = multiprocessing.current_process()  # see test_weights_roundtrip._convert_on_rank
     was_daemon = me.daemon

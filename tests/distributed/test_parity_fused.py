@@ -55,7 +55,7 @@ def model_dirs(tmp_path_factory):
 
 
 def _check_rank(argv):
-    from dapo_megatron.actor.parity import run_check
+    from dapo_megatron.tools.parity import run_check
 
     return run_check(argv)
 
@@ -68,7 +68,7 @@ def _run(rank_pool, world, hf_dir, *extra):
 
 
 def _assert_passes(numbers, label):
-    from dapo_megatron.actor.parity import failures
+    from dapo_megatron.tools.parity import failures
 
     print(f"\n[check-parity --fused-logprob] {label}: max|logprob| {numbers['max_abs_logprob']:.1f}, "
           f"logprob {numbers['logprob']:.2e} (fp32 floor {numbers['fp32_floor_logprob']:.2e}), "
@@ -129,7 +129,7 @@ def test_check_parity_fused_cli_under_torchrun(model_dirs, tmp_path):
 def test_verdict_and_argument_errors(model_dirs):
     from transformers import AutoConfig
 
-    from dapo_megatron.actor import parity
+    from dapo_megatron.tools import parity
 
     ok = dict(logprob=9e-6, entropy=2e-6, grad_rel=3e-7, fused_vs_torch_logprob=1e-6, fused_vs_torch_entropy=5e-7)
     assert parity.failures(ok, tolerance=1e-5, grad_tolerance=1e-4) == []

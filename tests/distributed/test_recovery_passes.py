@@ -11,7 +11,7 @@ def _passes(redo_after: tuple[int, ...]):
     import torch
     import torch.distributed as dist
 
-    from dapo_megatron.recovery import transfer_with_recovery
+    from dapo_megatron.trainer.recovery import transfer_with_recovery
 
     rank = dist.get_rank()
 

@@ -1,4 +1,4 @@
-"""Per-stage weight export (weights/stage_export.py): on gloo ranks, the driver receives every HF
+"""Per-stage weight export (transfer/stage_export.py): on gloo ranks, the driver receives every HF
 tensor bit-identical to the checkpoint, in buckets that follow the plan; only each stage's exporter
 materialises a full tensor (its TP peers and the other DP replicas: none); the exporter never holds
 more than two buckets; the HF checkpoint written by the stages (one shard set per stage, one index)
@@ -37,8 +37,8 @@ def _export_on_rank(hf_dir, tp, pp, bucket_bytes, save_to, vpp=None):
     from dapo_megatron.actor import parallel
     from dapo_megatron.actor.model import build_model_chunks
     from dapo_megatron.weights import load_hf_into_model
-    from dapo_megatron.weights.stage_export import StageExporter, gather_manifests, weights_for_driver
-    from dapo_megatron.weights.stage_save import save_hf_by_stage
+    from dapo_megatron.transfer.stage_export import StageExporter, gather_manifests, weights_for_driver
+    from dapo_megatron.transfer.stage_save import save_hf_by_stage
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     precision = "bf16" if hf_config.dtype == torch.bfloat16 else "fp32"

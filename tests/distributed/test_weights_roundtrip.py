@@ -119,7 +119,7 @@ def test_wrong_shape_raises_value_error_naming_it(rank_pool, hf_dirs, tmp_path):
 def _convert_on_rank(argv):
     import multiprocessing
 
-    from dapo_megatron.weights.convert import main
+    from dapo_megatron.tools.convert import main
 
     # The pool's ranks are daemonic processes and Megatron's checkpoint writer forks writer
     # processes, which daemonic processes may not do: lift the flag for this call (under torchrun,
@@ -153,7 +153,7 @@ def _actor_checkpoint_to_hf_on_rank(hf_dir, batch, ckpt_dir, out_dir):
 
     from dapo_megatron.actor.actor import Actor
     from dapo_megatron.actor.parallel import model_parallel
-    from dapo_megatron.weights.convert import main
+    from dapo_megatron.tools.convert import main
     from test_actor_logprobs import make_cfg
 
     me = multiprocessing.current_process()  # see _convert_on_rank

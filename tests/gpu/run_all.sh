@@ -68,7 +68,7 @@ section_actor() {
   run_section actor_tests $PY -m pytest -m gpu tests/gpu/test_actor_gpu.py -q -p no:cacheprovider \
     --junitxml="$OUT/actor/junit.xml"
   # Qwen2.5-1.5B-shaped random model, 4K and 16K tokens per micro-batch: table + CSV
-  run_section actor_bench $PY -m dapo_megatron.actor.bench --tokens 4096 16384 --csv "$OUT/actor/actor_bench.csv" \
+  run_section actor_bench $PY -m dapo_megatron.benchmarks.actor --tokens 4096 16384 --csv "$OUT/actor/actor_bench.csv" \
     --checkpoint-dir /tmp/dapo_bench_qwen25_1.5b
 }
 

@@ -1,7 +1,7 @@
 """The actor on a GPU (bf16, NCCL, one process): log-probs of a tiny Qwen2 match transformers at
 bf16 tolerance, a train step runs the fused kernels and moves the weights, the compiled fused head
 and loss equal the plain-torch ones in fp32, `check-parity --fused-logprob` passes, and the
-Qwen2.5-1.5B benchmark (dapo_megatron/actor/bench.py) produces sane numbers.
+Qwen2.5-1.5B benchmark (dapo_megatron/benchmarks/actor.py) produces sane numbers.
 
     tests/gpu/run_all.sh OUT     (section "actor"), or: pytest -m gpu tests/gpu/test_actor_gpu.py
 """
@@ -38,7 +38,7 @@ def test_bf16_logprobs_match_transformers_and_a_step_trains(tmp_path):
 
     from dapo_megatron.actor.actor import Actor
     from dapo_megatron.actor.parallel import model_parallel
-    from dapo_megatron.batch import Sample
+    from dapo_megatron.dataplane.sample import Sample
     from dapo_megatron.config import ActorConfig, Config
 
     _single_process_group()
@@ -73,7 +73,7 @@ def test_bf16_logprobs_match_transformers_and_a_step_trains(tmp_path):
 
 
 def test_bench_reports_throughput_and_mfu(tmp_path):
-    from dapo_megatron.actor import bench
+    from dapo_megatron.benchmarks import actor as bench
 
     _single_process_group()
     csv_path = tmp_path / "actor_bench.csv"
@@ -95,7 +95,7 @@ def test_offload_frees_cuda_memory_and_onload_restores_bit_for_bit(tmp_path):
     from dapo_megatron.actor.actor import Actor
     from dapo_megatron.actor.offload import actor_tensors, storages_by_category
     from dapo_megatron.actor.parallel import model_parallel
-    from dapo_megatron.batch import Sample
+    from dapo_megatron.dataplane.sample import Sample
     from dapo_megatron.config import ActorConfig, Config
 
     _single_process_group()
@@ -136,7 +136,7 @@ def _samples_with_rl_fields(hf_dir, *, num=8, seed=3):
     """Random prompts/responses with old log-probs 0.3 nats off the model's (clipping happens)."""
     from transformers import AutoModelForCausalLM
 
-    from dapo_megatron.batch import Sample
+    from dapo_megatron.dataplane.sample import Sample
 
     gen = torch.Generator().manual_seed(seed)
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -195,7 +195,7 @@ def test_check_parity_fused_logprob_on_gpu(tmp_path):
     odd-vocabulary tied Llama: log-probs and entropies vs transformers within the defaults."""
     from helpers_tiny import save_tiny_hf
 
-    from dapo_megatron.actor import parity
+    from dapo_megatron.tools import parity
 
     _single_process_group()
     hf_dir = save_tiny_hf(tmp_path / "llama", arch="llama", tied=True,

@@ -37,7 +37,7 @@ def _free_port() -> int:
 def _model(root: Path) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from dapo_megatron.tiny import build_tiny_tokenizer
+    from dapo_megatron.data.tiny_model import build_tiny_tokenizer
 
     torch.manual_seed(0)
     tok = build_tiny_tokenizer()
@@ -56,7 +56,7 @@ async def _greedy(client) -> tuple[list[int], list[float]]:
 
 
 async def _sync(client, named, version: str) -> None:
-    from dapo_megatron.rollout.tensor_payload import serialize_for_engine_rank
+    from dapo_megatron.transfer.tensor_payload import serialize_for_engine_rank
 
     await client.begin_weight_update()
     try:

@@ -2,7 +2,7 @@
 real gloo ranks that counts steps instead of training, checkpoints the counter after every step
 (checkpoints/step_N/trainer_state.json, the trainer's layout),
 resumes from it with --resume, and handles preemption through the trainer's own
-dapo_megatron.launch.signals. It lets the launch path (sbatch -> srun -> torchrun -> ranks, the
+dapo_megatron.trainer.preemption. It lets the launch path (sbatch -> srun -> torchrun -> ranks, the
 USR1 trap, requeue, --resume, arrays, the engine registry) be tested in seconds; the real trainer
 runs under the same scripts in tests/integration/test_slurm_e2e.py.
 
@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dapo_megatron import checkpointing
+from dapo_megatron.trainer import run_checkpoint as checkpointing
 from dapo_megatron.config import load_config
-from dapo_megatron.launch.signals import PreemptionSignal
+from dapo_megatron.trainer.preemption import PreemptionSignal
 from dapo_megatron.rollout.registry import read_registrations
 
 

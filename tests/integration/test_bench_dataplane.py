@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 import re
 
-from dapo_megatron import bench
+from dapo_megatron.benchmarks import run as bench
 
 
 def test_bench_dataplane_small_step_meets_its_byte_and_export_targets(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""An engine's registration (<run_dir>/engines/<host>_<port>.json) lives exactly as long as the engine:
+"""An engine's registration (<run_dir>/engines/<host>_<port>.json) lives exactly as the engine:
 written once it serves, removed when it exits (SIGTERM from a launcher or scancel, Ctrl-C, or the
 server process ending), and never removed by an old incarnation once a newer one owns the file.
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from rollout_helpers import ServerProcess, make_tiny_checkpoint
 
-from dapo_megatron.batch import Sample
+from dapo_megatron.dataplane.sample import Sample
 
 PROMPTS = [[1, 17, 42, 99, 7, 250], [1, 5, 6], [1, 200, 201, 202, 203, 204, 205, 9]]
 
@@ -45,7 +45,7 @@ def _train_sync_score_rank(hf_dir: str, url: str):
     from dapo_megatron.actor.actor import Actor
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.rollout.client import EngineClient
-    from dapo_megatron.rollout.weight_sync import DistributedWeightSync
+    from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
     rank = dist.get_rank()
     with model_parallel(tp=2, seed=7):

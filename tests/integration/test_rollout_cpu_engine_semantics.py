@@ -19,7 +19,7 @@ from rollout_helpers import ServerProcess, get_json, make_tiny_checkpoint
 from test_rollout_server import PROMPT, post, reference_logprobs
 
 from dapo_megatron.rollout.client import EngineClient
-from dapo_megatron.rollout.tensor_payload import serialize_for_engine_rank
+from dapo_megatron.transfer.tensor_payload import serialize_for_engine_rank
 
 LONG = {"ignore_eos": True, "sampling_seed": 1}
 
@@ -77,8 +77,8 @@ async def start_long(client: EngineClient, url: str, rid: str, *, items: int = 1
 def test_health_is_503_until_the_warm_up_generation(env):
     from aiohttp import web
 
-    from dapo_megatron.rollout.cpu_engine import CpuEngine
-    from dapo_megatron.rollout.server import RolloutServer
+    from dapo_megatron.cpu_engine.engine import CpuEngine
+    from dapo_megatron.cpu_engine.server import RolloutServer
 
     server = RolloutServer(CpuEngine(str(env.model_a)), model_name="a")
     with socket.socket() as s:
@@ -235,7 +235,7 @@ def test_release_really_frees_the_weights_storage(env):
     resume allocates them again with NaN content; a load refills them bit for bit."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from dapo_megatron.rollout.cpu_engine import CpuEngine
+    from dapo_megatron.cpu_engine.engine import CpuEngine
 
     engine = CpuEngine(str(env.model_a))
     original = {n: t.detach().clone() for n, t in engine.model.state_dict().items()}

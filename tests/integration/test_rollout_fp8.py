@@ -23,7 +23,7 @@ from rollout_helpers import ServerProcess, make_tiny_checkpoint
 
 pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt not installed (pip install -e '.[modelopt]')")
 
-from dapo_megatron.batch import Sample  # noqa: E402
+from dapo_megatron.dataplane.sample import Sample  # noqa: E402
 
 PROMPTS = [[1, 17, 42, 99, 7, 250], [1, 5, 6], [1, 200, 201, 202, 203, 204, 205, 9], [1, 33, 34]]
 TIS_CAP = 1.0  # the smallest allowed cap: every token whose engine prob exceeds the trainer's is clamped
@@ -59,7 +59,7 @@ def _rank(fp8_dir: str, hf_dir: str, fp8_url: str, plain_url: str):
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.quant import Fp8SyncConverter
     from dapo_megatron.rollout.client import EngineClient
-    from dapo_megatron.rollout.weight_sync import DistributedWeightSync
+    from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
     rank = dist.get_rank()
     conv = Fp8SyncConverter.from_checkpoint(fp8_dir)

@@ -28,7 +28,7 @@ from helpers_tiny import save_tiny_hf
 
 pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt not installed (pip install -e '.[modelopt]')")
 
-from dapo_megatron.batch import Sample  # noqa: E402
+from dapo_megatron.dataplane.sample import Sample  # noqa: E402
 
 PROMPTS = [[1, 17, 42, 99, 7, 250], [1, 5, 6], [1, 200, 201, 202, 203, 204, 205, 9], [1, 33, 34]]
 # measured ratio of the means without / with quantization_aware: 4.1e5; see the docstring
@@ -53,9 +53,9 @@ def _rank(output_dir: str, hf_dir: str, fp8_url: str):
 
     from dapo_megatron.actor.actor import Actor
     from dapo_megatron.actor.parallel import model_parallel
-    from dapo_megatron.quant.rollout import fp8_converter
+    from dapo_megatron.quant.engine_checkpoint import fp8_converter
     from dapo_megatron.rollout.client import EngineClient
-    from dapo_megatron.rollout.weight_sync import DistributedWeightSync
+    from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
     with model_parallel(tp=2, seed=7):
         qat = Actor(_cfg(output_dir, quantization_aware=True), hf_dir)

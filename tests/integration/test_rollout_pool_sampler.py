@@ -13,7 +13,7 @@ from rollout_helpers import ServerProcess, get_json, make_tiny_checkpoint
 
 from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
-from dapo_megatron.rollout.weight_sync import DistributedWeightSync
+from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
 
 @pytest.fixture(scope="module")

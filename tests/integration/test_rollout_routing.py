@@ -16,7 +16,7 @@ from rollout_helpers import ServerProcess, get_json
 
 from dapo_megatron.rollout.client import EngineClient
 from dapo_megatron.rollout.routing import decode_routed_experts, encode_routed_experts, routed_experts_of
-from dapo_megatron.rollout.tensor_payload import serialize_for_engine_rank
+from dapo_megatron.transfer.tensor_payload import serialize_for_engine_rank
 from helpers_tiny import save_tiny_hf
 from test_rollout_server import generate, post
 

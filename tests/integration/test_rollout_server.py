@@ -14,7 +14,7 @@ import torch
 from rollout_helpers import ServerProcess, get_json, make_tiny_checkpoint
 
 from dapo_megatron.rollout.client import EngineClient, EngineError
-from dapo_megatron.rollout.tensor_payload import serialize_for_engine_rank
+from dapo_megatron.transfer.tensor_payload import serialize_for_engine_rank
 
 PROMPT = [1, 17, 42, 99, 7, 250]
 

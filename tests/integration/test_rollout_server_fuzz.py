@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 from rollout_helpers import ServerProcess, make_tiny_checkpoint
 
-from dapo_megatron.rollout.protocol import SAMPLING_PARAM_NAMES
+from dapo_megatron.cpu_engine.protocol import SAMPLING_PARAM_NAMES
 
 NUM_BODIES = 300
 VALID = {"input_ids": [1, 17, 42, 99], "sampling_params": {"max_new_tokens": 3, "temperature": 1.0}}

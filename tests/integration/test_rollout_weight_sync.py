@@ -12,10 +12,10 @@ import torch
 from rollout_helpers import make_tiny_checkpoint
 from test_rollout_server import PROMPT, reference_logprobs
 
-from dapo_megatron.rollout import weight_sync as ws
+from dapo_megatron.transfer import weight_sync as ws
 from dapo_megatron.rollout.client import EngineClient, EngineError
-from dapo_megatron.rollout.local import LocalEngines
-from dapo_megatron.rollout.weight_sync import DistributedWeightSync, TensorWeightSync, weight_update_session
+from dapo_megatron.launch.engines import LocalEngines
+from dapo_megatron.transfer.weight_sync import DistributedWeightSync, TensorWeightSync, weight_update_session
 
 
 @pytest.fixture(scope="module")

@@ -214,7 +214,7 @@ def test_preemption_request_by_file_or_signal(tmp_path):
     import os
     import signal
 
-    from dapo_megatron.launch.signals import PreemptionSignal
+    from dapo_megatron.trainer.preemption import PreemptionSignal
 
     request = tmp_path / "preempt-7"
     stop = PreemptionSignal(request_file=str(request)).install()
@@ -251,7 +251,7 @@ def yaml_dump(data) -> str:
 
 
 def test_dry_run_prints_the_sbatch_lines_and_scripts_before_the_config(tmp_path, capsys):
-    from dapo_megatron.launch import cli
+    from dapo_megatron.launch import slurm_cli as cli
 
     assert cli.main(["submit", str(REPO / "configs/runs/qwen2.5-7b_dapo.yaml"), f"trainer.output_dir={tmp_path}/run",
                      "slurm.partition=h100", "--engines", "2", "--dry-run"]) == 0

@@ -1,5 +1,5 @@
 """The real `dapo-megatron train` on configs/runs/tiny_cpu_colocated.yaml: two CPU engines and 2 gloo
-actor ranks take turns on the memory as on a GPU node (placement.py), shortened to 4 steps. Engine i
+actor ranks take turns on the memory as on a GPU node (trainer/placement.py), shortened to 4 steps. Engine i
 sits on slot i, so rank 0 feeds engine 0 and rank 1 feeds engine 1: rank 1's shared-memory payloads
 reach the driver by gather and its engine through the driver's POST, as on a GPU node.
 

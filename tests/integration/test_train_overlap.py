@@ -39,7 +39,7 @@ def test_staleness_one_run(tmp_path, tiny_run_a):
     assert abs(steps[0]["actor/tis_weight"] - 1.0) < 1e-4
     timeline = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
     start = {(t["phase"], t["step"]): t["start"] for t in timeline}
-    for j in range(1, 4):  # batch j is requested as soon as step j-1 starts, before its weight push
+    for j in range(1, 4):  # batch j is requested as step j-1 starts, before its weight push
         assert start[("generate", j)] < start[("sync", j - 1)]
     assert {t["phase"] for t in timeline} >= {"engine", "generate", "wait", "train", "sync", "paused"}
     # the engine's own stamps of batch j lie inside the driver's collect of batch j (one clock here)
@@ -53,7 +53,7 @@ def test_staleness_one_run(tmp_path, tiny_run_a):
 
 def test_staleness_one_survives_its_only_engine_killed(tmp_path, tiny_run_a):
     """The only engine SIGKILLed once step 1 is logged, while batches are generated ahead: the launcher
-    restarts it and the run ends all its steps (recovery.py: the producer's batch fails with
+    restarts it and the run ends all its steps (trainer/recovery.py: the producer's batch fails with
     NoLiveEngine, the driver re-syncs the returned engine and a new producer starts at that batch; or,
     when the kill lands in a push, the sync's own recovery), still never training on a sample staler
     than 1, every step's samples all counted."""

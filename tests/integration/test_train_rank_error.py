@@ -3,7 +3,7 @@
 Rank 0 fails first here (its only rollout engine, rollout.engine_urls, is a closed port); rank 1 then
 dies in its next collective with gloo's "Connection closed by peer", and torchrun SIGTERMs it. Both
 tracebacks reach the terminal interleaved, rank 1's last, so a user (or a test printing the tail of
-stderr) read the symptom and lost the cause. train.py records the exception in torchrun's per-rank
+stderr) read the symptom and lost the cause. trainer/train.py records the exception in torchrun's per-rank
 error file, so torchrun's closing "Root Cause" block holds the first failing rank's traceback, and
 the launcher's last line points at it. Real launcher, real torchrun, 2 gloo ranks; ~20 s.
 """
@@ -39,8 +39,8 @@ def test_the_first_failing_ranks_whole_traceback_ends_the_output(tmp_path):
     root = stderr[stderr.rindex("Root Cause (first observed failure):"):]
     assert "rank      : 0 (local_rank: 0)" in root
     assert "To enable traceback see" not in root  # torchrun's text when the rank left no error file
-    # the whole traceback: from the rank's entry (train.py) down to the raising frame and its message
-    assert "Traceback (most recent call last):" in root and "dapo_megatron/train.py" in root
+    # the whole traceback: from the rank's entry (trainer/train.py) down to the raising frame and its message
+    assert "Traceback (most recent call last):" in root and "dapo_megatron/trainer/train.py" in root
     # exception lines: a dotted class name and its message (EngineUnreachable names no "Error")
     raised = [line.strip() for line in root.splitlines() if re.match(r"\s*(\w+\.)*[A-Z]\w*: ", line)]
     assert raised and raised[-1].startswith("dapo_megatron."), raised  # the exception and its message

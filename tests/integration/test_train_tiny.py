@@ -149,7 +149,7 @@ def numerics_fingerprint() -> str:
     import torch
     from safetensors.torch import load_file
 
-    from dapo_megatron.tiny import build_tiny_model, warm_start
+    from dapo_megatron.data.tiny_model import build_tiny_model, warm_start
 
     h = hashlib.sha256(torch.backends.cpu.get_cpu_capability().encode())
     g = torch.Generator().manual_seed(0)

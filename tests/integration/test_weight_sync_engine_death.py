@@ -18,10 +18,10 @@ import pytest
 import torch
 from rollout_helpers import ServerProcess, make_tiny_checkpoint
 
-from dapo_megatron.recovery import sync_dropping_dead
+from dapo_megatron.trainer.recovery import sync_dropping_dead
 from dapo_megatron.rollout.client import EngineClient
 from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
-from dapo_megatron.rollout.weight_sync import DistributedWeightSync
+from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 `ip netns` needed; skipped with the reason otherwise). The CPU engine serves in one, the trainer's sync
 runs in the other (two_host_trainer.py): the weight group's master address must be the trainer's
 address on the link (chosen from the route to the engine, or GLOO_SOCKET_IFNAME's interface), every
-tensor arrives bit for bit, and a loopback master address (what driver.py passed before) fails naming
+tensor arrives bit for bit, and a loopback master address (what trainer/driver.py passed before) fails naming
 the engine that could not join, instead of hanging.
 """
 
@@ -90,7 +90,7 @@ def test_weight_sync_between_two_network_namespaces(two_hosts, tmp_path):
     assert result["routed_address"] == result["ifname_address"] == result["group_address"] == trainer_addr
     assert result["mismatched"] == [] and result["checked"] == 27  # every tensor bit for bit
     assert result["collectives"] == result["buckets"] > 1
-    # loopback (driver.py before): the engine cannot reach the trainer's store; the error names it
+    # loopback (trainer/driver.py before): the engine cannot reach the trainer's store; the error names it
     assert result["loopback_error"] and f"engine {url}: init_weights_update_group failed" in result["loopback_error"]
     assert "did not join" in result["loopback_error"]
     assert result["sessions_left_open"] is False

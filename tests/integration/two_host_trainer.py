@@ -4,7 +4,7 @@
 
 Syncs a changed copy of the model into the engine (DistributedWeightSync, master address chosen by
 weight_group.trainer_address), reads every tensor back from the engine and compares it bit for bit,
-then checks that a loopback master address (what driver.py passed before) fails with an error naming
+then checks that a loopback master address (what trainer/driver.py passed before) fails with an error naming
 the engine (after the group timeout, 30 s here) instead of hanging.
 Writes what it found to OUT.json.
 """
@@ -23,8 +23,8 @@ async def main(url: str, model_dir: str, out_path: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from dapo_megatron.rollout.client import EngineClient, EngineError
-    from dapo_megatron.rollout.weight_group import trainer_address
-    from dapo_megatron.rollout.weight_sync import DistributedWeightSync
+    from dapo_megatron.transfer.weight_group import trainer_address
+    from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     gen = torch.Generator().manual_seed(11)

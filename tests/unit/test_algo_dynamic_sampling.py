@@ -3,7 +3,7 @@
 import pytest
 
 from dapo_megatron.algo import DynamicSampler, keep_group
-from dapo_megatron.batch import Sample
+from dapo_megatron.dataplane.sample import Sample
 
 
 def _sample(acc):

@@ -11,8 +11,8 @@ import importlib
 from pathlib import Path
 
 import dapo_megatron
-from dapo_megatron import bench
-from dapo_megatron.reward import bench as reward_bench
+from dapo_megatron.benchmarks import run as bench
+from dapo_megatron.benchmarks import reward as reward_bench
 
 PACKAGE = Path(dapo_megatron.__file__).resolve().parent
 
@@ -85,7 +85,7 @@ def test_rows_under_another_header_are_refused_and_the_file_kept(tmp_path):
 
 
 def test_bench_overlap_refuses_a_foreign_csv_before_running_anything(tmp_path):
-    from dapo_megatron import overlap
+    from dapo_megatron.trainer import timeline as overlap
 
     (tmp_path / "overlap.csv").write_text("date,machine,staleness\n2026-11-23,x,0\n")
     try:  # a run would take minutes; the refusal comes first (no run directory is made)

@@ -1,10 +1,10 @@
-"""Which trainer rank feeds which colocated engine TP rank (rollout/colocated_sync.py)."""
+"""Which trainer rank feeds which colocated engine TP rank (transfer/colocated_sync.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dapo_megatron.rollout.colocated_sync import EngineSlot, assign_engine_slots
+from dapo_megatron.transfer.colocated_sync import EngineSlot, assign_engine_slots
 
 
 def _engine(url: str, node: str, base: int, tp: int) -> dict:

@@ -1,4 +1,4 @@
-"""console.py: the step table (fixed columns, <= 120 characters), start-up phase lines, the warning
+"""trainer/console.py: the step table (fixed columns, <= 120 characters), start-up phase lines, the warning
 filters and the closing summary of a run.
 
     pytest tests/unit/test_console.py
@@ -10,10 +10,10 @@ import io
 import json
 import warnings
 
-from dapo_megatron import console
-from dapo_megatron.console import STEP_COLUMNS, TABLE_WIDTH, Phases, StepTable, run_summary
+from dapo_megatron.trainer import console
+from dapo_megatron.trainer.console import STEP_COLUMNS, TABLE_WIDTH, Phases, StepTable, run_summary
 
-# every column filled, with values as wide as a 32B run makes them (512 of 1536 groups, 20K tokens)
+# every column filled, with values as a 32B run makes them (512 of 1536 groups, 20K tokens)
 FULL = {"reward/mean": -1.234, "acc/mean": 0.5, "eval/avg@k": 0.713, "response_length/mean": 16384.5,
         "actor/entropy": 1.441, "actor/clipfrac_high": 0.0012, "actor/approx_kl": 0.00123, "actor/grad_norm": 12.5,
         "sampler/groups_kept": 512, "sampler/groups_seen": 1536, "mismatch/max": 4.9e-05, "time/gen_s": 812.3,

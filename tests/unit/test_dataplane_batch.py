@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dapo_megatron.actor.packing import pack_for_rank, pack_micro_batch, pack_batch_micro_batch
-from dapo_megatron.batch import Sample
+from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.dataplane.batch import RolloutBatch, ranges_index
 from dapo_megatron.dataplane.share import BatchShare, PackSettings, plan_shares, share_of_samples
 

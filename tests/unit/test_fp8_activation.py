@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dapo_megatron.quant.fp8_activation import fake_quant_activation_fp8, per_token_group_quant_fp8
-from dapo_megatron.quant.fp8_gemm import block_fp8_linear
+from dapo_megatron.cpu_engine.fp8_gemm import block_fp8_linear
 
 
 def test_per_token_group_quant_hand_computed():

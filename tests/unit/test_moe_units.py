@@ -172,7 +172,7 @@ def test_tiny_moe_variant_builds_a_qwen3_moe_that_keeps_the_tokenizer(tmp_path):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dapo_megatron.tiny import TinyModelSpec, build_tiny_model, build_tiny_tokenizer, prompt_ids
+    from dapo_megatron.data.tiny_model import TinyModelSpec, build_tiny_model, build_tiny_tokenizer, prompt_ids
 
     spec = TinyModelSpec(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64,
                          max_position_embeddings=64, arch="qwen3_moe", num_experts=4, num_experts_per_tok=2,

@@ -11,9 +11,9 @@ import torch
 
 from dapo_megatron.algo import policy_loss
 from dapo_megatron.algo.off_policy import behaviour_weight, staleness_histogram
-from dapo_megatron.batch import Sample
+from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.config import load_config
-from dapo_megatron.overlap import hidden_fraction, step_wall_times
+from dapo_megatron.trainer.timeline import hidden_fraction, step_wall_times
 from dapo_megatron.rollout.async_rollout import accepted_versions, filter_stale, sample_staleness, version_number
 
 
@@ -111,7 +111,7 @@ def test_hidden_fraction_by_hand():
 
 
 def test_engine_stamps_by_hand():
-    from dapo_megatron.overlap import engine_phases
+    from dapo_megatron.rollout.async_rollout import engine_phases
     from dapo_megatron.rollout.sampler import engine_span
 
     # request_received_ts + e2e_latency (SGLang with --enable-metrics, and the CPU engine) ...

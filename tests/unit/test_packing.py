@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dapo_megatron.actor.packing import pack_for_rank, pack_micro_batch, plan_micro_batches, unpack_response_values
-from dapo_megatron.batch import Sample
+from dapo_megatron.dataplane.sample import Sample
 
 
 def _sample(prompt, response, **kw):

@@ -38,7 +38,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """The tiny Qwen2 (fp32, random init) and its block-FP8 export."""
-    from dapo_megatron.tiny import build_tiny_model
+    from dapo_megatron.data.tiny_model import build_tiny_model
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("fp8")
@@ -201,7 +201,7 @@ def test_sync_conversion_with_dims_not_divisible_by_the_block(tmp_path):
     w = model.state_dict()["model.layers.0.mlp.down_proj.weight"].to(torch.bfloat16)
     assert expected["model.layers.0.mlp.down_proj.weight_scale_inv"][1, 1] == w[128:, 128:].float().abs().max() / E4M3_MAX
     # no engine serves it: SGLang's GEMM asserts K % 128 == 0 at the first forward, the CPU engine at load
-    from dapo_megatron.quant.cpu_fp8 import load_fp8_model
+    from dapo_megatron.cpu_engine.fp8 import load_fp8_model
 
     with pytest.raises(ValueError, match=r"'model.layers.0.mlp.down_proj' takes 200 input features, not a multiple "
                                          r"of the FP8 block 128"):
@@ -235,7 +235,7 @@ def test_fp8_logprob_mismatch_nonzero_and_bounded(tiny):
     model_dir, export_dir, sd = tiny
     from transformers import AutoModelForCausalLM
 
-    from dapo_megatron.quant.cpu_fp8 import load_fp8_model
+    from dapo_megatron.cpu_engine.fp8 import load_fp8_model
 
     fp32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     weights_only = _weight_only_model(model_dir, sd)
@@ -351,7 +351,7 @@ def test_cpu_engine_serves_the_fp8_export_with_sglangs_gemm(tiny):
     the dequantized weights with fp32 activations (the activation error is there too)."""
     from transformers import AutoModelForCausalLM
 
-    from dapo_megatron.rollout.cpu_engine import CpuEngine, WeightError
+    from dapo_megatron.cpu_engine.engine import CpuEngine, WeightError
 
     model_dir, export_dir, sd = tiny
     engine = CpuEngine(str(export_dir), dtype="float32")
@@ -417,8 +417,8 @@ def test_slurm_runs_start_fp8_engines_from_the_export(tmp_path):
         ("fp8_export", None), ("engines", ("afterok", "fp8_export")), ("train", ("after", "engines"))]
     export, array, train = (j.script({"engines": "12"}) for j in plan.jobs)
     assert f"MODEL={tmp_path / 'run' / 'rollout_fp8'}\n" in array and "QUANTIZATION=fp8\n" in array
-    assert '-m dapo_megatron.quant.rollout "$CONFIG"' in export and "--gpus-per-node" not in export
-    assert "dapo_megatron.quant.rollout \"$CONFIG\" \"${MODEL_ARGS[@]}\" --colocated-only" in train
+    assert '-m dapo_megatron.quant.engine_checkpoint "$CONFIG"' in export and "--gpus-per-node" not in export
+    assert "dapo_megatron.quant.engine_checkpoint \"$CONFIG\" \"${MODEL_ARGS[@]}\" --colocated-only" in train
     for text in (export, array, train):
         assert subprocess.run(["bash", "-n"], input=text.encode()).returncode == 0
     plain = render.render_rollout_array(load_config(repo / "configs/runs/qwen2.5-7b_dapo.yaml"), register_dir="/r")

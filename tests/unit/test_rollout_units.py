@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dapo_megatron.rollout.protocol import RequestError, parse_generate
+from dapo_megatron.cpu_engine.protocol import RequestError, parse_generate
 from dapo_megatron.rollout.registry import read_registrations, write_registration
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
 from dapo_megatron.rollout.sglang_launcher import SGLangSettings, check_sglang_version, sglang_command
-from dapo_megatron.rollout.weight_sync import check_against, checkpoint_shapes
+from dapo_megatron.transfer.weight_sync import check_against, checkpoint_shapes
 from dapo_megatron.weights.export import bucketize as buckets
 
 V = 100

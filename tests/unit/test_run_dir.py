@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dapo_megatron import checkpointing as ckpt
+from dapo_megatron.trainer import run_checkpoint as ckpt
 from dapo_megatron.launch.run_dir import RUN_FILES, check_run_dir
 
 REPO = Path(__file__).resolve().parents[2]

@@ -16,7 +16,7 @@ import textwrap
 import pytest
 import torch
 
-from dapo_megatron.rollout.tensor_payload import (
+from dapo_megatron.transfer.tensor_payload import (
     PayloadError, deserialize_payload, flatten_bucket, flattened_size, serialize_for_engine_rank, split_for_alignment,
     unflatten_bucket)
 
@@ -62,7 +62,7 @@ def test_shared_memory_payload_read_by_an_unrelated_process(tmp_path):
     (tmp_path / "payload.json").write_text(json.dumps(entries))
     reader = textwrap.dedent("""
         import json, sys
-        from dapo_megatron.rollout.tensor_payload import deserialize_payload
+        from dapo_megatron.transfer.tensor_payload import deserialize_payload
         entries = json.load(open(sys.argv[1]))
         out = []
         for entry in entries:

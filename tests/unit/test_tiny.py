@@ -1,4 +1,4 @@
-"""The embedded default's tokenizer, tiny Qwen2, warm start and train/eval split (dapo_megatron.tiny)."""
+"""The embedded default's tokenizer, tiny Qwen2, warm start and train/eval split (dapo_megatron.data.tiny_model)."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dapo_megatron.config import load_config
-from dapo_megatron.tiny import (
+from dapo_megatron.data.tiny_model import (
     ASSISTANT, EOS, PAD, USER, TinyModelSpec, build_tiny_model, build_tiny_tokenizer, prepare_tiny_model,
     prompt_ids, sft_batch, smoothed_nll, synthetic_train_eval, warm_start,
 )

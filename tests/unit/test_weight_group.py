@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dapo_megatron.rollout.weight_group import (
+from dapo_megatron.transfer.weight_group import (
     open_weight_group, route_source_address, socket_ifname_address, trainer_address)
 
 
@@ -55,7 +55,7 @@ def test_group_members_exchange_a_broadcast():
     name = f"g_test_{uuid.uuid4().hex[:8]}"
     engine = subprocess.Popen([sys.executable, "-c", f"""
 import torch
-from dapo_megatron.rollout.weight_group import open_weight_group
+from dapo_megatron.transfer.weight_group import open_weight_group
 pg = open_weight_group(backend="gloo", master_address="127.0.0.1", master_port={port}, rank=1, world_size=2,
                        group_name="{name}", timeout_s=120)
 got = torch.zeros(5)

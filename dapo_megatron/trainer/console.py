@@ -1,0 +1,266 @@
+"""What a run prints on the terminal: one line per start-up phase, a step table of fixed columns
+that fits 120 characters, and a closing summary. Everything else goes to metrics.jsonl / wandb.
+
+    quiet_backend_warnings()                      # once per process, before megatron-core is imported
+    phases = Phases()                             # the launcher (launch/local.py)
+    with phases.phase("model", slow_note="building ...") as note:   # [train] model: ... (12.3 s)
+        note["detail"] = "tiny Qwen2 warm-started"
+    table = StepTable(total_steps=40)             # MetricsLogger prints one row per logged step
+    print(run_summary(run_dir, phase_seconds=phases.seconds, wall_s=...))
+
+    [train] model: tiny Qwen2 (0.4M parameters), warm start cached (0.3 s)
+    [train] rollout: 1 CPU engine serving at http://127.0.0.1:41871 (6.1 s)
+    [train] actor: 2 Megatron ranks (TP 1 x PP 1 x DP 2, fp32, gloo), ready 11.8 s after launch
+       step  reward    acc   eval    len entropy clip_hi      kl  gnorm   groups    mism gen_s train_s sync_s step_s
+       0/40       -      -  24.5%      -       -       -       -      -        -       -     -       -      -      -
+       1/40  -0.607  25.0%      -   11.2   1.441   0.000 1.2e-03   0.81    16/22 4.9e-05   0.3     0.2    0.0    0.6
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Mapping, TextIO
+
+PREFIX = "[train]"
+TABLE_WIDTH = 120
+
+# --------------------------------------------------------------------------------------------------
+# Warnings that cannot matter on this backend, filtered once, here, each with its reason.
+
+_QUIET_WARNINGS: tuple[tuple[str, str, str], ...] = (
+    # (message regex, module regex, why it cannot matter)
+    (r"(Transformer Engine and Apex are|Apex is) not installed\. Falling back", r"megatron\.core",
+     "megatron-core announces, at import, each fused Apex/TE implementation it replaces with its torch one; "
+     "dapo-megatron chooses its backends explicitly (actor.attention_backend=torch runs without TE, Apex is "
+     "optional), so on CPU they print 14 times and say nothing the config does not"),
+    (r"full scope is deprecated\. Use empty cuda_graph_scope", r"megatron\.core",
+     "megatron-core 0.16.1's own TransformerConfig default (cuda_graph_scope='full') trips its deprecation "
+     "warning in __post_init__ (transformer_config.py:1705) once per rank; CUDA graphs are not used"),
+)
+
+
+def quiet_backend_warnings() -> None:
+    """Install the filters above and turn off transformers' per-load progress bars ("Loading
+    weights", "Writing model shards": one bar per tiny checkpoint load, dozens per run, with no
+    information a run's own phase lines lack). Idempotent; call before importing megatron-core."""
+    for message, module, _why in _QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning, module=module)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+
+
+# --------------------------------------------------------------------------------------------------
+# Start-up phases
+
+
+class Phases:
+    """`[train] <phase>: <detail> (<seconds> s)` lines, one per phase, and their durations."""
+
+    def __init__(self, *, out: TextIO | None = None, prefix: str = PREFIX) -> None:
+        self.out = out
+        self.prefix = prefix
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str, *, slow_note: str = "", slow_after_s: float = 3.0) -> Iterator[dict[str, str]]:
+        """Time the block and print its line with note["detail"] when it ends. A phase still running
+        after `slow_after_s` first prints `slow_note`, so a long warm start is never silent while a
+        cached one stays one line. A phase that raises prints nothing more: the error says why."""
+        import threading
+
+        out = self.out or sys.stdout
+        note: dict[str, str] = {"detail": ""}
+        timer = None
+        if slow_note:
+            timer = threading.Timer(slow_after_s, lambda: print(f"{self.prefix} {name}: {slow_note} ...", file=out,
+                                                                 flush=True))
+            timer.daemon = True
+            timer.start()
+        t0 = time.perf_counter()
+        try:
+            yield note
+        finally:
+            if timer is not None:
+                timer.cancel()
+        self.seconds[name] = time.perf_counter() - t0
+        print(f"{self.prefix} {name}: {note['detail']} ({self.seconds[name]:.1f} s)", file=out, flush=True)
+
+
+def actor_ready(cfg: Any, *, out: TextIO | None = None) -> None:
+    """Rank 0's start-up line: the actor's layout and the time since this process started."""
+    import psutil
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    ac = cfg.actor
+    dp = max(1, world // (ac.tp * ac.pp * ac.cp))
+    layout = f"TP {ac.tp} x PP {ac.pp}" + (f" x CP {ac.cp}" if ac.cp > 1 else "") + f" x DP {dp}"
+    backend = dist.get_backend() if dist.is_initialized() else "none"
+    since = time.time() - psutil.Process().create_time()
+    print(f"{PREFIX} actor: {world} Megatron rank{'s' if world > 1 else ''} ({layout}, {ac.precision}, {backend}), "
+          f"ready {since:.1f} s after launch", file=out or sys.stdout, flush=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# The step table: fixed columns (a missing value prints "-"), <= TABLE_WIDTH characters
+
+
+def _num(fmt: str):
+    def cell(metrics: Mapping[str, Any], key: str) -> str | None:
+        value = _get(metrics, key)
+        if value is None or isinstance(value, bool):
+            return None
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            return str(value)
+        if math.isnan(number) or math.isinf(number):
+            return str(number)
+        return fmt.format(number)
+    return cell
+
+
+def _groups(metrics: Mapping[str, Any], key: str) -> str | None:
+    kept, seen = metrics.get("sampler/groups_kept"), metrics.get("sampler/groups_seen")
+    if kept is None or seen is None:
+        return None
+    return f"{float(kept):.0f}/{float(seen):.0f}"
+
+
+# A column shows the first of these keys a step has (the old-policy entropy comes for free with the
+# pi_old forward; the actor's updates may report their own).
+ALIASES: dict[str, tuple[str, ...]] = {"actor/entropy": ("actor/entropy", "actor/entropy_old")}
+
+
+def _get(metrics: Mapping[str, Any], key: str) -> Any:
+    for name in ALIASES.get(key, (key,)):
+        if name in metrics:
+            return metrics[name]
+    return None
+
+
+# (metric key, header, width, formatter). The set never changes from row to row; every other metric
+# is in metrics.jsonl (and wandb). "groups" = kept / generated groups of the dynamic sampler.
+STEP_COLUMNS: tuple[tuple[str, str, int, Any], ...] = (
+    ("reward/mean", "reward", 7, _num("{:+.3f}")),
+    ("acc/mean", "acc", 6, _num("{:.1%}")),
+    ("eval/avg@k", "eval", 6, _num("{:.1%}")),
+    ("response_length/mean", "len", 7, _num("{:.1f}")),
+    ("actor/entropy", "entropy", 7, _num("{:.3f}")),
+    ("actor/clipfrac_high", "clip_hi", 7, _num("{:.3f}")),
+    ("actor/approx_kl", "kl", 7, _num("{:.1e}")),
+    ("actor/grad_norm", "gnorm", 6, _num("{:.2f}")),
+    ("sampler/groups_kept", "groups", 8, _groups),
+    ("mismatch/max", "mism", 7, _num("{:.0e}")),
+    ("time/gen_s", "gen_s", 5, _num("{:.1f}")),
+    ("time/train_s", "train_s", 7, _num("{:.1f}")),
+    ("time/sync_s", "sync_s", 6, _num("{:.1f}")),
+    ("time/step_s", "step_s", 6, _num("{:.1f}")),
+)
+
+
+class StepTable:
+    """Prints a header, then one row per step; the header again every `header_every` rows."""
+
+    def __init__(self, *, total_steps: int | None = None, header_every: int = 20, out: TextIO | None = None) -> None:
+        self.total_steps = total_steps
+        self.header_every = header_every
+        self.out = out
+        self.rows = 0
+        self.step_width = max(6, 2 * len(str(total_steps)) + 1) if total_steps else 6
+
+    def header(self) -> str:
+        return f"{'step':>{self.step_width}}" + "".join(f" {h:>{w}}" for _, h, w, _ in STEP_COLUMNS)
+
+    def format_row(self, step: int, metrics: Mapping[str, Any]) -> str:
+        label = f"{step}/{self.total_steps}" if self.total_steps else str(step)
+        cells = []
+        for key, _, width, fmt in STEP_COLUMNS:
+            text = fmt(metrics, key)
+            cells.append(f" {'-' if text is None else text:>{width}}")
+        return f"{label:>{self.step_width}}" + "".join(cells)
+
+    def print_row(self, step: int, metrics: Mapping[str, Any]) -> None:
+        out = self.out or sys.stdout
+        if self.rows % self.header_every == 0:
+            print(self.header(), file=out)
+        print(self.format_row(step, metrics), file=out, flush=True)
+        self.rows += 1
+
+
+# --------------------------------------------------------------------------------------------------
+# The closing summary
+
+
+def _fmt_s(seconds: float) -> str:
+    if seconds >= 60:
+        return f"{int(seconds // 60)} min {seconds % 60:04.1f} s"
+    return f"{seconds:.1f} s"
+
+
+def run_summary(run_dir: str | Path, *, phase_seconds: Mapping[str, float] | None = None,
+                ranks_wall_s: float | None = None, wall_s: float | None = None) -> str:
+    """Where things are and how the run went: run directory, curves, final and best eval, the
+    checkpoints on disk, and time per phase (start-up phases as measured by the launcher; the
+    ranks' phases summed from metrics.jsonl; `other` = the rest of the ranks' wall time: their
+    start-up, checkpoints, logging)."""
+    from dapo_megatron.trainer.run_checkpoint import best_checkpoint, list_checkpoints
+    from dapo_megatron.trainer.run_log import CURVES_FILE, METRICS_FILE, read_jsonl
+
+    run_dir = Path(run_dir)
+    records = read_jsonl(run_dir / METRICS_FILE) if (run_dir / METRICS_FILE).is_file() else []
+    lines = [f"{PREFIX} done. run directory: {run_dir}"]
+    curves = run_dir / CURVES_FILE
+    lines.append(f"  curves:       {curves if curves.is_file() else '(not written)'}")
+    lines.append(f"  metrics:      {run_dir / METRICS_FILE} ({len(records)} records)")
+    evals = [(int(r["step"]), float(r["eval/avg@k"]), r.get("eval/pass@k"), r.get("eval/k"))
+             for r in records if isinstance(r.get("eval/avg@k"), (int, float))]
+    if evals:
+        k = evals[-1][3]
+        name = f"avg@{int(k)}" if isinstance(k, (int, float)) else "avg@k"
+        step, value, pass_k, _ = evals[-1]
+        extra = f", pass@{int(k)} {float(pass_k):.1%}" if isinstance(pass_k, (int, float)) and k else ""
+        lines.append(f"  final eval:   {name} {value:.1%} at step {step}{extra}")
+        best_step, best, _, _ = max(evals, key=lambda e: (e[1], -e[0]))  # the earliest of equal bests
+        first = evals[0]
+        lines.append(f"  best eval:    {name} {best:.1%} at step {best_step} "
+                     f"(step {first[0]}: {first[1]:.1%}, {len(evals)} evals)")
+    else:
+        lines.append("  eval:         none logged (trainer.eval_every=0?)")
+    checkpoints = list_checkpoints(run_dir)
+    if checkpoints:
+        names = ", ".join(path.name for _, path in checkpoints)
+        lines.append(f"  checkpoints:  {names} in {run_dir / 'checkpoints'}")
+    else:
+        lines.append("  checkpoints:  none")
+    best = best_checkpoint(run_dir)
+    if best is not None:
+        lines.append(f"  best ckpt:    {best[2]} (eval {best[1]:.1%}, kept by trainer.keep_best_checkpoint)")
+    steps = [r for r in records if int(r.get("step", 0)) > 0 and "time/step_s" in r]
+    sums = {key: sum(float(r.get(key, 0.0)) for r in records)
+            for key in ("time/gen_s", "time/logprob_s", "time/train_s", "time/sync_s", "time/eval_s")}
+    trained = [("generate", sums["time/gen_s"]), ("log-probs", sums["time/logprob_s"]),
+               ("train", sums["time/train_s"]), ("weight sync", sums["time/sync_s"]), ("eval", sums["time/eval_s"])]
+    ran = [(name, secs) for name, secs in trained if secs > 0]
+    if ranks_wall_s is not None:
+        ran.append(("other", max(0.0, ranks_wall_s - sum(secs for _, secs in trained))))
+    label = "  time:         "
+    for title, items in (("start-up", list((phase_seconds or {}).items())), ("ranks", ran)):
+        if items:
+            lines.append(f"{label}{title}: " + ", ".join(f"{name} {_fmt_s(secs)}" for name, secs in items))
+            label = " " * len(label)
+    if steps:
+        step_total = sum(float(r["time/step_s"]) for r in steps)
+        lines.append(f"  steps:        {len(steps)} in {_fmt_s(step_total)} "
+                     f"(median {sorted(float(r['time/step_s']) for r in steps)[len(steps) // 2]:.2f} s per step)"
+                     + (f"; whole command {_fmt_s(wall_s)}" if wall_s is not None else ""))
+    return "\n".join(lines)

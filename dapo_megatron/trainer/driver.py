@@ -1,0 +1,204 @@
+"""What global rank 0 owns in a DAPO run: prompts, rollout engines, the sampler, evaluation and the
+engine side of the weight transfer. Every other rank only runs the actor (trainer/train.py).
+
+    driver = Driver(cfg, model_dir=..., run_dir=...)
+    groups, stats = driver.rollout()           # dynamic sampling: generated, scored (+ overlong shaping) groups
+    fill_advantages(groups, eps=...)           # group-normalised advantages
+    stats = driver.push_weights(buckets, step=3)   # the actor's export buckets (trainer/placement.py) -> every engine
+    scores = driver.evaluate()                 # avg@k / pass@k on the eval set
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from dapo_megatron.algo import group_advantages
+from dapo_megatron.dataplane.sample import Sample
+from dapo_megatron.config import Config
+from dapo_megatron.data.datasets import train_and_eval_records
+from dapo_megatron.data.stream import PromptStream
+from dapo_megatron.trainer.evaluate import eval_metrics, sample_correct
+from dapo_megatron.rollout.registry import engine_events_path
+from dapo_megatron.rollout.async_rollout import engine_phases
+from dapo_megatron.trainer.recovery import sync_dropping_dead
+from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
+from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
+from dapo_megatron.transfer.weight_sync import DistributedWeightSync
+
+
+def fill_advantages(groups: list[list[Sample]], *, eps: float) -> None:
+    """A_i = (R_i - mean_g R) / (std_g R + eps) per group (docs/algorithm.md section 4)."""
+    samples = [s for g in groups for s in g]
+    if not samples:
+        return
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    index = torch.tensor([gi for gi, g in enumerate(groups) for _ in g])
+    for sample, adv in zip(samples, group_advantages(rewards, index, eps=eps).tolist()):
+        sample.advantage = adv
+
+
+class Driver:
+    def __init__(self, cfg: Config, *, model_dir: str | Path, run_dir: str | Path, backend: str = "gloo") -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.loop = asyncio.new_event_loop()
+        r = cfg.rollout
+        if r.engine_urls:
+            self.pool = EnginePool(list(r.engine_urls), timeout_s=r.request_timeout_s, max_retries=r.max_retries)
+        else:
+            self.pool = self.loop.run_until_complete(EnginePool.from_registry(
+                str(self.run_dir / "engines"), min_engines=r.num_engines, timeout_s=r.request_timeout_s,
+                max_retries=r.max_retries))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        # start-up admissions are not faults; restarts are the local launcher's (launch/supervise.py)
+        self.engine_report = EngineEventReport(self.pool, restart_events=engine_events_path(self.run_dir))
+        self.sync_redo = False  # the last push lost an engine mid-sync: the others need it again (trainer/recovery.py)
+        self.lost_reason = ""  # why no engine is left (trainer/recovery.py)
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        # sampling_seed only where every engine honours it (SGLang: --enable-deterministic-inference)
+        seeded = self.loop.run_until_complete(self.pool.seeds_honoured())
+        self.sampler = RolloutSampler(self.pool, self.tokenizer,
+                                      RolloutSettings.from_config(cfg, stop_token_ids=tuple(eos), per_sample_seeds=seeded),
+                                      rid_prefix="train")
+        train, self.eval_records = train_and_eval_records(cfg.data)
+        self.prompts = PromptStream(train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
+        # master_address "" = the trainer address every engine reaches (weight_group.trainer_address)
+        self.weight_sync = DistributedWeightSync(backend=backend, bucket_bytes=r.weight_bucket_mb << 20,
+                                                 master_address=r.weight_sync_address)
+        # rollout.quantization=fp8: every sync sends modelopt's fp8 weights + scales (quant/engine_checkpoint.py)
+        self.fp8 = None
+        if r.quantization == "fp8":
+            from dapo_megatron.quant.engine_checkpoint import fp8_converter
+
+            self.fp8 = fp8_converter(cfg)
+        # phase stamps (phase, step, start, end) for trainer/timeline.py; rollout.max_staleness >= 1 runs this loop on
+        # a thread that generates the next k batches while the trainer trains (rollout/async_rollout.py)
+        self.timeline: list[tuple[str, int, float, float]] = []
+        self.next_step, self._rollout_end = 0, 0.0
+        self.overlap = None
+        if r.max_staleness >= 1:
+            from dapo_megatron.rollout.async_rollout import AsyncRollout
+
+            self.overlap = AsyncRollout(self.loop, self.sampler, self.prompts, max_staleness=r.max_staleness,
+                                        train_batch_size=cfg.trainer.train_batch_size,
+                                        total_steps=cfg.trainer.total_steps, timeline=self.timeline)
+
+    def run(self, coro):
+        """A coroutine on the driver's loop: here, or on its thread while steps overlap (every caller of
+        the engines goes through this, never through self.loop directly)."""
+        return self.overlap.run(coro) if self.overlap is not None else self.loop.run_until_complete(coro)
+
+    # --- state carried by checkpoints ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"prompts": self.prompts.state_dict(), "num_requests": self.sampler.num_requests}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.prompts.load_state_dict(state["prompts"])
+        self.sampler.num_requests = int(state["num_requests"])
+
+    # --- one step's data ------------------------------------------------------------------------------
+    def rollout(self) -> tuple[list[list[Sample]], dict[str, float]]:
+        """train_batch_size groups of rollout.n scored responses (rewards with overlong shaping; groups
+        all right or all wrong dropped and refilled: DAPO's dynamic sampling), and their statistics."""
+        tic, step, overlap_stats = time.time(), self.next_step, {}
+        if self.overlap is not None:  # generated while earlier steps trained; groups staler than k dropped
+            result, overlap_stats = self.overlap.next_batch(step)
+        else:
+            result = self.loop.run_until_complete(
+                self.sampler.collect(self.prompts, train_batch_size=self.cfg.trainer.train_batch_size))
+            self.timeline.append(("generate", step, tic, time.time()))
+            self.timeline.extend(engine_phases(self.sampler.engine_spans, step))
+            self.sampler.engine_spans.clear()
+        self.next_step, self._rollout_end = step + 1, time.time()
+        samples = result.samples
+        lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+        stats = {f"sampler/{k}": float(v) for k, v in result.stats.items()
+                 if isinstance(v, (int, float)) and k not in ("tokens_per_s", "seconds")}
+        stats.update({
+            "throughput/rollout_tok_s": float(result.stats.get("tokens_per_s", 0.0)),
+            "reward/mean": float(torch.tensor([s.reward for s in samples]).mean()) if samples else 0.0,
+            "acc/mean": float(torch.tensor([s.acc for s in samples]).mean()) if samples else 0.0,
+            "response_length/mean": float(lengths.mean()) if samples else 0.0,
+            "response_length/max": float(lengths.max()) if samples else 0.0,
+            "response_length/clip_ratio": float(sum(s.truncated for s in samples) / max(len(samples), 1)),
+        })
+        stats.update(overlap_stats)
+        return result.groups, stats
+
+    # --- weights out ----------------------------------------------------------------------------------
+    def push_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], *, step: int) -> dict[str, float]:
+        """Send the actor's buckets of HF-named tensors (the weights after `step` updates) to every
+        engine as weight version "step_<step>", bucket by bucket as they come, then admit re-registered
+        engines that were waiting for them. From here on, a reply made by any other version is stale
+        (the sampler drops and counts it). The weight sync regroups the tensors by the same
+        rollout.weight_bucket_mb (it holds views into at most two export buckets at a time); sending
+        each stage's flat buffer as it is waits for the per-stage weight groups (stage_export.py)."""
+        version = f"step_{step}"
+        named = (pair for bucket in buckets for pair in bucket)
+        if self.fp8 is not None:
+            named = self.fp8.convert(named)
+
+        # an engine dying during the sync is dropped from it and the pass is still consumed to its end;
+        # sync_redo asks every rank for another pass (recovery.transfer_with_recovery). While steps
+        # overlap, the engines are paused in "retract" mode around it (partial rollouts: async_rollout.py)
+        around = self.overlap.paused_sync if self.overlap is not None else None
+        tic = time.time()
+        if self._rollout_end:  # the trainer's part of step step-1 on this rank: scatter, log-probs, updates
+            self.timeline.append(("train", step - 1, self._rollout_end, tic))
+        stats, self.sync_redo = self.run(
+            sync_dropping_dead(self.pool, self.weight_sync, named, weight_version=version, around=around))
+        if stats is None:
+            return {}
+        self.sampler.weight_version = version
+        if self._rollout_end:
+            self.timeline.append(("sync", step - 1, tic, time.time()))
+        self.next_step, self._rollout_end = step, 0.0
+        return {"sync/seconds": stats.seconds, "sync/gb": stats.bytes / 1e9, "sync/gb_per_s": stats.gb_per_s,
+                "sync/buckets": float(stats.num_buckets), "sync/collectives": float(stats.num_collectives)}
+
+    def weights_now(self, version: str) -> None:
+        """The engines hold weight version `version` (a transfer by another transport, trainer/placement.py):
+        replies of any other version are stale from here on; engines that waited for it are admitted."""
+        self.sampler.weight_version = version
+        self.pool.admit(self.pool.pending_urls())
+
+    # --- engine faults --------------------------------------------------------------------------------
+    def engine_events(self) -> dict[str, float]:
+        """Engines dropped / back / rejoined since the last call: console lines and running counts."""
+        return self.engine_report.report()
+
+    # --- evaluation -----------------------------------------------------------------------------------
+    def evaluate(self, *, records: list | None = None) -> dict[str, float]:
+        """avg@k and pass@k with the eval sampling settings (trainer.eval_n/eval_temperature/eval_top_p)."""
+        records = self.eval_records if records is None else records
+        if not records:
+            return {}
+        t = self.cfg.trainer
+        start = time.perf_counter()
+        correct = self.run(sample_correct(
+            self.pool, [self.sampler.prompt_ids(r) for r in records], records, n=t.eval_n,
+            temperature=t.eval_temperature, top_p=t.eval_top_p, max_new_tokens=self.cfg.rollout.max_response_length,
+            seed=t.seed, stop_token_ids=self.sampler.settings.stop_token_ids,
+            per_sample_seeds=self.sampler.settings.per_sample_seeds))
+        return {**eval_metrics(correct), "time/eval_s": time.perf_counter() - start}
+
+    def close(self) -> None:
+        async def run():
+            await self.weight_sync.close(self.pool.live_clients())
+            await self.pool.close()
+
+        if self.overlap is not None:
+            self.overlap.close()  # the producer's requests aborted; the loop stopped, back on this thread
+        if self.timeline:
+            from dapo_megatron.trainer.timeline import write_timeline
+
+            write_timeline(self.timeline, self.run_dir)
+        self.loop.run_until_complete(run())
+        self.loop.close()

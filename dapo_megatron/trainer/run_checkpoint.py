@@ -1,0 +1,291 @@
+"""Run checkpoints: `<output_dir>/checkpoints/step_<N>/` = actor (Megatron distributed checkpoint with
+optimizer and RNG), trainer_state.json (step, data order, sampler counters, metrics state) and hf/
+(the policy as a HF checkpoint, what `eval` and the engines load).
+
+A checkpoint is written under `step_<N>.tmp/` and renamed when complete, so a directory named
+`step_<N>` is always whole: an interrupted save leaves the previous checkpoints as they were, and
+`latest_checkpoint` never returns a half-written one.
+
+Whole is not intact: a disk or file system can still lose or truncate a file later. So the last file
+written before the rename is `manifest.json` (every other file's size and CRC-32), and `--resume`
+takes the newest checkpoint that verifies against it (`newest_valid_checkpoint`): a checkpoint that
+does not is named with the first bad file, renamed `step_<N>.corrupt` (kept for inspection, never
+listed again), and the previous one is tried. The ranks share the hashing (file i goes to rank
+i % world), so a 32B checkpoint's hundreds of GB are read in parallel, not by rank 0 alone.
+
+With trainer.keep_best_checkpoint, `checkpoints/best.json` = {"step", "eval"} names the checkpoint
+whose eval (the held-out avg@k logged at its step, stored as trainer_state's "eval") is the best so
+far; rotation (trainer.keep_checkpoints) keeps it besides the newest ones.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
+CORRUPT_SUFFIX = ".corrupt"
+BEST_FILE = "best.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def step_dir(output_dir: str | Path, step: int) -> Path:
+    return checkpoint_root(output_dir) / f"step_{step:06d}"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and path.is_dir() and (path / STATE_FILE).is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    found = list_checkpoints(output_dir)
+    return found[-1][1] if found else None
+
+
+def write_state(tmp_dir: Path, state: dict[str, Any]) -> None:
+    (tmp_dir / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
+
+
+def read_state(ckpt_dir: str | Path) -> dict[str, Any]:
+    path = Path(ckpt_dir) / STATE_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"checkpoint {ckpt_dir}: cannot read {STATE_FILE}: {err}") from None
+
+
+def best_checkpoint(output_dir: str | Path) -> tuple[int, float, Path] | None:
+    """(step, eval, directory) of the best-eval checkpoint recorded in checkpoints/best.json, if any."""
+    path = checkpoint_root(output_dir) / BEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        best = json.loads(path.read_text())
+        step, score = int(best["step"]), float(best["eval"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not a best-checkpoint record ({err})") from None
+    found = dict(list_checkpoints(output_dir))
+    return (step, score, found[step]) if step in found else None
+
+
+def _update_best(final_dir: Path, step: int) -> None:
+    score = read_state(final_dir).get("eval")
+    if not isinstance(score, (int, float)):
+        return  # no eval at this step
+    current = best_checkpoint(final_dir.parent.parent)
+    if current is not None and current[1] >= score:
+        return  # the earliest of equal bests stays
+    path = final_dir.parent / BEST_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"step": step, "eval": float(score)}))
+    tmp.replace(path)
+
+
+def commit(tmp_dir: Path, final_dir: Path, *, keep: int, keep_best: bool = False) -> None:
+    """Rename a complete tmp checkpoint into place, then drop all but the newest `keep` (0 = all)
+    and, with keep_best, the best-eval one (BEST_FILE)."""
+    if final_dir.exists():  # a re-run of the same step after a resume: replace it whole
+        shutil.rmtree(final_dir)
+    tmp_dir.rename(final_dir)
+    match = _STEP_DIR.match(final_dir.name)
+    if keep_best and match:
+        _update_best(final_dir, int(match.group(1)))
+    best = best_checkpoint(final_dir.parent.parent) if keep_best else None
+    if keep > 0:
+        for step, old in list_checkpoints(final_dir.parent.parent)[:-keep]:
+            if best is None or step != best[0]:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+# --- manifest: sizes and checksums, written last, verified on resume ----------------------------------
+
+def file_crc32(path: Path, *, chunk_bytes: int = 16 << 20) -> str:
+    """CRC-32 of a file, read in chunks (detects truncation and bit rot; not a security hash)."""
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
+
+def checkpoint_files(ckpt_dir: Path) -> list[str]:
+    """Every file below ckpt_dir (relative, sorted), except the manifest itself."""
+    return sorted(str(p.relative_to(ckpt_dir)) for p in ckpt_dir.rglob("*")
+                  if p.is_file() and p.name != MANIFEST_FILE)
+
+
+def describe_files(ckpt_dir: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    return {name: {"bytes": (ckpt_dir / name).stat().st_size, "crc32": file_crc32(ckpt_dir / name)}
+            for name in names}
+
+
+def check_files(ckpt_dir: Path, expected: dict[str, dict[str, Any]]) -> list[str]:
+    """Problems of these manifest entries, cheapest test first: missing, wrong size, wrong checksum."""
+    problems = []
+    for name, want in expected.items():
+        path = ckpt_dir / name
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif path.stat().st_size != want["bytes"]:
+            problems.append(f"{path}: {path.stat().st_size} bytes, the manifest says {want['bytes']}")
+        elif file_crc32(path) != want["crc32"]:
+            problems.append(f"{path}: checksum {file_crc32(path)} != {want['crc32']} in the manifest")
+    return problems
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _from_rank0(value: Any) -> Any:
+    """rank 0's value on every rank (one listing of the shared directory, not one per rank)."""
+    import torch.distributed as dist
+
+    if _world()[1] == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(value: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    if _world()[1] == 1:
+        return [value]
+    out: list[Any] = [None] * _world()[1]
+    dist.all_gather_object(out, value)
+    return out
+
+
+def write_manifest(ckpt_dir: Path) -> None:
+    """Collective (every rank, after every rank has written its files): rank r checksums files
+    r, r + world, ...; rank 0 writes manifest.json with all of them."""
+    rank, world = _world()
+    names = _from_rank0(checkpoint_files(ckpt_dir) if rank == 0 else None)
+    entries: dict[str, dict[str, Any]] = {}
+    for part in _gather(describe_files(ckpt_dir, names[rank::world])):
+        entries.update(part)
+    if rank == 0:
+        tmp = ckpt_dir / (MANIFEST_FILE + ".tmp")
+        tmp.write_text(json.dumps({"files": entries}, indent=1, sort_keys=True))
+        tmp.rename(ckpt_dir / MANIFEST_FILE)
+
+
+def verify_checkpoint(ckpt_dir: Path) -> list[str]:
+    """Collective: every problem of the checkpoint against its manifest (the same list on every rank;
+    empty = intact). A checkpoint without a manifest (written before manifests existed) is accepted
+    with a printed warning: there is nothing to verify it against."""
+    rank, world = _world()
+    manifest = None
+    if rank == 0:
+        try:
+            manifest = json.loads((ckpt_dir / MANIFEST_FILE).read_text())["files"]
+        except FileNotFoundError:
+            manifest = "absent"
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            manifest = f"{ckpt_dir / MANIFEST_FILE}: unreadable ({err})"
+    manifest = _from_rank0(manifest)
+    if manifest == "absent":
+        if rank == 0:
+            print(f"[checkpoint] {ckpt_dir} has no {MANIFEST_FILE} (an older checkpoint): not verified", flush=True)
+        return []
+    if isinstance(manifest, str):
+        return [manifest]
+    names = sorted(manifest)
+    problems = check_files(ckpt_dir, {n: manifest[n] for n in names[rank::world]})
+    return sorted(p for part in _gather(problems) for p in part)
+
+
+def newest_valid_checkpoint(output_dir: str | Path, *, log: Callable[[str], None] = print) -> Path:
+    """Collective: the newest checkpoint that verifies. Each one that does not is named with its first
+    problem, set aside as step_<N>.corrupt (rank 0) and the previous one is tried. Raises ValueError
+    (naming the reason) when there is none: --resume never silently starts from nothing."""
+    rank, _ = _world()
+    found = _from_rank0(list_checkpoints(output_dir) if rank == 0 else None)
+    if not found:
+        raise ValueError(f"--resume: no checkpoint in {checkpoint_root(output_dir)} (a complete "
+                         f"step_<N>/ with {STATE_FILE}); run without --resume to start this run from the beginning")
+    rejected = []
+    for step, path in reversed(found):
+        problems = verify_checkpoint(path)
+        if not problems:
+            if rejected and rank == 0:
+                log(f"[checkpoint] resuming from {path.name} instead: {len(rejected)} newer checkpoint(s) set aside")
+            return path
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        rejected.append(f"{path.name}: {problems[0]}{more}")
+        if rank == 0:
+            log(f"[checkpoint] {path} is damaged: {problems[0]}{more}; "
+                f"keeping it as {path.name}{CORRUPT_SUFFIX} and trying the previous checkpoint")
+            path.rename(path.with_name(path.name + CORRUPT_SUFFIX))
+        _from_rank0(None)  # everyone waits for the rename before listing again
+    raise ValueError("--resume: every checkpoint failed verification (each is kept as step_<N>.corrupt); "
+                     "refusing to start from nothing:\n  "
+                     + "\n  ".join(rejected))
+
+
+def _save_hf(cfg, actor, roles, out_dir: Path) -> None:
+    """Collective: the HF checkpoint written by the pipeline stages (transfer/stage_save.py), or, for
+    expert-parallel layouts the stage export does not cover yet, streamed to the driver through
+    iter_hf_weights (every rank walks it in step)."""
+    from dapo_megatron.transfer.stage_export import actor_exporter, covers_layout
+
+    if covers_layout():
+        from dapo_megatron.transfer.stage_save import save_hf_by_stage
+
+        save_hf_by_stage(actor_exporter(actor, bucket_bytes=cfg.rollout.weight_bucket_mb << 20), actor.hf_config,
+                         out_dir, copy_from=cfg.model.path)
+        return
+    named = actor.iter_hf_weights()
+    if roles.driver:
+        from dapo_megatron.weights import save_hf_checkpoint
+
+        save_hf_checkpoint(named, actor.hf_config, out_dir, copy_from=cfg.model.path)
+    else:
+        for _ in named:
+            pass
+
+
+def save_step(cfg, actor, driver, roles, *, step: int, extra: dict) -> None:
+    """All ranks: write checkpoints/step_<step>.tmp (actor; HF weights written by each pipeline stage),
+    then the driver renames it into place."""
+    import torch.distributed as dist
+
+    final = step_dir(cfg.trainer.output_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if roles.driver:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    actor.save(tmp / "actor")
+    if cfg.trainer.save_hf:
+        _save_hf(cfg, actor, roles, tmp / "hf")
+    if roles.driver:
+        write_state(tmp, {"step": step, "driver": driver.state_dict(), **extra})
+    dist.barrier()
+    write_manifest(tmp)  # last: sizes + checksums of everything above (collective)
+    if roles.driver:
+        commit(tmp, final, keep=cfg.trainer.keep_checkpoints, keep_best=cfg.trainer.keep_best_checkpoint)
+    dist.barrier()

@@ -1,0 +1,209 @@
+"""Per-step metrics: a console table, `<run_dir>/metrics.jsonl`, wandb (offline by default), PNG curves.
+
+    logger = MetricsLogger(run_dir, wandb_mode="offline", wandb_project="dapo-megatron", config=cfg.to_dict())
+    logger.log(step, {"reward/mean": 0.1, "acc/mean": 0.55, ...})   # one JSON line, one table row
+    logger.close()                                                  # finishes wandb, writes curves.png
+
+    dapo-megatron plot RUN_DIR [--out FILE.png]      # the PNG of a finished or running run
+
+Metric names are "group/name" (wandb groups panels by the prefix). The console shows the fixed
+columns of console.STEP_COLUMNS (a table that fits 120 characters); every key goes to the JSONL and wandb. On resume from step k,
+`MetricsLogger(..., resume_step=k)` drops the JSONL lines of steps after k (written after the last
+checkpoint) so the file reads as if the run had never stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Mapping, Sequence, TextIO
+
+from dapo_megatron.trainer import console as _console
+
+__all__ = [
+    "PLOT_PANELS", "MetricsLogger", "read_jsonl",
+    "build_figure", "plot_run", "plot_main", "progress",
+]
+
+METRICS_FILE = "metrics.jsonl"
+CURVES_FILE = "curves.png"
+
+# A column or curve shows the first of these keys a step has (console.ALIASES: the old-policy
+# entropy comes for free with the pi_old forward; the actor's updates may report their own).
+ALIASES = _console.ALIASES
+_get = _console._get
+
+
+# PNG panels: (title, [(metric key, legend label), ...]); panels with no data are left out.
+PLOT_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
+    ("accuracy", (("acc/mean", "train acc (kept groups)"), ("sampler/acc_all", "train acc (all)"), ("eval/avg@k", "eval avg@k"), ("eval/pass@k", "eval pass@k"))),
+    ("reward", (("reward/mean", "reward"),)),
+    ("response length", (("response_length/mean", "mean"), ("response_length/max", "max"))),
+    ("entropy / KL", (("actor/entropy", "entropy"), ("actor/approx_kl", "approx KL"))),
+    ("clip fraction", (("actor/clipfrac_low", "low"), ("actor/clipfrac_high", "high"))),
+    ("step time (s)", (("time/gen_s", "generate"), ("time/train_s", "train"), ("time/step_s", "step"))),
+)
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item") and callable(value.item):  # 0-dim tensors / numpy scalars
+        value = value.item()
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return str(value)  # JSON has no NaN; "nan" / "inf" keep the fact visible
+    return value
+
+
+class MetricsLogger:
+    """Writes each step's metrics to the console, `<run_dir>/metrics.jsonl` and wandb."""
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        wandb_mode: str = "offline",
+        wandb_project: str = "dapo-megatron",
+        run_name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        resume_step: int | None = None,
+        console: TextIO | None = sys.stdout,
+        header_every: int = 20,
+    ) -> None:
+        if wandb_mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"trainer.wandb_mode={wandb_mode!r} is not allowed; choose offline, online or disabled")
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        if resume_step is not None and self.path.is_file():
+            kept = [r for r in read_jsonl(self.path) if int(r.get("step", -1)) <= resume_step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        elif resume_step is None and self.path.is_file():
+            self.path.unlink()  # a fresh run in an old directory starts a fresh file
+        self._file = self.path.open("a")
+        self._console = console
+        total_steps = (config or {}).get("trainer", {}).get("total_steps") if isinstance(config, Mapping) else None
+        self._table = _console.StepTable(total_steps=total_steps, header_every=header_every, out=console)
+        self._wandb = None
+        if wandb_mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(
+                project=wandb_project, name=run_name or self.run_dir.name, dir=str(self.run_dir),
+                mode=wandb_mode, config=dict(config or {}), resume="allow" if resume_step is not None else None,
+            )
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        record = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._console is not None:
+            self._table.print_row(step, record)
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))},
+                            step=int(step))
+        return record
+
+    def close(self, *, plot: bool = True) -> Path | None:
+        """Flush, finish wandb and (by default) write `<run_dir>/curves.png`; returns the PNG path."""
+        if not self._file.closed:
+            self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+        if plot and self.path.is_file() and self.path.stat().st_size:
+            return plot_run(self.run_dir)
+        return None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl; a broken line raises ValueError naming the file and line."""
+    records = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: line {number} is not valid JSON ({err.msg})") from None
+        if not isinstance(record, dict) or "step" not in record:
+            raise ValueError(f"{path}: line {number} is not a metrics record with a 'step' field")
+        records.append(record)
+    return records
+
+
+def _series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    xs, ys = [], []
+    for r in records:
+        value = _get(r, key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            xs.append(int(r["step"]))
+            ys.append(float(value))
+    return xs, ys
+
+
+def build_figure(records: Sequence[Mapping[str, Any]], *, title: str = ""):
+    """A matplotlib Figure with one panel per PLOT_PANELS entry that has data (Agg backend)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    panels = [(t, [(k, lbl, *_series(records, k)) for k, lbl in keys]) for t, keys in PLOT_PANELS]
+    panels = [(t, [s for s in series if s[2]]) for t, series in panels]
+    panels = [(t, series) for t, series in panels if series]
+    if not panels:
+        raise ValueError("no plottable metrics: none of the PLOT_PANELS keys has a numeric value")
+    cols = 3 if len(panels) > 4 else 2 if len(panels) > 1 else 1
+    rows = math.ceil(len(panels) / cols)
+    fig = Figure(figsize=(5 * cols, 3.4 * rows), layout="constrained")
+    for i, (panel_title, series) in enumerate(panels):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        for _, label, xs, ys in series:
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
+        ax.set_title(panel_title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    return fig
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Write the curves of `<run_dir>/metrics.jsonl` to `out` (default `<run_dir>/curves.png`)."""
+    run_dir = Path(run_dir)
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        raise ValueError(f"{path}: no metrics file (is {run_dir} a run directory?)")
+    records = read_jsonl(path)
+    if not records:
+        raise ValueError(f"{path}: no records yet")
+    out = Path(out) if out else run_dir / CURVES_FILE
+    build_figure(records, title=run_dir.name).savefig(out, dpi=100)
+    return out
+
+
+def plot_main(argv: list[str]) -> int:
+    """`dapo-megatron plot RUN_DIR [--out FILE.png]`: PNG of a run's curves."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="dapo-megatron plot", description=plot_main.__doc__)
+    parser.add_argument("run_dir")
+    parser.add_argument("--out", default=None, help="PNG path (default RUN_DIR/curves.png)")
+    args = parser.parse_args(argv)
+    print(plot_run(args.run_dir, args.out))
+    return 0
+
+
+def progress(total: int, *, desc: str, enabled: bool = True):
+    """A tqdm bar for generation rounds / training micro-batches (off when stderr is not a terminal)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, leave=False, disable=not enabled or not sys.stderr.isatty())
