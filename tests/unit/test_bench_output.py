@@ -85,7 +85,7 @@ def test_rows_under_another_header_are_refused_and_the_file_kept(tmp_path):
 
 
 def test_bench_overlap_refuses_a_foreign_csv_before_running_anything(tmp_path):
-    from dapo_megatron.trainer import timeline as overlap
+    from dapo_megatron.benchmarks import overlap
 
     (tmp_path / "overlap.csv").write_text("date,machine,staleness\n2026-11-23,x,0\n")
     try:  # a run would take minutes; the refusal comes first (no run directory is made)
