@@ -6,7 +6,7 @@
     dapo-megatron plan CONFIG [key=value ...]                   (per-GPU memory of every phase)
     dapo-megatron convert hf-to-mcore | mcore-to-hf ...
     dapo-megatron check-parity --model HF_DIR --tp T --pp P      (under torchrun)
-    dapo-megatron bench kernels | reward | rollout | actor [--results-dir DIR]
+    dapo-megatron bench kernels | reward | rollout | actor | dataplane | rollout-quant | overlap [--results-dir DIR]
     dapo-megatron serve-rollout --model DIR --port P
     dapo-megatron slurm submit | status ...
     dapo-megatron plot RUN_DIR
@@ -20,6 +20,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from dapo_megatron.benchmarks.run import BENCHES  # standard library only: the help lists every benchmark
+
 # sub-command -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("dapo_megatron.launch.commands", "train", "run DAPO training from a config"),
@@ -28,7 +30,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "plan": ("dapo_megatron.memplan.report", "main", "per-GPU memory of every phase of a step; exit 1 if it does not fit"),
     "convert": ("dapo_megatron.tools.convert", "main", "convert checkpoints: hf-to-mcore | mcore-to-hf"),
     "check-parity": ("dapo_megatron.tools.parity", "main", "Megatron vs transformers log-prob parity"),
-    "bench": ("dapo_megatron.benchmarks.run", "main", "benchmarks: kernels | reward | rollout | actor | dataplane | rollout-quant"),
+    "bench": ("dapo_megatron.benchmarks.run", "main", "benchmarks: " + " | ".join(BENCHES)),
     "serve-rollout": ("dapo_megatron.cpu_engine.server", "main", "CPU rollout server (SGLang HTTP API)"),
     "slurm": ("dapo_megatron.launch.slurm_cli", "main", "render / submit sbatch jobs, show their status"),
     "plot": ("dapo_megatron.trainer.run_log", "plot_main", "PNG of a run's curves"),

@@ -11,15 +11,23 @@ package was imported (tests). Elsewhere they raise RuntimeError rather than fall
 the *_reference functions (plain torch, same signatures) are the explicit fallback.
 """
 
-from ._runtime import INTERPRET
-from .logprob import linear_logprob_entropy
-from .policy_loss import policy_loss
-from .reference import linear_logprob_entropy_reference, policy_loss_reference
+if __name__ == "dapo_kernels":
+    from ._runtime import INTERPRET
+    from .logprob import linear_logprob_entropy
+    from .policy_loss import policy_loss
+    from .reference import linear_logprob_entropy_reference, policy_loss_reference
 
-__all__ = [
-    "INTERPRET",
-    "linear_logprob_entropy",
-    "linear_logprob_entropy_reference",
-    "policy_loss",
-    "policy_loss_reference",
-]
+    __all__ = [
+        "INTERPRET",
+        "linear_logprob_entropy",
+        "linear_logprob_entropy_reference",
+        "policy_loss",
+        "policy_loss_reference",
+    ]
+else:
+    # Imported as `kernels`: the repository root is on sys.path (running from the checkout) and this
+    # folder shadows Hugging Face's `kernels` package, which transformers probes for by importing it
+    # (utils/import_utils.py, is_kernels_available). Stay empty and version-less, so the probe answers
+    # "not available" without importing Triton (absent on some machines: the import would fail).
+    # This folder is the package dapo_kernels (pyproject.toml's package-dir).
+    __all__ = []

@@ -51,7 +51,7 @@ def evaluate(argv: list[str]) -> int:
     import tempfile
     from pathlib import Path
 
-    from dapo_megatron.config import load_config
+    from dapo_megatron.trainer.evaluate import eval_metrics, resolve_checkpoint, sample_correct
 
     parser = argparse.ArgumentParser(prog="dapo-megatron eval", description=evaluate.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -75,7 +75,6 @@ def evaluate(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from dapo_megatron.data.datasets import train_and_eval_records
-    from dapo_megatron.trainer.evaluate import eval_metrics, resolve_checkpoint, sample_correct
     from dapo_megatron.rollout.pool import EnginePool
     from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
 

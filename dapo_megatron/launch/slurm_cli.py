@@ -71,12 +71,25 @@ def _submit(argv: list[str]) -> int:
                 _check_memory(plan, plan_lines)
     if plan_lines and not args.dry_run:
         print("\n".join(plan_lines))
+    _warn_cluster_defaults(plan)
     submit.submit(plan, dry_run=args.dry_run)
     if plan_lines and args.dry_run:  # a dry run shows the sbatch lines first (what `head` shows)
         print("\n".join(plan_lines))
     if not args.dry_run:
         print(f"run directory: {plan.run_dir}   (dapo-megatron slurm status {plan.run_dir})")
     return 0
+
+
+def _warn_cluster_defaults(plan) -> None:
+    """One stderr line when no job names a partition or an account: sbatch then takes the cluster's
+    default partition and the user's default account, which is rarely the GPU partition meant."""
+    missing = [key for key in ("partition", "account")
+               if not any(f"#SBATCH --{key}=" in job.script() for job in plan.jobs)]
+    if missing:
+        keys = " and ".join(f"slurm.{key}" for key in missing)
+        print(f"warning: {keys} {'is' if len(missing) == 1 else 'are'} empty: sbatch uses the cluster's default "
+              f"{' and '.join(missing)}; set {' '.join(f'slurm.{key}=NAME' for key in missing)} if that is not "
+              "what you mean", file=sys.stderr)
 
 
 def _check_memory(plan, lines: list[str]) -> None:

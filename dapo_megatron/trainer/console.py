@@ -168,8 +168,13 @@ STEP_COLUMNS: tuple[tuple[str, str, int, Any], ...] = (
 )
 
 
+# printed once above the first header: the columns whose names do not say it
+LEGEND = ("groups: prompt groups kept / generated (dynamic sampling); "
+          "mism: max |log p trainer - log p engine| on sampled tokens")
+
+
 class StepTable:
-    """Prints a header, then one row per step; the header again every `header_every` rows."""
+    """Prints a legend and a header, then one row per step; the header again every `header_every` rows."""
 
     def __init__(self, *, total_steps: int | None = None, header_every: int = 20, out: TextIO | None = None) -> None:
         self.total_steps = total_steps
@@ -191,6 +196,8 @@ class StepTable:
 
     def print_row(self, step: int, metrics: Mapping[str, Any]) -> None:
         out = self.out or sys.stdout
+        if self.rows == 0:
+            print(LEGEND, file=out)
         if self.rows % self.header_every == 0:
             print(self.header(), file=out)
         print(self.format_row(step, metrics), file=out, flush=True)

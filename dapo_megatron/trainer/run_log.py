@@ -91,6 +91,9 @@ class MetricsLogger:
             self._wandb = wandb.init(
                 project=wandb_project, name=run_name or self.run_dir.name, dir=str(self.run_dir),
                 mode=wandb_mode, config=dict(config or {}), resume="allow" if resume_step is not None else None,
+                # quiet: no closing history/summary block on stderr (the run's own summary says it);
+                # close() names the offline run's sync command in one line instead
+                settings=wandb.Settings(quiet=True),
             )
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
@@ -109,8 +112,12 @@ class MetricsLogger:
         if not self._file.closed:
             self._file.close()
         if self._wandb is not None:
+            offline = self._wandb.settings.mode == "offline"
+            sync_dir = self._wandb.settings.sync_dir
             self._wandb.finish()
             self._wandb = None
+            if offline and self._console is not None:
+                print(f"wandb: offline run; upload it with `wandb sync {sync_dir}`", file=self._console, flush=True)
         if plot and self.path.is_file() and self.path.stat().st_size:
             return plot_run(self.run_dir)
         return None

@@ -8,7 +8,7 @@ Phases (trainer/driver.py, rollout/async_rollout.py): "generate" (the engines' w
 sampler's collect, from its first request to its last reply), "wait" (the trainer blocked on a batch
 that is still generating; staleness >= 1 only), "train" (driver rank from the batch in hand to the
 weight push: scatter, log-probs, updates), "sync" (the weight push), "paused" (generation paused
-around a push). Those are time.time() of the driver process, the one that talks to the engines.
+around a push), "eval" (the held-out evaluation between two steps, labelled with the next step). Those are time.time() of the driver process, the one that talks to the engines.
 "engine" is stamped by the engines themselves: the union of the spans in which they worked on the
 batch's requests (request_received_ts .. + e2e_latency of every reply, rollout/sampler.py:
 engine_span), in their epoch clock (the same host's on one machine; NTP-synchronised across nodes).
@@ -23,7 +23,8 @@ from dapo_megatron.rollout.async_rollout import _union, engine_phases  # noqa: F
 
 TRAINER_PHASES = ("train", "sync")
 COLORS = {"engine": "tab:red", "generate": "tab:orange", "wait": "tab:gray", "train": "tab:blue",
-          "sync": "tab:green"}
+          "sync": "tab:green", "eval": "tab:purple"}
+LANES = ("engine", "generate", "wait", "train", "sync", "eval")  # top to bottom
 
 
 def _length(intervals: list[tuple[float, float]]) -> float:
@@ -85,14 +86,14 @@ def read_timeline(path: str | Path) -> list[tuple[str, int, float, float]]:
     return [(r["phase"], int(r["step"]), float(r["start"]), float(r["end"])) for r in rows]
 
 
-def plot_timeline(rows: list[dict], path: Path) -> None:
-    """One lane per phase on one time axis, each bar labelled with its step."""
+def plot_timeline(rows: list[dict], path: Path) -> list[str]:
+    """One lane per phase on one time axis, each bar labelled with its step; returns the lanes drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lanes = [p for p in ("engine", "generate", "wait", "train", "sync") if any(r["phase"] == p for r in rows)]
+    lanes = [p for p in LANES if any(r["phase"] == p for r in rows)]
     fig, ax = plt.subplots(figsize=(12, 0.6 * len(lanes) + 1.2))
     span = max((r["end"] for r in rows), default=1.0) - min((r["start"] for r in rows), default=0.0)
     for y, lane in enumerate(lanes):
@@ -100,7 +101,7 @@ def plot_timeline(rows: list[dict], path: Path) -> None:
             if r["phase"] == lane:
                 ax.barh(y, r["end"] - r["start"], left=r["start"], color=COLORS[lane], edgecolor="black", lw=0.3)
                 # a label only where it fits (the engines' spans come in many small pieces)
-                if lane in ("engine", "generate", "train") and r["end"] - r["start"] > 0.008 * span:
+                if lane in ("engine", "generate", "train", "eval") and r["end"] - r["start"] > 0.008 * span:
                     ax.text((r["start"] + r["end"]) / 2, y, str(r["step"]), ha="center", va="center", fontsize=6)
     ax.set_yticks(range(len(lanes)), lanes)
     ax.invert_yaxis()
@@ -108,3 +109,4 @@ def plot_timeline(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return lanes

@@ -269,6 +269,24 @@ def test_dry_run_prints_the_sbatch_lines_and_scripts_before_the_config(tmp_path,
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 
+@pytest.mark.parametrize("overrides, warned", [
+    ([], "slurm.partition and slurm.account are empty"),
+    (["slurm.partition=h100"], "slurm.account is empty"),
+    (["slurm.partition=h100", "slurm.account=rl"], None),
+])
+def test_submit_warns_when_no_partition_or_account_is_named(tmp_path, capsys, overrides, warned):
+    from dapo_megatron.launch import slurm_cli as cli
+
+    assert cli.main(["submit", str(REPO / "configs/runs/qwen2.5-7b_dapo.yaml"), f"trainer.output_dir={tmp_path}/run",
+                     *overrides, "--dry-run"]) == 0
+    err = capsys.readouterr().err
+    if warned is None:
+        assert "warning:" not in err
+    else:
+        (line,) = [x for x in err.splitlines() if x.startswith("warning:")]
+        assert warned in line and "sbatch uses the cluster's default" in line
+
+
 @pytest.mark.parametrize("overrides, expected", [
     (["slurm.setup=['source /shared/venvs/dapo/bin/activate']"], "python"),  # the venv's, after activation
     (["slurm.setup=['module load python']", "slurm.python=/opt/py/bin/python3.12"], "/opt/py/bin/python3.12"),

@@ -195,6 +195,7 @@ def test_eval_command_reproduces_the_training_eval(runs):
     result = json.loads(out.read_text())
     logged = runs["a"][-1]
     assert result["k"] == 8 and result["num_prompts"] == 100
+    assert type(result["k"]) is int and type(result["num_prompts"]) is int  # counts, not the logged floats
     assert result["avg@k"] == logged["eval/avg@k"]
     assert result["pass@k"] == logged["eval/pass@k"]
     assert abs(sum(result["per_prompt_acc"]) / 100 - result["avg@k"]) < 1e-12

@@ -95,3 +95,14 @@ def test_bench_overlap_refuses_a_foreign_csv_before_running_anything(tmp_path):
     else:
         raise AssertionError("bench overlap ran against a CSV with other columns")
     assert not (tmp_path / "runs").exists()
+
+
+def test_the_command_help_lists_every_benchmark(capsys):
+    """`dapo-megatron --help` names each `bench` sub-command (overlap was missing)."""
+    from dapo_megatron.benchmarks.run import BENCHES
+    from dapo_megatron.cli import main
+
+    assert main(["--help"]) == 0
+    (bench_line,) = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("bench ")]
+    assert bench_line.split("benchmarks: ")[1].split(" | ") == list(BENCHES)
+    assert "overlap" in BENCHES

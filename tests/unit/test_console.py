@@ -11,7 +11,7 @@ import json
 import warnings
 
 from dapo_megatron.trainer import console
-from dapo_megatron.trainer.console import STEP_COLUMNS, TABLE_WIDTH, Phases, StepTable, run_summary
+from dapo_megatron.trainer.console import LEGEND, STEP_COLUMNS, TABLE_WIDTH, Phases, StepTable, run_summary
 
 # every column filled, with values as a 32B run makes them (512 of 1536 groups, 20K tokens)
 FULL = {"reward/mean": -1.234, "acc/mean": 0.5, "eval/avg@k": 0.713, "response_length/mean": 16384.5,
@@ -26,7 +26,8 @@ def test_rows_keep_the_same_columns_and_fit_120_characters():
     table.print_row(0, {"eval/avg@k": 0.245, "eval/pass@k": 0.94})  # the step-0 eval alone
     table.print_row(1, FULL)
     table.print_row(2, {k: v for k, v in FULL.items() if not k.startswith("eval/")})
-    header, row0, row1, row2 = out.getvalue().splitlines()
+    legend, header, row0, row1, row2 = out.getvalue().splitlines()
+    assert legend == LEGEND and len(LEGEND) <= TABLE_WIDTH  # says what "groups" and "mism" are
     assert header.split() == ["step"] + [h for _, h, _, _ in STEP_COLUMNS]
     assert max(map(len, (header, row0, row1, row2))) <= TABLE_WIDTH
     # every row has a cell under every header: same number of fields, "-" where a value is missing
@@ -45,7 +46,7 @@ def test_header_repeats_every_20_rows_and_entropy_falls_back_to_the_old_policy_v
     table = StepTable(total_steps=40, out=out)
     for step in range(1, 42):
         table.print_row(step, {"actor/entropy_old": 0.5})
-    lines = out.getvalue().splitlines()
+    lines = out.getvalue().splitlines()[1:]  # below the legend
     assert [i for i, line in enumerate(lines) if line.split()[0] == "step"] == [0, 21, 42]
     assert lines[1].split()[5] == "0.500"
     assert table.format_row(3, {"actor/entropy": 0.25, "actor/entropy_old": 0.5}).split()[5] == "0.250"

@@ -45,3 +45,19 @@ def test_a_run_directory_without_a_complete_checkpoint_is_a_clear_error(tmp_path
     _checkpoint(run, 5, hf=False)  # complete, but written with trainer.save_hf=false
     with pytest.raises(ValueError, match="save_hf"):
         resolve_checkpoint(str(run))
+
+
+def test_eval_of_a_run_directory_in_place_of_the_config_names_checkpoint(tmp_path):
+    """`dapo-megatron eval RUN_DIR` (a newcomer's first try): the error says a run directory goes to
+    --checkpoint, with the run's saved config when there is one, not just "config file not found"."""
+    from dapo_megatron.cli import main
+
+    run = tmp_path / "run"
+    (run / "slurm").mkdir(parents=True)
+    (run / "slurm" / "config.yaml").write_text("{}")
+    with pytest.raises(ValueError, match=r"is a directory.*--checkpoint") as err:
+        from dapo_megatron.launch.commands import evaluate
+
+        evaluate([str(run)])
+    assert f"dapo-megatron eval {run / 'slurm' / 'config.yaml'} --checkpoint {run}" in str(err.value)
+    assert main(["eval", str(run)]) == 2  # the command line prints it as one error line

@@ -29,7 +29,7 @@ def test_jsonl_round_trip_and_console(tmp_path):
                           "actor/grad_norm": 0.75}  # the 0-dim tensor became a float
     assert records[1]["eval/avg@k"] == 0.625
     assert records[2]["actor/grad_norm"] == "nan"  # JSON has no NaN: kept visible as a string
-    lines = out.getvalue().splitlines()
+    lines = out.getvalue().splitlines()[1:]  # below the legend (tests/unit/test_console.py)
     # one header, then one row per step with the same columns whether or not the step evaluated
     # (the table itself: tests/unit/test_console.py)
     assert len(lines) == 4 and lines[0].split()[:4] == ["step", "reward", "acc", "eval"]
@@ -81,6 +81,21 @@ def test_wandb_offline_writes_run_files(tmp_path):
         time.sleep(0.5)
         data = log.read_bytes()
     assert b"acc/mean" in data and b"0.25" in data and b"0.5" in data
+
+
+def test_wandb_closes_without_repeating_the_summary_on_stderr(tmp_path, capfd):
+    """wandb's closing block (history sparklines and summary, ~34 lines) repeated the run's own summary
+    on stderr; quiet, the close is one line on the console naming the sync command."""
+    out = io.StringIO()
+    logger = MetricsLogger(tmp_path, wandb_mode="offline", wandb_project="test", console=out)
+    logger.log(1, {"acc/mean": 0.25, "reward/mean": -0.5})
+    logger.log(2, {"acc/mean": 0.5, "reward/mean": 0.0})
+    logger.close(plot=False)
+    captured = capfd.readouterr()
+    both = captured.out + captured.err
+    assert "Run history" not in both and "Run summary" not in both
+    (closing,) = [line for line in out.getvalue().splitlines() if line.startswith("wandb:")]
+    assert "wandb sync " in closing and str(tmp_path / "wandb") in closing
 
 
 def test_png_has_the_logged_series(tmp_path):

@@ -155,3 +155,16 @@ def test_sampler_accepts_only_the_versions_it_is_given():
     sampler.accepted_versions = accepted_versions(4, 1)  # batch 4 at staleness 1: step_3, step_4
     assert not sampler.is_stale(reply("step_3", "step_4"))  # a partial rollout across the push
     assert sampler.is_stale(reply("step_2", "step_3")) and sampler.is_stale(reply("step_5"))
+
+
+def test_an_eval_between_steps_has_its_own_labelled_lane(tmp_path):
+    """The held-out eval between steps 2 and 3 is an "eval" bar (step 3), not an unlabelled gap."""
+    from dapo_megatron.trainer.timeline import plot_timeline, read_timeline, write_timeline
+
+    timeline = [("generate", 2, 0.0, 1.0), ("train", 2, 1.0, 2.0), ("sync", 2, 2.0, 2.1),
+                ("eval", 3, 2.1, 4.0), ("generate", 3, 4.0, 5.0)]
+    path = write_timeline(timeline, tmp_path)
+    assert ("eval", 3, 2.1, 4.0) in read_timeline(path)
+    rows = [{"phase": p, "step": s, "start": a, "end": b} for p, s, a, b in timeline]
+    assert plot_timeline(rows, tmp_path / "t.png") == ["generate", "train", "sync", "eval"]
+    assert (tmp_path / "timeline.png").stat().st_size > 0
