@@ -3,7 +3,7 @@ engine side of the weight transfer. Every other rank only runs the actor (traine
 
     driver = Driver(cfg, model_dir=..., run_dir=...)
     groups, stats = driver.rollout()           # dynamic sampling: generated, scored (+ overlong shaping) groups
-    fill_advantages(groups, eps=...)           # group-normalised advantages
+    code, result = driver.try_rollout(step)    # the same, or what to do when every engine was lost (recovery.py)
     stats = driver.push_weights(buckets, step=3)   # the actor's export buckets (trainer/placement.py) -> every engine
     scores = driver.evaluate()                 # avg@k / pass@k on the eval set
 """
@@ -11,35 +11,24 @@ engine side of the weight transfer. Every other rank only runs the actor (traine
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
 
-from dapo_megatron.algo import group_advantages
-from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.config import Config
 from dapo_megatron.data.datasets import train_and_eval_records
 from dapo_megatron.data.stream import PromptStream
-from dapo_megatron.trainer.evaluate import eval_metrics, sample_correct
-from dapo_megatron.rollout.registry import engine_events_path
+from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.rollout.async_rollout import engine_phases
-from dapo_megatron.trainer.recovery import sync_dropping_dead
 from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
+from dapo_megatron.rollout.registry import engine_events_path
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
+from dapo_megatron.trainer.evaluate import eval_metrics, sample_correct
+from dapo_megatron.trainer.recovery import OK, EngineFaults, sync_dropping_dead
 from dapo_megatron.transfer.weight_sync import DistributedWeightSync
-
-
-def fill_advantages(groups: list[list[Sample]], *, eps: float) -> None:
-    """A_i = (R_i - mean_g R) / (std_g R + eps) per group (docs/algorithm.md section 4)."""
-    samples = [s for g in groups for s in g]
-    if not samples:
-        return
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-    index = torch.tensor([gi for gi, g in enumerate(groups) for _ in g])
-    for sample, adv in zip(samples, group_advantages(rewards, index, eps=eps).tolist()):
-        sample.advantage = adv
 
 
 class Driver:
@@ -59,8 +48,9 @@ class Driver:
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         # start-up admissions are not faults; restarts are the local launcher's (launch/supervise.py)
         self.engine_report = EngineEventReport(self.pool, restart_events=engine_events_path(self.run_dir))
-        self.sync_redo = False  # the last push lost an engine mid-sync: the others need it again (trainer/recovery.py)
-        self.lost_reason = ""  # why no engine is left (trainer/recovery.py)
+        # what the driver knows when engines fail; the loop's FaultPolicy asks it (trainer/recovery.py)
+        self.engine_faults = EngineFaults(self.pool, run_dir=self.run_dir, engine=r.engine, engine_urls=r.engine_urls,
+                                          num_engines=r.num_engines, engine_wait_s=r.engine_wait_s)
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         # sampling_seed only where every engine honours it (SGLang: --enable-deterministic-inference)
         seeded = self.loop.run_until_complete(self.pool.seeds_honoured())
@@ -132,6 +122,24 @@ class Driver:
         stats.update(overlap_stats)
         return result.groups, stats
 
+    def try_rollout(self, step: int) -> tuple[int, Any]:
+        """(OK, rollout()) or, when every engine was lost during it, (RESYNC | LOST, None) with the prompt
+        stream and request counter put back where the step began, so that the redone rollout asks for
+        the same samples (trainer/recovery.py: FaultPolicy.rollout)."""
+        from dapo_megatron.rollout.client import EngineError
+
+        # not while steps overlap: the producer thread draws prompts ahead, and its failed batch's
+        # prompts stay used (rollout/async_rollout.py)
+        state = copy.deepcopy(self.state_dict()) if self.overlap is None else None
+        try:
+            return OK, self.rollout()
+        except EngineError as err:
+            if not self.engine_faults.is_engine_loss(err):
+                raise  # engines answer: not an engine loss
+            if state is not None:
+                self.load_state_dict(state)
+            return self.engine_faults.after_rollout_loss(err, step, run=self.run), None
+
     # --- weights out ----------------------------------------------------------------------------------
     def push_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], *, step: int) -> dict[str, float]:
         """Send the actor's buckets of HF-named tensors (the weights after `step` updates) to every
@@ -146,13 +154,13 @@ class Driver:
             named = self.fp8.convert(named)
 
         # an engine dying during the sync is dropped from it and the pass is still consumed to its end;
-        # sync_redo asks every rank for another pass (recovery.transfer_with_recovery). While steps
+        # sync_redo asks every rank for another pass (recovery.FaultPolicy.transfer). While steps
         # overlap, the engines are paused in "retract" mode around it (partial rollouts: async_rollout.py)
         around = self.overlap.paused_sync if self.overlap is not None else None
         tic = time.time()
         if self._rollout_end:  # the trainer's part of step step-1 on this rank: scatter, log-probs, updates
             self.timeline.append(("train", step - 1, self._rollout_end, tic))
-        stats, self.sync_redo = self.run(
+        stats, self.engine_faults.sync_redo = self.run(
             sync_dropping_dead(self.pool, self.weight_sync, named, weight_version=version, around=around))
         if stats is None:
             return {}

@@ -1,7 +1,13 @@
 """What the trainer does when rollout engines fail mid-run (docs/architecture.md, "Faults a long run meets").
 
-    groups, stats = rollout_with_recovery(cfg, step, roles=..., actor=..., driver=..., placement=...)  # every rank
-    stats = transfer_with_recovery(placement, actor, step=step + 1, roles=roles, driver=driver)       # every rank
+    faults = FaultPolicy(roles=roles, placement=placement, actor=actor, driver=driver, engine_restarts=...)
+    groups, stats = faults.rollout(step)            # every rank: (groups, stats) on the driver, (None, {}) elsewhere
+    stats = faults.transfer(step + 1)               # every rank: the weights after step + 1 updates, to every engine
+    driver.engine_faults                            # EngineFaults: the driver's side (its pool, its run directory)
+
+The loop holds the FaultPolicy (every rank, collectives); the driver holds its EngineFaults (what it
+knows of the engines) and answers the policy through Driver.try_rollout and the EngineFaults fields
+(sync_redo, lost_reason): no function here reaches into the Driver's attributes.
 
 The only engine dying during a rollout: the driver puts its prompt stream and request counter back
 where the step began, waits (at most rollout.engine_wait_s) for an engine to register again (the
@@ -24,7 +30,6 @@ the whole sync again in a group re-formed without the dead one. It rejoins throu
 from __future__ import annotations
 
 import asyncio
-import copy
 import time
 from pathlib import Path
 
@@ -83,7 +88,7 @@ async def sync_dropping_dead(pool, weight_sync, named, *, weight_version: str, a
         await weight_sync.close(pool.live_clients())
     targets = pool.weight_targets()
     try:
-        if not targets:  # nothing to send to: the next rollout waits for an engine (rollout_with_recovery)
+        if not targets:  # nothing to send to: the next rollout waits for an engine (FaultPolicy.rollout)
             return None, False
         sync = weight_sync.sync(targets, named, weight_version=weight_version)
         # around(targets, sync): e.g. the engines paused while steps overlap (rollout/async_rollout.py)
@@ -100,109 +105,120 @@ async def sync_dropping_dead(pool, weight_sync, named, *, weight_version: str, a
     return stats, False
 
 
-def transfer_with_recovery(placement, actor, *, step: int, roles, driver, max_passes: int = 0) -> dict[str, float]:
-    """placement.transfer_weights, as many export passes as it takes for every surviving engine to get
-    the whole sync (every rank runs the same number: the driver's verdict is broadcast after each)."""
-    max_passes = max_passes or (len(driver.pool.load()) + 1 if driver else 0)
-    passes = broadcast_code(max_passes)  # the same bound on every rank
-    for attempt in range(1, passes + 1):
-        stats = placement.transfer_weights(actor, step=step)
-        if not broadcast_code(int(bool(driver and driver.sync_redo))):
-            return {**stats, "sync/passes": float(attempt)} if driver else stats
-    raise RuntimeError(f"weight sync step_{step}: engines kept dying during the sync ({passes} passes)")
+# ------------------------------------------------------------------------------- the driver's side
+class EngineFaults:
+    """What the driver knows when engines fail: its pool, the launcher's restart events in its run
+    directory, the rollout settings that bound the wait. Held by the Driver (Driver.engine_faults)."""
 
+    def __init__(self, pool, *, run_dir: str | Path, engine: str, engine_urls, num_engines: int, engine_wait_s: float):
+        self.pool = pool
+        self.run_dir = Path(run_dir)
+        self.local_engines = engine == "cpu" and not engine_urls  # started and restarted by the local launcher
+        self.num_engines = num_engines
+        self.engine_wait_s = engine_wait_s
+        self.sync_redo = False  # the last push lost an engine mid-sync: the others need it again
+        self.lost_reason = ""  # why no engine is left (the message every rank raises)
 
-# --------------------------------------------------------------------------------------- rollout
-def _events_path(driver) -> Path:
-    from dapo_megatron.rollout.registry import engine_events_path
+    def max_sync_passes(self) -> int:
+        return len(self.pool.load()) + 1
 
-    return engine_events_path(driver.run_dir)
+    def is_engine_loss(self, err: BaseException) -> bool:
+        """An EngineError that lost the last engine (engines that answer: a real error, raised)."""
+        from dapo_megatron.rollout.pool import NoLiveEngine
 
+        return not self.pool.live_urls() or isinstance(err, NoLiveEngine)
 
-def _launcher_gave_up(driver) -> list[dict]:
-    """The launcher's engines that exited with the restart budget spent, when that is all of them."""
-    from dapo_megatron.rollout.registry import read_engine_events
+    def launcher_gave_up(self) -> list[dict]:
+        """The launcher's engines that exited with the restart budget spent, when that is all of them."""
+        from dapo_megatron.rollout.registry import engine_events_path, read_engine_events
 
-    r = driver.cfg.rollout
-    if r.engine != "cpu" or r.engine_urls:
-        return []
-    down = {e["engine"]: e for e in read_engine_events(_events_path(driver)) if e["action"] == "budget_spent"}
-    return list(down.values()) if len(down) >= r.num_engines else []
+        if not self.local_engines:
+            return []
+        events = read_engine_events(engine_events_path(self.run_dir))
+        down = {e["engine"]: e for e in events if e["action"] == "budget_spent"}
+        return list(down.values()) if len(down) >= self.num_engines else []
 
+    async def wait_for_engine(self, *, wait_s: float, poll_s: float = 0.5) -> bool:
+        """True once an engine registers again (pending: it needs the weights first); False after wait_s,
+        or at once when the local launcher has given up on every engine it started."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            if await self.pool.discover():
+                return True
+            if time.monotonic() >= deadline or self.launcher_gave_up():
+                return False
+            await asyncio.sleep(poll_s)
 
-async def wait_for_engine(driver, *, wait_s: float, poll_s: float = 0.5) -> bool:
-    """True once an engine registers again (pending: it needs the weights first); False after wait_s,
-    or at once when the local launcher has given up on every engine it started."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        if await driver.pool.discover():
-            return True
-        if time.monotonic() >= deadline or _launcher_gave_up(driver):
-            return False
-        await asyncio.sleep(poll_s)
+    def lost_message(self, step: int, err: BaseException, waited_s: float) -> str:
+        drops = {}
+        for _, event, url in self.pool.events:
+            if event.startswith("dropped"):
+                drops[url] = event.removeprefix("dropped").lstrip(": ")
+        named = "; ".join(f"{url} dropped ({why})" for url, why in drops.items()) or str(err)
+        launcher = "; ".join(f"the launcher's {e['engine']} exited with code {e['returncode']} and was not restarted "
+                             f"(restart budget rollout.engine_restarts={e['budget']} spent)"
+                             for e in self.launcher_gave_up())
+        return (f"no rollout engine left at step {step + 1}: {named}; none registered again within "
+                f"{waited_s:.0f} s (rollout.engine_wait_s={self.engine_wait_s:g})"
+                + (f"; {launcher}" if launcher else "") + f". Last error: {type(err).__name__}: {err}")
 
-
-def _lost_message(driver, step: int, err: BaseException, waited_s: float) -> str:
-    drops = {}
-    for _, event, url in driver.pool.events:
-        if event.startswith("dropped"):
-            drops[url] = event.removeprefix("dropped").lstrip(": ")
-    named = "; ".join(f"{url} dropped ({why})" for url, why in drops.items()) or str(err)
-    launcher = "; ".join(f"the launcher's {e['engine']} exited with code {e['returncode']} and was not restarted "
-                         f"(restart budget rollout.engine_restarts={e['budget']} spent)"
-                         for e in _launcher_gave_up(driver))
-    return (f"no rollout engine left at step {step + 1}: {named}; none registered again within "
-            f"{waited_s:.0f} s (rollout.engine_wait_s={driver.cfg.rollout.engine_wait_s:g})"
-            + (f"; {launcher}" if launcher else "") + f". Last error: {type(err).__name__}: {err}")
-
-
-def _driver_attempt(driver, step: int):
-    from dapo_megatron.rollout.client import EngineError
-    from dapo_megatron.rollout.pool import NoLiveEngine
-
-    # where this step's prompts and request numbers begin; not while steps overlap: the producer thread
-    # draws prompts ahead, and its failed batch's prompts stay used (rollout/async_rollout.py)
-    state = copy.deepcopy(driver.state_dict()) if driver.overlap is None else None
-    try:
-        return OK, driver.rollout()
-    except EngineError as err:
-        if driver.pool.live_urls() and not isinstance(err, NoLiveEngine):
-            raise  # engines answer: not an engine loss
-        if state is not None:
-            driver.load_state_dict(state)  # the redone rollout asks for the same samples
-        if driver.pool.live_urls():  # overlapped steps: an engine came back and took a push meanwhile
+    def after_rollout_loss(self, err: BaseException, step: int, *, run) -> int:
+        """RESYNC when an engine is (back) to take the weights, LOST when none came back in time (the
+        reason in lost_reason). `run`: the driver's way of running a coroutine on its loop."""
+        if self.pool.live_urls():  # overlapped steps: an engine came back and took a push meanwhile
             print(f"[engines] every engine was lost while batch {step + 1} was generating; "
-                  f"{', '.join(driver.pool.live_urls())} is back: re-syncing the weights of step {step}, then "
+                  f"{', '.join(self.pool.live_urls())} is back: re-syncing the weights of step {step}, then "
                   f"step {step + 1}'s rollout starts over", flush=True)
-            return RESYNC, None
-        wait_s = driver.cfg.rollout.engine_wait_s
+            return RESYNC
         print(f"[engines] no engine left during step {step + 1}'s rollout ({type(err).__name__}); waiting up to "
-              f"{wait_s:g} s (rollout.engine_wait_s) for one to register again", flush=True)
+              f"{self.engine_wait_s:g} s (rollout.engine_wait_s) for one to register again", flush=True)
         tic = time.monotonic()
-        if driver.run(wait_for_engine(driver, wait_s=wait_s)):
-            print(f"[engines] {', '.join(driver.pool.pending_urls())} registered after {time.monotonic() - tic:.1f} s: "
+        if run(self.wait_for_engine(wait_s=self.engine_wait_s)):
+            print(f"[engines] {', '.join(self.pool.pending_urls())} registered after {time.monotonic() - tic:.1f} s: "
                   f"re-syncing the weights of step {step}, then step {step + 1}'s rollout starts over", flush=True)
-            return RESYNC, None
-        driver.lost_reason = _lost_message(driver, step, err, time.monotonic() - tic)
-        return LOST, None
+            return RESYNC
+        self.lost_reason = self.lost_message(step, err, time.monotonic() - tic)
+        return LOST
 
 
-def rollout_with_recovery(cfg, step: int, *, roles, actor, driver, placement):
-    """driver.rollout() on the driver ((groups, stats); None elsewhere), redone after a re-sync when the
-    only engine died; EnginesLost on every rank when none came back (at most rollout.engine_restarts + 1
-    redone rollouts per step)."""
-    for _ in range(cfg.rollout.engine_restarts + 2):
-        code, result = (_driver_attempt(driver, step) if roles.driver else (OK, None))
-        code = broadcast_code(code)
-        if code == OK:
-            return result
-        if code == LOST:  # the driver's message on every rank: torchrun's "Root Cause" may be any rank's
-            raise EnginesLost(broadcast_text(driver.lost_reason if driver else ""))
-        placement.before_train(actor)  # the phases a transfer runs in (a no-op when disaggregated)
-        transfer_with_recovery(placement, actor, step=step, roles=roles, driver=driver)
-        placement.before_rollout(actor)
-    raise EnginesLost(f"step {step + 1}'s rollout was redone {cfg.rollout.engine_restarts + 1} times: the engines "
-                      f"keep dying (rollout.engine_restarts={cfg.rollout.engine_restarts})")
+# ----------------------------------------------------------------------------- every rank's policy
+class FaultPolicy:
+    """What every rank does around the two phases that talk to the engines: the rollout (redone after
+    a re-sync when the only engine died; EnginesLost when none came back) and the weight transfer
+    (as many export passes as it takes). The driver's verdicts reach every rank as broadcast ints."""
+
+    def __init__(self, *, roles, placement, actor, driver, engine_restarts: int) -> None:
+        self.roles, self.placement, self.actor, self.driver = roles, placement, actor, driver
+        self.engine_restarts = engine_restarts
+
+    def transfer(self, step: int, *, max_passes: int = 0) -> dict[str, float]:
+        """placement.transfer_weights of the weights after `step` updates, as many export passes as it
+        takes for every surviving engine to get the whole sync (every rank runs the same number)."""
+        faults = self.driver.engine_faults if self.roles.driver else None
+        max_passes = max_passes or (faults.max_sync_passes() if faults else 0)
+        passes = broadcast_code(max_passes)  # the same bound on every rank
+        for attempt in range(1, passes + 1):
+            stats = self.placement.transfer_weights(self.actor, step=step)
+            if not broadcast_code(int(bool(faults and faults.sync_redo))):
+                return {**stats, "sync/passes": float(attempt)} if faults else stats
+        raise RuntimeError(f"weight sync step_{step}: engines kept dying during the sync ({passes} passes)")
+
+    def rollout(self, step: int) -> tuple[list | None, dict[str, float]]:
+        """The driver's rollout ((groups, stats); (None, {}) elsewhere), redone after a re-sync when the
+        only engine died; EnginesLost on every rank when none came back (at most rollout.engine_restarts
+        + 1 redone rollouts per step)."""
+        for _ in range(self.engine_restarts + 2):
+            code, result = self.driver.try_rollout(step) if self.roles.driver else (OK, (None, {}))
+            code = broadcast_code(code)
+            if code == OK:
+                return result
+            if code == LOST:  # the driver's message on every rank: torchrun's "Root Cause" may be any rank's
+                raise EnginesLost(broadcast_text(self.driver.engine_faults.lost_reason if self.roles.driver else ""))
+            self.placement.before_train(self.actor)  # the phases a transfer runs in (a no-op when disaggregated)
+            self.transfer(step)
+            self.placement.before_rollout(self.actor)
+        raise EnginesLost(f"step {step + 1}'s rollout was redone {self.engine_restarts + 1} times: the engines "
+                          f"keep dying (rollout.engine_restarts={self.engine_restarts})")
 
 
 def save_before_stopping(cfg, actor, driver, roles, *, step: int, extra: dict) -> str:

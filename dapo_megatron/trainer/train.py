@@ -13,63 +13,99 @@ every rank trains on its data-parallel share; trainer/placement.py says what mov
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from dapo_megatron.trainer import run_checkpoint as ckpt
+import torch
+
+from dapo_megatron.algo import group_advantages
 from dapo_megatron.config import Config
-from dapo_megatron.dataplane.step_metrics import Clock, reduce_updates
-from dapo_megatron.trainer.recovery import EnginesLost, rollout_with_recovery, save_before_stopping, transfer_with_recovery
+from dapo_megatron.dataplane.batch import RolloutBatch
+from dapo_megatron.trainer import run_checkpoint as ckpt
+from dapo_megatron.trainer.recovery import EnginesLost, FaultPolicy, save_before_stopping
+from dapo_megatron.trainer.step_record import StepRecord
 
 
-def dapo_step(cfg: Config, step: int, *, roles, actor, ref, driver, placement) -> dict[str, float]:
-    """One DAPO step on every rank; the step's metrics (complete on the driver)."""
-    from dapo_megatron.actor import parallel
-    from dapo_megatron.dataplane.batch import RolloutBatch
-    from dapo_megatron.dataplane.step_metrics import old_logprob_metrics
-    from dapo_megatron.dataplane.scatter import scatter_batch
-    from dapo_megatron.trainer.driver import fill_advantages
+@dataclass
+class Run:
+    """What every rank's step works with. Which rank does what is said once, by `roles`
+    (dataplane/roles.py): `driver` is the Driver exactly where roles.driver, None elsewhere."""
 
-    clock, log, batch = Clock(), {}, None
+    roles: Any
+    actor: Any
+    ref: Any  # the KL reference policy, None without algorithm.use_kl
+    driver: Any
+    placement: Any  # what moves between phases: disaggregated or colocated (trainer/placement.py)
+    faults: FaultPolicy  # what every rank does when engines fail (trainer/recovery.py)
+    advantage_eps: float
+    sequences_per_mini_batch: int  # rollout.n * trainer.mini_batch_size
+
+
+def dapo_step(step: int, run: Run) -> dict[str, float]:
+    """One DAPO step on every rank (docs/algorithm.md); the step's metrics, complete on the driver."""
+    roles, actor, ref, placement = run.roles, run.actor, run.ref, run.placement
+    record = StepRecord()  # every lap and metric of the step
+
+    # 1. rollout with dynamic sampling: groups of rollout.n responses, each rewarded (correctness +
+    #    overlong shaping), groups whose responses all agree dropped and refilled (rollout/sampler.py)
     placement.before_rollout(actor)  # colocated: the actor leaves the device, the engines come back
-    log.update(placement.ledger("rollout", actor, ref))  # who holds what while the engines generate
-    # dynamic sampling over scored groups (rewards + overlong shaping); redone after a re-sync if the
-    # only engine died (every rank takes part: trainer/recovery.py)
-    rolled = rollout_with_recovery(cfg, step, roles=roles, actor=actor, driver=driver, placement=placement)
-    if roles.driver:
-        groups, log_rollout = rolled
-        fill_advantages(groups, eps=cfg.algorithm.advantage_eps)  # group-normalised advantages
-        batch = RolloutBatch.from_groups(groups)  # the step as tensors, built once
-        del groups  # no per-token Python list outlives the batch
-        log.update(log_rollout)
-    clock.lap("gen")
+    record.add(placement.ledger("rollout", actor, ref))
+    groups, rollout_stats = run.faults.rollout(step)  # the driver's; (None, {}) on the other ranks
+    # 2. group advantages A = (R - mean_g R) / (std_g R + eps), then the step as tensors, built once
+    batch = with_group_advantages(groups, eps=run.advantage_eps) if roles.driver else None
+    del groups  # no per-token Python list outlives the batch
+    record.add(rollout_stats).lap("gen")
+
     placement.before_train(actor)  # colocated: the engines release weights and KV cache, the actor onloads
-    share, scattered = scatter_batch(batch, groups=parallel, settings=actor.pack_settings,  # each DP rank: its token-balanced share
-                                     sequences_per_mini_batch=cfg.rollout.n * cfg.trainer.mini_batch_size)
-    clock.lap("scatter")
+    share = scatter(batch, actor, sequences_per_mini_batch=run.sequences_per_mini_batch)
+    record.lap("scatter")
     updates = []
     if share.step_sequences:  # no kept group (on_gen_batches_exhausted=train): no update, no transfer
-        old = actor.logprobs(share)  # pi_old, kept on the ranks that computed it
-        share.batch.old_logprobs = old.logprobs
-        if ref is not None:
-            share.batch.ref_logprobs = ref.logprobs(share).logprobs
-        log.update(old_logprob_metrics(share.batch, old.logprobs, old.entropies, reports=roles.reports))
-        log.update(old.routing)  # MoE: routing agreement with the engine (reduced over every rank)
-        clock.lap("logprob")
-        updates = [actor.train(mini, step=step) for mini in share.mini_batches()]  # token-mean over each mini-batch
-        clock.lap("train")
-    log.update(placement.ledger("train", actor, ref))  # who holds what while the actor trains
+        # 3. old log-probs: pi_old (and the KL reference's), on the ranks that hold the share
+        record.add(old_logprobs(share, actor, ref, reports=roles.reports)).lap("logprob")
+        # 4. the mini-batch updates: the clipped policy loss, token-mean over each mini-batch
+        updates = [actor.train(mini, step=step) for mini in share.mini_batches()]
+        record.lap("train")
+    record.add(placement.ledger("train", actor, ref))
     if share.step_sequences:
-        # the engines get weight version step+1 (another pass if one died mid-sync: trainer/recovery.py)
-        log.update(transfer_with_recovery(placement, actor, step=step + 1, roles=roles, driver=driver))
-        clock.lap("sync")
-    log.update(reduce_updates(updates))
-    log.setdefault("actor/entropy_old", 0.0)
-    log.update(clock.metrics())
-    if roles.driver:
-        log["throughput/train_tok_s"] = batch.num_tokens / max(clock.laps.get("train", 0.0), 1e-9)
-        log["dataplane/batch_mb"] = batch.nbytes() / 2**20
-        log.update(driver.engine_events())  # engines dropped / back / rejoined: console lines + counts
-    return log
+        # 5. weight transfer: the engines get weight version step + 1
+        record.add(run.faults.transfer(step + 1)).lap("sync")
+    return record.finish(updates, batch=batch, driver=run.driver)
+
+
+def with_group_advantages(groups: list[list], *, eps: float) -> RolloutBatch:
+    """Each sample's group-normalised advantage (algo/advantages.py: group_advantages), then the
+    step's RolloutBatch."""
+    samples = [s for g in groups for s in g]
+    if samples:
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        index = torch.tensor([gi for gi, g in enumerate(groups) for _ in g])
+        for sample, adv in zip(samples, group_advantages(rewards, index, eps=eps).tolist()):
+            sample.advantage = adv
+    return RolloutBatch.from_groups(groups)
+
+
+def scatter(batch: RolloutBatch | None, actor, *, sequences_per_mini_batch: int):
+    """Each data-parallel rank's token-balanced share of the driver's batch (dataplane/scatter.py)."""
+    from dapo_megatron.actor import parallel
+    from dapo_megatron.dataplane.scatter import scatter_batch
+
+    share, _ = scatter_batch(batch, groups=parallel, settings=actor.pack_settings,
+                             sequences_per_mini_batch=sequences_per_mini_batch)
+    return share
+
+
+def old_logprobs(share, actor, ref, *, reports: bool) -> dict[str, float]:
+    """pi_old (and pi_ref with the KL penalty) into the share's batch; their metrics: entropy,
+    trainer/engine mismatch and, for MoE models, routing agreement with the engine."""
+    from dapo_megatron.dataplane.step_metrics import old_logprob_metrics
+
+    old = actor.logprobs(share)
+    share.batch.old_logprobs = old.logprobs
+    if ref is not None:
+        share.batch.ref_logprobs = ref.logprobs(share).logprobs
+    return {**old_logprob_metrics(share.batch, old.logprobs, old.entropies, reports=reports), **old.routing}
 
 
 def run_worker(cfg: Config, *, resume: bool) -> int:
@@ -96,23 +132,27 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
         if roles.driver:
             console.actor_ready(cfg)
         placement = make_placement(cfg, roles=roles, driver=driver)
+        faults = FaultPolicy(roles=roles, placement=placement, actor=actor, driver=driver,
+                             engine_restarts=cfg.rollout.engine_restarts)
+        run = Run(roles=roles, actor=actor, ref=ref, driver=driver, placement=placement, faults=faults,
+                  advantage_eps=cfg.algorithm.advantage_eps,
+                  sequences_per_mini_batch=cfg.rollout.n * cfg.trainer.mini_batch_size)
         latest = ckpt.newest_valid_checkpoint(run_dir) if resume else None  # verified against its manifest
         state = ckpt.read_state(latest) if latest else {"step": 0, "nonfinite_in_row": 0}
         if latest:
             actor.load(latest / "actor")
-            if driver:
+            if roles.driver:
                 driver.load_state_dict(state["driver"])
-            # the engines start from the base model
-            transfer_with_recovery(placement, actor, step=int(state["step"]), roles=roles, driver=driver)
+            faults.transfer(int(state["step"]))  # the engines start from the base model
         metrics = MetricsLogger(run_dir, wandb_mode=tr.wandb_mode, wandb_project=tr.wandb_project,
-                                config=cfg.to_dict(), resume_step=int(state["step"]) if latest else None) if driver else None
+                                config=cfg.to_dict(), resume_step=int(state["step"]) if latest else None) if roles.driver else None
         preempt = PreemptionSignal().install()
         nonfinite_in_row = int(state["nonfinite_in_row"])
-        if driver and latest is None and tr.eval_every:
+        if roles.driver and latest is None and tr.eval_every:
             metrics.log(0, driver.evaluate())  # the starting point of the curve
         for step in range(int(state["step"]), tr.total_steps):
             try:
-                log = dapo_step(cfg, step, roles=roles, actor=actor, ref=ref, driver=driver, placement=placement)
+                log = dapo_step(step, run)
             except EnginesLost as err:  # no engine came back: keep what was trained, name the cause
                 actor.onload()  # colocated: it was offloaded for the rollout (no engine is left to make room for)
                 saved = save_before_stopping(cfg, actor, driver, roles, step=step,
@@ -120,7 +160,7 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
                 raise EnginesLost(f"{err}; {saved}") from None
             nonfinite_in_row = nonfinite_in_row + 1 if log.get("actor/nonfinite") else 0
             log["nonfinite_in_row"] = float(nonfinite_in_row)
-            if driver:
+            if roles.driver:
                 if tr.eval_every and (step + 1) % tr.eval_every == 0:
                     log.update(driver.evaluate())
                 metrics.log(step + 1, log)
@@ -135,11 +175,11 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
                     ckpt.save_step(cfg, actor, driver, roles, step=step + 1,
                                    extra={"nonfinite_in_row": nonfinite_in_row, "eval": log.get("eval/avg@k")})
             if stop and not last_step:
-                if driver:
+                if roles.driver:
                     print(f"[train] {preempt.received.name if preempt.received else 'signal'}: checkpoint of "
                           f"step {step + 1} written; exiting so the job can be requeued", flush=True)
                 break
-        if driver:
+        if roles.driver:
             metrics.close()
             driver.close()
     return 0

@@ -1,8 +1,9 @@
-"""recovery.transfer_with_recovery on 2 gloo ranks: every rank runs the same number of export passes,
+"""recovery.FaultPolicy.transfer on 2 gloo ranks: every rank runs the same number of export passes,
 decided by the driver after each (one broadcast int), so the collective export is never left half
 walked on some ranks. The export here is a real collective walk (an all_reduce per bucket, as the
-stage export gathers over its groups); the driver is a stand-in holding only what the function reads
-(sync_redo, set by Driver.push_weights when an engine died mid-pass, and the pool's engine count)."""
+stage export gathers over its groups); the driver is a stand-in holding only what the policy reads: its
+EngineFaults (sync_redo, set by Driver.push_weights when an engine died mid-pass, and the number of
+passes the pool's engines allow)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ def _passes(redo_after: tuple[int, ...]):
     import torch
     import torch.distributed as dist
 
-    from dapo_megatron.trainer.recovery import transfer_with_recovery
+    from types import SimpleNamespace
+
+    from dapo_megatron.trainer.recovery import EngineFaults, FaultPolicy
 
     rank = dist.get_rank()
 
@@ -20,8 +23,8 @@ def _passes(redo_after: tuple[int, ...]):
             return {"http://a:1": {}, "http://b:2": {}}  # two engines known: at most 3 passes
 
     class _DriverStandIn:
-        sync_redo = False
-        pool = _Pool()
+        engine_faults = EngineFaults(_Pool(), run_dir=".", engine="sglang", engine_urls=(), num_engines=2,
+                                     engine_wait_s=0.0)
 
     driver = _DriverStandIn() if rank == 0 else None
     sums = []
@@ -35,11 +38,13 @@ def _passes(redo_after: tuple[int, ...]):
                 total += t.item()
             sums.append(total)
             if driver is not None:
-                driver.sync_redo = len(sums) in redo_after  # an engine died during this pass
+                driver.engine_faults.sync_redo = len(sums) in redo_after  # an engine died during this pass
             return {"sync/buckets": 3.0} if driver is not None else {}
 
     try:
-        stats = transfer_with_recovery(_Export(), None, step=1, roles=None, driver=driver)
+        policy = FaultPolicy(roles=SimpleNamespace(driver=rank == 0), placement=_Export(), actor=None, driver=driver,
+                             engine_restarts=0)
+        stats = policy.transfer(1)
     except RuntimeError as err:
         return {"passes": len(sums), "sums": sums, "error": str(err)}
     return {"passes": len(sums), "sums": sums, "stats": stats}

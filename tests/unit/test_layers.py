@@ -119,3 +119,17 @@ def test_the_whole_config_stops_at_the_trainer_and_the_command_line():
 # still taking the whole Config below the trainer (the per-layer settings are not done for these yet);
 # the list may only shrink
 KNOWN_BELOW: list[str] = []
+
+
+def test_the_architecture_page_lists_every_package():
+    """docs/architecture.md "Layout": one entry per package of dapo_megatron, in the layers' order."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    layout = text[text.index("## Layout"):]
+    layout = layout[layout.index("```") + 3:]
+    layout = layout[:layout.index("```")]
+    listed = [line.split()[0].rstrip("/") for line in layout.splitlines() if line.startswith("  ") and line[2] != " "]
+    packages = sorted(p.parent.name for p in (REPO / "dapo_megatron").glob("*/__init__.py"))
+    assert sorted(name for name in listed if not name.endswith(".py")) == packages
+    order = [name for layer in layers.LAYERS for name in layer if name.startswith("dapo_megatron.")]
+    rank = {name.split(".")[1]: index for index, name in enumerate(order)}
+    assert [rank[n] for n in listed if n in rank] == sorted(rank[n] for n in listed if n in rank)
