@@ -69,7 +69,7 @@ if [ -n "$MODEL_DIR" ]; then MODEL_ARGS=("model.path=$MODEL_DIR" "tiny.enabled=f
 # rollout.quantization=fp8 with colocated engines: the engines' block-FP8 export of the base model, written
 # to <output_dir>/rollout_fp8 here, once, before any engine starts (a no-op printing "" otherwise: a
 # disaggregated run's export is its fp8_export job; docs/fp8.md).
-"$PYTHON" -m dapo_megatron.quant.engine_checkpoint "$CONFIG" "${MODEL_ARGS[@]}" --colocated-only >/dev/null \
+"$PYTHON" -m dapo_megatron.launch.fp8_export "$CONFIG" "${MODEL_ARGS[@]}" --colocated-only >/dev/null \
     || { echo "FP8 rollout export failed" >&2; exit 1; }
 
 # Colocated rollout engines (rollout.placement=colocated): this node's share of rollout.num_engines,

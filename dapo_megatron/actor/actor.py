@@ -3,7 +3,7 @@
     init_distributed()                                   # torchrun / srun environment
     with model_parallel(tp=cfg.actor.tp, pp=cfg.actor.pp, cp=cfg.actor.cp, vpp=cfg.actor.vpp,
                         seed=cfg.trainer.seed):
-        actor = Actor(cfg, hf_dir)                       # on EVERY rank
+        actor = Actor(actor_settings(cfg), hf_dir)       # on EVERY rank (trainer/settings.py)
         share, _ = scatter_batch(...)                    # this DP rank's share (dataplane/scatter.py)
         old = actor.logprobs(share)                      # fp32 [response tokens of the share], last stage
         share.batch.old_logprobs = old.logprobs
@@ -43,7 +43,7 @@ from dapo_megatron.actor.lm_head import (full_sequence_hidden, output_weight, re
 from dapo_megatron.actor.packing import MicroBatch, PackedShare, pack_batch_micro_batch
 from dapo_megatron.algo.off_policy import behaviour_weight
 from dapo_megatron.dataplane.sample import Sample
-from dapo_megatron.config import Config
+from dapo_megatron.actor.settings import ActorSettings
 from dapo_megatron.dataplane.batch import RolloutBatch, exclusive_cumsum, ranges_index
 from dapo_megatron.dataplane.share import BatchShare, PackSettings, share_of_samples
 
@@ -79,7 +79,7 @@ def _unwrap(module):
 
 
 class Actor:
-    def __init__(self, cfg: Config, hf_dir: str | Path, *, frozen: bool = False) -> None:
+    def __init__(self, settings: ActorSettings, hf_dir: str | Path, *, frozen: bool = False) -> None:
         """Build the model for this rank's place in the (already initialized) parallel layout, load
         the HF checkpoint into it, wrap it in megatron DDP and build the optimizer.
 
@@ -93,8 +93,8 @@ class Actor:
         from dapo_megatron.actor.optimizer import build_lr_schedule, build_optimizer
         from dapo_megatron.weights import load_hf_into_model
 
-        self.cfg = cfg
-        ac, tr = cfg.actor, cfg.trainer
+        self.settings = settings
+        ac, tr = settings.actor, settings.optimizer
         layout = dict(tp=parallel.tp_size(), pp=parallel.pp_size(), cp=parallel.cp_size(), vpp=parallel.vpp_size(),
                       ep=parallel.ep_size(), etp=parallel.etp_size())
         wanted = dict(tp=ac.tp, pp=ac.pp, cp=ac.cp, vpp=ac.vpp, ep=ac.ep, etp=ac.tp if ac.etp is None else ac.etp)
@@ -126,7 +126,8 @@ class Actor:
             from dapo_megatron.actor.fake_quant import apply_weight_fake_quant
             from dapo_megatron.quant.engine_checkpoint import fp8_converter
 
-            conv = fp8_converter(cfg)  # which modules are fp8, block and dtype: the engines' checkpoint says
+            # which modules are fp8, block and dtype: the engines' checkpoint says
+            conv = fp8_converter(settings.fp8_checkpoint)
             apply_weight_fake_quant(chunks, self.hf_config, quantized_modules=conv.quantized_modules,
                                     block=conv.block, dtype=conv.dtype, quantize_inputs=True, cast_unquantized=True)
             self._engine_dtype = conv.dtype  # the LM head weight, read outside the model's forward: _head
@@ -228,9 +229,9 @@ class Actor:
     @property
     def pack_settings(self) -> PackSettings:
         """How this actor packs sequences (the driver plans every DP rank's share with the same)."""
-        return PackSettings.for_layout(micro_batch_tokens=self.cfg.actor.micro_batch_tokens, tp=parallel.tp_size(),
+        return PackSettings.for_layout(micro_batch_tokens=self.settings.actor.micro_batch_tokens, tp=parallel.tp_size(),
                                        pp=parallel.pp_size(), cp=parallel.cp_size(), vpp=parallel.vpp_size(),
-                                       sequence_parallel=self.cfg.actor.sequence_parallel)
+                                       sequence_parallel=self.settings.actor.sequence_parallel)
 
     def _share_of(self, data: BatchShare | list[Sample]) -> BatchShare:
         if isinstance(data, BatchShare):
@@ -288,7 +289,7 @@ class Actor:
     def _begin_routing(self, batch: RolloutBatch, *, measure: bool) -> None:
         """Before a pass: replay the engine's experts (actor.routing_replay) and/or measure agreement.
         The engine's experts travel with the batch (token_fields["routed_experts"], dataplane/sample.py)."""
-        replay = self.cfg.actor.routing_replay
+        replay = self.settings.actor.routing_replay
         measure = measure and self.routing is not None and "routed_experts" in batch.token_fields
         if replay:
             from dapo_megatron.actor.routing_replay import validate_batch_routed_experts
@@ -310,7 +311,7 @@ class Actor:
 
     def _head(self, mb: MicroBatch, gpt, output: torch.Tensor, *, positions: torch.Tensor):
         """Log-prob and entropy at the local response positions `positions` (last stage only)."""
-        hidden_SH = full_sequence_hidden(output, sequence_parallel=self.cfg.actor.sequence_parallel,
+        hidden_SH = full_sequence_hidden(output, sequence_parallel=self.settings.actor.sequence_parallel,
                                          tp_group=parallel.tp_group())[0]  # [1, S, H] -> [S, H]
         targets = self._local(mb.targets, mb).to(hidden_SH.device)
         pos = positions.to(hidden_SH.device)
@@ -320,8 +321,8 @@ class Actor:
 
             weight = cast_like_engines(weight, self._engine_dtype)
         return token_logprobs_entropy(hidden_SH[pos], weight, targets[pos],
-                                      temperature=self.cfg.rollout.temperature, tp_group=parallel.tp_group(),
-                                      vocab_size=self.hf_config.vocab_size, fused=self.cfg.actor.fused_logprob)
+                                      temperature=self.settings.temperature, tp_group=parallel.tp_group(),
+                                      vocab_size=self.hf_config.vocab_size, fused=self.settings.actor.fused_logprob)
 
     def _run(self, micro_batches: list[MicroBatch], *, head, length: int | None, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -451,7 +452,7 @@ class Actor:
         """
         from dapo_megatron.actor.optimizer import guarded_step, set_lr_for_step
 
-        al = self.cfg.algorithm
+        al = self.settings.algorithm
         self._require("params", "grads", "optimizer", action="train", trains=True)
         mini = self._share_of(mini_batch)
         if mini.num_mini_batches != 1:
@@ -492,7 +493,7 @@ class Actor:
             self.optimizer.zero_grad()
             updated, grad_norm = False, 0.0
         else:
-            updated, grad_norm = guarded_step(self.optimizer, grad_clip=self.cfg.trainer.grad_clip,
+            updated, grad_norm = guarded_step(self.optimizer, grad_clip=self.settings.optimizer.grad_clip,
                                               loss_is_finite=loss_is_finite)
         self.num_updates += int(updated)
         self.last_step = step
@@ -512,7 +513,7 @@ class Actor:
 
     def _check_train_inputs(self, batch: RolloutBatch) -> None:
         """The loss runs on the last pipeline stage: the per-token inputs it reads must be there."""
-        al = self.cfg.algorithm
+        al = self.settings.algorithm
         if not self._holds_results() or batch.num_sequences == 0:
             return
         if batch.old_logprobs is None:
@@ -525,7 +526,7 @@ class Actor:
     def _global_denominator(self, micro_batches: list[MicroBatch]) -> float:
         """D of the loss: masked tokens (token-mean) or sequences with a masked token (seq modes) over
         the whole mini-batch: this DP rank's share, summed over the DP group (CP ranks share a share)."""
-        token_mean = self.cfg.algorithm.loss_agg_mode == "token-mean"
+        token_mean = self.settings.algorithm.loss_agg_mode == "token-mean"
         local = 0
         for mb in micro_batches:
             if token_mean:
@@ -551,7 +552,7 @@ class Actor:
         """
         from dapo_megatron.algo.kl import kl_penalty
 
-        al = self.cfg.algorithm
+        al = self.settings.algorithm
         dev = logprob.device
 
         def take(t: torch.Tensor) -> torch.Tensor:
@@ -572,7 +573,7 @@ class Actor:
             pg_weight = weight * tis
         pg_loss, stats = _policy_loss(logprob, old, adv, pg_weight, eps_low=al.eps_low, eps_high=al.eps_high,
                                       clip_ratio_c=al.clip_ratio_c, loss_denominator=denom,
-                                      fused=self.cfg.actor.fused_policy_loss)
+                                      fused=self.settings.actor.fused_policy_loss)
         kl = torch.zeros_like(logprob)
         kl_loss = torch.zeros((), dtype=torch.float32, device=dev)
         if al.use_kl:

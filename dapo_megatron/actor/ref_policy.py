@@ -1,6 +1,6 @@
 """The KL reference policy: the initial model, frozen, on the device only while it scores.
 
-    ref = ReferencePolicy(cfg, cfg.model.path)      # every rank, inside parallel.model_parallel(...)
+    ref = ReferencePolicy(actor_settings(cfg), cfg.model.path)   # every rank, inside parallel.model_parallel(...)
     out = ref.logprobs(samples)                      # onload -> Actor.logprobs -> offload
 
 A frozen Actor (actor.py, frozen=True): the same model chunks, layout and log-prob code as the
@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dapo_megatron.config import Config
+from dapo_megatron.actor.settings import ActorSettings
 
 
 class ReferencePolicy:
-    def __init__(self, cfg: Config, hf_dir: str | Path) -> None:
+    def __init__(self, settings: ActorSettings, hf_dir: str | Path) -> None:
         from dapo_megatron.actor.actor import Actor
 
-        self._policy = Actor(cfg, hf_dir, frozen=True)
+        self._policy = Actor(settings, hf_dir, frozen=True)
         self._policy.offload()
 
     def logprobs(self, samples: list):

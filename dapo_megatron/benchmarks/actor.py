@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("the actor benchmark needs a CUDA GPU (bf16 + NCCL)")
 
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import dp_size, init_distributed, model_parallel
     from dapo_megatron.config import ActorConfig, Config
 
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                                 use_distributed_optimizer=True, world_size=torch.distributed.get_world_size())
         cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-6, 0
         with model_parallel(tp=args.tp, pp=args.pp, seed=1):
-            actor = Actor(cfg, ckpt)
+            actor = Actor(actor_settings(cfg), ckpt)
             num_params = sum(p.numel() for chunk in actor.model_chunks for p in chunk.parameters())
             counts = torch.tensor([num_params], device="cuda")
             torch.distributed.all_reduce(counts)  # over all ranks: TP/PP shards add up, DP replicas repeat

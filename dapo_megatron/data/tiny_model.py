@@ -1,6 +1,6 @@
 """The embedded default's model: a fixed byte-level tokenizer, a tiny Qwen2, and a warm start.
 
-    path = prepare_tiny_model(cfg)       # cfg.tiny.enabled; -> <trainer.output_dir>/tiny_model/warm
+    path = tiny_model_dir(cfg)           # launch/prepare.py; cfg.tiny.enabled -> <trainer.output_dir>/tiny_model/warm
     # the pieces: build_tiny_model(out_dir, seed=, spec=) -> .../init; warm_start(init, out_dir, ...) -> .../warm
     # the data it warm-starts on lives with the data: data/synthetic.py (synthetic_train_eval)
 
@@ -345,24 +345,25 @@ def _moe_spec_fields(tn) -> dict:
                 moe_intermediate_size=tn.moe_intermediate_size)
 
 
-def prepare_tiny_model(cfg) -> str:
-    """Build (or reuse) `<trainer.output_dir>/tiny_model/warm` from cfg.tiny and the synthetic train set.
+def prepare_tiny_model(tiny, synthetic, *, out_dir: str | Path, seed: int, max_positions: int) -> str:
+    """Build (or reuse) `<tiny.cache_dir or out_dir>/tiny_model/warm` from the config's tiny section and
+    the synthetic train set (data.synthetic); max_positions: the longest prompt + response.
 
-    Returns the HF directory to use as model.path (actor, rollout engines and eval all load it).
+    Returns the HF directory to use as model.path (actor, rollout engines and eval all load it);
+    launch/prepare.py: tiny_model_dir(cfg) passes a config's sections.
     """
-    tn, syn = cfg.tiny, cfg.data.synthetic
+    tn, syn = tiny, synthetic
     if not tn.enabled:
         raise ValueError("prepare_tiny_model: tiny.enabled is false (set model.path instead)")
     spec = TinyModelSpec(hidden_size=tn.hidden_size, num_layers=tn.num_layers, num_heads=tn.num_heads,
                          num_kv_heads=tn.num_kv_heads, intermediate_size=tn.intermediate_size,
-                         max_position_embeddings=max(256, cfg.rollout.max_prompt_length + cfg.rollout.max_response_length),
-                         **_moe_spec_fields(tn))
-    cache = tn.cache_dir or cfg.trainer.output_dir
-    init = build_tiny_model(cache, seed=cfg.trainer.seed, spec=spec)
+                         max_position_embeddings=max(256, max_positions), **_moe_spec_fields(tn))
+    cache = tn.cache_dir or str(out_dir)
+    init = build_tiny_model(cache, seed=seed, spec=spec)
     train, _ = synthetic_train_eval(num_train=syn.num_train, num_eval=syn.num_eval, difficulty=syn.difficulty,
                                     seed=syn.seed, style=syn.style)
     warm = warm_start(init, cache, prompts=[r.prompt for r in train],
                       answers=[r.ground_truth for r in train], steps=tn.warm_start_steps,
-                      batch_size=tn.warm_start_batch_size, lr=tn.warm_start_lr, seed=cfg.trainer.seed,
+                      batch_size=tn.warm_start_batch_size, lr=tn.warm_start_lr, seed=seed,
                       label_smoothing=tn.label_smoothing)
     return str(warm)

@@ -70,7 +70,7 @@ def engine_commands(cfg: Config, *, host: str, python: str = sys.executable) -> 
     if r.quantization == "fp8":
         from dapo_megatron.quant.engine_checkpoint import fp8_rollout_dir
 
-        model = str(fp8_rollout_dir(cfg))
+        model = str(fp8_rollout_dir(cfg.trainer.output_dir))
         quant = ["--quantization", "fp8"] if r.engine == "sglang" else []
     context_length = r.max_prompt_length + r.max_response_length  # what requests may need, no more
     register_dir = str(Path(cfg.trainer.output_dir) / "engines")

@@ -92,7 +92,7 @@ def evaluate(argv: list[str]) -> int:
                                                   timeout_s=r.request_timeout_s, max_retries=r.max_retries)
             await asyncio.gather(*(c.update_weights_from_disk(hf_dir) for c in pool.live_clients()))
         try:
-            sampler = RolloutSampler(pool, tokenizer, RolloutSettings.from_config(cfg, progress=False))
+            sampler = RolloutSampler(pool, tokenizer, RolloutSettings.from_sections(r, cfg.algorithm, seed=t.seed, progress=False))
             ids = [sampler.prompt_ids(rec) for rec in records]
             eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
             return await sample_correct(pool, ids, records, n=t.eval_n, temperature=t.eval_temperature,

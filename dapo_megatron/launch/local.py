@@ -202,10 +202,11 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
     overrides = [*overrides, f"model.path={model_dir}"]
     engine_model_dir = model_dir
     if cfg.rollout.quantization == "fp8":  # the engines serve modelopt's block-FP8 export of the base model
-        from dapo_megatron.quant.engine_checkpoint import prepare_fp8_rollout
+        from dapo_megatron.quant.engine_checkpoint import fp8_rollout_dir, prepare_fp8_rollout
 
         with phases.phase("fp8", slow_note="exporting the base model with modelopt block FP8 for the engines") as note:
-            engine_model_dir = str(prepare_fp8_rollout(cfg, model_dir))
+            engine_model_dir = str(prepare_fp8_rollout(model_dir, fp8_rollout_dir(cfg.trainer.output_dir),
+                                                       engine=cfg.rollout.engine, engine_tp=cfg.rollout.engine_tp))
             note["detail"] = f"block-FP8 checkpoint (modelopt) for the engines in {engine_model_dir}"
     with LocalProcesses(run_dir / "logs") as procs:
         if cfg.rollout.engine == "cpu" and not cfg.rollout.engine_urls:
@@ -244,9 +245,9 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
 
 def _prepare_model(cfg) -> str:
     if cfg.tiny.enabled:
-        from dapo_megatron.data.tiny_model import prepare_tiny_model
+        from dapo_megatron.launch.prepare import tiny_model_dir
 
-        return prepare_tiny_model(cfg)
+        return tiny_model_dir(cfg)
     if not cfg.model.path:
         raise ValueError("config key 'model.path' is empty: name a HF checkpoint directory (or set tiny.enabled=true)")
     return cfg.model.path

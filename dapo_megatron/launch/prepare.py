@@ -12,7 +12,16 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from dapo_megatron.config import load_config
+from dapo_megatron.config import Config, load_config
+
+
+def tiny_model_dir(cfg: Config) -> str:
+    """The embedded tiny model of a config (tiny.enabled): built, or reused from its cache."""
+    from dapo_megatron.data.tiny_model import prepare_tiny_model
+
+    r = cfg.rollout
+    return prepare_tiny_model(cfg.tiny, cfg.data.synthetic, out_dir=cfg.trainer.output_dir, seed=cfg.trainer.seed,
+                              max_positions=r.max_prompt_length + r.max_response_length)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,10 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     if not cfg.tiny.enabled:
         print("")
         return 0
-    from dapo_megatron.data.tiny_model import prepare_tiny_model
-
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the directory (the caller captures it)
-        model_dir = prepare_tiny_model(cfg)
+        model_dir = tiny_model_dir(cfg)
     print(model_dir)
     return 0
 

@@ -179,7 +179,7 @@ def render_rollout_array(cfg: Config, *, register_dir: str) -> str:
     values: dict[str, Value] = {
         "PYTHON": python_of(cfg),
         # rollout.quantization=fp8: the block-FP8 export the fp8_export job writes before the array starts
-        "MODEL": str(fp8_rollout_dir(cfg)) if fp8 else cfg.model.path,
+        "MODEL": str(fp8_rollout_dir(cfg.trainer.output_dir)) if fp8 else cfg.model.path,
         "QUANTIZATION": "fp8" if fp8 and cfg.rollout.engine == "sglang" else "",
         "ENGINE_KIND": cfg.rollout.engine,
         "ENGINE_TP": cfg.rollout.engine_tp,

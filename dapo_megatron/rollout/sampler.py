@@ -1,6 +1,6 @@
 """The rollout sampler: prompts -> scored groups of n responses, with DAPO's dynamic sampling.
 
-    settings = RolloutSettings.from_config(cfg)          # or RolloutSettings(n=16, max_new_tokens=..., ...)
+    settings = RolloutSettings.from_sections(cfg.rollout, cfg.algorithm, seed=cfg.trainer.seed)  # or RolloutSettings(n=16, ...)
     sampler = RolloutSampler(pool, tokenizer, settings)  # reward: each record's data_source scorer
     result = await sampler.collect(prompt_iter, train_batch_size=512)
     result.groups    # list of train_batch_size groups, each a list of n dapo_megatron.dataplane.sample.Sample
@@ -73,15 +73,15 @@ class RolloutSettings:
     per_sample_seeds: bool = True  # send sampling_seed (only where the engines honour it: pool.seeds_honoured)
 
     @classmethod
-    def from_config(cls, cfg: Any, **overrides: Any) -> "RolloutSettings":
-        """From dapo_megatron.config.Config (rollout + algorithm sections)."""
-        r, a = cfg.rollout, cfg.algorithm
+    def from_sections(cls, rollout: Any, algorithm: Any, *, seed: int, **overrides: Any) -> "RolloutSettings":
+        """From the config's rollout and algorithm sections (dapo_megatron/config.py) and trainer.seed."""
+        r, a = rollout, algorithm
         values = dict(n=r.n, max_new_tokens=r.max_response_length, gen_batch_size=r.gen_batch_size,
                       temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_prompt_length=r.max_prompt_length,
                       dynamic_sampling=a.dynamic_sampling, max_num_gen_batches=a.max_num_gen_batches,
                       on_exhausted=a.on_gen_batches_exhausted, overlong_shaping=a.overlong_shaping,
                       overlong_buffer_length=a.overlong_buffer_length, overlong_penalty_factor=a.overlong_penalty_factor,
-                      seed=cfg.trainer.seed, in_order=r.in_order, return_routed_experts=r.return_routed_experts)
+                      seed=seed, in_order=r.in_order, return_routed_experts=r.return_routed_experts)
         values.update(overrides)
         return cls(**values)
 

@@ -55,7 +55,8 @@ class Driver:
         # sampling_seed only where every engine honours it (SGLang: --enable-deterministic-inference)
         seeded = self.loop.run_until_complete(self.pool.seeds_honoured())
         self.sampler = RolloutSampler(self.pool, self.tokenizer,
-                                      RolloutSettings.from_config(cfg, stop_token_ids=tuple(eos), per_sample_seeds=seeded),
+                                      RolloutSettings.from_sections(r, cfg.algorithm, seed=cfg.trainer.seed,
+                                                                   stop_token_ids=tuple(eos), per_sample_seeds=seeded),
                                       rid_prefix="train")
         train, self.eval_records = train_and_eval_records(cfg.data)
         self.prompts = PromptStream(train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
@@ -65,9 +66,9 @@ class Driver:
         # rollout.quantization=fp8: every sync sends modelopt's fp8 weights + scales (quant/engine_checkpoint.py)
         self.fp8 = None
         if r.quantization == "fp8":
-            from dapo_megatron.quant.engine_checkpoint import fp8_converter
+            from dapo_megatron.quant.engine_checkpoint import fp8_converter, fp8_rollout_dir
 
-            self.fp8 = fp8_converter(cfg)
+            self.fp8 = fp8_converter(fp8_rollout_dir(cfg.trainer.output_dir))
         # phase stamps (phase, step, start, end) for trainer/timeline.py; rollout.max_staleness >= 1 runs this loop on
         # a thread that generates the next k batches while the trainer trains (rollout/async_rollout.py)
         self.timeline: list[tuple[str, int, float, float]] = []

@@ -195,9 +195,9 @@ class ColocatedPlacement:
                                           verify=cfg.rollout.verify_weight_sync)
         self.fp8 = None  # rollout.quantization=fp8: every rank converts what it hands its engine (quant/engine_checkpoint.py)
         if cfg.rollout.quantization == "fp8":
-            from dapo_megatron.quant.engine_checkpoint import fp8_converter
+            from dapo_megatron.quant.engine_checkpoint import fp8_converter, fp8_rollout_dir
 
-            self.fp8 = fp8_converter(cfg)
+            self.fp8 = fp8_converter(fp8_rollout_dir(cfg.trainer.output_dir))
 
     def before_rollout(self, actor) -> None:
         actor.offload()  # parameters, gradients (dropped: dead between steps), optimizer state

@@ -114,6 +114,7 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
     console.quiet_backend_warnings()  # before megatron-core is imported (trainer/console.py: which, and why)
     from dapo_megatron.actor import parallel
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.ref_policy import ReferencePolicy
     from dapo_megatron.dataplane.roles import RankRoles
     from dapo_megatron.trainer.driver import Driver
@@ -126,8 +127,8 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
     with parallel.model_parallel(tp=cfg.actor.tp, pp=cfg.actor.pp, cp=cfg.actor.cp, vpp=cfg.actor.vpp, ep=cfg.actor.ep,
                                  etp=cfg.actor.etp, seed=tr.seed):
         roles = RankRoles.current(parallel)
-        actor = Actor(cfg, cfg.model.path)
-        ref = ReferencePolicy(cfg, cfg.model.path) if cfg.algorithm.use_kl else None  # frozen, off-device when idle
+        actor = Actor(actor_settings(cfg), cfg.model.path)
+        ref = ReferencePolicy(actor_settings(cfg), cfg.model.path) if cfg.algorithm.use_kl else None  # frozen, off-device when idle
         driver = Driver(cfg, model_dir=cfg.model.path, run_dir=run_dir, backend=_backend()) if roles.driver else None
         if roles.driver:
             console.actor_ready(cfg)

@@ -44,6 +44,7 @@ def generate(model_dir: str, dtype: str):
 
 def main(argv: list[str]) -> None:
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import init_distributed, model_parallel
     from dapo_megatron.config import ActorConfig, Config
 
@@ -57,7 +58,7 @@ def main(argv: list[str]) -> None:
                             use_distributed_optimizer=False, fused_logprob=False, world_size=dist.get_world_size())
     cfg.rollout.return_routed_experts = True
     with model_parallel(ep=ep, seed=0):
-        actor = Actor(cfg, model_dir)
+        actor = Actor(actor_settings(cfg), model_dir)
         results = {}
         for replay in (False, True):
             cfg.actor.routing_replay = replay

@@ -26,7 +26,8 @@ from dapo_megatron import algo
 from dapo_megatron.reward import math_dapo
 from dapo_megatron.trainer.evaluate import avg_at_k, pass_at_k
 from dapo_megatron.config import load_config
-from dapo_megatron.data.tiny_model import prepare_tiny_model, prompt_ids, synthetic_train_eval
+from dapo_megatron.data.tiny_model import prompt_ids, synthetic_train_eval
+from dapo_megatron.launch.prepare import tiny_model_dir
 
 # ------------------------------------------------------------------------------------------------
 # Reward, sampling and log-probs on the HF model
@@ -102,7 +103,7 @@ def main() -> None:
                                                difficulty=syn.difficulty, seed=syn.seed, style=syn.style)
     train = [(x.prompt, x.ground_truth) for x in train_rec]
     held = [(x.prompt, x.ground_truth) for x in held_rec]
-    warm = prepare_tiny_model(cfg)
+    warm = tiny_model_dir(cfg)
     t_build = time.time() - t0
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

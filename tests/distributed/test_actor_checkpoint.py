@@ -19,6 +19,7 @@ def _resume_rank(hf_dir, batches, ckpt_dir):
     # torchrun / srun ranks are not daemonic: lift the flag for this rank.
     multiprocessing.current_process()._config["daemon"] = False
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
 
     def weights(actor):
@@ -26,7 +27,7 @@ def _resume_rank(hf_dir, batches, ckpt_dir):
 
     cfg = make_cfg(micro_batch_tokens=40, lr=1e-3, warmup_steps=3)
     with model_parallel(tp=1, seed=7):  # DP=2, distributed optimizer
-        first = Actor(cfg, hf_dir)
+        first = Actor(actor_settings(cfg), hf_dir)
         first.train(batches[0], step=0)
         first.save(ckpt_dir)
         saved = weights(first)
@@ -44,7 +45,7 @@ def _resume_rank(hf_dir, batches, ckpt_dir):
             ckpt_module._publish = real_publish
         del first
     with model_parallel(tp=1, seed=99):  # a different seed: RNG state must come from the checkpoint
-        second = Actor(cfg, hf_dir)
+        second = Actor(actor_settings(cfg), hf_dir)
         meta = second.load(ckpt_dir)
         loaded = weights(second)
         resumed = second.train(batches[1], step=1)

@@ -32,6 +32,7 @@ def _step_rank(hf_dir, samples, *, tp, sp, budget, fused_logprob, fused_policy_l
     step (FP32 optimizer without sharding: each main_grad holds the full reduced gradient)."""
     import dapo_megatron.actor.optimizer as opt_module
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
 
     captured = {}
@@ -55,7 +56,7 @@ def _step_rank(hf_dir, samples, *, tp, sp, budget, fused_logprob, fused_policy_l
             cfg.actor.fused_logprob, cfg.actor.fused_policy_loss = fused_logprob, fused_policy_loss
             for key, value in (algo or {}).items():
                 setattr(cfg.algorithm, key, value)
-            actor = Actor(cfg, hf_dir)
+            actor = Actor(actor_settings(cfg), hf_dir)
             for group in actor.optimizer.param_groups:
                 group["eps"] = 1e-4  # bounds Adam's lr/eps slope at g ~ 0 (see test_actor_train.py)
             out = actor.logprobs(samples)
@@ -183,12 +184,13 @@ def test_fused_policy_loss_equals_torch_in_the_actor(rank_pool, tiny_dirs):
 
 def _bf16_rank(hf_dir, samples, fused):
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
 
     cfg = make_cfg(tp=2, micro_batch_tokens=64, sequence_parallel=True, fused=fused, lr=1e-3, warmup_steps=0)
     cfg.actor.precision = "bf16"
     with model_parallel(tp=2, seed=7):
-        actor = Actor(cfg, hf_dir)
+        actor = Actor(actor_settings(cfg), hf_dir)
         out = actor.logprobs(samples)
         for s, lp in zip(samples, out.logprobs):
             s.old_logprobs = lp.tolist()

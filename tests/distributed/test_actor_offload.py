@@ -83,10 +83,11 @@ def _optimizer_numel(actor):
 
 def _roundtrip_rank(hf_dir, samples, tp, dist_opt, precision):
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
 
     with model_parallel(tp=tp, seed=7):
-        actor = Actor(_cfg(tp=tp, dist_opt=dist_opt, precision=precision), hf_dir)
+        actor = Actor(actor_settings(_cfg(tp=tp, dist_opt=dist_opt, precision=precision)), hf_dir)
         actor.train(samples, step=0)  # Adam state exists, grad buffers hold the step's gradient
         before = _snapshot(actor)
         full = actor.resident_bytes()
@@ -153,10 +154,11 @@ def test_offload_frees_every_storage_and_onload_restores_every_byte(rank_pool, t
 
 def _two_steps_rank(hf_dir, batches, tp, dist_opt, cycle):
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
 
     with model_parallel(tp=tp, seed=7):
-        actor = Actor(_cfg(tp=tp, dist_opt=dist_opt), hf_dir)
+        actor = Actor(actor_settings(_cfg(tp=tp, dist_opt=dist_opt)), hf_dir)
         first = actor.train(batches[0], step=0)
         if cycle:  # the colocated step: grads + optimizer off, then params off, then all back
             actor.offload("grads", "optimizer")
@@ -195,23 +197,24 @@ def _live_storage_bytes():
 
 def _reference_rank(hf_dir, samples, tp):
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.actor.ref_policy import ReferencePolicy
 
     with model_parallel(tp=tp, seed=7):
         cfg = _cfg(tp=tp, dist_opt=True)
-        old_ref = Actor(cfg, hf_dir)  # what trainer/train.py used as the reference before
+        old_ref = Actor(actor_settings(cfg), hf_dir)  # what trainer/train.py used as the reference before
         want = old_ref.logprobs(samples)
         old_ref.train(samples, step=0)  # allocates the Adam state a full Actor carries
         base = _live_storage_bytes()
-        frozen = Actor(cfg, hf_dir, frozen=True)
+        frozen = Actor(actor_settings(cfg), hf_dir, frozen=True)
         frozen_cost = _live_storage_bytes() - base
         param_bytes = sum(p.untyped_storage().nbytes() for c in frozen.model_chunks for p in c.parameters())
         # megatron's RotaryEmbedding keeps inv_freq as a plain attribute (not a parameter or buffer)
         rotary_bytes = sum(c.rotary_pos_emb.inv_freq.untyped_storage().nbytes() for c in frozen.model_chunks)
         full_cost = sum(old_ref.resident_bytes().values())
         del frozen
-        ref = ReferencePolicy(cfg, hf_dir)
+        ref = ReferencePolicy(actor_settings(cfg), hf_dir)
         idle = ref.resident_bytes()
         got = ref.logprobs(samples)
         again = ref.logprobs(samples)  # the second onload comes from the backup taken once

@@ -50,6 +50,7 @@ def _grads_rank(hf_dir, samples, budget, algo=None, cp=1):
     name, read just before the step."""
     import dapo_megatron.actor.optimizer as opt_module
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
 
     captured = {}
@@ -72,7 +73,7 @@ def _grads_rank(hf_dir, samples, budget, algo=None, cp=1):
             cfg.actor.use_distributed_optimizer = False
             for key, value in (algo or {}).items():
                 setattr(cfg.algorithm, key, value)
-            actor = Actor(cfg, hf_dir)
+            actor = Actor(actor_settings(cfg), hf_dir)
             metrics = actor.train(samples, step=0)
             num_micro = metrics["num_micro_batches"]
     finally:
@@ -108,11 +109,12 @@ def test_three_micro_batches_times_two_dp_ranks_give_the_big_batch_gradient(rank
 
 def _updated_weights_rank(hf_dir, samples, tp, pp=1, cp=1, sp=False):
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
 
     with model_parallel(tp=tp, pp=pp, cp=cp, seed=7):
-        actor = Actor(make_cfg(tp=tp, pp=pp, cp=cp, sequence_parallel=sp, micro_batch_tokens=40, lr=1e-3,
-                               warmup_steps=0), hf_dir)
+        actor = Actor(actor_settings(make_cfg(tp=tp, pp=pp, cp=cp, sequence_parallel=sp, micro_batch_tokens=40, lr=1e-3,
+                               warmup_steps=0)), hf_dir)
         # Adam's first step is lr * g / (|g| + eps): its slope at g ~ 0 is lr / eps = 1e5 with the
         # default eps 1e-8, so fp32 rounding of ~1e-9 in a gradient that cancels to ~0 moves a weight
         # by ~1e-5 between layouts. eps = 1e-4 bounds that amplification at 10 (1e-8 here) while

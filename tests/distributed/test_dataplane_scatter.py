@@ -101,6 +101,7 @@ def _share_vs_list_rank(hf_dir, samples, tp, pp, per_mini, budget):
 
     from dapo_megatron.actor import parallel
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.dataplane.batch import RolloutBatch
     from dapo_megatron.dataplane.step_metrics import old_logprob_metrics
     from dapo_megatron.dataplane.roles import RankRoles
@@ -110,7 +111,7 @@ def _share_vs_list_rank(hf_dir, samples, tp, pp, per_mini, budget):
     cfg = make_cfg(tp=tp, pp=pp, micro_batch_tokens=budget, lr=1e-3, warmup_steps=0)
     with parallel.model_parallel(tp=tp, pp=pp, seed=7):
         roles = RankRoles.current(parallel)
-        actor = Actor(cfg, hf_dir)
+        actor = Actor(actor_settings(cfg), hf_dir)
         batch = RolloutBatch.from_samples(samples) if roles.driver else None
         share, _ = scatter_batch(batch, groups=parallel, settings=actor.pack_settings, sequences_per_mini_batch=per_mini)
         old = actor.logprobs(share)
@@ -119,7 +120,7 @@ def _share_vs_list_rank(hf_dir, samples, tp, pp, per_mini, budget):
         updates = [actor.train(mini, step=0) for mini in share.mini_batches()]
         weights = {k: v.clone() for k, v in actor.iter_hf_weights()}
 
-        reference = Actor(cfg, hf_dir)
+        reference = Actor(actor_settings(cfg), hf_dir)
         minis = [samples[i: i + per_mini] for i in range(0, len(samples), per_mini)]
         list_old = [reference.logprobs(m) for m in minis]  # each mini-batch planned alone: the same micro-batches
         for m, out in zip(minis, list_old):

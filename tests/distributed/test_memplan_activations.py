@@ -37,6 +37,7 @@ def _measure_rank(hf_dir, tp, sp, precision, recompute, budget, num_samples, fp8
     from torch.autograd.graph import saved_tensors_hooks
 
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.memplan.activations import ActivationModel
     from dapo_megatron.memplan.arch import model_dims_for
@@ -48,7 +49,7 @@ def _measure_rank(hf_dir, tp, sp, precision, recompute, budget, num_samples, fp8
         if fp8_run_dir is not None:  # actor.quantization_aware: the engines' FP8 export is in the run dir
             cfg.rollout.quantization, cfg.actor.quantization_aware = "fp8", True
             cfg.trainer.output_dir = fp8_run_dir
-        actor = Actor(cfg, hf_dir)
+        actor = Actor(actor_settings(cfg), hf_dir)
         params = {p.untyped_storage().data_ptr() for m in actor.model for p in m.module.parameters()}
         records, current = [], None
 

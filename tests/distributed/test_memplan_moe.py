@@ -18,6 +18,7 @@ from test_moe_actor import moe_cfg
 def _rank(hf_dir, tp, ep, etp, precision, distributed):
     from dapo_megatron.actor import parallel
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.memplan.arch import model_dims_for
     from dapo_megatron.memplan.static import Layout, static_bytes
@@ -29,7 +30,7 @@ def _rank(hf_dir, tp, ep, etp, precision, distributed):
         cfg.actor.precision = precision
         cfg.actor.use_distributed_optimizer = distributed
         cfg.model.path = hf_dir
-        actor = Actor(cfg, hf_dir)
+        actor = Actor(actor_settings(cfg), hf_dir)
         samples = make_samples(4)
         for i, s in enumerate(samples):
             s.old_logprobs = [-1.0] * len(s.response_ids)
@@ -131,6 +132,7 @@ def _measure_activations(hf_dir, tp, ep, precision, recompute):
     from torch.autograd.graph import saved_tensors_hooks
 
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.memplan.activations import ActivationModel
     from dapo_megatron.memplan.arch import model_dims_for
@@ -142,7 +144,7 @@ def _measure_activations(hf_dir, tp, ep, precision, recompute):
         cfg.actor.precision, cfg.actor.recompute = precision, recompute
         cfg.actor.fused_logprob = cfg.actor.fused_policy_loss = False
         cfg.model.path = hf_dir
-        actor = Actor(cfg, hf_dir)
+        actor = Actor(actor_settings(cfg), hf_dir)
         params = {p.untyped_storage().data_ptr() for m in actor.model for p in m.module.parameters()}
         records, current, routed = [], None, []
 

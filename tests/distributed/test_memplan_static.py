@@ -41,6 +41,7 @@ def measure_actor_static(actor) -> dict[str, int]:
 def _rank(hf_dir, tp, pp, vpp, precision, distributed):
     from dapo_megatron.actor import parallel
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.memplan.arch import model_dims_for
     from dapo_megatron.memplan.static import Layout, static_bytes
@@ -51,7 +52,7 @@ def _rank(hf_dir, tp, pp, vpp, precision, distributed):
         cfg.actor.precision = precision
         cfg.actor.use_distributed_optimizer = distributed
         cfg.model.path = hf_dir
-        actor = Actor(cfg, hf_dir)
+        actor = Actor(actor_settings(cfg), hf_dir)
         if vpp is None:
             samples = make_samples(4 * pp)
             for i, s in enumerate(samples):

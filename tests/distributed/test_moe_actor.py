@@ -34,10 +34,11 @@ def moe_dir(tmp_path_factory):
 
 def logprobs_on_rank(hf_dir, samples, tp, ep, etp):
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
 
     with model_parallel(tp=tp, ep=ep, etp=etp, seed=7):
-        actor = Actor(moe_cfg(tp=tp, ep=ep, etp=etp), hf_dir)
+        actor = Actor(actor_settings(moe_cfg(tp=tp, ep=ep, etp=etp)), hf_dir)
         return actor.logprobs(samples).logprobs
 
 
@@ -52,10 +53,11 @@ def test_moe_actor_logprobs_match_transformers(rank_pool, moe_dir, tp, ep, etp):
 
 def updated_weights_on_rank(hf_dir, samples, tp, ep, etp):
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
 
     with model_parallel(tp=tp, ep=ep, etp=etp, seed=7):
-        actor = Actor(moe_cfg(tp=tp, ep=ep, etp=etp, micro_batch_tokens=40, lr=1e-3, warmup_steps=0), hf_dir)
+        actor = Actor(actor_settings(moe_cfg(tp=tp, ep=ep, etp=etp, micro_batch_tokens=40, lr=1e-3, warmup_steps=0)), hf_dir)
         for group in actor.optimizer.param_groups:
             group["eps"] = 1e-4  # see test_actor_train: bounds Adam's amplification of rounding at g ~ 0
         metrics = actor.train(samples, step=0)

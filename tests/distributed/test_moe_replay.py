@@ -86,6 +86,7 @@ def hf_logprobs(moe_dir, samples, *, forced: bool):
 
 def replayed_logprobs_on_rank(moe_dir, samples, tp, pp, ep, replay):
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
 
     with model_parallel(tp=tp, pp=pp, ep=ep, seed=7):
@@ -93,7 +94,7 @@ def replayed_logprobs_on_rank(moe_dir, samples, tp, pp, ep, replay):
         cfg.actor.pp = pp
         cfg.actor.routing_replay = replay
         cfg.rollout.return_routed_experts = True
-        out = Actor(cfg, moe_dir).logprobs(samples)
+        out = Actor(actor_settings(cfg), moe_dir).logprobs(samples)
     return out.logprobs, out.routing
 
 
@@ -167,6 +168,7 @@ def hf_forced_grads(moe_dir, samples):
 def replayed_grads_on_rank(moe_dir, samples, ep):
     import dapo_megatron.actor.optimizer as opt_module
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
 
     captured, original = {}, opt_module.guarded_step
@@ -187,7 +189,7 @@ def replayed_grads_on_rank(moe_dir, samples, ep):
             cfg = moe_cfg(ep=ep, micro_batch_tokens=40, lr=1e-3, warmup_steps=0)
             cfg.actor.use_distributed_optimizer = False
             cfg.actor.routing_replay = cfg.rollout.return_routed_experts = True
-            actor = Actor(cfg, moe_dir)
+            actor = Actor(actor_settings(cfg), moe_dir)
             metrics = actor.train(samples, step=0)
     finally:
         opt_module.guarded_step = original

@@ -152,6 +152,7 @@ def _actor_checkpoint_to_hf_on_rank(hf_dir, batch, ckpt_dir, out_dir):
     import multiprocessing
 
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.tools.convert import main
     from test_actor_logprobs import make_cfg
@@ -161,7 +162,7 @@ def _actor_checkpoint_to_hf_on_rank(hf_dir, batch, ckpt_dir, out_dir):
     me.daemon = False
     try:
         with model_parallel(tp=2):
-            actor = Actor(make_cfg(tp=2, lr=1e-2, warmup_steps=1), hf_dir)
+            actor = Actor(actor_settings(make_cfg(tp=2, lr=1e-2, warmup_steps=1)), hf_dir)
             actor.train(batch, step=0)  # move the weights away from the HF checkpoint
             actor.save(ckpt_dir)  # model + optimizer + RNG, in the actor's (unpadded-vocab) layout
             streamed = {name: tensor.clone() for name, tensor in actor.iter_hf_weights()}

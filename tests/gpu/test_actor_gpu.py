@@ -37,6 +37,7 @@ def test_bf16_logprobs_match_transformers_and_a_step_trains(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.dataplane.sample import Sample
     from dapo_megatron.config import ActorConfig, Config
@@ -58,7 +59,7 @@ def test_bf16_logprobs_match_transformers_and_a_step_trains(tmp_path):
     cfg.actor = ActorConfig(attention_backend="torch", precision="bf16", micro_batch_tokens=64)
     cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-3, 0
     with model_parallel(tp=1, seed=1):
-        actor = Actor(cfg, hf_dir)
+        actor = Actor(actor_settings(cfg), hf_dir)
         out = actor.logprobs(samples)
         for got, ref in zip(out.logprobs, want):
             # bf16 weights and activations: ~1e-2 absolute on log-probs of a few nats
@@ -93,6 +94,7 @@ def test_offload_frees_cuda_memory_and_onload_restores_bit_for_bit(tmp_path):
     from helpers_tiny import save_tiny_hf
 
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.offload import actor_tensors, storages_by_category
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.dataplane.sample import Sample
@@ -108,7 +110,7 @@ def test_offload_frees_cuda_memory_and_onload_restores_bit_for_bit(tmp_path):
     cfg.actor = ActorConfig(attention_backend="torch", precision="bf16", micro_batch_tokens=64)
     cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-3, 0
     with model_parallel(tp=1, seed=1):
-        actor = Actor(cfg, hf_dir)
+        actor = Actor(actor_settings(cfg), hf_dir)
         actor.train(samples, step=0)
         tensors = actor_tensors(actor.model_chunks, actor.optimizer)
         snapshot = [t.detach().reshape(-1).view(torch.uint8).clone() for c in ("params", "optimizer")
@@ -161,6 +163,7 @@ def test_fused_actor_equals_torch_actor_fp32(tmp_path):
     from helpers_tiny import save_tiny_hf
 
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.config import ActorConfig, Config
 
@@ -174,7 +177,7 @@ def test_fused_actor_equals_torch_actor_fp32(tmp_path):
                                 use_distributed_optimizer=False, fused_logprob=fused, fused_policy_loss=fused)
         cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-3, 0
         with model_parallel(tp=1, seed=7):
-            actor = Actor(cfg, hf_dir)
+            actor = Actor(actor_settings(cfg), hf_dir)
             for group in actor.optimizer.param_groups:
                 group["eps"] = 1e-4  # see tests/distributed/test_actor_train.py
             out = actor.logprobs(samples)

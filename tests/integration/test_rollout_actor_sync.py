@@ -43,13 +43,14 @@ def _train_sync_score_rank(hf_dir: str, url: str):
     import torch.distributed as dist
 
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.rollout.client import EngineClient
     from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
     rank = dist.get_rank()
     with model_parallel(tp=2, seed=7):
-        actor = Actor(_cfg(2), hf_dir)
+        actor = Actor(actor_settings(_cfg(2)), hf_dir)
         samples = _training_samples()
         old = actor.logprobs(samples).logprobs
         for s, lp in zip(samples, old):

@@ -56,6 +56,7 @@ def _rank(fp8_dir: str, hf_dir: str, fp8_url: str, plain_url: str):
     import torch.distributed as dist
 
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.quant import Fp8SyncConverter
     from dapo_megatron.rollout.client import EngineClient
@@ -65,7 +66,7 @@ def _rank(fp8_dir: str, hf_dir: str, fp8_url: str, plain_url: str):
     conv = Fp8SyncConverter.from_checkpoint(fp8_dir)
     result = {"syncs": []}
     with model_parallel(tp=1, seed=7):
-        actor = Actor(_cfg(), hf_dir)
+        actor = Actor(actor_settings(_cfg()), hf_dir)
 
         def sync(step: int):
             """The actor's weights (fp32, as iter_hf_weights yields them) and, on rank 0, what the FP8

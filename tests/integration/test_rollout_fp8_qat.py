@@ -52,21 +52,22 @@ def _rank(output_dir: str, hf_dir: str, fp8_url: str):
     import torch.distributed as dist
 
     from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.quant.engine_checkpoint import fp8_converter
     from dapo_megatron.rollout.client import EngineClient
     from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
     with model_parallel(tp=2, seed=7):
-        qat = Actor(_cfg(output_dir, quantization_aware=True), hf_dir)
-        plain = Actor(_cfg(output_dir, quantization_aware=False), hf_dir)
+        qat = Actor(actor_settings(_cfg(output_dir, quantization_aware=True)), hf_dir)
+        plain = Actor(actor_settings(_cfg(output_dir, quantization_aware=False)), hf_dir)
         named = list(qat.iter_hf_weights())  # collective; the master weights (fp32), not fake-quantized
         outs = None
         if dist.get_rank() == 0:
             async def sync_and_sample():
                 async with EngineClient(fp8_url) as fp8:
                     s = DistributedWeightSync(master_address="127.0.0.1", backend="gloo", bucket_bytes=50_000)
-                    await s.sync([fp8], fp8_converter(qat.cfg).convert(named), weight_version="qat")
+                    await s.sync([fp8], fp8_converter(qat.settings.fp8_checkpoint).convert(named), weight_version="qat")
                     await s.close([fp8])
                     params = {"max_new_tokens": 12, "sampling_seed": 5, "ignore_eos": True}
                     return await fp8.generate(input_ids=PROMPTS, return_logprob=True, sampling_params=params)

@@ -202,7 +202,7 @@ def test_train_runs_the_plan_first_and_skip_plan_skips_it(tmp_path, monkeypatch)
     assert main(["train", TINY, "slurm.gpu_memory_gb=1", f"trainer.output_dir={out}"]) == 2
     assert not out.exists()  # nothing prepared, nothing started
     started = []
-    monkeypatch.setattr("dapo_megatron.data.tiny_model.prepare_tiny_model", lambda cfg: started.append(cfg) or str(tmp_path))
+    monkeypatch.setattr("dapo_megatron.launch.prepare.tiny_model_dir", lambda cfg: started.append(cfg) or str(tmp_path))
     monkeypatch.setattr(local.LocalProcesses, "run_foreground", lambda self, name, argv, env=None: 0)
     assert main(["train", TINY, "slurm.gpu_memory_gb=1", f"trainer.output_dir={out}",
                  "rollout.engine_urls=['http://127.0.0.1:1']", "--skip-plan"]) == 0

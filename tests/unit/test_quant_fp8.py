@@ -417,8 +417,8 @@ def test_slurm_runs_start_fp8_engines_from_the_export(tmp_path):
         ("fp8_export", None), ("engines", ("afterok", "fp8_export")), ("train", ("after", "engines"))]
     export, array, train = (j.script({"engines": "12"}) for j in plan.jobs)
     assert f"MODEL={tmp_path / 'run' / 'rollout_fp8'}\n" in array and "QUANTIZATION=fp8\n" in array
-    assert '-m dapo_megatron.quant.engine_checkpoint "$CONFIG"' in export and "--gpus-per-node" not in export
-    assert "dapo_megatron.quant.engine_checkpoint \"$CONFIG\" \"${MODEL_ARGS[@]}\" --colocated-only" in train
+    assert '-m dapo_megatron.launch.fp8_export "$CONFIG"' in export and "--gpus-per-node" not in export
+    assert "dapo_megatron.launch.fp8_export \"$CONFIG\" \"${MODEL_ARGS[@]}\" --colocated-only" in train
     for text in (export, array, train):
         assert subprocess.run(["bash", "-n"], input=text.encode()).returncode == 0
     plain = render.render_rollout_array(load_config(repo / "configs/runs/qwen2.5-7b_dapo.yaml"), register_dir="/r")

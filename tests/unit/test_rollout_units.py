@@ -190,7 +190,7 @@ def test_settings_from_config():
     from dapo_megatron.config import Config
 
     cfg = Config()
-    s = RolloutSettings.from_config(cfg, progress=False)
+    s = RolloutSettings.from_sections(cfg.rollout, cfg.algorithm, seed=cfg.trainer.seed, progress=False)
     assert (s.n, s.max_new_tokens, s.gen_batch_size) == (cfg.rollout.n, cfg.rollout.max_response_length,
                                                          cfg.rollout.gen_batch_size)
     assert (s.overlong_buffer_length, s.max_num_gen_batches, s.on_exhausted) == (

@@ -7,9 +7,10 @@ import torch
 
 from dapo_megatron.config import load_config
 from dapo_megatron.data.tiny_model import (
-    ASSISTANT, EOS, PAD, USER, TinyModelSpec, build_tiny_model, build_tiny_tokenizer, prepare_tiny_model,
+    ASSISTANT, EOS, PAD, USER, TinyModelSpec, build_tiny_model, build_tiny_tokenizer,
     prompt_ids, sft_batch, smoothed_nll, synthetic_train_eval, warm_start,
 )
+from dapo_megatron.launch.prepare import tiny_model_dir
 
 SMALL = TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64,
                       max_position_embeddings=64)
@@ -152,11 +153,11 @@ def test_prepare_tiny_model_from_config(tmp_path):
         "rollout.max_prompt_length=16", "rollout.max_response_length=16", "actor.micro_batch_tokens=64",
         "algorithm.overlong_buffer_length=4", f"trainer.output_dir={tmp_path}",
     ])
-    path = prepare_tiny_model(cfg)
+    path = tiny_model_dir(cfg)
     assert path == str(tmp_path / "tiny_model" / "warm")
     from transformers import AutoConfig
 
     assert AutoConfig.from_pretrained(path).hidden_size == 32
     cfg.tiny.enabled = False
     with pytest.raises(ValueError, match="tiny.enabled is false"):
-        prepare_tiny_model(cfg)
+        tiny_model_dir(cfg)

@@ -1,0 +1,21 @@
+"""What the actor reads of a run's configuration, and nothing more: the actor receives its settings,
+never the whole Config (that stops at trainer/ and the command line; trainer/settings.py builds these).
+
+    settings = ActorSettings(actor=cfg.actor, algorithm=cfg.algorithm, optimizer=cfg.trainer,
+                             temperature=cfg.rollout.temperature, fp8_checkpoint=None)
+    actor = Actor(settings, hf_dir)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ActorSettings:
+    actor: Any  # the config's actor section: parallel layout, precision, micro-batches, kernels, offload
+    algorithm: Any  # the loss: clip ranges, aggregation mode, truncated importance sampling, KL
+    optimizer: Any  # the trainer section's optimizer keys: lr and its schedule, weight decay, betas, grad_clip
+    temperature: float  # rollout.temperature: log-probs under the engines' sampling temperature
+    fp8_checkpoint: str | None = None  # actor.quantization_aware: the engines' FP8 checkpoint (its layout)
