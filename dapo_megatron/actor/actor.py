@@ -41,6 +41,7 @@ from dapo_megatron.actor.context_parallel import merge_from_cp, split_for_cp
 from dapo_megatron.actor.lm_head import (full_sequence_hidden, output_weight, require_fused_kernels,
                                          return_hidden_states, token_logprobs_entropy)
 from dapo_megatron.actor.packing import MicroBatch, PackedShare, pack_batch_micro_batch
+from dapo_megatron.algo.aggregation import count_loss_units_packed, sequence_token_counts
 from dapo_megatron.algo.off_policy import behaviour_weight
 from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.actor.settings import ActorSettings
@@ -524,15 +525,11 @@ class Actor:
             raise ValueError("Actor.train: ref_logprobs missing but algorithm.use_kl=true needs them")
 
     def _global_denominator(self, micro_batches: list[MicroBatch]) -> float:
-        """D of the loss: masked tokens (token-mean) or sequences with a masked token (seq modes) over
-        the whole mini-batch: this DP rank's share, summed over the DP group (CP ranks share a share)."""
-        token_mean = self.settings.algorithm.loss_agg_mode == "token-mean"
-        local = 0
-        for mb in micro_batches:
-            if token_mean:
-                local += int((mb.loss_mask != 0).sum())
-            else:
-                local += int((_per_sequence_count(mb) > 0).sum())
+        """D of the loss (algo/aggregation.py) over the whole mini-batch: this DP rank's share, summed
+        over the DP group (CP ranks share a share)."""
+        mode = self.settings.algorithm.loss_agg_mode
+        local = sum(count_loss_units_packed(mb.loss_mask, mb.seq_ids, mb.num_sequences, agg_mode=mode)
+                    for mb in micro_batches)
         count = torch.tensor([float(local)], dtype=torch.float64,
                              device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
         dist.all_reduce(count, group=parallel.dp_group())
@@ -542,10 +539,7 @@ class Actor:
               denom: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """sum_t w_t * (l_t + kl_coef * kl_t) / D over this rank's tokens of the micro-batch.
 
-        All three aggregation modes are a per-token weighted sum over the global D:
-          token-mean           w = mask                 D = masked tokens
-          seq-mean-token-sum   w = mask                 D = sequences
-          seq-mean-token-mean  w = mask / n_seq(t)      D = sequences   (n_seq: masked tokens of t's sequence)
+        All three aggregation modes are a per-token weighted sum over the global D (algo/aggregation.py),
         so policy_loss runs in its token-mean form with mask = w and loss_denominator = D (the
         fused kernel's form too), and a sequence cut by CP or micro-batching still sums exactly.
         Truncated importance sampling multiplies the policy term's weight by min(pi_old/pi_rollout, C).
@@ -561,10 +555,7 @@ class Actor:
         old, adv, mask = take(mb.old_logprobs), take(mb.advantages), take(mb.loss_mask)
         weight = mask
         if al.loss_agg_mode == "seq-mean-token-mean":
-            per_seq = _per_sequence_count(mb)
-            n_seq = torch.zeros(mb.length, dtype=torch.float32)
-            real = mb.seq_ids >= 0
-            n_seq[real] = per_seq[mb.seq_ids[real]]
+            n_seq = sequence_token_counts(mb.loss_mask, mb.seq_ids, mb.num_sequences)
             weight = mask / take(n_seq).clamp(min=1.0)
         pg_weight = weight
         tis = torch.ones_like(mask)
@@ -639,13 +630,6 @@ class Actor:
         self.num_updates = int(meta["num_updates"])
         self.last_step = int(meta["last_step"])
         return meta
-
-
-def _per_sequence_count(mb: MicroBatch) -> torch.Tensor:
-    """[num_sequences] masked (trained) tokens of each sequence of the micro-batch."""
-    counts = torch.zeros(mb.num_sequences + 1, dtype=torch.float32)
-    counts.index_add_(0, mb.seq_ids + 1, (mb.loss_mask != 0).float())  # slot 0 collects the padding tail
-    return counts[1:]
 
 
 def _policy_loss(logprob, old, adv, weight, *, eps_low, eps_high, clip_ratio_c, loss_denominator, fused: bool):

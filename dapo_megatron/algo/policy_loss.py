@@ -32,23 +32,12 @@ import torch
 # the per-token formula and the stats: the one torch reference of both (kernels/reference.py); this
 # module adds the aggregation modes and the argument checks of the trainer's configuration
 from dapo_kernels.reference import POLICY_LOSS_STAT_KEYS, policy_loss_stats, policy_loss_terms
+from dapo_megatron.algo.aggregation import AGG_MODES, check_agg_mode, count_loss_units
 
 __all__ = ["policy_loss", "count_loss_units", "AGG_MODES", "STAT_KEYS"]
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 # The stats every policy-loss implementation returns (kernels/policy_loss.py returns the same keys).
 STAT_KEYS = POLICY_LOSS_STAT_KEYS
-
-
-def count_loss_units(mask: torch.Tensor, *, agg_mode: str) -> int:
-    """What `policy_loss` divides by, for this tensor alone: masked tokens (token-mean) or sequences
-    with at least one masked token (seq modes). Sum it over micro-batches and ranks for the global value."""
-    _check_agg_mode(agg_mode)
-    if agg_mode == "token-mean":
-        return int((mask != 0).sum())
-    if mask.dim() != 2:
-        raise ValueError(f"count_loss_units: {agg_mode} needs a [B, T] mask, got shape {tuple(mask.shape)}")
-    return int(((mask != 0).sum(dim=-1) > 0).sum())
 
 
 def policy_loss(
@@ -71,7 +60,7 @@ def policy_loss(
     clipfrac_high = frac of (A > 0) & (r > 1 + eps_high), dualclip_frac = frac of (A < 0) & (r > c),
     approx_kl = mean 0.5 * (logp - logp_old)^2, ratio_mean, ratio_max, num_tokens = sum(mask).
     """
-    _check_agg_mode(agg_mode)
+    check_agg_mode(agg_mode)
     if eps_low < 0 or eps_high < 0:
         raise ValueError(f"policy_loss: eps_low={eps_low}, eps_high={eps_high} must be >= 0")
     if eps_low >= 1:
@@ -122,8 +111,3 @@ def policy_loss(
     stats = policy_loss_stats(log_ratio.detach(), ratio.detach(), adv.detach(), weight.detach(), eps_low=eps_low,
                               eps_high=eps_high, clip_ratio_c=clip_ratio_c)
     return loss, {key: value.float() for key, value in stats.items()}
-
-
-def _check_agg_mode(agg_mode: str) -> None:
-    if agg_mode not in AGG_MODES:
-        raise ValueError(f"loss agg_mode={agg_mode!r} is not allowed; choose one of {list(AGG_MODES)}")
