@@ -174,8 +174,8 @@ class LocalProcesses:
 def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool, overwrite: bool = False,
                     skip_plan: bool = False) -> int:
     """This machine: decide about the run directory, check the memory plan, prepare the model, start
-    CPU engines, run the actor ranks under torchrun, then print where everything is (console.run_summary)."""
-    from dapo_megatron.trainer import console
+    CPU engines, run the actor ranks under torchrun, then print where everything is (run_log.run_summary)."""
+    from dapo_megatron.trainer import console, run_log
     from dapo_megatron.launch.run_dir import check_run_dir
     from dapo_megatron.launch.supervise import EngineSupervisor, engine_events_path
     from dapo_megatron.memplan import check_before_launch
@@ -238,7 +238,7 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
         print(f"[train] the actor ranks failed (torchrun exit code {rc}): the first failing rank's error is the "
               f"\"Root Cause\" block above; engine logs in {run_dir / 'logs'}", file=sys.stderr, flush=True)
     if rc == 0:
-        print(console.run_summary(run_dir, phase_seconds=phases.seconds, ranks_wall_s=ranks_wall_s,
+        print(run_log.run_summary(run_dir, phase_seconds=phases.seconds, ranks_wall_s=ranks_wall_s,
                                   wall_s=time.perf_counter() - t_start), flush=True)
     return rc
 

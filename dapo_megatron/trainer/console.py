@@ -6,7 +6,7 @@ that fits 120 characters, and a closing summary. Everything else goes to metrics
     with phases.phase("model", slow_note="building ...") as note:   # [train] model: ... (12.3 s)
         note["detail"] = "tiny Qwen2 warm-started"
     table = StepTable(total_steps=40)             # MetricsLogger prints one row per logged step
-    print(run_summary(run_dir, phase_seconds=phases.seconds, wall_s=...))
+    print(run_log.run_summary(run_dir, phase_seconds=phases.seconds, wall_s=...))   # trainer/run_log.py
 
     [train] model: tiny Qwen2 (0.4M parameters), warm start cached (0.3 s)
     [train] rollout: 1 CPU engine serving at http://127.0.0.1:41871 (6.1 s)
@@ -202,72 +202,3 @@ class StepTable:
             print(self.header(), file=out)
         print(self.format_row(step, metrics), file=out, flush=True)
         self.rows += 1
-
-
-# --------------------------------------------------------------------------------------------------
-# The closing summary
-
-
-def _fmt_s(seconds: float) -> str:
-    if seconds >= 60:
-        return f"{int(seconds // 60)} min {seconds % 60:04.1f} s"
-    return f"{seconds:.1f} s"
-
-
-def run_summary(run_dir: str | Path, *, phase_seconds: Mapping[str, float] | None = None,
-                ranks_wall_s: float | None = None, wall_s: float | None = None) -> str:
-    """Where things are and how the run went: run directory, curves, final and best eval, the
-    checkpoints on disk, and time per phase (start-up phases as measured by the launcher; the
-    ranks' phases summed from metrics.jsonl; `other` = the rest of the ranks' wall time: their
-    start-up, checkpoints, logging)."""
-    from dapo_megatron.trainer.run_checkpoint import best_checkpoint, list_checkpoints
-    from dapo_megatron.trainer.run_log import CURVES_FILE, METRICS_FILE, read_jsonl
-
-    run_dir = Path(run_dir)
-    records = read_jsonl(run_dir / METRICS_FILE) if (run_dir / METRICS_FILE).is_file() else []
-    lines = [f"{PREFIX} done. run directory: {run_dir}"]
-    curves = run_dir / CURVES_FILE
-    lines.append(f"  curves:       {curves if curves.is_file() else '(not written)'}")
-    lines.append(f"  metrics:      {run_dir / METRICS_FILE} ({len(records)} records)")
-    evals = [(int(r["step"]), float(r["eval/avg@k"]), r.get("eval/pass@k"), r.get("eval/k"))
-             for r in records if isinstance(r.get("eval/avg@k"), (int, float))]
-    if evals:
-        k = evals[-1][3]
-        name = f"avg@{int(k)}" if isinstance(k, (int, float)) else "avg@k"
-        step, value, pass_k, _ = evals[-1]
-        extra = f", pass@{int(k)} {float(pass_k):.1%}" if isinstance(pass_k, (int, float)) and k else ""
-        lines.append(f"  final eval:   {name} {value:.1%} at step {step}{extra}")
-        best_step, best, _, _ = max(evals, key=lambda e: (e[1], -e[0]))  # the earliest of equal bests
-        first = evals[0]
-        lines.append(f"  best eval:    {name} {best:.1%} at step {best_step} "
-                     f"(step {first[0]}: {first[1]:.1%}, {len(evals)} evals)")
-    else:
-        lines.append("  eval:         none logged (trainer.eval_every=0?)")
-    checkpoints = list_checkpoints(run_dir)
-    if checkpoints:
-        names = ", ".join(path.name for _, path in checkpoints)
-        lines.append(f"  checkpoints:  {names} in {run_dir / 'checkpoints'}")
-    else:
-        lines.append("  checkpoints:  none")
-    best = best_checkpoint(run_dir)
-    if best is not None:
-        lines.append(f"  best ckpt:    {best[2]} (eval {best[1]:.1%}, kept by trainer.keep_best_checkpoint)")
-    steps = [r for r in records if int(r.get("step", 0)) > 0 and "time/step_s" in r]
-    sums = {key: sum(float(r.get(key, 0.0)) for r in records)
-            for key in ("time/gen_s", "time/logprob_s", "time/train_s", "time/sync_s", "time/eval_s")}
-    trained = [("generate", sums["time/gen_s"]), ("log-probs", sums["time/logprob_s"]),
-               ("train", sums["time/train_s"]), ("weight sync", sums["time/sync_s"]), ("eval", sums["time/eval_s"])]
-    ran = [(name, secs) for name, secs in trained if secs > 0]
-    if ranks_wall_s is not None:
-        ran.append(("other", max(0.0, ranks_wall_s - sum(secs for _, secs in trained))))
-    label = "  time:         "
-    for title, items in (("start-up", list((phase_seconds or {}).items())), ("ranks", ran)):
-        if items:
-            lines.append(f"{label}{title}: " + ", ".join(f"{name} {_fmt_s(secs)}" for name, secs in items))
-            label = " " * len(label)
-    if steps:
-        step_total = sum(float(r["time/step_s"]) for r in steps)
-        lines.append(f"  steps:        {len(steps)} in {_fmt_s(step_total)} "
-                     f"(median {sorted(float(r['time/step_s']) for r in steps)[len(steps) // 2]:.2f} s per step)"
-                     + (f"; whole command {_fmt_s(wall_s)}" if wall_s is not None else ""))
-    return "\n".join(lines)

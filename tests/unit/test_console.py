@@ -11,7 +11,8 @@ import json
 import warnings
 
 from dapo_megatron.trainer import console
-from dapo_megatron.trainer.console import LEGEND, STEP_COLUMNS, TABLE_WIDTH, Phases, StepTable, run_summary
+from dapo_megatron.trainer.console import LEGEND, STEP_COLUMNS, TABLE_WIDTH, Phases, StepTable
+from dapo_megatron.trainer.run_log import run_summary
 
 # every column filled, with values as a 32B run makes them (512 of 1536 groups, 20K tokens)
 FULL = {"reward/mean": -1.234, "acc/mean": 0.5, "eval/avg@k": 0.713, "response_length/mean": 16384.5,
