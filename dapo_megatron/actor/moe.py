@@ -26,8 +26,7 @@ expert's matrices like TP splits the dense MLP. Tokens reach their experts throu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from dapo_megatron.weights.hf_config import MOE_MODEL_TYPES, MoEShape, moe_shape_of  # noqa: F401 (re-exported)
 

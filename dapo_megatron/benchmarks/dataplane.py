@@ -268,6 +268,7 @@ def _rank_step(layout: dict, args) -> dict:
 
 def _role() -> str:
     """driver (rank 0), exporter (a later stage's exporter: it sends its stage's buckets) or rank."""
+    from dapo_megatron.actor import parallel
     from dapo_megatron.dataplane.roles import RankRoles
 
     roles = RankRoles.current(parallel)

@@ -33,7 +33,7 @@ are int32 (vocabularies are < 2^31; half the bytes of int64 on the wire).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import torch
 

@@ -84,7 +84,7 @@ def evaluate(argv: list[str]) -> int:
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     t, r = cfg.trainer, cfg.rollout
 
-    async def run(urls: list[str] | None) -> torch.Tensor:
+    async def run(urls: list[str] | None):  # -> the [P, k] table of correct samples
         if urls:
             pool = EnginePool(urls, timeout_s=r.request_timeout_s, max_retries=r.max_retries)
         else:

@@ -23,7 +23,6 @@ import math
 import sys
 import time
 import warnings
-from pathlib import Path
 from typing import Any, Iterator, Mapping, TextIO
 
 PREFIX = "[train]"
