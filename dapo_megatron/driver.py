@@ -43,7 +43,7 @@ def fill_advantages(groups: list[list[Sample]], *, eps: float) -> None:
 
 
 class Driver:
-    def __init__(self, cfg: Config, *, model_dir: str | Path, run_dir: str | Path, backend: str = "gloo") -> None:
+    def __init__(self, cfg: Config, *, model_dir: str | Path, run_dir: str | Path) -> None:
         from transformers import AutoTokenizer
 
         self.cfg = cfg
@@ -70,7 +70,8 @@ class Driver:
         train, self.eval_records = train_and_eval_records(cfg.data)
         self.prompts = PromptStream(train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         # master_address "" = the trainer address every engine reaches (weight_group.trainer_address)
-        self.weight_sync = DistributedWeightSync(backend=backend, bucket_bytes=r.weight_bucket_mb << 20,
+        # the group's backend follows the engines (gloo for CPU engines, nccl for SGLang), not the trainer
+        self.weight_sync = DistributedWeightSync(bucket_bytes=r.weight_bucket_mb << 20,
                                                  master_address=r.weight_sync_address)
         # rollout.quantization=fp8: every sync sends modelopt's fp8 weights + scales (quant/rollout.py)
         self.fp8 = None

@@ -93,7 +93,7 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
         roles = RankRoles.current()
         actor = Actor(cfg, cfg.model.path)
         ref = ReferencePolicy(cfg, cfg.model.path) if cfg.algorithm.use_kl else None  # frozen, off-device when idle
-        driver = Driver(cfg, model_dir=cfg.model.path, run_dir=run_dir, backend=_backend()) if roles.driver else None
+        driver = Driver(cfg, model_dir=cfg.model.path, run_dir=run_dir) if roles.driver else None
         if roles.driver:
             console.actor_ready(cfg)
         placement = make_placement(cfg, roles=roles, driver=driver)
@@ -154,12 +154,6 @@ def _run_worker_recorded(cfg, *, resume: bool) -> int:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     return record(run_worker)(cfg, resume=resume)
-
-
-def _backend() -> str:
-    import torch
-
-    return "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def main(argv: list[str]) -> int:

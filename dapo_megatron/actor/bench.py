@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from dapo_megatron.dataplane import collectives as coll
+
 PEAK_FLOPS = {"bf16": 989e12}
 QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                   num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6,
@@ -127,10 +129,11 @@ def main(argv: list[str] | None = None) -> int:
             actor = Actor(cfg, ckpt)
             num_params = sum(p.numel() for chunk in actor.model_chunks for p in chunk.parameters())
             counts = torch.tensor([num_params], device="cuda")
-            torch.distributed.all_reduce(counts)  # over all ranks: TP/PP shards add up, DP replicas repeat
-            num_params = int(counts.item()) // dp_size()
+            coll.all_reduce(counts)  # over all ranks: TP/PP shards add up, DP replicas repeat
+            dp = dp_size()  # read inside the block: the groups are gone after it
+            num_params = int(counts.item()) // dp
             samples = make_mini_batch(tokens_per_mb=tokens_per_mb, seqs_per_mb=args.seqs_per_mb,
-                                      num_mb=args.micro_batches, dp=dp_size(), vocab=actor.hf_config.vocab_size,
+                                      num_mb=args.micro_batches, dp=dp, vocab=actor.hf_config.vocab_size,
                                       seed=tokens_per_mb)
             times = []
             for step in range(args.steps + 1):
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         num_gpus = torch.distributed.get_world_size()
         rows.append({
             "bench": "actor_train", "model": f"qwen2.5-1.5b-shape-l{args.layers}", "precision": "bf16",
-            "attention": args.attention, "tp": args.tp, "pp": args.pp, "dp": dp_size(),
+            "attention": args.attention, "tp": args.tp, "pp": args.pp, "dp": dp,
             "tokens_per_micro_batch": tokens_per_mb, "micro_batches": args.micro_batches,
             "seqs_per_micro_batch": args.seqs_per_mb, "step_s_p50": round(step_s, 4),
             "step_s_min": round(min(times), 4), "tokens_per_s": round(sum(s.num_tokens for s in samples) / step_s, 1),

@@ -48,6 +48,7 @@ import time
 import torch
 from aiohttp import web
 
+from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.rollout.cpu_engine import MEMORY_TAGS, CpuEngine, WeightError
 from dapo_megatron.rollout.cpu_scheduler import Batcher, RWLock
 from dapo_megatron.rollout.protocol import RequestError, SamplingParams, SequenceRequest, parse_generate
@@ -294,7 +295,7 @@ class RolloutServer:
             backend = _field(body, "backend", str, default="nccl")  # SGLang's default
             if backend != "gloo":
                 raise RequestError("backend", f"this CPU engine joins gloo groups only, got {backend!r} "
-                                              "(DistributedWeightSync(backend='gloo'))")
+                                              "(it says so in /server_info cpu_engine.weight_group_backend)")
             if not 1 <= rank_offset < world_size:
                 raise RequestError("rank_offset", f"must be in [1, world_size={world_size}), got {rank_offset}")
             if group_name in self.groups:
@@ -352,12 +353,12 @@ class RolloutServer:
             def receive():  # SGLang's order: receive the whole bucket, then load it
                 if load_format == "flattened_bucket":
                     flat = torch.empty(flattened_size(specs), dtype=torch.uint8)
-                    pg.broadcast(flat, 0).wait()  # one collective for the bucket
+                    coll.pg_broadcast(pg, flat, src=0)  # one collective for the bucket
                     return unflatten_bucket(flat, specs)
                 received = []
                 for name, dt, shape in specs:
                     t = torch.empty(shape, dtype=dt)
-                    pg.broadcast(t, 0).wait()  # one collective per tensor, in order
+                    coll.pg_broadcast(pg, t, src=0)  # one collective per tensor, in order
                     received.append((name, t))
                 return received
 
@@ -554,6 +555,7 @@ class RolloutServer:
                 **self.stats, **self.batcher.counts(), "pid": os.getpid(), "status": self.status,
                 "is_paused": self.is_pause,
                 "weight_update_session_open": self.session_open, "released_tags": sorted(e.released_tags),
+                "weight_group_backend": "gloo",  # the only one it joins (init_group); the trainer follows it
                 "resident_memory_bytes": {"weights": e.resident_weight_bytes(), "kv_cache": e.kv_cache_bytes},
                 # CPU extra: what a GEMM of an fp8 Linear computes (quant/fp8_gemm.py, SGLang's numerics)
                 "fp8_gemm": ("w8a8 block fp8: weights 128x128 blocks, activations quantized dynamically per token "
