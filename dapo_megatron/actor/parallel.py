@@ -89,9 +89,9 @@ def init_distributed(*, timeout_minutes: int = 30) -> LaunchEnv:
     """
     import datetime
 
-    from dapo_megatron.actor.compat import apply_cpu_compat
+    from dapo_megatron.actor.compat import apply_megatron_compat
 
-    apply_cpu_compat()
+    apply_megatron_compat()
     env = launch_env()
     if dist.is_initialized():
         return LaunchEnv(dist.get_rank(), dist.get_world_size(), env.local_rank, env.master_addr, env.master_port)
