@@ -126,7 +126,7 @@ def test_a_tensor_already_on_the_backend_device_moves_nothing():
 
     x = torch.tensor([1.0, 2.0])
     assert coll._staged(x, torch.device("cpu")) is x  # in place, no copy (the staging itself runs in
-    # tests/gpu/test_collectives_gpu.py: CPU tensors over NCCL, CUDA tensors over gloo)
+    # tests/gpu/test_transfer_gpu.py: CPU tensors over NCCL, CUDA tensors over gloo)
 
 
 if __name__ == "__main__":
