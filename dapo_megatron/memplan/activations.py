@@ -24,7 +24,9 @@ kv_w = kv_heads*d, t = TP, s = t with sequence parallelism else 1, a = bytes of 
                                                               causal_lower_right; the CPU/fp32 path pads the
                                                               queries of a chunk inside its document to its
                                                               key length: more, not counted here)
-    SwiGLU MLP     5 F a / t                   fc1 out (2F), x_linear + 0 (F), silu (F), product (F)
+                     + a q_w / t with several documents        linear_proj's input: the per-document outputs
+                                                              concatenated (one document: a view, no copy)
+  SwiGLU MLP     5 F a / t                   fc1 out (2F), x_linear + 0 (F), silu (F), product (F)
   te backend (TE spec, bias_activation_fusion and fused RoPE: read from TE / megatron source, not
   measurable on CPU)
     2 norms        2 * (2 a h + 4) / s         LayerNormLinear keeps its input and ln_out (+ rsigma)
@@ -127,9 +129,11 @@ class ActivationModel:
 
     # --- one transformer layer -----------------------------------------------------------------------
 
-    def layer_parts(self, *, tokens: int, recompute: str | None = None, sparse: bool = False) -> dict[str, float]:
+    def layer_parts(self, *, tokens: int, recompute: str | None = None, sparse: bool = False,
+                    single_document: bool = False) -> dict[str, float]:
         """Bytes one layer keeps for a micro-batch of `tokens` tokens (before the CP split); sparse: a
-        mixture-of-experts layer (router + experts in place of the dense MLP)."""
+        mixture-of-experts layer (router + experts in place of the dense MLP); single_document: the
+        micro-batch is one sequence (the torch backend's attention output is then not concatenated)."""
         d, a, t, s = self.dims, self.a, self.tp, self.s
         recompute = self.recompute if recompute is None else recompute
         n = self.local_tokens(tokens)
@@ -149,6 +153,11 @@ class ActivationModel:
                 else:  # the K and V all-gathered over the CP group (context_parallel.gather_for_cp)
                     keys_values = n_kv * a * 2 * d.kv_width / t
                 parts["attention"] = n * a * 2 * d.q_width / t + keys_values + n * 4 * d.heads / t
+                if not single_document and not self.quantization_aware:
+                    # one SDPA output per document, each kept by its backward; linear_proj keeps their
+                    # concatenation (with quantization_aware it keeps the fake-quantized copy instead,
+                    # counted there). One document: linear_proj's input is a view of the one output
+                    parts["attention output (documents concatenated)"] = n * a * d.q_width / t
             if d.qk_norm:
                 if a == 4:  # fp32: no cast copy; the norms keep views of the QKV output (kept whole) ...
                     qkv = 0 if qkv_kept else 4 * (d.q_width + 2 * d.kv_width)
@@ -239,10 +248,12 @@ class ActivationModel:
               max_sequence: int | None = None, sparse_layers: int = 0) -> dict[str, float]:
         """Bytes kept for the backward by one micro-batch on a stage with `layers` layers of which
         `sparse_layers` are mixture-of-experts layers (max_sequence: the longest packed sequence, which
-        sizes the RoPE table that full recompute keeps)."""
+        sizes the RoPE table that full recompute keeps; when it fills the micro-batch, the micro-batch is one
+        document)."""
         parts: dict[str, float] = {}
+        single = max_sequence is not None and max_sequence >= tokens  # the longest sequence fills the micro-batch
         for sparse, count in ((False, layers - sparse_layers), (True, sparse_layers)):
-            for name, value in self.layer_parts(tokens=tokens, sparse=sparse).items():
+            for name, value in self.layer_parts(tokens=tokens, sparse=sparse, single_document=single).items():
                 parts[name] = parts.get(name, 0.0) + value * count
         if self.recompute == "full" and layers:
             parts["rope table (full recompute)"] = min(max_sequence or tokens, tokens) * self.dims.head_dim * 4
