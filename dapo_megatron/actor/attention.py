@@ -150,7 +150,9 @@ def flex_document_attention(q, k, v, block_mask, *, scale: float, compiled: bool
     fn = flex_attention
     if compiled:
         if _COMPILED_FLEX is None:
-            _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+            # default dynamic-shape policy: packed micro-batches change length every step; after the first
+            # recompile the kernel is traced with a symbolic length instead of recompiling per length
+            _COMPILED_FLEX = torch.compile(flex_attention)
         fn = _COMPILED_FLEX
     return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.size(1) != k.size(1))
 
