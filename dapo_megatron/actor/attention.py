@@ -114,7 +114,11 @@ def blockwise_attention(q, k, v, blocks: Sequence[QueryBlock], *, scale: float, 
     returns [B, h, Tq, d]. Every query row must be in exactly one block (document_blocks' blocks are)."""
     outs = [_causal_block(q[:, :, b.q_start:b.q_end], k[:, :, b.k_start:b.k_end], v[:, :, b.k_start:b.k_end],
                           scale=scale, dropout_p=dropout_p) for b in blocks]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    if len(outs) == 1:
+        return outs[0]
+    # concatenated token-major ([B, T, h, d] storage, returned as a [B, h, T, d] view): the callers' move
+    # to [T, h*d] is then a view, not a second copy (SDPA's outputs are token-major views as well)
+    return torch.cat([o.transpose(1, 2) for o in outs], dim=1).transpose(1, 2)
 
 
 # --- FlexAttention (CUDA) ------------------------------------------------------------------------------
