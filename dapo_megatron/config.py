@@ -132,6 +132,9 @@ class ActorConfig:
     sequence_parallel: bool = False
     micro_batch_tokens: int = 24576  # token budget of one packed micro-batch (>= one full sequence)
     attention_backend: Literal["torch", "te"] = "te"
+    # torch backend only: "sdpa" = per-document causal SDPA (CPU and GPU), "flex" = FlexAttention with a
+    # document BlockMask (CUDA only; refused at model build without CUDA). actor/attention.py
+    attention_kernel: Literal["sdpa", "flex"] = "sdpa"
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     recompute: Literal["none", "selective", "full"] = "none"
     use_distributed_optimizer: bool = True

@@ -120,7 +120,7 @@ class Actor:
         # the head excludes rows >= vocab_size from the softmax (token_logprobs_entropy(vocab_size=)).
         chunks = build_model_chunks(self.hf_config, attention_backend=ac.attention_backend, precision=ac.precision,
                                     sequence_parallel=ac.sequence_parallel, recompute=ac.recompute,
-                                    vocab_divisible_by=1)
+                                    vocab_divisible_by=1, attention_kernel=ac.attention_kernel)
         load_hf_into_model(chunks, self.hf_dir)
         self._engine_dtype: torch.dtype | None = None
         if ac.quantization_aware:  # every forward multiplies by the FP8 engines' weights (actor/fake_quant.py)

@@ -89,7 +89,8 @@ def test_tiny_cpu_moe_verdict():
     plan = build_plan(_load(TINY_MOE))
     assert plan.fits
     peak, phase = plan.tables["colocated"][0].peak()
-    assert phase == "train" and peak / GIB == pytest.approx(2.21, abs=0.005)
+    # 2.21 GiB with the dense [T, T] attention mask the torch backend kept before actor/attention.py
+    assert phase == "train" and peak / GIB == pytest.approx(2.15, abs=0.005)
     dims = model_dims_for(_load(TINY_MOE))
     assert dims.is_moe and dims.num_sparse_layers == dims.layers == 2 and dims.qk_norm
 
