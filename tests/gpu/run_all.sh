@@ -71,9 +71,15 @@ section_actor() {
   mkdir -p "$OUT/actor"
   run_section actor_tests $PY -m pytest -m gpu tests/gpu/test_actor_gpu.py -q -p no:cacheprovider \
     --junitxml="$OUT/actor/junit.xml"
-  # Qwen2.5-1.5B-shaped random model, 4K and 16K tokens per micro-batch: table + CSV
-  run_section actor_bench $PY -m dapo_megatron.actor.bench --tokens 4096 16384 --csv "$OUT/actor/actor_bench.csv" \
+  # the O(T) torch attention on CUDA: lower-right flash chunks, FlexAttention fwd+bwd, linear saved bytes (issue 26)
+  run_section actor_attention $PY -m pytest -m gpu tests/gpu/test_attention_gpu.py -q -p no:cacheprovider \
+    --junitxml="$OUT/actor/junit_attention.xml"
+  # Qwen2.5-1.5B-shaped random model, 4K / 16K / 32K tokens per micro-batch (issue 26: 32K must fit, MFU >= 35%
+  # without TE), per-document SDPA then FlexAttention: table + CSV
+  run_section actor_bench $PY -m dapo_megatron.actor.bench --tokens 4096 16384 32768 --csv "$OUT/actor/actor_bench.csv" \
     --checkpoint-dir /tmp/dapo_bench_qwen25_1.5b
+  run_section actor_bench_flex $PY -m dapo_megatron.actor.bench --tokens 4096 16384 32768 --attention-kernel flex \
+    --csv "$OUT/actor/actor_bench.csv" --checkpoint-dir /tmp/dapo_bench_qwen25_1.5b
 }
 
 # ---- section: transfer (issue 24: collectives on the backend's device with NCCL and gloo; the CPU engine on
