@@ -7,7 +7,9 @@
 #
 # Each device call runs at most 10 minutes, so the sections go in three calls (measured 2026-11-25 on an
 # H100: env + kernels + actor took 8 minutes):
-#   SECTIONS="env kernels actor transfer"   SECTIONS="e2e"   SECTIONS="sglang_fp8"
+#   SECTIONS="env kernels transfer"   SECTIONS="actor"   SECTIONS="e2e sglang_fp8"
+# (actor runs the 1.5B bench at 4K/16K/32K tokens twice, sdpa and flex; e2e five tiny runs of 30 steps;
+# sglang_fp8 skips in seconds where SGLang's GPU kernels are not installed)
 #
 # The GPU machine has python3 with torch + triton + pytest but not megatron-core/transformers:
 # wheels carried in .whl/ are installed with --no-deps into /tmp/site. The repo is used in place
