@@ -35,6 +35,7 @@ rounding does not compound across chunks.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -47,6 +48,13 @@ from .reference import check_logprob_args, check_targets_in_vocab, check_vocab_s
 
 # dL/dlogits chunk size bound for the backward (bytes): C = this // (V_local * element size).
 BACKWARD_WORKSPACE_BYTES = 256 << 20
+# Blocked backward (the default): vocab block width (Hopper: K = 4096 of the fp32 grad_hidden
+# accumulation is compute-bound), and a workspace of at most this many bytes per token x hidden unit
+# below the 256 MiB cap, so that small batches take little (Liger's transient logits are ~4-5 N H
+# bytes; ours stay below them on every benchmark row: kernels/bench/NOTES.md).
+VOCAB_BLOCK = 4096
+BLOCKED_BUDGET_PER_NH = 3
+BACKWARDS = ("blocked", "row_chunked")
 # Vocab splits per row block in the forward: enough programs to fill the GPU even at small N, and
 # with GROUP_N row blocks x NUM_SPLITS programs in flight the hidden rows stay in L2 while each
 # weight tile is read once per GROUP_N * BLOCK_N rows.
@@ -295,9 +303,142 @@ def _chunk_rows(n: int, v: int, element_size: int) -> int:
     return max(align, rows // align * align) if rows < n else n
 
 
+@dataclasses.dataclass
+class _BackwardJob:
+    """What both backward schedules need: inputs, saved per-token stats, upstream grads, outputs
+    (grad_h [N, H] or None; grad_w = the real rows of the weight gradient, [V, H], or None)."""
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    targets_local: torch.Tensor
+    big_m: torch.Tensor
+    log_s: torch.Tensor
+    mean_c: torch.Tensor
+    g_lp: torch.Tensor
+    g_ent: torch.Tensor
+    has_ent: bool
+    inv_temp: float
+    tp_group: object
+    grad_h: torch.Tensor | None
+    grad_w: torch.Tensor | None
+    shard_rows: int  # the weight shard's rows, vocab padding included (the same on every TP rank)
+
+    def dlogits(self, dz: torch.Tensor, r0: int, r1: int, v0: int, v1: int) -> None:
+        """dz[:r1-r0, :v1-v0] = dL/dlogits for rows [r0, r1) and vocab rows [v0, v1) (recomputed logits)."""
+        rows, cols, h = r1 - r0, v1 - v0, self.hidden.shape[1]
+        if rows == 0 or cols == 0:
+            return
+        flags = {"CAST_F32": cast_dot_inputs_to_fp32(self.hidden.dtype), "IEEE": self.hidden.dtype == torch.float32}
+        meta = _launch_meta({}, n=rows, v=cols, h=h)
+        # the kernel compares local column ids with targets: shift them to the block's first column
+        tgt = self.targets_local[r0:r1] if v0 == 0 else self.targets_local[r0:r1] - v0
+
+        def grid(META):
+            return (triton.cdiv(rows, META["BLOCK_N"]) * triton.cdiv(cols, META["BLOCK_V"]),)
+        _dlogits[grid](self.hidden[r0:r1], self.weight[v0:v1], tgt, self.big_m[r0:r1], self.log_s[r0:r1],
+                       self.mean_c[r0:r1], self.g_lp[r0:r1], self.g_ent[r0:r1], dz, rows, cols, h,
+                       self.hidden.stride(0), self.weight.stride(0), dz.stride(0), self.inv_temp,
+                       HAS_ENT=self.has_ent, **flags, **meta)
+
+
+def _backward_row_chunked(job: _BackwardJob) -> None:
+    """The first schedule (kept selectable: backward="row_chunked"): row chunks of C rows with the full
+    vocab; grad_w += dZ^T h per chunk into an fp32 [V, H] accumulator when there is more than one chunk
+    (N/C read-modify-write passes over 4VH bytes: memory-bound on an H100, see kernels/bench/NOTES.md)."""
+    hidden, weight = job.hidden, job.weight
+    n, v = hidden.shape[0], weight.shape[0]
+    chunk = _chunk_rows(n, v, hidden.element_size())
+    workspace = torch.empty((min(chunk, n), v), device=hidden.device, dtype=hidden.dtype)
+    acc_w = None
+    if job.grad_w is not None and chunk < n:
+        acc_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
+    for r0 in range(0, n, chunk):
+        r1 = min(n, r0 + chunk)
+        dz = workspace[:r1 - r0]
+        job.dlogits(dz, r0, r1, 0, v)
+        if job.grad_h is not None:
+            if job.tp_group is None:
+                torch.mm(dz, weight, out=job.grad_h[r0:r1])
+            else:  # each rank holds its vocab shard's share of dL/dhidden: sum them in fp32
+                part = _mm_fp32(dz, weight)
+                dist.all_reduce(part, group=job.tp_group)
+                job.grad_h[r0:r1].copy_(part)
+        if job.grad_w is not None:
+            if acc_w is None:
+                torch.mm(dz.t(), hidden[r0:r1], out=job.grad_w)
+            else:
+                _addmm_fp32_(acc_w, dz.t(), hidden[r0:r1])
+    if acc_w is not None:
+        # copy_ converts in place: `grad_w[:] = acc_w.to(dtype)` held a third [V, H] (1039.5 MiB at
+        # Qwen2.5-7B) next to the fp32 accumulator: the 1153 MiB "workspace" of the first H100 run.
+        job.grad_w.copy_(acc_w)
+
+
+def blocked_plan(n: int, h: int, v: int, element_size: int, *, tp: bool = False) -> tuple[int, int]:
+    """(R, Vc) of the blocked backward: row blocks of R rows x vocab blocks of Vc rows, with
+    R * (Vc * element_size + 4H [fp32 grad_hidden rows, when V > Vc or with TP]) <= the workspace
+    budget min(BACKWARD_WORKSPACE_BYTES, BLOCKED_BUDGET_PER_NH * N * H). v is the shard's row count
+    (padding included): every TP rank gets the same R, hence the same collectives."""
+    cols = max(1, min(v, VOCAB_BLOCK))
+    budget = min(BACKWARD_WORKSPACE_BYTES, BLOCKED_BUDGET_PER_NH * n * h)
+    per_row = cols * element_size + (4 * h if v > cols or tp else 0)
+    rows = budget // per_row
+    align = CHUNK_ROW_ALIGN
+    rows = max(align, rows // align * align)
+    return (n if rows >= n else rows), cols
+
+
+def blocked_workspace_bytes(n: int, h: int, v: int, element_size: int, *, tp: bool = False) -> int:
+    """Bytes the blocked backward allocates besides its two outputs: the dL/dlogits block [R, Vc] and,
+    with more than one vocab block (or TP), the fp32 grad_hidden rows [R, H]. At most
+    max(BACKWARD_WORKSPACE_BYTES, one aligned row block) whatever N is."""
+    rows, cols = blocked_plan(n, h, v, element_size, tp=tp)
+    return rows * cols * element_size + (4 * rows * h if v > cols or tp else 0)
+
+
+def _backward_blocked(job: _BackwardJob) -> None:
+    """Row blocks of R rows (outer) x vocab blocks of Vc rows (inner), see blocked_plan. Per block:
+    dZ = dL/dlogits [R, Vc] (Triton), grad_w[Vc] (+)= dZ^T h[R] (cuBLAS, K = R, fp32 inside, rounded to
+    the weight dtype once per ROW block: one pass when R = N, a few at large N, instead of N/C fp32
+    read-modify-writes of the whole [V, H]), grad_h[R] += dZ W[Vc] into fp32 rows [R, H] (K = Vc),
+    copied out (all-reduced over tp_group first: one collective per row block) after the vocab loop."""
+    hidden, weight = job.hidden, job.weight
+    n, h = hidden.shape
+    v = weight.shape[0]
+    rows, cols = blocked_plan(n, h, job.shard_rows, hidden.element_size(), tp=job.tp_group is not None)
+    dz_buf = torch.empty((rows, min(cols, v)), device=hidden.device, dtype=hidden.dtype)
+    many_blocks = v > cols
+    acc_h = None
+    if job.grad_h is not None and (many_blocks or job.tp_group is not None):
+        acc_h = torch.empty((rows, h), device=hidden.device, dtype=torch.float32)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        h_rows = hidden[r0:r1]
+        if acc_h is not None:
+            acc_h[:r1 - r0].zero_()
+        for v0 in range(0, max(v, 1), cols):
+            v1 = min(v, v0 + cols)
+            dz = dz_buf[:r1 - r0, :v1 - v0]
+            job.dlogits(dz, r0, r1, v0, v1)
+            if job.grad_h is not None:
+                if acc_h is None:  # one vocab block, no TP: K = V, written once
+                    torch.mm(dz, weight[v0:v1], out=job.grad_h[r0:r1])
+                else:
+                    _addmm_fp32_(acc_h[:r1 - r0], dz, weight[v0:v1])
+            if job.grad_w is not None and v1 > v0:
+                if r0 == 0:
+                    torch.mm(dz.t(), h_rows, out=job.grad_w[v0:v1])
+                else:
+                    job.grad_w[v0:v1].addmm_(dz.t(), h_rows)
+        if acc_h is not None:
+            part = acc_h[:r1 - r0]
+            if job.tp_group is not None:
+                dist.all_reduce(part, group=job.tp_group)
+            job.grad_h[r0:r1].copy_(part)
+
+
 class _LinearLogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, tp_group, return_entropy, vocab_size):
+    def forward(ctx, hidden, weight, targets, temperature, tp_group, return_entropy, vocab_size, backward):
         vocab_start, vocab_local, _ = vocab_shard(weight, tp_group)
         real_rows = max(0, min(vocab_local, vocab_size - vocab_start))  # the rest of the shard is padding
         targets_local = (targets.long() - vocab_start).contiguous()
@@ -311,7 +452,7 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         entropy = log_s - t / s
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, targets_local, big_m, log_s, t / s)
-        ctx.inv_temp, ctx.tp_group, ctx.real_rows = inv_temp, tp_group, real_rows
+        ctx.inv_temp, ctx.tp_group, ctx.real_rows, ctx.backward = inv_temp, tp_group, real_rows, backward
         return logprob, entropy
 
     @staticmethod
@@ -319,53 +460,25 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         hidden, weight_shard, targets_local, big_m, log_s, mean_c = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_logprob is None and grad_entropy is None) or not (need_h or need_w):
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         weight = weight_shard[:ctx.real_rows]  # padding rows: no logits, so no dL/dz and a zero gradient
-        n, h = hidden.shape
         v = weight.shape[0]
         g_lp = torch.zeros_like(log_s) if grad_logprob is None else grad_logprob.float().contiguous()
         has_ent = grad_entropy is not None
         g_ent = grad_entropy.float().contiguous() if has_ent else g_lp  # placeholder pointer when unused
-        chunk = _chunk_rows(n, v, hidden.element_size())
-        workspace = torch.empty((min(chunk, n), v), device=hidden.device, dtype=hidden.dtype)
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_shard = grad_w = acc_w = None
+        grad_shard = None
         if need_w:
             padded = v < weight_shard.shape[0]
             grad_shard = torch.zeros_like(weight_shard) if padded else torch.empty_like(weight_shard)
-            if chunk >= n:
-                grad_w = grad_shard[:v]
-            else:
-                acc_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
-        flags = {"CAST_F32": cast_dot_inputs_to_fp32(hidden.dtype), "IEEE": hidden.dtype == torch.float32}
-        for r0 in range(0, n, chunk):
-            r1 = min(n, r0 + chunk)
-            rows = r1 - r0
-            dz = workspace[:rows]
-            h_chunk = hidden[r0:r1]
-            if v > 0:  # (a shard of padding only has dz = [rows, 0]: the products below are zeros)
-                meta = _launch_meta({}, n=rows, v=v, h=h)
-
-                def grid(META, rows=rows):
-                    return (triton.cdiv(rows, META["BLOCK_N"]) * triton.cdiv(v, META["BLOCK_V"]),)
-                _dlogits[grid](h_chunk, weight, targets_local[r0:r1], big_m[r0:r1], log_s[r0:r1], mean_c[r0:r1],
-                               g_lp[r0:r1], g_ent[r0:r1], dz, rows, v, h, hidden.stride(0), weight.stride(0),
-                               dz.stride(0), ctx.inv_temp, HAS_ENT=has_ent, **flags, **meta)
-            if need_h:
-                if ctx.tp_group is None:
-                    torch.mm(dz, weight, out=grad_h[r0:r1])
-                else:  # each rank holds its vocab shard's share of dL/dhidden: sum them in fp32
-                    part = _mm_fp32(dz, weight)
-                    dist.all_reduce(part, group=ctx.tp_group)
-                    grad_h[r0:r1].copy_(part)
-            if need_w:
-                if acc_w is None:
-                    torch.mm(dz.t(), h_chunk, out=grad_w)
-                else:
-                    _addmm_fp32_(acc_w, dz.t(), h_chunk)
-        if acc_w is not None:
-            grad_shard[:v] = acc_w.to(weight.dtype)
-        return grad_h, grad_shard, None, None, None, None, None
+        job = _BackwardJob(hidden, weight, targets_local, big_m, log_s, mean_c, g_lp, g_ent, has_ent,
+                           ctx.inv_temp, ctx.tp_group, grad_h, grad_shard[:v] if need_w else None,
+                           weight_shard.shape[0])
+        if ctx.backward == "row_chunked":
+            _backward_row_chunked(job)
+        else:
+            _backward_blocked(job)
+        return grad_h, grad_shard, None, None, None, None, None, None
 
 
 def linear_logprob_entropy(
@@ -377,6 +490,7 @@ def linear_logprob_entropy(
     tp_group=None,
     return_entropy: bool = True,
     vocab_size: int | None = None,
+    backward: str = "blocked",
 ):
     """(logprob[N] fp32, entropy[N] fp32 or None) of softmax(hidden @ weight.T / temperature).
 
@@ -386,6 +500,8 @@ def linear_logprob_entropy(
     weight gradient stays local. Differentiable in hidden and weight through logprob AND entropy.
     vocab_size: the real vocabulary (default: all V_local * tp rows); global rows at or past it are
     padding: excluded from the softmax, zero weight gradient.
+    backward: "blocked" (row blocks x vocab blocks, see _backward_blocked) or "row_chunked" (the first
+    schedule: full-vocab row chunks into an fp32 [V, H] accumulator), kept until a GPU run compares them.
     Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1; anything else raises
     RuntimeError (use linear_logprob_entropy_reference there).
     """
@@ -396,11 +512,13 @@ def linear_logprob_entropy(
     _, _, vocab_rows = vocab_shard(weight, tp_group)
     vocab_size = check_vocab_size(vocab_size, vocab_rows)
     check_targets_in_vocab(targets, vocab_size)
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward must be one of {BACKWARDS}; got {backward!r}")
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32) + (hidden.sum() + weight.sum()) * 0
         return empty, (empty.clone() if return_entropy else None)
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     logprob, entropy = _LinearLogprobEntropy.apply(hidden, weight, targets, float(temperature), tp_group,
-                                                   bool(return_entropy), vocab_size)
+                                                   bool(return_entropy), vocab_size, backward)
     return logprob, (entropy if return_entropy else None)
