@@ -80,9 +80,15 @@ def main(argv=None) -> int:
                          logprob_div, warps, stages))
     loss_sig = {"lp_ptr": "*fp32", "old_ptr": "*fp32", "adv_ptr": "*fp32", "mask_ptr": "*u8", "grad_ptr": "*fp32",
                 "part_ptr": "*fp32", "T": "i32", "num_blocks": "i32", "eps_low": "fp32", "eps_high": "fp32",
-                "clip_c": "fp32", "inv_denom": "fp32"}
-    loss_div = {"lp_ptr", "old_ptr", "adv_ptr", "mask_ptr", "grad_ptr", "part_ptr"}
-    jobs.append(("policy_loss fused", policy_loss._fused_kernel, loss_sig, {"HAS_DUAL": True, "BLOCK": 2048}, loss_div, 4, 3))
+                "clip_c": "fp32", "inv_denom": "fp32", "adv_cols": "i32", "counter_ptr": "*i32", "out_ptr": "*fp32",
+                "loss_denominator": "fp32"}
+    loss_div = {"lp_ptr", "old_ptr", "adv_ptr", "mask_ptr", "grad_ptr", "part_ptr", "counter_ptr", "out_ptr"}
+    for one_pass in (True, False):
+        for per_row in (False, True):
+            consts = {"HAS_DUAL": True, "BLOCK": 2048, "ADV_PER_ROW": per_row, "ONE_PASS": one_pass,
+                      "REDUCE_BLOCK": 512}
+            label = f"policy_loss fused {'one-pass' if one_pass else 'two-launch'}{' adv[B,1]' if per_row else ''}"
+            jobs.append((label, policy_loss._fused_kernel, loss_sig, consts, loss_div, 4, 3))
     jobs.append(("policy_loss reduce", policy_loss._reduce_kernel, {"part_ptr": "*fp32", "loss_ptr": "*fp32",
                  "stats_ptr": "*fp32", "num_blocks": "i32", "loss_denominator": "fp32"}, {"BLOCK": 512},
                  {"part_ptr", "loss_ptr", "stats_ptr"}, 4, 3))
