@@ -68,15 +68,19 @@ def test_benchmark_code_runs_on_cpu_dry_run(tmp_path):
     should cost no GPU time. Every provider available here writes its rows for both modes."""
     path = tmp_path / "dry.csv"
     code = run.main(["--cpu-dry-run", "--csv", str(path), "--models", "32x130", "--n", "20", "--tp", "2",
-                     "--tokens", "300", "--repeats", "1", "--providers", "fused,torch,chunked,liger"])
+                     "--tokens", "300", "--repeats", "1", "--providers", "fused,fused_rowchunk,torch,chunked,liger",
+                     "--loss-providers", "fused,fused_two_launch,torch"])
     assert code == 0
     rows = list(csv.DictReader(path.open()))
     logprob_rows = {(r["provider"], r["mode"], r["metric"]) for r in rows if r["kernel"] == "linear_logprob_entropy"}
-    for provider in ("fused", "torch", "chunked"):
+    for provider in ("fused", "fused_rowchunk", "torch", "chunked"):
         for mode in ("fwd", "fwd_bwd"):
             assert {(provider, mode, m) for m in ("ms", "tflops", "pct_of_matmul")} <= logprob_rows
+    # the memory formula is written next to every fwd_bwd row of the providers it models
+    assert {("fused", "fwd_bwd", "extra_mem_model"), ("fused_rowchunk", "fwd_bwd", "extra_mem_model")} <= logprob_rows
     assert all(r["x"] == "N=20,H=32,V=130,tp=2" and r["device"] == "cpu" for r in rows if r["kernel"] != "policy_loss")
     loss_rows = {(r["provider"], r["mode"], r["metric"]) for r in rows if r["kernel"] == "policy_loss"}
-    assert {("fused", "fwd", "bandwidth"), ("fused", "fwd_bwd", "ms"), ("torch", "fwd_bwd", "bandwidth")} <= loss_rows
+    assert {("fused", "fwd", "bandwidth"), ("fused", "fwd_bwd", "ms"), ("torch", "fwd_bwd", "bandwidth"),
+            ("fused_two_launch", "fwd", "bandwidth")} <= loss_rows
     with pytest.raises(ValueError, match="--csv"):
         run.main(["--cpu-dry-run"])
