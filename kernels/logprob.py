@@ -43,6 +43,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from . import logprob_cublas
+from ._softmax_tiles import dz_tile, online_update
 from ._runtime import INTERPRET, cast_dot_inputs_to_fp32, num_sms, require_runnable
 from .reference import check_logprob_args, check_targets_in_vocab, check_vocab_size, vocab_shard
 
@@ -55,6 +57,9 @@ BACKWARD_WORKSPACE_BYTES = 256 << 20
 VOCAB_BLOCK = 4096
 BLOCKED_BUDGET_PER_NH = 3
 BACKWARDS = ("blocked", "row_chunked")
+# Where the logit tiles come from: "triton" (tl.dot inside the fused kernels) or "cublas" (an fp32
+# chunk from torch's matmul read by an epilogue kernel: logprob_cublas.py; blocked backward only).
+LOGITS = ("triton", "cublas")
 # Vocab splits per row block in the forward: enough programs to fill the GPU even at small N, and
 # with GROUP_N row blocks x NUM_SPLITS programs in flight the hidden rows stay in L2 while each
 # weight tile is read once per GROUP_N * BLOCK_N rows.
@@ -117,18 +122,7 @@ def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, stats_ptr, N, V, H, stride_hn, stride_wv,
         col_ok = cols < v_end
         z = _logits_tile(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_hn, stride_wv,
                          BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE) * inv_temp
-        z = tl.where(col_ok[None, :], z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        alpha = tl.exp(m - m_new)
-        # s == 0 only before the first tile, where m = -inf: keep -inf * 0 out of the arithmetic.
-        shift = (tl.where(s > 0, m, m_new) - m_new) * s
-        zc = tl.where(col_ok[None, :], z - m_new[:, None], 0.0)  # finite everywhere: no 0 * -inf
-        p = tl.where(col_ok[None, :], tl.exp(zc), 0.0)
-        t = alpha * (t + shift) + tl.sum(p * zc, axis=1)
-        s = alpha * s + tl.sum(p, axis=1)
-        # col_ok: a target owned by another rank may fall on this tile's padding columns
-        zt += tl.sum(tl.where((cols[None, :] == tgt[:, None]) & col_ok[None, :], z, 0.0), axis=1)
-        m = m_new
+        m, s, t, zt = online_update(m, s, t, zt, z, cols, col_ok, tgt)
 
     out = stats_ptr + pid_s * 4 * N + rows
     tl.store(out, m, mask=row_ok)
@@ -154,20 +148,8 @@ def _dlogits_kernel(h_ptr, w_ptr, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr
     col_ok = cols < V
     z = _logits_tile(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_hn, stride_wv,
                      BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE) * inv_temp
-    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
-    # Relative to the row max m: z - m is exact (Sterbenz), so p = exp((z - m) - log s) sums to 1
-    # even at +-1e4 logits, where lse = m + log s would round by ~2^-11 in fp32.
-    zc = z - tl.load(max_ptr + rows, mask=row_ok, other=0.0)[:, None]
-    zc = tl.where(col_ok[None, :], zc, 0.0)  # padding columns: finite filler, never stored
-    log_s = tl.load(logs_ptr + rows, mask=row_ok, other=0.0)
-    g_lp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0)
-    p = tl.exp(zc - log_s[:, None])
-    dz = g_lp[:, None] * (tl.where(cols[None, :] == tgt[:, None], 1.0, 0.0) - p)
-    if HAS_ENT:  # E_p[z] - z_k = E_p[z - m] - (z_k - m)
-        mean_c = tl.load(meanc_ptr + rows, mask=row_ok, other=0.0)
-        g_ent = tl.load(gent_ptr + rows, mask=row_ok, other=0.0)
-        dz += g_ent[:, None] * p * (mean_c[:, None] - zc)
-    dz = dz * inv_temp
+    dz = dz_tile(z, rows, row_ok, cols, col_ok, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr, gent_ptr,
+                 inv_temp, HAS_ENT)
     out = dz_ptr + rows.to(tl.int64)[:, None] * stride_dzn + cols[None, :]
     tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -225,13 +207,15 @@ def merge_stats(stats: torch.Tensor) -> torch.Tensor:
     return torch.stack([big_m, (w * s).sum(0), (w * (t + shift)).sum(0), zt.sum(0)])
 
 
-def _forward_stats(hidden, weight, targets_local, inv_temp: float) -> torch.Tensor:
+def _forward_stats(hidden, weight, targets_local, inv_temp: float, logits: str = "triton") -> torch.Tensor:
     n, h = hidden.shape
     v = weight.shape[0]
     if v == 0:  # a shard of vocabulary padding only: the empty part (m = -inf, s = 0) merge_stats skips
         stats = torch.zeros((4, n), device=hidden.device, dtype=torch.float32)
         stats[0] = float("-inf")
         return stats
+    if logits == "cublas":
+        return merge_stats(logprob_cublas.forward_split_stats(hidden, weight, targets_local, inv_temp))
     splits = NUM_SPLITS_INTERPRET if INTERPRET else NUM_SPLITS_GPU
     splits = max(1, min(splits, triton.cdiv(v, 64)))
     stats = torch.empty((splits, 4, n), device=hidden.device, dtype=torch.float32)
@@ -321,11 +305,19 @@ class _BackwardJob:
     grad_h: torch.Tensor | None
     grad_w: torch.Tensor | None
     shard_rows: int  # the weight shard's rows, vocab padding included (the same on every TP rank)
+    logits: str = "triton"
+    scratch: torch.Tensor | None = None  # logits="cublas": the fp32 logits block [R, Vc]
 
     def dlogits(self, dz: torch.Tensor, r0: int, r1: int, v0: int, v1: int) -> None:
         """dz[:r1-r0, :v1-v0] = dL/dlogits for rows [r0, r1) and vocab rows [v0, v1) (recomputed logits)."""
         rows, cols, h = r1 - r0, v1 - v0, self.hidden.shape[1]
         if rows == 0 or cols == 0:
+            return
+        if self.logits == "cublas":
+            tgt = self.targets_local[r0:r1] if v0 == 0 else self.targets_local[r0:r1] - v0
+            logprob_cublas.dlogits_into(dz, self.scratch[:rows, :cols], self.hidden[r0:r1], self.weight[v0:v1], tgt,
+                                        self.big_m[r0:r1], self.log_s[r0:r1], self.mean_c[r0:r1], self.g_lp[r0:r1],
+                                        self.g_ent[r0:r1], has_ent=self.has_ent, inv_temp=self.inv_temp)
             return
         flags = {"CAST_F32": cast_dot_inputs_to_fp32(self.hidden.dtype), "IEEE": self.hidden.dtype == torch.float32}
         meta = _launch_meta({}, n=rows, v=cols, h=h)
@@ -373,26 +365,29 @@ def _backward_row_chunked(job: _BackwardJob) -> None:
         job.grad_w.copy_(acc_w)
 
 
-def blocked_plan(n: int, h: int, v: int, element_size: int, *, tp: bool = False) -> tuple[int, int]:
+def blocked_plan(n: int, h: int, v: int, element_size: int, *, tp: bool = False,
+                 cublas: bool = False) -> tuple[int, int]:
     """(R, Vc) of the blocked backward: row blocks of R rows x vocab blocks of Vc rows, with
     R * (Vc * element_size + 4H [fp32 grad_hidden rows, when V > Vc or with TP]) <= the workspace
     budget min(BACKWARD_WORKSPACE_BYTES, BLOCKED_BUDGET_PER_NH * N * H). v is the shard's row count
-    (padding included): every TP rank gets the same R, hence the same collectives."""
+    (padding included): every TP rank gets the same R, hence the same collectives. cublas: 4 more bytes
+    per dL/dlogits element (the fp32 logits block the epilogue reads)."""
     cols = max(1, min(v, VOCAB_BLOCK))
     budget = min(BACKWARD_WORKSPACE_BYTES, BLOCKED_BUDGET_PER_NH * n * h)
-    per_row = cols * element_size + (4 * h if v > cols or tp else 0)
+    per_row = cols * (element_size + (4 if cublas else 0)) + (4 * h if v > cols or tp else 0)
     rows = budget // per_row
     align = CHUNK_ROW_ALIGN
     rows = max(align, rows // align * align)
     return (n if rows >= n else rows), cols
 
 
-def blocked_workspace_bytes(n: int, h: int, v: int, element_size: int, *, tp: bool = False) -> int:
+def blocked_workspace_bytes(n: int, h: int, v: int, element_size: int, *, tp: bool = False,
+                            cublas: bool = False) -> int:
     """Bytes the blocked backward allocates besides its two outputs: the dL/dlogits block [R, Vc] and,
     with more than one vocab block (or TP), the fp32 grad_hidden rows [R, H]. At most
     max(BACKWARD_WORKSPACE_BYTES, one aligned row block) whatever N is."""
-    rows, cols = blocked_plan(n, h, v, element_size, tp=tp)
-    return rows * cols * element_size + (4 * rows * h if v > cols or tp else 0)
+    rows, cols = blocked_plan(n, h, v, element_size, tp=tp, cublas=cublas)
+    return rows * cols * (element_size + (4 if cublas else 0)) + (4 * rows * h if v > cols or tp else 0)
 
 
 def _backward_blocked(job: _BackwardJob) -> None:
@@ -404,8 +399,11 @@ def _backward_blocked(job: _BackwardJob) -> None:
     hidden, weight = job.hidden, job.weight
     n, h = hidden.shape
     v = weight.shape[0]
-    rows, cols = blocked_plan(n, h, job.shard_rows, hidden.element_size(), tp=job.tp_group is not None)
+    cublas = job.logits == "cublas"
+    rows, cols = blocked_plan(n, h, job.shard_rows, hidden.element_size(), tp=job.tp_group is not None, cublas=cublas)
     dz_buf = torch.empty((rows, min(cols, v)), device=hidden.device, dtype=hidden.dtype)
+    if cublas:
+        job.scratch = torch.empty((rows, min(cols, v)), device=hidden.device, dtype=torch.float32)
     many_blocks = v > cols
     acc_h = None
     if job.grad_h is not None and (many_blocks or job.tp_group is not None):
@@ -438,12 +436,12 @@ def _backward_blocked(job: _BackwardJob) -> None:
 
 class _LinearLogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, tp_group, return_entropy, vocab_size, backward):
+    def forward(ctx, hidden, weight, targets, temperature, tp_group, return_entropy, vocab_size, backward, logits):
         vocab_start, vocab_local, _ = vocab_shard(weight, tp_group)
         real_rows = max(0, min(vocab_local, vocab_size - vocab_start))  # the rest of the shard is padding
         targets_local = (targets.long() - vocab_start).contiguous()
         inv_temp = 1.0 / float(temperature)
-        stats = _forward_stats(hidden, weight[:real_rows], targets_local, inv_temp)
+        stats = _forward_stats(hidden, weight[:real_rows], targets_local, inv_temp, logits)
         if tp_group is not None:
             stats = _gather_merge(stats, tp_group)
         big_m, s, t, zt = stats.unbind(0)
@@ -453,6 +451,7 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, targets_local, big_m, log_s, t / s)
         ctx.inv_temp, ctx.tp_group, ctx.real_rows, ctx.backward = inv_temp, tp_group, real_rows, backward
+        ctx.logits = logits
         return logprob, entropy
 
     @staticmethod
@@ -460,7 +459,7 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         hidden, weight_shard, targets_local, big_m, log_s, mean_c = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_logprob is None and grad_entropy is None) or not (need_h or need_w):
-            return None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None, None
         weight = weight_shard[:ctx.real_rows]  # padding rows: no logits, so no dL/dz and a zero gradient
         v = weight.shape[0]
         g_lp = torch.zeros_like(log_s) if grad_logprob is None else grad_logprob.float().contiguous()
@@ -473,12 +472,12 @@ class _LinearLogprobEntropy(torch.autograd.Function):
             grad_shard = torch.zeros_like(weight_shard) if padded else torch.empty_like(weight_shard)
         job = _BackwardJob(hidden, weight, targets_local, big_m, log_s, mean_c, g_lp, g_ent, has_ent,
                            ctx.inv_temp, ctx.tp_group, grad_h, grad_shard[:v] if need_w else None,
-                           weight_shard.shape[0])
+                           weight_shard.shape[0], ctx.logits)
         if ctx.backward == "row_chunked":
             _backward_row_chunked(job)
         else:
             _backward_blocked(job)
-        return grad_h, grad_shard, None, None, None, None, None, None
+        return grad_h, grad_shard, None, None, None, None, None, None, None
 
 
 def linear_logprob_entropy(
@@ -491,6 +490,7 @@ def linear_logprob_entropy(
     return_entropy: bool = True,
     vocab_size: int | None = None,
     backward: str = "blocked",
+    logits: str = "triton",
 ):
     """(logprob[N] fp32, entropy[N] fp32 or None) of softmax(hidden @ weight.T / temperature).
 
@@ -502,6 +502,8 @@ def linear_logprob_entropy(
     padding: excluded from the softmax, zero weight gradient.
     backward: "blocked" (row blocks x vocab blocks, see _backward_blocked) or "row_chunked" (the first
     schedule: full-vocab row chunks into an fp32 [V, H] accumulator), kept until a GPU run compares them.
+    logits: "triton" (tl.dot inside the fused kernels) or "cublas" (fp32 logit chunks from torch's matmul,
+    read by Triton epilogues: logprob_cublas.py; needs backward="blocked").
     Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1; anything else raises
     RuntimeError (use linear_logprob_entropy_reference there).
     """
@@ -514,11 +516,16 @@ def linear_logprob_entropy(
     check_targets_in_vocab(targets, vocab_size)
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}; got {backward!r}")
+    if logits not in LOGITS:
+        raise ValueError(f"logits must be one of {LOGITS}; got {logits!r}")
+    if logits == "cublas" and backward != "blocked":
+        raise ValueError("logits='cublas' needs backward='blocked' (the row_chunked schedule has no fp32 logits "
+                         "scratch in its workspace)")
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32) + (hidden.sum() + weight.sum()) * 0
         return empty, (empty.clone() if return_entropy else None)
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     logprob, entropy = _LinearLogprobEntropy.apply(hidden, weight, targets, float(temperature), tp_group,
-                                                   bool(return_entropy), vocab_size, backward)
+                                                   bool(return_entropy), vocab_size, backward, logits)
     return logprob, (entropy if return_entropy else None)
