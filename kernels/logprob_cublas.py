@@ -9,7 +9,7 @@ Why fp32 logits: rounding them to bf16 (Liger's choice) moves a log-prob by up t
 ~330 flop/byte balance point), so the matmul's speed should carry over. Unmeasured on a GPU so far:
 the benchmark's fused_cublas provider is this path.
 
-Memory: forward chunk rows = FORWARD_LOGITS_BYTES / (4 V_local), freed before the backward; the
+Memory: forward chunk rows = min(FORWARD_LOGITS_BYTES, 3 N H) / (4 V_local), freed before the backward; the
 blocked backward's plan charges 4 more bytes per dL/dlogits element (logprob.blocked_plan(cublas=True)).
 """
 
@@ -24,8 +24,10 @@ import triton.language as tl
 from ._runtime import INTERPRET
 from ._softmax_tiles import dz_tile, online_update
 
-# fp32 logits chunk of the forward (bytes): 256 MiB = 441 rows at V = 152064 (rounded to 128: 384)
+# fp32 logits chunk of the forward (bytes): at most 256 MiB (441 rows at V = 152064, rounded to 128:
+# 384) and at most BUDGET_PER_NH * N * H, as the blocked backward's workspace (small batches, small chunk)
 FORWARD_LOGITS_BYTES = 256 << 20
+BUDGET_PER_NH = 3
 EPILOGUE_BLOCK_N = 16 if INTERPRET else 32
 EPILOGUE_BLOCK_V = 64 if INTERPRET else 1024
 NUM_SPLITS = 2 if INTERPRET else 8
@@ -105,20 +107,21 @@ def mm_fp32_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     out.copy_(a @ b)
 
 
-def chunk_rows(v: int) -> int:
-    rows = FORWARD_LOGITS_BYTES // max(1, 4 * v)
-    return max(ROW_ALIGN, rows // ROW_ALIGN * ROW_ALIGN)
+def chunk_rows(n: int, h: int, v: int) -> int:
+    """Rows of the forward's fp32 logits chunk (a multiple of ROW_ALIGN, at most n)."""
+    rows = min(FORWARD_LOGITS_BYTES, BUDGET_PER_NH * n * h) // max(1, 4 * v)
+    return min(n, max(ROW_ALIGN, rows // ROW_ALIGN * ROW_ALIGN))
 
 
 def forward_split_stats(hidden: torch.Tensor, weight: torch.Tensor, targets_local: torch.Tensor,
                         inv_temp: float) -> torch.Tensor:
     """[splits, 4, N] partial statistics (logprob.merge_stats merges them): per chunk of rows, logits
     = hidden[chunk] @ weight.T in fp32 (cuBLAS), then the stats epilogue."""
-    n = hidden.shape[0]
+    n, h = hidden.shape
     v = weight.shape[0]
     splits = max(1, min(NUM_SPLITS, triton.cdiv(v, EPILOGUE_BLOCK_V)))
     stats = torch.empty((splits, 4, n), device=hidden.device, dtype=torch.float32)
-    chunk = min(n, chunk_rows(v))
+    chunk = chunk_rows(n, h, v)
     logits = torch.empty((chunk, v), device=hidden.device, dtype=torch.float32)
     for r0 in range(0, n, chunk):
         r1 = min(n, r0 + chunk)

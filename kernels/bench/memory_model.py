@@ -9,6 +9,8 @@ Terms (bf16, element size e = 2; N tokens, H hidden, V = vocab rows of the shard
   peak-memory column counts them;
 - fused, blocked (the default): + blocked_workspace_bytes = R (Vc e + 4 H) with
   R, Vc = blocked_plan(N, H, V): <= min(256 MiB, 3 N H);
+- fused, logits="cublas" (blocked backward): max(forward fp32 logits chunk C_f V 4 with
+  C_f = logprob_cublas.chunk_rows(N, H, V), the two gradients + blocked_workspace_bytes(cublas=True));
 - fused, row_chunked (the first schedule): + C V e (dL/dlogits chunk, C = 256 MiB / (V e) rows) +
   4 V H (fp32 grad_weight accumulator, when N > C);
 - Liger (LigerFusedLinearCrossEntropyLoss, reduction="none"): + 2 C_L V e with
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 
 from dapo_kernels import logprob as logprob_mod
+from dapo_kernels import logprob_cublas
 
 MODELS = {"7b": (3584, 152064), "32b": (5120, 152064)}  # Qwen2.5: (hidden, vocab)
 
@@ -37,6 +40,11 @@ def grads_bytes(n: int, h: int, v: int, e: int = 2) -> int:
 
 def fused_blocked_bytes(n: int, h: int, v: int, e: int = 2) -> int:
     return grads_bytes(n, h, v, e) + logprob_mod.blocked_workspace_bytes(n, h, v, e)
+
+
+def fused_cublas_bytes(n: int, h: int, v: int, e: int = 2) -> int:
+    forward = logprob_cublas.chunk_rows(n, h, v) * v * 4
+    return max(forward, grads_bytes(n, h, v, e) + logprob_mod.blocked_workspace_bytes(n, h, v, e, cublas=True))
 
 
 def fused_row_chunked_bytes(n: int, h: int, v: int, e: int = 2) -> int:
@@ -60,6 +68,7 @@ def rows(models, tps, ns):
             for n in ns:
                 out.append({"model": model, "tp": tp, "N": n,
                             "blocked_GiB": fused_blocked_bytes(n, h, v) / 2**30,
+                            "cublas_GiB": fused_cublas_bytes(n, h, v) / 2**30,
                             "row_chunked_GiB": fused_row_chunked_bytes(n, h, v) / 2**30,
                             "liger_GiB": liger_bytes(n, h, v) / 2**30})
     return out
@@ -72,12 +81,13 @@ def main(argv=None) -> int:
     parser.add_argument("--n", default="4096,16384,32768,65536")
     args = parser.parse_args(argv)
     table = rows(args.models.split(","), [int(t) for t in args.tp.split(",")], [int(n) for n in args.n.split(",")])
-    print("| model | tp | N | fused blocked GiB | fused row_chunked GiB | Liger GiB | blocked <= Liger |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | tp | N | fused (blocked) GiB | fused_cublas GiB | fused_rowchunk GiB | Liger GiB | "
+          "blocked, cublas <= Liger |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in table:
-        ok = "yes" if r["blocked_GiB"] <= r["liger_GiB"] else "NO"
-        print(f"| {r['model']} | {r['tp']} | {r['N']} | {r['blocked_GiB']:.2f} | {r['row_chunked_GiB']:.2f} | "
-              f"{r['liger_GiB']:.2f} | {ok} |")
+        ok = "/".join("yes" if r[k] <= r["liger_GiB"] else "NO" for k in ("blocked_GiB", "cublas_GiB"))
+        print(f"| {r['model']} | {r['tp']} | {r['N']} | {r['blocked_GiB']:.2f} | {r['cublas_GiB']:.2f} | "
+              f"{r['row_chunked_GiB']:.2f} | {r['liger_GiB']:.2f} | {ok} |")
     return 0
 
 

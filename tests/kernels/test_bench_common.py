@@ -68,12 +68,12 @@ def test_benchmark_code_runs_on_cpu_dry_run(tmp_path):
     should cost no GPU time. Every provider available here writes its rows for both modes."""
     path = tmp_path / "dry.csv"
     code = run.main(["--cpu-dry-run", "--csv", str(path), "--models", "32x130", "--n", "20", "--tp", "2",
-                     "--tokens", "300", "--repeats", "1", "--providers", "fused,fused_rowchunk,torch,chunked,liger",
+                     "--tokens", "300", "--repeats", "1", "--providers", "fused,fused_cublas,fused_rowchunk,torch,chunked,liger",
                      "--loss-providers", "fused,fused_two_launch,torch"])
     assert code == 0
     rows = list(csv.DictReader(path.open()))
     logprob_rows = {(r["provider"], r["mode"], r["metric"]) for r in rows if r["kernel"] == "linear_logprob_entropy"}
-    for provider in ("fused", "fused_rowchunk", "torch", "chunked"):
+    for provider in ("fused", "fused_cublas", "fused_rowchunk", "torch", "chunked"):
         for mode in ("fwd", "fwd_bwd"):
             assert {(provider, mode, m) for m in ("ms", "tflops", "pct_of_matmul")} <= logprob_rows
     # the memory formula is written next to every fwd_bwd row of the providers it models
