@@ -35,15 +35,18 @@ def _fp32_reference(hidden, weight, targets, temperature):
         return linear_logprob_entropy_reference(hidden.float(), weight.float(), targets, temperature=temperature)
 
 
+@pytest.mark.parametrize("logits", ["triton", "cublas"])
 @pytest.mark.parametrize("h,v,temperature", [(*QWEN_7B, 1.0), (*QWEN_32B, 0.7), (QWEN_7B[0], QWEN_7B[1] // 8, 1.0)],
                          ids=["7b", "32b_T0.7", "7b_tp8_shard"])
-def test_forward_bf16_matches_fp32_reference(h, v, temperature):
+def test_forward_bf16_matches_fp32_reference(h, v, temperature, logits, recwarn):
     from dapo_kernels import linear_logprob_entropy
 
     n = 4096 - 3  # not a multiple of any row block
     hidden, weight, targets = _inputs(n, h, v)
     with torch.no_grad():
-        lp, ent = linear_logprob_entropy(hidden, weight, targets, temperature=temperature)
+        lp, ent = linear_logprob_entropy(hidden, weight, targets, temperature=temperature, logits=logits)
+    # logits="cublas" got fp32 logits from addmm(out_dtype=float32), not the 16-bit fallback
+    assert not [w for w in recwarn if "out_dtype" in str(w.message)]
     lp_ref, ent_ref = _fp32_reference(hidden, weight, targets, temperature)
     assert lp.dtype == torch.float32 and ent.dtype == torch.float32
     assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
@@ -52,18 +55,25 @@ def test_forward_bf16_matches_fp32_reference(h, v, temperature):
     assert ((ent - ent_ref).abs() / ent_ref.abs().clamp(min=1e-6)).max().item() <= 1e-3
 
 
-def test_grads_bf16_match_fp32_reference():
+@pytest.mark.parametrize("variant", [{}, {"backward": "row_chunked"}, {"logits": "cublas"},
+                                     {"logits": "cublas", "n": 8192 + 5}], ids=["blocked", "row_chunked", "cublas",
+                                                                           "cublas_4_row_blocks"])
+def test_grads_bf16_match_fp32_reference(variant):
     """Through logprob AND entropy. bf16 gradients: relative Frobenius error <= 1e-2 (bf16 operands
-    land between 1e-3 and 1e-2; the fused backward rounds dL/dlogits to bf16 like any bf16 GEMM)."""
+    land between 1e-3 and 1e-2; the fused backward rounds dL/dlogits to bf16 like any bf16 GEMM, and
+    the blocked one rounds grad_weight once per row block: blocked_plan gives R = 896 rows at N = 2053
+    (3 row blocks; 3 N H = 21 MiB of workspace) and R = 2176 with cublas at N = 8197 (4 row blocks))."""
     from dapo_kernels import linear_logprob_entropy, linear_logprob_entropy_reference
 
-    n, (h, v) = 2048 + 5, QWEN_7B
+    variant = dict(variant)
+    n, (h, v) = variant.pop("n", 2048 + 5), QWEN_7B
     hidden, weight, targets = _inputs(n, h, v, seed=1)
     gen = torch.Generator(device="cuda").manual_seed(2)
     g_lp = torch.randn(n, device="cuda", generator=gen)
     g_ent = torch.randn(n, device="cuda", generator=gen)
     grads = []
-    for fn, dtype in ((linear_logprob_entropy, torch.bfloat16), (linear_logprob_entropy_reference, torch.float32)):
+    fused = lambda *a, **kw: linear_logprob_entropy(*a, **kw, **variant)  # noqa: E731
+    for fn, dtype in ((fused, torch.bfloat16), (linear_logprob_entropy_reference, torch.float32)):
         hd = hidden.detach().to(dtype).requires_grad_()
         wd = weight.detach().to(dtype).requires_grad_()
         lp, ent = fn(hd, wd, targets, temperature=0.9)

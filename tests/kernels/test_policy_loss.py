@@ -194,11 +194,14 @@ def test_float_mask_weights(device):
 
 
 def test_bit_identical_reruns(device):
+    """Reruns, and the one-launch design against the two-launch one: same partials, same order."""
     inputs = make_inputs((2500,), seed=5)
     first = fused(*inputs, **KW, loss_denominator=2500)
     second = fused(*inputs, **KW, loss_denominator=2500)
-    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
-    assert all(torch.equal(first[2][k], second[2][k]) for k in POLICY_LOSS_STAT_KEYS)
+    two_launch = fused(*inputs, **KW, loss_denominator=2500, one_pass=False)
+    for other in (second, two_launch):
+        assert torch.equal(first[0], other[0]) and torch.equal(first[1], other[1])
+        assert all(torch.equal(first[2][k], other[2][k]) for k in POLICY_LOSS_STAT_KEYS)
 
 
 def test_bad_inputs_raise_value_error(device):
