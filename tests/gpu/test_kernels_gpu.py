@@ -108,14 +108,17 @@ def test_fp16_and_fp32_inputs_match_float64(dtype):
     assert ((wd.grad.double() - w64.grad).norm() / w64.grad.norm()).item() < tol
 
 
-@pytest.mark.parametrize("backward", ["blocked", "row_chunked"])
+@pytest.mark.parametrize("backward", ["blocked", "row_chunked", "cublas"])
 def test_no_n_by_v_allocation_and_bounded_workspace(backward, recwarn):
     """Peak extra memory of fwd+bwd at N=32768, Qwen2.5-7B head (H=3584, V=152064), bf16, minus the two
     gradients the call returns (grad_hidden 2NH = 224 MiB, grad_weight 2VH = 1039.5 MiB), against the
     schedule's own workspace formula (tests/kernels/test_logprob_memory.py counts the same on CPU):
     - blocked: blocked_plan -> R = 11904 rows x Vc = 4096 vocab rows; dZ block R*Vc*2 = 93.0 MiB +
       fp32 grad_hidden rows 4*R*H = 162.75 MiB = 255.75 MiB (<= the 256 MiB cap at any N);
-    - row_chunked: dZ chunk 768 x V x 2 = 222.75 MiB + fp32 grad_weight accumulator 4VH = 2079 MiB.
+    - row_chunked: dZ chunk 768 x V x 2 = 222.75 MiB + fp32 grad_weight accumulator 4VH = 2079 MiB;
+    - cublas (logits="cublas", blocked): R = 6784 x Vc = 4096, dZ 53.0 + fp32 logits 106.0 + fp32
+      grad_hidden rows 92.75 = 251.75 MiB (its forward's 384-row fp32 logits chunk, 222.75 MiB, is freed
+      before the backward allocates anything).
     Both plus: cuBLAS's workspace (32 MiB on Hopper, allocated through torch on first use) and the
     per-token vectors (saved stats, upstream grads, outputs: ~24 bytes x 16 x N = 12 MiB at most).
     The first H100 run (2026-11-25, row_chunked only) measured 1153 MiB against 352 MiB: the fp32
@@ -132,7 +135,8 @@ def test_no_n_by_v_allocation_and_bounded_workspace(backward, recwarn):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    lp, ent = linear_logprob_entropy(hidden, weight, targets, backward=backward)
+    variant = {"logits": "cublas"} if backward == "cublas" else {"backward": backward}
+    lp, ent = linear_logprob_entropy(hidden, weight, targets, **variant)
     (lp.sum() + ent.sum()).backward()
     torch.cuda.synchronize()
     peak_extra = torch.cuda.max_memory_allocated() - base
@@ -141,6 +145,9 @@ def test_no_n_by_v_allocation_and_bounded_workspace(backward, recwarn):
     if backward == "blocked":
         formula = logprob_mod.blocked_workspace_bytes(n, h, v, 2)
         assert formula == 11904 * (4096 * 2 + 4 * h)
+    elif backward == "cublas":
+        formula = logprob_mod.blocked_workspace_bytes(n, h, v, 2, cublas=True)
+        assert formula == 6784 * (4096 * 6 + 4 * h)
     else:
         chunk = logprob_mod._chunk_rows(n, v, 2)
         assert chunk == 768
