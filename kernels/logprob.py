@@ -22,15 +22,22 @@ Padded vocabularies (Megatron pads V to a multiple of divisible_by * tp with zer
 vocab_size, rows at or past it on this shard are never read; they take no probability and get a zero
 weight gradient (the kernels just see the shard's first `real` rows, a row-prefix view).
 
-Backward (bounded chunks; workspace <= BACKWARD_WORKSPACE_BYTES whatever N is): for each chunk of
-C rows, `_dlogits_kernel` recomputes the logit tiles and writes dL/dlogits[C, V_local] in the input
-dtype, with p = exp((z - m) - log s):
+Backward: dL/dlogits is recomputed from the saved (m, log s, E_p[z - m]) per token, with
+p = exp((z - m) - log s):
     dL/dz_k = g_lp * (1[k = target] - p_k) + g_ent * p_k * (E_p[z] - z_k)     (then / T)
-(d entropy / dz_k = p_k (E[z] - z_k)); cuBLAS then does grad_hidden[chunk] = dZ @ W (all-reduced
-over tp_group in fp32) and grad_weight += dZ^T @ hidden[chunk]. FLOPs: 2NHV forward + 6NHV backward
-= the 8NHV of a plain linear + cross entropy. grad_weight is accumulated in fp32 when there is more
-than one chunk and the weight is 16-bit (an fp32 [V_local, H] buffer, independent of N), so bf16
-rounding does not compound across chunks.
+(d entropy / dz_k = p_k (E[z] - z_k)), written in the input dtype, and cuBLAS does grad_hidden = dZ W
+and grad_weight = dZ^T hidden. FLOPs: 2NHV forward + 6NHV backward = the 8NHV of a plain linear +
+cross entropy. Two schedules (backward=...):
+- "blocked" (default, `_backward_blocked`): row blocks of R rows x vocab blocks of Vc rows
+  (`blocked_plan`). grad_weight[Vc] is produced by one GEMM per row block with K = R, rounded to the
+  weight dtype once per row block (one pass when R = N); grad_hidden rows accumulate in fp32 over the
+  vocab blocks (K = Vc, compute-bound) and are copied out (all-reduced over tp_group first) once per row
+  block. Workspace `blocked_workspace_bytes` <= min(256 MiB, 3 N H bytes) whatever N is.
+- "row_chunked" (the first schedule, `_backward_row_chunked`): chunks of C = 256 MiB / (V e) rows
+  over the full vocab; grad_weight accumulated in an fp32 [V_local, H] buffer (N/C read-modify-write
+  passes over 4VH bytes: the memory-bound 54 ms of the first H100 profile at 7B, N = 16K).
+logits="cublas" (logprob_cublas.py) takes the logit tiles of the forward and of the blocked backward
+from torch's matmul (fp32 chunks) instead of tl.dot; the softmax maths are the same (_softmax_tiles.py).
 """
 
 from __future__ import annotations
