@@ -322,7 +322,7 @@ class _BackwardJob:
             return
         if self.logits == "cublas":
             tgt = self.targets_local[r0:r1] if v0 == 0 else self.targets_local[r0:r1] - v0
-            logprob_cublas.dlogits_into(dz, self.scratch[:rows, :cols], self.hidden[r0:r1], self.weight[v0:v1], tgt,
+            logprob_cublas.dlogits_into(dz, _packed(self.scratch, rows, cols), self.hidden[r0:r1], self.weight[v0:v1], tgt,
                                         self.big_m[r0:r1], self.log_s[r0:r1], self.mean_c[r0:r1], self.g_lp[r0:r1],
                                         self.g_ent[r0:r1], has_ent=self.has_ent, inv_temp=self.inv_temp)
             return
@@ -337,6 +337,12 @@ class _BackwardJob:
                        self.mean_c[r0:r1], self.g_lp[r0:r1], self.g_ent[r0:r1], dz, rows, cols, h,
                        self.hidden.stride(0), self.weight.stride(0), dz.stride(0), self.inv_temp,
                        HAS_ENT=self.has_ent, **flags, **meta)
+
+
+def _packed(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A contiguous [rows, cols] view of the front of buf: a narrower last vocab block stays dense, so
+    cuBLAS writes it in place (a row-strided `out` view can make torch stage the GEMM in a temporary)."""
+    return buf.view(-1)[:rows * cols].view(rows, cols)
 
 
 def _backward_row_chunked(job: _BackwardJob) -> None:
@@ -422,7 +428,7 @@ def _backward_blocked(job: _BackwardJob) -> None:
             acc_h[:r1 - r0].zero_()
         for v0 in range(0, max(v, 1), cols):
             v1 = min(v, v0 + cols)
-            dz = dz_buf[:r1 - r0, :v1 - v0]
+            dz = _packed(dz_buf, r1 - r0, v1 - v0)
             job.dlogits(dz, r0, r1, v0, v1)
             if job.grad_h is not None:
                 if acc_h is None:  # one vocab block, no TP: K = V, written once
