@@ -30,10 +30,11 @@ def online_update(m, s, t, zt, z, cols, col_ok, tgt):
 
 @triton.jit
 def dz_tile(z, rows, row_ok, cols, col_ok, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr, gent_ptr,
-            inv_temp, HAS_ENT: tl.constexpr):
+            inv_temp, col0, HAS_ENT: tl.constexpr):
     """dL/dlogits of a tile of scaled logits z, with p = exp((z - m) - log s):
-        dL/dz_k = (g_lp (1[k = target] - p_k) + g_ent p_k (E_p[z] - z_k)) / T."""
-    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
+        dL/dz_k = (g_lp (1[k = target] - p_k) + g_ent p_k (E_p[z] - z_k)) / T.
+    cols count from the block's first vocab row; col0 is that row's index in the shard (targets are)."""
+    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1) - col0
     # Relative to the row max m: z - m is exact (Sterbenz), so p = exp((z - m) - log s) sums to 1
     # even at +-1e4 logits, where lse = m + log s would round by ~2^-11 in fp32.
     zc = z - tl.load(max_ptr + rows, mask=row_ok, other=0.0)[:, None]

@@ -140,7 +140,7 @@ def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, stats_ptr, N, V, H, stride_hn, stride_wv,
 
 @triton.jit
 def _dlogits_kernel(h_ptr, w_ptr, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr, gent_ptr, dz_ptr,
-                    N, V, H, stride_hn, stride_wv, stride_dzn, inv_temp,
+                    N, V, H, stride_hn, stride_wv, stride_dzn, inv_temp, col0,
                     HAS_ENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                     BLOCK_K: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr):
     # Row blocks vary fastest: programs in flight share one weight tile (read once from HBM) and
@@ -156,7 +156,7 @@ def _dlogits_kernel(h_ptr, w_ptr, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr
     z = _logits_tile(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_hn, stride_wv,
                      BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE) * inv_temp
     dz = dz_tile(z, rows, row_ok, cols, col_ok, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr, gent_ptr,
-                 inv_temp, HAS_ENT)
+                 inv_temp, col0, HAS_ENT)
     out = dz_ptr + rows.to(tl.int64)[:, None] * stride_dzn + cols[None, :]
     tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -321,21 +321,19 @@ class _BackwardJob:
         if rows == 0 or cols == 0:
             return
         if self.logits == "cublas":
-            tgt = self.targets_local[r0:r1] if v0 == 0 else self.targets_local[r0:r1] - v0
-            logprob_cublas.dlogits_into(dz, _packed(self.scratch, rows, cols), self.hidden[r0:r1], self.weight[v0:v1], tgt,
-                                        self.big_m[r0:r1], self.log_s[r0:r1], self.mean_c[r0:r1], self.g_lp[r0:r1],
-                                        self.g_ent[r0:r1], has_ent=self.has_ent, inv_temp=self.inv_temp)
+            logprob_cublas.dlogits_into(dz, _packed(self.scratch, rows, cols), self.hidden[r0:r1], self.weight[v0:v1],
+                                        self.targets_local[r0:r1], self.big_m[r0:r1], self.log_s[r0:r1],
+                                        self.mean_c[r0:r1], self.g_lp[r0:r1], self.g_ent[r0:r1], has_ent=self.has_ent,
+                                        inv_temp=self.inv_temp, col0=v0)
             return
         flags = {"CAST_F32": cast_dot_inputs_to_fp32(self.hidden.dtype), "IEEE": self.hidden.dtype == torch.float32}
         meta = _launch_meta({}, n=rows, v=cols, h=h)
-        # the kernel compares local column ids with targets: shift them to the block's first column
-        tgt = self.targets_local[r0:r1] if v0 == 0 else self.targets_local[r0:r1] - v0
 
         def grid(META):
             return (triton.cdiv(rows, META["BLOCK_N"]) * triton.cdiv(cols, META["BLOCK_V"]),)
-        _dlogits[grid](self.hidden[r0:r1], self.weight[v0:v1], tgt, self.big_m[r0:r1], self.log_s[r0:r1],
-                       self.mean_c[r0:r1], self.g_lp[r0:r1], self.g_ent[r0:r1], dz, rows, cols, h,
-                       self.hidden.stride(0), self.weight.stride(0), dz.stride(0), self.inv_temp,
+        _dlogits[grid](self.hidden[r0:r1], self.weight[v0:v1], self.targets_local[r0:r1], self.big_m[r0:r1],
+                       self.log_s[r0:r1], self.mean_c[r0:r1], self.g_lp[r0:r1], self.g_ent[r0:r1], dz, rows, cols, h,
+                       self.hidden.stride(0), self.weight.stride(0), dz.stride(0), self.inv_temp, v0,
                        HAS_ENT=self.has_ent, **flags, **meta)
 
 

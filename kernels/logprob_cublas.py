@@ -66,7 +66,7 @@ def _stats_epilogue_kernel(z_ptr, tgt_ptr, stats_ptr, N, V, stride_zn, stats_str
 
 @triton.jit
 def _dlogits_epilogue_kernel(z_ptr, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr, gent_ptr, dz_ptr,
-                             N, V, stride_zn, stride_dzn, inv_temp,
+                             N, V, stride_zn, stride_dzn, inv_temp, col0,
                              HAS_ENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
@@ -77,7 +77,7 @@ def _dlogits_epilogue_kernel(z_ptr, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_p
     ok = row_ok[:, None] & col_ok[None, :]
     z = tl.load(z_ptr + rows.to(tl.int64)[:, None] * stride_zn + cols[None, :], mask=ok, other=0.0) * inv_temp
     dz = dz_tile(z, rows, row_ok, cols, col_ok, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr, gent_ptr,
-                 inv_temp, HAS_ENT)
+                 inv_temp, col0, HAS_ENT)
     tl.store(dz_ptr + rows.to(tl.int64)[:, None] * stride_dzn + cols[None, :], dz.to(dz_ptr.dtype.element_ty),
              mask=ok)
 
@@ -134,11 +134,12 @@ def forward_split_stats(hidden: torch.Tensor, weight: torch.Tensor, targets_loca
 
 
 def dlogits_into(dz: torch.Tensor, logits: torch.Tensor, hidden_rows: torch.Tensor, weight_rows: torch.Tensor,
-                 tgt, big_m, log_s, mean_c, g_lp, g_ent, *, has_ent: bool, inv_temp: float) -> None:
-    """dz [R, Vc] = dL/dlogits of hidden_rows @ weight_rows.T; logits: an fp32 [R, Vc] scratch."""
+                 tgt, big_m, log_s, mean_c, g_lp, g_ent, *, has_ent: bool, inv_temp: float, col0: int) -> None:
+    """dz [R, Vc] = dL/dlogits of hidden_rows @ weight_rows.T (weight_rows = the shard's rows from col0 on;
+    tgt: shard-local target ids); logits: an fp32 [R, Vc] scratch."""
     rows, cols = dz.shape
     mm_fp32_into(logits, hidden_rows, weight_rows.t())
     grid = (triton.cdiv(rows, EPILOGUE_BLOCK_N), triton.cdiv(cols, EPILOGUE_BLOCK_V))
     _dlogits_epilogue_kernel[grid](logits, tgt, big_m, log_s, mean_c, g_lp, g_ent, dz, rows, cols, logits.stride(0),
-                                   dz.stride(0), inv_temp, HAS_ENT=has_ent, BLOCK_N=EPILOGUE_BLOCK_N,
+                                   dz.stride(0), inv_temp, col0, HAS_ENT=has_ent, BLOCK_N=EPILOGUE_BLOCK_N,
                                    BLOCK_V=EPILOGUE_BLOCK_V)

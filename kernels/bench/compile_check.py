@@ -73,7 +73,7 @@ def main(argv=None) -> int:
             bwd_sig = {"h_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "tgt_ptr": "*i64", "max_ptr": "*fp32",
                        "logs_ptr": "*fp32", "meanc_ptr": "*fp32", "glp_ptr": "*fp32", "gent_ptr": "*fp32",
                        "dz_ptr": f"*{dtype}", "N": "i32", "V": "i32", "H": "i32", "stride_hn": "i32",
-                       "stride_wv": "i32", "stride_dzn": "i32", "inv_temp": "fp32"}
+                       "stride_wv": "i32", "stride_dzn": "i32", "inv_temp": "fp32", "col0": "i32"}
             name = f"{dtype} {bn}x{bv}x{bk} w{warps} s{stages}"
             jobs.append((f"logprob fwd {name}", logprob._fwd_kernel, fwd_sig, {**tile, "GROUP_N": 8}, logprob_div, warps, stages))
             jobs.append((f"logprob dlogits {name}", logprob._dlogits_kernel, bwd_sig, {**tile, "HAS_ENT": True},
@@ -89,7 +89,8 @@ def main(argv=None) -> int:
         jobs.append((f"cublas-epilogue dlogits {dtype}", logprob_cublas._dlogits_epilogue_kernel,
                      {"z_ptr": "*fp32", "tgt_ptr": "*i64", "max_ptr": "*fp32", "logs_ptr": "*fp32", "meanc_ptr": "*fp32",
                       "glp_ptr": "*fp32", "gent_ptr": "*fp32", "dz_ptr": f"*{dtype}", "N": "i32", "V": "i32",
-                      "stride_zn": "i32", "stride_dzn": "i32", "inv_temp": "fp32"}, {**epi, "HAS_ENT": True}, epi_div,
+                      "stride_zn": "i32", "stride_dzn": "i32", "inv_temp": "fp32", "col0": "i32"},
+                     {**epi, "HAS_ENT": True}, epi_div,
                      8, 2))
     loss_sig = {"lp_ptr": "*fp32", "old_ptr": "*fp32", "adv_ptr": "*fp32", "mask_ptr": "*u8", "grad_ptr": "*fp32",
                 "part_ptr": "*fp32", "T": "i32", "num_blocks": "i32", "eps_low": "fp32", "eps_high": "fp32",
