@@ -389,7 +389,12 @@ def blocked_plan(n: int, h: int, v: int, element_size: int, *, tp: bool = False,
     rows = budget // per_row
     align = CHUNK_ROW_ALIGN
     rows = max(align, rows // align * align)
-    return (n if rows >= n else rows), cols
+    if rows >= n:
+        return n, cols
+    # Balanced row blocks (no thin last GEMM): the fewest blocks that fit, then their even size rounded
+    # up to the alignment, which stays <= rows (rows is a multiple of align, >= the even size).
+    blocks = -(-n // rows)
+    return -(-(-(-n // blocks)) // align) * align, cols
 
 
 def blocked_workspace_bytes(n: int, h: int, v: int, element_size: int, *, tp: bool = False,

@@ -61,7 +61,7 @@ def test_forward_bf16_matches_fp32_reference(h, v, temperature, logits, recwarn)
 def test_grads_bf16_match_fp32_reference(variant):
     """Through logprob AND entropy. bf16 gradients: relative Frobenius error <= 1e-2 (bf16 operands
     land between 1e-3 and 1e-2; the fused backward rounds dL/dlogits to bf16 like any bf16 GEMM, and
-    the blocked one rounds grad_weight once per row block: blocked_plan gives R = 896 rows at N = 2053
+    the blocked one rounds grad_weight once per row block: blocked_plan gives R = 768 rows at N = 2053
     (3 row blocks; 3 N H = 21 MiB of workspace) and R = 2176 with cublas at N = 8197 (4 row blocks))."""
     from dapo_kernels import linear_logprob_entropy, linear_logprob_entropy_reference
 
@@ -113,11 +113,11 @@ def test_no_n_by_v_allocation_and_bounded_workspace(backward, recwarn):
     """Peak extra memory of fwd+bwd at N=32768, Qwen2.5-7B head (H=3584, V=152064), bf16, minus the two
     gradients the call returns (grad_hidden 2NH = 224 MiB, grad_weight 2VH = 1039.5 MiB), against the
     schedule's own workspace formula (tests/kernels/test_logprob_memory.py counts the same on CPU):
-    - blocked: blocked_plan -> R = 11904 rows x Vc = 4096 vocab rows; dZ block R*Vc*2 = 93.0 MiB +
-      fp32 grad_hidden rows 4*R*H = 162.75 MiB = 255.75 MiB (<= the 256 MiB cap at any N);
+    - blocked: blocked_plan -> 3 row blocks of R = 11008 rows x Vc = 4096 vocab rows; dZ block R*Vc*2 =
+      86.0 MiB + fp32 grad_hidden rows 4*R*H = 150.5 MiB = 236.5 MiB (<= the 256 MiB cap at any N);
     - row_chunked: dZ chunk 768 x V x 2 = 222.75 MiB + fp32 grad_weight accumulator 4VH = 2079 MiB;
-    - cublas (logits="cublas", blocked): R = 6784 x Vc = 4096, dZ 53.0 + fp32 logits 106.0 + fp32
-      grad_hidden rows 92.75 = 251.75 MiB (its forward's 384-row fp32 logits chunk, 222.75 MiB, is freed
+    - cublas (logits="cublas", blocked): 5 row blocks of R = 6656 x Vc = 4096, dZ 52.0 + fp32 logits
+      104.0 + fp32 grad_hidden rows 91.0 = 247.0 MiB (its forward's 384-row fp32 logits chunk, 222.75 MiB, is freed
       before the backward allocates anything).
     Both plus: cuBLAS's workspace (32 MiB on Hopper, allocated through torch on first use) and the
     per-token vectors (saved stats, upstream grads, outputs: ~24 bytes x 16 x N = 12 MiB at most).
@@ -144,10 +144,10 @@ def test_no_n_by_v_allocation_and_bounded_workspace(backward, recwarn):
     grads = hidden.numel() * 2 + weight.numel() * 2  # the two gradients themselves (bf16)
     if backward == "blocked":
         formula = logprob_mod.blocked_workspace_bytes(n, h, v, 2)
-        assert formula == 11904 * (4096 * 2 + 4 * h)
+        assert formula == 11008 * (4096 * 2 + 4 * h)
     elif backward == "cublas":
         formula = logprob_mod.blocked_workspace_bytes(n, h, v, 2, cublas=True)
-        assert formula == 6784 * (4096 * 6 + 4 * h)
+        assert formula == 6656 * (4096 * 6 + 4 * h)
     else:
         chunk = logprob_mod._chunk_rows(n, v, 2)
         assert chunk == 768

@@ -98,18 +98,19 @@ def test_blocked_backward_holds_its_workspace_formula_and_nothing_more(logits, c
     assert grads + workspace <= peak <= grads + workspace + per_token, (peak, grads, workspace)
 
 
-def test_blocked_workspace_is_bounded_whatever_n(cpu_only):
+def test_blocked_workspace_is_bounded_whatever_n(cpu_only, monkeypatch):
     """Qwen2.5-7B head in bf16: <= the 256 MiB cap at any N, and <= 3 N H bytes (below Liger's
-    transient logits) where that is smaller."""
+    transient logits) where that is smaller. Row blocks aligned to 128 as when compiled."""
+    monkeypatch.setattr(logprob_mod, "CHUNK_ROW_ALIGN", 128)
     h, v = 3584, 152064
     for n in (1, 4096, 16384, 32768, 65536, 1 << 20):
         ws = logprob_mod.blocked_workspace_bytes(n, h, v, 2)
         assert ws <= logprob_mod.BACKWARD_WORKSPACE_BYTES
         if n >= 128:
             assert ws <= 3 * n * h
-    # the numbers docs/kernels-memory in kernels/bench/NOTES.md quotes for N=32768
-    assert logprob_mod.blocked_plan(32768, h, v, 2) == (11904, 4096)
-    assert logprob_mod.blocked_workspace_bytes(32768, h, v, 2) == 11904 * (4096 * 2 + 4 * h)
+    # the numbers kernels/bench/NOTES.md and tests/gpu/test_kernels_gpu.py quote for N=32768
+    assert logprob_mod.blocked_plan(32768, h, v, 2) == (11008, 4096)  # 3 balanced row blocks
+    assert logprob_mod.blocked_workspace_bytes(32768, h, v, 2) == 11008 * (4096 * 2 + 4 * h)
 
 
 def test_row_chunked_converts_its_accumulator_in_place(cpu_only, monkeypatch):
