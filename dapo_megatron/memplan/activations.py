@@ -80,6 +80,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dapo_kernels.logprob import blocked_workspace_bytes
 from dapo_megatron.memplan.arch import ModelDims
 
 ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -280,6 +281,12 @@ class ActivationModel:
                  "largest parameter gradient": largest_param_numel * self.a}
         if last and not self.fused_logprob:
             parts["logits gradient"] = self.local_tokens(response_tokens) * 8 * self.dims.vocab / self.tp
+        if last and self.fused_logprob:
+            # the fused head's backward scratch (dL/dlogits block + fp32 grad_hidden rows): the kernel's own
+            # formula, <= min(256 MiB, 3 N H bytes) whatever N is (kernels/logprob.py, blocked schedule)
+            parts["fused head backward workspace"] = blocked_workspace_bytes(
+                self.local_tokens(response_tokens), self.dims.hidden, -(-self.dims.vocab // self.tp), int(self.a),
+                tp=self.tp > 1)
         return parts
 
     def forward_only_working_set(self, *, tokens: int, response_tokens: int, last: bool) -> dict[str, float]:
