@@ -97,6 +97,10 @@ class RolloutConfig:
     # them); with actor.cpu_cores this is disaggregation on one CPU machine: each side gets cores of its
     # own, as disaggregated SGLang engines get GPUs of their own (bench overlap --engine-cores)
     cpu_engine_cores: list[int] = field(default_factory=list)
+    # where CPU engines hold their model: "cpu", or "cuda" (engine i on GPU i, its colocated slot): on a
+    # one-GPU machine the colocated placement then runs for real (CUDA IPC weight payloads made by the
+    # trainer and opened by the engine, release/resume of real device memory)
+    cpu_engine_device: str = "cpu"
 
 
 @dataclass
@@ -128,6 +132,9 @@ class ActorConfig:
     sequence_parallel: bool = False
     micro_batch_tokens: int = 24576  # token budget of one packed micro-batch (>= one full sequence)
     attention_backend: Literal["torch", "te"] = "te"
+    # torch backend only: "sdpa" = per-document causal SDPA (CPU and GPU), "flex" = FlexAttention with a
+    # document BlockMask (CUDA only; refused at model build without CUDA). actor/attention.py
+    attention_kernel: Literal["sdpa", "flex"] = "sdpa"
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     recompute: Literal["none", "selective", "full"] = "none"
     use_distributed_optimizer: bool = True
@@ -421,6 +428,8 @@ def validate(cfg: Config) -> None:
              cfg.actor.quantization_aware, f"true only with actor.attention_backend=torch (it is "
              f"{cfg.actor.attention_backend!r}): TE's fused LayerNorm + Linear hides the normalized input that the "
              "engines quantize to FP8 (docs/fp8.md)")
+    _require(r.cpu_engine_device in ("cpu", "cuda"), "rollout.cpu_engine_device", r.cpu_engine_device,
+             "cpu or cuda (CPU engine i holds its model on GPU i)")
     for key, cores in (("rollout.cpu_engine_cores", r.cpu_engine_cores), ("actor.cpu_cores", cfg.actor.cpu_cores)):
         _require(all(c >= 0 for c in cores) and len(set(cores)) == len(cores), key, cores,
                  "distinct CPU core numbers >= 0 ([] = no pinning)")

@@ -1,10 +1,11 @@
 """dapo_kernels: fused Triton kernels for DAPO (installed from the folder kernels/).
 
     linear_logprob_entropy(hidden[N,H], weight[V_local,H], targets[N], *, temperature=1.0,
-                           tp_group=None, return_entropy=True, vocab_size=None)
+                           tp_group=None, return_entropy=True, vocab_size=None,
+                           backward="blocked" | "row_chunked", logits="triton" | "cublas")
         -> (logprob[N], entropy[N] | None)        (vocab_size: rows past it are padding)
     policy_loss(logprob, old_logprob, advantages, mask, *, eps_low, eps_high, clip_ratio_c,
-                loss_denominator) -> (loss, stats)
+                loss_denominator, one_pass=True) -> (loss, stats)
 
 The fused ops run on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before this
 package was imported (tests). Elsewhere they raise RuntimeError rather than fall back silently;

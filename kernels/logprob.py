@@ -22,19 +22,27 @@ Padded vocabularies (Megatron pads V to a multiple of divisible_by * tp with zer
 vocab_size, rows at or past it on this shard are never read; they take no probability and get a zero
 weight gradient (the kernels just see the shard's first `real` rows, a row-prefix view).
 
-Backward (bounded chunks; workspace <= BACKWARD_WORKSPACE_BYTES whatever N is): for each chunk of
-C rows, `_dlogits_kernel` recomputes the logit tiles and writes dL/dlogits[C, V_local] in the input
-dtype, with p = exp((z - m) - log s):
+Backward: dL/dlogits is recomputed from the saved (m, log s, E_p[z - m]) per token, with
+p = exp((z - m) - log s):
     dL/dz_k = g_lp * (1[k = target] - p_k) + g_ent * p_k * (E_p[z] - z_k)     (then / T)
-(d entropy / dz_k = p_k (E[z] - z_k)); cuBLAS then does grad_hidden[chunk] = dZ @ W (all-reduced
-over tp_group in fp32) and grad_weight += dZ^T @ hidden[chunk]. FLOPs: 2NHV forward + 6NHV backward
-= the 8NHV of a plain linear + cross entropy. grad_weight is accumulated in fp32 when there is more
-than one chunk and the weight is 16-bit (an fp32 [V_local, H] buffer, independent of N), so bf16
-rounding does not compound across chunks.
+(d entropy / dz_k = p_k (E[z] - z_k)), written in the input dtype, and cuBLAS does grad_hidden = dZ W
+and grad_weight = dZ^T hidden. FLOPs: 2NHV forward + 6NHV backward = the 8NHV of a plain linear +
+cross entropy. Two schedules (backward=...):
+- "blocked" (default, `_backward_blocked`): row blocks of R rows x vocab blocks of Vc rows
+  (`blocked_plan`). grad_weight[Vc] is produced by one GEMM per row block with K = R, rounded to the
+  weight dtype once per row block (one pass when R = N); grad_hidden rows accumulate in fp32 over the
+  vocab blocks (K = Vc, compute-bound) and are copied out (all-reduced over tp_group first) once per row
+  block. Workspace `blocked_workspace_bytes` <= min(256 MiB, 3 N H bytes) whatever N is.
+- "row_chunked" (the first schedule, `_backward_row_chunked`): chunks of C = 256 MiB / (V e) rows
+  over the full vocab; grad_weight accumulated in an fp32 [V_local, H] buffer (N/C read-modify-write
+  passes over 4VH bytes: the memory-bound 54 ms of the first H100 profile at 7B, N = 16K).
+logits="cublas" (logprob_cublas.py) takes the logit tiles of the forward and of the blocked backward
+from torch's matmul (fp32 chunks) instead of tl.dot; the softmax maths are the same (_softmax_tiles.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
@@ -42,11 +50,23 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from . import logprob_cublas
+from ._softmax_tiles import dz_tile, online_update
 from ._runtime import INTERPRET, cast_dot_inputs_to_fp32, num_sms, require_runnable
 from .reference import check_logprob_args, check_targets_in_vocab, check_vocab_size, vocab_shard
 
 # dL/dlogits chunk size bound for the backward (bytes): C = this // (V_local * element size).
 BACKWARD_WORKSPACE_BYTES = 256 << 20
+# Blocked backward (the default): vocab block width (Hopper: K = 4096 of the fp32 grad_hidden
+# accumulation is compute-bound), and a workspace of at most this many bytes per token x hidden unit
+# below the 256 MiB cap, so that small batches take little (Liger's transient logits are ~4-5 N H
+# bytes; ours stay below them on every benchmark row: kernels/bench/NOTES.md).
+VOCAB_BLOCK = 4096
+BLOCKED_BUDGET_PER_NH = 3
+BACKWARDS = ("blocked", "row_chunked")
+# Where the logit tiles come from: "triton" (tl.dot inside the fused kernels) or "cublas" (an fp32
+# chunk from torch's matmul read by an epilogue kernel: logprob_cublas.py; blocked backward only).
+LOGITS = ("triton", "cublas")
 # Vocab splits per row block in the forward: enough programs to fill the GPU even at small N, and
 # with GROUP_N row blocks x NUM_SPLITS programs in flight the hidden rows stay in L2 while each
 # weight tile is read once per GROUP_N * BLOCK_N rows.
@@ -109,18 +129,7 @@ def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, stats_ptr, N, V, H, stride_hn, stride_wv,
         col_ok = cols < v_end
         z = _logits_tile(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_hn, stride_wv,
                          BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE) * inv_temp
-        z = tl.where(col_ok[None, :], z, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        alpha = tl.exp(m - m_new)
-        # s == 0 only before the first tile, where m = -inf: keep -inf * 0 out of the arithmetic.
-        shift = (tl.where(s > 0, m, m_new) - m_new) * s
-        zc = tl.where(col_ok[None, :], z - m_new[:, None], 0.0)  # finite everywhere: no 0 * -inf
-        p = tl.where(col_ok[None, :], tl.exp(zc), 0.0)
-        t = alpha * (t + shift) + tl.sum(p * zc, axis=1)
-        s = alpha * s + tl.sum(p, axis=1)
-        # col_ok: a target owned by another rank may fall on this tile's padding columns
-        zt += tl.sum(tl.where((cols[None, :] == tgt[:, None]) & col_ok[None, :], z, 0.0), axis=1)
-        m = m_new
+        m, s, t, zt = online_update(m, s, t, zt, z, cols, col_ok, tgt)
 
     out = stats_ptr + pid_s * 4 * N + rows
     tl.store(out, m, mask=row_ok)
@@ -131,7 +140,7 @@ def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, stats_ptr, N, V, H, stride_hn, stride_wv,
 
 @triton.jit
 def _dlogits_kernel(h_ptr, w_ptr, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr, gent_ptr, dz_ptr,
-                    N, V, H, stride_hn, stride_wv, stride_dzn, inv_temp,
+                    N, V, H, stride_hn, stride_wv, stride_dzn, inv_temp, col0,
                     HAS_ENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                     BLOCK_K: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr):
     # Row blocks vary fastest: programs in flight share one weight tile (read once from HBM) and
@@ -146,20 +155,8 @@ def _dlogits_kernel(h_ptr, w_ptr, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr
     col_ok = cols < V
     z = _logits_tile(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_hn, stride_wv,
                      BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE) * inv_temp
-    tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
-    # Relative to the row max m: z - m is exact (Sterbenz), so p = exp((z - m) - log s) sums to 1
-    # even at +-1e4 logits, where lse = m + log s would round by ~2^-11 in fp32.
-    zc = z - tl.load(max_ptr + rows, mask=row_ok, other=0.0)[:, None]
-    zc = tl.where(col_ok[None, :], zc, 0.0)  # padding columns: finite filler, never stored
-    log_s = tl.load(logs_ptr + rows, mask=row_ok, other=0.0)
-    g_lp = tl.load(glp_ptr + rows, mask=row_ok, other=0.0)
-    p = tl.exp(zc - log_s[:, None])
-    dz = g_lp[:, None] * (tl.where(cols[None, :] == tgt[:, None], 1.0, 0.0) - p)
-    if HAS_ENT:  # E_p[z] - z_k = E_p[z - m] - (z_k - m)
-        mean_c = tl.load(meanc_ptr + rows, mask=row_ok, other=0.0)
-        g_ent = tl.load(gent_ptr + rows, mask=row_ok, other=0.0)
-        dz += g_ent[:, None] * p * (mean_c[:, None] - zc)
-    dz = dz * inv_temp
+    dz = dz_tile(z, rows, row_ok, cols, col_ok, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr, gent_ptr,
+                 inv_temp, col0, HAS_ENT)
     out = dz_ptr + rows.to(tl.int64)[:, None] * stride_dzn + cols[None, :]
     tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -217,13 +214,15 @@ def merge_stats(stats: torch.Tensor) -> torch.Tensor:
     return torch.stack([big_m, (w * s).sum(0), (w * (t + shift)).sum(0), zt.sum(0)])
 
 
-def _forward_stats(hidden, weight, targets_local, inv_temp: float) -> torch.Tensor:
+def _forward_stats(hidden, weight, targets_local, inv_temp: float, logits: str = "triton") -> torch.Tensor:
     n, h = hidden.shape
     v = weight.shape[0]
     if v == 0:  # a shard of vocabulary padding only: the empty part (m = -inf, s = 0) merge_stats skips
         stats = torch.zeros((4, n), device=hidden.device, dtype=torch.float32)
         stats[0] = float("-inf")
         return stats
+    if logits == "cublas":
+        return merge_stats(logprob_cublas.forward_split_stats(hidden, weight, targets_local, inv_temp))
     splits = NUM_SPLITS_INTERPRET if INTERPRET else NUM_SPLITS_GPU
     splits = max(1, min(splits, triton.cdiv(v, 64)))
     stats = torch.empty((splits, 4, n), device=hidden.device, dtype=torch.float32)
@@ -295,14 +294,170 @@ def _chunk_rows(n: int, v: int, element_size: int) -> int:
     return max(align, rows // align * align) if rows < n else n
 
 
+@dataclasses.dataclass
+class _BackwardJob:
+    """What both backward schedules need: inputs, saved per-token stats, upstream grads, outputs
+    (grad_h [N, H] or None; grad_w = the real rows of the weight gradient, [V, H], or None)."""
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    targets_local: torch.Tensor
+    big_m: torch.Tensor
+    log_s: torch.Tensor
+    mean_c: torch.Tensor
+    g_lp: torch.Tensor
+    g_ent: torch.Tensor
+    has_ent: bool
+    inv_temp: float
+    tp_group: object
+    grad_h: torch.Tensor | None
+    grad_w: torch.Tensor | None
+    shard_rows: int  # the weight shard's rows, vocab padding included (the same on every TP rank)
+    logits: str = "triton"
+    scratch: torch.Tensor | None = None  # logits="cublas": the fp32 logits block [R, Vc]
+
+    def dlogits(self, dz: torch.Tensor, r0: int, r1: int, v0: int, v1: int) -> None:
+        """dz[:r1-r0, :v1-v0] = dL/dlogits for rows [r0, r1) and vocab rows [v0, v1) (recomputed logits)."""
+        rows, cols, h = r1 - r0, v1 - v0, self.hidden.shape[1]
+        if rows == 0 or cols == 0:
+            return
+        if self.logits == "cublas":
+            logprob_cublas.dlogits_into(dz, _packed(self.scratch, rows, cols), self.hidden[r0:r1], self.weight[v0:v1],
+                                        self.targets_local[r0:r1], self.big_m[r0:r1], self.log_s[r0:r1],
+                                        self.mean_c[r0:r1], self.g_lp[r0:r1], self.g_ent[r0:r1], has_ent=self.has_ent,
+                                        inv_temp=self.inv_temp, col0=v0)
+            return
+        flags = {"CAST_F32": cast_dot_inputs_to_fp32(self.hidden.dtype), "IEEE": self.hidden.dtype == torch.float32}
+        meta = _launch_meta({}, n=rows, v=cols, h=h)
+
+        def grid(META):
+            return (triton.cdiv(rows, META["BLOCK_N"]) * triton.cdiv(cols, META["BLOCK_V"]),)
+        _dlogits[grid](self.hidden[r0:r1], self.weight[v0:v1], self.targets_local[r0:r1], self.big_m[r0:r1],
+                       self.log_s[r0:r1], self.mean_c[r0:r1], self.g_lp[r0:r1], self.g_ent[r0:r1], dz, rows, cols, h,
+                       self.hidden.stride(0), self.weight.stride(0), dz.stride(0), self.inv_temp, v0,
+                       HAS_ENT=self.has_ent, **flags, **meta)
+
+
+def _packed(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A contiguous [rows, cols] view of the front of buf: a narrower last vocab block stays dense, so
+    cuBLAS writes it in place (a row-strided `out` view can make torch stage the GEMM in a temporary)."""
+    return buf.view(-1)[:rows * cols].view(rows, cols)
+
+
+def _backward_row_chunked(job: _BackwardJob) -> None:
+    """The first schedule (kept selectable: backward="row_chunked"): row chunks of C rows with the full
+    vocab; grad_w += dZ^T h per chunk into an fp32 [V, H] accumulator when there is more than one chunk
+    (N/C read-modify-write passes over 4VH bytes: memory-bound on an H100, see kernels/bench/NOTES.md)."""
+    hidden, weight = job.hidden, job.weight
+    n, v = hidden.shape[0], weight.shape[0]
+    chunk = _chunk_rows(n, v, hidden.element_size())
+    workspace = torch.empty((min(chunk, n), v), device=hidden.device, dtype=hidden.dtype)
+    acc_w = None
+    if job.grad_w is not None and chunk < n:
+        acc_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
+    for r0 in range(0, n, chunk):
+        r1 = min(n, r0 + chunk)
+        dz = workspace[:r1 - r0]
+        job.dlogits(dz, r0, r1, 0, v)
+        if job.grad_h is not None:
+            if job.tp_group is None:
+                torch.mm(dz, weight, out=job.grad_h[r0:r1])
+            else:  # each rank holds its vocab shard's share of dL/dhidden: sum them in fp32
+                part = _mm_fp32(dz, weight)
+                dist.all_reduce(part, group=job.tp_group)
+                job.grad_h[r0:r1].copy_(part)
+        if job.grad_w is not None:
+            if acc_w is None:
+                torch.mm(dz.t(), hidden[r0:r1], out=job.grad_w)
+            else:
+                _addmm_fp32_(acc_w, dz.t(), hidden[r0:r1])
+    if acc_w is not None:
+        # copy_ converts in place: `grad_w[:] = acc_w.to(dtype)` held a third [V, H] (1039.5 MiB at
+        # Qwen2.5-7B) next to the fp32 accumulator: the 1153 MiB "workspace" of the first H100 run.
+        job.grad_w.copy_(acc_w)
+
+
+def blocked_plan(n: int, h: int, v: int, element_size: int, *, tp: bool = False,
+                 cublas: bool = False) -> tuple[int, int]:
+    """(R, Vc) of the blocked backward: row blocks of R rows x vocab blocks of Vc rows, with
+    R * (Vc * element_size + 4H [fp32 grad_hidden rows, when V > Vc or with TP]) <= the workspace
+    budget min(BACKWARD_WORKSPACE_BYTES, BLOCKED_BUDGET_PER_NH * N * H). v is the shard's row count
+    (padding included): every TP rank gets the same R, hence the same collectives. cublas: 4 more bytes
+    per dL/dlogits element (the fp32 logits block the epilogue reads)."""
+    cols = max(1, min(v, VOCAB_BLOCK))
+    budget = min(BACKWARD_WORKSPACE_BYTES, BLOCKED_BUDGET_PER_NH * n * h)
+    per_row = cols * (element_size + (4 if cublas else 0)) + (4 * h if v > cols or tp else 0)
+    rows = budget // per_row
+    align = CHUNK_ROW_ALIGN
+    rows = max(align, rows // align * align)
+    if rows >= n:
+        return n, cols
+    # Balanced row blocks (no thin last GEMM): the fewest blocks that fit, then their even size rounded
+    # up to the alignment, which stays <= rows (rows is a multiple of align, >= the even size).
+    blocks = -(-n // rows)
+    return -(-(-(-n // blocks)) // align) * align, cols
+
+
+def blocked_workspace_bytes(n: int, h: int, v: int, element_size: int, *, tp: bool = False,
+                            cublas: bool = False) -> int:
+    """Bytes the blocked backward allocates besides its two outputs: the dL/dlogits block [R, Vc] and,
+    with more than one vocab block (or TP), the fp32 grad_hidden rows [R, H]. At most
+    max(BACKWARD_WORKSPACE_BYTES, one aligned row block) whatever N is."""
+    rows, cols = blocked_plan(n, h, v, element_size, tp=tp, cublas=cublas)
+    return rows * cols * (element_size + (4 if cublas else 0)) + (4 * rows * h if v > cols or tp else 0)
+
+
+def _backward_blocked(job: _BackwardJob) -> None:
+    """Row blocks of R rows (outer) x vocab blocks of Vc rows (inner), see blocked_plan. Per block:
+    dZ = dL/dlogits [R, Vc] (Triton), grad_w[Vc] (+)= dZ^T h[R] (cuBLAS, K = R, fp32 inside, rounded to
+    the weight dtype once per ROW block: one pass when R = N, a few at large N, instead of N/C fp32
+    read-modify-writes of the whole [V, H]), grad_h[R] += dZ W[Vc] into fp32 rows [R, H] (K = Vc),
+    copied out (all-reduced over tp_group first: one collective per row block) after the vocab loop."""
+    hidden, weight = job.hidden, job.weight
+    n, h = hidden.shape
+    v = weight.shape[0]
+    cublas = job.logits == "cublas"
+    rows, cols = blocked_plan(n, h, job.shard_rows, hidden.element_size(), tp=job.tp_group is not None, cublas=cublas)
+    dz_buf = torch.empty((rows, min(cols, v)), device=hidden.device, dtype=hidden.dtype)
+    if cublas:
+        job.scratch = torch.empty((rows, min(cols, v)), device=hidden.device, dtype=torch.float32)
+    many_blocks = v > cols
+    acc_h = None
+    if job.grad_h is not None and (many_blocks or job.tp_group is not None):
+        acc_h = torch.empty((rows, h), device=hidden.device, dtype=torch.float32)
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        h_rows = hidden[r0:r1]
+        if acc_h is not None:
+            acc_h[:r1 - r0].zero_()
+        for v0 in range(0, max(v, 1), cols):
+            v1 = min(v, v0 + cols)
+            dz = _packed(dz_buf, r1 - r0, v1 - v0)
+            job.dlogits(dz, r0, r1, v0, v1)
+            if job.grad_h is not None:
+                if acc_h is None:  # one vocab block, no TP: K = V, written once
+                    torch.mm(dz, weight[v0:v1], out=job.grad_h[r0:r1])
+                else:
+                    _addmm_fp32_(acc_h[:r1 - r0], dz, weight[v0:v1])
+            if job.grad_w is not None and v1 > v0:
+                if r0 == 0:
+                    torch.mm(dz.t(), h_rows, out=job.grad_w[v0:v1])
+                else:
+                    job.grad_w[v0:v1].addmm_(dz.t(), h_rows)
+        if acc_h is not None:
+            part = acc_h[:r1 - r0]
+            if job.tp_group is not None:
+                dist.all_reduce(part, group=job.tp_group)
+            job.grad_h[r0:r1].copy_(part)
+
+
 class _LinearLogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, tp_group, return_entropy, vocab_size):
+    def forward(ctx, hidden, weight, targets, temperature, tp_group, return_entropy, vocab_size, backward, logits):
         vocab_start, vocab_local, _ = vocab_shard(weight, tp_group)
         real_rows = max(0, min(vocab_local, vocab_size - vocab_start))  # the rest of the shard is padding
         targets_local = (targets.long() - vocab_start).contiguous()
         inv_temp = 1.0 / float(temperature)
-        stats = _forward_stats(hidden, weight[:real_rows], targets_local, inv_temp)
+        stats = _forward_stats(hidden, weight[:real_rows], targets_local, inv_temp, logits)
         if tp_group is not None:
             stats = _gather_merge(stats, tp_group)
         big_m, s, t, zt = stats.unbind(0)
@@ -311,7 +466,8 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         entropy = log_s - t / s
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, targets_local, big_m, log_s, t / s)
-        ctx.inv_temp, ctx.tp_group, ctx.real_rows = inv_temp, tp_group, real_rows
+        ctx.inv_temp, ctx.tp_group, ctx.real_rows, ctx.backward = inv_temp, tp_group, real_rows, backward
+        ctx.logits = logits
         return logprob, entropy
 
     @staticmethod
@@ -319,53 +475,25 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         hidden, weight_shard, targets_local, big_m, log_s, mean_c = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_logprob is None and grad_entropy is None) or not (need_h or need_w):
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None, None
         weight = weight_shard[:ctx.real_rows]  # padding rows: no logits, so no dL/dz and a zero gradient
-        n, h = hidden.shape
         v = weight.shape[0]
         g_lp = torch.zeros_like(log_s) if grad_logprob is None else grad_logprob.float().contiguous()
         has_ent = grad_entropy is not None
         g_ent = grad_entropy.float().contiguous() if has_ent else g_lp  # placeholder pointer when unused
-        chunk = _chunk_rows(n, v, hidden.element_size())
-        workspace = torch.empty((min(chunk, n), v), device=hidden.device, dtype=hidden.dtype)
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_shard = grad_w = acc_w = None
+        grad_shard = None
         if need_w:
             padded = v < weight_shard.shape[0]
             grad_shard = torch.zeros_like(weight_shard) if padded else torch.empty_like(weight_shard)
-            if chunk >= n:
-                grad_w = grad_shard[:v]
-            else:
-                acc_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
-        flags = {"CAST_F32": cast_dot_inputs_to_fp32(hidden.dtype), "IEEE": hidden.dtype == torch.float32}
-        for r0 in range(0, n, chunk):
-            r1 = min(n, r0 + chunk)
-            rows = r1 - r0
-            dz = workspace[:rows]
-            h_chunk = hidden[r0:r1]
-            if v > 0:  # (a shard of padding only has dz = [rows, 0]: the products below are zeros)
-                meta = _launch_meta({}, n=rows, v=v, h=h)
-
-                def grid(META, rows=rows):
-                    return (triton.cdiv(rows, META["BLOCK_N"]) * triton.cdiv(v, META["BLOCK_V"]),)
-                _dlogits[grid](h_chunk, weight, targets_local[r0:r1], big_m[r0:r1], log_s[r0:r1], mean_c[r0:r1],
-                               g_lp[r0:r1], g_ent[r0:r1], dz, rows, v, h, hidden.stride(0), weight.stride(0),
-                               dz.stride(0), ctx.inv_temp, HAS_ENT=has_ent, **flags, **meta)
-            if need_h:
-                if ctx.tp_group is None:
-                    torch.mm(dz, weight, out=grad_h[r0:r1])
-                else:  # each rank holds its vocab shard's share of dL/dhidden: sum them in fp32
-                    part = _mm_fp32(dz, weight)
-                    dist.all_reduce(part, group=ctx.tp_group)
-                    grad_h[r0:r1].copy_(part)
-            if need_w:
-                if acc_w is None:
-                    torch.mm(dz.t(), h_chunk, out=grad_w)
-                else:
-                    _addmm_fp32_(acc_w, dz.t(), h_chunk)
-        if acc_w is not None:
-            grad_shard[:v] = acc_w.to(weight.dtype)
-        return grad_h, grad_shard, None, None, None, None, None
+        job = _BackwardJob(hidden, weight, targets_local, big_m, log_s, mean_c, g_lp, g_ent, has_ent,
+                           ctx.inv_temp, ctx.tp_group, grad_h, grad_shard[:v] if need_w else None,
+                           weight_shard.shape[0], ctx.logits)
+        if ctx.backward == "row_chunked":
+            _backward_row_chunked(job)
+        else:
+            _backward_blocked(job)
+        return grad_h, grad_shard, None, None, None, None, None, None, None
 
 
 def linear_logprob_entropy(
@@ -377,6 +505,8 @@ def linear_logprob_entropy(
     tp_group=None,
     return_entropy: bool = True,
     vocab_size: int | None = None,
+    backward: str = "blocked",
+    logits: str = "triton",
 ):
     """(logprob[N] fp32, entropy[N] fp32 or None) of softmax(hidden @ weight.T / temperature).
 
@@ -386,6 +516,10 @@ def linear_logprob_entropy(
     weight gradient stays local. Differentiable in hidden and weight through logprob AND entropy.
     vocab_size: the real vocabulary (default: all V_local * tp rows); global rows at or past it are
     padding: excluded from the softmax, zero weight gradient.
+    backward: "blocked" (row blocks x vocab blocks, see _backward_blocked) or "row_chunked" (the first
+    schedule: full-vocab row chunks into an fp32 [V, H] accumulator), kept until a GPU run compares them.
+    logits: "triton" (tl.dot inside the fused kernels) or "cublas" (fp32 logit chunks from torch's matmul,
+    read by Triton epilogues: logprob_cublas.py; needs backward="blocked").
     Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1; anything else raises
     RuntimeError (use linear_logprob_entropy_reference there).
     """
@@ -396,11 +530,18 @@ def linear_logprob_entropy(
     _, _, vocab_rows = vocab_shard(weight, tp_group)
     vocab_size = check_vocab_size(vocab_size, vocab_rows)
     check_targets_in_vocab(targets, vocab_size)
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward must be one of {BACKWARDS}; got {backward!r}")
+    if logits not in LOGITS:
+        raise ValueError(f"logits must be one of {LOGITS}; got {logits!r}")
+    if logits == "cublas" and backward != "blocked":
+        raise ValueError("logits='cublas' needs backward='blocked' (the row_chunked schedule has no fp32 logits "
+                         "scratch in its workspace)")
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32) + (hidden.sum() + weight.sum()) * 0
         return empty, (empty.clone() if return_entropy else None)
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     logprob, entropy = _LinearLogprobEntropy.apply(hidden, weight, targets, float(temperature), tp_group,
-                                                   bool(return_entropy), vocab_size)
+                                                   bool(return_entropy), vocab_size, backward, logits)
     return logprob, (entropy if return_entropy else None)

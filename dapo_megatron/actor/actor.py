@@ -47,6 +47,7 @@ from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.actor.settings import ActorSettings
 from dapo_megatron.dataplane.batch import RolloutBatch, exclusive_cumsum, ranges_index
 from dapo_megatron.dataplane.share import BatchShare, PackSettings, share_of_samples
+from dapo_megatron.dataplane import collectives as coll
 
 METRIC_SUMS = ("loss", "pg_loss", "kl_loss", "clipfrac_low", "clipfrac_high", "dualclip_frac", "approx_kl",
                "ratio_mean", "entropy", "kl", "tis_weight", "num_tokens", "num_weight")
@@ -120,7 +121,7 @@ class Actor:
         # the head excludes rows >= vocab_size from the softmax (token_logprobs_entropy(vocab_size=)).
         chunks = build_model_chunks(self.hf_config, attention_backend=ac.attention_backend, precision=ac.precision,
                                     sequence_parallel=ac.sequence_parallel, recompute=ac.recompute,
-                                    vocab_divisible_by=1)
+                                    vocab_divisible_by=1, attention_kernel=ac.attention_kernel)
         load_hf_into_model(chunks, self.hf_dir)
         self._engine_dtype: torch.dtype | None = None
         if ac.quantization_aware:  # every forward multiplies by the FP8 engines' weights (actor/fake_quant.py)
@@ -358,7 +359,7 @@ class Actor:
             return local_outputs
         flat = torch.cat(local_outputs, dim=1).contiguous()
         parts = [torch.empty_like(flat) for _ in range(cp)]
-        dist.all_gather(parts, flat, group=parallel.cp_group())
+        coll.all_gather(parts, flat, group=parallel.cp_group())
         widths = [out.size(1) for out in local_outputs]
         per_rank = [part.split(widths, dim=1) for part in parts]
         return [merge_from_cp([per_rank[r][i] for r in range(cp)], mb.cu_seqlens_padded, dim=1)
@@ -433,7 +434,7 @@ class Actor:
             index = ranges_index(offsets[share.source_indices], share.batch.response_lengths).to(flat.device)
             flat[0, index] = out.logprobs.to(flat.device)
             flat[1, index] = out.entropies.to(flat.device)
-        dist.all_reduce(flat)
+        coll.all_reduce(flat)
         flat = flat.cpu()
         bounds = offsets.tolist()
         return LogProbs(logprobs=[flat[0, a:b].clone() for a, b in zip(bounds, bounds[1:])],
@@ -485,8 +486,8 @@ class Actor:
             self._run(share.micro_batches, head=head, length=share.length, forward_only=False)
         finally:
             self._end_routing(collect=False)
-        dist.all_reduce(sums)
-        dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
+        coll.all_reduce(sums)
+        coll.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
         m = dict(zip(METRIC_SUMS, sums.tolist()))
         lr = set_lr_for_step(self.lr_schedule, step=step)
         loss_is_finite = bool(torch.isfinite(sums[0]))
@@ -532,7 +533,7 @@ class Actor:
                     for mb in micro_batches)
         count = torch.tensor([float(local)], dtype=torch.float64,
                              device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
-        dist.all_reduce(count, group=parallel.dp_group())
+        coll.all_reduce(count, group=parallel.dp_group())
         return float(count.item())
 
     def _loss(self, mb: MicroBatch, pos: torch.Tensor, logprob: torch.Tensor, entropy: torch.Tensor, *,

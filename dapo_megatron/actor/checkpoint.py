@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.dataplane import collectives as coll
+
 META_FILE = "actor_state.json"
 
 
@@ -69,9 +71,7 @@ def save_checkpoint(path: str | Path, *, sharded_state_dict: dict, meta: dict) -
     # every rank learns whether rank 0 published (instead of waiting forever in a barrier)
     ok = torch.tensor([0 if error else 1], dtype=torch.int32)
     if dist.is_initialized():
-        if dist.get_backend() == "nccl":
-            ok = ok.cuda()
-        dist.broadcast(ok, src=0)
+        coll.broadcast(ok, src=0)
     if error is not None:
         raise error
     if not int(ok.item()):

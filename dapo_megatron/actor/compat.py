@@ -1,7 +1,7 @@
 """Run megatron-core on a machine without CUDA (CI, laptops): one start-up call, a no-op on GPUs.
 
-    from dapo_megatron.actor.compat import apply_cpu_compat
-    apply_cpu_compat()          # before building any Megatron module
+    from dapo_megatron.actor.compat import apply_megatron_compat
+    apply_megatron_compat()     # before building any Megatron module (CPU patches: no-op on GPUs)
 
 megatron-core 0.16.1 works on CPU with gloo except for a handful of CUDA-only call sites
 (docs/architecture.md, "Running Megatron-Core on CPU"). This module neutralizes exactly those:
@@ -214,8 +214,7 @@ def _patch_moe() -> None:
     torch.cuda.current_stream = lambda device=None: _CPU_STREAM
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
     torch.cuda.Event = _CpuEvent
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    bind_missing_te_gemm()
     original = dist.all_to_all_single
 
     def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
@@ -225,6 +224,25 @@ def _patch_moe() -> None:
 
     all_to_all_single._dapo_original = original
     dist.all_to_all_single = all_to_all_single
+
+
+def bind_missing_te_gemm() -> None:
+    """megatron-core's MoE router (moe_utils.RouterGatingLinearFunction) reads `te_general_gemm`, a name
+    bound only when Transformer Engine imports: without TE every MoE forward dies with NameError, on
+    GPUs too (first H100 run, 2026-11-25). Bound to None, the router takes megatron's own torch path
+    (torch.mm / addmm in the router dtype, the same tensors saved for backward): no TE needed.
+    Idempotent; leaves TE's GEMM in place where TE is installed."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def apply_megatron_compat() -> None:
+    """Start-up patches for every machine: what a missing Transformer Engine leaves unbound, then the
+    CPU patches (a no-op on GPUs)."""
+    bind_missing_te_gemm()
+    apply_cpu_compat()
 
 
 def apply_cpu_compat() -> None:

@@ -16,13 +16,15 @@ A rank's local tensor is the concatenation, sequence by sequence, of its two chu
 Transformer Engine's `thd_get_partitioned_indices` produces, so TE attention with
 `cu_seqlens_q_padded` sees its expected layout.
 
-Attention across the chunks (the torch attention backend, actor/model.py; TE has its own kernels):
+Attention across the chunks (the torch attention backend, actor/attention.py; TE has its own kernels):
 every rank all-gathers K and V of the whole micro-batch over the CP group, puts them back in token
-order and attends with its own queries under a mask built from true positions:
+order and attends with its own queries by true positions:
 
     query at packed position q may see key k  <=>  same padded segment and k <= q
 
-so each rank computes exactly the attention rows of its two chunks. The all-gather's backward is a
+Without a mask: chunk c of a segment starting at s (chunk length n) is a block of n queries against
+the keys [s, s + (c+1) n), causal aligned at the lower right (attention.document_blocks), so each
+rank computes exactly the attention rows of its two chunks. The all-gather's backward is a
 reduce-scatter (sum over the CP group) of dK / dV: every rank's queries contribute to every key's
 gradient, and the owner of the key receives the sum. This is megatron-core's cp_comm_type
 "all_gather" (transformer_config.py: "All-gather to get full sequence of KV before attention"),
@@ -30,11 +32,11 @@ as in Transformer Engine's AttnFuncWithCPAndKVAllGather (attention/dot_product_a
 context_parallel.py, Llama 3 paper section 3.3.2), which re-orders the gathered chunks with
 get_seq_chunk_ids_for_reordering_before_attn and reduce-scatters dK/dV in backward; TE supports it
 only for bshd/sbhd (it asserts qkv_format != "thd"), here it also covers THD packed sequences
-because the mask, not the kernel, carries the segment boundaries. Why not the other comm types:
+because the query blocks, not the kernel, carry the segment boundaries. Why not the other comm types:
 "p2p" (ring of K/V chunks, overlapped with compute) pays off only with async streams and a
 flash kernel that merges partial softmaxes; "a2a" (Ulysses) scatters heads over CP and needs the
 KV heads per TP rank to be divisible by cp (a 2-KV-head model at tp=2 has 1). Cost here: the
-gathered K/V of one layer (T x kv_heads/tp x head_dim, kept for backward) and a [T/cp, T] mask.
+gathered K/V of one layer (T x kv_heads/tp x head_dim, kept for backward); no [T/cp, T] mask.
 """
 
 from __future__ import annotations
@@ -90,22 +92,6 @@ def gathered_to_token_order(cu_seqlens_padded, *, cp_size: int) -> torch.Tensor:
     gathered_positions = torch.cat([cp_local_indices(cu_seqlens_padded, cp_size=cp_size, cp_rank=r)
                                     for r in range(cp_size)])
     return torch.argsort(gathered_positions)
-
-
-def cp_causal_mask(cu_seqlens_padded, *, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
-    """Boolean [T/cp, T] mask, True = may attend: this rank's queries (in local order) against every
-    key in token order, same padded segment and key position <= query position.
-
-    With cp_size=1 it is the block-diagonal causal mask of the whole micro-batch."""
-    bounds = torch.as_tensor([int(x) for x in cu_seqlens_padded], dtype=torch.int64)
-    total = int(bounds[-1])
-    query_positions = cp_local_indices(bounds, cp_size=cp_size, cp_rank=cp_rank)
-    key_positions = torch.arange(total)
-    # segment id of a position: how many segment ends lie at or before it
-    query_segments = torch.bucketize(query_positions, bounds[1:], right=True)
-    key_segments = torch.bucketize(key_positions, bounds[1:], right=True)
-    mask = (query_segments[:, None] == key_segments[None, :]) & (key_positions[None, :] <= query_positions[:, None])
-    return mask.to(device) if device is not None else mask
 
 
 def gather_for_cp(local: torch.Tensor, *, token_order: torch.Tensor, cp_group) -> torch.Tensor:

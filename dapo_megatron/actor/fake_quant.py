@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.weights.mapping import Dims, ParamMap, shard_for_rank
+from dapo_megatron.dataplane import collectives as coll
 
 # Megatron Linears the engines may hold in FP8 (the HF names they map to decide whether they do)
 LINEAR_NAMES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -142,7 +143,7 @@ def fake_quant_values(weight: torch.Tensor, blocks: ShardBlocks, *, dtype: torch
     weight_q = weight.detach().to(dtype)
     amax = local_block_amax(weight_q, blocks)
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group)
+        coll.all_reduce(amax, op=dist.ReduceOp.MAX, group=tp_group)
     return values_from_amax(weight_q, blocks, amax)
 
 
@@ -203,7 +204,7 @@ def fake_quant_input_values(x: torch.Tensor, blocks: ShardBlocks, *, tp_group: A
     absmax = xf.new_zeros(xf.shape[0], blocks.num_block_cols)
     absmax.scatter_reduce_(1, col.expand_as(xf), xf.abs(), "amax")
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(absmax, op=dist.ReduceOp.MAX, group=tp_group)
+        coll.all_reduce(absmax, op=dist.ReduceOp.MAX, group=tp_group)
     q, scale = quant_with_absmax(xf, absmax[:, col])
     return (q.float() * scale).reshape(x.shape).to(x.dtype)  # dequantize_activation_fp8's fp32 product
 

@@ -9,7 +9,8 @@ Qwen3, Qwen3-MoE).
 Two attention backends, both selected through ModuleSpecs (no layer is edited):
   te     Transformer Engine layer spec: THD packed sequences, context parallelism (clusters only).
   torch  megatron-core's local spec with the core attention replaced by `TorchSDPAttention`
-         (torch scaled_dot_product_attention) and RMSNorm by `TorchRMSNorm` (allows sequence
+         (actor/attention.py: per-document causal SDPA, or FlexAttention on CUDA, O(T) memory,
+         actor.attention_kernel) and RMSNorm by `TorchRMSNorm` (allows sequence
          parallel). Runs on CPU (gloo, fp32) and on GPUs without TE (bf16), context parallelism
          included (K/V all-gathered over the CP group: context_parallel.py).
 
@@ -29,8 +30,9 @@ the padding as one more "sequence" and ignore its outputs):
   position_ids: RoPE restarts per sequence from cu_seqlens (rope_utils._apply_rotary_pos_emb_thd),
   which is exactly what per-sequence position ids mean. Pass them anyway (TE and future learned
   position embeddings use them).
-- Attention: token t of sequence i attends to tokens s of the same sequence with s <= t, i.e. a
-  boolean block-diagonal causal mask built from cu_seqlens (torch backend) or TE's THD kernels.
+- Attention: token t of sequence i attends to tokens s of the same sequence with s <= t: one causal
+  attention block per sequence from cu_seqlens (torch backend, no [T, T] mask: actor/attention.py) or
+  TE's THD kernels.
 - Unpacked batches [B, S] work too: attention_mask=None and packed_seq_params=None give plain
   causal attention per row (rows must then have no left padding).
 - Outputs are in the vocab-parallel layout: each TP rank holds logits for its V_padded/tp slice of
@@ -57,6 +59,8 @@ from typing import Any, Literal, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from dapo_megatron.actor.attention import TorchSDPAttention, check_attention_kernel
 
 Precision = Literal["bf16", "fp16", "fp32"]
 AttentionBackend = Literal["torch", "te"]
@@ -176,126 +180,9 @@ def transformer_config_from_hf(hf_config: Any, *, precision: Precision = "bf16",
     )
 
 
-# --- the torch attention backend --------------------------------------------------------------------
-
-def block_causal_mask(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
-    """Boolean [T, T] mask, True = may attend: same sequence and key position <= query position.
-
-    Sequence ids come from cu_seqlens (cu = [0, 3, 5] -> ids 0 0 0 1 1); tokens past cu[-1]
-    (padding) get one extra id so every query row keeps at least itself (no all -inf rows).
-    """
-    positions = torch.arange(total_tokens, device=cu_seqlens.device)
-    seq_ids = torch.bucketize(positions, cu_seqlens[1:].to(positions.dtype), right=True)
-    same_seq = seq_ids[:, None] == seq_ids[None, :]
-    causal = positions[None, :] <= positions[:, None]
-    return same_seq & causal
-
-
-class TorchSDPAttention(torch.nn.Module):
-    """Core attention with torch.nn.functional.scaled_dot_product_attention.
-
-    Drop-in for megatron's DotProductAttention (same constructor and forward signature), plus
-    packed sequences: with packed_seq_params.qkv_format == "thd" the inputs are [T, heads, dim]
-    and attention is restricted by `block_causal_mask` of the segment boundaries.
-
-    Context parallelism (config.context_parallel_size > 1): the inputs hold this CP rank's tokens
-    only (two chunks of every segment, context_parallel.py). K and V are all-gathered over the CP
-    group and put back in token order, and this rank's queries attend to them under
-    `cp_causal_mask` (true positions: same segment, key <= query). megatron-core's cp_comm_type
-    "all_gather"; the other comm types are refused.
-    """
-
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
-                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None):
-        super().__init__()
-        from megatron.core import parallel_state
-
-        self.config = config
-        tp = parallel_state.get_tensor_model_parallel_world_size() if pg_collection is None else pg_collection.tp.size()
-        self.heads_per_rank = config.num_attention_heads // tp
-        self.groups_per_rank = config.num_query_groups // tp
-        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
-        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.cp_group = None
-        if config.context_parallel_size > 1:
-            if cp_comm_type not in (None, "all_gather"):
-                raise ValueError(f"cp_comm_type={cp_comm_type!r}: the torch attention backend implements "
-                                 "context parallelism as 'all_gather' only (use attention_backend=te for p2p/a2a)")
-            cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
-            self.cp_group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
-
-    def _sdpa(self, q, k, v, mask):
-        # q [b, np, sq, hn]; k, v [b, ng, sk, hn]: repeat each KV group for its np/ng query heads
-        repeats = self.heads_per_rank // self.groups_per_rank
-        if repeats > 1:
-            k = k.repeat_interleave(repeats, dim=1)
-            v = v.repeat_interleave(repeats, dim=1)
-        dropout_p = self.dropout_p if self.training else 0.0
-        if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=self.softmax_scale)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=self.softmax_scale)
-
-    def _cp_layout(self, cu_seqlens_padded, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(index putting gathered K/V in token order, [T/cp, T] mask of this rank's queries)."""
-        from dapo_megatron.actor.context_parallel import cp_causal_mask, gathered_to_token_order
-
-        cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()
-        order = gathered_to_token_order(cu_seqlens_padded, cp_size=cp_size).to(device)
-        return order, cp_causal_mask(cu_seqlens_padded, cp_size=cp_size, cp_rank=cp_rank, device=device)
-
-    def _gather_kv(self, key, value, order):
-        from dapo_megatron.actor.context_parallel import gather_for_cp
-
-        return (gather_for_cp(key, token_order=order, cp_group=self.cp_group),
-                gather_for_cp(value, token_order=order, cp_group=self.cp_group))
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        if attention_bias is not None:
-            raise ValueError("attention_bias is not supported by the torch attention backend")
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            return self._forward_thd(query, key, value, packed_seq_params)
-        if packed_seq_params is not None:
-            raise ValueError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: only 'thd'")
-        # [s, b, n, hn] -> [b, n, s, hn]
-        seq, batch = query.size(0), query.size(1)
-        mask = None
-        if self.cp_group is not None:
-            if attention_mask is not None:
-                raise ValueError("an explicit attention_mask with context parallelism: the torch backend "
-                                 "supports causal (attention_mask=None) or packed THD batches")
-            # the row is split like megatron's get_batch_on_this_cp_rank: one segment of seq*cp tokens
-            order, mask = self._cp_layout([0, seq * self.cp_group.size()], query.device)
-            key, value = self._gather_kv(key, value, order)
-        elif attention_mask is not None:
-            mask = ~attention_mask  # megatron: True = masked out; SDPA: True = attend
-        out = self._sdpa(*(x.permute(1, 2, 0, 3) for x in (query, key, value)), mask)
-        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)  # [s, b, np*hn]
-
-    def _forward_thd(self, query, key, value, packed_seq_params):
-        # [T, np, hn] -> [1, np, T, hn]; T is this CP rank's share of the packed tokens.
-        # The segment boundaries are the padded ones when given (tokens are laid out by them; the
-        # RoPE of attention.py reads the same ones).
-        bounds = packed_seq_params.cu_seqlens_q_padded
-        if bounds is None:
-            bounds = packed_seq_params.cu_seqlens_q
-        total = query.size(0)
-        # one mask per forward, not per layer: cached on the params object that every layer of
-        # this forward receives
-        cached = getattr(packed_seq_params, "_dapo_attention_layout", None)
-        if cached is None or cached[1].size(0) != total or cached[1].device != query.device:
-            if self.cp_group is None:
-                cached = (None, block_causal_mask(bounds.to(query.device), total))
-            else:
-                cached = self._cp_layout(bounds.tolist(), query.device)
-            packed_seq_params._dapo_attention_layout = cached
-        order, mask = cached
-        if self.cp_group is not None:
-            key, value = self._gather_kv(key, value, order)
-        out = self._sdpa(*(x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value)), mask)
-        return out.squeeze(0).permute(1, 0, 2).reshape(total, -1)  # [T, np*hn]
-
+# --- the torch attention backend ---------------------------------------------------------------------
+# the core attention (TorchSDPAttention: packed and context-parallel causal attention in O(T) memory)
+# is actor/attention.py
 
 class TorchRMSNorm(torch.nn.RMSNorm):
     """torch RMSNorm with megatron's norm constructor; unlike WrappedTorchNorm it allows sequence
@@ -308,9 +195,10 @@ class TorchRMSNorm(torch.nn.RMSNorm):
             param.sequence_parallel = config.sequence_parallel
 
 
-def torch_layer_spec(*, qk_layernorm: bool = False, num_experts: Optional[int] = None):
+def torch_layer_spec(*, qk_layernorm: bool = False, num_experts: Optional[int] = None, attention_kernel: str = "sdpa"):
     """Local layer spec with TorchSDPAttention as core attention and TorchRMSNorm norms (the QK-norms
-    too when qk_layernorm). num_experts: the MoE layer spec (router + SequentialMLP of local experts)."""
+    too when qk_layernorm). num_experts: the MoE layer spec (router + SequentialMLP of local experts).
+    attention_kernel: actor.attention_kernel (sdpa, or flex on CUDA: actor/attention.py)."""
     import dataclasses
 
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -319,7 +207,7 @@ def torch_layer_spec(*, qk_layernorm: bool = False, num_experts: Optional[int] =
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm, num_experts=num_experts,
                                     moe_grouped_gemm=False)
     attention = spec.submodules.self_attention
-    replaced = dict(core_attention=ModuleSpec(module=TorchSDPAttention))
+    replaced = dict(core_attention=ModuleSpec(module=TorchSDPAttention, params={"kernel": attention_kernel}))
     if qk_layernorm:
         replaced.update(q_layernorm=ModuleSpec(module=TorchRMSNorm), k_layernorm=ModuleSpec(module=TorchRMSNorm))
     attention_submodules = dataclasses.replace(attention.submodules, **replaced)
@@ -343,7 +231,8 @@ def te_layer_spec(*, qk_layernorm: bool = False):
                          f"use actor.attention_backend=torch without it ({type(err).__name__}: {err})") from err
 
 
-def _block_spec(config, hf_config, vp_stage: Optional[int], attention_backend: AttentionBackend):
+def _block_spec(config, hf_config, vp_stage: Optional[int], attention_backend: AttentionBackend,
+                attention_kernel: str = "sdpa"):
     """The decoder block of this (virtual) pipeline stage: one layer spec per layer, MoE or dense as
     the HF config says (actor/moe.py moe_layer_pattern), with our final norm for the torch backend
     (megatron's default would be WrappedTorchNorm, which refuses sequence parallel). The TE
@@ -364,8 +253,9 @@ def _block_spec(config, hf_config, vp_stage: Optional[int], attention_backend: A
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
                                           vp_stage=vp_stage)
-    dense = torch_layer_spec(qk_layernorm=qk_norm)
-    sparse = torch_layer_spec(qk_layernorm=qk_norm, num_experts=config.num_moe_experts) if any(pattern) else None
+    dense = torch_layer_spec(qk_layernorm=qk_norm, attention_kernel=attention_kernel)
+    sparse = (torch_layer_spec(qk_layernorm=qk_norm, num_experts=config.num_moe_experts, attention_kernel=attention_kernel)
+              if any(pattern) else None)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     layer_specs = [sparse if pattern[offset + i] else dense for i in range(num_layers)]
@@ -377,7 +267,8 @@ def _block_spec(config, hf_config, vp_stage: Optional[int], attention_backend: A
 def build_gpt_model(hf_config: Any, *, attention_backend: AttentionBackend = "torch", precision: Precision = "bf16",
                     sequence_parallel: bool = False, recompute: Literal["none", "selective", "full"] = "none",
                     pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
-                    vp_stage: Optional[int] = None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY):
+                    vp_stage: Optional[int] = None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY,
+                    attention_kernel: str = "sdpa"):
     """One GPTModel chunk for this rank's pipeline stage (and virtual stage `vp_stage`).
 
     Call inside `model_parallel(...)`. pre/post_process default to "first/last (virtual) stage".
@@ -390,6 +281,8 @@ def build_gpt_model(hf_config: Any, *, attention_backend: AttentionBackend = "to
 
     if attention_backend not in ("torch", "te"):
         raise ValueError(f"actor.attention_backend={attention_backend!r}: allowed torch, te")
+    if attention_backend == "torch":
+        check_attention_kernel(attention_kernel)  # flex: CUDA only, refused here rather than in backward
     config = transformer_config_from_hf(hf_config, precision=precision, sequence_parallel=sequence_parallel,
                                         recompute=recompute, attention_backend=attention_backend)
     if config.virtual_pipeline_model_parallel_size is not None and vp_stage is None:
@@ -402,7 +295,7 @@ def build_gpt_model(hf_config: Any, *, attention_backend: AttentionBackend = "to
     rope_theta, rope_factor = rope_settings_of(hf_config)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=_block_spec(config, hf_config, vp_stage, attention_backend),
+        transformer_layer_spec=_block_spec(config, hf_config, vp_stage, attention_backend, attention_kernel),
         vocab_size=padded_vocab_size(hf_config.vocab_size, tp=tp, divisible_by=vocab_divisible_by),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,

@@ -51,6 +51,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from dapo_megatron.dataplane import collectives as coll
+
 CATEGORIES = ("params", "grads", "optimizer")
 
 
@@ -234,5 +236,5 @@ def trainer_memory_gb(*, phase: str, actor, ref=None) -> dict[str, float]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        coll.all_reduce(t, op=dist.ReduceOp.MAX)
     return {f"memory/{name}_gb_during_{phase}": float(v) / GIB for name, v in zip(names, t.tolist())}

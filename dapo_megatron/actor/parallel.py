@@ -24,6 +24,8 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.dataplane import collectives as coll
+
 
 @dataclass(frozen=True)
 class LaunchEnv:
@@ -87,9 +89,9 @@ def init_distributed(*, timeout_minutes: int = 30) -> LaunchEnv:
     """
     import datetime
 
-    from dapo_megatron.actor.compat import apply_cpu_compat
+    from dapo_megatron.actor.compat import apply_megatron_compat
 
-    apply_cpu_compat()
+    apply_megatron_compat()
     env = launch_env()
     if dist.is_initialized():
         return LaunchEnv(dist.get_rank(), dist.get_world_size(), env.local_rank, env.master_addr, env.master_port)
@@ -149,7 +151,7 @@ def _init_replica_groups() -> None:
     global _REPLICA_GROUP
     mine = torch.tensor([dp_rank()], dtype=torch.int64)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
+    coll.all_gather(everyone, mine)
     dp_of = [int(t) for t in everyone]
     for replica in range(dp_size()):  # every rank creates every group, in the same order
         group = dist.new_group([rank for rank, d in enumerate(dp_of) if d == replica])

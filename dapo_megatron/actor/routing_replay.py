@@ -36,6 +36,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.dataplane import collectives as coll
+
 
 def validate_batch_routed_experts(batch: Any, *, num_layers: int, topk: int) -> None:
     """ValueError naming the sequence of a RolloutBatch (dataplane/batch.py) whose tokens carry no
@@ -174,7 +176,7 @@ class RoutingReplay:
         counts = self._counts.clone()
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         counts = counts.to(device)
-        dist.all_reduce(counts)
+        coll.all_reduce(counts)
         overlap, exact, tokens = counts.tolist()
         if tokens == 0:
             return {}

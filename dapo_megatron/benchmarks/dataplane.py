@@ -47,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from dapo_megatron.dataplane import collectives as coll
+
 DEFAULT_LAYOUTS = ("2:dp2", "2:tp2", "2:pp2", "4:dp4", "4:tp2,dp2", "4:pp2,dp2", "4:tp2,pp2", "4:cp2,dp2")
 # The 32B architecture (hidden 5120, 64 layers, 40/8 heads, FFN 27648, vocab 152064) scaled down.
 MODEL = dict(hidden_size=640, intermediate_size=3456, num_hidden_layers=8, num_attention_heads=10,
@@ -226,7 +228,7 @@ def _rank_step(layout: dict, args) -> dict:
                                     sequence_parallel=cfg.actor.sequence_parallel, vocab_divisible_by=1)
         samples = synthetic_samples(prompts=args.prompts, n=args.n, seed=args.seed) if dist.get_rank() == 0 else None
         tokens = torch.tensor([sum(s.num_tokens for s in samples) if samples else 0])
-        dist.broadcast(tokens, src=0)
+        coll.broadcast(tokens, src=0)
         step_tokens = int(tokens)
         gc.collect()
         gc.disable()  # object counts without collector noise
@@ -255,7 +257,7 @@ def _rank_step(layout: dict, args) -> dict:
         export_peak = peak_rss_bytes() - rss0
         step_peak = max(step_peak, peak_rss_bytes())
         largest_bucket = torch.tensor([exported["largest_bucket_bytes"]])
-        dist.all_reduce(largest_bucket, op=dist.ReduceOp.MAX)
+        coll.all_reduce(largest_bucket, op=dist.ReduceOp.MAX)
         role = _role()
     return {
         **recv, **reduce, "tokens": step_tokens, "distribute_s": t1 - t0, "bookkeep_s": t2 - t1, "export_s": t4 - t3,

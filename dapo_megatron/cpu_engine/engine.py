@@ -60,12 +60,25 @@ class DecodeHooks(Protocol):
 
 class CpuEngine:
     def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, max_batch_size: int = 64,
-                 deterministic: bool = True, context_length: int = 0):
+                 deterministic: bool = True, context_length: int = 0, device: str = "cpu"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
         self.dtype = getattr(torch, dtype)
+        # where the weights and the KV cache live: "cpu", or a CUDA device so that on one GPU the
+        # colocated path runs for real (CUDA IPC payloads, release/resume of real device memory);
+        # sampling stays on the host with the same generators, so draws do not depend on the device
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not (torch.cuda.is_available()
+                                               and (self.device.index or 0) < torch.cuda.device_count()):
+            raise ValueError(f"--device {device}: no such CUDA device here "
+                             f"({torch.cuda.device_count() if torch.cuda.is_available() else 0} visible)")
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}")
         self.fp8 = is_fp8_checkpoint(model_path)
+        if self.fp8 and self.device.type != "cpu":
+            raise ValueError(f"--device {device}: the block-FP8 engine computes SGLang's FP8 GEMM on the CPU only "
+                             "(cpu_engine/fp8_gemm.py); serve an FP8 checkpoint with --device cpu")
         if self.fp8:  # block-FP8 export: fp8 weights + block scales, SGLang's w8a8 GEMM (cpu_engine/fp8.py)
             self.model = load_fp8_model(model_path, dtype=self.dtype)
         else:
@@ -74,7 +87,9 @@ class CpuEngine:
             # each parameter in storage of its own, as after a resume: CPU GEMV kernels pick their path by
             # memory alignment (~1e-6 log-prob differences), so release/resume must not change it; this
             # also detaches the weights from the checkpoint's memory-mapped file
-            p.data = p.data.clone(memory_format=torch.contiguous_format)
+            p.data = p.data.to(self.device).clone(memory_format=torch.contiguous_format)
+        for b in self.model.buffers():  # rotary inverse frequencies
+            b.data = b.data.to(self.device)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         except (OSError, ValueError):  # a weights-only directory: input_ids requests only
@@ -187,13 +202,15 @@ class CpuEngine:
         """Free the storage behind these tags (see the module docstring). Caller ensures idleness."""
         if "weights" in tags and "weights" not in self.released_tags:
             for p in self.model.parameters():  # tied names share one Parameter: freed once
-                p.data = torch.empty(0, dtype=p.dtype)
+                p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # back to the device, as SGLang's torch_memory_saver pauses them
         self.released_tags.update(tags)
 
     def resume(self, tags: list[str]) -> None:
         if "weights" in tags and "weights" in self.released_tags:
             for p, shape in self._param_shapes:
-                p.data = torch.full(shape, float("nan"), dtype=p.dtype)  # content undefined: sync next
+                p.data = torch.full(shape, float("nan"), dtype=p.dtype, device=self.device)  # undefined: sync next
         self.released_tags.difference_update(tags)
 
     @property
@@ -228,10 +245,10 @@ class CpuEngine:
             ids = torch.tensor([[r[-1]] for r in rows], dtype=torch.long)
             positions = positions[:, -1:] + 1
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True)
+        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+                         position_ids=positions.to(self.device), past_key_values=cache, use_cache=True)
         self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in _cache_tensors(out.past_key_values))
-        return out.logits[:, -1, :].float(), out.past_key_values, mask, positions
+        return out.logits[:, -1, :].float().cpu(), out.past_key_values, mask, positions
 
     @torch.no_grad()
     def generate(self, seqs: list[SequenceRequest], hooks: DecodeHooks) -> None:

@@ -48,6 +48,7 @@ import time
 import torch
 from aiohttp import web
 
+from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.cpu_engine.engine import MEMORY_TAGS, CpuEngine, WeightError
 from dapo_megatron.cpu_engine.scheduler import Batcher, RWLock
 from dapo_megatron.cpu_engine.protocol import RequestError, SamplingParams, SequenceRequest, parse_generate
@@ -294,7 +295,7 @@ class RolloutServer:
             backend = _field(body, "backend", str, default="nccl")  # SGLang's default
             if backend != "gloo":
                 raise RequestError("backend", f"this CPU engine joins gloo groups only, got {backend!r} "
-                                              "(DistributedWeightSync(backend='gloo'))")
+                                              "(it says so in /server_info cpu_engine.weight_group_backend)")
             if not 1 <= rank_offset < world_size:
                 raise RequestError("rank_offset", f"must be in [1, world_size={world_size}), got {rank_offset}")
             if group_name in self.groups:
@@ -352,12 +353,12 @@ class RolloutServer:
             def receive():  # SGLang's order: receive the whole bucket, then load it
                 if load_format == "flattened_bucket":
                     flat = torch.empty(flattened_size(specs), dtype=torch.uint8)
-                    pg.broadcast(flat, 0).wait()  # one collective for the bucket
+                    coll.pg_broadcast(pg, flat, src=0)  # one collective for the bucket
                     return unflatten_bucket(flat, specs)
                 received = []
                 for name, dt, shape in specs:
                     t = torch.empty(shape, dtype=dt)
-                    pg.broadcast(t, 0).wait()  # one collective per tensor, in order
+                    coll.pg_broadcast(pg, t, src=0)  # one collective per tensor, in order
                     received.append((name, t))
                 return received
 
@@ -406,7 +407,8 @@ class RolloutServer:
                 return _error(400, "update_weights_from_tensor must run between begin_weight_update() "
                                    "and end_weight_update()")
             try:
-                named = deserialize_payload(payloads[0])  # this engine is TP rank 0: its own entry only
+                # this engine is TP rank 0: its own entry only
+                named = deserialize_payload(payloads[0], cuda=self.engine.device.type == "cuda")
                 await self._run_locked(self.engine.load_weights, named)
             except PayloadError as err:
                 return _error(400, f"serialized_named_tensors[0]: {err}", "serialized_named_tensors[0]")
@@ -544,7 +546,8 @@ class RolloutServer:
             # a few of SGLang's ServerArgs fields (server_info is ServerArgs.resolved_dict() + state)
             "model_path": e.model_path, "tp_size": 1, "dp_size": 1, "context_length": e.context_length,
             "random_seed": self.seed, "enable_deterministic_inference": e.deterministic,
-            "max_running_requests": e.max_batch_size, "weight_version": e.weight_version, "device": "cpu",
+            "max_running_requests": e.max_batch_size, "weight_version": e.weight_version,
+            "device": e.device.type, "cpu_engine_device": str(e.device),
             "quantization": "fp8" if e.fp8 else None,
             "version": "dapo-megatron cpu engine (sglang 0.5.21 protocol)",
             "internal_states": [{"memory_usage": {  # SGLang's build_memory_usage shape, in GB
@@ -554,6 +557,7 @@ class RolloutServer:
                 **self.stats, **self.batcher.counts(), "pid": os.getpid(), "status": self.status,
                 "is_paused": self.is_pause,
                 "weight_update_session_open": self.session_open, "released_tags": sorted(e.released_tags),
+                "weight_group_backend": "gloo",  # the only one it joins (init_group); the trainer follows it
                 "resident_memory_bytes": {"weights": e.resident_weight_bytes(), "kv_cache": e.kv_cache_bytes},
                 # CPU extra: what a GEMM of an fp8 Linear computes (cpu_engine/fp8_gemm.py, SGLang's numerics)
                 "fp8_gemm": ("w8a8 block fp8: weights 128x128 blocks, activations quantized dynamically per token "
@@ -615,6 +619,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base-gpu-id", type=int, default=None,
                     help="the device slot this engine occupies on its node, as SGLang's flag (the CPU twin of a "
                          "colocated engine's GPU: the trainer rank with this local rank feeds it its weights)")
+    ap.add_argument("--device", default="cpu",
+                    help="cpu, or cuda[:N]: hold the model and KV cache on that GPU (a colocated engine on one "
+                         "real GPU: CUDA IPC weight payloads, release/resume of device memory)")
     args = ap.parse_args(argv)
     if not os.path.isdir(args.model):
         raise ValueError(f"--model: no such directory '{args.model}'")
@@ -622,7 +629,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     port = args.port or _free_port(args.host)
     engine = CpuEngine(args.model, dtype=args.dtype, seed=args.seed, max_batch_size=args.max_batch_size,
-                       deterministic=args.enable_deterministic_inference, context_length=args.context_length)
+                       deterministic=args.enable_deterministic_inference, context_length=args.context_length,
+                       device=args.device)
     server = RolloutServer(engine, model_name=os.path.basename(os.path.normpath(args.model)), seed=args.seed)
     asyncio.run(_serve(server, host=args.host, port=port, model=args.model, register_dir=args.register_dir,
                        base_gpu_id=args.base_gpu_id))

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from dapo_megatron.dataplane.batch import RolloutBatch
 from dapo_megatron.dataplane.share import BatchShare, PackSettings, SharePlan, plan_shares
+from dapo_megatron.dataplane import collectives as coll
 
 PLAN_FIELDS = ("micro_batch_sizes", "micro_batches_per_mini", "mini_batch_lengths")
 
@@ -41,12 +42,6 @@ class ScatterStats:
     share_bytes: int = 0  # bytes of this rank's share tensors (RolloutBatch.nbytes)
     seconds: float = 0.0
     largest_received: int = 0  # the largest single tensor received, bytes
-
-
-def _comm_device(group) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _header(share: BatchShare) -> dict:
@@ -131,14 +126,14 @@ def _send_shares(batch: RolloutBatch, *, settings: PackSettings, sequences_per_m
     plans: list[SharePlan] = plan_shares(batch.seq_lengths, sequences_per_mini_batch=sequences_per_mini_batch,
                                          settings=settings, dp_size=len(dp_ranks))
     shares = [BatchShare.from_plan(batch, plan, step_sequences=batch.num_sequences) for plan in plans]
-    device = _comm_device(dp_group)
+    device = coll.backend_device(dp_group)
     pending = []  # (work, tensor): the sent copy must outlive its send
     for dst, share in zip(dp_ranks[1:], shares[1:]):
-        dist.send_object_list([_header(share)], dst=dst, group=dp_group)
+        coll.send_object_list([_header(share)], dst=dst, group=dp_group)
         for tensor in _share_tensors(share).values():
             if tensor.numel():  # empty fields (a share of no sequence) are known from the header alone
                 sent = _wire(tensor, device)
-                pending.append((dist.isend(sent, dst=dst, group=dp_group), sent))
+                pending.append((coll.isend(sent, dst=dst, group=dp_group), sent))
     for work, _ in pending:
         work.wait()
     return shares[0]
@@ -146,10 +141,10 @@ def _send_shares(batch: RolloutBatch, *, settings: PackSettings, sequences_per_m
 
 def _receive(*, src: int, group, stats: ScatterStats) -> BatchShare:
     box = [None]
-    dist.recv_object_list(box, src=src, group=group)
+    coll.recv_object_list(box, src=src, group=group)
     header = box[0]
-    tensors = _empty_like_header(header, _comm_device(group))
-    works = [dist.irecv(t, src=src, group=group) for t in tensors.values() if t.numel()]
+    tensors = _empty_like_header(header, coll.backend_device(group))
+    works = [coll.irecv(t, src=src, group=group) for t in tensors.values() if t.numel()]
     for work in works:
         work.wait()
     _count(stats, header, tensors)
@@ -157,9 +152,9 @@ def _receive(*, src: int, group, stats: ScatterStats) -> BatchShare:
 
 
 def _broadcast_share(share: BatchShare | None, *, src: int, group, stats: ScatterStats) -> BatchShare:
-    device = _comm_device(group)
+    device = coll.backend_device(group)
     box = [_header(share) if share is not None else None]
-    dist.broadcast_object_list(box, src=src, group=group)
+    coll.broadcast_object_list(box, src=src, group=group)
     header = box[0]
     if share is not None:
         tensors = {k: _wire(v, device) for k, v in _share_tensors(share).items()}
@@ -167,7 +162,7 @@ def _broadcast_share(share: BatchShare | None, *, src: int, group, stats: Scatte
         tensors = _empty_like_header(header, device)
     for tensor in tensors.values():
         if tensor.numel():
-            dist.broadcast(tensor, src=src, group=group)
+            coll.broadcast(tensor, src=src, group=group)
     if share is not None:
         return share
     _count(stats, header, tensors)

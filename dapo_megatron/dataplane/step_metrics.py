@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.dataplane.batch import RolloutBatch
+from dapo_megatron.dataplane import collectives as coll
 
 
 def old_logprob_metrics(batch: RolloutBatch, logprobs: torch.Tensor | None, entropies: torch.Tensor | None, *,
@@ -26,7 +27,7 @@ def old_logprob_metrics(batch: RolloutBatch, logprobs: torch.Tensor | None, entr
     mismatch/max: |log pi_trainer - log pi_engine| on the sampled tokens (kernels, precision and
     attention differences between trainer and engine show up here before they show up as
     instability), when the engines returned log-probs."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = coll.backend_device()  # filled from the actor's tensors, then reduced: no extra copies
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # entropy sum, tokens, |diff| sum, compared tokens
     largest = torch.zeros(1, dtype=torch.float64, device=device)
     if reports and logprobs is not None and logprobs.numel():
@@ -36,8 +37,8 @@ def old_logprob_metrics(batch: RolloutBatch, logprobs: torch.Tensor | None, entr
             diff = (logprobs.double() - batch.rollout_logprobs.double()).abs()
             sums[2], sums[3] = diff.sum(), diff.numel()
             largest[0] = diff.max()
-    dist.all_reduce(sums)
-    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    coll.all_reduce(sums)
+    coll.all_reduce(largest, op=dist.ReduceOp.MAX)
     entropy_sum, tokens, diff_sum, compared = sums.tolist()
     out = {"actor/entropy_old": entropy_sum / tokens if tokens else 0.0}
     if compared:

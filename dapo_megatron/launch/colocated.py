@@ -90,6 +90,7 @@ def engine_commands(cfg: Config, *, host: str, python: str = sys.executable) -> 
             cmds.append([python, "-m", "dapo_megatron.cli", "serve-rollout", "--model", model,
                          "--host", host, "--port", "0", "--seed", seed, "--threads", str(threads),
                          "--context-length", str(context_length), "--base-gpu-id", str(i * r.engine_tp),
+                         *(["--device", f"cuda:{i * r.engine_tp}"] if r.cpu_engine_device == "cuda" else []),
                          "--register-dir", register_dir])
     return cmds
 

@@ -86,18 +86,27 @@ class LocalProcesses:
 
     def start_cpu_engines(self, model_dir: str | Path, *, num: int, register_dir: str | Path, seed: int = 0,
                           threads: int = 1, max_batch_size: int = 64, host: str = "127.0.0.1",
-                          timeout_s: float = 300.0, context_length: int = 0, cores: list[int] = ()) -> list[str]:
+                          timeout_s: float = 300.0, context_length: int = 0, cores: list[int] = (),
+                          device: str = "cpu") -> list[str]:
         """Start `num` serve-rollout processes and wait until each has registered; returns their
         URLs in start order. Records of other processes in register_dir (an earlier run, SGLang
         engines of the same run) are left alone: only these processes' pids count.
         context_length: --context-length (max_prompt_length + max_response_length), as for SGLang.
-        cores: CPU cores every engine runs on (rollout.cpu_engine_cores; empty = no pinning)."""
+        cores: CPU cores every engine runs on (rollout.cpu_engine_cores; empty = no pinning).
+        device: rollout.cpu_engine_device: "cuda" puts engine i on GPU i (its slot, --base-gpu-id i)."""
         from dapo_megatron.rollout.registry import read_registrations  # (rollout imports this module)
 
         if num < 1:
             raise ValueError(f"rollout.num_engines must be >= 1, got {num}")
         if not Path(model_dir).is_dir():
             raise ValueError(f"model.path: no such directory '{model_dir}'")
+        if device == "cuda":
+            import torch
+
+            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if visible < num:
+                raise ValueError(f"rollout.cpu_engine_device=cuda puts engine i on GPU i: {num} engines need {num} "
+                                 f"GPUs, {visible} visible (set rollout.num_engines or rollout.cpu_engine_device=cpu)")
         register_dir = Path(register_dir)
         register_dir.mkdir(parents=True, exist_ok=True)
         procs = []
@@ -109,6 +118,7 @@ class LocalProcesses:
                 "--seed", str(seed + index), "--threads", str(threads),
                 "--max-batch-size", str(max_batch_size), "--register-dir", str(register_dir),
                 "--base-gpu-id", str(index),  # engine i on slot i: the colocated placement's map
+                *(["--device", f"cuda:{index}"] if device == "cuda" else []),
                 *(["--context-length", str(context_length)] if context_length else [])]}
             procs.append((name, self.restart_engine(name, port=0)))
         order = [proc.pid for _, proc in procs]
@@ -213,7 +223,7 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
             with phases.phase("rollout", slow_note=f"starting {cfg.rollout.num_engines} CPU engine(s)") as note:
                 urls = procs.start_cpu_engines(
                     engine_model_dir, num=cfg.rollout.num_engines, register_dir=run_dir / "engines",
-                    seed=cfg.trainer.seed, cores=cfg.rollout.cpu_engine_cores,
+                    seed=cfg.trainer.seed, cores=cfg.rollout.cpu_engine_cores, device=cfg.rollout.cpu_engine_device,
                     context_length=cfg.rollout.max_prompt_length + cfg.rollout.max_response_length)
                 note["detail"] = (f"{len(urls)} CPU engine{'s' if len(urls) > 1 else ''} serving at {', '.join(urls)} "
                                   f"(logs in {procs.log_dir})")

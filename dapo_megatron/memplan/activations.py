@@ -13,10 +13,20 @@ kv_w = kv_heads*d, t = TP, s = t with sequence parallelism else 1, a = bytes of 
     2 RMSNorms     2 * ((8 + a) h + 4) / s     torch's RMSNorm keeps an fp32 copy of x and of x/rms
                                                (+ rsqrt), the next linear keeps its input (a h)
     RoPE           4 d a                       cos and sin of q and of k, per layer
-    attention      a (q_w + 2 q_w + q_w) / t + 4 heads / t   SDPA keeps q, the KV groups repeated
-                   + a T_kv (per token: the mask)             to every query head, out, logsumexp
-                                                              and the boolean mask as a float [T, T_kv]
-    SwiGLU MLP     5 F a / t                   fc1 out (2F), x_linear + 0 (F), silu (F), product (F)
+    attention      a (2 q_w + kv_w + (q_w + 2 kv_w)) / t     per-document causal SDPA (actor/attention.py)
+                   + 4 heads / t                              keeps q and k after RoPE, out, the fp32
+                                                              logsumexp, and v: a view of the QKV output,
+                                                              which it keeps whole. No mask, no repeated K/V
+                                                              (GQA by enable_gqa): O(T), measured exactly
+                                                              (tests/distributed/test_attention_memory.py)
+                   cp > 1: a (2 q_w) / t + a T_kv 2 kv_w / t  the all-gathered K and V (new tensors) instead
+                                                              of k and the QKV output (GPU path: flash with
+                                                              causal_lower_right; the CPU/fp32 path pads the
+                                                              queries of a chunk inside its document to its
+                                                              key length: more, not counted here)
+                     + a q_w / t with several documents        linear_proj's input: the per-document outputs
+                                                              concatenated (one document: a view, no copy)
+  SwiGLU MLP     5 F a / t                   fc1 out (2F), x_linear + 0 (F), silu (F), product (F)
   te backend (TE spec, bias_activation_fusion and fused RoPE: read from TE / megatron source, not
   measurable on CPU)
     2 norms        2 * (2 a h + 4) / s         LayerNormLinear keeps its input and ln_out (+ rsigma)
@@ -24,7 +34,7 @@ kv_w = kv_heads*d, t = TP, s = t with sequence parallelism else 1, a = bytes of 
                                                            alive by v, a view of it), out, softmax lse
     SwiGLU MLP     3 F a / t                   the fused swiglu keeps fc1's output, fc2 its input
   recompute=selective: the core attention is checkpointed: its inputs (q, k, v -> the QKV output) and
-    out stay, its internals (lse; the repeated K/V and the [T, T] mask of the torch backend) go.
+    out stay, its internals (lse) go.
   recompute=full (uniform, 1 layer per checkpoint): each layer keeps only its input, a h / s.
 Qwen3 QK-norm (q_layernorm / k_layernorm, RMSNorm over each head's d values), per layer and token:
   torch backend (measured)  (8 q_w + 4 heads + 8 kv_w + 4 kv_heads) / t in bf16: each norm keeps its fp32
@@ -70,6 +80,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dapo_kernels.logprob import blocked_workspace_bytes
 from dapo_megatron.memplan.arch import ModelDims
 
 ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -119,9 +130,11 @@ class ActivationModel:
 
     # --- one transformer layer -----------------------------------------------------------------------
 
-    def layer_parts(self, *, tokens: int, recompute: str | None = None, sparse: bool = False) -> dict[str, float]:
+    def layer_parts(self, *, tokens: int, recompute: str | None = None, sparse: bool = False,
+                    single_document: bool = False) -> dict[str, float]:
         """Bytes one layer keeps for a micro-batch of `tokens` tokens (before the CP split); sparse: a
-        mixture-of-experts layer (router + experts in place of the dense MLP)."""
+        mixture-of-experts layer (router + experts in place of the dense MLP); single_document: the
+        micro-batch is one sequence (the torch backend's attention output is then not concatenated)."""
         d, a, t, s = self.dims, self.a, self.tp, self.s
         recompute = self.recompute if recompute is None else recompute
         n = self.local_tokens(tokens)
@@ -131,16 +144,21 @@ class ActivationModel:
         if self.backend == "torch":
             parts = {"norms": n * 2 * ((8 + a) * d.hidden + 4) / s,
                      "rope cos/sin": n * 4 * d.head_dim * a}
-            qkv_kept = recompute == "selective" or d.heads == d.kv_heads  # something else keeps the QKV output
+            # something else keeps the QKV output: the checkpoint, or v (a view of it) in the core attention
+            qkv_kept = recompute == "selective" or self.cp == 1
             if recompute == "selective":
                 parts["attention"] = n * a * (3 * d.q_width + 3 * d.kv_width) / t
             else:
-                if d.heads > d.kv_heads:  # K and V repeated to every query head (TorchSDPAttention._sdpa)
-                    keys_values = n_kv * a * 2 * d.q_width / t
-                else:  # no repeat: the RoPE'd k, and v keeps the whole QKV output alive (it is a view)
-                    keys_values = n_kv * a * (d.q_width + 3 * d.kv_width) / t
+                if self.cp == 1:  # the RoPE'd k, and v keeps the whole QKV output alive (it is a view)
+                    keys_values = n * a * (d.q_width + 3 * d.kv_width) / t
+                else:  # the K and V all-gathered over the CP group (context_parallel.gather_for_cp)
+                    keys_values = n_kv * a * 2 * d.kv_width / t
                 parts["attention"] = n * a * 2 * d.q_width / t + keys_values + n * 4 * d.heads / t
-                parts["attention mask"] = n * n_kv * a
+                if not single_document and not self.quantization_aware:
+                    # one SDPA output per document, each kept by its backward; linear_proj keeps their
+                    # concatenation (with quantization_aware it keeps the fake-quantized copy instead,
+                    # counted there). One document: linear_proj's input is a view of the one output
+                    parts["attention output (documents concatenated)"] = n * a * d.q_width / t
             if d.qk_norm:
                 if a == 4:  # fp32: no cast copy; the norms keep views of the QKV output (kept whole) ...
                     qkv = 0 if qkv_kept else 4 * (d.q_width + 2 * d.kv_width)
@@ -231,10 +249,12 @@ class ActivationModel:
               max_sequence: int | None = None, sparse_layers: int = 0) -> dict[str, float]:
         """Bytes kept for the backward by one micro-batch on a stage with `layers` layers of which
         `sparse_layers` are mixture-of-experts layers (max_sequence: the longest packed sequence, which
-        sizes the RoPE table that full recompute keeps)."""
+        sizes the RoPE table that full recompute keeps; when it fills the micro-batch, the micro-batch is one
+        document)."""
         parts: dict[str, float] = {}
+        single = max_sequence is not None and max_sequence >= tokens  # the longest sequence fills the micro-batch
         for sparse, count in ((False, layers - sparse_layers), (True, sparse_layers)):
-            for name, value in self.layer_parts(tokens=tokens, sparse=sparse).items():
+            for name, value in self.layer_parts(tokens=tokens, sparse=sparse, single_document=single).items():
                 parts[name] = parts.get(name, 0.0) + value * count
         if self.recompute == "full" and layers:
             parts["rope table (full recompute)"] = min(max_sequence or tokens, tokens) * self.dims.head_dim * 4
@@ -255,25 +275,23 @@ class ActivationModel:
                              largest_param_numel: int) -> dict[str, float]:
         """Estimates of what exists on top of the saved activations while a micro-batch runs: one layer's
         full activations (recomputed under full recompute; gradients in flight otherwise), the largest
-        parameter's gradient before DDP adds it to main_grad, the torch backend's boolean mask, and the
-        unfused head's two fp32 [N, V/t] gradient buffers."""
-        n = self.local_tokens(tokens)
-        n_kv = tokens if self.cp > 1 else n
+        parameter's gradient before DDP adds it to main_grad, and the unfused head's two fp32 [N, V/t]
+        gradient buffers. (The torch backend has no [T, T] mask: actor/attention.py.)"""
         parts = {"one layer in backward": self._one_layer(tokens=tokens),
                  "largest parameter gradient": largest_param_numel * self.a}
-        if self.backend == "torch":
-            parts["boolean attention mask"] = n * n_kv
         if last and not self.fused_logprob:
             parts["logits gradient"] = self.local_tokens(response_tokens) * 8 * self.dims.vocab / self.tp
+        if last and self.fused_logprob:
+            # the fused head's backward scratch (dL/dlogits block + fp32 grad_hidden rows): the kernel's own
+            # formula, <= min(256 MiB, 3 N H bytes) whatever N is (kernels/logprob.py, blocked schedule)
+            parts["fused head backward workspace"] = blocked_workspace_bytes(
+                self.local_tokens(response_tokens), self.dims.hidden, -(-self.dims.vocab // self.tp), int(self.a),
+                tp=self.tp > 1)
         return parts
 
     def forward_only_working_set(self, *, tokens: int, response_tokens: int, last: bool) -> dict[str, float]:
         """Log-prob pass (no_grad): nothing is saved; one layer's intermediates and the head's live at once."""
-        n = self.local_tokens(tokens)
-        n_kv = tokens if self.cp > 1 else n
         parts = {"one layer forward": self._one_layer(tokens=tokens)}
-        if self.backend == "torch":
-            parts["boolean attention mask"] = n * n_kv
         if last:
             r = self.local_tokens(response_tokens)
             vocab_local = self.dims.vocab / self.tp

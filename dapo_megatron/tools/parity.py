@@ -55,6 +55,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dapo_megatron.dataplane import collectives as coll
+
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int,
                             temperature: float = 1.0) -> torch.Tensor:
@@ -133,7 +135,7 @@ def megatron_logprobs(model_chunks: Sequence[Any], micro_batches: Sequence[dict]
     merged = []
     for batch, mine in zip(batches, logprobs):
         parts = [torch.empty_like(mine) for _ in range(cp_size)]
-        dist.all_gather(parts, mine.contiguous(), group=parallel_state.get_context_parallel_group())
+        coll.all_gather(parts, mine.contiguous(), group=parallel_state.get_context_parallel_group())
         merged.append(merge_from_cp(parts, _cp_bounds(batch), dim=1))
     return merged
 
@@ -178,7 +180,7 @@ def _head_grad_rel_diff(hidden_NH, weight, targets, *, tp_group, vocab_size: int
     for got, want in ((gh_f, gh_r), (gw_f, gw_r)):
         scale = want.double().abs().max().clamp(min=torch.finfo(torch.float32).tiny)
         rel = torch.maximum(rel, (got.double() - want.double()).abs().max() / scale)
-    dist.all_reduce(rel, op=dist.ReduceOp.MAX, group=tp_group)
+    coll.all_reduce(rel, op=dist.ReduceOp.MAX, group=tp_group)
     return lp_f, ent_f, lp_r, ent_r, rel
 
 
@@ -218,7 +220,7 @@ def head_logprobs(model_chunks: Sequence[Any], micro_batches: Sequence[dict], *,
             hidden_BSH.reshape(b * s, h), output_weight(gpt), labels.reshape(-1), tp_group=tp_group,
             vocab_size=vocab_size, seed=seed + next(step))
         if cp_size > 1:
-            dist.all_reduce(rel, op=dist.ReduceOp.MAX, group=parallel_state.get_context_parallel_group())
+            coll.all_reduce(rel, op=dist.ReduceOp.MAX, group=parallel_state.get_context_parallel_group())
         out = {"logprobs": lp, "entropies": ent, "ref_logprobs": lp_ref, "ref_entropies": ent_ref}
         return lp.sum() * 0.0, {**{k: v.view(b, s) for k, v in out.items()}, "grad_rel_diff": rel}
 
@@ -246,7 +248,7 @@ def head_logprobs(model_chunks: Sequence[Any], micro_batches: Sequence[dict], *,
         entry = {"grad_rel_diff": mine["grad_rel_diff"]}
         for key in ("logprobs", "entropies", "ref_logprobs", "ref_entropies"):
             parts = [torch.empty_like(mine[key]) for _ in range(cp_size)]
-            dist.all_gather(parts, mine[key].contiguous(), group=parallel_state.get_context_parallel_group())
+            coll.all_gather(parts, mine[key].contiguous(), group=parallel_state.get_context_parallel_group())
             entry[key] = merge_from_cp(parts, _cp_bounds(batch), dim=1)
         merged.append(entry)
     return merged
@@ -465,13 +467,13 @@ def run_check(argv: Sequence[str]) -> dict[str, float]:
         if args.pp > 1:  # last stage -> driver (global rank 0 is PP stage 0 of its own PP group)
             pp_group = parallel_state.get_pipeline_model_parallel_group()
             last = dist.get_process_group_ranks(pp_group)[-1]
-            dist.broadcast(result, src=last, group=pp_group)
-            dist.broadcast(extra, src=last, group=pp_group)
+            coll.broadcast(result, src=last, group=pp_group)
+            coll.broadcast(extra, src=last, group=pp_group)
         verdict = torch.zeros(len(NUMBER_KEYS), dtype=torch.float64, device=device)
         if dist.get_rank() == 0:
             numbers = _compare_with_transformers(args, tokens.to(device), result, extra, compared=compared)
             verdict[:] = torch.tensor([numbers[k] for k in NUMBER_KEYS], dtype=torch.float64)
-        dist.broadcast(verdict, src=0)
+        coll.broadcast(verdict, src=0)
     return dict(zip(NUMBER_KEYS, verdict.tolist()))
 
 

@@ -3,7 +3,7 @@ engine side of the weight transfer. Every other rank only runs the actor (traine
 
     driver = Driver(cfg, model_dir=..., run_dir=...)
     groups, stats = driver.rollout()           # dynamic sampling: generated, scored (+ overlong shaping) groups
-    code, result = driver.try_rollout(step)    # the same, or what to do when every engine was lost (recovery.py)
+    code, result = driver.try_rollout(step)    # the same, or what to do when every engine was lost (trainer/recovery.py)
     stats = driver.push_weights(buckets, step=3)   # the actor's export buckets (trainer/placement.py) -> every engine
     scores = driver.evaluate()                 # avg@k / pass@k on the eval set
 """
@@ -32,7 +32,7 @@ from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
 
 class Driver:
-    def __init__(self, cfg: Config, *, model_dir: str | Path, run_dir: str | Path, backend: str = "gloo") -> None:
+    def __init__(self, cfg: Config, *, model_dir: str | Path, run_dir: str | Path) -> None:
         from transformers import AutoTokenizer
 
         self.cfg = cfg
@@ -61,7 +61,8 @@ class Driver:
         train, self.eval_records = train_and_eval_records(cfg.data)
         self.prompts = PromptStream(train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         # master_address "" = the trainer address every engine reaches (weight_group.trainer_address)
-        self.weight_sync = DistributedWeightSync(backend=backend, bucket_bytes=r.weight_bucket_mb << 20,
+        # the group's backend follows the engines (gloo for CPU engines, nccl for SGLang), not the trainer
+        self.weight_sync = DistributedWeightSync(bucket_bytes=r.weight_bucket_mb << 20,
                                                  master_address=r.weight_sync_address)
         # rollout.quantization=fp8: every sync sends modelopt's fp8 weights + scales (quant/engine_checkpoint.py)
         self.fp8 = None

@@ -39,6 +39,7 @@ from typing import Iterator, Protocol
 
 from dapo_megatron.config import Config
 from dapo_megatron.dataplane.roles import RankRoles
+from dapo_megatron.dataplane import collectives as coll
 
 
 class Placement(Protocol):
@@ -72,7 +73,7 @@ class _EngineSide:
                 message = f"{type(err).__name__}: {err}"
         if dist.is_initialized() and dist.get_world_size() > 1:
             box = [message]
-            dist.broadcast_object_list(box, src=0)
+            coll.broadcast_object_list(box, src=0)
             message = box[0]
         if message:
             raise RuntimeError(f"rollout engines: {message}")
@@ -179,7 +180,7 @@ class ColocatedPlacement:
         devices = [trainer_device()]
         if dist.is_initialized() and dist.get_world_size() > 1:
             devices = [None] * dist.get_world_size()
-            dist.all_gather_object(devices, trainer_device())
+            coll.all_gather_object(devices, trainer_device())
         box = [None, ""]
         if roles.driver:
             try:
@@ -187,7 +188,7 @@ class ColocatedPlacement:
             except ValueError as err:
                 box[1] = str(err)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
+            coll.broadcast_object_list(box, src=0)
         if box[1]:
             raise ValueError(box[1])
         self.slots = box[0]

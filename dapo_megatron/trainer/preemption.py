@@ -33,6 +33,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.dataplane import collectives as coll
+
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 PREEMPT_FILE_ENV = "DAPO_PREEMPT_FILE"  # set by slurm/_trainer_launch.sh
 
@@ -76,9 +78,7 @@ class PreemptionSignal:
         """True on every rank if any rank has a request; a collective when torch.distributed is up."""
         flag = 1 if self.requested else 0
         if dist.is_available() and dist.is_initialized():
-            backend = dist.get_backend(group)
-            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-            tensor = torch.tensor([flag], dtype=torch.int32, device=device)
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+            tensor = torch.tensor([flag], dtype=torch.int32)
+            coll.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
             flag = int(tensor.item())
         return flag == 1

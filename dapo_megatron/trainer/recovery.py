@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from dapo_megatron.dataplane import collectives as coll
+
 OK, RESYNC, LOST = 0, 1, 2
 
 
@@ -48,9 +50,8 @@ def broadcast_code(code: int) -> int:
 
     if not (dist.is_available() and dist.is_initialized()):
         return code
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    flag = torch.tensor([code], dtype=torch.int32, device=device)
-    dist.broadcast(flag, src=0)
+    flag = torch.tensor([code], dtype=torch.int32)
+    coll.broadcast(flag, src=0)
     return int(flag.item())
 
 
@@ -61,7 +62,7 @@ def broadcast_text(text: str) -> str:
     if not (dist.is_available() and dist.is_initialized()):
         return text
     box = [text]
-    dist.broadcast_object_list(box, src=0)
+    coll.broadcast_object_list(box, src=0)
     return box[0]
 
 

@@ -27,6 +27,8 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable
 
+from dapo_megatron.dataplane import collectives as coll
+
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
 CORRUPT_SUFFIX = ".corrupt"
@@ -165,7 +167,7 @@ def _from_rank0(value: Any) -> Any:
     if _world()[1] == 1:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    coll.broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -175,7 +177,7 @@ def _gather(value: Any) -> list[Any]:
     if _world()[1] == 1:
         return [value]
     out: list[Any] = [None] * _world()[1]
-    dist.all_gather_object(out, value)
+    coll.all_gather_object(out, value)
     return out
 
 

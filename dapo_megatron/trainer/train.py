@@ -129,7 +129,7 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
         roles = RankRoles.current(parallel)
         actor = Actor(actor_settings(cfg), cfg.model.path)
         ref = ReferencePolicy(actor_settings(cfg), cfg.model.path) if cfg.algorithm.use_kl else None  # frozen, off-device when idle
-        driver = Driver(cfg, model_dir=cfg.model.path, run_dir=run_dir, backend=_backend()) if roles.driver else None
+        driver = Driver(cfg, model_dir=cfg.model.path, run_dir=run_dir) if roles.driver else None
         if roles.driver:
             console.actor_ready(cfg)
         placement = make_placement(cfg, roles=roles, driver=driver)
@@ -194,9 +194,3 @@ def run_worker_recorded(cfg, *, resume: bool) -> int:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     return record(run_worker)(cfg, resume=resume)
-
-
-def _backend() -> str:
-    import torch
-
-    return "nccl" if torch.cuda.is_available() else "gloo"

@@ -46,6 +46,7 @@ from dapo_megatron.rollout.client import EngineError
 from dapo_megatron.transfer.tensor_payload import serialize_for_engine_rank
 from dapo_megatron.transfer.weight_sync import SyncStats, check_against, engine_shapes
 from dapo_megatron.weights.export import bucketize
+from dapo_megatron.dataplane import collectives as coll
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,7 @@ class ColocatedTransfer:
                 message = f"{type(err).__name__}: {err}"
         if dist.is_initialized() and dist.get_world_size() > 1:
             box = [message]
-            dist.broadcast_object_list(box, src=0)
+            coll.broadcast_object_list(box, src=0)
             message = box[0]
         return message
 
@@ -245,7 +246,7 @@ def _gather_to_driver(payloads: list) -> list[list]:
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [payloads]
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(payloads, out, dst=0)
+    coll.gather_object(payloads, out, dst=0)
     return out or []
 
 

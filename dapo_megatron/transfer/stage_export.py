@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from dapo_megatron.weights.export import _local_maps
 from dapo_megatron.weights.mapping import Dims, expected_hf_shapes, merge_shards_into
+from dapo_megatron.dataplane import collectives as coll
 
 
 def covers_layout() -> bool:
@@ -204,11 +205,11 @@ class StageExporter:
                 continue
             shard = shard.contiguous()
             if not self.is_exporter:
-                started.append((None, [dist.isend(shard, dst=self.exporter_rank, group=self.tp_group)]))
+                started.append((None, [coll.isend(shard, dst=self.exporter_rank, group=self.tp_group)]))
                 continue
             buffers = [shard] + [torch.empty_like(shard) for _ in range(self.tp_size - 1)]
             self._hold(sum(b.numel() * b.element_size() for b in buffers[1:]))
-            works = [dist.irecv(buf, src=dist.get_global_rank(self.tp_group, r), group=self.tp_group)
+            works = [coll.irecv(buf, src=dist.get_global_rank(self.tp_group, r), group=self.tp_group)
                      for r, buf in enumerate(buffers) if r > 0]
             started.append((buffers, works))
         return started
@@ -264,7 +265,7 @@ def gather_manifests(exporter: StageExporter) -> list[list[ExportItem]] | None:
     if parallel.pp_size() == 1:
         return [exporter.items]
     out: list = [None] * parallel.pp_size()
-    dist.all_gather_object(out, exporter.items, group=parallel.pp_group())
+    coll.all_gather_object(out, exporter.items, group=parallel.pp_group())
     return out
 
 
@@ -288,7 +289,7 @@ def weights_for_driver(exporter: StageExporter, manifests: list[list[ExportItem]
         return
     for bucket in exporter.buckets():
         if exporter.is_exporter and parallel.pp_size() > 1:
-            dist.send(bucket.flat, dst=dist.get_global_rank(parallel.pp_group(), 0), group=parallel.pp_group())
+            coll.send(bucket.flat, dst=dist.get_global_rank(parallel.pp_group(), 0), group=parallel.pp_group())
         del bucket
 
 
@@ -310,7 +311,7 @@ def _driver_stream(exporter: StageExporter, manifests: list[list[ExportItem]]) -
     def post(index):
         stage, items = incoming[index]
         flat = torch.empty(bucket_bytes(items), dtype=torch.uint8, device=device)
-        return flat, dist.irecv(flat, src=dist.get_global_rank(group, stage), group=group)
+        return flat, coll.irecv(flat, src=dist.get_global_rank(group, stage), group=group)
 
     pending = post(0) if incoming else None
     for index, (_, items) in enumerate(incoming):

@@ -117,9 +117,12 @@ def serialize_for_engine_rank(named: list[tuple[str, torch.Tensor]]) -> str:
         try:
             from sglang.srt.utils import MultiprocessingSerializer
             from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-        except ImportError as err:
-            raise ImportError("update_weights_from_tensor with CUDA tensors uses SGLang's own serializer: install "
-                              "the pinned sglang in the trainer's environment (pip install -e '.[sglang]')") from err
+        except ImportError:
+            # no SGLang in the trainer's environment (a one-GPU machine feeding the CPU engine on its GPU):
+            # torch's own CUDA reductions, the handles SGLang's serializer makes, with the device as an
+            # index rather than a uuid; both SGLang and the CPU engine read it (rebuild_cuda_tensor is on
+            # SGLang's allow list) when trainer and engine see the same CUDA_VISIBLE_DEVICES
+            return _forking_pickle_b64([(n, t.detach()) for n, t in named])
         monkey_patch_torch_reductions()  # device uuids, not indices: trainer and engine number GPUs differently
         return MultiprocessingSerializer.serialize([(n, t.detach()) for n, t in named], output_str=True)
     with _cpu_shared_memory():
@@ -153,21 +156,59 @@ class PayloadError(ValueError):
     """An update_weights_from_tensor entry that is not a payload this engine can read."""
 
 
+# CUDA IPC handles (an engine holding its model on a GPU, serve-rollout --device cuda): torch's rebuild, and
+# SGLang's patched one, whose device argument is the GPU's uuid (sglang/srt/utils/patch_torch.py)
+CUDA_GLOBALS = frozenset({
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+    ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"),
+})
+_DEVICE_ARG = 6  # the device's position in rebuild_cuda_tensor's arguments (patch_torch._REDUCE_TENSOR_ARG_DEVICE_INDEX)
+
+
+def _device_index(device: int | str) -> int:
+    """SGLang's _device_from_maybe_uuid: an index as is, a uuid to the visible GPU that has it."""
+    if isinstance(device, int):
+        return device
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == device:
+            return index
+    raise PayloadError(f"the payload's GPU {device} is not visible to this engine")
+
+
+def _rebuild_cuda_tensor_from_uuid(*args):
+    """What SGLang's _rebuild_cuda_tensor_modified does, without importing SGLang."""
+    from torch.multiprocessing import reductions
+
+    args = (*args[:_DEVICE_ARG], _device_index(args[_DEVICE_ARG]), *args[_DEVICE_ARG + 1:])
+    return reductions.rebuild_cuda_tensor(*args)
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, file, *, cuda: bool = False):
+        super().__init__(file)
+        self.cuda = cuda
+
     def find_class(self, module: str, name: str):
+        if self.cuda and (module, name) in CUDA_GLOBALS:
+            if module.startswith("sglang"):
+                return _rebuild_cuda_tensor_from_uuid
+            return super().find_class(module, name)
         if (module, name) not in ALLOWED_GLOBALS:
-            raise PayloadError(f"the payload names {module}.{name}, which a tensor payload never needs")
+            where = " (CUDA IPC handles need an engine on a GPU: serve-rollout --device cuda)" \
+                if (module, name) in CUDA_GLOBALS else ""
+            raise PayloadError(f"the payload names {module}.{name}, which a tensor payload never needs{where}")
         return super().find_class(module, name)
 
 
-def deserialize_payload(data: str) -> list[tuple[str, torch.Tensor]]:
-    """The CPU engine's reading of one serialized_named_tensors entry: [(name, tensor), ...]."""
+def deserialize_payload(data: str, *, cuda: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """The CPU engine's reading of one serialized_named_tensors entry: [(name, tensor), ...]. cuda: the
+    engine holds its model on a GPU and opens CUDA IPC handles too."""
     try:
         raw = base64.b64decode(data, validate=True)
     except (ValueError, TypeError) as err:
         raise PayloadError(f"not base64: {err}") from None
     try:
-        obj = _RestrictedUnpickler(io.BytesIO(raw)).load()
+        obj = _RestrictedUnpickler(io.BytesIO(raw), cuda=cuda).load()
     except PayloadError:
         raise
     except Exception as err:  # noqa: BLE001 - a corrupt pickle, a segment that no longer exists ...

@@ -27,6 +27,8 @@ from urllib.parse import urlparse
 
 import torch
 
+from dapo_megatron.dataplane import collectives as coll
+
 
 def open_weight_group(*, backend: str, master_address: str, master_port: int, rank: int, world_size: int,
                       group_name: str, timeout_s: float = 600.0):
@@ -48,8 +50,9 @@ def open_weight_group(*, backend: str, master_address: str, master_port: int, ra
 
 
 def broadcast_from_trainer(pg, tensor: torch.Tensor) -> None:
-    """One collective call: rank 0's tensor to every engine rank of the group."""
-    pg.broadcast(tensor, 0).wait()
+    """One collective call: rank 0's tensor to every engine rank of the group (a CUDA bucket crosses a
+    gloo group through host memory: collectives.pg_broadcast)."""
+    coll.pg_broadcast(pg, tensor, src=0)
 
 
 # ------------------------------------------------------------------------------------- addresses

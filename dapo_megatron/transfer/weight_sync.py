@@ -13,7 +13,10 @@ runs under SGLang's model_update_lock, so the engine is idle and the flush succe
     from weight_group.trainer_address: reachable by every engine). Per bucket: POST
     /update_weights_from_distributed {names, dtypes, shapes, load_format: "flattened_bucket"} to every
     engine and ONE broadcast of the bucket's bytes (tensor_payload.flatten_bucket), or one broadcast
-    per tensor with flattened=False. gloo on CPU, nccl on GPUs.
+    per tensor with flattened=False. The group's backend follows the engines, not the trainer
+    (engine_group_backend): SGLang engines receive into GPU memory over nccl; the CPU engine joins gloo
+    groups only, so a GPU trainer feeding it stages each CUDA bucket through host memory
+    (collectives.pg_broadcast). A pool mixing both kinds is refused, naming the engines.
 (b) TensorWeightSync (colocated engines): per bucket, POST /update_weights_from_tensor with one payload
     per engine TP rank, each serialized on its own (tensor_payload.serialize_for_engine_rank: CUDA IPC
     handles on GPUs, shared memory on CPU).
@@ -26,7 +29,7 @@ collective calls.
 
 Trainer usage (every rank iterates the actor's weights, the TP all-gathers being collectives; rank 0
 sends):
-    sync = DistributedWeightSync(backend="gloo", master_address=trainer_address(...))
+    sync = DistributedWeightSync(master_address=trainer_address(...))   # backend: from the engines
     stats = await sync.sync(clients, actor.iter_hf_weights(), weight_version="step_3")   # rank 0
     for _ in actor.iter_hf_weights(): pass                                               # other ranks
 """
@@ -187,18 +190,46 @@ def _check_manifest(shapes: dict[str, dict[str, list[int]]], manifest: dict[str,
 
 
 # ----------------------------------------------------------------------------------- distributed
+def engine_group_backend(server_infos: dict[str, dict]) -> str:
+    """The weight group's backend for these engines (url -> /server_info): the one every engine joins.
+
+    The CPU engine says which backend it joins (server_info cpu_engine.weight_group_backend: gloo);
+    SGLang engines receive into GPU memory over nccl (init_weights_update_group's default, and what
+    its GPU receive path is built for). Engines needing different backends cannot share one group."""
+    if not server_infos:
+        raise ValueError("weight sync: no engines to form a group with")
+    by_backend: dict[str, list[str]] = {}
+    for url, info in server_infos.items():
+        backend = (info.get("cpu_engine") or {}).get("weight_group_backend") or "nccl"
+        by_backend.setdefault(backend, []).append(url)
+    if len(by_backend) > 1:
+        kinds = "; ".join(f"{b}: {', '.join(sorted(urls))}" for b, urls in sorted(by_backend.items()))
+        raise ValueError(f"weight sync: the engines join different weight-group backends ({kinds}); CPU rollout "
+                         "engines join gloo only, SGLang engines nccl: run one kind per pool (rollout.engine, "
+                         "rollout.engine_urls)")
+    (backend,) = by_backend
+    return backend
+
+
+def _check_trainer_can_join(backend: str) -> None:
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("weight sync: SGLang engines receive weights over nccl, which needs a GPU on the trainer "
+                         "side; this trainer has none (use rollout.engine=cpu, or run the trainer on GPUs)")
+
+
 class DistributedWeightSync:
     """Trainer side of update_weights_from_distributed. Re-forms the group whenever the set of engines
     changes (an engine dropped, a restarted one re-admitted): a process group's membership is fixed."""
 
-    def __init__(self, *, master_address: str = "", master_port: int = 0, backend: str = "gloo",
+    def __init__(self, *, master_address: str = "", master_port: int = 0, backend: str | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, group_name: str = "dapo_weight_sync",
                  timeout_s: float = 600.0, flattened: bool = True):
-        if backend not in ("gloo", "nccl"):
-            raise ValueError(f"weight sync: backend must be gloo or nccl, got {backend!r}")
+        if backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"weight sync: backend must be gloo, nccl or None (follow the engines), got {backend!r}")
         self.master_address = master_address  # "" = weight_group.trainer_address(engines)
         self.master_port = master_port
-        self.backend = backend
+        self.requested_backend = backend  # None: the engines decide at each connect (engine_group_backend)
+        self.backend = backend or ""
         self.bucket_bytes = bucket_bytes
         self.base_group_name = group_name
         self.timeout_s = timeout_s
@@ -214,6 +245,8 @@ class DistributedWeightSync:
     async def connect(self, clients: list[EngineClient]) -> None:
         await self.close(clients)
         infos = await asyncio.gather(*(c.server_info() for c in clients))
+        self.backend = self.requested_backend or engine_group_backend(dict(zip((c.url for c in clients), infos)))
+        _check_trainer_can_join(self.backend)
         tp_sizes = [int(i.get("tp_size", 1)) for i in infos]
         world_size = 1 + sum(tp_sizes)
         self._generation += 1

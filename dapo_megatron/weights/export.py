@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from dapo_megatron.weights.load import chunk_param_maps, expert_offset, unwrap_model
 from dapo_megatron.weights.mapping import Dims, ParamMap, expected_hf_shapes, merge_shards
+from dapo_megatron.dataplane import collectives as coll
 
 
 def _all_gather(tensor: torch.Tensor, group, size: int) -> list[torch.Tensor]:
@@ -38,7 +39,7 @@ def _all_gather(tensor: torch.Tensor, group, size: int) -> list[torch.Tensor]:
         return [tensor]
     tensor = tensor.detach().contiguous()
     out = [torch.empty_like(tensor) for _ in range(size)]
-    dist.all_gather(out, tensor, group=group)
+    coll.all_gather(out, tensor, group=group)
     return out
 
 
@@ -109,7 +110,7 @@ def iter_hf_weights(model_chunks: Iterable[Any], hf_config: Any) -> Iterator[tup
     owners: dict[str, int] = {name: 0 for name in local}
     if pp_size > 1:
         gathered: list[Any] = [None] * pp_size
-        dist.all_gather_object(gathered, sorted(local), group=pp_group)
+        coll.all_gather_object(gathered, sorted(local), group=pp_group)
         owners = {name: stage for stage, names in enumerate(gathered) for name in names}
         pp_ranks = dist.get_process_group_ranks(pp_group)
     my_stage = parallel_state.get_pipeline_model_parallel_rank()
@@ -125,7 +126,7 @@ def iter_hf_weights(model_chunks: Iterable[Any], hf_config: Any) -> Iterator[tup
                 owner = owners[first_name]
                 tensor = tensors[j].contiguous() if my_stage == owner else torch.empty(
                     shapes[name], dtype=reference.dtype, device=reference.device)
-                dist.broadcast(tensor, src=pp_ranks[owner], group=pp_group)
+                coll.broadcast(tensor, src=pp_ranks[owner], group=pp_group)
             else:
                 tensor = tensors[j]
             yield name, tensor

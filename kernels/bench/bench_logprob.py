@@ -3,7 +3,10 @@
     python -m dapo_kernels.bench.bench_logprob --n 4096,16384 --models 7b --tp 1,8
     dapo-megatron bench kernels --kernels logprob --n 4096 --providers fused,chunked
 
-Providers: fused (dapo_kernels.linear_logprob_entropy), torch (eager on materialized fp32 logits:
+Providers: fused (dapo_kernels.linear_logprob_entropy, blocked backward: the default), fused_rowchunk
+(the same forward, the first backward schedule: backward="row_chunked"; kept until a GPU run has
+measured both), fused_cublas (logits="cublas": fp32 logit chunks from cuBLAS read by Triton
+epilogues, blocked backward), torch (eager on materialized fp32 logits:
 the reference), chunked (the reference over row chunks under activation checkpointing: bounded
 memory, plain torch), liger (LigerFusedLinearCrossEntropyLoss, reduction="none", when importable:
 cross entropy = -logprob, NO entropy, and it computes its gradient inside the forward call, so its
@@ -12,7 +15,8 @@ sum(logprob) + sum(entropy)). TP shard widths are single-GPU runs on V_local = V
 per-token all_gather / all-reduce of the vocab-parallel path is not included).
 Metrics per (provider, mode, shape): ms (p50/p20/p80 of CUDA-event times), TFLOP/s (2NHV fwd,
 8NHV fwd+bwd), percent of a bf16 cuBLAS matmul [N,H]x[H,V_local] timed in the same run, and
-peak extra memory (GB above the inputs).
+peak extra memory (GB above the inputs), and for fwd_bwd rows the extra memory predicted by
+kernels/bench/memory_model.py (model_GB; fused, fused_rowchunk and liger), so a GPU run checks the formula.
 """
 
 from __future__ import annotations
@@ -25,10 +29,13 @@ from torch.utils.checkpoint import checkpoint
 
 from dapo_kernels import linear_logprob_entropy, linear_logprob_entropy_reference
 from dapo_kernels import logprob as logprob_mod
+from dapo_kernels.bench import memory_model
 from dapo_kernels.bench.common import CsvWriter, PeakMemory, bf16_matmul_tflops, is_oom, print_table, time_calls
 
-MODELS = {"7b": (3584, 152064), "32b": (5120, 152064)}  # Qwen2.5: (hidden, vocab)
-PROVIDERS = ("fused", "torch", "chunked", "liger")
+MODELS = memory_model.MODELS  # Qwen2.5: (hidden, vocab)
+PROVIDERS = ("fused", "fused_cublas", "fused_rowchunk", "torch", "chunked", "liger")
+MEMORY_MODEL = {"fused": memory_model.fused_blocked_bytes, "fused_rowchunk": memory_model.fused_row_chunked_bytes,
+                "fused_cublas": memory_model.fused_cublas_bytes, "liger": memory_model.liger_bytes}
 CHUNK_ROWS = 4096
 
 
@@ -62,7 +69,9 @@ def make_call(provider: str, hidden, weight, targets, *, backward: bool):
             if backward:
                 loss.sum().backward()
         return run
-    op = {"fused": linear_logprob_entropy, "torch": linear_logprob_entropy_reference, "chunked": _chunked_torch}[provider]
+    op = {"fused": linear_logprob_entropy, "torch": linear_logprob_entropy_reference, "chunked": _chunked_torch,
+          "fused_rowchunk": lambda *a: linear_logprob_entropy(*a, backward="row_chunked"),
+          "fused_cublas": lambda *a: linear_logprob_entropy(*a, logits="cublas")}[provider]
 
     def run():
         if not backward:
@@ -123,6 +132,10 @@ def bench_shape(out: CsvWriter, table: list, *, n, h, v, tp, providers, modes, r
             if peak.extra_bytes is not None:
                 out.add(provider, mode, "peak_extra_mem", "GB", x, peak.extra_bytes / 2**30)
                 row["peak_GB"] = f"{peak.extra_bytes / 2**30:.2f}"
+            if backward and provider in MEMORY_MODEL:
+                model_gb = MEMORY_MODEL[provider](n, h, v_local) / 2**30
+                out.add(provider, mode, "extra_mem_model", "GB", x, model_gb)
+                row["model_GB"] = f"{model_gb:.2f}"
             table.append(row)
     del hidden, weight, targets
     if device == "cuda":
@@ -166,7 +179,7 @@ def run(args) -> list[dict]:
                 bench_shape(out, table, n=n, h=h, v=v, tp=tp, providers=providers,
                             modes=args.modes.split(","), repeats=args.repeats, device=args.device)
                 out.flush()
-    print_table(table, ["provider", "mode", "shape", "ms", "tflops", "%matmul", "peak_GB"])
+    print_table(table, ["provider", "mode", "shape", "ms", "tflops", "%matmul", "peak_GB", "model_GB"])
     return table
 
 

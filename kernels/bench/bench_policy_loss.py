@@ -2,9 +2,11 @@
 
     python -m dapo_kernels.bench.bench_policy_loss --tokens 1048576,4194304,16777216
 
-Providers: fused (dapo_kernels.policy_loss: one kernel writes loss partials, stats and the
-gradient), torch (kernels/reference.py, eager fp32; dapo_megatron.algo.policy_loss runs the same
-formula, and dapo_kernels imports nothing from dapo_megatron). Modes: fwd (the loss call: for fused that is the whole one-kernel job, gradient
+Providers: fused (dapo_kernels.policy_loss: ONE launch writes the gradient and, in its last-arriving
+program, the loss and stats), fused_two_launch (the first design: a second launch reduces the
+partials, one_pass=False; kept until a GPU run has measured both), torch (kernels/reference.py,
+eager fp32; dapo_megatron.algo.policy_loss runs the same formula, and dapo_kernels imports nothing
+from dapo_megatron). Modes: fwd (the loss call: for fused that is the whole one-kernel job, gradient
 included) and fwd_bwd (plus loss.backward(): for fused one extra multiply by the upstream grad). Effective bandwidth counts the
 fewest bytes any implementation must move: read logprob, old_logprob, advantages (fp32) and the
 bool mask, write the fp32 gradient = 17 + 4 = 21 bytes per token; reported as GB/s and as percent
@@ -20,7 +22,7 @@ import torch
 from dapo_kernels import policy_loss, policy_loss_reference
 from dapo_kernels.bench.common import CsvWriter, copy_bandwidth_gbs, is_oom, print_table, time_calls
 
-PROVIDERS = ("fused", "torch")
+PROVIDERS = ("fused", "fused_two_launch", "torch")
 BYTES_PER_TOKEN = 4 * 3 + 1 + 4
 KW = dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0)
 
@@ -28,6 +30,8 @@ KW = dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0)
 def _provider(name):
     if name == "fused":
         return policy_loss
+    if name == "fused_two_launch":
+        return lambda *a, **kw: policy_loss(*a, one_pass=False, **kw)
     if name == "torch":
         return policy_loss_reference
     return None
@@ -82,7 +86,7 @@ def run(args) -> list[dict]:
                 row = {"provider": name, "mode": mode, "tokens": num, "ms": f"{p50:.3f}"}
                 # Bandwidth only where the 21 bytes/token are really the job: fwd_bwd for everyone,
                 # and the fused forward (its one kernel already writes the gradient).
-                if mode == "fwd_bwd" or name == "fused":
+                if mode == "fwd_bwd" or name.startswith("fused"):
                     gbs = BYTES_PER_TOKEN * num / (p50 * 1e-3) / 1e9
                     out.add(name, mode, "bandwidth", "GB/s", x, gbs)
                     out.add(name, mode, "pct_of_copy", "%", x, 100 * gbs / copy_gbs)

@@ -21,7 +21,10 @@ import sys
 
 import torch
 
-QUICK = {"n": "4096,16384", "models": "7b", "tp": "1,8", "tokens": "4194304", "repeats": 3}
+# --quick: the side-by-side of issue 27 (new kernels, the first ones, Liger) at the shapes of its
+# profile, and the policy loss at one micro-batch (64K: host cost) and 16M tokens (bandwidth)
+QUICK = {"n": "4096,16384", "models": "7b", "tp": "1,8", "providers": "fused,fused_cublas,fused_rowchunk,liger",
+         "tokens": "65536,16777216", "loss_providers": "fused,fused_two_launch,torch", "repeats": 3}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -32,7 +32,7 @@ from dapo_megatron.rollout.client import EngineClient, EngineError
 from dapo_megatron.rollout.pool import EnginePool
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
 from dapo_megatron.rollout.sglang_launcher import SGLangSettings, sglang_command
-from dapo_megatron.transfer.tensor_payload import ALLOWED_GLOBALS
+from dapo_megatron.transfer.tensor_payload import ALLOWED_GLOBALS, CUDA_GLOBALS
 from dapo_megatron.transfer.weight_sync import DistributedWeightSync, TensorWeightSync
 
 from sglang_pins import CONTEXT_LENGTH, ORACLE_TP_SIZE
@@ -135,6 +135,7 @@ def test_tensor_sync_one_payload_per_rank_read_by_sglang_across_processes(oracle
         ["/begin_weight_update"] + ["/update_weights_from_tensor"] * len(bodies) + ["/end_weight_update"])
     sglang_allowed = {tuple(g) for g in call(oracle, "/oracle/safe_unpickler_globals", method="GET")[1]}
     assert ALLOWED_GLOBALS <= sglang_allowed, ALLOWED_GLOBALS - sglang_allowed
+    assert CUDA_GLOBALS <= sglang_allowed, CUDA_GLOBALS - sglang_allowed  # CUDA IPC rebuilds (serve-rollout --device cuda)
 
 
 def test_sglang_refuses_updates_outside_a_session(oracle):
@@ -285,3 +286,25 @@ def test_cpu_engine_answers_sglang_status_codes(oracle, cpu_engine):
         info = call(url, "/server_info", method="GET")[1]
         assert {"tp_size", "enable_deterministic_inference", "context_length", "weight_version"} <= set(info)
         assert info["context_length"] == CONTEXT_LENGTH
+
+
+def test_cuda_ipc_rebuild_twin_reads_the_device_where_sglang_does():
+    """The CPU engine on a GPU opens SGLang's uuid-patched CUDA IPC handles with its own function
+    (tensor_payload._rebuild_cuda_tensor_from_uuid): the device argument's position and the rule
+    (an int as is, a uuid looked up among the visible GPUs) are read from SGLang's patch_torch.py."""
+    import ast
+    import importlib.util
+
+    from dapo_megatron.transfer import tensor_payload
+
+    source = open(importlib.util.find_spec("sglang").submodule_search_locations[0] + "/srt/utils/patch_torch.py").read()
+    tree = ast.parse(source)
+    consts = {n.targets[0].id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+              and isinstance(n.targets[0], ast.Name) and isinstance(n.value, ast.Constant)}
+    assert consts["_REDUCE_TENSOR_ARG_DEVICE_INDEX"] == tensor_payload._DEVICE_ARG
+    funcs = {n.name: ast.unparse(n) for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert "_modify_tuple(args, _REDUCE_TENSOR_ARG_DEVICE_INDEX, _device_from_maybe_uuid)" in \
+        funcs["_rebuild_cuda_tensor_modified"]
+    assert "if isinstance(device_maybe_uuid, int):\n        return device_maybe_uuid" in funcs["_device_from_maybe_uuid"]
+    assert "torch.cuda.get_device_properties(device).uuid" in funcs["_device_from_maybe_uuid"]
+    assert tensor_payload._device_index(3) == 3

@@ -108,3 +108,33 @@ def test_cpu_behaviour_inside_ranks(rank_pool):
     # rank 0 receives rank 0's first element and rank 1's first two; rank 1 the rest
     assert results[0]["all_to_all"] == [0.0, 10.0, 11.0]
     assert results[1]["all_to_all"] == [1.0, 2.0, 12.0]
+
+
+def test_moe_router_runs_without_transformer_engine_and_matches_float64(monkeypatch):
+    """Without TE, moe_utils never binds te_general_gemm and the router's first forward raised NameError
+    (on the H100 too, where the CPU patches are off). bind_missing_te_gemm is applied on every machine;
+    the router then computes logits = x W^T (+ b) in the router dtype with megatron's torch path: forward
+    and gradients equal a float64 reference."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if getattr(moe_utils, "HAVE_TE", False):
+        pytest.skip("Transformer Engine is installed: its GEMM is used")
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 8, generator=gen, requires_grad=True)
+    w = torch.randn(4, 8, generator=gen, requires_grad=True)
+    b = torch.randn(4, generator=gen, requires_grad=True)
+    with pytest.raises(NameError, match="te_general_gemm"):
+        moe_utils.router_gating_linear(x, w, b, torch.float32)
+    compat.bind_missing_te_gemm()
+    compat.bind_missing_te_gemm()  # idempotent
+    out = moe_utils.router_gating_linear(x, w, b, torch.float32)
+    grad_out = torch.randn(out.shape, generator=gen)
+    out.backward(grad_out)
+    x64, w64, b64 = (t.detach().double().requires_grad_() for t in (x, w, b))
+    ref = x64 @ w64.T + b64
+    ref.backward(grad_out.double())
+    assert out.dtype == torch.float32 and out.shape == (5, 3, 4)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
+    for got, want in ((x.grad, x64.grad), (w.grad, w64.grad), (b.grad, b64.grad)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)

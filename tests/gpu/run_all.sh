@@ -5,6 +5,12 @@
 #   SECTIONS="kernels" tests/gpu/run_all.sh OUT_DIR     # only some sections
 #   BENCH_ARGS="--quick" tests/gpu/run_all.sh OUT_DIR   # flags for `bench kernels` (default --quick)
 #
+# Each device call runs at most 10 minutes, so the sections go in three calls (measured 2026-11-25 on an
+# H100: env + kernels + actor took 8 minutes):
+#   SECTIONS="env kernels transfer"   SECTIONS="actor"   SECTIONS="e2e sglang_fp8"
+# (actor runs the 1.5B bench at 4K/16K/32K tokens twice, sdpa and flex; e2e five tiny runs of 30 steps;
+# sglang_fp8 skips in seconds where SGLang's GPU kernels are not installed)
+#
 # The GPU machine has python3 with torch + triton + pytest but not megatron-core/transformers:
 # wheels carried in .whl/ are installed with --no-deps into /tmp/site. The repo is used in place
 # through PYTHONPATH (dapo_megatron from the root; dapo_kernels through a shim folder whose
@@ -18,7 +24,7 @@ set -u -o pipefail
 OUT=${1:?usage: tests/gpu/run_all.sh OUT_DIR}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PY=${PYTHON:-python3}
-SECTIONS=${SECTIONS:-"env kernels actor sglang_fp8"}
+SECTIONS=${SECTIONS:-"env kernels actor transfer e2e sglang_fp8"}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$ROOT"
@@ -67,9 +73,45 @@ section_actor() {
   mkdir -p "$OUT/actor"
   run_section actor_tests $PY -m pytest -m gpu tests/gpu/test_actor_gpu.py -q -p no:cacheprovider \
     --junitxml="$OUT/actor/junit.xml"
-  # Qwen2.5-1.5B-shaped random model, 4K and 16K tokens per micro-batch: table + CSV
-  run_section actor_bench $PY -m dapo_megatron.benchmarks.actor --tokens 4096 16384 --csv "$OUT/actor/actor_bench.csv" \
+  # the O(T) torch attention on CUDA: lower-right flash chunks, FlexAttention fwd+bwd, linear saved bytes (issue 26)
+  run_section actor_attention $PY -m pytest -m gpu tests/gpu/test_attention_gpu.py -q -p no:cacheprovider \
+    --junitxml="$OUT/actor/junit_attention.xml"
+  # Qwen2.5-1.5B-shaped random model, 4K / 16K / 32K tokens per micro-batch (issue 26: 32K must fit, MFU >= 35%
+  # without TE), per-document SDPA then FlexAttention: table + CSV
+  run_section actor_bench $PY -m dapo_megatron.benchmarks.actor --tokens 4096 16384 32768 --csv "$OUT/actor/actor_bench.csv" \
     --checkpoint-dir /tmp/dapo_bench_qwen25_1.5b
+  run_section actor_bench_flex $PY -m dapo_megatron.benchmarks.actor --tokens 4096 16384 32768 --attention-kernel flex \
+    --csv "$OUT/actor/actor_bench.csv" --checkpoint-dir /tmp/dapo_bench_qwen25_1.5b
+}
+
+# ---- section: transfer (issue 24: collectives on the backend's device with NCCL and gloo; the CPU engine on
+# the GPU: CUDA IPC payloads from the trainer, release/resume of real device memory, gloo weight group
+# from CUDA buckets) ----
+section_transfer() {
+  mkdir -p "$OUT/transfer"
+  run_section transfer_tests $PY -m pytest -m gpu tests/gpu/test_transfer_gpu.py -q -s -p no:cacheprovider \
+    --junitxml="$OUT/transfer/junit.xml"
+}
+
+# ---- section: e2e (issue 24: the tiny DAPO run on one GPU, 1 rank, as a user runs it; each run must raise
+# held-out avg@8 by >= 30 points within 30 steps; the dense runs share one warm-started tiny model) ----
+section_e2e() {
+  mkdir -p "$OUT/e2e"
+  local common="actor.world_size=1 trainer.total_steps=30 trainer.eval_every=10 \
+trainer.wandb_mode=disabled tiny.cache_dir=/tmp/dapo_e2e_tiny"
+  local fused="actor.fused_logprob=true actor.fused_policy_loss=true"
+  e2e_run() {  # e2e_run NAME CONFIG OVERRIDES...
+    local name=$1 config=$2; shift 2
+    run_section "e2e_$name" bash -c "$PY -m dapo_megatron.cli train $config $* $common \
+trainer.output_dir=$OUT/e2e/$name --overwrite && $PY tests/gpu/e2e_learning.py $OUT/e2e/$name --min-gain 0.30"
+  }
+  e2e_run fp32_fused configs/runs/tiny_cpu.yaml $fused
+  e2e_run bf16_fused configs/runs/tiny_cpu.yaml $fused actor.precision=bf16
+  e2e_run overlapped configs/runs/tiny_cpu.yaml $fused rollout.max_staleness=1 algorithm.tis_cap=2
+  # trainer rank and engine on the one GPU: CUDA IPC weight payloads, engine release/resume of device memory
+  e2e_run colocated configs/runs/tiny_cpu_colocated.yaml $fused rollout.cpu_engine_device=cuda
+  # MoE without Transformer Engine (megatron's torch router path: actor/compat.bind_missing_te_gemm)
+  e2e_run moe configs/runs/tiny_cpu_moe.yaml actor.ep=1
 }
 
 # ---- section: sglang_fp8 (issue 14: rollout.quantization=fp8 on a real SGLang engine: start-up from the

@@ -55,8 +55,11 @@ def test_distributed_sync_then_engine_logprobs_match_trainer(setup):
 
     async def scenario():
         clients = [EngineClient(url) for url in setup["urls"]]
-        sync = DistributedWeightSync(master_address="127.0.0.1", backend="gloo", bucket_bytes=64 * 1024)
+        # no backend given: the group's backend follows the engines (real CPU engines: gloo)
+        sync = DistributedWeightSync(master_address="127.0.0.1", bucket_bytes=64 * 1024)
+        assert sync.backend == ""
         stats = await sync.sync(clients, iter(weights), weight_version="step_1")
+        assert sync.backend == "gloo"
         results = [await _engine_logprobs(c) for c in clients]
         row = await clients[1].get_weights_by_name("model.layers.1.mlp.down_proj.weight", truncate_size=3)
         versions = [(await c.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1}))["meta_info"]["weight_version"]

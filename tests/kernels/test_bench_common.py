@@ -68,15 +68,37 @@ def test_benchmark_code_runs_on_cpu_dry_run(tmp_path):
     should cost no GPU time. Every provider available here writes its rows for both modes."""
     path = tmp_path / "dry.csv"
     code = run.main(["--cpu-dry-run", "--csv", str(path), "--models", "32x130", "--n", "20", "--tp", "2",
-                     "--tokens", "300", "--repeats", "1", "--providers", "fused,torch,chunked,liger"])
+                     "--tokens", "300", "--repeats", "1", "--providers", "fused,fused_cublas,fused_rowchunk,torch,chunked,liger",
+                     "--loss-providers", "fused,fused_two_launch,torch"])
     assert code == 0
     rows = list(csv.DictReader(path.open()))
     logprob_rows = {(r["provider"], r["mode"], r["metric"]) for r in rows if r["kernel"] == "linear_logprob_entropy"}
-    for provider in ("fused", "torch", "chunked"):
+    for provider in ("fused", "fused_cublas", "fused_rowchunk", "torch", "chunked"):
         for mode in ("fwd", "fwd_bwd"):
             assert {(provider, mode, m) for m in ("ms", "tflops", "pct_of_matmul")} <= logprob_rows
+    # the memory formula is written next to every fwd_bwd row of the providers it models
+    assert {("fused", "fwd_bwd", "extra_mem_model"), ("fused_rowchunk", "fwd_bwd", "extra_mem_model")} <= logprob_rows
     assert all(r["x"] == "N=20,H=32,V=130,tp=2" and r["device"] == "cpu" for r in rows if r["kernel"] != "policy_loss")
     loss_rows = {(r["provider"], r["mode"], r["metric"]) for r in rows if r["kernel"] == "policy_loss"}
-    assert {("fused", "fwd", "bandwidth"), ("fused", "fwd_bwd", "ms"), ("torch", "fwd_bwd", "bandwidth")} <= loss_rows
+    assert {("fused", "fwd", "bandwidth"), ("fused", "fwd_bwd", "ms"), ("torch", "fwd_bwd", "bandwidth"),
+            ("fused_two_launch", "fwd", "bandwidth")} <= loss_rows
     with pytest.raises(ValueError, match="--csv"):
         run.main(["--cpu-dry-run"])
+
+
+def test_memory_model_matches_liger_on_the_h100_and_ours_stays_below(monkeypatch):
+    """Liger's formula against the six fwd+bwd rows measured on an H100 (2026-11-25, GiB above the
+    inputs, issue 27), and the blocked / cublas fused heads at or under it on every default row."""
+    import dapo_kernels.logprob as logprob_mod
+    from dapo_kernels.bench import memory_model
+
+    monkeypatch.setattr(logprob_mod, "CHUNK_ROW_ALIGN", 128)  # as compiled
+    measured = {("7b", 1, 4096): 1.12, ("7b", 1, 16384): 1.42, ("7b", 8, 16384): 0.53, ("32b", 1, 65536): 4.40,
+                ("32b", 8, 16384): 0.63, ("32b", 8, 65536): 1.97}
+    for (model, tp, n), gib in measured.items():
+        h, v = memory_model.MODELS[model]
+        assert abs(memory_model.liger_bytes(n, h, v // tp) / 2**30 - gib) <= 0.011, (model, tp, n)
+    rows = memory_model.rows(["7b", "32b"], [1, 4, 8], [4096, 16384, 32768, 65536])
+    assert len(rows) == 24
+    for row in rows:
+        assert row["blocked_GiB"] <= row["liger_GiB"] and row["cublas_GiB"] <= row["liger_GiB"], row

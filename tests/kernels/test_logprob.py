@@ -17,6 +17,7 @@ import torch.distributed as dist
 import dapo_kernels
 import dapo_kernels._runtime as runtime
 import dapo_kernels.logprob as logprob_mod
+import dapo_kernels.logprob_cublas as logprob_cublas
 from dapo_kernels import linear_logprob_entropy, linear_logprob_entropy_reference
 
 from kernels_device import DEVICE
@@ -81,24 +82,53 @@ CASES = {
     "fp32_N1": (1, 40, 130, torch.float32, 1.0, None),
     "fp16_T1.3": (29, 32, 200, torch.float16, 1.3, 16),
     "bf16_fp32cast": (33, 64, 257, torch.bfloat16, 1.0, None),
+    # bf16 over 3 row blocks: the weight gradient is rounded to bf16 once per row block (3 roundings)
+    "bf16_chunked": (45, 32, 257, torch.bfloat16, 0.9, 16),
 }
 
 
-def force_chunks(monkeypatch, *, rows, v, dtype):
-    """Backward chunks of `rows` rows (fp32 grad_weight accumulation), on the GPU too (whose chunks
-    are otherwise multiples of 128 rows)."""
+# The fused op's variants: backward schedule x where the logits come from (tl.dot or cuBLAS + epilogue).
+SCHEDULES = {
+    "blocked": dict(backward="blocked"),
+    "row_chunked": dict(backward="row_chunked"),
+    "cublas": dict(backward="blocked", logits="cublas"),
+}
+
+
+def force_chunks(monkeypatch, *, rows, v, dtype, h=None, cublas=False):
+    """Backward chunks of `rows` rows, on the GPU too (whose chunks are otherwise multiples of 128
+    rows). row_chunked: `rows` x the full vocab (fp32 grad_weight accumulation). blocked: row blocks
+    of `rows` x vocab blocks of 100 rows (not a multiple of the vocab tile; several blocks at every
+    V below, so the fp32 grad_hidden rows and the per-row-block grad_weight passes both run); the
+    budget is pinned (h given) to exactly rows * (100 * itemsize + 4 h) bytes (cublas: + 400, the fp32
+    logits block). The cuBLAS forward's logit chunks are pinned to `rows` rows too."""
     itemsize = torch.tensor([], dtype=dtype).element_size()
-    monkeypatch.setattr(logprob_mod, "BACKWARD_WORKSPACE_BYTES", rows * v * itemsize)
     monkeypatch.setattr(logprob_mod, "CHUNK_ROW_ALIGN", 16)
+    monkeypatch.setattr(logprob_mod, "VOCAB_BLOCK", 100)
+    monkeypatch.setattr(logprob_mod, "BLOCKED_BUDGET_PER_NH", 1 << 30)  # the byte budget below decides
+    per_row = v * itemsize if h is None else 100 * (itemsize + (4 if cublas else 0)) + 4 * h
+    monkeypatch.setattr(logprob_mod, "BACKWARD_WORKSPACE_BYTES", rows * per_row)
+    monkeypatch.setattr(logprob_cublas, "ROW_ALIGN", 16)
+    monkeypatch.setattr(logprob_cublas, "FORWARD_LOGITS_BYTES", rows * v * 4)
 
 
+def force_schedule_chunks(monkeypatch, schedule, *, rows, v, dtype, h):
+    blocked = SCHEDULES[schedule]["backward"] == "blocked"
+    force_chunks(monkeypatch, rows=rows, v=v, dtype=dtype, h=h if blocked else None, cublas=schedule == "cublas")
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("name", list(CASES))
-def test_forward_and_grads_match_float64(name, monkeypatch, device):
+def test_forward_and_grads_match_float64(name, schedule, monkeypatch, device):
     n, h, v, dtype, temperature, chunk_rows = CASES[name]
     if chunk_rows is not None:
-        force_chunks(monkeypatch, rows=chunk_rows, v=v, dtype=dtype)
+        force_schedule_chunks(monkeypatch, schedule, rows=chunk_rows, v=v, dtype=dtype, h=h)
+        if schedule != "row_chunked":  # the schedule these tests mean to exercise: several row AND vocab blocks
+            rows, cols = logprob_mod.blocked_plan(n, h, v, torch.tensor([], dtype=dtype).element_size(),
+                                                  cublas=schedule == "cublas")
+            assert rows == chunk_rows < n and cols == 100 < v
     inputs = make_inputs(n, h, v, dtype=dtype, seed=sum(map(ord, name)))
-    lp, ent, gh, gw = run_fused(*inputs, temperature=temperature)
+    lp, ent, gh, gw = run_fused(*inputs, temperature=temperature, **SCHEDULES[schedule])
     lp64, ent64, gh64, gw64 = run_oracle(*inputs, temperature=temperature)
     assert lp.dtype == torch.float32 and ent.dtype == torch.float32 and lp.shape == (n,)
     assert gh.dtype == dtype and gw.dtype == dtype
@@ -110,14 +140,17 @@ def test_forward_and_grads_match_float64(name, monkeypatch, device):
     assert rel_err(gw, gw64) < grad_tol(dtype)
 
 
+@pytest.mark.parametrize("schedule", [None, *SCHEDULES])
 @pytest.mark.parametrize("offset", [1e4, -1e4])
-def test_large_logit_offsets(offset, device):
+def test_large_logit_offsets(offset, schedule, monkeypatch, device):
     """Every logit shifted by +-1e4 (at -1e4 all logits are negative). fp32 spacing at 1e4 is 2^-10:
     the logits are exact (make_inputs) but z / T rounds each by up to half a spacing, and a
     log-prob combines two of them and the log-sum-exp; allow 4 spacings, nothing more."""
     n, h, v = 24, 32, 190
+    if schedule:  # 2 row blocks (x 2 vocab blocks for the blocked schedules)
+        force_schedule_chunks(monkeypatch, schedule, rows=16, v=v, dtype=torch.float32, h=h)
     inputs = make_inputs(n, h, v, dtype=torch.float32, seed=7, offset=offset)
-    lp, ent, gh, gw = run_fused(*inputs, temperature=0.9)
+    lp, ent, gh, gw = run_fused(*inputs, temperature=0.9, **SCHEDULES.get(schedule, {}))
     lp64, ent64, gh64, gw64 = run_oracle(*inputs, temperature=0.9)
     spacing = 2.0**-10
     assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
@@ -180,16 +213,18 @@ def test_without_cuda_or_interpreter_the_fused_op_refuses(monkeypatch):
 
 # ---- Megatron's vocab padding -------------------------------------------------------------------
 
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("chunked", [False, True])
-def test_padded_vocab_rows_take_no_probability_and_no_gradient(chunked, monkeypatch, device):
+def test_padded_vocab_rows_take_no_probability_and_no_gradient(chunked, schedule, monkeypatch, device):
     """vocab_size=261 of 320 rows (the padding rows hold random values, not Megatron's zeros, so a
     leak would show): equal to the float64 oracle on the 261 real rows; zero gradient on the rest."""
     n, h, v, real = 29, 32, 320, 261
     if chunked:
-        force_chunks(monkeypatch, rows=16, v=v, dtype=torch.float32)
+        force_schedule_chunks(monkeypatch, schedule, rows=16, v=v, dtype=torch.float32, h=h)
     hidden, weight, targets, g_lp, g_ent = make_inputs(n, h, v, dtype=torch.float32, seed=21, vocab_size=real)
     targets[:2] = torch.tensor([0, real - 1])
-    lp, ent, gh, gw = run_fused(hidden, weight, targets, g_lp, g_ent, temperature=0.9, vocab_size=real)
+    lp, ent, gh, gw = run_fused(hidden, weight, targets, g_lp, g_ent, temperature=0.9, vocab_size=real,
+                                **SCHEDULES[schedule])
     lp64, ent64, gh64, gw64 = run_oracle(hidden, weight[:real], targets, g_lp, g_ent, temperature=0.9)
     assert (lp.double() - lp64).abs().max().item() < 2e-5
     assert (ent.double() - ent64).abs().max().item() < 2e-5
@@ -226,15 +261,29 @@ def _tp_group(device: str):
     return dist.new_group(backend="nccl")
 
 
+# blocked backward on the ranks: vocab blocks of 40 rows (2 per 75-row shard) x row blocks of 16 rows
+_TP_BLOCKED = {"VOCAB_BLOCK": 40, "BLOCKED_BUDGET_PER_NH": 1 << 30, "CHUNK_ROW_ALIGN": 16,
+               "BACKWARD_WORKSPACE_BYTES": 16 * (40 * 4 + 4 * TP_H)}
+
+
 def _tp_rank(impl: str, vocab_size, device: str):
     """On each rank: its vocab shard of the weight, fused or reference op over the TP group."""
-    caps = logprob_mod.INTERPRET_TILE_CAPS
+    saved = {k: getattr(logprob_mod, k) for k in ("INTERPRET_TILE_CAPS", *_TP_BLOCKED)}
+    saved_cublas = (logprob_cublas.ROW_ALIGN, logprob_cublas.FORWARD_LOGITS_BYTES)
     if dapo_kernels.INTERPRET:  # the same small tiles as the single-process tests (restored below)
         logprob_mod.INTERPRET_TILE_CAPS = {"BLOCK_N": 16, "BLOCK_V": 64, "BLOCK_K": 32}
+    if impl in ("fused_blocked", "fused_cublas"):
+        for key, value in _TP_BLOCKED.items():
+            setattr(logprob_mod, key, value)
+        if impl == "fused_cublas":  # fp32 logits block on top; forward logit chunks of 16 rows
+            logprob_mod.BACKWARD_WORKSPACE_BYTES = 16 * (40 * 8 + 4 * TP_H)
+            logprob_cublas.ROW_ALIGN, logprob_cublas.FORWARD_LOGITS_BYTES = 16, 16 * 75 * 4
     try:
         return _tp_rank_body(impl, vocab_size, device)
     finally:
-        logprob_mod.INTERPRET_TILE_CAPS = caps
+        for key, value in saved.items():
+            setattr(logprob_mod, key, value)
+        logprob_cublas.ROW_ALIGN, logprob_cublas.FORWARD_LOGITS_BYTES = saved_cublas
 
 
 def _tp_rank_body(impl: str, vocab_size, device: str):
@@ -244,8 +293,14 @@ def _tp_rank_body(impl: str, vocab_size, device: str):
     v_local = TP_V // world
     shard = weight[rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
     hidden = hidden.clone().requires_grad_()
-    fn = linear_logprob_entropy if impl == "fused" else linear_logprob_entropy_reference
-    lp, ent = fn(hidden, shard, targets, temperature=0.8, tp_group=group, vocab_size=vocab_size)
+    if impl == "reference":
+        lp, ent = linear_logprob_entropy_reference(hidden, shard, targets, temperature=0.8, tp_group=group,
+                                                   vocab_size=vocab_size)
+    else:
+        variant = {"fused": SCHEDULES["row_chunked"], "fused_blocked": SCHEDULES["blocked"],
+                   "fused_cublas": SCHEDULES["cublas"]}[impl]
+        lp, ent = linear_logprob_entropy(hidden, shard, targets, temperature=0.8, tp_group=group,
+                                         vocab_size=vocab_size, **variant)
     ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
     if group is not dist.group.WORLD:
         dist.destroy_process_group(group)
@@ -255,7 +310,7 @@ def _tp_rank_body(impl: str, vocab_size, device: str):
 # vocab_size None: no padding; 110: rank 1 holds 35 real rows and 40 of padding; 60: rank 0 holds
 # 60 real rows and 15 of padding, rank 1 only padding (it must still join every collective).
 @pytest.mark.parametrize("vocab_size", [None, 110, 60])
-@pytest.mark.parametrize("impl", ["fused", "reference"])
+@pytest.mark.parametrize("impl", ["fused", "fused_blocked", "fused_cublas", "reference"])
 def test_vocab_parallel_tp2_equals_tp1(impl, vocab_size, rank_pool, device):
     if device == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("vocab-parallel on GPUs needs two of them (NCCL: one rank per device)")

@@ -7,8 +7,11 @@ Run: pytest tests/kernels/test_policy_loss.py -q        (any device: see tests/k
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dapo_kernels._runtime as runtime
 from dapo_kernels import policy_loss, policy_loss_reference
@@ -48,11 +51,15 @@ def oracle(fn, logprob, old, adv, mask, *, dtype=torch.float64, **kw):
     return loss.detach(), logprob.grad, stats
 
 
+@pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize("clip_ratio_c", [3.0, None])
-def test_matches_float64_reference(clip_ratio_c, device):
+def test_matches_float64_reference(clip_ratio_c, one_pass, device):
+    """606 tokens: 10 blocks in the interpreter (64 tokens each), so the one-pass launch's last
+    program reduces 10 partials; one_pass=False is the first design (a second reduce launch)."""
     inputs = make_inputs((6, 101), seed=1)
-    kw = dict(KW, clip_ratio_c=clip_ratio_c, loss_denominator=500.0)
+    kw = dict(KW, clip_ratio_c=clip_ratio_c, loss_denominator=500.0, one_pass=one_pass)
     loss, grad, stats = fused(*inputs, **kw)
+    kw.pop("one_pass")
     loss64, grad64, stats64 = oracle(policy_loss_reference, *inputs, **kw)
     assert stats64["dualclip_frac"].item() > (0.01 if clip_ratio_c else -1.0)  # every branch is hit
     assert stats64["clipfrac_low"].item() > 0.01 and stats64["clipfrac_high"].item() > 0.01
@@ -124,6 +131,58 @@ def test_per_sequence_advantages_broadcast(device):
     assert abs(loss.item() - loss64.item()) < 1e-6
 
 
+class _AtenOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket.__name__))
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_launch_no_sync_no_copies(monkeypatch, device):
+    """The host side of the default call (the fixed ~0.3 ms of the first H100 run), with the Triton
+    launches replaced by recorders (the interpreter's own argument copies would hide the wrapper's):
+    one launch of the fused kernel, none of the reduce kernel, no .item() (aten._local_scalar_dense),
+    and with contiguous inputs and [B, 1] advantages exactly two allocations (the gradient; loss +
+    stats + partials in one buffer): no expanded advantages, no copies. Then the real call: values
+    against float64, and the arrival counter left at 0 for the next call."""
+    policy_loss_mod = sys.modules["dapo_kernels.policy_loss"]  # the package attribute is the function
+    logprob, old, adv, mask = make_inputs((4, 300), seed=8)
+    per_seq = adv[:, :1].contiguous()
+    launches = []
+
+    class _Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((self.name, kw.get("ADV_PER_ROW")))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(policy_loss_mod, "_fused_kernel", _Recorder("fused"))
+        patch.setattr(policy_loss_mod, "_reduce_kernel", _Recorder("reduce"))
+        lp = logprob.clone().requires_grad_()
+        with _AtenOps() as forward_ops:
+            policy_loss(lp, old, per_seq, mask, **KW, loss_denominator=1000.0)
+    assert launches == [("fused", True)]
+    assert "_local_scalar_dense" not in forward_ops.ops
+    allocations = [op for op in forward_ops.ops if op.startswith(("empty", "zeros", "clone", "copy", "expand",
+                                                                  "_to_copy", "contiguous", "ones", "full"))]
+    assert allocations == ["empty_like", "empty"], forward_ops.ops
+
+    lp = logprob.clone().requires_grad_()
+    loss, stats = policy_loss(lp, old, per_seq, mask, **KW, loss_denominator=1000.0)
+    assert policy_loss_mod._COUNTERS[lp.device].item() == 0
+    with _AtenOps() as backward_ops:
+        loss.backward()
+    assert "_local_scalar_dense" not in backward_ops.ops
+    loss64, grad64, _ = oracle(policy_loss_reference, logprob, old, per_seq, mask, **KW, loss_denominator=1000.0)
+    assert abs(loss.item() - loss64.item()) < 1e-6
+    assert (lp.grad.double() - grad64).abs().max().item() < 1e-7
+
+
 def test_float_mask_weights(device):
     logprob, old, adv, mask = make_inputs((2, 90), seed=4)
     weights = mask.float() * 0.5
@@ -135,11 +194,14 @@ def test_float_mask_weights(device):
 
 
 def test_bit_identical_reruns(device):
+    """Reruns, and the one-launch design against the two-launch one: same partials, same order."""
     inputs = make_inputs((2500,), seed=5)
     first = fused(*inputs, **KW, loss_denominator=2500)
     second = fused(*inputs, **KW, loss_denominator=2500)
-    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
-    assert all(torch.equal(first[2][k], second[2][k]) for k in POLICY_LOSS_STAT_KEYS)
+    two_launch = fused(*inputs, **KW, loss_denominator=2500, one_pass=False)
+    for other in (second, two_launch):
+        assert torch.equal(first[0], other[0]) and torch.equal(first[1], other[1])
+        assert all(torch.equal(first[2][k], other[2][k]) for k in POLICY_LOSS_STAT_KEYS)
 
 
 def test_bad_inputs_raise_value_error(device):

@@ -37,8 +37,10 @@ def test_launch_env_rejects_a_rank_outside_the_world():
 
 
 def test_block_causal_mask_by_hand():
-    # sequences of 3 and 2 tokens, then 1 padding token: its own block
-    mask = model_mod.block_causal_mask(torch.tensor([0, 3, 5]), 6).int().tolist()
+    from attention_reference import block_causal_mask
+
+    # sequences of 3 and 2 tokens, then 1 padding token: its own block (the tests' dense reference)
+    mask = block_causal_mask(torch.tensor([0, 3, 5]), 6).int().tolist()
     assert mask == [
         [1, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0],

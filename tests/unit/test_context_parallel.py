@@ -38,10 +38,10 @@ def test_segment_not_a_multiple_of_2cp_is_a_value_error():
         cp_local_indices([0, 6], cp_size=2, cp_rank=0)
 
 
-# --- what the torch attention backend does with the chunks (actor/model.py TorchSDPAttention) ---
+# --- the dense reference of CP attention (tests/attention_reference.py; actor/attention.py is checked against it) ---
 
 def test_cp_causal_mask_of_rank_1_by_hand():
-    from dapo_megatron.actor.context_parallel import cp_causal_mask
+    from attention_reference import cp_causal_mask
 
     # one 8-token sequence, cp=2: rank 1 holds positions 2 3 4 5 and sees keys up to its own position
     mask = cp_causal_mask([0, 8], cp_size=2, cp_rank=1)
@@ -54,7 +54,7 @@ def test_cp_causal_mask_of_rank_1_by_hand():
 
 
 def test_cp_causal_mask_stops_at_segment_boundaries():
-    from dapo_megatron.actor.context_parallel import cp_causal_mask
+    from attention_reference import cp_causal_mask
 
     # two 4-token segments, cp=2: rank 0 holds positions 0, 3 (segment 0) and 4, 7 (segment 1)
     mask = cp_causal_mask([0, 4, 8], cp_size=2, cp_rank=0)
@@ -83,8 +83,8 @@ def test_per_rank_attention_rows_equal_whole_sequence_attention(cp_size):
     block-diagonal causal attention over the packed micro-batch (fp64)."""
     import torch.nn.functional as F
 
-    from dapo_megatron.actor.context_parallel import cp_causal_mask
-    from dapo_megatron.actor.model import block_causal_mask
+    from attention_reference import cp_causal_mask
+    from attention_reference import block_causal_mask
 
     m = 2 * cp_size
     cu = torch.tensor([0, 3 * m, 4 * m, 7 * m], dtype=torch.int32)  # 3 segments

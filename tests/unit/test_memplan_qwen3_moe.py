@@ -63,13 +63,14 @@ def test_30b_a3b_static_bytes_by_hand():
 def test_30b_a3b_preset_fits_with_its_peak_in_the_colocated_rollout():
     """The verdict: colocated on 80 GiB H100s the peak is the rollout phase (the engine's 0.7 x 80 GiB static
     pool + SGLang's 13.25 GiB reserve + the trainer's 2.34 GiB that stay: 71.59 GiB); the actor's train
-    phase is 39.05 GiB (30.1 GiB of state, full-recompute activations, the working set)."""
+    phase is 39.17 GiB (30.1 GiB of state, full-recompute activations, the working set, which holds the
+    fused head's 0.12 GiB backward workspace: kernels/logprob.blocked_workspace_bytes)."""
     plan = build_plan(_load(A3B))
     assert plan.fits and plan.placement == "colocated"
     table = plan.tables["colocated"][0]
     peak, phase = table.peak()
     assert phase == "rollout" and peak / GIB == pytest.approx(71.59, abs=0.005)
-    assert table.total("train") / GIB == pytest.approx(39.05, abs=0.005)
+    assert table.total("train") / GIB == pytest.approx(39.17, abs=0.005)
     # the engine: 30.53B bf16 weights over engine TP=2, norms and routers replicated
     dims = model_dims_for(_load(A3B))
     replicated = 97 * 2048 + 96 * 128 + 48 * 128 * 2048
@@ -89,7 +90,8 @@ def test_tiny_cpu_moe_verdict():
     plan = build_plan(_load(TINY_MOE))
     assert plan.fits
     peak, phase = plan.tables["colocated"][0].peak()
-    assert phase == "train" and peak / GIB == pytest.approx(2.21, abs=0.005)
+    # 2.21 GiB with the dense [T, T] attention mask the torch backend kept before actor/attention.py
+    assert phase == "train" and peak / GIB == pytest.approx(2.15, abs=0.005)
     dims = model_dims_for(_load(TINY_MOE))
     assert dims.is_moe and dims.num_sparse_layers == dims.layers == 2 and dims.qk_norm
 

@@ -75,3 +75,27 @@ print(got.tolist())
     with pytest.raises(ValueError, match="gloo or nccl"):
         open_weight_group(backend="mpi", master_address="127.0.0.1", master_port=port, rank=0, world_size=1,
                           group_name="x")
+
+
+# ------------------------------------------------------------------ the group's backend follows the engines
+def test_engine_group_backend_follows_the_engines():
+    from dapo_megatron.transfer.weight_sync import engine_group_backend
+
+    cpu = {"model_path": "m", "tp_size": 1, "cpu_engine": {"weight_group_backend": "gloo"}}
+    sglang = {"model_path": "m", "tp_size": 2}  # SGLang's /server_info: ServerArgs fields, no cpu_engine block
+    assert engine_group_backend({"http://a:1": cpu, "http://b:2": cpu}) == "gloo"
+    assert engine_group_backend({"http://c:3": sglang}) == "nccl"
+    with pytest.raises(ValueError) as err:
+        engine_group_backend({"http://a:1": cpu, "http://c:3": sglang, "http://d:4": sglang})
+    msg = str(err.value)
+    assert "gloo: http://a:1" in msg and "nccl: http://c:3, http://d:4" in msg and "rollout.engine" in msg
+
+
+def test_nccl_engines_need_a_gpu_trainer():
+    from dapo_megatron.transfer import weight_sync
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the trainer can join nccl")
+    with pytest.raises(ValueError, match="needs a GPU on the trainer side"):
+        weight_sync._check_trainer_can_join("nccl")
+    weight_sync._check_trainer_can_join("gloo")

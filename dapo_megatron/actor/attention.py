@@ -1,0 +1,282 @@
+"""The torch attention backend's core attention: packed (THD) and context-parallel causal attention in
+O(T) memory, without Transformer Engine and without any [T, T] tensor.
+
+A packed micro-batch is documents (padded segments, cu_seqlens_q_padded) laid end to end; a token attends
+to the tokens of its own document at or before its position. Instead of a dense block-diagonal mask
+(which SDPA turns into a [heads, T, T] score matrix), the queries are cut into *query blocks*: contiguous
+query rows that belong to one document, each with the contiguous key range it may see (`document_blocks`):
+
+    cp = 1     one block per document: queries [s, e), keys [s, e), square causal (is_causal=True)
+    cp > 1     rank r holds chunks r and 2cp-1-r of every document (context_parallel.py); chunk c of a
+               document starting at s (chunk length n) is queries [s + c n, s + (c+1) n) against keys
+               [s, s + (c+1) n) of the all-gathered K/V: causal aligned at the LOWER RIGHT (the last query
+               sees every key), square only for c = 0
+
+Two kernels (actor.attention_kernel):
+  sdpa  (default) one torch scaled_dot_product_attention call per query block, GQA through enable_gqa (no
+        repeat_interleave copies of K/V). Square blocks use is_causal=True: the flash kernels on GPUs, the
+        flash-for-CPU kernel on CPU; both keep q, k, v, out and the fp32 logsumexp for the backward (O(T)).
+        Lower-right blocks (CP chunks that start inside their document) use
+        torch.nn.attention.bias.causal_lower_right on CUDA in bf16/fp16, which runs the flash kernel;
+        elsewhere (CPU, fp32 on GPUs) causal_lower_right would materialise a [n, m] float mask, so the
+        queries are front-padded with m - n zero rows instead and the square is_causal kernel runs (the
+        padded rows' outputs are dropped; their gradient is zero): exact, O(T) memory, up to cp times the
+        attention FLOPs of that rank (the CPU / fp32 path is for tests).
+        Cost: a Python loop over documents, per layer, in forward and backward (one kernel launch per
+        document and direction): tens of microseconds per document on a GPU, noticeable with many short
+        documents per micro-batch; nothing in it is quadratic in T.
+  flex  torch FlexAttention with a document-causal BlockMask (one kernel for the whole micro-batch, built
+        once per forward and shared by every layer): CUDA only (in torch 2.13 its backward raises on CPU),
+        refused at model build on a machine without CUDA.
+
+The dense-mask formulation survives only as the tests' reference (tests/attention_reference.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_KERNELS = ("sdpa", "flex")
+
+
+@dataclass(frozen=True)
+class QueryBlock:
+    """Query rows [q_start, q_end) (local order) of one document and the keys [k_start, k_end) (token
+    order) they may see; the queries are the last q_end - q_start positions of that key range."""
+    q_start: int
+    q_end: int
+    k_start: int
+    k_end: int
+
+
+def document_blocks(bounds: Sequence[int], local_tokens: int, *, cp_size: int = 1, cp_rank: int = 0) -> list[QueryBlock]:
+    """The query blocks of a packed micro-batch of documents with (global, padded) boundaries `bounds`.
+
+    cp_size = 1: tokens past bounds[-1] (an unannounced padding tail) form one more document, so every
+    query sees at least itself. cp_size > 1: the local tensor holds chunks r and 2cp-1-r of every
+    document (context_parallel.cp_local_indices) and must have exactly bounds[-1] / cp tokens."""
+    bounds = [int(x) for x in bounds]
+    if cp_size == 1:
+        if bounds[-1] < local_tokens:
+            bounds = bounds + [local_tokens]
+        if bounds[-1] != local_tokens:
+            raise ValueError(f"packed sequence boundaries end at {bounds[-1]} but the micro-batch has "
+                             f"{local_tokens} tokens")
+        return [QueryBlock(s, e, s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    if bounds[-1] != local_tokens * cp_size:
+        raise ValueError(f"context parallel: boundaries end at {bounds[-1]} but cp={cp_size} ranks hold "
+                         f"{local_tokens} tokens each")
+    blocks, offset = [], 0
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        length = end - start
+        if length % (2 * cp_size):
+            raise ValueError(f"a packed segment of {length} tokens (offset {start}) is not a multiple of "
+                             f"2*cp = {2 * cp_size}: pad every sequence with seq_pad_multiple=2*cp")
+        chunk = length // (2 * cp_size)
+        if chunk == 0:
+            continue
+        for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            blocks.append(QueryBlock(offset, offset + chunk, start, start + (c + 1) * chunk))
+            offset += chunk
+    return blocks
+
+
+def _lower_right_by_flash(query: torch.Tensor) -> bool:
+    """causal_lower_right reaches the flash kernel (no materialised mask) only on CUDA in half precision."""
+    return query.is_cuda and query.dtype in (torch.bfloat16, torch.float16)
+
+
+def _causal_block(q, k, v, *, scale: float, dropout_p: float) -> torch.Tensor:
+    """q [B, h, n, d] = the last n positions of k, v [B, g, m, d] (n <= m); causal aligned at the lower right."""
+    n, m = q.size(2), k.size(2)
+    gqa = q.size(1) != k.size(1)
+    if n == m:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale,
+                                              enable_gqa=gqa)
+    if _lower_right_by_flash(q):
+        from torch.nn.attention.bias import causal_lower_right
+
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, m), dropout_p=dropout_p,
+                                              scale=scale, enable_gqa=gqa)
+    # zero queries in front make the block square: query i of the padded block sees keys <= i
+    padded = torch.cat([q.new_zeros(q.size(0), q.size(1), m - n, q.size(3)), q], dim=2)
+    out = F.scaled_dot_product_attention(padded, k, v, is_causal=True, dropout_p=dropout_p, scale=scale,
+                                         enable_gqa=gqa)
+    return out[:, :, m - n:]
+
+
+def blockwise_attention(q, k, v, blocks: Sequence[QueryBlock], *, scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """Document-causal attention block by block: q [B, h, Tq, d]; k, v [B, g, Tk, d] in token order;
+    returns [B, h, Tq, d]. Every query row must be in exactly one block (document_blocks' blocks are)."""
+    outs = [_causal_block(q[:, :, b.q_start:b.q_end], k[:, :, b.k_start:b.k_end], v[:, :, b.k_start:b.k_end],
+                          scale=scale, dropout_p=dropout_p) for b in blocks]
+    if len(outs) == 1:
+        return outs[0]
+    # concatenated token-major ([B, T, h, d] storage, returned as a [B, h, T, d] view): the callers' move
+    # to [T, h*d] is then a view, not a second copy (SDPA's outputs are token-major views as well)
+    return torch.cat([o.transpose(1, 2) for o in outs], dim=1).transpose(1, 2)
+
+
+# --- FlexAttention (CUDA) ------------------------------------------------------------------------------
+
+def document_block_mask(blocks: Sequence[QueryBlock], *, key_tokens: int, device):
+    """FlexAttention BlockMask of the same attention as `blocks`: query row i (local) may see key j iff
+    j is in its block's key range and j <= its own position (the block's lower-right alignment)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    query_tokens = blocks[-1].q_end if blocks else 0
+    q_pos = torch.empty(query_tokens, dtype=torch.int64)
+    q_first = torch.empty(query_tokens, dtype=torch.int64)
+    for b in blocks:
+        q_pos[b.q_start:b.q_end] = torch.arange(b.k_end - (b.q_end - b.q_start), b.k_end)
+        q_first[b.q_start:b.q_end] = b.k_start
+    q_pos, q_first = q_pos.to(device), q_first.to(device)
+
+    def mask_mod(batch, head, q_idx, kv_idx):
+        return (kv_idx >= q_first[q_idx]) & (kv_idx <= q_pos[q_idx])
+
+    return create_block_mask(mask_mod, None, None, query_tokens, key_tokens, device=device)
+
+
+_COMPILED_FLEX = None
+
+
+def flex_document_attention(q, k, v, block_mask, *, scale: float, compiled: bool = True) -> torch.Tensor:
+    """FlexAttention with a document BlockMask; q [B, h, Tq, d], k, v [B, g, Tk, d]. compiled=False runs
+    the eager (reference) implementation, which materialises scores: for tests only."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    fn = flex_attention
+    if compiled:
+        if _COMPILED_FLEX is None:
+            # default dynamic-shape policy: packed micro-batches change length every step; after the first
+            # recompile the kernel is traced with a symbolic length instead of recompiling per length
+            _COMPILED_FLEX = torch.compile(flex_attention)
+        fn = _COMPILED_FLEX
+    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.size(1) != k.size(1))
+
+
+def check_attention_kernel(kernel: str) -> None:
+    """The clear error for actor.attention_kernel, at model build (before any forward)."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"actor.attention_kernel={kernel!r}: allowed {', '.join(ATTENTION_KERNELS)}")
+    if kernel == "flex" and not torch.cuda.is_available():
+        raise ValueError("actor.attention_kernel=flex needs a CUDA GPU: FlexAttention's backward is not "
+                         "implemented on CPU (torch 2.13); use actor.attention_kernel=sdpa")
+
+
+# --- megatron core attention ---------------------------------------------------------------------------
+
+class TorchSDPAttention(torch.nn.Module):
+    """Core attention of the torch backend: drop-in for megatron's DotProductAttention (same constructor and
+    forward signature), with packed THD sequences and context parallelism in O(T) memory (module docstring).
+
+    Context parallelism (config.context_parallel_size > 1): the inputs hold this CP rank's tokens only (two
+    chunks of every segment, context_parallel.py). K and V are all-gathered over the CP group and put back
+    in token order; each local query chunk attends to its document's gathered keys up to its own position.
+    megatron-core's cp_comm_type "all_gather"; the other comm types are refused.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None, kernel: str = "sdpa"):
+        super().__init__()
+        from megatron.core import parallel_state
+
+        check_attention_kernel(kernel)
+        self.config = config
+        self.kernel = kernel
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        if kernel == "flex" and self.dropout_p:
+            raise ValueError("actor.attention_kernel=flex: FlexAttention has no attention dropout "
+                             f"(config.json attention_dropout={self.dropout_p})")
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            if cp_comm_type not in (None, "all_gather"):
+                raise ValueError(f"cp_comm_type={cp_comm_type!r}: the torch attention backend implements "
+                                 "context parallelism as 'all_gather' only (use attention_backend=te for p2p/a2a)")
+            cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+            self.cp_group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
+
+    def _layout(self, bounds: Sequence[int], local_tokens: int, device):
+        """(index putting gathered K/V in token order or None, query blocks, flex BlockMask or None)."""
+        cp_size = 1 if self.cp_group is None else self.cp_group.size()
+        cp_rank = 0 if self.cp_group is None else self.cp_group.rank()
+        blocks = document_blocks(bounds, local_tokens, cp_size=cp_size, cp_rank=cp_rank)
+        order = None
+        if self.cp_group is not None:
+            from dapo_megatron.actor.context_parallel import gathered_to_token_order
+
+            order = gathered_to_token_order(bounds, cp_size=cp_size).to(device)
+        mask = None
+        if self.kernel == "flex":
+            mask = document_block_mask(blocks, key_tokens=local_tokens * cp_size, device=device)
+        return order, blocks, mask
+
+    def _gather_kv(self, key, value, order):
+        from dapo_megatron.actor.context_parallel import gather_for_cp
+
+        return (gather_for_cp(key, token_order=order, cp_group=self.cp_group),
+                gather_for_cp(value, token_order=order, cp_group=self.cp_group))
+
+    def _attend(self, q, k, v, blocks, mask):
+        """q [B, h, Tq, d]; k, v [B, g, Tk, d] -> [B, h, Tq, d]."""
+        if self.kernel == "flex":
+            return flex_document_attention(q, k, v, mask, scale=self.softmax_scale)
+        dropout_p = self.dropout_p if self.training else 0.0
+        return blockwise_attention(q, k, v, blocks, scale=self.softmax_scale, dropout_p=dropout_p)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by the torch attention backend")
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._forward_thd(query, key, value, packed_seq_params)
+        if packed_seq_params is not None:
+            raise ValueError(f"packed_seq_params.qkv_format={packed_seq_params.qkv_format!r}: only 'thd'")
+        # [s, b, n, hn] -> [b, n, s, hn]: one causal sequence per row
+        seq, batch = query.size(0), query.size(1)
+        if attention_mask is not None:
+            if self.cp_group is not None:
+                raise ValueError("an explicit attention_mask with context parallelism: the torch backend "
+                                 "supports causal (attention_mask=None) or packed THD batches")
+            if self.kernel == "flex":
+                raise ValueError("actor.attention_kernel=flex: an explicit attention_mask is not supported")
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+            dropout_p = self.dropout_p if self.training else 0.0
+            # megatron: True = masked out; SDPA: True = attend
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout_p,
+                                                 scale=self.softmax_scale, enable_gqa=q.size(1) != k.size(1))
+            return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
+        # the row is split like megatron's get_batch_on_this_cp_rank: one segment of seq*cp tokens
+        cp_size = 1 if self.cp_group is None else self.cp_group.size()
+        order, blocks, mask = self._layout([0, seq * cp_size], seq, query.device)
+        if order is not None:
+            key, value = self._gather_kv(key, value, order)
+        out = self._attend(*(x.permute(1, 2, 0, 3) for x in (query, key, value)), blocks, mask)
+        return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)  # [s, b, np*hn]
+
+    def _forward_thd(self, query, key, value, packed_seq_params):
+        # [T, np, hn] -> [1, np, T, hn]; T is this CP rank's share of the packed tokens. The segment
+        # boundaries are the padded ones when given (tokens are laid out by them; RoPE reads the same).
+        bounds = packed_seq_params.cu_seqlens_q_padded
+        if bounds is None:
+            bounds = packed_seq_params.cu_seqlens_q
+        total = query.size(0)
+        # one layout per forward, not per layer: cached on the params object every layer of this forward gets
+        key_ = (total, str(query.device), self.kernel)
+        cached = getattr(packed_seq_params, "_dapo_attention_layout", None)
+        if cached is None or cached[0] != key_:
+            cached = (key_, self._layout(bounds.tolist(), total, query.device))
+            packed_seq_params._dapo_attention_layout = cached
+        order, blocks, mask = cached[1]
+        if order is not None:
+            key, value = self._gather_kv(key, value, order)
+        out = self._attend(*(x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value)), blocks, mask)
+        return out.squeeze(0).permute(1, 0, 2).reshape(total, -1)  # [T, np*hn]

@@ -1,0 +1,132 @@
+"""Every collective of the package, with its tensors on the device the group's backend needs.
+
+NCCL moves CUDA tensors only (a CPU tensor fails with "No backend type associated with device type
+cpu": the first H100 run died so in parallel.py, 2026-11-25); gloo moves CPU tensors (some of its
+ops take CUDA tensors, not all of them, and slowly). A tensor is staged to the backend's device when
+it lives elsewhere and the result is copied back into it, so a caller may hand over any tensor:
+one made on the default device (CPU) for a handful of counters, or a CUDA bucket for a weight group
+that gloo carries (a GPU trainer feeding CPU rollout engines). A tensor already on the right device
+moves nothing.
+
+    from dapo_megatron.dataplane import collectives as coll
+    coll.all_reduce(counts, group=dp_group)                  # in place, like torch.distributed
+    coll.broadcast_object_list(box, src=0)                   # the device NCCL needs for the pickle
+    coll.pg_broadcast(weight_pg, flat_bucket, src=0)         # a weight group's own ProcessGroup
+
+tests/unit/test_collective_sites.py checks statically that no other module of dapo_megatron calls a
+torch.distributed collective itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def backend_device(group=None) -> torch.device:
+    """The device a collective over `group` (None: the default group) must get its tensors on."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _staged(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor if tensor.device == device else tensor.to(device)
+
+
+def _restore(tensor: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
+    if staged is not tensor:
+        tensor.copy_(staged)
+    return tensor
+
+
+class _CopyBackWork:
+    """A Work whose wait() also copies the staged receive buffer into the caller's tensor."""
+
+    def __init__(self, work, tensor: torch.Tensor, staged: torch.Tensor):
+        self._work, self._tensor, self._staged = work, tensor, staged
+
+    def wait(self, *args, **kwargs) -> bool:
+        done = self._work.wait(*args, **kwargs)
+        _restore(self._tensor, self._staged)
+        return done
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+
+# ---------------------------------------------------------------------------------------- tensors
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    staged = _staged(tensor, backend_device(group))
+    dist.all_reduce(staged, op=op, group=group)
+    return _restore(tensor, staged)
+
+
+def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
+    """torch.distributed.all_gather: rank r's `tensor` lands in tensor_list[r] (on its own device)."""
+    device = backend_device(group)
+    staged_out = [_staged(t, device) for t in tensor_list]
+    dist.all_gather(staged_out, _staged(tensor, device), group=group)
+    for out, staged in zip(tensor_list, staged_out):
+        _restore(out, staged)
+    return tensor_list
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None) -> torch.Tensor:
+    """`src` is a global rank, as in torch.distributed.broadcast."""
+    staged = _staged(tensor, backend_device(group))
+    dist.broadcast(staged, src=src, group=group)
+    return _restore(tensor, staged)
+
+
+def send(tensor: torch.Tensor, dst: int, group=None) -> None:
+    dist.send(_staged(tensor, backend_device(group)), dst=dst, group=group)
+
+
+def isend(tensor: torch.Tensor, dst: int, group=None):
+    """The staged copy (if any) is kept alive by the Work until it completes."""
+    staged = _staged(tensor, backend_device(group))
+    work = dist.isend(staged, dst=dst, group=group)
+    return _CopyBackWork(work, staged, staged) if staged is not tensor else work
+
+
+def irecv(tensor: torch.Tensor, src: int, group=None):
+    """Receive into `tensor`; with a staged buffer the data reaches `tensor` at wait()."""
+    staged = _staged(tensor, backend_device(group))
+    work = dist.irecv(staged, src=src, group=group)
+    return _CopyBackWork(work, tensor, staged) if staged is not tensor else work
+
+
+def pg_broadcast(pg, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Broadcast over a ProcessGroup object made outside the world's group registry's normal path (a
+    trainer<->engines weight group, transfer/weight_group.open_weight_group); `src` is its group rank."""
+    staged = _staged(tensor, backend_device(pg))
+    pg.broadcast(staged, src).wait()
+    return _restore(tensor, staged)
+
+
+# ---------------------------------------------------------------------------------------- objects
+# torch pickles objects into byte tensors on `device`; the ones without a device argument pick it
+# from the group's backend themselves (distributed_c10d._get_object_coll_device).
+def broadcast_object_list(object_list: list, src: int = 0, group=None) -> list:
+    dist.broadcast_object_list(object_list, src=src, group=group, device=backend_device(group))
+    return object_list
+
+
+def all_gather_object(object_list: list, obj, group=None) -> list:
+    dist.all_gather_object(object_list, obj, group=group)
+    return object_list
+
+
+def gather_object(obj, object_gather_list: list | None, dst: int = 0, group=None) -> list | None:
+    dist.gather_object(obj, object_gather_list, dst=dst, group=group)
+    return object_gather_list
+
+
+def send_object_list(object_list: list, dst: int, group=None) -> None:
+    dist.send_object_list(object_list, dst=dst, group=group, device=backend_device(group))
+
+
+def recv_object_list(object_list: list, src: int, group=None) -> list:
+    dist.recv_object_list(object_list, src=src, group=group, device=backend_device(group))
+    return object_list
