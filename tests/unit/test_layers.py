@@ -22,7 +22,7 @@ def test_the_repository_keeps_the_layer_contract():
 
 def test_every_package_of_the_source_tree_is_in_a_layer_and_installed():
     """A new folder must be placed in LAYERS and be a package (setup.py's discovery installs folders
-    with an __init__.py; tests/unit/test_packaging.py builds the wheel)."""
+    with an __init__.py; tests/integration/test_wheel_install.py builds the wheel)."""
     mapped = {name for layer in layers.LAYERS for name in layer}
     folders = sorted({path.parent for path in (REPO / "dapo_megatron").rglob("*.py")} - {REPO / "dapo_megatron"})
     for folder in folders:
