@@ -27,7 +27,8 @@ from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
 from dapo_megatron.rollout.registry import engine_events_path
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
 from dapo_megatron.trainer.evaluate import eval_metrics, sample_correct
-from dapo_megatron.trainer.recovery import OK, EngineFaults, sync_dropping_dead
+from dapo_megatron.trainer.recovery import OK, EngineFaults
+from dapo_megatron.transfer.engine_push import sync_dropping_dead
 from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
 

@@ -19,7 +19,7 @@ request order, the same samples as an uninterrupted run. No engine back in time 
 restart budget spent): EnginesLost on every rank, with the driver's message naming the engine and its
 error; trainer/train.py checkpoints the last completed step and stops.
 
-An engine dying during a weight sync: the sync fails at its bucket (weight_sync.py checks every engine
+An engine dying during a weight sync (transfer/engine_push.py): the sync fails at its bucket (weight_sync.py checks every engine
 is reachable before a bucket's broadcast), the dead engine is dropped, the rest of the export is still
 consumed on the driver (the other ranks run its collectives), and every rank runs another export pass
 (one broadcast int after each pass says whether): the survivors got part of the new weights and take
@@ -64,46 +64,6 @@ def broadcast_text(text: str) -> str:
     box = [text]
     coll.broadcast_object_list(box, src=0)
     return box[0]
-
-
-# --------------------------------------------------------------------------------------- weight sync
-async def _drop_unreachable(pool, clients, *, why: str) -> list[str]:
-    from dapo_megatron.transfer.weight_sync import engine_unreachable
-
-    errors = await asyncio.gather(*(engine_unreachable(c.url) for c in clients))
-    dead = [c.url for c, err in zip(clients, errors) if err is not None]
-    for url, err in zip([c.url for c in clients], errors):
-        if err is not None:
-            pool.mark_dead(url, f"{why}: {type(err).__name__}: {err}")
-    return dead
-
-
-async def sync_dropping_dead(pool, weight_sync, named, *, weight_version: str, around=None):
-    """One export pass into the live + pending engines (driver). Returns (stats or None, redo): redo is
-    True when an engine died during the pass (dropped; the survivors need the whole sync again). The
-    iterator `named` is always consumed to its end: the other ranks run its collectives."""
-    from dapo_megatron.rollout.client import EngineError
-
-    await pool.discover()
-    if pool.pending_urls():  # new incarnations join a new group (a restarted engine may keep its url)
-        await weight_sync.close(pool.live_clients())
-    targets = pool.weight_targets()
-    try:
-        if not targets:  # nothing to send to: the next rollout waits for an engine (FaultPolicy.rollout)
-            return None, False
-        sync = weight_sync.sync(targets, named, weight_version=weight_version)
-        # around(targets, sync): e.g. the engines paused while steps overlap (rollout/async_rollout.py)
-        stats = await (around(targets, sync) if around is not None else sync)
-    except EngineError as err:
-        if not await _drop_unreachable(pool, targets, why=f"died during weight sync {weight_version}"):
-            raise  # every engine answers: not a dead engine (a refused bucket is a bug to see)
-        await weight_sync.close(pool.live_clients())
-        return None, True
-    finally:
-        for _ in named:  # what the failed or skipped sync left of this pass
-            pass
-    pool.admit(pool.pending_urls())
-    return stats, False
 
 
 # ------------------------------------------------------------------------------- the driver's side

@@ -1,5 +1,5 @@
 """An engine SIGKILLed during a weight sync, with two real serve-rollout processes and the driver's
-sync pass (recovery.sync_dropping_dead: what Driver.push_weights runs for every export pass).
+sync pass (transfer/engine_push.py: sync_dropping_dead, what Driver.push_weights runs for every export pass).
 
 Pass 1 kills engine B between two buckets: B is dropped from the pool, the pass's iterator is still
 consumed to its end (on the trainer it is the collective export every rank runs), and the pass asks
@@ -18,7 +18,7 @@ import pytest
 import torch
 from rollout_helpers import ServerProcess, make_tiny_checkpoint
 
-from dapo_megatron.trainer.recovery import sync_dropping_dead
+from dapo_megatron.transfer.engine_push import sync_dropping_dead
 from dapo_megatron.rollout.client import EngineClient
 from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
 from dapo_megatron.transfer.weight_sync import DistributedWeightSync
