@@ -39,18 +39,22 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import functools
 import json
 import os
 import signal
 import socket
+import sys
 import time
 
 import torch
 from aiohttp import web
 
 from dapo_megatron.cpu_engine.engine import MEMORY_TAGS, CpuEngine, WeightError
+from dapo_megatron.cpu_engine.guard import DEFAULT_MAX_REQUEST_BYTES, Limits, error_response, guard_middleware, read_json
 from dapo_megatron.cpu_engine.scheduler import Batcher, RWLock
 from dapo_megatron.cpu_engine.protocol import RequestError, SamplingParams, SequenceRequest, parse_generate
+from dapo_megatron.rollout.auth import check_key
 from dapo_megatron.rollout.registry import remove_registration, write_registration
 from dapo_megatron.rollout.routing import encode_routed_experts
 from dapo_megatron.transfer.tensor_payload import PayloadError, deserialize_payload, flattened_size, unflatten_bucket
@@ -60,28 +64,14 @@ FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. "
            "(When there are running or waiting requests, the operation will not be performed.)\n")
 
 
-def _error(status: int, message: str, field: str | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "field": field}, "success": False,
-                              "message": message}, status=status)
+_error = error_response
 
 
 def _ok(message: str, **extra) -> web.Response:
     return web.json_response({"success": True, "message": message, **extra})
 
 
-async def _json(request: web.Request, *, optional: bool = False) -> dict:
-    raw = await request.read()
-    if not raw and optional:
-        return {}
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as err:
-        raise RequestError("body", f"not valid JSON ({err.msg} at char {err.pos})") from None
-    if body is None and optional:
-        return {}
-    if not isinstance(body, dict):
-        raise RequestError("body", "must be a JSON object")
-    return body
+_json = read_json
 
 
 def _field(body: dict, name: str, kind: type | tuple, *, default=..., nullable: bool = False):
@@ -97,8 +87,9 @@ def _field(body: dict, name: str, kind: type | tuple, *, default=..., nullable: 
 
 
 class RolloutServer:
-    def __init__(self, engine: CpuEngine, *, model_name: str, seed: int = 0):
+    def __init__(self, engine: CpuEngine, *, model_name: str, seed: int = 0, limits: Limits | None = None):
         self.engine = engine
+        self.limits = limits or Limits()  # API keys and the body size limit (guard.py)
         self.model_name = model_name
         self.seed = seed
         self.batcher = Batcher(engine)
@@ -113,7 +104,8 @@ class RolloutServer:
                       "num_weight_updates": 0}
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 34)
+        app = web.Application(client_max_size=self.limits.max_request_bytes,
+                              middlewares=[guard_middleware(self.limits)])
         r = app.router
         for path, handler in [
             ("/generate", self.generate), ("/abort_request", self.abort_request),
@@ -130,7 +122,7 @@ class RolloutServer:
                               ("/resume_memory_occupation", self.resume), ("/get_weights_by_name", self.weights_by_name)]:
             r.add_get(path, handler)
             r.add_post(path, handler)
-        for path, handler in [("/health", self.health), ("/health_generate", self.health),
+        for path, handler in [("/health", self.health), ("/health_generate", self.health), ("/ready", self.ready),
                               ("/model_info", self.model_info), ("/get_model_info", self.model_info),
                               ("/server_info", self.server_info), ("/get_server_info", self.server_info)]:
             r.add_get(path, handler)
@@ -164,14 +156,18 @@ class RolloutServer:
         received, tic = time.time(), time.perf_counter()
         try:
             body = await _json(request)
-            tokenize = self.engine.tokenize if self.engine.tokenizer is not None else None
-            seqs, as_list = parse_generate(body, vocab_size=self.engine.vocab_size, tokenize=tokenize,
-                                           context_length=self.engine.context_length)
+            e = self.engine
+            tokenize = e.tokenize if e.tokenizer is not None else None
+            parse = functools.partial(parse_generate, body, vocab_size=e.vocab_size, tokenize=tokenize,
+                                      context_length=e.context_length, min_tokens=e.min_tokens)
+            # a text prompt is tokenized on a worker thread (the tokenizer lets go of the GIL): /health and
+            # other requests are served meanwhile; prompts sure to exceed the context never get there
+            seqs, as_list = await asyncio.get_running_loop().run_in_executor(None, parse) if "text" in body else parse()
         except RequestError as err:
             return _error(err.status, str(err), err.field)
-        if self.engine.released:
-            return _error(503, f"memory is released ({sorted(self.engine.released_tags)}); "
-                               "call /resume_memory_occupation first")
+        refusal = self._not_serving()
+        if refusal:
+            return _error(409, refusal)
         self.stats["num_requests"] += 1
         self.stats["num_sequences"] += len(seqs)
         try:
@@ -181,6 +177,19 @@ class RolloutServer:
         latency = time.perf_counter() - tic
         outs = [self._output(s, latency, received) for s in done]
         return web.json_response(outs if as_list else outs[0])
+
+    def _not_serving(self) -> str:
+        """Why the engine cannot generate now ("" when it can): memory released, or weights resumed and
+        not yet written again. SGLang would sample from freed or stale memory; the CPU engine answers 409."""
+        e = self.engine
+        if e.released:
+            return (f"memory is released ({sorted(e.released_tags)}): call /resume_memory_occupation, then sync the "
+                    "weights, before /generate")
+        if e.unsynced:
+            return (f"weights were resumed after a release and {len(e.unsynced)} parameter tensors have not been "
+                    "written since (their content is undefined): sync the weights (update_weights_from_tensor / "
+                    "_distributed / _disk) before /generate")
+        return ""
 
     def _output(self, s: SequenceRequest, latency: float, received: float) -> dict:
         # versions: per-token spans as sglang/srt/utils/weight_versions.py reports them
@@ -450,7 +459,8 @@ class RolloutServer:
         try:
             body = await _json(request, optional=True) if request.can_read_body else dict(request.query)
             name = _field(body, "name", str)
-            size = int(body.get("truncate_size", 100))
+            size = body.get("truncate_size", 100)
+            size = int(size) if isinstance(size, str) else _field(body, "truncate_size", int, default=100)
             return web.json_response(self.engine.weights_by_name(name, size))
         except (RequestError, WeightError, ValueError) as err:
             return _error(400, str(err), getattr(err, "field", "name"))
@@ -504,7 +514,7 @@ class RolloutServer:
     async def health(self, request: web.Request) -> web.Response:
         """SGLang's health_generate: 503 while starting, else a 1-token generation; 200 as the
         engine finished anything (this request or another) within the timeout."""
-        if self.status != "Up" or self.engine.released:
+        if self.status != "Up" or self._not_serving():
             return web.Response(status=503)
         tic = time.monotonic()
         seq = SequenceRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0), f"HEALTH_CHECK_{time.time_ns()}",
@@ -519,6 +529,12 @@ class RolloutServer:
         finally:
             if not task.done():
                 task.cancel()  # run_sequences drops it from the scheduler
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """SGLang's /ready (TokenizerManager.is_ready): 200 when new requests are served now: started, not
+        paused; the CPU engine adds: weights resident and synced since a release (503 otherwise)."""
+        ok = self.status == "Up" and not self.is_pause and not self._not_serving()
+        return web.Response(status=200 if ok else 503)
 
     async def warm_up(self) -> None:
         """The server's first 1-token generation (SGLang's _wait_and_warmup); then it is Up."""
@@ -597,6 +613,34 @@ async def _serve(server: RolloutServer, *, host: str, port: int, model: str, reg
         await runner.cleanup()
 
 
+def _with_config_file(ap: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """argv with the options of `--config FILE.yaml` put first (SGLang's ConfigArgumentMerger: the command
+    line wins); an option this server does not have is an error naming it."""
+    if "--config" not in argv:
+        return argv
+    import yaml
+
+    at = argv.index("--config")
+    if at + 1 >= len(argv):
+        raise ValueError("--config needs a YAML file")
+    path = argv[at + 1]
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of option names to values")
+    known = {opt for action in ap._actions for opt in action.option_strings}
+    merged: list[str] = []
+    for key, value in data.items():
+        flag = f"--{str(key).replace('_', '-')}"
+        if flag not in known or flag == "--config":
+            raise ValueError(f"--config {path}: serve-rollout has no option {flag}")
+        if isinstance(value, bool):
+            merged += [flag] if value else ([f"--no-{flag[2:]}"] if f"--no-{flag[2:]}" in known else [])
+        else:
+            merged += [flag, str(value)]
+    return merged + argv[:at] + argv[at + 2:]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dapo-megatron serve-rollout", description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="HF checkpoint directory (config + safetensors [+ tokenizer])")
@@ -615,7 +659,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base-gpu-id", type=int, default=None,
                     help="the device slot this engine occupies on its node, as SGLang's flag (the CPU twin of a "
                          "colocated engine's GPU: the trainer rank with this local rank feeds it its weights)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--api-key", default=None,
+                    help="SGLang's --api-key: every endpoint but /health*, /ready needs `Authorization: Bearer KEY` "
+                         "(the admin endpoints need --admin-api-key instead when that is set); rollout/auth.py")
+    ap.add_argument("--admin-api-key", default=None,
+                    help="SGLang's --admin-api-key: the weight, memory, cache, pause and abort endpoints need it")
+    ap.add_argument("--config", default=None,
+                    help="SGLang's --config: a YAML file of these options (api-key, admin-api-key, ...), so keys stay "
+                         "off the command line; options given on the command line win")
+    ap.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                    help="bodies above this many bytes are refused (413) before they are read")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_args(_with_config_file(ap, argv))
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes must be >= 1, got {args.max_request_bytes}")
+    for flag, key in (("--api-key", args.api_key), ("--admin-api-key", args.admin_api_key)):
+        if key is not None:
+            check_key(key, flag)
     if not os.path.isdir(args.model):
         raise ValueError(f"--model: no such directory '{args.model}'")
     if args.threads:
@@ -623,7 +683,9 @@ def main(argv: list[str] | None = None) -> int:
     port = args.port or _free_port(args.host)
     engine = CpuEngine(args.model, dtype=args.dtype, seed=args.seed, max_batch_size=args.max_batch_size,
                        deterministic=args.enable_deterministic_inference, context_length=args.context_length)
-    server = RolloutServer(engine, model_name=os.path.basename(os.path.normpath(args.model)), seed=args.seed)
+    server = RolloutServer(engine, model_name=os.path.basename(os.path.normpath(args.model)), seed=args.seed,
+                           limits=Limits(api_key=args.api_key, admin_api_key=args.admin_api_key,
+                                         max_request_bytes=args.max_request_bytes))
     asyncio.run(_serve(server, host=args.host, port=port, model=args.model, register_dir=args.register_dir,
                        base_gpu_id=args.base_gpu_id))
     return 0

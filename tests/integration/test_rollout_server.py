@@ -184,7 +184,7 @@ def test_text_prompt_is_tokenized(server, ckpts):
     ({"input_ids": [1], "sampling_params": {"n": 0}}, "sampling_params.n", 400),
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": "many"}}, "sampling_params.max_new_tokens", 400),
     ({"input_ids": [1], "sampling_params": {"stop_token_ids": [1, 9999]}}, "sampling_params.stop_token_ids[1]", 400),
-    ({"input_ids": [1], "sampling_params": {"temprature": 1.0}}, "sampling_params.temprature", 500),  # SGLang: 500
+    ({"input_ids": [1], "sampling_params": {"temprature": 1.0}}, "sampling_params.temprature", 400),  # SGLang: 500 (CPU: a client error)
     ({"input_ids": [1], "sampling_params": {"stop": ["\n"]}}, "sampling_params.stop", 400),
     ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params", 400),
     ({"input_ids": [1], "rid": 5}, "rid", 400),
