@@ -273,6 +273,10 @@ def parse_generate(body: Any, *, vocab_size: int, tokenize, context_length: int,
                 raise RequestError(name, f"The input ({len(t)} characters, at least {lower} tokens) is longer than "
                                          f"the model's context length ({context_length} tokens) allows with "
                                          f"max_new_tokens={p.max_new_tokens}.")
+            try:  # JSON can carry lone surrogates ("\ud800"), which no tokenizer takes (TypeError in `tokenizers`)
+                t.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise RequestError(name, f"not valid Unicode text (lone surrogate at character {err.start})") from None
             prompts.append(tokenize(t))
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         check_context_length(len(prompt), p.max_new_tokens, context_length=context_length,
