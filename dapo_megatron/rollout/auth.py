@@ -139,6 +139,9 @@ def _opt_key(value, where) -> str | None:
     if value is None:
         return None
     check_key(str(value), where)
+    if str(value).startswith("-"):  # SGLang's --config turns it into argv, where argparse reads it as an option
+        raise ValueError(f"engine key file '{where}': a key may not start with '-' (SGLang's --config passes it "
+                         "through argparse); delete the file to have a new key made")
     return str(value)
 
 
@@ -149,14 +152,16 @@ def check_key(key: str, where) -> None:
 
 
 def ensure_secret_file(path: str | Path) -> EngineKeys:
-    """Create the run's secret once (32 random bytes, both keys, mode 0600 in a 0700 folder) or read the one
+    """Create the run's secret once (32 random bytes in hex, both keys, mode 0600 in a 0700 folder) or read the one
     there: a requeued job or `--resume` reuses it, so engines still running keep accepting the trainer.
     Several processes may call this at once (engines and trainer of one Slurm run): the file appears
     whole (written aside, then hard-linked into place), and whoever loses the race reads the winner's."""
     path = Path(path)
     if not path.exists():
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        key = secrets.token_urlsafe(32)
+        # hex: a key starting with "-" (token_urlsafe does, 1 time in 64) reaches SGLang's argparse through
+        # --config as `--api-key -x...` and is taken for an option ("expected one argument")
+        key = secrets.token_hex(32)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")  # mkstemp: 0600
         try:
             with os.fdopen(fd, "w") as f:

@@ -146,7 +146,7 @@ def test_local_launcher_starts_engines_that_require_the_run_secret(model_dir, tm
 
     secret = run_secret_path(tmp_path)
     keys = ensure_secret_file(secret)
-    assert keys.api_key == keys.admin_api_key and len(keys.api_key) >= 40
+    assert keys.api_key == keys.admin_api_key and len(keys.api_key) == 64
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and stat.S_IMODE(secret.parent.stat().st_mode) == 0o700
     with LocalEngines(str(model_dir), num_engines=1, register_dir=str(tmp_path / "engines"), auth_file=secret) as engines:
         url = engines.urls[0]

@@ -60,12 +60,17 @@ def test_the_run_secret_is_private_created_once_and_shared(tmp_path):
         t.join()
     assert len({r.api_key for r in results}) == 1  # every racing process reads the same key
     keys = results[0]
-    assert keys.api_key == keys.admin_api_key and len(keys.api_key) >= 40
+    assert keys.api_key == keys.admin_api_key and len(keys.api_key) == 64 and not keys.api_key.startswith("-")
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     assert ensure_secret_file(path) == keys  # a requeue / --resume reuses it
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp files left
     path.chmod(0o644)
     with pytest.raises(ValueError, match="chmod 600"):
+        read_secret_file(path)
+    # a key argparse would take for an option (SGLang reads --config through argv) is refused, naming the file
+    path.write_text('api-key: "-abc"\n')
+    path.chmod(0o600)
+    with pytest.raises(ValueError, match="may not start with '-'"):
         read_secret_file(path)
 
 
