@@ -67,6 +67,8 @@ def evaluate(argv: list[str]) -> int:
         raise ValueError(f"{args.config} is a directory, not a config file; a run directory goes to --checkpoint: "
                          f"dapo-megatron eval {config_hint} --checkpoint {args.config}")
     cfg = load_config(args.config, args.overrides)
+    from dapo_megatron.trainer.evaluate import resolve_checkpoint  # (base bug: it was imported below its use)
+
     checkpoint, hf_dir = resolve_checkpoint(args.checkpoint or cfg.trainer.output_dir)
     if checkpoint != args.checkpoint:
         print(f"[eval] checkpoint: {checkpoint}", flush=True)
