@@ -148,7 +148,7 @@ def test_launchers_pass_the_secret_file_never_the_key(tmp_path):
 def test_serve_rollout_config_file_is_sglangs_format(tmp_path):
     import argparse
 
-    from dapo_megatron.cpu_engine.server import _with_config_file
+    from dapo_megatron.cpu_engine.serve import _with_config_file
 
     ap = argparse.ArgumentParser()
     for flag in ("--api-key", "--admin-api-key", "--port", "--config"):
