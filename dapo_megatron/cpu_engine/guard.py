@@ -67,7 +67,7 @@ async def read_json(request: web.Request, *, optional: bool = False) -> dict:
     try:
         raw = await request.read()  # at most client_max_size bytes, then HTTPRequestEntityTooLarge
     except web.HTTPRequestEntityTooLarge:
-        raise too_large(request._client_max_size) from None
+        raise too_large(getattr(request, "_client_max_size", 0)) from None  # aiohttp keeps the limit private
     if not raw and optional:
         return {}
     try:
