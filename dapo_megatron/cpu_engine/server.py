@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
 import os
 import time
 
@@ -461,8 +462,10 @@ class RolloutServer:
     async def flush_cache(self, request: web.Request) -> web.Response:
         try:
             timeout = float(request.query.get("timeout", 0.0))
+            if not math.isfinite(timeout):  # nan would never end the wait below
+                raise ValueError
         except ValueError:
-            return _error(400, "timeout: must be a number", "timeout")
+            return _error(400, "timeout: must be a finite number of seconds", "timeout")
         deadline = time.monotonic() + max(timeout, 0.0)
         while True:  # Scheduler.flush_cache: only when idle (waiting requests do not count while paused)
             if self.batcher.is_fully_idle(ignore_waiting=self.batcher.paused is not None):
