@@ -47,7 +47,7 @@ ENDPOINTS: list[tuple[str, str, tuple[str, ...]]] = [
     ("POST", "/pause_generation", ("mode",)), ("POST", "/continue_generation", ()),
     ("POST", "/flush_cache", ()), ("POST", "/release_memory_occupation", ("tags",)),
     ("POST", "/resume_memory_occupation", ("tags",)), ("POST", "/get_weights_by_name", ("name", "truncate_size")),
-    ("GET", "/get_weights_by_name", ("name", "truncate_size")),
+    ("GET", "/get_weights_by_name", ("name", "truncate_size")), ("GET", "/flush_cache", ()),
 ]
 GET_QUERIES = ["", "?timeout=abc", "?timeout=nan", "?timeout=1e999", "?timeout=-5", "?name=x&truncate_size=-1",
                "?name=model.norm.weight&truncate_size=99999999999999999999", "?name=model.norm.weight&truncate_size=x",

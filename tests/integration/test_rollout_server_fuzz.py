@@ -155,6 +155,12 @@ def test_the_issues_bodies_are_400_naming_what_is_wrong(server, what, body, fiel
     assert field in out["error"]["message"]
 
 
+def test_a_non_finite_flush_timeout_is_400(server):
+    for value in ("nan", "inf", "x"):
+        status, out = post(server.url + f"/flush_cache?timeout={value}", b"")
+        assert status == 400 and out["error"]["field"] == "timeout", (value, status, out)
+
+
 def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=120) as sock:
