@@ -1,5 +1,5 @@
 """`dapo-megatron bench engine-abuse`: a CPU engine (`serve-rollout`) under hostile input, the way issue 28
-found it answering 500s and growing to 18 GiB: thousands of garbage bodies over every endpoint (count of
+found it answering 500s and growing to 18 GiB: thousands of garbage bodies over every route (count of
 5xx answers: must be 0), then the large bodies one at a time (50 MB of nested '[', 50 M characters of
 text, 50 MB of input_ids, non-UTF-8 bytes), each with the server's peak resident memory, its answer and
 how long /health and a small /generate took meanwhile.
