@@ -28,7 +28,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "plan": ("dapo_megatron.memplan.report", "main", "per-GPU memory of every phase of a step; exit 1 if it does not fit"),
     "convert": ("dapo_megatron.tools.convert", "main", "convert checkpoints: hf-to-mcore | mcore-to-hf"),
     "check-parity": ("dapo_megatron.tools.parity", "main", "Megatron vs transformers log-prob parity"),
-    "bench": ("dapo_megatron.benchmarks.run", "main", "benchmarks: kernels | reward | rollout | actor | dataplane | rollout-quant"),
+    "bench": ("dapo_megatron.benchmarks.run", "main", "benchmarks: kernels | reward | rollout | actor | dataplane | rollout-quant | overlap | engine-abuse"),
     "serve-rollout": ("dapo_megatron.cpu_engine.serve", "main", "CPU rollout server (SGLang HTTP API)"),
     "slurm": ("dapo_megatron.launch.slurm_cli", "main", "render / submit sbatch jobs, show their status"),
     "plot": ("dapo_megatron.trainer.run_log", "plot_main", "PNG of a run's curves"),
