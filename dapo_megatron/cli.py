@@ -31,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "convert": ("dapo_megatron.tools.convert", "main", "convert checkpoints: hf-to-mcore | mcore-to-hf"),
     "check-parity": ("dapo_megatron.tools.parity", "main", "Megatron vs transformers log-prob parity"),
     "bench": ("dapo_megatron.benchmarks.run", "main", "benchmarks: " + " | ".join(BENCHES)),
-    "serve-rollout": ("dapo_megatron.cpu_engine.server", "main", "CPU rollout server (SGLang HTTP API)"),
+    "serve-rollout": ("dapo_megatron.cpu_engine.serve", "main", "CPU rollout server (SGLang HTTP API)"),
     "slurm": ("dapo_megatron.launch.slurm_cli", "main", "render / submit sbatch jobs, show their status"),
     "plot": ("dapo_megatron.trainer.run_log", "plot_main", "PNG of a run's curves"),
 }

@@ -71,6 +71,13 @@ class RolloutConfig:
     num_engines: int = 1
     engine_tp: int = 1
     engine_urls: list[str] = field(default_factory=list)  # fixed engines; else <run_dir>/engines/
+    # keys of engines started with SGLang's --api-key / --admin-api-key (rollout.engine_urls only; the
+    # engines a run starts get the run's own secret, rollout/auth.py): the NAME of an environment variable
+    # holding the key, or a file (mode 0600) holding it; never the key itself in the YAML
+    engine_api_key_env: str = ""
+    engine_api_key_file: str = ""
+    engine_admin_api_key_env: str = ""
+    engine_admin_api_key_file: str = ""
     mem_fraction_static: float = 0.7
     weight_bucket_mb: int = 512
     # master address of the trainer<->engines weight group: "" = this host's address that the engines
@@ -435,6 +442,7 @@ def validate(cfg: Config) -> None:
                  "distinct CPU core numbers >= 0 ([] = no pinning)")
     for url in r.engine_urls:
         _require(url.startswith(("http://", "https://")), "rollout.engine_urls", url, "URLs start with http://")
+    _validate_engine_keys(r)
 
     _require(0 <= a.eps_low < 1, "algorithm.eps_low", a.eps_low, "must be in [0, 1)")
     _require(a.eps_high >= 0, "algorithm.eps_high", a.eps_high, "must be >= 0")
@@ -527,6 +535,19 @@ _SLURM_SYNTAX = (  # (key, regex, message)
     ("time", r"[0-9]+-[0-9]+(:[0-9]+){0,2}|[0-9]+(:[0-9]+){1,2}|UNLIMITED|INFINITE",
      "a Slurm time like \"48:00:00\" or \"2-00:00:00\" (quote it in YAML: unquoted 48:00:00 reads as a number)"),
 )
+
+
+def _validate_engine_keys(r: RolloutConfig) -> None:
+    """Where the keys of user-started engines come from (read at start-up by rollout/auth.py)."""
+    for kind in ("api_key", "admin_api_key"):
+        env, path = getattr(r, f"engine_{kind}_env"), getattr(r, f"engine_{kind}_file")
+        _require(not (env and path), f"rollout.engine_{kind}_env", env,
+                 f"set rollout.engine_{kind}_env or rollout.engine_{kind}_file, not both")
+        _require(not env or env.isidentifier(), f"rollout.engine_{kind}_env", env,
+                 "the NAME of an environment variable that holds the key (e.g. SGLANG_API_KEY), never the key itself")
+        _require(not (env or path) or r.engine_urls, f"rollout.engine_{kind}_{'env' if env else 'file'}", env or path,
+                 "only with rollout.engine_urls: engines the run starts itself get the run's own secret "
+                 "(<run_dir>/secrets/engine_auth.yaml)")
 
 
 def _validate_experts(cfg: Config) -> None:

@@ -36,6 +36,7 @@ from typing import Iterable, Protocol
 import torch
 
 from dapo_megatron.cpu_engine.fp8 import is_fp8_checkpoint, load_fp8_model
+from dapo_megatron.cpu_engine.token_bound import max_chars_per_token
 from dapo_megatron.cpu_engine.protocol import SequenceRequest
 from dapo_megatron.rollout.routing import RoutedExpertsRecorder
 from dapo_megatron.weights.hf_layout import public_expert_views
@@ -94,6 +95,9 @@ class CpuEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         except (OSError, ValueError):  # a weights-only directory: input_ids requests only
             self.tokenizer = None
+        # the most characters one token stands for (token_bound.py): prompts sure to exceed the context are
+        # refused before tokenizing
+        self.max_chars_per_token = max_chars_per_token(self.tokenizer) if self.tokenizer is not None else None
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
         model_len = int(getattr(cfg, "max_position_embeddings", 0) or 0)
@@ -114,6 +118,9 @@ class CpuEngine:
         self.weight_version = "default"  # SGLang's --weight-version default
         self.routing = RoutedExpertsRecorder(self.model)  # MoE: the experts of every token (routing.py)
         self.released_tags: set[str] = set()
+        # after a resume of "weights", the regions of parameters not written since (NaN until a sync covers
+        # them): while any is left the engine refuses /generate and /health says 503 (weights_ready)
+        self.unsynced: set[tuple] = set()
         self._param_specs = {n: (list(p.shape), p.dtype) for n, p in self._public_tensors().items()}
         self._param_shapes = [(p, list(p.shape)) for p in self.model.parameters()]  # tied: listed once
         self.loaded_weight_bytes = self.resident_weight_bytes()
@@ -147,6 +154,10 @@ class CpuEngine:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def min_tokens(self, text: str) -> int:
+        """A lower bound of len(tokenize(text)) computed without tokenizing (0 when none is known)."""
+        return -(-len(text) // self.max_chars_per_token) if self.max_chars_per_token else 0
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:
             return ""
@@ -178,6 +189,8 @@ class CpuEngine:
         with torch.no_grad():
             for name, tensor in named:
                 ours[name].data.copy_(tensor.to(ours[name].dtype))
+        if self.unsynced:
+            self.unsynced.difference_update(_region(ours[name]) for name, _ in named)
 
     def load_from_disk(self, model_path: str) -> int:
         from safetensors.torch import load_file
@@ -211,11 +224,20 @@ class CpuEngine:
         if "weights" in tags and "weights" in self.released_tags:
             for p, shape in self._param_shapes:
                 p.data = torch.full(shape, float("nan"), dtype=p.dtype, device=self.device)  # undefined: sync next
+            params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+            self.unsynced = {_region(t) for t in self._public_tensors().values()
+                             if t.untyped_storage().data_ptr() in params}
         self.released_tags.difference_update(tags)
 
     @property
     def released(self) -> bool:
         return bool(self.released_tags & {"weights", "kv_cache"})
+
+    @property
+    def weights_ready(self) -> bool:
+        """Memory resident and every parameter written since the last resume (SGLang generates from
+        whatever the resumed memory holds; the CPU engine refuses instead of sampling from NaN)."""
+        return not self.released and not self.unsynced
 
     # ------------------------------------------------------------------ generation
     def new_generators(self, seqs: list[SequenceRequest]) -> list[torch.Generator]:
@@ -345,3 +367,8 @@ def _cache_tensors(cache) -> list[torch.Tensor]:
             if isinstance(t, torch.Tensor):
                 out.append(t)
     return out
+
+
+def _region(t: torch.Tensor) -> tuple:
+    """Which bytes a (view of a) parameter covers: tied names share one region, MoE experts' views differ."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()))

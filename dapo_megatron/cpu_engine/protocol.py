@@ -14,12 +14,15 @@ sampling/sampling_params.py (SamplingParams, verify):
     into a list reply.
   - context length: a prompt of >= context_length tokens, or prompt + max_new_tokens beyond it, is a 400
     (SGLang's messages), unless the server allows auto-truncation (the CPU engine does not).
-  - sampling: temperature 0 is greedy; top_k -1 (all) or >= 1; top_p in (0, 1]; an unknown sampling
-    parameter raises TypeError in SamplingParams(**...) which SGLang does not catch: HTTP 500.
+  - sampling: temperature 0 is greedy; top_k -1 (all) or >= 1; top_p in (0, 1]. An unknown sampling
+    parameter raises TypeError in SamplingParams(**...), which SGLang does not catch (HTTP 500); the CPU
+    engine answers 400 naming it (a client's mistake is never a 5xx here; docs/sglang.md).
+  - bounded work: a prompt's length is checked against the context before its ids are (input_ids) or
+    before it is tokenized when a lower bound of its token count already exceeds it (text, min_tokens).
 CPU engine differences (400 naming the field): stop strings, streaming, and the SGLang features it does
 not implement (penalties, grammars, logit_bias, LoRA, multimodal, top/prompt log-probs, hidden states).
 
-Every mistake raises RequestError (status 400, or 500 where SGLang answers 500) naming the field.
+Every mistake raises RequestError (status 400) naming the field.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ _SAMPLING_UNSUPPORTED = {
     "ebnf": (None, ""), "structural_tag": (None, ""), "stop_regex": (None, "", []), "logit_bias": (None, {}),
     "custom_params": (None, {}),
 }
-# every key SGLang's SamplingParams accepts that the CPU engine knows of (any other key: SGLang's HTTP 500)
+# every key SGLang's SamplingParams accepts that the CPU engine knows of (any other key: SGLang's HTTP 500,
+# the CPU engine's 400)
 SAMPLING_PARAM_NAMES = frozenset(_SAMPLING_KEYS) | frozenset(_SAMPLING_UNSUPPORTED)
 
 
@@ -112,9 +116,9 @@ def parse_sampling_params(raw: Any, name: str, *, vocab_size: int) -> SamplingPa
             if value not in _SAMPLING_UNSUPPORTED[key]:
                 raise RequestError(f"{name}.{key}", "is not supported by the CPU engine")
         elif key not in _SAMPLING_KEYS:
-            # SGLang: SamplingParams(**params) raises TypeError, uncaught by its handler -> HTTP 500
-            raise RequestError(f"{name}.{key}", "unexpected keyword argument (not an SGLang sampling parameter)",
-                               status=500)
+            # SGLang: SamplingParams(**params) raises TypeError, uncaught by its handler -> HTTP 500; a
+            # client's typo is not a server fault: 400 here (docs/sglang.md, CPU differences)
+            raise RequestError(f"{name}.{key}", "unexpected keyword argument (not an SGLang sampling parameter)")
     if raw.get("stop"):
         raise RequestError(f"{name}.stop", "stop strings are not supported by the CPU engine; use stop_token_ids")
     if raw.get("min_p") not in (None, 0, 0.0):
@@ -149,9 +153,11 @@ def parse_sampling_params(raw: Any, name: str, *, vocab_size: int) -> SamplingPa
     return p
 
 
-def _token_list(value: Any, name: str, *, vocab_size: int) -> list[int]:
+def _token_list(value: Any, name: str, *, vocab_size: int, context_length: int) -> list[int]:
     if not isinstance(value, list) or not value:
         raise RequestError(name, "input_ids cannot be empty" if value == [] else "must be a non-empty list of token ids")
+    if len(value) >= context_length:  # before looking at a million ids one by one (SGLang's message)
+        check_context_length(len(value), 0, context_length=context_length, name=name)
     for i, t in enumerate(value):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
             raise RequestError(f"{name}[{i}]", f"must be a token id in [0, {vocab_size}), got {t!r}")
@@ -202,10 +208,12 @@ def _rids(rid: Any, *, num_prompts: int, is_batch: bool) -> list[str]:
     raise RequestError("rid", "The rid should be a string or a list of strings.")
 
 
-def parse_generate(body: Any, *, vocab_size: int, tokenize, context_length: int) -> tuple[list[SequenceRequest], bool]:
+def parse_generate(body: Any, *, vocab_size: int, tokenize, context_length: int,
+                   min_tokens=None) -> tuple[list[SequenceRequest], bool]:
     """Body of POST /generate -> (sequences in SGLang's output order, whether the reply is a list).
 
-    `tokenize(text) -> list[int]`, or None when the server has no tokenizer.
+    `tokenize(text) -> list[int]`, or None when the server has no tokenizer; `min_tokens(text) -> int`, a
+    lower bound of len(tokenize(text)) known without tokenizing (token_bound.py), or None.
     """
     if not isinstance(body, dict):
         raise RequestError("body", "must be a JSON object")
@@ -221,16 +229,17 @@ def parse_generate(body: Any, *, vocab_size: int, tokenize, context_length: int)
         texts = text if is_batch else [text]
         if not texts or not all(isinstance(t, str) and t for t in texts):
             raise RequestError("text", "must be a non-empty string or a list of non-empty strings")
-        prompts = [tokenize(t) for t in texts]
+        num = len(texts)
     else:
         ids = body["input_ids"]
         is_batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
         prompts = (
-            [_token_list(p, f"input_ids[{i}]", vocab_size=vocab_size) for i, p in enumerate(ids)]
+            [_token_list(p, f"input_ids[{i}]", vocab_size=vocab_size, context_length=context_length)
+             for i, p in enumerate(ids)]
             if is_batch
-            else [_token_list(ids, "input_ids", vocab_size=vocab_size)]
+            else [_token_list(ids, "input_ids", vocab_size=vocab_size, context_length=context_length)]
         )
-    num = len(prompts)
+        num = len(prompts)
 
     raw_params = body.get("sampling_params")
     if isinstance(raw_params, list):
@@ -255,6 +264,20 @@ def parse_generate(body: Any, *, vocab_size: int, tokenize, context_length: int)
 
     batch = is_batch or n > 1  # n > 1 turns a single prompt into a batch of one (_handle_parallel_sampling)
     rids = _rids(body.get("rid"), num_prompts=num, is_batch=batch)
+    if has_text:  # tokenized last, and only prompts that may fit (SGLang tokenizes first: same 400 either way)
+        prompts = []
+        for i, (t, p) in enumerate(zip(texts, params)):
+            name = f"text[{i}]" if is_batch else "text"
+            lower = min_tokens(t) if min_tokens is not None else 0
+            if lower >= context_length or lower + p.max_new_tokens > context_length:
+                raise RequestError(name, f"The input ({len(t)} characters, at least {lower} tokens) is longer than "
+                                         f"the model's context length ({context_length} tokens) allows with "
+                                         f"max_new_tokens={p.max_new_tokens}.")
+            try:  # JSON can carry lone surrogates ("\ud800"), which no tokenizer takes (TypeError in `tokenizers`)
+                t.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise RequestError(name, f"not valid Unicode text (lone surrogate at character {err.start})") from None
+            prompts.append(tokenize(t))
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         check_context_length(len(prompt), p.max_new_tokens, context_length=context_length,
                              name=f"input_ids[{i}]" if is_batch else "input_ids")

@@ -3,7 +3,7 @@ wherever a client can tell (docs/sglang.md lists every endpoint, the SGLang code
 CPU differences).
 
     dapo-megatron serve-rollout --model DIR --host 127.0.0.1 --port 30000 [--register-dir RUN/engines]
-        [--context-length N] [--no-enable-deterministic-inference]
+        [--context-length N] [--no-enable-deterministic-inference] [--config KEYS.yaml]   # serve.py
 
 SGLang's behaviour kept here (entrypoints/http_server.py, managers/tokenizer_manager.py,
 tokenizer_control_mixin.py, scheduler.py, scheduler_components/weight_updater.py):
@@ -35,14 +35,11 @@ shapes, {"error": {"message"}} and {"success": false, "message"}).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import datetime
-import json
+import functools
+import math
 import os
-import signal
-import socket
 import time
 
 import torch
@@ -50,9 +47,9 @@ from aiohttp import web
 
 from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.cpu_engine.engine import MEMORY_TAGS, CpuEngine, WeightError
+from dapo_megatron.cpu_engine.guard import Limits, error_response, guard_middleware, read_json
 from dapo_megatron.cpu_engine.scheduler import Batcher, RWLock
 from dapo_megatron.cpu_engine.protocol import RequestError, SamplingParams, SequenceRequest, parse_generate
-from dapo_megatron.rollout.registry import remove_registration, write_registration
 from dapo_megatron.rollout.routing import encode_routed_experts
 from dapo_megatron.transfer.tensor_payload import PayloadError, deserialize_payload, flattened_size, unflatten_bucket
 
@@ -61,28 +58,14 @@ FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. "
            "(When there are running or waiting requests, the operation will not be performed.)\n")
 
 
-def _error(status: int, message: str, field: str | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "field": field}, "success": False,
-                              "message": message}, status=status)
+_error = error_response
 
 
 def _ok(message: str, **extra) -> web.Response:
     return web.json_response({"success": True, "message": message, **extra})
 
 
-async def _json(request: web.Request, *, optional: bool = False) -> dict:
-    raw = await request.read()
-    if not raw and optional:
-        return {}
-    try:
-        body = json.loads(raw)
-    except json.JSONDecodeError as err:
-        raise RequestError("body", f"not valid JSON ({err.msg} at char {err.pos})") from None
-    if body is None and optional:
-        return {}
-    if not isinstance(body, dict):
-        raise RequestError("body", "must be a JSON object")
-    return body
+_json = read_json
 
 
 def _field(body: dict, name: str, kind: type | tuple, *, default=..., nullable: bool = False):
@@ -98,8 +81,9 @@ def _field(body: dict, name: str, kind: type | tuple, *, default=..., nullable: 
 
 
 class RolloutServer:
-    def __init__(self, engine: CpuEngine, *, model_name: str, seed: int = 0):
+    def __init__(self, engine: CpuEngine, *, model_name: str, seed: int = 0, limits: Limits | None = None):
         self.engine = engine
+        self.limits = limits or Limits()  # API keys and the body size limit (guard.py)
         self.model_name = model_name
         self.seed = seed
         self.batcher = Batcher(engine)
@@ -114,7 +98,8 @@ class RolloutServer:
                       "num_weight_updates": 0}
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 34)
+        app = web.Application(client_max_size=self.limits.max_request_bytes,
+                              middlewares=[guard_middleware(self.limits)])
         r = app.router
         for path, handler in [
             ("/generate", self.generate), ("/abort_request", self.abort_request),
@@ -131,7 +116,7 @@ class RolloutServer:
                               ("/resume_memory_occupation", self.resume), ("/get_weights_by_name", self.weights_by_name)]:
             r.add_get(path, handler)
             r.add_post(path, handler)
-        for path, handler in [("/health", self.health), ("/health_generate", self.health),
+        for path, handler in [("/health", self.health), ("/health_generate", self.health), ("/ready", self.ready),
                               ("/model_info", self.model_info), ("/get_model_info", self.model_info),
                               ("/server_info", self.server_info), ("/get_server_info", self.server_info)]:
             r.add_get(path, handler)
@@ -165,14 +150,18 @@ class RolloutServer:
         received, tic = time.time(), time.perf_counter()
         try:
             body = await _json(request)
-            tokenize = self.engine.tokenize if self.engine.tokenizer is not None else None
-            seqs, as_list = parse_generate(body, vocab_size=self.engine.vocab_size, tokenize=tokenize,
-                                           context_length=self.engine.context_length)
+            e = self.engine
+            tokenize = e.tokenize if e.tokenizer is not None else None
+            parse = functools.partial(parse_generate, body, vocab_size=e.vocab_size, tokenize=tokenize,
+                                      context_length=e.context_length, min_tokens=e.min_tokens)
+            # a text prompt is tokenized on a worker thread (the tokenizer lets go of the GIL): /health and
+            # other requests are served meanwhile; prompts sure to exceed the context never get there
+            seqs, as_list = await asyncio.get_running_loop().run_in_executor(None, parse) if "text" in body else parse()
         except RequestError as err:
             return _error(err.status, str(err), err.field)
-        if self.engine.released:
-            return _error(503, f"memory is released ({sorted(self.engine.released_tags)}); "
-                               "call /resume_memory_occupation first")
+        refusal = self._not_serving()
+        if refusal:
+            return _error(409, refusal)
         self.stats["num_requests"] += 1
         self.stats["num_sequences"] += len(seqs)
         try:
@@ -182,6 +171,19 @@ class RolloutServer:
         latency = time.perf_counter() - tic
         outs = [self._output(s, latency, received) for s in done]
         return web.json_response(outs if as_list else outs[0])
+
+    def _not_serving(self) -> str:
+        """Why the engine cannot generate now ("" when it can): memory released, or weights resumed and
+        not yet written again. SGLang would sample from freed or stale memory; the CPU engine answers 409."""
+        e = self.engine
+        if e.released:
+            return (f"memory is released ({sorted(e.released_tags)}): call /resume_memory_occupation, then sync the "
+                    "weights, before /generate")
+        if e.unsynced:
+            return (f"weights were resumed after a release and {len(e.unsynced)} parameter tensors have not been "
+                    "written since (their content is undefined): sync the weights (update_weights_from_tensor / "
+                    "_distributed / _disk) before /generate")
+        return ""
 
     def _output(self, s: SequenceRequest, latency: float, received: float) -> dict:
         # versions: per-token spans as sglang/srt/utils/weight_versions.py reports them
@@ -452,7 +454,8 @@ class RolloutServer:
         try:
             body = await _json(request, optional=True) if request.can_read_body else dict(request.query)
             name = _field(body, "name", str)
-            size = int(body.get("truncate_size", 100))
+            size = body.get("truncate_size", 100)
+            size = int(size) if isinstance(size, str) else _field(body, "truncate_size", int, default=100)
             return web.json_response(self.engine.weights_by_name(name, size))
         except (RequestError, WeightError, ValueError) as err:
             return _error(400, str(err), getattr(err, "field", "name"))
@@ -461,8 +464,10 @@ class RolloutServer:
     async def flush_cache(self, request: web.Request) -> web.Response:
         try:
             timeout = float(request.query.get("timeout", 0.0))
+            if not math.isfinite(timeout):  # nan would never end the wait below
+                raise ValueError
         except ValueError:
-            return _error(400, "timeout: must be a number", "timeout")
+            return _error(400, "timeout: must be a finite number of seconds", "timeout")
         deadline = time.monotonic() + max(timeout, 0.0)
         while True:  # Scheduler.flush_cache: only when idle (waiting requests do not count while paused)
             if self.batcher.is_fully_idle(ignore_waiting=self.batcher.paused is not None):
@@ -506,7 +511,7 @@ class RolloutServer:
     async def health(self, request: web.Request) -> web.Response:
         """SGLang's health_generate: 503 while starting, else a 1-token generation; 200 as the
         engine finished anything (this request or another) within the timeout."""
-        if self.status != "Up" or self.engine.released:
+        if self.status != "Up" or self._not_serving():
             return web.Response(status=503)
         tic = time.monotonic()
         seq = SequenceRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0), f"HEALTH_CHECK_{time.time_ns()}",
@@ -521,6 +526,12 @@ class RolloutServer:
         finally:
             if not task.done():
                 task.cancel()  # run_sequences drops it from the scheduler
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """SGLang's /ready (TokenizerManager.is_ready): 200 when new requests are served now: started, not
+        paused; the CPU engine adds: weights resident and synced since a release (503 otherwise)."""
+        ok = self.status == "Up" and not self.is_pause and not self._not_serving()
+        return web.Response(status=200 if ok else 503)
 
     async def warm_up(self) -> None:
         """The server's first 1-token generation (SGLang's _wait_and_warmup); then it is Up."""
@@ -563,79 +574,3 @@ class RolloutServer:
                 "fp8_gemm": ("w8a8 block fp8: weights 128x128 blocks, activations quantized dynamically per token "
                              "x 128 channels" if e.fp8 else None)},
         })
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-async def _serve(server: RolloutServer, *, host: str, port: int, model: str, register_dir: str,
-                 base_gpu_id: int | None = None) -> None:
-    runner = web.AppRunner(server.app(), access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    url = f"http://{host}:{port}"
-    await server.warm_up()  # /health answers 503 until this generation is done
-    print(f"serve-rollout: serving {model} at {url}", flush=True)
-    # SIGTERM (what the launcher, scancel and `kill` send) ends the wait below like Ctrl-C does, so the
-    # `finally` runs: the registration goes away with the engine instead of pointing at a dead port
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    registration = ""
-    try:
-        if register_dir:  # only once the socket accepts connections
-            registration = write_registration(register_dir, {
-                "host": host, "port": port, "url": url, "tp_size": 1, "model": model, "pid": os.getpid(),
-                "engine": "cpu", "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                # where it sits (colocated placement: the trainer rank on this slot feeds it)
-                "node": socket.gethostname(), "base_gpu_id": base_gpu_id,
-            })
-        await stop.wait()
-        print("serve-rollout: stopping", flush=True)
-    finally:
-        if registration:
-            remove_registration(registration, pid=os.getpid())
-        await runner.cleanup()
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="dapo-megatron serve-rollout", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True, help="HF checkpoint directory (config + safetensors [+ tokenizer])")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0, help="0 = pick a free port (written to the registry)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--seed", type=int, default=0, help="draws of requests when seeds are not honoured")
-    ap.add_argument("--context-length", type=int, default=0,
-                    help="prompt + max_new_tokens limit (SGLang's flag; 0 = the model's max_position_embeddings)")
-    ap.add_argument("--enable-deterministic-inference", action=argparse.BooleanOptionalAction, default=True,
-                    help="honour sampling_seed as SGLang does with this flag (default on: the CPU engine is "
-                         "deterministic); off: ignore it, as SGLang does by default")
-    ap.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together")
-    ap.add_argument("--register-dir", default="", help="write <host>_<port>.json here once serving")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
-    ap.add_argument("--base-gpu-id", type=int, default=None,
-                    help="the device slot this engine occupies on its node, as SGLang's flag (the CPU twin of a "
-                         "colocated engine's GPU: the trainer rank with this local rank feeds it its weights)")
-    ap.add_argument("--device", default="cpu",
-                    help="cpu, or cuda[:N]: hold the model and KV cache on that GPU (a colocated engine on one "
-                         "real GPU: CUDA IPC weight payloads, release/resume of device memory)")
-    args = ap.parse_args(argv)
-    if not os.path.isdir(args.model):
-        raise ValueError(f"--model: no such directory '{args.model}'")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    port = args.port or _free_port(args.host)
-    engine = CpuEngine(args.model, dtype=args.dtype, seed=args.seed, max_batch_size=args.max_batch_size,
-                       deterministic=args.enable_deterministic_inference, context_length=args.context_length,
-                       device=args.device)
-    server = RolloutServer(engine, model_name=os.path.basename(os.path.normpath(args.model)), seed=args.seed)
-    asyncio.run(_serve(server, host=args.host, port=port, model=args.model, register_dir=args.register_dir,
-                       base_gpu_id=args.base_gpu_id))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

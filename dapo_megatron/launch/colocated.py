@@ -8,7 +8,8 @@ the driver's engine pool finds them, exactly as disaggregated engines do.
   sglang: engine i of a node uses GPUs [i*engine_tp, (i+1)*engine_tp) with --colocate (SGLang's
           memory saver: it releases its memory while the actor trains), on a free port;
   cpu:    `dapo-megatron serve-rollout` on the node's Slurm address, port chosen by the server.
-A config without colocated engines makes this a no-op (exit 0). Registrations this node left from an
+Every engine requires the run's key (<run_dir>/secrets/engine_auth.yaml, rollout/auth.py): SGLang's
+--api-key and --admin-api-key, read from that file by its --config. A config without colocated engines makes this a no-op (exit 0). Registrations this node left from an
 earlier incarnation of the job (a requeue) are removed first: those servers are gone. The process
 waits for its engines and stops them all on SIGTERM (the batch script sends it when training ends).
 """
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 from dapo_megatron.config import Config, load_config
+from dapo_megatron.rollout.auth import ensure_secret_file, run_secret_path
 
 
 def node_address() -> str:
@@ -74,6 +76,7 @@ def engine_commands(cfg: Config, *, host: str, python: str = sys.executable) -> 
         quant = ["--quantization", "fp8"] if r.engine == "sglang" else []
     context_length = r.max_prompt_length + r.max_response_length  # what requests may need, no more
     register_dir = str(Path(cfg.trainer.output_dir) / "engines")
+    secret = str(run_secret_path(cfg.trainer.output_dir))  # main() made sure it exists (rollout/auth.py)
     node_id = int(os.environ.get("SLURM_NODEID", "0"))
     cmds = []
     for i in range(per_node):
@@ -84,14 +87,14 @@ def engine_commands(cfg: Config, *, host: str, python: str = sys.executable) -> 
                          "--mem-fraction", str(r.mem_fraction_static), "--colocate",
                          "--seed", seed, "--host", "0.0.0.0", "--port", str(_free_port()),
                          "--base-gpu-id", str(i * r.engine_tp), "--register-dir", register_dir,
-                         *sglang_routing_args(return_routed_experts=r.return_routed_experts)])
+                         "--auth-file", secret, *sglang_routing_args(return_routed_experts=r.return_routed_experts)])
         else:
             threads = max(1, cfg.slurm.cpus_per_task // max(per_node, 1) // 2)  # the actor needs CPUs too
             cmds.append([python, "-m", "dapo_megatron.cli", "serve-rollout", "--model", model,
                          "--host", host, "--port", "0", "--seed", seed, "--threads", str(threads),
                          "--context-length", str(context_length), "--base-gpu-id", str(i * r.engine_tp),
                          *(["--device", f"cuda:{i * r.engine_tp}"] if r.cpu_engine_device == "cuda" else []),
-                         "--register-dir", register_dir])
+                         "--register-dir", register_dir, "--config", secret])
     return cmds
 
 
@@ -121,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("config key 'model.path': colocated engines need the model directory they serve")
     host = node_address()
     register_dir = Path(cfg.trainer.output_dir) / "engines"
+    ensure_secret_file(run_secret_path(cfg.trainer.output_dir))  # the run's engine key: the trainer reads it too
     for path in remove_stale_registrations(register_dir, host):
         print(f"[colocated] removed stale registration {path.name}", flush=True)
     procs = [subprocess.Popen(cmd, start_new_session=True) for cmd in engine_commands(cfg, host=host)]

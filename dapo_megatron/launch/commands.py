@@ -75,6 +75,7 @@ def evaluate(argv: list[str]) -> int:
     from transformers import AutoTokenizer
 
     from dapo_megatron.data.datasets import train_and_eval_records
+    from dapo_megatron.rollout.auth import engine_keys, ensure_secret_file, run_secret_path
     from dapo_megatron.rollout.pool import EnginePool
     from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
 
@@ -84,12 +85,13 @@ def evaluate(argv: list[str]) -> int:
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     t, r = cfg.trainer, cfg.rollout
 
-    async def run(urls: list[str] | None):  # -> the [P, k] table of correct samples
+    async def run(urls: list[str] | None, keys):  # -> the [P, k] table of correct samples
         if urls:
-            pool = EnginePool(urls, timeout_s=r.request_timeout_s, max_retries=r.max_retries)
+            pool = EnginePool(urls, timeout_s=r.request_timeout_s, max_retries=r.max_retries, keys=keys)
         else:
             pool = await EnginePool.from_registry(str(Path(t.output_dir) / "engines"), min_engines=1,
-                                                  timeout_s=r.request_timeout_s, max_retries=r.max_retries)
+                                                  timeout_s=r.request_timeout_s, max_retries=r.max_retries,
+                                                  keys=keys)
             await asyncio.gather(*(c.update_weights_from_disk(hf_dir) for c in pool.live_clients()))
         try:
             sampler = RolloutSampler(pool, tokenizer, RolloutSettings.from_sections(r, cfg.algorithm, seed=t.seed, progress=False))
@@ -104,12 +106,14 @@ def evaluate(argv: list[str]) -> int:
     if r.engine == "cpu" and not r.engine_urls:
         from dapo_megatron.launch.engines import LocalEngines
 
-        with tempfile.TemporaryDirectory() as tmp, LocalEngines(hf_dir, num_engines=r.num_engines,
-                                                                register_dir=os.path.join(tmp, "engines"),
-                                                                seed=t.seed) as engines:
-            correct = asyncio.run(run(engines.urls))
-    else:
-        correct = asyncio.run(run(list(r.engine_urls) or None))
+        with tempfile.TemporaryDirectory() as tmp:
+            secret = run_secret_path(tmp)  # these engines' own key, gone with them
+            keys = ensure_secret_file(secret)
+            with LocalEngines(hf_dir, num_engines=r.num_engines, register_dir=os.path.join(tmp, "engines"),
+                              seed=t.seed, auth_file=secret) as engines:
+                correct = asyncio.run(run(engines.urls, keys))
+    else:  # the user's keys for engine_urls, else the run's secret (its SGLang engines registered)
+        correct = asyncio.run(run(list(r.engine_urls) or None, engine_keys(r, t.output_dir)))
     result = {"checkpoint": checkpoint, "model": hf_dir, "temperature": t.eval_temperature, "top_p": t.eval_top_p,
               **{key.removeprefix("eval/"): value for key, value in eval_metrics(correct).items()},
               "num_prompts": len(records), "k": t.eval_n,  # counts: ints (the logged eval/k is a float)

@@ -87,13 +87,15 @@ class LocalProcesses:
     def start_cpu_engines(self, model_dir: str | Path, *, num: int, register_dir: str | Path, seed: int = 0,
                           threads: int = 1, max_batch_size: int = 64, host: str = "127.0.0.1",
                           timeout_s: float = 300.0, context_length: int = 0, cores: list[int] = (),
-                          device: str = "cpu") -> list[str]:
+                          device: str = "cpu", auth_file: str | Path | None = None) -> list[str]:
         """Start `num` serve-rollout processes and wait until each has registered; returns their
         URLs in start order. Records of other processes in register_dir (an earlier run, SGLang
         engines of the same run) are left alone: only these processes' pids count.
         context_length: --context-length (max_prompt_length + max_response_length), as for SGLang.
         cores: CPU cores every engine runs on (rollout.cpu_engine_cores; empty = no pinning).
-        device: rollout.cpu_engine_device: "cuda" puts engine i on GPU i (its slot, --base-gpu-id i)."""
+        device: rollout.cpu_engine_device: "cuda" puts engine i on GPU i (its slot, --base-gpu-id i).
+        auth_file: the run's secret (rollout/auth.py), passed as --config: the engines then refuse any
+        request without its key, as SGLang does with --api-key / --admin-api-key."""
         from dapo_megatron.rollout.registry import read_registrations  # (rollout imports this module)
 
         if num < 1:
@@ -119,7 +121,8 @@ class LocalProcesses:
                 "--max-batch-size", str(max_batch_size), "--register-dir", str(register_dir),
                 "--base-gpu-id", str(index),  # engine i on slot i: the colocated placement's map
                 *(["--device", f"cuda:{index}"] if device == "cuda" else []),
-                *(["--context-length", str(context_length)] if context_length else [])]}
+                *(["--context-length", str(context_length)] if context_length else []),
+                *(["--config", str(auth_file)] if auth_file else [])]}
             procs.append((name, self.restart_engine(name, port=0)))
         order = [proc.pid for _, proc in procs]
         deadline = time.monotonic() + timeout_s
@@ -189,6 +192,7 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
     from dapo_megatron.launch.run_dir import check_run_dir
     from dapo_megatron.launch.supervise import EngineSupervisor, engine_events_path
     from dapo_megatron.memplan import check_before_launch
+    from dapo_megatron.rollout.auth import ensure_secret_file, keys_from_config, run_secret_path
 
     t_start = time.perf_counter()
     run_dir = Path(cfg.trainer.output_dir)
@@ -205,6 +209,13 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
         check_before_launch(cfg)  # ValueError naming the phase and component that do not fit
     console.quiet_backend_warnings()
     run_dir.mkdir(parents=True, exist_ok=True)
+    # the run's engine key (created once, reused by --resume); the user's keys of rollout.engine_urls are
+    # read now, so a missing variable or file fails before anything starts
+    secret = run_secret_path(run_dir)
+    if cfg.rollout.engine_urls:
+        keys_from_config(cfg.rollout)
+    else:
+        ensure_secret_file(secret)
     phases = console.Phases()
     with phases.phase("model", slow_note="building and warm-starting the tiny model (once: it is cached)") as note:
         model_dir = _prepare_model(cfg)
@@ -224,13 +235,15 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
                 urls = procs.start_cpu_engines(
                     engine_model_dir, num=cfg.rollout.num_engines, register_dir=run_dir / "engines",
                     seed=cfg.trainer.seed, cores=cfg.rollout.cpu_engine_cores, device=cfg.rollout.cpu_engine_device,
+                    auth_file=secret,
                     context_length=cfg.rollout.max_prompt_length + cfg.rollout.max_response_length)
                 note["detail"] = (f"{len(urls)} CPU engine{'s' if len(urls) > 1 else ''} serving at {', '.join(urls)} "
                                   f"(logs in {procs.log_dir})")
         elif cfg.rollout.engine == "sglang" and not cfg.rollout.engine_urls:
             fp8_args = (f" --model {engine_model_dir} --quantization fp8" if cfg.rollout.quantization == "fp8" else "")
             print(f"[train] waiting for SGLang engines to register in {run_dir / 'engines'} "
-                  f"(slurm/rollout_array.sbatch or `python -m dapo_megatron.rollout.sglang_launcher{fp8_args}`)",
+                  f"(slurm/rollout_array.sbatch or `python -m dapo_megatron.rollout.sglang_launcher{fp8_args} "
+                  f"--auth-file {secret} --register-dir {run_dir / 'engines'} ...`)",
                   flush=True)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={cfg.actor.world_size}", "-m", "dapo_megatron.cli", "train", config_path,

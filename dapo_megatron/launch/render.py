@@ -172,6 +172,7 @@ def engine_resources(cfg: Config) -> tuple[int, int]:
 def render_rollout_array(cfg: Config, *, register_dir: str) -> str:
     """slurm/rollout_array.sbatch: one engine per array task, registering in register_dir."""
     from dapo_megatron.quant.engine_checkpoint import fp8_rollout_dir
+    from dapo_megatron.rollout.auth import run_secret_path
     from dapo_megatron.rollout.routing import sglang_routing_args
 
     fp8 = cfg.rollout.quantization == "fp8"
@@ -187,6 +188,8 @@ def render_rollout_array(cfg: Config, *, register_dir: str) -> str:
         "CONTEXT_LENGTH": cfg.rollout.max_prompt_length + cfg.rollout.max_response_length,
         "BASE_SEED": cfg.trainer.seed,
         "REGISTER_DIR": register_dir,
+        # the run's engine key (rollout/auth.py): `slurm submit` writes it before the array starts
+        "AUTH_FILE": str(run_secret_path(cfg.trainer.output_dir)),
         "SGLANG_ARGS": sglang_routing_args(return_routed_experts=cfg.rollout.return_routed_experts),
     }
     return fill(template_text("rollout_array.sbatch"),

@@ -266,6 +266,10 @@ def submit(plan: Plan, *, dry_run: bool = False, out: Callable[[str], None] = pr
         out("# dry run: nothing written, nothing submitted")
         return {}
     (plan.run_dir / "slurm" / "logs").mkdir(parents=True, exist_ok=True)
+    # the run's engine key, before any engine or trainer job can start (a requeue or resubmission reuses it)
+    from dapo_megatron.rollout.auth import ensure_secret_file, run_secret_path
+
+    ensure_secret_file(run_secret_path(plan.run_dir))
     for rel, text in plan.files.items():
         path = plan.run_dir / rel
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,8 @@ entrypoints/http_server.py; the CPU engine of serve-rollout speaks the same).
 
 Every body is the JSON of one SGLang request class (managers/io_struct.py); docs/sglang.md lists the
 endpoints, what we send, and the SGLang code each was checked against (tests/conformance).
+Auth: `keys` (rollout/auth.py EngineKeys) puts `Authorization: Bearer <key>` on every request, the admin
+key on the endpoints SGLang guards with it (auth.ENDPOINT_LEVELS), the api key on the others.
 Errors: a 4xx/5xx answer raises EngineError carrying the status, the engine's URL and the server's
 message; a dead engine (refused connection, reset, timeout) raises EngineUnreachable, which the pool
 treats as "drop the engine and retry elsewhere".
@@ -20,6 +22,8 @@ import asyncio
 from typing import Any
 
 import aiohttp
+
+from dapo_megatron.rollout.auth import EngineKeys
 
 
 class EngineError(RuntimeError):
@@ -62,8 +66,10 @@ class SessionHolder:
 
 
 class EngineClient:
-    def __init__(self, url: str, *, timeout_s: float = 3600.0, sessions: SessionHolder | None = None):
+    def __init__(self, url: str, *, timeout_s: float = 3600.0, sessions: SessionHolder | None = None,
+                 keys: EngineKeys | None = None):
         self.url = url.rstrip("/")
+        self.keys = keys or EngineKeys()
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._own_sessions = sessions is None
         self._sessions = sessions or SessionHolder()
@@ -84,11 +90,17 @@ class EngineClient:
     async def _request(self, method: str, path: str, payload: dict | None = None, *, timeout_s: float | None = None) -> Any:
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else self.timeout
         try:
-            async with self._sess().request(method, self.url + path, json=payload, timeout=timeout) as resp:
+            async with self._sess().request(method, self.url + path, json=payload, timeout=timeout,
+                                            headers=self.keys.header_for(method, path)) as resp:
                 body = await resp.read()
                 if resp.status >= 400:
-                    raise EngineError(f"{self.url}{path}: HTTP {resp.status}: {body.decode(errors='replace')[:2000]}",
-                                      resp.status, self.url)
+                    hint = ""
+                    if resp.status in (401, 403):  # SGLang's auth middleware (rollout/auth.py)
+                        hint = (" (the engine wants an API key: engines of rollout.engine_urls take theirs from "
+                                "rollout.engine_api_key_env / _file and the admin_ pair; the run's own engines "
+                                "from <run_dir>/secrets/engine_auth.yaml)")
+                    raise EngineError(f"{self.url}{path}: HTTP {resp.status}: {body.decode(errors='replace')[:2000]}"
+                                      f"{hint}", resp.status, self.url)
                 if not body:
                     return None
                 if resp.content_type == "application/json":

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from dapo_megatron.rollout.auth import EngineKeys
 from dapo_megatron.rollout.client import EngineClient, EngineError, EngineUnreachable, SessionHolder
 from dapo_megatron.rollout.registry import read_registrations
 
@@ -50,12 +51,13 @@ class _Engine:
 
 class EnginePool:
     def __init__(self, urls: list[str] | None = None, *, registry_dir: str | None = None,
-                 timeout_s: float = 3600.0, max_retries: int = 3):
+                 timeout_s: float = 3600.0, max_retries: int = 3, keys: EngineKeys | None = None):
         if not urls and not registry_dir:
             raise ValueError("EnginePool: give engine urls (rollout.engine_urls) or a registry directory")
         self.registry_dir = registry_dir
         self.timeout_s = timeout_s
         self.max_retries = max_retries
+        self.keys = keys or EngineKeys()  # sent by every client (rollout/auth.py)
         self._sessions = SessionHolder()  # shared by this pool's clients
         self._engines: dict[str, _Engine] = {}
         self._where: dict[str, str] = {}  # rid -> url of the engine serving it now
@@ -67,9 +69,10 @@ class EnginePool:
 
     @classmethod
     async def from_registry(cls, registry_dir: str, *, min_engines: int = 1, wait_s: float = 600.0,
-                            timeout_s: float = 3600.0, max_retries: int = 3) -> "EnginePool":
+                            timeout_s: float = 3600.0, max_retries: int = 3,
+                            keys: EngineKeys | None = None) -> "EnginePool":
         """Wait until `min_engines` registered engines answer /health; all of them start live."""
-        pool = cls(registry_dir=registry_dir, timeout_s=timeout_s, max_retries=max_retries)
+        pool = cls(registry_dir=registry_dir, timeout_s=timeout_s, max_retries=max_retries, keys=keys)
         deadline = time.monotonic() + wait_s
         while True:
             await pool.discover()
@@ -82,7 +85,7 @@ class EnginePool:
             await asyncio.sleep(1.0)
 
     def _client(self, url: str) -> EngineClient:
-        return EngineClient(url, timeout_s=self.timeout_s, sessions=self._sessions)
+        return EngineClient(url, timeout_s=self.timeout_s, sessions=self._sessions, keys=self.keys)
 
     async def close(self) -> None:
         await self._sessions.close()

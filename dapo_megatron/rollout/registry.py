@@ -23,13 +23,14 @@ def registration_path(register_dir: str, host: str, port: int) -> str:
 
 
 def write_registration(register_dir: str, record: dict) -> str:
-    """Write atomically (temp file + rename) so a reader never sees half a record."""
+    """Write atomically (temp file + rename) so a reader never sees half a record; mode 0600."""
     missing = [k for k in _REQUIRED if k not in record]
     if missing:
         raise ValueError(f"engine registration lacks {missing}")
-    os.makedirs(register_dir, exist_ok=True)
+    os.makedirs(register_dir, mode=0o700, exist_ok=True)  # only the run's user lists the engines
     path = registration_path(register_dir, record["host"], record["port"])
     fd, tmp = tempfile.mkstemp(dir=register_dir, prefix=".tmp-", suffix=".json")
+    os.fchmod(fd, 0o600)  # (mkstemp's mode already): where the run's engines listen is the run user's business
     with os.fdopen(fd, "w") as f:
         json.dump(record, f)
     os.replace(tmp, path)

@@ -1,13 +1,14 @@
 """Start an SGLang server with our settings, wait for /health, register it for the trainer.
 
     python -m dapo_megatron.rollout.sglang_launcher --model /ckpt/Qwen2.5-7B --tp 2 --context-length 22528 \
-        --port 30000 --register-dir $RUN_DIR/engines [--colocate --mem-fraction 0.5] [--seed 42]
+        --port 30000 --register-dir $RUN_DIR/engines --auth-file $RUN_DIR/secrets/engine_auth.yaml [--colocate --mem-fraction 0.5] [--seed 42]
     python -m dapo_megatron.rollout.sglang_launcher --model $RUN_DIR/rollout_fp8 --quantization fp8 ...   # rollout.quantization=fp8
 
 (one per Slurm array task in disaggregated runs). GPU clusters only: SGLang cannot run on the CPU
 machines this project is developed on. The command line is built by `sglang_command` from the flags
 of sglang 0.5.21's ServerArgs (--model-path, --tp-size, --context-length, --mem-fraction-static,
---enable-memory-saver, --random-seed, --host, --port, --dtype, --base-gpu-id) and parsed by SGLang's
+--enable-memory-saver, --random-seed, --host, --port, --dtype, --base-gpu-id, --config for the run's
+keys: --auth-file) and parsed by SGLang's
 own parser in tests/conformance. --context-length is rollout.max_prompt_length +
 rollout.max_response_length: SGLang refuses (400) a request whose prompt plus max_new_tokens exceeds
 its context length (tokenizer_manager.py _validate_one_request), and the model's own maximum may be
@@ -38,6 +39,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from dapo_megatron.rollout.auth import ensure_secret_file
 from dapo_megatron.rollout.registry import remove_registration, write_registration
 
 VERIFIED_SGLANG = "0.5.21"  # docs/sglang.md and tests/conformance were checked against this release
@@ -78,6 +80,8 @@ class SGLangSettings:
     quantization: str = ""  # "" or "fp8" (model_path must then be the block-FP8 export)
     python: str = sys.executable
     extra_args: tuple[str, ...] = ()
+    # the run's key file (rollout/auth.py, SGLang --config YAML with api-key / admin-api-key): "" = no keys
+    auth_file: str = ""
 
 
 def sglang_command(s: SGLangSettings) -> list[str]:
@@ -113,6 +117,12 @@ def sglang_command(s: SGLangSettings) -> list[str]:
         cmd.append("--enable-memory-saver")
     if s.quantization:
         cmd += ["--quantization", s.quantization]
+    if s.auth_file:
+        if "--config" in s.extra_args:
+            raise ValueError("sglang launcher: --auth-file is passed to SGLang as --config (its only config file); "
+                             "put your other SGLang options on the command line instead of a second --config")
+        # the keys reach SGLang through its YAML config, never on argv (`ps` shows argv to every user)
+        cmd += ["--config", s.auth_file]
     return cmd + list(s.extra_args)
 
 
@@ -154,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quantization", default="", choices=["", "fp8"],
                     help="fp8: --model is the block-FP8 export of rollout.quantization=fp8 (docs/fp8.md)")
     ap.add_argument("--register-dir", default="")
+    ap.add_argument("--auth-file", default="",
+                    help="the run's key file (<run_dir>/secrets/engine_auth.yaml; created here if absent): SGLang "
+                         "gets it as --config and then requires its api-key / admin-api-key on every request")
     ap.add_argument("--health-timeout", type=float, default=1800.0)
     ap.add_argument("--allow-sglang-version", action="store_true",
                     help=f"run an sglang other than {VERIFIED_SGLANG.rsplit('.', 1)[0]}.x (also {ALLOW_ENV}=1)")
@@ -164,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                               mem_fraction_static=args.mem_fraction,
                               colocate=args.colocate, seed=args.seed, host=args.host, port=args.port, dtype=args.dtype,
                               base_gpu_id=args.base_gpu_id, quantization=args.quantization,
-                              extra_args=tuple(extra))
+                              extra_args=tuple(extra), auth_file=args.auth_file)
+    if args.auth_file:
+        ensure_secret_file(args.auth_file)  # the trainer reads the same file (a requeue reuses it)
     # SIGTERM (scancel, the colocated supervisor) unwinds like Ctrl-C, so the `finally` below stops
     # the server and removes its registration instead of leaving both behind
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -22,6 +22,7 @@ from dapo_megatron.config import Config
 from dapo_megatron.data.datasets import train_and_eval_records
 from dapo_megatron.data.stream import PromptStream
 from dapo_megatron.dataplane.sample import Sample
+from dapo_megatron.rollout.auth import engine_keys
 from dapo_megatron.rollout.async_rollout import engine_phases
 from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
 from dapo_megatron.rollout.registry import engine_events_path
@@ -40,12 +41,14 @@ class Driver:
         self.run_dir = Path(run_dir)
         self.loop = asyncio.new_event_loop()
         r = cfg.rollout
+        keys = engine_keys(r, self.run_dir)  # the user's keys for engine_urls, else the run's secret
         if r.engine_urls:
-            self.pool = EnginePool(list(r.engine_urls), timeout_s=r.request_timeout_s, max_retries=r.max_retries)
+            self.pool = EnginePool(list(r.engine_urls), timeout_s=r.request_timeout_s, max_retries=r.max_retries,
+                                   keys=keys)
         else:
             self.pool = self.loop.run_until_complete(EnginePool.from_registry(
                 str(self.run_dir / "engines"), min_engines=r.num_engines, timeout_s=r.request_timeout_s,
-                max_retries=r.max_retries))
+                max_retries=r.max_retries, keys=keys))
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         # start-up admissions are not faults; restarts are the local launcher's (launch/supervise.py)
         self.engine_report = EngineEventReport(self.pool, restart_events=engine_events_path(self.run_dir))

@@ -32,7 +32,9 @@ Stand-ins (SGLang's engine and its scheduler process cannot run without a GPU), 
   - The TP ranks share this one process (threads): torch's registry of process-group names, which
     refuses a second group of the same name in one process, is told to let each rank register its own
     member of the weight group (`_allow_one_group_name_per_rank`).
-Test-only routes, under /oracle/: the log of what SGLang parsed and did, and the model's weights.
+Test-only routes, under /oracle/: the log of what SGLang parsed and did (with each request's Authorization
+header), the model's weights, SGLang's ServerArgs parser, and SGLang's API-key middleware judging requests
+under any pair of keys (/oracle/auth).
 """
 
 from __future__ import annotations
@@ -310,7 +312,10 @@ class RecordHttp:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"].startswith("/oracle/"):
             return await self.app(scope, receive, send)
-        entry = {"event": "http", "method": scope["method"], "path": scope["path"], "body": None, "status": None}
+        headers = dict(scope.get("headers") or [])
+        authorization = headers.get(b"authorization")
+        entry = {"event": "http", "method": scope["method"], "path": scope["path"], "body": None, "status": None,
+                 "authorization": authorization.decode("latin-1") if authorization is not None else None}
         chunks: list[bytes] = []
 
         async def recv():
@@ -329,6 +334,41 @@ class RecordHttp:
 
         self.log.append(entry)
         await self.app(scope, recv, snd)
+
+
+async def judge_auth(app, *, api_key, admin_api_key, method: str, path: str, authorization) -> dict:
+    """Run one request through the middleware SGLang installs for --api-key / --admin-api-key (captured from
+    add_api_key_middleware, resolving levels against `app`'s routes), in front of a handler that answers nothing."""
+    from sglang.srt.utils.auth import add_api_key_middleware
+
+    class Capture:
+        def add_middleware(self, cls, **kwargs):
+            self.cls, self.kwargs = cls, kwargs
+
+    capture = Capture()
+    add_api_key_middleware(capture, api_key=api_key, admin_api_key=admin_api_key)
+    reached, sent = [], []
+
+    async def handler(scope, receive, send):
+        reached.append(True)
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    middleware = capture.cls(handler, api_key=capture.kwargs["api_key"], admin_api_key=capture.kwargs["admin_api_key"],
+                             fastapi_app=app)
+    headers = [] if authorization is None else [(b"authorization", authorization.encode("latin-1"))]
+    await middleware({"type": "http", "method": method, "path": path, "raw_path": path.encode(), "root_path": "",
+                      "query_string": b"", "headers": headers, "scheme": "http", "server": ("127.0.0.1", 80),
+                      "client": ("127.0.0.1", 1), "http_version": "1.1"}, receive, send)
+    if reached:
+        return {"passed": True}
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    raw = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return {"passed": False, "status": status, "body": json.loads(raw)}
 
 
 def request_fields(app) -> dict[str, list[str]]:
@@ -436,6 +476,13 @@ def main() -> int:
     async def oracle_server_args(body: dict):
         parsed = prepare_server_args(body["argv"])  # SGLang's own CLI parser (sglang serve / launch_server)
         return {name: getattr(parsed, name) for name in body["fields"]}
+
+    @app.post("/oracle/auth")
+    async def oracle_auth(body: dict):
+        """SGLang's own API-key middleware (add_api_key_middleware, with the route levels of this app) on
+        each case, under the given keys: {"passed": true} or the status and JSON body it answers."""
+        return [await judge_auth(app, api_key=body["api_key"], admin_api_key=body["admin_api_key"], **case)
+                for case in body["cases"]]
 
     @app.post("/oracle/reset_log")
     async def oracle_reset_log():

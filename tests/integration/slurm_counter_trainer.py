@@ -32,6 +32,7 @@ import torch.distributed as dist
 from dapo_megatron.trainer import run_checkpoint as checkpointing
 from dapo_megatron.config import load_config
 from dapo_megatron.trainer.preemption import PreemptionSignal
+from dapo_megatron.rollout.auth import engine_keys
 from dapo_megatron.rollout.registry import read_registrations
 
 
@@ -53,10 +54,12 @@ def _wait_engines(register_dir: Path, count: int, timeout_s: float = 600.0) -> l
     raise TimeoutError(f"{count} engines did not register in {register_dir} within {timeout_s}s")
 
 
-def _generate(url: str) -> list[int]:
+def _generate(url: str, keys) -> list[int]:
     body = json.dumps({"input_ids": [1, 5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 1.0,
                                                                       "sampling_seed": 0}}).encode()
-    req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
+    # the engines require the run's key (`slurm submit` wrote it; rollout/auth.py), as the real trainer sends it
+    req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json",
+                                                                        **keys.header_for("POST", "/generate")})
     with urllib.request.urlopen(req, timeout=60) as resp:
         return json.loads(resp.read())["output_ids"]
 
@@ -83,7 +86,7 @@ def main() -> int:
     if cfg.rollout.placement == "disaggregated" and rank == 0:
         records = _wait_engines(out / "engines", cfg.rollout.num_engines)
         for rec in records:
-            tokens = _generate(rec["url"])
+            tokens = _generate(rec["url"], engine_keys(cfg.rollout, out))
             print(f"engine {rec['url']} generated {tokens}", flush=True)
             assert len(tokens) == 3
         engines = len(records)

@@ -1,24 +1,35 @@
-"""Malformed requests to a real `serve-rollout` process (loopback only): a few hundred seeded bodies
-made by breaking a valid /generate body field by field (wrong types, out-of-range numbers, nested
-junk, missing and unknown keys, non-JSON bytes). Every answer is a 4xx whose JSON error names the
-field, or a 200 with well-formed outputs; the server stays up and generates the same greedy tokens
-as before the fuzzing.
+"""Malformed and hostile requests to a real `serve-rollout` process (loopback only): no client input gets a
+5xx (issue 28 found 487 of 5,100 garbage bodies answered 500, a 50 MB body growing the server to 18 GiB).
 
-The one 5xx allowed is SGLang's own: an unknown sampling_params key makes SGLang's
-SamplingParams(**params) raise TypeError, which its /generate handler does not catch (HTTP 500).
-The CPU engine answers the same status so that a client sees what SGLang would send (docs/sglang.md);
-the test asserts that such a 500 names that key and that nothing else is a 5xx."""
+  - a few hundred seeded /generate bodies made by breaking a valid one field by field (wrong types,
+    out-of-range numbers, nested junk, missing and unknown keys, non-JSON bytes): every answer is a 400
+    whose JSON error names the field, or a 200 with well-formed outputs (an unknown sampling parameter
+    included: SGLang answers 500 there, the CPU engine 400, docs/sglang.md);
+  - garbage on every route (benchmarks/engine_abuse.py's generator, fewer bodies than its 5,100): no 5xx,
+    and the server generates the same greedy tokens afterwards;
+  - the issue's bodies, scaled to CI: non-UTF-8 bytes, deeply nested '[', text far beyond the context
+    (refused by the token lower bound, without tokenizing), a million input_ids (refused by length before
+    each id is checked), lone surrogates, 1e999 where an integer belongs: all 400 naming the body or field;
+  - a body above --max-request-bytes (the default, 16 MiB) is refused with 413 before it is read: the
+    server answers a request whose headers promise limit + 1 bytes without waiting for any of them, and a
+    chunked body is cut off at the limit.
+The full-size run (5,100 bodies, 50 MB bodies, peak memory) is `dapo-megatron bench engine-abuse`
+(docs/benchmarks.md).
+"""
 
 from __future__ import annotations
 
 import json
 import random
+import socket
 import urllib.error
 import urllib.request
 
 import pytest
 from rollout_helpers import ServerProcess, make_tiny_checkpoint
 
+from dapo_megatron.benchmarks.engine_abuse import garbage_run, post_streamed
+from dapo_megatron.cpu_engine.guard import DEFAULT_MAX_REQUEST_BYTES
 from dapo_megatron.cpu_engine.protocol import SAMPLING_PARAM_NAMES
 
 NUM_BODIES = 300
@@ -79,6 +90,7 @@ def mutate(rng: random.Random) -> tuple[bytes, str]:
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("rollout_fuzz")
     proc = ServerProcess(make_tiny_checkpoint(root / "model", seed=0), root / "engines", log_path=root / "server.log")
+    proc.model_dir = str(root / "model")
     yield proc
     proc.kill()
 
@@ -107,10 +119,74 @@ def test_fuzzed_generate_bodies_are_4xx_naming_the_field_and_the_server_still_ge
         assert isinstance(out, dict) and isinstance(out.get("error"), dict), case
         field = out["error"].get("field")
         assert field and field in out["error"]["message"], case
-        if status >= 500:  # SGLang's own 500 for an unknown sampling parameter, and nothing else
-            assert status == 500 and field.startswith("sampling_params.") \
-                and field.split(".", 1)[1] not in SAMPLING_PARAM_NAMES, case
-        else:
-            assert status == 400, case
+        assert status == 400, case  # never a 5xx (an unknown sampling parameter included: SGLang's is a 500)
     assert answered.get(400, 0) > NUM_BODIES // 2, answered  # the bodies really were malformed
     assert greedy(server.url) == before
+
+
+def test_garbage_on_every_route_is_never_a_5xx(server):
+    before = greedy(server.url)
+    statuses = garbage_run(server.url, server.model_dir, per_endpoint=40, seed=7)
+    assert not {s: c for s, c in statuses.items() if s >= 500}, statuses
+    assert statuses.get(400, 0) > 300, statuses  # mostly refused: the bodies really were garbage
+    assert greedy(server.url) == before
+
+
+ISSUE_BODIES = [
+    # (what, body, field the error names)
+    ("non-UTF-8 bytes", b'{"input_ids": [1], "rid": "\xff\xfe"}', "body"),
+    ("raw non-UTF-8", b"\xff\xfe\xfd" * 1000, "body"),
+    ("1 MB of nested '['", b"[" * 1_000_000, "body"),
+    ("nested objects", b'{"a":' * 100_000, "body"),
+    ("text far beyond the context", json.dumps({"text": "a" * 2_000_000}).encode(), "text"),
+    ("a million input_ids", json.dumps({"input_ids": [1] * 1_000_000}).encode(), "input_ids"),
+    ("unknown sampling parameter", json.dumps({"input_ids": [1], "sampling_params": {"temprature": 1.0}}).encode(),
+     "sampling_params.temprature"),
+    ("lone surrogate in text", b'{"text": "ab\\ud800"}', "text"),
+    ("1e999 truncate_size", b'{"name": "model.norm.weight", "truncate_size": 1e999}', "truncate_size"),
+]
+
+
+@pytest.mark.parametrize("what, body, field", ISSUE_BODIES, ids=[c[0] for c in ISSUE_BODIES])
+def test_the_issues_bodies_are_400_naming_what_is_wrong(server, what, body, field):
+    path = "/get_weights_by_name" if "truncate_size" in what else "/generate"
+    status, out = post(server.url + path, body)
+    assert status == 400 and out["error"]["field"] == field, (what, status, out)
+    assert field in out["error"]["message"]
+
+
+def test_a_non_finite_flush_timeout_is_400(server):
+    for value in ("nan", "inf", "x"):
+        status, out = post(server.url + f"/flush_cache?timeout={value}", b"")
+        assert status == 400 and out["error"]["field"] == "timeout", (value, status, out)
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=120) as sock:
+        # headers only: a server that read the body first would wait for bytes that never come
+        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {DEFAULT_MAX_REQUEST_BYTES + 1}\r\n\r\n".encode())
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413"), reply[:300]
+    error = json.loads(body)["error"]
+    assert error["field"] == "body" and str(DEFAULT_MAX_REQUEST_BYTES) in error["message"]
+
+    def just_over():  # chunked: no length up front, so the server reads up to the limit and stops there
+        block = b"[" * 65536
+        for _ in range(DEFAULT_MAX_REQUEST_BYTES // 65536):
+            yield block
+        yield b"[" * (DEFAULT_MAX_REQUEST_BYTES % 65536 + 1)
+
+    try:
+        status, raw = post_streamed(server.url, "/generate", just_over(), length=None)
+        assert status == 413 and json.loads(raw)["error"]["field"] == "body", (status, raw[:300])
+    except ConnectionResetError:  # the server answered 413 and closed while the rest was still being sent
+        pass
+    assert greedy(server.url)  # and it still serves

@@ -50,7 +50,7 @@ def test_parse_single_batch_and_n_expansion():
     ({"input_ids": [1], "sampling_params": {"n": True}}, "sampling_params.n", 400),
     ({"input_ids": [1], "sampling_params": {"ignore_eos": "yes"}}, "sampling_params.ignore_eos", 400),
     ({"input_ids": [1], "sampling_params": {"sampling_seed": 2**70}}, "sampling_params.sampling_seed", 400),
-    ({"input_ids": [1], "sampling_params": {"temprature": 1}}, "sampling_params.temprature", 500),  # as SGLang
+    ({"input_ids": [1], "sampling_params": {"temprature": 1}}, "sampling_params.temprature", 400),  # SGLang: 500
     ({"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}, "sampling_params.frequency_penalty", 400),
     ({"input_ids": [1], "stream": True}, "stream", 400),
     ({"input_ids": [1], "top_logprobs_num": 5}, "top_logprobs_num", 400),
