@@ -173,8 +173,20 @@ class LocalProcesses:
 
 def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool, overwrite: bool = False,
                     skip_plan: bool = False) -> int:
-    """This machine: decide about the run directory, check the memory plan, prepare the model, start
-    CPU engines, run the actor ranks under torchrun, then print where everything is (console.run_summary)."""
+    """This machine: take the run directory's lock (one run per directory, launch/run_lock.py), decide
+    about the run directory, check the memory plan, prepare the model, start CPU engines, run the actor
+    ranks under torchrun, then print where everything is (console.run_summary)."""
+    from dapo_megatron.launch.run_lock import RunLock
+
+    # before anything is written: a second `train` into this directory is refused, naming this one
+    with RunLock(cfg.trainer.output_dir, command=f"dapo-megatron train {config_path}") as lock:
+        if lock.stale_note:
+            print(lock.stale_note, flush=True)
+        return _launch_locked(cfg, config_path, overrides, resume=resume, overwrite=overwrite, skip_plan=skip_plan)
+
+
+def _launch_locked(cfg, config_path: str, overrides: list[str], *, resume: bool, overwrite: bool,
+                   skip_plan: bool) -> int:
     from dapo_megatron.trainer import console
     from dapo_megatron.launch.run_dir import check_run_dir
     from dapo_megatron.launch.supervise import EngineSupervisor, engine_events_path
