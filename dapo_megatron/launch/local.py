@@ -211,6 +211,8 @@ def _launch_locked(cfg, config_path: str, overrides: list[str], *, resume: bool,
     with phases.phase("model", slow_note="building and warm-starting the tiny model (once: it is cached)") as note:
         model_dir = _prepare_model(cfg)
         note["detail"] = _model_line(cfg, model_dir)
+    with phases.phase("data", slow_note="checking every prompt row") as note:
+        note["detail"] = check_prompt_data(cfg, model_dir)  # ValueError listing bad rows, before any process starts
     overrides = [*overrides, f"model.path={model_dir}"]
     engine_model_dir = model_dir
     if cfg.rollout.quantization == "fp8":  # the engines serve modelopt's block-FP8 export of the base model
@@ -252,6 +254,22 @@ def _launch_locked(cfg, config_path: str, overrides: list[str], *, resume: bool,
         print(console.run_summary(run_dir, phase_seconds=phases.seconds, ranks_wall_s=ranks_wall_s,
                                   wall_s=time.perf_counter() - t_start), flush=True)
     return rc
+
+
+def check_prompt_data(cfg, model_dir: str) -> str:
+    """Every train and eval row checked here, before an engine or rank starts (the same check the
+    driver repeats): a bad row raises one ValueError naming file, row and key (data/prompts.py); with
+    data.skip_bad_rows the count left out is in the returned line."""
+    from transformers import AutoTokenizer
+
+    from dapo_megatron.data.datasets import train_and_eval_records
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    train, evals = train_and_eval_records(cfg.data, tokenizer=tokenizer, max_prompt_length=cfg.rollout.max_prompt_length)
+    skipped = [f"{n} bad {kind} rows left out (data.skip_bad_rows)" for kind, n in
+               (("train", getattr(train, "num_skipped", 0)), ("eval", getattr(evals, "num_skipped", 0))) if n]
+    return (f"{len(train)} train and {len(evals)} eval prompts checked (prompts within rollout.max_prompt_length="
+            f"{cfg.rollout.max_prompt_length} tokens)" + (f"; {', '.join(skipped)}" if skipped else ""))
 
 
 def _prepare_model(cfg) -> str:

@@ -67,7 +67,9 @@ class Driver:
         self.sampler = RolloutSampler(self.pool, self.tokenizer,
                                       RolloutSettings.from_config(cfg, stop_token_ids=tuple(eos), per_sample_seeds=seeded),
                                       rid_prefix="train")
-        train, self.eval_records = train_and_eval_records(cfg.data)
+        # checked like the launcher checked them before start (data.skip_bad_rows leaves out the same rows)
+        train, self.eval_records = train_and_eval_records(cfg.data, tokenizer=self.tokenizer,
+                                                          max_prompt_length=r.max_prompt_length)
         self.prompts = PromptStream(train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         # master_address "" = the trainer address every engine reaches (weight_group.trainer_address)
         self.weight_sync = DistributedWeightSync(backend=backend, bucket_bytes=r.weight_bucket_mb << 20,
