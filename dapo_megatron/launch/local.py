@@ -22,6 +22,7 @@ import time
 import shutil
 from pathlib import Path
 
+from dapo_megatron.launch.lifeline import with_lifeline
 
 def check_cores(cores: list[int], key: str) -> None:
     """A core pinning that cannot be applied fails before anything starts, naming the config key."""
@@ -68,7 +69,8 @@ class LocalProcesses:
 
     def start(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.log_path(name), "ab")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        # with_lifeline: SIGTERM to the child if this process dies, even by SIGKILL (launch/lifeline.py)
+        proc = subprocess.Popen(with_lifeline(argv), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, **(env or {})})
         log.close()  # the child holds its own descriptor
         self.children[name] = proc
@@ -76,7 +78,7 @@ class LocalProcesses:
 
     def run_foreground(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> int:
         """Run with output on this terminal (progress bars), in its own session for clean-up."""
-        proc = subprocess.Popen(argv, start_new_session=True, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(with_lifeline(argv), start_new_session=True, env={**os.environ, **(env or {})})
         self.children[name] = proc
         try:
             return proc.wait()
@@ -176,13 +178,21 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
     """This machine: take the run directory's lock (one run per directory, launch/run_lock.py), decide
     about the run directory, check the memory plan, prepare the model, start CPU engines, run the actor
     ranks under torchrun, then print where everything is (console.run_summary)."""
+    from dapo_megatron.launch.lifeline import become_subreaper, reap_descendants
     from dapo_megatron.launch.run_lock import RunLock
 
     # before anything is written: a second `train` into this directory is refused, naming this one
     with RunLock(cfg.trainer.output_dir, command=f"dapo-megatron train {config_path}") as lock:
         if lock.stale_note:
             print(lock.stale_note, flush=True)
-        return _launch_locked(cfg, config_path, overrides, resume=resume, overwrite=overwrite, skip_plan=skip_plan)
+        become_subreaper()  # what a dead rank leaves (its multiprocessing helpers) is re-parented here
+        try:
+            return _launch_locked(cfg, config_path, overrides, resume=resume, overwrite=overwrite, skip_plan=skip_plan)
+        finally:  # no process of this run outlives it (launch/lifeline.py); the lock is released after
+            ended = reap_descendants()
+            if ended:
+                print(f"[train] ended {len(ended)} process(es) the run left behind: {'; '.join(ended)}",
+                      file=sys.stderr, flush=True)
 
 
 def _launch_locked(cfg, config_path: str, overrides: list[str], *, resume: bool, overwrite: bool,
