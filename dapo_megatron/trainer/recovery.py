@@ -2,6 +2,7 @@
 
     groups, stats = rollout_with_recovery(cfg, step, roles=..., actor=..., driver=..., placement=...)  # every rank
     stats = transfer_with_recovery(placement, actor, step=step + 1, roles=roles, driver=driver)       # every rank
+    scores = evaluate_with_recovery(cfg, updates=step + 1, roles=..., actor=..., driver=..., placement=...)  # every rank
 
 The only engine dying during a rollout: the driver puts its prompt stream and request counter back
 where the step began, waits (at most rollout.engine_wait_s) for an engine to register again (the
@@ -12,6 +13,10 @@ from the same prompts with the same rids and per-sample seeds: with seeds honour
 request order, the same samples as an uninterrupted run. No engine back in time (or the launcher's
 restart budget spent): EnginesLost on every rank, with the driver's message naming the engine and its
 error; trainer/train.py checkpoints the last completed step and stops.
+
+The only engine dying during an evaluation: the same wait and re-sync, then the eval once more with the
+same prompts and seeds; if no engine comes back it is recorded as missed and training goes on (the
+completed step is kept: the next rollout checkpoints it before stopping, if it comes to that).
 
 An engine dying during a weight sync: the sync fails at its bucket (weight_sync.py checks every engine
 is reachable before a bucket's broadcast), the dead engine is dropped, the rest of the export is still
@@ -203,6 +208,55 @@ def rollout_with_recovery(cfg, step: int, *, roles, actor, driver, placement):
         placement.before_rollout(actor)
     raise EnginesLost(f"step {step + 1}'s rollout was redone {cfg.rollout.engine_restarts + 1} times: the engines "
                       f"keep dying (rollout.engine_restarts={cfg.rollout.engine_restarts})")
+
+
+# --------------------------------------------------------------------------------------- evaluation
+def _eval_attempt(driver, updates: int):
+    from dapo_megatron.rollout.client import EngineError
+    from dapo_megatron.rollout.pool import NoLiveEngine
+
+    try:
+        return OK, driver.evaluate()
+    except EngineError as err:
+        if driver.pool.live_urls() and not isinstance(err, NoLiveEngine):
+            raise  # engines answer: not an engine loss
+        wait_s = driver.cfg.rollout.engine_wait_s
+        print(f"[engines] no engine left during the eval of step {updates} ({type(err).__name__}); waiting up to "
+              f"{wait_s:g} s (rollout.engine_wait_s) for one to register again", flush=True)
+        tic = time.monotonic()
+        if driver.pool.live_urls() or driver.run(wait_for_engine(driver, wait_s=wait_s)):
+            print(f"[engines] {', '.join(driver.pool.pending_urls() or driver.pool.live_urls())} registered after "
+                  f"{time.monotonic() - tic:.1f} s: re-syncing the weights of step {updates}, then the eval "
+                  "starts over with the same prompts and seeds", flush=True)
+            return RESYNC, None
+        driver.lost_reason = _lost_message(driver, updates - 1, err, time.monotonic() - tic)  # ("at step <updates>")
+        return LOST, None
+
+
+def evaluate_with_recovery(cfg, *, updates: int, roles, actor, driver, placement) -> dict[str, float]:
+    """Every rank: driver.evaluate() of the weights after `updates` updates. The only engine dying
+    during it: wait for it to come back, re-sync those weights (a collective, hence every rank) and
+    evaluate once more with the same prompts and seeds ("eval/retried": 1). Not back in time, or dying
+    again: the eval is recorded as missed ("eval/missed": 1) with a line saying why, and training goes
+    on: the step it followed is complete and is never lost (the next rollout waits for an engine, or
+    checkpoints this step and stops: rollout_with_recovery)."""
+    for attempt in range(2):
+        code, scores = _eval_attempt(driver, updates) if roles.driver else (OK, {})
+        code = broadcast_code(code)
+        if code == OK:
+            return {**scores, **({"eval/retried": 1.0} if attempt and driver else {})}
+        if code == LOST or attempt == 1:
+            break
+        placement.before_train(actor)  # the phases a transfer runs in (a no-op when disaggregated)
+        transfer_with_recovery(placement, actor, step=updates, roles=roles, driver=driver)
+        placement.before_rollout(actor)
+    if not driver:
+        return {}
+    why = driver.lost_reason or "the engines died again during the retried eval"
+    print(f"[eval] the eval of step {updates} is missed (recorded as eval/missed=1): {why}. Training goes on "
+          f"from step {updates}, which is complete", flush=True)
+    driver.lost_reason = ""
+    return {"eval/missed": 1.0}
 
 
 def save_before_stopping(cfg, actor, driver, roles, *, step: int, extra: dict) -> str:

@@ -18,7 +18,8 @@ from pathlib import Path
 from dapo_megatron.trainer import run_checkpoint as ckpt
 from dapo_megatron.config import Config
 from dapo_megatron.dataplane.step_metrics import Clock, reduce_updates
-from dapo_megatron.trainer.recovery import EnginesLost, rollout_with_recovery, save_before_stopping, transfer_with_recovery
+from dapo_megatron.trainer.recovery import (EnginesLost, evaluate_with_recovery, rollout_with_recovery, save_before_stopping,
+                                            transfer_with_recovery)
 
 
 def dapo_step(cfg: Config, step: int, *, roles, actor, ref, driver, placement) -> dict[str, float]:
@@ -108,8 +109,10 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
                                 config=cfg.to_dict(), resume_step=int(state["step"]) if latest else None) if driver else None
         preempt = PreemptionSignal().install()
         nonfinite_in_row = int(state["nonfinite_in_row"])
-        if driver and latest is None and tr.eval_every:
-            metrics.log(0, driver.evaluate())  # the starting point of the curve
+        if latest is None and tr.eval_every:  # the starting point of the curve (every rank: a re-sync may be needed)
+            scores = evaluate_with_recovery(cfg, updates=0, roles=roles, actor=actor, driver=driver, placement=placement)
+            if driver:
+                metrics.log(0, scores)
         for step in range(int(state["step"]), tr.total_steps):
             try:
                 log = dapo_step(cfg, step, roles=roles, actor=actor, ref=ref, driver=driver, placement=placement)
@@ -120,9 +123,10 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
                 raise EnginesLost(f"{err}; {saved}") from None
             nonfinite_in_row = nonfinite_in_row + 1 if log.get("actor/nonfinite") else 0
             log["nonfinite_in_row"] = float(nonfinite_in_row)
+            if tr.eval_every and (step + 1) % tr.eval_every == 0:  # an engine lost here costs the eval, never the step
+                log.update(evaluate_with_recovery(cfg, updates=step + 1, roles=roles, actor=actor, driver=driver,
+                                                  placement=placement))
             if driver:
-                if tr.eval_every and (step + 1) % tr.eval_every == 0:
-                    log.update(driver.evaluate())
                 metrics.log(step + 1, log)
             if nonfinite_in_row >= tr.max_nonfinite_in_row:
                 raise RuntimeError(f"{nonfinite_in_row} updates in a row had a NaN/inf loss or grad norm "
