@@ -18,8 +18,8 @@ from pathlib import Path
 from dapo_megatron.trainer import run_checkpoint as ckpt
 from dapo_megatron.config import Config
 from dapo_megatron.dataplane.step_metrics import Clock, reduce_updates
-from dapo_megatron.trainer.recovery import (EnginesLost, evaluate_with_recovery, rollout_with_recovery, save_before_stopping,
-                                            transfer_with_recovery)
+from dapo_megatron.trainer.recovery import (EnginesLost, evaluate_with_recovery, rollout_with_recovery,
+                                            save_before_stopping, transfer_with_recovery)
 
 
 def dapo_step(cfg: Config, step: int, *, roles, actor, ref, driver, placement) -> dict[str, float]:

@@ -34,8 +34,8 @@ from dapo_megatron.rollout.registry import read_engine_events
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _cmd(out: Path, cache: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu.yaml"),
+def _cmd(out: Path, cache: Path, *extra: str, config: str = "tiny_cpu.yaml") -> list[str]:
+    return [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs" / config),
             f"trainer.output_dir={out}", f"tiny.cache_dir={cache}", "tiny.warm_start_steps=300",
             "trainer.total_steps=4", "trainer.eval_every=4", "trainer.save_every=2", "trainer.keep_checkpoints=2",
             "trainer.wandb_mode=disabled", "rollout.engine_wait_s=120", *extra]  # tiny_run_a's settings
@@ -87,14 +87,16 @@ def _holds_weights(version: str):
     return ready
 
 
-def _train_killing_engine(out: Path, cache: Path, *extra: str, kills=(_step_logged(1),)) -> tuple[int, str, list]:
+def _train_killing_engine(out: Path, cache: Path, *extra: str, kills=(_step_logged(1),),
+                          config: str = "tiny_cpu.yaml") -> tuple[int, str, list]:
     """Run train; SIGKILL its live engine at each of `kills` in turn (each returns the engine's
     registration once it is time). Returns (exit code, console text, the killed engines' registrations)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     log = out.parent / f"{out.name}.console.txt"
     killed = []
     with open(log, "w") as f:
-        proc = subprocess.Popen(_cmd(out, cache, *extra), cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(_cmd(out, cache, *extra, config=config), cwd=ROOT, env=env, stdout=f,
+                                stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 600
             for ready in kills:
@@ -117,7 +119,8 @@ def runs(tmp_path_factory, tiny_run_a):
     cache = tiny_run_a["cache"]
     killed = _train_killing_engine(root / "k", cache, kills=(_step_logged(1), _holds_weights("step_4")))
     no_budget = _train_killing_engine(root / "z", cache, "rollout.engine_restarts=0", "rollout.engine_wait_s=60",
-                                      "trainer.total_steps=2", "trainer.eval_every=1", "trainer.save_every=0", "trainer.keep_best_checkpoint=false",
+                                      "trainer.total_steps=2", "trainer.eval_every=1", "trainer.save_every=0",
+                                      "trainer.keep_best_checkpoint=false",
                                       kills=(_holds_weights("step_1"),))
     return {"root": root, "a": [r for r in tiny_run_a["a"] if r["step"] > 0], "k": killed, "z": no_budget}
 
@@ -133,7 +136,8 @@ def test_only_engine_killed_restarts_and_trains_every_step_as_if_uninterrupted(r
     # step 4's eval lost its engine, was retried once it was back: the same avg@k as the uninterrupted run
     assert "[engines] no engine left during the eval of step 4" in console, console[-6000:]
     assert "re-syncing the weights of step 4, then the eval starts over with the same prompts and seeds" in console
-    assert (k[3]["eval/retried"], k[3]["eval/avg@k"], k[3]["eval/pass@k"]) == (1.0, a[3]["eval/avg@k"], a[3]["eval/pass@k"])
+    assert (k[3]["eval/retried"], k[3]["eval/avg@k"], k[3]["eval/pass@k"]) == \
+        (1.0, a[3]["eval/avg@k"], a[3]["eval/pass@k"])
     # the launcher's console line, and the driver's counters from step 2 on
     assert f"[engines] engine_0 ({record['url']}, pid {record['pid']}) exited with code -9 (SIGKILL); restarting it" \
         in console, console[-4000:]
@@ -165,3 +169,26 @@ def test_only_engine_killed_without_restart_budget_checkpoints_and_names_the_eng
     assert latest == out / "checkpoints" / "step_000001"
     assert read_state(latest)["step"] == 1
     assert [r["step"] for r in _rows(out)] == [1]
+
+
+@pytest.fixture(scope="module")
+def colocated_killed(tmp_path_factory, tiny_run_a):
+    """C: tiny_cpu_colocated.yaml (the engine shares the ranks' memory, weights by shared memory), its
+    only engine SIGKILLed once step 1 is logged."""
+    root = tmp_path_factory.mktemp("colocated_faults")
+    return root, _train_killing_engine(root / "c", tiny_run_a["cache"], config="tiny_cpu_colocated.yaml")
+
+
+def test_colocated_engine_killed_restarts_and_trains_every_step_as_if_uninterrupted(colocated_killed, tiny_run_a):
+    root, (rc, console, (record,)) = colocated_killed
+    assert rc == 0, console[-6000:]
+    assert f"[engines] engine_0 ({record['url']}, pid {record['pid']}) exited with code -9 (SIGKILL); restarting it" \
+        in console, console[-4000:]
+    assert "re-syncing the weights of step 1, then step 2's rollout starts over" in console
+    a, c = [r for r in tiny_run_a["a"] if r["step"] > 0], _rows(root / "c")
+    assert [r["step"] for r in c] == [1, 2, 3, 4]
+    # the colocated run equals the disaggregated one to the bit (test_train_colocated.py), interrupted or not
+    for ra, rc_ in zip(a, c):
+        for key in EXACT_KEYS + ("eval/avg@k",):
+            assert ra.get(key) == rc_.get(key), (ra["step"], key, ra.get(key), rc_.get(key))
+    assert [r["engines/restarted_total"] for r in c] == [0.0, 1.0, 1.0, 1.0]
