@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dapo_megatron.data.prompts import bad_rows_message, load_prompts, prompt_token_ids
+from dapo_megatron.data.prompts import PromptList, bad_rows_message, load_prompts, prompt_token_ids
 from dapo_megatron.data.synthetic import synthetic_train_eval
 
 
@@ -28,7 +28,7 @@ def train_and_eval_records(data_cfg, *, tokenizer=None, max_prompt_length: int =
                              **checks)
         evals = (load_prompts(d.eval_path, dedup=False, prompt_template=d.prompt_template, key="data.eval_path",
                               **checks) if d.eval_path else [])
-        return list(train), list(evals)
+        return train, evals  # PromptLists: num_skipped says how many bad rows were left out
     s = d.synthetic
     train, evals = synthetic_train_eval(num_train=s.num_train, num_eval=s.num_eval, difficulty=s.difficulty,
                                         seed=s.seed, style=s.style)
@@ -49,4 +49,4 @@ def _within_length(records: list, length, limit: int, key: str, skip: bool) -> l
             kept.append(record)
     if problems and (not skip or not kept):
         raise ValueError(bad_rows_message(key, Path("generated"), problems, len(records)))
-    return kept
+    return PromptList(kept, num_rows=len(records), num_skipped=len(problems))

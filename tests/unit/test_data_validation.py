@@ -17,6 +17,7 @@ from dapo_megatron.config import load_config
 from dapo_megatron.data.datasets import train_and_eval_records
 from dapo_megatron.data.prompts import MAX_LISTED, load_prompts, prompt_token_ids
 from dapo_megatron.data.tiny_model import build_tiny_model, build_tiny_tokenizer
+from dapo_megatron.launch.local import check_prompt_data
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -77,8 +78,12 @@ def test_config_path_checks_train_and_eval_and_synthetic_lengths(tmp_path):
         "tiny.enabled=false", f"model.path={tmp_path}", f"data.train_path={train}", f"data.eval_path={evals}",
         "data.skip_bad_rows=true"])
     got_train, got_eval = train_and_eval_records(cfg.data, tokenizer=tokenizer, max_prompt_length=16)
-    assert (len(got_train), got_train.num_skipped if hasattr(got_train, "num_skipped") else None) == (5, None)
-    assert [r.prompt for r in got_eval] == ["1+2="]
+    assert (len(got_train), got_train.num_skipped) == (5, 4)
+    assert ([r.prompt for r in got_eval], got_eval.num_skipped) == (["1+2="], 1)
+    # the launcher's line before anything starts says how many were left out
+    assert check_prompt_data(cfg, str(build_tiny_model(tmp_path / "m", seed=0))) == (
+        "5 train and 1 eval prompts checked (prompts within rollout.max_prompt_length=16 tokens); "
+        "4 bad train rows left out (data.skip_bad_rows), 1 bad eval rows left out (data.skip_bad_rows)")
     cfg.data.skip_bad_rows = False
     with pytest.raises(ValueError, match=r"data\.train_path: .*train\.jsonl: 4 of 9 rows"):
         train_and_eval_records(cfg.data, tokenizer=tokenizer, max_prompt_length=16)
