@@ -30,11 +30,12 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 
 
+# resolved once, at import: a fork child of a threaded rank (die_with_parent runs there) must not dlopen
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
 def _prctl(option: int, value: int) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.prctl(option, value, 0, 0, 0) == 0
+    return _LIBC is not None and _LIBC.prctl(option, value, 0, 0, 0) == 0
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
