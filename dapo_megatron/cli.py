@@ -67,3 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+if __name__ == "__mp_main__":  # a multiprocessing spawn child of a dapo-megatron process (Megatron's checkpoint
+    from dapo_megatron.launch.lifeline import die_with_parent  # Manager): it ends with the process that started it
+
+    die_with_parent()

@@ -49,6 +49,9 @@ class DataConfig:
     eval_path: str = ""
     dedup: bool = True  # the public DAPO-Math-17K file repeats every prompt ~100 times
     prompt_template: Literal["as-is", "dapo"] = "as-is"  # "dapo": wrap raw problems in the DAPO template
+    # every row is checked before a run starts (file, row, column; prompt tokens vs rollout.max_prompt_length):
+    # false = a bad row stops the launch, listing them; true = bad rows are left out and counted
+    skip_bad_rows: bool = False
     shuffle: bool = True
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
 

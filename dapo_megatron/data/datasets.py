@@ -1,23 +1,52 @@
 """The run's prompt sets from its `data` config section.
 
     train, evals = train_and_eval_records(cfg.data)
+    train, evals = train_and_eval_records(cfg.data, tokenizer=tok, max_prompt_length=cfg.rollout.max_prompt_length)
+
+With a tokenizer, every prompt's length after the chat template is checked against
+rollout.max_prompt_length too (data/prompts.py, prompt_token_ids): the launcher does this before any
+process starts, and the driver does the same so that data.skip_bad_rows leaves out the same rows.
 """
 
 from __future__ import annotations
 
-from dapo_megatron.data.prompts import load_prompts
+from pathlib import Path
+
+from dapo_megatron.data.prompts import PromptList, bad_rows_message, load_prompts, prompt_token_ids
 from dapo_megatron.data.synthetic import synthetic_train_eval
 
 
-def train_and_eval_records(data_cfg) -> tuple[list, list]:
+def train_and_eval_records(data_cfg, *, tokenizer=None, max_prompt_length: int = 0) -> tuple[list, list]:
     """(train, eval) prompt records: files in the DAPO-Math schema (data.train_path / eval_path), or
     the synthetic task with a held-out eval split (eval problems that also occur in the train split
     are dropped)."""
     d = data_cfg
+    length = (lambda record: len(prompt_token_ids(tokenizer, record))) if tokenizer is not None else None
+    checks = dict(skip_bad_rows=d.skip_bad_rows, prompt_length=length, max_prompt_length=max_prompt_length)
     if d.train_path:
-        train = load_prompts(d.train_path, dedup=d.dedup, prompt_template=d.prompt_template)
-        evals = load_prompts(d.eval_path, dedup=False, prompt_template=d.prompt_template) if d.eval_path else []
-        return list(train), list(evals)
+        train = load_prompts(d.train_path, dedup=d.dedup, prompt_template=d.prompt_template, key="data.train_path",
+                             **checks)
+        evals = (load_prompts(d.eval_path, dedup=False, prompt_template=d.prompt_template, key="data.eval_path",
+                              **checks) if d.eval_path else [])
+        return train, evals  # PromptLists: num_skipped says how many bad rows were left out
     s = d.synthetic
-    return synthetic_train_eval(num_train=s.num_train, num_eval=s.num_eval, difficulty=s.difficulty, seed=s.seed,
-                                style=s.style)
+    train, evals = synthetic_train_eval(num_train=s.num_train, num_eval=s.num_eval, difficulty=s.difficulty,
+                                        seed=s.seed, style=s.style)
+    if length is not None and max_prompt_length > 0:
+        train = _within_length(train, length, max_prompt_length, "data.synthetic (train)", d.skip_bad_rows)
+        evals = _within_length(evals, length, max_prompt_length, "data.synthetic (eval)", d.skip_bad_rows)
+    return train, evals
+
+
+def _within_length(records: list, length, limit: int, key: str, skip: bool) -> list:
+    kept, problems = [], []
+    for k, record in enumerate(records):
+        num_tokens = length(record)
+        if num_tokens > limit:
+            problems.append(f"{key}: problem {k} (0-based): the prompt is {num_tokens} tokens after the chat "
+                            f"template and tokenizer, over rollout.max_prompt_length={limit}")
+        else:
+            kept.append(record)
+    if problems and (not skip or not kept):
+        raise ValueError(bad_rows_message(key, Path("generated"), problems, len(records)))
+    return PromptList(kept, num_rows=len(records), num_skipped=len(problems))

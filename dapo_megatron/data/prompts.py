@@ -10,7 +10,8 @@ One row per prompt:
     reward_model: struct{ground_truth: str, style: str} style "rule-lighteval/MATH_v2"
     extra_info:   struct{index: str}                                                 (optional)
 Errors name the file, the row (0-based, counting data rows; jsonl errors also give the 1-based line)
-and the column.
+and the column. Every row is checked before a run starts (launch/local.py): the first MAX_LISTED problems
+are listed with the count of the rest, or, with data.skip_bad_rows, the bad rows are left out and counted.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
-__all__ = ["PromptRecord", "PromptList", "load_prompts", "save_prompts", "apply_template", "DAPO_TEMPLATE"]
+__all__ = ["PromptRecord", "PromptList", "load_prompts", "save_prompts", "apply_template", "DAPO_TEMPLATE",
+           "prompt_token_ids"]
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ PROMPT_TEMPLATES = ("as-is", "dapo")
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
+MAX_LISTED = 10  # bad rows listed in one error; the rest are counted
 
 
 def apply_template(problem: str) -> str:
@@ -68,44 +71,94 @@ class PromptList(list):
     """A list of PromptRecord that remembers where it came from and what de-duplication dropped."""
 
     def __init__(self, records: Iterable[PromptRecord] = (), *, path: str = "", num_rows: int = 0,
-                 num_duplicates: int = 0) -> None:
+                 num_duplicates: int = 0, num_skipped: int = 0) -> None:
         super().__init__(records)
         self.path = path
         self.num_rows = num_rows  # rows in the file
         self.num_duplicates = num_duplicates  # rows dropped as repeats of an earlier (prompt, answer)
+        self.num_skipped = num_skipped  # bad rows left out (skip_bad_rows)
 
 
-def load_prompts(path: str | Path, *, dedup: bool = True, prompt_template: str = "as-is") -> PromptList:
-    """Read a parquet or jsonl file in the DAPO-Math schema into PromptRecords.
+def load_prompts(path: str | Path, *, dedup: bool = True, prompt_template: str = "as-is",
+                 skip_bad_rows: bool = False, prompt_length: Callable[[PromptRecord], int] | None = None,
+                 max_prompt_length: int = 0, key: str = "data.train_path") -> PromptList:
+    """Read a parquet or jsonl file in the DAPO-Math schema into PromptRecords, checking every row.
 
     dedup drops rows whose (chat, ground truth) repeat an earlier row, keeping the first, and logs how
     many were dropped (also `result.num_duplicates`). prompt_template="dapo" wraps each user turn in
     the DAPO template (for files of raw problems); "as-is" leaves the text unchanged.
+    prompt_length (record -> tokens after the chat template and tokenizer: prompt_token_ids) with
+    max_prompt_length > 0 checks each kept prompt against rollout.max_prompt_length (a duplicate of a
+    row counts as a duplicate, not again as bad).
+    A bad row raises one ValueError listing the first MAX_LISTED problems (file, row, column or config
+    key) and the count of the rest; skip_bad_rows leaves them out instead and logs the count
+    (`result.num_skipped`). `key` is the config key that named the file.
     """
     path = Path(path)
     if prompt_template not in PROMPT_TEMPLATES:
         raise ValueError(f"load_prompts: prompt_template={prompt_template!r} is not allowed; choose one of {list(PROMPT_TEMPLATES)}")
     if not path.is_file():
-        raise ValueError(f"prompt file not found: {path}")
+        raise ValueError(f"{key}: prompt file not found: {path}")
     seen: set[tuple] = set()
     records: list[PromptRecord] = []
+    problems: list[str] = []
     num_rows = num_duplicates = 0
     for row_number, where, row in _iter_rows(path):
-        record = _parse_row(row, row_number, where)
         num_rows += 1
-        if dedup:
-            key = (tuple((m["role"], m["content"]) for m in record.chat()), record.ground_truth)
-            if key in seen:
-                num_duplicates += 1
-                continue
-            seen.add(key)
-        if prompt_template == "dapo":
-            record = _templated(record)
+        try:
+            record = _parse_row(row, row_number, where)
+            if dedup:
+                key_of_row = (tuple((m["role"], m["content"]) for m in record.chat()), record.ground_truth)
+                if key_of_row in seen:
+                    num_duplicates += 1
+                    continue
+                seen.add(key_of_row)
+            if prompt_template == "dapo":
+                record = _templated(record)
+            if prompt_length is not None and max_prompt_length > 0:
+                num_tokens = prompt_length(record)
+                if num_tokens > max_prompt_length:
+                    raise ValueError(f"{where}: the prompt is {num_tokens} tokens after the chat template and "
+                                     f"tokenizer, over rollout.max_prompt_length={max_prompt_length}")
+        except ValueError as err:
+            problems.append(str(err))
+            continue
         records.append(record)
+    if problems and not skip_bad_rows:
+        raise ValueError(bad_rows_message(key, path, problems, num_rows))
+    if problems:
+        log.warning("%s %s: skipped %d bad rows of %d (data.skip_bad_rows=true); the first: %s", key, path,
+                    len(problems), num_rows, problems[0])
+    if not records:
+        raise ValueError(f"{key}: {path} has no usable rows ({num_rows} rows, {len(problems)} bad)")
     if num_duplicates:
         log.warning("%s: dropped %d duplicate rows of %d (%d unique prompts kept)", path, num_duplicates, num_rows,
                     len(records))
-    return PromptList(records, path=str(path), num_rows=num_rows, num_duplicates=num_duplicates)
+    return PromptList(records, path=str(path), num_rows=num_rows, num_duplicates=num_duplicates,
+                      num_skipped=len(problems))
+
+
+def bad_rows_message(key: str, path: str | Path, problems: list[str], num_rows: int) -> str:
+    """One error for every bad row: the first MAX_LISTED listed, the rest counted."""
+    listed = "\n  ".join(problems[:MAX_LISTED])
+    rest = f"\n  ... and {len(problems) - MAX_LISTED} more bad rows" if len(problems) > MAX_LISTED else ""
+    return (f"{key}: {path}: {len(problems)} of {num_rows} rows cannot be trained on (fix them, or set "
+            f"data.skip_bad_rows=true to leave them out):\n  {listed}{rest}")
+
+
+def prompt_token_ids(tokenizer, record: Any) -> list[int]:
+    """The prompt's token ids as the engines get them: a PromptRecord's chat through the tokenizer's chat
+    template (ready for the answer), or the plain text where there is no template. What
+    rollout.max_prompt_length bounds (the sampler and the start-up check use this one function)."""
+    ids = getattr(record, "prompt_ids", None)
+    if ids:
+        return list(ids)
+    chat = record.chat() if hasattr(record, "chat") else record.prompt
+    if isinstance(chat, str) or not getattr(tokenizer, "chat_template", None):
+        text = chat if isinstance(chat, str) else record.prompt
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def save_prompts(records: Iterable[PromptRecord], path: str | Path) -> Path:
@@ -169,16 +222,22 @@ def _iter_rows(path: Path) -> Iterator[tuple[int, str, Any]]:
                     continue
                 where = f"{path}: row {row_number} (0-based), line {line_number}"
                 try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
+                    row = json.loads(line.rstrip("\r\n"))  # (a cut line's error then points into it)
+                except json.JSONDecodeError as err:  # one bad row: reported with the others (_parse_row)
+                    row = _Unreadable(f"not valid JSON ({err.msg} at column {err.colno})")
                 yield row_number, where, row
                 row_number += 1
     else:
         raise ValueError(f"{path}: unknown prompt file type '{path.suffix}'; use .parquet or .jsonl")
 
 
+class _Unreadable(str):
+    """A row that could not be read at all (its reason)."""
+
+
 def _parse_row(row: Any, row_number: int, where: str) -> PromptRecord:
+    if isinstance(row, _Unreadable):
+        raise ValueError(f"{where}: {row}")
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected an object with columns {list(REQUIRED_COLUMNS)}, got {type(row).__name__}")
     for column in REQUIRED_COLUMNS:
@@ -199,6 +258,8 @@ def _parse_row(row: Any, row_number: int, where: str) -> PromptRecord:
     truth = reward_model.get("ground_truth")
     if isinstance(truth, bool) or not isinstance(truth, (str, int)):
         raise ValueError(f"{where}: column 'reward_model.ground_truth' must be a string, got {truth!r:.80}")
+    if not str(truth).strip():  # an empty answer would score a response of "Answer: " as correct
+        raise ValueError(f"{where}: column 'reward_model.ground_truth' is empty")
     style = reward_model.get("style") or "rule-lighteval/MATH_v2"
 
     ability = row.get("ability")

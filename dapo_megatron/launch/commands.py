@@ -27,6 +27,10 @@ def train(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     if "RANK" in os.environ:
+        from dapo_megatron.launch.lifeline import die_with_parent
+
+        die_with_parent()  # a rank ends with torchrun, even when torchrun is SIGKILLed (launch/lifeline.py)
+        os.register_at_fork(after_in_child=die_with_parent)  # so do its fork children (Megatron's checkpoint writers)
         return loop.run_worker_recorded(cfg, resume=args.resume)
     from dapo_megatron.launch.local import launch_training
 

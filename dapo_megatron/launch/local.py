@@ -22,6 +22,7 @@ import time
 import shutil
 from pathlib import Path
 
+from dapo_megatron.launch.lifeline import with_lifeline
 
 def check_cores(cores: list[int], key: str) -> None:
     """A core pinning that cannot be applied fails before anything starts, naming the config key."""
@@ -68,7 +69,8 @@ class LocalProcesses:
 
     def start(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen:
         log = open(self.log_path(name), "ab")
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        # with_lifeline: SIGTERM to the child if this process dies, even by SIGKILL (launch/lifeline.py)
+        proc = subprocess.Popen(with_lifeline(argv), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, **(env or {})})
         log.close()  # the child holds its own descriptor
         self.children[name] = proc
@@ -76,7 +78,7 @@ class LocalProcesses:
 
     def run_foreground(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> int:
         """Run with output on this terminal (progress bars), in its own session for clean-up."""
-        proc = subprocess.Popen(argv, start_new_session=True, env={**os.environ, **(env or {})})
+        proc = subprocess.Popen(with_lifeline(argv), start_new_session=True, env={**os.environ, **(env or {})})
         self.children[name] = proc
         try:
             return proc.wait()
@@ -186,8 +188,28 @@ class LocalProcesses:
 
 def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool, overwrite: bool = False,
                     skip_plan: bool = False) -> int:
-    """This machine: decide about the run directory, check the memory plan, prepare the model, start
-    CPU engines, run the actor ranks under torchrun, then print where everything is (run_log.run_summary)."""
+    """This machine: take the run directory's lock (one run per directory, launch/run_lock.py), decide
+    about the run directory, check the memory plan, prepare the model, start CPU engines, run the actor
+    ranks under torchrun, then print where everything is (run_log.run_summary)."""
+    from dapo_megatron.launch.lifeline import become_subreaper, reap_descendants
+    from dapo_megatron.launch.run_lock import RunLock
+
+    # before anything is written: a second `train` into this directory is refused, naming this one
+    with RunLock(cfg.trainer.output_dir, command=f"dapo-megatron train {config_path}") as lock:
+        if lock.stale_note:
+            print(lock.stale_note, flush=True)
+        become_subreaper()  # what a dead rank leaves (its multiprocessing helpers) is re-parented here
+        try:
+            return _launch_locked(cfg, config_path, overrides, resume=resume, overwrite=overwrite, skip_plan=skip_plan)
+        finally:  # no process of this run outlives it (launch/lifeline.py); the lock is released after
+            ended = reap_descendants()
+            if ended:
+                print(f"[train] ended {len(ended)} process(es) the run left behind: {'; '.join(ended)}",
+                      file=sys.stderr, flush=True)
+
+
+def _launch_locked(cfg, config_path: str, overrides: list[str], *, resume: bool, overwrite: bool,
+                   skip_plan: bool) -> int:
     from dapo_megatron.trainer import console, run_log
     from dapo_megatron.launch.run_dir import check_run_dir
     from dapo_megatron.launch.supervise import EngineSupervisor, engine_events_path
@@ -220,6 +242,8 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
     with phases.phase("model", slow_note="building and warm-starting the tiny model (once: it is cached)") as note:
         model_dir = _prepare_model(cfg)
         note["detail"] = _model_line(cfg, model_dir)
+    with phases.phase("data", slow_note="checking every prompt row") as note:
+        note["detail"] = check_prompt_data(cfg, model_dir)  # ValueError listing bad rows, before any process starts
     overrides = [*overrides, f"model.path={model_dir}"]
     engine_model_dir = model_dir
     if cfg.rollout.quantization == "fp8":  # the engines serve modelopt's block-FP8 export of the base model
@@ -264,6 +288,22 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
         print(run_log.run_summary(run_dir, phase_seconds=phases.seconds, ranks_wall_s=ranks_wall_s,
                                   wall_s=time.perf_counter() - t_start), flush=True)
     return rc
+
+
+def check_prompt_data(cfg, model_dir: str) -> str:
+    """Every train and eval row checked here, before an engine or rank starts (the same check the
+    driver repeats): a bad row raises one ValueError naming file, row and key (data/prompts.py); with
+    data.skip_bad_rows the count left out is in the returned line."""
+    from transformers import AutoTokenizer
+
+    from dapo_megatron.data.datasets import train_and_eval_records
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    train, evals = train_and_eval_records(cfg.data, tokenizer=tokenizer, max_prompt_length=cfg.rollout.max_prompt_length)
+    skipped = [f"{n} bad {kind} rows left out (data.skip_bad_rows)" for kind, n in
+               (("train", getattr(train, "num_skipped", 0)), ("eval", getattr(evals, "num_skipped", 0))) if n]
+    return (f"{len(train)} train and {len(evals)} eval prompts checked (prompts within rollout.max_prompt_length="
+            f"{cfg.rollout.max_prompt_length} tokens)" + (f"; {', '.join(skipped)}" if skipped else ""))
 
 
 def _prepare_model(cfg) -> str:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from dapo_megatron.algo import DynamicSampler, keep_group, overlong_penalty
+from dapo_megatron.data.prompts import prompt_token_ids
 from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.rollout.pool import EnginePool
 from dapo_megatron.rollout.routing import routed_experts_of
@@ -146,19 +147,11 @@ class RolloutSampler:
 
     # ------------------------------------------------------------------ one group
     def prompt_ids(self, record: Any) -> list[int]:
-        ids = getattr(record, "prompt_ids", None)
-        if not ids:
-            chat = record.chat() if hasattr(record, "chat") else record.prompt
-            if isinstance(chat, str) or not getattr(self.tokenizer, "chat_template", None):
-                text = chat if isinstance(chat, str) else record.prompt
-                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            else:  # PromptRecord: its chat through the tokenizer's template, ready for the answer
-                ids = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
-                ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        ids = prompt_token_ids(self.tokenizer, record)  # the same function the start-up check uses (data/prompts.py)
         limit = self.settings.max_prompt_length
         if limit and len(ids) > limit:
             raise ValueError(f"prompt of {len(ids)} tokens exceeds rollout.max_prompt_length={limit}: {str(record)[:200]}")
-        return list(ids)
+        return ids
 
     def sample_rid(self, k: int, j: int) -> str:
         return f"{self.rid_prefix}-{k}-{j}{RID_END}"

@@ -62,7 +62,9 @@ class Driver:
                                       RolloutSettings.from_sections(r, cfg.algorithm, seed=cfg.trainer.seed,
                                                                    stop_token_ids=tuple(eos), per_sample_seeds=seeded),
                                       rid_prefix="train")
-        train, self.eval_records = train_and_eval_records(cfg.data)
+        # checked like the launcher checked them before start (data.skip_bad_rows leaves out the same rows)
+        train, self.eval_records = train_and_eval_records(cfg.data, tokenizer=self.tokenizer,
+                                                          max_prompt_length=r.max_prompt_length)
         self.prompts = PromptStream(train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         # master_address "" = the trainer address every engine reaches (weight_group.trainer_address)
         # the group's backend follows the engines (gloo for CPU engines, nccl for SGLang), not the trainer
@@ -145,6 +147,18 @@ class Driver:
             if state is not None:
                 self.load_state_dict(state)
             return self.engine_faults.after_rollout_loss(err, step, run=self.run), None
+
+    def try_evaluate(self, updates: int) -> tuple[int, Any]:
+        """(OK, evaluate()) or, when every engine was lost during it, (RESYNC | LOST, None)
+        (trainer/recovery.py: FaultPolicy.evaluate)."""
+        from dapo_megatron.rollout.client import EngineError
+
+        try:
+            return OK, self.evaluate()
+        except EngineError as err:
+            if not self.engine_faults.is_engine_loss(err):
+                raise  # engines answer: not an engine loss
+            return self.engine_faults.after_eval_loss(err, updates, run=self.run), None
 
     # --- weights out ----------------------------------------------------------------------------------
     def push_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], *, step: int) -> dict[str, float]:

@@ -3,6 +3,7 @@
     faults = FaultPolicy(roles=roles, placement=placement, actor=actor, driver=driver, engine_restarts=...)
     groups, stats = faults.rollout(step)            # every rank: (groups, stats) on the driver, (None, {}) elsewhere
     stats = faults.transfer(step + 1)               # every rank: the weights after step + 1 updates, to every engine
+    scores = faults.evaluate(step + 1)              # every rank: the eval (the driver's scores), retried or missed
     driver.engine_faults                            # EngineFaults: the driver's side (its pool, its run directory)
 
 The loop holds the FaultPolicy (every rank, collectives); the driver holds its EngineFaults (what it
@@ -18,6 +19,10 @@ from the same prompts with the same rids and per-sample seeds: with seeds honour
 request order, the same samples as an uninterrupted run. No engine back in time (or the launcher's
 restart budget spent): EnginesLost on every rank, with the driver's message naming the engine and its
 error; trainer/train.py checkpoints the last completed step and stops.
+
+The only engine dying during an evaluation: the same wait and re-sync, then the eval once more with the
+same prompts and seeds; if no engine comes back it is recorded as missed and training goes on (the
+completed step is kept: the next rollout checkpoints it before stopping, if it comes to that).
 
 An engine dying during a weight sync (transfer/engine_push.py): the sync fails at its bucket (weight_sync.py checks every engine
 is reachable before a bucket's broadcast), the dead engine is dropped, the rest of the export is still
@@ -142,6 +147,21 @@ class EngineFaults:
         return LOST
 
 
+    def after_eval_loss(self, err: BaseException, updates: int, *, run) -> int:
+        """The eval of the weights after `updates` updates lost every engine: RESYNC once one is (back),
+        LOST when none came back in time (the reason in lost_reason)."""
+        print(f"[engines] no engine left during the eval of step {updates} ({type(err).__name__}); waiting up to "
+              f"{self.engine_wait_s:g} s (rollout.engine_wait_s) for one to register again", flush=True)
+        tic = time.monotonic()
+        if self.pool.live_urls() or run(self.wait_for_engine(wait_s=self.engine_wait_s)):
+            print(f"[engines] {', '.join(self.pool.pending_urls() or self.pool.live_urls())} registered after "
+                  f"{time.monotonic() - tic:.1f} s: re-syncing the weights of step {updates}, then the eval "
+                  "starts over with the same prompts and seeds", flush=True)
+            return RESYNC
+        self.lost_reason = self.lost_message(updates - 1, err, time.monotonic() - tic)  # ("at step <updates>")
+        return LOST
+
+
 # ----------------------------------------------------------------------------- every rank's policy
 class FaultPolicy:
     """What every rank does around the two phases that talk to the engines: the rollout (redone after
@@ -181,6 +201,32 @@ class FaultPolicy:
         raise EnginesLost(f"step {step + 1}'s rollout was redone {self.engine_restarts + 1} times: the engines "
                           f"keep dying (rollout.engine_restarts={self.engine_restarts})")
 
+
+    def evaluate(self, updates: int) -> dict[str, float]:
+        """The driver's eval of the weights after `updates` updates ({} on the other ranks). The only
+        engine dying during it: wait for it, re-sync those weights (a collective, hence every rank) and
+        evaluate once more with the same prompts and seeds ("eval/retried": 1). Not back in time, or
+        dying again: the eval is recorded as missed ("eval/missed": 1) with a line saying why, and
+        training goes on: the step it followed is complete and is never lost (the next rollout waits for
+        an engine, or checkpoints this step and stops)."""
+        faults = self.driver.engine_faults if self.roles.driver else None
+        for attempt in range(2):
+            code, scores = self.driver.try_evaluate(updates) if self.roles.driver else (OK, {})
+            code = broadcast_code(code)
+            if code == OK:
+                return {**scores, **({"eval/retried": 1.0} if attempt and faults else {})}
+            if code == LOST or attempt == 1:
+                break
+            self.placement.before_train(self.actor)  # the phases a transfer runs in (a no-op when disaggregated)
+            self.transfer(updates)
+            self.placement.before_rollout(self.actor)
+        if faults is None:
+            return {}
+        why = faults.lost_reason or "the engines died again during the retried eval"
+        print(f"[eval] the eval of step {updates} is missed (recorded as eval/missed=1): {why}. Training goes on "
+              f"from step {updates}, which is complete", flush=True)
+        faults.lost_reason = ""
+        return {"eval/missed": 1.0}
 
 def save_before_stopping(cfg, actor, driver, roles, *, step: int, extra: dict) -> str:
     """Every rank: a checkpoint of the last completed step (`step` updates) unless one is on disk;

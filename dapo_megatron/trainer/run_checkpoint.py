@@ -275,19 +275,27 @@ def save_step(cfg, actor, driver, roles, *, step: int, extra: dict) -> None:
     then the driver renames it into place."""
     import torch.distributed as dist
 
+    from dapo_megatron.trainer.write_failure import CheckpointWriteError, remove_partial, write_failure_message
+
     final = step_dir(cfg.trainer.output_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    if roles.driver:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    actor.save(tmp / "actor")
-    if cfg.trainer.save_hf:
-        _save_hf(cfg, actor, roles, tmp / "hf")
-    if roles.driver:
-        write_state(tmp, {"step": step, "driver": driver.state_dict(), **extra})
-    dist.barrier()
-    write_manifest(tmp)  # last: sizes + checksums of everything above (collective)
+    try:
+        if roles.driver:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        actor.save(tmp / "actor")
+        if cfg.trainer.save_hf:
+            _save_hf(cfg, actor, roles, tmp / "hf")
+        if roles.driver:
+            write_state(tmp, {"step": step, "driver": driver.state_dict(), **extra})
+        dist.barrier()
+        write_manifest(tmp)  # last: sizes + checksums of everything above (collective)
+    except (OSError, RuntimeError) as err:  # a full disk, a quota, a dead mount: say which, keep the last good one
+        message = write_failure_message(tmp, err, previous=latest_checkpoint(cfg.trainer.output_dir))
+        if roles.driver:
+            remove_partial(tmp)  # never used; its space is the user's again
+        raise CheckpointWriteError(message) from err
     if roles.driver:
         commit(tmp, final, keep=cfg.trainer.keep_checkpoints, keep_best=cfg.trainer.keep_best_checkpoint)
     dist.barrier()

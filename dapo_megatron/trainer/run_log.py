@@ -18,7 +18,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Mapping, Sequence, TextIO
+from typing import Any, Callable, Mapping, Sequence, TextIO
 
 from dapo_megatron.trainer import console as _console
 
@@ -76,7 +76,11 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         if resume_step is not None and self.path.is_file():
-            kept = [r for r in read_jsonl(self.path) if int(r.get("step", -1)) <= resume_step]
+            # a crash mid-write leaves a last line without its newline: drop it, say so; a broken line
+            # anywhere else is still an error naming it (read_jsonl)
+            records = read_jsonl(self.path, drop_partial_last=True,
+                                 on_drop=lambda note: print(f"[metrics] {note}", file=console or sys.stdout, flush=True))
+            kept = [r for r in records if int(r.get("step", -1)) <= resume_step]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         elif resume_step is None and self.path.is_file():
             self.path.unlink()  # a fresh run in an old directory starts a fresh file
@@ -129,15 +133,27 @@ class MetricsLogger:
         self.close()
 
 
-def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a metrics.jsonl; a broken line raises ValueError naming the file and line."""
+def read_jsonl(path: str | Path, *, drop_partial_last: bool = False,
+               on_drop: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Records of a metrics.jsonl; a broken line raises ValueError naming the file and line.
+
+    drop_partial_last: a last line with no newline that is not valid JSON (what a process killed in the
+    middle of a write leaves) is dropped instead, and on_drop gets a sentence saying so."""
+    text = Path(path).read_text()
+    lines = text.splitlines()
+    partial_last = bool(text) and not text.endswith("\n")
     records = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
+            if drop_partial_last and partial_last and number == len(lines):
+                if on_drop is not None:
+                    on_drop(f"{path}: dropped line {number}, a partial record with no newline ({len(line)} "
+                            f"characters: what a crash in the middle of a write leaves)")
+                break
             raise ValueError(f"{path}: line {number} is not valid JSON ({err.msg})") from None
         if not isinstance(record, dict) or "step" not in record:
             raise ValueError(f"{path}: line {number} is not a metrics record with a 'step' field")
@@ -189,7 +205,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     path = run_dir / METRICS_FILE
     if not path.is_file():
         raise ValueError(f"{path}: no metrics file (is {run_dir} a run directory?)")
-    records = read_jsonl(path)
+    records = read_jsonl(path, drop_partial_last=True)  # a running run may be mid-write
     if not records:
         raise ValueError(f"{path}: no records yet")
     out = Path(out) if out else run_dir / CURVES_FILE

@@ -149,8 +149,10 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
                                 config=cfg.to_dict(), resume_step=int(state["step"]) if latest else None) if roles.driver else None
         preempt = PreemptionSignal().install()
         nonfinite_in_row = int(state["nonfinite_in_row"])
-        if roles.driver and latest is None and tr.eval_every:
-            metrics.log(0, driver.evaluate())  # the starting point of the curve
+        if latest is None and tr.eval_every:  # the starting point of the curve (every rank: a re-sync may be needed)
+            scores = faults.evaluate(0)
+            if roles.driver:
+                metrics.log(0, scores)
         for step in range(int(state["step"]), tr.total_steps):
             try:
                 log = dapo_step(step, run)
@@ -161,9 +163,9 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
                 raise EnginesLost(f"{err}; {saved}") from None
             nonfinite_in_row = nonfinite_in_row + 1 if log.get("actor/nonfinite") else 0
             log["nonfinite_in_row"] = float(nonfinite_in_row)
+            if tr.eval_every and (step + 1) % tr.eval_every == 0:  # an engine lost here costs the eval, never the step
+                log.update(faults.evaluate(step + 1))
             if roles.driver:
-                if tr.eval_every and (step + 1) % tr.eval_every == 0:
-                    log.update(driver.evaluate())
                 metrics.log(step + 1, log)
             if nonfinite_in_row >= tr.max_nonfinite_in_row:
                 raise RuntimeError(f"{nonfinite_in_row} updates in a row had a NaN/inf loss or grad norm "

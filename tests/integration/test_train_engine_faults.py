@@ -4,11 +4,15 @@ ranks under torchrun) with its only engine SIGKILLed mid-run.
 The session's tiny model (warm-start cache) is shared by:
   A  the uninterrupted 4-step run (conftest.py: tiny_run_a, test_train_tiny.py's run)
   K  the same run whose engine is SIGKILLed once step 1 is logged: the launcher restarts it, the
-     driver waits for it, re-syncs the current weights and redoes what the step lost
-  Z  a 2-step run with the same kill and rollout.engine_restarts=0: the run stops with the engine
-     named and the checkpoint of step 1 on disk
-K's per-step data (the keys test_train_tiny.py calls exact) must equal A's: the redone rollout asks
-for the same samples (same prompts, rids and per-sample seeds) from the same weights.
+     driver waits for it, re-syncs the current weights and redoes what the step lost; and the restarted
+     engine SIGKILLed again as soon as it holds step 4's weights, i.e. during step 4's eval: the eval
+     is retried once it is back, with the same prompts and seeds
+  Z  a 2-step run (eval every step) with the only engine SIGKILLed as soon as it holds step 1's weights
+     (during step 1's eval) and rollout.engine_restarts=0: the eval is recorded as missed, step 1 is
+     logged, and the next rollout stops the run with the engine named and the checkpoint of step 1 on disk
+K's per-step data (the keys test_train_tiny.py calls exact) and its step-4 eval must equal A's: the
+redone rollout and the retried eval ask for the same samples (same prompts, rids and per-sample
+seeds) from the same weights.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -29,8 +34,8 @@ from dapo_megatron.rollout.registry import read_engine_events
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _cmd(out: Path, cache: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu.yaml"),
+def _cmd(out: Path, cache: Path, *extra: str, config: str = "tiny_cpu.yaml") -> list[str]:
+    return [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs" / config),
             f"trainer.output_dir={out}", f"tiny.cache_dir={cache}", "tiny.warm_start_steps=300",
             "trainer.total_steps=4", "trainer.eval_every=4", "trainer.save_every=2", "trainer.keep_checkpoints=2",
             "trainer.wandb_mode=disabled", "rollout.engine_wait_s=120", *extra]  # tiny_run_a's settings
@@ -48,46 +53,91 @@ def _engine_pid(out: Path) -> int:
     return int(records[0]["pid"])
 
 
-def _train_killing_engine(out: Path, cache: Path, *extra: str, after_step: int = 1) -> tuple[int, str, dict]:
-    """Run train; SIGKILL its engine once step `after_step` is in metrics.jsonl. Returns (exit code,
-    console text, the killed engine's registration)."""
+def _live_engine(out: Path) -> dict | None:
+    """The registration of the engine process alive now (the newest incarnation), if any."""
+    import psutil
+
+    for path in (out / "engines").glob("*.json"):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if psutil.pid_exists(int(record["pid"])):
+            return record
+    return None
+
+
+def _weight_version(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(f"{url}/get_model_info", timeout=5) as reply:
+            return json.loads(reply.read())["weight_version"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _step_logged(step: int):
+    return lambda out: _live_engine(out) if any(r["step"] == step for r in _rows(out)) else None
+
+
+def _holds_weights(version: str):
+    """Once the live engine reports `version`: right after that step's sync, i.e. during its eval."""
+    def ready(out: Path) -> dict | None:
+        record = _live_engine(out)
+        return record if record and _weight_version(record["url"]) == version else None
+    return ready
+
+
+def _train_killing_engine(out: Path, cache: Path, *extra: str, kills=(_step_logged(1),),
+                          config: str = "tiny_cpu.yaml") -> tuple[int, str, list]:
+    """Run train; SIGKILL its live engine at each of `kills` in turn (each returns the engine's
+    registration once it is time). Returns (exit code, console text, the killed engines' registrations)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     log = out.parent / f"{out.name}.console.txt"
+    killed = []
     with open(log, "w") as f:
-        proc = subprocess.Popen(_cmd(out, cache, *extra), cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(_cmd(out, cache, *extra, config=config), cwd=ROOT, env=env, stdout=f,
+                                stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 600
-            while not any(r["step"] == after_step for r in _rows(out)):
-                assert proc.poll() is None, log.read_text()[-4000:]
-                assert time.monotonic() < deadline, "no step logged within 600 s"
-                time.sleep(0.05)
-            record = json.loads(next((out / "engines").glob("*.json")).read_text())
-            os.kill(int(record["pid"]), signal.SIGKILL)
+            for ready in kills:
+                while (record := ready(out)) is None:
+                    assert proc.poll() is None, log.read_text()[-4000:]
+                    assert time.monotonic() < deadline, "no kill point reached within 600 s"
+                    time.sleep(0.05)
+                os.kill(int(record["pid"]), signal.SIGKILL)
+                killed.append(record)
             rc = proc.wait(timeout=600)
         finally:
             if proc.poll() is None:
                 proc.kill()
-    return rc, log.read_text(), record
+    return rc, log.read_text(), killed
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_run_a):
     root = tmp_path_factory.mktemp("faults")
     cache = tiny_run_a["cache"]
-    killed = _train_killing_engine(root / "k", cache)
+    killed = _train_killing_engine(root / "k", cache, kills=(_step_logged(1), _holds_weights("step_4")))
     no_budget = _train_killing_engine(root / "z", cache, "rollout.engine_restarts=0", "rollout.engine_wait_s=60",
-                                      "trainer.total_steps=2", "trainer.eval_every=0", "trainer.save_every=0")
+                                      "trainer.total_steps=2", "trainer.eval_every=1", "trainer.save_every=0",
+                                      "trainer.keep_best_checkpoint=false",
+                                      kills=(_holds_weights("step_1"),))
     return {"root": root, "a": [r for r in tiny_run_a["a"] if r["step"] > 0], "k": killed, "z": no_budget}
 
 
 def test_only_engine_killed_restarts_and_trains_every_step_as_if_uninterrupted(runs):
-    rc, console, record = runs["k"]
+    rc, console, (record, second) = runs["k"]
     assert rc == 0, console[-6000:]
     a, k = runs["a"], _rows(runs["root"] / "k")
     assert [r["step"] for r in k] == [1, 2, 3, 4]
     for ra, rk in zip(a, k):
         for key in EXACT_KEYS:
             assert ra[key] == rk[key], (ra["step"], key, ra[key], rk[key])
+    # step 4's eval lost its engine, was retried once it was back: the same avg@k as the uninterrupted run
+    assert "[engines] no engine left during the eval of step 4" in console, console[-6000:]
+    assert "re-syncing the weights of step 4, then the eval starts over with the same prompts and seeds" in console
+    assert (k[3]["eval/retried"], k[3]["eval/avg@k"], k[3]["eval/pass@k"]) == \
+        (1.0, a[3]["eval/avg@k"], a[3]["eval/pass@k"])
     # the launcher's console line, and the driver's counters from step 2 on
     assert f"[engines] engine_0 ({record['url']}, pid {record['pid']}) exited with code -9 (SIGKILL); restarting it" \
         in console, console[-4000:]
@@ -97,12 +147,17 @@ def test_only_engine_killed_restarts_and_trains_every_step_as_if_uninterrupted(r
     assert k[1]["engines/dropped_total"] >= 1.0
     events = read_engine_events(runs["root"] / "k" / "logs" / "engine_restarts.jsonl")
     assert [(e["engine"], e["action"], e["returncode"], e["pid"]) for e in events] == \
-        [("engine_0", "restarted", -9, record["pid"])]
+        [("engine_0", "restarted", -9, record["pid"]), ("engine_0", "restarted", -9, second["pid"])]
 
 
 def test_only_engine_killed_without_restart_budget_checkpoints_and_names_the_engine(runs):
-    rc, console, record = runs["z"]
+    rc, console, (record,) = runs["z"]
     assert rc != 0
+    # it died during step 1's eval: the eval is missed, step 1 is logged and kept
+    assert "[eval] the eval of step 1 is missed (recorded as eval/missed=1): no rollout engine left" in console, \
+        console[-6000:]
+    assert "Training goes on from step 1, which is complete" in console
+    assert _rows(runs["root"] / "z")[0]["eval/missed"] == 1.0
     assert "not restarted: the restart budget is spent (0 of rollout.engine_restarts=0)" in console
     assert f"no rollout engine left at step 2: {record['url']} dropped" in console, console[-6000:]
     assert "the launcher's engine_0 exited with code -9 and was not restarted" in console
@@ -114,3 +169,26 @@ def test_only_engine_killed_without_restart_budget_checkpoints_and_names_the_eng
     assert latest == out / "checkpoints" / "step_000001"
     assert read_state(latest)["step"] == 1
     assert [r["step"] for r in _rows(out)] == [1]
+
+
+@pytest.fixture(scope="module")
+def colocated_killed(tmp_path_factory, tiny_run_a):
+    """C: tiny_cpu_colocated.yaml (the engine shares the ranks' memory, weights by shared memory), its
+    only engine SIGKILLed once step 1 is logged."""
+    root = tmp_path_factory.mktemp("colocated_faults")
+    return root, _train_killing_engine(root / "c", tiny_run_a["cache"], config="tiny_cpu_colocated.yaml")
+
+
+def test_colocated_engine_killed_restarts_and_trains_every_step_as_if_uninterrupted(colocated_killed, tiny_run_a):
+    root, (rc, console, (record,)) = colocated_killed
+    assert rc == 0, console[-6000:]
+    assert f"[engines] engine_0 ({record['url']}, pid {record['pid']}) exited with code -9 (SIGKILL); restarting it" \
+        in console, console[-4000:]
+    assert "re-syncing the weights of step 1, then step 2's rollout starts over" in console
+    a, c = [r for r in tiny_run_a["a"] if r["step"] > 0], _rows(root / "c")
+    assert [r["step"] for r in c] == [1, 2, 3, 4]
+    # the colocated run equals the disaggregated one to the bit (test_train_colocated.py), interrupted or not
+    for ra, rc_ in zip(a, c):
+        for key in EXACT_KEYS + ("eval/avg@k",):
+            assert ra.get(key) == rc_.get(key), (ra["step"], key, ra.get(key), rc_.get(key))
+    assert [r["engines/restarted_total"] for r in c] == [0.0, 1.0, 1.0, 1.0]

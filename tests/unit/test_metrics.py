@@ -62,6 +62,30 @@ def test_read_jsonl_names_bad_line(tmp_path):
         read_jsonl(path)
 
 
+def test_resume_drops_a_partial_last_line_and_says_so(tmp_path):
+    logger = MetricsLogger(tmp_path, wandb_mode="disabled", console=None)
+    for step in range(1, 4):
+        logger.log(step, {"acc/mean": step / 10})
+    logger.close(plot=False)
+    path = tmp_path / "metrics.jsonl"
+    full = path.read_bytes()
+    path.write_bytes(full[:-9])  # a process killed in the middle of writing step 3's line
+    out = io.StringIO()
+    logger = MetricsLogger(tmp_path, wandb_mode="disabled", console=out, resume_step=2)
+    logger.log(3, {"acc/mean": 0.33})
+    logger.close(plot=False)
+    assert "metrics.jsonl: dropped line 3, a partial record with no newline" in out.getvalue()
+    assert [(r["step"], r["acc/mean"]) for r in read_jsonl(path)] == [(1, 0.1), (2, 0.2), (3, 0.33)]
+    # a broken line in the middle is still an error naming it, on resume too
+    text = path.read_text().splitlines(keepends=True)
+    path.write_text(text[0] + text[1][:-8] + "\n" + text[2])
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not valid JSON"):
+        MetricsLogger(tmp_path, wandb_mode="disabled", console=None, resume_step=3)
+    # a last line that is complete JSON without its newline is kept
+    path.write_text(text[0] + text[1].rstrip("\n"))
+    assert [r["step"] for r in read_jsonl(path, drop_partial_last=True)] == [1, 2]
+
+
 def test_wandb_offline_writes_run_files(tmp_path):
     logger = MetricsLogger(tmp_path, wandb_mode="offline", wandb_project="test", config={"trainer": {"lr": 1e-3}},
                            console=None)

@@ -107,5 +107,8 @@ def test_train_command_decides_before_starting_anything(tmp_path):
     assert resumed.stdout.strip() == (f"[train] {run} is already at step 40 of 40 (trainer.total_steps): nothing to "
                                       "do. Raise trainer.total_steps to train further.")
     # no engine registry, no logs, no new model stage: nothing was started
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "curves.png", "metrics.jsonl", "tiny_model"]
+    # (.run.lock: the directory's lock, launch/run_lock.py, emptied when the command ended)
+    assert sorted(p.name for p in run.iterdir()) == [".run.lock", "checkpoints", "curves.png", "metrics.jsonl",
+                                                     "tiny_model"]
+    assert (run / ".run.lock").read_text() == ""
     assert [p.name for p in (run / "tiny_model").iterdir()] == ["warm"]
