@@ -24,7 +24,7 @@ from rollout_helpers import ServerProcess, make_tiny_checkpoint
 from test_weight_sync_engine_death import _engine_weights
 
 from dapo_megatron.rollout.pool import EnginePool
-from dapo_megatron.trainer.recovery import sync_dropping_dead
+from dapo_megatron.transfer.engine_push import sync_dropping_dead
 from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
 BUCKET_BYTES = 16 << 20
