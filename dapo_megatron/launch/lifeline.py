@@ -68,13 +68,34 @@ def become_subreaper() -> bool:
     return _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
-def reap_descendants(grace_s: float = 10.0) -> list[str]:
-    """SIGTERM every descendant still alive, SIGKILL those left after grace_s, and reap them (a subreaper
-    owns its adopted zombies). Returns a description of each process that had to be ended."""
+def descendants() -> set[tuple[int, float]]:
+    """(pid, start time) of every process below this one now: what reap_descendants must spare when
+    the launcher runs inside a process that had children before the run (a test's rank pool)."""
     import psutil
 
     try:
-        family = psutil.Process().children(recursive=True)
+        return {ident for ident in map(_ident, psutil.Process().children(recursive=True)) if ident}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def _ident(proc) -> tuple[int, float] | None:
+    import psutil
+
+    try:
+        return proc.pid, proc.create_time()
+    except psutil.NoSuchProcess:  # ended meanwhile
+        return None
+
+
+def reap_descendants(grace_s: float = 10.0, *, spare: set[tuple[int, float]] = frozenset()) -> list[str]:
+    """SIGTERM every descendant still alive but those in `spare` (descendants() before the run),
+    SIGKILL those left after grace_s, and reap them (a subreaper owns its adopted zombies). Returns a
+    description of each process that had to be ended."""
+    import psutil
+
+    try:
+        family = [p for p in psutil.Process().children(recursive=True) if _ident(p) not in spare]
     except psutil.NoSuchProcess:
         return []
     ended = []

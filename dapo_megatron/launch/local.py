@@ -191,18 +191,19 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
     """This machine: take the run directory's lock (one run per directory, launch/run_lock.py), decide
     about the run directory, check the memory plan, prepare the model, start CPU engines, run the actor
     ranks under torchrun, then print where everything is (run_log.run_summary)."""
-    from dapo_megatron.launch.lifeline import become_subreaper, reap_descendants
+    from dapo_megatron.launch.lifeline import become_subreaper, descendants, reap_descendants
     from dapo_megatron.launch.run_lock import RunLock
 
     # before anything is written: a second `train` into this directory is refused, naming this one
     with RunLock(cfg.trainer.output_dir, command=f"dapo-megatron train {config_path}") as lock:
         if lock.stale_note:
             print(lock.stale_note, flush=True)
+        before = descendants()  # processes of the caller's own, older than the run: not the run's to end
         become_subreaper()  # what a dead rank leaves (its multiprocessing helpers) is re-parented here
         try:
             return _launch_locked(cfg, config_path, overrides, resume=resume, overwrite=overwrite, skip_plan=skip_plan)
         finally:  # no process of this run outlives it (launch/lifeline.py); the lock is released after
-            ended = reap_descendants()
+            ended = reap_descendants(spare=before)
             if ended:
                 print(f"[train] ended {len(ended)} process(es) the run left behind: {'; '.join(ended)}",
                       file=sys.stderr, flush=True)
@@ -236,14 +237,14 @@ def _launch_locked(cfg, config_path: str, overrides: list[str], *, resume: bool,
     secret = run_secret_path(run_dir)
     if cfg.rollout.engine_urls:
         keys_from_config(cfg.rollout)
-    else:
-        ensure_secret_file(secret)
     phases = console.Phases()
     with phases.phase("model", slow_note="building and warm-starting the tiny model (once: it is cached)") as note:
         model_dir = _prepare_model(cfg)
         note["detail"] = _model_line(cfg, model_dir)
     with phases.phase("data", slow_note="checking every prompt row") as note:
         note["detail"] = check_prompt_data(cfg, model_dir)  # ValueError listing bad rows, before any process starts
+    if not cfg.rollout.engine_urls:
+        ensure_secret_file(secret)  # after the data check: refused data leaves only the run lock behind
     overrides = [*overrides, f"model.path={model_dir}"]
     engine_model_dir = model_dir
     if cfg.rollout.quantization == "fp8":  # the engines serve modelopt's block-FP8 export of the base model

@@ -58,6 +58,7 @@ class RunLock:
         self.path = self.run_dir / LOCK_FILE
         self.command = command
         self.stale_note = ""  # set by acquire() when it took over a dead run's lock
+        self._created_dir = False  # acquire() made run_dir: release() removes it if nothing else was written
         self._fd: int | None = None
 
     def _read_holder(self) -> dict:
@@ -81,6 +82,7 @@ class RunLock:
             "or write elsewhere: trainer.output_dir=NEW_DIR")
 
     def acquire(self) -> "RunLock":
+        self._created_dir = not self.run_dir.exists()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # children never inherit it
         try:
@@ -116,6 +118,11 @@ class RunLock:
             return
         try:
             os.ftruncate(self._fd, 0)
+            # a run refused before writing anything (a plan that does not fit, bad data) leaves no directory
+            # it made: removed while the flock is still held, so no other run can be inside it
+            if self._created_dir and [p.name for p in self.run_dir.iterdir()] == [LOCK_FILE]:
+                self.path.unlink()
+                self.run_dir.rmdir()
         finally:
             self._close()
 

@@ -204,6 +204,7 @@ def test_train_runs_the_plan_first_and_skip_plan_skips_it(tmp_path, monkeypatch)
     started = []
     monkeypatch.setattr("dapo_megatron.launch.prepare.tiny_model_dir", lambda cfg: started.append(cfg) or str(tmp_path))
     monkeypatch.setattr(local.LocalProcesses, "run_foreground", lambda self, name, argv, env=None: 0)
+    monkeypatch.setattr(local, "check_prompt_data", lambda cfg, model_dir: "data check stubbed (no tokenizer here)")
     assert main(["train", TINY, "slurm.gpu_memory_gb=1", f"trainer.output_dir={out}",
                  "rollout.engine_urls=['http://127.0.0.1:1']", "--skip-plan"]) == 0
     assert started  # with --skip-plan the launcher went on (model preparation is stubbed here)
