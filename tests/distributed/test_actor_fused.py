@@ -77,7 +77,12 @@ def _assert_same_step(ref, fused, *, label, same_layout=True):
     (_, _, m_ref, g_ref, w_ref), (_, _, m_fused, g_fused, w_fused) = ref, fused
     assert m_ref["update_skipped"] == 0 and m_ref["num_tokens"] > 0
     for key in STAT_KEYS if same_layout else [k for k in STAT_KEYS if k != "num_micro_batches"]:
-        assert m_fused[key] == pytest.approx(m_ref[key], rel=1e-6, abs=1e-7), f"{label}: {key}"
+        # ratio = exp(log p - log p_old): fp32 log-probs of magnitude ~10 carry ~1e-6 of rounding, which the
+        # exp turns into relative error; measured 1.03e-6 at cp2 (ratio_max 1.6186324 vs 1.6186341) when the
+        # conformance tests ran first in the same session (CPU kernels pick their path by allocation
+        # alignment), 2026-11-25; every other statistic keeps 1e-6
+        rel = 2e-6 if key.startswith("ratio") else 1e-6
+        assert m_fused[key] == pytest.approx(m_ref[key], rel=rel, abs=1e-7), f"{label}: {key}"
     assert m_fused["grad_norm"] == pytest.approx(m_ref["grad_norm"], rel=1e-5)
     assert set(g_fused) == set(g_ref) == set(w_ref)
     grad_scale = max(float(g.abs().max()) for g in g_ref.values())

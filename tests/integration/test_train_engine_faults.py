@@ -67,9 +67,15 @@ def _live_engine(out: Path) -> dict | None:
     return None
 
 
-def _weight_version(url: str) -> str | None:
+def _weight_version(url: str, run_dir: Path) -> str | None:
+    """The engine's weight version, asked with the run's key (the engines the launcher starts refuse a
+    request without it: rollout/auth.py)."""
+    from dapo_megatron.rollout.auth import read_secret_file, run_secret_path
+
     try:
-        with urllib.request.urlopen(f"{url}/get_model_info", timeout=5) as reply:
+        headers = read_secret_file(run_secret_path(run_dir)).header_for("GET", "/get_model_info")
+        request = urllib.request.Request(f"{url}/get_model_info", headers=headers)
+        with urllib.request.urlopen(request, timeout=5) as reply:
             return json.loads(reply.read())["weight_version"]
     except (OSError, ValueError, KeyError):
         return None
@@ -83,7 +89,7 @@ def _holds_weights(version: str):
     """Once the live engine reports `version`: right after that step's sync, i.e. during its eval."""
     def ready(out: Path) -> dict | None:
         record = _live_engine(out)
-        return record if record and _weight_version(record["url"]) == version else None
+        return record if record and _weight_version(record["url"], out) == version else None
     return ready
 
 
