@@ -105,6 +105,14 @@ def reap_descendants(grace_s: float = 10.0, *, spare: set[tuple[int, float]] = f
             proc.terminate()
         except psutil.NoSuchProcess:
             pass
+    kill_survivors(family, grace_s=grace_s)
+    return ended
+
+
+def kill_survivors(family: list, *, grace_s: float) -> None:
+    """Wait up to grace_s for these (signalled) psutil processes to end, SIGKILL the rest, reap them."""
+    import psutil
+
     _, alive = psutil.wait_procs(family, timeout=grace_s)
     for proc in alive:
         try:
@@ -112,4 +120,3 @@ def reap_descendants(grace_s: float = 10.0, *, spare: set[tuple[int, float]] = f
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(alive, timeout=5)
-    return ended

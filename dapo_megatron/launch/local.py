@@ -22,7 +22,7 @@ import time
 import shutil
 from pathlib import Path
 
-from dapo_megatron.launch.lifeline import with_lifeline
+from dapo_megatron.launch.lifeline import kill_survivors, with_lifeline
 
 def check_cores(cores: list[int], key: str) -> None:
     """A core pinning that cannot be applied fails before anything starts, naming the config key."""
@@ -171,13 +171,7 @@ class LocalProcesses:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             pass
-        _, alive = psutil.wait_procs(family, timeout=grace_s)
-        for p in alive:
-            try:
-                p.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=5)
+        kill_survivors(family, grace_s=grace_s)
         proc.poll()
 
     def stop_all(self) -> None:
