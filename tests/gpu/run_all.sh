@@ -8,6 +8,10 @@
 # Each device call runs at most 10 minutes, so the sections go in three calls (measured 2026-11-25 on an
 # H100: env + kernels + actor took 8 minutes):
 #   SECTIONS="env kernels transfer"   SECTIONS="actor"   SECTIONS="e2e sglang_fp8"
+# Issue 27's full kernel table (every target; --quick has the 7B rows only) takes two more calls,
+# appending to one CSV that kernels_targets judges:
+#   SECTIONS="kernels" BENCH_ARGS="--models 7b --providers fused,fused_cublas,fused_rowchunk,liger"
+#   SECTIONS="kernels" BENCH_ARGS="--models 32b --providers fused,fused_cublas,fused_rowchunk,liger"
 # (actor runs the 1.5B bench at 4K/16K/32K tokens twice, sdpa and flex; e2e five tiny runs of 30 steps;
 # sglang_fp8 skips in seconds where SGLang's GPU kernels are not installed)
 #
@@ -65,6 +69,8 @@ section_kernels() {
     --junitxml="$OUT/kernels/junit_suite.xml"
   # shellcheck disable=SC2086
   run_section kernels_bench $PY -m dapo_kernels.bench.run ${BENCH_ARGS:---quick} --csv "$OUT/kernels/results.csv"
+  # issue 27's targets judged from those rows: PASS / FAIL / NOT MEASURED each (fails until all hold)
+  run_section kernels_targets $PY -m dapo_kernels.bench.targets "$OUT/kernels/results.csv"
 }
 
 # ---- section: actor (issue 4: Megatron actor in bf16 + NCCL; issue 17: the fused kernels inside it,
