@@ -9,6 +9,32 @@ import triton.language as tl
 
 
 @triton.jit
+def split_columns(pid_s, V, num_splits, BLOCK_V: tl.constexpr):
+    """[v_begin, v_end) of vocab split pid_s: whole BLOCK_V tiles, the splits as even as tiles allow."""
+    tiles_per_split = tl.cdiv(tl.cdiv(V, BLOCK_V), num_splits)
+    v_begin = pid_s * tiles_per_split * BLOCK_V
+    return v_begin, tl.minimum(V, v_begin + tiles_per_split * BLOCK_V)
+
+
+@triton.jit
+def empty_stats(BLOCK_N: tl.constexpr):
+    """(m, s, t, zt) of rows that have seen no logit yet: m = -inf, the sums 0."""
+    m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
+    return m, tl.zeros([BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32), \
+        tl.zeros([BLOCK_N], dtype=tl.float32)
+
+
+@triton.jit
+def store_stats(stats_ptr, pid_s, stride, rows, row_ok, m, s, t, zt):
+    """Split pid_s's partial statistics into stats [num_splits, 4, stride] (row r at column r)."""
+    out = stats_ptr + pid_s * 4 * stride + rows
+    tl.store(out, m, mask=row_ok)
+    tl.store(out + stride, s, mask=row_ok)
+    tl.store(out + 2 * stride, t, mask=row_ok)
+    tl.store(out + 3 * stride, zt, mask=row_ok)
+
+
+@triton.jit
 def online_update(m, s, t, zt, z, cols, col_ok, tgt):
     """Fold a [BLOCK_N, BLOCK_V] tile of scaled logits z into the running per-row statistics
     (m = max, s = sum exp(z - m), t = sum exp(z - m) (z - m), zt = target logit), see logprob.py.

@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from . import logprob_cublas
-from ._softmax_tiles import dz_tile, online_update
+from ._softmax_tiles import dz_tile, empty_stats, online_update, split_columns, store_stats
 from ._runtime import INTERPRET, cast_dot_inputs_to_fp32, num_sms, require_runnable
 from .reference import check_logprob_args, check_targets_in_vocab, check_vocab_size, vocab_shard
 
@@ -116,26 +116,15 @@ def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, stats_ptr, N, V, H, stride_hn, stride_wv,
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
-    tiles_per_split = tl.cdiv(tl.cdiv(V, BLOCK_V), num_splits)
-    v_begin = pid_s * tiles_per_split * BLOCK_V
-    v_end = tl.minimum(V, v_begin + tiles_per_split * BLOCK_V)
-
-    m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-    s = tl.zeros([BLOCK_N], dtype=tl.float32)
-    t = tl.zeros([BLOCK_N], dtype=tl.float32)
-    zt = tl.zeros([BLOCK_N], dtype=tl.float32)
+    v_begin, v_end = split_columns(pid_s, V, num_splits, BLOCK_V)
+    m, s, t, zt = empty_stats(BLOCK_N)
     for v0 in range(v_begin, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = cols < v_end
         z = _logits_tile(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_hn, stride_wv,
                          BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE) * inv_temp
         m, s, t, zt = online_update(m, s, t, zt, z, cols, col_ok, tgt)
-
-    out = stats_ptr + pid_s * 4 * N + rows
-    tl.store(out, m, mask=row_ok)
-    tl.store(out + N, s, mask=row_ok)
-    tl.store(out + 2 * N, t, mask=row_ok)
-    tl.store(out + 3 * N, zt, mask=row_ok)
+    store_stats(stats_ptr, pid_s, N, rows, row_ok, m, s, t, zt)
 
 
 @triton.jit

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ._runtime import INTERPRET
-from ._softmax_tiles import dz_tile, online_update
+from ._softmax_tiles import dz_tile, empty_stats, online_update, split_columns, store_stats
 
 # fp32 logits chunk of the forward (bytes): at most 256 MiB (441 rows at V = 152064, rounded to 128:
 # 384) and at most BUDGET_PER_NH * N * H, as the blocked backward's workspace (small batches, small chunk)
@@ -44,24 +44,15 @@ def _stats_epilogue_kernel(z_ptr, tgt_ptr, stats_ptr, N, V, stride_zn, stats_str
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
-    tiles_per_split = tl.cdiv(tl.cdiv(V, BLOCK_V), num_splits)
-    v_begin = pid_s * tiles_per_split * BLOCK_V
-    v_end = tl.minimum(V, v_begin + tiles_per_split * BLOCK_V)
-    m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-    s = tl.zeros([BLOCK_N], dtype=tl.float32)
-    t = tl.zeros([BLOCK_N], dtype=tl.float32)
-    zt = tl.zeros([BLOCK_N], dtype=tl.float32)
+    v_begin, v_end = split_columns(pid_s, V, num_splits, BLOCK_V)
+    m, s, t, zt = empty_stats(BLOCK_N)
     row_base = z_ptr + rows.to(tl.int64)[:, None] * stride_zn
     for v0 in range(v_begin, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = cols < v_end
         z = tl.load(row_base + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0) * inv_temp
         m, s, t, zt = online_update(m, s, t, zt, z, cols, col_ok, tgt)
-    out = stats_ptr + pid_s * 4 * stats_stride + rows
-    tl.store(out, m, mask=row_ok)
-    tl.store(out + stats_stride, s, mask=row_ok)
-    tl.store(out + 2 * stats_stride, t, mask=row_ok)
-    tl.store(out + 3 * stats_stride, zt, mask=row_ok)
+    store_stats(stats_ptr, pid_s, stats_stride, rows, row_ok, m, s, t, zt)
 
 
 @triton.jit
