@@ -184,6 +184,13 @@ def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: in
         yield from (split_for_alignment(bucket) if flattened else [bucket])
 
 
+def _check_sync_args(clients: list, weight_version: str) -> None:
+    if not clients:
+        raise ValueError("weight sync: no engines to sync")
+    if not weight_version:
+        raise ValueError("weight sync: weight_version must be a non-empty string (it tags every reply)")
+
+
 def _check_manifest(shapes: dict[str, dict[str, list[int]]], manifest: dict[str, list[int]]) -> None:
     for url, engine_specs in shapes.items():
         check_against(engine_specs, [(n, torch.empty(s, device="meta")) for n, s in manifest.items()], engine=url)
@@ -306,10 +313,7 @@ class DistributedWeightSync:
                    weight_version: str, manifest: dict[str, list[int]] | None = None,
                    flush_cache: bool = True) -> SyncStats:
         """Send every tensor to every engine inside one session; returns the sync's statistics."""
-        if not clients:
-            raise ValueError("weight sync: no engines to sync")
-        if not weight_version:
-            raise ValueError("weight sync: weight_version must be a non-empty string (it tags every reply)")
+        _check_sync_args(clients, weight_version)
         if self._pg is None or self._members != tuple(c.url for c in clients):
             await self.connect(clients)
         if manifest is not None:
@@ -383,10 +387,7 @@ class TensorWeightSync:
     async def sync(self, clients: list[EngineClient], named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                    weight_version: str, manifest: dict[str, list[int]] | None = None,
                    flush_cache: bool = True) -> SyncStats:
-        if not clients:
-            raise ValueError("weight sync: no engines to sync")
-        if not weight_version:
-            raise ValueError("weight sync: weight_version must be a non-empty string (it tags every reply)")
+        _check_sync_args(clients, weight_version)
         shapes = dict(zip([c.url for c in clients], await asyncio.gather(*(engine_shapes(c) for c in clients))))
         tp_sizes = [int(i.get("tp_size", 1)) for i in await asyncio.gather(*(c.server_info() for c in clients))]
         if manifest is not None:
