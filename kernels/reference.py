@@ -236,12 +236,15 @@ def check_policy_loss_args(logprob, old_logprob, advantages, mask, eps_low, eps_
     for name, t in (("old_logprob", old_logprob), ("mask", mask)):
         if t.shape != logprob.shape:
             raise ValueError(f"{name} must have the shape of logprob {tuple(logprob.shape)}; got {tuple(t.shape)}")
-    try:  # per-token advantages, or per-sequence ones as [B, 1]
-        if torch.broadcast_shapes(advantages.shape, logprob.shape) != logprob.shape:
-            raise RuntimeError
-    except RuntimeError:
-        raise ValueError(f"advantages {tuple(advantages.shape)} must have the shape of logprob "
-                         f"{tuple(logprob.shape)} or broadcast to it (e.g. [B, 1])") from None
+    # per-token advantages, or per-sequence ones as [B, 1] (the two the trainer passes: checked without
+    # torch.broadcast_shapes, which costs more host time than the rest of this function together)
+    if advantages.shape != logprob.shape and not (logprob.dim() == 2 and advantages.shape == (logprob.shape[0], 1)):
+        try:
+            if torch.broadcast_shapes(advantages.shape, logprob.shape) != logprob.shape:
+                raise RuntimeError
+        except RuntimeError:
+            raise ValueError(f"advantages {tuple(advantages.shape)} must have the shape of logprob "
+                             f"{tuple(logprob.shape)} or broadcast to it (e.g. [B, 1])") from None
     if not (0.0 <= eps_low < 1.0) or eps_high < 0.0:
         raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0; got eps_low={eps_low}, eps_high={eps_high}")
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:

@@ -214,6 +214,15 @@ def test_bad_inputs_raise_value_error(device):
         policy_loss(logprob, old, adv, mask, eps_low=0.2, eps_high=0.2, clip_ratio_c=0.5, loss_denominator=1)
     with pytest.raises(ValueError, match="eps_low"):
         policy_loss(logprob, old, adv, mask, eps_low=1.2, eps_high=0.2, clip_ratio_c=None, loss_denominator=1)
+    # [B, T] tokens: [B, 1] and [1, T] broadcast (accepted; the shapes check skips broadcast_shapes for
+    # the first), [B, 2] and a [B, 1] against flat [B] tokens do not
+    logprob, old, adv, mask = make_inputs((3, 4), seed=7)
+    for ok in (adv[:, :1], adv[:1, :]):
+        policy_loss(logprob, old, ok, mask, **KW, loss_denominator=1)
+    with pytest.raises(ValueError, match=r"advantages \(3, 2\) must have the shape of logprob \(3, 4\)"):
+        policy_loss(logprob, old, adv[:, :2], mask, **KW, loss_denominator=1)
+    with pytest.raises(ValueError, match=r"advantages \(3, 1\) must have the shape of logprob \(3,\)"):
+        policy_loss(logprob[:, 0], old[:, 0], adv[:, :1], mask[:, 0], **KW, loss_denominator=1)
 
 
 def test_without_cuda_or_interpreter_the_fused_op_refuses(monkeypatch, device):
