@@ -19,6 +19,9 @@ ModelConfig._verify_quantization checks against that quantization_config: starte
 instead, SGLang would quantize online per channel (Fp8LinearMethod's non-block path, which replaces its
 parameters and so cannot reload a sync; docs/fp8.md).
 
+The server's stdout and stderr pass through this process with the run's keys replaced by <redacted>
+(SGLang logs its server arguments, keys included, at start): `start_server`, `copy_redacted`.
+
 The installed sglang must be of the minor release the protocol was verified against (docs/sglang.md):
 another one is refused unless --allow-sglang-version or DAPO_ALLOW_SGLANG_VERSION=1.
 NOT yet run on a GPU (README, "Rollout engines").
@@ -34,10 +37,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+
+from typing import BinaryIO, Iterable
 
 from dapo_megatron.rollout.auth import ensure_secret_file
 from dapo_megatron.rollout.registry import remove_registration, write_registration
@@ -126,6 +132,36 @@ def sglang_command(s: SGLangSettings) -> list[str]:
     return cmd + list(s.extra_args)
 
 
+REDACTED = b"<redacted>"
+
+
+def copy_redacted(src: BinaryIO, dst: BinaryIO, secrets: Iterable[str | None]) -> None:
+    """Copy src to dst line by line with every secret replaced by <redacted>, until src ends.
+    Why: SGLang logs its whole configuration at start (entrypoints/engine.py:
+    `logger.info(f"server_args={server_args.resolved_dict()}")`), api_key and admin_api_key included,
+    into the engine's log under the run directory (Slurm's --output file: the user's umask decides who
+    reads it)."""
+    keys = sorted({k.encode() for k in secrets if k}, key=len, reverse=True)  # a key inside a longer one: longer first
+    for line in iter(src.readline, b""):
+        for key in keys:
+            line = line.replace(key, REDACTED)
+        dst.write(line)
+        dst.flush()
+
+
+def start_server(cmd: list[str], secrets: Iterable[str | None] = ()) -> tuple[subprocess.Popen, threading.Thread | None]:
+    """Popen(cmd); with secrets, its stdout and stderr reach this process's stdout through copy_redacted
+    (one stream: Slurm writes both to the job's --output file anyway). Returns (process, pump thread)."""
+    secrets = [k for k in secrets if k]
+    if not secrets:
+        return subprocess.Popen(cmd), None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = getattr(sys.stdout, "buffer", None) or sys.stdout
+    pump = threading.Thread(target=copy_redacted, args=(proc.stdout, out, secrets), name="engine-log", daemon=True)
+    pump.start()
+    return proc, pump
+
+
 def advertised_host(bind_host: str) -> str:
     """The address other nodes use to reach a server bound to bind_host."""
     if bind_host in ("0.0.0.0", "::", ""):
@@ -178,12 +214,11 @@ def main(argv: list[str] | None = None) -> int:
                               colocate=args.colocate, seed=args.seed, host=args.host, port=args.port, dtype=args.dtype,
                               base_gpu_id=args.base_gpu_id, quantization=args.quantization,
                               extra_args=tuple(extra), auth_file=args.auth_file)
-    if args.auth_file:
-        ensure_secret_file(args.auth_file)  # the trainer reads the same file (a requeue reuses it)
+    keys = ensure_secret_file(args.auth_file) if args.auth_file else None  # the trainer reads it too (a requeue reuses it)
     # SIGTERM (scancel, the colocated supervisor) unwinds like Ctrl-C, so the `finally` below stops
     # the server and removes its registration instead of leaving both behind
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    proc = subprocess.Popen(sglang_command(settings))
+    proc, pump = start_server(sglang_command(settings), (keys.api_key, keys.admin_api_key) if keys else ())
     host = advertised_host(args.host)
     url = f"http://{host}:{args.port}"
     registration = ""
@@ -203,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
+        if pump is not None:  # the server's last lines (its shutdown) reach the log; its children may hold the pipe
+            pump.join(timeout=5)
 
 
 if __name__ == "__main__":
