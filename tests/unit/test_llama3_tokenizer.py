@@ -89,3 +89,8 @@ def test_prompt_gets_begin_of_text_only_from_a_chat_template(llama3_style_dir, t
     (with_template / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0]['content'] }}")
     tok = AutoTokenizer.from_pretrained(with_template)
     assert prompt_token_ids(tok, record) == [tok.bos_token_id] + ids  # one BOS, then the same text
+    # a snapshot whose tokenizer_config.json carries a chat template: chat_template.jinja takes precedence
+    config = json.loads((with_template / "tokenizer_config.json").read_text())
+    config["chat_template"] = "<|start_header_id|>user<|end_header_id|>{{ messages[0]['content'] }}<|eot_id|>"
+    (with_template / "tokenizer_config.json").write_text(json.dumps(config))
+    assert prompt_token_ids(AutoTokenizer.from_pretrained(with_template), record) == [tok.bos_token_id] + ids
