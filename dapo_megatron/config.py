@@ -29,7 +29,6 @@ LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 class ModelConfig:
     path: str = ""  # HF checkpoint directory (config.json + safetensors + tokenizer)
     arch: Literal["auto", "qwen2", "llama", "qwen3", "qwen3_moe"] = "auto"  # auto: read config.json's model_type
-    tokenizer: str = ""  # defaults to `path`
 
 
 @dataclass

@@ -207,3 +207,10 @@ def test_config_show_prints_the_resolved_config(capsys):
     out = capsys.readouterr().out
     assert "eps_high: 0.3" in out and "train_batch_size: 512" in out
     assert config_module.main([]) == 2
+
+
+def test_model_tokenizer_is_not_a_key():
+    """Prompts, the engines and eval all read the tokenizer from model.path: a separate model.tokenizer
+    would be ignored, so setting it is an error naming the key rather than silently having no effect."""
+    with pytest.raises(ValueError, match=r"unknown config key 'model.tokenizer' \(allowed in model: path, arch\)"):
+        load_config(str(Path(__file__).resolve().parents[2] / "configs/runs/tiny_cpu.yaml"), ["model.tokenizer=/x"])

@@ -4,8 +4,8 @@ The tokenizer is built by transformers' own TikTokenConverter.converted() (the c
 convert_llama_weights_to_hf.py's Llama3Converter subclasses: the tiktoken regex Split, then ByteLevel
 without its own regex, no normalizer) over a small BPE trained here, with Llama 3's special tokens: no
 download. Checked: cpu_engine/token_bound.py's bound is sound for it (byte-level BPE), and a base tokenizer
-without a chat template sends prompts without <|begin_of_text|> unless model.path has a chat_template.jinja
-that writes it (what the preset tells Llama users to add)."""
+without a chat template still starts every prompt with <|begin_of_text|> (the tokenizer's own leading special
+tokens are kept: data/prompts.py), and a chat_template.jinja that writes it gives one, not two."""
 
 import json
 import random
@@ -18,7 +18,7 @@ LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
 
 @pytest.fixture(scope="module")
 def llama3_style_dir(tmp_path_factory):
-    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
@@ -42,6 +42,13 @@ def llama3_style_dir(tmp_path_factory):
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     backend = converter.converted()
     backend.add_special_tokens(LLAMA3_SPECIAL)
+    # Meta's tokenizer.json ends with this post-processor: <|begin_of_text|> before every text encoded
+    # with special tokens (ByteLevel offsets, then TemplateProcessing "<|begin_of_text|> $A")
+    bos_id = backend.token_to_id("<|begin_of_text|>")
+    backend.post_processor = processors.Sequence([
+        processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True),
+        processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
+                                      special_tokens=[("<|begin_of_text|>", bos_id)])])
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>")
     out = tmp_path_factory.mktemp("llama3_tok")
     tok.save_pretrained(out)
@@ -72,7 +79,10 @@ def test_token_bound_is_sound_for_llama3_byte_level_bpe(llama3_style_dir):
         assert -(-len(text) // bound) <= len(tok(text, add_special_tokens=False)["input_ids"]), text[:80]
 
 
-def test_prompt_gets_begin_of_text_only_from_a_chat_template(llama3_style_dir, tmp_path):
+def test_prompt_starts_with_one_begin_of_text_with_or_without_a_chat_template(llama3_style_dir, tmp_path):
+    """Llama 3 always saw <|begin_of_text|> first. Without a chat template the prompt is the text after the
+    tokenizer's own leading special tokens (data/prompts.py), so one BOS; with a template that writes
+    {{ bos_token }} itself (chat_template.jinja takes precedence over tokenizer_config.json's), still one."""
     import shutil
 
     from transformers import AutoTokenizer
@@ -82,15 +92,47 @@ def test_prompt_gets_begin_of_text_only_from_a_chat_template(llama3_style_dir, t
     record = PromptRecord(prompt=apply_template("What is 6 x 7?"), ground_truth="42")
     plain = AutoTokenizer.from_pretrained(llama3_style_dir)
     assert plain.chat_template is None
-    ids = prompt_token_ids(plain, record)
-    assert plain.bos_token_id not in ids  # no template: the text alone, no <|begin_of_text|>
+    text_ids = plain(record.prompt, add_special_tokens=False)["input_ids"]
+    assert plain(record.prompt)["input_ids"] == [plain.bos_token_id] + text_ids  # the post-processor's BOS
+    assert prompt_token_ids(plain, record) == [plain.bos_token_id] + text_ids
     with_template = tmp_path / "model"
     shutil.copytree(llama3_style_dir, with_template)
     (with_template / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0]['content'] }}")
     tok = AutoTokenizer.from_pretrained(with_template)
-    assert prompt_token_ids(tok, record) == [tok.bos_token_id] + ids  # one BOS, then the same text
+    assert prompt_token_ids(tok, record) == [tok.bos_token_id] + text_ids  # one BOS, then the same text
     # a snapshot whose tokenizer_config.json carries a chat template: chat_template.jinja takes precedence
     config = json.loads((with_template / "tokenizer_config.json").read_text())
     config["chat_template"] = "<|start_header_id|>user<|end_header_id|>{{ messages[0]['content'] }}<|eot_id|>"
     (with_template / "tokenizer_config.json").write_text(json.dumps(config))
-    assert prompt_token_ids(AutoTokenizer.from_pretrained(with_template), record) == [tok.bos_token_id] + ids
+    assert prompt_token_ids(AutoTokenizer.from_pretrained(with_template), record) == [tok.bos_token_id] + text_ids
+
+
+def test_a_tokenizer_adding_only_an_end_token_gets_none_before_the_prompt(llama3_style_dir, tmp_path):
+    """Only the special tokens before the text are kept: an end-of-text the tokenizer appends would end the
+    prompt before the answer."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from dapo_megatron.data.prompts import prompt_token_ids
+
+    tok = AutoTokenizer.from_pretrained(llama3_style_dir)
+    backend = tok.backend_tokenizer
+    eos_id = backend.token_to_id("<|end_of_text|>")
+    bos_id = backend.token_to_id("<|begin_of_text|>")
+    for template, expected_prefix in (("$A <|end_of_text|>", []), ("<|begin_of_text|> $A <|end_of_text|>", [bos_id])):
+        backend.post_processor = processors.TemplateProcessing(
+            single=template, special_tokens=[("<|begin_of_text|>", bos_id), ("<|end_of_text|>", eos_id)])
+        out = tmp_path / f"tok_{len(expected_prefix)}"
+        PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>",
+                                eos_token="<|end_of_text|>").save_pretrained(out)
+        variant = AutoTokenizer.from_pretrained(out)
+        text_ids = variant("6 x 7 =", add_special_tokens=False)["input_ids"]
+        assert variant("6 x 7 =")["input_ids"][-1] == eos_id
+        assert prompt_token_ids(variant, _Record("6 x 7 =")) == expected_prefix + text_ids
+
+
+class _Record:
+    """A prompt given as plain text (no chat): what prompt_token_ids reads of a record."""
+
+    def __init__(self, prompt):
+        self.prompt = prompt
