@@ -152,7 +152,9 @@ class CpuEngine:
         return total
 
     def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        # as SGLang 0.5.21 tokenizes a text prompt (tokenizer_manager.py: `self.tokenizer(tokenizer_input)`,
+        # the tokenizer's default special tokens: Llama 3's <|begin_of_text|>; none for Qwen)
+        return self.tokenizer(text)["input_ids"]
 
     def min_tokens(self, text: str) -> int:
         """A lower bound of len(tokenize(text)) computed without tokenizing (0 when none is known)."""
