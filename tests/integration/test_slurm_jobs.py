@@ -83,7 +83,9 @@ def test_dry_run_prints_and_submits_nothing(slurm_cluster, tmp_path):
     before = queue(slurm_cluster)
     # --skip-plan: the stand-in trainer has no model for the memory plan to read (tests/unit/test_memplan.py
     # covers the plan's own hook in `slurm submit`)
-    out = cli(slurm_cluster, "submit", str(cfg), "--dry-run", "trainer.total_steps=3", "--engines", "2", "--skip-plan")
+    # --skip-data-check: TINY has no prompts or model to check (test_one_run_per_directory... checks them)
+    out = cli(slurm_cluster, "submit", str(cfg), "--dry-run", "trainer.total_steps=3", "--engines", "2", "--skip-plan",
+              "--skip-data-check")
     assert out.returncode == 0, out.stderr
     assert "#SBATCH --requeue" in out.stdout and "serve-rollout" in out.stdout
     assert f"#   sbatch --parsable --array=0-1 --output={tmp_path}/run/slurm/logs/engines-%A_%a.out" in out.stdout
@@ -95,7 +97,7 @@ def test_dry_run_prints_and_submits_nothing(slurm_cluster, tmp_path):
 
 def test_submit_prints_real_job_ids_and_status_shows_them(slurm_cluster, tmp_path):
     cfg = write_config(tmp_path / "c.yaml", tmp_path / "run")
-    out = cli(slurm_cluster, "submit", str(cfg), 'slurm.time="5:00"', "--skip-plan")  # no model: see above
+    out = cli(slurm_cluster, "submit", str(cfg), 'slurm.time="5:00"', "--skip-plan", "--skip-data-check")  # see above
     assert out.returncode == 0, out.stderr
     job_id = out.stdout.splitlines()[0].removeprefix("train: ")
     assert job_id.isdigit()
