@@ -99,7 +99,8 @@ def test_submit_prints_real_job_ids_and_status_shows_them(slurm_cluster, tmp_pat
     cfg = write_config(tmp_path / "c.yaml", tmp_path / "run")
     out = cli(slurm_cluster, "submit", str(cfg), 'slurm.time="5:00"', "--skip-plan", "--skip-data-check")  # see above
     assert out.returncode == 0, out.stderr
-    job_id = out.stdout.splitlines()[0].removeprefix("train: ")
+    assert out.stdout.splitlines()[0].startswith("[slurm submit] data not checked (--skip-data-check)")
+    (job_id,) = [line.removeprefix("train: ") for line in out.stdout.splitlines() if line.startswith("train: ")]
     assert job_id.isdigit()
     shown = slurm_cluster.run(["scontrol", "-o", "show", "job", job_id]).stdout
     assert "JobName=dapo-train" in shown
