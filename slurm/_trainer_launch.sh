@@ -38,7 +38,7 @@ export PYTHONUNBUFFERED=1
 # instead of mixing with it.
 LOCK_FILE=$("$PYTHON" -m dapo_megatron.launch.job_start lock-file "$CONFIG" 9>&-) || exit 2
 exec 9<>"$LOCK_FILE" || { echo "cannot open $LOCK_FILE" >&2; exit 2; }
-ACQUIRE=(acquire "$CONFIG" --fd 9 --job "$JOB_REF" --restart "${SLURM_RESTART_COUNT:-0}")
+ACQUIRE=(acquire "$CONFIG" --fd 9 --job "$JOB_REF" --restart "${SLURM_RESTART_COUNT:-0}" --holder-pid "$$")
 if [ "$RESUME_REQUESTED" = 1 ]; then ACQUIRE+=(--resume-requested); fi
 START_ARGS=$("$PYTHON" -m dapo_megatron.launch.job_start "${ACQUIRE[@]}")
 case $? in

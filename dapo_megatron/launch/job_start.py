@@ -4,7 +4,7 @@ the model preparation or anything else writes:
     LOCK_FILE=$(python -m dapo_megatron.launch.job_start lock-file CONFIG)     # <output_dir>/.run.lock
     exec 9<>"$LOCK_FILE"                                                       # the batch shell keeps it open
     START=$(python -m dapo_megatron.launch.job_start acquire CONFIG --fd 9 --job "$JOB_REF" --restart N
-            [--resume-requested])                                              # "--resume" or ""
+            --holder-pid $$ [--resume-requested])                             # "--resume" or ""
     ...                                                                        # the trainer runs
     python -m dapo_megatron.launch.job_start release "$LOCK_FILE" --fd 9        # the normal end
 
@@ -64,7 +64,7 @@ def _acquire(args) -> int:
     cfg = load_config(args.config)
     run_dir = Path(cfg.trainer.output_dir)
     lock = RunLock(run_dir, command=f"dapo-megatron train {args.config}", fd=args.fd, job=args.job,
-                   restart=args.restart)
+                   restart=args.restart, holder_pid=args.holder_pid)
     try:
         lock.acquire()
     except RunDirInUse as err:
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     acquire.add_argument("--job", required=True, help="the Slurm job (array tasks: ARRAYJOB_TASK)")
     acquire.add_argument("--restart", type=int, default=0, help="SLURM_RESTART_COUNT")
     acquire.add_argument("--resume-requested", action="store_true", help="submitted with `slurm submit --resume`")
+    acquire.add_argument("--holder-pid", type=int, default=0, help="the shell keeping the descriptor open ($$)")
     release = sub.add_parser("release", help="empty the record (the flock ends when the shell closes the descriptor)")
     release.add_argument("lock_file")
     release.add_argument("--fd", type=int, required=True)

@@ -87,9 +87,10 @@ CONTENDED_RETRY_S = 2.0
 
 class RunLock:
     def __init__(self, run_dir: str | Path, *, command: str = "", fd: int | None = None, job: str = "",
-                 restart: int = 0) -> None:
+                 restart: int = 0, holder_pid: int = 0) -> None:
         """fd: an inherited descriptor already open on <run_dir>/.run.lock (the Slurm batch shell's);
-        job / restart: the Slurm job holding it (SLURM_JOB_ID or ARRAY_TASK form, SLURM_RESTART_COUNT)."""
+        job / restart: the Slurm job holding it (SLURM_JOB_ID or ARRAY_TASK form, SLURM_RESTART_COUNT);
+        holder_pid: the process that keeps fd open (the shell), recorded instead of this one's."""
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_FILE
         self.command = command
@@ -99,6 +100,7 @@ class RunLock:
         self._created_dir = False  # acquire() made run_dir: release() removes it if nothing else was written
         self._fd: int | None = None
         self._inherited = fd
+        self.holder_pid = holder_pid or os.getpid()
 
     def _read_holder(self) -> dict:
         return _read_record(self._fd, self.path)
@@ -154,7 +156,7 @@ class RunLock:
         elif previous:
             self.stale_note = (f"[train] {self.path}: taking over the stale lock of {_describe(previous)}, which "
                                "is no longer running (it ended without releasing the directory)")
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "command": self.command}
+        record = {"pid": self.holder_pid, "host": socket.gethostname(), "started": time.time(), "command": self.command}
         if self.job:
             record.update(job=self.job, restart=self.restart)
         os.ftruncate(self._fd, 0)

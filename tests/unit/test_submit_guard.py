@@ -158,14 +158,15 @@ def test_held_lock_refuses_submission_naming_the_job_and_probe_writes_nothing(tm
     run_dir.mkdir()
     fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT)  # as the batch shell's `exec 9<>`
     try:
-        lock = RunLock(run_dir, command="dapo-megatron train C", fd=fd, job="4620", restart=0).acquire()
+        shell = os.getppid()  # stands for the batch shell that keeps the descriptor (recorded, not this process)
+        lock = RunLock(run_dir, command="dapo-megatron train C", fd=fd, job="4620", restart=0, holder_pid=shell).acquire()
         record = (run_dir / LOCK_FILE).read_text()
-        assert json.loads(record)["job"] == "4620"
+        assert json.loads(record)["job"] == "4620" and json.loads(record)["pid"] == shell
         live, by_flock = holder(run_dir)
         assert by_flock and live["job"] == "4620" and (run_dir / LOCK_FILE).read_text() == record
         with pytest.raises(RunDirInUse) as err:
             submit_guard.check_lock(run_dir)
-        assert "in use by another run: Slurm job 4620 (restart 0): pid" in str(err.value)
+        assert f"in use by another run: Slurm job 4620 (restart 0): pid {shell} on host" in str(err.value)
         assert "scancel 4620" in str(err.value)
         # another process (a second job) is refused while the descriptor stays open, even after this
         # process's own duplicate is released: the flock belongs to the shell's open file description
