@@ -128,6 +128,11 @@ def test_sweep_array_runs_each_config_into_its_own_run_dir(slurm_cluster, tmp_pa
     assert [m["step"] for m in metrics(tmp_path / "runs/long")] == [1, 2, 3]
     assert (tmp_path / "runs/short/DONE").read_text() == "2" and (tmp_path / "runs/long/DONE").read_text() == "3"
     assert plan.run_dir == tmp_path / "runs/sweep_sweep"
+    # each run's own jobs.json names its array task: a later `slurm submit` into that directory sees it
+    for task, name in enumerate(("short", "long")):
+        (record,) = json.loads((tmp_path / "runs" / name / "slurm/jobs.json").read_text())["jobs"]
+        assert (record["role"], record["job_id"]) == ("sweep", f"{ids['sweep']}_{task}")
+        assert (tmp_path / "runs" / name / ".run.lock").read_text() == ""  # each task held, then released
     status = cli(slurm_cluster, "status", str(plan.run_dir)).stdout
     assert f"sweep        {ids['sweep']}_0" in status and f"sweep        {ids['sweep']}_1" in status
     assert "last metrics of 0_short" in status and "last metrics of 1_long" in status
