@@ -44,7 +44,11 @@ START_ARGS=$("$PYTHON" -m dapo_megatron.launch.job_start "${ACQUIRE[@]}")
 case $? in
     0) ;;
     3) exit 0 ;;   # a --resume submission of a finished run: nothing to do (said in the log)
-    *) exit 2 ;;   # refused (the reason is in the log): nothing was written
+    4)             # the directory holds a run this submission did not ask to continue (the log says which);
+                   # this job holds the lock, so the engine array is its own and nobody else's
+        if [ -n "$ENGINE_JOB" ]; then scancel "$ENGINE_JOB" 9>&- || true; fi
+        exit 2 ;;
+    *) exit 2 ;;   # refused: another run holds the directory (named in the log); nothing was written
 esac
 RESUME=()
 if [ "$START_ARGS" = "--resume" ]; then RESUME=(--resume); fi

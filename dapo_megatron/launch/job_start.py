@@ -11,9 +11,11 @@ the model preparation or anything else writes:
 `acquire` takes the run lock (launch/run_lock.py) on the shell's descriptor, so the job holds it for
 its whole life (an flock belongs to the open file description: it ends with the shell, SIGKILL
 included), and decides, under the lock, how the trainer starts (job_start_args). Exit codes: 0 start
-(stdout: the trainer's extra arguments), 2 refused (another run holds the directory, or a first start
-finds a run there that the submission did not ask to continue: nothing was written), 3 nothing to do
-(a `--resume` submission of a run already at trainer.total_steps; the record is already emptied).
+(stdout: the trainer's extra arguments), 2 refused: another run holds the directory (nothing written),
+3 nothing to do (a `--resume` submission of a run already at trainer.total_steps), 4 refused under
+this job's own lock: a first start finds a run there that the submission did not ask to continue
+(nothing written; this submission's engine array is no one else's, so the script cancels it). On 3
+and 4 the record is already emptied.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ def job_start_args(run_dir: str | Path, *, resume_requested: bool, restart: int,
     found = list_checkpoints(run_dir)
     if restart > 0:
         if found:
-            return ["--resume"], f"[job] restart {restart}: resuming from {found[-1][1].name}", False
-        return [], f"[job] restart {restart}: no complete checkpoint yet: starting from step 0", False
+            return ["--resume"], f"[job] requeued (restart {restart}): resuming from {found[-1][1].name}", False
+        return [], f"[job] requeued (restart {restart}) before a complete checkpoint: starting from step 0", False
     if resume_requested and found:
         decision = check_run_dir(run_dir, resume=True, overwrite=False, total_steps=total_steps, command=command,
                                  prefix="[job]")
@@ -79,7 +81,7 @@ def _acquire(args) -> int:
     except ValueError as err:
         lock.release()
         print(f"[job] {args.job}: refused, nothing written: {err}", file=sys.stderr, flush=True)
-        return 2
+        return 4
     if message:
         print(message, file=sys.stderr, flush=True)
     if nothing_to_do:

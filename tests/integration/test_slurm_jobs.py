@@ -166,7 +166,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     text = logs(run_dir)
     assert "SIGUSR1" in text and f"preempted by request file {run_dir}/slurm/preempt-{job}" in text
     assert f"checkpoint at step {k}, exiting" in text and f"at checkpoint {k}/6; requeueing {job}" in text
-    assert f"resumed from step {k}" in text
+    assert f"resumed from step {k}" in text and f"[job] requeued (restart 1): resuming from step_{k:06d}" in text
     # the requeued incarnation took over its own run lock (not "a stale lock"), and the end emptied it
     assert f"[job] {run_dir / '.run.lock'}: Slurm job {job} restart 1 takes over the lock of its previous " \
            "incarnation (restart 0" in text and "stale lock" not in text

@@ -205,12 +205,13 @@ def test_job_start_decisions(tmp_path):
     (run_dir).mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     assert job_start_args(run_dir, resume_requested=False, restart=1, total_steps=4, command=command) == (
-        [], "[job] restart 1: no complete checkpoint yet: starting from step 0", False)
+        [], "[job] requeued (restart 1) before a complete checkpoint: starting from step 0", False)
     # a first start finding a run written after the submission: refused, with the ways out
     with pytest.raises(ValueError, match="already holds a run .* written after this job was submitted"):
         job_start_args(run_dir, resume_requested=False, restart=0, total_steps=4, command=command)
     _checkpoint(run_dir, 3)
-    assert job_start_args(run_dir, resume_requested=False, restart=2, total_steps=4, command=command)[:1] == (["--resume"],)
+    assert job_start_args(run_dir, resume_requested=False, restart=2, total_steps=4, command=command) == (
+        ["--resume"], "[job] requeued (restart 2): resuming from step_000003", False)
     assert job_start_args(run_dir, resume_requested=True, restart=0, total_steps=4, command=command) == (
         ["--resume"], f"[job] resuming {run_dir} from step 3 of 4 (step_000003)", False)
     extra, message, nothing = job_start_args(run_dir, resume_requested=True, restart=0, total_steps=3, command=command)
