@@ -231,6 +231,15 @@ def test_one_run_per_directory_at_submission_and_in_the_job(slurm_cluster, tmp_p
     (tmp_path / "release").touch()
     assert slurm_cluster.wait_done([first], timeout_s=225) == {first: "COMPLETED"}, logs(run_dir)
     assert (run_dir / ".run.lock").read_text() == ""  # released at the normal end
+    # the same script started again by hand: its first start finds the finished run and refuses it
+    # under its own lock (no --resume was asked), writing nothing
+    before = _files(run_dir)
+    late = slurm_cluster.sbatch([f"--output={run_dir}/slurm/logs/late-%j.out", str(run_dir / "slurm/train.sbatch")])
+    assert slurm_cluster.wait_done([late], timeout_s=225) == {late: "FAILED"}, logs(run_dir)
+    text = (run_dir / f"slurm/logs/late-{late}.out").read_text()
+    assert f"[job] {late}: refused, nothing written: trainer.output_dir {run_dir} already holds a run " \
+           "(checkpoints up to step 3)" in text and "(it was written after this job was submitted)" in text
+    assert _files(run_dir) == before
     again = cli(slurm_cluster, "submit", str(path), "--skip-plan")
     assert again.returncode == 2 and "already holds a run (checkpoints up to step 3)" in again.stderr
     assert f"continue it: dapo-megatron slurm submit {path} ... --resume" in again.stderr
