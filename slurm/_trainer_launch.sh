@@ -1,6 +1,6 @@
 # ---- trainer launch (shared by train.sbatch and sweep_array.sbatch; inlined by the renderer) ----
 # Needs: PYTHON, CONFIG, NNODES, NPROC_PER_NODE, SIGNAL_SECONDS, TRAIN_ENTRY (array), JOB_REF,
-# ENGINE_JOB (may be empty).
+# ENGINE_JOB (may be empty), RESUME_REQUESTED (1: submitted with --resume).
 #
 # Rendezvous: torchrun's c10d store runs on the first node of the allocation; every node starts one
 # torchrun (srun --ntasks-per-node=1) that spawns NPROC_PER_NODE ranks. The port is derived from
@@ -25,15 +25,33 @@ export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export PYTHONUNBUFFERED=1
 
-# A requeued job starts this script again from the top with SLURM_RESTART_COUNT > 0: continue from
-# the newest checkpoint that verifies against its manifest instead of starting over. One requeued
-# before its first checkpoint starts from the beginning (`train --resume` refuses to when there is
-# none, so that a run whose checkpoints are all damaged stops and says so instead).
+# One run per directory (dapo_megatron/launch/run_lock.py, launch/job_start.py): the job holds
+# <output_dir>/.run.lock for its whole life, taken here before anything writes. This shell opens the
+# file on descriptor 9 and keeps it; job_start takes the flock on that descriptor (an flock belongs to
+# the open file description, so it lasts until this shell exits, SIGKILL included) and records the
+# job, pid and host. A second job or a local `train` in the same directory is refused, naming the
+# holder; this job, refused, exits 2 having written nothing. Every child gets the descriptor closed
+# (9>&-): only this shell holds the lock. Under the lock, how the trainer starts: a requeued job
+# (SLURM_RESTART_COUNT > 0; it takes over its previous incarnation's lock) or a `slurm submit --resume`
+# job continues from the newest complete checkpoint (a requeue before the first checkpoint starts
+# from the beginning); a first start that finds a run written after the submission is refused
+# instead of mixing with it.
+LOCK_FILE=$("$PYTHON" -m dapo_megatron.launch.job_start lock-file "$CONFIG" 9>&-) || exit 2
+exec 9<>"$LOCK_FILE" || { echo "cannot open $LOCK_FILE" >&2; exit 2; }
+ACQUIRE=(acquire "$CONFIG" --fd 9 --job "$JOB_REF" --restart "${SLURM_RESTART_COUNT:-0}" --holder-pid "$$")
+if [ "$RESUME_REQUESTED" = 1 ]; then ACQUIRE+=(--resume-requested); fi
+START_ARGS=$("$PYTHON" -m dapo_megatron.launch.job_start "${ACQUIRE[@]}")
+case $? in
+    0) ;;
+    3) exit 0 ;;   # a --resume submission of a finished run: nothing to do (said in the log)
+    4)             # the directory holds a run this submission did not ask to continue (the log says which);
+                   # this job holds the lock, so the engine array is its own and nobody else's
+        if [ -n "$ENGINE_JOB" ]; then scancel "$ENGINE_JOB" 9>&- || true; fi
+        exit 2 ;;
+    *) exit 2 ;;   # refused: another run holds the directory (named in the log); nothing was written
+esac
 RESUME=()
-if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then
-    CHECKPOINTED=$("$PYTHON" -m dapo_megatron.launch.progress "$CONFIG") || true
-    if [ "${CHECKPOINTED%%/*}" != 0 ]; then RESUME=(--resume); fi
-fi
+if [ "$START_ARGS" = "--resume" ]; then RESUME=(--resume); fi
 
 # Preemption: `#SBATCH --signal=B:USR1@SIGNAL_SECONDS` sends USR1 to this script (B: = batch shell
 # only) before the time limit. The trap creates DAPO_PREEMPT_FILE, next to the config on the shared
@@ -62,14 +80,14 @@ trap on_term TERM
 
 # The embedded tiny model (tiny.enabled, no model.path; CPU runs): built once, or reused from its
 # cache under the run directory, before the engines and the ranks load it. Prints "" otherwise.
-MODEL_DIR=$("$PYTHON" -m dapo_megatron.launch.prepare "$CONFIG") || { echo "model preparation failed" >&2; exit 1; }
+MODEL_DIR=$("$PYTHON" -m dapo_megatron.launch.prepare "$CONFIG" 9>&-) || { echo "model preparation failed" >&2; exit 1; }
 MODEL_ARGS=()
 if [ -n "$MODEL_DIR" ]; then MODEL_ARGS=("model.path=$MODEL_DIR" "tiny.enabled=false"); fi
 
 # rollout.quantization=fp8 with colocated engines: the engines' block-FP8 export of the base model, written
 # to <output_dir>/rollout_fp8 here, once, before any engine starts (a no-op printing "" otherwise: a
 # disaggregated run's export is its fp8_export job; docs/fp8.md).
-"$PYTHON" -m dapo_megatron.launch.fp8_export "$CONFIG" "${MODEL_ARGS[@]}" --colocated-only >/dev/null \
+"$PYTHON" -m dapo_megatron.launch.fp8_export "$CONFIG" "${MODEL_ARGS[@]}" --colocated-only >/dev/null 9>&- \
     || { echo "FP8 rollout export failed" >&2; exit 1; }
 
 # Colocated rollout engines (rollout.placement=colocated): this node's share of rollout.num_engines,
@@ -77,7 +95,7 @@ if [ -n "$MODEL_DIR" ]; then MODEL_ARGS=("model.path=$MODEL_DIR" "tiny.enabled=f
 # in <output_dir>/engines/ for the driver's engine pool. A no-op for disaggregated engines (the
 # rollout array job) and fixed rollout.engine_urls. Stopped when the trainer exits.
 srun --overlap --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 \
-    "$PYTHON" -m dapo_megatron.launch.colocated "$CONFIG" "${MODEL_ARGS[@]}" &
+    "$PYTHON" -m dapo_megatron.launch.colocated "$CONFIG" "${MODEL_ARGS[@]}" 9>&- &
 ENGINES_STEP=$!
 
 echo "[$(date -u +%FT%TZ)] job $JOB_REF restart ${SLURM_RESTART_COUNT:-0}: $NNODES node(s) x $NPROC_PER_NODE rank(s)," \
@@ -90,7 +108,7 @@ srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit
         --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
         --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
         --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout="$SHUTDOWN_S" \
-        "${TRAIN_ENTRY[@]}" "$CONFIG" "${MODEL_ARGS[@]}" "${RESUME[@]}" &
+        "${TRAIN_ENTRY[@]}" "$CONFIG" "${MODEL_ARGS[@]}" "${RESUME[@]}" 9>&- &
 STEP_PID=$!
 # `wait` returns early whenever a trapped signal arrives: wait again until the step has really ended.
 while :; do
@@ -105,11 +123,12 @@ rm -f "$DAPO_PREEMPT_FILE"
 # A run that reached trainer.total_steps before the request took effect is finished, not requeued
 # (launch/progress.py reads the latest complete checkpoint); one that stopped early is.
 if [ "$REQUEUE_ASKED" = 1 ]; then
-    if PROGRESS=$("$PYTHON" -m dapo_megatron.launch.progress "$CONFIG" "${MODEL_ARGS[@]}"); then
+    if PROGRESS=$("$PYTHON" -m dapo_megatron.launch.progress "$CONFIG" "${MODEL_ARGS[@]}" 9>&-); then
         echo "[$(date -u +%FT%TZ)] trainer exited with $rc; the run is complete ($PROGRESS steps): no requeue"
     else
         echo "[$(date -u +%FT%TZ)] trainer exited with $rc at checkpoint $PROGRESS; requeueing $JOB_REF"
-        scontrol requeue "$JOB_REF"
+        # the lock stays recorded: the requeued incarnation takes it over as its own
+        scontrol requeue "$JOB_REF" 9>&-
         exit 0
     fi
 fi
@@ -119,6 +138,8 @@ echo "[$(date -u +%FT%TZ)] trainer exited with $rc"
 # (after `scancel` of the trainer, cancel the engines too: `slurm status` lists both).
 if [ -n "$ENGINE_JOB" ] && [ "$GOT_TERM" = 0 ]; then
     echo "training ended: cancelling the rollout engines (job $ENGINE_JOB)"
-    scancel "$ENGINE_JOB" || true
+    scancel "$ENGINE_JOB" 9>&- || true
 fi
+# the normal end (finished or failed): the record is emptied, the flock ends with this shell
+"$PYTHON" -m dapo_megatron.launch.job_start release "$LOCK_FILE" --fd 9 || true
 exit "$rc"

@@ -285,20 +285,23 @@ def _launch_locked(cfg, config_path: str, overrides: list[str], *, resume: bool,
     return rc
 
 
-def check_prompt_data(cfg, model_dir: str) -> str:
+def check_prompt_data(cfg, model_dir: str = "", *, tokenizer=None) -> str:
     """Every train and eval row checked here, before an engine or rank starts (the same check the
     driver repeats): a bad row raises one ValueError naming file, row and key (data/prompts.py); with
-    data.skip_bad_rows the count left out is in the returned line."""
-    from transformers import AutoTokenizer
-
+    data.skip_bad_rows the count left out is in the returned line. The prompt lengths are checked with
+    `tokenizer`, else model_dir's; with neither (`slurm submit` without the model here) only the rows."""
     from dapo_megatron.data.datasets import train_and_eval_records
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if tokenizer is None and model_dir:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
     train, evals = train_and_eval_records(cfg.data, tokenizer=tokenizer, max_prompt_length=cfg.rollout.max_prompt_length)
     skipped = [f"{n} bad {kind} rows left out (data.skip_bad_rows)" for kind, n in
                (("train", getattr(train, "num_skipped", 0)), ("eval", getattr(evals, "num_skipped", 0))) if n]
-    return (f"{len(train)} train and {len(evals)} eval prompts checked (prompts within rollout.max_prompt_length="
-            f"{cfg.rollout.max_prompt_length} tokens)" + (f"; {', '.join(skipped)}" if skipped else ""))
+    lengths = (f" (prompts within rollout.max_prompt_length={cfg.rollout.max_prompt_length} tokens)"
+               if tokenizer is not None else "")
+    return f"{len(train)} train and {len(evals)} eval prompts checked{lengths}" + (f"; {', '.join(skipped)}" if skipped else "")
 
 
 def _prepare_model(cfg) -> str:

@@ -119,7 +119,7 @@ def trainer_procs_per_node(cfg: Config) -> int:
     return per_node
 
 
-def _trainer_values(cfg: Config, *, engine_job: str, entry: Sequence[str]) -> dict[str, Value]:
+def _trainer_values(cfg: Config, *, engine_job: str, entry: Sequence[str], resume: bool) -> dict[str, Value]:
     return {
         "PYTHON": python_of(cfg),
         "NNODES": cfg.slurm.nodes,
@@ -127,6 +127,8 @@ def _trainer_values(cfg: Config, *, engine_job: str, entry: Sequence[str]) -> di
         "SIGNAL_SECONDS": cfg.slurm.signal_seconds,
         "TRAIN_ENTRY": list(entry),
         "ENGINE_JOB": engine_job,
+        # `slurm submit --resume`: the first start continues from the newest checkpoint (launch/job_start.py)
+        "RESUME_REQUESTED": int(resume),
     }
 
 
@@ -135,25 +137,28 @@ def _signal_lines(cfg: Config) -> list[str]:
     return [f"#SBATCH --signal=B:USR1@{cfg.slurm.signal_seconds}"] if cfg.slurm.signal_seconds > 0 else []
 
 
-def render_train(cfg: Config, *, config_file: str, engine_job: str = "", entry: Sequence[str] = TRAIN_ENTRY) -> str:
+def render_train(cfg: Config, *, config_file: str, engine_job: str = "", entry: Sequence[str] = TRAIN_ENTRY,
+                 resume: bool = False) -> str:
     """slurm/train.sbatch: the trainer on slurm.nodes nodes, requeued after a checkpoint on USR1.
 
     config_file: the resolved config the ranks load (submit writes it to <run_dir>/slurm/config.yaml).
     engine_job: job id of a rollout array to cancel when training ends ("" = none).
     entry: what torchrun starts on each rank, before CONFIG [--resume].
+    resume: submitted with --resume (a requeue resumes in any case).
     """
-    values = {"CONFIG": config_file, **_trainer_values(cfg, engine_job=engine_job, entry=entry)}
+    values = {"CONFIG": config_file, **_trainer_values(cfg, engine_job=engine_job, entry=entry, resume=resume)}
     return fill(template_text("train.sbatch"), sbatch=sbatch_resource_lines(cfg) + _signal_lines(cfg),
                 values=values, setup=cfg.slurm.setup)
 
 
-def render_sweep_array(cfg: Config, *, configs_dir: str, entry: Sequence[str] = TRAIN_ENTRY) -> str:
+def render_sweep_array(cfg: Config, *, configs_dir: str, entry: Sequence[str] = TRAIN_ENTRY,
+                       resume: bool = False) -> str:
     """slurm/sweep_array.sbatch: array task i trains the i-th *.yaml of configs_dir (sorted by name).
 
     cfg: any config of the sweep (they share one slurm section); the array range and its %K throttle
     are sbatch arguments (submit.py).
     """
-    values = {"CONFIGS_DIR": configs_dir, **_trainer_values(cfg, engine_job="", entry=entry)}
+    values = {"CONFIGS_DIR": configs_dir, **_trainer_values(cfg, engine_job="", entry=entry, resume=resume)}
     return fill(template_text("sweep_array.sbatch"), sbatch=sbatch_resource_lines(cfg) + _signal_lines(cfg),
                 values=values, setup=cfg.slurm.setup)
 

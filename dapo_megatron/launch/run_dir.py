@@ -52,8 +52,9 @@ def clear_run(run_dir: Path) -> list[str]:
 
 
 def check_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool, total_steps: int,
-                  command: str = "dapo-megatron train CONFIG") -> RunDirDecision:
-    """Refuse to mix two runs; clear with `overwrite`; say when `resume` has nothing left to do."""
+                  command: str = "dapo-megatron train CONFIG", prefix: str = "[train]") -> RunDirDecision:
+    """Refuse to mix two runs; clear with `overwrite`; say when `resume` has nothing left to do.
+    command: how the ways out are spelled (`slurm submit` passes its own); prefix: of the printed lines."""
     run_dir = Path(run_dir)
     if resume and overwrite:
         raise ValueError("--resume continues the run in trainer.output_dir and --overwrite deletes it: choose one")
@@ -61,7 +62,7 @@ def check_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool, total_s
     latest_step = checkpoints[-1][0] if checkpoints else None
     if overwrite:
         removed = clear_run(run_dir) if run_dir.is_dir() else []
-        message = f"[train] --overwrite: removed {', '.join(removed)} from {run_dir}" if removed else ""
+        message = f"{prefix} --overwrite: removed {', '.join(removed)} from {run_dir}" if removed else ""
         return RunDirDecision(start_step=0, message=message)
     if resume:
         if latest_step is None:  # as the ranks would (checkpointing.newest_valid_checkpoint), but before they start
@@ -72,14 +73,14 @@ def check_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool, total_s
         problems = ckpt.verify_checkpoint(checkpoints[-1][1]) if latest_step >= total_steps else []
         if problems:
             return RunDirDecision(start_step=latest_step, message=(
-                f"[train] {checkpoints[-1][1].name} does not verify ({problems[0]}): resuming from an earlier "
+                f"{prefix} {checkpoints[-1][1].name} does not verify ({problems[0]}): resuming from an earlier "
                 "checkpoint"))
         if latest_step >= total_steps:
             return RunDirDecision(start_step=latest_step, nothing_to_do=True, message=(
-                f"[train] {run_dir} is already at step {latest_step} of {total_steps} "
+                f"{prefix} {run_dir} is already at step {latest_step} of {total_steps} "
                 f"(trainer.total_steps): nothing to do. Raise trainer.total_steps to train further."))
         return RunDirDecision(start_step=latest_step, message=(
-            f"[train] resuming {run_dir} from step {latest_step} of {total_steps} ({checkpoints[-1][1].name})"))
+            f"{prefix} resuming {run_dir} from step {latest_step} of {total_steps} ({checkpoints[-1][1].name})"))
     if latest_step is not None or _has_metrics(run_dir):
         held = (f"checkpoints up to step {latest_step}" if latest_step is not None else
                 "metrics.jsonl of an earlier run (no complete checkpoint)")

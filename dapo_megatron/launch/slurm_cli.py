@@ -5,11 +5,16 @@
     dapo-megatron slurm submit --sweep configs/ablations slurm.partition=h100      # the ablation ladder
     dapo-megatron slurm submit configs/runs/qwen2.5-32b_dapo.yaml --eval /shared/runs/qwen2.5-32b_dapo
     dapo-megatron slurm submit configs/runs/qwen2.5-32b_dapo.yaml --bench-kernels
-    dapo-megatron slurm submit ... --dry-run      # print the scripts and sbatch commands; submit nothing
+    dapo-megatron slurm submit CONFIG --resume    # continue the run in trainer.output_dir (--overwrite: clear it)
+    dapo-megatron slurm submit ... --dry-run      # run the checks, print the scripts and sbatch commands; submit nothing
     dapo-megatron slurm status /shared/runs/qwen2.5-32b_dapo
     dapo-megatron slurm render train CONFIG [overrides]    # one rendered sbatch file on stdout
 
-`submit` prints `<role>: <job id>` per job and records them in <run_dir>/slurm/jobs.json.
+`submit` prints `<role>: <job id>` per job and records them in <run_dir>/slurm/jobs.json. Before it
+writes or submits a training run (or a sweep's runs) it checks, as `train` does (launch/submit_guard.py):
+the directory is not in use (a recorded job still pending or running, a held .run.lock), the run
+directory decision (a directory holding a run needs --resume or --overwrite), and every prompt row.
+--eval and --bench-kernels take none of these: evaluating a live run's checkpoints is legitimate.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import argparse
 import sys
 
 from dapo_megatron.config import load_config
-from dapo_megatron.launch import render, status, submit
+from dapo_megatron.launch import render, status, submit, submit_guard
 
 _RENDERERS = ("train", "engines", "bench_kernels")
 
@@ -48,17 +53,26 @@ def _submit(argv: list[str]) -> int:
                     help="K disaggregated rollout engines (an array job) for the trainer")
     ap.add_argument("--dry-run", action="store_true", help="print the scripts and sbatch commands only")
     ap.add_argument("--skip-plan", action="store_true", help="submit training runs without checking the memory plan")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the run in trainer.output_dir from its newest checkpoint (sweeps: each run)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="clear a previous run in trainer.output_dir at submission (its checkpoints, metrics, logs)")
+    ap.add_argument("--skip-data-check", action="store_true",
+                    help="do not read the prompt files here (they exist only where the jobs run; the job checks them)")
     args = ap.parse_intermixed_args(argv)
     configs, overrides = _split(args.args)
     plan_lines: list[str] = []  # the memory plan's verdicts; a plan that does not fit raises before any submission
     if args.engines and (args.sweep or args.eval or args.bench_kernels):
         raise ValueError("--engines goes with a training run, not with --sweep, --eval or --bench-kernels")
+    if (args.resume or args.overwrite or args.skip_data_check) and (args.eval or args.bench_kernels):
+        raise ValueError("--resume, --overwrite and --skip-data-check go with a training run or --sweep, "
+                         "not with --eval or --bench-kernels (which neither write the run nor take its lock)")
+    checks = None
     if args.sweep:
         if configs:
             raise ValueError(f"--sweep takes its configs from DIR; drop {configs} (overrides key=value are fine)")
-        plan = submit.plan_sweep(args.sweep, overrides)
-        if not args.skip_plan:
-            _check_memory(plan, plan_lines)
+        plan = submit.plan_sweep(args.sweep, overrides, resume=args.resume)
+        command = f"dapo-megatron slurm submit --sweep {args.sweep}"
     else:
         cfg = load_config(_one_config(configs, "slurm submit"), overrides)
         if args.eval:
@@ -66,9 +80,19 @@ def _submit(argv: list[str]) -> int:
         elif args.bench_kernels:
             plan = submit.plan_bench_kernels(cfg)
         else:
-            plan = submit.plan_train(cfg, engines=args.engines)
-            if not args.skip_plan:
-                _check_memory(plan, plan_lines)
+            plan = submit.plan_train(cfg, engines=args.engines, resume=args.resume)
+        command = f"dapo-megatron slurm submit {configs[0]}"
+    if not (args.eval or args.bench_kernels):
+        if not args.skip_plan:
+            _check_memory(plan, plan_lines)
+        # in use, run directory, data: refused here (exit 2) before anything is written or submitted
+        checks = submit_guard.check_training_submission(plan, resume=args.resume, overwrite=args.overwrite,
+                                                        command=command, skip_data_check=args.skip_data_check)
+    if checks is not None and submit_guard.report(checks, out=plan_lines.append) == 0:
+        print("\n".join([*plan_lines, "[slurm submit] nothing to submit"]))  # --resume of finished runs
+        return 0
+    if checks is not None:  # --overwrite: the old run's files go only now, every check passed
+        submit_guard.clear_for_overwrite(checks, dry_run=args.dry_run, out=plan_lines.append)
     if plan_lines and not args.dry_run:
         print("\n".join(plan_lines))
     _warn_cluster_defaults(plan)

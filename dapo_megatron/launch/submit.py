@@ -84,9 +84,11 @@ def _resolved(cfg: Config) -> Config:
 
 # -------------------------------------------------------------------------------- plans
 
-def plan_train(cfg: Config, *, engines: int = 0, entry: Sequence[str] = render.TRAIN_ENTRY) -> Plan:
+def plan_train(cfg: Config, *, engines: int = 0, entry: Sequence[str] = render.TRAIN_ENTRY,
+               resume: bool = False) -> Plan:
     """A training run; with engines=K also a rollout array of K engines that the trainer finds via
-    <run_dir>/engines/ (rollout.placement becomes disaggregated, rollout.num_engines K)."""
+    <run_dir>/engines/ (rollout.placement becomes disaggregated, rollout.num_engines K).
+    resume: the job's first start continues the run from its newest checkpoint (`slurm submit --resume`)."""
     cfg = _resolved(cfg)
     if engines < 0:
         raise ValueError(f"--engines {engines}: must be >= 0")
@@ -109,6 +111,7 @@ def plan_train(cfg: Config, *, engines: int = 0, entry: Sequence[str] = render.T
         jobs.append(array)
     # the trainer cancels its engine array when training ends: the id is known once engines are submitted
     train = JobSpec("train", lambda ids: render.render_train(cfg, config_file=str(config_file), entry=entry,
+                                                             resume=resume,
                                                              engine_job=ids.get("engines", "<engines job id>")
                                                              if engines else ""),
                     _log_args(run_dir, "train", array=False))
@@ -131,7 +134,7 @@ def _require_engines(cfg: Config, where: str) -> None:
 
 
 def plan_sweep(sweep_dir: str | Path, overrides: Sequence[str] = (), *,
-               entry: Sequence[str] = render.TRAIN_ENTRY) -> Plan:
+               entry: Sequence[str] = render.TRAIN_ENTRY, resume: bool = False) -> Plan:
     """One array task per *.yaml of sweep_dir (sorted by name), throttled to slurm.array_throttle.
 
     Each run keeps its own trainer.output_dir; an override trainer.output_dir=BASE puts run <stem>
@@ -171,7 +174,7 @@ def plan_sweep(sweep_dir: str | Path, overrides: Sequence[str] = (), *,
     files_out = {f"slurm/configs/{path.stem}.yaml": dump_config(cfg) for path, cfg in configs}
     array = f"--array=0-{len(configs) - 1}%{first.slurm.array_throttle}"
     job = JobSpec("sweep", _fixed(render.render_sweep_array(first, configs_dir=str(run_dir / "slurm" / "configs"),
-                                                            entry=entry)),
+                                                            entry=entry, resume=resume)),
                   [array, *_log_args(run_dir, "sweep", array=True)])
     runs = "\n".join(f"{path.stem}\t{cfg.trainer.output_dir}" for path, cfg in configs) + "\n"
     return Plan(run_dir, [job], {**files_out, "slurm/sweep_runs.tsv": runs})
@@ -215,18 +218,26 @@ def plan_bench_kernels(cfg: Config) -> Plan:
     return Plan(run_dir, [JobSpec("bench_kernels", _fixed(text), _log_args(run_dir, "bench_kernels", array=False))])
 
 
+def training_configs(plan: Plan) -> list[tuple[str, Config]]:
+    """(name, config) of every training run the plan's jobs will load, as they will load it (the written
+    resolved copy): ("config", ...) for a run, (stem, ...) per run of a sweep, in array order."""
+    from dapo_megatron.config import config_from_dict
+
+    return [(Path(rel).stem, config_from_dict(yaml.safe_load(text))) for rel, text in plan.files.items()
+            if rel == "slurm/config.yaml" or rel.startswith("slurm/configs/")]
+
+
 def check_memory(plan: Plan, *, out: Callable[[str], None] = print) -> None:
     """The memory plan (`dapo-megatron plan`) of every training config the plan's jobs will load: one
     line each when it fits, else the full plan and a ValueError naming the config, phase and component."""
-    from dapo_megatron.config import config_from_dict
     from dapo_megatron.memplan import check_before_launch
 
-    for rel, text in plan.files.items():
-        if rel == "slurm/config.yaml" or rel.startswith("slurm/configs/"):
-            try:
-                check_before_launch(config_from_dict(yaml.safe_load(text)), out=out, label=Path(rel).stem)
-            except ValueError as err:
-                raise ValueError(f"{plan.run_dir / rel}: {err}") from None
+    for label, cfg in training_configs(plan):
+        rel = "slurm/config.yaml" if label == "config" else f"slurm/configs/{label}.yaml"
+        try:
+            check_before_launch(cfg, out=out, label=label)
+        except ValueError as err:
+            raise ValueError(f"{plan.run_dir / rel}: {err}") from None
 
 
 # -------------------------------------------------------------------------------- submission
@@ -291,6 +302,11 @@ def submit(plan: Plan, *, dry_run: bool = False, out: Callable[[str], None] = pr
                         "submitted_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
         out(f"{job.role}: {job_ids[job.role]}")
     _record(plan.run_dir, records)
+    if job_ids.get("sweep"):  # each run's own directory records its array task too: `slurm status RUN`
+        for task, (_, cfg) in enumerate(training_configs(plan)):   # shows it, and `slurm submit` into
+            run_dir = Path(cfg.trainer.output_dir)                  # that directory sees it pending
+            (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
+            _record(run_dir, [{**records[-1], "job_id": f"{job_ids['sweep']}_{task}"}])
     return job_ids
 
 

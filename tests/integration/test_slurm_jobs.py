@@ -83,7 +83,9 @@ def test_dry_run_prints_and_submits_nothing(slurm_cluster, tmp_path):
     before = queue(slurm_cluster)
     # --skip-plan: the stand-in trainer has no model for the memory plan to read (tests/unit/test_memplan.py
     # covers the plan's own hook in `slurm submit`)
-    out = cli(slurm_cluster, "submit", str(cfg), "--dry-run", "trainer.total_steps=3", "--engines", "2", "--skip-plan")
+    # --skip-data-check: TINY has no prompts or model to check (test_one_run_per_directory... checks them)
+    out = cli(slurm_cluster, "submit", str(cfg), "--dry-run", "trainer.total_steps=3", "--engines", "2", "--skip-plan",
+              "--skip-data-check")
     assert out.returncode == 0, out.stderr
     assert "#SBATCH --requeue" in out.stdout and "serve-rollout" in out.stdout
     assert f"#   sbatch --parsable --array=0-1 --output={tmp_path}/run/slurm/logs/engines-%A_%a.out" in out.stdout
@@ -95,9 +97,10 @@ def test_dry_run_prints_and_submits_nothing(slurm_cluster, tmp_path):
 
 def test_submit_prints_real_job_ids_and_status_shows_them(slurm_cluster, tmp_path):
     cfg = write_config(tmp_path / "c.yaml", tmp_path / "run")
-    out = cli(slurm_cluster, "submit", str(cfg), 'slurm.time="5:00"', "--skip-plan")  # no model: see above
+    out = cli(slurm_cluster, "submit", str(cfg), 'slurm.time="5:00"', "--skip-plan", "--skip-data-check")  # see above
     assert out.returncode == 0, out.stderr
-    job_id = out.stdout.splitlines()[0].removeprefix("train: ")
+    assert out.stdout.splitlines()[0].startswith("[slurm submit] data not checked (--skip-data-check)")
+    (job_id,) = [line.removeprefix("train: ") for line in out.stdout.splitlines() if line.startswith("train: ")]
     assert job_id.isdigit()
     shown = slurm_cluster.run(["scontrol", "-o", "show", "job", job_id]).stdout
     assert "JobName=dapo-train" in shown
@@ -125,6 +128,11 @@ def test_sweep_array_runs_each_config_into_its_own_run_dir(slurm_cluster, tmp_pa
     assert [m["step"] for m in metrics(tmp_path / "runs/long")] == [1, 2, 3]
     assert (tmp_path / "runs/short/DONE").read_text() == "2" and (tmp_path / "runs/long/DONE").read_text() == "3"
     assert plan.run_dir == tmp_path / "runs/sweep_sweep"
+    # each run's own jobs.json names its array task: a later `slurm submit` into that directory sees it
+    for task, name in enumerate(("short", "long")):
+        (record,) = json.loads((tmp_path / "runs" / name / "slurm/jobs.json").read_text())["jobs"]
+        assert (record["role"], record["job_id"]) == ("sweep", f"{ids['sweep']}_{task}")
+        assert (tmp_path / "runs" / name / ".run.lock").read_text() == ""  # each task held, then released
     status = cli(slurm_cluster, "status", str(plan.run_dir)).stdout
     assert f"sweep        {ids['sweep']}_0" in status and f"sweep        {ids['sweep']}_1" in status
     assert "last metrics of 0_short" in status and "last metrics of 1_long" in status
@@ -158,12 +166,109 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     text = logs(run_dir)
     assert "SIGUSR1" in text and f"preempted by request file {run_dir}/slurm/preempt-{job}" in text
     assert f"checkpoint at step {k}, exiting" in text and f"at checkpoint {k}/6; requeueing {job}" in text
-    assert f"resumed from step {k}" in text
+    assert f"resumed from step {k}" in text and f"[job] requeued (restart 1): resuming from step_{k:06d}" in text
+    # the requeued incarnation took over its own run lock (not "a stale lock"), and the end emptied it
+    assert f"[job] {run_dir / '.run.lock'}: Slurm job {job} restart 1 takes over the lock of its previous " \
+           "incarnation (restart 0" in text and "stale lock" not in text
+    assert (run_dir / ".run.lock").read_text() == ""
     assert not (run_dir / "slurm" / f"preempt-{job}").exists()  # removed by the script
     status = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "slurm", "status", str(run_dir)],
                             env=slurm_cluster.env, capture_output=True, text=True, timeout=60)
     assert f"train        {job}" in status.stdout and "COMPLETED" in status.stdout
     assert '"step": 6' in status.stdout  # the last metrics line
+
+
+def _files(run_dir: Path) -> dict[str, bytes]:
+    """Every file of a run directory with its bytes, but the Slurm logs (each job writes its own)."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and "logs" not in p.relative_to(run_dir).parts}
+
+
+def test_one_run_per_directory_at_submission_and_in_the_job(slurm_cluster, tmp_path, monkeypatch):
+    """`slurm submit`'s guards against a real queue, with the stand-in trainer: a second submission while
+    the first job runs is refused naming it (nothing recorded); a job started by hand into the directory
+    exits at once naming the holder and writes nothing; the finished run is refused without --resume
+    (with --resume of a finished run: nothing submitted); a --resume job continues from the checkpoint's
+    step; a bad prompt row fails the submission with exit 2, nothing written, nothing queued."""
+    from dapo_megatron.data.tiny_model import build_tiny_tokenizer
+    from dapo_megatron.launch import submit_guard
+
+    monkeypatch.setenv("SLURM_CONF", slurm_cluster.env["SLURM_CONF"])  # the in-process checks ask squeue
+    build_tiny_tokenizer().save_pretrained(tmp_path / "tok")  # model.path: `slurm submit` reads its tokenizer
+    run_dir = tmp_path / "run"
+    data = {"synthetic": {"num_train": 16, "num_eval": 4, "style": "compact"}}  # "27+58=": 6 tokens at most
+    path = write_config(tmp_path / "c.yaml", run_dir, trainer={"total_steps": 3}, data=data,
+                        model={"path": str(tmp_path / "tok")})
+    env = dict(slurm_cluster.env, COUNTER_STEP_SECONDS="0.1", COUNTER_HOLD_FILE=str(tmp_path / "release"))
+    plan = submit.plan_train(load_config(path), entry=STAND_IN)
+    (check,) = submit_guard.check_training_submission(plan, resume=False, overwrite=False, command="c")
+    assert check.data_line == ("[slurm submit] 16 train and 4 eval prompts checked (prompts within "
+                               "rollout.max_prompt_length=16 tokens)")
+    first = submit.submit(plan, env=env)["train"]
+    deadline = time.monotonic() + 225
+    while len(metrics(run_dir)) < 2:  # steps 1 and 2 done; the stand-in holds before step 3
+        assert time.monotonic() < deadline, logs(run_dir)
+        time.sleep(0.2)
+    held = json.loads((run_dir / ".run.lock").read_text())
+    assert held["job"] == first and held["restart"] == 0
+    jobs_before = (run_dir / "slurm/jobs.json").read_bytes()
+
+    second = cli(slurm_cluster, "submit", str(path), "--skip-plan")
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert f"train job {first} (RUNNING), recorded in {run_dir}/slurm/jobs.json" in second.stderr
+    assert f"scancel {first}" in second.stderr
+    assert (run_dir / "slurm/jobs.json").read_bytes() == jobs_before and queue(slurm_cluster) == [first]
+
+    # by hand, past `slurm submit`: the job takes the lock first, is refused, writes nothing
+    before = _files(run_dir)
+    by_hand = slurm_cluster.sbatch([f"--output={run_dir}/slurm/logs/by-hand-%j.out", str(run_dir / "slurm/train.sbatch")])
+    assert slurm_cluster.wait_done([by_hand], timeout_s=225) == {by_hand: "FAILED"}, logs(run_dir)
+    text = (run_dir / f"slurm/logs/by-hand-{by_hand}.out").read_text()
+    assert f"[job] {by_hand}: refused, nothing written: trainer.output_dir {run_dir} is in use by another run: " \
+           f"Slurm job {first} (restart 0): pid {held['pid']}" in text and f"scancel {first}" in text
+    assert _files(run_dir) == before  # the holder's record included
+
+    (tmp_path / "release").touch()
+    assert slurm_cluster.wait_done([first], timeout_s=225) == {first: "COMPLETED"}, logs(run_dir)
+    assert (run_dir / ".run.lock").read_text() == ""  # released at the normal end
+    # the same script started again by hand: its first start finds the finished run and refuses it
+    # under its own lock (no --resume was asked), writing nothing
+    before = _files(run_dir)
+    late = slurm_cluster.sbatch([f"--output={run_dir}/slurm/logs/late-%j.out", str(run_dir / "slurm/train.sbatch")])
+    assert slurm_cluster.wait_done([late], timeout_s=225) == {late: "FAILED"}, logs(run_dir)
+    text = (run_dir / f"slurm/logs/late-{late}.out").read_text()
+    assert f"[job] {late}: refused, nothing written: trainer.output_dir {run_dir} already holds a run " \
+           "(checkpoints up to step 3)" in text and "(it was written after this job was submitted)" in text
+    assert _files(run_dir) == before
+    again = cli(slurm_cluster, "submit", str(path), "--skip-plan")
+    assert again.returncode == 2 and "already holds a run (checkpoints up to step 3)" in again.stderr
+    assert f"continue it: dapo-megatron slurm submit {path} ... --resume" in again.stderr
+    done = cli(slurm_cluster, "submit", str(path), "--skip-plan", "--resume")
+    assert done.returncode == 0, done.stderr
+    assert "already at step 3 of 3 (trainer.total_steps): nothing to do" in done.stdout
+    assert "[slurm submit] nothing to submit" in done.stdout
+    assert (run_dir / "slurm/jobs.json").read_bytes() == jobs_before and queue(slurm_cluster) == []
+
+    # --resume with more steps: the job's first start continues from step 3 (no requeue involved)
+    longer = load_config(path, ["trainer.total_steps=5"])
+    plan = submit.plan_train(longer, entry=STAND_IN, resume=True)
+    (check,) = submit_guard.check_training_submission(plan, resume=True, overwrite=False, command="c")
+    assert check.message == f"[slurm submit] the job resumes {run_dir} from step 3 of 5 (step_000003)"
+    resumed = submit.submit(plan, env=env)["train"]
+    assert slurm_cluster.wait_done([resumed], timeout_s=225) == {resumed: "COMPLETED"}, logs(run_dir)
+    assert [(m["step"], m["restart"]) for m in metrics(run_dir)] == [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0)]
+    assert "resumed from step 3" in (run_dir / f"slurm/logs/train-{resumed}.out").read_text()
+
+    # one bad prompt row: exit 2 naming file, row and key; no directory, no job
+    bad = tmp_path / "bad.jsonl"
+    row = {"data_source": "x", "prompt": [{"role": "user", "content": "1+1?"}],
+           "reward_model": {"ground_truth": "2", "style": "rule"}}
+    bad.write_text(json.dumps(row) + "\n" + json.dumps({**row, "prompt": []}) + "\n")
+    refused = cli(slurm_cluster, "submit", str(path), f"trainer.output_dir={tmp_path}/bad_run",
+                  f"data.train_path={bad}", "--skip-plan")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert f"data.train_path: {bad}: 1 of 2 rows" in refused.stderr and "row 1 (0-based), line 2" in refused.stderr
+    assert not (tmp_path / "bad_run").exists() and queue(slurm_cluster) == []
 
 
 def test_malicious_values_are_rendered_inert(slurm_cluster, tmp_path):

@@ -254,7 +254,7 @@ def test_dry_run_prints_the_sbatch_lines_and_scripts_before_the_config(tmp_path,
     from dapo_megatron.launch import slurm_cli as cli
 
     assert cli.main(["submit", str(REPO / "configs/runs/qwen2.5-7b_dapo.yaml"), f"trainer.output_dir={tmp_path}/run",
-                     "slurm.partition=h100", "--engines", "2", "--dry-run"]) == 0
+                     "slurm.partition=h100", "--engines", "2", "--dry-run", "--skip-data-check"]) == 0
     text = capsys.readouterr().out
     lines = text.splitlines()
     assert lines[0].startswith("# dry run: nothing is written or submitted")
@@ -278,7 +278,7 @@ def test_submit_warns_when_no_partition_or_account_is_named(tmp_path, capsys, ov
     from dapo_megatron.launch import slurm_cli as cli
 
     assert cli.main(["submit", str(REPO / "configs/runs/qwen2.5-7b_dapo.yaml"), f"trainer.output_dir={tmp_path}/run",
-                     *overrides, "--dry-run"]) == 0
+                     *overrides, "--dry-run", "--skip-data-check"]) == 0
     err = capsys.readouterr().err
     if warned is None:
         assert "warning:" not in err
