@@ -133,6 +133,33 @@ _DECODER = json.JSONDecoder()
 _C_SCAN = _DECODER.scan_once  # the C scanner (json's own, as json.loads uses it)
 _SPLIT_DEPTH = 3  # containers this shallow are walked in Python; deeper ones go to the C scanner whole
 _WS = " \t\n\r"
+_FLAT_PIECE = 1 << 16  # characters of a flat array decoded per C call (~1 ms here)
+
+
+def _flat_array(s: str, idx: int):
+    """The array of scalars at s[idx] ("["), as the C scanner would return it, decoded in pieces of about
+    _FLAT_PIECE characters cut at commas. Only arrays of numbers and literals are cut (a string could hold
+    a comma or a bracket); anything a piece does not decode cleanly goes to the C scanner whole, which
+    then raises json's own error with json's own position."""
+    close = s.find("]", idx)
+    if close < 0 or close - idx <= _FLAT_PIECE or any(s.find(c, idx + 1, close) >= 0 for c in '"[{'):
+        return _C_SCAN(s, idx)
+    values: list = []
+    start = idx + 1
+    while True:
+        cut = s.find(",", min(start + _FLAT_PIECE, close), close)
+        end = close if cut < 0 else cut
+        piece = "[" + s[start:end] + "]"
+        try:
+            part, n = _C_SCAN(piece, 0)
+        except (StopIteration, ValueError):
+            return _C_SCAN(s, idx)  # malformed: json's error and position
+        if n != len(piece) or not part:  # "[1 2]"-like rest, or an empty piece ("[1,]", "[1,,2]")
+            return _C_SCAN(s, idx)
+        values.extend(part)
+        if cut < 0:
+            return values, close + 1
+        start = cut + 1
 
 
 def loads_yielding(raw: bytes):
@@ -141,8 +168,8 @@ def loads_yielding(raw: bytes):
     the event loop. Objects and arrays of containers down to _SPLIT_DEPTH are walked by json's own
     pure-Python JSONObject / JSONArray (the interpreter can switch threads between their elements); each
     element, and every array of scalars (a prompt's token ids), is one call of json's C scanner. A
-    16 MB batch of prompts thus holds the GIL one prompt at a time. Left whole: one flat array (a single
-    prompt of millions of ids, which the context length refuses anyway) is still one C call."""
+    16 MB batch of prompts thus holds the GIL one prompt at a time, and a flat array of numbers longer
+    than _FLAT_PIECE characters (one prompt of millions of ids) a piece of it at a time (_flat_array)."""
     text = raw.decode(json.detect_encoding(raw), "surrogatepass")  # what json.loads does with bytes
     memo: dict = {}
 
@@ -155,8 +182,8 @@ def loads_yielding(raw: bytes):
                 j = idx + 1
                 while s[j:j + 1] in _WS and j < len(s):
                     j += 1
-                if s[j:j + 1] not in ("[", "{"):  # an array of scalars (or empty, or malformed): C, whole
-                    return _C_SCAN(s, idx)
+                if s[j:j + 1] not in ("[", "{"):  # an array of scalars (or empty, or malformed)
+                    return _flat_array(s, idx)
                 return json.decoder.JSONArray((s, idx + 1), scanner(depth + 1))
             return json.decoder.JSONObject((s, idx + 1), True, scanner(depth + 1), None, None, memo)
 

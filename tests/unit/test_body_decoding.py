@@ -17,7 +17,11 @@ from dapo_megatron.cpu_engine.protocol import RequestError
 SHAPES = [b'{"input_ids": [[1,2],[3, 4]], "sampling_params": [{"a": 1}, {"b": [1, {"c": []}]}]}', b"[[[]]]",
           b'{"a": [[1] , [2] ] , "b": {"c": {"d": [[{}]]}}}', b"[ [ 1 ] ]", b'[{"a":1},{"a":2}]',
           b' \n{"x": [ {"y": [[1, 2], [3]]} ]}\n ', b"[[1,2] [3,4]]", b'{"a": 1,}', b"[[1],]", b'[[1], "x"]',
-          b"[\t\n [1]]", b'{"a": [ ]}', b'{"a": 1, "a": [[2]]}', b'{"a": NaN, "b": [[Infinity]]}', b"  ", b""]
+          b"[\t\n [1]]", b'{"a": [ ]}', b'{"a": 1, "a": [[2]]}', b'{"a": NaN, "b": [[Infinity]]}', b"  ", b"",
+          # flat arrays, cut into pieces of _FLAT_PIECE characters (8 in these tests)
+          b"[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]", b"[1,2,3,4,5,6,7,8,NaN,true,null,-1.5e3,false,-Infinity]",
+          b'{"input_ids": [10, 20, 30, 40, 50, 60, 70, 80, 90] , "x": [1, 2, "a,b]", 3, 4, 5, 6, 7]}',
+          b"[[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18]]"]
 
 
 def outcome(fn, raw: bytes):
@@ -39,7 +43,8 @@ def corpus() -> list[bytes]:
                     b"\xef\xbb\xbf\xef\xbb\xbf{}", '{"a": "\u00e9"}'.encode("utf-16"), "[[1]]".encode("utf-32")]
 
 
-def test_loads_yielding_is_json_loads():
+def test_loads_yielding_is_json_loads(monkeypatch):
+    monkeypatch.setattr(guard, "_FLAT_PIECE", 8)  # every flat array above is decoded in several pieces
     cases = corpus()
     differ = [(c[:60], outcome(json.loads, c), outcome(guard.loads_yielding, c)) for c in cases
               if outcome(json.loads, c) != outcome(guard.loads_yielding, c)]
@@ -49,8 +54,8 @@ def test_loads_yielding_is_json_loads():
 
 
 def test_a_batch_is_decoded_one_prompt_per_c_call(monkeypatch):
-    """Each call of json's C scanner (the GIL is held for its whole length) covers one prompt at most;
-    a single flat prompt stays one call (the documented limit)."""
+    """Each call of json's C scanner (the GIL is held for its whole length) covers one prompt at most,
+    and a piece of _FLAT_PIECE characters of a long flat prompt."""
     spans: list[tuple[int, int]] = []
     c_scan = guard._C_SCAN
 
@@ -67,8 +72,10 @@ def test_a_batch_is_decoded_one_prompt_per_c_call(monkeypatch):
     assert widest == len(json.dumps(prompts[0])), widest  # one prompt
     assert len(spans) >= len(prompts)
     spans.clear()
-    guard.loads_yielding(json.dumps({"input_ids": [7] * 5000}).encode())
-    assert max(end - start for start, end in spans) == len(json.dumps([7] * 5000))
+    monkeypatch.setattr(guard, "_FLAT_PIECE", 1000)
+    flat = json.dumps({"input_ids": list(range(5000))}).encode()
+    assert guard.loads_yielding(flat) == json.loads(flat)
+    assert len(spans) > len(flat) // 1100 and max(end - start for start, end in spans) < 1000 + 10
 
 
 @pytest.mark.parametrize("yielding", [False, True])
