@@ -11,6 +11,8 @@ bodies above guard.INLINE_PARSE_BYTES on a parse thread so its event loop keeps 
 Kinds of body (each parsed in full, then refused with 400, so no generation competes with /health):
   - generate-input-ids: a batch of 4,000-token prompts of input_ids whose very last id is outside the
     vocabulary: json.loads, then parse_generate's per-token check of every id;
+  - generate-flat-ids: one prompt of ~4M ids (refused by the context length once decoded; the case
+    docs/LOG.md measured at 0.7 s of blocked loop): json.loads of one long flat array;
   - update-tensor-string: /update_weights_from_tensor with one base64 string of the body's size, outside
     a weight-update session: json.loads of one long string only.
 Per kind: /health latency p50 / p90 / max over every probe sent while bodies were in flight, the probe
@@ -48,6 +50,9 @@ def bodies(kind: str, size: int, vocab_size: int) -> tuple[str, bytes]:
         last = "[" + ", ".join(["17"] * (PROMPT_TOKENS - 1) + [str(vocab_size + 5)]) + "]"
         raw = '{"input_ids": [' + ", ".join([prompt] * (count - 1) + [last]) + '], "sampling_params": {"max_new_tokens": 1}}'
         return "/generate", raw.encode()
+    if kind == "generate-flat-ids":
+        count = (size - 64) // 4
+        return "/generate", ('{"input_ids": [' + ", ".join(["17"] * count) + "]}").encode()
     if kind == "update-tensor-string":
         head, tail = '{"serialized_named_tensors": ["', '"]}'
         return "/update_weights_from_tensor", (head + "A" * (size - len(head) - len(tail)) + tail).encode()
@@ -107,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dapo-megatron bench engine-health", description=__doc__.split("\n")[0])
     ap.add_argument("--bodies", type=int, default=5, help="bodies of each kind, posted one after another")
     ap.add_argument("--body-mb", type=float, default=16.7, help="size of each body in MB (the limit is 16.78 MB)")
-    ap.add_argument("--kinds", default="idle,generate-input-ids,update-tensor-string")
+    ap.add_argument("--kinds", default="idle,generate-input-ids,generate-flat-ids,update-tensor-string")
     ap.add_argument("--label", default="", help="free text stored with the rows (e.g. the commit measured)")
     add_output_args(ap, name="engine_health")
     args = ap.parse_args(argv)

@@ -47,7 +47,8 @@ from aiohttp import web
 
 from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.cpu_engine.engine import MEMORY_TAGS, CpuEngine, WeightError
-from dapo_megatron.cpu_engine.guard import Limits, error_response, guard_middleware, off_loop, read_json
+from dapo_megatron.cpu_engine.guard import (Limits, Pauser, error_response, guard_middleware, is_large, off_loop,
+                                            read_json)
 from dapo_megatron.cpu_engine.scheduler import Batcher, RWLock
 from dapo_megatron.cpu_engine.protocol import RequestError, SamplingParams, SequenceRequest, parse_generate
 from dapo_megatron.rollout.routing import encode_routed_experts
@@ -153,7 +154,8 @@ class RolloutServer:
             e = self.engine
             tokenize = e.tokenize if e.tokenizer is not None else None
             parse = functools.partial(parse_generate, body, vocab_size=e.vocab_size, tokenize=tokenize,
-                                      context_length=e.context_length, min_tokens=e.min_tokens)
+                                      context_length=e.context_length, min_tokens=e.min_tokens,
+                                      pause=Pauser() if is_large(request) else None)
             # a text prompt is tokenized on a worker thread (the tokenizer lets go of the GIL): /health and
             # other requests are served meanwhile; prompts sure to exceed the context never get there.
             # Token ids are checked one by one: on the parse pool when the body is large (guard.off_loop)
