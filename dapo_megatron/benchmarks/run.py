@@ -1,4 +1,4 @@
-"""`dapo-megatron bench kernels | reward | rollout | actor | dataplane | rollout-quant | overlap | engine-abuse [args]`: the project's
+"""`dapo-megatron bench kernels | reward | rollout | actor | dataplane | rollout-quant | overlap | engine-abuse | engine-health [args]`: the project's
 benchmarks, each
 printing a table and appending rows to a CSV in a results directory (speed is measured here, never
 asserted in tests).
@@ -30,6 +30,7 @@ BENCHES = {
     "rollout-quant": "dapo_megatron.benchmarks.rollout_quant",  # bf16 vs modelopt FP8 CPU engine: weight bytes, tok/s, mismatch
     "overlap": "dapo_megatron.benchmarks.overlap",  # the embedded task at rollout.max_staleness 0 and 1: step time, hidden share
     "engine-abuse": "dapo_megatron.benchmarks.engine_abuse",  # CPU engine under garbage and 50 MB bodies: 5xx count, peak RSS
+    "engine-health": "dapo_megatron.benchmarks.engine_health",  # CPU engine /health latency while 16 MB bodies are parsed
 }
 DEFAULT_RESULTS_DIR = "results"
 

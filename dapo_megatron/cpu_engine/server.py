@@ -47,7 +47,8 @@ from aiohttp import web
 
 from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.cpu_engine.engine import MEMORY_TAGS, CpuEngine, WeightError
-from dapo_megatron.cpu_engine.guard import Limits, error_response, guard_middleware, read_json
+from dapo_megatron.cpu_engine.guard import (Limits, Pauser, error_response, guard_middleware, is_large, off_loop,
+                                            read_json)
 from dapo_megatron.cpu_engine.scheduler import Batcher, RWLock
 from dapo_megatron.cpu_engine.protocol import RequestError, SamplingParams, SequenceRequest, parse_generate
 from dapo_megatron.rollout.routing import encode_routed_experts
@@ -153,10 +154,13 @@ class RolloutServer:
             e = self.engine
             tokenize = e.tokenize if e.tokenizer is not None else None
             parse = functools.partial(parse_generate, body, vocab_size=e.vocab_size, tokenize=tokenize,
-                                      context_length=e.context_length, min_tokens=e.min_tokens)
+                                      context_length=e.context_length, min_tokens=e.min_tokens,
+                                      pause=Pauser() if is_large(request) else None)
             # a text prompt is tokenized on a worker thread (the tokenizer lets go of the GIL): /health and
-            # other requests are served meanwhile; prompts sure to exceed the context never get there
-            seqs, as_list = await asyncio.get_running_loop().run_in_executor(None, parse) if "text" in body else parse()
+            # other requests are served meanwhile; prompts sure to exceed the context never get there.
+            # Token ids are checked one by one: on the parse pool when the body is large (guard.off_loop)
+            seqs, as_list = (await asyncio.get_running_loop().run_in_executor(None, parse) if "text" in body
+                             else await off_loop(request, parse))
         except RequestError as err:
             return _error(err.status, str(err), err.field)
         refusal = self._not_serving()
@@ -410,7 +414,12 @@ class RolloutServer:
                                    "and end_weight_update()")
             try:
                 # this engine is TP rank 0: its own entry only
-                named = deserialize_payload(payloads[0], cuda=self.engine.device.type == "cuda")
+                # base64 and unpickling of a large payload on the parse pool (the writer lock is held throughout);
+                # a CUDA payload (IPC handles, small) is opened here, on the thread that always opened them
+                if self.engine.device.type == "cuda":
+                    named = deserialize_payload(payloads[0], cuda=True)
+                else:
+                    named = await off_loop(request, deserialize_payload, payloads[0])
                 await self._run_locked(self.engine.load_weights, named)
             except PayloadError as err:
                 return _error(400, f"serialized_named_tensors[0]: {err}", "serialized_named_tensors[0]")

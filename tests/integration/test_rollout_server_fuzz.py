@@ -12,7 +12,10 @@
     each id is checked), lone surrogates, 1e999 where an integer belongs: all 400 naming the body or field;
   - a body above --max-request-bytes (the default, 16 MiB) is refused with 413 before it is read: the
     server answers a request whose headers promise limit + 1 bytes without waiting for any of them, and a
-    chunked body is cut off at the limit.
+    chunked body is cut off at the limit;
+  - a large body is decoded and checked off the event loop (guard.off_loop): a /health sent while 15 MB of
+    input_ids are being checked is answered before that body's 400 (it used to wait for the whole parse),
+    and the large bodies' malformations (bad JSON, non-UTF-8, too deep) get the small bodies' 400s.
 The full-size run (5,100 bodies, 50 MB bodies, peak memory) is `dapo-megatron bench engine-abuse`
 (docs/benchmarks.md).
 """
@@ -22,14 +25,17 @@ from __future__ import annotations
 import json
 import random
 import socket
+import threading
+import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from rollout_helpers import ServerProcess, make_tiny_checkpoint
 
 from dapo_megatron.benchmarks.engine_abuse import garbage_run, post_streamed
-from dapo_megatron.cpu_engine.guard import DEFAULT_MAX_REQUEST_BYTES
+from dapo_megatron.cpu_engine.guard import DEFAULT_MAX_REQUEST_BYTES, INLINE_PARSE_BYTES
 from dapo_megatron.cpu_engine.protocol import SAMPLING_PARAM_NAMES
 
 NUM_BODIES = 300
@@ -144,6 +150,12 @@ ISSUE_BODIES = [
      "sampling_params.temprature"),
     ("lone surrogate in text", b'{"text": "ab\\ud800"}', "text"),
     ("1e999 truncate_size", b'{"name": "model.norm.weight", "truncate_size": 1e999}', "truncate_size"),
+    # above guard.INLINE_PARSE_BYTES (decoded on the parse thread): the same answers as small bodies
+    ("1 MB of non-UTF-8", b"\xff\xfe\xfd" * 350_000, "body"),
+    ("1 MB of JSON cut short", json.dumps({"input_ids": [1] * 300_000}).encode()[:-5], "body"),
+    ("1 MB of JSON, not an object", json.dumps([1] * 300_000).encode(), "body"),
+    ("600 KB of input_ids, one outside the vocabulary",  # 200-token prompts: the tiny model's context is 256
+     json.dumps({"input_ids": [[1] * 200] * 999 + [[1] * 199 + [10**6]]}).encode(), "input_ids[999][199]"),
 ]
 
 
@@ -153,6 +165,70 @@ def test_the_issues_bodies_are_400_naming_what_is_wrong(server, what, body, fiel
     status, out = post(server.url + path, body)
     assert status == 400 and out["error"]["field"] == field, (what, status, out)
     assert field in out["error"]["message"]
+
+
+def test_large_and_small_bodies_get_the_same_errors(server):
+    """The same malformation inline (small) and on the parse thread (large, padded with whitespace JSON
+    ignores): the same status and message, positions shifted by the padding only."""
+    pad = b" " * (INLINE_PARSE_BYTES + 1)
+    for small in (b'{"input_ids": [1,]}', b'[1, 2]', b'{"input_ids": [1], "rid": "\xff"}', b"[" * 5000,
+                  json.dumps({"input_ids": [1, 17, 10**6]}).encode(), json.dumps({"text": 5}).encode()):
+        got = [post(server.url + "/generate", body) for body in (small, pad + small)]
+        (s1, o1), (s2, o2) = got
+        shift = str(len(pad))
+        assert s1 == s2 == 400 and o1["error"]["field"] == o2["error"]["field"], (small, got)
+        if "at char" in o1["error"]["message"]:  # json's position counts the padding
+            pos = int(o1["error"]["message"].rsplit("at char ", 1)[1].rstrip(")"))
+            assert o2["error"]["message"] == o1["error"]["message"].replace(f"at char {pos}", f"at char {pos + int(shift)}")
+        elif "byte " in o1["error"]["message"]:
+            pos = int(o1["error"]["message"].split("byte ", 1)[1].split(":")[0])
+            assert o2["error"]["message"] == o1["error"]["message"].replace(f"byte {pos}", f"byte {pos + int(shift)}")
+        else:
+            assert o1 == o2, (small, got)
+
+
+def test_health_is_answered_while_a_large_body_is_checked(server):
+    """A /health sent while a 15 MB /generate body is decoded and checked is answered before that body's
+    400: the event loop answers meanwhile. Before the parse moved off the loop, /health waited for the
+    whole parse and came second. 440K prompts of 8 ids: per-prompt work makes the parse take 2-6 s here,
+    far longer than the 0.2 s the test waits before sending /health."""
+    vocab = json.loads((Path(server.model_dir) / "config.json").read_text())["vocab_size"]
+    prompt = [17] * 8
+    count = 15_000_000 // (4 * len(prompt) + 2)
+    body = json.dumps({"input_ids": [prompt] * (count - 1) + [prompt[:-1] + [vocab]],
+                       "sampling_params": {"max_new_tokens": 1}}).encode()
+    assert INLINE_PARSE_BYTES < len(body) < DEFAULT_MAX_REQUEST_BYTES
+    assert greedy(server.url)  # warm
+    host, port = server.url.removeprefix("http://").split(":")
+    answered: list[tuple[str, int]] = []
+
+    def health():
+        answered.append(("health", send_request(server.url, "GET", "/health")))
+
+    with socket.create_connection((host, int(port)), timeout=300) as sock:
+        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        # sendall returns once the kernel holds the rest (a few MB at most): the server reads it within
+        # milliseconds and then decodes for seconds; /health goes out inside that window
+        time.sleep(0.2)
+        prober = threading.Thread(target=health)
+        prober.start()
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    answered.append(("generate", int(reply.split(b" ", 2)[1])))
+    prober.join(300)
+    error = json.loads(reply.partition(b"\r\n\r\n")[2])["error"]
+    assert error["field"] == f"input_ids[{count - 1}][{len(prompt) - 1}]", error
+    assert answered == [("health", 200), ("generate", 400)]
+
+
+def send_request(url: str, method: str, path: str) -> int:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url + path, method=method), timeout=300) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
 
 
 def test_a_non_finite_flush_timeout_is_400(server):

@@ -43,35 +43,54 @@ def test_route_source_of_a_remote_engine_is_not_loopback():
 
 def test_group_members_exchange_a_broadcast():
     """Two members built by open_weight_group (the trainer's side here, the CPU engine's side in another
-    process; SGLang's side is checked against it in tests/conformance) agree on the store keys."""
+    process; SGLang's side is checked against it in tests/conformance) agree on the store keys. Both sides
+    move data as the product does (broadcast_from_trainer; the engine's receive, coll.pg_broadcast), and
+    each broadcast returns only once gloo's worker thread let go of the tensor (its use count is the
+    caller's alone again): a worker still holding one when the engine process exits right after its
+    last receive aborted it ("terminate called without an active exception", ~1 exit in 10 under load)."""
     import socket
     import subprocess
     import sys
     import uuid
 
+    from dapo_megatron.transfer.weight_group import broadcast_from_trainer
+
+    rounds = 20  # without the wait for the worker, ~1 broadcast in 3 returned with references still held
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     name = f"g_test_{uuid.uuid4().hex[:8]}"
     engine = subprocess.Popen([sys.executable, "-c", f"""
 import torch
+from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.transfer.weight_group import open_weight_group
 pg = open_weight_group(backend="gloo", master_address="127.0.0.1", master_port={port}, rank=1, world_size=2,
                        group_name="{name}", timeout_s=120)
-got = torch.zeros(5)
-pg.broadcast(got, 0).wait()
+held = []
+for i in range({rounds}):
+    got = torch.zeros(5)
+    coll.pg_broadcast(pg, got, src=0)  # as the engine receives (cpu_engine/server.py), then exits at once
+    held.append(got._use_count())
+print(held)
 print(got.tolist())
 """], stdout=subprocess.PIPE, text=True)
     try:
         pg = open_weight_group(backend="gloo", master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
                                group_name=name, timeout_s=120)
-        pg.broadcast(torch.arange(5.0), 0).wait()
+        sent_held = []
+        for i in range(rounds):
+            sent = torch.arange(5.0) + i
+            broadcast_from_trainer(pg, sent)
+            sent_held.append(sent._use_count())
         out, _ = engine.communicate(timeout=120)
     finally:
         if engine.poll() is None:
             engine.kill()
             engine.wait()
-    assert engine.returncode == 0 and out.strip().splitlines()[-1] == "[0.0, 1.0, 2.0, 3.0, 4.0]"
+    assert engine.returncode == 0, f"the engine side exited with {engine.returncode}"
+    held_line, last = out.strip().splitlines()[-2:]
+    assert last == f"[{rounds - 1}.0, {rounds}.0, {rounds + 1}.0, {rounds + 2}.0, {rounds + 3}.0]"
+    assert sent_held == [1] * rounds and held_line == str([1] * rounds)
     with pytest.raises(ValueError, match="gloo or nccl"):
         open_weight_group(backend="mpi", master_address="127.0.0.1", master_port=port, rank=0, world_size=1,
                           group_name="x")
