@@ -15,6 +15,7 @@ one tests/integration/test_rollout_server_fuzz.py runs in CI (fewer bodies there
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import http.client
 import json
@@ -204,28 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     add_output_args(ap, name="engine_abuse")
     args = ap.parse_args(argv)
-    import subprocess
-    import sys
-
-    from dapo_megatron.rollout.registry import read_registrations
-
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or _tiny_model(Path(tmp) / "model")
         limit = ["--max-request-bytes", str(args.max_request_mb * 1_000_000)] if args.max_request_mb else []
-        proc = subprocess.Popen([sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", model,
-                                 "--register-dir", f"{tmp}/engines", "--threads", "1", *limit],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 300
-            while not (recs := [r for r in _records(read_registrations, f"{tmp}/engines") if r["pid"] == proc.pid]):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("serve-rollout did not start")
-                time.sleep(0.2)
-            url = recs[0]["url"]
+        with served_engine(model, Path(tmp) / "engines", limit) as (url, proc):
             rows = _measure(url, proc.pid, model, args)
-        finally:
-            proc.terminate()
-            proc.wait(60)
     fields = ["case", "status", "count", "seconds", "peak_rss_mb", "health_s", "small_generate_s", "limit_mb",
               "machine", "date"]
     print(f"{'case':<32} {'status':>10} {'count':>6} {'s':>7} {'peak RSS MB':>12} {'/health s':>10} {'small gen s':>12}")
@@ -234,6 +218,29 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['health_s']:>10.2f} {r['small_generate_s']:>12.2f}")
     append_rows(results_csv(args, name="engine_abuse"), rows, fields=fields)
     return 0
+
+
+@contextlib.contextmanager
+def served_engine(model: str, register_dir: Path, extra_args: list[str] = ()):
+    """(url, process) of a one-thread `serve-rollout` of model, once it has registered; terminated on exit."""
+    import subprocess
+    import sys
+
+    from dapo_megatron.rollout.registry import read_registrations
+
+    proc = subprocess.Popen([sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", model,
+                             "--register-dir", str(register_dir), "--threads", "1", *extra_args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while not (recs := [r for r in _records(read_registrations, register_dir) if r["pid"] == proc.pid]):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("serve-rollout did not start")
+            time.sleep(0.2)
+        yield recs[0]["url"], proc
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 def _records(read, path):

@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from dapo_megatron.benchmarks.engine_abuse import _records, _tiny_model, send
+from dapo_megatron.benchmarks.engine_abuse import _tiny_model, send, served_engine
 from dapo_megatron.benchmarks.run import add_output_args, append_rows, check_header, results_csv
 
 FIELDS = ["kind", "bodies", "body_mb", "big_status", "big_request_s", "health_probes", "health_p50_ms",
@@ -102,10 +102,12 @@ def measure(url: str, kind: str, *, count: int, size: int, vocab_size: int) -> d
     stop.set()
     prober.join()
     window = [s for t, s in lat if tic <= t < end]  # probes sent while bodies were in flight
+    # bodies parsed faster than one probe's round trip leave no probe in the window: no latency to report
+    stat = (lambda f: 1e3 * f(window)) if window else (lambda f: float("nan"))
     return {"kind": kind, "bodies": len(seconds), "body_mb": round(len(body) / 1e6, 2) if body else 0.0,
             "big_status": "/".join(map(str, sorted(statuses))), "big_request_s": statistics.mean(seconds) if seconds else 0.0,
-            "health_probes": len(window), "health_p50_ms": 1e3 * statistics.median(window),
-            "health_p90_ms": 1e3 * percentile(window, 0.9), "health_max_ms": 1e3 * max(window)}
+            "health_probes": len(window), "health_p50_ms": stat(statistics.median),
+            "health_p90_ms": stat(lambda w: percentile(w, 0.9)), "health_max_ms": stat(max)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,30 +120,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     csv_path = results_csv(args, name="engine_health")
     check_header(csv_path, FIELDS)
-    from dapo_megatron.rollout.registry import read_registrations
-
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model = _tiny_model(Path(tmp) / "model")
         vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-        proc = subprocess.Popen([sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", model,
-                                 "--register-dir", f"{tmp}/engines", "--threads", "1"],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 300
-            while not (recs := [r for r in _records(read_registrations, f"{tmp}/engines") if r["pid"] == proc.pid]):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("serve-rollout did not start")
-                time.sleep(0.2)
-            url = recs[0]["url"]
+        with served_engine(model, Path(tmp) / "engines") as (url, _proc):
             common = {"label": args.label, "machine": platform.processor() or platform.machine(),
                       "date": datetime.date.today().isoformat()}
             for kind in args.kinds.split(","):
                 rows.append({**measure(url, kind, count=args.bodies, size=int(args.body_mb * 1e6),
                                        vocab_size=vocab_size), **common})
-        finally:
-            proc.terminate()
-            proc.wait(60)
     print(f"{'kind':<22} {'bodies':>6} {'MB':>6} {'status':>6} {'big s':>7} {'probes':>6} {'p50 ms':>8} "
           f"{'p90 ms':>8} {'max ms':>8}")
     for r in rows:
