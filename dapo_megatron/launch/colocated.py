@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from dapo_megatron.config import Config, load_config
+from dapo_megatron.launch.script_entry import run_as_script
 from dapo_megatron.rollout.auth import ensure_secret_file, run_secret_path
 
 
@@ -153,8 +154,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        raise SystemExit(main())
-    except ValueError as err:
-        print(f"colocated engines: error: {err}", file=sys.stderr)
-        raise SystemExit(2)
+    run_as_script(main, "colocated engines: error:")

@@ -12,6 +12,7 @@ import sys
 
 from dapo_megatron.config import load_config
 from dapo_megatron.launch.prepare import tiny_model_dir
+from dapo_megatron.launch.script_entry import run_as_script
 from dapo_megatron.quant.engine_checkpoint import fp8_rollout_dir, prepare_fp8_rollout
 
 
@@ -47,8 +48,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        raise SystemExit(main())
-    except ValueError as err:
-        print(f"rollout: error: {err}", file=sys.stderr)
-        raise SystemExit(2)
+    run_as_script(main, "rollout: error:")

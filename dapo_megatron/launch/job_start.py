@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from dapo_megatron.config import load_config
+from dapo_megatron.launch.script_entry import run_as_script
 
 
 def job_start_args(run_dir: str | Path, *, resume_requested: bool, restart: int, total_steps: int,
@@ -123,8 +124,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        raise SystemExit(main())
-    except ValueError as err:  # a config that does not load: named, as `train` would
-        print(f"[job] error: {err}", file=sys.stderr)
-        raise SystemExit(2)
+    run_as_script(main, "[job] error:")  # a config that does not load: named, as `train` would

@@ -13,6 +13,7 @@ import contextlib
 import sys
 
 from dapo_megatron.config import Config, load_config
+from dapo_megatron.launch.script_entry import run_as_script
 
 
 def tiny_model_dir(cfg: Config) -> str:
@@ -40,8 +41,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        raise SystemExit(main())
-    except ValueError as err:
-        print(f"prepare: error: {err}", file=sys.stderr)
-        raise SystemExit(2)
+    run_as_script(main, "prepare: error:")
