@@ -146,16 +146,16 @@ def bad_rows_message(key: str, path: str | Path, problems: list[str], num_rows: 
             f"data.skip_bad_rows=true to leave them out):\n  {listed}{rest}")
 
 
-def _leading_special_ids(tokenizer, text: str) -> list[int]:
-    """The special tokens the tokenizer itself puts before a text (Llama 3's tokenizer.json adds
-    <|begin_of_text|>, which the model always saw first; Qwen's and GPT-2's add none), never the ones
-    after it (an end-of-text there would end the prompt before the answer)."""
-    plain = tokenizer(text, add_special_tokens=False)["input_ids"]
+def _plain_text_ids(tokenizer, text: str) -> list[int]:
+    """text's ids after the special tokens the tokenizer itself puts before a text (Llama 3's
+    tokenizer.json adds <|begin_of_text|>, which the model always saw first; Qwen's and GPT-2's add
+    none), never the ones after it (an end-of-text there would end the prompt before the answer)."""
+    plain = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     full = tokenizer(text)["input_ids"]
     for start in range(len(full) - len(plain) + 1):
         if full[start:start + len(plain)] == plain:
-            return list(full[:start])
-    return []
+            return list(full[:start]) + plain
+    return plain
 
 
 def prompt_token_ids(tokenizer, record: Any) -> list[int]:
@@ -169,7 +169,7 @@ def prompt_token_ids(tokenizer, record: Any) -> list[int]:
     chat = record.chat() if hasattr(record, "chat") else record.prompt
     if isinstance(chat, str) or not getattr(tokenizer, "chat_template", None):
         text = chat if isinstance(chat, str) else record.prompt
-        return _leading_special_ids(tokenizer, text) + list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return _plain_text_ids(tokenizer, text)
     ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
