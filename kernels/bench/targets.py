@@ -36,8 +36,13 @@ H_32B = 5120
 @dataclass
 class Verdict:
     target: str
-    status: str  # PASS | FAIL | NOT MEASURED
+    status: str = "NOT MEASURED"  # PASS | FAIL | NOT MEASURED
     lines: list[str] = field(default_factory=list)
+
+    def check(self, ok: bool, line: str) -> None:
+        """One judged row: any failing row fails the target."""
+        self.status = "PASS" if ok and self.status != "FAIL" else "FAIL"
+        self.lines.append(f"{'ok  ' if ok else 'FAIL'} {line}")
 
 
 def read_rows(path: str | Path, device: str | None = None) -> tuple[str, dict]:
@@ -73,68 +78,64 @@ def _lm(table: dict, provider: str, mode: str, metric: str, x: str) -> float | N
     return _num(table.get(("linear_logprob_entropy", provider, mode, metric, x)))
 
 
+def _ours(table: dict, mode: str, metric: str, x: str) -> dict[str, float]:
+    """Our providers' measured values of one row (oom and missing rows left out)."""
+    values = {p: _lm(table, p, mode, metric, x) for p in OURS}
+    return {p: v for p, v in values.items() if v is not None}
+
+
 def judge(table: dict) -> tuple[list[Verdict], str | None]:
     shapes = sorted({k[4] for k in table if k[0] == "linear_logprob_entropy" and k[1] == "liger"},
                     key=lambda x: tuple(_shape(x).values()))
-    t1, t2, t3 = Verdict("T1 TFLOP/s >= Liger", "NOT MEASURED"), Verdict("T2 >= 650 TFLOP/s fwd_bwd 32B tp1 64K",
-                                                                       "NOT MEASURED"), \
-        Verdict("T3 fwd_bwd extra memory <= Liger", "NOT MEASURED")
+    t1 = Verdict("T1 TFLOP/s >= Liger")
+    t2 = Verdict("T2 >= 650 TFLOP/s fwd_bwd 32B tp1 64K")
+    t3 = Verdict("T3 fwd_bwd extra memory <= Liger")
     wins_all = {p: True for p in OURS}
     seen = {p: False for p in OURS}
     for x in shapes:
         for mode in ("fwd", "fwd_bwd"):
-            liger = _lm(table, "liger", mode, "tflops", x)
-            ours = {p: _lm(table, p, mode, "tflops", x) for p in OURS}
-            ours = {p: v for p, v in ours.items() if v is not None}
+            liger, ours = _lm(table, "liger", mode, "tflops", x), _ours(table, mode, "tflops", x)
             if liger is None or not ours:
                 continue
             best = max(ours, key=ours.get)
-            ok = ours[best] >= liger
-            t1.status = "FAIL" if not ok or t1.status == "FAIL" else "PASS"
-            t1.lines.append(f"{'ok  ' if ok else 'FAIL'} {x} {mode}: {best} {ours[best]:.0f} vs liger {liger:.0f}")
+            t1.check(ours[best] >= liger, f"{x} {mode}: {best} {ours[best]:.0f} vs liger {liger:.0f}")
             for p in OURS:
                 seen[p] |= p in ours
                 wins_all[p] &= p in ours and ours[p] >= liger
-        liger_mem = _lm(table, "liger", "fwd_bwd", "peak_extra_mem", x)
-        mems = {p: _lm(table, p, "fwd_bwd", "peak_extra_mem", x) for p in OURS}
-        mems = {p: v for p, v in mems.items() if v is not None}
+        liger_mem, mems = _lm(table, "liger", "fwd_bwd", "peak_extra_mem", x), _ours(table, "fwd_bwd", "peak_extra_mem", x)
         if liger_mem is not None and mems:
             best = min(mems, key=mems.get)
-            ok = mems[best] <= liger_mem
-            t3.status = "FAIL" if not ok or t3.status == "FAIL" else "PASS"
-            t3.lines.append(f"{'ok  ' if ok else 'FAIL'} {x}: {best} {mems[best]:.2f} GB vs liger {liger_mem:.2f} GB")
+            t3.check(mems[best] <= liger_mem, f"{x}: {best} {mems[best]:.2f} GB vs liger {liger_mem:.2f} GB")
             for p in OURS:
                 wins_all[p] &= p in mems and mems[p] <= liger_mem
     for x in sorted({k[4] for k in table if k[0] == "linear_logprob_entropy"}):
         s = _shape(x)
-        if s.get("H") == H_32B and s.get("tp") == 1 and s.get("N") == 65536:
-            ours = {p: _lm(table, p, "fwd_bwd", "tflops", x) for p in OURS}
-            ours = {p: v for p, v in ours.items() if v is not None}
-            if ours:
-                best = max(ours, key=ours.get)
-                ok = ours[best] >= TFLOPS_32B_TP1_64K
-                t2.status = "PASS" if ok and t2.status != "FAIL" else "FAIL"
-                t2.lines.append(f"{'ok  ' if ok else 'FAIL'} {x}: {best} {ours[best]:.0f} TFLOP/s "
-                                f"(target {TFLOPS_32B_TP1_64K:.0f})")
+        ours = _ours(table, "fwd_bwd", "tflops", x)
+        if s.get("H") == H_32B and s.get("tp") == 1 and s.get("N") == 65536 and ours:
+            best = max(ours, key=ours.get)
+            t2.check(ours[best] >= TFLOPS_32B_TP1_64K,
+                     f"{x}: {best} {ours[best]:.0f} TFLOP/s (target {TFLOPS_32B_TP1_64K:.0f})")
     candidate = next((p for p in OURS if seen[p] and wins_all[p]), None) if t1.lines else None
     return [t1, t2, t3, *_loss_targets(table)], candidate
 
 
+def _loss(table: dict, mode: str, metric: str, tokens: int) -> float | None:
+    return _num(table.get(("policy_loss", "fused", mode, metric, f"T={tokens}")))
+
+
 def _loss_targets(table: dict) -> list[Verdict]:
-    t4 = Verdict(f"T4 policy loss >= {COPY_FRACTION:.0%} of copy at {LOSS_TOKENS_BANDWIDTH} tokens", "NOT MEASURED")
-    t5 = Verdict(f"T5 policy loss <= {LOSS_LATENCY_MS * 1e3:.0f} us at {LOSS_TOKENS_LATENCY} tokens", "NOT MEASURED")
-    pct = _num(table.get(("policy_loss", "fused", "fwd", "pct_of_copy", f"T={LOSS_TOKENS_BANDWIDTH}")))
+    t4 = Verdict(f"T4 policy loss >= {COPY_FRACTION:.0%} of copy at {LOSS_TOKENS_BANDWIDTH} tokens")
+    t5 = Verdict(f"T5 policy loss <= {LOSS_LATENCY_MS * 1e3:.0f} us at {LOSS_TOKENS_LATENCY} tokens")
+    pct = _loss(table, "fwd", "pct_of_copy", LOSS_TOKENS_BANDWIDTH)
     if pct is not None:
-        t4.status = "PASS" if pct >= 100 * COPY_FRACTION else "FAIL"
-        t4.lines.append(f"fused fwd (gradient written): {pct:.0f}% of copy")
-        bwd = _num(table.get(("policy_loss", "fused", "fwd_bwd", "pct_of_copy", f"T={LOSS_TOKENS_BANDWIDTH}")))
+        t4.check(pct >= 100 * COPY_FRACTION, f"fused fwd (gradient written): {pct:.0f}% of copy")
+        bwd = _loss(table, "fwd_bwd", "pct_of_copy", LOSS_TOKENS_BANDWIDTH)
         if bwd is not None:
             t4.lines.append(f"(not judged) fused fwd_bwd, with the backward's multiply: {bwd:.0f}% of copy")
-    ms = _num(table.get(("policy_loss", "fused", "fwd", "ms", f"T={LOSS_TOKENS_LATENCY}")))
+    ms = _loss(table, "fwd", "ms", LOSS_TOKENS_LATENCY)
     if ms is not None:
-        t5.status = "PASS" if ms <= LOSS_LATENCY_MS else "FAIL"
-        t5.lines.append(f"fused fwd: {ms * 1e3:.1f} us")
-        bwd = _num(table.get(("policy_loss", "fused", "fwd_bwd", "ms", f"T={LOSS_TOKENS_LATENCY}")))
+        t5.check(ms <= LOSS_LATENCY_MS, f"fused fwd: {ms * 1e3:.1f} us")
+        bwd = _loss(table, "fwd_bwd", "ms", LOSS_TOKENS_LATENCY)
         if bwd is not None:
             t5.lines.append(f"(not judged) fused fwd_bwd: {bwd * 1e3:.1f} us")
     return [t4, t5]
