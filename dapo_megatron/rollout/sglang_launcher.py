@@ -156,8 +156,8 @@ def start_server(cmd: list[str], secrets: Iterable[str | None] = ()) -> tuple[su
     if not secrets:
         return subprocess.Popen(cmd), None
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    out = getattr(sys.stdout, "buffer", None) or sys.stdout
-    pump = threading.Thread(target=copy_redacted, args=(proc.stdout, out, secrets), name="engine-log", daemon=True)
+    pump = threading.Thread(target=copy_redacted, args=(proc.stdout, sys.stdout.buffer, secrets), name="engine-log",
+                            daemon=True)
     pump.start()
     return proc, pump
 
