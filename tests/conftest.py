@@ -1,6 +1,7 @@
 """Test-wide environment: set before any project module (or triton) is imported."""
 
 import os
+import subprocess
 
 import pytest
 
@@ -47,3 +48,23 @@ def rank_pool():
     yield get
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """mount_tmpfs(size, skip_reason) -> a fresh tmpfs of `size` (e.g. "5m") under tmp_path, unmounted after
+    the test; the test is skipped with skip_reason where mounting is not allowed (not root)."""
+    mounts = []
+
+    def mount(size: str, skip_reason: str):
+        path = tmp_path / f"fs{len(mounts)}"
+        path.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode:
+            pytest.skip(skip_reason)
+        mounts.append(path)
+        return path
+
+    yield mount
+    for path in mounts:
+        subprocess.run(["umount", "-l", str(path)], check=False)

@@ -3,12 +3,14 @@ real `dapo-megatron serve-rollout` processes on 127.0.0.1."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -86,3 +88,34 @@ class ServerProcess:
 def get_json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=30) as resp:
         return json.loads(resp.read())
+
+
+def request_json(url: str, data: bytes | None = None, *, key: str | None = None,
+                 method: str = "POST") -> tuple[int, object]:
+    """(status, body): a success's JSON body (None when empty), an error's JSON body or, when it is not
+    JSON, its raw bytes. `key`: sent as `Authorization: Bearer <key>`."""
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            raw = resp.read()
+            return resp.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as err:
+        raw = err.read()
+        try:
+            return err.code, json.loads(raw)
+        except ValueError:
+            return err.code, raw
+
+
+@contextlib.contextmanager
+def engine_pair(root: Path, *, shape: dict | None = None):
+    """{"root", "model_dir", "engines"}: two CPU engines (seeds 0 and 1) serving one tiny checkpoint
+    (`shape`: its config overrides), each logging to root/engine_<i>.log; both killed on exit."""
+    model_dir = make_tiny_checkpoint(root / "model", seed=0, shape=shape)
+    engines = [ServerProcess(model_dir, root / "engines", seed=i, log_path=root / f"engine_{i}.log") for i in range(2)]
+    try:
+        yield {"root": root, "model_dir": model_dir, "engines": engines}
+    finally:
+        for e in engines:
+            e.kill()

@@ -16,12 +16,10 @@ from __future__ import annotations
 import asyncio
 import json
 import stat
-import urllib.error
-import urllib.request
 
 import pytest
 import torch
-from rollout_helpers import ServerProcess, make_tiny_checkpoint
+from rollout_helpers import ServerProcess, make_tiny_checkpoint, request_json
 
 from dapo_megatron.rollout.auth import EngineKeys, ensure_secret_file, run_secret_path
 from dapo_megatron.rollout.client import EngineClient, EngineError
@@ -32,19 +30,7 @@ PARAM = "model.layers.0.mlp.up_proj.weight"
 
 
 def call(url: str, path: str, body=None, *, key: str | None = None, method: str = "POST"):
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
-    req = urllib.request.Request(url + path, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            raw = resp.read()
-            return resp.status, json.loads(raw) if raw else None
-    except urllib.error.HTTPError as err:
-        raw = err.read()
-        try:
-            return err.code, json.loads(raw)
-        except ValueError:
-            return err.code, raw
+    return request_json(url + path, None if body is None else json.dumps(body).encode(), key=key, method=method)
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from rollout_helpers import ServerProcess, make_tiny_checkpoint
+from rollout_helpers import ServerProcess, make_tiny_checkpoint, request_json
 
 from dapo_megatron.benchmarks.engine_abuse import garbage_run, post_streamed
 from dapo_megatron.cpu_engine.guard import DEFAULT_MAX_REQUEST_BYTES, INLINE_PARSE_BYTES
@@ -45,16 +45,7 @@ JUNK = [None, True, False, 0, -1, 1, 2, 7, 255, 10**9, -(10**12), 1.5, -0.5, flo
 
 
 def post(url: str, body: bytes) -> tuple[int, object]:
-    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        raw = err.read()
-        try:
-            return err.code, json.loads(raw)
-        except ValueError:
-            return err.code, raw
+    return request_json(url, body)
 
 
 def mutate(rng: random.Random) -> tuple[bytes, str]:

@@ -21,13 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
-    mount = tmp_path / "fs"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (not root)")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+def small_tmpfs(mount_tmpfs):
+    return mount_tmpfs("5m", "cannot mount a tmpfs here (not root)")
 
 
 def test_disk_full_checkpoint_stops_cleanly_and_keeps_the_previous(tmp_path, small_tmpfs):

@@ -20,7 +20,7 @@ import time
 
 import pytest
 import torch
-from rollout_helpers import ServerProcess, make_tiny_checkpoint
+from rollout_helpers import engine_pair
 from test_weight_sync_engine_death import _engine_weights
 
 from dapo_megatron.rollout.pool import EnginePool
@@ -32,15 +32,9 @@ BUCKET_BYTES = 16 << 20
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("broadcast_death")
     # MLP weights of 256 x 4096 fp32 (4 MiB each, 25 MiB in all): the first bucket is ~16 MiB
-    model_dir = make_tiny_checkpoint(root / "model", seed=0, shape={"hidden_size": 256, "intermediate_size": 4096})
-    engines = [ServerProcess(model_dir, root / "engines", seed=i, log_path=root / f"engine_{i}.log") for i in range(2)]
-    try:
-        yield {"root": root, "model_dir": model_dir, "engines": engines}
-    finally:
-        for e in engines:
-            e.kill()
+    with engine_pair(tmp_path_factory.mktemp("broadcast_death"), shape={"hidden_size": 256, "intermediate_size": 4096}) as pair:
+        yield pair
 
 
 def test_engine_killed_inside_a_broadcast_the_other_finishes(setup):

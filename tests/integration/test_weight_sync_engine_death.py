@@ -16,7 +16,7 @@ import signal
 
 import pytest
 import torch
-from rollout_helpers import ServerProcess, make_tiny_checkpoint
+from rollout_helpers import ServerProcess, engine_pair
 
 from dapo_megatron.transfer.engine_push import sync_dropping_dead
 from dapo_megatron.rollout.client import EngineClient
@@ -26,14 +26,8 @@ from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sync_death")
-    model_dir = make_tiny_checkpoint(root / "model", seed=0)
-    engines = [ServerProcess(model_dir, root / "engines", seed=i, log_path=root / f"engine_{i}.log") for i in range(2)]
-    try:
-        yield {"root": root, "model_dir": model_dir, "engines": engines}
-    finally:
-        for e in engines:
-            e.kill()
+    with engine_pair(tmp_path_factory.mktemp("sync_death")) as pair:
+        yield pair
 
 
 def _weights(model_dir, seed: int) -> list[tuple[str, torch.Tensor]]:

@@ -15,13 +15,8 @@ from dapo_megatron.trainer.write_failure import errno_of, write_failure_message
 
 
 @pytest.fixture
-def full_tmpfs(tmp_path):
-    mount = tmp_path / "fs"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (not root): test_file_size_limit covers the message")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+def full_tmpfs(mount_tmpfs):
+    return mount_tmpfs("1m", "cannot mount a tmpfs here (not root): test_file_size_limit covers the message")
 
 
 def test_full_tmpfs_named_with_errno_and_free_space(full_tmpfs):
