@@ -167,3 +167,54 @@ def check_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], b
 def logprob_bound(fp32_logprobs, exact_logprobs) -> float:
     """SAFETY times the worst per-token error of the fp32 transformers log-probs against float64."""
     return SAFETY * max(float((a.double() - b).abs().max()) for a, b in zip(fp32_logprobs, exact_logprobs))
+
+
+@dataclass
+class TokenBounds:
+    """Per-token float64 log-probs and entropies of a batch (one tensor per sample) and the fp32 bounds."""
+
+    logprobs: list[torch.Tensor]
+    entropies: list[torch.Tensor]
+    logprob_bound: float
+    entropy_bound: float
+
+    def check(self, logprobs, entropies, label: str = "") -> float:
+        """Every token within its bound; returns the worst ratio error / bound."""
+        lp_err = max(float((a.double() - b).abs().max()) for a, b in zip(logprobs, self.logprobs))
+        ent_err = max(float((a.double() - b).abs().max()) for a, b in zip(entropies, self.entropies))
+        assert lp_err <= self.logprob_bound, (f"{label} log-probs {lp_err:.3e} from float64; fp32 rounding "
+                                              f"allows {self.logprob_bound:.3e}")
+        assert ent_err <= self.entropy_bound, (f"{label} entropies {ent_err:.3e} from float64; fp32 rounding "
+                                               f"allows {self.entropy_bound:.3e}")
+        return max(lp_err / self.logprob_bound, ent_err / self.entropy_bound)
+
+
+def hf_token_logprobs(hf_dir, samples, *, dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-sample log-probs of the response tokens and entropies, the whole computation in `dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, experts_implementation="eager").eval()
+    logps, ents = [], []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s.prompt_ids + s.response_ids])
+            logp = torch.log_softmax(model(ids).logits[0], -1)[len(s.prompt_ids) - 1:-1]
+            logps.append(logp.gather(1, ids[0, len(s.prompt_ids):, None])[:, 0].double())
+            ents.append(-(logp.exp() * logp).sum(-1).double())
+    return logps, ents
+
+
+def token_bounds(hf_dir, samples) -> TokenBounds:
+    lp32, ent32 = hf_token_logprobs(hf_dir, samples, dtype=torch.float32)
+    lp64, ent64 = hf_token_logprobs(hf_dir, samples, dtype=torch.float64)
+    return TokenBounds(lp64, ent64, logprob_bound(lp32, lp64), logprob_bound(ent32, ent64))
+
+
+def min_distance_to_clip_edges(exact: PolicyStep, samples, *, eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0) -> float:
+    """How far (relative) the float64 ratios of the batch are from the edges where a token changes clip
+    branch: when every ratio is further than fp32 rounding can move it, the clip counts of every fp32
+    layout are exact on every CPU."""
+    old = torch.cat([torch.tensor(s.old_logprobs, dtype=torch.float64) for s in samples])
+    ratio = torch.exp(exact.logprobs - old)
+    edges = torch.tensor([1 - eps_low, 1 + eps_high, clip_ratio_c], dtype=torch.float64)
+    return float(((ratio[:, None] - edges) / edges).abs().min())
