@@ -18,6 +18,7 @@ of the per-token error, sum_t |dL/dlogp_t| * max_t |dlogp_t|, never its own sing
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +40,11 @@ class PolicyStep:
     grads: dict[str, torch.Tensor]
 
 
-def hf_policy_step(hf_dir, samples, *, dtype, eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0) -> PolicyStep:
-    """d/dtheta of sum_all_tokens(mask * l) / sum(mask) on the transformers model, in one batch, in `dtype`."""
+def hf_policy_step(hf_dir, samples, *, dtype, eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0,
+                   forward_context=None) -> PolicyStep:
+    """d/dtheta of sum_all_tokens(mask * l) / sum(mask) on the transformers model, in one batch, in `dtype`;
+    forward_context(model, sample), if given, is a context manager around each sample's forward (a MoE's
+    forced routing)."""
     from transformers import AutoModelForCausalLM
 
     from dapo_megatron.algo.policy_loss import policy_loss
@@ -51,7 +55,8 @@ def hf_policy_step(hf_dir, samples, *, dtype, eps_low=0.2, eps_high=0.28, clip_r
     logps, olds, advs, masks = [], [], [], []
     for s in samples:
         ids = torch.tensor([s.prompt_ids + s.response_ids])
-        logp = torch.log_softmax(model(ids).logits[0], -1)[len(s.prompt_ids) - 1:-1]
+        with forward_context(model, s) if forward_context else contextlib.nullcontext():
+            logp = torch.log_softmax(model(ids).logits[0], -1)[len(s.prompt_ids) - 1:-1]
         logps.append(logp.gather(1, ids[0, len(s.prompt_ids):, None])[:, 0])
         olds.append(torch.tensor(s.old_logprobs, dtype=dtype))
         advs.append(torch.full((len(s.response_ids),), s.advantage, dtype=dtype))
@@ -111,10 +116,10 @@ def step_bounds(fp32: PolicyStep, exact: PolicyStep) -> StepBounds:
     return StepBounds(exact, loss_bound, grad_bounds, norm, SAFETY * float((flat32 - flat).norm()) + U32 * norm)
 
 
-def reference_step(hf_dir, samples, **loss_args) -> StepBounds:
+def reference_step(hf_dir, samples, **step_args) -> StepBounds:
     """The float64 step and the fp32 bounds around it (the transformers model run in both precisions)."""
-    return step_bounds(hf_policy_step(hf_dir, samples, dtype=torch.float32, **loss_args),
-                       hf_policy_step(hf_dir, samples, dtype=torch.float64, **loss_args))
+    return step_bounds(hf_policy_step(hf_dir, samples, dtype=torch.float32, **step_args),
+                       hf_policy_step(hf_dir, samples, dtype=torch.float64, **step_args))
 
 
 def adam_first_step(weights: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], *, lr: float, eps: float,
