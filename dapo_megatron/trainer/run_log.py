@@ -278,14 +278,22 @@ def run_summary(run_dir: str | Path, *, phase_seconds: Mapping[str, float] | Non
     curves = run_dir / CURVES_FILE
     lines.append(f"  curves:       {curves if curves.is_file() else '(not written)'}")
     lines.append(f"  metrics:      {run_dir / METRICS_FILE} ({len(records)} records)")
-    evals = [(int(r["step"]), float(r["eval/avg@k"]), r.get("eval/pass@k"), r.get("eval/k"))
-             for r in records if isinstance(r.get("eval/avg@k"), (int, float))]
+    # a run with several eval sets (data.eval_sets): the first set's numbers (the one that picks the best checkpoint)
+    sets = _eval_set_keys(records)
+    pre = "eval/" if any("eval/avg@k" in r for r in records) or not sets else sets[0][0].removesuffix("avg@k")
+    evals = [(int(r["step"]), float(r[f"{pre}avg@k"]), r.get(f"{pre}pass@k"), r.get(f"{pre}k"))
+             for r in records if isinstance(r.get(f"{pre}avg@k"), (int, float))]
     if evals:
         k = evals[-1][3]
         name = f"avg@{int(k)}" if isinstance(k, (int, float)) else "avg@k"
         step, value, pass_k, _ = evals[-1]
         extra = f", pass@{int(k)} {float(pass_k):.1%}" if isinstance(pass_k, (int, float)) and k else ""
         lines.append(f"  final eval:   {name} {value:.1%} at step {step}{extra}")
+        last = next(r for r in reversed(records) if isinstance(r.get(f"{pre}avg@k"), (int, float)))
+        if f"{pre}avg@k_ci95_low" in last:  # the eval file (trainer/eval_report.py) holds every problem's record
+            lines.append(f"  eval file:    {run_dir / 'evals' / f'step_{step:06d}.json'} ({pre.strip('/')} {name} "
+                         f"{value:.1%}, 95% CI [{last[f'{pre}avg@k_ci95_low']:.1%}, {last[f'{pre}avg@k_ci95_high']:.1%}]"
+                         + (f", maj@{int(k)} {last[f'{pre}maj@k']:.1%}" if f"{pre}maj@k" in last and k else "") + ")")
         best_step, best, _, _ = max(evals, key=lambda e: (e[1], -e[0]))  # the earliest of equal bests
         first = evals[0]
         lines.append(f"  best eval:    {name} {best:.1%} at step {best_step} "

@@ -193,3 +193,19 @@ def test_the_worked_example_of_docs_algorithm_md():
     (row,) = compare_evals({"eval": a}, {"eval": b})
     assert row["avg_b"] == pytest.approx(7 / 12) and row["diff"] == pytest.approx(1 / 6)
     assert row["diff_ci95"] == [0.0, 0.25] and row["verdict"] == "no clear difference"
+
+
+def test_run_summary_names_the_eval_file_and_uses_the_first_set(tmp_path):
+    from dapo_megatron.trainer.run_log import run_summary
+
+    one = [{"step": 0, "eval/avg@k": 0.25, "eval/pass@k": 0.5, "eval/k": 8.0, "eval/avg@k_ci95_low": 0.2,
+            "eval/avg@k_ci95_high": 0.3, "eval/maj@k": 0.4}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in one))
+    lines = run_summary(tmp_path).splitlines()
+    assert "  final eval:   avg@8 25.0% at step 0, pass@8 50.0%" in lines
+    assert f"  eval file:    {tmp_path / 'evals' / 'step_000000.json'} (eval avg@8 25.0%, 95% CI [20.0%, 30.0%], " \
+        "maj@8 40.0%)" in lines
+    several = [{"step": 4, "eval/aime24/avg@k": 0.125, "eval/aime24/pass@k": 0.5, "eval/aime24/k": 32.0,
+                "eval/math500/avg@k": 0.75}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in several))
+    assert "  final eval:   avg@32 12.5% at step 4, pass@32 50.0%" in run_summary(tmp_path).splitlines()
