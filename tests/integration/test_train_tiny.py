@@ -238,6 +238,28 @@ def test_eval_command_reproduces_the_training_eval(tiny_run_a):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "B-A +0.0% [+0.0%, +0.0%] (95% paired bootstrap, 100 problems): no clear difference" in proc.stdout
 
+    # two eval sets (data.eval_sets): the held-out problems 0-49 and 50-99 as files. Set "first" is asked
+    # the same requests as problems 0-49 (same rids and seeds): the same records; "second" the same problems
+    from dapo_megatron.config import load_config
+    from dapo_megatron.data.datasets import train_and_eval_sets
+
+    _, (held_out,) = train_and_eval_sets(load_config(ROOT / "configs/runs/tiny_cpu.yaml").data).values()
+    files = {}
+    for name, part in (("first", held_out[:50]), ("second", held_out[50:])):
+        files[name] = run_dir / f"{name}.jsonl"
+        files[name].write_text("".join(json.dumps(r.to_row()) + "\n" for r in part))
+    two = run_dir / "eval_step4_two_sets.json"
+    proc = subprocess.run(cmd[:5] + [f"data.eval_sets={{first: {files['first']}, second: {files['second']}}}"]
+                          + cmd[5:-1] + [str(two)], cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sets = json.loads(two.read_text())["sets"]
+    assert list(sets) == ["first", "second"] and [sets[n]["num_prompts"] for n in sets] == [50, 50]
+    assert sets["first"]["problems"] == trained["problems"][:50]
+    assert [p["prompt_hash"] for p in sets["second"]["problems"]] == [p["prompt_hash"] for p in trained["problems"][50:]]
+    proc = subprocess.run(compare + [str(out), str(two)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "none in common" in proc.stderr, proc.stderr[-2000:]
+
 
 def test_sigterm_stops_every_process_the_run_started(runs):
     """SIGTERM to `train` (what scancel or a terminal close sends) stops the engines, torchrun and
