@@ -243,7 +243,7 @@ def test_eval_command_reproduces_the_training_eval(tiny_run_a):
     from dapo_megatron.config import load_config
     from dapo_megatron.data.datasets import train_and_eval_sets
 
-    _, (held_out,) = train_and_eval_sets(load_config(ROOT / "configs/runs/tiny_cpu.yaml").data).values()
+    (held_out,) = train_and_eval_sets(load_config(ROOT / "configs/runs/tiny_cpu.yaml").data)[1].values()
     files = {}
     for name, part in (("first", held_out[:50]), ("second", held_out[50:])):
         files[name] = run_dir / f"{name}.jsonl"
