@@ -209,3 +209,12 @@ def test_run_summary_names_the_eval_file_and_uses_the_first_set(tmp_path):
                 "eval/math500/avg@k": 0.75}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in several))
     assert "  final eval:   avg@32 12.5% at step 4, pass@32 50.0%" in run_summary(tmp_path).splitlines()
+
+
+def test_console_eval_column_shows_the_first_set():
+    from dapo_megatron.trainer.console import StepTable
+
+    table = StepTable(total_steps=10)
+    row = table.format_row(5, {"eval/aime24/avg@k": 0.125, "eval/math500/avg@k": 0.75})
+    assert table.header().split()[:4] == ["step", "reward", "acc", "eval"]
+    assert row.split()[:4] == ["5/10", "-", "-", "12.5%"]
