@@ -46,6 +46,10 @@ class SyntheticDataConfig:
 class DataConfig:
     train_path: str = ""  # parquet / jsonl in the DAPO-Math-17K schema; "" = synthetic task
     eval_path: str = ""
+    # several eval sets, name -> file (DAPO-Math schema), e.g. {aime24: ..., aime25: ..., math500: ...}: each
+    # logged as eval/<name>/avg@k, ... (trainer/eval_report.py); {} = the one set of eval_path (or the
+    # synthetic held-out split), logged as eval/avg@k. The first set picks the best checkpoint.
+    eval_sets: dict[str, str] = field(default_factory=dict)
     dedup: bool = True  # the public DAPO-Math-17K file repeats every prompt ~100 times
     prompt_template: Literal["as-is", "dapo"] = "as-is"  # "dapo": wrap raw problems in the DAPO template
     # every row is checked before a run starts (file, row, column; prompt tokens vs rollout.max_prompt_length):
@@ -365,6 +369,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if value not in allowed:
             raise ValueError(f"config key '{key}': {value!r} is not allowed; choose one of {list(allowed)}")
         return value
+    if origin is dict:
+        key_tp, item_tp = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ValueError(f"config key '{key}': expected a mapping of name: {item_tp.__name__}, got {value!r}")
+        return {_coerce(key_tp, k, f"{key} (a name)"): _coerce(item_tp, v, f"{key}.{k}") for k, v in value.items()}
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
@@ -508,6 +517,7 @@ def validate(cfg: Config) -> None:
     _require(bool(t.output_dir), "trainer.output_dir", t.output_dir, "must be a directory path")
 
     _validate_tiny(cfg)
+    _validate_eval_sets(cfg)
 
     _require(s.nodes >= 1, "slurm.nodes", s.nodes, "must be >= 1")
     _require(s.gpus_per_node >= 0, "slurm.gpus_per_node", s.gpus_per_node, "must be >= 0")
@@ -568,6 +578,18 @@ def _validate_experts(cfg: Config) -> None:
     _require(not (ac.routing_replay and ac.recompute == "full" and ac.pp > 1), "actor.routing_replay",
              ac.routing_replay, "with actor.recompute=full needs actor.pp=1: the recomputed forward of a "
              "pipelined schedule would replay another micro-batch's experts")
+
+
+def _validate_eval_sets(cfg: Config) -> None:
+    """data.eval_sets: names that can sit in a metric name (eval/<name>/avg@k), one file each (whether
+    each file exists and its rows are sound is checked where it is read: data/prompts.py load_prompts)."""
+    d = cfg.data
+    _require(not (d.eval_sets and d.eval_path), "data.eval_path", d.eval_path,
+             "empty when data.eval_sets is set (name the file as one of the sets instead)")
+    for name, path in d.eval_sets.items():
+        _require(re.fullmatch(r"[A-Za-z0-9_.-]+", name) is not None, f"data.eval_sets.{name}", path,
+                 "set names are letters, digits, _ . - (they become metric names: eval/<name>/avg@k)")
+        _require(bool(path.strip()), f"data.eval_sets.{name}", path, "must name a prompt file (parquet or jsonl)")
 
 
 def _validate_tiny(cfg: Config) -> None:

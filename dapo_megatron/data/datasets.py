@@ -2,6 +2,7 @@
 
     train, evals = train_and_eval_records(cfg.data)
     train, evals = train_and_eval_records(cfg.data, tokenizer=tok, max_prompt_length=cfg.rollout.max_prompt_length)
+    train, sets = train_and_eval_sets(cfg.data)       # sets: name -> records (data.eval_sets, else {"eval": evals})
 
 With a tokenizer, every prompt's length after the chat template is checked against
 rollout.max_prompt_length too (data/prompts.py, prompt_token_ids): the launcher does this before any
@@ -16,7 +17,35 @@ from dapo_megatron.data.prompts import PromptList, bad_rows_message, load_prompt
 from dapo_megatron.data.synthetic import synthetic_train_eval
 
 
+DEFAULT_EVAL_SET = "eval"  # the name of a run's only eval set (data.eval_path or the synthetic split)
+
+
+def train_and_eval_sets(data_cfg, *, tokenizer=None, max_prompt_length: int = 0) -> tuple[list, dict[str, list]]:
+    """(train, name -> eval records): data.eval_sets, each file read and checked under its own key
+    (data.eval_sets.<name>), or {"eval": the eval records of train_and_eval_records} ({} when empty)."""
+    train, evals = _train_and_eval(data_cfg, tokenizer=tokenizer, max_prompt_length=max_prompt_length,
+                                   with_eval=not data_cfg.eval_sets)
+    if not data_cfg.eval_sets:
+        return train, ({DEFAULT_EVAL_SET: evals} if evals else {})
+    length = (lambda record: len(prompt_token_ids(tokenizer, record))) if tokenizer is not None else None
+    sets = {name: load_prompts(path, dedup=False, prompt_template=data_cfg.prompt_template, key=f"data.eval_sets.{name}",
+                               skip_bad_rows=data_cfg.skip_bad_rows, prompt_length=length,
+                               max_prompt_length=max_prompt_length)
+            for name, path in data_cfg.eval_sets.items()}
+    return train, sets
+
+
 def train_and_eval_records(data_cfg, *, tokenizer=None, max_prompt_length: int = 0) -> tuple[list, list]:
+    """(train, eval records): every eval set's records one after the other (train_and_eval_sets)."""
+    if not data_cfg.eval_sets:
+        return _train_and_eval(data_cfg, tokenizer=tokenizer, max_prompt_length=max_prompt_length, with_eval=True)
+    train, sets = train_and_eval_sets(data_cfg, tokenizer=tokenizer, max_prompt_length=max_prompt_length)
+    evals = PromptList([r for records in sets.values() for r in records],
+                       num_skipped=sum(getattr(records, "num_skipped", 0) for records in sets.values()))
+    return train, evals
+
+
+def _train_and_eval(data_cfg, *, tokenizer, max_prompt_length: int, with_eval: bool) -> tuple[list, list]:
     """(train, eval) prompt records: files in the DAPO-Math schema (data.train_path / eval_path), or
     the synthetic task with a held-out eval split (eval problems that also occur in the train split
     are dropped)."""
@@ -27,15 +56,16 @@ def train_and_eval_records(data_cfg, *, tokenizer=None, max_prompt_length: int =
         train = load_prompts(d.train_path, dedup=d.dedup, prompt_template=d.prompt_template, key="data.train_path",
                              **checks)
         evals = (load_prompts(d.eval_path, dedup=False, prompt_template=d.prompt_template, key="data.eval_path",
-                              **checks) if d.eval_path else [])
+                              **checks) if d.eval_path and with_eval else [])
         return train, evals  # PromptLists: num_skipped says how many bad rows were left out
     s = d.synthetic
     train, evals = synthetic_train_eval(num_train=s.num_train, num_eval=s.num_eval, difficulty=s.difficulty,
                                         seed=s.seed, style=s.style)
     if length is not None and max_prompt_length > 0:
         train = _within_length(train, length, max_prompt_length, "data.synthetic (train)", d.skip_bad_rows)
-        evals = _within_length(evals, length, max_prompt_length, "data.synthetic (eval)", d.skip_bad_rows)
-    return train, evals
+        if with_eval:
+            evals = _within_length(evals, length, max_prompt_length, "data.synthetic (eval)", d.skip_bad_rows)
+    return train, (evals if with_eval else [])
 
 
 def _within_length(records: list, length, limit: int, key: str, skip: bool) -> list:

@@ -40,13 +40,18 @@ def train(argv: list[str]) -> int:
 
 def evaluate(argv: list[str]) -> int:
     """dapo-megatron eval CONFIG [key=value ...] [--checkpoint DIR] [--output FILE.json]
+    dapo-megatron eval --compare A B      (A, B: eval JSON files or run directories: their newest eval)
 
-    avg@k and pass@k (k = trainer.eval_n) of a checkpoint on the config's eval set with the eval
-    sampling settings (trainer.eval_temperature / eval_top_p; DAPO: k=32, T=1.0, top_p=0.7).
+    Every eval set of the config (data.eval_sets, else data.eval_path or the synthetic held-out split)
+    sampled k = trainer.eval_n times per problem with the eval sampling settings
+    (trainer.eval_temperature / eval_top_p; DAPO: k=32, T=1.0, top_p=0.7); the JSON holds avg@k with
+    its 95% bootstrap interval, maj@k, unbiased pass@1, 2, 4, ..., k and one record per problem
+    (trainer/eval_report.py; docs/algorithm.md, "Evaluation").
     rollout.engine=cpu starts CPU engines on the checkpoint; otherwise the engines of
     rollout.engine_urls or <output_dir>/engines load it with update_weights_from_disk.
     DIR is a run checkpoint (checkpoints/step_N), a HF model directory, or a run directory (its
     newest complete checkpoint); without --checkpoint, the config's trainer.output_dir.
+    --compare: B's avg@k minus A's on the same problems, with a paired-bootstrap 95% interval.
     """
     import argparse
     import asyncio
@@ -55,8 +60,11 @@ def evaluate(argv: list[str]) -> int:
     import tempfile
     from pathlib import Path
 
-    from dapo_megatron.trainer.evaluate import eval_metrics, resolve_checkpoint, sample_correct
+    from dapo_megatron.trainer.eval_report import eval_report, write_eval_file
+    from dapo_megatron.trainer.evaluate import resolve_checkpoint, sample_eval
 
+    if "--compare" in argv:
+        return compare(argv)
     parser = argparse.ArgumentParser(prog="dapo-megatron eval", description=evaluate.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
@@ -78,18 +86,18 @@ def evaluate(argv: list[str]) -> int:
 
     from transformers import AutoTokenizer
 
-    from dapo_megatron.data.datasets import train_and_eval_records
+    from dapo_megatron.data.datasets import train_and_eval_sets
     from dapo_megatron.rollout.auth import engine_keys, ensure_secret_file, run_secret_path
     from dapo_megatron.rollout.pool import EnginePool
     from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
 
-    _, records = train_and_eval_records(cfg.data)
-    if not records:
-        raise ValueError("the eval set is empty: set data.eval_path (or data.synthetic.num_eval)")
+    _, sets = train_and_eval_sets(cfg.data)
+    if not sets or not all(sets.values()):
+        raise ValueError("an eval set is empty: set data.eval_sets, data.eval_path (or data.synthetic.num_eval)")
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
     t, r = cfg.trainer, cfg.rollout
 
-    async def run(urls: list[str] | None, keys):  # -> the [P, k] table of correct samples
+    async def run(urls: list[str] | None, keys):  # -> name -> EvalSamples
         if urls:
             pool = EnginePool(urls, timeout_s=r.request_timeout_s, max_retries=r.max_retries, keys=keys)
         else:
@@ -99,11 +107,15 @@ def evaluate(argv: list[str]) -> int:
             await asyncio.gather(*(c.update_weights_from_disk(hf_dir) for c in pool.live_clients()))
         try:
             sampler = RolloutSampler(pool, tokenizer, RolloutSettings.from_sections(r, cfg.algorithm, seed=t.seed, progress=False))
-            ids = [sampler.prompt_ids(rec) for rec in records]
             eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-            return await sample_correct(pool, ids, records, n=t.eval_n, temperature=t.eval_temperature,
-                                        top_p=t.eval_top_p, max_new_tokens=r.max_response_length, seed=t.seed,
-                                        stop_token_ids=eos, per_sample_seeds=await pool.seeds_honoured())
+            seeded = await pool.seeds_honoured()
+            out = {}
+            for name, records in sets.items():
+                out[name] = await sample_eval(pool, [sampler.prompt_ids(rec) for rec in records], records, n=t.eval_n,
+                                              temperature=t.eval_temperature, top_p=t.eval_top_p,
+                                              max_new_tokens=r.max_response_length, seed=t.seed, stop_token_ids=eos,
+                                              per_sample_seeds=seeded)
+            return out
         finally:
             await pool.close()
 
@@ -115,16 +127,46 @@ def evaluate(argv: list[str]) -> int:
             keys = ensure_secret_file(secret)
             with LocalEngines(hf_dir, num_engines=r.num_engines, register_dir=os.path.join(tmp, "engines"),
                               seed=t.seed, auth_file=secret) as engines:
-                correct = asyncio.run(run(engines.urls, keys))
+                samples = asyncio.run(run(engines.urls, keys))
     else:  # the user's keys for engine_urls, else the run's secret (its SGLang engines registered)
-        correct = asyncio.run(run(list(r.engine_urls) or None, engine_keys(r, t.output_dir)))
-    result = {"checkpoint": checkpoint, "model": hf_dir, "temperature": t.eval_temperature, "top_p": t.eval_top_p,
-              **{key.removeprefix("eval/"): value for key, value in eval_metrics(correct).items()},
-              "num_prompts": len(records), "k": t.eval_n,  # counts: ints (the logged eval/k is a float)
-              "per_prompt_acc": correct.mean(dim=1).tolist()}
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = output.with_name(f".{output.name}.tmp")
-    tmp_out.write_text(json.dumps(result, indent=1))
-    tmp_out.replace(output)
-    print(json.dumps({k: v for k, v in result.items() if k != "per_prompt_acc"}))
+        samples = asyncio.run(run(list(r.engine_urls) or None, engine_keys(r, t.output_dir)))
+    step = _checkpoint_step(checkpoint)
+    reports = {name: eval_report(samples[name], records, step=step, name=name) for name, records in sets.items()}
+    write_eval_file(output, reports, extra={"checkpoint": checkpoint, "model": hf_dir, "temperature": t.eval_temperature,
+                                            "top_p": t.eval_top_p})
+    for name, report in reports.items():
+        print(json.dumps({k: v for k, v in report.items() if k not in ("problems", "interval", "maj_tie_rule")}))
+    print(f"[eval] wrote {output}")
+    return 0
+
+
+def _checkpoint_step(checkpoint: str) -> int:
+    """The step of a run checkpoint (its trainer_state.json), -1 for a plain HF model."""
+    from pathlib import Path
+
+    from dapo_megatron.trainer.run_checkpoint import read_state
+
+    try:
+        return int(read_state(Path(checkpoint))["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
+def compare(argv: list[str]) -> int:
+    """`dapo-megatron eval --compare A B`: per eval set, avg@k of A and B and B - A with its
+    paired-bootstrap 95% interval (the same problems resampled for both; trainer/eval_report.py)."""
+    import argparse
+
+    from dapo_megatron.trainer.eval_report import compare_evals, load_eval_sets
+
+    parser = argparse.ArgumentParser(prog="dapo-megatron eval --compare", description=compare.__doc__)
+    parser.add_argument("--compare", nargs=2, metavar=("A", "B"), required=True,
+                        help="eval JSON files or run directories (their newest evals/step_N.json)")
+    args = parser.parse_args(argv)
+    (path_a, sets_a), (path_b, sets_b) = (load_eval_sets(x) for x in args.compare)
+    print(f"A: {path_a}\nB: {path_b}")
+    for row in compare_evals(sets_a, sets_b, where_a=str(path_a), where_b=str(path_b)):
+        low, high = row["diff_ci95"]
+        print(f"{row['set']}: avg@k A {row['avg_a']:.1%}  B {row['avg_b']:.1%}  B-A {row['diff']:+.1%} "
+              f"[{low:+.1%}, {high:+.1%}] (95% paired bootstrap, {row['num_prompts']} problems): {row['verdict']}")
     return 0

@@ -150,10 +150,10 @@ def check_data(cfg: Config, *, skip: bool) -> str:
 
     if skip:
         return "data not checked (--skip-data-check): the job checks every row before training starts"
-    for key in ("train_path", "eval_path"):
-        path = getattr(cfg.data, key)
+    files = [(f"data.{key}", getattr(cfg.data, key)) for key in ("train_path", "eval_path")]
+    for key, path in files + [(f"data.eval_sets.{name}", path) for name, path in cfg.data.eval_sets.items()]:
         if path and not Path(path).is_file():
-            raise ValueError(f"config key 'data.{key}': {path} is not a file on this machine; if it exists only "
+            raise ValueError(f"config key '{key}': {path} is not a file on this machine; if it exists only "
                              "where the jobs run, pass --skip-data-check (the job checks every row there)")
     note = ""
     if cfg.tiny.enabled:

@@ -187,6 +187,9 @@ class StepTable:
 
     def format_row(self, step: int, metrics: Mapping[str, Any]) -> str:
         label = f"{step}/{self.total_steps}" if self.total_steps else str(step)
+        if "eval/avg@k" not in metrics:  # several eval sets (data.eval_sets): the column shows the first set's
+            first = next((k for k in metrics if k.startswith("eval/") and k.endswith("/avg@k")), None)
+            metrics = {**metrics, "eval/avg@k": metrics[first]} if first else metrics
         cells = []
         for key, _, width, fmt in STEP_COLUMNS:
             text = fmt(metrics, key)

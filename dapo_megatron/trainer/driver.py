@@ -5,7 +5,7 @@ engine side of the weight transfer. Every other rank only runs the actor (traine
     groups, stats = driver.rollout()           # dynamic sampling: generated, scored (+ overlong shaping) groups
     code, result = driver.try_rollout(step)    # the same, or what to do when every engine was lost (trainer/recovery.py)
     stats = driver.push_weights(buckets, step=3)   # the actor's export buckets (trainer/placement.py) -> every engine
-    scores = driver.evaluate()                 # avg@k / pass@k on the eval set
+    scores = driver.evaluate()                 # every eval set: metrics, and <run_dir>/evals/step_N.json
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any, Iterable
 import torch
 
 from dapo_megatron.config import Config
-from dapo_megatron.data.datasets import train_and_eval_records
+from dapo_megatron.data.datasets import train_and_eval_sets
 from dapo_megatron.data.stream import PromptStream
 from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.rollout.auth import engine_keys
@@ -27,7 +27,8 @@ from dapo_megatron.rollout.async_rollout import engine_phases
 from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
 from dapo_megatron.rollout.registry import engine_events_path
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
-from dapo_megatron.trainer.evaluate import eval_metrics, sample_correct
+from dapo_megatron.trainer.eval_report import eval_file_path, eval_report, metric_prefix, report_metrics, write_eval_file
+from dapo_megatron.trainer.evaluate import sample_eval
 from dapo_megatron.trainer.recovery import OK, EngineFaults
 from dapo_megatron.transfer.engine_push import sync_dropping_dead
 from dapo_megatron.transfer.weight_sync import DistributedWeightSync
@@ -63,8 +64,8 @@ class Driver:
                                                                    stop_token_ids=tuple(eos), per_sample_seeds=seeded),
                                       rid_prefix="train")
         # checked like the launcher checked them before start (data.skip_bad_rows leaves out the same rows)
-        train, self.eval_records = train_and_eval_records(cfg.data, tokenizer=self.tokenizer,
-                                                          max_prompt_length=r.max_prompt_length)
+        train, self.eval_sets = train_and_eval_sets(cfg.data, tokenizer=self.tokenizer,
+                                                    max_prompt_length=r.max_prompt_length)
         self.prompts = PromptStream(train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         # master_address "" = the trainer address every engine reaches (weight_group.trainer_address)
         # the group's backend follows the engines (gloo for CPU engines, nccl for SGLang), not the trainer
@@ -154,7 +155,7 @@ class Driver:
         from dapo_megatron.rollout.client import EngineError
 
         try:
-            return OK, self.evaluate()
+            return OK, self.evaluate(step=updates)
         except EngineError as err:
             if not self.engine_faults.is_engine_loss(err):
                 raise  # engines answer: not an engine loss
@@ -203,21 +204,30 @@ class Driver:
         return self.engine_report.report()
 
     # --- evaluation -----------------------------------------------------------------------------------
-    def evaluate(self, *, records: list | None = None) -> dict[str, float]:
-        """avg@k and pass@k with the eval sampling settings (trainer.eval_n/eval_temperature/eval_top_p)."""
-        records = self.eval_records if records is None else records
-        if not records:
+    def evaluate(self, *, step: int) -> dict[str, float]:
+        """Every eval set with the eval sampling settings (trainer.eval_n/eval_temperature/eval_top_p) on
+        the weights after `step` updates, written to <run_dir>/evals/step_<step>.json; the metrics
+        returned are that file's numbers (trainer/eval_report.py: eval/avg@k, or eval/<set>/avg@k with
+        several sets)."""
+        if not self.eval_sets:
             return {}
         t = self.cfg.trainer
         start, tic = time.perf_counter(), time.time()
-        correct = self.run(sample_correct(
-            self.pool, [self.sampler.prompt_ids(r) for r in records], records, n=t.eval_n,
-            temperature=t.eval_temperature, top_p=t.eval_top_p, max_new_tokens=self.cfg.rollout.max_response_length,
-            seed=t.seed, stop_token_ids=self.sampler.settings.stop_token_ids,
-            per_sample_seeds=self.sampler.settings.per_sample_seeds))
+        reports = {}
+        for name, records in self.eval_sets.items():
+            samples = self.run(sample_eval(
+                self.pool, [self.sampler.prompt_ids(r) for r in records], records, n=t.eval_n,
+                temperature=t.eval_temperature, top_p=t.eval_top_p, max_new_tokens=self.cfg.rollout.max_response_length,
+                seed=t.seed, stop_token_ids=self.sampler.settings.stop_token_ids,
+                per_sample_seeds=self.sampler.settings.per_sample_seeds))
+            reports[name] = eval_report(samples, records, step=step, name=name)
+        write_eval_file(eval_file_path(self.run_dir, step), reports,
+                        extra={"temperature": t.eval_temperature, "top_p": t.eval_top_p})
         # the timeline's "eval" lane: without it an eval step is an unlabelled gap in timeline.png
-        self.timeline.append(("eval", self.next_step, tic, time.time()))
-        return {**eval_metrics(correct), "time/eval_s": time.perf_counter() - start}
+        self.timeline.append(("eval", step, tic, time.time()))
+        metrics = {key: value for name, report in reports.items()
+                   for key, value in report_metrics(report, prefix=metric_prefix(name, num_sets=len(reports))).items()}
+        return {**metrics, "time/eval_s": time.perf_counter() - start}
 
     def close(self) -> None:
         async def run():

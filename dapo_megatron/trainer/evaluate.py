@@ -1,83 +1,47 @@
-"""Evaluation maths: avg@k and pass@k over a [P, k] table of correct (1) / wrong (0) samples.
+"""Sampling a policy on an eval set, for `train` (every trainer.eval_every steps) and `eval`.
 
-    avg_at_k(correct)            mean over problems of (correct samples / k): DAPO's "avg@32"
-    pass_at_k(correct, k=1)      per problem, the unbiased estimator of P(at least one of k correct)
-                                 from n >= k samples (Chen et al. 2021, the HumanEval paper):
-                                     pass@k = 1 - C(n - c, k) / C(n, k)
-                                 e.g. n = 4, c = 1, k = 2: 1 - C(3, 2) / C(4, 2) = 1 - 3/6 = 0.5
-    summarize(correct, ks=(1, 8, 32))  -> {"avg@32": .., "pass@1": .., "pass@8": .., "pass@32": ..}
+    samples = await sample_eval(pool, prompt_ids, records, n=32, ...)   # EvalSamples: [P, n] correct,
+                                                                         # answers, tokens, truncated
+    report  = eval_report(samples, records, step=120)                   # trainer/eval_report.py
 
-The `dapo-megatron eval` command (sampling a checkpoint on the eval set) builds on these.
+The maths (avg@k, unbiased pass@k, maj@k, bootstrap intervals) is dapo_megatron/algo/eval_stats.py;
+avg_at_k / pass_at_k / summarize are re-exported here for the callers that knew them here.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-__all__ = ["avg_at_k", "pass_at_k", "summarize"]
+from dapo_megatron.algo.eval_stats import avg_at_k, pass_at_k, summarize
+
+__all__ = ["EvalSamples", "avg_at_k", "pass_at_k", "sample_eval", "summarize"]
 
 
-def _as_correct(correct: torch.Tensor | Sequence[Sequence[float]]) -> torch.Tensor:
-    table = torch.as_tensor(correct, dtype=torch.float64)
-    if table.dim() != 2 or table.shape[0] == 0 or table.shape[1] == 0:
-        raise ValueError(f"correct must be a non-empty [problems, samples] table, got shape {tuple(table.shape)}")
-    if not bool(((table == 0) | (table == 1)).all()):
-        raise ValueError("correct must hold only 0/1 (or False/True) per sample")
-    return table
+@dataclass
+class EvalSamples:
+    """What n samples per problem of one eval set gave, problem by problem (row i = records[i])."""
 
-
-def avg_at_k(correct: torch.Tensor | Sequence[Sequence[float]]) -> float:
-    """Mean accuracy over all problems and all k samples each (every problem weighs the same)."""
-    return float(_as_correct(correct).mean(dim=1).mean())
-
-
-def pass_at_k(correct: torch.Tensor | Sequence[Sequence[float]], *, k: int) -> torch.Tensor:
-    """[P] float64 unbiased pass@k per problem, from each problem's n samples (k <= n).
-
-    1 - C(n-c, k)/C(n, k) computed as 1 - prod_{i=n-c+1}^{n} (1 - k/i), which avoids huge binomials:
-    C(n-c, k)/C(n, k) = prod_{j=0}^{c-1} (n-k-j)/(n-j), and that product is 0 as n - c < k.
-    """
-    table = _as_correct(correct)
-    n = table.shape[1]
-    if not 1 <= k <= n:
-        raise ValueError(f"pass_at_k: k={k} must be in [1, number of samples per problem = {n}]")
-    out = torch.empty(table.shape[0], dtype=torch.float64)
-    for i, c in enumerate(table.sum(dim=1).round().long().tolist()):
-        if n - c < k:
-            out[i] = 1.0
-            continue
-        miss = 1.0  # probability that k samples drawn without replacement are all wrong
-        for j in range(c):
-            miss *= (n - k - j) / (n - j)
-        out[i] = 1.0 - miss
-    return out
-
-
-def summarize(correct: torch.Tensor | Sequence[Sequence[float]], *, ks: Iterable[int] = (1,)) -> dict[str, float]:
-    """{"avg@n": .., "pass@k": .. for each k <= n}: the numbers `eval` writes as JSON."""
-    table = _as_correct(correct)
-    n = table.shape[1]
-    result = {f"avg@{n}": avg_at_k(table)}
-    for k in sorted(set(ks) | {n}):
-        if k <= n:
-            result[f"pass@{k}"] = float(pass_at_k(table, k=k).mean())
-    return result
+    correct: torch.Tensor  # [P, n] float64, 1.0 where the scorer accepts sample j of problem i
+    answers: list[list[str]]  # [P][n] the scorer's extracted, normalized answer ("[INVALID]": none found)
+    response_tokens: torch.Tensor  # [P, n] int64 generated tokens
+    truncated: torch.Tensor  # [P, n] bool: stopped by the max_new_tokens cap (finish_reason "length")
 
 
 # --------------------------------------------------------------------------------------------------
 # Sampling a policy on the eval set (used by `train` every trainer.eval_every steps and by `eval`)
 
 
-async def sample_correct(pool, prompt_ids: Sequence[Sequence[int]], records: Sequence, *, n: int, temperature: float,
-                         top_p: float, max_new_tokens: int, seed: int, stop_token_ids: Sequence[int] = (),
-                         per_sample_seeds: bool = True) -> torch.Tensor:
-    """[P, n] float64 table: 1.0 where sample j of problem i is correct under its record's scorer.
+async def sample_eval(pool, prompt_ids: Sequence[Sequence[int]], records: Sequence, *, n: int, temperature: float,
+                      top_p: float, max_new_tokens: int, seed: int, stop_token_ids: Sequence[int] = (),
+                      per_sample_seeds: bool = True) -> EvalSamples:
+    """n samples of every problem, scored by its record's scorer (reward/: the same one training uses).
 
     Problem i is one request of n items (n = 1 each, rid f"eval-{seed}-{i}-{j}.", as the sampler's);
     where the engines honour seeds, sample j carries sampling_seed seed * 7919 + i + j, so the same
-    policy gives the same table."""
+    policy gives the same samples."""
     import asyncio
 
     from dapo_megatron.reward import scorer_for_data_source
@@ -85,24 +49,25 @@ async def sample_correct(pool, prompt_ids: Sequence[Sequence[int]], records: Seq
     params = {"n": 1, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
               "stop_token_ids": list(stop_token_ids)}
 
-    async def one(i: int, ids: Sequence[int], record) -> list[float]:
+    async def one(i: int, ids: Sequence[int], record) -> list[tuple[float, str, int, bool]]:
         first = seed * 7919 + i
         sampling = [{**params, "sampling_seed": first + j} if per_sample_seeds else params for j in range(n)]
         outs = await pool.generate(input_ids=[list(ids)] * n, rid=[f"eval-{seed}-{i}-{j}." for j in range(n)],
                                    sampling_params=sampling)
         scorer = scorer_for_data_source(getattr(record, "data_source", "") or "math_dapo")
-        return [float(scorer(o["text"], str(record.ground_truth)).acc) for o in outs]
+        rows = []
+        for o in outs:
+            result = scorer(o["text"], str(record.ground_truth))
+            pred = getattr(result, "pred", None)
+            rows.append((float(result.acc), "" if pred is None else str(pred), len(o["output_ids"]),
+                         o["meta_info"]["finish_reason"]["type"] == "length"))
+        return rows
 
     rows = await asyncio.gather(*(one(i, ids, r) for i, (ids, r) in enumerate(zip(prompt_ids, records))))
-    return torch.tensor(rows, dtype=torch.float64).reshape(len(records), n)
-
-
-def eval_metrics(correct: torch.Tensor) -> dict[str, float]:
-    """The names trainer/train.py logs: avg@k / pass@k with k = samples per problem, and pass@1."""
-    n = correct.shape[1]
-    summary = summarize(correct, ks=(1, n))
-    return {"eval/avg@k": summary[f"avg@{n}"], "eval/pass@k": summary[f"pass@{n}"], "eval/pass@1": summary["pass@1"],
-            "eval/k": float(n), "eval/num_prompts": float(correct.shape[0])}
+    return EvalSamples(correct=torch.tensor([[s[0] for s in row] for row in rows], dtype=torch.float64).reshape(len(records), n),
+                       answers=[[s[1] for s in row] for row in rows],
+                       response_tokens=torch.tensor([[s[2] for s in row] for row in rows], dtype=torch.int64).reshape(len(records), n),
+                       truncated=torch.tensor([[s[3] for s in row] for row in rows], dtype=torch.bool).reshape(len(records), n))
 
 
 def resolve_checkpoint(checkpoint: str) -> tuple[str, str]:

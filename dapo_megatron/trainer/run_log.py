@@ -178,7 +178,8 @@ def build_figure(records: Sequence[Mapping[str, Any]], *, title: str = ""):
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    panels = [(t, [(k, lbl, *_series(records, k)) for k, lbl in keys]) for t, keys in PLOT_PANELS]
+    panels = [(t, [(k, lbl, *_series(records, k)) for k, lbl in keys + (_eval_set_keys(records) if t == "accuracy" else ())])
+              for t, keys in PLOT_PANELS]
     panels = [(t, [s for s in series if s[2]]) for t, series in panels]
     panels = [(t, series) for t, series in panels if series]
     if not panels:
@@ -188,8 +189,11 @@ def build_figure(records: Sequence[Mapping[str, Any]], *, title: str = ""):
     fig = Figure(figsize=(5 * cols, 3.4 * rows), layout="constrained")
     for i, (panel_title, series) in enumerate(panels):
         ax = fig.add_subplot(rows, cols, i + 1)
-        for _, label, xs, ys in series:
-            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
+        for key, label, xs, ys in series:
+            line, = ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
+            band = _ci_band(records, key)
+            if band is not None:  # the eval's 95% bootstrap interval over problems (trainer/eval_report.py)
+                ax.fill_between(band[0], band[1], band[2], color=line.get_color(), alpha=0.2, label=f"{label} 95% CI")
         ax.set_title(panel_title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -197,6 +201,24 @@ def build_figure(records: Sequence[Mapping[str, Any]], *, title: str = ""):
     if title:
         fig.suptitle(title)
     return fig
+
+
+def _eval_set_keys(records: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, str], ...]:
+    """(eval/<set>/avg@k, label) of every eval set of a run with several (data.eval_sets), first-seen order."""
+    names: list[str] = []
+    for r in records:
+        for key in r:
+            parts = key.split("/")
+            if len(parts) == 3 and parts[0] == "eval" and parts[2] == "avg@k" and parts[1] not in names:
+                names.append(parts[1])
+    return tuple((f"eval/{name}/avg@k", f"eval {name} avg@k") for name in names)
+
+
+def _ci_band(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float], list[float]] | None:
+    """(steps, low, high) of `key`'s interval (<key>_ci95_low / _high), or None where it has none."""
+    xs_low, low = _series(records, f"{key}_ci95_low")
+    xs_high, high = _series(records, f"{key}_ci95_high")
+    return (xs_low, low, high) if low and xs_low == xs_high else None
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -256,14 +278,22 @@ def run_summary(run_dir: str | Path, *, phase_seconds: Mapping[str, float] | Non
     curves = run_dir / CURVES_FILE
     lines.append(f"  curves:       {curves if curves.is_file() else '(not written)'}")
     lines.append(f"  metrics:      {run_dir / METRICS_FILE} ({len(records)} records)")
-    evals = [(int(r["step"]), float(r["eval/avg@k"]), r.get("eval/pass@k"), r.get("eval/k"))
-             for r in records if isinstance(r.get("eval/avg@k"), (int, float))]
+    # a run with several eval sets (data.eval_sets): the first set's numbers (the one that picks the best checkpoint)
+    sets = _eval_set_keys(records)
+    pre = "eval/" if any("eval/avg@k" in r for r in records) or not sets else sets[0][0].removesuffix("avg@k")
+    evals = [(int(r["step"]), float(r[f"{pre}avg@k"]), r.get(f"{pre}pass@k"), r.get(f"{pre}k"))
+             for r in records if isinstance(r.get(f"{pre}avg@k"), (int, float))]
     if evals:
         k = evals[-1][3]
         name = f"avg@{int(k)}" if isinstance(k, (int, float)) else "avg@k"
         step, value, pass_k, _ = evals[-1]
         extra = f", pass@{int(k)} {float(pass_k):.1%}" if isinstance(pass_k, (int, float)) and k else ""
         lines.append(f"  final eval:   {name} {value:.1%} at step {step}{extra}")
+        last = next(r for r in reversed(records) if isinstance(r.get(f"{pre}avg@k"), (int, float)))
+        if f"{pre}avg@k_ci95_low" in last:  # the eval file (trainer/eval_report.py) holds every problem's record
+            lines.append(f"  eval file:    {run_dir / 'evals' / f'step_{step:06d}.json'} ({pre.strip('/')} {name} "
+                         f"{value:.1%}, 95% CI [{last[f'{pre}avg@k_ci95_low']:.1%}, {last[f'{pre}avg@k_ci95_high']:.1%}]"
+                         + (f", maj@{int(k)} {last[f'{pre}maj@k']:.1%}" if f"{pre}maj@k" in last and k else "") + ")")
         best_step, best, _, _ = max(evals, key=lambda e: (e[1], -e[0]))  # the earliest of equal bests
         first = evals[0]
         lines.append(f"  best eval:    {name} {best:.1%} at step {best_step} "

@@ -23,6 +23,7 @@ from dapo_megatron.algo import group_advantages
 from dapo_megatron.config import Config
 from dapo_megatron.dataplane.batch import RolloutBatch
 from dapo_megatron.trainer import run_checkpoint as ckpt
+from dapo_megatron.trainer.eval_report import headline_avg
 from dapo_megatron.trainer.recovery import EnginesLost, FaultPolicy, save_before_stopping
 from dapo_megatron.trainer.step_record import StepRecord
 
@@ -176,7 +177,8 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
             if (tr.save_every and (step + 1) % tr.save_every == 0) or last_step or stop:
                 with placement.actor_on_device(actor, step=step + 1):  # colocated: the engines make room
                     ckpt.save_step(cfg, actor, driver, roles, step=step + 1,
-                                   extra={"nonfinite_in_row": nonfinite_in_row, "eval": log.get("eval/avg@k")})
+                                   extra={"nonfinite_in_row": nonfinite_in_row,
+                                          "eval": headline_avg(log, list(cfg.data.eval_sets))})
             if stop and not last_step:
                 if roles.driver:
                     print(f"[train] {preempt.received.name if preempt.received else 'signal'}: checkpoint of "

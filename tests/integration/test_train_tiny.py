@@ -181,10 +181,42 @@ def test_golden_reward_curve(runs):
     assert curve == goldens[fingerprint]
 
 
-def test_eval_command_reproduces_the_training_eval(runs):
+def test_eval_files_agree_with_metrics(tiny_run_a):
+    """Every eval of the run (steps 0 and 4) wrote <run_dir>/evals/step_N.json, and metrics.jsonl's eval/*
+    values are that file's numbers; the file's per-problem records add up to its summary."""
+    from dapo_megatron.algo.eval_stats import pass_at_k
+    from dapo_megatron.trainer.eval_report import read_eval_file, report_metrics
+
+    run_dir = tiny_run_a["root"] / "a"
+    rows = [r for r in tiny_run_a["a"] if "eval/avg@k" in r]
+    assert [r["step"] for r in rows] == [0, 4]
+    assert sorted(p.name for p in (run_dir / "evals").iterdir()) == ["step_000000.json", "step_000004.json"]
+    for row in rows:
+        (report,) = read_eval_file(run_dir / "evals" / f"step_{row['step']:06d}.json").values()
+        logged = {k: v for k, v in row.items() if k.startswith("eval/")}
+        assert report_metrics(report) == logged  # the same keys, the same floats
+        assert report["step"] == row["step"] and report["k"] == 8 and report["num_prompts"] == 100
+        problems = report["problems"]
+        assert [p["index"] for p in problems] == list(range(100))
+        assert all(p["n"] == 8 and sum(p["answers"].values()) == 8 and 0 <= p["truncated"] <= 8
+                   and 0 < p["mean_response_tokens"] <= 16 and p["data_source"] == "math_dapo" for p in problems)
+        assert sum(p["correct"] for p in problems) / 800 == pytest.approx(report["avg@k"], abs=1e-12)
+        correct = [[1.0] * p["correct"] + [0.0] * (8 - p["correct"]) for p in problems]
+        for j in (1, 2, 4, 8):
+            assert report[f"pass@{j}"] == pytest.approx(float(pass_at_k(correct, k=j).mean()), abs=1e-12)
+        assert report["pass@k"] == report["pass@8"] and report["pass@1"] == pytest.approx(report["avg@k"], abs=1e-12)
+        low, high = report["avg@k_ci95"]
+        assert low < report["avg@k"] < high and report["interval"]["resamples"] == 2000
+        assert 0 <= report["maj@k"] <= 1
+        print(f"step {row['step']}: avg@8 {report['avg@k']:.4f} [{low:.4f}, {high:.4f}] maj@8 {report['maj@k']:.4f} "
+              f"pass@8 {report['pass@8']:.4f}")
+
+
+def test_eval_command_reproduces_the_training_eval(tiny_run_a):
     """`dapo-megatron eval` on the step-4 checkpoint's HF export samples the same requests (same
-    seeds) from the same weights the engines had at step 4: the same avg@k as the run logged."""
-    run_dir = runs["root"] / "a"
+    seeds) from the same weights the engines had at step 4: the same numbers and the same per-problem
+    answers as the run's evals/step_000004.json, and `eval --compare` finds no difference between them."""
+    run_dir = tiny_run_a["root"] / "a"
     out = run_dir / "eval_step4.json"
     cmd = [sys.executable, "-m", "dapo_megatron.cli", "eval", str(ROOT / "configs/runs/tiny_cpu.yaml"),
            f"trainer.output_dir={run_dir}", "--checkpoint", str(run_dir / "checkpoints" / "step_000004"),
@@ -193,12 +225,40 @@ def test_eval_command_reproduces_the_training_eval(runs):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
-    logged = runs["a"][-1]
-    assert result["k"] == 8 and result["num_prompts"] == 100
+    logged = tiny_run_a["a"][-1]
+    assert result["k"] == 8 and result["num_prompts"] == 100 and result["step"] == 4
     assert type(result["k"]) is int and type(result["num_prompts"]) is int  # counts, not the logged floats
     assert result["avg@k"] == logged["eval/avg@k"]
     assert result["pass@k"] == logged["eval/pass@k"]
-    assert abs(sum(result["per_prompt_acc"]) / 100 - result["avg@k"]) < 1e-12
+    assert result["avg@k_ci95"] == [logged["eval/avg@k_ci95_low"], logged["eval/avg@k_ci95_high"]]
+    trained = json.loads((run_dir / "evals" / "step_000004.json").read_text())
+    assert result["problems"] == trained["problems"]
+    compare = [sys.executable, "-m", "dapo_megatron.cli", "eval", "--compare"]
+    proc = subprocess.run(compare + [str(out), str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "B-A +0.0% [+0.0%, +0.0%] (95% paired bootstrap, 100 problems): no clear difference" in proc.stdout
+
+    # two eval sets (data.eval_sets): the held-out problems 0-49 and 50-99 as files. Set "first" is asked
+    # the same requests as problems 0-49 (same rids and seeds): the same records; "second" the same problems
+    from dapo_megatron.config import load_config
+    from dapo_megatron.data.datasets import train_and_eval_sets
+
+    (held_out,) = train_and_eval_sets(load_config(ROOT / "configs/runs/tiny_cpu.yaml").data)[1].values()
+    files = {}
+    for name, part in (("first", held_out[:50]), ("second", held_out[50:])):
+        files[name] = run_dir / f"{name}.jsonl"
+        files[name].write_text("".join(json.dumps(r.to_row()) + "\n" for r in part))
+    two = run_dir / "eval_step4_two_sets.json"
+    proc = subprocess.run(cmd[:5] + [f"data.eval_sets={{first: {files['first']}, second: {files['second']}}}"]
+                          + cmd[5:-1] + [str(two)], cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    sets = json.loads(two.read_text())["sets"]
+    assert list(sets) == ["first", "second"] and [sets[n]["num_prompts"] for n in sets] == [50, 50]
+    assert sets["first"]["problems"] == trained["problems"][:50]
+    assert [p["prompt_hash"] for p in sets["second"]["problems"]] == [p["prompt_hash"] for p in trained["problems"][50:]]
+    proc = subprocess.run(compare + [str(out), str(two)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "none in common" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_sigterm_stops_every_process_the_run_started(runs):
