@@ -20,7 +20,7 @@ REPO_PATH = re.compile(r"(?<![\w/.<$-])((?:%s)/[\w./-]*\w\.(?:md|py|yaml|sh|sbat
 MD_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 BARE_MD = re.compile(r"(?<![\w/.-])([A-Za-z_][\w-]*\.md)\b")
 # files a run or a job writes (relative to a run directory), named in code and docs: not repo files
-GENERATED = {"slurm/config.yaml", "slurm/eval_config.yaml", "slurm/jobs.json", "results.md"}
+GENERATED = {"slurm/config.yaml", "slurm/eval_config.yaml", "slurm/jobs.json", "results.md", "ablation_summary.md"}
 
 
 def _files() -> list[Path]:
