@@ -20,7 +20,7 @@ import dapo_kernels.logprob as logprob_mod
 import dapo_kernels.logprob_cublas as logprob_cublas
 from dapo_kernels import linear_logprob_entropy, linear_logprob_entropy_reference
 
-from kernels_device import DEVICE
+from kernels_device import DEVICE, AtenOps
 
 
 def make_inputs(n, h, v, *, dtype, seed, offset=0.0, scale=0.3, device=DEVICE, vocab_size=None):
@@ -188,7 +188,8 @@ def test_bit_identical_reruns(monkeypatch, device):
         assert torch.equal(a, b)
 
 
-def test_bad_inputs_raise_value_error(device):
+def test_bad_inputs_raise_value_error(device, monkeypatch):
+    monkeypatch.setenv("DAPO_KERNELS_DEBUG", "1")  # the target-range check (a host sync) runs in debug mode only
     hidden, weight, targets, _, _ = make_inputs(4, 16, 70, dtype=torch.float32, seed=0)
     with pytest.raises(ValueError, match="hidden size mismatch"):
         linear_logprob_entropy(hidden, weight[:, :8], targets)
@@ -203,6 +204,31 @@ def test_bad_inputs_raise_value_error(device):
         linear_logprob_entropy(hidden, weight.half(), targets)
     with pytest.raises(ValueError, match="temperature"):
         linear_logprob_entropy(hidden, weight, targets, temperature=0.0)
+
+
+@pytest.mark.parametrize("impl", ["fused", "reference"])
+def test_target_range_check_only_in_debug_mode_and_no_host_read_without_it(impl, monkeypatch, device):
+    """Without DAPO_KERNELS_DEBUG the call reads no tensor value on the host (no aten._local_scalar_dense,
+    the .item()/int() behind a device-to-host sync) in forward or backward; 3eb0efe read targets.min()
+    and targets.max() on every call. With it, an out-of-range id is refused with the message."""
+    op = linear_logprob_entropy if impl == "fused" else linear_logprob_entropy_reference
+    hidden, weight, targets, g_lp, g_ent = make_inputs(20, 16, 70, dtype=torch.float32, seed=3)
+    monkeypatch.delenv("DAPO_KERNELS_DEBUG", raising=False)
+    hidden = hidden.clone().requires_grad_()
+    with AtenOps() as recorded:
+        lp, ent = op(hidden, weight, targets)
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    assert "_local_scalar_dense" not in recorded.ops
+    assert hidden.grad is not None
+    monkeypatch.setenv("DAPO_KERNELS_DEBUG", "1")
+    bad = targets.clone()
+    bad[7] = 70
+    with pytest.raises(ValueError, match=r"targets must be token ids in \[0, 70\); got min \d+, max 70 "
+                                         r"\(mask padding positions with the loss mask, not with -100\)"):
+        op(hidden, weight, bad)
+    bad[7] = -100
+    with pytest.raises(ValueError, match=r"got min -100"):
+        op(hidden, weight, bad)
 
 
 def test_without_cuda_or_interpreter_the_fused_op_refuses(monkeypatch):
