@@ -21,6 +21,19 @@ import torch
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+DEBUG_ENV = "DAPO_KERNELS_DEBUG"
+
+
+def debug_checks() -> bool:
+    """DAPO_KERNELS_DEBUG=1 (read at each call): the input checks that need device values on the host.
+
+    Off by default because each costs a device-to-host sync per call (the target-range check reads
+    targets.min() and targets.max(): two syncs per micro-batch on a GPU, and a stall of the CPU's launch
+    queue). Turn it on to find a packing bug that produces out-of-range token ids; without it such ids
+    are not detected (the fused kernel finds no target logit: a wrong log-prob, no error)."""
+    return os.environ.get(DEBUG_ENV, "0") not in ("", "0")
+
+
 def why_not_runnable(device_type: str) -> str | None:
     """None when the fused kernels run on `device_type` tensors in this process, else the reason."""
     if INTERPRET and device_type != "cpu":

@@ -338,7 +338,10 @@ def _backward_row_chunked(job: _BackwardJob) -> None:
     (N/C read-modify-write passes over 4VH bytes: memory-bound on an H100, see kernels/bench/NOTES.md)."""
     hidden, weight = job.hidden, job.weight
     n, v = hidden.shape[0], weight.shape[0]
-    chunk = _chunk_rows(n, v, hidden.element_size())
+    # planned from the shard's rows WITH padding (equal on every TP rank), not its real rows v: each chunk
+    # all-reduces grad_hidden over tp_group, so every rank must cut the same chunks (real rows differ
+    # between ranks under vocab padding: 3eb0efe's ranks issued different collectives and gloo aborted)
+    chunk = _chunk_rows(n, job.shard_rows, hidden.element_size())
     workspace = torch.empty((min(chunk, n), v), device=hidden.device, dtype=hidden.dtype)
     acc_w = None
     if job.grad_w is not None and chunk < n:

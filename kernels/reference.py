@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ._runtime import debug_checks
+
 # Gradient-free metadata shared by both implementations of the policy loss.
 POLICY_LOSS_STAT_KEYS = (
     "clipfrac_low",
@@ -62,7 +64,9 @@ def check_vocab_size(vocab_size, vocab_rows: int) -> int:
 
 
 def check_targets_in_vocab(targets: torch.Tensor, vocab_total: int):
-    if targets.numel() == 0:
+    """ValueError for token ids outside [0, vocab_total), in debug mode only (DAPO_KERNELS_DEBUG=1,
+    _runtime.debug_checks): reading min and max is a device-to-host sync on every call."""
+    if targets.numel() == 0 or not debug_checks():
         return
     lo, hi = int(targets.min()), int(targets.max())
     if lo < 0 or hi >= vocab_total:

@@ -16,7 +16,8 @@ export MASTER_ADDR MASTER_PORT
 #   GLOO_SOCKET_IFNAME    the same for gloo (CPU runs, weight-sync bootstrap)
 #   TORCH_NCCL_ASYNC_ERROR_HANDLING=1  a hung or failed collective aborts the job instead of hanging it
 #   CUDA_DEVICE_MAX_CONNECTIONS=1      one hardware queue, so Megatron's TP/SP communication overlaps
-#                                      with compute in issue order (required for TP comm overlap)
+#                                      with compute in issue order (required for TP comm overlap);
+#                                      trainer only: colocated engines start without it (launch/colocated.py)
 #   NCCL_DEBUG=WARN       INFO when a job hangs in NCCL initialisation
 export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker}"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"

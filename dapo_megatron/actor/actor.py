@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.actor import parallel
+from dapo_megatron.actor.attention import HOST_BOUNDS_ATTR
 from dapo_megatron.actor.context_parallel import merge_from_cp, split_for_cp
 from dapo_megatron.actor.lm_head import (full_sequence_hidden, output_weight, require_fused_kernels,
                                          return_hidden_states, token_logprobs_entropy)
@@ -45,6 +46,7 @@ from dapo_megatron.algo.aggregation import count_loss_units_packed, sequence_tok
 from dapo_megatron.algo.off_policy import behaviour_weight
 from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.actor.settings import ActorSettings
+from dapo_megatron.actor.staging import to_device
 from dapo_megatron.dataplane.batch import RolloutBatch, exclusive_cumsum, ranges_index
 from dapo_megatron.dataplane.share import BatchShare, PackSettings, share_of_samples
 from dapo_megatron.dataplane import collectives as coll
@@ -268,12 +270,16 @@ class Actor:
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
         # Every padded segment (padding tail included) is one THD sequence; padding sits after the
         # real tokens of its sequence, so causal attention keeps it out of every real token's context.
-        cu = mb.cu_seqlens_padded.to(device)
-        max_len = int((cu[1:] - cu[:-1]).max())
+        # No host sync per micro-batch: the lengths are read from the host tensor, the copies are pinned and
+        # non-blocking (staging.py), and the attention reads the boundaries from the host copy attached here
+        host_cu = mb.cu_seqlens_padded
+        max_len = int((host_cu[1:] - host_cu[:-1]).max())
+        cu = to_device(host_cu, device)
         packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
                                  cu_seqlens_kv_padded=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len)
-        tokens = self._local(mb.tokens, mb).to(device)[None]
-        positions = self._local(mb.position_ids, mb).to(device)[None]
+        setattr(packed, HOST_BOUNDS_ATTR, host_cu)
+        tokens = to_device(self._local(mb.tokens, mb), device)[None]
+        positions = to_device(self._local(mb.position_ids, mb), device)[None]
         if self._routed_batch is not None:
             self._set_routing(_unwrap(model), mb)
         output = model(tokens, positions, None, packed_seq_params=packed)
@@ -315,8 +321,8 @@ class Actor:
         """Log-prob and entropy at the local response positions `positions` (last stage only)."""
         hidden_SH = full_sequence_hidden(output, sequence_parallel=self.settings.actor.sequence_parallel,
                                          tp_group=parallel.tp_group())[0]  # [1, S, H] -> [S, H]
-        targets = self._local(mb.targets, mb).to(hidden_SH.device)
-        pos = positions.to(hidden_SH.device)
+        targets = to_device(self._local(mb.targets, mb), hidden_SH.device)
+        pos = to_device(positions, hidden_SH.device)
         weight = output_weight(gpt)
         if self._engine_dtype is not None:  # actor.quantization_aware: the engines' bf16 LM head
             from dapo_megatron.actor.fake_quant import cast_like_engines
@@ -392,8 +398,9 @@ class Actor:
             logprob, entropy = self._head(mb, gpt, output, positions=pos)
             # this rank's tokens (its CP chunks, in local order); _merge_cp restores packed positions
             local = torch.zeros(2, mb.length // parallel.cp_size(), dtype=torch.float32, device=logprob.device)
-            local[0, pos.to(logprob.device)] = logprob.float()
-            local[1, pos.to(logprob.device)] = entropy.float()
+            index = to_device(pos, logprob.device)
+            local[0, index] = logprob.float()
+            local[1, index] = entropy.float()
             return torch.zeros((), device=logprob.device), torch.tensor(0, dtype=torch.int), local
 
         holds = self._holds_results()
@@ -408,7 +415,8 @@ class Actor:
                 if holds:
                     outputs = self._merge_cp(outputs, packed.micro_batches)
                     # response positions in packed order = the share's response-token order
-                    values += [full[:, mb.response_mask.to(full.device)]
+                    # (host-side positions: a boolean mask on the device would be a nonzero(), a sync)
+                    values += [full[:, to_device(mb.response_mask.nonzero()[:, 0], full.device)]
                                for mb, full in zip(packed.micro_batches, outputs)]
         except BaseException:
             self._end_routing(collect=False)
@@ -551,7 +559,7 @@ class Actor:
         dev = logprob.device
 
         def take(t: torch.Tensor) -> torch.Tensor:
-            return self._local(t, mb)[pos.cpu()].to(dev)
+            return to_device(self._local(t, mb)[pos.cpu()], dev)
 
         old, adv, mask = take(mb.old_logprobs), take(mb.advantages), take(mb.loss_mask)
         weight = mask

@@ -26,14 +26,17 @@ Two kernels (actor.attention_kernel):
         document and direction): tens of microseconds per document on a GPU, noticeable with many short
         documents per micro-batch; nothing in it is quadratic in T.
   flex  torch FlexAttention with a document-causal BlockMask (one kernel for the whole micro-batch, built
-        once per forward and shared by every layer): CUDA only (in torch 2.13 its backward raises on CPU),
-        refused at model build on a machine without CUDA.
+        once per micro-batch and shared by every layer, on the packed and the unpacked path): CUDA only (in
+        torch 2.13 its backward raises on CPU), refused at model build on a machine without CUDA. The
+        BlockMask is built from the query blocks' key ranges (`document_block_mask`), never by evaluating
+        the mask over a [T, T] grid as create_block_mask does (32 GiB at 65,536 tokens).
 
 The dense-mask formulation survives only as the tests' reference (tests/attention_reference.py).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -123,23 +126,82 @@ def blockwise_attention(q, k, v, blocks: Sequence[QueryBlock], *, scale: float, 
 
 # --- FlexAttention (CUDA) ------------------------------------------------------------------------------
 
-def document_block_mask(blocks: Sequence[QueryBlock], *, key_tokens: int, device):
+FLEX_BLOCK = 128  # torch's default sparse block (_DEFAULT_SPARSE_BLOCK_SIZE): the kernels' tile multiple
+
+
+def _row_key_ranges(blocks: Sequence[QueryBlock], rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row (local order, padded to `rows`): the first and the last key it may see (inclusive).
+    Row i of block b sees keys [b.k_start, b.k_end - (b.q_end - i)] (lower-right alignment); rows past the
+    last block (the padding up to a whole number of query blocks) get the empty range [1, 0]."""
+    key_lo = torch.ones(rows, dtype=torch.int64)
+    key_hi = torch.zeros(rows, dtype=torch.int64)
+    if blocks:
+        lengths = torch.tensor([b.q_end - b.q_start for b in blocks], dtype=torch.int64)
+        used = int(lengths.sum())
+        key_lo[:used] = torch.repeat_interleave(torch.tensor([b.k_start for b in blocks], dtype=torch.int64), lengths)
+        # row i's own position: k_end - q_end + i
+        shift = torch.tensor([b.k_end - b.q_end for b in blocks], dtype=torch.int64)
+        key_hi[:used] = torch.arange(used, dtype=torch.int64) + torch.repeat_interleave(shift, lengths)
+    return key_lo.to(device), key_hi.to(device)
+
+
+def _ordered(dense_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(count [N] int32, indices [N, K] int32) of a boolean block matrix, the layout create_block_mask
+    makes (torch's _dense_to_ordered): each row's set columns first, ascending, then the others."""
+    dense = dense_NK.to(torch.int32)
+    return dense.sum(-1, dtype=torch.int32), torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
+
+
+def document_block_mask(blocks: Sequence[QueryBlock], *, key_tokens: int, device, block_size: int = FLEX_BLOCK):
     """FlexAttention BlockMask of the same attention as `blocks`: query row i (local) may see key j iff
-    j is in its block's key range and j <= its own position (the block's lower-right alignment)."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    j is in its block's key range and j <= its own position (the block's lower-right alignment).
+
+    Built from the blocks directly, never over a [T, T] grid (torch's create_block_mask evaluates
+    mask_mod on every (query, key) pair: 32 GiB at 65,536 tokens). Each query row sees ONE contiguous key
+    range [lo, hi], so per query block of `block_size` rows (nQ of them; nK key blocks):
+      touched key blocks = the union over its rows of [lo // B, hi // B] (a difference array per query
+                           block, one scatter-add of two entries per row, a cumulative sum)
+      full key blocks    = [max ceil(lo / B), min (hi + 1) // B - 1] over its rows (every pair attends;
+                           a block that reaches past key_tokens, or a query block with padding rows, is
+                           never full: create_block_mask's rule); mask_mod is skipped there
+      partial            = touched and not full; mask_mod decides per pair
+    Memory: a few [T] int64 vectors and [nQ, nK] int32 block tables (the layout torch's kernels read:
+    1 MiB each at 65,536 tokens). The tables equal create_block_mask's (tests/unit/test_attention_blocks.py).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
 
     query_tokens = blocks[-1].q_end if blocks else 0
-    q_pos = torch.empty(query_tokens, dtype=torch.int64)
-    q_first = torch.empty(query_tokens, dtype=torch.int64)
-    for b in blocks:
-        q_pos[b.q_start:b.q_end] = torch.arange(b.k_end - (b.q_end - b.q_start), b.k_end)
-        q_first[b.q_start:b.q_end] = b.k_start
-    q_pos, q_first = q_pos.to(device), q_first.to(device)
+    num_q = max(1, -(-query_tokens // block_size))
+    num_k = max(1, -(-key_tokens // block_size))
+    # the mask_mod's lookups cover every query row the kernel may evaluate (padded to whole blocks)
+    key_lo, key_hi = _row_key_ranges(blocks, num_q * block_size, device)
+    seen = key_lo <= key_hi
+    row_block = torch.arange(num_q * block_size, device=device) // block_size
+
+    # touched: +1 at (q block, lo // B), -1 at (q block, hi // B + 1), cumulative sum over key blocks > 0
+    diff = torch.zeros(num_q * (num_k + 1), dtype=torch.int32, device=device)
+    base = row_block * (num_k + 1)
+    ones = seen.to(torch.int32)
+    diff.index_add_(0, base + torch.where(seen, key_lo // block_size, 0), ones)
+    diff.index_add_(0, base + torch.where(seen, key_hi // block_size + 1, 0), -ones)
+    touched = diff.view(num_q, num_k + 1).cumsum(-1)[:, :num_k] > 0
+
+    # full: the key blocks inside every row's range, within key_tokens
+    full_first = torch.where(seen, -(-key_lo // block_size), num_k).view(num_q, block_size).amax(-1)
+    full_last = torch.where(seen, (key_hi + 1) // block_size - 1, -1).view(num_q, block_size).amin(-1)
+    full_last = full_last.clamp(max=key_tokens // block_size - 1)
+    k_index = torch.arange(num_k, device=device)
+    full = (k_index >= full_first[:, None]) & (k_index <= full_last[:, None])
+    partial = touched & ~full
+
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
 
     def mask_mod(batch, head, q_idx, kv_idx):
-        return (kv_idx >= q_first[q_idx]) & (kv_idx <= q_pos[q_idx])
+        return (kv_idx >= key_lo[q_idx]) & (kv_idx <= key_hi[q_idx])
 
-    return create_block_mask(mask_mod, None, None, query_tokens, key_tokens, device=device)
+    return BlockMask.from_kv_blocks(kv_num[None, None], kv_idx[None, None], full_num[None, None], full_idx[None, None],
+                                    BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(query_tokens, key_tokens))
 
 
 _COMPILED_FLEX = None
@@ -168,6 +230,36 @@ def check_attention_kernel(kernel: str) -> None:
     if kernel == "flex" and not torch.cuda.is_available():
         raise ValueError("actor.attention_kernel=flex needs a CUDA GPU: FlexAttention's backward is not "
                          "implemented on CPU (torch 2.13); use actor.attention_kernel=sdpa")
+
+
+# One layout per distinct micro-batch shape, shared by every layer (and by the next micro-batch of the
+# same shape): the packed path also caches it on the forward's PackedSeqParams; the unpacked path
+# ([0, seq * cp] bounds) has no per-forward object, so every layer would otherwise build its own mask.
+_LAYOUT_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
+_LAYOUT_CACHE_SIZE = 4
+
+
+def _attention_layout(bounds: tuple, local_tokens: int, cp_size: int, cp_rank: int, kernel: str,
+                      device: torch.device):
+    key = (bounds, local_tokens, cp_size, cp_rank, kernel, str(device))
+    hit = _LAYOUT_CACHE.get(key)
+    if hit is not None:
+        _LAYOUT_CACHE.move_to_end(key)
+        return hit
+    blocks = document_blocks(bounds, local_tokens, cp_size=cp_size, cp_rank=cp_rank)
+    order = None
+    if cp_size > 1:
+        from dapo_megatron.actor.context_parallel import gathered_to_token_order
+
+        order = gathered_to_token_order(list(bounds), cp_size=cp_size).to(device)
+    mask = None
+    if kernel == "flex":
+        mask = document_block_mask(blocks, key_tokens=local_tokens * cp_size, device=device)
+    layout = (order, blocks, mask)
+    _LAYOUT_CACHE[key] = layout
+    while len(_LAYOUT_CACHE) > _LAYOUT_CACHE_SIZE:
+        _LAYOUT_CACHE.popitem(last=False)
+    return layout
 
 
 # --- megatron core attention ---------------------------------------------------------------------------
@@ -208,16 +300,8 @@ class TorchSDPAttention(torch.nn.Module):
         """(index putting gathered K/V in token order or None, query blocks, flex BlockMask or None)."""
         cp_size = 1 if self.cp_group is None else self.cp_group.size()
         cp_rank = 0 if self.cp_group is None else self.cp_group.rank()
-        blocks = document_blocks(bounds, local_tokens, cp_size=cp_size, cp_rank=cp_rank)
-        order = None
-        if self.cp_group is not None:
-            from dapo_megatron.actor.context_parallel import gathered_to_token_order
-
-            order = gathered_to_token_order(bounds, cp_size=cp_size).to(device)
-        mask = None
-        if self.kernel == "flex":
-            mask = document_block_mask(blocks, key_tokens=local_tokens * cp_size, device=device)
-        return order, blocks, mask
+        return _attention_layout(tuple(int(x) for x in bounds), local_tokens, cp_size, cp_rank, self.kernel,
+                                 torch.device(device))
 
     def _gather_kv(self, key, value, order):
         from dapo_megatron.actor.context_parallel import gather_for_cp
@@ -265,18 +349,31 @@ class TorchSDPAttention(torch.nn.Module):
     def _forward_thd(self, query, key, value, packed_seq_params):
         # [T, np, hn] -> [1, np, T, hn]; T is this CP rank's share of the packed tokens. The segment
         # boundaries are the padded ones when given (tokens are laid out by them; RoPE reads the same).
-        bounds = packed_seq_params.cu_seqlens_q_padded
-        if bounds is None:
-            bounds = packed_seq_params.cu_seqlens_q
         total = query.size(0)
         # one layout per forward, not per layer: cached on the params object every layer of this forward gets
         key_ = (total, str(query.device), self.kernel)
         cached = getattr(packed_seq_params, "_dapo_attention_layout", None)
         if cached is None or cached[0] != key_:
-            cached = (key_, self._layout(bounds.tolist(), total, query.device))
+            cached = (key_, self._layout(_host_bounds(packed_seq_params), total, query.device))
             packed_seq_params._dapo_attention_layout = cached
         order, blocks, mask = cached[1]
         if order is not None:
             key, value = self._gather_kv(key, value, order)
         out = self._attend(*(x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value)), blocks, mask)
         return out.squeeze(0).permute(1, 0, 2).reshape(total, -1)  # [T, np*hn]
+
+
+HOST_BOUNDS_ATTR = "dapo_host_bounds"
+
+
+def _host_bounds(packed_seq_params) -> list[int]:
+    """The segment boundaries as Python ints. The actor attaches the host copy it made the device tensor
+    from (HOST_BOUNDS_ATTR, Actor._forward_step), so reading them costs no device-to-host sync; other
+    callers' device tensors are read back (one sync per forward)."""
+    host = getattr(packed_seq_params, HOST_BOUNDS_ATTR, None)
+    if host is not None:
+        return [int(x) for x in host]
+    bounds = packed_seq_params.cu_seqlens_q_padded
+    if bounds is None:
+        bounds = packed_seq_params.cu_seqlens_q
+    return bounds.tolist()

@@ -81,6 +81,39 @@ def launch_env(environ: Optional[dict] = None) -> LaunchEnv:
     return LaunchEnv(rank, world_size, local_rank, master_addr, master_port)
 
 
+def local_world_size(environ: Optional[dict] = None) -> Optional[int]:
+    """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, else srun's SLURM_NTASKS_PER_NODE (one number, or
+    SLURM_TASKS_PER_NODE's first count, "4(x2),3" -> 4); None when the launcher says neither."""
+    env = os.environ if environ is None else environ
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        value = env.get(key)
+        if value:
+            match = re.match(r"\d+", value)
+            if match:
+                return int(match.group(0))
+    return None
+
+
+def gpu_for_local_rank(local_rank: int, local_world_size: Optional[int], device_count: int) -> int:
+    """The GPU index local rank `local_rank` drives: its own, one rank per GPU. More ranks on the node
+    than GPUs it sees would put two ranks on one GPU (NCCL then fails much later with "Duplicate GPU
+    detected"), so that is refused here, at start-up, naming the three numbers.
+
+    The launchers here (torchrun, one per node) give every rank all of the node's GPUs. A launcher that
+    binds one GPU per task (every rank sees one device) is refused too: from these three numbers it looks
+    exactly like eight ranks on one GPU.
+    """
+    if device_count < 1:
+        raise ValueError("init_distributed: CUDA is available but no GPU is visible (CUDA_VISIBLE_DEVICES?)")
+    ranks = local_world_size if local_world_size is not None else local_rank + 1
+    if local_rank >= device_count or ranks > device_count:
+        raise ValueError(f"{ranks} ranks per node (LOCAL_WORLD_SIZE) but {device_count} GPU(s) visible: "
+                         f"LOCAL_RANK={local_rank} would share a GPU with another rank (NCCL refuses duplicate "
+                         "GPUs). Start at most one rank per GPU (torchrun --nproc-per-node, slurm.gpus_per_node, "
+                         "actor.world_size) or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+    return local_rank
+
+
 def init_distributed(*, timeout_minutes: int = 30) -> LaunchEnv:
     """Initialize torch.distributed once (nccl with one GPU per local rank; gloo on CPU).
 
@@ -96,7 +129,9 @@ def init_distributed(*, timeout_minutes: int = 30) -> LaunchEnv:
     if dist.is_initialized():
         return LaunchEnv(dist.get_rank(), dist.get_world_size(), env.local_rank, env.master_addr, env.master_port)
     if torch.cuda.is_available():
-        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", gpu_for_local_rank(env.local_rank, local_world_size(), torch.cuda.device_count()))
+        torch.cuda.set_device(device)
+        coll.set_rank_device(device)  # collectives stage here from any thread (collectives.py)
         backend = "nccl"
     else:
         backend = "gloo"

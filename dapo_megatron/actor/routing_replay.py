@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.actor.staging import to_device
 from dapo_megatron.dataplane import collectives as coll
 
 
@@ -106,7 +107,8 @@ class RoutingReplay:
         self.counts_tokens = sequence_parallel or parallel_state.get_tensor_model_parallel_rank() == 0
         self._current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # router id -> (engine [t, k], valid [t])
         self._measure = False
-        self._counts = torch.zeros(3, dtype=torch.float64)  # overlap, exact, tokens
+        # overlap, exact, tokens: summed on the routers' device over the pass, read once in end()
+        self._counts: Optional[torch.Tensor] = None
         for routers in self.routers.values():
             for _, router in routers:
                 router.register_forward_hook(self._compare)
@@ -118,7 +120,7 @@ class RoutingReplay:
 
         self._measure = measure
         self._replay = replay
-        self._counts.zero_()
+        self._counts = None
         action = RouterReplayAction.REPLAY_FORWARD if replay else None
         for routers in self.routers.values():
             for _, router in routers:
@@ -136,11 +138,18 @@ class RoutingReplay:
 
         if not (self._replay or self._measure):
             return
+        routers = self.routers.get(id(chunk), [])
+        if not routers:
+            return
         experts, valid = local(experts), local(valid)
         if self.sequence_parallel:  # the MoE layer sees this TP rank's contiguous slice of the sequence
             tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
             experts, valid = experts.chunk(tp)[rank], valid.chunk(tp)[rank]
-        for layer, router in self.routers.get(id(chunk), []):
+        # once per micro-batch to the routers' device (pinned, non-blocking): megatron's replay and the
+        # agreement counters then find them there, no copy per router in either direction
+        device = next(routers[0][1].parameters()).device
+        experts, valid = to_device(experts.contiguous(), device), to_device(valid.contiguous(), device)
+        for layer, router in routers:
             target = experts[:, layer].contiguous()
             if self._replay:
                 router.router_replay.target_topk_idx = None
@@ -154,13 +163,12 @@ class RoutingReplay:
         engine, valid = self._current[id(router)]
         with torch.no_grad():
             logits = router.gating(args[0]).view(-1, router.config.num_moe_experts)
-            own = torch.topk(logits, k=self.topk, dim=-1).indices.to(engine.device)
+            own = torch.topk(logits, k=self.topk, dim=-1).indices
         if own.shape[0] != engine.shape[0]:  # internal invariant: the split above matches the router's input
             raise AssertionError(f"routing replay: router saw {own.shape[0]} tokens, targets hold {engine.shape[0]}")
-        overlap = (own[:, :, None] == engine[:, None, :]).any(-1).sum(-1)[valid]
         if self.counts_tokens:
-            self._counts += torch.tensor([float(overlap.sum()), float((overlap == self.topk).sum()),
-                                          float(overlap.numel())], dtype=torch.float64)
+            counts = agreement_counts(own, engine, valid, topk=self.topk)
+            self._counts = counts if self._counts is None else self._counts + counts
 
     def end(self, *, collect: bool = True) -> dict[str, float]:
         """Clear every router (no replay outside a pass); the pass's agreement metrics, summed over
@@ -173,15 +181,23 @@ class RoutingReplay:
         measured, self._measure = self._measure, False
         if not (measured and collect):
             return {}
-        counts = self._counts.clone()
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        counts = counts.to(device)
-        coll.all_reduce(counts)
-        overlap, exact, tokens = counts.tolist()
+        counts = self._counts if self._counts is not None else torch.zeros(3, dtype=torch.float64)
+        self._counts = None
+        coll.all_reduce(counts)  # staged to the backend's device by the helper
+        overlap, exact, tokens = counts.tolist()  # the pass's one host read
         if tokens == 0:
             return {}
         return {"routing/agreement": overlap / (tokens * self.topk), "routing/exact_match": exact / tokens,
                 "routing/token_layers": tokens}
+
+
+def agreement_counts(own: torch.Tensor, engine: torch.Tensor, valid: torch.Tensor, *, topk: int) -> torch.Tensor:
+    """[overlap, exact, tokens] float64 on own's device: over the tokens with valid [t], the experts own
+    [t, k] has in common with engine [t, k], the tokens where all k agree, and the token count. Masks
+    multiply instead of indexing (boolean indexing is a nonzero(): a device-to-host sync)."""
+    overlap = (own[:, :, None] == engine.to(own.dtype)[:, None, :]).any(-1).sum(-1)
+    valid = valid.to(torch.bool)
+    return torch.stack([(overlap * valid).sum(), ((overlap == topk) & valid).sum(), valid.sum()]).to(torch.float64)
 
 
 def make_routing_replay(chunks: Sequence[Any], hf_config: Any, *, sequence_parallel: bool) -> Optional[RoutingReplay]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -28,11 +29,39 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 
+# The GPU this rank drives, recorded once at start-up (actor/parallel.init_distributed, right where it
+# calls torch.cuda.set_device). torch.cuda.current_device() is per THREAD: a thread that never called
+# set_device sees device 0, so the weight-sync executor threads and the rollout-loop thread of local
+# rank 3 would stage NCCL tensors on GPU 0 (right only for local rank 0).
+_RANK_DEVICE: torch.device | None = None
+
+
+def set_rank_device(device) -> None:
+    """Record this rank's GPU (start-up, once); every later collective stages there, whatever thread calls."""
+    global _RANK_DEVICE
+    _RANK_DEVICE = torch.device(device)
+
+
+def rank_device() -> torch.device | None:
+    """The GPU recorded by set_rank_device, or None before start-up / on CPU ranks."""
+    return _RANK_DEVICE
+
+
+def staging_device(backend: str, *, current_cuda_index: Optional[Callable[[], int]] = None) -> torch.device:
+    """Where a collective of `backend` takes its tensors: NCCL -> the rank's recorded GPU (the calling
+    thread's current device only when none was recorded: a process that set up NCCL itself, e.g. the
+    GPU tests); any other backend -> CPU. current_cuda_index: None = torch.cuda.current_device (a
+    parameter so that a test can stand in for CUDA's per-thread device on a machine without one)."""
+    if backend == "nccl":
+        if _RANK_DEVICE is not None:
+            return _RANK_DEVICE
+        return torch.device("cuda", (current_cuda_index or torch.cuda.current_device)())
+    return torch.device("cpu")
+
+
 def backend_device(group=None) -> torch.device:
     """The device a collective over `group` (None: the default group) must get its tensors on."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return staging_device(dist.get_backend(group))
 
 
 def _staged(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

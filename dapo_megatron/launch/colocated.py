@@ -99,6 +99,18 @@ def engine_commands(cfg: Config, *, host: str, python: str = sys.executable) -> 
     return cmds
 
 
+# Set for the trainer's ranks by the batch script (slurm/_trainer_launch.sh exports them before it starts
+# this process in the same allocation), not for an inference server: CUDA_DEVICE_MAX_CONNECTIONS=1 gives a
+# process ONE hardware work queue, which Megatron wants (TP communication overlaps compute in issue order)
+# and which would funnel all of an engine's CUDA streams into one queue.
+TRAINER_ONLY_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS",)
+
+
+def engine_environment(trainer_env: dict[str, str]) -> dict[str, str]:
+    """The environment a colocated engine starts with: the trainer's, less its trainer-only variables."""
+    return {k: v for k, v in trainer_env.items() if k not in TRAINER_ONLY_ENV}
+
+
 def remove_stale_registrations(register_dir: Path, host: str) -> list[Path]:
     """This node's registrations from before this job incarnation: their servers no longer exist."""
     removed = []
@@ -128,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     ensure_secret_file(run_secret_path(cfg.trainer.output_dir))  # the run's engine key: the trainer reads it too
     for path in remove_stale_registrations(register_dir, host):
         print(f"[colocated] removed stale registration {path.name}", flush=True)
-    procs = [subprocess.Popen(cmd, start_new_session=True) for cmd in engine_commands(cfg, host=host)]
+    env = engine_environment(dict(os.environ))
+    procs = [subprocess.Popen(cmd, start_new_session=True, env=env) for cmd in engine_commands(cfg, host=host)]
     print(f"[colocated] node {os.environ.get('SLURM_NODEID', '0')} ({host}): {len(procs)} "
           f"{cfg.rollout.engine} engine(s) registering in {register_dir}", flush=True)
     stopping = []

@@ -67,11 +67,16 @@ class LocalProcesses:
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
 
-    def start(self, name: str, argv: list[str], *, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str], *, env: dict[str, str] | None = None,
+              engine: bool = False) -> subprocess.Popen:
+        """engine: a rollout engine, started without the trainer-only variables (colocated.engine_environment)."""
+        from dapo_megatron.launch.colocated import engine_environment
+
         log = open(self.log_path(name), "ab")
+        base = engine_environment(dict(os.environ)) if engine else os.environ
         # with_lifeline: SIGTERM to the child if this process dies, even by SIGKILL (launch/lifeline.py)
         proc = subprocess.Popen(with_lifeline(argv), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **(env or {})})
+                                env={**base, **(env or {})})
         log.close()  # the child holds its own descriptor
         self.children[name] = proc
         return proc
@@ -148,7 +153,7 @@ class LocalProcesses:
         goes on in the same file."""
         spec = self.engines[name]
         return self.start(name, pinned([*spec["argv"], "--port", str(port)], spec.get("cores", [])),
-                          env={"OMP_NUM_THREADS": str(spec["threads"]), "TOKENIZERS_PARALLELISM": "false"})
+                          env={"OMP_NUM_THREADS": str(spec["threads"]), "TOKENIZERS_PARALLELISM": "false"}, engine=True)
 
     def tail(self, name: str, lines: int = 20) -> str:
         path = self.log_path(name)

@@ -62,7 +62,8 @@ def trainer_device() -> tuple[str, int]:
     from dapo_megatron.actor.parallel import launch_env
 
     if torch.cuda.is_available():
-        device = torch.cuda.current_device()
+        recorded = coll.rank_device()  # the GPU set at start-up, whatever thread asks (collectives.py)
+        device = recorded.index if recorded is not None else torch.cuda.current_device()
     else:
         device = launch_env().local_rank  # torchrun's LOCAL_RANK, srun's SLURM_LOCALID
     return socket.gethostname(), device

@@ -188,3 +188,31 @@ def test_policy_loss_matches_reference_and_is_deterministic():
     assert (grad.double() - lp64.grad).abs().max().item() <= 1e-6 * lp64.grad.abs().max().item() + 1e-12
     for key, value in stats.items():
         assert abs(value.item() - stats64[key].item()) <= 1e-5 * max(1.0, abs(stats64[key].item())), key
+
+
+def test_fused_logprob_forward_and_backward_do_not_sync_outside_debug_mode(monkeypatch):
+    """No device-to-host sync in a fused call (issue 33, item 6): torch's sync debug mode turns any sync
+    into an error. The target-range check syncs (targets.min()/max() on the host) and runs only with
+    DAPO_KERNELS_DEBUG=1, where it still refuses an out-of-range id."""
+    from dapo_kernels import linear_logprob_entropy
+
+    monkeypatch.delenv("DAPO_KERNELS_DEBUG", raising=False)
+    hidden, weight, targets = _inputs(512, 1024, 8192)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    for _ in range(2):  # the first call autotunes (it times configurations: syncs of its own)
+        lp, ent = linear_logprob_entropy(hidden, weight, targets)
+        (lp.sum() + ent.sum()).backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lp, ent = linear_logprob_entropy(hidden, weight, targets)
+        (lp.sum() + ent.sum()).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(lp).all()
+    monkeypatch.setenv("DAPO_KERNELS_DEBUG", "1")
+    bad = targets.clone()
+    bad[3] = 8192
+    with pytest.raises(ValueError, match=r"targets must be token ids in \[0, 8192\)"):
+        linear_logprob_entropy(hidden, weight, bad)

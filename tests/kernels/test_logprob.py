@@ -20,7 +20,7 @@ import dapo_kernels.logprob as logprob_mod
 import dapo_kernels.logprob_cublas as logprob_cublas
 from dapo_kernels import linear_logprob_entropy, linear_logprob_entropy_reference
 
-from kernels_device import DEVICE
+from kernels_device import DEVICE, AtenOps
 
 
 def make_inputs(n, h, v, *, dtype, seed, offset=0.0, scale=0.3, device=DEVICE, vocab_size=None):
@@ -188,7 +188,8 @@ def test_bit_identical_reruns(monkeypatch, device):
         assert torch.equal(a, b)
 
 
-def test_bad_inputs_raise_value_error(device):
+def test_bad_inputs_raise_value_error(device, monkeypatch):
+    monkeypatch.setenv("DAPO_KERNELS_DEBUG", "1")  # the target-range check (a host sync) runs in debug mode only
     hidden, weight, targets, _, _ = make_inputs(4, 16, 70, dtype=torch.float32, seed=0)
     with pytest.raises(ValueError, match="hidden size mismatch"):
         linear_logprob_entropy(hidden, weight[:, :8], targets)
@@ -203,6 +204,31 @@ def test_bad_inputs_raise_value_error(device):
         linear_logprob_entropy(hidden, weight.half(), targets)
     with pytest.raises(ValueError, match="temperature"):
         linear_logprob_entropy(hidden, weight, targets, temperature=0.0)
+
+
+@pytest.mark.parametrize("impl", ["fused", "reference"])
+def test_target_range_check_only_in_debug_mode_and_no_host_read_without_it(impl, monkeypatch, device):
+    """Without DAPO_KERNELS_DEBUG the call reads no tensor value on the host (no aten._local_scalar_dense,
+    the .item()/int() behind a device-to-host sync) in forward or backward; 3eb0efe read targets.min()
+    and targets.max() on every call. With it, an out-of-range id is refused with the message."""
+    op = linear_logprob_entropy if impl == "fused" else linear_logprob_entropy_reference
+    hidden, weight, targets, g_lp, g_ent = make_inputs(20, 16, 70, dtype=torch.float32, seed=3)
+    monkeypatch.delenv("DAPO_KERNELS_DEBUG", raising=False)
+    hidden = hidden.clone().requires_grad_()
+    with AtenOps() as recorded:
+        lp, ent = op(hidden, weight, targets)
+        ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    assert "_local_scalar_dense" not in recorded.ops
+    assert hidden.grad is not None
+    monkeypatch.setenv("DAPO_KERNELS_DEBUG", "1")
+    bad = targets.clone()
+    bad[7] = 70
+    with pytest.raises(ValueError, match=r"targets must be token ids in \[0, 70\); got min \d+, max 70 "
+                                         r"\(mask padding positions with the loss mask, not with -100\)"):
+        op(hidden, weight, bad)
+    bad[7] = -100
+    with pytest.raises(ValueError, match=r"got min -100"):
+        op(hidden, weight, bad)
 
 
 def test_without_cuda_or_interpreter_the_fused_op_refuses(monkeypatch):
@@ -333,3 +359,61 @@ def test_vocab_parallel_tp2_equals_tp1(impl, vocab_size, rank_pool, device):
             assert rel_err(gw_shard[:real_rows], gw1[start:start + real_rows].double()) < 1e-6
             assert rel_err(gw_shard[:real_rows], gw64[start:start + real_rows]) < 1e-5
         assert torch.equal(gw_shard[real_rows:], torch.zeros_like(gw_shard[real_rows:]))
+
+
+def _row_chunked_padded_rank(device: str):
+    """row_chunked backward at TP=2 with vocab_size=110: rank 0's shard holds 75 real rows, rank 1's 35
+    real and 40 of padding. A workspace of 16 x 75 fp32 rows: planned from the padded shard (75 rows) both
+    ranks cut the 21 tokens into chunks of 16 + 5, i.e. two all-reduces of grad_hidden each; planned from
+    the real rows (3eb0efe) rank 1 took all 21 rows in one chunk, one all-reduce against rank 0's two. The
+    all-reduces are counted on the way to the real collective; the group's 60 s timeout turns a mismatch
+    into an error instead of a hang."""
+    import datetime
+
+    saved = {k: getattr(logprob_mod, k) for k in ("INTERPRET_TILE_CAPS", "CHUNK_ROW_ALIGN", "BACKWARD_WORKSPACE_BYTES")}
+    real_all_reduce = dist.all_reduce
+    sizes = []
+
+    def counted_all_reduce(tensor, *args, **kwargs):
+        sizes.append(tensor.shape[0])
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    if dapo_kernels.INTERPRET:
+        logprob_mod.INTERPRET_TILE_CAPS = {"BLOCK_N": 16, "BLOCK_V": 64, "BLOCK_K": 32}
+    logprob_mod.CHUNK_ROW_ALIGN = 16
+    logprob_mod.BACKWARD_WORKSPACE_BYTES = 16 * 75 * 4
+    rank = dist.get_rank()
+    group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60)) if device == "cpu"
+             else _tp_group(device))
+    try:
+        hidden, weight, targets, g_lp, g_ent = _tp_inputs(vocab_size=110, device=device if device == "cpu" else rank)
+        shard = weight[rank * 75:(rank + 1) * 75].clone().requires_grad_()
+        hidden = hidden.clone().requires_grad_()
+        lp, ent = linear_logprob_entropy(hidden, shard, targets, temperature=0.8, tp_group=group, vocab_size=110,
+                                         backward="row_chunked")
+        dist.all_reduce = counted_all_reduce
+        try:
+            ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        finally:
+            dist.all_reduce = real_all_reduce
+        return sizes, tuple(t.detach().cpu() for t in (hidden.grad, shard.grad))
+    finally:
+        for key, value in saved.items():
+            setattr(logprob_mod, key, value)
+        dist.destroy_process_group(group)
+
+
+def test_row_chunked_tp2_plans_its_chunks_from_the_padded_shard(rank_pool, device):
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip("vocab-parallel on GPUs needs two of them (NCCL: one rank per device)")
+    (sizes0, (gh0, gw0)), (sizes1, (gh1, gw1)) = rank_pool(2).run(_row_chunked_padded_rank, device)
+    assert sizes0 == sizes1 == [16, 5]  # the same collectives on both ranks: grad_hidden rows per chunk
+    inputs = _tp_inputs(vocab_size=110)
+    inputs64 = list(inputs)
+    inputs64[1] = inputs[1][:110]  # the oracle sees only the real rows
+    _, _, gh64, gw64 = (t.cpu() for t in run_oracle(*inputs64, temperature=0.8))
+    for gh in (gh0, gh1):
+        assert rel_err(gh, gh64) < 1e-5
+    assert rel_err(gw0, gw64[:75]) < 1e-5
+    assert rel_err(gw1[:35], gw64[75:110]) < 1e-5
+    assert torch.equal(gw1[35:], torch.zeros_like(gw1[35:]))  # padding rows: zero gradient

@@ -11,13 +11,12 @@ import sys
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import dapo_kernels._runtime as runtime
 from dapo_kernels import policy_loss, policy_loss_reference
 from dapo_kernels.reference import POLICY_LOSS_STAT_KEYS
 
-from kernels_device import DEVICE
+from kernels_device import DEVICE, AtenOps as _AtenOps
 
 KW = dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0)
 
@@ -130,15 +129,6 @@ def test_per_sequence_advantages_broadcast(device):
     loss64, _, _ = oracle(policy_loss_reference, logprob, old, per_seq, mask, **KW, loss_denominator=99.0)
     assert abs(loss.item() - loss64.item()) < 1e-6
 
-
-class _AtenOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket.__name__))
-        return func(*args, **(kwargs or {}))
 
 
 def test_one_launch_no_sync_no_copies(monkeypatch, device):

@@ -148,3 +148,82 @@ def test_flex_kernel_is_refused_without_cuda_naming_the_config_key():
         attention.check_attention_kernel("flex")
     with pytest.raises(ValueError, match=r"actor\.attention_kernel='dense': allowed sdpa, flex"):
         attention.check_attention_kernel("dense")
+
+
+# --- the flex BlockMask built from the blocks (no [T, T] grid) ----------------------------------------
+
+def _mask_pairs(mask) -> torch.Tensor:
+    """The [Tq, Tk] attention a FlexAttention kernel computes with `mask`: full blocks attend everywhere,
+    partial blocks where mask_mod says so, the others nowhere (the BlockMask's own to_dense() gives the
+    block level; mask_mod is evaluated on the partial blocks only, as the kernels do)."""
+    tq, tk = mask.seq_lengths
+    bq, bk = mask.BLOCK_SIZE
+    partial = torch.zeros_like(mask.to_dense()[0, 0], dtype=torch.bool)
+    for r in range(partial.size(0)):
+        partial[r, mask.kv_indices[0, 0, r, :mask.kv_num_blocks[0, 0, r]].long()] = True
+    full = mask.to_dense()[0, 0].bool() & ~partial
+    q = torch.arange(partial.size(0) * bq)
+    k = torch.arange(partial.size(1) * bk)
+    zero = torch.zeros((), dtype=torch.int64)
+    by_mod = mask.mask_mod(zero, zero, q[:, None], k[None, :])
+    expand = lambda b: b.repeat_interleave(bq, 0).repeat_interleave(bk, 1)  # noqa: E731
+    pairs = expand(full) | (expand(partial) & by_mod)
+    return pairs[:tq, :tk]
+
+
+@pytest.mark.parametrize("block_size", [4, 8, 128])
+@pytest.mark.parametrize("cu,cp_size", [([0, 5, 6, 13, 14], 1), ([0, 3, 11, 40, 41, 64], 1),
+                                        ([0, 12, 16, 36], 2), ([0, 24, 36, 60], 3)])
+def test_flex_block_mask_equals_dense_document_mask(cu, cp_size, block_size):
+    """Token level: what the kernel attends equals the dense document-causal mask (CP: each rank's
+    load-balanced chunks against the gathered keys). Block level: the tables equal what torch's
+    create_block_mask makes by evaluating the mask over the whole [Tq, Tk] grid."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    total = cu[-1] if cp_size > 1 else cu[-1] + 3  # cp = 1: a 3-token padding tail outside cu
+    for rank in range(cp_size):
+        blocks = document_blocks(cu, total // cp_size, cp_size=cp_size, cp_rank=rank)
+        mask = attention.document_block_mask(blocks, key_tokens=total, device="cpu", block_size=block_size)
+        dense = (cp_causal_mask(cu, cp_size=cp_size, cp_rank=rank) if cp_size > 1
+                 else block_causal_mask(torch.tensor(cu), total))
+        assert mask.seq_lengths == tuple(dense.shape)
+        assert torch.equal(_mask_pairs(mask), dense)
+        reference = create_block_mask(lambda b, h, q, k: dense[q, k], None, None, *dense.shape, device="cpu",
+                                      BLOCK_SIZE=block_size)
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                     "q_indices", "full_q_num_blocks", "full_q_indices"):
+            assert torch.equal(getattr(mask, name), getattr(reference, name)), name
+    # not vacuous: documents of several small blocks give full blocks (mask_mod skipped) and partial ones
+    if block_size == 4 and cu[-1] >= 36:
+        assert mask.full_kv_num_blocks.sum() > 0 and mask.kv_num_blocks.sum() > 0
+
+
+_MASK_MEMORY_PROBE = """
+import resource, sys
+import torch
+from torch.nn.attention.flex_attention import BlockMask  # imports before the baseline
+from dapo_megatron.actor.attention import document_blocks, document_block_mask
+tokens, doc = int(sys.argv[1]), int(sys.argv[2])
+blocks = document_blocks(list(range(0, tokens + 1, doc)), tokens)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+mask = document_block_mask(blocks, key_tokens=tokens, device="cpu")
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print((after - before) * 1024, int(mask.full_kv_num_blocks.sum()), int(mask.kv_num_blocks.sum()))
+"""
+
+
+def test_flex_block_mask_of_65536_tokens_costs_under_half_a_gib():
+    """Peak resident memory of a fresh process while it builds the mask of 65,536 tokens of 2,048-token
+    documents: any [T, T] evaluation (create_block_mask's: 32 GiB of int64 indices; even a bool grid is
+    4 GiB) would show in the peak RSS. Measured in a subprocess so that the pytest process's own earlier
+    peak cannot hide it."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _MASK_MEMORY_PROBE, "65536", "2048"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    extra, full, partial = (int(x) for x in out.stdout.split())
+    assert extra <= 0.5 * 2**30, f"building the mask raised the peak RSS by {extra / 2**30:.2f} GiB"
+    # 32 documents of 16 blocks of 128: per document 16 * 15 / 2 full blocks below the diagonal, 16 partial on it
+    assert (full, partial) == (32 * 120, 32 * 16)
