@@ -126,20 +126,24 @@ def test_cp_dense_reference_mask_rows_match_the_blocks():
 
 def test_flex_document_mask_forward_equals_dense():
     """FlexAttention's document BlockMask (the CUDA kernel option), eager forward on CPU (its backward
-    raises on CPU in torch 2.13: the GPU tests cover it)."""
+    raises on CPU in torch 2.13: the GPU tests cover it), against the float64 dense answer within 4x the
+    rounding the fp32 dense path shows against it (not within a fixed 1e-6 of the fp32 dense path)."""
     cu = torch.tensor([0, 12, 16, 36])
     q, k, v, _ = _qkv(36)
-    ref = dense_attention(q, k, v, block_causal_mask(cu, 36))
+    mask64 = block_causal_mask(cu, 36)
+    exact = dense_attention(q.double(), k.double(), v.double(), mask64)
+    bound = 4 * (dense_attention(q, k, v, mask64).double() - exact).abs().max().item()
+    assert 0 < bound < 1e-5
     blocks = document_blocks(cu.tolist(), 36)
     mask = attention.document_block_mask(blocks, key_tokens=36, device="cpu")
     out = attention.flex_document_attention(q, k, v, mask, scale=8 ** -0.5, compiled=False)
-    torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
+    assert (out.double() - exact).abs().max().item() <= bound
     # cp=2, rank 1: lower-right aligned chunks
     q_local = split_for_cp(q, cu, cp_size=2, cp_rank=1, dim=2)
     blocks = document_blocks(cu.tolist(), 18, cp_size=2, cp_rank=1)
     mask = attention.document_block_mask(blocks, key_tokens=36, device="cpu")
     out = attention.flex_document_attention(q_local, k, v, mask, scale=8 ** -0.5, compiled=False)
-    torch.testing.assert_close(out, split_for_cp(ref, cu, cp_size=2, cp_rank=1, dim=2), atol=1e-6, rtol=0)
+    assert (out.double() - split_for_cp(exact, cu, cp_size=2, cp_rank=1, dim=2)).abs().max().item() <= bound
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
