@@ -156,6 +156,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-dir", default="", help="reuse / write the random HF checkpoint here")
     add_output_args(parser, name="actor")
     args = parser.parse_args(argv)
+    for tokens in args.tokens:  # before any model is built
+        length = tokens // args.seqs_per_mb
+        if args.prompt_tokens is not None and not 1 <= args.prompt_tokens < length:
+            parser.error(f"--prompt-tokens {args.prompt_tokens}: must be at least 1 and below the sequence length "
+                         f"{length} (--tokens {tokens} / --seqs-per-mb {args.seqs_per_mb})")
     shape = SHAPES[args.shape]
     args.layers = args.layers or shape["num_hidden_layers"]
     on_gpu = torch.cuda.is_available()

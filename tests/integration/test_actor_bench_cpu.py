@@ -38,6 +38,9 @@ def test_actor_bench_on_cpu_writes_a_row_per_token_budget(tmp_path):
         assert row["status"] == "ok" and row["recompute"] == "none" and row["model_freed"] == "yes"
     proc = _bench(tmp_path, "--tokens", "256", "--attention-kernel", "flex")
     assert proc.returncode != 0 and "actor.attention_kernel=flex needs a CUDA GPU" in proc.stderr
+    proc = _bench(tmp_path, "--tokens", "4096", "512", "--seqs-per-mb", "2", "--prompt-tokens", "256")
+    assert proc.returncode == 2 and "--prompt-tokens 256: must be at least 1 and below the sequence length 256 " \
+        "(--tokens 512 / --seqs-per-mb 2)" in proc.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
