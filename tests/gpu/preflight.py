@@ -98,7 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     problems = check_imports()
     versions = {name: _version(name) for name in VERSIONS}
     print("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
-    info, gpu_problems = check_gpu() if "torch" not in " ".join(problems) else ({}, [])
+    info, gpu_problems = {}, []
+    if not any(line.startswith("torch ") for line in problems):
+        try:
+            info, gpu_problems = check_gpu()
+        except Exception as err:  # noqa: BLE001 - a CUDA or NCCL failure is the finding: name it, go on
+            gpu_problems = [f"GPU / NCCL check: {type(err).__name__}: {err}"]
     print(f"device: {json.dumps(info)}")
     problems += gpu_problems + check_carry(Path(args.carry))
     if args.metrics:

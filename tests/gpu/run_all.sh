@@ -181,7 +181,7 @@ step_attention_20k() {
 
 # ---- steps: call 2 ------------------------------------------------------------------------------------
 step_kernel_tests() {  # tests/gpu kernel tests + the CPU suite's kernel tests on CUDA tensors, compiled
-  pytest_step tests/gpu/test_kernels_gpu.py tests/kernels -m "gpu or not gpu"
+  pytest_step tests/gpu/test_kernels_gpu.py tests/kernels
 }
 
 # issue 27's side-by-side against Liger: --quick (7B, N 4K/16K, TP 1/8, the loss at 64K and 16M tokens)
