@@ -260,9 +260,9 @@ def _measure(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool,
                 counting = args.count_syncs and on_gpu and step > 0
                 sync()
                 start = time.perf_counter()
-                with _SyncCounter(counting) as counter:
+                with _SyncCounter(counting) as counter:  # Actor.train's own syncs only, not the timer's
                     metrics = actor.train(samples, step=step)
-                    sync()
+                sync()
                 if step > 0:  # step 0 warms up kernels and allocates optimizer state
                     times.append(time.perf_counter() - start)
                     if counting:
