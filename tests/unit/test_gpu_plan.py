@@ -137,3 +137,36 @@ def test_record_plan_replaces_estimates_with_measured_seconds(tmp_path):
     assert "call=1 step=slow budget_s=250 source=measured(NVIDIA_H100_80GB_HBM3,2026-11-26)" in proc.stdout
     with pytest.raises(ValueError, match="pass --device"):
         record_plan.record(plan, results[1:], device=None, date="2026-11-26")
+
+
+def test_step_metrics_read_what_the_steps_write(tmp_path):
+    """The key numbers of a results line: pytest's own junit file (1 pass, 1 failure, 1 skip), the verdicts
+    that dapo_kernels.bench.targets prints, and the actor bench's rows by attention kernel."""
+    import step_metrics
+    from dapo_kernels.bench import common, targets
+
+    (tmp_path / "test_three.py").write_text("import pytest\ndef test_a(): pass\ndef test_b(): assert 0\n"
+                                            "@pytest.mark.skip\ndef test_c(): pass\n")
+    xml = tmp_path / "junit.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
+                    "-o", "addopts=", str(tmp_path / "test_three.py")], cwd=tmp_path, capture_output=True, timeout=120)
+    assert step_metrics.junit(str(xml)) == {"passed": 1, "failed": 1, "errors": 0, "skipped": 1}
+
+    kernels = tmp_path / "kernels.csv"
+    x = "N=4096,H=3584,V=152064,tp=1"
+    rows = [("fused", "fwd", "tflops", 452), ("liger", "fwd", "tflops", 308)]
+    kernels.write_text(",".join(common.CSV_FIELDS) + "\n" + "".join(
+        f'linear_logprob_entropy,{p},{m},{k},,"{x}",{v},{v},{v},NVIDIA H100 80GB HBM3,2026-11-26\n' for p, m, k, v in rows))
+    text, _ = targets.report(kernels)
+    (tmp_path / "targets.txt").write_text(text)
+    assert step_metrics.targets(str(tmp_path / "targets.txt")) == {
+        "T1": "PASS", "T2": "NOT MEASURED", "T3": "NOT MEASURED", "T4": "NOT MEASURED", "T5": "NOT MEASURED"}
+
+    bench = tmp_path / "actor.csv"
+    bench.write_text("tokens_per_micro_batch,attention_kernel,status,step_s_p50,tokens_per_s,mfu,peak_mem_gib,recompute\n"
+                     "4096,sdpa,ok,0.5,65536.0,0.41,30.2,full\n16384,sdpa,oom,,,,79.1,full\n4096,flex,ok,0.4,8e4,0.5,30,full\n")
+    assert step_metrics.csv_rows(str(bench), "sdpa") == {
+        "4096": {"status": "ok", "step_s_p50": 0.5, "tokens_per_s": 65536.0, "mfu": 0.41, "peak_mem_gib": 30.2,
+                 "recompute": "full"},
+        "16384": {"status": "oom", "step_s_p50": "", "tokens_per_s": "", "mfu": "", "peak_mem_gib": 79.1,
+                  "recompute": "full"}}
