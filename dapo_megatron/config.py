@@ -243,6 +243,9 @@ class TinyConfig:
     warm_start_lr: float = 3e-3
     label_smoothing: float = 0.1  # sets the warm start's accuracy: ~(1 - eps)^response_tokens
     cache_dir: str = ""  # where tiny_model/ is built and reused; "" = trainer.output_dir
+    # true: use the model cached under cache_dir or stop with an error, never build or warm-start it (the GPU
+    # check carries the model built on the CPU machine: tests/gpu/prepare.sh)
+    require_cached: bool = False
 
 
 @dataclass

@@ -153,7 +153,8 @@ class Actor:
             # requires grad, else bmm for megatron's [S, 1, H] input strides), and a frozen flag made
             # the reference's log-probs differ from the actor's in the last bits at TP=2 (measured).
             self.model, self.optimizer, self.lr_schedule = chunks, None, None
-            self.memory = DeviceMemory(lambda: actor_tensors(self._chunks, None), frozen=True)
+            # a partial, not a lambda over self: no Actor -> memory -> self cycle (the actor frees by refcount)
+            self.memory = DeviceMemory(functools.partial(actor_tensors, chunks, None), frozen=True)
             return
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -181,7 +182,19 @@ class Actor:
             chunk.config.no_sync_func = config.no_sync_func
             chunk.config.grad_scale_func = config.grad_scale_func
             chunk.config.finalize_model_grads_func = config.finalize_model_grads_func
-        self.memory = DeviceMemory(lambda: actor_tensors(self._chunks, self.optimizer))
+        # chunks and optimizer are never rebound; a lambda over self made a reference cycle that kept the model's
+        # device memory until the next garbage collection (benchmarks/actor.py builds one actor per row)
+        self.memory = DeviceMemory(functools.partial(actor_tensors, chunks, self.optimizer))
+
+    def close(self) -> None:
+        """Unhook this actor from its chunks' TransformerConfig, for a process that builds one actor after
+        another (benchmarks/actor.py): no_sync_func, grad_scale_func and finalize_model_grads_func reference
+        the DDP wrappers and the optimizer, and with them set the model survived `del actor` and
+        gc.collect() (measured on CPU, megatron-core 0.16.1). Then: drop the references, gc.collect(),
+        torch.cuda.empty_cache(). The actor is unusable afterwards."""
+        for chunk in self._chunks:
+            for key in ("no_sync_func", "grad_scale_func", "finalize_model_grads_func"):
+                setattr(chunk.config, key, None)
 
     # --- device memory (offload.py) ------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
     dapo-megatron bench actor [--tokens 4096 16384 32768] [--results-dir DIR]   # -> ./results/actor.csv
     torchrun --nproc-per-node 8 -m dapo_megatron.benchmarks.actor --tp 2 --tokens 16384
-    tests/gpu/run_all.sh OUT   # section "actor" runs it where a GPU is lent
+    tests/gpu/run_all.sh --call 3 OUT   # steps actor_bench_sdpa / actor_bench_flex, where a GPU is lent
     python -m dapo_megatron.benchmarks.actor --shape tiny --tokens 1024 --steps 1   # CPU: a tiny shape, seconds
 
 On a GPU: bf16, NCCL, the `torch` attention backend (per-document causal SDPA, actor/attention.py;
@@ -13,6 +13,14 @@ resident memory (ru_maxrss: it only grows, so the rows of one run are cumulative
 sequences of equal length (a 256-token prompt, the rest response: every position trains), and each
 measured step is one Actor.train call over `--micro-batches` micro-batches per DP rank: forward,
 backward, grad reduction and the optimizer step.
+
+Each row is appended to the CSV the moment it is measured. A row that runs out of memory is written with
+status `oom` (and the peak it reached) and the next row runs; every row's model is freed before the next
+(gc, then the allocator's cache; column model_freed checks it). --recompute none|selective|full is
+actor.recompute: at 16K+ tokens on the 1.5B shape only `full` fits one 80 GB GPU (`dapo-megatron plan`:
+selective keeps nearly everything with flash attention), the setting the presets use at that size.
+--count-syncs counts the host syncs of the measured steps (CUDA's sync debug mode). One process can go on
+after an OOM; with several ranks an OOM on one of them leaves the others waiting in a collective.
 
 FLOPs per step (the usual model-FLOPs accounting, no recompute counted):
     6 * N * tokens                               dense matmuls, fwd + bwd (N = parameters, the tied
@@ -28,12 +36,16 @@ MFU = FLOPs / step time / (num_gpus * peak); peak = 989 TFLOP/s, the H100 SXM bf
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
+import gc
 import json
 import os
 import statistics
 import tempfile
 import time
+import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -73,13 +85,18 @@ def write_random_checkpoint(out_dir: Path, *, num_layers: int, seed: int = 0, sh
     return out_dir
 
 
-def make_mini_batch(*, tokens_per_mb: int, seqs_per_mb: int, num_mb: int, dp: int, vocab: int, seed: int):
-    """Samples that fill num_mb micro-batches of tokens_per_mb tokens on each of dp ranks exactly."""
+def make_mini_batch(*, tokens_per_mb: int, seqs_per_mb: int, num_mb: int, dp: int, vocab: int, seed: int,
+                    prompt_tokens: int | None = None):
+    """Samples that fill num_mb micro-batches of tokens_per_mb tokens on each of dp ranks exactly; each sequence
+    is a prompt of prompt_tokens (default min(256, half the sequence)) and a response of the rest."""
     from dapo_megatron.dataplane.sample import Sample
 
     gen = torch.Generator().manual_seed(seed)
     length = tokens_per_mb // seqs_per_mb
-    prompt = min(256, length // 2)
+    prompt = min(256, length // 2) if prompt_tokens is None else prompt_tokens
+    if not 1 <= prompt < length:
+        raise ValueError(f"--prompt-tokens {prompt}: must be at least 1 and below the sequence length {length} "
+                         f"(--tokens {tokens_per_mb} / --seqs-per-mb {seqs_per_mb})")
     samples = []
     for i in range(seqs_per_mb * num_mb * dp):
         ids = torch.randint(5, vocab, (length,), generator=gen).tolist()
@@ -96,8 +113,24 @@ def flops_per_step(samples, *, num_params: int, hidden: int, layers: int) -> flo
     return 6.0 * num_params * tokens + attention
 
 
+# the CSV's columns, fixed before the first row so that every row is appended the moment it is measured
+FIELDS = ["bench", "model", "precision", "attention", "tp", "pp", "dp", "tokens_per_micro_batch", "prompt_tokens",
+          "micro_batches", "seqs_per_micro_batch", "recompute", "status", "step_s_p50", "step_s_min", "tokens_per_s",
+          "tflops_per_gpu", "mfu", "peak_mem_gib", "host_syncs", "model_freed", "attention_kernel", "loss",
+          "num_params", "device", "num_gpus", "date"]
+# A test's way to make one row run out of memory for real: "TOKENS=GIB" allocates GIB GiB on the bench's device
+# in the row of TOKENS tokens per micro-batch, once its actor is built (tests/integration/test_actor_bench_cpu.py).
+EXTRA_ALLOC_ENV = "DAPO_BENCH_ACTOR_EXTRA_ALLOC_GIB"
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """torch.OutOfMemoryError (the CUDA caching allocator), or the CPU allocator's failure, a RuntimeError."""
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(err))
+
+
 def main(argv: list[str] | None = None) -> int:
-    from dapo_megatron.benchmarks.run import add_output_args, append_rows, results_csv
+    from dapo_megatron.benchmarks.run import add_output_args, append_rows, check_header, results_csv
 
     parser = argparse.ArgumentParser(prog="dapo-megatron bench actor", description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768], help="tokens per micro-batch")
@@ -107,31 +140,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="peak of one device for MFU (default: 989, H100 bf16, on CUDA; none on CPU)")
     parser.add_argument("--seqs-per-mb", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="prompt length of every sequence (default min(256, half the sequence))")
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per DP rank per step")
     parser.add_argument("--steps", type=int, default=5, help="measured steps (after one warm-up step)")
     parser.add_argument("--layers", type=int, default=None, help="default: the shape's")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--attention", choices=["torch", "te"], default="torch")
-    parser.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
+    parser.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
+                        help="actor.recompute; the presets use full where selective does not fit (16K+ tokens at 1.5B)")
+    parser.add_argument("--count-syncs", action="store_true",
+                        help="CUDA: run the measured steps under torch.cuda.set_sync_debug_mode('warn') and count "
+                             "the host syncs (column host_syncs; the most frequent call sites are printed)")
     parser.add_argument("--checkpoint-dir", default="", help="reuse / write the random HF checkpoint here")
     add_output_args(parser, name="actor")
     args = parser.parse_args(argv)
+    for tokens in args.tokens:  # before any model is built
+        length = tokens // args.seqs_per_mb
+        if args.prompt_tokens is not None and not 1 <= args.prompt_tokens < length:
+            parser.error(f"--prompt-tokens {args.prompt_tokens}: must be at least 1 and below the sequence length "
+                         f"{length} (--tokens {tokens} / --seqs-per-mb {args.seqs_per_mb})")
     shape = SHAPES[args.shape]
     args.layers = args.layers or shape["num_hidden_layers"]
     on_gpu = torch.cuda.is_available()
-    precision = "bf16" if on_gpu else "fp32"
-    peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else (PEAK_FLOPS["bf16"] if on_gpu else None)
-    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
 
-    from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
-    from dapo_megatron.actor.parallel import dp_size, init_distributed, model_parallel
-    from dapo_megatron.config import ActorConfig, Config
+    from dapo_megatron.actor.parallel import init_distributed
 
     owns_group = not torch.distributed.is_initialized()
     init_distributed()
     rank0 = torch.distributed.get_rank() == 0
+    csv_path = results_csv(args, name="actor")
+    if rank0:
+        check_header(csv_path, FIELDS)  # before minutes of measuring, not after
     ckpt = Path(args.checkpoint_dir or Path(tempfile.gettempdir()) / f"dapo_bench_{args.shape}_l{args.layers}")
     if rank0 and not (ckpt / "model.safetensors").is_file():
         write_random_checkpoint(ckpt, num_layers=args.layers, shape=shape)
@@ -139,15 +180,73 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name() if on_gpu else f"CPU ({os.cpu_count()} cores)"
     rows = []
     for tokens_per_mb in args.tokens:
-        cfg = Config()
-        cfg.actor = ActorConfig(tp=args.tp, pp=args.pp, attention_backend=args.attention, precision=precision,
-                                micro_batch_tokens=tokens_per_mb, recompute=args.recompute,
-                                use_distributed_optimizer=True, world_size=torch.distributed.get_world_size(),
-                                attention_kernel=args.attention_kernel, fused_logprob=on_gpu,
-                                fused_policy_loss=on_gpu)
-        cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-6, 0
-        with model_parallel(tp=args.tp, pp=args.pp, seed=1):
-            actor = Actor(actor_settings(cfg), ckpt)
+        row = _row(args, shape=shape, ckpt=ckpt, tokens_per_mb=tokens_per_mb, on_gpu=on_gpu, device=device)
+        rows.append(row)
+        if rank0:  # on disk before the next row starts: a later row that kills the process loses nothing
+            append_rows(csv_path, [row], fields=FIELDS)
+            _print_row(row, header=len(rows) == 1)
+    if rank0:
+        print(json.dumps({"device": device, "num_params": rows[0]["num_params"], "num_gpus": rows[0]["num_gpus"]}))
+    if owns_group:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def _row(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool, device: str) -> dict:
+    """One row: the measurement, or status `oom` with the peak reached; either way the model is freed after
+    (Actor.close, then garbage collection, then the allocator's cache: `del actor` alone left the model alive,
+    reachable through the chunk config's callbacks) and model_freed says whether it was."""
+    precision = "bf16" if on_gpu else "fp32"
+    row = {k: "" for k in FIELDS}
+    row.update({"bench": "actor_train", "model": f"{args.shape}-shape-l{args.layers}", "precision": precision,
+                "attention": args.attention, "tp": args.tp, "pp": args.pp, "tokens_per_micro_batch": tokens_per_mb,
+                "prompt_tokens": args.prompt_tokens if args.prompt_tokens is not None else "",
+                "micro_batches": args.micro_batches, "seqs_per_micro_batch": args.seqs_per_mb,
+                "recompute": args.recompute, "attention_kernel": args.attention_kernel, "device": device,
+                "num_gpus": torch.distributed.get_world_size(), "date": datetime.date.today().isoformat()})
+    actor_ref: list = []  # a weak reference to the row's actor, once built
+    try:
+        row.update(_measure(args, shape=shape, ckpt=ckpt, tokens_per_mb=tokens_per_mb, on_gpu=on_gpu,
+                            precision=precision, actor_ref=actor_ref))
+        row["status"] = "ok"
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        if not is_out_of_memory(err):
+            raise
+        row["status"] = "oom"
+        print(f"tokens_per_micro_batch={tokens_per_mb}: out of memory ({str(err).splitlines()[0][:200]}); next row")
+    if row["status"] == "oom":
+        row["peak_mem_gib"] = round(_peak_memory_gib(on_gpu), 2)  # how far it got
+    gc.collect()  # the cycles first: empty_cache can only return blocks nothing references any more
+    if on_gpu:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    if actor_ref:
+        row["model_freed"] = "yes" if all(ref() is None for ref in actor_ref) else "no"
+    return row
+
+
+def _measure(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool, precision: str,
+             actor_ref: list) -> dict:
+    from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.actor.parallel import dp_size, model_parallel
+    from dapo_megatron.config import ActorConfig, Config
+    from dapo_megatron.trainer.settings import actor_settings
+
+    peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else (PEAK_FLOPS["bf16"] if on_gpu else None)
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    cfg = Config()
+    cfg.actor = ActorConfig(tp=args.tp, pp=args.pp, attention_backend=args.attention, precision=precision,
+                            micro_batch_tokens=tokens_per_mb, recompute=args.recompute,
+                            use_distributed_optimizer=True, world_size=torch.distributed.get_world_size(),
+                            attention_kernel=args.attention_kernel, fused_logprob=on_gpu,
+                            fused_policy_loss=on_gpu)
+    cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-6, 0
+    with model_parallel(tp=args.tp, pp=args.pp, seed=1):
+        actor = Actor(actor_settings(cfg), ckpt)
+        # the actor and its model chunks (these hold the device memory): both must be gone after the row
+        actor_ref.extend(weakref.ref(obj) for obj in (actor, *actor.model_chunks))
+        try:
+            ballast = _extra_allocation(tokens_per_mb, on_gpu)  # noqa: F841 - held for the row, freed with it
             num_params = sum(p.numel() for chunk in actor.model_chunks for p in chunk.parameters())
             counts = torch.tensor([num_params])
             coll.all_reduce(counts)  # over all ranks: TP/PP shards add up, DP replicas repeat
@@ -155,46 +254,77 @@ def main(argv: list[str] | None = None) -> int:
             num_params = int(counts.item()) // dp
             samples = make_mini_batch(tokens_per_mb=tokens_per_mb, seqs_per_mb=args.seqs_per_mb,
                                       num_mb=args.micro_batches, dp=dp, vocab=actor.hf_config.vocab_size,
-                                      seed=tokens_per_mb)
-            times = []
+                                      seed=tokens_per_mb, prompt_tokens=args.prompt_tokens)
+            times, syncs = [], None
             for step in range(args.steps + 1):
+                counting = args.count_syncs and on_gpu and step > 0
                 sync()
                 start = time.perf_counter()
-                metrics = actor.train(samples, step=step)
+                with _SyncCounter(counting) as counter:  # Actor.train's own syncs only, not the timer's
+                    metrics = actor.train(samples, step=step)
                 sync()
                 if step > 0:  # step 0 warms up kernels and allocates optimizer state
                     times.append(time.perf_counter() - start)
+                    if counting:
+                        syncs = (syncs or 0) + counter.count
             peak_mem = _peak_memory_gib(on_gpu)
+        finally:  # an OOM row too: its model must go before the next row
+            actor.close()
             del actor
-            if on_gpu:
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-        step_s = statistics.median(times)
-        flops = flops_per_step(samples, num_params=num_params, hidden=shape["hidden_size"], layers=args.layers)
-        num_gpus = torch.distributed.get_world_size()
-        rows.append({
-            "bench": "actor_train", "model": f"{args.shape}-shape-l{args.layers}", "precision": precision,
-            "attention": args.attention, "tp": args.tp, "pp": args.pp, "dp": dp,
-            "tokens_per_micro_batch": tokens_per_mb, "micro_batches": args.micro_batches,
-            "seqs_per_micro_batch": args.seqs_per_mb, "step_s_p50": round(step_s, 4),
-            "step_s_min": round(min(times), 4), "tokens_per_s": round(sum(s.num_tokens for s in samples) / step_s, 1),
-            "tflops_per_gpu": round(flops / step_s / num_gpus / 1e12, 1),
-            "mfu": round(flops / step_s / num_gpus / peak_flops, 4) if peak_flops else "",
-            "peak_mem_gib": round(peak_mem, 2), "attention_kernel": args.attention_kernel,
-            "loss": round(metrics["loss"], 5),
-            "num_params": num_params, "device": device, "num_gpus": num_gpus,
-            "date": datetime.date.today().isoformat(),
-        })
-    if rank0:
-        keys = ["tokens_per_micro_batch", "step_s_p50", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_mem_gib"]
+    step_s = statistics.median(times)
+    flops = flops_per_step(samples, num_params=num_params, hidden=shape["hidden_size"], layers=args.layers)
+    num_gpus = torch.distributed.get_world_size()
+    return {
+        "dp": dp, "step_s_p50": round(step_s, 4), "step_s_min": round(min(times), 4),
+        "tokens_per_s": round(sum(s.num_tokens for s in samples) / step_s, 1),
+        "tflops_per_gpu": round(flops / step_s / num_gpus / 1e12, 1),
+        "mfu": round(flops / step_s / num_gpus / peak_flops, 4) if peak_flops else "",
+        "peak_mem_gib": round(peak_mem, 2), "host_syncs": syncs if syncs is not None else "",
+        "loss": round(metrics["loss"], 5), "num_params": num_params,
+    }
+
+
+def _extra_allocation(tokens_per_mb: int, on_gpu: bool) -> torch.Tensor | None:
+    """EXTRA_ALLOC_ENV="TOKENS=GIB": a real allocation of GIB GiB at the row of TOKENS tokens only."""
+    tokens, _, gib = os.environ.get(EXTRA_ALLOC_ENV, "").partition("=")
+    if not tokens or int(tokens) != tokens_per_mb:
+        return None
+    return torch.empty(int(float(gib) * 2**30), dtype=torch.uint8, device="cuda" if on_gpu else "cpu")
+
+
+class _SyncCounter:
+    """Counts the host syncs torch.cuda.set_sync_debug_mode("warn") reports inside the block (each is a
+    UserWarning whose location is the Python line that synchronised); prints the five most frequent lines."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.count = enabled, 0
+
+    def __enter__(self) -> "_SyncCounter":
+        if self.enabled:
+            self._caught = warnings.catch_warnings(record=True)
+            self._records = self._caught.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.enabled:
+            return
+        torch.cuda.set_sync_debug_mode("default")
+        records = [w for w in self._records if "synchroniz" in str(w.message)]
+        self._caught.__exit__(*exc)
+        self.count = len(records)
+        sites = collections.Counter(f"{w.filename}:{w.lineno}" for w in records)
+        print(f"host syncs in the measured step: {self.count}" + "".join(
+            f"\n  {n:6d}  {site}" for site, n in sites.most_common(5)))
+
+
+def _print_row(row: dict, *, header: bool) -> None:
+    keys = ["tokens_per_micro_batch", "recompute", "status", "step_s_p50", "tokens_per_s", "tflops_per_gpu", "mfu",
+            "peak_mem_gib", "host_syncs", "model_freed"]
+    if header:
         print(" | ".join(f"{k:>22}" for k in keys))
-        for row in rows:
-            print(" | ".join(f"{row[k]!s:>22}" for k in keys))
-        print(json.dumps({"device": device, "num_params": rows[0]["num_params"], "num_gpus": rows[0]["num_gpus"]}))
-        append_rows(results_csv(args, name="actor"), rows, fields=list(rows[0]))
-    if owns_group:
-        torch.distributed.destroy_process_group()
-    return 0
+    print(" | ".join(f"{row[k]!s:>22}" for k in keys))
 
 
 def _peak_memory_gib(on_gpu: bool) -> float:

@@ -122,14 +122,25 @@ def _vocab_size_padded(n: int) -> int:
     return int(math.ceil(n / 64) * 64)  # 261 -> 320: a multiple that TP=2 (and TP=4) divides
 
 
-def _cache_ok(path: Path, record: dict) -> bool:
+def _cache_ok(path: Path, record: dict, *, cached_only: bool = False) -> bool:
+    """Whether `path` holds a build made with `record`; with cached_only a miss is an error naming why."""
     meta = path / "build.json"
     if not meta.is_file() or not (path / "model.safetensors").is_file() or not (path / "config.json").is_file():
-        return False
-    try:
-        return json.loads(meta.read_text()) == record
-    except json.JSONDecodeError:
-        return False
+        why = "nothing is built there"
+    else:
+        try:
+            stored = json.loads(meta.read_text())
+        except json.JSONDecodeError:
+            stored, why = None, "its build.json is not JSON"
+        if stored == record:
+            return True
+        if stored is not None:
+            keys = sorted(k for k in set(stored) | set(record) if stored.get(k) != record.get(k))
+            why = f"it was built with other settings (build.json differs in {', '.join(keys)})"
+    if cached_only:
+        raise ValueError(f"tiny.require_cached=true: {path}: {why}; build it first with the same config "
+                         "(python -m dapo_megatron.launch.prepare CONFIG ..., or tests/gpu/prepare.sh for the GPU check)")
+    return False
 
 
 def _write_atomically(path: Path, record: dict, save) -> Path:
@@ -143,10 +154,12 @@ def _write_atomically(path: Path, record: dict, save) -> Path:
     return path
 
 
-def build_tiny_model(out_dir: str | Path, *, seed: int, spec: TinyModelSpec = TinyModelSpec()) -> Path:
+def build_tiny_model(out_dir: str | Path, *, seed: int, spec: TinyModelSpec = TinyModelSpec(),
+                     cached_only: bool = False) -> Path:
     """Random-init tiny Qwen2 + tokenizer saved (fp32 safetensors) to `<out_dir>/tiny_model/init`.
 
-    Idempotent: an existing directory built with the same seed and spec is reused.
+    Idempotent: an existing directory built with the same seed and spec is reused (cached_only: or
+    ValueError, nothing is built).
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -157,7 +170,7 @@ def build_tiny_model(out_dir: str | Path, *, seed: int, spec: TinyModelSpec = Ti
         for key in ("arch", "num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             spec_record.pop(key)
     record = {"stage": "init", "seed": seed, "spec": spec_record}
-    if _cache_ok(path, record):
+    if _cache_ok(path, record, cached_only=cached_only):
         return path
     tok = build_tiny_tokenizer()
     common = dict(
@@ -238,8 +251,10 @@ def warm_start(
     lr: float,
     seed: int,
     label_smoothing: float = 0.0,
+    cached_only: bool = False,
 ) -> Path:
-    """Supervised pass: `steps` AdamW updates on random batches of (prompt, "Answer: N"), cached.
+    """Supervised pass: `steps` AdamW updates on random batches of (prompt, "Answer: N"), cached
+    (cached_only: the cached pass or ValueError, no training).
 
     Returns `<out_dir>/tiny_model/warm`. `label_smoothing` (eps) is the knob that sets the starting
     accuracy, not `steps`: stopping the supervised pass early lands anywhere between 4% and 66%
@@ -262,7 +277,7 @@ def warm_start(
     record = {"stage": "warm", "init": init_record, "data": digest, "steps": steps,
               "batch_size": batch_size, "lr": lr, "seed": seed, "label_smoothing": label_smoothing,
               "torch_threads": WARM_START_THREADS}
-    if _cache_ok(path, record):
+    if _cache_ok(path, record, cached_only=cached_only):
         return path
     threads = torch.get_num_threads()
     torch.set_num_threads(WARM_START_THREADS)
@@ -359,11 +374,11 @@ def prepare_tiny_model(tiny, synthetic, *, out_dir: str | Path, seed: int, max_p
                          num_kv_heads=tn.num_kv_heads, intermediate_size=tn.intermediate_size,
                          max_position_embeddings=max(256, max_positions), **_moe_spec_fields(tn))
     cache = tn.cache_dir or str(out_dir)
-    init = build_tiny_model(cache, seed=seed, spec=spec)
+    init = build_tiny_model(cache, seed=seed, spec=spec, cached_only=tn.require_cached)
     train, _ = synthetic_train_eval(num_train=syn.num_train, num_eval=syn.num_eval, difficulty=syn.difficulty,
                                     seed=syn.seed, style=syn.style)
     warm = warm_start(init, cache, prompts=[r.prompt for r in train],
                       answers=[r.ground_truth for r in train], steps=tn.warm_start_steps,
                       batch_size=tn.warm_start_batch_size, lr=tn.warm_start_lr, seed=seed,
-                      label_smoothing=tn.label_smoothing)
+                      label_smoothing=tn.label_smoothing, cached_only=tn.require_cached)
     return str(warm)

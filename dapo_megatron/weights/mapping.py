@@ -268,11 +268,11 @@ def merge_shards_into(kind: str, shards: Sequence[torch.Tensor], outputs: Sequen
             start, stop = r * rows, min((r + 1) * rows, dims.vocab)
             if start < stop:
                 outputs[0][start:stop].copy_(shard[: stop - start])
-    elif kind == "row":
+    elif kind in ("row", "expert_row"):
         cols = shards[0].shape[1]
         for r, shard in enumerate(shards):
             outputs[0][:, r * cols: (r + 1) * cols].copy_(shard)
-    elif kind == "fc1":
+    elif kind in ("fc1", "expert_fc1"):
         half = shards[0].shape[0] // 2
         for r, shard in enumerate(shards):
             outputs[0][r * half: (r + 1) * half].copy_(shard[:half])

@@ -3,7 +3,7 @@ bf16 tolerance, a train step runs the fused kernels and moves the weights, the c
 and loss equal the plain-torch ones in fp32, `check-parity --fused-logprob` passes, and the
 Qwen2.5-1.5B benchmark (dapo_megatron/benchmarks/actor.py) produces sane numbers.
 
-    tests/gpu/run_all.sh OUT     (section "actor"), or: pytest -m gpu tests/gpu/test_actor_gpu.py
+    tests/gpu/run_all.sh --call 1 OUT   (step actor_tests; call 3: actor_tests_rest), or: pytest -m gpu tests/gpu/test_actor_gpu.py
 """
 
 import os

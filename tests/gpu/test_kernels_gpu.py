@@ -1,6 +1,6 @@
 """Compiled Triton kernels on a CUDA GPU (H100/H200): Qwen2.5 shapes in bf16 against fp32.
 
-Run (on the GPU machine, from the repo root): tests/gpu/run_all.sh OUT_DIR
+Run (on the GPU machine, from the repo root): tests/gpu/run_all.sh --call 2 OUT_DIR (step kernel_tests)
      or: PYTHONPATH=.:<shim with dapo_kernels -> kernels> python3 -m pytest -m gpu tests/gpu/test_kernels_gpu.py -q
 Targets checked (issue 3): log-prob max abs error <= 1e-3 and entropy relative error <= 1e-3
 against an fp32 reference on the same bf16 inputs; log-probs never positive; no N x V allocation

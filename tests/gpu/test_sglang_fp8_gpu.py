@@ -2,7 +2,7 @@
 GEMMs and SGLang's own start-up on a GPU): an engine started by our launcher's command line from the
 block-FP8 export serves, and a sync through the weight-update session reloads it in place.
 
-    tests/gpu/run_all.sh OUT     (section "sglang_fp8"), or: pytest -m gpu tests/gpu/test_sglang_fp8_gpu.py
+    tests/gpu/run_all.sh --call 3 OUT   (step sglang_fp8), or: pytest -m gpu tests/gpu/test_sglang_fp8_gpu.py
 
 Needs sglang==0.5.21 with its GPU kernels (sgl_kernel) and nvidia-modelopt on the GPU machine: skipped
 when they are missing. A random Qwen2 whose projections are whole 128-blocks (SGLang's block-shape rule),

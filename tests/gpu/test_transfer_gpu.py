@@ -12,7 +12,7 @@
 - the distributed weight sync from CUDA tensors to that engine over gloo (the group's backend follows
   the engine), with the greedy log-probs of the engine equal to the trainer model's.
 
-    tests/gpu/run_all.sh OUT     (section "transfer"), or: pytest -m gpu tests/gpu/test_transfer_gpu.py
+    tests/gpu/run_all.sh --call 2 OUT   (step transfer_tests), or: pytest -m gpu tests/gpu/test_transfer_gpu.py
 """
 
 from __future__ import annotations

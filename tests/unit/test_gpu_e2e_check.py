@@ -1,4 +1,4 @@
-"""tests/gpu/e2e_learning.py, the learning check of run_all.sh's e2e section, on hand-written curves."""
+"""tests/gpu/e2e_learning.py, the learning check of run_all.sh's e2e steps, on hand-written curves."""
 
 from __future__ import annotations
 

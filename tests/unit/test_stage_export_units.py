@@ -17,6 +17,8 @@ DIMS = Dims(hidden=12, num_heads=6, num_groups=2, head_dim=2, ffn=10, vocab=13, 
 @pytest.mark.parametrize("kind,shapes", [
     ("replicated", [(12,)]), ("vocab", [(13, 12)]), ("row", [(12, 10)]),
     ("fc1", [(10, 12), (10, 12)]), ("qkv", [(12, 12), (4, 12), (4, 12)]), ("qkv", [(12,), (4,), (4,)]),
+    # one expert's weights (MoE at EP=1 exports them through this path: the first GPU plan's e2e_moe found it)
+    ("expert_row", [(12, 10)]), ("expert_fc1", [(10, 12), (10, 12)]),
 ])
 def test_merge_into_views_equals_merge_shards(kind, shapes, tp):
     gen = torch.Generator().manual_seed(len(shapes) + tp)

@@ -161,3 +161,26 @@ def test_prepare_tiny_model_from_config(tmp_path):
     cfg.tiny.enabled = False
     with pytest.raises(ValueError, match="tiny.enabled is false"):
         tiny_model_dir(cfg)
+
+
+def test_require_cached_uses_the_cache_or_names_why_it_cannot(tmp_path):
+    """tiny.require_cached=true (the GPU check's e2e runs): the model prepared beforehand is used as is; an
+    empty cache or one built with other settings stops with the key, the directory and what differs, and
+    nothing is built or written."""
+    keys = ["tiny.enabled=true", "tiny.hidden_size=32", "tiny.num_layers=1", "tiny.num_heads=2",
+            "tiny.intermediate_size=64", "tiny.warm_start_steps=2", "tiny.warm_start_batch_size=4",
+            "data.synthetic.num_train=32", "data.synthetic.num_eval=4", "data.synthetic.style=compact",
+            "rollout.max_prompt_length=16", "rollout.max_response_length=16", "actor.micro_batch_tokens=64",
+            "algorithm.overlong_buffer_length=4", f"tiny.cache_dir={tmp_path / 'cache'}"]
+    cached = [*keys, "tiny.require_cached=true"]
+    with pytest.raises(ValueError, match=r"tiny.require_cached=true: .*cache/tiny_model/init: nothing is built there"):
+        tiny_model_dir(load_config(None, cached))
+    assert not (tmp_path / "cache").exists()
+    built = tiny_model_dir(load_config(None, keys))
+    stamp = (tmp_path / "cache" / "tiny_model" / "warm" / "model.safetensors").stat().st_mtime_ns
+    assert tiny_model_dir(load_config(None, cached)) == built
+    with pytest.raises(ValueError, match=r"warm: it was built with other settings \(build.json differs in steps\)"):
+        tiny_model_dir(load_config(None, [*cached, "tiny.warm_start_steps=3"]))
+    with pytest.raises(ValueError, match=r"init: it was built with other settings \(build.json differs in seed\)"):
+        tiny_model_dir(load_config(None, [*cached, "trainer.seed=7"]))
+    assert (tmp_path / "cache" / "tiny_model" / "warm" / "model.safetensors").stat().st_mtime_ns == stamp
