@@ -24,7 +24,7 @@ def train(argv: list[str]) -> int:
     parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="clear a previous run in trainer.output_dir first")
     parser.add_argument("--skip-plan", action="store_true", help="launch without checking the memory plan first")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # flags and key=value overrides in any order
     cfg = load_config(args.config, args.overrides)
     if "RANK" in os.environ:
         from dapo_megatron.launch.lifeline import die_with_parent
@@ -72,7 +72,7 @@ def evaluate(argv: list[str]) -> int:
     parser.add_argument("--checkpoint", default="",
                         help="run checkpoint, HF model or run directory (default: the config's trainer.output_dir)")
     parser.add_argument("--output", default="", help="JSON results (default <checkpoint>/eval.json)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # flags and key=value overrides in any order
     if Path(args.config).is_dir():  # `eval RUN_DIR`: the run directory is what --checkpoint takes
         saved = sorted(Path(args.config).glob("slurm/config.yaml")) + sorted(Path(args.config).glob("*.yaml"))
         config_hint = saved[0] if saved else "CONFIG"
