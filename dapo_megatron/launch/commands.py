@@ -33,9 +33,13 @@ def train(argv: list[str]) -> int:
         os.register_at_fork(after_in_child=die_with_parent)  # so do its fork children (Megatron's checkpoint writers)
         return loop.run_worker_recorded(cfg, resume=args.resume)
     from dapo_megatron.launch.local import launch_training
+    from dapo_megatron.launch.local_stop import stopped_at_once
 
-    return launch_training(cfg, args.config, args.overrides, resume=args.resume, overwrite=args.overwrite,
-                           skip_plan=args.skip_plan)
+    try:
+        return launch_training(cfg, args.config, args.overrides, resume=args.resume, overwrite=args.overwrite,
+                               skip_plan=args.skip_plan)
+    except KeyboardInterrupt as stop:  # a second Ctrl-C, or one before the ranks ran: one line, no traceback
+        return stopped_at_once(stop, cfg.trainer.output_dir)
 
 
 def evaluate(argv: list[str]) -> int:

@@ -183,8 +183,7 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
                                           "eval": headline_avg(log, list(cfg.data.eval_sets))})
             if stop and not last_step:
                 if roles.driver:
-                    print(f"[train] {preempt.received.name if preempt.received else 'signal'}: checkpoint of "
-                          f"step {step + 1} written; exiting so the job can be requeued", flush=True)
+                    print(preempt.stop_line(step + 1, ckpt.step_dir(run_dir, step + 1)), flush=True)
                 break
         if roles.driver:
             metrics.close()
