@@ -535,12 +535,15 @@ class Actor:
         def take(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else self._local(t, mb)[pos.cpu()].to(dev)
 
+        wants = self.objective
         # n_seq(t) over the whole micro-batch, before the CP split (seq-mean-token-mean's weight)
-        sequence_tokens = sequence_token_counts(mb.loss_mask, mb.seq_ids, mb.num_sequences)
+        sequence_tokens = (sequence_token_counts(mb.loss_mask, mb.seq_ids, mb.num_sequences)
+                           if wants.reads_sequence_tokens else None)
         tokens = PackedTokens(logprob=logprob, entropy=entropy, old_logprob=take(mb.old_logprobs),
                               advantages=take(mb.advantages), loss_mask=take(mb.loss_mask), seq_ids=take(mb.seq_ids),
                               num_sequences=mb.num_sequences, sequence_tokens=take(sequence_tokens),
-                              rollout_logprobs=take(mb.rollout_logprobs), ref_logprobs=take(mb.ref_logprobs))
+                              rollout_logprobs=take(mb.rollout_logprobs) if wants.reads_rollout_logprobs else None,
+                              ref_logprobs=take(mb.ref_logprobs) if wants.reads_ref_logprobs else None)
         return objective(tokens, self.objective, loss_denominator=denom)
 
     # --- checkpoints ---------------------------------------------------------------------------------

@@ -46,6 +46,19 @@ class ObjectiveSettings:
         POLICY_LOSSES.get(self.policy_loss)  # an unknown name fails here, naming the registered ones
         check_agg_mode(self.loss_agg_mode)
 
+    # which optional inputs objective() reads (the caller gathers and moves only those)
+    @property
+    def reads_sequence_tokens(self) -> bool:
+        return self.loss_agg_mode == "seq-mean-token-mean"
+
+    @property
+    def reads_rollout_logprobs(self) -> bool:
+        return self.tis_cap is not None
+
+    @property
+    def reads_ref_logprobs(self) -> bool:
+        return self.use_kl
+
 
 @dataclass(frozen=True)
 class PackedTokens:
@@ -58,7 +71,7 @@ class PackedTokens:
     loss_mask: torch.Tensor  # 1 where the token trains
     seq_ids: torch.Tensor  # each token's sequence in the micro-batch
     num_sequences: int
-    sequence_tokens: torch.Tensor  # n_seq(t): the trained tokens of t's whole sequence (all CP shards)
+    sequence_tokens: torch.Tensor | None = None  # n_seq(t): trained tokens of t's whole sequence (all CP shards)
     rollout_logprobs: torch.Tensor | None = None  # the engine's (with tis_cap)
     ref_logprobs: torch.Tensor | None = None  # the reference policy's (with use_kl)
 
