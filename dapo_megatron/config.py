@@ -23,6 +23,10 @@ from typing import Any, Literal, Optional
 import yaml
 
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+# the names registered in algo/registry.py (config sits below algo/; tests/unit/test_algo_objective.py
+# checks that these lists and the registries agree)
+PolicyLossName = Literal["dapo", "grpo", "gspo"]
+AdvantageName = Literal["grpo", "drgrpo"]
 
 
 @dataclass
@@ -118,6 +122,10 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
+    # the objective (algo/): "dapo" clip-higher + dual clip, "grpo" naive GRPO's symmetric clip with the
+    # sequence-level mean, "gspo" sequence-level ratio and clip (docs/algorithm.md 5)
+    policy_loss: PolicyLossName = "dapo"
+    advantage: AdvantageName = "grpo"  # "grpo" (R - mean) / std per group; "drgrpo" R - mean (Dr. GRPO)
     eps_low: float = 0.2
     eps_high: float = 0.28  # clip-higher
     clip_ratio_c: Optional[float] = 10.0  # dual clip for A < 0; null disables it
@@ -473,6 +481,7 @@ def validate(cfg: Config) -> None:
     _require(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
     _require(a.tis_cap is None or a.tis_cap >= 1, "algorithm.tis_cap", a.tis_cap, "null (off) or >= 1")
     _require(a.advantage_eps > 0, "algorithm.advantage_eps", a.advantage_eps, "must be > 0")
+    _validate_policy_loss(cfg)
 
     for key in ("tp", "pp", "cp", "world_size"):
         val = getattr(ac, key)
@@ -623,6 +632,29 @@ def _validate_tiny(cfg: Config) -> None:
     _require(tn.warm_start_steps >= 0, "tiny.warm_start_steps", tn.warm_start_steps, "must be >= 0")
     _require(tn.warm_start_lr > 0, "tiny.warm_start_lr", tn.warm_start_lr, "must be > 0")
     _require(0 <= tn.label_smoothing < 1, "tiny.label_smoothing", tn.label_smoothing, "must be in [0, 1)")
+
+
+def _validate_policy_loss(cfg: "Config") -> None:
+    """What each algorithm.policy_loss needs of the other keys (algo/policy_loss.py, algo/gspo.py)."""
+    a, name = cfg.algorithm, cfg.algorithm.policy_loss
+    if name == "grpo":
+        _require(a.eps_high == a.eps_low, "algorithm.eps_high", a.eps_high,
+                 f"equal to algorithm.eps_low ({a.eps_low}) with algorithm.policy_loss=grpo: naive GRPO clips "
+                 "symmetrically (clip-higher is algorithm.policy_loss=dapo)")
+    if name in ("grpo", "gspo"):
+        _require(a.loss_agg_mode == "seq-mean-token-mean", "algorithm.loss_agg_mode", a.loss_agg_mode,
+                 f"seq-mean-token-mean with algorithm.policy_loss={name}: its loss is a mean over sequences")
+    if name == "gspo":
+        _require(a.clip_ratio_c is None, "algorithm.clip_ratio_c", a.clip_ratio_c,
+                 "null with algorithm.policy_loss=gspo (GSPO has no dual clip)")
+        _require(a.tis_cap is None, "algorithm.tis_cap", a.tis_cap,
+                 "null with algorithm.policy_loss=gspo (the truncated importance weight is per token; GSPO's "
+                 "ratio is per sequence)")
+        _require(cfg.actor.cp == 1, "actor.cp", cfg.actor.cp,
+                 "1 with algorithm.policy_loss=gspo (its ratio averages a sequence's tokens, which context "
+                 "parallelism splits over ranks)")
+        _require(not cfg.actor.fused_policy_loss, "actor.fused_policy_loss", cfg.actor.fused_policy_loss,
+                 "false with algorithm.policy_loss=gspo (the fused kernel computes the token-level losses dapo and grpo)")
 
 
 # --------------------------------------------------------------------------------------------

@@ -43,16 +43,13 @@ from dapo_megatron.actor.lm_head import (full_sequence_hidden, output_weight, re
                                          return_hidden_states, token_logprobs_entropy)
 from dapo_megatron.actor.packing import MicroBatch, PackedShare, pack_batch_micro_batch
 from dapo_megatron.algo.aggregation import count_loss_units_packed, sequence_token_counts
-from dapo_megatron.algo.off_policy import behaviour_weight
+from dapo_megatron.algo.objective import METRIC_SUMS, PackedTokens, objective, objective_metrics
 from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.actor.settings import ActorSettings
 from dapo_megatron.actor.staging import to_device
 from dapo_megatron.dataplane.batch import RolloutBatch, exclusive_cumsum, ranges_index
 from dapo_megatron.dataplane.share import BatchShare, PackSettings, share_of_samples
 from dapo_megatron.dataplane import collectives as coll
-
-METRIC_SUMS = ("loss", "pg_loss", "kl_loss", "clipfrac_low", "clipfrac_high", "dualclip_frac", "approx_kl",
-               "ratio_mean", "entropy", "kl", "tis_weight", "num_tokens", "num_weight")
 
 
 @dataclass
@@ -98,6 +95,7 @@ class Actor:
         from dapo_megatron.weights import load_hf_into_model
 
         self.settings = settings
+        self.objective = settings.objective()  # the loss (algo/objective.py); an unknown policy_loss fails here
         ac, tr = settings.actor, settings.optimizer
         layout = dict(tp=parallel.tp_size(), pp=parallel.pp_size(), cp=parallel.cp_size(), vpp=parallel.vpp_size(),
                       ep=parallel.ep_size(), etp=parallel.etp_size())
@@ -520,16 +518,8 @@ class Actor:
                                               loss_is_finite=loss_is_finite)
         self.num_updates += int(updated)
         self.last_step = step
-        weight = max(m["num_weight"], 1e-30)
-        tokens = max(m["num_tokens"], 1.0)
         return {
-            "loss": m["loss"], "pg_loss": m["pg_loss"], "kl_loss": m["kl_loss"],
-            "grad_norm": grad_norm, "lr": lr,
-            "clipfrac_low": m["clipfrac_low"] / weight, "clipfrac_high": m["clipfrac_high"] / weight,
-            "dualclip_frac": m["dualclip_frac"] / weight, "approx_kl": m["approx_kl"] / weight,
-            "ratio_mean": m["ratio_mean"] / weight, "ratio_max": float(ratio_max),
-            "entropy": m["entropy"] / tokens, "kl": m["kl"] / tokens, "tis_weight": m["tis_weight"] / tokens,
-            "num_tokens": m["num_tokens"], "loss_denominator": denom,
+            **objective_metrics(m, float(ratio_max)), "grad_norm": grad_norm, "lr": lr, "loss_denominator": denom,
             "num_micro_batches": float(share.num_micro_batches),
             "nonfinite": float(denom > 0 and not updated), "update_skipped": float(not updated),
         }
@@ -559,51 +549,23 @@ class Actor:
 
     def _loss(self, mb: MicroBatch, pos: torch.Tensor, logprob: torch.Tensor, entropy: torch.Tensor, *,
               denom: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """sum_t w_t * (l_t + kl_coef * kl_t) / D over this rank's tokens of the micro-batch.
-
-        All three aggregation modes are a per-token weighted sum over the global D (algo/aggregation.py),
-        so policy_loss runs in its token-mean form with mask = w and loss_denominator = D (the
-        fused kernel's form too), and a sequence cut by CP or micro-batching still sums exactly.
-        Truncated importance sampling multiplies the policy term's weight by min(pi_old/pi_rollout, C).
-        """
-        from dapo_megatron.algo.kl import kl_penalty
-
-        al = self.settings.algorithm
+        """The objective (algo/objective.py) on this rank's response tokens of the micro-batch: its
+        local positions `pos` of the packed tensors (its CP chunks), moved to the head's device."""
         dev = logprob.device
 
-        def take(t: torch.Tensor) -> torch.Tensor:
-            return to_device(self._local(t, mb)[pos.cpu()], dev)
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else to_device(self._local(t, mb)[pos.cpu()], dev)
 
-        old, adv, mask = take(mb.old_logprobs), take(mb.advantages), take(mb.loss_mask)
-        weight = mask
-        if al.loss_agg_mode == "seq-mean-token-mean":
-            n_seq = sequence_token_counts(mb.loss_mask, mb.seq_ids, mb.num_sequences)
-            weight = mask / take(n_seq).clamp(min=1.0)
-        pg_weight = weight
-        tis = torch.ones_like(mask)
-        if al.tis_cap is not None:
-            tis = behaviour_weight(old, take(mb.rollout_logprobs), al.tis_cap)  # algo/off_policy.py
-            pg_weight = weight * tis
-        pg_loss, stats = _policy_loss(logprob, old, adv, pg_weight, eps_low=al.eps_low, eps_high=al.eps_high,
-                                      clip_ratio_c=al.clip_ratio_c, loss_denominator=denom,
-                                      fused=self.settings.actor.fused_policy_loss)
-        kl = torch.zeros_like(logprob)
-        kl_loss = torch.zeros((), dtype=torch.float32, device=dev)
-        if al.use_kl:
-            kl = kl_penalty(logprob, take(mb.ref_logprobs), al.kl_kind)
-            kl_loss = (kl * weight).sum() / denom
-        loss = pg_loss + al.kl_coef * kl_loss if al.use_kl else pg_loss
-        trained = (mask != 0).float()
-        num_weight = stats["num_tokens"].float()
-        values = {
-            "loss": loss.detach(), "pg_loss": pg_loss.detach(), "kl_loss": kl_loss.detach(),
-            **{k: stats[k].float() * num_weight for k in ("clipfrac_low", "clipfrac_high", "dualclip_frac",
-                                                          "approx_kl", "ratio_mean")},
-            "entropy": (entropy.detach() * trained).sum(), "kl": (kl.detach() * trained).sum(),
-            "tis_weight": (tis * trained).sum(), "num_tokens": trained.sum(), "num_weight": num_weight,
-            "ratio_max": stats["ratio_max"].float(),
-        }
-        return loss, values
+        wants = self.objective
+        # n_seq(t) over the whole micro-batch, before the CP split (seq-mean-token-mean's weight)
+        sequence_tokens = (sequence_token_counts(mb.loss_mask, mb.seq_ids, mb.num_sequences)
+                           if wants.reads_sequence_tokens else None)
+        tokens = PackedTokens(logprob=logprob, entropy=entropy, old_logprob=take(mb.old_logprobs),
+                              advantages=take(mb.advantages), loss_mask=take(mb.loss_mask), seq_ids=take(mb.seq_ids),
+                              num_sequences=mb.num_sequences, sequence_tokens=take(sequence_tokens),
+                              rollout_logprobs=take(mb.rollout_logprobs) if wants.reads_rollout_logprobs else None,
+                              ref_logprobs=take(mb.ref_logprobs) if wants.reads_ref_logprobs else None)
+        return objective(tokens, self.objective, loss_denominator=denom)
 
     # --- checkpoints ---------------------------------------------------------------------------------
 
@@ -653,17 +615,3 @@ class Actor:
         self.last_step = int(meta["last_step"])
         return meta
 
-
-def _policy_loss(logprob, old, adv, weight, *, eps_low, eps_high, clip_ratio_c, loss_denominator, fused: bool):
-    """Token-mean form with the global denominator: dapo_kernels.policy_loss (fused: one Triton pass
-    for loss, gradient and stats; compiled, or interpreted on CPU) or algo.policy_loss (plain torch).
-    Same value, gradient and stats (tests/distributed/test_actor_fused.py)."""
-    if fused:
-        from dapo_kernels import policy_loss as fused_policy_loss
-
-        return fused_policy_loss(logprob, old, adv, weight, eps_low=eps_low, eps_high=eps_high,
-                                 clip_ratio_c=clip_ratio_c, loss_denominator=float(loss_denominator))
-    from dapo_megatron.algo.policy_loss import policy_loss
-
-    return policy_loss(logprob, old, adv, weight, eps_low=eps_low, eps_high=eps_high, clip_ratio_c=clip_ratio_c,
-                       agg_mode="token-mean", loss_denominator=float(loss_denominator))

@@ -14,6 +14,7 @@ a crash between the two renames leaves `<path>.old`, which `load_checkpoint` fal
 from __future__ import annotations
 
 import json
+import warnings
 import random
 import shutil
 from pathlib import Path
@@ -94,7 +95,16 @@ def load_checkpoint(path: str | Path, *, sharded_state_dict: dict) -> tuple[dict
 
     where = resolve_checkpoint(path)
     meta = json.loads((where / META_FILE).read_text())
-    state = dist_checkpointing.load(sharded_state_dict, str(where))
+    with warnings.catch_warnings():
+        # megatron-core 0.16.1's torch_dist loader (strategies/torch.py) calls torch.distributed.checkpoint's
+        # deprecated `load_state_dict` and builds torch ShardedTensors, and torch 2.13 answers each with a
+        # FutureWarning on every rank at every resume: four lines about megatron's internals that the user
+        # can do nothing about. Exactly these two messages are ignored, only for this call.
+        warnings.filterwarnings("ignore", message=r"`load_state_dict` is deprecated and will be removed",
+                                category=FutureWarning)
+        warnings.filterwarnings("ignore", message=r"Please use DTensor instead and we are deprecating ShardedTensor",
+                                category=FutureWarning)
+        state = dist_checkpointing.load(sharded_state_dict, str(where))
     return state, meta
 
 

@@ -20,6 +20,15 @@ Aggregation (mask = response tokens that train):
     seq-mean-token-mean sum_seq(sum_t mask*l / sum_t mask) / loss_denominator   (default: sequences
                         with at least one masked token)
     seq-mean-token-sum  sum_seq(sum_t mask*l) / loss_denominator               (same default)
+The registered losses (algo/registry.py POLICY_LOSSES, selected by algorithm.policy_loss) take the actor's
+packed form of one micro-batch (LossTokens: flat tensors of this rank's trained positions, each
+token's aggregation weight w and the global D) and return sum_t w_t * l_t / D with its stats:
+    "dapo"  the formula above (clip-higher eps_low/eps_high, dual clip); the fused Triton kernel when
+            ClipSettings.fused (actor.fused_policy_loss): same value, gradient and stats
+    "grpo"  the naive-GRPO baseline of the DAPO paper (Table 1, rung 0): the same PPO surrogate with ONE
+            symmetric clip range (eps_high must equal eps_low: clip-higher is "dapo"); the sequence-level
+            mean is its aggregation (config.py requires loss_agg_mode=seq-mean-token-mean)
+    "gspo"  algo/gspo.py
 Gradient accumulation: pass the GLOBAL count of the mini-batch (all micro-batches, all data-parallel
 ranks; `count_loss_units` gives one micro-batch's share to sum) so that the micro-batch losses add up
 to the loss of one big batch, and so do their gradients.
@@ -27,14 +36,17 @@ to the loss of one big batch, and so do their gradients.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 # the per-token formula and the stats: the one torch reference of both (kernels/reference.py); this
 # module adds the aggregation modes and the argument checks of the trainer's configuration
 from dapo_kernels.reference import POLICY_LOSS_STAT_KEYS, policy_loss_stats, policy_loss_terms
 from dapo_megatron.algo.aggregation import AGG_MODES, check_agg_mode, count_loss_units
+from dapo_megatron.algo.registry import POLICY_LOSSES
 
-__all__ = ["policy_loss", "count_loss_units", "AGG_MODES", "STAT_KEYS"]
+__all__ = ["policy_loss", "count_loss_units", "AGG_MODES", "STAT_KEYS", "LossTokens", "ClipSettings"]
 
 # The stats every policy-loss implementation returns (kernels/policy_loss.py returns the same keys).
 STAT_KEYS = POLICY_LOSS_STAT_KEYS
@@ -111,3 +123,56 @@ def policy_loss(
     stats = policy_loss_stats(log_ratio.detach(), ratio.detach(), adv.detach(), weight.detach(), eps_low=eps_low,
                               eps_high=eps_high, clip_ratio_c=clip_ratio_c)
     return loss, {key: value.float() for key, value in stats.items()}
+
+
+@dataclass(frozen=True)
+class ClipSettings:
+    """The scalars every registered policy loss reads (algorithm.eps_low / eps_high / clip_ratio_c,
+    actor.fused_policy_loss)."""
+
+    eps_low: float
+    eps_high: float
+    clip_ratio_c: float | None
+    fused: bool = False  # the Triton kernel (dapo_kernels.policy_loss); only the token-level losses have one
+
+
+@dataclass(frozen=True)
+class LossTokens:
+    """One packed micro-batch's trained positions on this rank, flat [N] (the actor's layout): the
+    loss is sum_t weight_t * l_t / loss_denominator. seq_ids: each token's sequence in the micro-batch
+    (0..num_sequences-1); every token of a sequence is here (no context parallelism) for the losses
+    that read whole sequences (gspo)."""
+
+    logprob: torch.Tensor  # differentiable
+    old_logprob: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor  # 1 where the token trains
+    weight: torch.Tensor  # the aggregation weight of algo/aggregation.py times the TIS weight
+    seq_ids: torch.Tensor
+    num_sequences: int
+    loss_denominator: float
+
+
+@POLICY_LOSSES.register("dapo")
+def dapo_policy_loss(tokens: LossTokens, clip: ClipSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Token-level clip-higher surrogate with dual clip: policy_loss in its token-mean form with mask =
+    weight and the global D (the fused kernel's form too; tests/distributed/test_actor_fused.py)."""
+    t = tokens
+    if clip.fused:
+        from dapo_kernels import policy_loss as fused_policy_loss  # triton: imported only when asked for
+
+        return fused_policy_loss(t.logprob, t.old_logprob, t.advantages, t.weight, eps_low=clip.eps_low,
+                                 eps_high=clip.eps_high, clip_ratio_c=clip.clip_ratio_c,
+                                 loss_denominator=float(t.loss_denominator))
+    return policy_loss(t.logprob, t.old_logprob, t.advantages, t.weight, eps_low=clip.eps_low, eps_high=clip.eps_high,
+                       clip_ratio_c=clip.clip_ratio_c, agg_mode="token-mean", loss_denominator=float(t.loss_denominator))
+
+
+@POLICY_LOSSES.register("grpo")
+def grpo_policy_loss(tokens: LossTokens, clip: ClipSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Naive GRPO's PPO surrogate: one symmetric clip range. The arithmetic is dapo's with
+    eps_high = eps_low, so the ladder's rung 0 computes what it did before the registry, bit for bit."""
+    if clip.eps_high != clip.eps_low:
+        raise ValueError(f"algorithm.policy_loss='grpo' clips symmetrically: algorithm.eps_high={clip.eps_high} must "
+                         f"equal algorithm.eps_low={clip.eps_low} (clip-higher is algorithm.policy_loss='dapo')")
+    return dapo_policy_loss(tokens, clip)

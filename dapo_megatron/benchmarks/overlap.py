@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="run directories (default: a temporary one)")
     ap.add_argument("overrides", nargs="*", help="section.key=value for every run")
     add_output_args(ap, name="overlap")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # flags and key=value overrides in any order
     check_header(results_csv(args, name="overlap"), FIELDS)  # before minutes of runs, not after
     root = Path(args.out or tempfile.mkdtemp(prefix="bench_overlap_"))
     date, machine = time.strftime("%Y-%m-%d", time.gmtime()), f"{platform.machine()} {os.cpu_count()} cores"

@@ -24,7 +24,7 @@ def train(argv: list[str]) -> int:
     parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="clear a previous run in trainer.output_dir first")
     parser.add_argument("--skip-plan", action="store_true", help="launch without checking the memory plan first")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # flags and key=value overrides in any order
     cfg = load_config(args.config, args.overrides)
     if "RANK" in os.environ:
         from dapo_megatron.launch.lifeline import die_with_parent
@@ -33,9 +33,13 @@ def train(argv: list[str]) -> int:
         os.register_at_fork(after_in_child=die_with_parent)  # so do its fork children (Megatron's checkpoint writers)
         return loop.run_worker_recorded(cfg, resume=args.resume)
     from dapo_megatron.launch.local import launch_training
+    from dapo_megatron.launch.local_stop import stopped_at_once
 
-    return launch_training(cfg, args.config, args.overrides, resume=args.resume, overwrite=args.overwrite,
-                           skip_plan=args.skip_plan)
+    try:
+        return launch_training(cfg, args.config, args.overrides, resume=args.resume, overwrite=args.overwrite,
+                               skip_plan=args.skip_plan)
+    except KeyboardInterrupt as stop:  # a second Ctrl-C, or one before the ranks ran: one line, no traceback
+        return stopped_at_once(stop, cfg.trainer.output_dir)
 
 
 def evaluate(argv: list[str]) -> int:
@@ -72,7 +76,7 @@ def evaluate(argv: list[str]) -> int:
     parser.add_argument("--checkpoint", default="",
                         help="run checkpoint, HF model or run directory (default: the config's trainer.output_dir)")
     parser.add_argument("--output", default="", help="JSON results (default <checkpoint>/eval.json)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # flags and key=value overrides in any order
     if Path(args.config).is_dir():  # `eval RUN_DIR`: the run directory is what --checkpoint takes
         saved = sorted(Path(args.config).glob("slurm/config.yaml")) + sorted(Path(args.config).glob("*.yaml"))
         config_hint = saved[0] if saved else "CONFIG"

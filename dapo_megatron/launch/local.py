@@ -23,6 +23,7 @@ import shutil
 from pathlib import Path
 
 from dapo_megatron.launch.lifeline import kill_survivors, with_lifeline
+from dapo_megatron.launch.local_stop import STOP_FILE, LocalStop, StopNow
 
 def check_cores(cores: list[int], key: str) -> None:
     """A core pinning that cannot be applied fails before anything starts, naming the config key."""
@@ -54,8 +55,8 @@ class LocalProcesses:
         self._old_sigterm = None
 
     def __enter__(self) -> "LocalProcesses":
-        def on_sigterm(signum, frame):  # same clean-up path as Ctrl-C
-            raise KeyboardInterrupt(f"signal {signum}")
+        def on_sigterm(signum, frame):  # same clean-up path as Ctrl-C (while the ranks run: LocalStop)
+            raise StopNow(signum)
 
         self._old_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
         return self
@@ -87,6 +88,9 @@ class LocalProcesses:
         self.children[name] = proc
         try:
             return proc.wait()
+        except StopNow:  # a second Ctrl-C / SIGTERM (launch/local_stop.py): at once
+            self._stop(proc, signal.SIGKILL, grace_s=5.0)
+            raise
         except KeyboardInterrupt:
             self._stop(proc, signal.SIGINT)  # let the ranks see Ctrl-C first
             raise
@@ -275,8 +279,11 @@ def _launch_locked(cfg, config_path: str, overrides: list[str], *, resume: bool,
         t_ranks = time.perf_counter()
         # engines that exit while the ranks run are restarted (rollout.engine_restarts); the supervisor
         # stops before the clean-up below stops the engines
-        with EngineSupervisor(procs, budget=cfg.rollout.engine_restarts, events_path=engine_events_path(run_dir)):
-            rc = procs.run_foreground("actor", pinned(cmd, cfg.actor.cpu_cores), env={"OMP_NUM_THREADS": "1"})
+        # Ctrl-C / SIGTERM from here on: the ranks finish the step, checkpoint it and stop (launch/local_stop.py)
+        with EngineSupervisor(procs, budget=cfg.rollout.engine_restarts, events_path=engine_events_path(run_dir)), \
+                LocalStop(run_dir / STOP_FILE) as stop:
+            rc = procs.run_foreground("actor", pinned(cmd, cfg.actor.cpu_cores),
+                                      env={"OMP_NUM_THREADS": "1", **stop.rank_env()})
         ranks_wall_s = time.perf_counter() - t_ranks
     if rc != 0:
         # the ranks' own output went to this terminal; torchrun's closing "Root Cause" block carries the
@@ -284,10 +291,20 @@ def _launch_locked(cfg, config_path: str, overrides: list[str], *, resume: bool,
         # which a rank killed by its peer's failure (gloo "Connection closed by peer") would bury
         print(f"[train] the actor ranks failed (torchrun exit code {rc}): the first failing rank's error is the "
               f"\"Root Cause\" block above; engine logs in {run_dir / 'logs'}", file=sys.stderr, flush=True)
+    if rc == 0 and stop.received is not None and _stopped_early(cfg):
+        return stop.exit_code  # the driver's "stopped at step N (...)" line is the last word
     if rc == 0:
         print(run_log.run_summary(run_dir, phase_seconds=phases.seconds, ranks_wall_s=ranks_wall_s,
                                   wall_s=time.perf_counter() - t_start), flush=True)
     return rc
+
+
+def _stopped_early(cfg) -> bool:
+    """A stop request ended the run before trainer.total_steps (one in the last step does not)."""
+    from dapo_megatron.trainer.run_checkpoint import list_checkpoints
+
+    done = list_checkpoints(cfg.trainer.output_dir)
+    return not done or done[-1][0] < cfg.trainer.total_steps
 
 
 def check_prompt_data(cfg, model_dir: str = "", *, tokenizer=None) -> str:

@@ -83,7 +83,7 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # flags and key=value overrides in any order
     plan = build_plan(load_config(args.config, args.overrides))
     print(f"dapo-megatron plan {args.config}" + "".join(f" {o}" for o in args.overrides))
     print(format_plan(plan))

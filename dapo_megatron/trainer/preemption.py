@@ -15,6 +15,10 @@ A stop is requested by either
                     not forwarded: a signal sent through srun reaches every process of the step, and
                     helpers that do not expect it (Megatron's checkpoint writer processes, data
                     loader workers) die of it, in the middle of the very checkpoint it asked for.
+  the local launcher `dapo-megatron train` by hand writes the signal it got (SIGINT: Ctrl-C, or SIGTERM)
+                    into the request file it names in $DAPO_PREEMPT_FILE (launch/local_stop.py); the
+                    driver then ends with the one line "stopped at step N (SIGTERM): checkpoint ...;
+                    continue with --resume" (stop_line).
   SIGUSR1 / SIGTERM sent to a rank (by hand, by torchrun forwarding its own signal, or by Slurm on
                     scancel, `scontrol requeue` or preemption, which signals every process of the
                     job and sends SIGKILL KillWait seconds later, often 30 s).
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -69,10 +74,28 @@ class PreemptionSignal:
         return self.received is not None or bool(self.request_file and os.path.exists(self.request_file))
 
     @property
+    def launcher_signal(self) -> str:
+        """The signal the local launcher wrote into the request file ("SIGINT", "SIGTERM"); "" for
+        Slurm's empty request file, no file or none read."""
+        try:
+            return Path(self.request_file).read_text().strip() if self.request_file else ""
+        except OSError:
+            return ""
+
+    @property
     def reason(self) -> str:
         if self.received is not None:
             return self.received.name
         return f"request file {self.request_file}" if self.requested else "another rank"
+
+    def stop_line(self, step: int, checkpoint: Path) -> str:
+        """What the driver prints once the stop's checkpoint is written: for a local run the line the
+        user acts on, for a Slurm job what its log needs (the job's script requeues it)."""
+        named = self.launcher_signal
+        if named:
+            return f"stopped at step {step} ({named}): checkpoint {checkpoint}; continue with --resume"
+        return f"[train] {self.received.name if self.received else 'signal'}: checkpoint of step {step} written; " \
+               "exiting so the job can be requeued"
 
     def should_stop(self, group: dist.ProcessGroup | None = None) -> bool:
         """True on every rank if any rank has a request; a collective when torch.distributed is up."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dapo_megatron.algo import group_advantages
+from dapo_megatron.algo import ADVANTAGES
 from dapo_megatron.config import Config
 from dapo_megatron.dataplane.batch import RolloutBatch
 from dapo_megatron.trainer import run_checkpoint as ckpt
@@ -39,6 +39,7 @@ class Run:
     driver: Any
     placement: Any  # what moves between phases: disaggregated or colocated (trainer/placement.py)
     faults: FaultPolicy  # what every rank does when engines fail (trainer/recovery.py)
+    advantage: str  # algorithm.advantage: the name of its estimator in algo's ADVANTAGES
     advantage_eps: float
     sequences_per_mini_batch: int  # rollout.n * trainer.mini_batch_size
 
@@ -53,8 +54,9 @@ def dapo_step(step: int, run: Run) -> dict[str, float]:
     placement.before_rollout(actor)  # colocated: the actor leaves the device, the engines come back
     record.add(placement.ledger("rollout", actor, ref))
     groups, rollout_stats = run.faults.rollout(step)  # the driver's; (None, {}) on the other ranks
-    # 2. group advantages A = (R - mean_g R) / (std_g R + eps), then the step as tensors, built once
-    batch = with_group_advantages(groups, eps=run.advantage_eps) if roles.driver else None
+    # 2. group advantages (algorithm.advantage; DAPO's A = (R - mean_g R) / (std_g R + eps)), then the
+    #    step as tensors, built once
+    batch = with_group_advantages(groups, estimator=run.advantage, eps=run.advantage_eps) if roles.driver else None
     del groups  # no per-token Python list outlives the batch
     record.add(rollout_stats).lap("gen")
 
@@ -75,14 +77,14 @@ def dapo_step(step: int, run: Run) -> dict[str, float]:
     return record.finish(updates, batch=batch, driver=run.driver)
 
 
-def with_group_advantages(groups: list[list], *, eps: float) -> RolloutBatch:
-    """Each sample's group-normalised advantage (algo/advantages.py: group_advantages), then the
+def with_group_advantages(groups: list[list], *, eps: float, estimator: str = "grpo") -> RolloutBatch:
+    """Each sample's group-relative advantage (algo/advantages.py: the registered `estimator`), then the
     step's RolloutBatch."""
     samples = [s for g in groups for s in g]
     if samples:
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         index = torch.tensor([gi for gi, g in enumerate(groups) for _ in g])
-        for sample, adv in zip(samples, group_advantages(rewards, index, eps=eps).tolist()):
+        for sample, adv in zip(samples, ADVANTAGES.get(estimator)(rewards, index, eps=eps).tolist()):
             sample.advantage = adv
     return RolloutBatch.from_groups(groups)
 
@@ -137,7 +139,7 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
         faults = FaultPolicy(roles=roles, placement=placement, actor=actor, driver=driver,
                              engine_restarts=cfg.rollout.engine_restarts)
         run = Run(roles=roles, actor=actor, ref=ref, driver=driver, placement=placement, faults=faults,
-                  advantage_eps=cfg.algorithm.advantage_eps,
+                  advantage=cfg.algorithm.advantage, advantage_eps=cfg.algorithm.advantage_eps,
                   sequences_per_mini_batch=cfg.rollout.n * cfg.trainer.mini_batch_size)
         latest = ckpt.newest_valid_checkpoint(run_dir) if resume else None  # verified against its manifest
         state = ckpt.read_state(latest) if latest else {"step": 0, "nonfinite_in_row": 0}
@@ -181,8 +183,7 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
                                           "eval": headline_avg(log, list(cfg.data.eval_sets))})
             if stop and not last_step:
                 if roles.driver:
-                    print(f"[train] {preempt.received.name if preempt.received else 'signal'}: checkpoint of "
-                          f"step {step + 1} written; exiting so the job can be requeued", flush=True)
+                    print(preempt.stop_line(step + 1, ckpt.step_dir(run_dir, step + 1)), flush=True)
                 break
         if roles.driver:
             metrics.close()

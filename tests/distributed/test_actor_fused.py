@@ -1,6 +1,7 @@
 """The production compute path on CPU: the Actor with the fused Triton kernels (run by the Triton
-interpreter here, compiled on a GPU: the same call path, lm_head.token_logprobs_entropy and
-actor._policy_loss) equals the Actor with the plain-torch head and loss, on gloo ranks, fp32.
+interpreter here, compiled on a GPU: the same call path, lm_head.token_logprobs_entropy and the
+"dapo" policy loss that algo.objective calls) equals the Actor with the plain-torch head and loss, on
+gloo ranks, fp32.
 
 At TP=1 (x DP=2), TP=2, TP=2 with sequence parallelism, CP=2, and on an odd-vocabulary tied Llama
 (vocab 301: the actor pads it to 302 rows at TP=2, the head must exclude the padding row):

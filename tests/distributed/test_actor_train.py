@@ -246,3 +246,46 @@ def test_one_step_at_cp2_updates_weights_like_cp1(rank_pool, tiny_dir, world, tp
         assert all(torch.equal(other[name], results[0][1][name]) for name in after)
     print(f"train step world={world} tp={tp} sp={sp}: worst error / fp32 bound cp=1 {worst_cp1:.2f}, "
           f"cp=2 {worst_cp2:.2f}; loss {results[0][0]['loss']:.9g} vs float64 {ref.exact.loss:.9g}")
+
+
+def hf_gspo_step(hf_dir, samples, *, dtype, eps_low, eps_high) -> PolicyStep:
+    """GSPO's big-batch step written out per sequence (algo/gspo.py): s_i = exp(mean_t m (logp - old)),
+    l_i = max(-A s_i, -A clip(s_i, 1 - eps_low, 1 + eps_high)), loss = mean_i l_i; in `dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
+    lps = []
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        logp = torch.log_softmax(model(ids).logits[0], -1)[len(s.prompt_ids) - 1:-1]
+        lps.append(logp.gather(1, ids[0, len(s.prompt_ids):, None])[:, 0])
+    lp_all = torch.cat(lps)
+    lp_all.retain_grad()
+    per_seq = []
+    for s, lp in zip(samples, lp_all.split([len(s.response_ids) for s in samples])):
+        old = torch.tensor(s.old_logprobs, dtype=dtype)
+        mask = torch.tensor(s.response_mask(), dtype=dtype)
+        ratio = torch.exp(torch.clamp((mask * (lp - old)).sum() / mask.sum(), -20, 20))
+        per_seq.append(torch.maximum(-s.advantage * ratio, -s.advantage * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)))
+    loss = torch.stack(per_seq).mean()
+    loss.backward()
+    return PolicyStep(float(loss.detach()), lp_all.detach().double(), lp_all.grad.double(),
+                      {name: p.grad.double() for name, p in model.named_parameters()})
+
+
+def test_gspo_in_the_actor_gives_the_big_batch_sequence_level_gradient(rank_pool, tiny_dir):
+    """algorithm.policy_loss=gspo through the actor (packed micro-batches, DP=2): the loss and every
+    gradient equal GSPO written per sequence in float64 within the fp32 bound. old_logprobs are
+    perturbed so that some sequences clip (low and high) and others do not."""
+    samples = make_samples(12, seed=4)
+    logps, _ = hf_logprobs(tiny_dir, samples)
+    samples = fill_rl_fields(samples, logps, seed=3)
+    algo = dict(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean", clip_ratio_c=None)
+    ref = step_bounds(hf_gspo_step(tiny_dir, samples, dtype=torch.float32, eps_low=0.2, eps_high=0.28),
+                      hf_gspo_step(tiny_dir, samples, dtype=torch.float64, eps_low=0.2, eps_high=0.28))
+    results = rank_pool(2).run(_grads_rank, tiny_dir, samples, 22, algo, 1)
+    for metrics, num_micro, grads in results:
+        assert num_micro == 3 and metrics["loss_denominator"] == 12
+        assert 0 < metrics["clipfrac_low"] + metrics["clipfrac_high"] < 1  # some sequences clipped, not all
+        worst = max(ref.check_loss(metrics["loss"], "gspo"), ref.check_grads(grads, "gspo"))
+    print(f"gspo vs float64: worst error / fp32 bound {worst:.2f}")

@@ -80,7 +80,7 @@ RUNGS = [
 # what each rung changes relative to the previous one (besides trainer.output_dir)
 RUNG_ADDS = {
     1: {"algorithm.overlong_filter": True},
-    2: {"algorithm.eps_high": 0.28},
+    2: {"algorithm.eps_high": 0.28, "algorithm.policy_loss": "dapo"},  # clip-higher: DAPO's loss
     3: {"algorithm.overlong_shaping": True, "algorithm.overlong_filter": False},
     4: {"algorithm.loss_agg_mode": "token-mean"},
     5: {"algorithm.dynamic_sampling": True, "algorithm.use_kl": False},
@@ -89,6 +89,7 @@ RUNG_ADDS = {
 
 def test_rung_0_is_naive_grpo():
     a = load_config(CONFIGS / "ablations" / RUNGS[0]).algorithm
+    assert (a.policy_loss, a.advantage) == ("grpo", "grpo")
     assert (a.eps_low, a.eps_high, a.loss_agg_mode) == (0.2, 0.2, "seq-mean-token-mean")
     assert (a.dynamic_sampling, a.overlong_shaping, a.overlong_filter) == (False, False, False)
     assert (a.use_kl, a.kl_kind, a.kl_coef) == (True, "k3", 0.001)

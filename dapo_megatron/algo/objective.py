@@ -1,0 +1,124 @@
+"""The objective the actor minimizes, on one packed micro-batch (docs/algorithm.md 5): the registered
+policy loss (algorithm.policy_loss) with the aggregation weights, the truncated importance weight and
+the KL term around it, and the metric sums of the step.
+
+    loss = sum_t w_t * (tis_t * l_t + kl_coef * kl_t) / D        (kl only with algorithm.use_kl)
+
+w_t is the aggregation weight of algo/aggregation.py (m_t, or m_t / n_seq(t) for seq-mean-token-mean),
+l_t the policy loss's per-token term (GSPO's: its sequence's), tis_t = min(pi_old / pi_rollout, cap)
+(algo/off_policy.py), kl_t the k1/k2/k3 estimate to the reference (algo/kl.py) and D the GLOBAL count
+of the mini-batch, so that micro-batches, context-parallel shards and data-parallel ranks add up to the
+loss of one big batch. The actor sums `values` over micro-batches and ranks (METRIC_SUMS, plus the max
+of ratio_max) and objective_metrics turns the sums into the step's means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dapo_megatron.algo.aggregation import check_agg_mode
+from dapo_megatron.algo.kl import kl_penalty
+from dapo_megatron.algo.off_policy import behaviour_weight
+from dapo_megatron.algo.policy_loss import ClipSettings, LossTokens
+from dapo_megatron.algo.registry import POLICY_LOSSES
+
+# what objective() returns to be summed over micro-batches and ranks, in this order (ratio_max: a max)
+METRIC_SUMS = ("loss", "pg_loss", "kl_loss", "clipfrac_low", "clipfrac_high", "dualclip_frac", "approx_kl",
+               "ratio_mean", "entropy", "kl", "tis_weight", "num_tokens", "num_weight")
+_WEIGHTED_STATS = ("clipfrac_low", "clipfrac_high", "dualclip_frac", "approx_kl", "ratio_mean")
+
+
+@dataclass(frozen=True)
+class ObjectiveSettings:
+    """The algorithm section's loss keys as scalars (algo/ never reads the config)."""
+
+    policy_loss: str = "dapo"
+    loss_agg_mode: str = "token-mean"
+    clip: ClipSettings = ClipSettings(eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0)
+    tis_cap: float | None = None
+    use_kl: bool = False
+    kl_coef: float = 0.001
+    kl_kind: str = "k3"
+
+    def __post_init__(self) -> None:
+        POLICY_LOSSES.get(self.policy_loss)  # an unknown name fails here, naming the registered ones
+        check_agg_mode(self.loss_agg_mode)
+
+    # which optional inputs objective() reads (the caller gathers and moves only those)
+    @property
+    def reads_sequence_tokens(self) -> bool:
+        return self.loss_agg_mode == "seq-mean-token-mean"
+
+    @property
+    def reads_rollout_logprobs(self) -> bool:
+        return self.tis_cap is not None
+
+    @property
+    def reads_ref_logprobs(self) -> bool:
+        return self.use_kl
+
+
+@dataclass(frozen=True)
+class PackedTokens:
+    """One packed micro-batch's response tokens on this rank, flat [N], in the actor's local order."""
+
+    logprob: torch.Tensor  # pi_theta, differentiable
+    entropy: torch.Tensor
+    old_logprob: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor  # 1 where the token trains
+    seq_ids: torch.Tensor  # each token's sequence in the micro-batch
+    num_sequences: int
+    sequence_tokens: torch.Tensor | None = None  # n_seq(t): trained tokens of t's whole sequence (all CP shards)
+    rollout_logprobs: torch.Tensor | None = None  # the engine's (with tis_cap)
+    ref_logprobs: torch.Tensor | None = None  # the reference policy's (with use_kl)
+
+
+def objective(tokens: PackedTokens, settings: ObjectiveSettings, *,
+              loss_denominator: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(loss to backpropagate, values): values holds METRIC_SUMS (detached, to be summed) and ratio_max."""
+    t, s, denom = tokens, settings, loss_denominator
+    mask = t.loss_mask
+    weight = mask
+    if s.loss_agg_mode == "seq-mean-token-mean":
+        weight = mask / t.sequence_tokens.clamp(min=1.0)
+    pg_weight = weight
+    tis = torch.ones_like(mask)
+    if s.tis_cap is not None:
+        tis = behaviour_weight(t.old_logprob, t.rollout_logprobs, s.tis_cap)
+        pg_weight = weight * tis
+    pg_loss, stats = POLICY_LOSSES.get(s.policy_loss)(
+        LossTokens(logprob=t.logprob, old_logprob=t.old_logprob, advantages=t.advantages, mask=mask, weight=pg_weight,
+                   seq_ids=t.seq_ids, num_sequences=t.num_sequences, loss_denominator=denom), s.clip)
+    kl = torch.zeros_like(t.logprob)
+    kl_loss = torch.zeros((), dtype=torch.float32, device=t.logprob.device)
+    if s.use_kl:
+        kl = kl_penalty(t.logprob, t.ref_logprobs, s.kl_kind)
+        kl_loss = (kl * weight).sum() / denom
+    loss = pg_loss + s.kl_coef * kl_loss if s.use_kl else pg_loss
+    trained = (mask != 0).float()
+    num_weight = stats["num_tokens"].float()  # the stats are means over pg_weight: sums are mean * weight
+    values = {
+        "loss": loss.detach(), "pg_loss": pg_loss.detach(), "kl_loss": kl_loss.detach(),
+        **{k: stats[k].float() * num_weight for k in _WEIGHTED_STATS},
+        "entropy": (t.entropy.detach() * trained).sum(), "kl": (kl.detach() * trained).sum(),
+        "tis_weight": (tis * trained).sum(), "num_tokens": trained.sum(), "num_weight": num_weight,
+        "ratio_max": stats["ratio_max"].float(),
+    }
+    return loss, values
+
+
+def objective_metrics(sums: dict[str, float], ratio_max: float) -> dict[str, float]:
+    """The step's metrics from METRIC_SUMS summed over every micro-batch and rank: the loss terms as
+    they are (each already divided by the global D), the clip stats as pg-weight means, entropy, KL and
+    the TIS weight as means over trained tokens."""
+    weight = max(sums["num_weight"], 1e-30)
+    tokens = max(sums["num_tokens"], 1.0)
+    return {
+        "loss": sums["loss"], "pg_loss": sums["pg_loss"], "kl_loss": sums["kl_loss"],
+        **{k: sums[k] / weight for k in _WEIGHTED_STATS}, "ratio_max": float(ratio_max),
+        "entropy": sums["entropy"] / tokens, "kl": sums["kl"] / tokens, "tis_weight": sums["tis_weight"] / tokens,
+        "num_tokens": sums["num_tokens"],
+    }
