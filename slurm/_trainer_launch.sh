@@ -135,10 +135,19 @@ if [ "$REQUEUE_ASKED" = 1 ]; then
     fi
 fi
 echo "[$(date -u +%FT%TZ)] trainer exited with $rc"
+# A node of this job lost (srun: "Node failure on X"): Slurm marks it DOWN and requeues this job
+# (--requeue), but its SIGTERM may reach this shell only after the step has ended, i.e. after this
+# line. Slurm already shows the node down here; the requeued job needs its engines, so they stay.
+NODE_LOST=0
+if [ "$rc" != 0 ] && sinfo -h -N -n "$SLURM_JOB_NODELIST" -o %t 9>&- | grep -qE '^(down|drain|fail)'; then
+    NODE_LOST=1
+    echo "[$(date -u +%FT%TZ)] a node of this job failed ($(sinfo -h -N -n "$SLURM_JOB_NODELIST" -o '%N %t' 9>&- \
+         | tr '\n' ' ')): Slurm requeues the job (--requeue); it resumes from the newest checkpoint"
+fi
 # Done for good (finished or failed): the engine array would otherwise hold its GPUs until its time
-# limit. Not after a SIGTERM: Slurm may be requeueing this job, which then needs its engines again
-# (after `scancel` of the trainer, cancel the engines too: `slurm status` lists both).
-if [ -n "$ENGINE_JOB" ] && [ "$GOT_TERM" = 0 ]; then
+# limit. Not after a SIGTERM or a lost node: Slurm may be requeueing this job, which then needs its
+# engines again (after `scancel` of the trainer, cancel the engines too: `slurm status` lists both).
+if [ -n "$ENGINE_JOB" ] && [ "$GOT_TERM" = 0 ] && [ "$NODE_LOST" = 0 ]; then
     echo "training ended: cancelling the rollout engines (job $ENGINE_JOB)"
     scancel "$ENGINE_JOB" 9>&- || true
 fi

@@ -8,7 +8,8 @@ the shared filesystem, as NFS/Lustre is on a cluster.
         cluster.wait_done([job])
         cluster.on_host(cluster.hosts[0], ["hostname"])    # argv prefix: run a command "on" a host
         cluster.cut_link(cluster.hosts[2]); cluster.restore_link(cluster.hosts[2])
-        cluster.kill_host(cluster.hosts[1])                # SIGKILL every process of the host
+        cluster.kill_host(cluster.hosts[1])                # SIGKILL every process of the host (slurmd too)
+        cluster.start_slurmd(cluster.hosts[1])             # ... and back, as after a reboot
 
     python tests/multihost_cluster.py --hosts 3 /tmp/dapo-mh   # by hand: prints how to reach it; Ctrl-C stops it
 
@@ -137,6 +138,10 @@ class MultiHostSlurm(LocalSlurm):
     def restore_link(self, host: Host) -> None:
         _ip("link", "set", host.veth, "up")
 
+    def node_state(self, host: Host) -> str:
+        """Slurm's state of the host's node (idle, alloc, down*, ...)."""
+        return self.run(["sinfo", "-h", "-n", host.name, "-o", "%t"], check=False).stdout.strip()
+
     def host_pids(self, host: Host) -> list[int]:
         out = _ip("netns", "pids", host.netns, check=False).stdout.split()
         return [int(p) for p in out if p.isdigit() and _pid_alive(int(p))]
@@ -194,8 +199,9 @@ class MultiHostSlurm(LocalSlurm):
         names = ",".join(h.name for h in self.hosts)
         text = re.sub(r"NodeName=localhost .*", nodes, text)
         text = re.sub(r"PartitionName=(\S+) Nodes=localhost", rf"PartitionName=\1 Nodes={names}", text)
-        # a host that stops answering is marked DOWN (and its jobs requeued) after this long
-        text += "SlurmdTimeout=15\nMessageTimeout=5\n"
+        # a host that stops answering is marked DOWN (its jobs killed, and requeued if they may be) after
+        # this long: longer than the 20 s link cut of the tests (Slurm's default is 300 s)
+        text += "SlurmdTimeout=30\nMessageTimeout=5\n"
         self.conf.write_text(text)
 
     def _wait_nodes_idle(self, timeout_s: float) -> None:

@@ -167,3 +167,142 @@ def test_run_across_three_hosts_learns_as_on_one_host(cluster, shared, tmp_path)
     assert ours[-1]["eval/avg@k"] is not None
     print(f"\n[multi-host] three-host run: {time.monotonic() - started:.0f} s; trainer on {trainer_nodes}, "
           f"engine on {engine_nodes}; step rewards {[r.get('reward/mean') for r in ours[1:]]}")
+
+
+# ------------------------------------------------------------------------------------------- faults
+def _engine_record(run_dir: Path) -> dict | None:
+    for path in (run_dir / "engines").glob("*.json"):
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _server_info(url: str, run_dir: Path) -> dict | None:
+    import urllib.request
+
+    from dapo_megatron.rollout.auth import read_secret_file, run_secret_path
+
+    try:
+        headers = read_secret_file(run_secret_path(run_dir)).header_for("GET", "/server_info")
+        with urllib.request.urlopen(urllib.request.Request(f"{url}/server_info", headers=headers), timeout=2) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _host_named(cluster, name: str):
+    (host,) = [h for h in cluster.hosts if h.name == name]
+    return host
+
+
+def _wait_for(what, check, *, timeout_s: float, poll_s: float = 0.2, logs_of: Path | None = None):
+    deadline = time.monotonic() + timeout_s
+    while (value := check()) in (None, False, [], {}):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s\n" + (logs(logs_of) if logs_of else "")
+        time.sleep(poll_s)
+    return value
+
+
+def _finish(cluster, ids, run_dir: Path, timeout_s: float = 600) -> None:
+    states = cluster.wait_done([ids["train"]], timeout_s=timeout_s)
+    assert states == {ids["train"]: "COMPLETED"}, logs(run_dir)
+
+
+def _same_as_one_host(run_dir: Path, shared) -> None:
+    ours, theirs = metrics(run_dir), shared["one_host"]
+    assert [r["step"] for r in ours] == list(range(STEPS + 1)), [r["step"] for r in ours]  # none lost, none twice
+    for mine, ref in zip(ours, theirs):
+        for key in EXACT_KEYS + ("eval/avg@k",):
+            assert mine.get(key) == ref.get(key), (mine["step"], key, mine.get(key), ref.get(key))
+
+
+def test_engine_host_cut_off_for_20_s_mid_rollout(cluster, shared, tmp_path):
+    """The engine host's cable pulled (its bridge port down) while step 2's rollout runs, plugged back
+    20 s later: the requests wait in TCP retransmission and the run goes on; every step once, with the
+    one-host run's data."""
+    run_dir = tmp_path / "run"
+    ids = submit(cluster, shared, run_dir)
+    _wait_for("step 1 logged", lambda: any(r["step"] == 1 for r in metrics(run_dir)), timeout_s=400, logs_of=run_dir)
+    engine = _host_named(cluster, node_of(cluster, ids["engines"])[0])
+    cluster.cut_link(engine)
+    try:
+        time.sleep(20)
+    finally:
+        cluster.restore_link(engine)
+    _finish(cluster, ids, run_dir)
+    _same_as_one_host(run_dir, shared)
+
+
+def _train_log(run_dir: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted((run_dir / "slurm/logs").glob("train-*.out")))
+
+
+def test_engine_host_lost_during_weight_sync_is_requeued_and_resynced(cluster, shared, tmp_path):
+    """The engine frozen (SIGSTOP) as soon as a weight-update session is open, so that the trainer is
+    inside the sync (a tiny model's session lasts ~0.1 s), then every process of its host SIGKILLed
+    (slurmd too: the host is gone) and the host back 3 s later (a reboot: its slurmd starts again).
+    The sync fails at once (the engine's sockets are reset), Slurm requeues the engine's array task
+    (its batch job is missing from the node that came back), the engine registers again and the
+    trainer re-syncs it before sending it any request: the run's data equal the one-host run's."""
+    import signal
+
+    run_dir = tmp_path / "run"
+    ids = submit(cluster, shared, run_dir)
+    record = _wait_for("engine registered", lambda: _engine_record(run_dir), timeout_s=400, logs_of=run_dir)
+    engine = _host_named(cluster, node_of(cluster, ids["engines"])[0])
+    _wait_for("a weight-update session open", lambda: (_server_info(record["url"], run_dir) or {}).get(
+        "cpu_engine", {}).get("weight_update_session_open"), timeout_s=400, poll_s=0.02, logs_of=run_dir)
+    os.kill(int(record["pid"]), signal.SIGSTOP)
+    seen = len(_train_log(run_dir))
+    time.sleep(2)
+    assert "[engines]" not in _train_log(run_dir)[seen:]  # frozen, not failed: the sync waits on it
+    killed_at = time.monotonic()
+    assert cluster.kill_host(engine)
+    noticed = _wait_for("the trainer gives up on the engine", lambda: [
+        line for line in _train_log(run_dir)[seen:].splitlines() if line.startswith("[engines]")],
+        timeout_s=120, poll_s=0.1, logs_of=run_dir)
+    failed_after = time.monotonic() - killed_at
+    time.sleep(max(0.0, 3 - failed_after))
+    cluster.start_slurmd(engine)
+    _finish(cluster, ids, run_dir)
+    text = logs(run_dir, tail=10**6)
+    assert "restart 1)" in text, text[-4000:]  # the engine's array task ran again (--requeue)
+    assert "registered after" in text and "re-syncing the weights of step" in text, text[-4000:]
+    _same_as_one_host(run_dir, shared)
+    print(f"\n[multi-host] engine host lost during a sync: the trainer gave up on it {failed_after:.1f} s after "
+          f"the kill ({noticed[0][:160]}); the run finished {time.monotonic() - killed_at:.0f} s after the kill")
+
+
+def test_trainer_host_lost_requeues_and_resumes_from_the_newest_checkpoint(cluster, shared, tmp_path):
+    """Every process of the second trainer host SIGKILLed once step 1's checkpoint is complete (the host
+    is gone). The rank on the first host fails at once, but srun waits for the lost host's tasks: the job
+    ends when Slurm marks the node DOWN (SlurmdTimeout, 30 s here, 300 s by default) and requeues it
+    (--requeue). The host comes back (a reboot) and the requeued job resumes from the newest
+    checkpoint, logging the steps after it with the one-host run's data."""
+    run_dir = tmp_path / "run"
+    ids = submit(cluster, shared, run_dir)
+    _wait_for("checkpoint of step 1", lambda: (run_dir / "checkpoints" / "step_000001").is_dir(), timeout_s=400,
+              logs_of=run_dir)
+    first, second = node_of(cluster, ids["train"])
+    lost = _host_named(cluster, second)
+    killed_at = time.monotonic()
+    assert cluster.kill_host(lost)
+    _wait_for("the lost node marked down", lambda: cluster.node_state(lost).startswith("down"), timeout_s=180,
+              logs_of=run_dir)
+    _wait_for("the job requeued", lambda: "Restarts=1" in cluster.run(
+        ["scontrol", "-o", "show", "job", ids["train"]], check=False).stdout, timeout_s=120, logs_of=run_dir)
+    requeued_after = time.monotonic() - killed_at
+    cluster.start_slurmd(lost)  # back after a reboot: the requeued job gets its two nodes again
+    _finish(cluster, ids, run_dir)
+    text = logs(run_dir, tail=10**6)
+    assert f"job {ids['train']} restart 1:" in text, text[-4000:]
+    # the lost node's job kept its engines for the requeue (on 3eb0efe's script it cancelled them)
+    assert "Slurm requeues the job (--requeue)" in text and "cancelling the rollout engines" not in \
+        text.split(f"job {ids['train']} restart 1:")[0], text[-4000:]
+    (resumed,) = [line for line in text.splitlines() if line.startswith("[job] requeued (restart 1): resuming from")]
+    assert resumed.endswith(("step_000001", "step_000002")), resumed  # the newest complete checkpoint
+    _same_as_one_host(run_dir, shared)
+    print(f"\n[multi-host] trainer host lost: job requeued {requeued_after:.0f} s after the kill, finished "
+          f"{time.monotonic() - killed_at:.0f} s after it")
