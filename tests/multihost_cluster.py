@@ -247,6 +247,8 @@ class MultiHostSlurm(LocalSlurm):
             super().stop()  # slurmctld, munged, and any job process that carries our SLURM_CONF
         except RuntimeError as err:
             problems.append(str(err))
+        for host in self.hosts:  # the veth pair goes with either end; deleting it here does not wait for
+            _ip("link", "del", host.veth, check=False)  # the namespace's last process to be reaped
         for kind, name in reversed(self._made):
             if kind == "netns":
                 deadline = time.monotonic() + 10
@@ -266,7 +268,9 @@ class MultiHostSlurm(LocalSlurm):
             NETNS_ETC.rmdir()
         self._made.clear()
         self.slurmd.clear()
-        left = self.leftovers()
+        deadline = time.monotonic() + 15  # the kernel removes a namespace's devices once it is released
+        while (left := self.leftovers()) and time.monotonic() < deadline:
+            time.sleep(0.2)
         if problems or left:
             raise RuntimeError(f"multi-host cluster not fully removed: {problems + left}")
 
