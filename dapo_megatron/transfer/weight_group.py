@@ -15,7 +15,10 @@ trainer_address: engines rendezvous with master_address, so it must be an addres
 host that every engine can reach. Loopback only when every engine is on this host; otherwise, in
 order: an explicit address (config key rollout.weight_sync_address), the address of the interface
 NCCL_SOCKET_IFNAME (nccl) or GLOO_SOCKET_IFNAME (gloo) names (the fabric the collective itself will
-use), else the source address the kernel's routing table picks for the engines' hosts.
+use), else the source address the kernel's routing table picks for the engines' hosts. A variable
+that dataplane/addresses.py set for the trainer's own groups is not the user's and does not count.
+open_weight_group creates a gloo group on the interface that routes to master_address (the host
+name may resolve to 127.0.1.1 on Debian-style nodes), unless the user set GLOO_SOCKET_IFNAME.
 """
 
 from __future__ import annotations
@@ -116,11 +119,7 @@ def socket_ifname_address(spec: str) -> str | None:
     return None
 
 
-def route_source_address(host: str) -> str:
-    """The local address the kernel would send from to reach `host` (a UDP connect sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))  # any port: connect() on UDP only consults the routing table
-        return s.getsockname()[0]
+route_source_address = addresses.route_source_address  # the one routing-table query (dataplane/addresses.py)
 
 
 def engine_hosts(urls: list[str]) -> list[str]:

@@ -14,7 +14,6 @@ import random
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from rollout_helpers import REPO, make_tiny_checkpoint
