@@ -25,12 +25,14 @@ Layout (names carry a random tag, so two sessions never collide):
 
 stop() (also on failure, Ctrl-C and SIGTERM when run by hand) cancels the jobs, kills every process
 left in each namespace, stops the daemons, deletes the namespaces (their veth ends go with them), the
-bridge and /etc/netns/<ns>/, and raises if any of it is still there.
+bridge and /etc/netns/<ns>/, and raises if any of it is still there. An owner SIGKILLed before it
+could clean up leaves a record in /run/dapo-multihost/; the next cluster to start sweeps it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -47,6 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from slurm_cluster import LocalSlurm, _pid_alive  # noqa: E402
 
 NETNS_ETC = Path("/etc/netns")
+# one record per live cluster: {"pid": owner, "tag", "root", "bridge", "hosts": [...]}; a record whose
+# owner is dead (SIGKILLed: no clean-up ran) is swept by the next cluster that starts
+REGISTRY = Path("/run/dapo-multihost")
 
 
 @dataclass(frozen=True)
@@ -122,6 +127,12 @@ class MultiHostSlurm(LocalSlurm):
             (etc / "hosts").write_text(debian_hosts_file(host, self.hosts))
             (etc / "hostname").write_text(host.name + "\n")
 
+    def _register(self) -> None:
+        REGISTRY.mkdir(parents=True, exist_ok=True)
+        (REGISTRY / f"{self.tag}.json").write_text(json.dumps({
+            "pid": os.getpid(), "tag": self.tag, "root": str(self.root), "bridge": self.bridge,
+            "hosts": [h.name for h in self.hosts]}))
+
     def on_host(self, host: Host, argv: list[str]) -> list[str]:
         """argv run "on" host: in its network namespace, with its /etc/hosts and its own hostname."""
         # not `ip netns exec`: it remounts /sys for the namespace, which hides /sys/fs/cgroup, and
@@ -174,7 +185,9 @@ class MultiHostSlurm(LocalSlurm):
             raise RuntimeError(f"binaries missing: {', '.join(missing)} (run .ci/system_deps.sh)")
         for sub in ("munge", "run", "log", "state", "spool", *(f"spool/{h.name}" for h in self.hosts)):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+        sweep_abandoned()
         try:
+            self._register()
             self._make_network()
             self._start_munge()
             self._write_conf()
@@ -266,6 +279,7 @@ class MultiHostSlurm(LocalSlurm):
                 problems.append(f"{kind} {name}: {done.stderr.strip()}")
         if NETNS_ETC.is_dir() and not any(NETNS_ETC.iterdir()):
             NETNS_ETC.rmdir()
+        (REGISTRY / f"{self.tag}.json").unlink(missing_ok=True)
         self._made.clear()
         self.slurmd.clear()
         deadline = time.monotonic() + 15  # the kernel removes a namespace's devices once it is released
@@ -288,6 +302,43 @@ class MultiHostSlurm(LocalSlurm):
         for h in self.hosts:
             lines.append(f"# {h.name} {h.address}: {shlex.join(self.on_host(h, ['bash']))}")
         return "\n".join(lines)
+
+
+def sweep_abandoned() -> list[str]:
+    """Remove what clusters whose owner died without cleaning up left behind (their registry records
+    name it): processes in their namespaces, their daemons (pid files), namespaces, bridge, /etc/netns
+    entries. Clusters whose owner lives are not touched. Returns the tags swept."""
+    swept = []
+    for record_path in sorted(REGISTRY.glob("*.json")) if REGISTRY.is_dir() else []:
+        try:
+            record = json.loads(record_path.read_text())
+        except (OSError, ValueError):
+            continue
+        if _pid_alive(int(record["pid"])):
+            continue
+        for name in record["hosts"]:
+            for pid in _ip("netns", "pids", name, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+        for pid_file in Path(record["root"], "run").glob("*.pid"):
+            try:
+                os.kill(int(pid_file.read_text().strip()), signal.SIGKILL)
+            except (OSError, ValueError):
+                pass
+        time.sleep(0.5)
+        for name in record["hosts"]:
+            _ip("netns", "del", name, check=False)
+            etc = NETNS_ETC / name
+            if etc.is_dir():
+                for f in etc.iterdir():
+                    f.unlink()
+                etc.rmdir()
+        _ip("link", "del", record["bridge"], check=False)
+        record_path.unlink(missing_ok=True)
+        swept.append(record["tag"])
+    return swept
 
 
 def main(argv: list[str]) -> int:
