@@ -226,6 +226,7 @@ def test_engine_host_cut_off_for_20_s_mid_rollout(cluster, shared, tmp_path):
     ids = submit(cluster, shared, run_dir)
     _wait_for("step 1 logged", lambda: any(r["step"] == 1 for r in metrics(run_dir)), timeout_s=400, logs_of=run_dir)
     engine = _host_named(cluster, node_of(cluster, ids["engines"])[0])
+    seen = len(_train_log(run_dir))
     cluster.cut_link(engine)
     try:
         time.sleep(20)
@@ -233,6 +234,12 @@ def test_engine_host_cut_off_for_20_s_mid_rollout(cluster, shared, tmp_path):
         cluster.restore_link(engine)
     _finish(cluster, ids, run_dir)
     _same_as_one_host(run_dir, shared)
+    # what the run did meanwhile: waited in TCP retransmission (no [engines] line), or dropped the
+    # engine and took it back once it answered (pool.discover), re-synced, and redid the rollout
+    said = [line for line in _train_log(run_dir)[seen:].splitlines() if line.startswith("[engines]")]
+    step2 = next(r for r in metrics(run_dir) if r["step"] == 2)
+    print(f"\n[multi-host] link cut 20 s: step 2 generation {step2.get('time/gen_s', float('nan')):.1f} s; "
+          f"engine events: {said or 'none (the requests waited)'}")
 
 
 def _train_log(run_dir: Path) -> str:
