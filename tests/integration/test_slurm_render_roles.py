@@ -119,3 +119,14 @@ def test_advertised_host_prefers_the_given_address():
 
     assert advertised_host("0.0.0.0", "10.1.2.3") == "10.1.2.3"
     assert advertised_host("10.9.9.9") == "10.9.9.9"
+
+
+def test_colocated_sglang_engines_advertise_the_node_address(monkeypatch):
+    """As the array's: Slurm's NodeAddr (engine_commands' host), not the node's own name (3eb0efe
+    registered socket.getfqdn(), which Debian-style nodes map to 127.0.1.1 for themselves)."""
+    from dapo_megatron.launch import colocated
+
+    cfg = load_config(REPO / "configs/runs/qwen2.5-32b_dapo.yaml", ["model.path=/m"])
+    monkeypatch.setenv("SLURM_NODEID", "0")
+    for cmd in colocated.engine_commands(cfg, host="10.0.0.3", python="py"):
+        assert cmd[cmd.index("--advertise-host") + 1] == "10.0.0.3" and cmd[cmd.index("--host") + 1] == "0.0.0.0"
