@@ -228,6 +228,16 @@ class SlurmConfig:
     # interpreter on the compute nodes; "" = `python` after slurm.setup, or (no setup lines) the
     # interpreter running `slurm submit`
     python: str = ""
+    # the rollout engines' own environment (SGLang pins its torch; the trainer needs Megatron and
+    # Transformer Engine): interpreter and shell lines of the engine array; "" / [] = python / setup above
+    engine_python: str = ""
+    engine_setup: list[str] = field(default_factory=list)
+    # pyxis (enroot) containers, per role: each job step runs as `srun --container-image=IMAGE
+    # --container-mounts=MOUNTS ...` ("" = no container). engine_* for the engine array ("" = the trainer's)
+    container_image: str = ""
+    container_mounts: str = ""  # src:dst[:flags],... as pyxis takes them
+    engine_container_image: str = ""
+    engine_container_mounts: str = ""
     gpu_memory_gb: float = 80.0  # memory of one GPU in GiB (H100 80GB); `dapo-megatron plan` checks every phase against it
 
 
@@ -544,8 +554,19 @@ def validate(cfg: Config) -> None:
     for i, opt in enumerate(s.extra_sbatch):
         _require(opt.startswith("-") and not any(c in opt for c in "\n\r\0"), f"slurm.extra_sbatch[{i}]", opt,
                  "one sbatch option per item, starting with '-' and without line breaks")
-    for i, line in enumerate(s.setup):
-        _require(not any(c in line for c in "\n\r\0"), f"slurm.setup[{i}]", line, "one shell line per item")
+    for key in ("setup", "engine_setup"):
+        for i, line in enumerate(getattr(s, key)):
+            _require(not any(c in line for c in "\n\r\0"), f"slurm.{key}[{i}]", line, "one shell line per item")
+    for key in ("python", "engine_python", "container_image", "container_mounts", "engine_container_image",
+                "engine_container_mounts"):
+        val = getattr(s, key)
+        _require(not any(c in val for c in "\n\r\0") and val == val.strip(), f"slurm.{key}", val,
+                 "one value without line breaks or surrounding spaces")
+    _require(not (s.container_mounts and not s.container_image), "slurm.container_mounts", s.container_mounts,
+             "needs slurm.container_image (pyxis mounts into a container)")
+    _require(not (s.engine_container_mounts and not (s.engine_container_image or s.container_image)),
+             "slurm.engine_container_mounts", s.engine_container_mounts,
+             "needs slurm.engine_container_image or slurm.container_image")
 
 
 _SLURM_SYNTAX = (  # (key, regex, message)

@@ -1,5 +1,6 @@
 # ---- trainer launch (shared by train.sbatch and sweep_array.sbatch; inlined by the renderer) ----
-# Needs: PYTHON, CONFIG, NNODES, NPROC_PER_NODE, SIGNAL_SECONDS, TRAIN_ENTRY (array), JOB_REF,
+# Needs: PYTHON, CONFIG, NNODES, NPROC_PER_NODE, SIGNAL_SECONDS, TRAIN_ENTRY (array), CONTAINER_ARGS
+# (array: pyxis --container-image/--container-mounts of the srun steps, or empty), JOB_REF,
 # ENGINE_JOB (may be empty), RESUME_REQUESTED (1: submitted with --resume).
 #
 # Rendezvous: torchrun's c10d store runs on the first node of the allocation; every node starts one
@@ -12,14 +13,15 @@ export MASTER_ADDR MASTER_PORT
 # Network and NCCL (GPU clusters; ignored by gloo on CPU). Override any of them in slurm.setup.
 #   NCCL_IB_HCA           which InfiniBand HCAs NCCL uses (unset: all it finds; e.g. mlx5 on H100 pods)
 #   NCCL_IB_GID_INDEX     RoCE networks need the GID index of the RoCEv2 address (often 3)
-#   NCCL_SOCKET_IFNAME    interface for NCCL's bootstrap / socket transport (exclude loopback and docker)
-#   GLOO_SOCKET_IFNAME    the same for gloo (CPU runs, weight-sync bootstrap)
+#   NCCL_SOCKET_IFNAME    interface for NCCL's bootstrap / socket transport; GLOO_SOCKET_IFNAME the same
+#   GLOO_SOCKET_IFNAME    for gloo. Unset, each rank takes the interface whose address routes to the
+#                         other hosts (MASTER_ADDR; dapo_megatron/dataplane/addresses.py), never loopback
+#                         across hosts; set them only to force a fabric (e.g. NCCL_SOCKET_IFNAME==ib0)
 #   TORCH_NCCL_ASYNC_ERROR_HANDLING=1  a hung or failed collective aborts the job instead of hanging it
 #   CUDA_DEVICE_MAX_CONNECTIONS=1      one hardware queue, so Megatron's TP/SP communication overlaps
 #                                      with compute in issue order (required for TP comm overlap);
 #                                      trainer only: colocated engines start without it (launch/colocated.py)
 #   NCCL_DEBUG=WARN       INFO when a job hangs in NCCL initialisation
-export NCCL_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME:-^lo,docker}"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
 export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
@@ -95,7 +97,7 @@ if [ -n "$MODEL_DIR" ]; then MODEL_ARGS=("model.path=$MODEL_DIR" "tiny.enabled=f
 # started in the trainer's own allocation (srun --overlap: the same nodes and GPUs) and registering
 # in <output_dir>/engines/ for the driver's engine pool. A no-op for disaggregated engines (the
 # rollout array job) and fixed rollout.engine_urls. Stopped when the trainer exits.
-srun --overlap --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 \
+srun --overlap --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 "${CONTAINER_ARGS[@]}" \
     "$PYTHON" -m dapo_megatron.launch.colocated "$CONFIG" "${MODEL_ARGS[@]}" 9>&- &
 ENGINES_STEP=$!
 
@@ -104,7 +106,7 @@ echo "[$(date -u +%FT%TZ)] job $JOB_REF restart ${SLURM_RESTART_COUNT:-0}: $NNOD
 # torchrun waits SHUTDOWN_S after forwarding a signal (SIGTERM from Slurm) before it kills the
 # ranks: the time they have to finish the step and write the checkpoint.
 SHUTDOWN_S=$(( SIGNAL_SECONDS > 30 ? SIGNAL_SECONDS : 30 ))
-srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 \
+srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1 "${CONTAINER_ARGS[@]}" \
     "$PYTHON" -m torch.distributed.run \
         --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
         --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \
@@ -134,10 +136,19 @@ if [ "$REQUEUE_ASKED" = 1 ]; then
     fi
 fi
 echo "[$(date -u +%FT%TZ)] trainer exited with $rc"
+# A node of this job lost (srun: "Node failure on X"): Slurm marks it DOWN and requeues this job
+# (--requeue), but its SIGTERM may reach this shell only after the step has ended, i.e. after this
+# line. Slurm already shows the node down here; the requeued job needs its engines, so they stay.
+NODE_LOST=0
+if [ "$rc" != 0 ] && sinfo -h -N -n "$SLURM_JOB_NODELIST" -o %t 9>&- | grep -qE '^(down|drain|fail)'; then
+    NODE_LOST=1
+    echo "[$(date -u +%FT%TZ)] a node of this job failed ($(sinfo -h -N -n "$SLURM_JOB_NODELIST" -o '%N %t' 9>&- \
+         | tr '\n' ' ')): Slurm requeues the job (--requeue); it resumes from the newest checkpoint"
+fi
 # Done for good (finished or failed): the engine array would otherwise hold its GPUs until its time
-# limit. Not after a SIGTERM: Slurm may be requeueing this job, which then needs its engines again
-# (after `scancel` of the trainer, cancel the engines too: `slurm status` lists both).
-if [ -n "$ENGINE_JOB" ] && [ "$GOT_TERM" = 0 ]; then
+# limit. Not after a SIGTERM or a lost node: Slurm may be requeueing this job, which then needs its
+# engines again (after `scancel` of the trainer, cancel the engines too: `slurm status` lists both).
+if [ -n "$ENGINE_JOB" ] && [ "$GOT_TERM" = 0 ] && [ "$NODE_LOST" = 0 ]; then
     echo "training ended: cancelling the rollout engines (job $ENGINE_JOB)"
     scancel "$ENGINE_JOB" 9>&- || true
 fi

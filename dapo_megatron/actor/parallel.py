@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.dataplane.addresses import choose_socket_interfaces
 
 
 @dataclass(frozen=True)
@@ -135,14 +136,38 @@ def init_distributed(*, timeout_minutes: int = 30) -> LaunchEnv:
         backend = "nccl"
     else:
         backend = "gloo"
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
-        rank=env.rank,
-        world_size=env.world_size,
-        timeout=datetime.timedelta(minutes=timeout_minutes),
-    )
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    init_method = f"tcp://{env.master_addr}:{env.master_port}"
+    if not spans_hosts():
+        dist.init_process_group(backend=backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
+                                timeout=timeout)
+        return env
+    # Several hosts: each rank's gloo/NCCL interface is the one that routes to the other hosts, chosen
+    # before any group exists (dataplane/addresses.py; a host name on 127.0.1.1 would be advertised
+    # otherwise). The rendezvous store is made first so that ranks on the master's host can learn a
+    # peer's address from it; the default group then uses the same store, as init_method would.
+    store, _, _ = next(dist.rendezvous(init_method, env.rank, env.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    route = choose_socket_interfaces(env.master_addr, spans_hosts=True, store=store,
+                                     timeout_s=timeout.total_seconds())
+    if route is not None:
+        print(f"[rank {env.rank}] gloo/nccl interface {route.interface} ({route.address}), the route to "
+              f"{route.peer}", flush=True)
+    dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=env.rank,
+                            world_size=env.world_size, timeout=timeout)
     return env
+
+
+def spans_hosts(environ: Optional[dict] = None) -> bool:
+    """Whether this job's ranks are on more than one host: torchrun's WORLD_SIZE vs LOCAL_WORLD_SIZE,
+    or srun's node count."""
+    env = os.environ if environ is None else environ
+    if "WORLD_SIZE" in env and "LOCAL_WORLD_SIZE" in env:
+        return int(env["WORLD_SIZE"]) > int(env["LOCAL_WORLD_SIZE"])
+    for var in ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"):
+        if env.get(var):
+            return int(env[var]) > 1
+    return False
 
 
 def initialize_model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None,

@@ -86,7 +86,7 @@ def engine_commands(cfg: Config, *, host: str, python: str = sys.executable) -> 
             cmds.append([python, "-m", "dapo_megatron.rollout.sglang_launcher", "--model", model, *quant,
                          "--tp", str(r.engine_tp), "--context-length", str(context_length),
                          "--mem-fraction", str(r.mem_fraction_static), "--colocate",
-                         "--seed", seed, "--host", "0.0.0.0", "--port", str(_free_port()),
+                         "--seed", seed, "--host", "0.0.0.0", "--advertise-host", host, "--port", str(_free_port()),
                          "--base-gpu-id", str(i * r.engine_tp), "--register-dir", register_dir,
                          "--auth-file", secret, *sglang_routing_args(return_routed_experts=r.return_routed_experts)])
         else:

@@ -98,14 +98,39 @@ def fill(template: str, *, sbatch: Sequence[str], values: dict[str, Value], setu
     return text
 
 
-def python_of(cfg: Config) -> str:
+def python_of(cfg: Config, role: str = "trainer") -> str:
     """The interpreter the jobs run: slurm.python if set; else `python` as the slurm.setup lines leave
     it on PATH (they activate the cluster's environment, which the submitter's interpreter path may
     not even exist in); with no setup lines, the interpreter running `slurm submit` (same machine
-    image, e.g. the local test cluster)."""
-    if cfg.slurm.python:
-        return cfg.slurm.python
-    return "python" if cfg.slurm.setup else sys.executable
+    image, e.g. the local test cluster). role "engines": slurm.engine_python, else `python` after
+    slurm.engine_setup, else the trainer's."""
+    s = cfg.slurm
+    if role == "engines" and s.engine_python:
+        return s.engine_python
+    if role == "engines" and s.engine_setup:
+        return "python"
+    if s.python:
+        return s.python
+    return "python" if s.setup else sys.executable
+
+
+def setup_of(cfg: Config, role: str = "trainer") -> list[str]:
+    """slurm.setup, or for the engine array slurm.engine_setup when it has lines (its own environment)."""
+    return list(cfg.slurm.engine_setup) if role == "engines" and cfg.slurm.engine_setup else list(cfg.slurm.setup)
+
+
+def container_args(cfg: Config, role: str = "trainer") -> list[str]:
+    """pyxis options for the role's srun lines (none without an image): --container-image and
+    --container-mounts; the engine array's own engine_container_* win over the trainer's."""
+    s = cfg.slurm
+    image, mounts = s.container_image, s.container_mounts
+    if role == "engines" and s.engine_container_image:
+        image, mounts = s.engine_container_image, s.engine_container_mounts
+    elif role == "engines" and s.engine_container_mounts:
+        mounts = s.engine_container_mounts
+    if not image:
+        return []
+    return [f"--container-image={image}", *([f"--container-mounts={mounts}"] if mounts else [])]
 
 
 def trainer_procs_per_node(cfg: Config) -> int:
@@ -129,6 +154,8 @@ def _trainer_values(cfg: Config, *, engine_job: str, entry: Sequence[str], resum
         "ENGINE_JOB": engine_job,
         # `slurm submit --resume`: the first start continues from the newest checkpoint (launch/job_start.py)
         "RESUME_REQUESTED": int(resume),
+        # pyxis: the srun steps (ranks, colocated engines) run in slurm.container_image (empty: none)
+        "CONTAINER_ARGS": container_args(cfg),
     }
 
 
@@ -182,8 +209,11 @@ def render_rollout_array(cfg: Config, *, register_dir: str) -> str:
 
     fp8 = cfg.rollout.quantization == "fp8"
     gpus, cpus = engine_resources(cfg)
+    image_args = container_args(cfg, "engines")
     values: dict[str, Value] = {
-        "PYTHON": python_of(cfg),
+        "PYTHON": python_of(cfg, "engines"),
+        # pyxis: the engine runs as one srun step in the engines' container (empty: directly)
+        "ENGINE_SRUN": ["srun", "--ntasks=1", *image_args] if image_args else [],
         # rollout.quantization=fp8: the block-FP8 export the fp8_export job writes before the array starts
         "MODEL": str(fp8_rollout_dir(cfg.trainer.output_dir)) if fp8 else cfg.model.path,
         "QUANTIZATION": "fp8" if fp8 and cfg.rollout.engine == "sglang" else "",
@@ -199,7 +229,7 @@ def render_rollout_array(cfg: Config, *, register_dir: str) -> str:
     }
     return fill(template_text("rollout_array.sbatch"),
                 sbatch=sbatch_resource_lines(cfg, nodes=1, gpus_per_node=gpus, cpus_per_task=cpus),
-                values=values, setup=cfg.slurm.setup)
+                values=values, setup=setup_of(cfg, "engines"))
 
 
 def render_fp8_export(cfg: Config, *, config_file: str) -> str:

@@ -16,8 +16,9 @@ Failure: a request whose engine stops answering (refused, reset, timed out) mark
 dead and is retried on the least-loaded live engine (up to max_retries times); nothing is lost
 while one engine lives. HTTP 4xx/5xx answers are the request's own fault and are not retried.
 Re-admission: `discover()` re-reads the registry (an engine restarted on the same host:port writes
-a newer started_at; a new host:port is a new engine) or, for fixed URLs, probes dead engines'
-/health; such engines become *pending*: they are not used until the trainer has pushed the current
+a newer started_at; a new host:port is a new engine; a dropped engine whose registration is still
+there, e.g. one whose host was cut off for a while, is probed again) or, for fixed URLs, probes dead
+engines' /health; such engines become *pending*: they are not used until the trainer has pushed the current
 weights to them (`weight_targets()` lists live + pending) and calls `admit(urls)`.
 """
 
@@ -141,7 +142,9 @@ class EnginePool:
                 url = rec["url"].rstrip("/")
                 self._records[url] = rec
                 known = self._engines.get(url)
-                if known is None or (known.state == "dead" and known.started_at != rec["started_at"]):
+                # a restarted engine (newer started_at), or the same one dropped because it stopped
+                # answering (its host cut off, then back): either way pending, so re-synced before use
+                if known is None or known.state == "dead":
                     candidates.append((url, rec["started_at"]))
                 elif known.started_at is None:
                     known.started_at = rec["started_at"]

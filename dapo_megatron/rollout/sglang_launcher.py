@@ -162,8 +162,13 @@ def start_server(cmd: list[str], secrets: Iterable[str | None] = ()) -> tuple[su
     return proc, pump
 
 
-def advertised_host(bind_host: str) -> str:
-    """The address other nodes use to reach a server bound to bind_host."""
+def advertised_host(bind_host: str, advertise: str = "") -> str:
+    """The address other nodes use to reach a server bound to bind_host: --advertise-host (the
+    rollout array passes Slurm's NodeAddr for the node, as CPU engines register), the bind address,
+    or for a wildcard bind the host's name (which a Debian-style /etc/hosts may map to 127.0.1.1 on
+    the node itself, but which the other nodes resolve)."""
+    if advertise:
+        return advertise
     if bind_host in ("0.0.0.0", "::", ""):
         return socket.getfqdn()
     return bind_host
@@ -195,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--advertise-host", default="",
+                    help="the address registered for the trainer (default: --host, or the host name for 0.0.0.0)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--base-gpu-id", type=int, default=0)
     ap.add_argument("--quantization", default="", choices=["", "fp8"],
@@ -219,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     # the server and removes its registration instead of leaving both behind
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     proc, pump = start_server(sglang_command(settings), (keys.api_key, keys.admin_api_key) if keys else ())
-    host = advertised_host(args.host)
+    host = advertised_host(args.host, args.advertise_host)
     url = f"http://{host}:{args.port}"
     registration = ""
     try:

@@ -15,11 +15,15 @@ trainer_address: engines rendezvous with master_address, so it must be an addres
 host that every engine can reach. Loopback only when every engine is on this host; otherwise, in
 order: an explicit address (config key rollout.weight_sync_address), the address of the interface
 NCCL_SOCKET_IFNAME (nccl) or GLOO_SOCKET_IFNAME (gloo) names (the fabric the collective itself will
-use), else the source address the kernel's routing table picks for the engines' hosts.
+use), else the source address the kernel's routing table picks for the engines' hosts. A variable
+that dataplane/addresses.py set for the trainer's own groups is not the user's and does not count.
+open_weight_group creates a gloo group on the interface that routes to master_address (the host
+name may resolve to 127.0.1.1 on Debian-style nodes), unless the user set GLOO_SOCKET_IFNAME.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import socket
@@ -27,6 +31,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from dapo_megatron.dataplane import addresses
 from dapo_megatron.dataplane import collectives as coll
 
 
@@ -43,8 +48,11 @@ def open_weight_group(*, backend: str, master_address: str, master_port: int, ra
     # set) rendezvous makes rank 0 a mere client of a store nobody hosts. The keys are the same.
     store = TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout,
                      wait_for_workers=False)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                      group_name=group_name, timeout=timeout)
+    # gloo advertises the interface that routes to master_address (the trainer's own address on
+    # rank 0): the host name may resolve to 127.0.1.1 (dataplane/addresses.py)
+    with addresses.gloo_interface_for(master_address) if backend == "gloo" else contextlib.nullcontext():
+        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
+                                          group_name=group_name, timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # as SGLang: group rank = global rank
     return pg
 
@@ -111,11 +119,7 @@ def socket_ifname_address(spec: str) -> str | None:
     return None
 
 
-def route_source_address(host: str) -> str:
-    """The local address the kernel would send from to reach `host` (a UDP connect sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))  # any port: connect() on UDP only consults the routing table
-        return s.getsockname()[0]
+route_source_address = addresses.route_source_address  # the one routing-table query (dataplane/addresses.py)
 
 
 def engine_hosts(urls: list[str]) -> list[str]:
@@ -134,7 +138,7 @@ def trainer_address(*, engine_urls: list[str], backend: str, configured: str = "
     if not remote:
         return "127.0.0.1"  # every engine shares this host's loopback
     var = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
-    if env.get(var):
+    if addresses.user_socket_ifname(var, environ):  # the user's choice; not one made here for the trainer's groups
         addr = socket_ifname_address(env[var])
         if addr is None:
             raise ValueError(f"weight sync: {var}={env[var]!r} matches no interface with an IPv4 address on "

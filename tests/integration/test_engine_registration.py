@@ -133,3 +133,34 @@ def test_sglang_launcher_on_sigterm_stops_the_server_and_removes_the_registratio
         proc.kill()
         if not _gone(server_pid):
             os.kill(server_pid, signal.SIGKILL)
+
+
+def test_a_dropped_engine_that_answers_again_is_pending_not_lost(tiny_model, tmp_path):
+    """An engine dropped because it stopped answering (its host cut off) with its registration still
+    there, the same incarnation (same started_at): once it answers /health again discover() makes it
+    pending (re-synced before it serves). On 3eb0efe only a newer started_at was taken back, so a run
+    whose only engine was cut off for a moment waited rollout.engine_wait_s and failed. SIGSTOP stands
+    for the cut: /health times out while it lasts."""
+    import asyncio
+
+    from dapo_megatron.rollout.pool import EnginePool
+
+    server = ServerProcess(tiny_model, tmp_path / "engines")
+    try:
+        async def scenario() -> tuple[list[str], list[str], list[str]]:
+            pool = await EnginePool.from_registry(str(tmp_path / "engines"), min_engines=1, wait_s=60)
+            url = server.url
+            pool.mark_dead(url, "cut off")
+            server.proc.send_signal(signal.SIGSTOP)
+            try:
+                while_cut = await pool.discover()  # /health does not answer within its 5 s
+            finally:
+                server.proc.send_signal(signal.SIGCONT)
+            back = await pool.discover()
+            pool.admit(back)
+            return while_cut, back, pool.live_urls()
+
+        while_cut, back, live = asyncio.run(scenario())
+        assert while_cut == [] and back == [server.url] and live == [server.url]
+    finally:
+        server.kill()

@@ -1,21 +1,20 @@
-"""Weight sync across two hosts: two network namespaces joined by a veth pair made here (root and
-`ip netns` needed; skipped with the reason otherwise). The CPU engine serves in one, the trainer's sync
-runs in the other (two_host_trainer.py): the weight group's master address must be the trainer's
-address on the link (chosen from the route to the engine, or GLOO_SOCKET_IFNAME's interface), every
-tensor arrives bit for bit, and a loopback master address (what trainer/driver.py passed before) fails naming
-the engine that could not join, instead of hanging.
+"""Weight sync across two hosts: two hosts of tests/multihost_cluster.py (network namespaces with their
+own address on a bridge, own hostname, Debian-style /etc/hosts mapping the host's own name to
+127.0.1.1). The CPU engine serves on one, the trainer's sync runs on the other (two_host_trainer.py):
+the weight group's master address must be the trainer's address on the link (chosen from the route to
+the engine, or GLOO_SOCKET_IFNAME's interface), every tensor arrives bit for bit, and a loopback master
+address (what trainer/driver.py passed before) fails naming the engine that could not join, instead of
+hanging. The engine is given no GLOO_SOCKET_IFNAME: its gloo interface is the one that routes to the
+trainer (transfer/weight_group.open_weight_group); its own name resolves to 127.0.1.1.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
-import shutil
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -24,52 +23,30 @@ from rollout_helpers import REPO, make_tiny_checkpoint
 HERE = Path(__file__).resolve().parent
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=60)
-
-
 @pytest.fixture
-def two_hosts():
-    """(engine namespace, trainer namespace, engine address, trainer address, engine ifname, trainer ifname)."""
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2's `ip` is not installed (.ci/system_deps.sh installs it)")
-    tag = uuid.uuid4().hex[:6]
-    ns_engine, ns_trainer, if_engine, if_trainer = f"dmE{tag}", f"dmT{tag}", f"veE{tag}", f"veT{tag}"
-    net = f"10.{random.randint(16, 250)}.{random.randint(0, 250)}"
-    probe = _ip("netns", "add", ns_engine)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot create network namespaces here (`ip netns add`: {probe.stderr.strip()}); needs root")
+def two_hosts(tmp_path_factory):
+    """The two-host cluster (a real Slurm is started too, unused here: ~2 s)."""
+    from multihost_cluster import MultiHostSlurm
+
+    cluster = MultiHostSlurm(tmp_path_factory.mktemp("wsync2"), hosts=2).start()
     try:
-        steps = [("netns", "add", ns_trainer),
-                 ("link", "add", if_engine, "type", "veth", "peer", "name", if_trainer),
-                 ("link", "set", if_engine, "netns", ns_engine), ("link", "set", if_trainer, "netns", ns_trainer),
-                 ("-n", ns_engine, "addr", "add", f"{net}.1/24", "dev", if_engine),
-                 ("-n", ns_trainer, "addr", "add", f"{net}.2/24", "dev", if_trainer),
-                 ("-n", ns_engine, "link", "set", if_engine, "up"), ("-n", ns_trainer, "link", "set", if_trainer, "up"),
-                 ("-n", ns_engine, "link", "set", "lo", "up"), ("-n", ns_trainer, "link", "set", "lo", "up")]
-        for step in steps:
-            done = _ip(*step)
-            if done.returncode != 0:
-                pytest.skip(f"cannot build the two-namespace network (`ip {' '.join(step)}`: {done.stderr.strip()})")
-        yield ns_engine, ns_trainer, f"{net}.1", f"{net}.2", if_engine, if_trainer
+        yield cluster
     finally:
-        for ns in (ns_engine, ns_trainer):  # deleting a namespace deletes its end of the veth pair
-            _ip("netns", "del", ns)
+        cluster.stop()  # raises naming anything left behind
 
 
 def test_weight_sync_between_two_network_namespaces(two_hosts, tmp_path):
-    ns_engine, ns_trainer, engine_addr, trainer_addr, if_engine, if_trainer = two_hosts
+    engine_host, trainer_host = two_hosts.hosts
+    engine_addr, trainer_addr = engine_host.address, trainer_host.address
     model = make_tiny_checkpoint(tmp_path / "model", seed=0)
     register = tmp_path / "engines"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONPATH": str(REPO)}
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
     log = open(tmp_path / "engine.log", "wb")
-    # gloo picks its interface from GLOO_SOCKET_IFNAME (the host name resolves to an address no
-    # namespace here has), as NCCL does from NCCL_SOCKET_IFNAME on a cluster
-    engine = subprocess.Popen(["ip", "netns", "exec", ns_engine, sys.executable, "-m", "dapo_megatron.cli",
-                               "serve-rollout", "--model", str(model), "--host", engine_addr, "--port", "0",
-                               "--threads", "1", "--register-dir", str(register)],
-                              stdout=log, stderr=subprocess.STDOUT, env={**env, "GLOO_SOCKET_IFNAME": if_engine})
+    engine = subprocess.Popen(two_hosts.on_host(engine_host, [
+        sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", str(model), "--host", engine_addr,
+        "--port", "0", "--threads", "1", "--register-dir", str(register)]), stdout=log, stderr=subprocess.STDOUT,
+        env=env)
     try:
         deadline = time.monotonic() + 300
         while not list(register.glob("*.json")):
@@ -77,9 +54,10 @@ def test_weight_sync_between_two_network_namespaces(two_hosts, tmp_path):
             time.sleep(0.2)
         url = json.loads(next(register.glob("*.json")).read_text())["url"]
         out = tmp_path / "trainer.json"
-        trainer = subprocess.run(["ip", "netns", "exec", ns_trainer, sys.executable, str(HERE / "two_host_trainer.py"),
-                                  url, str(model), str(out)], capture_output=True, text=True, timeout=600,
-                                 env={**env, "GLOO_SOCKET_IFNAME": if_trainer})
+        # the trainer names its interface (the user's choice wins): both ways of choosing are exercised
+        trainer = subprocess.run(two_hosts.on_host(trainer_host, [sys.executable, str(HERE / "two_host_trainer.py"),
+                                                                  url, str(model), str(out)]),
+                                 capture_output=True, text=True, timeout=600, env={**env, "GLOO_SOCKET_IFNAME": "eth0"})
         assert trainer.returncode == 0, trainer.stderr[-4000:]
         result = json.loads(out.read_text())
     finally:

@@ -1,0 +1,315 @@
+"""The whole tiny run across three hosts (tests/multihost_cluster.py: network namespaces with their own
+address, hostname and Debian-style /etc/hosts, one real Slurm): `dapo-megatron slurm submit` of
+configs/runs/tiny_cpu.yaml (shortened) with slurm.nodes=2, so the two DP ranks are on two hosts, and
+an engine array of one CPU engine, which lands on the third host (--exclusive: each job owns its
+nodes). The engines run another interpreter path than the trainer (slurm.engine_python: a second
+venv directory sharing the packages).
+
+Learning: the code is deterministic for a given layout (same prompts, same per-sample seeds, the same
+sampled tokens; the DP all-reduce of two gloo ranks sums in the same order over a veth as over
+loopback), so the three-host run must give the same per-step metrics as the one-host run of the same
+layout (`dapo-megatron train`: torchrun with 2 ranks and one engine on this machine), exactly, fp32
+losses and gradient norms included, and the same held-out avg@k.
+
+    pytest -m slurm tests/integration/test_multi_host.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from test_train_tiny import EXACT_KEYS, FLOAT_KEYS
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_CPU = REPO / "configs/runs/tiny_cpu.yaml"
+STEPS = 2
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+# the tiny run cut to two short steps: 8 prompts x 8 samples per step, 16 held-out prompts at steps 0 and 2
+SHORT = {
+    "tiny": {"warm_start_steps": 300},
+    "data": {"synthetic": {"num_train": 256, "num_eval": 16}},
+    "rollout": {"gen_batch_size": 16, "placement": "disaggregated", "num_engines": 1},
+    "actor": {"world_size": 2},
+    "trainer": {"total_steps": STEPS, "train_batch_size": 8, "mini_batch_size": 4, "eval_every": STEPS,
+                "save_every": 1, "keep_checkpoints": 2, "keep_best_checkpoint": False, "wandb_mode": "disabled"},
+    "slurm": {"nodes": 2, "gpus_per_node": 0, "cpus_per_task": 1, "time": "20:00", "signal_seconds": 60,
+              "extra_sbatch": ["--exclusive"]},
+}
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
+    env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def write_config(path: Path, **sections) -> Path:
+    raw = {"base": str(TINY_CPU), **json.loads(json.dumps(SHORT))}
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def logs(run_dir: Path, *, tail: int = 5000) -> str:
+    return "\n".join(f"==> {p.name}\n" + p.read_text(errors="replace")[-tail:]
+                     for p in sorted((run_dir / "slurm/logs").glob("*.out")))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from multihost_cluster import MultiHostSlurm
+
+    cluster = MultiHostSlurm(tmp_path_factory.mktemp("mh3"), hosts=3).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()  # raises naming any namespace, link, daemon or /etc/netns entry left behind
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """The warm-started tiny model (built once), a second interpreter path for the engines, and the
+    one-host reference run of the same layout."""
+    root = tmp_path_factory.mktemp("mhshared")
+    cfg = write_config(root / "prep.yaml", trainer={"output_dir": str(root / "prep")})
+    out = subprocess.run([sys.executable, "-m", "dapo_megatron.launch.prepare", str(cfg)], capture_output=True,
+                         text=True, timeout=600, cwd=REPO, env=_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    model = Path(out.stdout.strip())
+    # the engines' environment: its own directory (pyvenv.cfg, bin/python), the packages shared
+    venv = Path(sys.prefix)
+    engine_env = root / "engine-venv"
+    (engine_env / "bin").mkdir(parents=True)
+    (engine_env / "pyvenv.cfg").write_text((venv / "pyvenv.cfg").read_text())
+    (engine_env / "lib").symlink_to(venv / "lib")
+    (engine_env / "bin" / "python").symlink_to(Path(os.path.realpath(sys.executable)))
+    one_host = root / "one_host"
+    run = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "train", str(cfg), f"trainer.output_dir={one_host}",
+                          f"model.path={model}", "tiny.enabled=false"], capture_output=True, text=True, timeout=900,
+                         cwd=REPO, env=_env())
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return {"root": root, "model": model, "engine_python": engine_env / "bin" / "python",
+            "one_host": metrics(one_host)}
+
+
+def submit(cluster, shared, run_dir: Path, *overrides: str) -> dict[str, str]:
+    cfg = write_config(run_dir.parent / f"{run_dir.name}.yaml", trainer={"output_dir": str(run_dir)})
+    out = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "slurm", "submit", str(cfg), "--engines", "1",
+                          "--skip-data-check", f"model.path={shared['model']}", "tiny.enabled=false",
+                          f"slurm.engine_python={shared['engine_python']}", *overrides],
+                         capture_output=True, text=True, timeout=300, cwd=REPO, env={**_env(), **cluster.env})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    ids = dict(line.split(": ", 1) for line in out.stdout.splitlines() if line.startswith(("train: ", "engines: ")))
+    assert set(ids) == {"train", "engines"}, out.stdout
+    return ids
+
+
+def node_of(cluster, job: str) -> list[str]:
+    out = cluster.run(["squeue", "-h", "-j", job, "-o", "%N"], check=False).stdout.strip()
+    return cluster.run(["scontrol", "show", "hostnames", out], check=False).stdout.split() if out else []
+
+
+def engine_interpreters(run_dir: Path) -> set[str]:
+    """argv[0] of each registered engine process (the registration names its pid; one pid space here)."""
+    seen = set()
+    for path in (run_dir / "engines").glob("*.json"):
+        try:
+            pid = json.loads(path.read_text())["pid"]
+            seen.add(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode())
+        except (OSError, ValueError, KeyError):
+            continue
+    return seen
+
+
+def test_run_across_three_hosts_learns_as_on_one_host(cluster, shared, tmp_path):
+    run_dir = tmp_path / "run"
+    ids = submit(cluster, shared, run_dir)
+    started = time.monotonic()
+    trainer_nodes, engine_nodes, interpreters = [], [], set()
+    while cluster.job_states([ids["train"]]).get(ids["train"]) in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+        assert time.monotonic() - started < 600, logs(run_dir)
+        trainer_nodes = trainer_nodes or node_of(cluster, ids["train"])
+        engine_nodes = engine_nodes or node_of(cluster, ids["engines"])
+        interpreters |= engine_interpreters(run_dir)
+        time.sleep(1)
+    assert cluster.job_states([ids["train"]]) == {ids["train"]: "COMPLETED"}, logs(run_dir)
+    hosts = {h.name for h in cluster.hosts}
+    # the trainer's two ranks on two hosts, the engine on the third
+    assert len(trainer_nodes) == 2 and len(engine_nodes) == 1 and set(trainer_nodes + engine_nodes) == hosts, \
+        (trainer_nodes, engine_nodes)
+    assert interpreters == {str(shared["engine_python"])}, interpreters  # not the trainer's sys.executable
+    text = logs(run_dir, tail=10**6)
+    # each rank chose its host's eth0 toward the other host, never 127.0.1.1
+    by_name = {h.name: h.address for h in cluster.hosts}
+    for node in trainer_nodes:
+        assert f"gloo/nccl interface eth0 ({by_name[node]})" in text, text[-4000:]
+    ours, theirs = metrics(run_dir), shared["one_host"]
+    assert [r["step"] for r in ours] == [r["step"] for r in theirs] == list(range(STEPS + 1))
+    for mine, ref in zip(ours, theirs):
+        for key in EXACT_KEYS + FLOAT_KEYS + ("eval/avg@k", "eval/pass@k"):
+            assert mine.get(key) == ref.get(key), (mine["step"], key, mine.get(key), ref.get(key))
+    assert ours[-1]["eval/avg@k"] is not None
+    print(f"\n[multi-host] three-host run: {time.monotonic() - started:.0f} s; trainer on {trainer_nodes}, "
+          f"engine on {engine_nodes}; step rewards {[r.get('reward/mean') for r in ours[1:]]}")
+
+
+# ------------------------------------------------------------------------------------------- faults
+def _engine_record(run_dir: Path) -> dict | None:
+    for path in (run_dir / "engines").glob("*.json"):
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _server_info(url: str, run_dir: Path) -> dict | None:
+    import urllib.request
+
+    from dapo_megatron.rollout.auth import read_secret_file, run_secret_path
+
+    try:
+        headers = read_secret_file(run_secret_path(run_dir)).header_for("GET", "/server_info")
+        with urllib.request.urlopen(urllib.request.Request(f"{url}/server_info", headers=headers), timeout=2) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _host_named(cluster, name: str):
+    (host,) = [h for h in cluster.hosts if h.name == name]
+    return host
+
+
+def _wait_for(what, check, *, timeout_s: float, poll_s: float = 0.2, logs_of: Path | None = None):
+    deadline = time.monotonic() + timeout_s
+    while (value := check()) in (None, False, [], {}):
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s\n" + (logs(logs_of) if logs_of else "")
+        time.sleep(poll_s)
+    return value
+
+
+def _finish(cluster, ids, run_dir: Path, timeout_s: float = 600) -> None:
+    states = cluster.wait_done([ids["train"]], timeout_s=timeout_s)
+    assert states == {ids["train"]: "COMPLETED"}, logs(run_dir)
+
+
+def _same_as_one_host(run_dir: Path, shared) -> None:
+    ours, theirs = metrics(run_dir), shared["one_host"]
+    assert [r["step"] for r in ours] == list(range(STEPS + 1)), [r["step"] for r in ours]  # none lost, none twice
+    for mine, ref in zip(ours, theirs):
+        for key in EXACT_KEYS + ("eval/avg@k",):
+            assert mine.get(key) == ref.get(key), (mine["step"], key, mine.get(key), ref.get(key))
+
+
+def test_engine_host_cut_off_for_20_s_mid_rollout(cluster, shared, tmp_path):
+    """The engine host's cable pulled (its bridge port down) while step 2's rollout runs, plugged back
+    20 s later: the requests wait in TCP retransmission and the run goes on; every step once, with the
+    one-host run's data."""
+    run_dir = tmp_path / "run"
+    ids = submit(cluster, shared, run_dir)
+    _wait_for("step 1 logged", lambda: any(r["step"] == 1 for r in metrics(run_dir)), timeout_s=400, logs_of=run_dir)
+    engine = _host_named(cluster, node_of(cluster, ids["engines"])[0])
+    seen = len(_train_log(run_dir))
+    cluster.cut_link(engine)
+    try:
+        time.sleep(20)
+    finally:
+        cluster.restore_link(engine)
+    _finish(cluster, ids, run_dir)
+    _same_as_one_host(run_dir, shared)
+    # what the run did meanwhile: waited in TCP retransmission (no [engines] line), or dropped the
+    # engine and took it back once it answered (pool.discover), re-synced, and redid the rollout
+    said = [line for line in _train_log(run_dir)[seen:].splitlines() if line.startswith("[engines]")]
+    step2 = next(r for r in metrics(run_dir) if r["step"] == 2)
+    print(f"\n[multi-host] link cut 20 s: step 2 generation {step2.get('time/gen_s', float('nan')):.1f} s; "
+          f"engine events: {said or 'none (the requests waited)'}")
+
+
+def _train_log(run_dir: Path) -> str:
+    return "".join(p.read_text(errors="replace") for p in sorted((run_dir / "slurm/logs").glob("train-*.out")))
+
+
+def test_engine_host_lost_during_weight_sync_is_requeued_and_resynced(cluster, shared, tmp_path):
+    """The engine frozen (SIGSTOP) as soon as a weight-update session is open, so that the trainer is
+    inside the sync (a tiny model's session lasts ~0.1 s), then every process of its host SIGKILLed
+    (slurmd too: the host is gone) and the host back 3 s later (a reboot: its slurmd starts again).
+    The sync fails at once (the engine's sockets are reset), Slurm requeues the engine's array task
+    (its batch job is missing from the node that came back), the engine registers again and the
+    trainer re-syncs it before sending it any request: the run's data equal the one-host run's."""
+    import signal
+
+    run_dir = tmp_path / "run"
+    ids = submit(cluster, shared, run_dir)
+    record = _wait_for("engine registered", lambda: _engine_record(run_dir), timeout_s=400, logs_of=run_dir)
+    engine = _host_named(cluster, node_of(cluster, ids["engines"])[0])
+    _wait_for("a weight-update session open", lambda: (_server_info(record["url"], run_dir) or {}).get(
+        "cpu_engine", {}).get("weight_update_session_open"), timeout_s=400, poll_s=0.02, logs_of=run_dir)
+    os.kill(int(record["pid"]), signal.SIGSTOP)
+    seen = len(_train_log(run_dir))
+    time.sleep(2)
+    assert "[engines]" not in _train_log(run_dir)[seen:]  # frozen, not failed: the sync waits on it
+    killed_at = time.monotonic()
+    assert cluster.kill_host(engine)
+    noticed = _wait_for("the trainer gives up on the engine", lambda: [
+        line for line in _train_log(run_dir)[seen:].splitlines() if line.startswith("[engines]")],
+        timeout_s=120, poll_s=0.1, logs_of=run_dir)
+    failed_after = time.monotonic() - killed_at
+    time.sleep(max(0.0, 3 - failed_after))
+    cluster.start_slurmd(engine)
+    _finish(cluster, ids, run_dir)
+    text = logs(run_dir, tail=10**6)
+    assert "restart 1)" in text, text[-4000:]  # the engine's array task ran again (--requeue)
+    assert "registered after" in text and "re-syncing the weights of step" in text, text[-4000:]
+    _same_as_one_host(run_dir, shared)
+    print(f"\n[multi-host] engine host lost during a sync: the trainer gave up on it {failed_after:.1f} s after "
+          f"the kill ({noticed[0][:160]}); the run finished {time.monotonic() - killed_at:.0f} s after the kill")
+
+
+def test_trainer_host_lost_requeues_and_resumes_from_the_newest_checkpoint(cluster, shared, tmp_path):
+    """Every process of the second trainer host SIGKILLed once step 1's checkpoint is complete (the host
+    is gone). The rank on the first host fails at once, but srun waits for the lost host's tasks: the job
+    ends when Slurm marks the node DOWN (SlurmdTimeout, 30 s here, 300 s by default) and requeues it
+    (--requeue). The host comes back (a reboot) and the requeued job resumes from the newest
+    checkpoint, logging the steps after it with the one-host run's data."""
+    run_dir = tmp_path / "run"
+    ids = submit(cluster, shared, run_dir)
+    _wait_for("checkpoint of step 1", lambda: (run_dir / "checkpoints" / "step_000001").is_dir(), timeout_s=400,
+              logs_of=run_dir)
+    first, second = node_of(cluster, ids["train"])
+    lost = _host_named(cluster, second)
+    killed_at = time.monotonic()
+    assert cluster.kill_host(lost)
+    _wait_for("the lost node marked down", lambda: cluster.node_state(lost).startswith("down"), timeout_s=180,
+              logs_of=run_dir)
+    _wait_for("the job requeued", lambda: "Restarts=1" in cluster.run(
+        ["scontrol", "-o", "show", "job", ids["train"]], check=False).stdout, timeout_s=120, logs_of=run_dir)
+    requeued_after = time.monotonic() - killed_at
+    cluster.start_slurmd(lost)  # back after a reboot: the requeued job gets its two nodes again
+    _finish(cluster, ids, run_dir)
+    text = logs(run_dir, tail=10**6)
+    assert f"job {ids['train']} restart 1:" in text, text[-4000:]
+    # the lost node's job kept its engines for the requeue (on 3eb0efe's script it cancelled them)
+    assert "Slurm requeues the job (--requeue)" in text and "cancelling the rollout engines" not in \
+        text.split(f"job {ids['train']} restart 1:")[0], text[-4000:]
+    (resumed,) = [line for line in text.splitlines() if line.startswith("[job] requeued (restart 1): resuming from")]
+    assert resumed.endswith(("step_000001", "step_000002")), resumed  # the newest complete checkpoint
+    _same_as_one_host(run_dir, shared)
+    print(f"\n[multi-host] trainer host lost: job requeued {requeued_after:.0f} s after the kill, finished "
+          f"{time.monotonic() - killed_at:.0f} s after it")
