@@ -40,35 +40,47 @@ class PolicyStep:
     grads: dict[str, torch.Tensor]
 
 
-def hf_policy_step(hf_dir, samples, *, dtype, eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0,
-                   forward_context=None) -> PolicyStep:
-    """d/dtheta of sum_all_tokens(mask * l) / sum(mask) on the transformers model, in one batch, in `dtype`;
-    forward_context(model, sample), if given, is a context manager around each sample's forward (a MoE's
-    forced routing)."""
+def hf_response_logprobs(hf_dir, samples, *, dtype, forward_context=None):
+    """The transformers model in `dtype` and the log-probs of every response token, all samples
+    concatenated, as a non-leaf that keeps its gradient (dL/dlogp after a backward). forward_context(model,
+    sample), if given, is a context manager around each sample's forward (a MoE's forced routing)."""
     from transformers import AutoModelForCausalLM
-
-    from dapo_megatron.algo.policy_loss import policy_loss
-    from dapo_megatron.weights.hf_layout import public_expert_views
 
     # eager experts: transformers' grouped-GEMM MoE path has no float64 kernel (dense models ignore it)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, experts_implementation="eager")
-    logps, olds, advs, masks = [], [], [], []
+    logps = []
     for s in samples:
         ids = torch.tensor([s.prompt_ids + s.response_ids])
         with forward_context(model, s) if forward_context else contextlib.nullcontext():
             logp = torch.log_softmax(model(ids).logits[0], -1)[len(s.prompt_ids) - 1:-1]
         logps.append(logp.gather(1, ids[0, len(s.prompt_ids):, None])[:, 0])
-        olds.append(torch.tensor(s.old_logprobs, dtype=dtype))
-        advs.append(torch.full((len(s.response_ids),), s.advantage, dtype=dtype))
-        masks.append(torch.tensor(s.response_mask(), dtype=dtype))
     logp_all = torch.cat(logps)
     logp_all.retain_grad()
-    loss, _ = policy_loss(logp_all, torch.cat(olds), torch.cat(advs), torch.cat(masks),
-                          eps_low=eps_low, eps_high=eps_high, clip_ratio_c=clip_ratio_c)
+    return model, logp_all
+
+
+def policy_step_of(model, logp_all: torch.Tensor, loss: torch.Tensor) -> PolicyStep:
+    """Backward of `loss` (a function of logp_all) and the step: by public names (a MoE's fused experts as
+    per-expert tensors, as checkpoints and the actor name them)."""
+    from dapo_megatron.weights.hf_layout import public_expert_views
+
     loss.backward()
-    # by public names (a MoE's fused experts as per-expert tensors, as checkpoints and the actor name them)
     grads = public_expert_views({name: p.grad.double() for name, p in model.named_parameters()})
     return PolicyStep(float(loss.detach()), logp_all.detach().double(), logp_all.grad.double(), grads)
+
+
+def hf_policy_step(hf_dir, samples, *, dtype, eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0,
+                   forward_context=None) -> PolicyStep:
+    """d/dtheta of sum_all_tokens(mask * l) / sum(mask) on the transformers model, in one batch, in `dtype`."""
+    from dapo_megatron.algo.policy_loss import policy_loss
+
+    model, logp_all = hf_response_logprobs(hf_dir, samples, dtype=dtype, forward_context=forward_context)
+    per_token = lambda values: torch.cat([torch.as_tensor(v, dtype=dtype) for v in values])  # noqa: E731
+    loss, _ = policy_loss(logp_all, per_token(s.old_logprobs for s in samples),
+                          per_token([s.advantage] * len(s.response_ids) for s in samples),
+                          per_token(s.response_mask() for s in samples),
+                          eps_low=eps_low, eps_high=eps_high, clip_ratio_c=clip_ratio_c)
+    return policy_step_of(model, logp_all, loss)
 
 
 @dataclass

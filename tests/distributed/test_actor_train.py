@@ -5,12 +5,12 @@ weights exactly as TP=1 x DP=2 (distributed optimizer) does; so does one step at
 CP=2 with sequence parallel) against the same layout at CP=1."""
 
 import functools
-import random
 
 import pytest
 import torch
 
-from helpers_fp32 import PolicyStep, adam_first_step, adam_weight_bounds, check_weights, reference_step, step_bounds
+from helpers_fp32 import (PolicyStep, adam_first_step, adam_weight_bounds, check_weights, hf_response_logprobs,
+                          policy_step_of, reference_step, step_bounds)
 from test_actor_logprobs import hf_logprobs, make_cfg, make_samples
 
 # one Adam step of the layout-parity tests: lr 1e-3, Adam eps 1e-4 (see _updated_weights_rank), the
@@ -162,16 +162,7 @@ def hf_seq_mean_step(hf_dir, samples, *, dtype, eps_low, eps_high, clip_ratio_c,
         loss = mean over sequences with a trained token of
                sum_t m_t * (min(pi_old/pi_rollout, C) * l_t + kl_coef * k3_t) / sum_t m_t
     with m_t = 0 for every token of a truncated sample; in `dtype` (float64: the truth, float32: its rounding)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
-    lps = []
-    for s in samples:
-        ids = torch.tensor([s.prompt_ids + s.response_ids])
-        logp = torch.log_softmax(model(ids).logits[0], -1)[len(s.prompt_ids) - 1:-1]
-        lps.append(logp.gather(1, ids[0, len(s.prompt_ids):, None])[:, 0])
-    lp_all = torch.cat(lps)
-    lp_all.retain_grad()
+    model, lp_all = hf_response_logprobs(hf_dir, samples, dtype=dtype)
     per_seq = []
     for s, lp in zip(samples, lp_all.split([len(s.response_ids) for s in samples])):
         old, rollout, ref = (torch.tensor(v, dtype=dtype) for v in (s.old_logprobs, s.rollout_logprobs, s.ref_logprobs))
@@ -188,9 +179,7 @@ def hf_seq_mean_step(hf_dir, samples, *, dtype, eps_low, eps_high, clip_ratio_c,
         k3 = torch.clamp(torch.exp(x) - x - 1, -10, 10)
         per_seq.append((mask * (tis * l + kl_coef * k3)).sum() / mask.sum())
     loss = torch.stack(per_seq).mean()
-    loss.backward()
-    return PolicyStep(float(loss.detach()), lp_all.detach().double(), lp_all.grad.double(),
-                      {name: p.grad.double() for name, p in model.named_parameters()})
+    return policy_step_of(model, lp_all, loss)
 
 
 @pytest.mark.parametrize("cp", [1, 2])
@@ -251,16 +240,7 @@ def test_one_step_at_cp2_updates_weights_like_cp1(rank_pool, tiny_dir, world, tp
 def hf_gspo_step(hf_dir, samples, *, dtype, eps_low, eps_high) -> PolicyStep:
     """GSPO's big-batch step written out per sequence (algo/gspo.py): s_i = exp(mean_t m (logp - old)),
     l_i = max(-A s_i, -A clip(s_i, 1 - eps_low, 1 + eps_high)), loss = mean_i l_i; in `dtype`."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype)
-    lps = []
-    for s in samples:
-        ids = torch.tensor([s.prompt_ids + s.response_ids])
-        logp = torch.log_softmax(model(ids).logits[0], -1)[len(s.prompt_ids) - 1:-1]
-        lps.append(logp.gather(1, ids[0, len(s.prompt_ids):, None])[:, 0])
-    lp_all = torch.cat(lps)
-    lp_all.retain_grad()
+    model, lp_all = hf_response_logprobs(hf_dir, samples, dtype=dtype)
     per_seq = []
     for s, lp in zip(samples, lp_all.split([len(s.response_ids) for s in samples])):
         old = torch.tensor(s.old_logprobs, dtype=dtype)
@@ -268,9 +248,7 @@ def hf_gspo_step(hf_dir, samples, *, dtype, eps_low, eps_high) -> PolicyStep:
         ratio = torch.exp(torch.clamp((mask * (lp - old)).sum() / mask.sum(), -20, 20))
         per_seq.append(torch.maximum(-s.advantage * ratio, -s.advantage * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)))
     loss = torch.stack(per_seq).mean()
-    loss.backward()
-    return PolicyStep(float(loss.detach()), lp_all.detach().double(), lp_all.grad.double(),
-                      {name: p.grad.double() for name, p in model.named_parameters()})
+    return policy_step_of(model, lp_all, loss)
 
 
 def test_gspo_in_the_actor_gives_the_big_batch_sequence_level_gradient(rank_pool, tiny_dir):

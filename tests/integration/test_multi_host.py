@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import yaml
 from test_train_tiny import EXACT_KEYS, FLOAT_KEYS
+from helpers_runs import logs as run_logs, metrics
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_CPU = REPO / "configs/runs/tiny_cpu.yaml"
@@ -61,14 +62,8 @@ def write_config(path: Path, **sections) -> Path:
     return path
 
 
-def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def logs(run_dir: Path, *, tail: int = 5000) -> str:
-    return "\n".join(f"==> {p.name}\n" + p.read_text(errors="replace")[-tail:]
-                     for p in sorted((run_dir / "slurm/logs").glob("*.out")))
+    return run_logs(run_dir, named=True, tail=tail)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import yaml
 
 from dapo_megatron.config import load_config
 from dapo_megatron.launch import submit
+from helpers_runs import logs as run_logs, metrics
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_CPU = REPO / "configs/runs/tiny_cpu.yaml"
@@ -56,13 +57,8 @@ def write_config(path: Path, output_dir: Path, **sections) -> Path:
     return path
 
 
-def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def logs(run_dir: Path, *, tail: int = 6000) -> str:
-    return "\n".join(p.read_text(errors="replace")[-tail:] for p in sorted((run_dir / "slurm/logs").glob("*.out")))
+    return run_logs(run_dir, tail=tail)
 
 
 def steps_of(run_dir: Path) -> list[int]:

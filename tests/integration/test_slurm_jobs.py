@@ -22,6 +22,7 @@ import yaml
 
 from dapo_megatron.config import load_config
 from dapo_megatron.launch import submit
+from helpers_runs import logs, metrics
 
 # generous waits: a shared 2-core machine under load starts a Python job in tens of seconds
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1800)]
@@ -52,11 +53,6 @@ def write_config(path: Path, output_dir: Path, **sections) -> Path:
     return path
 
 
-def metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def cli(slurm, *args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = dict(slurm.env, **(env_extra or {}))
     return subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "slurm", *args], env=env, cwd=REPO,
@@ -72,10 +68,6 @@ def _records(registry: Path) -> list[dict]:
     from dapo_megatron.rollout.registry import read_registrations
 
     return read_registrations(str(registry)) if registry.is_dir() else []
-
-
-def logs(run_dir: Path) -> str:
-    return "\n".join(p.read_text() for p in sorted((run_dir / "slurm" / "logs").glob("*.out")))
 
 
 def test_dry_run_prints_and_submits_nothing(slurm_cluster, tmp_path):

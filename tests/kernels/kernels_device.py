@@ -3,22 +3,11 @@ tests/conftest.py when there is no CUDA), else CUDA tensors and compiled kernels
 own (not conftest.py) so test files can import it by a name no other test folder uses."""
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import dapo_kernels
+from helpers_dispatch import AtenOps  # noqa: F401 - the kernel tests import it from here
 
 DEVICE = "cpu" if dapo_kernels.INTERPRET else "cuda"
 RUNNABLE = dapo_kernels.INTERPRET or torch.cuda.is_available()
 
 
-class AtenOps(TorchDispatchMode):
-    """Records the name of every aten op run inside it. A host read of a tensor's value (.item(), int(t),
-    float(t)) is aten._local_scalar_dense: on a GPU, a device-to-host sync."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket.__name__))
-        return func(*args, **(kwargs or {}))

@@ -6,20 +6,10 @@ reads show up as aten ops: _local_scalar_dense (.item(), int(t)) and nonzero (bo
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dapo_megatron.actor.routing_replay import agreement_counts
 from dapo_megatron.actor.staging import to_device
-
-
-class AtenOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func.overloadpacket.__name__))
-        return func(*args, **(kwargs or {}))
+from helpers_dispatch import AtenOps
 
 
 def test_agreement_counts_by_hand_without_a_host_read():
