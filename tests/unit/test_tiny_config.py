@@ -40,6 +40,7 @@ def test_tiny_grpo_changes_only_the_algorithm():
     changed = {k: (dapo[k], grpo[k]) for k in dapo if dapo[k] != grpo[k]}
     assert changed == {
         "rollout.gen_batch_size": (32, 16),
+        "algorithm.policy_loss": ("dapo", "grpo"),
         "algorithm.eps_high": (0.28, 0.2),
         "algorithm.loss_agg_mode": ("token-mean", "seq-mean-token-mean"),
         "algorithm.dynamic_sampling": (True, False),
