@@ -94,6 +94,9 @@ class RolloutServer:
         self.pause_cond = asyncio.Condition()
         self.live_rids: set[str] = set()  # SGLang's rid_to_state: rids an abort can name
         self.session_open = False
+        # fault tests only (never set by the product): keep each weight-update session open this long after
+        # it begins, so that a test can act while a sync is in flight (a tiny model's session lasts ~0.1 s)
+        self.session_hold_s = float(os.environ.get("DAPO_CPU_ENGINE_SESSION_HOLD_S") or 0)
         self.groups: dict[str, object] = {}  # group_name -> ProcessGroup
         self.stats = {"num_requests": 0, "num_sequences": 0, "num_aborted": 0, "aborted_rids": [],
                       "num_weight_updates": 0}
@@ -281,6 +284,8 @@ class RolloutServer:
             if self.session_open:
                 return _error(400, "a weight-update session is already open; call end_weight_update() first")
             self.session_open = True
+        if self.session_hold_s:
+            await asyncio.sleep(self.session_hold_s)
         return _ok("Success")
 
     async def end_weight_update(self, request: web.Request) -> web.Response:

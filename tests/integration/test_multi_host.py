@@ -103,12 +103,12 @@ def shared(tmp_path_factory):
             "one_host": metrics(one_host)}
 
 
-def submit(cluster, shared, run_dir: Path, *overrides: str) -> dict[str, str]:
+def submit(cluster, shared, run_dir: Path, *overrides: str, env_extra: dict | None = None) -> dict[str, str]:
     cfg = write_config(run_dir.parent / f"{run_dir.name}.yaml", trainer={"output_dir": str(run_dir)})
     out = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "slurm", "submit", str(cfg), "--engines", "1",
                           "--skip-data-check", f"model.path={shared['model']}", "tiny.enabled=false",
                           f"slurm.engine_python={shared['engine_python']}", *overrides],
-                         capture_output=True, text=True, timeout=300, cwd=REPO, env={**_env(), **cluster.env})
+                         capture_output=True, text=True, timeout=300, cwd=REPO, env={**_env(), **cluster.env, **(env_extra or {})})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     ids = dict(line.split(": ", 1) for line in out.stdout.splitlines() if line.startswith(("train: ", "engines: ")))
     assert set(ids) == {"train", "engines"}, out.stdout
@@ -247,11 +247,14 @@ def test_engine_host_lost_during_weight_sync_is_requeued_and_resynced(cluster, s
     (slurmd too: the host is gone) and the host back 3 s later (a reboot: its slurmd starts again).
     The sync fails at once (the engine's sockets are reset), Slurm requeues the engine's array task
     (its batch job is missing from the node that came back), the engine registers again and the
-    trainer re-syncs it before sending it any request: the run's data equal the one-host run's."""
+    trainer re-syncs it before sending it any request: the run's data equal the one-host run's.
+    The CPU engine holds each session open 1 s (DAPO_CPU_ENGINE_SESSION_HOLD_S, a fault-test knob of the
+    stand-in): polling for a 0.1 s session missed every one of a 2-step run on a quiet machine (then
+    waited out 400 s and failed, 2026-11-26)."""
     import signal
 
     run_dir = tmp_path / "run"
-    ids = submit(cluster, shared, run_dir)
+    ids = submit(cluster, shared, run_dir, env_extra={"DAPO_CPU_ENGINE_SESSION_HOLD_S": "1"})
     record = _wait_for("engine registered", lambda: _engine_record(run_dir), timeout_s=400, logs_of=run_dir)
     engine = _host_named(cluster, node_of(cluster, ids["engines"])[0])
     _wait_for("a weight-update session open", lambda: (_server_info(record["url"], run_dir) or {}).get(
