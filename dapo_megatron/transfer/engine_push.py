@@ -38,7 +38,14 @@ async def sync_dropping_dead(pool, weight_sync, named, *, weight_version: str, a
         # around(targets, sync): e.g. the engines paused while steps overlap (rollout/async_rollout.py)
         stats = await (around(targets, sync) if around is not None else sync)
     except EngineError as err:
-        if not await _drop_unreachable(pool, targets, why=f"died during weight sync {weight_version}"):
+        why = f"died during weight sync {weight_version}"
+        dead = await _drop_unreachable(pool, targets, why=why)
+        # an engine whose session call was cut mid-sync is lost even if its port answers one probe right
+        # after (its host going down); it is taken back and re-synced once it answers /health again
+        cut = [url for url in getattr(err, "cut_urls", ()) if url not in dead]
+        for url in cut:
+            pool.mark_dead(url, f"{why}: {err}")
+        if not dead and not cut:
             raise  # every engine answers: not a dead engine (a refused bucket is a bug to see)
         await weight_sync.close(pool.live_clients())
         return None, True

@@ -51,7 +51,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from dapo_megatron.rollout.client import EngineClient, EngineError
+from dapo_megatron.rollout.client import EngineClient, EngineError, EngineUnreachable
 from dapo_megatron.transfer.tensor_payload import flatten_bucket, serialize_for_engine_rank, split_for_alignment
 from dapo_megatron.transfer.weight_group import broadcast_from_trainer, open_weight_group, trainer_address
 from dapo_megatron.weights.export import bucketize  # the one bucketizer (size-bounded, order kept)
@@ -162,8 +162,11 @@ async def weight_update_session(clients: list[EngineClient], *, end_timeout_s: f
 
     if failures:
         await end_all()
-        raise EngineError(f"weight sync: {_name_failures('begin_weight_update', failures)}",
-                          url=next(iter(failures)))
+        err = EngineError(f"weight sync: {_name_failures('begin_weight_update', failures)}", url=next(iter(failures)))
+        # engines whose begin was cut (reset, refused, timed out), as opposed to refused by the engine:
+        # a host going down can still accept one TCP probe a moment later (engine_push.sync_dropping_dead)
+        err.cut_urls = [url for url, e in failures.items() if isinstance(e, EngineUnreachable)]
+        raise err
     try:
         yield
     except BaseException:

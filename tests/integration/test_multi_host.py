@@ -241,9 +241,6 @@ def _train_log(run_dir: Path) -> str:
     return "".join(p.read_text(errors="replace") for p in sorted((run_dir / "slurm/logs").glob("train-*.out")))
 
 
-@pytest.mark.skip(reason="finds a product bug not yet fixed (docs/LOG.md 2026-11-26): a kill during "
-                         "/begin_weight_update fails the sync, and sync_dropping_dead re-raises it because the engine's "
-                         "port still answers one TCP probe right after the kill: the trainer exits 1")
 def test_engine_host_lost_during_weight_sync_is_requeued_and_resynced(cluster, shared, tmp_path):
     """The engine frozen (SIGSTOP) as soon as a weight-update session is open, so that the trainer is
     inside the sync (a tiny model's session lasts ~0.1 s), then every process of its host SIGKILLed
