@@ -70,11 +70,9 @@ def logs(run_dir: Path, *, tail: int = 5000) -> str:
 def cluster(tmp_path_factory):
     from multihost_cluster import MultiHostSlurm
 
-    cluster = MultiHostSlurm(tmp_path_factory.mktemp("mh3"), hosts=3).start()
-    try:
+    # stop() on exit raises naming any namespace, link, daemon or /etc/netns entry left behind
+    with MultiHostSlurm(tmp_path_factory.mktemp("mh3"), hosts=3) as cluster:
         yield cluster
-    finally:
-        cluster.stop()  # raises naming any namespace, link, daemon or /etc/netns entry left behind
 
 
 @pytest.fixture(scope="module")

@@ -25,11 +25,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 def two_hosts(tmp_path_factory):
     from multihost_cluster import MultiHostSlurm
 
-    cluster = MultiHostSlurm(tmp_path_factory.mktemp("mh2"), hosts=2).start()
-    try:
+    # stop() on exit raises naming any namespace, link, daemon or /etc/netns entry left behind
+    with MultiHostSlurm(tmp_path_factory.mktemp("mh2"), hosts=2) as cluster:
         yield cluster
-    finally:
-        cluster.stop()  # raises naming any namespace, link, daemon or /etc/netns entry left
 
 
 def test_check_parity_tp2_one_rank_per_host(two_hosts, tmp_path):

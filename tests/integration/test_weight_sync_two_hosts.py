@@ -28,11 +28,9 @@ def two_hosts(tmp_path_factory):
     """The two-host cluster (a real Slurm is started too, unused here: ~2 s)."""
     from multihost_cluster import MultiHostSlurm
 
-    cluster = MultiHostSlurm(tmp_path_factory.mktemp("wsync2"), hosts=2).start()
-    try:
+    # stop() on exit raises naming any namespace, link, daemon or /etc/netns entry left behind
+    with MultiHostSlurm(tmp_path_factory.mktemp("wsync2"), hosts=2) as cluster:
         yield cluster
-    finally:
-        cluster.stop()  # raises naming anything left behind
 
 
 def test_weight_sync_between_two_network_namespaces(two_hosts, tmp_path):
