@@ -162,6 +162,11 @@ CUDA_GLOBALS = frozenset({
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
     ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"),
 })
+# Data types a CUDA IPC payload names beside the rebuild: torch's reduce_tensor passes the storage's class,
+# type(tensor._typed_storage()) = torch.storage.TypedStorage, as rebuild_cuda_tensor's storage_cls. Missed until a
+# GPU ran it (2026-11-26, H100, torch 2.11: the payload's globals were rebuild_cuda_tensor, torch.Tensor, torch.Size,
+# torch.storage.TypedStorage, torch.float32); also on SGLang's allow list.
+CUDA_DATA_GLOBALS = frozenset({("torch.storage", "TypedStorage")})
 _DEVICE_ARG = 6  # the device's position in rebuild_cuda_tensor's arguments (patch_torch._REDUCE_TENSOR_ARG_DEVICE_INDEX)
 
 
@@ -193,9 +198,11 @@ class _RestrictedUnpickler(pickle.Unpickler):
             if module.startswith("sglang"):
                 return _rebuild_cuda_tensor_from_uuid
             return super().find_class(module, name)
+        if self.cuda and (module, name) in CUDA_DATA_GLOBALS:
+            return super().find_class(module, name)
         if (module, name) not in ALLOWED_GLOBALS:
             where = " (CUDA IPC handles need an engine on a GPU: serve-rollout --device cuda)" \
-                if (module, name) in CUDA_GLOBALS else ""
+                if (module, name) in CUDA_GLOBALS | CUDA_DATA_GLOBALS else ""
             raise PayloadError(f"the payload names {module}.{name}, which a tensor payload never needs{where}")
         return super().find_class(module, name)
 

@@ -32,7 +32,7 @@ from dapo_megatron.rollout.client import EngineClient, EngineError
 from dapo_megatron.rollout.pool import EnginePool
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
 from dapo_megatron.rollout.sglang_launcher import SGLangSettings, sglang_command
-from dapo_megatron.transfer.tensor_payload import ALLOWED_GLOBALS, CUDA_GLOBALS
+from dapo_megatron.transfer.tensor_payload import ALLOWED_GLOBALS, CUDA_DATA_GLOBALS, CUDA_GLOBALS
 from dapo_megatron.transfer.weight_sync import DistributedWeightSync, TensorWeightSync
 
 from sglang_pins import CONTEXT_LENGTH, ORACLE_TP_SIZE
@@ -136,6 +136,7 @@ def test_tensor_sync_one_payload_per_rank_read_by_sglang_across_processes(oracle
     sglang_allowed = {tuple(g) for g in call(oracle, "/oracle/safe_unpickler_globals", method="GET")[1]}
     assert ALLOWED_GLOBALS <= sglang_allowed, ALLOWED_GLOBALS - sglang_allowed
     assert CUDA_GLOBALS <= sglang_allowed, CUDA_GLOBALS - sglang_allowed  # CUDA IPC rebuilds (serve-rollout --device cuda)
+    assert CUDA_DATA_GLOBALS <= sglang_allowed, CUDA_DATA_GLOBALS - sglang_allowed
 
 
 def test_sglang_refuses_updates_outside_a_session(oracle):

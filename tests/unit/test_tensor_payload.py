@@ -6,6 +6,7 @@ engine are), read back bit for bit, each entry once; the engine's unpickler refu
 from __future__ import annotations
 
 import base64
+import inspect
 import io
 import json
 import pickle
@@ -100,3 +101,36 @@ def test_the_engine_unpickler_refuses_anything_but_tensors():
     pickle.dump({"not": "a list"}, buf)
     with pytest.raises(PayloadError, match="list of \\(name, tensor\\)"):
         deserialize_payload(base64.b64encode(buf.getvalue()).decode())
+
+
+def _cuda_payload_of_cpu_tensor(t: torch.Tensor) -> str:
+    """A payload with the globals and argument layout torch's reduce_tensor writes for a CUDA tensor
+    (torch/multiprocessing/reductions.py, its storage.is_cuda branch), made from a CPU tensor: this machine has no
+    GPU, so the IPC handle is a placeholder and only the rebuild call itself can fail."""
+    from torch.multiprocessing import reductions
+
+    storage = t._typed_storage()
+    args = (type(t), t.size(), t.stride(), 0, type(storage), t.dtype, 0, b"ipc-handle", storage.nbytes(), 0,
+            False, b"ref-counter", 0, b"event", False)
+    names = list(inspect.signature(reductions.rebuild_cuda_tensor).parameters)
+    assert len(names) == len(args) and names[4] == "storage_cls" and names[6] == "storage_device"
+
+    class CudaTensorStandIn:
+        def __reduce__(self):
+            return reductions.rebuild_cuda_tensor, args
+
+    return base64.b64encode(pickle.dumps([("w", CudaTensorStandIn())])).decode()
+
+
+def test_a_cuda_ipc_payload_passes_the_engine_unpickler_up_to_the_rebuild():
+    """The first GPU run (2026-11-26, H100) found every colocated sync refused: a CUDA payload names
+    torch.storage.TypedStorage (rebuild_cuda_tensor's storage_cls), which the allow list lacked."""
+    payload = _cuda_payload_of_cpu_tensor(torch.arange(6, dtype=torch.float32))
+    assert type(torch.empty(1)._typed_storage()) is torch.storage.TypedStorage
+    with pytest.raises(PayloadError) as err:
+        deserialize_payload(payload, cuda=True)
+    # every global was let through: what fails is opening the handle without a GPU, not the allow list
+    assert "cannot unpickle" in str(err.value) and "names" not in str(err.value)
+    # a CPU engine (cuda=False) refuses the same payload, naming the GPU it would need
+    with pytest.raises(PayloadError, match="rebuild_cuda_tensor.*serve-rollout --device cuda"):
+        deserialize_payload(payload)
