@@ -34,6 +34,17 @@ def debug_checks() -> bool:
     return os.environ.get(DEBUG_ENV, "0") not in ("", "0")
 
 
+AUTOTUNE_ENV = "DAPO_KERNELS_AUTOTUNE"
+
+
+def autotune_every_config() -> bool:
+    """DAPO_KERNELS_AUTOTUNE=0 (read when a kernel module is imported): the compiled kernels use their first
+    configuration instead of compiling and timing every one for each new (V, H, dtype). For correctness tests
+    on a GPU, where that tuning is most of the time (the first H100 run, 2026-11-26: 11 kernel tests in the
+    120 s budget). Training and benchmarks keep the default (tune)."""
+    return os.environ.get(AUTOTUNE_ENV, "1") not in ("", "0")
+
+
 def why_not_runnable(device_type: str) -> str | None:
     """None when the fused kernels run on `device_type` tensors in this process, else the reason."""
     if INTERPRET and device_type != "cpu":

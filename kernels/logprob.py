@@ -52,7 +52,7 @@ import triton.language as tl
 
 from . import logprob_cublas
 from ._softmax_tiles import dz_tile, empty_stats, online_update, split_columns, store_stats
-from ._runtime import INTERPRET, cast_dot_inputs_to_fp32, num_sms, require_runnable
+from ._runtime import INTERPRET, autotune_every_config, cast_dot_inputs_to_fp32, num_sms, require_runnable
 from .reference import check_logprob_args, check_targets_in_vocab, check_vocab_size, vocab_shard
 
 # dL/dlogits chunk size bound for the backward (bytes): C = this // (V_local * element size).
@@ -150,10 +150,12 @@ def _dlogits_kernel(h_ptr, w_ptr, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr
     tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _hopper_configs(with_group: bool):
+def _hopper_configs(with_group: bool, *, every: bool = True):
     # (BLOCK_N, BLOCK_V, BLOCK_K, num_warps, num_stages): 128x256 with 8 warps is the usual Hopper
     # wgmma sweet spot; 128x128 variants trade tile reuse for registers left to the epilogue.
+    # every=False: only that first one (DAPO_KERNELS_AUTOTUNE=0, _runtime.autotune_every_config).
     shapes = [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 256, 64, 4, 4)]
+    shapes = shapes if every else shapes[:1]
     configs = []
     for bn, bv, bk, warps, stages in shapes:
         meta = {"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk}
@@ -175,8 +177,11 @@ if INTERPRET:
     _fwd = _fwd_kernel
     _dlogits = _dlogits_kernel
 else:  # pragma: no cover - compiled path, exercised by tests/gpu
-    _fwd = triton.autotune(configs=_hopper_configs(True), key=["V", "H", "CAST_F32", "IEEE"])(_fwd_kernel)
-    _dlogits = triton.autotune(configs=_hopper_configs(False), key=["V", "H", "HAS_ENT", "IEEE"])(_dlogits_kernel)
+    _every = autotune_every_config()
+    _fwd = triton.autotune(configs=_hopper_configs(True, every=_every),
+                           key=["V", "H", "CAST_F32", "IEEE"])(_fwd_kernel)
+    _dlogits = triton.autotune(configs=_hopper_configs(False, every=_every),
+                               key=["V", "H", "HAS_ENT", "IEEE"])(_dlogits_kernel)
 
 
 def _launch_meta(extra: dict, *, n: int, v: int, h: int) -> dict:

@@ -417,3 +417,18 @@ def test_row_chunked_tp2_plans_its_chunks_from_the_padded_shard(rank_pool, devic
     assert rel_err(gw0, gw64[:75]) < 1e-5
     assert rel_err(gw1[:35], gw64[75:110]) < 1e-5
     assert torch.equal(gw1[35:], torch.zeros_like(gw1[35:]))  # padding rows: zero gradient
+
+
+def test_autotune_off_keeps_the_first_hopper_configuration(monkeypatch):
+    """DAPO_KERNELS_AUTOTUNE=0 (the GPU kernel tests): one configuration, the first of the tuned set."""
+    from dapo_kernels import _runtime, logprob
+
+    monkeypatch.setenv(_runtime.AUTOTUNE_ENV, "0")
+    assert not _runtime.autotune_every_config()
+    monkeypatch.delenv(_runtime.AUTOTUNE_ENV)
+    assert _runtime.autotune_every_config()
+    for with_group in (True, False):
+        every = logprob._hopper_configs(with_group)
+        (first,) = logprob._hopper_configs(with_group, every=False)
+        assert len(every) == 4 and str(first) == str(every[0])
+        assert first.kwargs["BLOCK_N"] == 128 and first.kwargs["BLOCK_V"] == 256 and first.num_warps == 8
