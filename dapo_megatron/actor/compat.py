@@ -63,6 +63,8 @@ PATCH_TARGETS: tuple[tuple[str, str, str], ...] = (
     ("torch.cuda", "stream", "token_dispatcher.py _maybe_dtoh_and_synchronize"),
     ("megatron.core.transformer.moe.moe_utils", "RouterGatingLinearFunction", "reads te_general_gemm"),
     ("torch.distributed", "all_to_all_single", "tensor_parallel/mappings.py _AllToAll (the MoE dispatcher)"),
+    ("megatron.core.models.common.embeddings.rope_utils", "_apply_rotary_pos_emb_thd", "host syncs (sync_free.py)"),
+    ("megatron.core.optimizer.clip_grads", "l2_norm_impl", "host syncs without Apex/TE (sync_free.py)"),
 )
 
 # Call sites whose CUDA use the TorchFunctionMode / patches above must cover; a moved file or a
@@ -80,6 +82,8 @@ CALL_SITES: tuple[tuple[str, str], ...] = (
     ("transformer/moe/token_dispatcher.py", "self.d2h_event = self.cuda_dtoh_stream.record_event()"),
     ("transformer/moe/moe_utils.py", "if te_general_gemm is not None"),
     ("tensor_parallel/mappings.py", "torch.distributed.all_to_all_single("),
+    ("models/common/embeddings/rope_utils.py", "return _apply_rotary_pos_emb_thd("),
+    ("optimizer/clip_grads.py", "l2_norm_impl = local_multi_tensor_l2_norm"),
 )
 
 _CPU = torch.device("cpu")
@@ -239,9 +243,13 @@ def bind_missing_te_gemm() -> None:
 
 
 def apply_megatron_compat() -> None:
-    """Start-up patches for every machine: what a missing Transformer Engine leaves unbound, then the
-    CPU patches (a no-op on GPUs)."""
+    """Start-up patches for every machine: what a missing Transformer Engine leaves unbound, megatron's
+    host-syncing RoPE (packed sequences) and gradient-norm fallbacks (actor/sync_free.py), then the CPU
+    patches (a no-op on GPUs)."""
+    from dapo_megatron.actor import sync_free
+
     bind_missing_te_gemm()
+    sync_free.install()
     apply_cpu_compat()
 
 
