@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from dapo_megatron.actor.attention import TorchSDPAttention, check_attention_kernel
+from dapo_megatron.dataplane.collectives import compute_device
 
 Precision = Literal["bf16", "fp16", "fp32"]
 AttentionBackend = Literal["torch", "te"]
@@ -333,7 +334,7 @@ def packed_seq_params_from_lengths(lengths: Sequence[int], *, device: Any = None
     if not lengths or min(lengths) <= 0:
         raise ValueError(f"packed sequence lengths must be positive, got {list(lengths)}")
     if device is None:
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        device = compute_device()
     lengths_t = torch.tensor(list(lengths), dtype=torch.int32, device=device)
     cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
     cu_seqlens[1:] = torch.cumsum(lengths_t, 0)

@@ -2,7 +2,7 @@
 own safetensors shards, global rank 0 adds one model.safetensors.index.json, config.json and the
 tokenizer files, and renames the directory into place.
 
-    save_hf_by_stage(StageExporter(chunks, hf_config, bucket_bytes=512 << 20), hf_config, out_dir,
+    save_hf_by_stage(StageExporter(chunks, hf_config, layout, bucket_bytes=512 << 20), hf_config, out_dir,
                      max_shard_bytes=5 << 30, copy_from=hf_dir)            # collective, every rank
 
 Shards are groups of consecutive export buckets of at most max_shard_bytes (a bigger bucket
@@ -69,8 +69,7 @@ def _write_tensor(handle, tensor: torch.Tensor) -> None:
 def save_hf_by_stage(exporter: StageExporter, hf_config: Any, out_dir: str | os.PathLike, *,
                      max_shard_bytes: int = 5 << 30, copy_from: str | os.PathLike | None = None) -> Path:
     """Collective over the world (module docstring). Returns out_dir on every rank."""
-    from dapo_megatron.actor import parallel
-
+    stage = exporter.layout.pp_rank
     out_dir = Path(out_dir).absolute()
     tmp_dir = out_dir.with_name(f".{out_dir.name}.tmp-stages")
     manifests = gather_manifests(exporter)
@@ -82,8 +81,8 @@ def save_hf_by_stage(exporter: StageExporter, hf_config: Any, out_dir: str | os.
     if manifests is not None:
         files_per_stage = [plan_files(plan_buckets(m, exporter.bucket_bytes), max_shard_bytes) for m in manifests]
         total = sum(len(f) for f in files_per_stage)
-        first = sum(len(f) for f in files_per_stage[:parallel.pp_rank()])
-        bucket_file = {b: k for k, bs in enumerate(files_per_stage[parallel.pp_rank()]) for b in bs}
+        first = sum(len(f) for f in files_per_stage[:stage])
+        bucket_file = {b: k for k, bs in enumerate(files_per_stage[stage]) for b in bs}
     handle, current = None, -1
     try:
         for index, bucket in enumerate(exporter.buckets()):
@@ -93,7 +92,7 @@ def save_hf_by_stage(exporter: StageExporter, hf_config: Any, out_dir: str | os.
                     if handle is not None:
                         handle.close()
                     handle, current = open(tmp_dir / shard_file_name(first + k, total), "wb"), k
-                    members = [exporter.plan[b] for b in files_per_stage[parallel.pp_rank()][k]]
+                    members = [exporter.plan[b] for b in files_per_stage[stage][k]]
                     handle.write(safetensors_header([item for items in members for item in items]))
                 for _, tensor in bucket.named:
                     _write_tensor(handle, tensor)
