@@ -131,13 +131,13 @@ class Actor:
 
             # which modules are fp8, block and dtype: the engines' checkpoint says
             conv = fp8_converter(settings.fp8_checkpoint)
-            apply_weight_fake_quant(chunks, self.hf_config, quantized_modules=conv.quantized_modules,
+            apply_weight_fake_quant(chunks, self.hf_config, layout, quantized_modules=conv.quantized_modules,
                                     block=conv.block, dtype=conv.dtype, quantize_inputs=True, cast_unquantized=True)
             self._engine_dtype = conv.dtype  # the LM head weight, read outside the model's forward: _head
         self._chunks = chunks
         from dapo_megatron.actor.routing_replay import make_routing_replay
 
-        self.routing = make_routing_replay(chunks, self.hf_config, sequence_parallel=ac.sequence_parallel)
+        self.routing = make_routing_replay(chunks, self.hf_config, layout, sequence_parallel=ac.sequence_parallel)
         self._routed_batch: RolloutBatch | None = None  # the batch the current pass's micro-batches index
         for chunk in chunks:
             chunk.config.calculate_per_token_loss = True  # see the module docstring
@@ -577,7 +577,7 @@ class Actor:
         # a checkpoint can be resumed with another DP size but the same TP x PP.
         state["optimizer"] = self.optimizer.sharded_state_dict(
             dict(state), is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
-        state["rng_state"] = rng_sharded_object()
+        state["rng_state"] = rng_sharded_object(self.layout)
         return state
 
     def save(self, path: str | Path) -> Path:

@@ -40,7 +40,7 @@ only the exporter receives the shards, and the next bucket's gather overlaps the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,9 @@ from dapo_megatron.weights.export import _local_maps
 from dapo_megatron.weights.mapping import Dims, expected_hf_shapes, merge_shards_into
 from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.dataplane.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def covers_layout(layout: ParallelLayout) -> bool:
@@ -138,7 +141,7 @@ class ExportStats:
     largest_bucket: int = 0
 
 
-def stage_manifest(model_chunks: Sequence[Any], hf_config: Any) -> list[tuple[ExportItem, Any]]:
+def stage_manifest(model_chunks: Sequence[torch.nn.Module], hf_config: PretrainedConfig) -> list[tuple[ExportItem, torch.Tensor]]:
     """(item, parameter) for every parameter this rank holds, in HF streaming order (no communication)."""
     dims = Dims.from_hf(hf_config)
     local = _local_maps(list(model_chunks), dims)
@@ -153,7 +156,7 @@ def stage_manifest(model_chunks: Sequence[Any], hf_config: Any) -> list[tuple[Ex
 
 
 class StageExporter:
-    def __init__(self, model_chunks: Sequence[Any], hf_config: Any, layout: ParallelLayout, *,
+    def __init__(self, model_chunks: Sequence[torch.nn.Module], hf_config: PretrainedConfig, layout: ParallelLayout, *,
                  bucket_bytes: int) -> None:
         if not covers_layout(layout):
             raise ValueError(f"per-stage weight export: actor.ep={layout.ep_size}, actor.etp={layout.etp_size} "

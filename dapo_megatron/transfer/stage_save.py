@@ -19,13 +19,16 @@ import os
 import shutil
 import struct
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from dapo_megatron.weights.save import finish_hf_dir, shard_file_name
 from dapo_megatron.transfer.stage_export import ExportItem, StageExporter, gather_manifests, plan_buckets
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -66,7 +69,7 @@ def _write_tensor(handle, tensor: torch.Tensor) -> None:
     handle.write(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
 
 
-def save_hf_by_stage(exporter: StageExporter, hf_config: Any, out_dir: str | os.PathLike, *,
+def save_hf_by_stage(exporter: StageExporter, hf_config: PretrainedConfig, out_dir: str | os.PathLike, *,
                      max_shard_bytes: int = 5 << 30, copy_from: str | os.PathLike | None = None) -> Path:
     """Collective over the world (module docstring). Returns out_dir on every rank."""
     stage = exporter.layout.pp_rank
