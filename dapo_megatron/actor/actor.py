@@ -84,7 +84,7 @@ class Actor:
                  frozen: bool = False) -> None:
         """Build the model for this rank's place in the (already initialized) parallel layout, load
         the HF checkpoint into it, wrap it in megatron DDP and build the optimizer. `layout`: what
-        model_parallel() yields (dataplane/layout.py); it must match the settings' actor.tp, pp, ....
+        model_parallel() yields (dataplane/layout.py); it must match the settings' actor.tp, pp, ...
 
         frozen=True (the KL reference, reference.py): log-probs only; no DDP wrapper (so no
         param/grad buffers, no main_grad), no optimizer; train/save/load refuse."""
