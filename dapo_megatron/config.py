@@ -178,13 +178,16 @@ class ActorConfig:
     cpu_cores: list[int] = field(default_factory=list)
 
 
+LrDecayStyle = Literal["constant", "linear", "cosine"]  # the lr after warm-up (actor/optimizer.py)
+
+
 @dataclass
 class TrainerConfig:
     train_batch_size: int = 512  # prompts per step (each with rollout.n responses)
     mini_batch_size: int = 32  # prompts per gradient update
     lr: float = 1e-6
     warmup_steps: int = 10
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up (the paper: constant)
+    lr_decay_style: LrDecayStyle = "constant"  # after warm-up (the paper: constant)
     min_lr: float = 0.0  # lr at the last step with linear / cosine decay (a run within its warm-up never decays)
     weight_decay: float = 0.1
     grad_clip: float = 1.0

@@ -2,9 +2,9 @@
 
     init_distributed()                                   # torchrun / srun environment
     with model_parallel(tp=cfg.actor.tp, pp=cfg.actor.pp, cp=cfg.actor.cp, vpp=cfg.actor.vpp,
-                        seed=cfg.trainer.seed):
-        actor = Actor(actor_settings(cfg), hf_dir)       # on EVERY rank (trainer/settings.py)
-        share, _ = scatter_batch(...)                    # this DP rank's share (dataplane/scatter.py)
+                        seed=cfg.trainer.seed) as layout:  # this rank's ParallelLayout (dataplane/layout.py)
+        actor = Actor(actor_settings(cfg), hf_dir, layout)  # on EVERY rank (trainer/settings.py)
+        share, _ = scatter_batch(..., layout=layout)     # this DP rank's share (dataplane/scatter.py)
         old = actor.logprobs(share)                      # fp32 [response tokens of the share], last stage
         share.batch.old_logprobs = old.logprobs
         for mini in share.mini_batches():
@@ -36,7 +36,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.actor import parallel
 from dapo_megatron.actor.attention import HOST_BOUNDS_ATTR
 from dapo_megatron.actor.context_parallel import merge_from_cp, split_for_cp
 from dapo_megatron.actor.lm_head import (full_sequence_hidden, output_weight, require_fused_kernels,
@@ -50,6 +49,7 @@ from dapo_megatron.actor.staging import to_device
 from dapo_megatron.dataplane.batch import RolloutBatch, exclusive_cumsum, ranges_index
 from dapo_megatron.dataplane.share import BatchShare, PackSettings, share_of_samples
 from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.dataplane.layout import ParallelLayout
 
 
 @dataclass
@@ -80,9 +80,11 @@ def _unwrap(module):
 
 
 class Actor:
-    def __init__(self, settings: ActorSettings, hf_dir: str | Path, *, frozen: bool = False) -> None:
+    def __init__(self, settings: ActorSettings, hf_dir: str | Path, layout: ParallelLayout, *,
+                 frozen: bool = False) -> None:
         """Build the model for this rank's place in the (already initialized) parallel layout, load
-        the HF checkpoint into it, wrap it in megatron DDP and build the optimizer.
+        the HF checkpoint into it, wrap it in megatron DDP and build the optimizer. `layout`: what
+        model_parallel() yields (dataplane/layout.py); it must match the settings' actor.tp, pp, ...
 
         frozen=True (the KL reference, reference.py): log-probs only; no DDP wrapper (so no
         param/grad buffers, no main_grad), no optimizer; train/save/load refuse."""
@@ -95,17 +97,16 @@ class Actor:
         from dapo_megatron.weights import load_hf_into_model
 
         self.settings = settings
+        self.layout = layout
         self.objective = settings.objective()  # the loss (algo/objective.py); an unknown policy_loss fails here
-        ac, tr = settings.actor, settings.optimizer
-        layout = dict(tp=parallel.tp_size(), pp=parallel.pp_size(), cp=parallel.cp_size(), vpp=parallel.vpp_size(),
-                      ep=parallel.ep_size(), etp=parallel.etp_size())
+        ac, opt = settings.actor, settings.optimizer
         wanted = dict(tp=ac.tp, pp=ac.pp, cp=ac.cp, vpp=ac.vpp, ep=ac.ep, etp=ac.tp if ac.etp is None else ac.etp)
-        if layout != wanted:
-            raise ValueError(f"actor: megatron parallel state {layout} does not match the config's actor.{wanted} "
-                             "(initialize with parallel.model_parallel(tp=cfg.actor.tp, ...))")
+        if layout.sizes != wanted:
+            raise ValueError(f"actor: megatron parallel state {layout.sizes} does not match the config's actor.{wanted} "
+                             "(pass the layout of parallel.model_parallel(tp=cfg.actor.tp, ...))")
         for key in ("fused_logprob", "fused_policy_loss"):  # fail here, not in the middle of a step
             if getattr(ac, key):
-                require_fused_kernels(f"actor.{key}", device_type="cuda" if torch.cuda.is_available() else "cpu")
+                require_fused_kernels(f"actor.{key}", device_type=coll.compute_device().type)
         self.hf_dir = Path(hf_dir)
         self.hf_config = AutoConfig.from_pretrained(self.hf_dir)
         from dapo_megatron.actor.moe import moe_shape_of
@@ -130,13 +131,13 @@ class Actor:
 
             # which modules are fp8, block and dtype: the engines' checkpoint says
             conv = fp8_converter(settings.fp8_checkpoint)
-            apply_weight_fake_quant(chunks, self.hf_config, quantized_modules=conv.quantized_modules,
+            apply_weight_fake_quant(chunks, self.hf_config, layout, quantized_modules=conv.quantized_modules,
                                     block=conv.block, dtype=conv.dtype, quantize_inputs=True, cast_unquantized=True)
             self._engine_dtype = conv.dtype  # the LM head weight, read outside the model's forward: _head
         self._chunks = chunks
         from dapo_megatron.actor.routing_replay import make_routing_replay
 
-        self.routing = make_routing_replay(chunks, self.hf_config, sequence_parallel=ac.sequence_parallel)
+        self.routing = make_routing_replay(chunks, self.hf_config, layout, sequence_parallel=ac.sequence_parallel)
         self._routed_batch: RolloutBatch | None = None  # the batch the current pass's micro-batches index
         for chunk in chunks:
             chunk.config.calculate_per_token_loss = True  # see the module docstring
@@ -165,12 +166,12 @@ class Actor:
             for index, chunk in enumerate(chunks)
         ]
         self.optimizer = build_optimizer(
-            self.model, lr=tr.lr, weight_decay=tr.weight_decay, adam_beta1=tr.adam_beta1, adam_beta2=tr.adam_beta2,
-            grad_clip=tr.grad_clip, precision=ac.precision, use_distributed_optimizer=ac.use_distributed_optimizer,
+            self.model, lr=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2,
+            grad_clip=opt.grad_clip, precision=ac.precision, use_distributed_optimizer=ac.use_distributed_optimizer,
         )
-        self.lr_schedule = build_lr_schedule(self.optimizer, lr=tr.lr, warmup_steps=tr.warmup_steps,
-                                             weight_decay=tr.weight_decay, decay_style=tr.lr_decay_style,
-                                             min_lr=tr.min_lr, total_steps=tr.total_steps)
+        self.lr_schedule = build_lr_schedule(self.optimizer, lr=opt.lr, warmup_steps=opt.warmup_steps,
+                                             weight_decay=opt.weight_decay, decay_style=opt.lr_decay_style,
+                                             min_lr=opt.min_lr, total_steps=opt.total_steps)
         config = chunks[0].config
         config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
         config.grad_scale_func = self.optimizer.scale_loss
@@ -244,15 +245,15 @@ class Actor:
     @property
     def pack_settings(self) -> PackSettings:
         """How this actor packs sequences (the driver plans every DP rank's share with the same)."""
-        return PackSettings.for_layout(micro_batch_tokens=self.settings.actor.micro_batch_tokens, tp=parallel.tp_size(),
-                                       pp=parallel.pp_size(), cp=parallel.cp_size(), vpp=parallel.vpp_size(),
+        return PackSettings.for_layout(micro_batch_tokens=self.settings.actor.micro_batch_tokens, tp=self.layout.tp_size,
+                                       pp=self.layout.pp_size, cp=self.layout.cp_size, vpp=self.layout.vpp_size,
                                        sequence_parallel=self.settings.actor.sequence_parallel)
 
     def _share_of(self, data: BatchShare | list[Sample]) -> BatchShare:
         if isinstance(data, BatchShare):
             return data
-        return share_of_samples(list(data), settings=self.pack_settings, dp_size=parallel.dp_size(),
-                                dp_rank=parallel.dp_rank())
+        return share_of_samples(list(data), settings=self.pack_settings, dp_size=self.layout.dp_size,
+                                dp_rank=self.layout.dp_rank)
 
     def _pack(self, mini: BatchShare, *, mask_truncated: bool) -> PackedShare:
         """The micro-batches of one mini-batch of this rank's share."""
@@ -266,19 +267,17 @@ class Actor:
         return PackedShare(micro_batches=micro_batches, num_micro_batches=len(micro_batches), length=shared or None)
 
     def _holds_results(self) -> bool:
-        from megatron.core import parallel_state
-
-        return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        return self.layout.is_last_stage
 
     def _local(self, tensor: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         """This CP rank's tokens of a packed [T] tensor (identity without CP)."""
-        return split_for_cp(tensor, mb.cu_seqlens_padded, cp_size=parallel.cp_size(), cp_rank=parallel.cp_rank())
+        return split_for_cp(tensor, mb.cu_seqlens_padded, cp_size=self.layout.cp_size, cp_rank=self.layout.cp_rank)
 
     def _forward_step(self, data_iterator, model, *, head):
         from megatron.core.packed_seq_params import PackedSeqParams
 
         mb = next(data_iterator)
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        device = coll.compute_device()
         # Every padded segment (padding tail included) is one THD sequence; padding sits after the
         # real tokens of its sequence, so causal attention keeps it out of every real token's context.
         # No host sync per micro-batch: the lengths are read from the host tensor, the copies are pinned and
@@ -331,7 +330,7 @@ class Actor:
     def _head(self, mb: MicroBatch, gpt, output: torch.Tensor, *, positions: torch.Tensor):
         """Log-prob and entropy at the local response positions `positions` (last stage only)."""
         hidden_SH = full_sequence_hidden(output, sequence_parallel=self.settings.actor.sequence_parallel,
-                                         tp_group=parallel.tp_group())[0]  # [1, S, H] -> [S, H]
+                                         tp_group=self.layout.tp_group)[0]  # [1, S, H] -> [S, H]
         targets = to_device(self._local(mb.targets, mb), hidden_SH.device)
         pos = to_device(positions, hidden_SH.device)
         weight = output_weight(gpt)
@@ -340,7 +339,7 @@ class Actor:
 
             weight = cast_like_engines(weight, self._engine_dtype)
         return token_logprobs_entropy(hidden_SH[pos], weight, targets[pos],
-                                      temperature=self.settings.temperature, tp_group=parallel.tp_group(),
+                                      temperature=self.settings.temperature, tp_group=self.layout.tp_group,
                                       vocab_size=self.hf_config.vocab_size, fused=self.settings.actor.fused_logprob)
 
     def _run(self, micro_batches: list[MicroBatch], *, head, length: int | None, forward_only: bool) -> list:
@@ -360,9 +359,7 @@ class Actor:
     def _owns_results(self) -> bool:
         """The ranks whose loss-function outputs are summed into results: last pipeline stage,
         TP rank 0 (TP ranks hold identical copies), every DP and CP rank (disjoint tokens)."""
-        from megatron.core import parallel_state
-
-        return parallel_state.is_pipeline_last_stage(ignore_virtual=True) and parallel.tp_rank() == 0
+        return self.layout.is_last_stage and self.layout.tp_rank == 0
 
     def _merge_cp(self, local_outputs: list[torch.Tensor], micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
         """Per-micro-batch [C, T/cp] outputs of this CP rank -> [C, T] in packed token order, on every
@@ -371,12 +368,12 @@ class Actor:
         One all-gather over the CP group for all micro-batches together; the values stay within
         the group that computed them (issue 12: results are reduced only within the groups that
         hold them). Identity without CP."""
-        cp = parallel.cp_size()
+        cp = self.layout.cp_size
         if cp == 1:
             return local_outputs
         flat = torch.cat(local_outputs, dim=1).contiguous()
         parts = [torch.empty_like(flat) for _ in range(cp)]
-        coll.all_gather(parts, flat, group=parallel.cp_group())
+        coll.all_gather(parts, flat, group=self.layout.cp_group)
         widths = [out.size(1) for out in local_outputs]
         per_rank = [part.split(widths, dim=1) for part in parts]
         return [merge_from_cp([per_rank[r][i] for r in range(cp)], mb.cu_seqlens_padded, dim=1)
@@ -408,7 +405,7 @@ class Actor:
             pos = self._local(mb.response_mask, mb).nonzero()[:, 0]
             logprob, entropy = self._head(mb, gpt, output, positions=pos)
             # this rank's tokens (its CP chunks, in local order); _merge_cp restores packed positions
-            local = torch.zeros(2, mb.length // parallel.cp_size(), dtype=torch.float32, device=logprob.device)
+            local = torch.zeros(2, mb.length // self.layout.cp_size, dtype=torch.float32, device=logprob.device)
             index = to_device(pos, logprob.device)
             local[0, index] = logprob.float()
             local[1, index] = entropy.float()
@@ -447,9 +444,9 @@ class Actor:
         out = self._share_logprobs(share)
         lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.int64)
         offsets = exclusive_cumsum(lengths)
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        device = coll.compute_device()
         flat = torch.zeros(2, int(offsets[-1]), dtype=torch.float32, device=device)
-        if self._holds_results() and parallel.tp_rank() == 0 and parallel.cp_rank() == 0 and share.num_mini_batches:
+        if self._holds_results() and self.layout.tp_rank == 0 and self.layout.cp_rank == 0 and share.num_mini_batches:
             index = ranges_index(offsets[share.source_indices], share.batch.response_lengths).to(flat.device)
             flat[0, index] = out.logprobs.to(flat.device)
             flat[1, index] = out.entropies.to(flat.device)
@@ -486,7 +483,7 @@ class Actor:
         self.optimizer.zero_grad()
         share = self._pack(mini, mask_truncated=al.overlong_filter)
         denom = self._global_denominator(share.micro_batches)
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        device = coll.compute_device()
         sums = torch.zeros(len(METRIC_SUMS), dtype=torch.float64, device=device)
         ratio_max = torch.zeros((), dtype=torch.float64, device=device)
 
@@ -543,8 +540,8 @@ class Actor:
         local = sum(count_loss_units_packed(mb.loss_mask, mb.seq_ids, mb.num_sequences, agg_mode=mode)
                     for mb in micro_batches)
         count = torch.tensor([float(local)], dtype=torch.float64,
-                             device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
-        coll.all_reduce(count, group=parallel.dp_group())
+                             device=coll.compute_device())
+        coll.all_reduce(count, group=self.layout.dp_group)
         return float(count.item())
 
     def _loss(self, mb: MicroBatch, pos: torch.Tensor, logprob: torch.Tensor, entropy: torch.Tensor, *,
@@ -580,7 +577,7 @@ class Actor:
         # a checkpoint can be resumed with another DP size but the same TP x PP.
         state["optimizer"] = self.optimizer.sharded_state_dict(
             dict(state), is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
-        state["rng_state"] = rng_sharded_object()
+        state["rng_state"] = rng_sharded_object(self.layout)
         return state
 
     def save(self, path: str | Path) -> Path:
@@ -593,8 +590,8 @@ class Actor:
         self._require("params", "optimizer", action="save", trains=True)
         meta = {"num_updates": self.num_updates, "last_step": self.last_step, "adam_step": adam_step(self.optimizer),
                 "lr_schedule": self.lr_schedule.state_dict(),
-                "layout": {"tp": parallel.tp_size(), "pp": parallel.pp_size(), "cp": parallel.cp_size(),
-                           "dp": parallel.dp_size(), "vpp": parallel.vpp_size()}}
+                "layout": {"tp": self.layout.tp_size, "pp": self.layout.pp_size, "cp": self.layout.cp_size,
+                           "dp": self.layout.dp_size, "vpp": self.layout.vpp_size}}
         return save_checkpoint(path, sharded_state_dict=self._sharded_state_dict(is_loading=False), meta=meta)
 
     def load(self, path: str | Path) -> dict:

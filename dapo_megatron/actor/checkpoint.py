@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.dataplane.layout import ParallelLayout
 
 META_FILE = "actor_state.json"
 
@@ -110,8 +111,7 @@ def load_checkpoint(path: str | Path, *, sharded_state_dict: dict) -> tuple[dict
 
 # --- RNG state (one ShardedObject per TP x PP position; DP/CP ranks are replicas) --------------------
 
-def rng_sharded_object():
-    from megatron.core import parallel_state
+def rng_sharded_object(layout: ParallelLayout):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -122,10 +122,8 @@ def rng_sharded_object():
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "tracker": get_cuda_rng_tracker().get_states(),
     }
-    pp, tp = parallel_state.get_pipeline_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_world_size()
-    offset = (parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank())
-    replica = parallel_state.get_data_parallel_rank(with_context_parallel=True)
-    return ShardedObject("rng_state", state, (pp, tp), offset, replica_id=replica)
+    return ShardedObject("rng_state", state, (layout.pp_size, layout.tp_size), (layout.pp_rank, layout.tp_rank),
+                         replica_id=layout.dp_cp_rank)
 
 
 def restore_rng(state: dict) -> None:

@@ -41,10 +41,13 @@ import contextlib
 import importlib
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Iterable, Optional, Union
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+if TYPE_CHECKING:
+    from torch.types import Device
 
 # (module, attribute, why we patch it). The module path is also where check_patch_targets looks.
 PATCH_TARGETS: tuple[tuple[str, str, str], ...] = (
@@ -97,7 +100,7 @@ _CUDA_TYPE_NAME = {f"torch.{n}": f"torch.cuda.{n}" for n in (
     "ByteTensor", "CharTensor", "ShortTensor", "BoolTensor")}
 
 
-def _is_cuda_device(device: Any) -> bool:
+def _is_cuda_device(device: object) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cuda"
     if isinstance(device, str):
@@ -130,11 +133,11 @@ def _current_device() -> torch.device:
     return _CPU
 
 
-def _get_rng_state(device: Any = "cuda") -> torch.Tensor:
+def _get_rng_state(device: Device = "cuda") -> torch.Tensor:
     return torch.get_rng_state()
 
 
-def _set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+def _set_rng_state(new_state: torch.Tensor, device: Device = "cuda") -> None:
     torch.set_rng_state(new_state)
 
 
@@ -143,27 +146,27 @@ def _manual_seed(seed: int) -> None:
     torch.default_generator.manual_seed(int(seed))
 
 
-def _megatron_get_cuda_rng_state(device: Any = -1, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+def _megatron_get_cuda_rng_state(device: Device = -1, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
     return torch.get_rng_state()  # already a copy
 
 
-def _megatron_set_cuda_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+def _megatron_set_cuda_rng_state(new_state: torch.Tensor, device: Device = -1, graph_safe: bool = False) -> None:
     torch.set_rng_state(new_state)
 
 
 class _CpuEvent:
     """Stand-in for torch.cuda.Event: CPU work is complete when the call returns."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         pass
 
-    def record(self, stream: Any = None) -> None:
+    def record(self, stream: Optional[_CpuStream] = None) -> None:
         pass
 
     def synchronize(self) -> None:
         pass
 
-    def wait(self, stream: Any = None) -> None:
+    def wait(self, stream: Optional[_CpuStream] = None) -> None:
         pass
 
     def query(self) -> bool:
@@ -177,18 +180,18 @@ class _CpuStream:
 
     _instance: "_CpuStream | None" = None
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "_CpuStream":
+    def __new__(cls, *args: object, **kwargs: object) -> "_CpuStream":
         if cls._instance is None:
             cls._instance = super().__new__(cls)
         return cls._instance
 
-    def wait_stream(self, stream: Any) -> None:
+    def wait_stream(self, stream: _CpuStream) -> None:
         pass
 
-    def wait_event(self, event: Any) -> None:
+    def wait_event(self, event: _CpuEvent) -> None:
         pass
 
-    def record_event(self, event: Any = None) -> _CpuEvent:
+    def record_event(self, event: Optional[_CpuEvent] = None) -> _CpuEvent:
         return event if event is not None else _CpuEvent()
 
     def synchronize(self) -> None:
@@ -201,7 +204,7 @@ class _CpuStream:
 _CPU_STREAM = _CpuStream()
 
 
-def _split_sizes_as_ints(sizes: Any) -> Any:
+def _split_sizes_as_ints(sizes: Union[None, list[int], torch.Tensor, Iterable[int]]) -> Optional[list[int]]:
     """Tensor / numpy split sizes -> list of int (what gloo's all_to_all_single accepts)."""
     if sizes is None or isinstance(sizes, list):
         return sizes

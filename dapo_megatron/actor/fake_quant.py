@@ -1,6 +1,6 @@
 """Quantization-aware trainer forward (actor.quantization_aware, rollout.quantization=fp8; docs/fp8.md).
 
-    handles = apply_weight_fake_quant(chunks, hf_config, quantized_modules=conv.quantized_modules,
+    handles = apply_weight_fake_quant(chunks, hf_config, layout, quantized_modules=conv.quantized_modules,
                                       block=conv.block, dtype=conv.dtype,    # conv: Fp8SyncConverter
                                       quantize_inputs=True)
     ...     # every forward of a listed Linear now computes dequant(quant(x)) @ dequant(quant(w)).T
@@ -46,13 +46,18 @@ same hooks reach both; only the local spec is verified on CPU (docs/fp8.md).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from dapo_megatron.weights.mapping import Dims, ParamMap, shard_for_rank
 from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.dataplane.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from torch.types import Device
+    from transformers import PretrainedConfig
 
 # Megatron Linears the engines may hold in FP8 (the HF names they map to decide whether they do)
 LINEAR_NAMES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -80,7 +85,7 @@ class ShardBlocks:
     def num_block_rows(self) -> int:
         return self.row_starts[-1]
 
-    def to(self, device: Any) -> "ShardBlocks":
+    def to(self, device: Device) -> "ShardBlocks":
         """The index tensors on `device`, once at set-up (not a host-to-device copy in every forward)."""
         return replace(self, row_block=self.row_block.to(device), col_block=self.col_block.to(device))
 
@@ -137,7 +142,7 @@ def block_scales(amax: torch.Tensor, blocks: ShardBlocks) -> torch.Tensor:
 
 
 def fake_quant_values(weight: torch.Tensor, blocks: ShardBlocks, *, dtype: torch.dtype,
-                      tp_group: Any = None) -> torch.Tensor:
+                      tp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """dequant(quant(weight)) of this local shard in fp32: the engines' weight values, bit for bit.
     Collective over tp_group (one small MAX all-reduce of the amax grid) when it has more than one rank."""
     weight_q = weight.detach().to(dtype)
@@ -182,13 +187,13 @@ def _straight_through(t: torch.Tensor, value: Callable[[torch.Tensor], torch.Ten
 
 
 def fake_quant_weight(weight: torch.Tensor, blocks: ShardBlocks, *, dtype: torch.dtype,
-                      tp_group: Any = None) -> torch.Tensor:
+                      tp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """The tensor the Linear multiplies by: fake-quantized values, straight-through gradient to `weight`."""
     return _straight_through(weight, lambda w: fake_quant_values(w, blocks, dtype=dtype, tp_group=tp_group)
                              .to(w.dtype))
 
 
-def fake_quant_input_values(x: torch.Tensor, blocks: ShardBlocks, *, tp_group: Any = None) -> torch.Tensor:
+def fake_quant_input_values(x: torch.Tensor, blocks: ShardBlocks, *, tp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """dequant(quant(x)) of a Linear's input as the engines' GEMM quantizes it (SGLang's dynamic
     activations: one scale per token and per 128 input channels, quant/fp8_activation.py), in x's dtype.
 
@@ -213,8 +218,8 @@ class _Hooks:
     """The pre/post forward hooks of one Linear: swap the fake-quantized weight in (and, with
     quantize_inputs, replace the input by its FP8 values), put the Parameter back after the forward."""
 
-    def __init__(self, blocks: ShardBlocks, *, dtype: torch.dtype, tp_group: Any, input_tp_group: Any,
-                 quantize_inputs: bool) -> None:
+    def __init__(self, blocks: ShardBlocks, *, dtype: torch.dtype, tp_group: Optional[dist.ProcessGroup],
+                 input_tp_group: Optional[dist.ProcessGroup], quantize_inputs: bool) -> None:
         self.blocks, self.dtype, self.tp_group = blocks, dtype, tp_group
         self.input_tp_group, self.quantize_inputs = input_tp_group, quantize_inputs
         self.master: Optional[torch.nn.Parameter] = None
@@ -267,7 +272,7 @@ class _CastHooks:
         return None
 
 
-def apply_engine_dtype_casts(chunks: Sequence[Any], *, skip: set[int], dtype: torch.dtype) -> list:
+def apply_engine_dtype_casts(chunks: Sequence[torch.nn.Module], *, skip: set[int], dtype: torch.dtype) -> list:
     """Register _CastHooks on every module of the chunks that holds parameters directly, except the
     parameters whose id() is in `skip` (the FP8 weights, which fake_quant_weight handles) and the LM head
     (its forward is replaced by an identity: the actor casts the head weight where it reads it, see
@@ -293,7 +298,7 @@ def _linears(chunk) -> list[tuple[str, torch.nn.Module]]:
             if name.rpartition(".")[2] in LINEAR_NAMES and isinstance(m._parameters.get("weight"), torch.nn.Parameter)]
 
 
-def quantized_linears(chunks: Sequence[Any], hf_config: Any, *, quantized_modules: set[str], block: int,
+def quantized_linears(chunks: Sequence[torch.nn.Module], hf_config: PretrainedConfig, *, quantized_modules: set[str], block: int,
                       tp_rank: int, tp_size: int) -> list[tuple[torch.nn.Module, ParamMap, ShardBlocks]]:
     """(module, mapping, blocks) of every local Linear whose HF weights the engines hold in FP8."""
     from dapo_megatron.weights.load import chunk_layer_offset, unwrap_model
@@ -320,7 +325,8 @@ def quantized_linears(chunks: Sequence[Any], hf_config: Any, *, quantized_module
     return found
 
 
-def apply_weight_fake_quant(chunks: Sequence[Any], hf_config: Any, *, quantized_modules: set[str], block: int,
+def apply_weight_fake_quant(chunks: Sequence[torch.nn.Module], hf_config: PretrainedConfig, layout: ParallelLayout, *,
+                            quantized_modules: set[str], block: int,
                             dtype: torch.dtype, quantize_inputs: bool = False, cast_unquantized: bool = False) -> list:
     """Register the hooks on every FP8 Linear of this rank's chunks (call inside model_parallel, after the
     model is built). Returns the hook handles. quantize_inputs: also give each such Linear its input as
@@ -330,16 +336,14 @@ def apply_weight_fake_quant(chunks: Sequence[Any], hf_config: Any, *, quantized_
     values too, i.e. rounded to `dtype` (apply_engine_dtype_casts). The actor turns it on: with FP8
     activations a norm weight off by bf16's rounding moves activations across FP8 rounding boundaries,
     and the tiny fp32 run's mismatch stayed at the unquantized trainer's level without it."""
-    from megatron.core import parallel_state
-
     experts = sorted(m for m in quantized_modules if ".experts." in m)
     if experts:  # TE's grouped experts hold weight0, weight1, ...: they would be skipped silently
         raise ValueError(f"actor.quantization_aware: the engines hold MoE experts in FP8 ({experts[0]}, ...), which the "
                          "quantization-aware forward does not cover")
-    tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    tp_group = parallel_state.get_tensor_model_parallel_group() if tp_size > 1 else None
+    tp_size = layout.tp_size
+    tp_group = layout.tp_group if tp_size > 1 else None
     linears = quantized_linears(chunks, hf_config, quantized_modules=quantized_modules, block=block,
-                                tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=tp_size)
+                                tp_rank=layout.tp_rank, tp_size=tp_size)
     if quantized_modules and not linears:
         raise ValueError("actor.quantization_aware: none of the engines' FP8 modules maps to a Linear of this model")
     handles = []

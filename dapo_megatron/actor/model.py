@@ -55,12 +55,19 @@ router's softmax/top-k, expert parallelism).
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Sequence
+from typing import TYPE_CHECKING, Literal, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from dapo_megatron.actor.attention import TorchSDPAttention, check_attention_kernel
+from dapo_megatron.dataplane.collectives import compute_device
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from torch.types import Device
+    from transformers import PretrainedConfig
 
 Precision = Literal["bf16", "fp16", "fp32"]
 AttentionBackend = Literal["torch", "te"]
@@ -78,7 +85,7 @@ from dapo_megatron.weights.hf_config import (  # noqa: E402,F401 (re-exported)
 _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def rope_settings_of(hf_config: Any) -> tuple[float, Optional[float]]:
+def rope_settings_of(hf_config: PretrainedConfig) -> tuple[float, Optional[float]]:
     """(rope theta, llama3 scaling factor or None) from transformers <5 (`rope_theta`,
     `rope_scaling`) or >=5 (`rope_parameters`) configs. Other RoPE types raise ValueError."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
@@ -97,11 +104,11 @@ def rope_settings_of(hf_config: Any) -> tuple[float, Optional[float]]:
     raise ValueError(f"config.json rope_type {rope_type!r} is not supported (default and llama3 are)")
 
 
-def rope_theta_of(hf_config: Any) -> float:
+def rope_theta_of(hf_config: PretrainedConfig) -> float:
     return rope_settings_of(hf_config)[0]
 
 
-def transformer_config_from_hf(hf_config: Any, *, precision: Precision = "bf16",
+def transformer_config_from_hf(hf_config: PretrainedConfig, *, precision: Precision = "bf16",
                                sequence_parallel: bool = False,
                                recompute: Literal["none", "selective", "full"] = "none",
                                attention_backend: AttentionBackend = "torch"):
@@ -130,7 +137,7 @@ def transformer_config_from_hf(hf_config: Any, *, precision: Precision = "bf16",
                          f"pp*vpp = {pp}*{vpp or 1}")
     on_gpu = torch.cuda.is_available()
     fuse = on_gpu and attention_backend == "te"  # fused kernels need TE / CUDA
-    recompute_kwargs: dict[str, Any] = {}
+    recompute_kwargs: dict[str, str | int] = {}
     if recompute == "selective":
         recompute_kwargs = dict(recompute_granularity="selective")
     elif recompute == "full":
@@ -264,11 +271,11 @@ def _block_spec(config, hf_config, vp_stage: Optional[int], attention_backend: A
 
 # --- the provider ---------------------------------------------------------------------------------
 
-def build_gpt_model(hf_config: Any, *, attention_backend: AttentionBackend = "torch", precision: Precision = "bf16",
+def build_gpt_model(hf_config: PretrainedConfig, *, attention_backend: AttentionBackend = "torch", precision: Precision = "bf16",
                     sequence_parallel: bool = False, recompute: Literal["none", "selective", "full"] = "none",
                     pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
                     vp_stage: Optional[int] = None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY,
-                    attention_kernel: str = "sdpa"):
+                    attention_kernel: str = "sdpa") -> GPTModel:
     """One GPTModel chunk for this rank's pipeline stage (and virtual stage `vp_stage`).
 
     Call inside `model_parallel(...)`. pre/post_process default to "first/last (virtual) stage".
@@ -313,7 +320,7 @@ def build_gpt_model(hf_config: Any, *, attention_backend: AttentionBackend = "to
     return model
 
 
-def build_model_chunks(hf_config: Any, **kwargs) -> list:
+def build_model_chunks(hf_config: PretrainedConfig, **kwargs) -> list[GPTModel]:
     """All model chunks of this rank: one per virtual pipeline stage (a single chunk without VPP).
     Keyword arguments are those of build_gpt_model (except vp_stage / pre_process / post_process)."""
     from megatron.core import parallel_state
@@ -326,14 +333,14 @@ def build_model_chunks(hf_config: Any, **kwargs) -> list:
 
 # --- packed input helpers -------------------------------------------------------------------------
 
-def packed_seq_params_from_lengths(lengths: Sequence[int], *, device: Any = None):
+def packed_seq_params_from_lengths(lengths: Sequence[int], *, device: Device = None) -> PackedSeqParams:
     """PackedSeqParams (qkv_format="thd") for sequences of these lengths packed into one row."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     if not lengths or min(lengths) <= 0:
         raise ValueError(f"packed sequence lengths must be positive, got {list(lengths)}")
     if device is None:
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        device = compute_device()
     lengths_t = torch.tensor(list(lengths), dtype=torch.int32, device=device)
     cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
     cu_seqlens[1:] = torch.cumsum(lengths_t, 0)
@@ -342,6 +349,6 @@ def packed_seq_params_from_lengths(lengths: Sequence[int], *, device: Any = None
                            max_seqlen_q=max_len, max_seqlen_kv=max_len)
 
 
-def packed_position_ids(lengths: Sequence[int], *, device: Any = None) -> torch.Tensor:
+def packed_position_ids(lengths: Sequence[int], *, device: Device = None) -> torch.Tensor:
     """[1, T] positions restarting at 0 for each sequence: [3, 2] -> [[0, 1, 2, 0, 1]]."""
     return torch.cat([torch.arange(n, device=device) for n in lengths]).unsqueeze(0)

@@ -26,12 +26,15 @@ expert's matrices like TP splits the dense MLP. Tokens reach their experts throu
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Union
 
 from dapo_megatron.weights.hf_config import MOE_MODEL_TYPES, MoEShape, moe_shape_of  # noqa: F401 (re-exported)
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
-def moe_layer_pattern(hf_config: Any) -> list[int]:
+
+def moe_layer_pattern(hf_config: PretrainedConfig) -> list[int]:
     """megatron's moe_layer_freq as a list: 1 for every sparse layer (all zeros for a dense model)."""
     shape = moe_shape_of(hf_config)
     if shape is None:
@@ -39,7 +42,8 @@ def moe_layer_pattern(hf_config: Any) -> list[int]:
     return [int(s) for s in shape.sparse_layers]
 
 
-def moe_transformer_kwargs(hf_config: Any, *, attention_backend: str) -> dict[str, Any]:
+def moe_transformer_kwargs(hf_config: PretrainedConfig, *, attention_backend: str,
+                           ) -> dict[str, Union[int, bool, str, list[int]]]:
     """TransformerConfig keyword arguments for the experts (empty for a dense model).
 
     Call inside model_parallel(): the expert-parallel sizes come from megatron's parallel state."""
@@ -69,7 +73,7 @@ def moe_transformer_kwargs(hf_config: Any, *, attention_backend: str) -> dict[st
     )
 
 
-def check_expert_parallel(hf_config: Any, *, ep: int, etp: int) -> None:
+def check_expert_parallel(hf_config: PretrainedConfig, *, ep: int, etp: int) -> None:
     """ValueError naming actor.ep / actor.etp for layouts the checkpoint cannot be split into."""
     shape = moe_shape_of(hf_config)
     if shape is None:

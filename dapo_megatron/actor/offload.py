@@ -58,7 +58,7 @@ CATEGORIES = ("params", "grads", "optimizer")
 
 def device_type() -> str:
     """Where the trainer's "device" memory lives: the GPU, or the host on the CPU twin."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return coll.compute_device().type
 
 
 def actor_tensors(model_chunks: list, optimizer) -> dict[str, list[torch.Tensor]]:
@@ -233,7 +233,7 @@ def trainer_memory_gb(*, phase: str, actor, ref=None) -> dict[str, float]:
     ref_bytes = sum(ref.resident_bytes().values()) if ref is not None else 0
     backups = actor.memory.host_backup_bytes() + (ref.host_backup_bytes() if ref is not None else 0)
     values = [held[c] for c in CATEGORIES] + [ref_bytes, sum(held.values()) + ref_bytes, backups]
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = coll.compute_device()
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized():
         coll.all_reduce(t, op=dist.ReduceOp.MAX)

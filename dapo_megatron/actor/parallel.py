@@ -5,8 +5,8 @@ tensor / pipeline / context / data parallel groups.
     srun --ntasks-per-node 8 python -m dapo_megatron.cli train cfg.yaml ...
 
     init_distributed()                      # reads RANK/WORLD_SIZE/... or SLURM_PROCID/...
-    with model_parallel(tp=2, pp=2, seed=42):
-        model = build_gpt_model(...)
+    with model_parallel(tp=2, pp=2, seed=42) as layout:    # this rank's ParallelLayout, passed in
+        actor = Actor(settings, hf_dir, layout)
 
 Rank order is Megatron's default "tp-cp-ep-dp-pp": TP neighbours are adjacent global ranks.
 The driver (global rank 0) is the only rank that talks to rollout engines.
@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.dataplane.addresses import choose_socket_interfaces
+from dapo_megatron.dataplane.layout import ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -197,39 +198,61 @@ def initialize_model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Opt
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=etp,
     )
-    _init_replica_groups()
 
 
-_REPLICA_GROUP = None
-
-
-def _init_replica_groups() -> None:
+def _replica_group(dp_rank: int, dp_size: int) -> dist.ProcessGroup:
     """One group per DP replica: the TP x CP x PP ranks that share a DP index (megatron has tp-pp
-    and tp-cp groups but none with all three). A replica's batch source broadcasts its share over
-    it (dataplane/scatter.py). Membership is read from every rank's DP index, not from a rank
-    formula, so it holds for any megatron rank order."""
-    global _REPLICA_GROUP
-    mine = torch.tensor([dp_rank()], dtype=torch.int64)
+    and tp-cp groups but none with all three); this rank's is returned. A replica's batch source
+    broadcasts its share over it (dataplane/scatter.py). Membership is read from every rank's DP
+    index, not from a rank formula, so it holds for any megatron rank order."""
+    mine = torch.tensor([dp_rank], dtype=torch.int64)
     everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     coll.all_gather(everyone, mine)
     dp_of = [int(t) for t in everyone]
-    for replica in range(dp_size()):  # every rank creates every group, in the same order
+    own = None
+    for replica in range(dp_size):  # every rank creates every group, in the same order
         group = dist.new_group([rank for rank, d in enumerate(dp_of) if d == replica])
-        if replica == int(mine):
-            _REPLICA_GROUP = group
+        if replica == dp_rank:
+            own = group
+    assert own is not None
+    return own
 
 
-def replica_group():
-    """This rank's DP replica: its TP, CP and PP peers (itself included)."""
-    if _REPLICA_GROUP is None:
-        raise RuntimeError("replica_group: model parallel state is not initialized (use parallel.model_parallel)")
-    return _REPLICA_GROUP
+def layout_from_megatron() -> ParallelLayout:
+    """The frozen layout of this rank, read once from megatron's parallel_state (initialized by
+    initialize_model_parallel) plus the DP-replica groups made here. Collective (the replica groups)."""
+    from megatron.core import parallel_state as ps
+
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    return ParallelLayout(
+        rank=dist.get_rank(), world_size=dist.get_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
+        pp_group=ps.get_pipeline_model_parallel_group(),
+        vpp_size=ps.get_virtual_pipeline_model_parallel_world_size(),
+        is_first_stage=ps.is_pipeline_first_stage(ignore_virtual=True),
+        is_last_stage=ps.is_pipeline_last_stage(ignore_virtual=True),
+        cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
+        cp_group=ps.get_context_parallel_group(),
+        dp_rank=dp_rank, dp_size=dp_size, dp_group=ps.get_data_parallel_group(),
+        dp_cp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+        dp_cp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
+        dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
+        ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
+        ep_group=ps.get_expert_model_parallel_group(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
+        etp_group=ps.get_expert_tensor_parallel_group(),
+        replica_group=_replica_group(dp_rank, dp_size),
+    )
 
 
 @contextlib.contextmanager
 def model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None, ep: int = 1,
-                   etp: Optional[int] = None, seed: int = 1234) -> Iterator[None]:
-    """Megatron parallel state + RNG tracker for the body; destroyed on exit (also on errors).
+                   etp: Optional[int] = None, seed: int = 1234) -> Iterator[ParallelLayout]:
+    """Megatron parallel state + RNG tracker for the body, which receives this rank's ParallelLayout
+    (dataplane/layout.py) to pass to the actor, the roles and the data plane; destroyed on exit (also
+    on errors), and with it the layout's groups.
 
     torch.distributed must already be initialized (init_distributed() or the test rank pool).
     `seed` feeds model_parallel_cuda_manual_seed: the default RNG gets seed + 100 * pp_rank (+ a
@@ -241,13 +264,12 @@ def model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] 
 
     initialize_model_parallel(tp=tp, pp=pp, cp=cp, vpp=vpp, ep=ep, etp=etp)
     try:
+        layout = layout_from_megatron()
         model_parallel_cuda_manual_seed(seed)
-        yield
+        yield layout
     finally:
-        global _REPLICA_GROUP
         parallel_state.destroy_model_parallel()
         destroy_subgroups()
-        _REPLICA_GROUP = None
 
 
 def destroy_subgroups() -> None:
@@ -267,123 +289,6 @@ def destroy_subgroups() -> None:
                 dist.destroy_process_group(group)
             except (ValueError, RuntimeError):  # already destroyed by megatron (its gloo DP groups)
                 pass
-
-
-# --- small accessors so callers need not know parallel_state's names ------------------------------
-
-def tp_group():
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_group()
-
-
-def tp_rank() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_rank()
-
-
-def tp_size() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_world_size()
-
-
-def pp_group():
-    from megatron.core import parallel_state
-
-    return parallel_state.get_pipeline_model_parallel_group()
-
-
-def pp_rank() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_pipeline_model_parallel_rank()
-
-
-def pp_size() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_pipeline_model_parallel_world_size()
-
-
-def vpp_size() -> Optional[int]:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_virtual_pipeline_model_parallel_world_size()
-
-
-def cp_group():
-    from megatron.core import parallel_state
-
-    return parallel_state.get_context_parallel_group()
-
-
-def cp_rank() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_context_parallel_rank()
-
-
-def cp_size() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_context_parallel_world_size()
-
-
-def ep_size() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_expert_model_parallel_world_size()
-
-
-def ep_rank() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_expert_model_parallel_rank()
-
-
-def ep_group():
-    from megatron.core import parallel_state
-
-    return parallel_state.get_expert_model_parallel_group()
-
-
-def etp_size() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_expert_tensor_parallel_world_size()
-
-
-def etp_rank() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_expert_tensor_parallel_rank()
-
-
-def etp_group():
-    from megatron.core import parallel_state
-
-    return parallel_state.get_expert_tensor_parallel_group()
-
-
-def dp_group(*, with_context_parallel: bool = False):
-    """Data-parallel group (with_context_parallel=True: DP x CP, the group gradients reduce over)."""
-    from megatron.core import parallel_state
-
-    return parallel_state.get_data_parallel_group(with_context_parallel=with_context_parallel)
-
-
-def dp_rank(*, with_context_parallel: bool = False) -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_data_parallel_rank(with_context_parallel=with_context_parallel)
-
-
-def dp_size(*, with_context_parallel: bool = False) -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_data_parallel_world_size(with_context_parallel=with_context_parallel)
 
 
 def is_driver() -> bool:

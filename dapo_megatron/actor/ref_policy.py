@@ -1,6 +1,6 @@
 """The KL reference policy: the initial model, frozen, on the device only while it scores.
 
-    ref = ReferencePolicy(actor_settings(cfg), cfg.model.path)   # every rank, inside parallel.model_parallel(...)
+    ref = ReferencePolicy(actor_settings(cfg), cfg.model.path, layout)   # every rank, inside model_parallel() as layout
     out = ref.logprobs(samples)                      # onload -> Actor.logprobs -> offload
 
 A frozen Actor (actor.py, frozen=True): the same model chunks, layout and log-prob code as the
@@ -18,13 +18,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from dapo_megatron.actor.settings import ActorSettings
+from dapo_megatron.dataplane.layout import ParallelLayout
 
 
 class ReferencePolicy:
-    def __init__(self, settings: ActorSettings, hf_dir: str | Path) -> None:
+    def __init__(self, settings: ActorSettings, hf_dir: str | Path, layout: ParallelLayout) -> None:
         from dapo_megatron.actor.actor import Actor
 
-        self._policy = Actor(settings, hf_dir, frozen=True)
+        self._policy = Actor(settings, hf_dir, layout, frozen=True)
         self._policy.offload()
 
     def logprobs(self, samples: list):

@@ -31,16 +31,23 @@ With replay on, the trainer's own choice at layer l is made on hidden states tha
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from dapo_megatron.actor.staging import to_device
 from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.dataplane.batch import RolloutBatch
+from dapo_megatron.dataplane.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.moe.router import TopKRouter
+    from transformers import PretrainedConfig
 
 
-def validate_batch_routed_experts(batch: Any, *, num_layers: int, topk: int) -> None:
+def validate_batch_routed_experts(batch: RolloutBatch, *, num_layers: int, topk: int) -> None:
     """ValueError naming the sequence of a RolloutBatch (dataplane/batch.py) whose tokens carry no
     engine experts, or a width the model does not have (each sample's rows were checked against its
     tokens when the batch was built: RolloutBatch.from_samples)."""
@@ -59,7 +66,7 @@ def validate_batch_routed_experts(batch: Any, *, num_layers: int, topk: int) -> 
                          "(rollout.return_routed_experts=true)")
 
 
-def pack_batch_routed_experts(batch: Any, sample_indices: Sequence[int], seq_lengths_padded: Sequence[int], *,
+def pack_batch_routed_experts(batch: RolloutBatch, sample_indices: Sequence[int], seq_lengths_padded: Sequence[int], *,
                               length: int, num_layers: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's experts of one packed micro-batch, aligned with its tokens (packing.py layout):
     ([length, num_layers, topk] int64, [length] bool: the engine reported this token), for
@@ -84,7 +91,7 @@ def pack_batch_routed_experts(batch: Any, sample_indices: Sequence[int], seq_len
     return experts, valid
 
 
-def _moe_routers(chunk: Any) -> list[tuple[int, Any]]:
+def _moe_routers(chunk: GPTModel) -> list[tuple[int, TopKRouter]]:
     """(global layer index, TopKRouter) of every MoE layer of one unwrapped GPTModel chunk."""
     out = []
     for layer in chunk.decoder.layers:
@@ -97,14 +104,14 @@ def _moe_routers(chunk: Any) -> list[tuple[int, Any]]:
 class RoutingReplay:
     """Drives the routers of one Actor's model chunks: replay (R3) and the agreement counters."""
 
-    def __init__(self, chunks: Sequence[Any], *, num_layers: int, topk: int, sequence_parallel: bool) -> None:
-        from megatron.core import parallel_state
-
+    def __init__(self, chunks: Sequence[GPTModel], layout: ParallelLayout, *, num_layers: int, topk: int,
+                 sequence_parallel: bool) -> None:
+        self.layout = layout
         self.num_layers, self.topk = num_layers, topk
         self.sequence_parallel = sequence_parallel
         self.routers = {id(chunk): _moe_routers(chunk) for chunk in chunks}
         # TP ranks without SP see the same tokens: only TP rank 0 counts them
-        self.counts_tokens = sequence_parallel or parallel_state.get_tensor_model_parallel_rank() == 0
+        self.counts_tokens = sequence_parallel or layout.tp_rank == 0
         self._current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # router id -> (engine [t, k], valid [t])
         self._measure = False
         # overlap, exact, tokens: summed on the routers' device over the pass, read once in end()
@@ -130,12 +137,10 @@ class RoutingReplay:
                 else:
                     router.router_replay.set_router_replay_action(action)
 
-    def before_forward(self, chunk: Any, experts: torch.Tensor, valid: torch.Tensor,
+    def before_forward(self, chunk: torch.nn.Module, experts: torch.Tensor, valid: torch.Tensor,
                        local: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Targets of this chunk's routers for one micro-batch: experts [T, L, k] and valid [T] of the
         packed tokens; `local` cuts a [T, ...] tensor to this CP rank's tokens."""
-        from megatron.core import parallel_state
-
         if not (self._replay or self._measure):
             return
         routers = self.routers.get(id(chunk), [])
@@ -143,7 +148,7 @@ class RoutingReplay:
             return
         experts, valid = local(experts), local(valid)
         if self.sequence_parallel:  # the MoE layer sees this TP rank's contiguous slice of the sequence
-            tp, rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+            tp, rank = self.layout.tp_size, self.layout.tp_rank
             experts, valid = experts.chunk(tp)[rank], valid.chunk(tp)[rank]
         # once per micro-batch to the routers' device (pinned, non-blocking): megatron's replay and the
         # agreement counters then find them there, no copy per router in either direction
@@ -157,7 +162,7 @@ class RoutingReplay:
                 router.router_replay.set_target_indices(target)
             self._current[id(router)] = (target, valid)
 
-    def _compare(self, router: Any, args: Any, output: Any) -> None:
+    def _compare(self, router: TopKRouter, args: tuple[torch.Tensor, ...], output: object) -> None:
         if not self._measure or id(router) not in self._current:
             return
         engine, valid = self._current[id(router)]
@@ -200,12 +205,13 @@ def agreement_counts(own: torch.Tensor, engine: torch.Tensor, valid: torch.Tenso
     return torch.stack([(overlap * valid).sum(), ((overlap == topk) & valid).sum(), valid.sum()]).to(torch.float64)
 
 
-def make_routing_replay(chunks: Sequence[Any], hf_config: Any, *, sequence_parallel: bool) -> Optional[RoutingReplay]:
+def make_routing_replay(chunks: Sequence[GPTModel], hf_config: PretrainedConfig, layout: ParallelLayout, *,
+                        sequence_parallel: bool) -> Optional[RoutingReplay]:
     """A RoutingReplay for a MoE model's chunks, None for a dense model."""
     from dapo_megatron.actor.moe import moe_shape_of
 
     shape = moe_shape_of(hf_config)
     if shape is None:
         return None
-    return RoutingReplay(chunks, num_layers=hf_config.num_hidden_layers, topk=shape.topk,
+    return RoutingReplay(chunks, layout, num_layers=hf_config.num_hidden_layers, topk=shape.topk,
                          sequence_parallel=sequence_parallel)

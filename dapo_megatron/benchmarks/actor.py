@@ -73,7 +73,7 @@ def write_random_checkpoint(out_dir: Path, *, num_layers: int, seed: int = 0, sh
     config = Qwen2Config(**{**shape, "num_hidden_layers": num_layers}, torch_dtype="bfloat16")
     out_dir.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out_dir)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = coll.compute_device()
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
     for name, shape in expected_hf_shapes(Dims.from_hf(config)).items():
@@ -228,7 +228,7 @@ def _row(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool, dev
 def _measure(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool, precision: str,
              actor_ref: list) -> dict:
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.actor.parallel import dp_size, model_parallel
+    from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.config import ActorConfig, Config
     from dapo_megatron.trainer.settings import actor_settings
 
@@ -241,8 +241,8 @@ def _measure(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool,
                             attention_kernel=args.attention_kernel, fused_logprob=on_gpu,
                             fused_policy_loss=on_gpu)
     cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-6, 0
-    with model_parallel(tp=args.tp, pp=args.pp, seed=1):
-        actor = Actor(actor_settings(cfg), ckpt)
+    with model_parallel(tp=args.tp, pp=args.pp, seed=1) as layout:
+        actor = Actor(actor_settings(cfg), ckpt, layout)
         # the actor and its model chunks (these hold the device memory): both must be gone after the row
         actor_ref.extend(weakref.ref(obj) for obj in (actor, *actor.model_chunks))
         try:
@@ -250,7 +250,7 @@ def _measure(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool,
             num_params = sum(p.numel() for chunk in actor.model_chunks for p in chunk.parameters())
             counts = torch.tensor([num_params])
             coll.all_reduce(counts)  # over all ranks: TP/PP shards add up, DP replicas repeat
-            dp = dp_size()  # read inside the block: the groups are gone after it
+            dp = layout.dp_size  # read inside the block: the groups are gone after it
             num_params = int(counts.item()) // dp
             samples = make_mini_batch(tokens_per_mb=tokens_per_mb, seqs_per_mb=args.seqs_per_mb,
                                       num_mb=args.micro_batches, dp=dp, vocab=actor.hf_config.vocab_size,

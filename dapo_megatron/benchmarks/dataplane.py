@@ -112,30 +112,28 @@ def peak_rss_bytes() -> int:
 
 # ------------------------------------------------------------- the implementations being measured
 
-def distribute(samples, *, cfg, step_tokens: int) -> tuple[object, dict]:
+def distribute(samples, *, cfg, layout, step_tokens: int) -> tuple[object, dict]:
     """The driver turns the Samples into one RolloutBatch and scatter_batch sends each DP replica
     its token-balanced share of every mini-batch (dataplane/scatter.py)."""
     import torch.distributed as dist
 
-    from dapo_megatron.actor import parallel
     from dapo_megatron.dataplane.batch import RolloutBatch
     from dapo_megatron.dataplane.scatter import scatter_batch
     from dapo_megatron.dataplane.share import PackSettings
 
     batch = RolloutBatch.from_samples(samples) if dist.get_rank() == 0 else None
-    share, stats = scatter_batch(batch, groups=parallel, settings=PackSettings.from_actor_config(cfg.actor),
+    share, stats = scatter_batch(batch, layout=layout, settings=PackSettings.from_actor_config(cfg.actor),
                                  sequences_per_mini_batch=cfg.trainer.mini_batch_size * cfg.rollout.n)
     return share, {"batch_recv_bytes": stats.bytes_received, "share_bytes": stats.share_bytes}
 
 
-def bookkeep(held, *, cfg) -> tuple[object, dict]:
+def bookkeep(held, *, cfg, layout) -> tuple[object, dict]:
     """Old log-probs stay tensors on the ranks that compute them (the last stage: random values
     here, no forward runs); mismatch and entropy are tensor sums reduced over DP."""
-    from dapo_megatron.actor import parallel
     from dapo_megatron.dataplane.roles import RankRoles
     from dapo_megatron.dataplane.step_metrics import old_logprob_metrics
 
-    share, roles = held, RankRoles.current(parallel)
+    share, roles = held, RankRoles.current(layout)
     logprobs = entropies = None
     if roles.holds_results:
         count = share.batch.num_response_tokens
@@ -145,13 +143,13 @@ def bookkeep(held, *, cfg) -> tuple[object, dict]:
     return (share, logprobs, entropies), {"logprob_reduce_recv_bytes": 5 * 8}
 
 
-def export(chunks, hf_config, *, bucket_bytes: int) -> dict:
+def export(chunks, hf_config, layout, *, bucket_bytes: int) -> dict:
     """Each stage's exporter gathers its own parameters over TP (transfer/stage_export.py); later
     stages hand their flat buckets to the driver, which holds one bucket at a time while it is sent
     (the disaggregated sync path; the engine transfer itself is not timed)."""
     from dapo_megatron.transfer.stage_export import StageExporter, gather_manifests, weights_for_driver
 
-    exporter = StageExporter(chunks, hf_config, bucket_bytes=bucket_bytes)
+    exporter = StageExporter(chunks, hf_config, layout, bucket_bytes=bucket_bytes)
     largest = largest_bucket = 0
     for bucket in weights_for_driver(exporter, gather_manifests(exporter)):
         sizes = [t.numel() * t.element_size() for _, t in bucket]
@@ -223,7 +221,7 @@ def _rank_step(layout: dict, args) -> dict:
     _import_everything_measured()
     cfg = _bench_config(layout, args)
     hf_config = Qwen2Config(**MODEL, torch_dtype="bfloat16")
-    with parallel.model_parallel(tp=layout["tp"], pp=layout["pp"], cp=layout["cp"], seed=0):
+    with parallel.model_parallel(tp=layout["tp"], pp=layout["pp"], cp=layout["cp"], seed=0) as groups:
         chunks = build_model_chunks(hf_config, attention_backend="torch", precision="bf16",
                                     sequence_parallel=cfg.actor.sequence_parallel, vocab_divisible_by=1)
         samples = synthetic_samples(prompts=args.prompts, n=args.n, seed=args.seed) if dist.get_rank() == 0 else None
@@ -236,10 +234,10 @@ def _rank_step(layout: dict, args) -> dict:
         reset_peak_rss()
         blocks0 = sys.getallocatedblocks()
         t0 = time.perf_counter()
-        held, recv = distribute(samples, cfg=cfg, step_tokens=step_tokens)
+        held, recv = distribute(samples, cfg=cfg, layout=groups, step_tokens=step_tokens)
         dist.barrier()
         t1 = time.perf_counter()
-        held, reduce = bookkeep(held, cfg=cfg)
+        held, reduce = bookkeep(held, cfg=cfg, layout=groups)
         dist.barrier()
         t2 = time.perf_counter()
         objects = sys.getallocatedblocks() - blocks0
@@ -251,14 +249,14 @@ def _rank_step(layout: dict, args) -> dict:
         reset_peak_rss()
         rss0 = rss_bytes()
         t3 = time.perf_counter()
-        exported = export(chunks, hf_config, bucket_bytes=args.bucket_mb << 20)
+        exported = export(chunks, hf_config, groups, bucket_bytes=args.bucket_mb << 20)
         dist.barrier()
         t4 = time.perf_counter()
         export_peak = peak_rss_bytes() - rss0
         step_peak = max(step_peak, peak_rss_bytes())
         largest_bucket = torch.tensor([exported["largest_bucket_bytes"]])
         coll.all_reduce(largest_bucket, op=dist.ReduceOp.MAX)
-        role = _role()
+        role = _role(groups)
     return {
         **recv, **reduce, "tokens": step_tokens, "distribute_s": t1 - t0, "bookkeep_s": t2 - t1, "export_s": t4 - t3,
         "peak_rss_mb": step_peak / 2**20, "py_objects_per_token": objects / max(step_tokens, 1),
@@ -268,12 +266,11 @@ def _rank_step(layout: dict, args) -> dict:
     }
 
 
-def _role() -> str:
+def _role(layout) -> str:
     """driver (rank 0), exporter (a later stage's exporter: it sends its stage's buckets) or rank."""
-    from dapo_megatron.actor import parallel
     from dapo_megatron.dataplane.roles import RankRoles
 
-    roles = RankRoles.current(parallel)
+    roles = RankRoles.current(layout)
     return "driver" if roles.driver else "exporter" if roles.exporter else "rank"
 
 

@@ -47,6 +47,17 @@ def rank_device() -> torch.device | None:
     return _RANK_DEVICE
 
 
+def compute_device() -> torch.device:
+    """The device this rank computes on, from any thread: its GPU recorded at start-up (set_rank_device),
+    else the calling thread's current CUDA device (a process that set CUDA up itself: the GPU tests,
+    the tools), else the CPU (the gloo twin). The one place the package asks where its tensors go."""
+    if _RANK_DEVICE is not None:
+        return _RANK_DEVICE
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def staging_device(backend: str, *, current_cuda_index: Optional[Callable[[], int]] = None) -> torch.device:
     """Where a collective of `backend` takes its tensors: NCCL -> the rank's recorded GPU (the calling
     thread's current device only when none was recorded: a process that set up NCCL itself, e.g. the

@@ -1,6 +1,6 @@
 """What this rank does in a step, named once instead of tested as `rank == 0` / `driver is None`.
 
-    roles = RankRoles.current(parallel)   # inside parallel.model_parallel(...)
+    roles = RankRoles.current(layout)   # layout: what parallel.model_parallel(...) yields
     if roles.driver: ...               # global rank 0: engines, sampler, batch, metrics, run files
 
 Roles of a TP x CP x PP x DP layout (megatron order tp-cp-ep-dp-pp; one DP replica = the TP x CP x
@@ -21,6 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
+from dapo_megatron.dataplane.layout import ParallelLayout
+
 
 @dataclass(frozen=True)
 class RankRoles:
@@ -36,16 +40,13 @@ class RankRoles:
     exporter: bool
 
     @classmethod
-    def current(cls, parallel) -> "RankRoles":
-        """This rank's roles; `parallel` is the actor's parallel state (actor/parallel.py), passed in
-        because the data plane sits below the actor."""
-        import torch.distributed as dist
-
-        tp0, cp0 = parallel.tp_rank() == 0, parallel.cp_rank() == 0
-        stage, stages = parallel.pp_rank(), parallel.pp_size()
+    def current(cls, layout: ParallelLayout) -> "RankRoles":
+        """This rank's roles in the actor's parallel layout (dataplane/layout.py)."""
+        tp0, cp0 = layout.tp_rank == 0, layout.cp_rank == 0
+        stage, stages = layout.pp_rank, layout.pp_size
         last = stage == stages - 1
-        dp_rank = parallel.dp_rank()
-        return cls(rank=dist.get_rank(), stage=stage, num_stages=stages, dp_rank=dp_rank, dp_size=parallel.dp_size(),
+        dp_rank = layout.dp_rank
+        return cls(rank=dist.get_rank(), stage=stage, num_stages=stages, dp_rank=dp_rank, dp_size=layout.dp_size,
                    driver=dist.get_rank() == 0, batch_source=tp0 and cp0 and stage == 0, holds_results=last,
                    reports=last and tp0 and cp0, exporter=tp0 and cp0 and dp_rank == 0)
 

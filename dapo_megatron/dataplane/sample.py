@@ -9,7 +9,10 @@ Token lists stay plain Python lists until the actor packs them into micro-batche
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Iterable
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -29,7 +32,7 @@ class Sample:
     loss_mask: list[int] | None = None  # per response token; None = all ones
     # MoE: the engine's experts of every processed token, [prompt + response - 1, layers * topk] uint8 /
     # int16 (rollout/routing.py); row t = position t. The actor replays them (actor.routing_replay).
-    routed_experts: Any = None
+    routed_experts: torch.Tensor | None = None
     extra: dict = field(default_factory=dict)
 
     @property

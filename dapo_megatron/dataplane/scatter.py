@@ -1,6 +1,6 @@
 """Send each data-parallel rank its share of the step, as tensors of exact sizes.
 
-    share, stats = scatter_batch(batch if roles.driver else None, groups=parallel, settings=..., sequences_per_mini_batch=...)
+    share, stats = scatter_batch(batch if roles.driver else None, layout=layout, settings=..., sequences_per_mini_batch=...)
 
 Collective over the world. Two levels, so that no rank receives more than its own share:
   1. the driver (global rank 0, holding the whole RolloutBatch) plans every DP rank's share
@@ -9,7 +9,7 @@ Collective over the world. Two levels, so that no rank receives more than its ow
      the step's sequence count), then each tensor at its exact size, nothing padded to the largest
      share. All sends are posted before any is waited on.
   2. each batch source broadcasts its share over its replica group (its tensor-, context- and
-     pipeline-parallel peers: parallel.replica_group()).
+     pipeline-parallel peers: layout.replica_group, dataplane/layout.py).
 With NCCL the tensors travel on the current device and come back to the host (the packing works
 on the host); with gloo they stay on the CPU. The header is a pickled dict of a few names and
 integers (send_object_list), O(fields), never O(tokens).
@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from dapo_megatron.dataplane.batch import RolloutBatch
 from dapo_megatron.dataplane.share import BatchShare, PackSettings, SharePlan, plan_shares
+from dapo_megatron.dataplane.layout import ParallelLayout
 from dapo_megatron.dataplane import collectives as coll
 
 PLAN_FIELDS = ("micro_batch_sizes", "micro_batches_per_mini", "mini_batch_lengths")
@@ -89,16 +90,14 @@ def _header_bytes(header: dict) -> int:
     return len(pickle.dumps(header))
 
 
-def scatter_batch(batch: RolloutBatch | None, *, groups, settings: PackSettings, sequences_per_mini_batch: int,
-                  ) -> tuple[BatchShare, ScatterStats]:
+def scatter_batch(batch: RolloutBatch | None, *, layout: ParallelLayout, settings: PackSettings,
+                  sequences_per_mini_batch: int) -> tuple[BatchShare, ScatterStats]:
     """Collective: every rank returns its DP replica's share (module docstring). `batch` on the
-    driver (global rank 0), None elsewhere. `groups` gives the process groups (dp_group(),
-    replica_group()): the actor's parallel state (actor/parallel.py), passed in because the data
-    plane sits below the actor."""
-    parallel = groups
+    driver (global rank 0), None elsewhere. `layout` gives the process groups (its dp_group and
+    replica_group)."""
     tic = time.perf_counter()
     stats = ScatterStats()
-    rank, dp_group, replica = dist.get_rank(), parallel.dp_group(), parallel.replica_group()
+    rank, dp_group, replica = dist.get_rank(), layout.dp_group, layout.replica_group
     replica_ranks = dist.get_process_group_ranks(replica)
     source = min(replica_ranks)
     if rank == 0:

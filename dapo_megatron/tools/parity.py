@@ -433,7 +433,7 @@ def run_check(argv: Sequence[str]) -> dict[str, float]:
     hf_config = AutoConfig.from_pretrained(args.model)
     _check_model_fits_layout(hf_config, tp=args.tp, model=args.model)
     vocab = hf_config.vocab_size
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = coll.compute_device()
     kinds = 2 if args.fused_logprob else 1  # log-prob (+ entropy)
     # CP: every sequence padded to a multiple of 2*cp; SP: rows (and the packed total) to a multiple of tp too
     seq_multiple = 2 * args.cp if args.cp > 1 else 1

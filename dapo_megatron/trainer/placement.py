@@ -137,7 +137,7 @@ class DisaggregatedPlacement:
         (as weight version "step_<step>": the weights after `step` updates)."""
         from dapo_megatron.transfer.stage_export import actor_exporter, covers_layout, gather_manifests, weights_for_driver
 
-        if not covers_layout():
+        if not covers_layout(actor.layout):
             return self._transfer_through_every_rank(actor, step=step)
         exporter = actor_exporter(actor, bucket_bytes=self.bucket_bytes)
         buckets = weights_for_driver(exporter, gather_manifests(exporter))

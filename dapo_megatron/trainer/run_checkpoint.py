@@ -254,7 +254,7 @@ def _save_hf(cfg, actor, roles, out_dir: Path) -> None:
     iter_hf_weights (every rank walks it in step)."""
     from dapo_megatron.transfer.stage_export import actor_exporter, covers_layout
 
-    if covers_layout():
+    if covers_layout(actor.layout):
         from dapo_megatron.transfer.stage_save import save_hf_by_stage
 
         save_hf_by_stage(actor_exporter(actor, bucket_bytes=cfg.rollout.weight_bucket_mb << 20), actor.hf_config,

@@ -91,10 +91,9 @@ def with_group_advantages(groups: list[list], *, eps: float, estimator: str = "g
 
 def scatter(batch: RolloutBatch | None, actor, *, sequences_per_mini_batch: int):
     """Each data-parallel rank's token-balanced share of the driver's batch (dataplane/scatter.py)."""
-    from dapo_megatron.actor import parallel
     from dapo_megatron.dataplane.scatter import scatter_batch
 
-    share, _ = scatter_batch(batch, groups=parallel, settings=actor.pack_settings,
+    share, _ = scatter_batch(batch, layout=actor.layout, settings=actor.pack_settings,
                              sequences_per_mini_batch=sequences_per_mini_batch)
     return share
 
@@ -128,10 +127,10 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
     parallel.init_distributed()
     tr, run_dir = cfg.trainer, Path(cfg.trainer.output_dir)
     with parallel.model_parallel(tp=cfg.actor.tp, pp=cfg.actor.pp, cp=cfg.actor.cp, vpp=cfg.actor.vpp, ep=cfg.actor.ep,
-                                 etp=cfg.actor.etp, seed=tr.seed):
-        roles = RankRoles.current(parallel)
-        actor = Actor(actor_settings(cfg), cfg.model.path)
-        ref = ReferencePolicy(actor_settings(cfg), cfg.model.path) if cfg.algorithm.use_kl else None  # frozen, off-device when idle
+                                 etp=cfg.actor.etp, seed=tr.seed) as layout:
+        roles = RankRoles.current(layout)
+        actor = Actor(actor_settings(cfg), cfg.model.path, layout)
+        ref = ReferencePolicy(actor_settings(cfg), cfg.model.path, layout) if cfg.algorithm.use_kl else None  # frozen, off-device when idle
         driver = Driver(cfg, model_dir=cfg.model.path, run_dir=run_dir) if roles.driver else None
         if roles.driver:
             console.actor_ready(cfg)

@@ -1,7 +1,7 @@
 """Each pipeline stage exports its own parameters as full HF tensors, gathered over tensor
 parallelism onto ONE rank of the stage, in flat buckets.
 
-    exporter = StageExporter(chunks, hf_config, bucket_bytes=512 << 20)   # every rank
+    exporter = StageExporter(chunks, hf_config, layout, bucket_bytes=512 << 20)   # every rank
     for bucket in exporter.buckets():        # collective within the stage's exporting TP group
         send(bucket.flat, bucket.named)      # on the exporter: one uint8 buffer, HF-named views into it
         del bucket                           # before the next one is merged (at most two buckets live)
@@ -40,7 +40,7 @@ only the exporter receives the shards, and the next bucket's gather overlaps the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,17 +48,19 @@ import torch.distributed as dist
 from dapo_megatron.weights.export import _local_maps
 from dapo_megatron.weights.mapping import Dims, expected_hf_shapes, merge_shards_into
 from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.dataplane.layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
-def covers_layout() -> bool:
+def covers_layout(layout: ParallelLayout) -> bool:
     """Whether this layout's weights can leave by stage exporters. Not yet with expert parallelism
     (actor.ep > 1, or experts split over an expert-TP group other than TP): a stage's experts then
     live on several DP ranks, which this exporter (one DP replica, a TP gather) does not visit.
     Those layouts keep the funnel, weights/export.py's iter_hf_weights, which gathers experts over
     EP on every rank (trainer/placement.py, checkpointing.save_step)."""
-    from dapo_megatron.actor import parallel
-
-    return parallel.ep_size() == 1 and parallel.etp_size() == parallel.tp_size()
+    return layout.ep_size == 1 and layout.etp_size == layout.tp_size
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,7 @@ class ExportStats:
     largest_bucket: int = 0
 
 
-def stage_manifest(model_chunks: Sequence[Any], hf_config: Any) -> list[tuple[ExportItem, Any]]:
+def stage_manifest(model_chunks: Sequence[torch.nn.Module], hf_config: PretrainedConfig) -> list[tuple[ExportItem, torch.Tensor]]:
     """(item, parameter) for every parameter this rank holds, in HF streaming order (no communication)."""
     dims = Dims.from_hf(hf_config)
     local = _local_maps(list(model_chunks), dims)
@@ -154,20 +156,20 @@ def stage_manifest(model_chunks: Sequence[Any], hf_config: Any) -> list[tuple[Ex
 
 
 class StageExporter:
-    def __init__(self, model_chunks: Sequence[Any], hf_config: Any, *, bucket_bytes: int) -> None:
-        from dapo_megatron.actor import parallel
-
-        if not covers_layout():
-            raise ValueError(f"per-stage weight export: actor.ep={parallel.ep_size()}, actor.etp={parallel.etp_size()} "
-                             f"(tp={parallel.tp_size()}) is not supported yet; use iter_hf_weights (covers_layout())")
+    def __init__(self, model_chunks: Sequence[torch.nn.Module], hf_config: PretrainedConfig, layout: ParallelLayout, *,
+                 bucket_bytes: int) -> None:
+        if not covers_layout(layout):
+            raise ValueError(f"per-stage weight export: actor.ep={layout.ep_size}, actor.etp={layout.etp_size} "
+                             f"(tp={layout.tp_size}) is not supported yet; use iter_hf_weights (covers_layout())")
+        self.layout = layout
         self.dims = Dims.from_hf(hf_config)
         self.params = stage_manifest(model_chunks, hf_config)
         self.items = [item for item, _ in self.params]
         self.plan = plan_buckets(self.items, bucket_bytes)
         self.bucket_bytes = bucket_bytes
-        self.tp_group, self.tp_size = parallel.tp_group(), parallel.tp_size()
-        self.participates = parallel.dp_rank() == 0 and parallel.cp_rank() == 0
-        self.is_exporter = self.participates and parallel.tp_rank() == 0
+        self.tp_group, self.tp_size = layout.tp_group, layout.tp_size
+        self.participates = layout.dp_rank == 0 and layout.cp_rank == 0
+        self.is_exporter = self.participates and layout.tp_rank == 0
         self.exporter_rank = dist.get_global_rank(self.tp_group, 0) if self.tp_size > 1 else dist.get_rank()
         self.stats = ExportStats()
         self._held = 0
@@ -258,14 +260,13 @@ class StageExporter:
 def gather_manifests(exporter: StageExporter) -> list[list[ExportItem]] | None:
     """Every stage's items, in stage order, on the stage exporters (the driver among them): one
     all_gather_object of names and shapes over their pipeline group. None on every other rank."""
-    from dapo_megatron.actor import parallel
-
+    layout = exporter.layout
     if not exporter.is_exporter:
         return None
-    if parallel.pp_size() == 1:
+    if layout.pp_size == 1:
         return [exporter.items]
-    out: list = [None] * parallel.pp_size()
-    coll.all_gather_object(out, exporter.items, group=parallel.pp_group())
+    out: list = [None] * layout.pp_size
+    coll.all_gather_object(out, exporter.items, group=layout.pp_group)
     return out
 
 
@@ -282,28 +283,25 @@ def weights_for_driver(exporter: StageExporter, manifests: list[list[ExportItem]
     weight group per stage inside the SGLang session; the manifests already tell the driver the
     names, dtypes and shapes of every stage's buckets for its update requests).
     """
-    from dapo_megatron.actor import parallel
-
+    layout = exporter.layout
     if dist.get_rank() == 0:
         yield from _driver_stream(exporter, manifests)
         return
     for bucket in exporter.buckets():
-        if exporter.is_exporter and parallel.pp_size() > 1:
-            coll.send(bucket.flat, dst=dist.get_global_rank(parallel.pp_group(), 0), group=parallel.pp_group())
+        if exporter.is_exporter and layout.pp_size > 1:
+            coll.send(bucket.flat, dst=dist.get_global_rank(layout.pp_group, 0), group=layout.pp_group)
         del bucket
 
 
 def _driver_stream(exporter: StageExporter, manifests: list[list[ExportItem]]) -> Iterator[tuple[str, torch.Tensor]]:
-    from dapo_megatron.actor import parallel
-
     for bucket in exporter.buckets():
         named = bucket.named
         del bucket
         yield named
         del named
-    if parallel.pp_size() == 1:
+    if exporter.layout.pp_size == 1:
         return
-    group = parallel.pp_group()
+    group = exporter.layout.pp_group
     device = exporter.params[0][1].device
     incoming = [(stage, items) for stage in range(1, len(manifests))
                 for items in plan_buckets(manifests[stage], exporter.bucket_bytes)]
@@ -327,4 +325,4 @@ def _driver_stream(exporter: StageExporter, manifests: list[list[ExportItem]]) -
 def actor_exporter(actor, *, bucket_bytes: int) -> "StageExporter":
     """This rank's part of the per-stage weight export of an Actor: iterate its buckets() on every
     rank; only the stage's exporter holds full tensors."""
-    return StageExporter(actor.export_chunks(), actor.hf_config, bucket_bytes=bucket_bytes)
+    return StageExporter(actor.export_chunks(), actor.hf_config, actor.layout, bucket_bytes=bucket_bytes)

@@ -2,7 +2,7 @@
 own safetensors shards, global rank 0 adds one model.safetensors.index.json, config.json and the
 tokenizer files, and renames the directory into place.
 
-    save_hf_by_stage(StageExporter(chunks, hf_config, bucket_bytes=512 << 20), hf_config, out_dir,
+    save_hf_by_stage(StageExporter(chunks, hf_config, layout, bucket_bytes=512 << 20), hf_config, out_dir,
                      max_shard_bytes=5 << 30, copy_from=hf_dir)            # collective, every rank
 
 Shards are groups of consecutive export buckets of at most max_shard_bytes (a bigger bucket
@@ -19,13 +19,16 @@ import os
 import shutil
 import struct
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from dapo_megatron.weights.save import finish_hf_dir, shard_file_name
 from dapo_megatron.transfer.stage_export import ExportItem, StageExporter, gather_manifests, plan_buckets
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -66,11 +69,10 @@ def _write_tensor(handle, tensor: torch.Tensor) -> None:
     handle.write(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
 
 
-def save_hf_by_stage(exporter: StageExporter, hf_config: Any, out_dir: str | os.PathLike, *,
+def save_hf_by_stage(exporter: StageExporter, hf_config: PretrainedConfig, out_dir: str | os.PathLike, *,
                      max_shard_bytes: int = 5 << 30, copy_from: str | os.PathLike | None = None) -> Path:
     """Collective over the world (module docstring). Returns out_dir on every rank."""
-    from dapo_megatron.actor import parallel
-
+    stage = exporter.layout.pp_rank
     out_dir = Path(out_dir).absolute()
     tmp_dir = out_dir.with_name(f".{out_dir.name}.tmp-stages")
     manifests = gather_manifests(exporter)
@@ -82,8 +84,8 @@ def save_hf_by_stage(exporter: StageExporter, hf_config: Any, out_dir: str | os.
     if manifests is not None:
         files_per_stage = [plan_files(plan_buckets(m, exporter.bucket_bytes), max_shard_bytes) for m in manifests]
         total = sum(len(f) for f in files_per_stage)
-        first = sum(len(f) for f in files_per_stage[:parallel.pp_rank()])
-        bucket_file = {b: k for k, bs in enumerate(files_per_stage[parallel.pp_rank()]) for b in bs}
+        first = sum(len(f) for f in files_per_stage[:stage])
+        bucket_file = {b: k for k, bs in enumerate(files_per_stage[stage]) for b in bs}
     handle, current = None, -1
     try:
         for index, bucket in enumerate(exporter.buckets()):
@@ -93,7 +95,7 @@ def save_hf_by_stage(exporter: StageExporter, hf_config: Any, out_dir: str | os.
                     if handle is not None:
                         handle.close()
                     handle, current = open(tmp_dir / shard_file_name(first + k, total), "wb"), k
-                    members = [exporter.plan[b] for b in files_per_stage[parallel.pp_rank()][k]]
+                    members = [exporter.plan[b] for b in files_per_stage[stage][k]]
                     handle.write(safetensors_header([item for items in members for item in items]))
                 for _, tensor in bucket.named:
                     _write_tensor(handle, tensor)

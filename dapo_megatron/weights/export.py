@@ -24,7 +24,7 @@ Tied embeddings: no lm_head.weight is yielded (HF drops it from tied checkpoints
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ import torch.distributed as dist
 from dapo_megatron.weights.load import chunk_param_maps, expert_offset, unwrap_model
 from dapo_megatron.weights.mapping import Dims, ParamMap, expected_hf_shapes, merge_shards
 from dapo_megatron.dataplane import collectives as coll
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def _all_gather(tensor: torch.Tensor, group, size: int) -> list[torch.Tensor]:
@@ -58,7 +61,7 @@ def _with_expert(names: Sequence[str], expert: int) -> tuple[str, ...]:
     return tuple(re.sub(r"\.experts\.\d+\.", f".experts.{expert}.", n) for n in names)
 
 
-def _local_maps(model_chunks: Sequence[Any], dims: Dims) -> dict[str, tuple[ParamMap, torch.Tensor]]:
+def _local_maps(model_chunks: Sequence[torch.nn.Module], dims: Dims) -> dict[str, tuple[ParamMap, torch.Tensor]]:
     """Key -> (mapping, parameter) for each parameter this rank holds. The key is the HF name of
     its first tensor, for experts as on EP rank 0 (local expert j -> expert j), so that every EP
     rank iterates the same keys in step.
@@ -95,7 +98,7 @@ def _full_tensors(pmap: ParamMap, param: torch.Tensor, dims: Dims) -> list[tuple
     return out
 
 
-def iter_hf_weights(model_chunks: Iterable[Any], hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(model_chunks: Iterable[torch.nn.Module], hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for every tensor of the HF checkpoint, on every rank (see top)."""
     from megatron.core import parallel_state
 

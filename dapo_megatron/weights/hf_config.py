@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 VOCAB_DIVISIBLE_BY = 128  # megatron's make_vocab_size_divisible_by default
 
 
-def model_type_of(hf_config: Any) -> str:
+def model_type_of(hf_config: PretrainedConfig) -> str:
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model.arch: config.json model_type {model_type!r} is not supported "
@@ -21,19 +24,19 @@ def model_type_of(hf_config: Any) -> str:
     return model_type
 
 
-def head_dim_of(hf_config: Any) -> int:
+def head_dim_of(hf_config: PretrainedConfig) -> int:
     head_dim = getattr(hf_config, "head_dim", None)
     return int(head_dim) if head_dim else hf_config.hidden_size // hf_config.num_attention_heads
 
 
-def has_qkv_bias(hf_config: Any) -> bool:
+def has_qkv_bias(hf_config: PretrainedConfig) -> bool:
     """Qwen2/2.5 always carry q/k/v biases; Llama and Qwen3 only with attention_bias=True."""
     if model_type_of(hf_config) == "qwen2":
         return True
     return bool(getattr(hf_config, "attention_bias", False))
 
 
-def has_qk_norm(hf_config: Any) -> bool:
+def has_qk_norm(hf_config: PretrainedConfig) -> bool:
     """Qwen3 (dense and MoE) normalises each query and key head (q_norm / k_norm) before RoPE."""
     return model_type_of(hf_config) in ("qwen3", "qwen3_moe")
 
@@ -59,7 +62,7 @@ class MoEShape:
     sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or dense MLP (False)
 
 
-def moe_shape_of(hf_config: Any) -> Optional[MoEShape]:
+def moe_shape_of(hf_config: PretrainedConfig) -> Optional[MoEShape]:
     """MoEShape of a Qwen3-MoE config, None for a dense model. ValueError for what we cannot build."""
     if getattr(hf_config, "model_type", None) not in MOE_MODEL_TYPES:
         return None

@@ -17,15 +17,19 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 
 from dapo_megatron.weights.hf_layout import fused_source, public_shape, read_fused_rows
 from dapo_megatron.weights.mapping import Dims, ParamMap, expected_hf_shapes, map_param, read_shard
 
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from transformers import PretrainedConfig
 
-def unwrap_model(chunk: Any) -> Any:
+
+def unwrap_model(chunk: torch.nn.Module) -> GPTModel:
     """The GPTModel inside Megatron's DDP / Float16Module wrappers (each keeps it in `.module`)."""
     from megatron.core.models.gpt import GPTModel
 
@@ -36,7 +40,7 @@ def unwrap_model(chunk: Any) -> Any:
     return chunk
 
 
-def chunk_layer_offset(model: Any) -> int:
+def chunk_layer_offset(model: GPTModel) -> int:
     """Global index of the chunk's first transformer layer (its PP stage / virtual stage offset)."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -62,7 +66,7 @@ def shard_group_of(pmap: ParamMap) -> tuple[int, int]:
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
-def chunk_param_maps(model: Any, dims: Dims, *, first_expert: Optional[int] = None) -> list[tuple[ParamMap, torch.nn.Parameter]]:
+def chunk_param_maps(model: GPTModel, dims: Dims, *, first_expert: Optional[int] = None) -> list[tuple[ParamMap, torch.nn.Parameter]]:
     """(mapping, parameter) for every parameter of one unwrapped chunk, in named_parameters order.
     first_expert: global index of local expert 0 (default: this EP rank's)."""
     offset = chunk_layer_offset(model)
@@ -134,7 +138,8 @@ class SafetensorsCheckpoint:
         return part[:, start:stop]
 
 
-def load_hf_into_model(model_chunks: Iterable[Any], hf_dir: str | os.PathLike, *, hf_config: Any = None) -> None:
+def load_hf_into_model(model_chunks: Iterable[torch.nn.Module], hf_dir: str | os.PathLike, *,
+                       hf_config: Optional[PretrainedConfig] = None) -> None:
     """Copy the HF checkpoint at hf_dir into every local parameter of model_chunks (this rank's).
 
     hf_config defaults to transformers.AutoConfig.from_pretrained(hf_dir). Raises ValueError naming

@@ -34,12 +34,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
 from dapo_megatron.weights.hf_config import (MoEShape, has_qk_norm, has_qkv_bias, head_dim_of, model_type_of, moe_shape_of,
                                              padded_vocab_size)
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # (megatron local-spec suffix, TE-spec suffix, HF templates, kind) for the parameters of one layer.
 _LAYER_PARAMS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
@@ -101,7 +104,7 @@ class Dims:
     moe: Optional[MoEShape] = None
 
     @staticmethod
-    def from_hf(hf_config: Any) -> "Dims":
+    def from_hf(hf_config: PretrainedConfig) -> "Dims":
         model_type_of(hf_config)
         return Dims(hidden=hf_config.hidden_size, num_heads=hf_config.num_attention_heads,
                     num_groups=hf_config.num_key_value_heads, head_dim=head_dim_of(hf_config),

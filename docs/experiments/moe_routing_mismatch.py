@@ -57,8 +57,8 @@ def main(argv: list[str]) -> None:
     cfg.actor = ActorConfig(ep=ep, attention_backend="torch", precision="fp32", micro_batch_tokens=2048,
                             use_distributed_optimizer=False, fused_logprob=False, world_size=dist.get_world_size())
     cfg.rollout.return_routed_experts = True
-    with model_parallel(ep=ep, seed=0):
-        actor = Actor(actor_settings(cfg), model_dir)
+    with model_parallel(ep=ep, seed=0) as layout:
+        actor = Actor(actor_settings(cfg), model_dir, layout)
         results = {}
         for replay in (False, True):
             cfg.actor.routing_replay = replay

@@ -26,8 +26,8 @@ def _resume_rank(hf_dir, batches, ckpt_dir):
         return {k: v.clone() for k, v in actor.iter_hf_weights()}
 
     cfg = make_cfg(micro_batch_tokens=40, lr=1e-3, warmup_steps=3)
-    with model_parallel(tp=1, seed=7):  # DP=2, distributed optimizer
-        first = Actor(actor_settings(cfg), hf_dir)
+    with model_parallel(tp=1, seed=7) as layout:  # DP=2, distributed optimizer
+        first = Actor(actor_settings(cfg), hf_dir, layout)
         first.train(batches[0], step=0)
         first.save(ckpt_dir)
         saved = weights(first)
@@ -44,8 +44,8 @@ def _resume_rank(hf_dir, batches, ckpt_dir):
         finally:
             ckpt_module._publish = real_publish
         del first
-    with model_parallel(tp=1, seed=99):  # a different seed: RNG state must come from the checkpoint
-        second = Actor(actor_settings(cfg), hf_dir)
+    with model_parallel(tp=1, seed=99) as layout:  # a different seed: RNG state must come from the checkpoint
+        second = Actor(actor_settings(cfg), hf_dir, layout)
         meta = second.load(ckpt_dir)
         loaded = weights(second)
         resumed = second.train(batches[1], step=1)

@@ -56,7 +56,7 @@ def _merged(local: torch.Tensor, pmap, dims) -> list[torch.Tensor]:
     return merge_shards(pmap.kind, parts, dims=dims)
 
 
-def _build(hf_dir, tp, sequence_parallel, quantize_inputs=False):
+def _build(hf_dir, layout, sequence_parallel, quantize_inputs=False):
     from transformers import AutoConfig
 
     from dapo_megatron.actor.fake_quant import apply_weight_fake_quant
@@ -67,7 +67,7 @@ def _build(hf_dir, tp, sequence_parallel, quantize_inputs=False):
     chunks = build_model_chunks(hf_config, attention_backend="torch", precision="fp32",
                                 sequence_parallel=sequence_parallel)
     load_hf_into_model(chunks, hf_dir, hf_config=hf_config)
-    apply_weight_fake_quant(chunks, hf_config, quantized_modules=_fp8_modules(hf_config), block=128,
+    apply_weight_fake_quant(chunks, hf_config, layout, quantized_modules=_fp8_modules(hf_config), block=128,
                             dtype=torch.bfloat16, quantize_inputs=quantize_inputs)
     return hf_config, chunks
 
@@ -86,8 +86,8 @@ def _values_on_rank(hf_dir, tp, sequence_parallel):
     from dapo_megatron.weights import iter_hf_weights
     from dapo_megatron.weights.mapping import Dims
 
-    with model_parallel(tp=tp, seed=0):
-        hf_config, chunks = _build(hf_dir, tp, sequence_parallel)
+    with model_parallel(tp=tp, seed=0) as layout:
+        hf_config, chunks = _build(hf_dir, layout, sequence_parallel)
         dims = Dims.from_hf(hf_config)
         linears = quantized_linears(chunks, hf_config, quantized_modules=_fp8_modules(hf_config), block=128,
                                     tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=tp)
@@ -148,8 +148,8 @@ def _inputs_on_rank(hf_dir, tp, sequence_parallel):
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.quant.fp8_activation import fake_quant_activation_fp8
 
-    with model_parallel(tp=tp, seed=0):
-        hf_config, chunks = _build(hf_dir, tp, sequence_parallel, quantize_inputs=True)
+    with model_parallel(tp=tp, seed=0) as layout:
+        hf_config, chunks = _build(hf_dir, layout, sequence_parallel, quantize_inputs=True)
         linears = quantized_linears(chunks, hf_config, quantized_modules=_fp8_modules(hf_config), block=128,
                                     tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=tp)
         raw, seen = {}, {}
@@ -192,8 +192,8 @@ def _grads_on_rank(hf_dir, tp, coef):
     from dapo_megatron.tools.parity import vocab_parallel_logprobs
     from dapo_megatron.weights.mapping import Dims
 
-    with model_parallel(tp=tp, seed=0):
-        hf_config, chunks = _build(hf_dir, tp, False)
+    with model_parallel(tp=tp, seed=0) as layout:
+        hf_config, chunks = _build(hf_dir, layout, False)
         tokens = _tokens(hf_config.vocab_size)
         logits = chunks[0](tokens, torch.arange(SEQ)[None], None)  # [1, S, V_pad / tp]
         logprobs = vocab_parallel_logprobs(logits[0, :-1], tokens[0, 1:], vocab_size=hf_config.vocab_size)

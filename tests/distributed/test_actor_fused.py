@@ -57,13 +57,13 @@ def _step_rank(hf_dir, samples, *, tp, sp, budget, fused_logprob, fused_policy_l
 
     opt_module.guarded_step = capture
     try:
-        with model_parallel(tp=tp, cp=cp, seed=7):
+        with model_parallel(tp=tp, cp=cp, seed=7) as layout:
             cfg = make_cfg(tp=tp, cp=cp, micro_batch_tokens=budget, sequence_parallel=sp, lr=1e-3, warmup_steps=0)
             cfg.actor.use_distributed_optimizer = False
             cfg.actor.fused_logprob, cfg.actor.fused_policy_loss = fused_logprob, fused_policy_loss
             for key, value in (algo or {}).items():
                 setattr(cfg.algorithm, key, value)
-            actor = Actor(actor_settings(cfg), hf_dir)
+            actor = Actor(actor_settings(cfg), hf_dir, layout)
             for group in actor.optimizer.param_groups:
                 group["eps"] = 1e-4  # bounds Adam's lr/eps slope at g ~ 0 (see test_actor_train.py)
             out = actor.logprobs(samples)
@@ -213,8 +213,8 @@ def _bf16_rank(hf_dir, samples, fused):
 
     cfg = make_cfg(tp=2, micro_batch_tokens=64, sequence_parallel=True, fused=fused, lr=1e-3, warmup_steps=0)
     cfg.actor.precision = "bf16"
-    with model_parallel(tp=2, seed=7):
-        actor = Actor(actor_settings(cfg), hf_dir)
+    with model_parallel(tp=2, seed=7) as layout:
+        actor = Actor(actor_settings(cfg), hf_dir, layout)
         out = actor.logprobs(samples)
         for s, lp in zip(samples, out.logprobs):
             s.old_logprobs = lp.tolist()

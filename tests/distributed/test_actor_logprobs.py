@@ -55,9 +55,9 @@ def _logprobs_rank(hf_dir, samples, tp, pp, micro_batch_tokens, sp=False, cp=1):
     from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
 
-    with model_parallel(tp=tp, pp=pp, cp=cp, seed=7):
+    with model_parallel(tp=tp, pp=pp, cp=cp, seed=7) as layout:
         actor = Actor(actor_settings(make_cfg(tp=tp, pp=pp, cp=cp, micro_batch_tokens=micro_batch_tokens, sequence_parallel=sp)),
-                      hf_dir)
+                      hf_dir, layout)
         out = actor.logprobs(samples)
     return out.logprobs, out.entropies
 
@@ -136,8 +136,8 @@ def _bf16_rank(hf_dir, samples):
 
     cfg = make_cfg(tp=2, micro_batch_tokens=64, lr=1e-3, warmup_steps=0)
     cfg.actor.precision = "bf16"
-    with model_parallel(tp=2, seed=7):
-        actor = Actor(actor_settings(cfg), hf_dir)
+    with model_parallel(tp=2, seed=7) as layout:
+        actor = Actor(actor_settings(cfg), hf_dir, layout)
         out = actor.logprobs(samples)
         for s, lp in zip(samples, out.logprobs):
             s.old_logprobs = lp.tolist()

@@ -86,8 +86,8 @@ def _roundtrip_rank(hf_dir, samples, tp, dist_opt, precision):
     from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
 
-    with model_parallel(tp=tp, seed=7):
-        actor = Actor(actor_settings(_cfg(tp=tp, dist_opt=dist_opt, precision=precision)), hf_dir)
+    with model_parallel(tp=tp, seed=7) as layout:
+        actor = Actor(actor_settings(_cfg(tp=tp, dist_opt=dist_opt, precision=precision)), hf_dir, layout)
         actor.train(samples, step=0)  # Adam state exists, grad buffers hold the step's gradient
         before = _snapshot(actor)
         full = actor.resident_bytes()
@@ -157,8 +157,8 @@ def _two_steps_rank(hf_dir, batches, tp, dist_opt, cycle):
     from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
 
-    with model_parallel(tp=tp, seed=7):
-        actor = Actor(actor_settings(_cfg(tp=tp, dist_opt=dist_opt)), hf_dir)
+    with model_parallel(tp=tp, seed=7) as layout:
+        actor = Actor(actor_settings(_cfg(tp=tp, dist_opt=dist_opt)), hf_dir, layout)
         first = actor.train(batches[0], step=0)
         if cycle:  # the colocated step: grads + optimizer off, then params off, then all back
             actor.offload("grads", "optimizer")
@@ -201,20 +201,20 @@ def _reference_rank(hf_dir, samples, tp):
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.actor.ref_policy import ReferencePolicy
 
-    with model_parallel(tp=tp, seed=7):
+    with model_parallel(tp=tp, seed=7) as layout:
         cfg = _cfg(tp=tp, dist_opt=True)
-        old_ref = Actor(actor_settings(cfg), hf_dir)  # what trainer/train.py used as the reference before
+        old_ref = Actor(actor_settings(cfg), hf_dir, layout)  # what trainer/train.py used as the reference before
         want = old_ref.logprobs(samples)
         old_ref.train(samples, step=0)  # allocates the Adam state a full Actor carries
         base = _live_storage_bytes()
-        frozen = Actor(actor_settings(cfg), hf_dir, frozen=True)
+        frozen = Actor(actor_settings(cfg), hf_dir, layout, frozen=True)
         frozen_cost = _live_storage_bytes() - base
         param_bytes = sum(p.untyped_storage().nbytes() for c in frozen.model_chunks for p in c.parameters())
         # megatron's RotaryEmbedding keeps inv_freq as a plain attribute (not a parameter or buffer)
         rotary_bytes = sum(c.rotary_pos_emb.inv_freq.untyped_storage().nbytes() for c in frozen.model_chunks)
         full_cost = sum(old_ref.resident_bytes().values())
         del frozen
-        ref = ReferencePolicy(actor_settings(cfg), hf_dir)
+        ref = ReferencePolicy(actor_settings(cfg), hf_dir, layout)
         idle = ref.resident_bytes()
         got = ref.logprobs(samples)
         again = ref.logprobs(samples)  # the second onload comes from the backup taken once

@@ -52,12 +52,12 @@ def _grads_rank(hf_dir, samples, budget, algo=None, cp=1):
 
     opt_module.guarded_step = capture
     try:
-        with model_parallel(tp=1, cp=cp, seed=7):
+        with model_parallel(tp=1, cp=cp, seed=7) as layout:
             cfg = make_cfg(cp=cp, micro_batch_tokens=budget, lr=1e-3, warmup_steps=0)
             cfg.actor.use_distributed_optimizer = False
             for key, value in (algo or {}).items():
                 setattr(cfg.algorithm, key, value)
-            actor = Actor(actor_settings(cfg), hf_dir)
+            actor = Actor(actor_settings(cfg), hf_dir, layout)
             metrics = actor.train(samples, step=0)
             num_micro = metrics["num_micro_batches"]
     finally:
@@ -96,9 +96,9 @@ def _updated_weights_rank(hf_dir, samples, tp, pp=1, cp=1, sp=False):
     from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
 
-    with model_parallel(tp=tp, pp=pp, cp=cp, seed=7):
+    with model_parallel(tp=tp, pp=pp, cp=cp, seed=7) as layout:
         actor = Actor(actor_settings(make_cfg(tp=tp, pp=pp, cp=cp, sequence_parallel=sp, micro_batch_tokens=40, lr=1e-3,
-                               warmup_steps=0)), hf_dir)
+                               warmup_steps=0)), hf_dir, layout)
         # Adam's first step is lr * g / (|g| + eps): its slope at g ~ 0 is lr / eps = 1e5 with the
         # default eps 1e-8, so fp32 rounding of ~1e-9 in a gradient that cancels to ~0 moves a weight
         # by ~1e-5 between layouts. eps = 1e-4 bounds that amplification at 10 (1e-8 here) while

@@ -44,13 +44,13 @@ def _scatter_rank(samples, tp, pp, cp, per_mini, budget):
 
     settings = PackSettings.for_layout(micro_batch_tokens=budget, tp=tp, pp=pp, cp=cp, vpp=None,
                                        sequence_parallel=tp > 1)
-    with parallel.model_parallel(tp=tp, pp=pp, cp=cp):
+    with parallel.model_parallel(tp=tp, pp=pp, cp=cp) as layout:
         batch = RolloutBatch.from_samples(samples)
-        share, stats = scatter_batch(batch if dist.get_rank() == 0 else None, groups=parallel, settings=settings,
+        share, stats = scatter_batch(batch if dist.get_rank() == 0 else None, layout=layout, settings=settings,
                                      sequences_per_mini_batch=per_mini)
         # what this rank would have selected itself from the full list
         plan = plan_shares(batch.seq_lengths, sequences_per_mini_batch=per_mini, settings=settings,
-                           dp_size=parallel.dp_size())[parallel.dp_rank()]
+                           dp_size=layout.dp_size)[layout.dp_rank]
         mine = BatchShare.from_plan(batch, plan, step_sequences=batch.num_sequences)
         got, want = share.batch.tensors(), mine.batch.tensors()
         assert set(got) == set(want), (set(got), set(want))
@@ -63,7 +63,7 @@ def _scatter_rank(samples, tp, pp, cp, per_mini, budget):
                 "header": _header_bytes(_header(mine)), "sequences": share.batch.num_sequences,
                 "plan": sum(8 * getattr(mine, k).numel() for k in ("micro_batch_sizes", "micro_batches_per_mini",
                                                                     "mini_batch_lengths")),
-                "dp_rank": parallel.dp_rank(), "fields": sorted(k for k in got if k.startswith("token_fields."))}
+                "dp_rank": layout.dp_rank, "fields": sorted(k for k in got if k.startswith("token_fields."))}
 
 
 # (world, tp, pp, cp): pure DP, TP and PP peers, CP peers, no DP at all
@@ -109,18 +109,18 @@ def _share_vs_list_rank(hf_dir, samples, tp, pp, per_mini, budget):
     from dapo_megatron.dataplane.share import plan_shares
 
     cfg = make_cfg(tp=tp, pp=pp, micro_batch_tokens=budget, lr=1e-3, warmup_steps=0)
-    with parallel.model_parallel(tp=tp, pp=pp, seed=7):
-        roles = RankRoles.current(parallel)
-        actor = Actor(actor_settings(cfg), hf_dir)
+    with parallel.model_parallel(tp=tp, pp=pp, seed=7) as layout:
+        roles = RankRoles.current(layout)
+        actor = Actor(actor_settings(cfg), hf_dir, layout)
         batch = RolloutBatch.from_samples(samples) if roles.driver else None
-        share, _ = scatter_batch(batch, groups=parallel, settings=actor.pack_settings, sequences_per_mini_batch=per_mini)
+        share, _ = scatter_batch(batch, layout=layout, settings=actor.pack_settings, sequences_per_mini_batch=per_mini)
         old = actor.logprobs(share)
         share.batch.old_logprobs = old.logprobs
         metrics = old_logprob_metrics(share.batch, old.logprobs, old.entropies, reports=roles.reports)
         updates = [actor.train(mini, step=0) for mini in share.mini_batches()]
         weights = {k: v.clone() for k, v in actor.iter_hf_weights()}
 
-        reference = Actor(actor_settings(cfg), hf_dir)
+        reference = Actor(actor_settings(cfg), hf_dir, layout)
         minis = [samples[i: i + per_mini] for i in range(0, len(samples), per_mini)]
         list_old = [reference.logprobs(m) for m in minis]  # each mini-batch planned alone: the same micro-batches
         for m, out in zip(minis, list_old):
@@ -129,9 +129,9 @@ def _share_vs_list_rank(hf_dir, samples, tp, pp, per_mini, budget):
         list_updates = [reference.train(m, step=0) for m in minis]
         list_weights = {k: v.clone() for k, v in reference.iter_hf_weights()}
         order = plan_shares(RolloutBatch.from_samples(samples).seq_lengths, sequences_per_mini_batch=per_mini,
-                            settings=actor.pack_settings, dp_size=parallel.dp_size())[parallel.dp_rank()].indices
+                            settings=actor.pack_settings, dp_size=layout.dp_size)[layout.dp_rank].indices
         return {"holds": roles.holds_results, "share_old": old.logprobs, "share_ent": old.entropies,
-                "order": order, "dp_rank": parallel.dp_rank(), "rank": dist.get_rank(),
+                "order": order, "dp_rank": layout.dp_rank, "rank": dist.get_rank(),
                 "list_old": [lp for out in list_old for lp in out.logprobs],
                 "list_ent": [e for out in list_old for e in out.entropies], "metrics": metrics,
                 "updates": updates, "list_updates": list_updates, "weights": weights, "list_weights": list_weights}
@@ -183,10 +183,10 @@ def _roles_rank(tp, pp, cp):
     from dapo_megatron.actor import parallel
     from dapo_megatron.dataplane.roles import RankRoles
 
-    with parallel.model_parallel(tp=tp, pp=pp, cp=cp):
-        r = RankRoles.current(parallel)
+    with parallel.model_parallel(tp=tp, pp=pp, cp=cp) as layout:
+        r = RankRoles.current(layout)
         names = {n for n in ("driver", "batch_source", "holds_results", "reports", "exporter") if getattr(r, n)}
-        return names, dist.get_process_group_ranks(parallel.replica_group())
+        return names, dist.get_process_group_ranks(layout.replica_group)
 
 
 # megatron's order tp-cp-dp-pp, worked out by hand: rank = tp + TP * (cp + CP * (dp + DP * pp))

@@ -42,14 +42,14 @@ def _measure_rank(hf_dir, tp, sp, precision, recompute, budget, num_samples, fp8
     from dapo_megatron.memplan.activations import ActivationModel
     from dapo_megatron.memplan.arch import model_dims_for
 
-    with model_parallel(tp=tp, seed=3):
+    with model_parallel(tp=tp, seed=3) as layout:
         cfg = make_cfg(tp=tp, micro_batch_tokens=budget, sequence_parallel=sp, lr=1e-3, warmup_steps=0)
         cfg.actor.precision, cfg.actor.recompute, cfg.actor.fused_logprob = precision, recompute, False
         cfg.model.path = hf_dir
         if fp8_run_dir is not None:  # actor.quantization_aware: the engines' FP8 export is in the run dir
             cfg.rollout.quantization, cfg.actor.quantization_aware = "fp8", True
             cfg.trainer.output_dir = fp8_run_dir
-        actor = Actor(actor_settings(cfg), hf_dir)
+        actor = Actor(actor_settings(cfg), hf_dir, layout)
         params = {p.untyped_storage().data_ptr() for m in actor.model for p in m.module.parameters()}
         records, current = [], None
 

@@ -16,7 +16,6 @@ from test_moe_actor import moe_cfg
 
 
 def _rank(hf_dir, tp, ep, etp, precision, distributed):
-    from dapo_megatron.actor import parallel
     from dapo_megatron.actor.actor import Actor
     from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
@@ -25,12 +24,12 @@ def _rank(hf_dir, tp, ep, etp, precision, distributed):
 
     from megatron.core import parallel_state
 
-    with model_parallel(tp=tp, ep=ep, etp=etp, seed=3):
+    with model_parallel(tp=tp, ep=ep, etp=etp, seed=3) as ranks:
         cfg = moe_cfg(tp=tp, ep=ep, etp=etp, micro_batch_tokens=64, lr=1e-3, warmup_steps=0)
         cfg.actor.precision = precision
         cfg.actor.use_distributed_optimizer = distributed
         cfg.model.path = hf_dir
-        actor = Actor(actor_settings(cfg), hf_dir)
+        actor = Actor(actor_settings(cfg), hf_dir, ranks)
         samples = make_samples(4)
         for i, s in enumerate(samples):
             s.old_logprobs = [-1.0] * len(s.response_ids)
@@ -38,10 +37,10 @@ def _rank(hf_dir, tp, ep, etp, precision, distributed):
         assert actor.train(samples, step=0)["update_skipped"] == 0.0  # Adam's state now exists
         measured = measure_actor_static(actor)
         expert_buffers = sum(len(m.expert_parallel_buffers) for m in actor.model)
-        layout = Layout(tp=tp, pp=1, cp=1, dp=parallel.dp_size(), ep=ep, etp=etp, sequence_parallel=tp > 1)
+        layout = Layout(tp=tp, pp=1, cp=1, dp=ranks.dp_size, ep=ep, etp=etp, sequence_parallel=tp > 1)
         assert layout.expert_dp == parallel_state.get_expert_data_parallel_world_size()
         planned = static_bytes(model_dims_for(cfg), layout, precision=precision, distributed_optimizer=distributed,
-                               pp_rank=0, dp_rank=parallel.dp_rank(with_context_parallel=True),
+                               pp_rank=0, dp_rank=ranks.dp_cp_rank,
                                expert_dp_rank=parallel_state.get_expert_data_parallel_rank())
     return measured, {k: getattr(planned, k) for k in measured}, expert_buffers
 
@@ -139,12 +138,12 @@ def _measure_activations(hf_dir, tp, ep, precision, recompute):
     from test_memplan_activations import _samples
 
     etp = 1 if tp > 1 else None
-    with model_parallel(tp=tp, ep=ep, etp=etp, seed=3):
+    with model_parallel(tp=tp, ep=ep, etp=etp, seed=3) as ranks:
         cfg = moe_cfg(tp=tp, ep=ep, etp=etp, micro_batch_tokens=512, lr=1e-3, warmup_steps=0)
         cfg.actor.precision, cfg.actor.recompute = precision, recompute
         cfg.actor.fused_logprob = cfg.actor.fused_policy_loss = False
         cfg.model.path = hf_dir
-        actor = Actor(actor_settings(cfg), hf_dir)
+        actor = Actor(actor_settings(cfg), hf_dir, ranks)
         params = {p.untyped_storage().data_ptr() for m in actor.model for p in m.module.parameters()}
         records, current, routed = [], None, []
 

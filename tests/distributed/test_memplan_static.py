@@ -39,20 +39,19 @@ def measure_actor_static(actor) -> dict[str, int]:
 
 
 def _rank(hf_dir, tp, pp, vpp, precision, distributed):
-    from dapo_megatron.actor import parallel
     from dapo_megatron.actor.actor import Actor
     from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.memplan.arch import model_dims_for
     from dapo_megatron.memplan.static import Layout, static_bytes
 
-    with model_parallel(tp=tp, pp=pp, vpp=vpp, seed=3):
+    with model_parallel(tp=tp, pp=pp, vpp=vpp, seed=3) as ranks:
         cfg = make_cfg(tp=tp, pp=pp, micro_batch_tokens=64, lr=1e-3, warmup_steps=0)
         cfg.actor.vpp = vpp
         cfg.actor.precision = precision
         cfg.actor.use_distributed_optimizer = distributed
         cfg.model.path = hf_dir
-        actor = Actor(actor_settings(cfg), hf_dir)
+        actor = Actor(actor_settings(cfg), hf_dir, ranks)
         if vpp is None:
             samples = make_samples(4 * pp)
             for i, s in enumerate(samples):
@@ -64,9 +63,9 @@ def _rank(hf_dir, tp, pp, vpp, precision, distributed):
 
             init_empty_optimizer_state(actor.optimizer)
         measured = measure_actor_static(actor)
-        layout = Layout(tp=tp, pp=pp, cp=1, dp=parallel.dp_size(), vpp=vpp)
+        layout = Layout(tp=tp, pp=pp, cp=1, dp=ranks.dp_size, vpp=vpp)
         planned = static_bytes(model_dims_for(cfg), layout, precision=precision, distributed_optimizer=distributed,
-                               pp_rank=parallel.pp_rank(), dp_rank=parallel.dp_rank(with_context_parallel=True))
+                               pp_rank=ranks.pp_rank, dp_rank=ranks.dp_cp_rank)
     return measured, {k: getattr(planned, k) for k in measured}
 
 

@@ -38,8 +38,8 @@ def logprobs_on_rank(hf_dir, samples, tp, ep, etp):
     from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
 
-    with model_parallel(tp=tp, ep=ep, etp=etp, seed=7):
-        actor = Actor(actor_settings(moe_cfg(tp=tp, ep=ep, etp=etp)), hf_dir)
+    with model_parallel(tp=tp, ep=ep, etp=etp, seed=7) as layout:
+        actor = Actor(actor_settings(moe_cfg(tp=tp, ep=ep, etp=etp)), hf_dir, layout)
         return actor.logprobs(samples).logprobs
 
 
@@ -57,8 +57,8 @@ def updated_weights_on_rank(hf_dir, samples, tp, ep, etp):
     from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
 
-    with model_parallel(tp=tp, ep=ep, etp=etp, seed=7):
-        actor = Actor(actor_settings(moe_cfg(tp=tp, ep=ep, etp=etp, micro_batch_tokens=40, lr=1e-3, warmup_steps=0)), hf_dir)
+    with model_parallel(tp=tp, ep=ep, etp=etp, seed=7) as layout:
+        actor = Actor(actor_settings(moe_cfg(tp=tp, ep=ep, etp=etp, micro_batch_tokens=40, lr=1e-3, warmup_steps=0)), hf_dir, layout)
         for group in actor.optimizer.param_groups:
             group["eps"] = 1e-4  # see test_actor_train: bounds Adam's amplification of rounding at g ~ 0
         metrics = actor.train(samples, step=0)

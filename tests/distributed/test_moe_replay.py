@@ -90,12 +90,12 @@ def replayed_logprobs_on_rank(moe_dir, samples, tp, pp, ep, replay):
     from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
 
-    with model_parallel(tp=tp, pp=pp, ep=ep, seed=7):
+    with model_parallel(tp=tp, pp=pp, ep=ep, seed=7) as layout:
         cfg = moe_cfg(tp=tp, ep=ep)
         cfg.actor.pp = pp
         cfg.actor.routing_replay = replay
         cfg.rollout.return_routed_experts = True
-        out = Actor(actor_settings(cfg), moe_dir).logprobs(samples)
+        out = Actor(actor_settings(cfg), moe_dir, layout).logprobs(samples)
     return out.logprobs, out.routing
 
 
@@ -163,11 +163,11 @@ def replayed_grads_on_rank(moe_dir, samples, ep):
 
     opt_module.guarded_step = capture
     try:
-        with model_parallel(ep=ep, seed=7):
+        with model_parallel(ep=ep, seed=7) as layout:
             cfg = moe_cfg(ep=ep, micro_batch_tokens=40, lr=1e-3, warmup_steps=0)
             cfg.actor.use_distributed_optimizer = False
             cfg.actor.routing_replay = cfg.rollout.return_routed_experts = True
-            actor = Actor(actor_settings(cfg), moe_dir)
+            actor = Actor(actor_settings(cfg), moe_dir, layout)
             metrics = actor.train(samples, step=0)
     finally:
         opt_module.guarded_step = original

@@ -42,24 +42,24 @@ def _export_on_rank(hf_dir, tp, pp, bucket_bytes, save_to, vpp=None):
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     precision = "bf16" if hf_config.dtype == torch.bfloat16 else "fp32"
-    with parallel.model_parallel(tp=tp, pp=pp, vpp=vpp):
+    with parallel.model_parallel(tp=tp, pp=pp, vpp=vpp) as layout:
         # as the Actor builds it: no vocabulary padding beyond a multiple of tp (a padded vocabulary's
         # gathered shards would be larger than the full tensor the bucket plan counts)
         chunks = build_model_chunks(hf_config, attention_backend="torch", precision=precision, vocab_divisible_by=1)
         load_hf_into_model(chunks, hf_dir, hf_config=hf_config)
-        exporter = StageExporter(chunks, hf_config, bucket_bytes=bucket_bytes)
+        exporter = StageExporter(chunks, hf_config, layout, bucket_bytes=bucket_bytes)
         manifests = gather_manifests(exporter)
         received, sizes = [], []
         for bucket in weights_for_driver(exporter, manifests):
             received += [(name, tensor.clone()) for name, tensor in bucket]
             sizes.append(sum(t.numel() * t.element_size() for _, t in bucket))
         stats = exporter.stats
-        save_hf_by_stage(StageExporter(chunks, hf_config, bucket_bytes=bucket_bytes), hf_config, save_to,
+        save_hf_by_stage(StageExporter(chunks, hf_config, layout, bucket_bytes=bucket_bytes), hf_config, save_to,
                          max_shard_bytes=3 * bucket_bytes, copy_from=hf_dir)
         plan = [[item.nbytes for item in items] for items in exporter.plan]
         return {"rank": dist.get_rank(), "received": received, "largest": stats.largest_tensor,
                 "peak_held": stats.peak_held, "largest_bucket": stats.largest_bucket, "plan": plan,
-                "exporter": exporter.is_exporter, "stage": parallel.pp_rank(), "received_buckets": sizes}
+                "exporter": exporter.is_exporter, "stage": layout.pp_rank, "received_buckets": sizes}
 
 
 LAYOUTS = [("qwen2", 4, 2, 2, None), ("qwen2", 2, 2, 1, None), ("qwen2", 2, 1, 2, None), ("qwen2", 4, 1, 2, None),

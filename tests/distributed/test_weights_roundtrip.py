@@ -161,8 +161,8 @@ def _actor_checkpoint_to_hf_on_rank(hf_dir, batch, ckpt_dir, out_dir):
     was_daemon = me.daemon
     me.daemon = False
     try:
-        with model_parallel(tp=2):
-            actor = Actor(actor_settings(make_cfg(tp=2, lr=1e-2, warmup_steps=1)), hf_dir)
+        with model_parallel(tp=2) as layout:
+            actor = Actor(actor_settings(make_cfg(tp=2, lr=1e-2, warmup_steps=1)), hf_dir, layout)
             actor.train(batch, step=0)  # move the weights away from the HF checkpoint
             actor.save(ckpt_dir)  # model + optimizer + RNG, in the actor's (unpadded-vocab) layout
             streamed = {name: tensor.clone() for name, tensor in actor.iter_hf_weights()}

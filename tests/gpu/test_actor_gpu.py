@@ -58,8 +58,8 @@ def test_bf16_logprobs_match_transformers_and_a_step_trains(tmp_path):
     cfg = Config()
     cfg.actor = ActorConfig(attention_backend="torch", precision="bf16", micro_batch_tokens=64)
     cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-3, 0
-    with model_parallel(tp=1, seed=1):
-        actor = Actor(actor_settings(cfg), hf_dir)
+    with model_parallel(tp=1, seed=1) as layout:
+        actor = Actor(actor_settings(cfg), hf_dir, layout)
         out = actor.logprobs(samples)
         for got, ref in zip(out.logprobs, want):
             # bf16 weights and activations: ~1e-2 absolute on log-probs of a few nats
@@ -109,8 +109,8 @@ def test_offload_frees_cuda_memory_and_onload_restores_bit_for_bit(tmp_path):
     cfg = Config()
     cfg.actor = ActorConfig(attention_backend="torch", precision="bf16", micro_batch_tokens=64)
     cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-3, 0
-    with model_parallel(tp=1, seed=1):
-        actor = Actor(actor_settings(cfg), hf_dir)
+    with model_parallel(tp=1, seed=1) as layout:
+        actor = Actor(actor_settings(cfg), hf_dir, layout)
         actor.train(samples, step=0)
         tensors = actor_tensors(actor.model_chunks, actor.optimizer)
         snapshot = [t.detach().reshape(-1).view(torch.uint8).clone() for c in ("params", "optimizer")
@@ -176,8 +176,8 @@ def test_fused_actor_equals_torch_actor_fp32(tmp_path):
         cfg.actor = ActorConfig(attention_backend="torch", precision="fp32", micro_batch_tokens=40,
                                 use_distributed_optimizer=False, fused_logprob=fused, fused_policy_loss=fused)
         cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-3, 0
-        with model_parallel(tp=1, seed=7):
-            actor = Actor(actor_settings(cfg), hf_dir)
+        with model_parallel(tp=1, seed=7) as layout:
+            actor = Actor(actor_settings(cfg), hf_dir, layout)
             for group in actor.optimizer.param_groups:
                 group["eps"] = 1e-4  # see tests/distributed/test_actor_train.py
             out = actor.logprobs(samples)

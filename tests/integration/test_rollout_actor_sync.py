@@ -49,8 +49,8 @@ def _train_sync_score_rank(hf_dir: str, url: str):
     from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
     rank = dist.get_rank()
-    with model_parallel(tp=2, seed=7):
-        actor = Actor(actor_settings(_cfg(2)), hf_dir)
+    with model_parallel(tp=2, seed=7) as layout:
+        actor = Actor(actor_settings(_cfg(2)), hf_dir, layout)
         samples = _training_samples()
         old = actor.logprobs(samples).logprobs
         for s, lp in zip(samples, old):

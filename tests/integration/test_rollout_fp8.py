@@ -65,8 +65,8 @@ def _rank(fp8_dir: str, hf_dir: str, fp8_url: str, plain_url: str):
     rank = dist.get_rank()
     conv = Fp8SyncConverter.from_checkpoint(fp8_dir)
     result = {"syncs": []}
-    with model_parallel(tp=1, seed=7):
-        actor = Actor(actor_settings(_cfg()), hf_dir)
+    with model_parallel(tp=1, seed=7) as layout:
+        actor = Actor(actor_settings(_cfg()), hf_dir, layout)
 
         def sync(step: int):
             """The actor's weights (fp32, as iter_hf_weights yields them) and, on rank 0, what the FP8

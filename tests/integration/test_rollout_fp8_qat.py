@@ -58,9 +58,9 @@ def _rank(output_dir: str, hf_dir: str, fp8_url: str):
     from dapo_megatron.rollout.client import EngineClient
     from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
-    with model_parallel(tp=2, seed=7):
-        qat = Actor(actor_settings(_cfg(output_dir, quantization_aware=True)), hf_dir)
-        plain = Actor(actor_settings(_cfg(output_dir, quantization_aware=False)), hf_dir)
+    with model_parallel(tp=2, seed=7) as layout:
+        qat = Actor(actor_settings(_cfg(output_dir, quantization_aware=True)), hf_dir, layout)
+        plain = Actor(actor_settings(_cfg(output_dir, quantization_aware=False)), hf_dir, layout)
         named = list(qat.iter_hf_weights())  # collective; the master weights (fp32), not fake-quantized
         outs = None
         if dist.get_rank() == 0:
