@@ -3,7 +3,7 @@ engine side of the weight transfer. Every other rank only runs the actor (traine
 
     driver = Driver(cfg, model_dir=..., run_dir=...)
     groups, stats = driver.rollout()           # dynamic sampling: generated, scored (+ overlong shaping) groups
-    code, result = driver.try_rollout(step)    # the same, or what to do when every engine was lost (trainer/recovery.py)
+    verdict, result = driver.try_phase(driver.rollout, ...)   # or what to do when every engine was lost (trainer/recovery.py)
     stats = driver.push_weights(buckets, step=3)   # the actor's export buckets (trainer/placement.py) -> every engine
     scores = driver.evaluate()                 # every eval set: metrics, and <run_dir>/evals/step_N.json
 """
@@ -14,7 +14,7 @@ import asyncio
 import copy
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -29,7 +29,7 @@ from dapo_megatron.rollout.registry import engine_events_path
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
 from dapo_megatron.trainer.eval_report import eval_file_path, eval_report, metric_prefix, report_metrics, write_eval_file
 from dapo_megatron.trainer.evaluate import sample_eval
-from dapo_megatron.trainer.recovery import OK, EngineFaults
+from dapo_megatron.trainer.recovery import EngineFaults, Verdict
 from dapo_megatron.transfer.engine_push import sync_dropping_dead
 from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
@@ -131,35 +131,26 @@ class Driver:
         stats.update(overlap_stats)
         return result.groups, stats
 
-    def try_rollout(self, step: int) -> tuple[int, Any]:
-        """(OK, rollout()) or, when every engine was lost during it, (RESYNC | LOST, None) with the prompt
-        stream and request counter put back where the step began, so that the redone rollout asks for
-        the same samples (trainer/recovery.py: FaultPolicy.rollout)."""
+    def try_phase(self, phase: Callable[[], Any], *, restore_prompts: bool = False, during: str, then: str,
+                  updates: int, step: int) -> tuple[Verdict, Any]:
+        """(Verdict.OK, phase()) or, when every engine was lost during it, (Verdict.RESYNC | LOST, None) from
+        EngineFaults.after_loss (trainer/recovery.py: FaultPolicy). restore_prompts (the rollout): the
+        prompt stream and request counter are put back where the phase began, so that the redone
+        rollout asks for the same samples."""
         from dapo_megatron.rollout.client import EngineError
 
         # not while steps overlap: the producer thread draws prompts ahead, and its failed batch's
         # prompts stay used (rollout/async_rollout.py)
-        state = copy.deepcopy(self.state_dict()) if self.overlap is None else None
+        state = copy.deepcopy(self.state_dict()) if restore_prompts and self.overlap is None else None
         try:
-            return OK, self.rollout()
+            return Verdict.OK, phase()
         except EngineError as err:
             if not self.engine_faults.is_engine_loss(err):
                 raise  # engines answer: not an engine loss
             if state is not None:
                 self.load_state_dict(state)
-            return self.engine_faults.after_rollout_loss(err, step, run=self.run), None
-
-    def try_evaluate(self, updates: int) -> tuple[int, Any]:
-        """(OK, evaluate()) or, when every engine was lost during it, (RESYNC | LOST, None)
-        (trainer/recovery.py: FaultPolicy.evaluate)."""
-        from dapo_megatron.rollout.client import EngineError
-
-        try:
-            return OK, self.evaluate(step=updates)
-        except EngineError as err:
-            if not self.engine_faults.is_engine_loss(err):
-                raise  # engines answer: not an engine loss
-            return self.engine_faults.after_eval_loss(err, updates, run=self.run), None
+            return self.engine_faults.after_loss(err, during=during, then=then, updates=updates, step=step,
+                                                 run=self.run), None
 
     # --- weights out ----------------------------------------------------------------------------------
     def push_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], *, step: int) -> dict[str, float]:

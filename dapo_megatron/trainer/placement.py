@@ -40,6 +40,7 @@ from typing import Iterator, Protocol
 from dapo_megatron.config import Config
 from dapo_megatron.dataplane.roles import RankRoles
 from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.dataplane.driver_decides import driver_decides
 
 
 class Placement(Protocol):
@@ -63,20 +64,13 @@ class _EngineSide:
         self.released: set[str] = set()  # tags released on every engine now (driver only)
 
     def run(self, fn, *args) -> None:
-        import torch.distributed as dist
-
-        message = ""
-        if self.driver is not None:
+        def on_engines() -> None:
             try:
                 self.driver.run(fn(self.driver.pool.weight_targets(), *args))
-            except Exception as err:  # noqa: BLE001 - re-raised on every rank below
-                message = f"{type(err).__name__}: {err}"
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [message]
-            coll.broadcast_object_list(box, src=0)
-            message = box[0]
-        if message:
-            raise RuntimeError(f"rollout engines: {message}")
+            except Exception as err:  # noqa: BLE001 - named as the engines' error on every rank
+                raise RuntimeError(f"rollout engines: {type(err).__name__}: {err}") from err
+
+        driver_decides(on_engines)
 
     def release(self, tags: list[str]) -> None:
         from dapo_megatron.transfer import engine_release as engine_memory
@@ -181,17 +175,7 @@ class ColocatedPlacement:
         if dist.is_initialized() and dist.get_world_size() > 1:
             devices = [None] * dist.get_world_size()
             coll.all_gather_object(devices, trainer_device())
-        box = [None, ""]
-        if roles.driver:
-            try:
-                box[0] = assign_engine_slots(driver.pool.registrations(), devices)
-            except ValueError as err:
-                box[1] = str(err)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            coll.broadcast_object_list(box, src=0)
-        if box[1]:
-            raise ValueError(box[1])
-        self.slots = box[0]
+        self.slots = driver_decides(lambda: assign_engine_slots(driver.pool.registrations(), devices))
         self.transfer = ColocatedTransfer(self.slots, driver=driver, bucket_bytes=cfg.rollout.weight_bucket_mb << 20,
                                           verify=cfg.rollout.verify_weight_sync)
         self.fp8 = None  # rollout.quantization=fp8: every rank converts what it hands its engine (quant/engine_checkpoint.py)

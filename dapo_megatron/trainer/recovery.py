@@ -1,33 +1,35 @@
 """What the trainer does when rollout engines fail mid-run (docs/architecture.md, "Faults a long run meets").
 
     faults = FaultPolicy(roles=roles, placement=placement, actor=actor, driver=driver, engine_restarts=...)
-    groups, stats = faults.rollout(step)            # every rank: (groups, stats) on the driver, (None, {}) elsewhere
+    groups, stats = faults.around_rollout(lambda: driver.rollout(), step=step)   # (None, {}) off the driver
     stats = faults.transfer(step + 1)               # every rank: the weights after step + 1 updates, to every engine
-    scores = faults.evaluate(step + 1)              # every rank: the eval (the driver's scores), retried or missed
+    scores = faults.around_eval(lambda: driver.evaluate(step=step + 1), updates=step + 1)   # retried or missed
     driver.engine_faults                            # EngineFaults: the driver's side (its pool, its run directory)
 
 The loop holds the FaultPolicy (every rank, collectives); the driver holds its EngineFaults (what it
-knows of the engines) and answers the policy through Driver.try_rollout and the EngineFaults fields
-(sync_redo, lost_reason): no function here reaches into the Driver's attributes.
+knows of the engines) and answers the policy through Driver.try_phase and the EngineFaults fields
+(sync_redo, lost_reason): no function here reaches into the Driver's attributes. Every decision is
+the driver's, learned by every rank through dataplane/driver_decides.py: a Verdict, or the driver's
+exception (EnginesLost with the driver's message, raised on every rank alike).
 
 The only engine dying during a rollout: the driver puts its prompt stream and request counter back
 where the step began, waits (at most rollout.engine_wait_s) for an engine to register again (the
-local launcher restarts it: launch/supervise.py), and tells every rank, with one broadcast int, to
-re-sync: the weights live on the actor ranks, so the re-sync is the collective export
+local launcher restarts it: launch/supervise.py), and tells every rank to re-sync (Verdict.RESYNC):
+the weights live on the actor ranks, so the re-sync is the collective export
 (placement.transfer_weights) of the weights after `step` updates. Then the step's rollout starts over
 from the same prompts with the same rids and per-sample seeds: with seeds honoured and groups taken in
 request order, the same samples as an uninterrupted run. No engine back in time (or the launcher's
 restart budget spent): EnginesLost on every rank, with the driver's message naming the engine and its
 error; trainer/train.py checkpoints the last completed step and stops.
 
-The only engine dying during an evaluation: the same wait and re-sync, then the eval once more with the
+The only engine dying during an evaluation: the same wait and re-sync (the same path, _with_resync), then the eval once more with the
 same prompts and seeds; if no engine comes back it is recorded as missed and training goes on (the
 completed step is kept: the next rollout checkpoints it before stopping, if it comes to that).
 
 An engine dying during a weight sync (transfer/engine_push.py): the sync fails at its bucket (weight_sync.py checks every engine
 is reachable before a bucket's broadcast), the dead engine is dropped, the rest of the export is still
 consumed on the driver (the other ranks run its collectives), and every rank runs another export pass
-(one broadcast int after each pass says whether): the survivors got part of the new weights and take
+(the driver decides after each pass whether): the survivors got part of the new weights and take
 the whole sync again in a group re-formed without the dead one. It rejoins through the normal re-sync
 (pending after it registers again, admitted after the next push).
 """
@@ -36,39 +38,23 @@ from __future__ import annotations
 
 import asyncio
 import time
+from enum import Enum
 from pathlib import Path
+from typing import Any, Callable
 
-import torch
+from dapo_megatron.dataplane.driver_decides import driver_decides
 
-from dapo_megatron.dataplane import collectives as coll
 
-OK, RESYNC, LOST = 0, 1, 2
+class Verdict(Enum):
+    """The driver's verdict on a phase that talks to the engines, learned by every rank."""
+
+    OK = "ok"  # the phase completed
+    RESYNC = "resync"  # every engine was lost and one is (back): re-sync the weights, then redo the phase
+    LOST = "lost"  # none came back in time (the reason in EngineFaults.lost_reason)
 
 
 class EnginesLost(RuntimeError):
     """No rollout engine left and none came back within rollout.engine_wait_s."""
-
-
-def broadcast_code(code: int) -> int:
-    """Global rank 0's `code` on every rank (a collective when torch.distributed is up)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return code
-    flag = torch.tensor([code], dtype=torch.int32)
-    coll.broadcast(flag, src=0)
-    return int(flag.item())
-
-
-def broadcast_text(text: str) -> str:
-    """Global rank 0's `text` on every rank."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return text
-    box = [text]
-    coll.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 # ------------------------------------------------------------------------------- the driver's side
@@ -124,49 +110,35 @@ class EngineFaults:
         launcher = "; ".join(f"the launcher's {e['engine']} exited with code {e['returncode']} and was not restarted "
                              f"(restart budget rollout.engine_restarts={e['budget']} spent)"
                              for e in self.launcher_gave_up())
-        return (f"no rollout engine left at step {step + 1}: {named}; none registered again within "
+        return (f"no rollout engine left at step {step}: {named}; none registered again within "
                 f"{waited_s:.0f} s (rollout.engine_wait_s={self.engine_wait_s:g})"
                 + (f"; {launcher}" if launcher else "") + f". Last error: {type(err).__name__}: {err}")
 
-    def after_rollout_loss(self, err: BaseException, step: int, *, run) -> int:
-        """RESYNC when an engine is (back) to take the weights, LOST when none came back in time (the
-        reason in lost_reason). `run`: the driver's way of running a coroutine on its loop."""
+    def after_loss(self, err: BaseException, *, during: str, then: str, updates: int, step: int, run) -> Verdict:
+        """Every engine was lost `during` a phase on the weights after `updates` updates: RESYNC when
+        one is (back) to take them (the phase redone `then`), LOST when none came back in time (the
+        reason, naming `step`, in lost_reason). `run`: the driver's way of running a coroutine."""
         if self.pool.live_urls():  # overlapped steps: an engine came back and took a push meanwhile
-            print(f"[engines] every engine was lost while batch {step + 1} was generating; "
-                  f"{', '.join(self.pool.live_urls())} is back: re-syncing the weights of step {step}, then "
-                  f"step {step + 1}'s rollout starts over", flush=True)
-            return RESYNC
-        print(f"[engines] no engine left during step {step + 1}'s rollout ({type(err).__name__}); waiting up to "
+            print(f"[engines] every engine was lost during {during}; {', '.join(self.pool.live_urls())} is back: "
+                  f"re-syncing the weights of step {updates}, then {then}", flush=True)
+            return Verdict.RESYNC
+        print(f"[engines] no engine left during {during} ({type(err).__name__}); waiting up to "
               f"{self.engine_wait_s:g} s (rollout.engine_wait_s) for one to register again", flush=True)
         tic = time.monotonic()
         if run(self.wait_for_engine(wait_s=self.engine_wait_s)):
             print(f"[engines] {', '.join(self.pool.pending_urls())} registered after {time.monotonic() - tic:.1f} s: "
-                  f"re-syncing the weights of step {step}, then step {step + 1}'s rollout starts over", flush=True)
-            return RESYNC
+                  f"re-syncing the weights of step {updates}, then {then}", flush=True)
+            return Verdict.RESYNC
         self.lost_reason = self.lost_message(step, err, time.monotonic() - tic)
-        return LOST
-
-
-    def after_eval_loss(self, err: BaseException, updates: int, *, run) -> int:
-        """The eval of the weights after `updates` updates lost every engine: RESYNC once one is (back),
-        LOST when none came back in time (the reason in lost_reason)."""
-        print(f"[engines] no engine left during the eval of step {updates} ({type(err).__name__}); waiting up to "
-              f"{self.engine_wait_s:g} s (rollout.engine_wait_s) for one to register again", flush=True)
-        tic = time.monotonic()
-        if self.pool.live_urls() or run(self.wait_for_engine(wait_s=self.engine_wait_s)):
-            print(f"[engines] {', '.join(self.pool.pending_urls() or self.pool.live_urls())} registered after "
-                  f"{time.monotonic() - tic:.1f} s: re-syncing the weights of step {updates}, then the eval "
-                  "starts over with the same prompts and seeds", flush=True)
-            return RESYNC
-        self.lost_reason = self.lost_message(updates - 1, err, time.monotonic() - tic)  # ("at step <updates>")
-        return LOST
+        return Verdict.LOST
 
 
 # ----------------------------------------------------------------------------- every rank's policy
 class FaultPolicy:
-    """What every rank does around the two phases that talk to the engines: the rollout (redone after
-    a re-sync when the only engine died; EnginesLost when none came back) and the weight transfer
-    (as many export passes as it takes). The driver's verdicts reach every rank as broadcast ints."""
+    """What every rank does around the phases that talk to the engines: the driver's rollout and eval
+    (redone after a re-sync when every engine died: one retry-with-resync path; EnginesLost when none
+    came back) and the weight transfer (as many export passes as it takes). The driver decides each
+    time; every rank learns its verdict (dataplane/driver_decides.py)."""
 
     def __init__(self, *, roles, placement, actor, driver, engine_restarts: int) -> None:
         self.roles, self.placement, self.actor, self.driver = roles, placement, actor, driver
@@ -175,68 +147,72 @@ class FaultPolicy:
     def transfer(self, step: int, *, max_passes: int = 0) -> dict[str, float]:
         """placement.transfer_weights of the weights after `step` updates, as many export passes as it
         takes for every surviving engine to get the whole sync (every rank runs the same number)."""
-        faults = self.driver.engine_faults if self.roles.driver else None
-        max_passes = max_passes or (faults.max_sync_passes() if faults else 0)
-        passes = broadcast_code(max_passes)  # the same bound on every rank
+        passes = driver_decides(lambda: max_passes or self.driver.engine_faults.max_sync_passes())
         for attempt in range(1, passes + 1):
             stats = self.placement.transfer_weights(self.actor, step=step)
-            if not broadcast_code(int(bool(faults and faults.sync_redo))):
-                return {**stats, "sync/passes": float(attempt)} if faults else stats
+            if not driver_decides(lambda: self.driver.engine_faults.sync_redo):
+                return {**stats, "sync/passes": float(attempt)} if self.roles.driver else stats
         raise RuntimeError(f"weight sync step_{step}: engines kept dying during the sync ({passes} passes)")
 
-    def rollout(self, step: int) -> tuple[list | None, dict[str, float]]:
-        """The driver's rollout ((groups, stats); (None, {}) elsewhere), redone after a re-sync when the
-        only engine died; EnginesLost on every rank when none came back (at most rollout.engine_restarts
-        + 1 redone rollouts per step)."""
-        for _ in range(self.engine_restarts + 2):
-            code, result = self.driver.try_rollout(step) if self.roles.driver else (OK, (None, {}))
-            code = broadcast_code(code)
-            if code == OK:
-                return result
-            if code == LOST:  # the driver's message on every rank: torchrun's "Root Cause" may be any rank's
-                raise EnginesLost(broadcast_text(self.driver.engine_faults.lost_reason if self.roles.driver else ""))
-            self.placement.before_train(self.actor)  # the phases a transfer runs in (a no-op when disaggregated)
-            self.transfer(step)
-            self.placement.before_rollout(self.actor)
-        raise EnginesLost(f"step {step + 1}'s rollout was redone {self.engine_restarts + 1} times: the engines "
-                          f"keep dying (rollout.engine_restarts={self.engine_restarts})")
+    def around_rollout(self, rollout: Callable[[], Any], *, step: int) -> tuple[list | None, dict[str, float]]:
+        """The driver's `rollout()` ((groups, stats); (None, {}) elsewhere), redone after a re-sync when
+        every engine died; EnginesLost on every rank, with the driver's message, when none came back (at
+        most rollout.engine_restarts + 1 redone rollouts per step)."""
+        def attempt() -> tuple[Verdict, Any]:
+            verdict, result = self.driver.try_phase(
+                rollout, restore_prompts=True, during=f"step {step + 1}'s rollout",
+                then=f"step {step + 1}'s rollout starts over", updates=step, step=step + 1)
+            if verdict is Verdict.LOST:  # raised on every rank (torchrun's "Root Cause" may be any rank's)
+                raise EnginesLost(self.driver.engine_faults.lost_reason)
+            return verdict, result
 
+        verdict, result, _ = self._with_resync(attempt, updates=step, attempts=self.engine_restarts + 2)
+        if verdict is Verdict.RESYNC:
+            raise EnginesLost(f"step {step + 1}'s rollout was redone {self.engine_restarts + 1} times: the engines "
+                              f"keep dying (rollout.engine_restarts={self.engine_restarts})")
+        return result if self.roles.driver else (None, {})
 
-    def evaluate(self, updates: int) -> dict[str, float]:
-        """The driver's eval of the weights after `updates` updates ({} on the other ranks). The only
-        engine dying during it: wait for it, re-sync those weights (a collective, hence every rank) and
-        evaluate once more with the same prompts and seeds ("eval/retried": 1). Not back in time, or
-        dying again: the eval is recorded as missed ("eval/missed": 1) with a line saying why, and
-        training goes on: the step it followed is complete and is never lost (the next rollout waits for
-        an engine, or checkpoints this step and stops)."""
-        faults = self.driver.engine_faults if self.roles.driver else None
-        for attempt in range(2):
-            code, scores = self.driver.try_evaluate(updates) if self.roles.driver else (OK, {})
-            code = broadcast_code(code)
-            if code == OK:
-                return {**scores, **({"eval/retried": 1.0} if attempt and faults else {})}
-            if code == LOST or attempt == 1:
-                break
-            self.placement.before_train(self.actor)  # the phases a transfer runs in (a no-op when disaggregated)
-            self.transfer(updates)
-            self.placement.before_rollout(self.actor)
-        if faults is None:
+    def around_eval(self, evaluate: Callable[[], dict[str, float]], *, updates: int) -> dict[str, float]:
+        """The driver's `evaluate()` of the weights after `updates` updates ({} on the other ranks). The
+        only engine dying during it: wait for it, re-sync those weights and evaluate once more with the
+        same prompts and seeds ("eval/retried": 1). Not back in time, or dying again: the eval is
+        recorded as missed ("eval/missed": 1) with a line saying why, and training goes on: the step it
+        followed is complete and is never lost (the next rollout waits for an engine, or checkpoints
+        this step and stops)."""
+        def attempt() -> tuple[Verdict, Any]:
+            return self.driver.try_phase(
+                evaluate, during=f"the eval of step {updates}",
+                then="the eval starts over with the same prompts and seeds", updates=updates, step=updates)
+
+        verdict, scores, attempts = self._with_resync(attempt, updates=updates, attempts=2)
+        if not self.roles.driver:
             return {}
+        if verdict is Verdict.OK:
+            return {**scores, **({"eval/retried": 1.0} if attempts > 1 else {})}
+        faults = self.driver.engine_faults
         why = faults.lost_reason or "the engines died again during the retried eval"
         print(f"[eval] the eval of step {updates} is missed (recorded as eval/missed=1): {why}. Training goes on "
               f"from step {updates}, which is complete", flush=True)
         faults.lost_reason = ""
         return {"eval/missed": 1.0}
 
-def save_before_stopping(cfg, actor, driver, roles, *, step: int, extra: dict) -> str:
-    """Every rank: a checkpoint of the last completed step (`step` updates) unless one is on disk;
-    returns what was done, for the error message."""
-    from dapo_megatron.trainer import run_checkpoint as ckpt
+    def _with_resync(self, attempt: Callable[[], tuple[Verdict, Any]], *, updates: int,
+                     attempts: int) -> tuple[Verdict, Any, int]:
+        """The one retry-with-resync path: the driver's `attempt()` -> (verdict, result); every rank
+        learns the verdict (the result stays on the driver); after RESYNC every rank re-syncs the
+        weights after `updates` updates and the driver attempts again, `attempts` times at most.
+        Returns the last verdict, the driver's result (None elsewhere) and the attempts made."""
+        for made in range(1, attempts + 1):
+            kept: list[Any] = [None]
 
-    final = ckpt.step_dir(cfg.trainer.output_dir, step)
-    if step == 0:
-        return "no step was completed: nothing to checkpoint"
-    if broadcast_code(int(roles.driver and final.is_dir())):  # the driver's view decides for every rank
-        return f"the checkpoint of step {step} is on disk ({final})"
-    ckpt.save_step(cfg, actor, driver, roles, step=step, extra=extra)
-    return f"checkpoint of step {step} written ({final}); continue with --resume"
+            def decide() -> Verdict:
+                verdict, kept[0] = attempt()
+                return verdict
+
+            verdict = driver_decides(decide)
+            if verdict is not Verdict.RESYNC or made == attempts:
+                return verdict, kept[0], made
+            self.placement.before_train(self.actor)  # the phases a transfer runs in (a no-op when disaggregated)
+            self.transfer(updates)
+            self.placement.before_rollout(self.actor)
+        raise AssertionError("unreachable: the last attempt returns")

@@ -24,10 +24,12 @@ import json
 import re
 import shutil
 import zlib
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.dataplane.driver_decides import driver_decides
 
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
@@ -61,8 +63,36 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
+@dataclass(frozen=True)
+class TrainerState:
+    """What trainer_state.json holds for the loop (the actor's own state is in actor/): the format of
+    every checkpoint so far, {"step", "driver", "nonfinite_in_row", "eval"}, read and written as is."""
+
+    step: int = 0  # updates done: the loop continues with step + 1
+    nonfinite_in_row: int = 0  # NaN/inf updates in a row up to `step` (trainer/nonfinite.py)
+    eval: float | None = None  # the headline avg@k logged at `step`, if it evaluated (keep_best_checkpoint)
+    driver: dict[str, Any] | None = None  # the driver's data order and request counter (Driver.state_dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "driver": self.driver, "nonfinite_in_row": self.nonfinite_in_row, "eval": self.eval}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any], *, source: str | Path) -> "TrainerState":
+        """A checkpoint's state; ValueError naming the file and key when one is missing or not a number."""
+        try:
+            score = raw.get("eval")
+            return cls(step=int(raw["step"]), nonfinite_in_row=int(raw.get("nonfinite_in_row", 0)),
+                       eval=float(score) if isinstance(score, (int, float)) else None, driver=raw.get("driver"))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{source}: not a trainer state ({type(err).__name__}: {err})") from None
+
+
 def write_state(tmp_dir: Path, state: dict[str, Any]) -> None:
     (tmp_dir / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
+
+
+def read_trainer_state(ckpt_dir: str | Path) -> TrainerState:
+    return TrainerState.from_json(read_state(ckpt_dir), source=Path(ckpt_dir) / STATE_FILE)
 
 
 def read_state(ckpt_dir: str | Path) -> dict[str, Any]:
@@ -160,20 +190,7 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _from_rank0(value: Any) -> Any:
-    """rank 0's value on every rank (one listing of the shared directory, not one per rank)."""
-    import torch.distributed as dist
-
-    if _world()[1] == 1:
-        return value
-    box = [value]
-    coll.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _gather(value: Any) -> list[Any]:
-    import torch.distributed as dist
-
     if _world()[1] == 1:
         return [value]
     out: list[Any] = [None] * _world()[1]
@@ -185,7 +202,7 @@ def write_manifest(ckpt_dir: Path) -> None:
     """Collective (every rank, after every rank has written its files): rank r checksums files
     r, r + world, ...; rank 0 writes manifest.json with all of them."""
     rank, world = _world()
-    names = _from_rank0(checkpoint_files(ckpt_dir) if rank == 0 else None)
+    names = driver_decides(lambda: checkpoint_files(ckpt_dir))  # one listing of the shared directory
     entries: dict[str, dict[str, Any]] = {}
     for part in _gather(describe_files(ckpt_dir, names[rank::world])):
         entries.update(part)
@@ -195,20 +212,22 @@ def write_manifest(ckpt_dir: Path) -> None:
         tmp.rename(ckpt_dir / MANIFEST_FILE)
 
 
+def _read_manifest(ckpt_dir: Path) -> dict[str, dict[str, Any]] | str:
+    """The manifest's entries, "absent", or the reason it cannot be read."""
+    try:
+        return json.loads((ckpt_dir / MANIFEST_FILE).read_text())["files"]
+    except FileNotFoundError:
+        return "absent"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{ckpt_dir / MANIFEST_FILE}: unreadable ({err})"
+
+
 def verify_checkpoint(ckpt_dir: Path) -> list[str]:
     """Collective: every problem of the checkpoint against its manifest (the same list on every rank;
     empty = intact). A checkpoint without a manifest (written before manifests existed) is accepted
     with a printed warning: there is nothing to verify it against."""
     rank, world = _world()
-    manifest = None
-    if rank == 0:
-        try:
-            manifest = json.loads((ckpt_dir / MANIFEST_FILE).read_text())["files"]
-        except FileNotFoundError:
-            manifest = "absent"
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            manifest = f"{ckpt_dir / MANIFEST_FILE}: unreadable ({err})"
-    manifest = _from_rank0(manifest)
+    manifest = driver_decides(lambda: _read_manifest(ckpt_dir))
     if manifest == "absent":
         if rank == 0:
             print(f"[checkpoint] {ckpt_dir} has no {MANIFEST_FILE} (an older checkpoint): not verified", flush=True)
@@ -225,7 +244,7 @@ def newest_valid_checkpoint(output_dir: str | Path, *, log: Callable[[str], None
     problem, set aside as step_<N>.corrupt (rank 0) and the previous one is tried. Raises ValueError
     (naming the reason) when there is none: --resume never silently starts from nothing."""
     rank, _ = _world()
-    found = _from_rank0(list_checkpoints(output_dir) if rank == 0 else None)
+    found = driver_decides(lambda: list_checkpoints(output_dir))
     if not found:
         raise ValueError(f"--resume: no checkpoint in {checkpoint_root(output_dir)} (a complete "
                          f"step_<N>/ with {STATE_FILE}); run without --resume to start this run from the beginning")
@@ -238,11 +257,13 @@ def newest_valid_checkpoint(output_dir: str | Path, *, log: Callable[[str], None
             return path
         more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
         rejected.append(f"{path.name}: {problems[0]}{more}")
-        if rank == 0:
-            log(f"[checkpoint] {path} is damaged: {problems[0]}{more}; "
+
+        def set_aside(path=path, why=f"{problems[0]}{more}") -> None:
+            log(f"[checkpoint] {path} is damaged: {why}; "
                 f"keeping it as {path.name}{CORRUPT_SUFFIX} and trying the previous checkpoint")
             path.rename(path.with_name(path.name + CORRUPT_SUFFIX))
-        _from_rank0(None)  # everyone waits for the rename before listing again
+
+        driver_decides(set_aside)  # every rank waits for the rename before verifying the previous one
     raise ValueError("--resume: every checkpoint failed verification (each is kept as step_<N>.corrupt); "
                      "refusing to start from nothing:\n  "
                      + "\n  ".join(rejected))
@@ -270,14 +291,14 @@ def _save_hf(cfg, actor, roles, out_dir: Path) -> None:
             pass
 
 
-def save_step(cfg, actor, driver, roles, *, step: int, extra: dict) -> None:
-    """All ranks: write checkpoints/step_<step>.tmp (actor; HF weights written by each pipeline stage),
-    then the driver renames it into place."""
+def save_step(cfg, actor, driver, roles, *, state: TrainerState) -> None:
+    """All ranks: write checkpoints/step_<state.step>.tmp (actor; HF weights written by each pipeline
+    stage; the driver's state_dict into `state`), then the driver renames it into place."""
     import torch.distributed as dist
 
     from dapo_megatron.trainer.write_failure import CheckpointWriteError, remove_partial, write_failure_message
 
-    final = step_dir(cfg.trainer.output_dir, step)
+    final = step_dir(cfg.trainer.output_dir, state.step)
     tmp = final.with_name(final.name + ".tmp")
     try:
         if roles.driver:
@@ -288,7 +309,7 @@ def save_step(cfg, actor, driver, roles, *, step: int, extra: dict) -> None:
         if cfg.trainer.save_hf:
             _save_hf(cfg, actor, roles, tmp / "hf")
         if roles.driver:
-            write_state(tmp, {"step": step, "driver": driver.state_dict(), **extra})
+            write_state(tmp, replace(state, driver=driver.state_dict()).to_json())
         dist.barrier()
         write_manifest(tmp)  # last: sizes + checksums of everything above (collective)
     except (OSError, RuntimeError) as err:  # a full disk, a quota, a dead mount: say which, keep the last good one

@@ -22,9 +22,17 @@ import torch
 from dapo_megatron.algo import ADVANTAGES
 from dapo_megatron.config import Config
 from dapo_megatron.dataplane.batch import RolloutBatch
-from dapo_megatron.trainer import run_checkpoint as ckpt
+from dapo_megatron.dataplane.layout import ParallelLayout
+from dapo_megatron.dataplane.roles import RankRoles
+from dapo_megatron.trainer import console
+from dapo_megatron.trainer.checkpointer import Checkpointer
 from dapo_megatron.trainer.eval_report import headline_avg
-from dapo_megatron.trainer.recovery import EnginesLost, FaultPolicy, save_before_stopping
+from dapo_megatron.trainer.evaluator import Evaluator
+from dapo_megatron.trainer.nonfinite import NonFiniteGuard
+from dapo_megatron.trainer.preemption import PreemptionSignal
+from dapo_megatron.trainer.recovery import EnginesLost, FaultPolicy
+from dapo_megatron.trainer.run_checkpoint import TrainerState
+from dapo_megatron.trainer.run_log import MetricsLogger
 from dapo_megatron.trainer.step_record import StepRecord
 
 
@@ -53,7 +61,8 @@ def dapo_step(step: int, run: Run) -> dict[str, float]:
     #    overlong shaping), groups whose responses all agree dropped and refilled (rollout/sampler.py)
     placement.before_rollout(actor)  # colocated: the actor leaves the device, the engines come back
     record.add(placement.ledger("rollout", actor, ref))
-    groups, rollout_stats = run.faults.rollout(step)  # the driver's; (None, {}) on the other ranks
+    #    (the driver's rollout, redone after a weight re-sync when every engine was lost: trainer/recovery.py)
+    groups, rollout_stats = run.faults.around_rollout(lambda: run.driver.rollout(), step=step)  # (None, {}) off the driver
     # 2. group advantages (algorithm.advantage; DAPO's A = (R - mean_g R) / (std_g R + eps)), then the
     #    step as tensors, built once
     batch = with_group_advantages(groups, estimator=run.advantage, eps=run.advantage_eps) if roles.driver else None
@@ -111,83 +120,77 @@ def old_logprobs(share, actor, ref, *, reports: bool) -> dict[str, float]:
 
 
 def run_worker(cfg: Config, *, resume: bool) -> int:
-    from dapo_megatron.trainer import console
-
+    """One rank of the run: the components below each decide their own timing, so the loop reads as
+    the algorithm's outer loop."""
     console.quiet_backend_warnings()  # before megatron-core is imported (trainer/console.py: which, and why)
     from dapo_megatron.actor import parallel
-    from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
-    from dapo_megatron.actor.ref_policy import ReferencePolicy
-    from dapo_megatron.dataplane.roles import RankRoles
-    from dapo_megatron.trainer.driver import Driver
-    from dapo_megatron.trainer.preemption import PreemptionSignal
-    from dapo_megatron.trainer.run_log import MetricsLogger
-    from dapo_megatron.trainer.placement import make_placement
 
     parallel.init_distributed()
-    tr, run_dir = cfg.trainer, Path(cfg.trainer.output_dir)
+    tr = cfg.trainer
     with parallel.model_parallel(tp=cfg.actor.tp, pp=cfg.actor.pp, cp=cfg.actor.cp, vpp=cfg.actor.vpp, ep=cfg.actor.ep,
                                  etp=cfg.actor.etp, seed=tr.seed) as layout:
-        roles = RankRoles.current(layout)
-        actor = Actor(actor_settings(cfg), cfg.model.path, layout)
-        ref = ReferencePolicy(actor_settings(cfg), cfg.model.path, layout) if cfg.algorithm.use_kl else None  # frozen, off-device when idle
-        driver = Driver(cfg, model_dir=cfg.model.path, run_dir=run_dir) if roles.driver else None
-        if roles.driver:
-            console.actor_ready(cfg)
-        placement = make_placement(cfg, roles=roles, driver=driver)
-        faults = FaultPolicy(roles=roles, placement=placement, actor=actor, driver=driver,
-                             engine_restarts=cfg.rollout.engine_restarts)
-        run = Run(roles=roles, actor=actor, ref=ref, driver=driver, placement=placement, faults=faults,
-                  advantage=cfg.algorithm.advantage, advantage_eps=cfg.algorithm.advantage_eps,
-                  sequences_per_mini_batch=cfg.rollout.n * cfg.trainer.mini_batch_size)
-        latest = ckpt.newest_valid_checkpoint(run_dir) if resume else None  # verified against its manifest
-        state = ckpt.read_state(latest) if latest else {"step": 0, "nonfinite_in_row": 0}
-        if latest:
-            actor.load(latest / "actor")
-            if roles.driver:
-                driver.load_state_dict(state["driver"])
-            faults.transfer(int(state["step"]))  # the engines start from the base model
-        metrics = MetricsLogger(run_dir, wandb_mode=tr.wandb_mode, wandb_project=tr.wandb_project,
-                                config=cfg.to_dict(), resume_step=int(state["step"]) if latest else None) if roles.driver else None
+        run = build_run(cfg, layout)
+        checkpointer = Checkpointer(cfg, actor=run.actor, driver=run.driver, roles=run.roles, placement=run.placement)
+        resumed = checkpointer.resume() if resume else None  # verified against its manifest
+        if resumed is not None:
+            run.faults.transfer(resumed.step)  # the engines start from the base model
+        state = resumed or TrainerState()
+        metrics = MetricsLogger(tr.output_dir, wandb_mode=tr.wandb_mode, wandb_project=tr.wandb_project, config=cfg.to_dict(),
+                                resume_step=None if resumed is None else resumed.step) if run.roles.driver else None
+        evaluator = Evaluator(run.faults, run.driver, eval_every=tr.eval_every)
+        guard = NonFiniteGuard(max_in_row=tr.max_nonfinite_in_row, in_row=state.nonfinite_in_row,
+                               last_good=checkpointer.latest)
         preempt = PreemptionSignal().install()
-        nonfinite_in_row = int(state["nonfinite_in_row"])
-        if latest is None and tr.eval_every:  # the starting point of the curve (every rank: a re-sync may be needed)
-            scores = faults.evaluate(0)
-            if roles.driver:
+        if resumed is None and evaluator.should_evaluate(0):  # the starting point of the curve (every rank: a re-sync may be needed)
+            scores = evaluator.evaluate(0)
+            if metrics is not None:
                 metrics.log(0, scores)
-        for step in range(int(state["step"]), tr.total_steps):
+        for step in range(state.step, tr.total_steps):
             try:
                 log = dapo_step(step, run)
             except EnginesLost as err:  # no engine came back: keep what was trained, name the cause
-                actor.onload()  # colocated: it was offloaded for the rollout (no engine is left to make room for)
-                saved = save_before_stopping(cfg, actor, driver, roles, step=step,
-                                             extra={"nonfinite_in_row": nonfinite_in_row, "eval": None})
+                saved = checkpointer.save_before_stopping(TrainerState(step=step, nonfinite_in_row=guard.in_row))
                 raise EnginesLost(f"{err}; {saved}") from None
-            nonfinite_in_row = nonfinite_in_row + 1 if log.get("actor/nonfinite") else 0
-            log["nonfinite_in_row"] = float(nonfinite_in_row)
-            if tr.eval_every and (step + 1) % tr.eval_every == 0:  # an engine lost here costs the eval, never the step
-                log.update(faults.evaluate(step + 1))
-            if roles.driver:
+            guard.observe(log)
+            if evaluator.should_evaluate(step + 1):  # an engine lost here costs the eval, never the step
+                log.update(evaluator.evaluate(step + 1))
+            if metrics is not None:
                 metrics.log(step + 1, log)
-            if nonfinite_in_row >= tr.max_nonfinite_in_row:
-                raise RuntimeError(f"{nonfinite_in_row} updates in a row had a NaN/inf loss or grad norm "
-                                   f"(trainer.max_nonfinite_in_row={tr.max_nonfinite_in_row}); stopping. "
-                                   f"Last good checkpoint: {ckpt.latest_checkpoint(run_dir)}")
-            last_step = step + 1 == tr.total_steps
-            stop = preempt.should_stop()  # collective: every rank decides the same at the same step
-            if (tr.save_every and (step + 1) % tr.save_every == 0) or last_step or stop:
-                with placement.actor_on_device(actor, step=step + 1):  # colocated: the engines make room
-                    ckpt.save_step(cfg, actor, driver, roles, step=step + 1,
-                                   extra={"nonfinite_in_row": nonfinite_in_row,
-                                          "eval": headline_avg(log, list(cfg.data.eval_sets))})
+            guard.stop_if_exceeded()
+            last_step, stop = step + 1 == tr.total_steps, preempt.should_stop()  # collective: every rank, the same step
+            checkpointer.save(TrainerState(step=step + 1, nonfinite_in_row=guard.in_row,
+                                           eval=headline_avg(log, list(cfg.data.eval_sets))), last_step=last_step, stop=stop)
             if stop and not last_step:
-                if roles.driver:
-                    print(preempt.stop_line(step + 1, ckpt.step_dir(run_dir, step + 1)), flush=True)
+                if run.roles.driver:
+                    print(preempt.stop_line(step + 1, checkpointer.step_dir(step + 1)), flush=True)
                 break
-        if roles.driver:
+        if run.roles.driver:
             metrics.close()
-            driver.close()
+            run.driver.close()
     return 0
+
+
+def build_run(cfg: Config, layout: ParallelLayout) -> Run:
+    """Every rank's actor (and KL reference), the driver on global rank 0, the placement and the fault
+    policy, in this rank's parallel layout (model_parallel's)."""
+    from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.actor.ref_policy import ReferencePolicy
+    from dapo_megatron.trainer.driver import Driver
+    from dapo_megatron.trainer.placement import make_placement
+    from dapo_megatron.trainer.settings import actor_settings
+
+    roles = RankRoles.current(layout)
+    actor = Actor(actor_settings(cfg), cfg.model.path, layout)
+    ref = ReferencePolicy(actor_settings(cfg), cfg.model.path, layout) if cfg.algorithm.use_kl else None  # frozen, off-device when idle
+    driver = Driver(cfg, model_dir=cfg.model.path, run_dir=Path(cfg.trainer.output_dir)) if roles.driver else None
+    if roles.driver:
+        console.actor_ready(cfg)
+    placement = make_placement(cfg, roles=roles, driver=driver)
+    faults = FaultPolicy(roles=roles, placement=placement, actor=actor, driver=driver,
+                         engine_restarts=cfg.rollout.engine_restarts)
+    return Run(roles=roles, actor=actor, ref=ref, driver=driver, placement=placement, faults=faults,
+               advantage=cfg.algorithm.advantage, advantage_eps=cfg.algorithm.advantage_eps,
+               sequences_per_mini_batch=cfg.rollout.n * cfg.trainer.mini_batch_size)
 
 
 def run_worker_recorded(cfg, *, resume: bool) -> int:

@@ -35,6 +35,7 @@ GPUs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,7 @@ from dapo_megatron.transfer.tensor_payload import serialize_for_engine_rank
 from dapo_megatron.transfer.weight_sync import SyncStats, check_against, engine_shapes
 from dapo_megatron.weights.export import bucketize
 from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.dataplane.driver_decides import driver_decides
 
 
 @dataclass(frozen=True)
@@ -131,51 +133,42 @@ class ColocatedTransfer:
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], *, weight_version: str) -> SyncStats:
         """Every tensor to every engine inside one weight-update session. Raises on every rank alike
-        (the driver's error is broadcast) so no rank is left inside a collective."""
+        (the driver's error, dataplane/driver_decides.py) so no rank is left inside a collective."""
         stats = SyncStats(num_engines=len(self.tp_sizes), weight_version=weight_version)
         tic = time.perf_counter()
-        error = self._on_driver(self._begin, weight_version)
         seen: set[str] = set()
         try:
-            if error:
-                raise EngineError(error)
+            self._on_driver(self._begin, weight_version)
             for bucket in bucketize(named, self.bucket_bytes):
                 payloads = [(slot, serialize_for_engine_rank(bucket)) for slot in self.mine]
                 gathered = _gather_to_driver(payloads)
-                error = self._on_driver(self._post, bucket, gathered, weight_version)
-                if error:  # every rank raises the driver's message; the stream is abandoned on all alike
-                    raise EngineError(error)
+                self._on_driver(self._post, bucket, gathered, weight_version)  # the stream is abandoned on all alike
                 del payloads, gathered  # the engines have copied the bucket: its handles may go
                 stats.num_buckets += 1
                 stats.num_tensors += len(bucket)
                 stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
                 seen.update(n for n, _ in bucket)
-        finally:
-            end_error = self._on_driver(self._end)
-        if end_error:
-            raise EngineError(end_error)
-        error = self._on_driver(self._check_complete, seen)
-        if error:
-            raise EngineError(error)
+        except BaseException:
+            with contextlib.suppress(EngineError):  # the session is closed; the first error is the one raised
+                self._on_driver(self._end)
+            raise
+        self._on_driver(self._end)
+        self._on_driver(self._check_complete, seen)
         stats.seconds = time.perf_counter() - tic
         return stats
 
     # --- the driver's side (HTTP to the engines); every method returns "" or an error message ------
-    def _on_driver(self, fn, *args) -> str:
-        """Run fn on the driver and broadcast its error message ("" = fine) to every rank."""
-        import torch.distributed as dist
-
-        message = ""
-        if self.driver is not None:
+    def _on_driver(self, fn, *args) -> None:
+        """fn on the driver; its error message, or what it raised, is an EngineError on every rank."""
+        def decide() -> None:
             try:
-                message = fn(*args) or ""
+                message = fn(*args)
             except Exception as err:  # noqa: BLE001 - every rank must hear about it, not only the driver
                 message = f"{type(err).__name__}: {err}"
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            box = [message]
-            coll.broadcast_object_list(box, src=0)
-            message = box[0]
-        return message
+            if message:
+                raise EngineError(message)
+
+        driver_decides(decide)
 
     def _clients(self):
         clients = {c.url: c for c in self.driver.pool.weight_targets()}
