@@ -36,7 +36,7 @@ class RankRoles:
     exporter: bool
 
     @classmethod
-    def current(cls, parallel) -> "RankRoles":
+    def current(cls, parallel) -> RankRoles:
         """This rank's roles; `parallel` is the actor's parallel state (actor/parallel.py), passed in
         because the data plane sits below the actor."""
         import torch.distributed as dist

@@ -8,8 +8,9 @@ Token lists stay plain Python lists until the actor packs them into micro-batche
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 
 @dataclass

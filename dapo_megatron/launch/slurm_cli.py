@@ -6,7 +6,8 @@
     dapo-megatron slurm submit configs/runs/qwen2.5-32b_dapo.yaml --eval /shared/runs/qwen2.5-32b_dapo
     dapo-megatron slurm submit configs/runs/qwen2.5-32b_dapo.yaml --bench-kernels
     dapo-megatron slurm submit CONFIG --resume    # continue the run in trainer.output_dir (--overwrite: clear it)
-    dapo-megatron slurm submit ... --dry-run      # run the checks, print the scripts and sbatch commands; submit nothing
+    # run the checks, print the scripts and sbatch commands; submit nothing
+    dapo-megatron slurm submit ... --dry-run
     dapo-megatron slurm status /shared/runs/qwen2.5-32b_dapo
     dapo-megatron slurm render train CONFIG [overrides]    # one rendered sbatch file on stdout
 
@@ -23,7 +24,7 @@ import argparse
 import sys
 
 from dapo_megatron.config import load_config
-from dapo_megatron.launch import render, status, submit, submit_guard
+from dapo_megatron.launch import status, submit, submit_guard
 
 _RENDERERS = ("train", "engines", "bench_kernels")
 

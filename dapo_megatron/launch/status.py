@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from dapo_megatron.launch.submit import read_jobs
 
-Runner = Callable[[list[str]], Optional[str]]  # argv -> stdout, or None when the command fails
+Runner = Callable[[list[str]], str | None]  # argv -> stdout, or None when the command fails
 
 
-def _run(argv: list[str]) -> Optional[str]:
+def _run(argv: list[str]) -> str | None:
     try:
         result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
@@ -56,7 +56,7 @@ def job_rows(job_id: str, run: Runner = _run) -> list[dict[str, str]]:
              "reason": "not in squeue or scontrol; sacct unavailable"}]
 
 
-def last_metrics(run_dir: Path) -> Optional[dict]:
+def last_metrics(run_dir: Path) -> dict | None:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return None

@@ -39,15 +39,17 @@ only the exporter receives the shards, and the next bucket's gather overlaps the
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.actor import parallel
+from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.weights.export import _local_maps
 from dapo_megatron.weights.mapping import Dims, expected_hf_shapes, merge_shards_into
-from dapo_megatron.dataplane import collectives as coll
 
 
 def covers_layout() -> bool:
@@ -56,8 +58,6 @@ def covers_layout() -> bool:
     live on several DP ranks, which this exporter (one DP replica, a TP gather) does not visit.
     Those layouts keep the funnel, weights/export.py's iter_hf_weights, which gathers experts over
     EP on every rank (trainer/placement.py, checkpointing.save_step)."""
-    from dapo_megatron.actor import parallel
-
     return parallel.ep_size() == 1 and parallel.etp_size() == parallel.tp_size()
 
 
@@ -155,8 +155,6 @@ def stage_manifest(model_chunks: Sequence[Any], hf_config: Any) -> list[tuple[Ex
 
 class StageExporter:
     def __init__(self, model_chunks: Sequence[Any], hf_config: Any, *, bucket_bytes: int) -> None:
-        from dapo_megatron.actor import parallel
-
         if not covers_layout():
             raise ValueError(f"per-stage weight export: actor.ep={parallel.ep_size()}, actor.etp={parallel.etp_size()} "
                              f"(tp={parallel.tp_size()}) is not supported yet; use iter_hf_weights (covers_layout())")
@@ -197,7 +195,7 @@ class StageExporter:
         A gather by point-to-point: the exporter posts one irecv per TP peer straight into that
         shard's buffer and keeps its own shard as it is (gloo's gather would stage all shards in one
         temporary on the root and copy them out: one parameter's gathered size more)."""
-        started = []
+        started: list[tuple[list[torch.Tensor] | None, list]] = []
         for item in items:
             shard = by_key[item.key].detach()
             if self.tp_size == 1 or item.kind == "replicated":
@@ -234,6 +232,7 @@ class StageExporter:
         out = iter(named)
         for index, item in enumerate(items):
             parts = shards[index]
+            assert parts is not None, f"{item.key}: the exporter holds every item's shards"
             views = [next(out)[1] for _ in item.names]
             merge_shards_into(item.kind, parts, views, dims=self.dims)  # no full-size temporary
             self.stats.largest_tensor = max([self.stats.largest_tensor, *(v.numel() * v.element_size() for v in views)])
@@ -258,8 +257,6 @@ class StageExporter:
 def gather_manifests(exporter: StageExporter) -> list[list[ExportItem]] | None:
     """Every stage's items, in stage order, on the stage exporters (the driver among them): one
     all_gather_object of names and shapes over their pipeline group. None on every other rank."""
-    from dapo_megatron.actor import parallel
-
     if not exporter.is_exporter:
         return None
     if parallel.pp_size() == 1:
@@ -282,9 +279,8 @@ def weights_for_driver(exporter: StageExporter, manifests: list[list[ExportItem]
     weight group per stage inside the SGLang session; the manifests already tell the driver the
     names, dtypes and shapes of every stage's buckets for its update requests).
     """
-    from dapo_megatron.actor import parallel
-
     if dist.get_rank() == 0:
+        assert manifests is not None, "the driver passes every stage's manifest (gather_manifests)"
         yield from _driver_stream(exporter, manifests)
         return
     for bucket in exporter.buckets():
@@ -293,9 +289,8 @@ def weights_for_driver(exporter: StageExporter, manifests: list[list[ExportItem]
         del bucket
 
 
-def _driver_stream(exporter: StageExporter, manifests: list[list[ExportItem]]) -> Iterator[tuple[str, torch.Tensor]]:
-    from dapo_megatron.actor import parallel
-
+def _driver_stream(exporter: StageExporter, manifests: list[list[ExportItem]],
+                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     for bucket in exporter.buckets():
         named = bucket.named
         del bucket
@@ -315,6 +310,7 @@ def _driver_stream(exporter: StageExporter, manifests: list[list[ExportItem]]) -
 
     pending = post(0) if incoming else None
     for index, (_, items) in enumerate(incoming):
+        assert pending is not None  # posted for every incoming bucket
         flat, work = pending
         work.wait()
         pending = post(index + 1) if index + 1 < len(incoming) else None
@@ -324,7 +320,7 @@ def _driver_stream(exporter: StageExporter, manifests: list[list[ExportItem]]) -
         del named
 
 
-def actor_exporter(actor, *, bucket_bytes: int) -> "StageExporter":
+def actor_exporter(actor, *, bucket_bytes: int) -> StageExporter:
     """This rank's part of the per-stage weight export of an Actor: iterate its buckets() on every
     rank; only the stage's exporter holds full tensors."""
     return StageExporter(actor.export_chunks(), actor.hf_config, bucket_bytes=bucket_bytes)

@@ -18,14 +18,16 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.weights.save import finish_hf_dir, shard_file_name
+from dapo_megatron.actor import parallel
 from dapo_megatron.transfer.stage_export import ExportItem, StageExporter, gather_manifests, plan_buckets
+from dapo_megatron.weights.save import finish_hf_dir, shard_file_name
 
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -69,8 +71,6 @@ def _write_tensor(handle, tensor: torch.Tensor) -> None:
 def save_hf_by_stage(exporter: StageExporter, hf_config: Any, out_dir: str | os.PathLike, *,
                      max_shard_bytes: int = 5 << 30, copy_from: str | os.PathLike | None = None) -> Path:
     """Collective over the world (module docstring). Returns out_dir on every rank."""
-    from dapo_megatron.actor import parallel
-
     out_dir = Path(out_dir).absolute()
     tmp_dir = out_dir.with_name(f".{out_dir.name}.tmp-stages")
     manifests = gather_manifests(exporter)
@@ -78,7 +78,7 @@ def save_hf_by_stage(exporter: StageExporter, hf_config: Any, out_dir: str | os.
         shutil.rmtree(tmp_dir, ignore_errors=True)
         tmp_dir.mkdir(parents=True)
     dist.barrier()
-    files_per_stage = None
+    files_per_stage: list[list[list[int]]] = []  # the driver's and the exporters' (they hold manifests)
     if manifests is not None:
         files_per_stage = [plan_files(plan_buckets(m, exporter.bucket_bytes), max_shard_bytes) for m in manifests]
         total = sum(len(f) for f in files_per_stage)
@@ -92,7 +92,7 @@ def save_hf_by_stage(exporter: StageExporter, hf_config: Any, out_dir: str | os.
                 if k != current:  # a new shard file: its header first, from the plan
                     if handle is not None:
                         handle.close()
-                    handle, current = open(tmp_dir / shard_file_name(first + k, total), "wb"), k
+                    handle, current = open(tmp_dir / shard_file_name(first + k, total), "wb"), k  # noqa: SIM115 - open across buckets
                     members = [exporter.plan[b] for b in files_per_stage[parallel.pp_rank()][k]]
                     handle.write(safetensors_header([item for items in members for item in items]))
                 for _, tensor in bucket.named:
@@ -103,12 +103,13 @@ def save_hf_by_stage(exporter: StageExporter, hf_config: Any, out_dir: str | os.
             handle.close()
     dist.barrier()
     if dist.get_rank() == 0:
+        assert manifests is not None, "gather_manifests gives the driver every stage's"
         weight_map, size = {}, 0
         for stage, manifest in enumerate(manifests):
             buckets = plan_buckets(manifest, exporter.bucket_bytes)
             offset = sum(len(f) for f in files_per_stage[:stage])
-            for k, members in enumerate(files_per_stage[stage]):
-                for item in (item for b in members for item in buckets[b]):
+            for k, file_buckets in enumerate(files_per_stage[stage]):
+                for item in (item for b in file_buckets for item in buckets[b]):
                     weight_map.update({name: shard_file_name(offset + k, total) for name in item.names})
                     size += item.nbytes
         finish_hf_dir(tmp_dir, out_dir, weight_map=weight_map, total_size=size, hf_config=hf_config,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")
 VOCAB_DIVISIBLE_BY = 128  # megatron's make_vocab_size_divisible_by default
@@ -59,7 +59,7 @@ class MoEShape:
     sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or dense MLP (False)
 
 
-def moe_shape_of(hf_config: Any) -> Optional[MoEShape]:
+def moe_shape_of(hf_config: Any) -> MoEShape | None:
     """MoEShape of a Qwen3-MoE config, None for a dense model. ValueError for what we cannot build."""
     if getattr(hf_config, "model_type", None) not in MOE_MODEL_TYPES:
         return None

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -62,7 +63,7 @@ def shard_group_of(pmap: ParamMap) -> tuple[int, int]:
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
-def chunk_param_maps(model: Any, dims: Dims, *, first_expert: Optional[int] = None) -> list[tuple[ParamMap, torch.nn.Parameter]]:
+def chunk_param_maps(model: Any, dims: Dims, *, first_expert: int | None = None) -> list[tuple[ParamMap, torch.nn.Parameter]]:
     """(mapping, parameter) for every parameter of one unwrapped chunk, in named_parameters order.
     first_expert: global index of local expert 0 (default: this EP rank's)."""
     offset = chunk_layer_offset(model)
@@ -85,7 +86,7 @@ class SafetensorsCheckpoint:
             from safetensors import safe_open
 
             with safe_open(single_path, framework="pt") as handle:
-                self.weight_map = {name: "model.safetensors" for name in handle.keys()}
+                self.weight_map = dict.fromkeys(handle.keys(), "model.safetensors")
         else:
             raise ValueError(f"HF checkpoint {self.hf_dir}: no model.safetensors or model.safetensors.index.json")
         self._open: dict[str, Any] = {}
@@ -100,7 +101,7 @@ class SafetensorsCheckpoint:
             self._open[file_name] = safe_open(os.path.join(self.hf_dir, file_name), framework="pt")
         return self._open[file_name]
 
-    def _fused(self, name: str) -> Optional[tuple[str, int, str]]:
+    def _fused(self, name: str) -> tuple[str, int, str] | None:
         """Where a public per-expert name lives in a fused-layout checkpoint (None: read it as is)."""
         if name in self.weight_map:
             return None

@@ -107,7 +107,7 @@ def fp8_tiny(tmp_path_factory):
     """A tiny Qwen2 with whole 128-channel groups (the FP8 engines' rule) and its block-FP8 export."""
     from helpers_tiny import save_tiny_hf
 
-    from dapo_megatron.quant import export_fp8_checkpoint
+    from dapo_megatron.quant.fp8_export import export_fp8_checkpoint
 
     root = tmp_path_factory.mktemp("qat_mem")
     hf_dir = save_tiny_hf(root / "qwen", arch="qwen2", shape={"hidden_size": 128, "intermediate_size": 256})
