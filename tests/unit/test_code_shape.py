@@ -79,13 +79,14 @@ def test_no_test_module_imports_another_test_module():
 
 
 def test_the_rule_sees_an_import_of_a_test_module(tmp_path):
-    (tmp_path / "tests" / "unit").mkdir(parents=True)
-    (tmp_path / "tests" / "unit" / "test_a.py").write_text(
+    suite = tmp_path / "suite"  # a test tree of its own (not named tests/: test_repo_references reads paths)
+    (suite / "unit").mkdir(parents=True)
+    (suite / "unit" / "test_a.py").write_text(
         "import os\nfrom helpers_x import y\n\ndef f():\n    from test_b import helper\n    import tests.unit.test_c\n")
-    (tmp_path / "tests" / "conftest.py").write_text("from .unit import test_a\n")
-    assert _test_module_imports(tmp_path / "tests") == [
-        "tests/conftest.py:1 imports .unit.test_a", "tests/unit/test_a.py:5 imports test_b",
-        "tests/unit/test_a.py:6 imports tests.unit.test_c"]
+    (suite / "conftest.py").write_text("from .unit import test_a\n")
+    assert _test_module_imports(suite) == [
+        "suite/conftest.py:1 imports .unit.test_a", "suite/unit/test_a.py:5 imports test_b",
+        "suite/unit/test_a.py:6 imports tests.unit.test_c"]
 
 
 def test_own_imports_inside_functions_stay_within_budget():
