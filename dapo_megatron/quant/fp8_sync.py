@@ -116,7 +116,8 @@ class Fp8SyncConverter:
         quantized: set[str] = set()
         for path in files:
             with safe_open(str(path), framework="pt") as f:
-                quantized.update(k.removesuffix(".weight_scale_inv") for k in f.keys() if k.endswith(".weight_scale_inv"))  # noqa: SIM118 - safe_open is not a dict
+                names = f.keys()  # safe_open is not a dict: no `in f`
+                quantized.update(k.removesuffix(".weight_scale_inv") for k in names if k.endswith(".weight_scale_inv"))
         config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
         dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "bfloat16")
         return cls(quantized_modules=quantized, dtype=dtype, block=int(qc["weight_block_size"][0]),
