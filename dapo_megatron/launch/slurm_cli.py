@@ -24,7 +24,7 @@ import argparse
 import sys
 
 from dapo_megatron.config import load_config
-from dapo_megatron.launch import status, submit, submit_guard
+from dapo_megatron.launch import status
 
 _RENDERERS = ("train", "engines", "bench_kernels")
 
@@ -43,6 +43,9 @@ def _one_config(configs: list[str], what: str) -> str:
 
 
 def _submit(argv: list[str]) -> int:
+    # per sub-command, as cli.py dispatches: `slurm status` does not load the plans, checks and renderers
+    from dapo_megatron.launch import submit, submit_guard
+
     ap = argparse.ArgumentParser(prog="dapo-megatron slurm submit",
                                  description="render the sbatch files of a run and submit them")
     ap.add_argument("args", nargs="*", metavar="CONFIG|key=value", help="a config file and dotted overrides")
@@ -119,6 +122,8 @@ def _warn_cluster_defaults(plan) -> None:
 
 def _check_memory(plan, lines: list[str]) -> None:
     """The memory plan's verdict lines go into `lines`; a plan that does not fit prints all of it and raises."""
+    from dapo_megatron.launch import submit
+
     try:
         submit.check_memory(plan, out=lines.append)
     except ValueError:
@@ -133,6 +138,8 @@ def _render(argv: list[str]) -> int:
     args = ap.parse_intermixed_args(argv)
     configs, overrides = _split(args.args)
     cfg = load_config(_one_config(configs, "slurm render"), overrides)
+    from dapo_megatron.launch import submit
+
     if args.which == "train":
         plan = submit.plan_train(cfg)
     elif args.which == "engines":

@@ -14,8 +14,6 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from dapo_megatron.launch.submit import read_jobs
-
 Runner = Callable[[list[str]], str | None]  # argv -> stdout, or None when the command fails
 
 
@@ -101,3 +99,10 @@ def summarize(run_dir: str | Path, run: Runner = _run) -> str:
         if metrics is not None:
             lines += ["", f"last metrics of {name} ({path / 'metrics.jsonl'}):", "  " + json.dumps(metrics)]
     return "\n".join(lines)
+
+
+def read_jobs(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "slurm" / "jobs.json"
+    if not path.exists():
+        raise ValueError(f"{run_dir}: no slurm/jobs.json (was the run submitted with `dapo-megatron slurm submit`?)")
+    return json.loads(path.read_text())["jobs"]

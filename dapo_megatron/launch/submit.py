@@ -312,10 +312,3 @@ def _record(run_dir: Path, records: list[dict]) -> None:
     path = run_dir / "slurm" / "jobs.json"
     old = json.loads(path.read_text()).get("jobs", []) if path.exists() else []
     path.write_text(json.dumps({"run_dir": str(run_dir), "jobs": old + records}, indent=2) + "\n")
-
-
-def read_jobs(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "slurm" / "jobs.json"
-    if not path.exists():
-        raise ValueError(f"{run_dir}: no slurm/jobs.json (was the run submitted with `dapo-megatron slurm submit`?)")
-    return json.loads(path.read_text())["jobs"]
