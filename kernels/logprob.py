@@ -51,8 +51,8 @@ import triton
 import triton.language as tl
 
 from . import logprob_cublas
+from ._runtime import INTERPRET, autotune_every_config, cast_dot_inputs_to_fp32, require_runnable
 from ._softmax_tiles import dz_tile, empty_stats, online_update, split_columns, store_stats
-from ._runtime import INTERPRET, autotune_every_config, cast_dot_inputs_to_fp32, num_sms, require_runnable
 from .reference import check_logprob_args, check_targets_in_vocab, check_vocab_size, vocab_shard
 
 # dL/dlogits chunk size bound for the backward (bytes): C = this // (V_local * element size).
@@ -315,6 +315,7 @@ class _BackwardJob:
         if rows == 0 or cols == 0:
             return
         if self.logits == "cublas":
+            assert self.scratch is not None  # allocated with the cuBLAS path (_backward_blocked)
             logprob_cublas.dlogits_into(dz, _packed(self.scratch, rows, cols), self.hidden[r0:r1], self.weight[v0:v1],
                                         self.targets_local[r0:r1], self.big_m[r0:r1], self.log_s[r0:r1],
                                         self.mean_c[r0:r1], self.g_lp[r0:r1], self.g_ent[r0:r1], has_ent=self.has_ent,
@@ -368,6 +369,7 @@ def _backward_row_chunked(job: _BackwardJob) -> None:
             else:
                 _addmm_fp32_(acc_w, dz.t(), hidden[r0:r1])
     if acc_w is not None:
+        assert job.grad_w is not None  # acc_w exists only for a weight gradient
         # copy_ converts in place: `grad_w[:] = acc_w.to(dtype)` held a third [V, H] (1039.5 MiB at
         # Qwen2.5-7B) next to the fp32 accumulator: the 1153 MiB "workspace" of the first H100 run.
         job.grad_w.copy_(acc_w)
@@ -391,7 +393,8 @@ def blocked_plan(n: int, h: int, v: int, element_size: int, *, tp: bool = False,
     # Balanced row blocks (no thin last GEMM): the fewest blocks that fit, then their even size rounded
     # up to the alignment, which stays <= rows (rows is a multiple of align, >= the even size).
     blocks = -(-n // rows)
-    return -(-(-(-n // blocks)) // align) * align, cols
+    even = -(-n // blocks)
+    return -(-even // align) * align, cols
 
 
 def blocked_workspace_bytes(n: int, h: int, v: int, element_size: int, *, tp: bool = False,
@@ -444,6 +447,7 @@ def _backward_blocked(job: _BackwardJob) -> None:
             part = acc_h[:r1 - r0]
             if job.tp_group is not None:
                 dist.all_reduce(part, group=job.tp_group)
+            assert job.grad_h is not None  # acc_h exists only for a hidden gradient
             job.grad_h[r0:r1].copy_(part)
 
 

@@ -38,18 +38,23 @@ import torch.distributed as dist
 
 from dapo_megatron.actor.attention import HOST_BOUNDS_ATTR
 from dapo_megatron.actor.context_parallel import merge_from_cp, split_for_cp
-from dapo_megatron.actor.lm_head import (full_sequence_hidden, output_weight, require_fused_kernels,
-                                         return_hidden_states, token_logprobs_entropy)
+from dapo_megatron.actor.lm_head import (
+    full_sequence_hidden,
+    output_weight,
+    require_fused_kernels,
+    return_hidden_states,
+    token_logprobs_entropy,
+)
 from dapo_megatron.actor.packing import MicroBatch, PackedShare, pack_batch_micro_batch
-from dapo_megatron.algo.aggregation import count_loss_units_packed, sequence_token_counts
-from dapo_megatron.algo.objective import METRIC_SUMS, PackedTokens, objective, objective_metrics
-from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.actor.settings import ActorSettings
 from dapo_megatron.actor.staging import to_device
-from dapo_megatron.dataplane.batch import RolloutBatch, exclusive_cumsum, ranges_index
-from dapo_megatron.dataplane.share import BatchShare, PackSettings, share_of_samples
+from dapo_megatron.algo.aggregation import count_loss_units_packed, sequence_token_counts
+from dapo_megatron.algo.objective import METRIC_SUMS, PackedTokens, objective, objective_metrics
 from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.dataplane.batch import RolloutBatch, exclusive_cumsum, ranges_index
 from dapo_megatron.dataplane.layout import ParallelLayout
+from dapo_megatron.dataplane.sample import Sample
+from dapo_megatron.dataplane.share import BatchShare, PackSettings, share_of_samples
 
 
 @dataclass
@@ -88,7 +93,11 @@ class Actor:
 
         frozen=True (the KL reference, reference.py): log-probs only; no DDP wrapper (so no
         param/grad buffers, no main_grad), no optimizer; train/save/load refuse."""
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from transformers import AutoConfig
 
         from dapo_megatron.actor.model import build_model_chunks
@@ -584,7 +593,6 @@ class Actor:
         """Collective: model + optimizer + RNG (megatron dist_checkpointing) + actor_state.json,
         written to `<path>.tmp` and renamed (checkpoint.py)."""
         from dapo_megatron.actor.checkpoint import save_checkpoint
-
         from dapo_megatron.actor.optimizer import adam_step
 
         self._require("params", "optimizer", action="save", trains=True)

@@ -14,9 +14,9 @@ a crash between the two renames leaves `<path>.old`, which `load_checkpoint` fal
 from __future__ import annotations
 
 import json
-import warnings
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np

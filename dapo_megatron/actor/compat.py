@@ -215,7 +215,6 @@ def _split_sizes_as_ints(sizes: Union[None, list[int], torch.Tensor, Iterable[in
 
 def _patch_moe() -> None:
     import torch.distributed as dist
-    from megatron.core.transformer.moe import moe_utils
 
     torch.cuda.Stream = _CpuStream
     torch.cuda.current_stream = lambda device=None: _CPU_STREAM

@@ -51,9 +51,9 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.weights.mapping import Dims, ParamMap, shard_for_rank
 from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.dataplane.layout import ParallelLayout
+from dapo_megatron.weights.mapping import Dims, ParamMap, shard_for_rank
 
 if TYPE_CHECKING:
     from torch.types import Device

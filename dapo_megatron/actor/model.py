@@ -74,9 +74,14 @@ AttentionBackend = Literal["torch", "te"]
 
 # what a checkpoint's config.json says about its shapes: weights/hf_config.py (the weight mapping reads it too)
 from dapo_megatron.weights.hf_config import (  # noqa: E402,F401 (re-exported)
-    SUPPORTED_MODEL_TYPES, VOCAB_DIVISIBLE_BY, has_qk_norm, has_qkv_bias, head_dim_of, model_type_of, padded_vocab_size)
-
-
+    SUPPORTED_MODEL_TYPES,
+    VOCAB_DIVISIBLE_BY,
+    has_qk_norm,
+    has_qkv_bias,
+    head_dim_of,
+    model_type_of,
+    padded_vocab_size,
+)
 
 # --- HF config -> TransformerConfig ----------------------------------------------------------------
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from dapo_megatron.actor.staging import to_device
 from dapo_megatron.dataplane import collectives as coll

@@ -14,7 +14,7 @@ Example, rewards [1, -1, -1, 1, -2] in groups [7, 7, 7, 3, 3]:
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

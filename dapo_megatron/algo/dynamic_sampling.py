@@ -13,8 +13,9 @@ until `train_batch_size` informative groups are kept, for at most `max_num_gen_b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 __all__ = ["keep_group", "DynamicSampler", "SamplerStats", "group_accuracies"]
 

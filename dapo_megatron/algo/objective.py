@@ -83,10 +83,12 @@ def objective(tokens: PackedTokens, settings: ObjectiveSettings, *,
     mask = t.loss_mask
     weight = mask
     if s.loss_agg_mode == "seq-mean-token-mean":
+        assert t.sequence_tokens is not None, "seq-mean-token-mean reads sequence_tokens"
         weight = mask / t.sequence_tokens.clamp(min=1.0)
     pg_weight = weight
     tis = torch.ones_like(mask)
     if s.tis_cap is not None:
+        assert t.rollout_logprobs is not None, "tis_cap reads rollout_logprobs"
         tis = behaviour_weight(t.old_logprob, t.rollout_logprobs, s.tis_cap)
         pg_weight = weight * tis
     pg_loss, stats = POLICY_LOSSES.get(s.policy_loss)(
@@ -95,6 +97,7 @@ def objective(tokens: PackedTokens, settings: ObjectiveSettings, *,
     kl = torch.zeros_like(t.logprob)
     kl_loss = torch.zeros((), dtype=torch.float32, device=t.logprob.device)
     if s.use_kl:
+        assert t.ref_logprobs is not None, "use_kl reads ref_logprobs"
         kl = kl_penalty(t.logprob, t.ref_logprobs, s.kl_kind)
         kl_loss = (kl * weight).sum() / denom
     loss = pg_loss + s.kl_coef * kl_loss if s.use_kl else pg_loss

@@ -13,7 +13,7 @@ L = 18432 -> -0.5, L = 20480 -> -1 (a truncated response), so a correct but trun
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dapo_kernels import policy_loss as fused_policy_loss
+
 # the per-token formula and the stats: the one torch reference of both (kernels/reference.py); this
 # module adds the aggregation modes and the argument checks of the trainer's configuration
 from dapo_kernels.reference import POLICY_LOSS_STAT_KEYS, policy_loss_stats, policy_loss_terms
@@ -112,7 +114,7 @@ def policy_loss(
             per_seq = per_seq / weight.sum(dim=-1).clamp(min=1.0)  # an empty sequence contributes 0
         total = per_seq.sum()
     if loss_denominator is None:
-        denom = float(max(count_loss_units(mask, agg_mode=agg_mode), 1))
+        denom: float | torch.Tensor = float(max(count_loss_units(mask, agg_mode=agg_mode), 1))
     else:
         denom = loss_denominator
         # a tensor (e.g. all-reduced on the GPU) is not checked: reading it would synchronize
@@ -159,8 +161,6 @@ def dapo_policy_loss(tokens: LossTokens, clip: ClipSettings) -> tuple[torch.Tens
     weight and the global D (the fused kernel's form too; tests/distributed/test_actor_fused.py)."""
     t = tokens
     if clip.fused:
-        from dapo_kernels import policy_loss as fused_policy_loss  # triton: imported only when asked for
-
         return fused_policy_loss(t.logprob, t.old_logprob, t.advantages, t.weight, eps_low=clip.eps_low,
                                  eps_high=clip.eps_high, clip_ratio_c=clip.clip_ratio_c,
                                  loss_denominator=float(t.loss_denominator))

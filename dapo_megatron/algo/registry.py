@@ -16,7 +16,8 @@ config.py's Literal (tests/unit/test_algo_objective.py checks that the two agree
 
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 F = TypeVar("F", bound=Callable)
 

@@ -47,10 +47,18 @@ import time
 import warnings
 import weakref
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
+from dapo_megatron.actor.actor import Actor
+from dapo_megatron.actor.parallel import init_distributed, model_parallel
+from dapo_megatron.benchmarks.run import add_output_args, append_rows, check_header, results_csv
+from dapo_megatron.config import ActorConfig, Config
 from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.dataplane.sample import Sample
+from dapo_megatron.trainer.settings import actor_settings
+from dapo_megatron.weights.mapping import Dims, expected_hf_shapes
 
 PEAK_FLOPS = {"bf16": 989e12}
 QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -68,19 +76,17 @@ def write_random_checkpoint(out_dir: Path, *, num_layers: int, seed: int = 0, sh
     from safetensors.torch import save_file
     from transformers import Qwen2Config
 
-    from dapo_megatron.weights.mapping import Dims, expected_hf_shapes
-
     config = Qwen2Config(**{**shape, "num_hidden_layers": num_layers}, torch_dtype="bfloat16")
     out_dir.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(out_dir)
     device = coll.compute_device()
     gen = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
-    for name, shape in expected_hf_shapes(Dims.from_hf(config)).items():
+    for name, hf_shape in expected_hf_shapes(Dims.from_hf(config)).items():
         if name.endswith("norm.weight"):
-            tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
+            tensors[name] = torch.ones(hf_shape, dtype=torch.bfloat16)
         else:
-            tensors[name] = (0.02 * torch.randn(shape, generator=gen, device=device)).to(torch.bfloat16).cpu()
+            tensors[name] = (0.02 * torch.randn(hf_shape, generator=gen, device=device)).to(torch.bfloat16).cpu()
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
@@ -89,8 +95,6 @@ def make_mini_batch(*, tokens_per_mb: int, seqs_per_mb: int, num_mb: int, dp: in
                     prompt_tokens: int | None = None):
     """Samples that fill num_mb micro-batches of tokens_per_mb tokens on each of dp ranks exactly; each sequence
     is a prompt of prompt_tokens (default min(256, half the sequence)) and a response of the rest."""
-    from dapo_megatron.dataplane.sample import Sample
-
     gen = torch.Generator().manual_seed(seed)
     length = tokens_per_mb // seqs_per_mb
     prompt = min(256, length // 2) if prompt_tokens is None else prompt_tokens
@@ -130,8 +134,6 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dapo_megatron.benchmarks.run import add_output_args, append_rows, check_header, results_csv
-
     parser = argparse.ArgumentParser(prog="dapo-megatron bench actor", description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768], help="tokens per micro-batch")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
@@ -165,8 +167,6 @@ def main(argv: list[str] | None = None) -> int:
     args.layers = args.layers or shape["num_hidden_layers"]
     on_gpu = torch.cuda.is_available()
 
-    from dapo_megatron.actor.parallel import init_distributed
-
     owns_group = not torch.distributed.is_initialized()
     init_distributed()
     rank0 = torch.distributed.get_rank() == 0
@@ -196,8 +196,8 @@ def _row(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool, dev
     """One row: the measurement, or status `oom` with the peak reached; either way the model is freed after
     (Actor.close, then garbage collection, then the allocator's cache: `del actor` alone left the model alive,
     reachable through the chunk config's callbacks) and model_freed says whether it was."""
-    precision = "bf16" if on_gpu else "fp32"
-    row = {k: "" for k in FIELDS}
+    precision: Literal["bf16", "fp32"] = "bf16" if on_gpu else "fp32"
+    row: dict[str, Any] = dict.fromkeys(FIELDS, "")
     row.update({"bench": "actor_train", "model": f"{args.shape}-shape-l{args.layers}", "precision": precision,
                 "attention": args.attention, "tp": args.tp, "pp": args.pp, "tokens_per_micro_batch": tokens_per_mb,
                 "prompt_tokens": args.prompt_tokens if args.prompt_tokens is not None else "",
@@ -225,13 +225,8 @@ def _row(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool, dev
     return row
 
 
-def _measure(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool, precision: str,
+def _measure(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool, precision: Literal["bf16", "fp32"],
              actor_ref: list) -> dict:
-    from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.actor.parallel import model_parallel
-    from dapo_megatron.config import ActorConfig, Config
-    from dapo_megatron.trainer.settings import actor_settings
-
     peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else (PEAK_FLOPS["bf16"] if on_gpu else None)
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     cfg = Config()
@@ -299,7 +294,7 @@ class _SyncCounter:
     def __init__(self, enabled: bool) -> None:
         self.enabled, self.count = enabled, 0
 
-    def __enter__(self) -> "_SyncCounter":
+    def __enter__(self) -> _SyncCounter:
         if self.enabled:
             self._caught = warnings.catch_warnings(record=True)
             self._records = self._caught.__enter__()

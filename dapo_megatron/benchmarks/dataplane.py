@@ -47,7 +47,17 @@ from pathlib import Path
 
 import torch
 
+from dapo_megatron.actor import parallel
+from dapo_megatron.actor.model import build_model_chunks
+from dapo_megatron.config import ActorConfig, Config
 from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.dataplane.batch import RolloutBatch
+from dapo_megatron.dataplane.roles import RankRoles
+from dapo_megatron.dataplane.sample import Sample
+from dapo_megatron.dataplane.scatter import scatter_batch
+from dapo_megatron.dataplane.share import PackSettings
+from dapo_megatron.dataplane.step_metrics import old_logprob_metrics
+from dapo_megatron.transfer.stage_export import StageExporter, gather_manifests, weights_for_driver
 
 DEFAULT_LAYOUTS = ("2:dp2", "2:tp2", "2:pp2", "4:dp4", "4:tp2,dp2", "4:pp2,dp2", "4:tp2,pp2", "4:cp2,dp2")
 # The 32B architecture (hidden 5120, 64 layers, 40/8 heads, FFN 27648, vocab 152064) scaled down.
@@ -63,10 +73,8 @@ CSV_FIELDS = ("date", "machine", "code", "layout", "world", "tp", "pp", "cp", "d
 # ----------------------------------------------------------------------------------- the step's data
 
 def synthetic_samples(*, prompts: int, n: int, seed: int, median_response: int = 2000, sigma: float = 0.9,
-                      max_response: int = 20480, vocab: int = MODEL["vocab_size"]) -> list:
+                      max_response: int = 20480, vocab: int = int(MODEL["vocab_size"])) -> list:
     """Samples as the sampler returns them (Python lists per token), lengths long-tailed."""
-    from dapo_megatron.dataplane.sample import Sample
-
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     out = []
@@ -117,10 +125,6 @@ def distribute(samples, *, cfg, layout, step_tokens: int) -> tuple[object, dict]
     its token-balanced share of every mini-batch (dataplane/scatter.py)."""
     import torch.distributed as dist
 
-    from dapo_megatron.dataplane.batch import RolloutBatch
-    from dapo_megatron.dataplane.scatter import scatter_batch
-    from dapo_megatron.dataplane.share import PackSettings
-
     batch = RolloutBatch.from_samples(samples) if dist.get_rank() == 0 else None
     share, stats = scatter_batch(batch, layout=layout, settings=PackSettings.from_actor_config(cfg.actor),
                                  sequences_per_mini_batch=cfg.trainer.mini_batch_size * cfg.rollout.n)
@@ -130,9 +134,6 @@ def distribute(samples, *, cfg, layout, step_tokens: int) -> tuple[object, dict]
 def bookkeep(held, *, cfg, layout) -> tuple[object, dict]:
     """Old log-probs stay tensors on the ranks that compute them (the last stage: random values
     here, no forward runs); mismatch and entropy are tensor sums reduced over DP."""
-    from dapo_megatron.dataplane.roles import RankRoles
-    from dapo_megatron.dataplane.step_metrics import old_logprob_metrics
-
     share, roles = held, RankRoles.current(layout)
     logprobs = entropies = None
     if roles.holds_results:
@@ -147,8 +148,6 @@ def export(chunks, hf_config, layout, *, bucket_bytes: int) -> dict:
     """Each stage's exporter gathers its own parameters over TP (transfer/stage_export.py); later
     stages hand their flat buckets to the driver, which holds one bucket at a time while it is sent
     (the disaggregated sync path; the engine transfer itself is not timed)."""
-    from dapo_megatron.transfer.stage_export import StageExporter, gather_manifests, weights_for_driver
-
     exporter = StageExporter(chunks, hf_config, layout, bucket_bytes=bucket_bytes)
     largest = largest_bucket = 0
     for bucket in weights_for_driver(exporter, gather_manifests(exporter)):
@@ -180,8 +179,6 @@ def _parse_layout(text: str) -> dict:
 
 
 def _bench_config(layout: dict, args):
-    from dapo_megatron.config import ActorConfig, Config
-
     cfg = Config()
     cfg.actor = ActorConfig(tp=layout["tp"], pp=layout["pp"], cp=layout["cp"], attention_backend="torch",
                             precision="bf16", micro_batch_tokens=24576, use_distributed_optimizer=True,
@@ -213,9 +210,6 @@ def _rank_step(layout: dict, args) -> dict:
 
     import torch.distributed as dist
     from transformers import Qwen2Config
-
-    from dapo_megatron.actor import parallel
-    from dapo_megatron.actor.model import build_model_chunks
 
     parallel.init_distributed()
     _import_everything_measured()
@@ -268,8 +262,6 @@ def _rank_step(layout: dict, args) -> dict:
 
 def _role(layout) -> str:
     """driver (rank 0), exporter (a later stage's exporter: it sends its stage's buckets) or rank."""
-    from dapo_megatron.dataplane.roles import RankRoles
-
     roles = RankRoles.current(layout)
     return "driver" if roles.driver else "exporter" if roles.exporter else "rank"
 

@@ -26,9 +26,13 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from dapo_megatron.benchmarks.run import add_output_args, append_rows, results_csv
+from dapo_megatron.data.tiny_model import build_tiny_tokenizer
+from dapo_megatron.rollout.registry import read_registrations
 
 # every route of the CPU engine with the JSON fields its handler reads (garbage is built from these)
 ENDPOINTS: list[tuple[str, str, tuple[str, ...]]] = [
@@ -53,7 +57,7 @@ ENDPOINTS: list[tuple[str, str, tuple[str, ...]]] = [
 GET_QUERIES = ["", "?timeout=abc", "?timeout=nan", "?timeout=1e999", "?timeout=-5", "?name=x&truncate_size=-1",
                "?name=model.norm.weight&truncate_size=99999999999999999999", "?name=model.norm.weight&truncate_size=x",
                "?name=%ff%fe", "?truncate_size=1"]
-JUNK = [None, True, False, 0, -1, 1, 2, 255, 10**30, -(10**12), 1.5, -0.0, 1e308, "", "x", "17", "\u00e9\u4e2d",
+JUNK: list[Any] = [None, True, False, 0, -1, 1, 2, 255, 10**30, -(10**12), 1.5, -0.0, 1e308, "", "x", "17", "\u00e9\u4e2d",
         "/", "weights", "abort", "model.norm.weight", [], [1], [-1], [1, 2], ["a"], [["a"]], [[1]], [None], [{}],
         {}, {"a": 1}, {"max_new_tokens": "x"}, {"n": 10**9}, {"temprature": 1}, [[1, 2], [3]], ["weights", 3]]
 RAW = [b"", b"{", b"[]", b"null", b"17", b'"x"', b"\xff\xfe\x00", b"\x80abc", "{\"a\": \"\u00e9\"}".encode("latin-1"),
@@ -221,12 +225,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def served_engine(model: str, register_dir: Path, extra_args: list[str] = ()):
+def served_engine(model: str, register_dir: Path, extra_args: Sequence[str] = ()):
     """(url, process) of a one-thread `serve-rollout` of model, once it has registered; terminated on exit."""
     import subprocess
     import sys
-
-    from dapo_megatron.rollout.registry import read_registrations
 
     proc = subprocess.Popen([sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", model,
                              "--register-dir", str(register_dir), "--threads", "1", *extra_args],
@@ -251,10 +253,8 @@ def _records(read, path):
 
 
 def _tiny_model(out: Path) -> str:
-    from dapo_megatron.data.tiny_model import build_tiny_tokenizer
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
     tok = build_tiny_tokenizer()
@@ -280,12 +280,13 @@ def _measure(url: str, pid: int, model: str, args) -> list[dict]:
     print(f"garbage statuses: {dict(sorted(statuses.items()))}")
     for name, (length, chunks) in big_bodies(args.big_mb).items():
         for framing in ("content-length", "chunked"):
-            stop, lat = threading.Event(), {}
+            stop, lat = threading.Event(), dict[str, list[float]]()
             prober = threading.Thread(target=probe_latencies, args=(url, stop, lat), daemon=True)
             with PeakRSS(pid) as rss:
                 prober.start()
                 tic = time.perf_counter()
                 try:
+                    status: int | str
                     status, _ = post_streamed(url, "/generate", chunks,
                                               length=length if framing == "content-length" else None)
                 except (ConnectionError, http.client.HTTPException) as err:  # the server answered and closed first

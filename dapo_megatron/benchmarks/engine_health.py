@@ -27,8 +27,6 @@ import http.client
 import json
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -86,7 +84,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def measure(url: str, kind: str, *, count: int, size: int, vocab_size: int) -> dict:
     """`count` bodies of `kind` posted back to back while /health is probed; the latency statistics."""
-    stop, lat = threading.Event(), []
+    stop, lat = threading.Event(), list[tuple[float, float]]()
     prober = threading.Thread(target=probe, args=(url, stop, lat), daemon=True)
     path, body = (None, None) if kind == "idle" else bodies(kind, size, vocab_size)
     prober.start()
@@ -96,6 +94,7 @@ def measure(url: str, kind: str, *, count: int, size: int, vocab_size: int) -> d
         time.sleep(3.0)
     for _ in range(count if kind != "idle" else 0):
         t0 = time.perf_counter()
+        assert path is not None and body is not None  # set for every kind but idle
         statuses.add(post(url, path, body))
         seconds.append(time.perf_counter() - t0)
     end = time.perf_counter()

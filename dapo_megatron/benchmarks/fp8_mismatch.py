@@ -20,7 +20,10 @@ from pathlib import Path
 
 import torch
 
-from dapo_megatron.quant import dequantize_block_fp8, export_fp8_checkpoint
+from dapo_megatron.data.synthetic import synthetic_train_eval
+from dapo_megatron.data.tiny_model import sft_batch
+from dapo_megatron.quant.fp8_export import export_fp8_checkpoint
+from dapo_megatron.quant.fp8_format import dequantize_block_fp8
 
 
 def _bytes(state: dict[str, torch.Tensor]) -> int:
@@ -28,8 +31,6 @@ def _bytes(state: dict[str, torch.Tensor]) -> int:
 
 
 def _answer_logprobs(model, tokenizer, prompts, answers) -> torch.Tensor:
-    from dapo_megatron.data.tiny_model import sft_batch
-
     batch = sft_batch(tokenizer, prompts, answers)
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].double()
@@ -42,8 +43,6 @@ def _answer_logprobs(model, tokenizer, prompts, answers) -> torch.Tensor:
 def measure(*, model_dir: str, num_prompts: int, seed: int) -> dict[str, float]:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dapo_megatron.data.synthetic import synthetic_train_eval
 
     train, _ = synthetic_train_eval(num_train=num_prompts, num_eval=1, difficulty=2, seed=seed, style="compact")
     prompts, answers = [r.prompt for r in train], [r.ground_truth for r in train]

@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from dapo_megatron.benchmarks.run import add_output_args, append_rows, check_header, results_csv
 from dapo_megatron.trainer.timeline import hidden_fraction, read_timeline, step_wall_times
 
 FIELDS = ("date", "machine", "cores", "staleness", "run", "steps", "step_wall_s", "step_mean_s", "generate_s",
@@ -48,8 +49,6 @@ def _run(config: str, out: Path, staleness: int, steps: int, eval_every: int, ex
 def main(argv: list[str] | None = None) -> int:
     import platform
 
-    from dapo_megatron.benchmarks.run import add_output_args, append_rows, check_header, results_csv
-
     ap = argparse.ArgumentParser(prog="dapo-megatron bench overlap", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/runs/tiny_cpu.yaml")
     ap.add_argument("--steps", type=int, default=12)
@@ -81,13 +80,16 @@ def main(argv: list[str] | None = None) -> int:
             row = {"date": date, "machine": machine, "cores": pinning, "staleness": staleness, "run": str(out),
                    **_run(args.config, out, staleness, args.steps, args.eval_every or args.steps, overrides)}
             rows.append(row)
-            print(f"staleness {staleness}  step {row['step_wall_s']:.2f} s (mean {row['step_mean_s']:.2f})  generate {row['generate_s']:.1f} s  "
+            print(f"staleness {staleness}  step {row['step_wall_s']:.2f} s (mean {row['step_mean_s']:.2f})  "
+                  f"generate {row['generate_s']:.1f} s  "
                   f"train {row['train_s']:.1f} s  hidden {100 * row['hidden_fraction']:.0f}% "
                   f"(engines' stamps {100 * row['engine_hidden_fraction']:.0f}%)  "
                   f"avg@k {row['eval_avg_at_k']:.3f} @ step {row['eval_step']}  ({out}/timeline.png)", flush=True)
-    print(f"\n{'cores':>20} {'staleness':>9} {'step s':>7} {'mean s':>7} {'gen s':>7} {'train s':>7} {'hidden':>7} {'eng hid':>7} {'avg@k':>6}")
+    print(f"\n{'cores':>20} {'staleness':>9} {'step s':>7} {'mean s':>7} {'gen s':>7} {'train s':>7} "
+          f"{'hidden':>7} {'eng hid':>7} {'avg@k':>6}")
     for r in rows:
-        print(f"{r['cores']:>20} {r['staleness']:>9} {r['step_wall_s']:>7.2f} {r['step_mean_s']:>7.2f} {r['generate_s']:>7.1f} {r['train_s']:>7.1f} "
+        print(f"{r['cores']:>20} {r['staleness']:>9} {r['step_wall_s']:>7.2f} {r['step_mean_s']:>7.2f} "
+              f"{r['generate_s']:>7.1f} {r['train_s']:>7.1f} "
               f"{100 * r['hidden_fraction']:>6.0f}% {100 * r['engine_hidden_fraction']:>6.0f}% {r['eval_avg_at_k']:>6.3f}")
     append_rows(results_csv(args, name="overlap"), rows, fields=FIELDS)
     return 0

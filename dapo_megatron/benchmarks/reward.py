@@ -88,7 +88,8 @@ def main(argv: list[str]) -> int:
     add_output_args(parser, name="reward")
     args = parser.parse_args(argv)
     if args.num < 1 or args.chars < 100 or args.repeats < 1:
-        raise ValueError(f"bench reward: need --num >= 1, --chars >= 100, --repeats >= 1 (got {args.num}, {args.chars}, {args.repeats})")
+        raise ValueError("bench reward: need --num >= 1, --chars >= 100, --repeats >= 1 "
+                         f"(got {args.num}, {args.chars}, {args.repeats})")
 
     times = []
     for _ in range(args.repeats):

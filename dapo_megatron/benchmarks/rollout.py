@@ -22,6 +22,12 @@ import time
 
 import torch
 
+from dapo_megatron.benchmarks.reward import _device
+from dapo_megatron.benchmarks.run import add_output_args, append_rows, results_csv
+from dapo_megatron.rollout.client import EngineClient
+from dapo_megatron.rollout.registry import read_registrations
+from dapo_megatron.transfer.weight_sync import DistributedWeightSync, TensorWeightSync
+
 
 def _random_qwen2(out_dir: str, *, hidden: int, layers: int, vocab: int) -> int:
     from transformers import AutoModelForCausalLM, Qwen2Config
@@ -41,8 +47,6 @@ CSV_FIELDS = ("kernel", "provider", "mode", "metric", "unit", "x", "p50", "p20",
 def _row(kernel: str, provider: str, mode: str, metric: str, unit: str, x: object, value: float) -> dict:
     import datetime
 
-    from dapo_megatron.benchmarks.reward import _device
-
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     return dict(zip(CSV_FIELDS, (kernel, provider, mode, metric, unit, x, f"{value:.6g}", f"{value:.6g}",
                                  f"{value:.6g}", _device(), date)))
@@ -50,9 +54,6 @@ def _row(kernel: str, provider: str, mode: str, metric: str, unit: str, x: objec
 
 async def _run(url: str, model_dir: str, *, new_tokens: int, concurrency: list[int]) -> list[dict]:
     from transformers import AutoModelForCausalLM
-
-    from dapo_megatron.rollout.client import EngineClient
-    from dapo_megatron.transfer.weight_sync import DistributedWeightSync, TensorWeightSync
 
     rows: list[dict] = []
     async with EngineClient(url) as c:
@@ -85,8 +86,6 @@ async def _run(url: str, model_dir: str, *, new_tokens: int, concurrency: list[i
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dapo_megatron.benchmarks.run import add_output_args, append_rows, results_csv
-
     ap = argparse.ArgumentParser(prog="dapo-megatron bench rollout", description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
@@ -104,8 +103,6 @@ def main(argv: list[str] | None = None) -> int:
         proc = subprocess.Popen([sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", model_dir,
                                  "--port", "0", "--register-dir", reg], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            from dapo_megatron.rollout.registry import read_registrations
-
             while not (os.path.isdir(reg) and read_registrations(reg)):
                 if proc.poll() is not None:
                     raise RuntimeError("serve-rollout exited")

@@ -8,7 +8,8 @@ the engine and the trainer (fp32 HF model of the same weights) on the engine's o
 Two real serve-rollout processes, one after the other (never both on the 2 cores at once): the bf16
 engine from the model directory (--dtype bfloat16) and the FP8 engine from modelopt's export of it
 (export_fp8_checkpoint: 128 x 128 block FP8 weights, weight-only, nothing to calibrate; --dtype
-bfloat16 for the unquantized tensors, as exported). Prompts: the synthetic addition task through the tiny byte tokenizer's chat
+bfloat16 for the unquantized tensors, as exported). Prompts: the synthetic addition task through the tiny byte
+tokenizer's chat
 template (or the model's own tokenizer with --model). Rows go to <--results-dir>/rollout_quant.csv in
 the rollout benchmark's columns (provider = engine_bf16 | engine_fp8).
 
@@ -30,11 +31,17 @@ import time
 
 import torch
 
+from dapo_megatron.benchmarks.rollout import CSV_FIELDS, _row
+from dapo_megatron.benchmarks.run import add_output_args, append_rows, results_csv
+from dapo_megatron.data.synthetic import synthetic_train_eval
+from dapo_megatron.data.tiny_model import build_tiny_tokenizer
+from dapo_megatron.quant.fp8_export import export_fp8_checkpoint
+from dapo_megatron.rollout.client import EngineClient
+from dapo_megatron.rollout.registry import read_registrations
+
 
 def _random_model(out_dir: str, *, hidden: int, layers: int, vocab: int, seed: int) -> None:
     from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from dapo_megatron.data.tiny_model import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     torch.manual_seed(seed)
@@ -49,8 +56,6 @@ def _random_model(out_dir: str, *, hidden: int, layers: int, vocab: int, seed: i
 def _prompts(model_dir: str, num: int, seed: int) -> tuple[list[str], list[list[int]]]:
     from transformers import AutoTokenizer
 
-    from dapo_megatron.data.synthetic import synthetic_train_eval
-
     tok = AutoTokenizer.from_pretrained(model_dir)
     train, _ = synthetic_train_eval(num_train=num, num_eval=1, difficulty=2, seed=seed, style="compact")
     texts = [tok.apply_chat_template([{"role": "user", "content": r.prompt}], add_generation_prompt=True,
@@ -61,8 +66,6 @@ def _prompts(model_dir: str, num: int, seed: int) -> tuple[list[str], list[list[
 
 
 def _serve(model_dir: str, reg: str, *, dtype: str):
-    from dapo_megatron.rollout.registry import read_registrations
-
     proc = subprocess.Popen([sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", model_dir,
                              "--port", "0", "--register-dir", reg, "--dtype", dtype, "--threads",
                              str(torch.get_num_threads())], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -74,8 +77,6 @@ def _serve(model_dir: str, reg: str, *, dtype: str):
 
 
 async def _measure(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[dict, list]:
-    from dapo_megatron.rollout.client import EngineClient
-
     async with EngineClient(url) as c:
         info = await c.server_info()
         params = {"max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 1.0}
@@ -108,9 +109,6 @@ def _mismatch(model_dir: str, prompts: list[list[int]], outs: list) -> tuple[flo
 
 
 def run(model_dir: str, *, num_prompts: int, new_tokens: int, seed: int, tmp: str) -> list[dict]:
-    from dapo_megatron.quant import export_fp8_checkpoint
-    from dapo_megatron.benchmarks.rollout import _row
-
     _, prompts = _prompts(model_dir, num_prompts, seed)
     fp8_dir = str(export_fp8_checkpoint(model_dir, os.path.join(tmp, "fp8")))
     results = {}
@@ -143,9 +141,6 @@ def run(model_dir: str, *, num_prompts: int, new_tokens: int, seed: int, tmp: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dapo_megatron.benchmarks.run import add_output_args, append_rows, results_csv
-    from dapo_megatron.benchmarks.rollout import CSV_FIELDS
-
     ap = argparse.ArgumentParser(prog="dapo-megatron bench rollout-quant", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="", help="HF model directory with a tokenizer (default: a random Qwen2)")
     ap.add_argument("--hidden", type=int, default=512)

@@ -1,4 +1,5 @@
-"""`dapo-megatron bench kernels | reward | rollout | actor | dataplane | rollout-quant | overlap | engine-abuse | engine-health [args]`: the project's
+"""`dapo-megatron bench kernels | reward | rollout | actor | dataplane | rollout-quant | overlap | engine-abuse |
+engine-health [args]`: the project's
 benchmarks, each
 printing a table and appending rows to a CSV in a results directory (speed is measured here, never
 asserted in tests).
@@ -18,8 +19,8 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
 
 BENCHES = {
     "kernels": "dapo_kernels.bench.run",  # fused log-prob/entropy + policy loss vs torch / Liger (GPU)
@@ -27,10 +28,14 @@ BENCHES = {
     "rollout": "dapo_megatron.benchmarks.rollout",  # CPU rollout server tokens/s and weight-sync bandwidth
     "actor": "dapo_megatron.benchmarks.actor",  # Megatron actor training throughput and MFU (GPU)
     "dataplane": "dapo_megatron.benchmarks.dataplane",  # batch scatter + weight export of a 32B-shaped step (gloo)
-    "rollout-quant": "dapo_megatron.benchmarks.rollout_quant",  # bf16 vs modelopt FP8 CPU engine: weight bytes, tok/s, mismatch
-    "overlap": "dapo_megatron.benchmarks.overlap",  # the embedded task at rollout.max_staleness 0 and 1: step time, hidden share
-    "engine-abuse": "dapo_megatron.benchmarks.engine_abuse",  # CPU engine under garbage and 50 MB bodies: 5xx count, peak RSS
-    "engine-health": "dapo_megatron.benchmarks.engine_health",  # CPU engine /health latency while 16 MB bodies are parsed
+    # bf16 vs modelopt FP8 CPU engine: weight bytes, tok/s, mismatch
+    "rollout-quant": "dapo_megatron.benchmarks.rollout_quant",
+    # the embedded task at rollout.max_staleness 0 and 1: step time, hidden share
+    "overlap": "dapo_megatron.benchmarks.overlap",
+    # CPU engine under garbage and 50 MB bodies: 5xx count, peak RSS
+    "engine-abuse": "dapo_megatron.benchmarks.engine_abuse",
+    # CPU engine /health latency while 16 MB bodies are parsed
+    "engine-health": "dapo_megatron.benchmarks.engine_health",
 }
 DEFAULT_RESULTS_DIR = "results"
 

@@ -31,13 +31,14 @@ from __future__ import annotations
 import glob
 import os
 import threading
-from typing import Iterable, Protocol
+from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 
 from dapo_megatron.cpu_engine.fp8 import is_fp8_checkpoint, load_fp8_model
-from dapo_megatron.cpu_engine.token_bound import max_chars_per_token
 from dapo_megatron.cpu_engine.protocol import SequenceRequest
+from dapo_megatron.cpu_engine.token_bound import max_chars_per_token
 from dapo_megatron.rollout.routing import RoutedExpertsRecorder
 from dapo_megatron.weights.hf_layout import public_expert_views
 

@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dapo_megatron.cpu_engine.fp8_gemm import block_fp8_linear
 from dapo_megatron.quant.fp8_export import read_quant_config
 from dapo_megatron.quant.fp8_format import block_scale_shape
-from dapo_megatron.cpu_engine.fp8_gemm import block_fp8_linear
 
 
 def is_fp8_checkpoint(model_dir: str | Path) -> bool:
@@ -80,7 +80,7 @@ def load_fp8_model(model_dir: str | Path, *, dtype: torch.dtype):
     model_dir = Path(model_dir)
     if (model_dir / "hf_quant_config.json").is_file():
         raise ValueError(f"{model_dir}: a modelopt export not converted to the block-FP8 rollout layout "
-                         "(hf_quant_config.json present); export it with dapo_megatron.quant.export_fp8_checkpoint")
+                         "(hf_quant_config.json present); export it with dapo_megatron.quant.fp8_export.export_fp8_checkpoint")
     block = int(read_quant_config(model_dir)["weight_block_size"][0])  # ValueError unless block FP8
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:

@@ -133,7 +133,9 @@ def decode_json(raw: bytes, *, optional: bool = False, yielding: bool = False) -
 
 # ----------------------------------------------------------------------------- json.loads in pieces
 _DECODER = json.JSONDecoder()
-_C_SCAN = _DECODER.scan_once  # the C scanner (json's own, as json.loads uses it)
+# json's private parts (typeshed does not declare them): the same objects json.loads itself uses
+_WHITESPACE = json.decoder.WHITESPACE  # type: ignore[attr-defined]
+_C_SCAN = _DECODER.scan_once  # type: ignore[attr-defined]  # the C scanner (json's own, as json.loads uses it)
 _SPLIT_DEPTH = 3  # containers this shallow are walked in Python; deeper ones go to the C scanner whole
 _WS = " \t\n\r"
 _FLAT_PIECE = 1 << 16  # characters of a flat array decoded per C call (~1 ms here)
@@ -208,8 +210,9 @@ def loads_yielding(raw: bytes):
                     j += 1
                 if s[j:j + 1] not in ("[", "{"):  # an array of scalars (or empty, or malformed)
                     return _flat_array(s, idx, pause)
-                return json.decoder.JSONArray((s, idx + 1), scanner(depth + 1))
-            return json.decoder.JSONObject((s, idx + 1), True, scanner(depth + 1), None, None, memo)
+                return json.decoder.JSONArray((s, idx + 1), scanner(depth + 1))  # type: ignore[attr-defined]
+            return json.decoder.JSONObject(  # type: ignore[attr-defined]
+                (s, idx + 1), True, scanner(depth + 1), None, None, memo)
 
         def scan_and_yield(s: str, idx: int):
             value = scan_once(s, idx)
@@ -219,12 +222,12 @@ def loads_yielding(raw: bytes):
         return scan_and_yield if depth > 0 else scan_once
 
     # JSONDecoder.decode and raw_decode, with the scanner above
-    idx = json.decoder.WHITESPACE.match(text, 0).end()
+    idx = _WHITESPACE.match(text, 0).end()
     try:
         obj, end = scanner(0)(text, idx)
     except StopIteration as err:
         raise json.JSONDecodeError("Expecting value", text, err.value) from None
-    end = json.decoder.WHITESPACE.match(text, end).end()
+    end = _WHITESPACE.match(text, end).end()
     if end != len(text):
         raise json.JSONDecodeError("Extra data", text, end)
     return obj

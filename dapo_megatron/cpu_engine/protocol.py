@@ -33,7 +33,7 @@ from typing import Any
 
 # SGLang GenerateReqInput fields that change the result and that the CPU engine does not implement:
 # refused when set to anything but their default.
-_UNSUPPORTED_FIELDS = {
+_UNSUPPORTED_FIELDS: dict[str, Any] = {
     "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None, "lora_path": None,
     "top_logprobs_num": (None, 0), "token_ids_logprob": (None, []), "return_hidden_states": (None, False),
     "session_params": None, "custom_logit_processor": None,
@@ -45,7 +45,7 @@ _SAMPLING_KEYS = {
     "sampling_seed", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval",
 }
 # ... and those it refuses unless at their default (value: the defaults SGLang treats as "off")
-_SAMPLING_UNSUPPORTED = {
+_SAMPLING_UNSUPPORTED: dict[str, tuple] = {
     "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "repetition_penalty": (1, 1.0, None),
     "min_new_tokens": (0, None), "beam_width": (None, 1), "json_schema": (None, ""), "regex": (None, ""),
     "ebnf": (None, ""), "structural_tag": (None, ""), "stop_regex": (None, "", []), "logit_bias": (None, {}),
@@ -161,7 +161,7 @@ def _token_list(value: Any, name: str, *, vocab_size: int, context_length: int) 
     # every id an int (bool is its own type) in range: decided by C builtins, 5x faster than the loop below,
     # which finds the first bad id for the message when this says no (a large body is checked on the
     # engine's parse thread: the shorter it holds the GIL, the sooner /health gets it, guard.py)
-    if set(map(type, value)) == {int} and 0 <= min(value) and max(value) < vocab_size:
+    if set(map(type, value)) == {int} and min(value) >= 0 and max(value) < vocab_size:
         return value
     for i, t in enumerate(value):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:

@@ -61,10 +61,10 @@ class RWLock:
             self._writer = False
             self._cond.notify_all()
 
-    def reader(self) -> "_Held":
+    def reader(self) -> _Held:
         return _Held(self.acquire_reader, self.release_reader)
 
-    def writer(self) -> "_Held":
+    def writer(self) -> _Held:
         return _Held(self.acquire_writer, self.release_writer)
 
 
@@ -129,7 +129,7 @@ class Batcher:
         """Abort every waiting or running sequence whose rid starts with `rid` (or all); returns their rids."""
         hit: list[str] = []
         with self.cond:
-            kept = deque()
+            kept: deque = deque()
             for item in self.waiting:
                 if abort_all or item.seq.rid.startswith(rid):
                     item.seq.aborted = True
@@ -216,7 +216,7 @@ class Batcher:
                 self.cond.wait_for(lambda: self._closed or (self.waiting and self.paused is None))
                 if self._closed:
                     return
-                take = []
+                take: list = []
                 while self.waiting and len(take) < self.engine.max_batch_size:
                     take.append(self.waiting.popleft())
                 self.running = take

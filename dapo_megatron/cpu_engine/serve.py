@@ -21,6 +21,7 @@ import sys
 import torch
 from aiohttp import web
 
+from dapo_megatron.cpu_engine import server as server_module
 from dapo_megatron.cpu_engine.engine import CpuEngine
 from dapo_megatron.cpu_engine.guard import DEFAULT_MAX_REQUEST_BYTES, Limits
 from dapo_megatron.cpu_engine.server import RolloutServer
@@ -93,8 +94,6 @@ def _with_config_file(ap: argparse.ArgumentParser, argv: list[str]) -> list[str]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dapo_megatron.cpu_engine import server as server_module
-
     ap = argparse.ArgumentParser(prog="dapo-megatron serve-rollout", description=server_module.__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="HF checkpoint directory (config + safetensors [+ tokenizer])")
     ap.add_argument("--host", default="127.0.0.1")

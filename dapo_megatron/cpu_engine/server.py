@@ -11,7 +11,8 @@ tokenizer_control_mixin.py, scheduler.py, scheduler_components/weight_updater.py
     generation), then run a 1-token generation (200 once the engine produced anything within 20 s).
   - /generate: SGLang's request shape and normalisation (protocol.py): n > 1 samples get fresh uuid
     rids; replies carry meta_info {id, finish_reason, prompt_tokens, completion_tokens, cached_tokens,
-    e2e_latency and request_received_ts (SGLang sends the latter with --enable-metrics), weight_version, weight_versions (per-token spans of the versions that made the output),
+    e2e_latency and request_received_ts (SGLang sends the latter with --enable-metrics), weight_version,
+    weight_versions (per-token spans of the versions that made the output),
     output_token_logprobs, and routed_experts (base64 int32 [prompt + completion - 1, layers, topk],
     rollout/routing.py) when asked of an MoE model}; a request waits while generation is paused.
   - /abort_request {rid | abort_all}: 200 with no body; a rid the server does not know is ignored; a
@@ -41,18 +42,27 @@ import functools
 import math
 import os
 import time
+from typing import Any
 
 import torch
 from aiohttp import web
 
-from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.cpu_engine.engine import MEMORY_TAGS, CpuEngine, WeightError
-from dapo_megatron.cpu_engine.guard import (Limits, Pauser, error_response, guard_middleware, is_large, off_loop,
-                                            read_json)
-from dapo_megatron.cpu_engine.scheduler import Batcher, RWLock
+from dapo_megatron.cpu_engine.guard import (
+    Limits,
+    Pauser,
+    error_response,
+    guard_middleware,
+    is_large,
+    off_loop,
+    read_json,
+)
 from dapo_megatron.cpu_engine.protocol import RequestError, SamplingParams, SequenceRequest, parse_generate
+from dapo_megatron.cpu_engine.scheduler import Batcher, RWLock
+from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.rollout.routing import encode_routed_experts
 from dapo_megatron.transfer.tensor_payload import PayloadError, deserialize_payload, flattened_size, unflatten_bucket
+from dapo_megatron.transfer.weight_group import open_weight_group
 
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT's default
 FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. "
@@ -98,7 +108,7 @@ class RolloutServer:
         # it begins, so that a test can act while a sync is in flight (a tiny model's session lasts ~0.1 s)
         self.session_hold_s = float(os.environ.get("DAPO_CPU_ENGINE_SESSION_HOLD_S") or 0)
         self.groups: dict[str, object] = {}  # group_name -> ProcessGroup
-        self.stats = {"num_requests": 0, "num_sequences": 0, "num_aborted": 0, "aborted_rids": [],
+        self.stats: dict[str, Any] = {"num_requests": 0, "num_sequences": 0, "num_aborted": 0, "aborted_rids": [],
                       "num_weight_updates": 0}
 
     def app(self) -> web.Application:
@@ -313,7 +323,6 @@ class RolloutServer:
                 raise RequestError("group_name", f"group '{group_name}' exists; destroy it first")
         except RequestError as err:
             return _error(400, str(err), err.field)
-        from dapo_megatron.transfer.weight_group import open_weight_group
 
         try:
             pg = await asyncio.get_running_loop().run_in_executor(

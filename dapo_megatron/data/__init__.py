@@ -1,23 +1,4 @@
-"""Prompt datasets: DAPO-Math schema files (parquet / jsonl), the DAPO template, synthetic tasks."""
-
-from dapo_megatron.data.prompts import (
-    DAPO_TEMPLATE,
-    PromptList,
-    PromptRecord,
-    apply_template,
-    load_prompts,
-    save_prompts,
-)
-from dapo_megatron.data.synthetic import DIFFICULTY_LEVELS, SYNTHETIC_STYLES, make_synthetic_task
-
-__all__ = [
-    "DAPO_TEMPLATE",
-    "DIFFICULTY_LEVELS",
-    "SYNTHETIC_STYLES",
-    "PromptList",
-    "PromptRecord",
-    "apply_template",
-    "load_prompts",
-    "make_synthetic_task",
-    "save_prompts",
-]
+"""Prompt datasets: DAPO-Math schema files (parquet / jsonl, prompts.py), the DAPO template, synthetic
+tasks (synthetic.py), the embedded tiny model and its tokenizer. The package itself imports nothing, so
+that a light module (tiny_tokenizer.py, read by the memory plan) does not load the others.
+"""

@@ -16,7 +16,6 @@ from pathlib import Path
 from dapo_megatron.data.prompts import PromptList, bad_rows_message, load_prompts, prompt_token_ids
 from dapo_megatron.data.synthetic import synthetic_train_eval
 
-
 DEFAULT_EVAL_SET = "eval"  # the name of a run's only eval set (data.eval_path or the synthetic split)
 
 
@@ -28,7 +27,7 @@ def train_and_eval_sets(data_cfg, *, tokenizer=None, max_prompt_length: int = 0)
     if not data_cfg.eval_sets:
         return train, ({DEFAULT_EVAL_SET: evals} if evals else {})
     length = (lambda record: len(prompt_token_ids(tokenizer, record))) if tokenizer is not None else None
-    sets = {name: load_prompts(path, dedup=False, prompt_template=data_cfg.prompt_template, key=f"data.eval_sets.{name}",
+    sets: dict[str, list] = {name: load_prompts(path, dedup=False, prompt_template=data_cfg.prompt_template, key=f"data.eval_sets.{name}",
                                skip_bad_rows=data_cfg.skip_bad_rows, prompt_length=length,
                                max_prompt_length=max_prompt_length)
             for name, path in data_cfg.eval_sets.items()}
@@ -59,13 +58,15 @@ def _train_and_eval(data_cfg, *, tokenizer, max_prompt_length: int, with_eval: b
                               **checks) if d.eval_path and with_eval else [])
         return train, evals  # PromptLists: num_skipped says how many bad rows were left out
     s = d.synthetic
-    train, evals = synthetic_train_eval(num_train=s.num_train, num_eval=s.num_eval, difficulty=s.difficulty,
+    synthetic_train, synthetic_eval = synthetic_train_eval(num_train=s.num_train, num_eval=s.num_eval, difficulty=s.difficulty,
                                         seed=s.seed, style=s.style)
     if length is not None and max_prompt_length > 0:
-        train = _within_length(train, length, max_prompt_length, "data.synthetic (train)", d.skip_bad_rows)
+        synthetic_train = _within_length(synthetic_train, length, max_prompt_length, "data.synthetic (train)",
+                                         d.skip_bad_rows)
         if with_eval:
-            evals = _within_length(evals, length, max_prompt_length, "data.synthetic (eval)", d.skip_bad_rows)
-    return train, (evals if with_eval else [])
+            synthetic_eval = _within_length(synthetic_eval, length, max_prompt_length, "data.synthetic (eval)",
+                                            d.skip_bad_rows)
+    return synthetic_train, (synthetic_eval if with_eval else [])
 
 
 def _within_length(records: list, length, limit: int, key: str, skip: bool) -> list:

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 __all__ = ["PromptRecord", "PromptList", "load_prompts", "save_prompts", "apply_template", "DAPO_TEMPLATE",
            "prompt_token_ids"]

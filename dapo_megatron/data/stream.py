@@ -12,7 +12,8 @@ as one that never stopped.
 
 from __future__ import annotations
 
-from typing import Generic, Iterator, Sequence, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import Generic, TypeVar
 
 import torch
 
@@ -53,7 +54,7 @@ class PromptStream(Generic[T]):
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "cursor": self.cursor}
 
-    def load_state_dict(self, state: dict[str, int]) -> "PromptStream[T]":
+    def load_state_dict(self, state: dict[str, int]) -> PromptStream[T]:
         epoch, cursor = int(state["epoch"]), int(state["cursor"])
         if not 0 <= cursor <= len(self.records):
             raise ValueError(f"PromptStream state cursor={cursor} is outside 0..{len(self.records)} "

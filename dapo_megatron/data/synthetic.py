@@ -90,7 +90,8 @@ def synthetic_train_eval(*, num_train: int, num_eval: int, difficulty: int, seed
     """
     train = make_synthetic_task(num_train, difficulty=difficulty, seed=seed, style=style)
     seen = {r.prompt for r in train}
-    held, draw = [], num_eval
+    held: list = []
+    draw = num_eval
     while len(held) < num_eval:
         pool = [r for r in make_synthetic_task(draw, difficulty=difficulty, seed=seed + 1, style=style) if r.prompt not in seen]
         held = pool[:num_eval]

@@ -18,8 +18,8 @@ import contextlib
 import ipaddress
 import os
 import socket
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
-from typing import Iterator, MutableMapping, Optional
 
 IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 _PEER_KEY = "dapo_socket_peer/"  # store keys: ranks on other hosts than MASTER_ADDR publish their address
@@ -36,7 +36,7 @@ class Route:
 
 def resolve_ipv4(host: str) -> str:
     try:
-        return socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+        return str(socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0])
     except (socket.gaierror, IndexError) as err:
         raise ValueError(f"cannot resolve {host!r} to an IPv4 address on {socket.gethostname()}: {err}") from None
 
@@ -53,7 +53,7 @@ def local_ipv4() -> dict[str, list[str]]:
             for name, infos in psutil.net_if_addrs().items()}
 
 
-def interface_of(address: str) -> Optional[str]:
+def interface_of(address: str) -> str | None:
     for name, addrs in local_ipv4().items():
         if address in addrs:
             return name
@@ -88,7 +88,7 @@ def interface_toward(peer_host: str) -> Route:
 
 
 def choose_socket_interfaces(master_addr: str, *, spans_hosts: bool, store=None, timeout_s: float = 300.0,
-                             environ: Optional[MutableMapping[str, str]] = None) -> Optional[Route]:
+                             environ: MutableMapping[str, str] | None = None) -> Route | None:
     """Set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (each only where the user has not) to the interface
     that routes to the other hosts of the group, before the groups are created. Returns the route used
     (None: one host only, or the user chose both).
@@ -124,14 +124,14 @@ def choose_socket_interfaces(master_addr: str, *, spans_hosts: bool, store=None,
     return route
 
 
-def user_socket_ifname(var: str, environ: Optional[MutableMapping[str, str]] = None) -> str:
+def user_socket_ifname(var: str, environ: MutableMapping[str, str] | None = None) -> str:
     """The user's GLOO/NCCL_SOCKET_IFNAME ("" when unset or set by choose_socket_interfaces here)."""
     env = os.environ if environ is None else environ
     return "" if environ is None and var in CHOSEN_HERE else env.get(var, "")
 
 
 @contextlib.contextmanager
-def gloo_interface_for(address: str) -> Iterator[Optional[str]]:
+def gloo_interface_for(address: str) -> Iterator[str | None]:
     """While a gloo group with a peer at (or, for its host, this host's own) `address` is created:
     GLOO_SOCKET_IFNAME = the interface that routes there, unless the user set it. gloo reads the
     variable when a group is created, so it is set only for that moment. Loopback: left alone."""

@@ -32,8 +32,8 @@ are int32 (vocabularies are < 2^31; half the bytes of int64 on the wire).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Sequence
 
 import torch
 
@@ -121,14 +121,14 @@ class RolloutBatch:
 
     # --- building ------------------------------------------------------------------------------------
     @classmethod
-    def from_groups(cls, groups: Sequence[Sequence]) -> "RolloutBatch":
+    def from_groups(cls, groups: Sequence[Sequence]) -> RolloutBatch:
         """From the sampler's groups of Samples (group index = position of the group)."""
         samples = [s for g in groups for s in g]
         index = [gi for gi, g in enumerate(groups) for _ in g]
         return cls.from_samples(samples, group_index=index)
 
     @classmethod
-    def from_samples(cls, samples: Sequence, *, group_index: Sequence[int] | None = None) -> "RolloutBatch":
+    def from_samples(cls, samples: Sequence, *, group_index: Sequence[int] | None = None) -> RolloutBatch:
         """Tensors from Samples (dapo_megatron.dataplane.sample.Sample): the one place per-token Python lists
         are read. ValueError names the sample and the field of a record the actor cannot train on."""
         validate_samples(samples)
@@ -158,21 +158,21 @@ class RolloutBatch:
         return batch
 
     # --- cutting -------------------------------------------------------------------------------------
-    def select(self, indices: torch.Tensor) -> "RolloutBatch":
+    def select(self, indices: torch.Tensor) -> RolloutBatch:
         """The sequences at `indices` (int64 [k], any order), as a new batch (copies)."""
         indices = indices.to(torch.int64)
         token_index = ranges_index(self.seq_offsets[indices], self.seq_lengths[indices])
         response_index = ranges_index(self.response_offsets[indices], self.response_lengths[indices])
         return self._take(lambda t: t[indices], lambda t: t[token_index], lambda t: t[response_index])
 
-    def narrow(self, start: int, length: int) -> "RolloutBatch":
+    def narrow(self, start: int, length: int) -> RolloutBatch:
         """Sequences start .. start + length - 1 (views, no copy)."""
         so, ro = self.seq_offsets, self.response_offsets
         t0, t1 = int(so[start]), int(so[start + length])
         r0, r1 = int(ro[start]), int(ro[start + length])
         return self._take(lambda t: t[start: start + length], lambda t: t[t0:t1], lambda t: t[r0:r1])
 
-    def _take(self, per_sequence, per_token, per_response) -> "RolloutBatch":
+    def _take(self, per_sequence, per_token, per_response) -> RolloutBatch:
         values = {name: per_sequence(getattr(self, name)) for name in SEQUENCE_FIELDS}
         values.update({name: None if getattr(self, name) is None else per_response(getattr(self, name))
                        for name in RESPONSE_FIELDS})

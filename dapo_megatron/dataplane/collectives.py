@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ def compute_device() -> torch.device:
     return torch.device("cpu")
 
 
-def staging_device(backend: str, *, current_cuda_index: Optional[Callable[[], int]] = None) -> torch.device:
+def staging_device(backend: str, *, current_cuda_index: Callable[[], int] | None = None) -> torch.device:
     """Where a collective of `backend` takes its tensors: NCCL -> the rank's recorded GPU (the calling
     thread's current device only when none was recorded: a process that set up NCCL itself, e.g. the
     GPU tests); any other backend -> CPU. current_cuda_index: None = torch.cuda.current_device (a
@@ -147,7 +147,7 @@ def pg_broadcast(pg, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     trainer<->engines weight group, transfer/weight_group.open_weight_group); `src` is its group rank."""
     device = backend_device(pg)
     staged = _staged(tensor, device)
-    held = staged._use_count()
+    held = staged._use_count()  # type: ignore[attr-defined]  # torch's private refcount
     pg.broadcast(staged, src).wait()
     if device.type == "cpu":  # gloo; NCCL's watchdog keeps its Works until the GPU is done: not waited for
         _wait_for_worker_release(staged, held)
@@ -168,10 +168,10 @@ def _wait_for_worker_release(tensor: torch.Tensor, held: int, timeout_s: float =
     take_gil -> pthread_exit). Measured on a loaded 2-core machine: 3 aborts in 30 exits without this
     wait; the release itself takes microseconds to a few milliseconds."""
     deadline = time.monotonic() + timeout_s
-    while tensor._use_count() > held:
+    while tensor._use_count() > held:  # type: ignore[attr-defined]
         if time.monotonic() > deadline:  # someone else holds it too: the data is there, move on
             log.warning("pg_broadcast: the tensor still has %d references %.0f s after the collective (had %d)",
-                        tensor._use_count(), timeout_s, held)
+                        tensor._use_count(), timeout_s, held)  # type: ignore[attr-defined]
             return
         time.sleep(0.0002)  # releases the GIL, which the worker needs for the release
 

@@ -17,7 +17,8 @@ Only `Exception` is caught: a KeyboardInterrupt on the driver is the process's o
 from __future__ import annotations
 
 import pickle
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -45,7 +46,9 @@ def driver_decides(decide: Callable[[], T]) -> T:
             error = err
             box[0] = _packed_error(err)
     coll.broadcast_object_list(box, src=DRIVER_RANK)
-    kind, value = pickle.loads(box[0])
+    blob = box[0]
+    assert blob is not None  # the broadcast filled it on every rank
+    kind, value = pickle.loads(blob)
     if kind == "result":
         return value
     raise error if error is not None else value

@@ -19,7 +19,6 @@ groups are destroyed then): a layout does not outlive the `with` block that made
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -34,7 +33,7 @@ class ParallelLayout:
     pp_rank: int
     pp_size: int
     pp_group: dist.ProcessGroup
-    vpp_size: Optional[int]  # virtual pipeline stages per rank (model chunks); None without VPP
+    vpp_size: int | None  # virtual pipeline stages per rank (model chunks); None without VPP
     is_first_stage: bool  # first pipeline stage (virtual stages ignored): it embeds the tokens
     is_last_stage: bool  # last pipeline stage (virtual stages ignored): it holds the log-probs and the loss
     cp_rank: int
@@ -55,7 +54,7 @@ class ParallelLayout:
     replica_group: dist.ProcessGroup  # this rank's DP replica: its TP, CP and PP peers, itself included
 
     @property
-    def sizes(self) -> dict[str, Optional[int]]:
+    def sizes(self) -> dict[str, int | None]:
         """The sizes a config names (actor.tp, ...): to check a layout against the config, or record it."""
         return {"tp": self.tp_size, "pp": self.pp_size, "cp": self.cp_size, "vpp": self.vpp_size,
                 "ep": self.ep_size, "etp": self.etp_size}

@@ -40,7 +40,7 @@ class RankRoles:
     exporter: bool
 
     @classmethod
-    def current(cls, layout: ParallelLayout) -> "RankRoles":
+    def current(cls, layout: ParallelLayout) -> RankRoles:
         """This rank's roles in the actor's parallel layout (dataplane/layout.py)."""
         tp0, cp0 = layout.tp_rank == 0, layout.cp_rank == 0
         stage, stages = layout.pp_rank, layout.pp_size

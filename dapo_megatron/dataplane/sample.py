@@ -8,8 +8,9 @@ Token lists stay plain Python lists until the actor packs them into micro-batche
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch

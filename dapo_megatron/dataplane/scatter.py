@@ -29,10 +29,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.dataplane.batch import RolloutBatch
-from dapo_megatron.dataplane.share import BatchShare, PackSettings, SharePlan, plan_shares
-from dapo_megatron.dataplane.layout import ParallelLayout
 from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.dataplane.batch import RolloutBatch
+from dapo_megatron.dataplane.layout import ParallelLayout
+from dapo_megatron.dataplane.share import BatchShare, PackSettings, SharePlan, plan_shares
 
 PLAN_FIELDS = ("micro_batch_sizes", "micro_batches_per_mini", "mini_batch_lengths")
 
@@ -113,6 +113,7 @@ def scatter_batch(batch: RolloutBatch | None, *, layout: ParallelLayout, setting
         share = None
     if len(replica_ranks) > 1:
         share = _broadcast_share(share, src=source, group=replica, stats=stats)
+    assert share is not None, f"rank {rank}: no share (not a source and no replica group to receive it)"
     stats.share_bytes = share.batch.nbytes()
     stats.seconds = time.perf_counter() - tic
     return share, stats
@@ -139,9 +140,10 @@ def _send_shares(batch: RolloutBatch, *, settings: PackSettings, sequences_per_m
 
 
 def _receive(*, src: int, group, stats: ScatterStats) -> BatchShare:
-    box = [None]
+    box: list[dict | None] = [None]
     coll.recv_object_list(box, src=src, group=group)
     header = box[0]
+    assert header is not None, f"no share header from rank {src}"
     tensors = _empty_like_header(header, coll.backend_device(group))
     works = [coll.irecv(t, src=src, group=group) for t in tensors.values() if t.numel()]
     for work in works:
@@ -155,6 +157,7 @@ def _broadcast_share(share: BatchShare | None, *, src: int, group, stats: Scatte
     box = [_header(share) if share is not None else None]
     coll.broadcast_object_list(box, src=src, group=group)
     header = box[0]
+    assert header is not None, f"no share header from rank {src}"
     if share is not None:
         tensors = {k: _wire(v, device) for k, v in _share_tensors(share).items()}
     else:

@@ -20,13 +20,13 @@ mini-batch and keeps this rank's part, deterministically and without communicati
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import torch
 
-from dapo_megatron.dataplane.micro_batches import plan_micro_batches, round_up
 from dapo_megatron.dataplane.batch import RolloutBatch
+from dapo_megatron.dataplane.micro_batches import plan_micro_batches, round_up
 
 
 @dataclass(frozen=True)
@@ -42,14 +42,14 @@ class PackSettings:
 
     @classmethod
     def for_layout(cls, *, micro_batch_tokens: int, tp: int, pp: int, cp: int, vpp: int | None,
-                   sequence_parallel: bool) -> "PackSettings":
+                   sequence_parallel: bool) -> PackSettings:
         seq_pad = 2 * cp if cp > 1 else 1
         return cls(micro_batch_tokens=micro_batch_tokens, seq_pad_multiple=seq_pad,
                    pad_multiple=(tp if sequence_parallel else 1) * seq_pad, uniform_length=pp > 1,
                    min_micro_batches=pp if vpp else 1)
 
     @classmethod
-    def from_actor_config(cls, actor_cfg) -> "PackSettings":
+    def from_actor_config(cls, actor_cfg) -> PackSettings:
         a = actor_cfg
         return cls.for_layout(micro_batch_tokens=a.micro_batch_tokens, tp=a.tp, pp=a.pp, cp=a.cp, vpp=a.vpp,
                               sequence_parallel=a.sequence_parallel)
@@ -105,7 +105,7 @@ class BatchShare:
     source_indices: torch.Tensor | None = None  # positions in the step batch (None on a received share)
 
     @classmethod
-    def from_plan(cls, batch: RolloutBatch, plan: SharePlan, *, step_sequences: int) -> "BatchShare":
+    def from_plan(cls, batch: RolloutBatch, plan: SharePlan, *, step_sequences: int) -> BatchShare:
         return cls(batch=batch.select(plan.indices), micro_batch_sizes=plan.micro_batch_sizes,
                    micro_batches_per_mini=plan.micro_batches_per_mini, mini_batch_lengths=plan.mini_batch_lengths,
                    step_sequences=step_sequences, source_indices=plan.indices)
@@ -114,7 +114,7 @@ class BatchShare:
     def num_mini_batches(self) -> int:
         return int(self.micro_batches_per_mini.numel())
 
-    def mini_batches(self) -> Iterator["BatchShare"]:
+    def mini_batches(self) -> Iterator[BatchShare]:
         """One share per optimizer update (views of this one)."""
         micro_start = seq_start = 0
         for j, count in enumerate(self.micro_batches_per_mini.tolist()):

@@ -17,8 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.dataplane.batch import RolloutBatch
 from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.dataplane.batch import RolloutBatch
 
 
 def old_logprob_metrics(batch: RolloutBatch, logprobs: torch.Tensor | None, entropies: torch.Tensor | None, *,
@@ -31,6 +31,7 @@ def old_logprob_metrics(batch: RolloutBatch, logprobs: torch.Tensor | None, entr
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # entropy sum, tokens, |diff| sum, compared tokens
     largest = torch.zeros(1, dtype=torch.float64, device=device)
     if reports and logprobs is not None and logprobs.numel():
+        assert entropies is not None, "the actor returns entropies with its log-probs"
         sums[0] = entropies.double().sum()
         sums[1] = entropies.numel()
         if batch.rollout_logprobs is not None:

@@ -9,7 +9,8 @@ the driver's engine pool finds them, exactly as disaggregated engines do.
           memory saver: it releases its memory while the actor trains), on a free port;
   cpu:    `dapo-megatron serve-rollout` on the node's Slurm address, port chosen by the server.
 Every engine requires the run's key (<run_dir>/secrets/engine_auth.yaml, rollout/auth.py): SGLang's
---api-key and --admin-api-key, read from that file by its --config. A config without colocated engines makes this a no-op (exit 0). Registrations this node left from an
+--api-key and --admin-api-key, read from that file by its --config. A config without colocated engines makes this a
+no-op (exit 0). Registrations this node left from an
 earlier incarnation of the job (a requeue) are removed first: those servers are gone. The process
 waits for its engines and stops them all on SIGTERM (the batch script sends it when training ends).
 """
@@ -27,7 +28,9 @@ from pathlib import Path
 
 from dapo_megatron.config import Config, load_config
 from dapo_megatron.launch.script_entry import run_as_script
+from dapo_megatron.quant.engine_checkpoint import fp8_rollout_dir
 from dapo_megatron.rollout.auth import ensure_secret_file, run_secret_path
+from dapo_megatron.rollout.routing import sglang_routing_args
 
 
 def node_address() -> str:
@@ -65,14 +68,10 @@ def _free_port() -> int:
 
 def engine_commands(cfg: Config, *, host: str, python: str = sys.executable) -> list[list[str]]:
     """The argv of every engine this node starts."""
-    from dapo_megatron.rollout.routing import sglang_routing_args
-
     r, per_node = cfg.rollout, engines_per_node(cfg)
     # rollout.quantization=fp8: the block-FP8 export _trainer_launch.sh wrote before starting this
     model, quant = cfg.model.path, []
     if r.quantization == "fp8":
-        from dapo_megatron.quant.engine_checkpoint import fp8_rollout_dir
-
         model = str(fp8_rollout_dir(cfg.trainer.output_dir))
         quant = ["--quantization", "fp8"] if r.engine == "sglang" else []
     context_length = r.max_prompt_length + r.max_response_length  # what requests may need, no more

@@ -8,8 +8,13 @@ from __future__ import annotations
 import argparse
 import os
 
-
 from dapo_megatron.config import load_config
+from dapo_megatron.data.datasets import train_and_eval_sets
+from dapo_megatron.launch.engines import LocalEngines
+from dapo_megatron.launch.lifeline import die_with_parent
+from dapo_megatron.launch.local import launch_training
+from dapo_megatron.launch.local_stop import stopped_at_once
+from dapo_megatron.rollout.auth import engine_keys, ensure_secret_file, run_secret_path
 
 
 def train(argv: list[str]) -> int:
@@ -27,13 +32,9 @@ def train(argv: list[str]) -> int:
     args = parser.parse_intermixed_args(argv)  # flags and key=value overrides in any order
     cfg = load_config(args.config, args.overrides)
     if "RANK" in os.environ:
-        from dapo_megatron.launch.lifeline import die_with_parent
-
         die_with_parent()  # a rank ends with torchrun, even when torchrun is SIGKILLed (launch/lifeline.py)
         os.register_at_fork(after_in_child=die_with_parent)  # so do its fork children (Megatron's checkpoint writers)
         return loop.run_worker_recorded(cfg, resume=args.resume)
-    from dapo_megatron.launch.local import launch_training
-    from dapo_megatron.launch.local_stop import stopped_at_once
 
     try:
         return launch_training(cfg, args.config, args.overrides, resume=args.resume, overwrite=args.overwrite,
@@ -90,8 +91,6 @@ def evaluate(argv: list[str]) -> int:
 
     from transformers import AutoTokenizer
 
-    from dapo_megatron.data.datasets import train_and_eval_sets
-    from dapo_megatron.rollout.auth import engine_keys, ensure_secret_file, run_secret_path
     from dapo_megatron.rollout.pool import EnginePool
     from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
 
@@ -124,8 +123,6 @@ def evaluate(argv: list[str]) -> int:
             await pool.close()
 
     if r.engine == "cpu" and not r.engine_urls:
-        from dapo_megatron.launch.engines import LocalEngines
-
         with tempfile.TemporaryDirectory() as tmp:
             secret = run_secret_path(tmp)  # these engines' own key, gone with them
             keys = ensure_secret_file(secret)
@@ -138,7 +135,7 @@ def evaluate(argv: list[str]) -> int:
     reports = {name: eval_report(samples[name], records, step=step, name=name) for name, records in sets.items()}
     write_eval_file(output, reports, extra={"checkpoint": checkpoint, "model": hf_dir, "temperature": t.eval_temperature,
                                             "top_p": t.eval_top_p})
-    for name, report in reports.items():
+    for report in reports.values():
         print(json.dumps({k: v for k, v in report.items() if k not in ("problems", "interval", "maj_tie_rule")}))
     print(f"[eval] wrote {output}")
     return 0

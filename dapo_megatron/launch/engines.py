@@ -6,7 +6,8 @@
 
 Each engine binds a free port on 127.0.0.1, registers itself in register_dir once it serves, and
 writes its output to register_dir/../logs/engine_<i>.log. With auth_file (rollout/auth.py
-ensure_secret_file) every engine requires that file's keys (serve-rollout --config). Leaving the block (or close()) stops them.
+ensure_secret_file) every engine requires that file's keys (serve-rollout --config). Leaving the block (or close())
+stops them.
 The processes are run by launch.local.LocalProcesses, the supervisor `train` uses too.
 """
 
@@ -39,7 +40,7 @@ class LocalEngines:
     def close(self) -> None:
         self._procs.stop_all()
 
-    def __enter__(self) -> "LocalEngines":
+    def __enter__(self) -> LocalEngines:
         return self
 
     def __exit__(self, *exc) -> None:

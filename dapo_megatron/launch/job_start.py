@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from dapo_megatron.config import load_config
+from dapo_megatron.launch.run_lock import LOCK_FILE, RunDirInUse, RunLock
 from dapo_megatron.launch.script_entry import run_as_script
 
 
@@ -62,8 +63,6 @@ def job_start_args(run_dir: str | Path, *, resume_requested: bool, restart: int,
 
 
 def _acquire(args) -> int:
-    from dapo_megatron.launch.run_lock import RunDirInUse, RunLock
-
     cfg = load_config(args.config)
     run_dir = Path(cfg.trainer.output_dir)
     lock = RunLock(run_dir, command=f"dapo-megatron train {args.config}", fd=args.fd, job=args.job,
@@ -109,16 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     release.add_argument("--fd", type=int, required=True)
     args = ap.parse_args(argv)
     if args.what == "lock-file":
-        from dapo_megatron.launch.run_lock import LOCK_FILE
-
         run_dir = Path(load_config(args.config).trainer.output_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         print(run_dir / LOCK_FILE)
         return 0
     if args.what == "acquire":
         return _acquire(args)
-    from dapo_megatron.launch.run_lock import RunLock
-
     RunLock(Path(args.lock_file).parent, fd=args.fd).adopt().release()
     return 0
 

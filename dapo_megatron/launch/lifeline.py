@@ -25,6 +25,7 @@ import ctypes
 import os
 import signal
 import sys
+from collections.abc import Set as AbstractSet
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -88,7 +89,7 @@ def _ident(proc) -> tuple[int, float] | None:
         return None
 
 
-def reap_descendants(grace_s: float = 10.0, *, spare: set[tuple[int, float]] = frozenset()) -> list[str]:
+def reap_descendants(grace_s: float = 10.0, *, spare: AbstractSet[tuple[int, float]] = frozenset()) -> list[str]:
     """SIGTERM every descendant still alive but those in `spare` (descendants() before the run),
     SIGKILL those left after grace_s, and reap them (a subreaper owns its adopted zombies). Returns a
     description of each process that had to be ended."""

@@ -15,15 +15,27 @@ SIGKILLs what is left: no orphaned engine keeps a port or a core after a run.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-import shutil
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from dapo_megatron.launch.lifeline import kill_survivors, with_lifeline
+from dapo_megatron.data.datasets import train_and_eval_records
+from dapo_megatron.launch.lifeline import become_subreaper, descendants, kill_survivors, reap_descendants, with_lifeline
 from dapo_megatron.launch.local_stop import STOP_FILE, LocalStop, StopNow
+from dapo_megatron.launch.prepare import tiny_model_dir
+from dapo_megatron.launch.run_lock import RunLock
+from dapo_megatron.launch.supervise import EngineSupervisor, engine_events_path
+from dapo_megatron.memplan.report import check_before_launch
+from dapo_megatron.quant.engine_checkpoint import fp8_rollout_dir, prepare_fp8_rollout
+from dapo_megatron.rollout.auth import ensure_secret_file, keys_from_config, run_secret_path
+from dapo_megatron.rollout.registry import read_registrations
+from dapo_megatron.trainer import console, run_log
+
 
 def check_cores(cores: list[int], key: str) -> None:
     """A core pinning that cannot be applied fails before anything starts, naming the config key."""
@@ -52,9 +64,9 @@ class LocalProcesses:
         # CPU engines by name: argv with the port left out, host, port and url once registered
         # (what launch/supervise.py needs to start one again)
         self.engines: dict[str, dict] = {}
-        self._old_sigterm = None
+        self._old_sigterm: Any = None  # signal.signal's previous handler
 
-    def __enter__(self) -> "LocalProcesses":
+    def __enter__(self) -> LocalProcesses:
         def on_sigterm(signum, frame):  # same clean-up path as Ctrl-C (while the ranks run: LocalStop)
             raise StopNow(signum)
 
@@ -73,7 +85,7 @@ class LocalProcesses:
         """engine: a rollout engine, started without the trainer-only variables (colocated.engine_environment)."""
         from dapo_megatron.launch.colocated import engine_environment
 
-        log = open(self.log_path(name), "ab")
+        log = open(self.log_path(name), "ab")  # noqa: SIM115 - closed below, once the child holds its own copy
         base = engine_environment(dict(os.environ)) if engine else os.environ
         # with_lifeline: SIGTERM to the child if this process dies, even by SIGKILL (launch/lifeline.py)
         proc = subprocess.Popen(with_lifeline(argv), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -97,8 +109,8 @@ class LocalProcesses:
 
     def start_cpu_engines(self, model_dir: str | Path, *, num: int, register_dir: str | Path, seed: int = 0,
                           threads: int = 1, max_batch_size: int = 64, host: str = "127.0.0.1",
-                          timeout_s: float = 300.0, context_length: int = 0, cores: list[int] = (),
-                          device: str = "cpu", auth_file: str | Path | None = None) -> list[str]:
+                          timeout_s: float = 300.0, context_length: int = 0, cores: Sequence[int] = (),
+                          device: str = "cpu", auth_file: str | os.PathLike | None = None) -> list[str]:
         """Start `num` serve-rollout processes and wait until each has registered; returns their
         URLs in start order. Records of other processes in register_dir (an earlier run, SGLang
         engines of the same run) are left alone: only these processes' pids count.
@@ -107,8 +119,6 @@ class LocalProcesses:
         device: rollout.cpu_engine_device: "cuda" puts engine i on GPU i (its slot, --base-gpu-id i).
         auth_file: the run's secret (rollout/auth.py), passed as --config: the engines then refuse any
         request without its key, as SGLang does with --api-key / --admin-api-key."""
-        from dapo_megatron.rollout.registry import read_registrations  # (rollout imports this module)
-
         if num < 1:
             raise ValueError(f"rollout.num_engines must be >= 1, got {num}")
         if not Path(model_dir).is_dir():
@@ -194,9 +204,6 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
     """This machine: take the run directory's lock (one run per directory, launch/run_lock.py), decide
     about the run directory, check the memory plan, prepare the model, start CPU engines, run the actor
     ranks under torchrun, then print where everything is (run_log.run_summary)."""
-    from dapo_megatron.launch.lifeline import become_subreaper, descendants, reap_descendants
-    from dapo_megatron.launch.run_lock import RunLock
-
     # before anything is written: a second `train` into this directory is refused, naming this one
     with RunLock(cfg.trainer.output_dir, command=f"dapo-megatron train {config_path}") as lock:
         if lock.stale_note:
@@ -214,11 +221,7 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
 
 def _launch_locked(cfg, config_path: str, overrides: list[str], *, resume: bool, overwrite: bool,
                    skip_plan: bool) -> int:
-    from dapo_megatron.trainer import console, run_log
     from dapo_megatron.launch.run_dir import check_run_dir
-    from dapo_megatron.launch.supervise import EngineSupervisor, engine_events_path
-    from dapo_megatron.memplan import check_before_launch
-    from dapo_megatron.rollout.auth import ensure_secret_file, keys_from_config, run_secret_path
 
     t_start = time.perf_counter()
     run_dir = Path(cfg.trainer.output_dir)
@@ -251,7 +254,6 @@ def _launch_locked(cfg, config_path: str, overrides: list[str], *, resume: bool,
     overrides = [*overrides, f"model.path={model_dir}"]
     engine_model_dir = model_dir
     if cfg.rollout.quantization == "fp8":  # the engines serve modelopt's block-FP8 export of the base model
-        from dapo_megatron.quant.engine_checkpoint import fp8_rollout_dir, prepare_fp8_rollout
 
         with phases.phase("fp8", slow_note="exporting the base model with modelopt block FP8 for the engines") as note:
             engine_model_dir = str(prepare_fp8_rollout(model_dir, fp8_rollout_dir(cfg.trainer.output_dir),
@@ -312,8 +314,6 @@ def check_prompt_data(cfg, model_dir: str = "", *, tokenizer=None) -> str:
     driver repeats): a bad row raises one ValueError naming file, row and key (data/prompts.py); with
     data.skip_bad_rows the count left out is in the returned line. The prompt lengths are checked with
     `tokenizer`, else model_dir's; with neither (`slurm submit` without the model here) only the rows."""
-    from dapo_megatron.data.datasets import train_and_eval_records
-
     if tokenizer is None and model_dir:
         from transformers import AutoTokenizer
 
@@ -328,8 +328,6 @@ def check_prompt_data(cfg, model_dir: str = "", *, tokenizer=None) -> str:
 
 def _prepare_model(cfg) -> str:
     if cfg.tiny.enabled:
-        from dapo_megatron.launch.prepare import tiny_model_dir
-
         return tiny_model_dir(cfg)
     if not cfg.model.path:
         raise ValueError("config key 'model.path' is empty: name a HF checkpoint directory (or set tiny.enabled=true)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 STOP_FILE = "stop_request"  # in the run directory: the ranks' $DAPO_PREEMPT_FILE
 
@@ -34,9 +35,9 @@ class LocalStop:
     def __init__(self, request_file: str | Path) -> None:
         self.request_file = Path(request_file)
         self.received: signal.Signals | None = None
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Any] = {}  # signal.signal's handlers (functions, SIG_DFL, SIG_IGN)
 
-    def __enter__(self) -> "LocalStop":
+    def __enter__(self) -> LocalStop:
         self.request_file.unlink(missing_ok=True)  # an earlier run's request must not stop this one
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._handle)

@@ -20,10 +20,12 @@ from __future__ import annotations
 import re
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence, Union
 
 from dapo_megatron.config import Config
+from dapo_megatron.quant.engine_checkpoint import fp8_rollout_dir
+from dapo_megatron.rollout.auth import run_secret_path
 
 SLURM_DIR = Path(__file__).resolve().parents[2] / "slurm"
 # what torchrun starts on every rank (after its own flags): `python -m dapo_megatron.cli train CONFIG`
@@ -31,7 +33,7 @@ TRAIN_ENTRY = ("--module", "dapo_megatron.cli", "train")
 # what an eval array task runs (after the interpreter): `python -m dapo_megatron.cli eval CONFIG --checkpoint DIR`
 EVAL_ENTRY = ("-m", "dapo_megatron.cli", "eval")
 
-Value = Union[str, int, Sequence[str]]
+Value = str | int | float | Sequence[str]
 _NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
 
 
@@ -78,7 +80,7 @@ def sbatch_resource_lines(cfg: Config, *, nodes: int | None = None, gpus_per_nod
 
 def fill(template: str, *, sbatch: Sequence[str], values: dict[str, Value], setup: Sequence[str]) -> str:
     """Replace the marker lines of one template (see the module docstring); every marker must be used."""
-    out = []
+    out: list[str] = []
     for line in template.splitlines():
         marker = line.strip()
         if marker == "#{{SBATCH}}":
@@ -203,8 +205,6 @@ def engine_resources(cfg: Config) -> tuple[int, int]:
 
 def render_rollout_array(cfg: Config, *, register_dir: str) -> str:
     """slurm/rollout_array.sbatch: one engine per array task, registering in register_dir."""
-    from dapo_megatron.quant.engine_checkpoint import fp8_rollout_dir
-    from dapo_megatron.rollout.auth import run_secret_path
     from dapo_megatron.rollout.routing import sglang_routing_args
 
     fp8 = cfg.rollout.quantization == "fp8"

@@ -102,8 +102,13 @@ class RunLock:
         self._inherited = fd
         self.holder_pid = holder_pid or os.getpid()
 
+    @property
+    def _open_fd(self) -> int:
+        assert self._fd is not None, f"{self.path}: the lock file is not open"
+        return self._fd
+
     def _read_holder(self) -> dict:
-        return _read_record(self._fd, self.path)
+        return _read_record(self._open_fd, self.path)
 
     def _refuse(self, holder: dict) -> RunDirInUse:
         return refusal(self.run_dir, holder)
@@ -117,14 +122,14 @@ class RunLock:
         deadline = time.monotonic() + CONTENDED_RETRY_S
         while True:
             try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(self._open_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return
             except BlockingIOError:
                 if time.monotonic() >= deadline:
                     raise
                 time.sleep(0.1)
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         if self._inherited is not None:  # the batch shell's descriptor: it made the directory and the file
             self._fd = os.dup(self._inherited)
             os.set_inheritable(self._fd, False)
@@ -192,12 +197,14 @@ class RunLock:
             os.close(self._fd)  # closing the last descriptor drops the flock
             self._fd = None
 
-    def adopt(self) -> "RunLock":
+    def adopt(self) -> RunLock:
         """The inherited descriptor, already locked by an earlier acquire() on it (the job's release entry)."""
+        if self._inherited is None:
+            raise ValueError(f"{self.path}: adopt() needs the inherited descriptor (RunLock(..., fd=N))")
         self._fd = os.dup(self._inherited)
         return self
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

@@ -4,7 +4,7 @@ code; a ValueError (a config or argument mistake) is one line on stderr and exit
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 
 def run_as_script(main: Callable[[], int], error_prefix: str) -> None:

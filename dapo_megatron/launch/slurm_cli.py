@@ -6,7 +6,8 @@
     dapo-megatron slurm submit configs/runs/qwen2.5-32b_dapo.yaml --eval /shared/runs/qwen2.5-32b_dapo
     dapo-megatron slurm submit configs/runs/qwen2.5-32b_dapo.yaml --bench-kernels
     dapo-megatron slurm submit CONFIG --resume    # continue the run in trainer.output_dir (--overwrite: clear it)
-    dapo-megatron slurm submit ... --dry-run      # run the checks, print the scripts and sbatch commands; submit nothing
+    # run the checks, print the scripts and sbatch commands; submit nothing
+    dapo-megatron slurm submit ... --dry-run
     dapo-megatron slurm status /shared/runs/qwen2.5-32b_dapo
     dapo-megatron slurm render train CONFIG [overrides]    # one rendered sbatch file on stdout
 
@@ -23,7 +24,7 @@ import argparse
 import sys
 
 from dapo_megatron.config import load_config
-from dapo_megatron.launch import render, status, submit, submit_guard
+from dapo_megatron.launch import status
 
 _RENDERERS = ("train", "engines", "bench_kernels")
 
@@ -42,6 +43,9 @@ def _one_config(configs: list[str], what: str) -> str:
 
 
 def _submit(argv: list[str]) -> int:
+    # per sub-command, as cli.py dispatches: `slurm status` does not load the plans, checks and renderers
+    from dapo_megatron.launch import submit, submit_guard
+
     ap = argparse.ArgumentParser(prog="dapo-megatron slurm submit",
                                  description="render the sbatch files of a run and submit them")
     ap.add_argument("args", nargs="*", metavar="CONFIG|key=value", help="a config file and dotted overrides")
@@ -118,6 +122,8 @@ def _warn_cluster_defaults(plan) -> None:
 
 def _check_memory(plan, lines: list[str]) -> None:
     """The memory plan's verdict lines go into `lines`; a plan that does not fit prints all of it and raises."""
+    from dapo_megatron.launch import submit
+
     try:
         submit.check_memory(plan, out=lines.append)
     except ValueError:
@@ -132,6 +138,8 @@ def _render(argv: list[str]) -> int:
     args = ap.parse_intermixed_args(argv)
     configs, overrides = _split(args.args)
     cfg = load_config(_one_config(configs, "slurm render"), overrides)
+    from dapo_megatron.launch import submit
+
     if args.which == "train":
         plan = submit.plan_train(cfg)
     elif args.which == "engines":

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
-from dapo_megatron.launch.submit import read_jobs
-
-Runner = Callable[[list[str]], Optional[str]]  # argv -> stdout, or None when the command fails
+Runner = Callable[[list[str]], str | None]  # argv -> stdout, or None when the command fails
 
 
-def _run(argv: list[str]) -> Optional[str]:
+def _run(argv: list[str]) -> str | None:
     try:
         result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
@@ -56,7 +54,7 @@ def job_rows(job_id: str, run: Runner = _run) -> list[dict[str, str]]:
              "reason": "not in squeue or scontrol; sacct unavailable"}]
 
 
-def last_metrics(run_dir: Path) -> Optional[dict]:
+def last_metrics(run_dir: Path) -> dict | None:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return None
@@ -101,3 +99,10 @@ def summarize(run_dir: str | Path, run: Runner = _run) -> str:
         if metrics is not None:
             lines += ["", f"last metrics of {name} ({path / 'metrics.jsonl'}):", "  " + json.dumps(metrics)]
     return "\n".join(lines)
+
+
+def read_jobs(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "slurm" / "jobs.json"
+    if not path.exists():
+        raise ValueError(f"{run_dir}: no slurm/jobs.json (was the run submitted with `dapo-megatron slurm submit`?)")
+    return json.loads(path.read_text())["jobs"]

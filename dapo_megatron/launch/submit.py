@@ -22,14 +22,16 @@ import json
 import os
 import shlex
 import subprocess
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
 
 import yaml
 
-from dapo_megatron.config import Config, load_config
+from dapo_megatron.config import Config, config_from_dict, load_config
 from dapo_megatron.launch import render
+from dapo_megatron.memplan.report import check_before_launch
+from dapo_megatron.rollout.auth import ensure_secret_file, run_secret_path
 
 
 @dataclass
@@ -37,9 +39,9 @@ class JobSpec:
     role: str  # train | fp8_export | engines | sweep | eval | eval_gather | bench_kernels
     render: Callable[[dict[str, str]], str]  # job ids submitted so far (role -> id) -> sbatch text
     sbatch_args: list[str]  # run-specific options passed to sbatch (job name, log path, array)
-    dependency: Optional[tuple[str, str]] = None  # (type, role): e.g. ("afterok", "eval")
+    dependency: tuple[str, str] | None = None  # (type, role): e.g. ("afterok", "eval")
 
-    def script(self, job_ids: Optional[dict[str, str]] = None) -> str:
+    def script(self, job_ids: dict[str, str] | None = None) -> str:
         return self.render(job_ids or {})
 
 
@@ -221,8 +223,6 @@ def plan_bench_kernels(cfg: Config) -> Plan:
 def training_configs(plan: Plan) -> list[tuple[str, Config]]:
     """(name, config) of every training run the plan's jobs will load, as they will load it (the written
     resolved copy): ("config", ...) for a run, (stem, ...) per run of a sweep, in array order."""
-    from dapo_megatron.config import config_from_dict
-
     return [(Path(rel).stem, config_from_dict(yaml.safe_load(text))) for rel, text in plan.files.items()
             if rel == "slurm/config.yaml" or rel.startswith("slurm/configs/")]
 
@@ -230,8 +230,6 @@ def training_configs(plan: Plan) -> list[tuple[str, Config]]:
 def check_memory(plan: Plan, *, out: Callable[[str], None] = print) -> None:
     """The memory plan (`dapo-megatron plan`) of every training config the plan's jobs will load: one
     line each when it fits, else the full plan and a ValueError naming the config, phase and component."""
-    from dapo_megatron.memplan import check_before_launch
-
     for label, cfg in training_configs(plan):
         rel = "slurm/config.yaml" if label == "config" else f"slurm/configs/{label}.yaml"
         try:
@@ -259,7 +257,7 @@ def parse_job_id(stdout: str) -> str:
 
 
 def submit(plan: Plan, *, dry_run: bool = False, out: Callable[[str], None] = print,
-           env: Optional[dict[str, str]] = None) -> dict[str, str]:
+           env: dict[str, str] | None = None) -> dict[str, str]:
     """Write the plan's files and scripts, sbatch each job in order, record jobs.json; role -> job id.
 
     dry_run: print the sbatch command lines, the scripts, then the other files (the resolved config,
@@ -278,7 +276,6 @@ def submit(plan: Plan, *, dry_run: bool = False, out: Callable[[str], None] = pr
         return {}
     (plan.run_dir / "slurm" / "logs").mkdir(parents=True, exist_ok=True)
     # the run's engine key, before any engine or trainer job can start (a requeue or resubmission reuses it)
-    from dapo_megatron.rollout.auth import ensure_secret_file, run_secret_path
 
     ensure_secret_file(run_secret_path(plan.run_dir))
     for rel, text in plan.files.items():
@@ -286,7 +283,7 @@ def submit(plan: Plan, *, dry_run: bool = False, out: Callable[[str], None] = pr
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     job_ids: dict[str, str] = {}
-    records = []
+    records: list[dict] = []
     for job in plan.jobs:
         script_path = plan.script_path(job)
         script_path.write_text(job.script(job_ids))
@@ -315,10 +312,3 @@ def _record(run_dir: Path, records: list[dict]) -> None:
     path = run_dir / "slurm" / "jobs.json"
     old = json.loads(path.read_text()).get("jobs", []) if path.exists() else []
     path.write_text(json.dumps({"run_dir": str(run_dir), "jobs": old + records}, indent=2) + "\n")
-
-
-def read_jobs(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "slurm" / "jobs.json"
-    if not path.exists():
-        raise ValueError(f"{run_dir}: no slurm/jobs.json (was the run submitted with `dapo-megatron slurm submit`?)")
-    return json.loads(path.read_text())["jobs"]

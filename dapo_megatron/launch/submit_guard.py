@@ -25,11 +25,15 @@ The job repeats 1 and 2 under its own lock when it starts (launch/job_start.py),
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 from dapo_megatron.config import Config
+from dapo_megatron.data.tiny_tokenizer import build_tiny_tokenizer
+from dapo_megatron.launch.local import check_prompt_data
+from dapo_megatron.launch.run_lock import RunDirInUse, holder, refusal
+from dapo_megatron.launch.submit import training_configs
 
 # states after which a job runs no more (squeue may still list them for a moment); anything else counts
 # as pending or running: PENDING, RUNNING, CONFIGURING, COMPLETING, REQUEUED, SUSPENDED, ...
@@ -103,8 +107,6 @@ def _recorded(jobs_dir: Path) -> list[dict]:
 
 def check_queue(jobs_dirs: list[Path], *, overwrite: bool, run: Squeue = _squeue) -> None:
     """RunDirInUse naming every recorded job of these directories that is still pending or running."""
-    from dapo_megatron.launch.run_lock import RunDirInUse
-
     roles = TRAINING_ROLES + (READING_ROLES if overwrite else ())
     for jobs_dir in dict.fromkeys(jobs_dirs):
         records = [r for r in _recorded(jobs_dir) if r.get("role") in roles and r.get("job_id")]
@@ -131,23 +133,18 @@ def check_queue(jobs_dirs: list[Path], *, overwrite: bool, run: Squeue = _squeue
 
 def check_lock(run_dir: Path, *, run: Squeue = _squeue) -> None:
     """RunDirInUse when <run_dir>/.run.lock is held (a local `train`, a running Slurm job)."""
-    from dapo_megatron.launch.run_lock import holder, refusal
-
     live, by_flock = holder(run_dir)
     if live is None:
         return
     job = str(live.get("job", ""))
-    if job and not by_flock:
-        # no flock on this file system: the record decides, and squeue knows better than a pid on another host
-        if not live_jobs([{"role": "train", "job_id": job}], queue_rows([job], run), ("train",)):
-            return
+    # no flock on this file system: the record decides, and squeue knows better than a pid on another host
+    if job and not by_flock and not live_jobs([{"role": "train", "job_id": job}], queue_rows([job], run), ("train",)):
+        return
     raise refusal(run_dir, live)
 
 
 def check_data(cfg: Config, *, skip: bool) -> str:
     """Every train/eval row of cfg (ValueError naming file, row and key); returns the line to print."""
-    from dapo_megatron.launch.local import check_prompt_data
-
     if skip:
         return "data not checked (--skip-data-check): the job checks every row before training starts"
     files = [(f"data.{key}", getattr(cfg.data, key)) for key in ("train_path", "eval_path")]
@@ -157,8 +154,6 @@ def check_data(cfg: Config, *, skip: bool) -> str:
                              "where the jobs run, pass --skip-data-check (the job checks every row there)")
     note = ""
     if cfg.tiny.enabled:
-        from dapo_megatron.data.tiny_model import build_tiny_tokenizer
-
         tokenizer = build_tiny_tokenizer()  # the tiny model's own tokenizer; the model is built by the job
     elif not cfg.model.path:
         raise ValueError("config key 'model.path' is empty: name a HF checkpoint directory (or set tiny.enabled=true)")
@@ -189,7 +184,6 @@ def check_training_submission(plan, *, resume: bool, overwrite: bool, command: s
     then the run directory, then the data. Raises (RunDirInUse, QueueUnavailable, ValueError) before
     anything is written; returns one RunCheck per run."""
     from dapo_megatron.launch.run_dir import RUN_FILES, check_run_dir
-    from dapo_megatron.launch.submit import training_configs
 
     if resume and overwrite:
         raise ValueError("--resume continues the run in trainer.output_dir and --overwrite deletes it: choose one")
@@ -244,7 +238,7 @@ def clear_for_overwrite(checks: list[RunCheck], *, dry_run: bool = False, out: C
             out(f"[slurm submit] --overwrite: removed {', '.join(removed)} from {check.run_dir}")
 
 
-def report(checks: list[RunCheck], out: Callable[[str], None] = print) -> Optional[int]:
+def report(checks: list[RunCheck], out: Callable[[str], None] = print) -> int | None:
     """Print the decisions; 0 when no run has anything to do (nothing to submit), else None."""
     for check in checks:
         for line in (check.message, check.data_line):

@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-from dapo_megatron.rollout.registry import engine_events_path, read_engine_events  # noqa: F401 (re-exported)
+from dapo_megatron.rollout.registry import engine_events_path, read_engine_events, read_registrations  # noqa: F401 (re-exported)
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -66,7 +66,7 @@ class EngineSupervisor:
         self._thread: threading.Thread | None = None
         self._awaiting: dict[str, int] = {}  # engine name -> pid of a restarted process not yet registered
 
-    def __enter__(self) -> "EngineSupervisor":
+    def __enter__(self) -> EngineSupervisor:
         self.events_path.parent.mkdir(parents=True, exist_ok=True)
         self.events_path.write_text("")  # this launch's events only (the budget is per launch)
         self._thread = threading.Thread(target=self._run, name="engine-supervisor", daemon=True)
@@ -121,8 +121,6 @@ class EngineSupervisor:
                  f"{self.budget}); the trainer re-syncs its weights before using it", flush=True)
 
     def _note_registered(self, name: str, pid: int) -> None:
-        from dapo_megatron.rollout.registry import read_registrations
-
         try:
             records = read_registrations(str(self.procs.engines[name]["register_dir"]))
         except (FileNotFoundError, ValueError):

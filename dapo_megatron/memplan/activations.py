@@ -80,7 +80,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dapo_kernels.logprob import blocked_workspace_bytes
 from dapo_megatron.memplan.arch import ModelDims
 
 ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -200,7 +199,7 @@ class ActivationModel:
         linear_numel = d.hidden * (d.q_width + 2 * d.kv_width) // t + d.q_width // t * d.hidden
         if not sparse:  # MoE experts are not fake-quantized (refused), dense fc1 + fc2 are
             linear_numel += 3 * d.ffn // t * d.hidden
-        parts = {"fake-quantized FP8 weights (quantization-aware)": linear_numel * a}
+        parts: dict[str, float] = {"fake-quantized FP8 weights (quantization-aware)": linear_numel * a}
         if recompute == "none":
             parts["attention output kept twice (quantization-aware)"] = n * a * d.q_width / t
         if self.precision != "bf16":  # every norm weight rounded to bf16 in its forward, kept by its backward
@@ -283,7 +282,11 @@ class ActivationModel:
             parts["logits gradient"] = self.local_tokens(response_tokens) * 8 * self.dims.vocab / self.tp
         if last and self.fused_logprob:
             # the fused head's backward scratch (dL/dlogits block + fp32 grad_hidden rows): the kernel's own
-            # formula, <= min(256 MiB, 3 N H bytes) whatever N is (kernels/logprob.py, blocked schedule)
+            # formula, <= min(256 MiB, 3 N H bytes) whatever N is (kernels/logprob.py, blocked schedule).
+            # Imported here: that module loads torch and triton (~1 s), which the plan (arithmetic,
+            # run by the launcher and `dapo-megatron plan` before anything starts) needs nowhere else.
+            from dapo_kernels.logprob import blocked_workspace_bytes
+
             parts["fused head backward workspace"] = blocked_workspace_bytes(
                 self.local_tokens(response_tokens), self.dims.hidden, -(-self.dims.vocab // self.tp), int(self.a),
                 tp=self.tp > 1)
@@ -295,7 +298,7 @@ class ActivationModel:
         if last:
             r = self.local_tokens(response_tokens)
             vocab_local = self.dims.vocab / self.tp
-            head = r * self.a * self.dims.hidden
+            head: float = r * self.a * self.dims.hidden
             if not self.fused_logprob:
                 head += r * 3 * 4 * vocab_local  # fp32 logits, exp, exp * shifted
             parts["logits path"] = head

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dapo_megatron.data.tiny_tokenizer import SPECIAL_TOKENS, padded_vocab_size
+
 KNOWN_MODELS_DIR = Path(__file__).parent / "models"
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3", "qwen3_moe")  # what actor/model.py builds
 
@@ -134,11 +136,9 @@ def known_models() -> dict[str, Path]:
 
 
 def _tiny_dims(cfg) -> ModelDims:
-    from dapo_megatron.data.tiny_model import SPECIAL_TOKENS, _vocab_size_padded
-
     tn = cfg.tiny
     # the tiny tokenizer: 5 special tokens + 256 byte symbols, padded like build_tiny_model does
-    vocab = _vocab_size_padded(len(SPECIAL_TOKENS) + 256)
+    vocab = padded_vocab_size(len(SPECIAL_TOKENS) + 256)
     config = {"model_type": tn.arch, "hidden_size": tn.hidden_size, "intermediate_size": tn.intermediate_size,
               "num_hidden_layers": tn.num_layers, "num_attention_heads": tn.num_heads,
               "num_key_value_heads": tn.num_kv_heads, "vocab_size": vocab, "tie_word_embeddings": False,

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import sys
 
+from dapo_megatron.config import load_config
 from dapo_megatron.memplan.arch import ModelDims, model_dims_for
 from dapo_megatron.memplan.engine import GIB
-from dapo_megatron.memplan.static import Layout
+from dapo_megatron.memplan.plan import _inputs, _trainer_phases
+from dapo_megatron.memplan.static import Layout, worst_static
 
 
 def megatron_weights_and_optimizer(dims: ModelDims, layout: Layout, *, distributed_optimizer: bool) -> float:
@@ -55,9 +57,6 @@ def megatron_activations(dims: ModelDims, layout: Layout, *, tokens: int, select
 def comparison_row(cfg) -> dict[str, float | str]:
     """GiB per GPU: Megatron's formula vs this plan for the actor alone. Static: the most loaded
     pipeline stage (and DP rank); activations: the first stage (Megatron's formula's stage), train phase."""
-    from dapo_megatron.memplan.plan import _inputs, _trainer_phases
-    from dapo_megatron.memplan.static import worst_static
-
     dims = model_dims_for(cfg)
     if dims.is_moe:  # its parameter count has no experts; the MoE terms are checked against the real actor instead
         raise ValueError(f"{dims.name}: Megatron-LM's theoretical-memory formula models dense GPT models only "
@@ -79,8 +78,6 @@ def comparison_row(cfg) -> dict[str, float | str]:
 
 
 def main(argv: list[str]) -> int:
-    from dapo_megatron.config import load_config
-
     print("| config | setting | weights+optimizer: Megatron / plan (GiB) | activations: Megatron / plan (GiB) |")
     print("|---|---|---|---|")
     for path in argv:

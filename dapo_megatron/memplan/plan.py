@@ -32,8 +32,14 @@ from dataclasses import dataclass, field
 from dapo_megatron.memplan.activations import ActivationModel
 from dapo_megatron.memplan.arch import ModelDims, model_dims_for
 from dapo_megatron.memplan.engine import ENGINE_CONTEXT_BYTES, GIB, EngineMemory, engine_memory
-from dapo_megatron.memplan.static import (PARAM_BYTES, Layout, frozen_weight_bytes, layers_per_chunk, total_params,
-                                          worst_static)
+from dapo_megatron.memplan.static import (
+    PARAM_BYTES,
+    Layout,
+    frozen_weight_bytes,
+    layers_per_chunk,
+    total_params,
+    worst_static,
+)
 
 PHASES = ("rollout", "log-prob", "train", "optimizer step", "transfer")
 # CUDA context (~0.5 GiB) + NCCL communicator buffers of the trainer's TP/PP/DP/CP groups: an allowance,
@@ -226,13 +232,13 @@ def _engine_rows(x: _Inputs, phase: str, *, colocated: bool) -> dict[str, float]
     e, k = x.engine, x.engines_per_gpu
     if e is None:
         return {}
-    generating = {"engine weights": k * e.weights, "engine KV cache": k * e.kv_cache,
+    generating: dict[str, float] = {"engine weights": k * e.weights, "engine KV cache": k * e.kv_cache,
                   "engine runtime (SGLang's reserve: activations, CUDA graphs)": k * e.runtime}
     if not colocated:
         return {**generating, **({"engine weight receive bucket": x.bucket} if phase == "transfer" else {})}
     if phase == "rollout":
         return generating
-    released = {"engine process (released: CUDA context)": k * ENGINE_CONTEXT_BYTES}
+    released: dict[str, float] = {"engine process (released: CUDA context)": k * ENGINE_CONTEXT_BYTES}
     if phase == "transfer":
         return {"engine weights": k * e.weights, **released}
     return released

@@ -12,8 +12,9 @@ submit` run the same check first (check_before_launch); `--skip-plan` skips it.
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+from collections.abc import Callable
 
+from dapo_megatron.config import load_config
 from dapo_megatron.memplan.arch import UnsupportedModel
 from dapo_megatron.memplan.engine import GIB
 from dapo_megatron.memplan.plan import PHASES, GpuTable, MemoryPlan, build_plan
@@ -77,8 +78,6 @@ def check_before_launch(cfg, *, out: Callable[[str], None] = print, label: str =
 
 
 def main(argv: list[str]) -> int:
-    from dapo_megatron.config import load_config
-
     parser = argparse.ArgumentParser(prog="dapo-megatron plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 from dapo_megatron.memplan.arch import ModelDims
 
@@ -62,10 +61,10 @@ class Layout:
     pp: int = 1
     cp: int = 1
     dp: int = 1
-    vpp: Optional[int] = None
+    vpp: int | None = None
     sequence_parallel: bool = False
     ep: int = 1  # expert model parallel (actor.ep)
-    etp: Optional[int] = None  # expert tensor parallel (actor.etp; None = tp, megatron's default)
+    etp: int | None = None  # expert tensor parallel (actor.etp; None = tp, megatron's default)
 
     @property
     def world(self) -> int:
@@ -243,7 +242,7 @@ class StaticBytes:
     def total(self) -> int:
         return self.weights + self.grads + self.main_params + self.adam
 
-    def add(self, other: "StaticBytes") -> None:
+    def add(self, other: StaticBytes) -> None:
         for name in ("weights", "grads", "main_params", "adam", "param_numel"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.largest_param_numel = max(self.largest_param_numel, other.largest_param_numel)

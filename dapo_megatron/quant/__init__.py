@@ -4,11 +4,7 @@
     conv = Fp8SyncConverter.from_checkpoint(out_dir)             # once per run
     for name, tensor in conv.convert(iter_hf_weights(...)): ...  # every sync: fp8 weights + block scales
     w = dequantize_block_fp8(weight_fp8, weight_scale_inv)       # what a block-FP8 GEMM multiplies by
+
+from fp8_export.py, fp8_sync.py and fp8_format.py. The package itself imports nothing, so that the
+launcher's light module (engine_checkpoint.py) does not pull torch in with it.
 """
-
-from dapo_megatron.quant.fp8_export import export_fp8_checkpoint, read_quant_config
-from dapo_megatron.quant.fp8_format import BLOCK, check_sglang_block_shapes, dequantize_block_fp8
-from dapo_megatron.quant.fp8_sync import Fp8SyncConverter
-
-__all__ = ["BLOCK", "export_fp8_checkpoint", "read_quant_config", "Fp8SyncConverter", "dequantize_block_fp8",
-           "check_sglang_block_shapes"]

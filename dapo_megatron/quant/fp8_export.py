@@ -128,7 +128,7 @@ def read_quant_config(checkpoint_dir: str | Path) -> dict:
     if qc.get("quant_method") != "fp8" or not (isinstance(block, list) and len(block) == 2 and block[0] == block[1]):
         raise ValueError(f"{path}: quantization_config={qc!r} is not block FP8 ({{'quant_method': 'fp8', "
                          f"'weight_block_size': [{BLOCK}, {BLOCK}], ...}}); export it with "
-                         "dapo_megatron.quant.export_fp8_checkpoint")
+                         "dapo_megatron.quant.fp8_export.export_fp8_checkpoint")
     if qc.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(f"{path}: activation_scheme={qc['activation_scheme']!r}; block FP8 takes 'dynamic' only")
     return qc

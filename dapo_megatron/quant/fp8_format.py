@@ -1,6 +1,7 @@
 """The FP8 rollout format: 2-D block FP8 weights, as SGLang 0.5.21's native `quant_method: fp8` loads them.
 
-    cfg = sglang_quant_config(block=128, ignored=["lm_head", "model.embed_tokens"])   # config.json's quantization_config
+    # config.json's quantization_config
+    cfg = sglang_quant_config(block=128, ignored=["lm_head", "model.embed_tokens"])
     w = dequantize_block_fp8(weight_fp8, weight_scale_inv, block=128)                # what the GEMM multiplies by
     check_sglang_block_shapes(hf_config, block=128, tp_size=2)                         # before an engine starts
 

@@ -28,8 +28,9 @@ pinned to 0.47.0.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import cast
 
 import torch
 from torch import nn
@@ -79,8 +80,8 @@ def _export(holder: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     from modelopt.torch.export.unified_export_hf import _export_quantized_weight
 
     _export_quantized_weight(holder, dtype)
-    fp8 = holder.weight.data
-    return fp8, sglang_scale(fp8, holder.weight_scale)
+    fp8 = cast(torch.Tensor, holder.weight.data)
+    return fp8, sglang_scale(fp8, cast(torch.Tensor, holder.weight_scale))
 
 
 class Fp8SyncConverter:
@@ -104,7 +105,7 @@ class Fp8SyncConverter:
                              f"{self._quantizer_cfg['block_sizes']}: re-export it with export_fp8_checkpoint")
 
     @classmethod
-    def from_checkpoint(cls, checkpoint_dir: str | Path) -> "Fp8SyncConverter":
+    def from_checkpoint(cls, checkpoint_dir: str | Path) -> Fp8SyncConverter:
         """Read the engines' export: which modules are fp8, the block size, the dtype of the rest."""
         from safetensors import safe_open
 
@@ -112,10 +113,11 @@ class Fp8SyncConverter:
         files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
         if not files:
             raise ValueError(f"{checkpoint_dir}: no *.safetensors files")
-        quantized = set()
+        quantized: set[str] = set()
         for path in files:
             with safe_open(str(path), framework="pt") as f:
-                quantized.update(k.removesuffix(".weight_scale_inv") for k in f.keys() if k.endswith(".weight_scale_inv"))
+                names = f.keys()  # safe_open is not a dict: no `in f`
+                quantized.update(k.removesuffix(".weight_scale_inv") for k in names if k.endswith(".weight_scale_inv"))
         config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
         dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "bfloat16")
         return cls(quantized_modules=quantized, dtype=dtype, block=int(qc["weight_block_size"][0]),

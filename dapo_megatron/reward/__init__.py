@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import difflib
-from typing import Callable
+from collections.abc import Callable
 
 from dapo_megatron.reward.math_dapo import RewardResult
 from dapo_megatron.reward.math_dapo import score as math_dapo_score

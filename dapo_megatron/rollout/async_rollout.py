@@ -112,19 +112,20 @@ class AsyncRollout:
         self._started = max(self._started, step)
         if self._task is None:
             self._wake = asyncio.Event()
-            self._task = asyncio.ensure_future(self._produce(step))
+            self._task = asyncio.ensure_future(self._produce(step, self._wake))
+        assert self._wake is not None  # made with the first producer, never reset
         self._wake.set()
 
     def _forget_producer(self) -> None:  # on the loop thread, before any later _start_step
         self._task = None
 
-    async def _produce(self, first: int) -> None:
+    async def _produce(self, first: int, wake: asyncio.Event) -> None:
         j = first
         try:
             while j < self.total_steps:
                 while self._started < j - self.k:  # batch j waits for step j - k (the module docstring)
-                    self._wake.clear()
-                    await self._wake.wait()
+                    wake.clear()
+                    await wake.wait()
                 self.sampler.accepted_versions = accepted_versions(j, self.k)
                 tic = time.time()
                 result = await self.sampler.collect(self.prompts, train_batch_size=self.train_batch_size)

@@ -31,6 +31,7 @@ class EngineError(RuntimeError):
         super().__init__(message)
         self.status = status
         self.url = url
+        self.cut_urls: list[str] = []  # weight sync: engines whose begin_weight_update was cut (transfer/)
 
 
 class EngineUnreachable(EngineError):
@@ -74,7 +75,7 @@ class EngineClient:
         self._own_sessions = sessions is None
         self._sessions = sessions or SessionHolder()
 
-    async def __aenter__(self) -> "EngineClient":
+    async def __aenter__(self) -> EngineClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from dapo_megatron.rollout.auth import EngineKeys
 from dapo_megatron.rollout.client import EngineClient, EngineError, EngineUnreachable, SessionHolder
-from dapo_megatron.rollout.registry import read_registrations
+from dapo_megatron.rollout.registry import read_engine_events, read_registrations
 
 
 class NoLiveEngine(EngineError):
@@ -71,7 +72,7 @@ class EnginePool:
     @classmethod
     async def from_registry(cls, registry_dir: str, *, min_engines: int = 1, wait_s: float = 600.0,
                             timeout_s: float = 3600.0, max_retries: int = 3,
-                            keys: EngineKeys | None = None) -> "EnginePool":
+                            keys: EngineKeys | None = None) -> EnginePool:
         """Wait until `min_engines` registered engines answer /health; all of them start live."""
         pool = cls(registry_dir=registry_dir, timeout_s=timeout_s, max_retries=max_retries, keys=keys)
         deadline = time.monotonic() + wait_s
@@ -256,8 +257,6 @@ class EngineEventReport:
                 out(f"[engines] {url} rejoined with the current weights; {len(self.pool.live_urls())} live")
         self._seen = len(self.pool.events)
         if self.restart_events:
-            from dapo_megatron.rollout.registry import read_engine_events
-
             self.counts["restarted"] = sum(e["action"] == "restarted" for e in read_engine_events(self.restart_events))
         return {"engines/live": float(len(self.pool.live_urls())),
                 **{f"engines/{kind}_total": float(n) for kind, n in self.counts.items()}}

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import base64
 import re
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,7 +67,7 @@ def decode_routed_experts(encoded: str, *, num_rows: int, where: str) -> torch.T
     return values.to(dtype)
 
 
-def routed_experts_of(output: dict, *, where: str) -> Optional[torch.Tensor]:
+def routed_experts_of(output: dict, *, where: str) -> torch.Tensor | None:
     """The decoded meta_info.routed_experts of one /generate output (with its `prompt_ids` added by
     the sampler), or None when the engine sent none (not asked, or a dense model)."""
     encoded = output["meta_info"].get("routed_experts")
@@ -89,7 +89,7 @@ class RoutedExpertsRecorder:
         routers = {int(m.group(1)): module for name, module in model.named_modules()
                    if (m := _ROUTER_NAME.fullmatch(name)) and hasattr(module, "top_k")}
         self.enabled = bool(routers) and self.topk > 0
-        self._calls: Optional[list[dict[int, torch.Tensor]]] = None  # per forward: layer -> [B, S, k]
+        self._calls: list[dict[int, torch.Tensor]] | None = None  # per forward: layer -> [B, S, k]
         self._batch = 0
         if not self.enabled:
             return

@@ -1,6 +1,7 @@
 """The rollout sampler: prompts -> scored groups of n responses, with DAPO's dynamic sampling.
 
-    settings = RolloutSettings.from_sections(cfg.rollout, cfg.algorithm, seed=cfg.trainer.seed)  # or RolloutSettings(n=16, ...)
+    # or RolloutSettings(n=16, ...)
+    settings = RolloutSettings.from_sections(cfg.rollout, cfg.algorithm, seed=cfg.trainer.seed)
     sampler = RolloutSampler(pool, tokenizer, settings)  # reward: each record's data_source scorer
     result = await sampler.collect(prompt_iter, train_batch_size=512)
     result.groups    # list of train_batch_size groups, each a list of n dapo_megatron.dataplane.sample.Sample
@@ -37,12 +38,14 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from dapo_megatron.algo import DynamicSampler, keep_group, overlong_penalty
 from dapo_megatron.data.prompts import prompt_token_ids
 from dapo_megatron.dataplane.sample import Sample
+from dapo_megatron.reward import scorer_for_data_source
 from dapo_megatron.rollout.pool import EnginePool
 from dapo_megatron.rollout.routing import routed_experts_of
 
@@ -74,7 +77,7 @@ class RolloutSettings:
     per_sample_seeds: bool = True  # send sampling_seed (only where the engines honour it: pool.seeds_honoured)
 
     @classmethod
-    def from_sections(cls, rollout: Any, algorithm: Any, *, seed: int, **overrides: Any) -> "RolloutSettings":
+    def from_sections(cls, rollout: Any, algorithm: Any, *, seed: int, **overrides: Any) -> RolloutSettings:
         """From the config's rollout and algorithm sections (dapo_megatron/config.py) and trainer.seed."""
         r, a = rollout, algorithm
         values = dict(n=r.n, max_new_tokens=r.max_response_length, gen_batch_size=r.gen_batch_size,
@@ -99,8 +102,6 @@ class RolloutResult:
 
 def _reward_for(record: Any) -> Callable[[str, str], Any]:
     """The record's scorer (reward.scorer_for_data_source of its data_source; math_dapo if none)."""
-    from dapo_megatron.reward import scorer_for_data_source
-
     return scorer_for_data_source(getattr(record, "data_source", "") or "math_dapo")
 
 

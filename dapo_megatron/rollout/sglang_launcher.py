@@ -1,8 +1,10 @@
 """Start an SGLang server with our settings, wait for /health, register it for the trainer.
 
     python -m dapo_megatron.rollout.sglang_launcher --model /ckpt/Qwen2.5-7B --tp 2 --context-length 22528 \
-        --port 30000 --register-dir $RUN_DIR/engines --auth-file $RUN_DIR/secrets/engine_auth.yaml [--colocate --mem-fraction 0.5] [--seed 42]
-    python -m dapo_megatron.rollout.sglang_launcher --model $RUN_DIR/rollout_fp8 --quantization fp8 ...   # rollout.quantization=fp8
+        --port 30000 --register-dir $RUN_DIR/engines --auth-file $RUN_DIR/secrets/engine_auth.yaml \
+        [--colocate --mem-fraction 0.5] [--seed 42]
+    # rollout.quantization=fp8
+    python -m dapo_megatron.rollout.sglang_launcher --model $RUN_DIR/rollout_fp8 --quantization fp8 ...
 
 (one per Slurm array task in disaggregated runs). GPU clusters only: SGLang cannot run on the CPU
 machines this project is developed on. The command line is built by `sglang_command` from the flags
@@ -41,10 +43,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import BinaryIO
 
-from typing import BinaryIO, Iterable
-
+from dapo_megatron.quant.fp8_export import read_quant_config
 from dapo_megatron.rollout.auth import ensure_secret_file
 from dapo_megatron.rollout.registry import remove_registration, write_registration
 
@@ -105,8 +108,6 @@ def sglang_command(s: SGLangSettings) -> list[str]:
     if s.quantization not in ("", "fp8"):
         raise ValueError(f"sglang launcher: quantization must be '' or 'fp8', got {s.quantization!r}")
     if s.quantization == "fp8":
-        from dapo_megatron.quant.fp8_export import read_quant_config
-
         read_quant_config(s.model_path)  # ValueError naming config.json unless it is the block-FP8 export
     cmd = [s.python, "-m", "sglang.launch_server",
            "--model-path", s.model_path,

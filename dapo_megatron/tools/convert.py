@@ -11,7 +11,8 @@ hf-to-mcore builds the model in the given layout, loads the safetensors into the
 (weights/load.py) and saves the model's sharded state dict with megatron's dist_checkpointing
 under the key "model" (one chunk) or "model0".. (VPP), the keys Actor.save uses, plus config.json
 and convert_meta.json. Megatron's distributed format is layout-independent, so mcore-to-hf may run
-with ANY TP/PP/VPP/EP/ETP (expert tensors are stored per global expert): it reads the embedding's padded row count and dtype from the checkpoint
+with ANY TP/PP/VPP/EP/ETP (expert tensors are stored per global expert): it reads the embedding's padded row count and
+dtype from the checkpoint
 metadata (converted checkpoints pad to 128 x tp, Actor checkpoints not at all), builds the model in
 that layout, loads the model part of a converted or an
 Actor checkpoint (optimizer and RNG entries are ignored), streams full tensors out
@@ -24,11 +25,18 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from dapo_megatron.actor.model import build_model_chunks, padded_vocab_size
+from dapo_megatron.actor.parallel import init_distributed, model_parallel
+from dapo_megatron.weights.export import iter_hf_weights
+from dapo_megatron.weights.load import load_hf_into_model
+from dapo_megatron.weights.save import save_hf_checkpoint
 
 _DTYPE_TO_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -54,10 +62,6 @@ def hf_to_mcore(*, hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None,
                 vocab_divisible_by: int = 128, ep: int = 1, etp: int | None = None) -> Path:
     from megatron.core import dist_checkpointing
     from transformers import AutoConfig
-
-    from dapo_megatron.actor.model import build_model_chunks
-    from dapo_megatron.actor.parallel import model_parallel
-    from dapo_megatron.weights.load import load_hf_into_model
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     final = Path(out_dir).absolute()
@@ -100,8 +104,6 @@ def _checkpoint_vocab_and_dtype(mcore_dir: str) -> tuple[int, torch.dtype]:
 
 def _vocab_divisible_by_for(rows: int, vocab: int, tp: int, mcore_dir: str) -> int:
     """The vocab_divisible_by that rebuilds `rows` padded rows at this TP size."""
-    from dapo_megatron.actor.model import padded_vocab_size
-
     for candidate in (1, 128, rows // tp):
         if candidate >= 1 and rows % tp == 0 and padded_vocab_size(vocab, tp=tp, divisible_by=candidate) == rows:
             return candidate
@@ -113,11 +115,6 @@ def mcore_to_hf(*, mcore_dir: str, hf_config_dir: str, out_dir: str, tp: int, pp
                 precision: str | None, ep: int = 1, etp: int | None = None) -> Path:
     from megatron.core import dist_checkpointing
     from transformers import AutoConfig
-
-    from dapo_megatron.actor.model import build_model_chunks
-    from dapo_megatron.actor.parallel import model_parallel
-    from dapo_megatron.weights.export import iter_hf_weights
-    from dapo_megatron.weights.save import save_hf_checkpoint
 
     if not (Path(mcore_dir) / "metadata.json").exists():
         raise ValueError(f"--mcore {mcore_dir}: not a Megatron distributed checkpoint (no metadata.json)")
@@ -169,8 +166,6 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str]) -> int:
     """Entry point of `dapo-megatron convert` (see the module docstring); run under torchrun."""
-    from dapo_megatron.actor.parallel import init_distributed
-
     args = _parse(argv)
     created = not dist.is_initialized()
     init_distributed()

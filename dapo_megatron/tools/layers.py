@@ -17,7 +17,8 @@ What is checked:
   * packages on the same layer stay independent (INDEPENDENT) where the map says so;
   * dapo_kernels imports nothing from dapo_megatron (not even its top-level package).
 A function-level import is checked like any other, so deferring an import never dodges a layer; what
-may be imported lazily is a matter of start-up time only. The checker reports counts too (`report`), used for the before/after of the
+may be imported lazily is a matter of start-up time only. The checker reports counts too (`report`), used for the
+before/after of the
 layout issue: cycles, upward imports, files with functions taking the whole Config.
 """
 
@@ -73,8 +74,9 @@ class Graph:
     imports: list[Import] = field(default_factory=list)
 
     def edges(self, *, module_level_only: bool = False) -> set[tuple[str, str]]:
-        return {(i.importer, self.resolve(i.target)) for i in self.imports
-                if not (module_level_only and i.in_function) and self.resolve(i.target)}
+        resolved = ((i.importer, self.resolve(i.target)) for i in self.imports
+                    if not (module_level_only and i.in_function))
+        return {(importer, target) for importer, target in resolved if target}
 
     def resolve(self, name: str) -> str | None:
         """The longest known module that `name` is or lies in (``a.b.c`` of ``from a.b import c``)."""
@@ -139,9 +141,9 @@ def layer_of(module: str, layers=LAYERS) -> tuple[int, str] | None:
             # a root with mapped subpackages (dapo_megatron) holds only its own __init__: a new folder
             # under it must be placed in a layer, not fall to the bottom
             is_root = any(other.startswith(package + ".") for other in everything)
-            if module == package or (not is_root and module.startswith(package + ".")):
-                if best is None or len(package) > len(best[1]):
-                    best = (index, package)
+            covers = module == package or (not is_root and module.startswith(package + "."))
+            if covers and (best is None or len(package) > len(best[1])):
+                best = (index, package)
     return best
 
 
@@ -232,7 +234,7 @@ def check(graph: Graph, layers=LAYERS, independent=INDEPENDENT) -> Report:
     for imp in graph.imports:
         target = graph.resolve(imp.target)
         a, b = layer_of(imp.importer, layers), layer_of(target or "", layers)
-        if not a or not b or a[1] == b[1]:
+        if not a or not b or not target or a[1] == b[1]:
             continue
         key = (imp.importer, target, imp.line)  # `from x import a, b`: one import statement, counted once
         if key in seen:
@@ -242,7 +244,7 @@ def check(graph: Graph, layers=LAYERS, independent=INDEPENDENT) -> Report:
             upward.append(imp)
         elif b[0] == a[0] and any(a[1] in g and b[1] in g for g in independent):
             same.append(imp)
-    units = {layer_of(m, layers)[1] for m in graph.modules if layer_of(m, layers)}
+    units = {layer[1] for m in graph.modules if (layer := layer_of(m, layers))}
     package_edges = set(unit_edges(graph, layers))
     return Report(
         upward=upward, same_layer=same,

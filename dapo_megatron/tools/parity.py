@@ -49,13 +49,25 @@ import argparse
 import functools
 import os
 import sys
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dapo_megatron.actor.context_parallel import merge_from_cp, split_for_cp
+from dapo_megatron.actor.lm_head import (
+    full_sequence_hidden,
+    output_weight,
+    return_hidden_states,
+    token_logprobs_entropy,
+)
+from dapo_megatron.actor.model import build_model_chunks, packed_position_ids, packed_seq_params_from_lengths
+from dapo_megatron.actor.packing import round_up
+from dapo_megatron.actor.parallel import init_distributed, model_parallel
 from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.weights.load import load_hf_into_model
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int,
@@ -79,7 +91,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, voca
 
 
 def megatron_logprobs(model_chunks: Sequence[Any], micro_batches: Sequence[dict], *, vocab_size: int,
-                      temperature: float = 1.0) -> Optional[list[torch.Tensor]]:
+                      temperature: float = 1.0) -> list[torch.Tensor] | None:
     """Per-token log-probs of each micro-batch through Megatron's pipeline schedule (forward only).
 
     Each micro-batch is a dict with input_ids and labels ([B, S], or [1, T] packed), position_ids,
@@ -93,8 +105,6 @@ def megatron_logprobs(model_chunks: Sequence[Any], micro_batches: Sequence[dict]
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from dapo_megatron.actor.context_parallel import merge_from_cp, split_for_cp
 
     cp_size = parallel_state.get_context_parallel_world_size()
     cp_rank = parallel_state.get_context_parallel_rank()
@@ -161,8 +171,6 @@ def _head_grad_rel_diff(hidden_NH, weight, targets, *, tp_group, vocab_size: int
     same random cotangents for log-prob and entropy: (fused logprob, fused entropy, reference
     logprob, reference entropy, max over d/dhidden and d/dweight of max|fused - ref| / max|ref|,
     the max taken over the TP group: every rank holds its own weight shard)."""
-    from dapo_megatron.actor.lm_head import token_logprobs_entropy
-
     gen = torch.Generator().manual_seed(seed)  # the same cotangents on every TP rank
     g_lp = torch.randn(hidden_NH.shape[0], generator=gen).to(hidden_NH.device)
     g_ent = torch.randn(hidden_NH.shape[0], generator=gen).to(hidden_NH.device)
@@ -185,7 +193,7 @@ def _head_grad_rel_diff(hidden_NH, weight, targets, *, tp_group, vocab_size: int
 
 
 def head_logprobs(model_chunks: Sequence[Any], micro_batches: Sequence[dict], *, vocab_size: int,
-                  sequence_parallel: bool, seed: int = 0) -> Optional[list[dict]]:
+                  sequence_parallel: bool, seed: int = 0) -> list[dict] | None:
     """check-parity --fused-logprob: the actor's LM head (fused Triton op) over the pipeline schedule.
 
     Patches the chunks to return hidden states (lm_head.return_hidden_states). Returns, on
@@ -196,9 +204,6 @@ def head_logprobs(model_chunks: Sequence[Any], micro_batches: Sequence[dict], *,
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from dapo_megatron.actor.context_parallel import merge_from_cp, split_for_cp
-    from dapo_megatron.actor.lm_head import full_sequence_hidden, output_weight, return_hidden_states
 
     cp_size = parallel_state.get_context_parallel_world_size()
     cp_rank = parallel_state.get_context_parallel_rank()
@@ -265,9 +270,6 @@ def _parity_batches(*, num_seqs: int, seq_len: int, vocab_size: int, seed: int, 
     it (2*cp, times tp with sequence parallelism). Padding follows the real tokens of its segment
     (the packed total gets a padding segment), so causal attention keeps it out of every real
     token's context; `_comparable` reads only real positions. Both 1: no padding at all."""
-    from dapo_megatron.actor.model import packed_position_ids, packed_seq_params_from_lengths
-    from dapo_megatron.actor.packing import round_up
-
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab_size, (num_seqs, seq_len), generator=gen)
     # distinct lengths exercise the mask; steps of 2 keep the packed total even for an even seq_len
@@ -313,8 +315,6 @@ def _comparable(megatron_out: list[torch.Tensor], lengths: list[int], *, seq_mul
     """Stack the unpacked [K, L-1] and the packed per-sequence log-probs into one [2, K, L-1]
     tensor (positions past a packed sequence's end are NaN and skipped; L = lengths[0], padding
     of _parity_batches dropped)."""
-    from dapo_megatron.actor.packing import round_up
-
     unpacked, packed = megatron_out
     k, length = unpacked.size(0), lengths[0]
     out = torch.full((2, k, length - 1), float("nan"), dtype=torch.float32, device=unpacked.device)
@@ -425,10 +425,6 @@ def run_check(argv: Sequence[str]) -> dict[str, float]:
     from megatron.core import parallel_state
     from transformers import AutoConfig
 
-    from dapo_megatron.actor.model import build_model_chunks
-    from dapo_megatron.actor.parallel import model_parallel
-    from dapo_megatron.weights.load import load_hf_into_model
-
     args = _parse(argv)
     hf_config = AutoConfig.from_pretrained(args.model)
     _check_model_fits_layout(hf_config, tp=args.tp, model=args.model)
@@ -461,9 +457,9 @@ def run_check(argv: Sequence[str]) -> dict[str, float]:
                     extra[1 + kind] = _max_abs((result[kind].double() - ref.double()).abs(), compared)
                 extra[0] = torch.cat([o["grad_rel_diff"] for o in out]).max()  # NaN propagates
         else:
-            out = megatron_logprobs(chunks, batches, vocab_size=vocab)
-            if out is not None:
-                result[0] = comparable(out)
+            logprobs = megatron_logprobs(chunks, batches, vocab_size=vocab)
+            if logprobs is not None:
+                result[0] = comparable(logprobs)
         if args.pp > 1:  # last stage -> driver (global rank 0 is PP stage 0 of its own PP group)
             pp_group = parallel_state.get_pipeline_model_parallel_group()
             last = dist.get_process_group_ranks(pp_group)[-1]
@@ -539,8 +535,6 @@ def failures(numbers: dict[str, float], *, tolerance: float, grad_tolerance: flo
 
 def main(argv: Sequence[str]) -> int:
     """Entry point of `dapo-megatron check-parity` (see the module docstring)."""
-    from dapo_megatron.actor.parallel import init_distributed
-
     args = _parse(argv)
     _use_triton_interpreter_on_cpu(args)
     init_distributed()

@@ -22,12 +22,18 @@ from dapo_megatron.config import Config
 from dapo_megatron.data.datasets import train_and_eval_sets
 from dapo_megatron.data.stream import PromptStream
 from dapo_megatron.dataplane.sample import Sample
-from dapo_megatron.rollout.auth import engine_keys
 from dapo_megatron.rollout.async_rollout import engine_phases
+from dapo_megatron.rollout.auth import engine_keys
 from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
 from dapo_megatron.rollout.registry import engine_events_path
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
-from dapo_megatron.trainer.eval_report import eval_file_path, eval_report, metric_prefix, report_metrics, write_eval_file
+from dapo_megatron.trainer.eval_report import (
+    eval_file_path,
+    eval_report,
+    metric_prefix,
+    report_metrics,
+    write_eval_file,
+)
 from dapo_megatron.trainer.evaluate import sample_eval
 from dapo_megatron.trainer.recovery import EngineFaults, Verdict
 from dapo_megatron.transfer.engine_push import sync_dropping_dead

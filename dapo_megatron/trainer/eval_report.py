@@ -25,8 +25,16 @@ from typing import Any, Sequence
 
 import torch
 
-from dapo_megatron.algo.eval_stats import (BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, CI_LEVEL, bootstrap_mean_ci,
-                                           majority_correct, paired_bootstrap_diff, pass_at_k, pass_ks)
+from dapo_megatron.algo.eval_stats import (
+    BOOTSTRAP_RESAMPLES,
+    BOOTSTRAP_SEED,
+    CI_LEVEL,
+    bootstrap_mean_ci,
+    majority_correct,
+    paired_bootstrap_diff,
+    pass_at_k,
+    pass_ks,
+)
 from dapo_megatron.data.datasets import DEFAULT_EVAL_SET as DEFAULT_SET
 from dapo_megatron.reward.math_dapo import INVALID
 

@@ -38,9 +38,9 @@ import contextlib
 from typing import Iterator, Protocol
 
 from dapo_megatron.config import Config
-from dapo_megatron.dataplane.roles import RankRoles
 from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.dataplane.driver_decides import driver_decides
+from dapo_megatron.dataplane.roles import RankRoles
 
 
 class Placement(Protocol):
@@ -129,7 +129,12 @@ class DisaggregatedPlacement:
     def transfer_weights(self, actor, *, step: int) -> dict[str, float]:
         """Collective: every rank takes part in its stage's export; the driver sends to the engines
         (as weight version "step_<step>": the weights after `step` updates)."""
-        from dapo_megatron.transfer.stage_export import actor_exporter, covers_layout, gather_manifests, weights_for_driver
+        from dapo_megatron.transfer.stage_export import (
+            actor_exporter,
+            covers_layout,
+            gather_manifests,
+            weights_for_driver,
+        )
 
         if not covers_layout(actor.layout):
             return self._transfer_through_every_rank(actor, step=step)

@@ -43,12 +43,12 @@ from typing import Iterable
 
 import torch
 
+from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.dataplane.driver_decides import driver_decides
 from dapo_megatron.rollout.client import EngineError
 from dapo_megatron.transfer.tensor_payload import serialize_for_engine_rank
 from dapo_megatron.transfer.weight_sync import SyncStats, check_against, engine_shapes
 from dapo_megatron.weights.export import bucketize
-from dapo_megatron.dataplane import collectives as coll
-from dapo_megatron.dataplane.driver_decides import driver_decides
 
 
 @dataclass(frozen=True)

@@ -39,16 +39,17 @@ only the exporter receives the shards, and the next bucket's gather overlaps the
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.weights.export import _local_maps
-from dapo_megatron.weights.mapping import Dims, expected_hf_shapes, merge_shards_into
 from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.dataplane.layout import ParallelLayout
+from dapo_megatron.weights.export import _local_maps
+from dapo_megatron.weights.mapping import Dims, expected_hf_shapes, merge_shards_into
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -199,7 +200,7 @@ class StageExporter:
         A gather by point-to-point: the exporter posts one irecv per TP peer straight into that
         shard's buffer and keeps its own shard as it is (gloo's gather would stage all shards in one
         temporary on the root and copy them out: one parameter's gathered size more)."""
-        started = []
+        started: list[tuple[list[torch.Tensor] | None, list]] = []
         for item in items:
             shard = by_key[item.key].detach()
             if self.tp_size == 1 or item.kind == "replicated":
@@ -236,6 +237,7 @@ class StageExporter:
         out = iter(named)
         for index, item in enumerate(items):
             parts = shards[index]
+            assert parts is not None, f"{item.key}: the exporter holds every item's shards"
             views = [next(out)[1] for _ in item.names]
             merge_shards_into(item.kind, parts, views, dims=self.dims)  # no full-size temporary
             self.stats.largest_tensor = max([self.stats.largest_tensor, *(v.numel() * v.element_size() for v in views)])
@@ -285,6 +287,7 @@ def weights_for_driver(exporter: StageExporter, manifests: list[list[ExportItem]
     """
     layout = exporter.layout
     if dist.get_rank() == 0:
+        assert manifests is not None, "the driver passes every stage's manifest (gather_manifests)"
         yield from _driver_stream(exporter, manifests)
         return
     for bucket in exporter.buckets():
@@ -293,7 +296,8 @@ def weights_for_driver(exporter: StageExporter, manifests: list[list[ExportItem]
         del bucket
 
 
-def _driver_stream(exporter: StageExporter, manifests: list[list[ExportItem]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _driver_stream(exporter: StageExporter, manifests: list[list[ExportItem]],
+                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     for bucket in exporter.buckets():
         named = bucket.named
         del bucket
@@ -313,6 +317,7 @@ def _driver_stream(exporter: StageExporter, manifests: list[list[ExportItem]]) -
 
     pending = post(0) if incoming else None
     for index, (_, items) in enumerate(incoming):
+        assert pending is not None  # posted for every incoming bucket
         flat, work = pending
         work.wait()
         pending = post(index + 1) if index + 1 < len(incoming) else None
@@ -322,7 +327,7 @@ def _driver_stream(exporter: StageExporter, manifests: list[list[ExportItem]]) -
         del named
 
 
-def actor_exporter(actor, *, bucket_bytes: int) -> "StageExporter":
+def actor_exporter(actor, *, bucket_bytes: int) -> StageExporter:
     """This rank's part of the per-stage weight export of an Actor: iterate its buckets() on every
     rank; only the stage's exporter holds full tensors."""
     return StageExporter(actor.export_chunks(), actor.hf_config, actor.layout, bucket_bytes=bucket_bytes)

@@ -18,14 +18,15 @@ import json
 import os
 import shutil
 import struct
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.weights.save import finish_hf_dir, shard_file_name
 from dapo_megatron.transfer.stage_export import ExportItem, StageExporter, gather_manifests, plan_buckets
+from dapo_megatron.weights.save import finish_hf_dir, shard_file_name
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -80,7 +81,7 @@ def save_hf_by_stage(exporter: StageExporter, hf_config: PretrainedConfig, out_d
         shutil.rmtree(tmp_dir, ignore_errors=True)
         tmp_dir.mkdir(parents=True)
     dist.barrier()
-    files_per_stage = None
+    files_per_stage: list[list[list[int]]] = []  # the driver's and the exporters' (they hold manifests)
     if manifests is not None:
         files_per_stage = [plan_files(plan_buckets(m, exporter.bucket_bytes), max_shard_bytes) for m in manifests]
         total = sum(len(f) for f in files_per_stage)
@@ -94,7 +95,7 @@ def save_hf_by_stage(exporter: StageExporter, hf_config: PretrainedConfig, out_d
                 if k != current:  # a new shard file: its header first, from the plan
                     if handle is not None:
                         handle.close()
-                    handle, current = open(tmp_dir / shard_file_name(first + k, total), "wb"), k
+                    handle, current = open(tmp_dir / shard_file_name(first + k, total), "wb"), k  # noqa: SIM115 - open across buckets
                     members = [exporter.plan[b] for b in files_per_stage[stage][k]]
                     handle.write(safetensors_header([item for items in members for item in items]))
                 for _, tensor in bucket.named:
@@ -105,12 +106,13 @@ def save_hf_by_stage(exporter: StageExporter, hf_config: PretrainedConfig, out_d
             handle.close()
     dist.barrier()
     if dist.get_rank() == 0:
+        assert manifests is not None, "gather_manifests gives the driver every stage's"
         weight_map, size = {}, 0
         for stage, manifest in enumerate(manifests):
             buckets = plan_buckets(manifest, exporter.bucket_bytes)
             offset = sum(len(f) for f in files_per_stage[:stage])
-            for k, members in enumerate(files_per_stage[stage]):
-                for item in (item for b in members for item in buckets[b]):
+            for k, file_buckets in enumerate(files_per_stage[stage]):
+                for item in (item for b in file_buckets for item in buckets[b]):
                     weight_map.update({name: shard_file_name(offset + k, total) for name in item.names})
                     size += item.nbytes
         finish_hf_dir(tmp_dir, out_dir, weight_map=weight_map, total_size=size, hf_config=hf_config,

@@ -27,11 +27,12 @@ import base64
 import contextlib
 import io
 import pickle
+from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
-from typing import Iterator
 
 import torch
 import torch.multiprocessing  # registers torch's ForkingPickler reductions for tensors and storages
+
 
 # ------------------------------------------------------------------------------------ flattened
 def tensor_nbytes(tensor: torch.Tensor) -> int:

@@ -39,7 +39,7 @@ def open_weight_group(*, backend: str, master_address: str, master_port: int, ra
                       group_name: str, timeout_s: float = 600.0):
     """One member of the trainer<->engines group; rank 0 (the trainer) hosts the TCP store."""
     from torch.distributed import TCPStore
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+    from torch.distributed.distributed_c10d import Backend, GroupName, PrefixStore, _new_process_group_helper, _world
 
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"weight sync: backend must be gloo or nccl, got {backend!r}")
@@ -52,7 +52,7 @@ def open_weight_group(*, backend: str, master_address: str, master_port: int, ra
     # rank 0): the host name may resolve to 127.0.1.1 (dataplane/addresses.py)
     with addresses.gloo_interface_for(master_address) if backend == "gloo" else contextlib.nullcontext():
         pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                          group_name=group_name, timeout=timeout)
+                                          group_name=GroupName(group_name), timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # as SGLang: group rank = global rank
     return pg
 

@@ -45,8 +45,8 @@ import socket
 import struct
 import time
 import uuid
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterable, Iterator
 from urllib.parse import urlparse
 
 import torch
@@ -128,7 +128,7 @@ async def _gather_per_engine(clients: list[EngineClient], calls) -> dict[str, Ba
     return {c.url: r for c, r in zip(clients, results) if isinstance(r, BaseException)}
 
 
-def _name_failures(what: str, failures: dict[str, BaseException]) -> str:
+def _name_failures(what: str, failures: Mapping[str, BaseException | None]) -> str:
     return "; ".join(f"engine {url}: {what} failed: {err}" for url, err in failures.items())
 
 
@@ -321,7 +321,7 @@ class DistributedWeightSync:
             await self.connect(clients)
         if manifest is not None:
             _check_manifest(self._shapes, manifest)
-        stats, seen = SyncStats(num_engines=len(clients), weight_version=weight_version), set()
+        stats, seen = SyncStats(num_engines=len(clients), weight_version=weight_version), set[str]()
         tic = time.perf_counter()
         async with weight_update_session(clients):
             for bucket in _buckets(named_tensors, self.bucket_bytes, flattened=self.flattened):
@@ -355,7 +355,12 @@ class DistributedWeightSync:
             shapes=[list(t.shape) for t in tensors], group_name=self._group_name, flush_cache=flush_cache,
             load_format=FLATTENED if self.flattened else None, weight_version=weight_version)) for c in clients]
         pg = self._pg
-        send = asyncio.get_running_loop().run_in_executor(None, lambda: [broadcast_from_trainer(pg, p) for p in payloads])
+
+        def send_all() -> None:
+            for payload in payloads:
+                broadcast_from_trainer(pg, payload)
+
+        send = asyncio.get_running_loop().run_in_executor(None, send_all)
         # an engine that refuses the bucket never joins the broadcasts: fail at its answer instead of
         # waiting out the group timeout (the blocked broadcast thread ends at timeout_s)
         done, pending = await asyncio.wait([send, *posts], return_when=asyncio.FIRST_EXCEPTION)
@@ -395,7 +400,7 @@ class TensorWeightSync:
         tp_sizes = [int(i.get("tp_size", 1)) for i in await asyncio.gather(*(c.server_info() for c in clients))]
         if manifest is not None:
             _check_manifest(shapes, manifest)
-        stats, seen = SyncStats(num_engines=len(clients), weight_version=weight_version), set()
+        stats, seen = SyncStats(num_engines=len(clients), weight_version=weight_version), set[str]()
         tic = time.perf_counter()
         async with weight_update_session(clients):
             for bucket in bucketize(named_tensors, self.bucket_bytes):

@@ -24,14 +24,15 @@ Tied embeddings: no lm_head.weight is yielded (HF drops it from tied checkpoints
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.weights.load import chunk_param_maps, expert_offset, unwrap_model
 from dapo_megatron.weights.mapping import Dims, ParamMap, expected_hf_shapes, merge_shards
-from dapo_megatron.dataplane import collectives as coll
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -85,15 +86,16 @@ def _full_tensors(pmap: ParamMap, param: torch.Tensor, dims: Dims) -> list[tuple
 
     tensors = merge_shards(pmap.kind, _shard_all_gather(param.detach(), pmap), dims=dims)
     ep = parallel_state.get_expert_model_parallel_world_size() if pmap.is_expert else 1
+    local_expert = pmap.local_expert or 0  # set on every expert parameter (is_expert)
     if ep == 1:
-        return list(zip(_with_expert(pmap.hf_names, expert_offset(dims) + pmap.local_expert) if pmap.is_expert
+        return list(zip(_with_expert(pmap.hf_names, expert_offset(dims) + local_expert) if pmap.is_expert
                         else pmap.hf_names, tensors))
     group = parallel_state.get_expert_model_parallel_group()
     per_rank = [_all_gather(t, group, ep) for t in tensors]  # [tensor k][ep rank q]
-    num_local = dims.moe.num_experts // ep
-    out = []
+    num_local = dims.experts.num_experts // ep
+    out: list = []
     for q in range(ep):
-        names = _with_expert(pmap.hf_names, q * num_local + pmap.local_expert)
+        names = _with_expert(pmap.hf_names, q * num_local + local_expert)
         out.extend(zip(names, (gathered[q] for gathered in per_rank)))
     return out
 
@@ -110,7 +112,7 @@ def iter_hf_weights(model_chunks: Iterable[torch.nn.Module], hf_config: Pretrain
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
     pp_group = parallel_state.get_pipeline_model_parallel_group() if pp_size > 1 else None
     # owner PP stage of every parameter (keyed by its first HF name): one small exchange up front
-    owners: dict[str, int] = {name: 0 for name in local}
+    owners: dict[str, int] = dict.fromkeys(local, 0)
     if pp_size > 1:
         gathered: list[Any] = [None] * pp_size
         coll.all_gather_object(gathered, sorted(local), group=pp_group)
@@ -127,10 +129,14 @@ def iter_hf_weights(model_chunks: Iterable[torch.nn.Module], hf_config: Pretrain
         for j, name in enumerate(names):
             if pp_size > 1:
                 owner = owners[first_name]
-                tensor = tensors[j].contiguous() if my_stage == owner else torch.empty(
-                    shapes[name], dtype=reference.dtype, device=reference.device)
+                if my_stage == owner:
+                    assert tensors is not None  # the owner holds the parameter
+                    tensor = tensors[j].contiguous()
+                else:
+                    tensor = torch.empty(shapes[name], dtype=reference.dtype, device=reference.device)
                 coll.broadcast(tensor, src=pp_ranks[owner], group=pp_group)
             else:
+                assert tensors is not None  # one stage: this rank holds every parameter
                 tensor = tensors[j]
             yield name, tensor
 
@@ -147,7 +153,7 @@ def _names_owned_with(first_name: str, dims: Dims, *, ep: int) -> tuple[str, ...
     match = re.search(r"\.experts\.(\d+)\.", first_name)
     if match is None:
         return names
-    num_local = dims.moe.num_experts // ep
+    num_local = dims.experts.num_experts // ep
     return tuple(n for q in range(ep) for n in _with_expert(names, q * num_local + int(match.group(1))))
 
 

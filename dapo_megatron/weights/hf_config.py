@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -62,7 +62,7 @@ class MoEShape:
     sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or dense MLP (False)
 
 
-def moe_shape_of(hf_config: PretrainedConfig) -> Optional[MoEShape]:
+def moe_shape_of(hf_config: PretrainedConfig) -> MoEShape | None:
     """MoEShape of a Qwen3-MoE config, None for a dense model. ValueError for what we cannot build."""
     if getattr(hf_config, "model_type", None) not in MOE_MODEL_TYPES:
         return None

@@ -17,7 +17,8 @@ lets the loader read a fused checkpoint and the CPU rollout engine accept public
 from __future__ import annotations
 
 import re
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -25,7 +26,7 @@ _PUBLIC_EXPERT = re.compile(r"(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj
 _FUSED_EXPERT = re.compile(r"(?P<prefix>.*\.mlp\.experts)\.(?P<name>gate_up_proj|down_proj)")
 
 
-def fused_source(public_name: str) -> Optional[tuple[str, int, str]]:
+def fused_source(public_name: str) -> tuple[str, int, str] | None:
     """(fused tensor name, expert, projection) holding a public per-expert name, or None for a
     name that is not an expert matrix."""
     match = _PUBLIC_EXPERT.fullmatch(public_name)
@@ -42,8 +43,8 @@ def public_shape(fused_shape: tuple[int, ...], proj: str) -> tuple[int, ...]:
     return (fused_shape[1] // 2, fused_shape[2])
 
 
-def read_fused_rows(get_slice: Callable[[str], object], fused_shape: tuple[int, ...], fused_name: str,
-                    expert: int, proj: str, start: Optional[int], stop: Optional[int], dim: int) -> torch.Tensor:
+def read_fused_rows(get_slice: Callable[[str], Any], fused_shape: tuple[int, ...], fused_name: str,
+                    expert: int, proj: str, start: int | None, stop: int | None, dim: int) -> torch.Tensor:
     """public_tensor[start:stop] along dim (0 or 1) of one expert's projection, read from the fused
     tensor through a safetensors slice without reading the other experts."""
     part = get_slice(fused_name)

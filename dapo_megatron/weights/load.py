@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,9 +35,10 @@ def unwrap_model(chunk: torch.nn.Module) -> GPTModel:
     from megatron.core.models.gpt import GPTModel
 
     while not isinstance(chunk, GPTModel):
-        if not hasattr(chunk, "module"):
+        inner = getattr(chunk, "module", None)
+        if not isinstance(inner, torch.nn.Module):
             raise ValueError(f"expected a megatron GPTModel (possibly wrapped), got {type(chunk).__name__}")
-        chunk = chunk.module
+        chunk = inner
     return chunk
 
 
@@ -66,7 +68,7 @@ def shard_group_of(pmap: ParamMap) -> tuple[int, int]:
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
-def chunk_param_maps(model: GPTModel, dims: Dims, *, first_expert: Optional[int] = None) -> list[tuple[ParamMap, torch.nn.Parameter]]:
+def chunk_param_maps(model: GPTModel, dims: Dims, *, first_expert: int | None = None) -> list[tuple[ParamMap, torch.nn.Parameter]]:
     """(mapping, parameter) for every parameter of one unwrapped chunk, in named_parameters order.
     first_expert: global index of local expert 0 (default: this EP rank's)."""
     offset = chunk_layer_offset(model)
@@ -89,7 +91,7 @@ class SafetensorsCheckpoint:
             from safetensors import safe_open
 
             with safe_open(single_path, framework="pt") as handle:
-                self.weight_map = {name: "model.safetensors" for name in handle.keys()}
+                self.weight_map = dict.fromkeys(handle.keys(), "model.safetensors")
         else:
             raise ValueError(f"HF checkpoint {self.hf_dir}: no model.safetensors or model.safetensors.index.json")
         self._open: dict[str, Any] = {}
@@ -104,7 +106,7 @@ class SafetensorsCheckpoint:
             self._open[file_name] = safe_open(os.path.join(self.hf_dir, file_name), framework="pt")
         return self._open[file_name]
 
-    def _fused(self, name: str) -> Optional[tuple[str, int, str]]:
+    def _fused(self, name: str) -> tuple[str, int, str] | None:
         """Where a public per-expert name lives in a fused-layout checkpoint (None: read it as is)."""
         if name in self.weight_map:
             return None
@@ -139,7 +141,7 @@ class SafetensorsCheckpoint:
 
 
 def load_hf_into_model(model_chunks: Iterable[torch.nn.Module], hf_dir: str | os.PathLike, *,
-                       hf_config: Optional[PretrainedConfig] = None) -> None:
+                       hf_config: PretrainedConfig | None = None) -> None:
     """Copy the HF checkpoint at hf_dir into every local parameter of model_chunks (this rank's).
 
     hf_config defaults to transformers.AutoConfig.from_pretrained(hf_dir). Raises ValueError naming

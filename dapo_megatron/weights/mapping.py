@@ -33,13 +33,21 @@ separate norms (`input_layernorm.weight`), the TE spec fuses them into the next 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from dapo_megatron.weights.hf_config import (MoEShape, has_qk_norm, has_qkv_bias, head_dim_of, model_type_of, moe_shape_of,
-                                             padded_vocab_size)
+from dapo_megatron.weights.hf_config import (
+    MoEShape,
+    has_qk_norm,
+    has_qkv_bias,
+    head_dim_of,
+    model_type_of,
+    moe_shape_of,
+    padded_vocab_size,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -101,10 +109,10 @@ class Dims:
     qkv_bias: bool
     tied: bool
     qk_norm: bool = False
-    moe: Optional[MoEShape] = None
+    moe: MoEShape | None = None
 
     @staticmethod
-    def from_hf(hf_config: PretrainedConfig) -> "Dims":
+    def from_hf(hf_config: PretrainedConfig) -> Dims:
         model_type_of(hf_config)
         return Dims(hidden=hf_config.hidden_size, num_heads=hf_config.num_attention_heads,
                     num_groups=hf_config.num_key_value_heads, head_dim=head_dim_of(hf_config),
@@ -113,12 +121,19 @@ class Dims:
                     tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
                     qk_norm=has_qk_norm(hf_config), moe=moe_shape_of(hf_config))
 
+    @property
+    def experts(self) -> MoEShape:
+        """The MoE shape; asking a dense model for it is a bug (callers hold an expert parameter)."""
+        if self.moe is None:
+            raise ValueError("a dense model has no experts")
+        return self.moe
+
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and self.moe.sparse_layers[layer]
 
     def ffn_of(self, kind: str) -> int:
         """The MLP width a kind splits: an expert's for expert kinds, the dense MLP's otherwise."""
-        return self.moe.ffn if kind.startswith("expert") else self.ffn
+        return self.experts.ffn if kind.startswith("expert") else self.ffn
 
 
 @dataclass(frozen=True)
@@ -128,8 +143,8 @@ class ParamMap:
     mcore_name: str  # name inside the (unwrapped) GPTModel chunk, local layer index
     hf_names: tuple[str, ...]
     kind: str
-    global_layer: Optional[int] = None
-    local_expert: Optional[int] = None  # expert kinds: index among this EP rank's experts
+    global_layer: int | None = None
+    local_expert: int | None = None  # expert kinds: index among this EP rank's experts
 
     @property
     def is_expert(self) -> bool:
@@ -153,9 +168,9 @@ def expected_hf_shapes(dims: Dims) -> dict[str, tuple[int, ...]]:
         if dims.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
         if dims.is_sparse(i):
-            fe = dims.moe.ffn
-            shapes[p + "mlp.gate.weight"] = (dims.moe.num_experts, h)
-            for e in range(dims.moe.num_experts):
+            fe = dims.experts.ffn
+            shapes[p + "mlp.gate.weight"] = (dims.experts.num_experts, h)
+            for e in range(dims.experts.num_experts):
                 q = f"{p}mlp.experts.{e}."
                 shapes.update({q + "gate_proj.weight": (fe, h), q + "up_proj.weight": (fe, h),
                                q + "down_proj.weight": (h, fe)})
@@ -221,7 +236,7 @@ def _deinterleave_qkv(full: torch.Tensor, dims: Dims) -> list[torch.Tensor]:
 
 
 def shard_for_rank(kind: str, hf_tensors: Sequence[torch.Tensor], *, tp_rank: int, tp_size: int,
-                   dims: Dims, vocab_rows: Optional[int] = None) -> torch.Tensor:
+                   dims: Dims, vocab_rows: int | None = None) -> torch.Tensor:
     """Megatron's local shard on TP rank `tp_rank` from the full HF tensors. vocab_rows: the
     model's padded vocabulary (all ranks), when it was built with another vocab_divisible_by."""
     if kind == "replicated":
@@ -234,7 +249,8 @@ def shard_for_rank(kind: str, hf_tensors: Sequence[torch.Tensor], *, tp_rank: in
     if kind in ("row", "expert_row"):
         return hf_tensors[0].chunk(tp_size, dim=1)[tp_rank]
     if kind == "qkv":
-        return _interleave_qkv(*hf_tensors, dims).chunk(tp_size, dim=0)[tp_rank]
+        q, k, v = hf_tensors
+        return _interleave_qkv(q, k, v, dims).chunk(tp_size, dim=0)[tp_rank]
     if kind in ("fc1", "expert_fc1"):
         gate, up = (t.chunk(tp_size, dim=0)[tp_rank] for t in hf_tensors)
         return torch.cat([gate, up], dim=0)
@@ -294,7 +310,7 @@ def merge_shards_into(kind: str, shards: Sequence[torch.Tensor], outputs: Sequen
 
 
 def read_shard(kind: str, hf_names: Sequence[str], read_rows, *, tp_rank: int, tp_size: int, dims: Dims,
-               vocab_rows: Optional[int] = None) -> torch.Tensor:
+               vocab_rows: int | None = None) -> torch.Tensor:
     """Like shard_for_rank, but reads only the rows / columns this rank needs.
 
     read_rows(name, start, stop, dim) returns tensor[name] restricted to [start, stop) along dim

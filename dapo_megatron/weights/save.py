@@ -11,8 +11,9 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -55,7 +56,7 @@ def save_hf_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], hf_con
         for k, names in enumerate(shard_names):
             file_name = shard_file_name(k, n)
             os.replace(tmp_dir / f"shard-{k}.tmp", tmp_dir / file_name)
-            weight_map.update({name: file_name for name in names})
+            weight_map.update(dict.fromkeys(names, file_name))
         finish_hf_dir(tmp_dir, out_dir, weight_map=weight_map, total_size=total, hf_config=hf_config,
                       copy_from=copy_from)
     finally:

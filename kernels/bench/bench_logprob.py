@@ -64,11 +64,11 @@ def make_call(provider: str, hidden, weight, targets, *, backward: bool):
         if liger is None:
             return None
 
-        def run():
+        def run_liger():
             loss = liger(weight, hidden, targets)
             if backward:
                 loss.sum().backward()
-        return run
+        return run_liger
     op = {"fused": linear_logprob_entropy, "torch": linear_logprob_entropy_reference, "chunked": _chunked_torch,
           "fused_rowchunk": lambda *a: linear_logprob_entropy(*a, backward="row_chunked"),
           "fused_cublas": lambda *a: linear_logprob_entropy(*a, logits="cublas")}[provider]
@@ -101,7 +101,7 @@ def bench_shape(out: CsvWriter, table: list, *, n, h, v, tp, providers, modes, r
         weight.requires_grad_(backward)
         flops = (8 if backward else 2) * n * h * v_local
 
-        def reset():
+        def reset(hidden=hidden, weight=weight):
             hidden.grad = None
             weight.grad = None
 

@@ -7,7 +7,8 @@ program, the loss and stats), fused_two_launch (the first design: a second launc
 partials, one_pass=False; kept until a GPU run has measured both), torch (kernels/reference.py,
 eager fp32; dapo_megatron.algo.policy_loss runs the same formula, and dapo_kernels imports nothing
 from dapo_megatron). Modes: fwd (the loss call: for fused that is the whole one-kernel job, gradient
-included) and fwd_bwd (plus loss.backward(): for fused one extra multiply by the upstream grad). Effective bandwidth counts the
+included) and fwd_bwd (plus loss.backward(): for fused one extra multiply by the upstream grad). Effective bandwidth
+counts the
 fewest bytes any implementation must move: read logprob, old_logprob, advantages (fp32) and the
 bool mask, write the fp32 gradient = 17 + 4 = 21 bytes per token; reported as GB/s and as percent
 of a device-to-device copy measured in the same run.
@@ -67,12 +68,12 @@ def run(args) -> list[dict]:
                 print(f"skip {name}: not importable")
                 continue
             for mode in args.loss_modes.split(","):
-                def call(fn=fn, backward=mode == "fwd_bwd"):
+                def call(fn=fn, backward=mode == "fwd_bwd", logprob=logprob, old=old, adv=adv, mask=mask, num=num):
                     loss, _ = fn(logprob, old, adv, mask, **KW, loss_denominator=float(num))
                     if backward:
                         loss.backward()
 
-                def reset():
+                def reset(logprob=logprob):
                     logprob.grad = None
 
                 try:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import csv
 import datetime as _dt
+import functools
 import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -101,7 +102,7 @@ def bf16_matmul_tflops(n: int, h: int, v: int, *, repeats: int, device: str = "c
     a = torch.randn(n, h, device=device, dtype=torch.bfloat16)
     b = torch.randn(v, h, device=device, dtype=torch.bfloat16)
     try:
-        p50, _, _ = time_calls(lambda: a @ b.t(), repeats=repeats, device=device)
+        p50, _, _ = time_calls(functools.partial(torch.matmul, a, b.t()), repeats=repeats, device=device)
     finally:
         del a, b
         if device == "cuda":
@@ -113,7 +114,7 @@ def copy_bandwidth_gbs(*, num_bytes: int = 2 << 30, repeats: int = 10, device: s
     """Device-to-device copy GB/s counting bytes read plus bytes written."""
     src = torch.randn(num_bytes // 4, device=device)
     dst = torch.empty_like(src)
-    p50, _, _ = time_calls(lambda: dst.copy_(src), repeats=repeats, device=device)
+    p50, _, _ = time_calls(functools.partial(dst.copy_, src), repeats=repeats, device=device)
     del src, dst
     if device == "cuda":
         torch.cuda.empty_cache()

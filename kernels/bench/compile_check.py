@@ -28,7 +28,7 @@ def _compile(fn, signature: dict, constexprs: dict, divisible: set, *, num_warps
 
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in divisible}
-    signature = {**signature, **{k: "constexpr" for k in constexprs}}
+    signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
     return triton_compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
 

@@ -48,8 +48,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def correctness_pass() -> int:
     """Tiny shapes in the interpreter: print max errors of the fused ops against float64."""
-    from dapo_kernels import (linear_logprob_entropy, linear_logprob_entropy_reference, policy_loss,
-                              policy_loss_reference)
+    from dapo_kernels import (
+        linear_logprob_entropy,
+        linear_logprob_entropy_reference,
+        policy_loss,
+        policy_loss_reference,
+    )
 
     ok = True
     gen = torch.Generator().manual_seed(0)
@@ -65,6 +69,7 @@ def correctness_pass() -> int:
             wd = weight.detach().to(cast).requires_grad_()
             lp, ent = fn(hd, wd, targets, temperature=0.8)
             (lp.sum() + 0.5 * ent.sum()).backward()
+            assert hd.grad is not None and wd.grad is not None
             results.append((lp.detach().double(), ent.detach().double(), hd.grad.double(), wd.grad.double()))
         (lp, ent, gh, gw), (lp64, ent64, gh64, gw64) = results
         errs = {
@@ -89,6 +94,7 @@ def correctness_pass() -> int:
         lp = logprob.detach().to(dtype).requires_grad_()
         loss, stats = fn(lp, old.to(dtype), adv.to(dtype), mask, **kw)
         loss.backward()
+        assert lp.grad is not None
         outs.append((loss.item(), lp.grad.double(), {k: s.item() for k, s in stats.items()}))
     (loss, grad, stats), (loss64, grad64, stats64) = outs
     stat_err = max(abs(stats[k] - stats64[k]) for k in stats)

@@ -90,21 +90,21 @@ def judge(table: dict) -> tuple[list[Verdict], str | None]:
     t1 = Verdict("T1 TFLOP/s >= Liger")
     t2 = Verdict("T2 >= 650 TFLOP/s fwd_bwd 32B tp1 64K")
     t3 = Verdict("T3 fwd_bwd extra memory <= Liger")
-    wins_all = {p: True for p in OURS}
-    seen = {p: False for p in OURS}
+    wins_all = dict.fromkeys(OURS, True)
+    seen = dict.fromkeys(OURS, False)
     for x in shapes:
         for mode in ("fwd", "fwd_bwd"):
             liger, ours = _lm(table, "liger", mode, "tflops", x), _ours(table, mode, "tflops", x)
             if liger is None or not ours:
                 continue
-            best = max(ours, key=ours.get)
+            best = max(ours, key=lambda p: ours[p])
             t1.check(ours[best] >= liger, f"{x} {mode}: {best} {ours[best]:.0f} vs liger {liger:.0f}")
             for p in OURS:
                 seen[p] |= p in ours
                 wins_all[p] &= p in ours and ours[p] >= liger
         liger_mem, mems = _lm(table, "liger", "fwd_bwd", "peak_extra_mem", x), _ours(table, "fwd_bwd", "peak_extra_mem", x)
         if liger_mem is not None and mems:
-            best = min(mems, key=mems.get)
+            best = min(mems, key=lambda p: mems[p])
             t3.check(mems[best] <= liger_mem, f"{x}: {best} {mems[best]:.2f} GB vs liger {liger_mem:.2f} GB")
             for p in OURS:
                 wins_all[p] &= p in mems and mems[p] <= liger_mem
@@ -112,7 +112,7 @@ def judge(table: dict) -> tuple[list[Verdict], str | None]:
         s = _shape(x)
         ours = _ours(table, "fwd_bwd", "tflops", x)
         if s.get("H") == H_32B and s.get("tp") == 1 and s.get("N") == 65536 and ours:
-            best = max(ours, key=ours.get)
+            best = max(ours, key=lambda p: ours[p])
             t2.check(ours[best] >= TFLOPS_32B_TP1_64K,
                      f"{x}: {best} {ours[best]:.0f} TFLOP/s (target {TFLOPS_32B_TP1_64K:.0f})")
     candidate = next((p for p in OURS if seen[p] and wins_all[p]), None) if t1.lines else None

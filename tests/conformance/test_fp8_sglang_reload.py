@@ -63,7 +63,8 @@ def checkpoints(tmp_path_factory):
     from safetensors.torch import save_file
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from dapo_megatron.quant import Fp8SyncConverter, export_fp8_checkpoint
+    from dapo_megatron.quant.fp8_export import export_fp8_checkpoint
+    from dapo_megatron.quant.fp8_sync import Fp8SyncConverter
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -91,10 +92,10 @@ def checkpoints(tmp_path_factory):
 def test_sglang_loads_the_export_and_reloads_every_sync_in_place(sglang_installed, checkpoints, tp):
     from safetensors.torch import load_file
 
-    from dapo_megatron.quant import dequantize_block_fp8
+    from dapo_megatron.quant.fp8_format import dequantize_block_fp8
 
     root, start, (sync1, sync2) = checkpoints
-    from dapo_megatron.quant import check_sglang_block_shapes
+    from dapo_megatron.quant.fp8_format import check_sglang_block_shapes
 
     # the shapes are ones our start-up check lets through (and SGLang's validate_block_quant_shapes below)
     check_sglang_block_shapes(json.loads((root / "fp8" / "config.json").read_text()), tp_size=tp)

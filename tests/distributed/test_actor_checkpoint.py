@@ -5,8 +5,7 @@ checkpoint in place."""
 import pytest
 import torch
 
-from test_actor_logprobs import hf_logprobs, make_cfg, make_samples
-from test_actor_train import fill_rl_fields
+from helpers_actor import fill_rl_fields, hf_logprobs, make_cfg, make_samples
 
 
 def _resume_rank(hf_dir, batches, ckpt_dir):

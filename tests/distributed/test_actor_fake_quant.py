@@ -82,7 +82,8 @@ def _values_on_rank(hf_dir, tp, sequence_parallel):
 
     from dapo_megatron.actor.fake_quant import quantized_linears
     from dapo_megatron.actor.parallel import model_parallel
-    from dapo_megatron.quant import Fp8SyncConverter, dequantize_block_fp8
+    from dapo_megatron.quant.fp8_format import dequantize_block_fp8
+    from dapo_megatron.quant.fp8_sync import Fp8SyncConverter
     from dapo_megatron.weights import iter_hf_weights
     from dapo_megatron.weights.mapping import Dims
 
@@ -210,7 +211,8 @@ def _reference(hf_dir, coef, *, quantized: bool):
     """float64 transformers: the same loss, FP8 Linears holding the engine values (constants) or not."""
     from transformers import AutoModelForCausalLM
 
-    from dapo_megatron.quant import Fp8SyncConverter, dequantize_block_fp8
+    from dapo_megatron.quant.fp8_format import dequantize_block_fp8
+    from dapo_megatron.quant.fp8_sync import Fp8SyncConverter
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64)
     state = {n: t.float() for n, t in model.state_dict().items()}

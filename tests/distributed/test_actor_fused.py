@@ -25,8 +25,7 @@ from safetensors.torch import load_file
 
 from helpers_fp32 import (U32, StepBounds, TokenBounds, adam_first_step, adam_weight_bounds, check_weights,
                           min_distance_to_clip_edges, reference_step, step_bounds, token_bounds)
-from test_actor_logprobs import hf_logprobs, make_cfg, make_samples
-from test_actor_train import STEP, fill_rl_fields, hf_seq_mean_step
+from helpers_actor import STEP, fill_rl_fields, hf_logprobs, hf_seq_mean_step, make_cfg, make_samples
 
 STAT_KEYS = ("loss", "pg_loss", "kl_loss", "clipfrac_low", "clipfrac_high", "dualclip_frac", "approx_kl",
              "ratio_mean", "ratio_max", "entropy", "kl", "tis_weight", "num_tokens", "loss_denominator",

@@ -2,52 +2,12 @@
 for TP=1 x DP=2, TP=2 and PP=2, and with context parallelism (CP=2, TP=2 x CP=2 with sequence
 parallel, CP=2 x PP=2) equals CP=1; every rank returns the same values."""
 
-import random
 
 import pytest
 import torch
 
-from dapo_megatron.dataplane.sample import Sample
 from helpers_fp32 import token_bounds
-
-
-def make_cfg(*, tp=1, pp=1, cp=1, micro_batch_tokens=256, sequence_parallel=False, fused=False, **trainer):
-    """fused: the Triton kernels (interpreted on CPU) for the head and the loss; the tests that do not
-    compare the two paths use plain torch (fast); test_actor_fused.py compares them."""
-    from dapo_megatron.config import ActorConfig, Config
-
-    cfg = Config()
-    cfg.actor = ActorConfig(tp=tp, pp=pp, cp=cp, attention_backend="torch", precision="fp32",
-                            micro_batch_tokens=micro_batch_tokens, use_distributed_optimizer=True,
-                            sequence_parallel=sequence_parallel, fused_logprob=fused, fused_policy_loss=fused)
-    cfg.rollout.temperature = 1.0
-    for key, value in trainer.items():
-        setattr(cfg.trainer, key, value)
-    return cfg
-
-
-def make_samples(n, *, seed=0, vocab=300):
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        prompt = [rng.randrange(5, vocab) for _ in range(rng.randint(2, 9))]
-        response = [rng.randrange(5, vocab) for _ in range(rng.randint(1, 12))]
-        out.append(Sample(prompt_ids=prompt, response_ids=response, group_index=i // 2))
-    return out
-
-
-def hf_logprobs(hf_dir, samples):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).eval()
-    logps, ents = [], []
-    with torch.no_grad():
-        for s in samples:
-            ids = torch.tensor([s.prompt_ids + s.response_ids])
-            logp = torch.log_softmax(model(ids).logits[0].double(), -1)[len(s.prompt_ids) - 1:-1]
-            logps.append(logp.gather(1, ids[0, len(s.prompt_ids):, None])[:, 0].float())
-            ents.append(-(logp.exp() * logp).sum(-1).float())
-    return logps, ents
+from helpers_actor import hf_logprobs, make_cfg, make_samples
 
 
 def _logprobs_rank(hf_dir, samples, tp, pp, micro_batch_tokens, sp=False, cp=1):

@@ -11,8 +11,7 @@ import warnings
 import pytest
 import torch
 
-from test_actor_logprobs import hf_logprobs, make_cfg, make_samples
-from test_actor_train import fill_rl_fields
+from helpers_actor import fill_rl_fields, hf_logprobs, make_cfg, make_samples
 
 # tiny Qwen2 (helpers_tiny): 2 layers x (qkv 64x128 + bias 128, proj 64x64, fc1 64x256, fc2 128x64,
 # 2 norms of 64) + embedding 300x64 + untied output 300x64 + final norm 64

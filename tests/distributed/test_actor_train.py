@@ -11,58 +11,7 @@ import torch
 
 from helpers_fp32 import (PolicyStep, adam_first_step, adam_weight_bounds, check_weights, hf_response_logprobs,
                           policy_step_of, reference_step, step_bounds)
-from test_actor_logprobs import hf_logprobs, make_cfg, make_samples
-
-# one Adam step of the layout-parity tests: lr 1e-3, Adam eps 1e-4 (see _updated_weights_rank), the
-# config's default weight decay 0.1 and grad clip 1.0
-STEP = dict(lr=1e-3, eps=1e-4, weight_decay=0.1, grad_clip=1.0)
-
-
-
-def fill_rl_fields(samples, hf_logps, *, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    for i, (s, lp) in enumerate(zip(samples, hf_logps)):
-        s.old_logprobs = (lp + 0.3 * torch.randn(lp.shape, generator=gen)).tolist()
-        s.advantage = [1.5, -1.0, 0.5, -1.5][i % 4]
-    samples[1].loss_mask = [1] * (len(samples[1].response_ids) - 1) + [0]
-    return samples
-
-
-def _grads_rank(hf_dir, samples, budget, algo=None, cp=1):
-    """One train step at TP=1 x DP=2 (or CP=2 x DP=1) without the distributed optimizer (grads
-    all-reduced over DP x CP, so every rank holds the full gradient); returns the gradient by HF
-    name, read just before the step."""
-    import dapo_megatron.actor.optimizer as opt_module
-    from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
-    from dapo_megatron.actor.parallel import model_parallel
-
-    captured = {}
-    original = opt_module.guarded_step
-
-    def capture(optimizer, **kw):
-        params = [p for m in actor.model for p in m.module.parameters()]
-        saved = [p.data.clone() for p in params]
-        for p in params:
-            p.data.copy_(p.main_grad)
-        captured.update({k: v.clone() for k, v in actor.iter_hf_weights()})
-        for p, s in zip(params, saved):
-            p.data.copy_(s)
-        return original(optimizer, **kw)
-
-    opt_module.guarded_step = capture
-    try:
-        with model_parallel(tp=1, cp=cp, seed=7) as layout:
-            cfg = make_cfg(cp=cp, micro_batch_tokens=budget, lr=1e-3, warmup_steps=0)
-            cfg.actor.use_distributed_optimizer = False
-            for key, value in (algo or {}).items():
-                setattr(cfg.algorithm, key, value)
-            actor = Actor(actor_settings(cfg), hf_dir, layout)
-            metrics = actor.train(samples, step=0)
-            num_micro = metrics["num_micro_batches"]
-    finally:
-        opt_module.guarded_step = original
-    return metrics, num_micro, captured
+from helpers_actor import STEP, fill_rl_fields, grads_rank, hf_logprobs, hf_seq_mean_step, make_cfg, make_samples
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +27,7 @@ def test_three_micro_batches_times_two_dp_ranks_give_the_big_batch_gradient(rank
     samples = fill_rl_fields(samples, logps)
     budget = 30
     ref = reference_step(tiny_dir, samples)
-    results = rank_pool(2).run(_grads_rank, tiny_dir, samples, budget)
+    results = rank_pool(2).run(grads_rank, tiny_dir, samples, budget)
     worst = []
     for metrics, num_micro, grads in results:
         assert num_micro == 3  # the budget splits each DP rank's half into 3 micro-batches
@@ -156,32 +105,6 @@ def test_one_step_at_tp2_updates_weights_like_tp1_dp2(rank_pool, tiny_dir):
           f"(rel {ref.loss_bound / abs(ref.exact.loss):.1e}), grad-norm bound {ref.grad_norm_bound:.2e}")
 
 
-def hf_seq_mean_step(hf_dir, samples, *, dtype, eps_low, eps_high, clip_ratio_c, tis_cap, kl_coef) -> PolicyStep:
-    """The same big-batch step, written out per sequence for seq-mean-token-mean with overlong
-    filtering, truncated importance sampling and a k3 KL term (docs/algorithm.md 5 + the GRPO baseline):
-        loss = mean over sequences with a trained token of
-               sum_t m_t * (min(pi_old/pi_rollout, C) * l_t + kl_coef * k3_t) / sum_t m_t
-    with m_t = 0 for every token of a truncated sample; in `dtype` (float64: the truth, float32: its rounding)."""
-    model, lp_all = hf_response_logprobs(hf_dir, samples, dtype=dtype)
-    per_seq = []
-    for s, lp in zip(samples, lp_all.split([len(s.response_ids) for s in samples])):
-        old, rollout, ref = (torch.tensor(v, dtype=dtype) for v in (s.old_logprobs, s.rollout_logprobs, s.ref_logprobs))
-        mask = torch.tensor(s.response_mask(), dtype=dtype) * (0.0 if s.truncated else 1.0)
-        if mask.sum() == 0:
-            continue
-        adv = s.advantage
-        ratio = torch.exp(torch.clamp(lp - old, -20, 20))
-        l = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - eps_low, 1 + eps_high))
-        if adv < 0:
-            l = torch.minimum(l, torch.full_like(l, -adv * clip_ratio_c))
-        tis = torch.clamp(torch.exp(old - rollout), max=tis_cap)
-        x = torch.clamp(ref - lp, -20, 20)
-        k3 = torch.clamp(torch.exp(x) - x - 1, -10, 10)
-        per_seq.append((mask * (tis * l + kl_coef * k3)).sum() / mask.sum())
-    loss = torch.stack(per_seq).mean()
-    return policy_step_of(model, lp_all, loss)
-
-
 @pytest.mark.parametrize("cp", [1, 2])
 def test_seq_mean_token_mean_with_overlong_filter_tis_and_kl_gives_the_big_batch_gradient(rank_pool, tiny_dir, cp):
     """With CP=2 each sequence's tokens are split over both ranks: its per-sequence token count
@@ -203,7 +126,7 @@ def test_seq_mean_token_mean_with_overlong_filter_tis_and_kl_gives_the_big_batch
                       hf_seq_mean_step(tiny_dir, samples, dtype=torch.float64, **loss_args))
     # 22 tokens: 3 micro-batches per DP rank; at CP=2 (sequences padded to multiples of 4, one DP
     # rank) 24 tokens
-    results = rank_pool(2).run(_grads_rank, tiny_dir, samples, 22 if cp == 1 else 24, algo, cp)
+    results = rank_pool(2).run(grads_rank, tiny_dir, samples, 22 if cp == 1 else 24, algo, cp)
     for metrics, num_micro, grads in results:
         assert num_micro == 3 if cp == 1 else num_micro >= 3  # several micro-batches either way
         assert metrics["loss_denominator"] == 10  # 12 sequences, 2 truncated and filtered out
@@ -261,7 +184,7 @@ def test_gspo_in_the_actor_gives_the_big_batch_sequence_level_gradient(rank_pool
     algo = dict(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean", clip_ratio_c=None)
     ref = step_bounds(hf_gspo_step(tiny_dir, samples, dtype=torch.float32, eps_low=0.2, eps_high=0.28),
                       hf_gspo_step(tiny_dir, samples, dtype=torch.float64, eps_low=0.2, eps_high=0.28))
-    results = rank_pool(2).run(_grads_rank, tiny_dir, samples, 22, algo, 1)
+    results = rank_pool(2).run(grads_rank, tiny_dir, samples, 22, algo, 1)
     for metrics, num_micro, grads in results:
         assert num_micro == 3 and metrics["loss_denominator"] == 12
         assert 0 < metrics["clipfrac_low"] + metrics["clipfrac_high"] < 1  # some sequences clipped, not all

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dapo_megatron.dataplane.sample import Sample
-from test_actor_logprobs import hf_logprobs, make_cfg
+from helpers_actor import hf_logprobs, make_cfg
 
 
 def make_step(num_groups, n, *, seed, vocab=300, experts_width=0):

@@ -19,7 +19,7 @@ import torch
 
 from dapo_megatron.dataplane.sample import Sample
 from helpers_fp32 import reference_step
-from test_actor_train import _grads_rank
+from helpers_actor import grads_rank
 
 PROMPT, RESPONSE = 16, 20_480
 
@@ -52,7 +52,7 @@ def test_20k_token_response_trains_at_cp2_like_the_float64_step(rank_pool, long_
     ref = reference_step(long_tiny_dir, samples)  # SDPA's causal CPU kernel: O(T) memory in both precisions
     ref_s = time.perf_counter() - start
     start = time.perf_counter()
-    results = rank_pool(2).run(_grads_rank, long_tiny_dir, samples, budget, None, 2)
+    results = rank_pool(2).run(grads_rank, long_tiny_dir, samples, budget, None, 2)
     cp2_s = time.perf_counter() - start
     worst = 0.0
     for m2, n2, g2 in results:

@@ -11,26 +11,11 @@ micro-batch (its length, response tokens and longest sequence) must be within 2%
 to +0.13%).
 """
 
-import random
 
 import pytest
 import torch
 
-from dapo_megatron.dataplane.sample import Sample
-from test_actor_logprobs import make_cfg
-
-
-def _samples(n, *, seed=0, vocab=300):
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        prompt = [rng.randrange(5, vocab) for _ in range(rng.randint(4, 10))]
-        response = [rng.randrange(5, vocab) for _ in range(rng.randint(10, 30))]
-        s = Sample(prompt_ids=prompt, response_ids=response, group_index=i // 2)
-        s.old_logprobs = [-5.0] * len(response)
-        s.advantage = 1.0 if i % 2 else -1.0
-        out.append(s)
-    return out
+from helpers_actor import make_cfg, memplan_samples
 
 
 def _measure_rank(hf_dir, tp, sp, precision, recompute, budget, num_samples, fp8_run_dir=None):
@@ -76,7 +61,7 @@ def _measure_rank(hf_dir, tp, sp, precision, recompute, budget, num_samples, fp8
 
         actor._forward_step, actor._loss = start_forward, end_forward
         with saved_tensors_hooks(pack, lambda t: t):
-            actor.train(_samples(num_samples), step=0)
+            actor.train(memplan_samples(num_samples), step=0)
         model = ActivationModel(model_dims_for(cfg), tp=tp, sequence_parallel=sp, backend="torch",
                                 recompute=recompute, precision=precision, fused_logprob=False,
                                 quantization_aware=fp8_run_dir is not None)
@@ -122,7 +107,7 @@ def fp8_tiny(tmp_path_factory):
     """A tiny Qwen2 with whole 128-channel groups (the FP8 engines' rule) and its block-FP8 export."""
     from helpers_tiny import save_tiny_hf
 
-    from dapo_megatron.quant import export_fp8_checkpoint
+    from dapo_megatron.quant.fp8_export import export_fp8_checkpoint
 
     root = tmp_path_factory.mktemp("qat_mem")
     hf_dir = save_tiny_hf(root / "qwen", arch="qwen2", shape={"hidden_size": 128, "intermediate_size": 256})

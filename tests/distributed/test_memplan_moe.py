@@ -10,9 +10,7 @@ dapo_megatron.memplan.static, which computes them from config.json alone.
 
 import pytest
 
-from test_actor_logprobs import make_samples
-from test_memplan_static import measure_actor_static
-from test_moe_actor import moe_cfg
+from helpers_actor import make_samples, measure_actor_static, moe_cfg
 
 
 def _rank(hf_dir, tp, ep, etp, precision, distributed):
@@ -135,7 +133,7 @@ def _measure_activations(hf_dir, tp, ep, precision, recompute):
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.memplan.activations import ActivationModel
     from dapo_megatron.memplan.arch import model_dims_for
-    from test_memplan_activations import _samples
+    from helpers_actor import memplan_samples
 
     etp = 1 if tp > 1 else None
     with model_parallel(tp=tp, ep=ep, etp=etp, seed=3) as ranks:
@@ -181,7 +179,7 @@ def _measure_activations(hf_dir, tp, ep, precision, recompute):
 
         actor._forward_step, actor._loss = start_forward, end_forward
         with saved_tensors_hooks(pack, lambda t: t):
-            actor.train(_samples(8), step=0)
+            actor.train(memplan_samples(8), step=0)
         dims = model_dims_for(cfg)
         model = ActivationModel(dims, tp=tp, sequence_parallel=tp > 1, backend="torch", recompute=recompute,
                                 precision=precision, fused_logprob=False, ep=ep, etp=1)

@@ -8,34 +8,8 @@ The plan (dapo_megatron.memplan.static) computes the same four numbers from conf
 """
 
 import pytest
-import torch
 
-from test_actor_logprobs import make_cfg, make_samples
-
-
-def _storage_bytes(tensors) -> dict[int, int]:
-    out = {}
-    for t in tensors:
-        st = t.untyped_storage()
-        out[st.data_ptr()] = st.nbytes()
-    return out
-
-
-def measure_actor_static(actor) -> dict[str, int]:
-    """Bytes held by the live actor objects, by kind (storages counted once)."""
-    params = _storage_bytes(p for m in actor.model for p in m.module.parameters())
-    grads = _storage_bytes(buf.grad_data for m in actor.model for buf in m.buffers + m.expert_parallel_buffers)
-    known = set(params) | set(grads)
-    masters, adam = {}, {}
-    for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
-        inner = opt.optimizer
-        for group in inner.param_groups:
-            masters.update({k: v for k, v in _storage_bytes(group["params"]).items() if k not in known})
-        for state in inner.state.values():
-            # 'step' is a host scalar on GPUs (torch AdamW, not capturable) or per group (fused Adam)
-            adam.update(_storage_bytes(v for k, v in state.items() if k != "step" and torch.is_tensor(v)))
-    return {"weights": sum(params.values()), "grads": sum(grads.values()),
-            "main_params": sum(masters.values()), "adam": sum(adam.values())}
+from helpers_actor import make_cfg, make_samples, measure_actor_static
 
 
 def _rank(hf_dir, tp, pp, vpp, precision, distributed):

@@ -9,21 +9,7 @@ import pytest
 import torch
 
 from helpers_fp32 import adam_first_step, adam_weight_bounds, check_weights, reference_step
-from test_actor_logprobs import hf_logprobs, make_samples
-from test_actor_train import STEP, fill_rl_fields
-
-
-def moe_cfg(*, tp=1, ep=1, etp=None, micro_batch_tokens=64, **trainer):
-    from dapo_megatron.config import ActorConfig, Config
-
-    cfg = Config()
-    cfg.actor = ActorConfig(tp=tp, ep=ep, etp=etp, attention_backend="torch", precision="fp32",
-                            micro_batch_tokens=micro_batch_tokens, use_distributed_optimizer=True, world_size=2,
-                            sequence_parallel=tp > 1)  # megatron's MoELayer trains TP only with SP
-    cfg.rollout.temperature = 1.0
-    for key, value in trainer.items():
-        setattr(cfg.trainer, key, value)
-    return cfg
+from helpers_actor import STEP, fill_rl_fields, hf_logprobs, make_samples, moe_cfg
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from helpers_fp32 import reference_step
-from test_actor_logprobs import make_samples
-from test_moe_actor import moe_cfg
+from helpers_actor import make_samples, moe_cfg
 
 NUM_LAYERS, TOPK, NUM_EXPERTS = 4, 2, 4
 SPARSE = (0, 2, 3)  # layer 1 is dense (mlp_only_layers)
@@ -175,7 +174,7 @@ def replayed_grads_on_rank(moe_dir, samples, ep):
 
 
 def test_replayed_train_step_has_the_forced_models_gradient(rank_pool, moe_dir):
-    from test_actor_train import fill_rl_fields
+    from helpers_actor import fill_rl_fields
 
     samples = other_routing(make_samples(8, seed=4), seed=2)
     samples = fill_rl_fields(samples, hf_logprobs(moe_dir, samples, forced=True), seed=3)

@@ -70,7 +70,9 @@ def test_sglang_fp8_engine_starts_from_the_export_and_reloads_syncs(tmp_path):
     pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt is not installed on this machine")
     from safetensors.torch import load_file
 
-    from dapo_megatron.quant import Fp8SyncConverter, check_sglang_block_shapes, export_fp8_checkpoint
+    from dapo_megatron.quant.fp8_export import export_fp8_checkpoint
+    from dapo_megatron.quant.fp8_format import check_sglang_block_shapes
+    from dapo_megatron.quant.fp8_sync import Fp8SyncConverter
     from dapo_megatron.rollout.client import EngineClient
     from dapo_megatron.rollout.sglang_launcher import SGLangSettings, sglang_command, wait_healthy
 

@@ -29,8 +29,8 @@ def tiny_run_a(tmp_path_factory):
     """The uninterrupted 4-step tiny run (tiny_cpu.yaml, disaggregated; test_train_tiny.py's settings)
     and its warm-start cache, made once for the session: test_train_tiny.py checks it, and the
     colocated and fault tests compare their runs with it (same cache, so the same model)."""
-    from test_train_tiny import _train
+    from helpers_train import train_tiny
 
     root = tmp_path_factory.mktemp("train")
     cache = root / "cache"
-    return {"root": root, "cache": cache, "a": _train(root / "a", cache, "trainer.total_steps=4")}
+    return {"root": root, "cache": cache, "a": train_tiny(root / "a", cache, "trainer.total_steps=4")}

@@ -14,7 +14,10 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import torch
 from helpers_tiny import VOCAB_SIZE, save_tiny_hf
+
+from dapo_megatron.rollout.client import EngineClient
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -119,3 +122,45 @@ def engine_pair(root: Path, *, shape: dict | None = None):
     finally:
         for e in engines:
             e.kill()
+
+
+async def engine_weights(url: str, names: list[str]) -> dict[str, torch.Tensor]:
+    client = EngineClient(url)
+    try:
+        # fp32 values through JSON floats: exact (every fp32 is a float64)
+        return {n: torch.tensor(await client.get_weights_by_name(n, truncate_size=1 << 30), dtype=torch.float32)
+                for n in names}
+    finally:
+        await client.close()
+
+
+PROMPT = [1, 17, 42, 99, 7, 250]
+
+
+
+def post(url: str, body) -> tuple[int, object]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            raw = resp.read()
+            return resp.status, (json.loads(raw) if raw and resp.headers.get_content_type() == "application/json" else raw)
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+
+def reference_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of each response token under a plain transformers forward."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0].double()
+    scaled = logits[len(prompt) - 1:-1] / temperature
+    return torch.log_softmax(scaled, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+
+def generate(url, **body):
+    status, out = post(url + "/generate", body)
+    assert status == 200, out
+    return out

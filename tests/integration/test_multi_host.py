@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_train_tiny import EXACT_KEYS, FLOAT_KEYS
+from helpers_train import EXACT_KEYS, FLOAT_KEYS
 from helpers_runs import logs as run_logs, metrics
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,8 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from rollout_helpers import ServerProcess, get_json, make_tiny_checkpoint
-from test_rollout_server import PROMPT, post, reference_logprobs
+from rollout_helpers import PROMPT, get_json, make_tiny_checkpoint, post, reference_logprobs, ServerProcess
 
 from dapo_megatron.rollout.client import EngineClient
 from dapo_megatron.transfer.tensor_payload import serialize_for_engine_rank

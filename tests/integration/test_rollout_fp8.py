@@ -58,7 +58,7 @@ def _rank(fp8_dir: str, hf_dir: str, fp8_url: str, plain_url: str):
     from dapo_megatron.actor.actor import Actor
     from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
-    from dapo_megatron.quant import Fp8SyncConverter
+    from dapo_megatron.quant.fp8_sync import Fp8SyncConverter
     from dapo_megatron.rollout.client import EngineClient
     from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
@@ -124,7 +124,7 @@ def _rank(fp8_dir: str, hf_dir: str, fp8_url: str, plain_url: str):
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
-    from dapo_megatron.quant import export_fp8_checkpoint
+    from dapo_megatron.quant.fp8_export import export_fp8_checkpoint
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("rollout_fp8")
@@ -156,7 +156,7 @@ def test_engine_holds_float8_within_fp8_error_of_the_actor_after_every_sync(run)
     for normals; below the smallest normal 2**-6 the step is 2**-9, half of it 2**-10 absolute, times s).
     (1 + 2**-8)**2 (1 + 2**-4) - 1 < 2**-4 + 2**-7 + 2**-10, so
         |dequant - w| <= max(|w| (2**-4 + 2**-7 + 2**-10), s 2**-10 + |w| (2**-7 + 2**-10))."""
-    from dapo_megatron.quant import BLOCK, dequantize_block_fp8
+    from dapo_megatron.quant.fp8_format import BLOCK, dequantize_block_fp8
 
     for sync in run["syncs"]:
         actor, sent, held, params = sync["actor"], sync["sent"], sync["held"], sync["params"]

@@ -93,7 +93,7 @@ def _rank(output_dir: str, hf_dir: str, fp8_url: str):
 
 @pytest.fixture(scope="module")
 def run(rank_pool, tmp_path_factory):
-    from dapo_megatron.quant import export_fp8_checkpoint
+    from dapo_megatron.quant.fp8_export import export_fp8_checkpoint
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("rollout_fp8_qat")

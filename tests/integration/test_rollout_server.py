@@ -4,19 +4,16 @@ against transformers' own forward pass."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 import torch
-from rollout_helpers import ServerProcess, get_json, make_tiny_checkpoint
+from rollout_helpers import PROMPT, generate, get_json, make_tiny_checkpoint, post, reference_logprobs, ServerProcess
 
 from dapo_megatron.rollout.client import EngineClient, EngineError
 from dapo_megatron.transfer.tensor_payload import serialize_for_engine_rank
-
-PROMPT = [1, 17, 42, 99, 7, 250]
 
 
 @pytest.fixture(scope="module")
@@ -38,32 +35,6 @@ def hf_models(ckpts):
     from transformers import AutoModelForCausalLM
 
     return {k: AutoModelForCausalLM.from_pretrained(ckpts[k], dtype=torch.float32).eval() for k in ("a", "b")}
-
-
-def post(url: str, body) -> tuple[int, object]:
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            raw = resp.read()
-            return resp.status, (json.loads(raw) if raw and resp.headers.get_content_type() == "application/json" else raw)
-    except urllib.error.HTTPError as err:
-        return err.code, json.loads(err.read())
-
-
-def reference_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
-    """log_softmax(logits / T) of each response token under a plain transformers forward."""
-    ids = torch.tensor([prompt + response])
-    with torch.no_grad():
-        logits = model(ids).logits[0].double()
-    scaled = logits[len(prompt) - 1:-1] / temperature
-    return torch.log_softmax(scaled, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
-
-
-def generate(url, **body):
-    status, out = post(url + "/generate", body)
-    assert status == 200, out
-    return out
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -9,8 +9,7 @@ import asyncio
 
 import pytest
 import torch
-from rollout_helpers import make_tiny_checkpoint
-from test_rollout_server import PROMPT, reference_logprobs
+from rollout_helpers import PROMPT, make_tiny_checkpoint, reference_logprobs
 
 from dapo_megatron.transfer import weight_sync as ws
 from dapo_megatron.rollout.client import EngineClient, EngineError

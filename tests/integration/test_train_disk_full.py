@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_train_no_orphans import _run_processes
+from helpers_train import run_processes
 
 from dapo_megatron.trainer import run_checkpoint as ckpt
 
@@ -43,5 +43,5 @@ def test_disk_full_checkpoint_stops_cleanly_and_keeps_the_previous(tmp_path, sma
     assert [step for step, _ in ckpt.list_checkpoints(out)] == [1]
     assert ckpt.verify_checkpoint(out / "checkpoints" / "step_000001") == []
     assert not tmp.exists()
-    assert not _run_processes(out)
+    assert not run_processes(out)
     print("\n" + next(line for line in text.splitlines() if "checkpoint write to" in line))

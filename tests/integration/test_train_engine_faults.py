@@ -17,124 +17,32 @@ seeds) from the same weights.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
-from test_train_tiny import EXACT_KEYS
+from helpers_train import EXACT_KEYS, holds_weights, step_logged, step_rows, train_killing_engine
 
 from dapo_megatron.rollout.registry import read_engine_events
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _cmd(out: Path, cache: Path, *extra: str, config: str = "tiny_cpu.yaml") -> list[str]:
-    return [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs" / config),
-            f"trainer.output_dir={out}", f"tiny.cache_dir={cache}", "tiny.warm_start_steps=300",
-            "trainer.total_steps=4", "trainer.eval_every=4", "trainer.save_every=2", "trainer.keep_checkpoints=2",
-            "trainer.wandb_mode=disabled", "rollout.engine_wait_s=120", *extra]  # tiny_run_a's settings
-
-
-def _rows(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    return [r for r in rows if r["step"] > 0]  # step 0: the starting eval
-
-
-def _engine_pid(out: Path) -> int:
-    records = [json.loads(p.read_text()) for p in (out / "engines").glob("*.json")]
-    assert len(records) == 1, records
-    return int(records[0]["pid"])
-
-
-def _live_engine(out: Path) -> dict | None:
-    """The registration of the engine process alive now (the newest incarnation), if any."""
-    import psutil
-
-    for path in (out / "engines").glob("*.json"):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if psutil.pid_exists(int(record["pid"])):
-            return record
-    return None
-
-
-def _weight_version(url: str, run_dir: Path) -> str | None:
-    """The engine's weight version, asked with the run's key (the engines the launcher starts refuse a
-    request without it: rollout/auth.py)."""
-    from dapo_megatron.rollout.auth import read_secret_file, run_secret_path
-
-    try:
-        headers = read_secret_file(run_secret_path(run_dir)).header_for("GET", "/get_model_info")
-        request = urllib.request.Request(f"{url}/get_model_info", headers=headers)
-        with urllib.request.urlopen(request, timeout=5) as reply:
-            return json.loads(reply.read())["weight_version"]
-    except (OSError, ValueError, KeyError):
-        return None
-
-
-def _step_logged(step: int):
-    return lambda out: _live_engine(out) if any(r["step"] == step for r in _rows(out)) else None
-
-
-def _holds_weights(version: str):
-    """Once the live engine reports `version`: right after that step's sync, i.e. during its eval."""
-    def ready(out: Path) -> dict | None:
-        record = _live_engine(out)
-        return record if record and _weight_version(record["url"], out) == version else None
-    return ready
-
-
-def _train_killing_engine(out: Path, cache: Path, *extra: str, kills=(_step_logged(1),),
-                          config: str = "tiny_cpu.yaml") -> tuple[int, str, list]:
-    """Run train; SIGKILL its live engine at each of `kills` in turn (each returns the engine's
-    registration once it is time). Returns (exit code, console text, the killed engines' registrations)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    log = out.parent / f"{out.name}.console.txt"
-    killed = []
-    with open(log, "w") as f:
-        proc = subprocess.Popen(_cmd(out, cache, *extra, config=config), cwd=ROOT, env=env, stdout=f,
-                                stderr=subprocess.STDOUT)
-        try:
-            deadline = time.monotonic() + 600
-            for ready in kills:
-                while (record := ready(out)) is None:
-                    assert proc.poll() is None, log.read_text()[-4000:]
-                    assert time.monotonic() < deadline, "no kill point reached within 600 s"
-                    time.sleep(0.05)
-                os.kill(int(record["pid"]), signal.SIGKILL)
-                killed.append(record)
-            rc = proc.wait(timeout=600)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    return rc, log.read_text(), killed
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_run_a):
     root = tmp_path_factory.mktemp("faults")
     cache = tiny_run_a["cache"]
-    killed = _train_killing_engine(root / "k", cache, kills=(_step_logged(1), _holds_weights("step_4")))
-    no_budget = _train_killing_engine(root / "z", cache, "rollout.engine_restarts=0", "rollout.engine_wait_s=60",
+    killed = train_killing_engine(root / "k", cache, kills=(step_logged(1), holds_weights("step_4")))
+    no_budget = train_killing_engine(root / "z", cache, "rollout.engine_restarts=0", "rollout.engine_wait_s=60",
                                       "trainer.total_steps=2", "trainer.eval_every=1", "trainer.save_every=0",
                                       "trainer.keep_best_checkpoint=false",
-                                      kills=(_holds_weights("step_1"),))
+                                      kills=(holds_weights("step_1"),))
     return {"root": root, "a": [r for r in tiny_run_a["a"] if r["step"] > 0], "k": killed, "z": no_budget}
 
 
 def test_only_engine_killed_restarts_and_trains_every_step_as_if_uninterrupted(runs):
     rc, console, (record, second) = runs["k"]
     assert rc == 0, console[-6000:]
-    a, k = runs["a"], _rows(runs["root"] / "k")
+    a, k = runs["a"], step_rows(runs["root"] / "k")
     assert [r["step"] for r in k] == [1, 2, 3, 4]
     for ra, rk in zip(a, k):
         for key in EXACT_KEYS:
@@ -163,7 +71,7 @@ def test_only_engine_killed_without_restart_budget_checkpoints_and_names_the_eng
     assert "[eval] the eval of step 1 is missed (recorded as eval/missed=1): no rollout engine left" in console, \
         console[-6000:]
     assert "Training goes on from step 1, which is complete" in console
-    assert _rows(runs["root"] / "z")[0]["eval/missed"] == 1.0
+    assert step_rows(runs["root"] / "z")[0]["eval/missed"] == 1.0
     assert "not restarted: the restart budget is spent (0 of rollout.engine_restarts=0)" in console
     assert f"no rollout engine left at step 2: {record['url']} dropped" in console, console[-6000:]
     assert "the launcher's engine_0 exited with code -9 and was not restarted" in console
@@ -174,7 +82,7 @@ def test_only_engine_killed_without_restart_budget_checkpoints_and_names_the_eng
     latest = newest_valid_checkpoint(out)  # complete: its manifest verifies
     assert latest == out / "checkpoints" / "step_000001"
     assert read_state(latest)["step"] == 1
-    assert [r["step"] for r in _rows(out)] == [1]
+    assert [r["step"] for r in step_rows(out)] == [1]
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +90,7 @@ def colocated_killed(tmp_path_factory, tiny_run_a):
     """C: tiny_cpu_colocated.yaml (the engine shares the ranks' memory, weights by shared memory), its
     only engine SIGKILLed once step 1 is logged."""
     root = tmp_path_factory.mktemp("colocated_faults")
-    return root, _train_killing_engine(root / "c", tiny_run_a["cache"], config="tiny_cpu_colocated.yaml")
+    return root, train_killing_engine(root / "c", tiny_run_a["cache"], config="tiny_cpu_colocated.yaml")
 
 
 def test_colocated_engine_killed_restarts_and_trains_every_step_as_if_uninterrupted(colocated_killed, tiny_run_a):
@@ -191,7 +99,7 @@ def test_colocated_engine_killed_restarts_and_trains_every_step_as_if_uninterrup
     assert f"[engines] engine_0 ({record['url']}, pid {record['pid']}) exited with code -9 (SIGKILL); restarting it" \
         in console, console[-4000:]
     assert "re-syncing the weights of step 1, then step 2's rollout starts over" in console
-    a, c = [r for r in tiny_run_a["a"] if r["step"] > 0], _rows(root / "c")
+    a, c = [r for r in tiny_run_a["a"] if r["step"] > 0], step_rows(root / "c")
     assert [r["step"] for r in c] == [1, 2, 3, 4]
     # the colocated run equals the disaggregated one to the bit (test_train_colocated.py), interrupted or not
     for ra, rc_ in zip(a, c):

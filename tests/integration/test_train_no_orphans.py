@@ -14,27 +14,9 @@ import time
 from pathlib import Path
 
 import psutil
+from helpers_train import process_alive, run_processes
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _run_processes(out: Path) -> list[psutil.Process]:
-    """Every process on the machine whose command line or environment names this run's directory."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if str(out) in " ".join(proc.cmdline()) or any(str(out) in v for v in proc.environ().values()):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return found
 
 
 def test_sigkill_rank0_leaves_no_process(tmp_path):
@@ -62,17 +44,17 @@ def test_sigkill_rank0_leaves_no_process(tmp_path):
         assert len(rank0) == 1, [(p.pid, p.ppid()) for p in rank0]
         t_kill = time.monotonic()
         rank0[0].send_signal(signal.SIGKILL)
-        while any(_alive(p) for p in family) or _run_processes(out):
-            for child in psutil.Process(launcher.pid).children(recursive=True) if _alive(family[0]) else []:
+        while any(process_alive(p) for p in family) or run_processes(out):
+            for child in psutil.Process(launcher.pid).children(recursive=True) if process_alive(family[0]) else []:
                 if child.pid not in {p.pid for p in family}:
                     family.append(child)  # started after the snapshot (a checkpoint writer)
-            assert time.monotonic() - t_kill < 300, [(p.pid, " ".join(p.cmdline())[:100]) for p in family if _alive(p)]
+            assert time.monotonic() - t_kill < 300, [(p.pid, " ".join(p.cmdline())[:100]) for p in family if process_alive(p)]
             time.sleep(0.1)
         print(f"\n[no orphans] every process of the run ended {time.monotonic() - t_kill:.1f} s after rank 0's SIGKILL")
         assert launcher.wait(timeout=10) == 1
     finally:
         if launcher.poll() is None:
             launcher.kill()
-        for proc in _run_processes(out):
+        for proc in run_processes(out):
             proc.kill()
     assert "the actor ranks failed (torchrun exit code 1)" in console.read_text()

@@ -57,15 +57,15 @@ def test_staleness_one_survives_its_only_engine_killed(tmp_path, tiny_run_a):
     NoLiveEngine, the driver re-syncs the returned engine and a new producer starts at that batch; or,
     when the kill lands in a push, the sync's own recovery), still never training on a sample staler
     than 1, every step's samples all counted."""
-    from test_train_engine_faults import _rows, _step_logged, _train_killing_engine
+    from helpers_train import step_rows, step_logged, train_killing_engine
 
     out = tmp_path / "k"
-    rc, console, _ = _train_killing_engine(out, tiny_run_a["cache"], "rollout.placement=disaggregated",
+    rc, console, _ = train_killing_engine(out, tiny_run_a["cache"], "rollout.placement=disaggregated",
                                            "rollout.max_staleness=1", "algorithm.tis_cap=2.0",
                                            "trainer.eval_every=0", "trainer.save_every=0",
-                                           kills=(_step_logged(1),))
+                                           kills=(step_logged(1),))
     assert rc == 0, console[-4000:]
-    steps = _rows(out)
+    steps = step_rows(out)
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for r in steps:
         assert r["overlap/staleness_gt1"] == 0

@@ -18,36 +18,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers_train import EXACT_KEYS, FLOAT_KEYS, train_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "assets" / "tiny_golden.json"
-# deterministic per step: same prompts, same seeds, same sampled tokens -> same rewards and updates
-EXACT_KEYS = ("reward/mean", "acc/mean", "sampler/acc_all", "sampler/groups_seen", "sampler/groups_kept",
-              "sampler/rounds", "response_length/mean", "actor/num_tokens")
-# fp32 values computed by the actor from those tokens (bit-identical on one machine, see test)
-FLOAT_KEYS = ("actor/loss", "actor/grad_norm", "actor/clipfrac_low", "actor/clipfrac_high", "actor/entropy",
-              "actor/approx_kl")
-
-
-def _train(out: Path, cache: Path, *extra: str, log: Path | None = None) -> list[dict]:
-    cmd = [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu.yaml"),
-           f"trainer.output_dir={out}", f"tiny.cache_dir={cache}", "tiny.warm_start_steps=300",
-           "trainer.eval_every=4", "trainer.save_every=2", "trainer.keep_checkpoints=2", "trainer.wandb_mode=disabled",
-           *extra]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    (out / "console.txt").write_text(proc.stdout + proc.stderr)  # what the user saw (test_console_output)
-    if log is not None:
-        log.write_text(proc.stdout + proc.stderr)
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_run_a):
     root, cache, uninterrupted = tiny_run_a["root"], tiny_run_a["cache"], tiny_run_a["a"]  # conftest.py
-    first = _train(root / "b", cache, "trainer.total_steps=2")
-    resumed = _train(root / "b", cache, "trainer.total_steps=4", "--resume")
+    first = train_tiny(root / "b", cache, "trainer.total_steps=2")
+    resumed = train_tiny(root / "b", cache, "trainer.total_steps=4", "--resume")
     return {"root": root, "a": uninterrupted, "b_first": first, "b": resumed}
 
 
@@ -127,7 +108,7 @@ def test_resume_skips_a_damaged_checkpoint_and_names_the_file(runs):
     biggest = max(shards, key=lambda p: p.stat().st_size)
     biggest.write_bytes(b"")
     log = dst / "resume.log"
-    rows = _train(dst, runs["root"] / "cache", "trainer.total_steps=4", "--resume", log=log)
+    rows = train_tiny(dst, runs["root"] / "cache", "trainer.total_steps=4", "--resume", log=log)
     said = log.read_text()
     assert f"{biggest}: 0 bytes" in said and "resuming from step_000002" in said, said[-3000:]
     assert (dst / "checkpoints" / "step_000004.corrupt").is_dir()

@@ -20,8 +20,7 @@ import time
 
 import pytest
 import torch
-from rollout_helpers import engine_pair
-from test_weight_sync_engine_death import _engine_weights
+from rollout_helpers import engine_pair, engine_weights
 
 from dapo_megatron.rollout.pool import EnginePool
 from dapo_megatron.transfer.engine_push import sync_dropping_dead
@@ -65,11 +64,11 @@ def test_engine_killed_inside_a_broadcast_the_other_finishes(setup):
         out = {"pass1": await sync_dropping_dead(pool, sync, export(stop_b=True), weight_version="step_1")}
         out["failed_after_s"] = time.monotonic() - killed_at["t"]
         out["live1"] = pool.live_urls()
-        out["a_after1"] = await _engine_weights(a.url, names)
+        out["a_after1"] = await engine_weights(a.url, names)
         tic = time.monotonic()
         out["pass2"] = await sync_dropping_dead(pool, sync, export(), weight_version="step_1")
         out["pass2_s"] = time.monotonic() - tic
-        out["a_after2"] = await _engine_weights(a.url, names)
+        out["a_after2"] = await engine_weights(a.url, names)
         await sync.close(pool.live_clients())
         await pool.close()
         return out

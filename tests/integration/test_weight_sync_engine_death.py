@@ -16,10 +16,9 @@ import signal
 
 import pytest
 import torch
-from rollout_helpers import ServerProcess, engine_pair
+from rollout_helpers import engine_pair, engine_weights, ServerProcess
 
 from dapo_megatron.transfer.engine_push import sync_dropping_dead
-from dapo_megatron.rollout.client import EngineClient
 from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
 from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
@@ -37,16 +36,6 @@ def _weights(model_dir, seed: int) -> list[tuple[str, torch.Tensor]]:
     state = load_file(str(model_dir / "model.safetensors"))
     gen = torch.Generator().manual_seed(seed)
     return [(n, t + 0.05 * torch.randn(t.shape, generator=gen)) for n, t in sorted(state.items())]
-
-
-async def _engine_weights(url: str, names: list[str]) -> dict[str, torch.Tensor]:
-    client = EngineClient(url)
-    try:
-        # fp32 values through JSON floats: exact (every fp32 is a float64)
-        return {n: torch.tensor(await client.get_weights_by_name(n, truncate_size=1 << 30), dtype=torch.float32)
-                for n in names}
-    finally:
-        await client.close()
 
 
 def test_engine_killed_during_sync_is_dropped_and_rejoins_after_restart(setup):
@@ -72,9 +61,9 @@ def test_engine_killed_during_sync_is_dropped_and_rejoins_after_restart(setup):
         out["pass1"] = await sync_dropping_dead(pool, sync, export(step1, kill_after=8), weight_version="step_1")
         out["yielded1"] = list(yielded)
         out["states1"] = {u: s["state"] for u, s in pool.load().items()}
-        out["a_after1"] = await _engine_weights(a.url, names)
+        out["a_after1"] = await engine_weights(a.url, names)
         out["pass2"] = await sync_dropping_dead(pool, sync, export(step1), weight_version="step_1")
-        out["a_after2"] = await _engine_weights(a.url, names)
+        out["a_after2"] = await engine_weights(a.url, names)
         out["gen2"] = sync._generation
         lines = []
         out["report2"] = report.report(out=lines.append)
@@ -85,8 +74,8 @@ def test_engine_killed_during_sync_is_dropped_and_rejoins_after_restart(setup):
         assert restarted.url == b.url and restarted.record["started_at"] > b.record["started_at"]
         out["pending"] = await pool.discover()
         out["pass3"] = await sync_dropping_dead(pool, sync, export(step2), weight_version="step_2")
-        out["a_after3"] = await _engine_weights(a.url, names)
-        out["b_after3"] = await _engine_weights(b.url, names)
+        out["a_after3"] = await engine_weights(a.url, names)
+        out["b_after3"] = await engine_weights(b.url, names)
         out["gen3"] = sync._generation
         out["live3"] = pool.live_urls()
         out["report3"] = report.report(out=lines.append)

@@ -9,14 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dapo_megatron.data import (
-    DIFFICULTY_LEVELS,
-    PromptRecord,
-    apply_template,
-    load_prompts,
-    make_synthetic_task,
-    save_prompts,
-)
+from dapo_megatron.data.prompts import PromptRecord, apply_template, load_prompts, save_prompts
+from dapo_megatron.data.synthetic import DIFFICULTY_LEVELS, make_synthetic_task
 from dapo_megatron.reward import get_scorer
 
 

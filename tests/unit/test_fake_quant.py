@@ -13,7 +13,8 @@ pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt not i
 
 from dapo_megatron.actor.fake_quant import (local_block_amax, shard_blocks,  # noqa: E402
                                             values_from_amax)
-from dapo_megatron.quant import BLOCK, Fp8SyncConverter, dequantize_block_fp8  # noqa: E402
+from dapo_megatron.quant.fp8_format import BLOCK, dequantize_block_fp8  # noqa: E402
+from dapo_megatron.quant.fp8_sync import Fp8SyncConverter  # noqa: E402
 from dapo_megatron.weights.mapping import Dims, expected_hf_shapes, map_param, merge_shards, shard_for_rank  # noqa: E402
 
 # (hidden, intermediate, heads, kv heads): the tiny run's model (q/k/v one block each: modelopt's shared

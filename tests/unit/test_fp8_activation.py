@@ -80,7 +80,7 @@ def test_block_fp8_linear_hand_computed_with_a_partial_block_of_rows():
 
 def test_block_fp8_linear_is_quantized_activations_times_dequantized_weights():
     """Up to fp32 rounding, the GEMM is fake-quantized x times the block-dequantized weight (float64 here)."""
-    from dapo_megatron.quant import dequantize_block_fp8
+    from dapo_megatron.quant.fp8_format import dequantize_block_fp8
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(6, 256, generator=gen)

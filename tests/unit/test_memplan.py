@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from dapo_megatron.config import load_config
-from dapo_megatron.memplan import build_plan, check_before_launch, format_plan
+from dapo_megatron.memplan.plan import build_plan
+from dapo_megatron.memplan.report import check_before_launch, format_plan
 from dapo_megatron.memplan.arch import dims_from_hf_config, model_dims_for
 from dapo_megatron.memplan.engine import GIB, engine_memory
 from dapo_megatron.memplan.static import Layout, total_params
@@ -202,7 +203,7 @@ def test_train_runs_the_plan_first_and_skip_plan_skips_it(tmp_path, monkeypatch)
     assert main(["train", TINY, "slurm.gpu_memory_gb=1", f"trainer.output_dir={out}"]) == 2
     assert not out.exists()  # nothing prepared, nothing started
     started = []
-    monkeypatch.setattr("dapo_megatron.launch.prepare.tiny_model_dir", lambda cfg: started.append(cfg) or str(tmp_path))
+    monkeypatch.setattr(local, "tiny_model_dir", lambda cfg: started.append(cfg) or str(tmp_path))
     monkeypatch.setattr(local.LocalProcesses, "run_foreground", lambda self, name, argv, env=None: 0)
     monkeypatch.setattr(local, "check_prompt_data", lambda cfg, model_dir: "data check stubbed (no tokenizer here)")
     assert main(["train", TINY, "slurm.gpu_memory_gb=1", f"trainer.output_dir={out}",

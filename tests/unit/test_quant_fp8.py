@@ -14,8 +14,9 @@ import torch
 
 pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt not installed (pip install -e '.[modelopt]')")
 
-from dapo_megatron.quant import (BLOCK, Fp8SyncConverter, check_sglang_block_shapes,  # noqa: E402
-                                 dequantize_block_fp8, export_fp8_checkpoint)
+from dapo_megatron.quant.fp8_export import export_fp8_checkpoint  # noqa: E402
+from dapo_megatron.quant.fp8_format import BLOCK, check_sglang_block_shapes, dequantize_block_fp8  # noqa: E402
+from dapo_megatron.quant.fp8_sync import Fp8SyncConverter  # noqa: E402
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn (1.75 * 2**8)
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

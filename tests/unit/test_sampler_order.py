@@ -7,7 +7,7 @@ responses; everything else is the real RolloutSampler, DynamicSampler and math_d
 
 import asyncio
 
-from dapo_megatron.data import PromptRecord
+from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
 
 

@@ -7,9 +7,9 @@ import torch
 
 from dapo_megatron.config import load_config
 from dapo_megatron.data.tiny_model import (
-    ASSISTANT, EOS, PAD, USER, TinyModelSpec, build_tiny_model, build_tiny_tokenizer,
-    prompt_ids, sft_batch, smoothed_nll, synthetic_train_eval, warm_start,
+    TinyModelSpec, build_tiny_model, sft_batch, smoothed_nll, synthetic_train_eval, warm_start,
 )
+from dapo_megatron.data.tiny_tokenizer import ASSISTANT, EOS, PAD, USER, build_tiny_tokenizer, prompt_ids
 from dapo_megatron.launch.prepare import tiny_model_dir
 
 SMALL = TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64,
