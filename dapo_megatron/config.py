@@ -18,7 +18,7 @@ import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 
@@ -128,7 +128,7 @@ class AlgorithmConfig:
     advantage: AdvantageName = "grpo"  # "grpo" (R - mean) / std per group; "drgrpo" R - mean (Dr. GRPO)
     eps_low: float = 0.2
     eps_high: float = 0.28  # clip-higher
-    clip_ratio_c: Optional[float] = 10.0  # dual clip for A < 0; null disables it
+    clip_ratio_c: float | None = 10.0  # dual clip for A < 0; null disables it
     loss_agg_mode: LossAggMode = "token-mean"
     dynamic_sampling: bool = True
     max_num_gen_batches: int = 10  # 0 = unlimited
@@ -140,7 +140,7 @@ class AlgorithmConfig:
     use_kl: bool = False
     kl_coef: float = 0.001
     kl_kind: Literal["k1", "k2", "k3"] = "k3"
-    tis_cap: Optional[float] = None  # truncated importance sampling vs engine log-probs; null = off
+    tis_cap: float | None = None  # truncated importance sampling vs engine log-probs; null = off
     advantage_eps: float = 1e-6
 
 
@@ -148,7 +148,7 @@ class AlgorithmConfig:
 class ActorConfig:
     tp: int = 1
     pp: int = 1
-    vpp: Optional[int] = None  # virtual pipeline stages per rank
+    vpp: int | None = None  # virtual pipeline stages per rank
     cp: int = 1
     sequence_parallel: bool = False
     micro_batch_tokens: int = 24576  # token budget of one packed micro-batch (>= one full sequence)
@@ -167,7 +167,7 @@ class ActorConfig:
     world_size: int = 1  # actor processes launched by `train` on one node (torchrun)
     # mixture-of-experts models (Qwen3-MoE)
     ep: int = 1  # expert parallel: each expert lives on one of ep ranks (carved out of the DP ranks)
-    etp: Optional[int] = None  # expert tensor parallel: each expert split over etp ranks; null = actor.tp
+    etp: int | None = None  # expert tensor parallel: each expert split over etp ranks; null = actor.tp
     routing_replay: bool = False  # R3: old log-probs and the loss use the engine's experts for every token
     # with rollout.quantization=fp8: every Linear the engines hold in FP8 runs its forward (old log-probs and
     # training) with the engines' block-FP8 values of its weights, straight-through gradient; master weights,
@@ -311,7 +311,8 @@ def _derive(cfg: Config) -> None:
     if cfg.actor.sequence_parallel and cfg.actor.tp == 1:
         # megatron/training/arguments.py: "disable sequence parallelism when tp=1" (it splits over TP ranks),
         # so `actor.tp=1` on a preset with sequence parallelism works as a one-key override
-        warnings.warn("actor.sequence_parallel=true has no effect at actor.tp=1: turned off")
+        # stacklevel=1: the cause is a config key, not a line of the caller's code
+        warnings.warn("actor.sequence_parallel=true has no effect at actor.tp=1: turned off", stacklevel=1)
         cfg.actor.sequence_parallel = False
 
 
@@ -381,7 +382,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a section's class (hints hold classes)
         return _build(tp, value, key + ".")
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -593,7 +594,7 @@ def _validate_engine_keys(r: RolloutConfig) -> None:
                  f"set rollout.engine_{kind}_env or rollout.engine_{kind}_file, not both")
         _require(not env or env.isidentifier(), f"rollout.engine_{kind}_env", env,
                  "the NAME of an environment variable that holds the key (e.g. SGLANG_API_KEY), never the key itself")
-        _require(not (env or path) or r.engine_urls, f"rollout.engine_{kind}_{'env' if env else 'file'}", env or path,
+        _require(not (env or path) or bool(r.engine_urls), f"rollout.engine_{kind}_{'env' if env else 'file'}", env or path,
                  "only with rollout.engine_urls: engines the run starts itself get the run's own secret "
                  "(<run_dir>/secrets/engine_auth.yaml)")
 
@@ -658,7 +659,7 @@ def _validate_tiny(cfg: Config) -> None:
     _require(0 <= tn.label_smoothing < 1, "tiny.label_smoothing", tn.label_smoothing, "must be in [0, 1)")
 
 
-def _validate_policy_loss(cfg: "Config") -> None:
+def _validate_policy_loss(cfg: Config) -> None:
     """What each algorithm.policy_loss needs of the other keys (algo/policy_loss.py, algo/gspo.py)."""
     a, name = cfg.algorithm, cfg.algorithm.policy_loss
     if name == "grpo":

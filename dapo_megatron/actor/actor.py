@@ -32,6 +32,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -85,6 +86,11 @@ def _unwrap(module):
 
 
 class Actor:
+    # megatron-core's optimizer and scheduler (untyped: Any to mypy); None on a reference model, whose
+    # methods that need them are refused first by _require(..., trains=True)
+    optimizer: Any
+    lr_schedule: Any
+
     def __init__(self, settings: ActorSettings, hf_dir: str | Path, layout: ParallelLayout, *,
                  frozen: bool = False) -> None:
         """Build the model for this rank's place in the (already initialized) parallel layout, load
@@ -139,6 +145,8 @@ class Actor:
             from dapo_megatron.quant.engine_checkpoint import fp8_converter
 
             # which modules are fp8, block and dtype: the engines' checkpoint says
+            # trainer/settings.py sets fp8_checkpoint exactly when actor.quantization_aware is on
+            assert settings.fp8_checkpoint is not None
             conv = fp8_converter(settings.fp8_checkpoint)
             apply_weight_fake_quant(chunks, self.hf_config, layout, quantized_modules=conv.quantized_modules,
                                     block=conv.block, dtype=conv.dtype, quantize_inputs=True, cast_unquantized=True)
@@ -160,7 +168,7 @@ class Actor:
             # requires_grad flag (LinearAlgebra.cpp should_fold: fold to one mm if the 2-D operand
             # requires grad, else bmm for megatron's [S, 1, H] input strides), and a frozen flag made
             # the reference's log-probs differ from the actor's in the last bits at TP=2 (measured).
-            self.model, self.optimizer, self.lr_schedule = chunks, None, None
+            self.model, self.optimizer, self.lr_schedule = chunks, None, None  # reference model: nothing trains
             # a partial, not a lambda over self: no Actor -> memory -> self cycle (the actor frees by refcount)
             self.memory = DeviceMemory(functools.partial(actor_tensors, chunks, None), frozen=True)
             return
@@ -308,10 +316,12 @@ class Actor:
         """The engine's experts of this micro-batch for the chunk's routers (routing_replay.py)."""
         from dapo_megatron.actor.routing_replay import pack_batch_routed_experts
 
-        experts, valid = pack_batch_routed_experts(self._routed_batch, mb.sample_indices, mb.seq_lengths_padded,
-                                                   length=mb.length, num_layers=self.routing.num_layers,
-                                                   topk=self.routing.topk)
-        self.routing.before_forward(chunk, experts, valid, lambda t: self._local(t, mb))
+        routing, batch = self.routing, self._routed_batch
+        assert routing is not None and batch is not None  # set together by _begin_routing
+        experts, valid = pack_batch_routed_experts(batch, mb.sample_indices, mb.seq_lengths_padded,
+                                                   length=mb.length, num_layers=routing.num_layers,
+                                                   topk=routing.topk)
+        routing.before_forward(chunk, experts, valid, lambda t: self._local(t, mb))
 
     def _begin_routing(self, batch: RolloutBatch, *, measure: bool) -> None:
         """Before a pass: replay the engine's experts (actor.routing_replay) and/or measure agreement.
@@ -321,6 +331,7 @@ class Actor:
         if replay:
             from dapo_megatron.actor.routing_replay import validate_batch_routed_experts
 
+            assert self.routing is not None, "actor.routing_replay on a model without routers (config.py rejects it)"
             validate_batch_routed_experts(batch, num_layers=self.routing.num_layers, topk=self.routing.topk)
         if self.routing is None or not (replay or measure):
             self._routed_batch = None
@@ -334,6 +345,7 @@ class Actor:
         if self._routed_batch is None:
             return {}
         self._routed_batch = None
+        assert self.routing is not None  # a routed batch is only kept with routers (_begin_routing)
         return self.routing.end(collect=collect)
 
     def _head(self, mb: MicroBatch, gpt, output: torch.Tensor, *, positions: torch.Tensor):
@@ -457,6 +469,7 @@ class Actor:
         flat = torch.zeros(2, int(offsets[-1]), dtype=torch.float32, device=device)
         if self._holds_results() and self.layout.tp_rank == 0 and self.layout.cp_rank == 0 and share.num_mini_batches:
             index = ranges_index(offsets[share.source_indices], share.batch.response_lengths).to(flat.device)
+            assert out.logprobs is not None and out.entropies is not None  # this rank holds results
             flat[0, index] = out.logprobs.to(flat.device)
             flat[1, index] = out.entropies.to(flat.device)
         coll.all_reduce(flat)
@@ -559,8 +572,13 @@ class Actor:
         local positions `pos` of the packed tensors (its CP chunks), moved to the head's device."""
         dev = logprob.device
 
-        def take(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else to_device(self._local(t, mb)[pos.cpu()], dev)
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return to_device(self._local(t, mb)[pos.cpu()], dev)
+
+        def take_optional(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else take(t)
+
+        assert mb.old_logprobs is not None  # _check_train_inputs: the loss's stage has them
 
         wants = self.objective
         # n_seq(t) over the whole micro-batch, before the CP split (seq-mean-token-mean's weight)
@@ -568,9 +586,9 @@ class Actor:
                            if wants.reads_sequence_tokens else None)
         tokens = PackedTokens(logprob=logprob, entropy=entropy, old_logprob=take(mb.old_logprobs),
                               advantages=take(mb.advantages), loss_mask=take(mb.loss_mask), seq_ids=take(mb.seq_ids),
-                              num_sequences=mb.num_sequences, sequence_tokens=take(sequence_tokens),
-                              rollout_logprobs=take(mb.rollout_logprobs) if wants.reads_rollout_logprobs else None,
-                              ref_logprobs=take(mb.ref_logprobs) if wants.reads_ref_logprobs else None)
+                              num_sequences=mb.num_sequences, sequence_tokens=take_optional(sequence_tokens),
+                              rollout_logprobs=take_optional(mb.rollout_logprobs) if wants.reads_rollout_logprobs else None,
+                              ref_logprobs=take_optional(mb.ref_logprobs) if wants.reads_ref_logprobs else None)
         return objective(tokens, self.objective, loss_denominator=denom)
 
     # --- checkpoints ---------------------------------------------------------------------------------

@@ -37,8 +37,8 @@ The dense-mask formulation survives only as the tests' reference (tests/attentio
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -204,7 +204,7 @@ def document_block_mask(blocks: Sequence[QueryBlock], *, key_tokens: int, device
                                     BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(query_tokens, key_tokens))
 
 
-_COMPILED_FLEX = None
+_COMPILED_FLEX: Callable[..., torch.Tensor] | None = None
 
 
 def flex_document_attention(q, k, v, block_mask, *, scale: float, compiled: bool = True) -> torch.Tensor:
@@ -213,7 +213,7 @@ def flex_document_attention(q, k, v, block_mask, *, scale: float, compiled: bool
     global _COMPILED_FLEX
     from torch.nn.attention.flex_attention import flex_attention
 
-    fn = flex_attention
+    fn: Callable[..., torch.Tensor] = flex_attention
     if compiled:
         if _COMPILED_FLEX is None:
             # default dynamic-shape policy: packed micro-batches change length every step; after the first
@@ -235,7 +235,7 @@ def check_attention_kernel(kernel: str) -> None:
 # One layout per distinct micro-batch shape, shared by every layer (and by the next micro-batch of the
 # same shape): the packed path also caches it on the forward's PackedSeqParams; the unpacked path
 # ([0, seq * cp] bounds) has no per-forward object, so every layer would otherwise build its own mask.
-_LAYOUT_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
+_LAYOUT_CACHE: OrderedDict[tuple, tuple] = OrderedDict()
 _LAYOUT_CACHE_SIZE = 4
 
 
@@ -275,8 +275,8 @@ class TorchSDPAttention(torch.nn.Module):
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
-                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None, kernel: str = "sdpa"):
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None, kernel: str = "sdpa"):
         super().__init__()
         from megatron.core import parallel_state
 

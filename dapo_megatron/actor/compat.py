@@ -41,7 +41,8 @@ import contextlib
 import importlib
 import os
 import re
-from typing import TYPE_CHECKING, Iterable, Optional, Union
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -91,7 +92,7 @@ CALL_SITES: tuple[tuple[str, str], ...] = (
 
 _CPU = torch.device("cpu")
 _APPLIED = False
-_MODE: "_CudaToCpuMode | None" = None
+_MODE: _CudaToCpuMode | None = None
 
 # CPU tensor type name -> the CUDA name megatron compares against ('torch.FloatTensor' ->
 # 'torch.cuda.FloatTensor').
@@ -160,13 +161,13 @@ class _CpuEvent:
     def __init__(self, *args: object, **kwargs: object) -> None:
         pass
 
-    def record(self, stream: Optional[_CpuStream] = None) -> None:
+    def record(self, stream: _CpuStream | None = None) -> None:
         pass
 
     def synchronize(self) -> None:
         pass
 
-    def wait(self, stream: Optional[_CpuStream] = None) -> None:
+    def wait(self, stream: _CpuStream | None = None) -> None:
         pass
 
     def query(self) -> bool:
@@ -178,9 +179,9 @@ class _CpuStream:
     (other libraries use torch.cuda.Stream in type annotations such as `Stream | None`) whose
     constructor returns the one instance."""
 
-    _instance: "_CpuStream | None" = None
+    _instance: _CpuStream | None = None
 
-    def __new__(cls, *args: object, **kwargs: object) -> "_CpuStream":
+    def __new__(cls, *args: object, **kwargs: object) -> _CpuStream:
         if cls._instance is None:
             cls._instance = super().__new__(cls)
         return cls._instance
@@ -191,7 +192,7 @@ class _CpuStream:
     def wait_event(self, event: _CpuEvent) -> None:
         pass
 
-    def record_event(self, event: Optional[_CpuEvent] = None) -> _CpuEvent:
+    def record_event(self, event: _CpuEvent | None = None) -> _CpuEvent:
         return event if event is not None else _CpuEvent()
 
     def synchronize(self) -> None:
@@ -204,7 +205,7 @@ class _CpuStream:
 _CPU_STREAM = _CpuStream()
 
 
-def _split_sizes_as_ints(sizes: Union[None, list[int], torch.Tensor, Iterable[int]]) -> Optional[list[int]]:
+def _split_sizes_as_ints(sizes: None | list[int] | torch.Tensor | Iterable[int]) -> list[int] | None:
     """Tensor / numpy split sizes -> list of int (what gloo's all_to_all_single accepts)."""
     if sizes is None or isinstance(sizes, list):
         return sizes
@@ -216,10 +217,11 @@ def _split_sizes_as_ints(sizes: Union[None, list[int], torch.Tensor, Iterable[in
 def _patch_moe() -> None:
     import torch.distributed as dist
 
-    torch.cuda.Stream = _CpuStream
-    torch.cuda.current_stream = lambda device=None: _CPU_STREAM
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
-    torch.cuda.Event = _CpuEvent
+    cuda: Any = torch.cuda  # patched on purpose: its classes and functions are replaced by CPU stand-ins
+    cuda.Stream = _CpuStream
+    cuda.current_stream = lambda device=None: _CPU_STREAM
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    cuda.Event = _CpuEvent
     bind_missing_te_gemm()
     original = dist.all_to_all_single
 
@@ -228,7 +230,8 @@ def _patch_moe() -> None:
         return original(output, input, _split_sizes_as_ints(output_split_sizes),
                         _split_sizes_as_ints(input_split_sizes), group=group, async_op=async_op)
 
-    all_to_all_single._dapo_original = original
+    patched: Any = all_to_all_single  # a function attribute: the original, for undoing the patch
+    patched._dapo_original = original
     dist.all_to_all_single = all_to_all_single
 
 
@@ -260,7 +263,8 @@ def apply_cpu_compat() -> None:
     global _APPLIED, _MODE
     if _APPLIED or torch.cuda.is_available():
         return
-    torch.cuda.current_device = _current_device
+    cuda: Any = torch.cuda  # patched on purpose (CPU stand-ins; current_device returns the CPU device)
+    cuda.current_device = _current_device
     torch.cuda.get_rng_state = _get_rng_state
     torch.cuda.set_rng_state = _set_rng_state
     torch.cuda.manual_seed = _manual_seed
@@ -300,7 +304,9 @@ def check_patch_targets() -> list[str]:
             continue
         if not hasattr(module, attr):
             problems.append(f"{module_name}.{attr} no longer exists (patched for {why}) in {module.__file__}")
-    core_dir = os.path.dirname(importlib.import_module("megatron.core").__file__)
+    core_file = importlib.import_module("megatron.core").__file__
+    assert core_file is not None  # a regular package (an __init__.py), not a namespace package
+    core_dir = os.path.dirname(core_file)
     for rel_path, text in CALL_SITES:
         path = os.path.join(core_dir, rel_path)
         if not os.path.exists(path):

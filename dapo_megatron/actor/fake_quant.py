@@ -45,8 +45,9 @@ same hooks reach both; only the local spec is verified on CPU (docs/fp8.md).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -85,12 +86,12 @@ class ShardBlocks:
     def num_block_rows(self) -> int:
         return self.row_starts[-1]
 
-    def to(self, device: Device) -> "ShardBlocks":
+    def to(self, device: Device) -> ShardBlocks:
         """The index tensors on `device`, once at set-up (not a host-to-device copy in every forward)."""
         return replace(self, row_block=self.row_block.to(device), col_block=self.col_block.to(device))
 
 
-def shard_blocks(pmap: ParamMap, hf_shapes: Sequence[tuple[int, int]], *, dims: Dims, tp_rank: int, tp_size: int,
+def shard_blocks(pmap: ParamMap, hf_shapes: Sequence[tuple[int, ...]], *, dims: Dims, tp_rank: int, tp_size: int,
                  block: int) -> ShardBlocks:
     """The block of every local element, from the mapping's own shard maths: shard_for_rank applied to
     HF-shaped tensors of block ids gives the local layout of the ids (no layout code repeated here)."""
@@ -142,7 +143,7 @@ def block_scales(amax: torch.Tensor, blocks: ShardBlocks) -> torch.Tensor:
 
 
 def fake_quant_values(weight: torch.Tensor, blocks: ShardBlocks, *, dtype: torch.dtype,
-                      tp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+                      tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """dequant(quant(weight)) of this local shard in fp32: the engines' weight values, bit for bit.
     Collective over tp_group (one small MAX all-reduce of the amax grid) when it has more than one rank."""
     weight_q = weight.detach().to(dtype)
@@ -187,13 +188,13 @@ def _straight_through(t: torch.Tensor, value: Callable[[torch.Tensor], torch.Ten
 
 
 def fake_quant_weight(weight: torch.Tensor, blocks: ShardBlocks, *, dtype: torch.dtype,
-                      tp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+                      tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The tensor the Linear multiplies by: fake-quantized values, straight-through gradient to `weight`."""
     return _straight_through(weight, lambda w: fake_quant_values(w, blocks, dtype=dtype, tp_group=tp_group)
                              .to(w.dtype))
 
 
-def fake_quant_input_values(x: torch.Tensor, blocks: ShardBlocks, *, tp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+def fake_quant_input_values(x: torch.Tensor, blocks: ShardBlocks, *, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """dequant(quant(x)) of a Linear's input as the engines' GEMM quantizes it (SGLang's dynamic
     activations: one scale per token and per 128 input channels, quant/fp8_activation.py), in x's dtype.
 
@@ -218,11 +219,11 @@ class _Hooks:
     """The pre/post forward hooks of one Linear: swap the fake-quantized weight in (and, with
     quantize_inputs, replace the input by its FP8 values), put the Parameter back after the forward."""
 
-    def __init__(self, blocks: ShardBlocks, *, dtype: torch.dtype, tp_group: Optional[dist.ProcessGroup],
-                 input_tp_group: Optional[dist.ProcessGroup], quantize_inputs: bool) -> None:
+    def __init__(self, blocks: ShardBlocks, *, dtype: torch.dtype, tp_group: dist.ProcessGroup | None,
+                 input_tp_group: dist.ProcessGroup | None, quantize_inputs: bool) -> None:
         self.blocks, self.dtype, self.tp_group = blocks, dtype, tp_group
         self.input_tp_group, self.quantize_inputs = input_tp_group, quantize_inputs
-        self.master: Optional[torch.nn.Parameter] = None
+        self.master: torch.nn.Parameter | None = None
 
     def pre(self, module, args):
         self.master = module._parameters["weight"]
@@ -320,7 +321,7 @@ def quantized_linears(chunks: Sequence[torch.nn.Module], hf_config: PretrainedCo
                 raise ValueError(f"actor.quantization_aware: the engines' checkpoint holds only some of "
                                  f"{members} in FP8 (a fused Megatron weight is quantized whole or not at all)")
             blocks = shard_blocks(pmap, [shapes[n] for n in pmap.hf_names], dims=dims, tp_rank=tp_rank,
-                                  tp_size=tp_size, block=block).to(module.weight.device)
+                                  tp_size=tp_size, block=block).to(module.get_parameter("weight").device)
             found.append((module, pmap, blocks))
     return found
 

@@ -21,7 +21,6 @@ logits (`return_hidden_states`), back to full sequences under sequence paralleli
 from __future__ import annotations
 
 import types
-from typing import Optional
 
 import torch
 
@@ -39,7 +38,7 @@ def require_fused_kernels(key: str, *, device_type: str) -> None:
 
 
 def token_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                           temperature: float, tp_group, vocab_size: Optional[int] = None,
+                           temperature: float, tp_group, vocab_size: int | None = None,
                            fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprob[N], entropy[N]) of softmax(hidden @ weight.T / temperature) at `targets`, fp32.
     fused=True: the Triton kernel (compiled, or interpreted on CPU); fused=False: plain torch."""

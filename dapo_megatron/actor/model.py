@@ -55,7 +55,8 @@ router's softmax/top-k, expert parallelism).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, Optional, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -90,7 +91,7 @@ from dapo_megatron.weights.hf_config import (  # noqa: E402,F401 (re-exported)
 _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-def rope_settings_of(hf_config: PretrainedConfig) -> tuple[float, Optional[float]]:
+def rope_settings_of(hf_config: PretrainedConfig) -> tuple[float, float | None]:
     """(rope theta, llama3 scaling factor or None) from transformers <5 (`rope_theta`,
     `rope_scaling`) or >=5 (`rope_parameters`) configs. Other RoPE types raise ValueError."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
@@ -204,10 +205,11 @@ class TorchRMSNorm(torch.nn.RMSNorm):
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype, device=device)
         for param in self.parameters():
-            param.sequence_parallel = config.sequence_parallel
+            # megatron reads this flag off the Parameter (its grad is all-reduced over TP); not a torch attribute
+            param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
 
 
-def torch_layer_spec(*, qk_layernorm: bool = False, num_experts: Optional[int] = None, attention_kernel: str = "sdpa"):
+def torch_layer_spec(*, qk_layernorm: bool = False, num_experts: int | None = None, attention_kernel: str = "sdpa"):
     """Local layer spec with TorchSDPAttention as core attention and TorchRMSNorm norms (the QK-norms
     too when qk_layernorm). num_experts: the MoE layer spec (router + SequentialMLP of local experts).
     attention_kernel: actor.attention_kernel (sdpa, or flex on CUDA: actor/attention.py)."""
@@ -243,7 +245,7 @@ def te_layer_spec(*, qk_layernorm: bool = False):
                          f"use actor.attention_backend=torch without it ({type(err).__name__}: {err})") from err
 
 
-def _block_spec(config, hf_config, vp_stage: Optional[int], attention_backend: AttentionBackend,
+def _block_spec(config, hf_config, vp_stage: int | None, attention_backend: AttentionBackend,
                 attention_kernel: str = "sdpa"):
     """The decoder block of this (virtual) pipeline stage: one layer spec per layer, MoE or dense as
     the HF config says (actor/moe.py moe_layer_pattern), with our final norm for the torch backend
@@ -278,8 +280,8 @@ def _block_spec(config, hf_config, vp_stage: Optional[int], attention_backend: A
 
 def build_gpt_model(hf_config: PretrainedConfig, *, attention_backend: AttentionBackend = "torch", precision: Precision = "bf16",
                     sequence_parallel: bool = False, recompute: Literal["none", "selective", "full"] = "none",
-                    pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
-                    vp_stage: Optional[int] = None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY,
+                    pre_process: bool | None = None, post_process: bool | None = None,
+                    vp_stage: int | None = None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY,
                     attention_kernel: str = "sdpa") -> GPTModel:
     """One GPTModel chunk for this rank's pipeline stage (and virtual stage `vp_stage`).
 

@@ -26,7 +26,7 @@ expert's matrices like TP splits the dense MLP. Tokens reach their experts throu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 from dapo_megatron.weights.hf_config import MOE_MODEL_TYPES, MoEShape, moe_shape_of  # noqa: F401 (re-exported)
 
@@ -43,7 +43,7 @@ def moe_layer_pattern(hf_config: PretrainedConfig) -> list[int]:
 
 
 def moe_transformer_kwargs(hf_config: PretrainedConfig, *, attention_backend: str,
-                           ) -> dict[str, Union[int, bool, str, list[int]]]:
+                           ) -> dict[str, int | bool | str | list[int]]:
     """TransformerConfig keyword arguments for the experts (empty for a dense model).
 
     Call inside model_parallel(): the expert-parallel sizes come from megatron's parallel state."""

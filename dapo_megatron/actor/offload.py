@@ -70,7 +70,9 @@ def actor_tensors(model_chunks: list, optimizer) -> dict[str, list[torch.Tensor]
                tensor in its state (Adam exp_avg, exp_avg_sq, step)
     Collected afresh at each call: Adam creates its state lazily and checkpoint loading replaces it.
     """
-    params, grads, opt = [], [], []
+    params: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    opt: list[torch.Tensor] = []
     for chunk in model_chunks:
         for p in chunk.parameters():
             params.append(p)

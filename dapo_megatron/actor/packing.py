@@ -204,7 +204,7 @@ def pack_batch_micro_batch(batch, start: int, stop: int, *, length: int, seq_pad
     loss_mask[response_dst] = mask
     advantages = torch.zeros(length, dtype=torch.float32)
     advantages[response_dst] = torch.repeat_interleave(part.advantages, response_lengths)
-    per_token = {}
+    per_token: dict[str, torch.Tensor | None] = {}
     for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs"):
         values = getattr(part, name)
         if values is None or n == 0:

@@ -18,8 +18,8 @@ import contextlib
 import os
 import re
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,7 @@ def _first_slurm_host(nodelist: str) -> str:
     return prefix + ranges.split(",")[0].split("-")[0]
 
 
-def launch_env(environ: Optional[dict] = None) -> LaunchEnv:
+def launch_env(environ: dict | None = None) -> LaunchEnv:
     """Rank layout from torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or srun (SLURM_PROCID/...).
 
     torchrun's variables win when both are present (torchrun inside an sbatch job). Under srun,
@@ -83,7 +83,7 @@ def launch_env(environ: Optional[dict] = None) -> LaunchEnv:
     return LaunchEnv(rank, world_size, local_rank, master_addr, master_port)
 
 
-def local_world_size(environ: Optional[dict] = None) -> Optional[int]:
+def local_world_size(environ: dict | None = None) -> int | None:
     """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, else srun's SLURM_NTASKS_PER_NODE (one number, or
     SLURM_TASKS_PER_NODE's first count, "4(x2),3" -> 4); None when the launcher says neither."""
     env = os.environ if environ is None else environ
@@ -96,7 +96,7 @@ def local_world_size(environ: Optional[dict] = None) -> Optional[int]:
     return None
 
 
-def gpu_for_local_rank(local_rank: int, local_world_size: Optional[int], device_count: int) -> int:
+def gpu_for_local_rank(local_rank: int, local_world_size: int | None, device_count: int) -> int:
     """The GPU index local rank `local_rank` drives: its own, one rank per GPU. More ranks on the node
     than GPUs it sees would put two ranks on one GPU (NCCL then fails much later with "Duplicate GPU
     detected"), so that is refused here, at start-up, naming the three numbers.
@@ -159,7 +159,7 @@ def init_distributed(*, timeout_minutes: int = 30) -> LaunchEnv:
     return env
 
 
-def spans_hosts(environ: Optional[dict] = None) -> bool:
+def spans_hosts(environ: dict | None = None) -> bool:
     """Whether this job's ranks are on more than one host: torchrun's WORLD_SIZE vs LOCAL_WORLD_SIZE,
     or srun's node count."""
     env = os.environ if environ is None else environ
@@ -171,8 +171,8 @@ def spans_hosts(environ: Optional[dict] = None) -> bool:
     return False
 
 
-def initialize_model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None,
-                              ep: int = 1, etp: Optional[int] = None) -> None:
+def initialize_model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None,
+                              ep: int = 1, etp: int | None = None) -> None:
     """Megatron's parallel_state groups for a TP x CP x DP x PP layout over the whole world, and for
     the experts an ETP x EP x EDP x PP layout over the same ranks (megatron's expert rank generator:
     the expert-parallel group is carved out of the data-parallel ranks; etp None = tp)."""
@@ -248,8 +248,8 @@ def layout_from_megatron() -> ParallelLayout:
 
 
 @contextlib.contextmanager
-def model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: Optional[int] = None, ep: int = 1,
-                   etp: Optional[int] = None, seed: int = 1234) -> Iterator[ParallelLayout]:
+def model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None, ep: int = 1,
+                   etp: int | None = None, seed: int = 1234) -> Iterator[ParallelLayout]:
     """Megatron parallel state + RNG tracker for the body, which receives this rank's ParallelLayout
     (dataplane/layout.py) to pass to the actor, the roles and the data plane; destroyed on exit (also
     on errors), and with it the layout's groups.

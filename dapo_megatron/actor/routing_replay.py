@@ -31,7 +31,8 @@ With replay on, the trainer's own choice at layer l is made on hidden states tha
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -114,7 +115,7 @@ class RoutingReplay:
         self._current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # router id -> (engine [t, k], valid [t])
         self._measure = False
         # overlap, exact, tokens: summed on the routers' device over the pass, read once in end()
-        self._counts: Optional[torch.Tensor] = None
+        self._counts: torch.Tensor | None = None
         for routers in self.routers.values():
             for _, router in routers:
                 router.register_forward_hook(self._compare)
@@ -205,7 +206,7 @@ def agreement_counts(own: torch.Tensor, engine: torch.Tensor, valid: torch.Tenso
 
 
 def make_routing_replay(chunks: Sequence[GPTModel], hf_config: PretrainedConfig, layout: ParallelLayout, *,
-                        sequence_parallel: bool) -> Optional[RoutingReplay]:
+                        sequence_parallel: bool) -> RoutingReplay | None:
     """A RoutingReplay for a MoE model's chunks, None for a dense model."""
     from dapo_megatron.actor.moe import moe_shape_of
 

@@ -34,7 +34,7 @@ def train(argv: list[str]) -> int:
     if "RANK" in os.environ:
         die_with_parent()  # a rank ends with torchrun, even when torchrun is SIGKILLed (launch/lifeline.py)
         os.register_at_fork(after_in_child=die_with_parent)  # so do its fork children (Megatron's checkpoint writers)
-        return loop.run_worker_recorded(cfg, resume=args.resume)
+        return loop.run_worker_recorded(cfg, resume=args.resume) or 0  # None: the worker exited with SystemExit(0)
 
     try:
         return launch_training(cfg, args.config, args.overrides, resume=args.resume, overwrite=args.overwrite,

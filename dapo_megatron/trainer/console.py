@@ -23,7 +23,8 @@ import math
 import sys
 import time
 import warnings
-from typing import Any, Iterator, Mapping, TextIO
+from collections.abc import Iterator, Mapping
+from typing import Any, TextIO
 
 PREFIX = "[train]"
 TABLE_WIDTH = 120

@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -112,7 +113,8 @@ class Driver:
     def rollout(self) -> tuple[list[list[Sample]], dict[str, float]]:
         """train_batch_size groups of rollout.n scored responses (rewards with overlong shaping; groups
         all right or all wrong dropped and refilled: DAPO's dynamic sampling), and their statistics."""
-        tic, step, overlap_stats = time.time(), self.next_step, {}
+        tic, step = time.time(), self.next_step
+        overlap_stats: dict[str, float] = {}
         if self.overlap is not None:  # generated while earlier steps trained; groups staler than k dropped
             result, overlap_stats = self.overlap.next_batch(step)
         else:

@@ -10,8 +10,8 @@ avg_at_k / pass_at_k / summarize are re-exported here for the callers that knew 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

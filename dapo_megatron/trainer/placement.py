@@ -35,7 +35,8 @@ content). The reference model is offloaded between its calls in both placements 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Protocol
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 from dapo_megatron.config import Config
 from dapo_megatron.dataplane import collectives as coll
@@ -176,7 +177,7 @@ class ColocatedPlacement:
         self.roles = roles
         self.driver = driver
         self.engines = _EngineSide(driver)
-        devices = [trainer_device()]
+        devices: list[Any] = [trainer_device()]  # (node, gpu) of every rank, all_gather_object fills it
         if dist.is_initialized() and dist.get_world_size() > 1:
             devices = [None] * dist.get_world_size()
             coll.all_gather_object(devices, trainer_device())

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,7 @@ class PreemptionSignal:
         self.received: signal.Signals | None = None  # the first signal that arrived
         self._previous: dict[signal.Signals, Callable[..., Any] | int | None] = {}
 
-    def install(self) -> "PreemptionSignal":
+    def install(self) -> PreemptionSignal:
         """Register the handlers (main thread only, as Python requires). Returns self."""
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)

@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from dapo_megatron.dataplane.driver_decides import driver_decides
 
@@ -205,7 +206,7 @@ class FaultPolicy:
         for made in range(1, attempts + 1):
             kept: list[Any] = [None]
 
-            def decide() -> Verdict:
+            def decide(kept: list[Any] = kept) -> Verdict:  # this attempt's list (B023), called at once below
                 verdict, kept[0] = attempt()
                 return verdict
 

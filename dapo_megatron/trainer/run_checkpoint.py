@@ -24,9 +24,10 @@ import json
 import re
 import shutil
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.dataplane.driver_decides import driver_decides
@@ -77,7 +78,7 @@ class TrainerState:
         return {"step": self.step, "driver": self.driver, "nonfinite_in_row": self.nonfinite_in_row, "eval": self.eval}
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any], *, source: str | Path) -> "TrainerState":
+    def from_json(cls, raw: dict[str, Any], *, source: str | Path) -> TrainerState:
         """A checkpoint's state; ValueError naming the file and key when one is missing or not a number."""
         try:
             score = raw.get("eval")
@@ -248,8 +249,8 @@ def newest_valid_checkpoint(output_dir: str | Path, *, log: Callable[[str], None
     if not found:
         raise ValueError(f"--resume: no checkpoint in {checkpoint_root(output_dir)} (a complete "
                          f"step_<N>/ with {STATE_FILE}); run without --resume to start this run from the beginning")
-    rejected = []
-    for step, path in reversed(found):
+    rejected: list[str] = []
+    for _step, path in reversed(found):
         problems = verify_checkpoint(path)
         if not problems:
             if rejected and rank == 0:

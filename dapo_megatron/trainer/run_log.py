@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, TextIO
+from typing import Any, Literal, TextIO
 
 from dapo_megatron.trainer import console as _console
 
@@ -62,7 +63,7 @@ class MetricsLogger:
         self,
         run_dir: str | Path,
         *,
-        wandb_mode: str = "offline",
+        wandb_mode: Literal["offline", "online", "disabled"] = "offline",
         wandb_project: str = "dapo-megatron",
         run_name: str | None = None,
         config: Mapping[str, Any] | None = None,
@@ -126,7 +127,7 @@ class MetricsLogger:
             return plot_run(self.run_dir)
         return None
 
-    def __enter__(self) -> "MetricsLogger":
+    def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -306,9 +307,9 @@ def run_summary(run_dir: str | Path, *, phase_seconds: Mapping[str, float] | Non
         lines.append(f"  checkpoints:  {names} in {run_dir / 'checkpoints'}")
     else:
         lines.append("  checkpoints:  none")
-    best = best_checkpoint(run_dir)
-    if best is not None:
-        lines.append(f"  best ckpt:    {best[2]} (eval {best[1]:.1%}, kept by trainer.keep_best_checkpoint)")
+    best_ckpt = best_checkpoint(run_dir)
+    if best_ckpt is not None:
+        lines.append(f"  best ckpt:    {best_ckpt[2]} (eval {best_ckpt[1]:.1%}, kept by trainer.keep_best_checkpoint)")
     steps = [r for r in records if int(r.get("step", 0)) > 0 and "time/step_s" in r]
     sums = {key: sum(float(r.get(key, 0.0)) for r in records)
             for key in ("time/gen_s", "time/logprob_s", "time/train_s", "time/sync_s", "time/eval_s")}

@@ -8,7 +8,8 @@ step goes through one StepRecord, so that the step itself reads as the algorithm
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from dapo_megatron.dataplane.step_metrics import Clock, reduce_updates
 
@@ -18,12 +19,12 @@ class StepRecord:
         self.clock = Clock()
         self.log: dict[str, float] = {}
 
-    def add(self, metrics: Mapping[str, Any] | None) -> "StepRecord":
+    def add(self, metrics: Mapping[str, Any] | None) -> StepRecord:
         if metrics:
             self.log.update(metrics)
         return self
 
-    def lap(self, phase: str) -> "StepRecord":
+    def lap(self, phase: str) -> StepRecord:
         self.clock.lap(phase)
         return self
 

@@ -65,7 +65,10 @@ def dapo_step(step: int, run: Run) -> dict[str, float]:
     groups, rollout_stats = run.faults.around_rollout(lambda: run.driver.rollout(), step=step)  # (None, {}) off the driver
     # 2. group advantages (algorithm.advantage; DAPO's A = (R - mean_g R) / (std_g R + eps)), then the
     #    step as tensors, built once
-    batch = with_group_advantages(groups, estimator=run.advantage, eps=run.advantage_eps) if roles.driver else None
+    batch = None
+    if roles.driver:
+        assert groups is not None  # the driver's rollout returns its groups
+        batch = with_group_advantages(groups, estimator=run.advantage, eps=run.advantage_eps)
     del groups  # no per-token Python list outlives the batch
     record.add(rollout_stats).lap("gen")
 
@@ -165,6 +168,7 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
                     print(preempt.stop_line(step + 1, checkpointer.step_dir(step + 1)), flush=True)
                 break
         if run.roles.driver:
+            assert metrics is not None  # made on the driver
             metrics.close()
             run.driver.close()
     return 0
@@ -193,7 +197,7 @@ def build_run(cfg: Config, layout: ParallelLayout) -> Run:
                sequences_per_mini_batch=cfg.rollout.n * cfg.trainer.mini_batch_size)
 
 
-def run_worker_recorded(cfg, *, resume: bool) -> int:
+def run_worker_recorded(cfg, *, resume: bool) -> int | None:
     """run_worker, with an exception written to the error file torchrun gives each rank
     (TORCHELASTIC_ERROR_FILE), so torchrun's closing "Root Cause" block shows the first failing rank's
     whole traceback, after the other ranks' errors, rather than "To enable traceback see: ..."

@@ -41,7 +41,9 @@ def _existing(path: Path) -> Path:
 def errno_of(err: BaseException) -> int | None:
     """The errno an exception (or anything in its cause/context chain) carries, also as text."""
     seen = set()
-    while err is not None and id(err) not in seen:
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        err = current
         seen.add(id(err))
         if isinstance(err, OSError) and err.errno:
             return err.errno
@@ -52,7 +54,7 @@ def errno_of(err: BaseException) -> int | None:
         for phrase, number in _TEXT_ERRNO.items():
             if phrase in text:
                 return number
-        err = err.__cause__ or err.__context__
+        current = err.__cause__ or err.__context__
     return None
 
 

@@ -38,8 +38,9 @@ import asyncio
 import contextlib
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any
 
 import torch
 
@@ -87,13 +88,13 @@ def assign_engine_slots(records: list[dict], devices: list[tuple[str, int]]) -> 
         tp = int(rec["tp_size"])
         for r in range(tp):
             where = (rec["node"], int(rec["base_gpu_id"]) + r)
-            rank = by_device.get(where)
-            if rank is None:
+            feeder = by_device.get(where)
+            if feeder is None:
                 raise ValueError(f"colocated placement: engine {rec['url']} TP rank {r} runs on node {where[0]} "
                                  f"GPU {where[1]}, where no trainer rank runs (trainer GPUs: "
                                  f"{sorted(set(devices))}); colocated engines must use the trainer's GPUs "
                                  f"(rollout.num_engines x rollout.engine_tp <= the trainer's GPUs per node)")
-            out.setdefault(rank, []).append(EngineSlot(rec["url"].rstrip("/"), r, tp))
+            out.setdefault(feeder, []).append(EngineSlot(rec["url"].rstrip("/"), r, tp))
     return out
 
 
@@ -239,7 +240,7 @@ def _gather_to_driver(payloads: list) -> list[list]:
 
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [payloads]
-    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None  # gather fills it
     coll.gather_object(payloads, out, dst=0)
     return out or []
 

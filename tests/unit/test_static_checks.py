@@ -22,13 +22,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = ["dapo_megatron", "kernels"]
 
-# Files that other branches of issue 35 rewrite at the same time (the driver's trainer/ and colocated
-# sync; the layout's actor/ and config.py). Their lint and type findings are fixed by the lead right
-# after merging those branches; until then they are reported, not failed, so that a new finding
-# anywhere else still fails here. Remove PENDING (and its three uses below) then.
-PENDING = ("dapo_megatron/actor/", "dapo_megatron/trainer/", "dapo_megatron/config.py",
-           "dapo_megatron/transfer/colocated_sync.py")
-
 
 def _tool(name: str) -> str:
     """The tool installed beside this interpreter (the test extra pins it: constraints.txt)."""
@@ -43,24 +36,15 @@ def _run(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:
     return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
-def _split_pending(paths_and_lines: list[tuple[str, str]]) -> tuple[list[str], list[str]]:
-    pending = [line for path, line in paths_and_lines if path.startswith(PENDING)]
-    other = [line for path, line in paths_and_lines if not path.startswith(PENDING)]
-    return other, pending
-
-
 def test_ruff_lint_is_clean():
     # E501 (line length) is checked with the format below: ruff format wraps the code lines, and what it
     # cannot wrap (strings, comments) must be short already
     proc = _run(_tool("ruff"), "check", "--output-format", "json", "--extend-ignore", "E501", *PACKAGE)
     findings = json.loads(proc.stdout or "[]")
     assert proc.returncode in (0, 1), proc.stderr
-    rows = [(str(Path(f["filename"]).relative_to(REPO)),
-             f"{Path(f['filename']).relative_to(REPO)}:{f['location']['row']}: {f['code']} {f['message']}")
+    rows = [f"{Path(f['filename']).relative_to(REPO)}:{f['location']['row']}: {f['code']} {f['message']}"
             for f in findings]
-    other, pending = _split_pending(rows)
-    print(f"ruff: {len(other)} findings, {len(pending)} more in the files other issue-35 branches rewrite")
-    assert not other, "ruff check (fix them, or `ruff check --fix`):\n" + "\n".join(other)
+    assert not rows, "ruff check (fix them, or `ruff check --fix`):\n" + "\n".join(rows)
 
 
 @pytest.mark.xfail(strict=True, reason="the tree is formatted once by the lead after merging issue 35's branches "
@@ -77,6 +61,4 @@ def test_mypy_is_clean():
                 timeout=300)
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr  # 2: mypy itself failed (config, crash)
     errors = [line for line in proc.stdout.splitlines() if re.match(r"^\S+\.py:\d+: error:", line)]
-    other, pending = _split_pending([(line.split(":", 1)[0], line) for line in errors])
-    print(f"mypy: {len(other)} errors, {len(pending)} more in the files other issue-35 branches rewrite")
-    assert not other, "mypy:\n" + "\n".join(other)
+    assert not errors, "mypy:\n" + "\n".join(errors)
