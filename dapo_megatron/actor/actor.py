@@ -38,7 +38,9 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.actor.attention import HOST_BOUNDS_ATTR
+from dapo_megatron.actor.checkpoint import load_checkpoint, restore_rng, rng_sharded_object, save_checkpoint
 from dapo_megatron.actor.context_parallel import merge_from_cp, split_for_cp
+from dapo_megatron.actor.fake_quant import apply_weight_fake_quant, cast_like_engines
 from dapo_megatron.actor.lm_head import (
     full_sequence_hidden,
     output_weight,
@@ -46,7 +48,24 @@ from dapo_megatron.actor.lm_head import (
     return_hidden_states,
     token_logprobs_entropy,
 )
+from dapo_megatron.actor.model import build_model_chunks
+from dapo_megatron.actor.moe import moe_shape_of
+from dapo_megatron.actor.offload import DeviceMemory, actor_tensors
+from dapo_megatron.actor.optimizer import (
+    adam_step,
+    build_lr_schedule,
+    build_optimizer,
+    guarded_step,
+    init_empty_optimizer_state,
+    set_adam_step,
+    set_lr_for_step,
+)
 from dapo_megatron.actor.packing import MicroBatch, PackedShare, pack_batch_micro_batch
+from dapo_megatron.actor.routing_replay import (
+    make_routing_replay,
+    pack_batch_routed_experts,
+    validate_batch_routed_experts,
+)
 from dapo_megatron.actor.settings import ActorSettings
 from dapo_megatron.actor.staging import to_device
 from dapo_megatron.algo.aggregation import count_loss_units_packed, sequence_token_counts
@@ -56,6 +75,8 @@ from dapo_megatron.dataplane.batch import RolloutBatch, exclusive_cumsum, ranges
 from dapo_megatron.dataplane.layout import ParallelLayout
 from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.dataplane.share import BatchShare, PackSettings, share_of_samples
+from dapo_megatron.quant.engine_checkpoint import fp8_converter
+from dapo_megatron.weights import iter_hf_weights, load_hf_into_model
 
 
 @dataclass
@@ -106,11 +127,6 @@ class Actor:
         )
         from transformers import AutoConfig
 
-        from dapo_megatron.actor.model import build_model_chunks
-        from dapo_megatron.actor.offload import DeviceMemory, actor_tensors
-        from dapo_megatron.actor.optimizer import build_lr_schedule, build_optimizer
-        from dapo_megatron.weights import load_hf_into_model
-
         self.settings = settings
         self.layout = layout
         self.objective = settings.objective()  # the loss (algo/objective.py); an unknown policy_loss fails here
@@ -124,7 +140,6 @@ class Actor:
                 require_fused_kernels(f"actor.{key}", device_type=coll.compute_device().type)
         self.hf_dir = Path(hf_dir)
         self.hf_config = AutoConfig.from_pretrained(self.hf_dir)
-        from dapo_megatron.actor.moe import moe_shape_of
 
         self.moe = moe_shape_of(self.hf_config)
         if self.moe is not None and ac.tp > 1 and not ac.sequence_parallel:
@@ -141,9 +156,6 @@ class Actor:
         load_hf_into_model(chunks, self.hf_dir)
         self._engine_dtype: torch.dtype | None = None
         if ac.quantization_aware:  # every forward multiplies by the FP8 engines' weights (actor/fake_quant.py)
-            from dapo_megatron.actor.fake_quant import apply_weight_fake_quant
-            from dapo_megatron.quant.engine_checkpoint import fp8_converter
-
             # which modules are fp8, block and dtype: the engines' checkpoint says
             # trainer/settings.py sets fp8_checkpoint exactly when actor.quantization_aware is on
             assert settings.fp8_checkpoint is not None
@@ -152,7 +164,6 @@ class Actor:
                                     block=conv.block, dtype=conv.dtype, quantize_inputs=True, cast_unquantized=True)
             self._engine_dtype = conv.dtype  # the LM head weight, read outside the model's forward: _head
         self._chunks = chunks
-        from dapo_megatron.actor.routing_replay import make_routing_replay
 
         self.routing = make_routing_replay(chunks, self.hf_config, layout, sequence_parallel=ac.sequence_parallel)
         self._routed_batch: RolloutBatch | None = None  # the batch the current pass's micro-batches index
@@ -252,8 +263,6 @@ class Actor:
     def iter_hf_weights(self):
         """Every full HF-named tensor on EVERY rank (collective; the weights layer's iter_hf_weights):
         for tests and tools that compare weights; the training loop uses transfer/stage_export.py."""
-        from dapo_megatron.weights import iter_hf_weights
-
         self._require("params", action="iter_hf_weights")
         return iter_hf_weights(self._chunks, self.hf_config)
 
@@ -314,8 +323,6 @@ class Actor:
 
     def _set_routing(self, chunk, mb: MicroBatch) -> None:
         """The engine's experts of this micro-batch for the chunk's routers (routing_replay.py)."""
-        from dapo_megatron.actor.routing_replay import pack_batch_routed_experts
-
         routing, batch = self.routing, self._routed_batch
         assert routing is not None and batch is not None  # set together by _begin_routing
         experts, valid = pack_batch_routed_experts(batch, mb.sample_indices, mb.seq_lengths_padded,
@@ -329,8 +336,6 @@ class Actor:
         replay = self.settings.actor.routing_replay
         measure = measure and self.routing is not None and "routed_experts" in batch.token_fields
         if replay:
-            from dapo_megatron.actor.routing_replay import validate_batch_routed_experts
-
             assert self.routing is not None, "actor.routing_replay on a model without routers (config.py rejects it)"
             validate_batch_routed_experts(batch, num_layers=self.routing.num_layers, topk=self.routing.topk)
         if self.routing is None or not (replay or measure):
@@ -356,7 +361,6 @@ class Actor:
         pos = to_device(positions, hidden_SH.device)
         weight = output_weight(gpt)
         if self._engine_dtype is not None:  # actor.quantization_aware: the engines' bf16 LM head
-            from dapo_megatron.actor.fake_quant import cast_like_engines
 
             weight = cast_like_engines(weight, self._engine_dtype)
         return token_logprobs_entropy(hidden_SH[pos], weight, targets[pos],
@@ -490,8 +494,6 @@ class Actor:
         identical metrics on every rank; an update whose loss or grad norm is NaN/inf is skipped
         (nonfinite=1), and so is one with no trained token (update_skipped=1).
         """
-        from dapo_megatron.actor.optimizer import guarded_step, set_lr_for_step
-
         al = self.settings.algorithm
         self._require("params", "grads", "optimizer", action="train", trains=True)
         mini = self._share_of(mini_batch)
@@ -594,8 +596,6 @@ class Actor:
     # --- checkpoints ---------------------------------------------------------------------------------
 
     def _sharded_state_dict(self, *, is_loading: bool) -> dict:
-        from dapo_megatron.actor.checkpoint import rng_sharded_object
-
         state = {}
         for index, chunk in enumerate(self._chunks):
             state["model" if len(self._chunks) == 1 else f"model{index}"] = chunk.sharded_state_dict()
@@ -610,9 +610,6 @@ class Actor:
     def save(self, path: str | Path) -> Path:
         """Collective: model + optimizer + RNG (megatron dist_checkpointing) + actor_state.json,
         written to `<path>.tmp` and renamed (checkpoint.py)."""
-        from dapo_megatron.actor.checkpoint import save_checkpoint
-        from dapo_megatron.actor.optimizer import adam_step
-
         self._require("params", "optimizer", action="save", trains=True)
         meta = {"num_updates": self.num_updates, "last_step": self.last_step, "adam_step": adam_step(self.optimizer),
                 "lr_schedule": self.lr_schedule.state_dict(),
@@ -622,9 +619,6 @@ class Actor:
 
     def load(self, path: str | Path) -> dict:
         """Collective: restore what save() wrote; returns its actor_state.json."""
-        from dapo_megatron.actor.checkpoint import load_checkpoint, restore_rng
-        from dapo_megatron.actor.optimizer import init_empty_optimizer_state, set_adam_step
-
         self._require("params", "optimizer", action="load", trains=True)
         init_empty_optimizer_state(self.optimizer)
         state, meta = load_checkpoint(path, sharded_state_dict=self._sharded_state_dict(is_loading=True))

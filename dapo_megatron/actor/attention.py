@@ -43,6 +43,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dapo_megatron.actor.context_parallel import gather_for_cp, gathered_to_token_order
+
 ATTENTION_KERNELS = ("sdpa", "flex")
 
 
@@ -249,8 +251,6 @@ def _attention_layout(bounds: tuple, local_tokens: int, cp_size: int, cp_rank: i
     blocks = document_blocks(bounds, local_tokens, cp_size=cp_size, cp_rank=cp_rank)
     order = None
     if cp_size > 1:
-        from dapo_megatron.actor.context_parallel import gathered_to_token_order
-
         order = gathered_to_token_order(list(bounds), cp_size=cp_size).to(device)
     mask = None
     if kernel == "flex":
@@ -304,8 +304,6 @@ class TorchSDPAttention(torch.nn.Module):
                                  torch.device(device))
 
     def _gather_kv(self, key, value, order):
-        from dapo_megatron.actor.context_parallel import gather_for_cp
-
         return (gather_for_cp(key, token_order=order, cp_group=self.cp_group),
                 gather_for_cp(value, token_order=order, cp_group=self.cp_group))
 

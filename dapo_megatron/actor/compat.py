@@ -47,6 +47,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from dapo_megatron.actor import sync_free
+
 if TYPE_CHECKING:
     from torch.types import Device
 
@@ -251,8 +253,6 @@ def apply_megatron_compat() -> None:
     """Start-up patches for every machine: what a missing Transformer Engine leaves unbound, megatron's
     host-syncing RoPE (packed sequences) and gradient-norm fallbacks (actor/sync_free.py), then the CPU
     patches (a no-op on GPUs)."""
-    from dapo_megatron.actor import sync_free
-
     bind_missing_te_gemm()
     sync_free.install()
     apply_cpu_compat()

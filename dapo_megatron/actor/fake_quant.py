@@ -54,7 +54,9 @@ import torch.distributed as dist
 
 from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.dataplane.layout import ParallelLayout
-from dapo_megatron.weights.mapping import Dims, ParamMap, shard_for_rank
+from dapo_megatron.quant.fp8_activation import quant_with_absmax
+from dapo_megatron.weights.load import chunk_layer_offset, unwrap_model
+from dapo_megatron.weights.mapping import Dims, ParamMap, expected_hf_shapes, map_param, shard_for_rank
 
 if TYPE_CHECKING:
     from torch.types import Device
@@ -203,8 +205,6 @@ def fake_quant_input_values(x: torch.Tensor, blocks: ShardBlocks, *, tp_group: d
     group spans ranks (the tiny model at TP=2: 64 channels a rank, 128 a group) its maximum is the MAX
     all-reduce over tp_group of the ranks' per-token, per-group maxima ([tokens, groups] numbers), so
     every rank quantizes with the scale the engine computes from the whole row."""
-    from dapo_megatron.quant.fp8_activation import quant_with_absmax
-
     xf = x.detach().float().reshape(-1, x.shape[-1])
     col = blocks.col_block.to(xf.device)
     absmax = xf.new_zeros(xf.shape[0], blocks.num_block_cols)
@@ -278,8 +278,6 @@ def apply_engine_dtype_casts(chunks: Sequence[torch.nn.Module], *, skip: set[int
     parameters whose id() is in `skip` (the FP8 weights, which fake_quant_weight handles) and the LM head
     (its forward is replaced by an identity: the actor casts the head weight where it reads it, see
     Actor._head). Returns the hook handles."""
-    from dapo_megatron.weights.load import unwrap_model
-
     handles = []
     for chunk in chunks:
         for name, module in unwrap_model(chunk).named_modules():
@@ -302,9 +300,6 @@ def _linears(chunk) -> list[tuple[str, torch.nn.Module]]:
 def quantized_linears(chunks: Sequence[torch.nn.Module], hf_config: PretrainedConfig, *, quantized_modules: set[str], block: int,
                       tp_rank: int, tp_size: int) -> list[tuple[torch.nn.Module, ParamMap, ShardBlocks]]:
     """(module, mapping, blocks) of every local Linear whose HF weights the engines hold in FP8."""
-    from dapo_megatron.weights.load import chunk_layer_offset, unwrap_model
-    from dapo_megatron.weights.mapping import expected_hf_shapes, map_param
-
     dims = Dims.from_hf(hf_config)
     shapes = expected_hf_shapes(dims)
     found = []

@@ -62,6 +62,7 @@ import torch
 import torch.nn.functional as F
 
 from dapo_megatron.actor.attention import TorchSDPAttention, check_attention_kernel
+from dapo_megatron.actor.moe import moe_layer_pattern, moe_transformer_kwargs
 from dapo_megatron.dataplane.collectives import compute_device
 
 if TYPE_CHECKING:
@@ -122,7 +123,6 @@ def transformer_config_from_hf(hf_config: PretrainedConfig, *, precision: Precis
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
 
-    from dapo_megatron.actor.moe import moe_transformer_kwargs
 
     model_type_of(hf_config)
     if getattr(hf_config, "hidden_act", "silu") != "silu":
@@ -256,7 +256,6 @@ def _block_spec(config, hf_config, vp_stage: int | None, attention_backend: Atte
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from dapo_megatron.actor.moe import moe_layer_pattern
 
     qk_norm = has_qk_norm(hf_config)
     pattern = moe_layer_pattern(hf_config)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dapo_megatron.dataplane.batch import exclusive_cumsum, ranges_index
 from dapo_megatron.dataplane.micro_batches import plan_micro_batches, round_up  # noqa: F401 (re-exported)
 from dapo_megatron.dataplane.sample import Sample, validate_samples  # noqa: F401 (re-exported)
 
@@ -167,8 +168,6 @@ def pack_batch_micro_batch(batch, start: int, stop: int, *, length: int, seq_pad
     """pack_micro_batch for sequences start..stop-1 of a RolloutBatch (dataplane/batch.py), with
     tensor ops only: the same tensors, bit for bit, as pack_micro_batch on the equivalent Samples
     (tests/unit/test_dataplane_batch.py). An empty range gives a padding-only micro-batch."""
-    from dapo_megatron.dataplane.batch import exclusive_cumsum, ranges_index
-
     part = batch.narrow(start, stop - start)
     n = part.num_sequences
     lens = part.seq_lengths.to(torch.int64)

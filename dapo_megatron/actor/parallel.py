@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.actor.compat import apply_megatron_compat
 from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.dataplane.addresses import choose_socket_interfaces
 from dapo_megatron.dataplane.layout import ParallelLayout
@@ -124,7 +125,6 @@ def init_distributed(*, timeout_minutes: int = 30) -> LaunchEnv:
     """
     import datetime
 
-    from dapo_megatron.actor.compat import apply_megatron_compat
 
     apply_megatron_compat()
     env = launch_env()

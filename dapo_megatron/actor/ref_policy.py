@@ -17,14 +17,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dapo_megatron.actor.actor import Actor
 from dapo_megatron.actor.settings import ActorSettings
 from dapo_megatron.dataplane.layout import ParallelLayout
 
 
 class ReferencePolicy:
     def __init__(self, settings: ActorSettings, hf_dir: str | Path, layout: ParallelLayout) -> None:
-        from dapo_megatron.actor.actor import Actor
-
         self._policy = Actor(settings, hf_dir, layout, frozen=True)
         self._policy.offload()
 

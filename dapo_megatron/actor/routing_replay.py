@@ -36,9 +36,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dapo_megatron.actor.moe import moe_shape_of
 from dapo_megatron.actor.staging import to_device
 from dapo_megatron.dataplane import collectives as coll
-from dapo_megatron.dataplane.batch import RolloutBatch
+from dapo_megatron.dataplane.batch import RolloutBatch, exclusive_cumsum, ranges_index
 from dapo_megatron.dataplane.layout import ParallelLayout
 
 if TYPE_CHECKING:
@@ -72,8 +73,6 @@ def pack_batch_routed_experts(batch: RolloutBatch, sample_indices: Sequence[int]
     ([length, num_layers, topk] int64, [length] bool: the engine reported this token), for
     sequences `sample_indices` (a consecutive run) of a RolloutBatch whose
     token_fields["routed_experts"] holds the engine's experts per token (-1: none reported)."""
-    from dapo_megatron.dataplane.batch import exclusive_cumsum, ranges_index
-
     experts = torch.arange(topk, dtype=torch.int64).expand(length, num_layers, topk).clone()
     valid = torch.zeros(length, dtype=torch.bool)
     if not len(sample_indices):
@@ -208,8 +207,6 @@ def agreement_counts(own: torch.Tensor, engine: torch.Tensor, valid: torch.Tenso
 def make_routing_replay(chunks: Sequence[GPTModel], hf_config: PretrainedConfig, layout: ParallelLayout, *,
                         sequence_parallel: bool) -> RoutingReplay | None:
     """A RoutingReplay for a MoE model's chunks, None for a dense model."""
-    from dapo_megatron.actor.moe import moe_shape_of
-
     shape = moe_shape_of(hf_config)
     if shape is None:
         return None

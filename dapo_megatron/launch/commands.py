@@ -16,13 +16,25 @@ from dapo_megatron.launch.local import launch_training
 from dapo_megatron.launch.local_stop import stopped_at_once
 from dapo_megatron.rollout.auth import engine_keys, ensure_secret_file, run_secret_path
 
+# `dapo-megatron train --help`; here, not trainer/train.py's docstring: the help imports no torch
+TRAIN_HELP = """The DAPO training loop (docs/architecture.md, "One training step").
+
+    dapo-megatron train configs/runs/tiny_cpu.yaml                      # CPU engines + actor, this machine
+    dapo-megatron train configs/runs/tiny_cpu.yaml trainer.total_steps=5 --resume
+    srun ... torchrun ... -m dapo_megatron.cli train CONFIG --resume    # slurm/train.sbatch (RANK is set)
+
+Run by hand, `train` is the launcher (launch/local.py): it prepares the model, starts the CPU rollout
+engines and the actor ranks under torchrun, and stops all of them on exit, error or Ctrl-C. Under
+torchrun/srun (RANK set) it is one rank of the loop below. What each rank does is named by its
+roles (dataplane/roles.py): the driver (global rank 0) talks to the engines and builds the batch;
+every rank trains on its data-parallel share; trainer/placement.py says what moves between phases.
+"""
+
 
 def train(argv: list[str]) -> int:
     """`dapo-megatron train`: by hand, the local launcher (launch/local.py); under torchrun/srun (RANK
     set), one rank of the loop (trainer/train.py)."""
-    from dapo_megatron.trainer import train as loop
-
-    parser = argparse.ArgumentParser(prog="dapo-megatron train", description=loop.__doc__,
+    parser = argparse.ArgumentParser(prog="dapo-megatron train", description=TRAIN_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
@@ -32,6 +44,8 @@ def train(argv: list[str]) -> int:
     args = parser.parse_intermixed_args(argv)  # flags and key=value overrides in any order
     cfg = load_config(args.config, args.overrides)
     if "RANK" in os.environ:
+        from dapo_megatron.trainer import train as loop  # the rank's torch and megatron: not the launcher's
+
         die_with_parent()  # a rank ends with torchrun, even when torchrun is SIGKILLed (launch/lifeline.py)
         os.register_at_fork(after_in_child=die_with_parent)  # so do its fork children (Megatron's checkpoint writers)
         return loop.run_worker_recorded(cfg, resume=args.resume) or 0  # None: the worker exited with SystemExit(0)

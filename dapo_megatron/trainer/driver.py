@@ -23,8 +23,10 @@ from dapo_megatron.config import Config
 from dapo_megatron.data.datasets import train_and_eval_sets
 from dapo_megatron.data.stream import PromptStream
 from dapo_megatron.dataplane.sample import Sample
-from dapo_megatron.rollout.async_rollout import engine_phases
+from dapo_megatron.quant.engine_checkpoint import fp8_converter, fp8_rollout_dir
+from dapo_megatron.rollout.async_rollout import AsyncRollout, engine_phases
 from dapo_megatron.rollout.auth import engine_keys
+from dapo_megatron.rollout.client import EngineError
 from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
 from dapo_megatron.rollout.registry import engine_events_path
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
@@ -37,6 +39,7 @@ from dapo_megatron.trainer.eval_report import (
 )
 from dapo_megatron.trainer.evaluate import sample_eval
 from dapo_megatron.trainer.recovery import EngineFaults, Verdict
+from dapo_megatron.trainer.timeline import write_timeline
 from dapo_megatron.transfer.engine_push import sync_dropping_dead
 from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
@@ -81,8 +84,6 @@ class Driver:
         # rollout.quantization=fp8: every sync sends modelopt's fp8 weights + scales (quant/engine_checkpoint.py)
         self.fp8 = None
         if r.quantization == "fp8":
-            from dapo_megatron.quant.engine_checkpoint import fp8_converter, fp8_rollout_dir
-
             self.fp8 = fp8_converter(fp8_rollout_dir(cfg.trainer.output_dir))
         # phase stamps (phase, step, start, end) for trainer/timeline.py; rollout.max_staleness >= 1 runs this loop on
         # a thread that generates the next k batches while the trainer trains (rollout/async_rollout.py)
@@ -90,8 +91,6 @@ class Driver:
         self.next_step, self._rollout_end = 0, 0.0
         self.overlap = None
         if r.max_staleness >= 1:
-            from dapo_megatron.rollout.async_rollout import AsyncRollout
-
             self.overlap = AsyncRollout(self.loop, self.sampler, self.prompts, max_staleness=r.max_staleness,
                                         train_batch_size=cfg.trainer.train_batch_size,
                                         total_steps=cfg.trainer.total_steps, timeline=self.timeline)
@@ -145,8 +144,6 @@ class Driver:
         EngineFaults.after_loss (trainer/recovery.py: FaultPolicy). restore_prompts (the rollout): the
         prompt stream and request counter are put back where the phase began, so that the redone
         rollout asks for the same samples."""
-        from dapo_megatron.rollout.client import EngineError
-
         # not while steps overlap: the producer thread draws prompts ahead, and its failed batch's
         # prompts stay used (rollout/async_rollout.py)
         state = copy.deepcopy(self.state_dict()) if restore_prompts and self.overlap is None else None
@@ -236,8 +233,6 @@ class Driver:
         if self.overlap is not None:
             self.overlap.close()  # the producer's requests aborted; the loop stopped, back on this thread
         if self.timeline:
-            from dapo_megatron.trainer.timeline import write_timeline
-
             write_timeline(self.timeline, self.run_dir)
         self.loop.run_until_complete(run())
         self.loop.close()

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from dapo_megatron.algo.eval_stats import avg_at_k, pass_at_k, summarize
+from dapo_megatron.reward import scorer_for_data_source
+from dapo_megatron.trainer.run_checkpoint import checkpoint_root, latest_checkpoint
 
 __all__ = ["EvalSamples", "avg_at_k", "pass_at_k", "sample_eval", "summarize"]
 
@@ -44,7 +46,6 @@ async def sample_eval(pool, prompt_ids: Sequence[Sequence[int]], records: Sequen
     policy gives the same samples."""
     import asyncio
 
-    from dapo_megatron.reward import scorer_for_data_source
 
     params = {"n": 1, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
               "stop_token_ids": list(stop_token_ids)}
@@ -76,7 +77,6 @@ def resolve_checkpoint(checkpoint: str) -> tuple[str, str]:
     model directory."""
     from pathlib import Path
 
-    from dapo_megatron.trainer.run_checkpoint import checkpoint_root, latest_checkpoint
 
     path = Path(checkpoint)
     if checkpoint_root(path).is_dir():  # a run directory

@@ -38,10 +38,21 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+from dapo_megatron.actor.offload import trainer_memory_gb
 from dapo_megatron.config import Config
 from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.dataplane.driver_decides import driver_decides
 from dapo_megatron.dataplane.roles import RankRoles
+from dapo_megatron.quant.engine_checkpoint import fp8_converter, fp8_rollout_dir
+from dapo_megatron.transfer import engine_release as engine_memory
+from dapo_megatron.transfer.colocated_sync import ColocatedTransfer, assign_engine_slots, trainer_device
+from dapo_megatron.transfer.stage_export import (
+    actor_exporter,
+    covers_layout,
+    gather_manifests,
+    weights_for_driver,
+)
+from dapo_megatron.weights.export import bucketize
 
 
 class Placement(Protocol):
@@ -74,32 +85,24 @@ class _EngineSide:
         driver_decides(on_engines)
 
     def release(self, tags: list[str]) -> None:
-        from dapo_megatron.transfer import engine_release as engine_memory
-
         todo = [t for t in tags if t not in self.released]
         if todo:
             self.run(engine_memory.release, todo)
             self.released.update(todo)
 
     def resume(self, tags: list[str]) -> None:
-        from dapo_megatron.transfer import engine_release as engine_memory
-
         todo = [t for t in tags if t in self.released]
         if todo:
             self.run(engine_memory.resume, todo)
             self.released.difference_update(todo)
 
     def resident_gb(self) -> float:
-        from dapo_megatron.transfer import engine_release as engine_memory
-
         return self.driver.run(
             engine_memory.resident_gb(self.driver.pool.weight_targets(), released=self.released))
 
 
 def _ledger(phase: str, actor, ref, engines: _EngineSide) -> dict[str, float]:
     """Collective: the trainer's side (actor/offload.py) and, on the driver, the engines' side."""
-    from dapo_megatron.actor.offload import trainer_memory_gb
-
     out = trainer_memory_gb(phase=phase, actor=actor, ref=ref)
     if engines.driver is not None:
         out[f"memory/engine_gb_during_{phase}"] = engines.resident_gb()
@@ -130,13 +133,6 @@ class DisaggregatedPlacement:
     def transfer_weights(self, actor, *, step: int) -> dict[str, float]:
         """Collective: every rank takes part in its stage's export; the driver sends to the engines
         (as weight version "step_<step>": the weights after `step` updates)."""
-        from dapo_megatron.transfer.stage_export import (
-            actor_exporter,
-            covers_layout,
-            gather_manifests,
-            weights_for_driver,
-        )
-
         if not covers_layout(actor.layout):
             return self._transfer_through_every_rank(actor, step=step)
         exporter = actor_exporter(actor, bucket_bytes=self.bucket_bytes)
@@ -150,8 +146,6 @@ class DisaggregatedPlacement:
     def _transfer_through_every_rank(self, actor, *, step: int) -> dict[str, float]:
         """Expert-parallel layouts (stage_export.covers_layout): every rank walks iter_hf_weights in
         step (experts gathered over EP, stages broadcast over PP) and the driver sends its buckets."""
-        from dapo_megatron.weights.export import bucketize
-
         named = actor.iter_hf_weights()
         if self.roles.driver:
             return self.driver.push_weights(bucketize(named, self.bucket_bytes), step=step)
@@ -166,7 +160,6 @@ class ColocatedPlacement:
     def __init__(self, cfg: Config, *, roles: RankRoles, driver=None) -> None:
         import torch.distributed as dist
 
-        from dapo_megatron.transfer.colocated_sync import ColocatedTransfer, assign_engine_slots, trainer_device
 
         if roles.driver and driver is None:
             raise ValueError("ColocatedPlacement: the driver rank needs its Driver (engine pool)")
@@ -186,8 +179,6 @@ class ColocatedPlacement:
                                           verify=cfg.rollout.verify_weight_sync)
         self.fp8 = None  # rollout.quantization=fp8: every rank converts what it hands its engine (quant/engine_checkpoint.py)
         if cfg.rollout.quantization == "fp8":
-            from dapo_megatron.quant.engine_checkpoint import fp8_converter, fp8_rollout_dir
-
             self.fp8 = fp8_converter(fp8_rollout_dir(cfg.trainer.output_dir))
 
     def before_rollout(self, actor) -> None:

@@ -44,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from dapo_megatron.dataplane.driver_decides import driver_decides
+from dapo_megatron.rollout.pool import NoLiveEngine
+from dapo_megatron.rollout.registry import engine_events_path, read_engine_events
 
 
 class Verdict(Enum):
@@ -77,14 +79,10 @@ class EngineFaults:
 
     def is_engine_loss(self, err: BaseException) -> bool:
         """An EngineError that lost the last engine (engines that answer: a real error, raised)."""
-        from dapo_megatron.rollout.pool import NoLiveEngine
-
         return not self.pool.live_urls() or isinstance(err, NoLiveEngine)
 
     def launcher_gave_up(self) -> list[dict]:
         """The launcher's engines that exited with the restart budget spent, when that is all of them."""
-        from dapo_megatron.rollout.registry import engine_events_path, read_engine_events
-
         if not self.local_engines:
             return []
         events = read_engine_events(engine_events_path(self.run_dir))

@@ -31,6 +31,10 @@ from typing import Any
 
 from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.dataplane.driver_decides import driver_decides
+from dapo_megatron.trainer.write_failure import CheckpointWriteError, remove_partial, write_failure_message
+from dapo_megatron.transfer.stage_export import actor_exporter, covers_layout
+from dapo_megatron.transfer.stage_save import save_hf_by_stage
+from dapo_megatron.weights import save_hf_checkpoint
 
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
@@ -274,18 +278,12 @@ def _save_hf(cfg, actor, roles, out_dir: Path) -> None:
     """Collective: the HF checkpoint written by the pipeline stages (transfer/stage_save.py), or, for
     expert-parallel layouts the stage export does not cover yet, streamed to the driver through
     iter_hf_weights (every rank walks it in step)."""
-    from dapo_megatron.transfer.stage_export import actor_exporter, covers_layout
-
     if covers_layout(actor.layout):
-        from dapo_megatron.transfer.stage_save import save_hf_by_stage
-
         save_hf_by_stage(actor_exporter(actor, bucket_bytes=cfg.rollout.weight_bucket_mb << 20), actor.hf_config,
                          out_dir, copy_from=cfg.model.path)
         return
     named = actor.iter_hf_weights()
     if roles.driver:
-        from dapo_megatron.weights import save_hf_checkpoint
-
         save_hf_checkpoint(named, actor.hf_config, out_dir, copy_from=cfg.model.path)
     else:
         for _ in named:
@@ -297,7 +295,6 @@ def save_step(cfg, actor, driver, roles, *, state: TrainerState) -> None:
     stage; the driver's state_dict into `state`), then the driver renames it into place."""
     import torch.distributed as dist
 
-    from dapo_megatron.trainer.write_failure import CheckpointWriteError, remove_partial, write_failure_message
 
     final = step_dir(cfg.trainer.output_dir, state.step)
     tmp = final.with_name(final.name + ".tmp")

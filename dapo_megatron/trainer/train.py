@@ -1,15 +1,6 @@
-"""The DAPO training loop (docs/architecture.md, "One training step").
-
-    dapo-megatron train configs/runs/tiny_cpu.yaml                      # CPU engines + actor, this machine
-    dapo-megatron train configs/runs/tiny_cpu.yaml trainer.total_steps=5 --resume
-    srun ... torchrun ... -m dapo_megatron.cli train CONFIG --resume    # slurm/train.sbatch (RANK is set)
-
-Run by hand, `train` is the launcher (launch/local.py): it prepares the model, starts the CPU rollout
-engines and the actor ranks under torchrun, and stops all of them on exit, error or Ctrl-C. Under
-torchrun/srun (RANK set) it is one rank of the loop below. What each rank does is named by its
-roles (dataplane/roles.py): the driver (global rank 0) talks to the engines and builds the batch;
-every rank trains on its data-parallel share; trainer/placement.py says what moves between phases.
-"""
+"""One rank of the DAPO training loop (docs/architecture.md, "One training step"): `dapo-megatron train`
+under torchrun/srun runs run_worker_recorded (launch/commands.py, whose TRAIN_HELP is the command's
+--help: how the command starts the launcher or a rank)."""
 
 from __future__ import annotations
 
@@ -19,20 +10,28 @@ from typing import Any
 
 import torch
 
+from dapo_megatron.actor import parallel
+from dapo_megatron.actor.actor import Actor
+from dapo_megatron.actor.ref_policy import ReferencePolicy
 from dapo_megatron.algo import ADVANTAGES
 from dapo_megatron.config import Config
 from dapo_megatron.dataplane.batch import RolloutBatch
 from dapo_megatron.dataplane.layout import ParallelLayout
 from dapo_megatron.dataplane.roles import RankRoles
+from dapo_megatron.dataplane.scatter import scatter_batch
+from dapo_megatron.dataplane.step_metrics import old_logprob_metrics
 from dapo_megatron.trainer import console
 from dapo_megatron.trainer.checkpointer import Checkpointer
+from dapo_megatron.trainer.driver import Driver
 from dapo_megatron.trainer.eval_report import headline_avg
 from dapo_megatron.trainer.evaluator import Evaluator
 from dapo_megatron.trainer.nonfinite import NonFiniteGuard
+from dapo_megatron.trainer.placement import make_placement
 from dapo_megatron.trainer.preemption import PreemptionSignal
 from dapo_megatron.trainer.recovery import EnginesLost, FaultPolicy
 from dapo_megatron.trainer.run_checkpoint import TrainerState
 from dapo_megatron.trainer.run_log import MetricsLogger
+from dapo_megatron.trainer.settings import actor_settings
 from dapo_megatron.trainer.step_record import StepRecord
 
 
@@ -103,8 +102,6 @@ def with_group_advantages(groups: list[list], *, eps: float, estimator: str = "g
 
 def scatter(batch: RolloutBatch | None, actor, *, sequences_per_mini_batch: int):
     """Each data-parallel rank's token-balanced share of the driver's batch (dataplane/scatter.py)."""
-    from dapo_megatron.dataplane.scatter import scatter_batch
-
     share, _ = scatter_batch(batch, layout=actor.layout, settings=actor.pack_settings,
                              sequences_per_mini_batch=sequences_per_mini_batch)
     return share
@@ -113,8 +110,6 @@ def scatter(batch: RolloutBatch | None, actor, *, sequences_per_mini_batch: int)
 def old_logprobs(share, actor, ref, *, reports: bool) -> dict[str, float]:
     """pi_old (and pi_ref with the KL penalty) into the share's batch; their metrics: entropy,
     trainer/engine mismatch and, for MoE models, routing agreement with the engine."""
-    from dapo_megatron.dataplane.step_metrics import old_logprob_metrics
-
     old = actor.logprobs(share)
     share.batch.old_logprobs = old.logprobs
     if ref is not None:
@@ -126,7 +121,6 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
     """One rank of the run: the components below each decide their own timing, so the loop reads as
     the algorithm's outer loop."""
     console.quiet_backend_warnings()  # before megatron-core is imported (trainer/console.py: which, and why)
-    from dapo_megatron.actor import parallel
 
     parallel.init_distributed()
     tr = cfg.trainer
@@ -177,12 +171,6 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
 def build_run(cfg: Config, layout: ParallelLayout) -> Run:
     """Every rank's actor (and KL reference), the driver on global rank 0, the placement and the fault
     policy, in this rank's parallel layout (model_parallel's)."""
-    from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.actor.ref_policy import ReferencePolicy
-    from dapo_megatron.trainer.driver import Driver
-    from dapo_megatron.trainer.placement import make_placement
-    from dapo_megatron.trainer.settings import actor_settings
-
     roles = RankRoles.current(layout)
     actor = Actor(actor_settings(cfg), cfg.model.path, layout)
     ref = ReferencePolicy(actor_settings(cfg), cfg.model.path, layout) if cfg.algorithm.use_kl else None  # frozen, off-device when idle

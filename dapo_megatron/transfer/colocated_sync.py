@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from dapo_megatron.actor.parallel import launch_env
 from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.dataplane.driver_decides import driver_decides
 from dapo_megatron.rollout.client import EngineError
@@ -62,8 +63,6 @@ class EngineSlot:
 
 def trainer_device() -> tuple[str, int]:
     """(node, local device index) of this process: the GPU it drives, or its local rank on the CPU twin."""
-    from dapo_megatron.actor.parallel import launch_env
-
     if torch.cuda.is_available():
         recorded = coll.rank_device()  # the GPU set at start-up, whatever thread asks (collectives.py)
         device = recorded.index if recorded is not None else torch.cuda.current_device()

@@ -22,12 +22,6 @@ PACKAGES = {"dapo_megatron": REPO / "dapo_megatron", "dapo_kernels": REPO / "ker
 
 # issue 35 item 5: at most 40 own imports inside functions in the whole package.
 MAX_OWN_IMPORTS_IN_FUNCTIONS = 40
-# Files other branches of issue 35 rewrite at the same time (the driver's trainer/ and colocated sync,
-# the layout's actor/ and config.py): their function-level own imports are moved to the top by the
-# lead after the merge. Until then they are counted apart, so this test still catches a new one
-# anywhere else. Remove this allowance then.
-PENDING_PREFIXES = ("dapo_megatron/actor/", "dapo_megatron/trainer/", "dapo_megatron/config.py",
-                    "dapo_megatron/transfer/colocated_sync.py")
 
 
 def _test_module_imports(tests_root: Path) -> list[str]:
@@ -91,10 +85,9 @@ def test_the_rule_sees_an_import_of_a_test_module(tmp_path):
 
 def test_own_imports_inside_functions_stay_within_budget():
     found = own_imports_in_functions()
-    counted = {f: lines for f, lines in found.items() if not f.startswith(PENDING_PREFIXES)}
-    total = sum(map(len, counted.values()))
+    total = sum(map(len, found.values()))
     listing = "\n".join(f"{len(lines):3d} {f}: lines {lines}" for f, lines in
-                        sorted(counted.items(), key=lambda kv: -len(kv[1])))
+                        sorted(found.items(), key=lambda kv: -len(kv[1])))
     assert total <= MAX_OWN_IMPORTS_IN_FUNCTIONS, (
         f"{total} imports of dapo_megatron/dapo_kernels inside functions (at most {MAX_OWN_IMPORTS_IN_FUNCTIONS}): "
         f"import them at the top of the file; where that module pulls a heavy package at import time, make "
