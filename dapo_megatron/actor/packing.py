@@ -6,7 +6,8 @@ trains on and how they are grouped into micro-batches: the driver plans the whol
 the same list of Samples to every rank, which then plans and keeps its share without talking.
 `pack_batch_micro_batch` builds one micro-batch from a tensor RolloutBatch with tensor ops only
 (no per-token Python object); `pack_micro_batch` is the same layout from Samples. Megatron's
-schedules need the same number of micro-batches on every DP rank, so the plan gives every rank exactly `num_micro_batches` of them (a rank with fewer samples than that
+schedules need the same number of micro-batches on every DP rank, so the plan gives every rank exactly
+`num_micro_batches` of them (a rank with fewer samples than that
 gets empty micro-batches: padding only, loss mask 0).
 
 Layout of one packed micro-batch (two samples, prompt p / response r, then a padding tail):

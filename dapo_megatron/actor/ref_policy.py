@@ -7,7 +7,8 @@ A frozen Actor (actor.py, frozen=True): the same model chunks, layout and log-pr
 trained actor, so its log-probs equal those of a full Actor built from the same checkpoint bit for
 bit, but no DDP wrapper (no contiguous param/grad buffers, no main_grad) and no optimizer; it only
 runs under torch.no_grad, so no gradient is ever made (its parameters keep requires_grad=True
-because ATen's matmul chooses its kernel by that flag: see Actor.__init__). A second full Actor cost the weights again plus an fp32 grad buffer and fp32
+because ATen's matmul chooses its kernel by that flag: see Actor.__init__). A second full Actor cost the weights again
+plus an fp32 grad buffer and fp32
 Adam state (about 10 GB per GPU at 32B on the naive-GRPO rung, issue 11). Between calls its
 parameters live in a host backup taken once (the weights never change, so later offloads only free
 the device storage); slime and verl likewise keep the reference off the GPU outside its forward.

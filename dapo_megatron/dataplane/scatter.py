@@ -1,6 +1,7 @@
 """Send each data-parallel rank its share of the step, as tensors of exact sizes.
 
-    share, stats = scatter_batch(batch if roles.driver else None, layout=layout, settings=..., sequences_per_mini_batch=...)
+    share, stats = scatter_batch(batch if roles.driver else None, layout=layout, settings=...,
+                                 sequences_per_mini_batch=...)
 
 Collective over the world. Two levels, so that no rank receives more than its own share:
   1. the driver (global rank 0, holding the whole RolloutBatch) plans every DP rank's share

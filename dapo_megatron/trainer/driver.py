@@ -3,7 +3,8 @@ engine side of the weight transfer. Every other rank only runs the actor (traine
 
     driver = Driver(cfg, model_dir=..., run_dir=...)
     groups, stats = driver.rollout()           # dynamic sampling: generated, scored (+ overlong shaping) groups
-    verdict, result = driver.try_phase(driver.rollout, ...)   # or what to do when every engine was lost (trainer/recovery.py)
+    verdict, result = driver.try_phase(driver.rollout, ...)   # or what to do when every engine was lost
+                                                              # (trainer/recovery.py)
     stats = driver.push_weights(buckets, step=3)   # the actor's export buckets (trainer/placement.py) -> every engine
     scores = driver.evaluate()                 # every eval set: metrics, and <run_dir>/evals/step_N.json
 """

@@ -22,11 +22,13 @@ request order, the same samples as an uninterrupted run. No engine back in time 
 restart budget spent): EnginesLost on every rank, with the driver's message naming the engine and its
 error; trainer/train.py checkpoints the last completed step and stops.
 
-The only engine dying during an evaluation: the same wait and re-sync (the same path, _with_resync), then the eval once more with the
+The only engine dying during an evaluation: the same wait and re-sync (the same path, _with_resync), then the eval
+once more with the
 same prompts and seeds; if no engine comes back it is recorded as missed and training goes on (the
 completed step is kept: the next rollout checkpoints it before stopping, if it comes to that).
 
-An engine dying during a weight sync (transfer/engine_push.py): the sync fails at its bucket (weight_sync.py checks every engine
+An engine dying during a weight sync (transfer/engine_push.py): the sync fails at its bucket (weight_sync.py checks
+every engine
 is reachable before a bucket's broadcast), the dead engine is dropped, the rest of the export is still
 consumed on the driver (the other ranks run its collectives), and every rank runs another export pass
 (the driver decides after each pass whether): the survivors got part of the new weights and take

@@ -7,7 +7,8 @@
     dapo-megatron plot RUN_DIR [--out FILE.png]      # the PNG of a finished or running run
 
 Metric names are "group/name" (wandb groups panels by the prefix). The console shows the fixed
-columns of console.STEP_COLUMNS (a table that fits 120 characters); every key goes to the JSONL and wandb. On resume from step k,
+columns of console.STEP_COLUMNS (a table that fits 120 characters); every key goes to the JSONL and wandb. On resume
+from step k,
 `MetricsLogger(..., resume_step=k)` drops the JSONL lines of steps after k (written after the last
 checkpoint) so the file reads as if the run had never stopped.
 """

@@ -8,7 +8,8 @@ Phases (trainer/driver.py, rollout/async_rollout.py): "generate" (the engines' w
 sampler's collect, from its first request to its last reply), "wait" (the trainer blocked on a batch
 that is still generating; staleness >= 1 only), "train" (driver rank from the batch in hand to the
 weight push: scatter, log-probs, updates), "sync" (the weight push), "paused" (generation paused
-around a push), "eval" (the held-out evaluation between two steps, labelled with the next step). Those are time.time() of the driver process, the one that talks to the engines.
+around a push), "eval" (the held-out evaluation between two steps, labelled with the next step). Those are time.time()
+of the driver process, the one that talks to the engines.
 "engine" is stamped by the engines themselves: the union of the spans in which they worked on the
 batch's requests (request_received_ts .. + e2e_latency of every reply, rollout/sampler.py:
 engine_span), in their epoch clock (the same host's on one machine; NTP-synchronised across nodes).

@@ -263,5 +263,6 @@ async def _compare(clients, bucket) -> str:
             want = tensor.detach().to(torch.float64).reshape(got.shape)
             if not torch.equal(got, want):
                 diff = (got - want).abs().max().item()
-                return f"weight sync verify: engine {c.url} holds '{name}' differing from the trainer's by up to {diff:.3g}"
+                return (f"weight sync verify: engine {c.url} holds '{name}' differing from the trainer's "
+                        f"by up to {diff:.3g}")
     return ""
