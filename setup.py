@@ -9,5 +9,5 @@ __init__.py, under the name it is imported by.
 from setuptools import find_packages, setup
 
 packages = find_packages(include=["dapo_megatron", "dapo_megatron.*"])
-packages += ["dapo_kernels" + name[len("kernels"):] for name in find_packages(include=["kernels", "kernels.*"])]
+packages += ["dapo_kernels" + name[len("kernels") :] for name in find_packages(include=["kernels", "kernels.*"])]
 setup(packages=packages)

@@ -27,7 +27,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("dapo_megatron.launch.commands", "train", "run DAPO training from a config"),
     "eval": ("dapo_megatron.launch.commands", "evaluate", "avg@k / pass@k of a checkpoint on the eval set"),
     "config": ("dapo_megatron.config", "main", "show the resolved config (`config show FILE [k=v ...]`)"),
-    "plan": ("dapo_megatron.memplan.report", "main", "per-GPU memory of every phase of a step; exit 1 if it does not fit"),
+    "plan": (
+        "dapo_megatron.memplan.report",
+        "main",
+        "per-GPU memory of every phase of a step; exit 1 if it does not fit",
+    ),
     "convert": ("dapo_megatron.tools.convert", "main", "convert checkpoints: hf-to-mcore | mcore-to-hf"),
     "check-parity": ("dapo_megatron.tools.parity", "main", "Megatron vs transformers log-prob parity"),
     "bench": ("dapo_megatron.benchmarks.run", "main", "benchmarks: " + " | ".join(BENCHES)),

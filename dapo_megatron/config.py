@@ -241,7 +241,9 @@ class SlurmConfig:
     container_mounts: str = ""  # src:dst[:flags],... as pyxis takes them
     engine_container_image: str = ""
     engine_container_mounts: str = ""
-    gpu_memory_gb: float = 80.0  # memory of one GPU in GiB (H100 80GB); `dapo-megatron plan` checks every phase against it
+    gpu_memory_gb: float = (
+        80.0  # memory of one GPU in GiB (H100 80GB); `dapo-megatron plan` checks every phase against it
+    )
 
 
 @dataclass
@@ -371,9 +373,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
-            raise ValueError(
-                f"unknown config key '{prefix}{key}'{hint} (allowed in {where}: {', '.join(fields)})"
-            )
+            raise ValueError(f"unknown config key '{prefix}{key}'{hint} (allowed in {where}: {', '.join(fields)})")
     kwargs = {}
     for name, value in raw.items():
         kwargs[name] = _coerce(hints[name], value, f"{prefix}{name}")
@@ -452,46 +452,96 @@ def validate(cfg: Config) -> None:
     _require(r.weight_bucket_mb >= 1, "rollout.weight_bucket_mb", r.weight_bucket_mb, "must be >= 1")
     _require(r.request_timeout_s > 0, "rollout.request_timeout_s", r.request_timeout_s, "must be > 0")
     _require(r.max_retries >= 0, "rollout.max_retries", r.max_retries, "must be >= 0")
-    _require(isinstance(r.engine_restarts, int) and r.engine_restarts >= 0, "rollout.engine_restarts",
-             r.engine_restarts, "an integer >= 0 (restarts of exited CPU engines per run; 0 = none)")
-    _require(r.engine_wait_s >= 0, "rollout.engine_wait_s", r.engine_wait_s,
-             "must be >= 0 (seconds to wait for an engine when none is left; 0 = stop at once)")
+    _require(
+        isinstance(r.engine_restarts, int) and r.engine_restarts >= 0,
+        "rollout.engine_restarts",
+        r.engine_restarts,
+        "an integer >= 0 (restarts of exited CPU engines per run; 0 = none)",
+    )
+    _require(
+        r.engine_wait_s >= 0,
+        "rollout.engine_wait_s",
+        r.engine_wait_s,
+        "must be >= 0 (seconds to wait for an engine when none is left; 0 = stop at once)",
+    )
     _require(r.max_staleness >= 0, "rollout.max_staleness", r.max_staleness, "0 (synchronous) or >= 1")
-    _require(r.max_staleness == 0 or r.placement == "disaggregated", "rollout.max_staleness", r.max_staleness,
-             f"0 with rollout.placement={r.placement!r}: colocated engines share the trainer's GPUs, so generation "
-             "cannot overlap training (set rollout.placement=disaggregated)")
-    _require(r.max_staleness == 0 or cfg.algorithm.tis_cap is not None, "rollout.max_staleness", r.max_staleness,
-             "0 unless algorithm.tis_cap is set: off-policy samples need the truncated behaviour-policy weight "
-             "(docs/architecture.md, 'Overlapped steps')")
+    _require(
+        r.max_staleness == 0 or r.placement == "disaggregated",
+        "rollout.max_staleness",
+        r.max_staleness,
+        f"0 with rollout.placement={r.placement!r}: colocated engines share the trainer's GPUs, so generation "
+        "cannot overlap training (set rollout.placement=disaggregated)",
+    )
+    _require(
+        r.max_staleness == 0 or cfg.algorithm.tis_cap is not None,
+        "rollout.max_staleness",
+        r.max_staleness,
+        "0 unless algorithm.tis_cap is set: off-policy samples need the truncated behaviour-policy weight "
+        "(docs/architecture.md, 'Overlapped steps')",
+    )
     _require(r.quantization in ("none", "fp8"), "rollout.quantization", r.quantization, "one of: none, fp8")
-    _require(not cfg.actor.quantization_aware or r.quantization == "fp8", "actor.quantization_aware",
-             cfg.actor.quantization_aware, f"true only with rollout.quantization=fp8 (it is {r.quantization!r}): the "
-             "trainer's forward reproduces the FP8 engines' weights, and these engines hold none")
-    _require(not cfg.actor.quantization_aware or cfg.actor.attention_backend == "torch", "actor.quantization_aware",
-             cfg.actor.quantization_aware, f"true only with actor.attention_backend=torch (it is "
-             f"{cfg.actor.attention_backend!r}): TE's fused LayerNorm + Linear hides the normalized input that the "
-             "engines quantize to FP8 (docs/fp8.md)")
-    _require(r.cpu_engine_device in ("cpu", "cuda"), "rollout.cpu_engine_device", r.cpu_engine_device,
-             "cpu or cuda (CPU engine i holds its model on GPU i)")
+    _require(
+        not cfg.actor.quantization_aware or r.quantization == "fp8",
+        "actor.quantization_aware",
+        cfg.actor.quantization_aware,
+        f"true only with rollout.quantization=fp8 (it is {r.quantization!r}): the "
+        "trainer's forward reproduces the FP8 engines' weights, and these engines hold none",
+    )
+    _require(
+        not cfg.actor.quantization_aware or cfg.actor.attention_backend == "torch",
+        "actor.quantization_aware",
+        cfg.actor.quantization_aware,
+        f"true only with actor.attention_backend=torch (it is "
+        f"{cfg.actor.attention_backend!r}): TE's fused LayerNorm + Linear hides the normalized input that the "
+        "engines quantize to FP8 (docs/fp8.md)",
+    )
+    _require(
+        r.cpu_engine_device in ("cpu", "cuda"),
+        "rollout.cpu_engine_device",
+        r.cpu_engine_device,
+        "cpu or cuda (CPU engine i holds its model on GPU i)",
+    )
     for key, cores in (("rollout.cpu_engine_cores", r.cpu_engine_cores), ("actor.cpu_cores", cfg.actor.cpu_cores)):
-        _require(all(c >= 0 for c in cores) and len(set(cores)) == len(cores), key, cores,
-                 "distinct CPU core numbers >= 0 ([] = no pinning)")
+        _require(
+            all(c >= 0 for c in cores) and len(set(cores)) == len(cores),
+            key,
+            cores,
+            "distinct CPU core numbers >= 0 ([] = no pinning)",
+        )
     for url in r.engine_urls:
         _require(url.startswith(("http://", "https://")), "rollout.engine_urls", url, "URLs start with http://")
     _validate_engine_keys(r)
 
     _require(0 <= a.eps_low < 1, "algorithm.eps_low", a.eps_low, "must be in [0, 1)")
     _require(a.eps_high >= 0, "algorithm.eps_high", a.eps_high, "must be >= 0")
-    _require(a.clip_ratio_c is None or a.clip_ratio_c > 1, "algorithm.clip_ratio_c", a.clip_ratio_c,
-             "null (off) or > 1 (it bounds -A * ratio for A < 0; 3.0 default, 10.0 in the 32B recipe)")
-    _require(not a.dynamic_sampling or r.n >= 2, "rollout.n", r.n,
-             "dynamic sampling needs n >= 2 (a group of one is always all-correct or all-wrong)")
-    _require(a.max_num_gen_batches >= 0, "algorithm.max_num_gen_batches", a.max_num_gen_batches, "0 = unlimited, else >= 1")
-    _require(a.overlong_buffer_length >= 0, "algorithm.overlong_buffer_length", a.overlong_buffer_length, "must be >= 0")
+    _require(
+        a.clip_ratio_c is None or a.clip_ratio_c > 1,
+        "algorithm.clip_ratio_c",
+        a.clip_ratio_c,
+        "null (off) or > 1 (it bounds -A * ratio for A < 0; 3.0 default, 10.0 in the 32B recipe)",
+    )
+    _require(
+        not a.dynamic_sampling or r.n >= 2,
+        "rollout.n",
+        r.n,
+        "dynamic sampling needs n >= 2 (a group of one is always all-correct or all-wrong)",
+    )
+    _require(
+        a.max_num_gen_batches >= 0, "algorithm.max_num_gen_batches", a.max_num_gen_batches, "0 = unlimited, else >= 1"
+    )
+    _require(
+        a.overlong_buffer_length >= 0, "algorithm.overlong_buffer_length", a.overlong_buffer_length, "must be >= 0"
+    )
     if a.overlong_shaping:
-        _require(a.overlong_buffer_length < r.max_response_length, "algorithm.overlong_buffer_length",
-                 a.overlong_buffer_length, f"must be < rollout.max_response_length ({r.max_response_length})")
-    _require(a.overlong_penalty_factor >= 0, "algorithm.overlong_penalty_factor", a.overlong_penalty_factor, "must be >= 0")
+        _require(
+            a.overlong_buffer_length < r.max_response_length,
+            "algorithm.overlong_buffer_length",
+            a.overlong_buffer_length,
+            f"must be < rollout.max_response_length ({r.max_response_length})",
+        )
+    _require(
+        a.overlong_penalty_factor >= 0, "algorithm.overlong_penalty_factor", a.overlong_penalty_factor, "must be >= 0"
+    )
     _require(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
     _require(a.tis_cap is None or a.tis_cap >= 1, "algorithm.tis_cap", a.tis_cap, "null (off) or >= 1")
     _require(a.advantage_eps > 0, "algorithm.advantage_eps", a.advantage_eps, "must be > 0")
@@ -509,19 +559,31 @@ def validate(cfg: Config) -> None:
     longest = r.max_prompt_length + r.max_response_length
     seq_multiple = 2 * ac.cp if ac.cp > 1 else 1
     longest_padded = -(-longest // seq_multiple) * seq_multiple
-    _require(ac.micro_batch_tokens >= longest_padded, "actor.micro_batch_tokens",
-             ac.micro_batch_tokens, f"must hold one full sequence: >= rollout.max_prompt_length + "
-             f"rollout.max_response_length ({longest})"
-             + (f", padded to a multiple of 2*actor.cp = {seq_multiple} ({longest_padded})" if ac.cp > 1 else ""))
+    _require(
+        ac.micro_batch_tokens >= longest_padded,
+        "actor.micro_batch_tokens",
+        ac.micro_batch_tokens,
+        f"must hold one full sequence: >= rollout.max_prompt_length + "
+        f"rollout.max_response_length ({longest})"
+        + (f", padded to a multiple of 2*actor.cp = {seq_multiple} ({longest_padded})" if ac.cp > 1 else ""),
+    )
     model_parallel = ac.tp * ac.pp * ac.cp
-    _require(ac.world_size % model_parallel == 0, "actor.world_size", ac.world_size,
-             f"must be a multiple of tp*pp*cp = {model_parallel}")
+    _require(
+        ac.world_size % model_parallel == 0,
+        "actor.world_size",
+        ac.world_size,
+        f"must be a multiple of tp*pp*cp = {model_parallel}",
+    )
     _validate_experts(cfg)
 
     _require(t.train_batch_size >= 1, "trainer.train_batch_size", t.train_batch_size, "must be >= 1")
     _require(t.mini_batch_size >= 1, "trainer.mini_batch_size", t.mini_batch_size, "must be >= 1")
-    _require(t.train_batch_size % t.mini_batch_size == 0, "trainer.mini_batch_size", t.mini_batch_size,
-             f"must divide trainer.train_batch_size ({t.train_batch_size})")
+    _require(
+        t.train_batch_size % t.mini_batch_size == 0,
+        "trainer.mini_batch_size",
+        t.mini_batch_size,
+        f"must divide trainer.train_batch_size ({t.train_batch_size})",
+    )
     _require(t.lr > 0, "trainer.lr", t.lr, "must be > 0")
     _require(0 <= t.min_lr <= t.lr, "trainer.min_lr", t.min_lr, f"must be in [0, trainer.lr = {t.lr}]")
     for key in ("warmup_steps", "total_steps", "eval_every", "save_every", "keep_checkpoints"):
@@ -535,10 +597,13 @@ def validate(cfg: Config) -> None:
     _require(t.eval_temperature > 0, "trainer.eval_temperature", t.eval_temperature, "must be > 0")
     _require(0 < t.eval_top_p <= 1, "trainer.eval_top_p", t.eval_top_p, "must be in (0, 1]")
     # (with trainer.eval_every=0 there is no eval, hence no best, and the option does nothing)
-    _require(not t.keep_best_checkpoint or t.eval_every == 0 or (t.save_every > 0 and t.eval_every % t.save_every == 0),
-             "trainer.keep_best_checkpoint", t.keep_best_checkpoint,
-             f"needs a checkpoint at every eval: trainer.save_every ({t.save_every}) must divide trainer.eval_every "
-             f"({t.eval_every})")
+    _require(
+        not t.keep_best_checkpoint or t.eval_every == 0 or (t.save_every > 0 and t.eval_every % t.save_every == 0),
+        "trainer.keep_best_checkpoint",
+        t.keep_best_checkpoint,
+        f"needs a checkpoint at every eval: trainer.save_every ({t.save_every}) must divide trainer.eval_every "
+        f"({t.eval_every})",
+    )
     _require(t.max_nonfinite_in_row >= 1, "trainer.max_nonfinite_in_row", t.max_nonfinite_in_row, "must be >= 1")
     _require(bool(t.output_dir), "trainer.output_dir", t.output_dir, "must be a directory path")
 
@@ -556,21 +621,42 @@ def validate(cfg: Config) -> None:
         val = getattr(s, key)
         _require(val == "" or re.fullmatch(pattern, val) is not None, f"slurm.{key}", val, allowed)
     for i, opt in enumerate(s.extra_sbatch):
-        _require(opt.startswith("-") and not any(c in opt for c in "\n\r\0"), f"slurm.extra_sbatch[{i}]", opt,
-                 "one sbatch option per item, starting with '-' and without line breaks")
+        _require(
+            opt.startswith("-") and not any(c in opt for c in "\n\r\0"),
+            f"slurm.extra_sbatch[{i}]",
+            opt,
+            "one sbatch option per item, starting with '-' and without line breaks",
+        )
     for key in ("setup", "engine_setup"):
         for i, line in enumerate(getattr(s, key)):
             _require(not any(c in line for c in "\n\r\0"), f"slurm.{key}[{i}]", line, "one shell line per item")
-    for key in ("python", "engine_python", "container_image", "container_mounts", "engine_container_image",
-                "engine_container_mounts"):
+    for key in (
+        "python",
+        "engine_python",
+        "container_image",
+        "container_mounts",
+        "engine_container_image",
+        "engine_container_mounts",
+    ):
         val = getattr(s, key)
-        _require(not any(c in val for c in "\n\r\0") and val == val.strip(), f"slurm.{key}", val,
-                 "one value without line breaks or surrounding spaces")
-    _require(not (s.container_mounts and not s.container_image), "slurm.container_mounts", s.container_mounts,
-             "needs slurm.container_image (pyxis mounts into a container)")
-    _require(not (s.engine_container_mounts and not (s.engine_container_image or s.container_image)),
-             "slurm.engine_container_mounts", s.engine_container_mounts,
-             "needs slurm.engine_container_image or slurm.container_image")
+        _require(
+            not any(c in val for c in "\n\r\0") and val == val.strip(),
+            f"slurm.{key}",
+            val,
+            "one value without line breaks or surrounding spaces",
+        )
+    _require(
+        not (s.container_mounts and not s.container_image),
+        "slurm.container_mounts",
+        s.container_mounts,
+        "needs slurm.container_image (pyxis mounts into a container)",
+    )
+    _require(
+        not (s.engine_container_mounts and not (s.engine_container_image or s.container_image)),
+        "slurm.engine_container_mounts",
+        s.engine_container_mounts,
+        "needs slurm.engine_container_image or slurm.container_image",
+    )
 
 
 _SLURM_SYNTAX = (  # (key, regex, message)
@@ -581,8 +667,11 @@ _SLURM_SYNTAX = (  # (key, regex, message)
     ("mem", r"[0-9]+[KMGT]?", "a size like 0 (all), 500G or 64000M"),
     # a colon or a dash is required: YAML 1.1 reads an unquoted 48:00:00 as the number 172800, which
     # Slurm would take as minutes
-    ("time", r"[0-9]+-[0-9]+(:[0-9]+){0,2}|[0-9]+(:[0-9]+){1,2}|UNLIMITED|INFINITE",
-     "a Slurm time like \"48:00:00\" or \"2-00:00:00\" (quote it in YAML: unquoted 48:00:00 reads as a number)"),
+    (
+        "time",
+        r"[0-9]+-[0-9]+(:[0-9]+){0,2}|[0-9]+(:[0-9]+){1,2}|UNLIMITED|INFINITE",
+        'a Slurm time like "48:00:00" or "2-00:00:00" (quote it in YAML: unquoted 48:00:00 reads as a number)',
+    ),
 )
 
 
@@ -590,13 +679,25 @@ def _validate_engine_keys(r: RolloutConfig) -> None:
     """Where the keys of user-started engines come from (read at start-up by rollout/auth.py)."""
     for kind in ("api_key", "admin_api_key"):
         env, path = getattr(r, f"engine_{kind}_env"), getattr(r, f"engine_{kind}_file")
-        _require(not (env and path), f"rollout.engine_{kind}_env", env,
-                 f"set rollout.engine_{kind}_env or rollout.engine_{kind}_file, not both")
-        _require(not env or env.isidentifier(), f"rollout.engine_{kind}_env", env,
-                 "the NAME of an environment variable that holds the key (e.g. SGLANG_API_KEY), never the key itself")
-        _require(not (env or path) or bool(r.engine_urls), f"rollout.engine_{kind}_{'env' if env else 'file'}", env or path,
-                 "only with rollout.engine_urls: engines the run starts itself get the run's own secret "
-                 "(<run_dir>/secrets/engine_auth.yaml)")
+        _require(
+            not (env and path),
+            f"rollout.engine_{kind}_env",
+            env,
+            f"set rollout.engine_{kind}_env or rollout.engine_{kind}_file, not both",
+        )
+        _require(
+            not env or env.isidentifier(),
+            f"rollout.engine_{kind}_env",
+            env,
+            "the NAME of an environment variable that holds the key (e.g. SGLANG_API_KEY), never the key itself",
+        )
+        _require(
+            not (env or path) or bool(r.engine_urls),
+            f"rollout.engine_{kind}_{'env' if env else 'file'}",
+            env or path,
+            "only with rollout.engine_urls: engines the run starts itself get the run's own secret "
+            "(<run_dir>/secrets/engine_auth.yaml)",
+        )
 
 
 def _validate_experts(cfg: Config) -> None:
@@ -607,25 +708,45 @@ def _validate_experts(cfg: Config) -> None:
     _require(ac.etp is None or ac.etp >= 1, "actor.etp", ac.etp, "null (= actor.tp) or >= 1")
     etp = ac.tp if ac.etp is None else ac.etp
     expert_parallel = etp * ac.ep * ac.pp
-    _require(ac.world_size % expert_parallel == 0, "actor.world_size", ac.world_size,
-             f"must be a multiple of etp*ep*pp = {etp}*{ac.ep}*{ac.pp} = {expert_parallel} "
-             "(actor.etp, actor.ep, actor.pp: every pipeline stage holds etp x ep expert shards)")
-    _require(not ac.routing_replay or r.return_routed_experts, "actor.routing_replay", ac.routing_replay,
-             "needs rollout.return_routed_experts=true (the engines must say which experts they used)")
-    _require(not (ac.routing_replay and ac.recompute == "full" and ac.pp > 1), "actor.routing_replay",
-             ac.routing_replay, "with actor.recompute=full needs actor.pp=1: the recomputed forward of a "
-             "pipelined schedule would replay another micro-batch's experts")
+    _require(
+        ac.world_size % expert_parallel == 0,
+        "actor.world_size",
+        ac.world_size,
+        f"must be a multiple of etp*ep*pp = {etp}*{ac.ep}*{ac.pp} = {expert_parallel} "
+        "(actor.etp, actor.ep, actor.pp: every pipeline stage holds etp x ep expert shards)",
+    )
+    _require(
+        not ac.routing_replay or r.return_routed_experts,
+        "actor.routing_replay",
+        ac.routing_replay,
+        "needs rollout.return_routed_experts=true (the engines must say which experts they used)",
+    )
+    _require(
+        not (ac.routing_replay and ac.recompute == "full" and ac.pp > 1),
+        "actor.routing_replay",
+        ac.routing_replay,
+        "with actor.recompute=full needs actor.pp=1: the recomputed forward of a "
+        "pipelined schedule would replay another micro-batch's experts",
+    )
 
 
 def _validate_eval_sets(cfg: Config) -> None:
     """data.eval_sets: names that can sit in a metric name (eval/<name>/avg@k), one file each (whether
     each file exists and its rows are sound is checked where it is read: data/prompts.py load_prompts)."""
     d = cfg.data
-    _require(not (d.eval_sets and d.eval_path), "data.eval_path", d.eval_path,
-             "empty when data.eval_sets is set (name the file as one of the sets instead)")
+    _require(
+        not (d.eval_sets and d.eval_path),
+        "data.eval_path",
+        d.eval_path,
+        "empty when data.eval_sets is set (name the file as one of the sets instead)",
+    )
     for name, path in d.eval_sets.items():
-        _require(re.fullmatch(r"[A-Za-z0-9_.-]+", name) is not None, f"data.eval_sets.{name}", path,
-                 "set names are letters, digits, _ . - (they become metric names: eval/<name>/avg@k)")
+        _require(
+            re.fullmatch(r"[A-Za-z0-9_.-]+", name) is not None,
+            f"data.eval_sets.{name}",
+            path,
+            "set names are letters, digits, _ . - (they become metric names: eval/<name>/avg@k)",
+        )
         _require(bool(path.strip()), f"data.eval_sets.{name}", path, "must name a prompt file (parquet or jsonl)")
 
 
@@ -635,25 +756,52 @@ def _validate_tiny(cfg: Config) -> None:
         return
     # model.path may be set: `train` builds the tiny model, then hands its directory to the actor ranks
     # as model.path (with tiny.enabled still true)
-    _require(not cfg.data.train_path, "data.train_path", cfg.data.train_path,
-             "leave it empty with tiny.enabled=true (the tiny model warm-starts on the synthetic task)")
-    for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-                "warm_start_batch_size"):
+    _require(
+        not cfg.data.train_path,
+        "data.train_path",
+        cfg.data.train_path,
+        "leave it empty with tiny.enabled=true (the tiny model warm-starts on the synthetic task)",
+    )
+    for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "warm_start_batch_size"):
         _require(getattr(tn, key) >= 1, f"tiny.{key}", getattr(tn, key), "must be >= 1")
-    _require(tn.hidden_size % tn.num_heads == 0, "tiny.hidden_size", tn.hidden_size,
-             f"must be a multiple of tiny.num_heads ({tn.num_heads})")
-    _require(tn.num_heads % tn.num_kv_heads == 0, "tiny.num_heads", tn.num_heads,
-             f"must be a multiple of tiny.num_kv_heads ({tn.num_kv_heads})")
-    _require(tn.num_kv_heads % cfg.actor.tp == 0, "tiny.num_kv_heads", tn.num_kv_heads,
-             f"must be a multiple of actor.tp ({cfg.actor.tp}): tensor parallelism splits the KV heads")
+    _require(
+        tn.hidden_size % tn.num_heads == 0,
+        "tiny.hidden_size",
+        tn.hidden_size,
+        f"must be a multiple of tiny.num_heads ({tn.num_heads})",
+    )
+    _require(
+        tn.num_heads % tn.num_kv_heads == 0,
+        "tiny.num_heads",
+        tn.num_heads,
+        f"must be a multiple of tiny.num_kv_heads ({tn.num_kv_heads})",
+    )
+    _require(
+        tn.num_kv_heads % cfg.actor.tp == 0,
+        "tiny.num_kv_heads",
+        tn.num_kv_heads,
+        f"must be a multiple of actor.tp ({cfg.actor.tp}): tensor parallelism splits the KV heads",
+    )
     if tn.arch == "qwen3_moe":
-        _require(tn.num_experts >= 1 and tn.num_experts % cfg.actor.ep == 0, "tiny.num_experts", tn.num_experts,
-                 f"must be a positive multiple of actor.ep ({cfg.actor.ep})")
-        _require(1 <= tn.num_experts_per_tok <= tn.num_experts, "tiny.num_experts_per_tok", tn.num_experts_per_tok,
-                 f"must be in [1, tiny.num_experts={tn.num_experts}]")
+        _require(
+            tn.num_experts >= 1 and tn.num_experts % cfg.actor.ep == 0,
+            "tiny.num_experts",
+            tn.num_experts,
+            f"must be a positive multiple of actor.ep ({cfg.actor.ep})",
+        )
+        _require(
+            1 <= tn.num_experts_per_tok <= tn.num_experts,
+            "tiny.num_experts_per_tok",
+            tn.num_experts_per_tok,
+            f"must be in [1, tiny.num_experts={tn.num_experts}]",
+        )
         etp = cfg.actor.tp if cfg.actor.etp is None else cfg.actor.etp
-        _require(tn.moe_intermediate_size >= 1 and tn.moe_intermediate_size % etp == 0, "tiny.moe_intermediate_size",
-                 tn.moe_intermediate_size, f"must be a positive multiple of the expert tensor parallel size ({etp})")
+        _require(
+            tn.moe_intermediate_size >= 1 and tn.moe_intermediate_size % etp == 0,
+            "tiny.moe_intermediate_size",
+            tn.moe_intermediate_size,
+            f"must be a positive multiple of the expert tensor parallel size ({etp})",
+        )
     _require(tn.warm_start_steps >= 0, "tiny.warm_start_steps", tn.warm_start_steps, "must be >= 0")
     _require(tn.warm_start_lr > 0, "tiny.warm_start_lr", tn.warm_start_lr, "must be > 0")
     _require(0 <= tn.label_smoothing < 1, "tiny.label_smoothing", tn.label_smoothing, "must be in [0, 1)")
@@ -663,23 +811,47 @@ def _validate_policy_loss(cfg: Config) -> None:
     """What each algorithm.policy_loss needs of the other keys (algo/policy_loss.py, algo/gspo.py)."""
     a, name = cfg.algorithm, cfg.algorithm.policy_loss
     if name == "grpo":
-        _require(a.eps_high == a.eps_low, "algorithm.eps_high", a.eps_high,
-                 f"equal to algorithm.eps_low ({a.eps_low}) with algorithm.policy_loss=grpo: naive GRPO clips "
-                 "symmetrically (clip-higher is algorithm.policy_loss=dapo)")
+        _require(
+            a.eps_high == a.eps_low,
+            "algorithm.eps_high",
+            a.eps_high,
+            f"equal to algorithm.eps_low ({a.eps_low}) with algorithm.policy_loss=grpo: naive GRPO clips "
+            "symmetrically (clip-higher is algorithm.policy_loss=dapo)",
+        )
     if name in ("grpo", "gspo"):
-        _require(a.loss_agg_mode == "seq-mean-token-mean", "algorithm.loss_agg_mode", a.loss_agg_mode,
-                 f"seq-mean-token-mean with algorithm.policy_loss={name}: its loss is a mean over sequences")
+        _require(
+            a.loss_agg_mode == "seq-mean-token-mean",
+            "algorithm.loss_agg_mode",
+            a.loss_agg_mode,
+            f"seq-mean-token-mean with algorithm.policy_loss={name}: its loss is a mean over sequences",
+        )
     if name == "gspo":
-        _require(a.clip_ratio_c is None, "algorithm.clip_ratio_c", a.clip_ratio_c,
-                 "null with algorithm.policy_loss=gspo (GSPO has no dual clip)")
-        _require(a.tis_cap is None, "algorithm.tis_cap", a.tis_cap,
-                 "null with algorithm.policy_loss=gspo (the truncated importance weight is per token; GSPO's "
-                 "ratio is per sequence)")
-        _require(cfg.actor.cp == 1, "actor.cp", cfg.actor.cp,
-                 "1 with algorithm.policy_loss=gspo (its ratio averages a sequence's tokens, which context "
-                 "parallelism splits over ranks)")
-        _require(not cfg.actor.fused_policy_loss, "actor.fused_policy_loss", cfg.actor.fused_policy_loss,
-                 "false with algorithm.policy_loss=gspo (the fused kernel computes the token-level losses dapo and grpo)")
+        _require(
+            a.clip_ratio_c is None,
+            "algorithm.clip_ratio_c",
+            a.clip_ratio_c,
+            "null with algorithm.policy_loss=gspo (GSPO has no dual clip)",
+        )
+        _require(
+            a.tis_cap is None,
+            "algorithm.tis_cap",
+            a.tis_cap,
+            "null with algorithm.policy_loss=gspo (the truncated importance weight is per token; GSPO's "
+            "ratio is per sequence)",
+        )
+        _require(
+            cfg.actor.cp == 1,
+            "actor.cp",
+            cfg.actor.cp,
+            "1 with algorithm.policy_loss=gspo (its ratio averages a sequence's tokens, which context "
+            "parallelism splits over ranks)",
+        )
+        _require(
+            not cfg.actor.fused_policy_loss,
+            "actor.fused_policy_loss",
+            cfg.actor.fused_policy_loss,
+            "false with algorithm.policy_loss=gspo (the fused kernel computes the token-level losses dapo and grpo)",
+        )
 
 
 # --------------------------------------------------------------------------------------------

@@ -48,12 +48,16 @@ def autotune_every_config() -> bool:
 def why_not_runnable(device_type: str) -> str | None:
     """None when the fused kernels run on `device_type` tensors in this process, else the reason."""
     if INTERPRET and device_type != "cpu":
-        return (f"TRITON_INTERPRET=1 is set, so the kernels run in the Triton interpreter, which needs CPU "
-                f"tensors; got {device_type} tensors")
+        return (
+            f"TRITON_INTERPRET=1 is set, so the kernels run in the Triton interpreter, which needs CPU "
+            f"tensors; got {device_type} tensors"
+        )
     if not INTERPRET and device_type != "cuda":
-        return (f"the fused Triton kernels need CUDA tensors (got {device_type}); on CPU they run only in the "
-                "Triton interpreter: set TRITON_INTERPRET=1 in the environment before the process starts "
-                "(slow: tiny models and tests)")
+        return (
+            f"the fused Triton kernels need CUDA tensors (got {device_type}); on CPU they run only in the "
+            "Triton interpreter: set TRITON_INTERPRET=1 in the environment before the process starts "
+            "(slow: tiny models and tests)"
+        )
     return None
 
 
@@ -64,8 +68,10 @@ def require_runnable(*tensors: torch.Tensor, op: str) -> None:
         raise ValueError(f"{op}: all tensors must be on one device; got {sorted(devices)}")
     device = devices.pop()
     if INTERPRET and device != "cpu":
-        raise RuntimeError(f"{op}: TRITON_INTERPRET=1 is set, so the kernels run in the Triton "
-                           f"interpreter, which needs CPU tensors; got {device} tensors")
+        raise RuntimeError(
+            f"{op}: TRITON_INTERPRET=1 is set, so the kernels run in the Triton "
+            f"interpreter, which needs CPU tensors; got {device} tensors"
+        )
     if not INTERPRET and device != "cuda":
         raise RuntimeError(
             f"{op}: the fused Triton kernel needs CUDA tensors (got {device}). Use the plain-torch "

@@ -20,8 +20,12 @@ def split_columns(pid_s, V, num_splits, BLOCK_V: tl.constexpr):
 def empty_stats(BLOCK_N: tl.constexpr):
     """(m, s, t, zt) of rows that have seen no logit yet: m = -inf, the sums 0."""
     m = tl.full([BLOCK_N], float("-inf"), dtype=tl.float32)
-    return m, tl.zeros([BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32), \
-        tl.zeros([BLOCK_N], dtype=tl.float32)
+    return (
+        m,
+        tl.zeros([BLOCK_N], dtype=tl.float32),
+        tl.zeros([BLOCK_N], dtype=tl.float32),
+        tl.zeros([BLOCK_N], dtype=tl.float32),
+    )
 
 
 @triton.jit
@@ -55,8 +59,22 @@ def online_update(m, s, t, zt, z, cols, col_ok, tgt):
 
 
 @triton.jit
-def dz_tile(z, rows, row_ok, cols, col_ok, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr, gent_ptr,
-            inv_temp, col0, HAS_ENT: tl.constexpr):
+def dz_tile(
+    z,
+    rows,
+    row_ok,
+    cols,
+    col_ok,
+    tgt_ptr,
+    max_ptr,
+    logs_ptr,
+    meanc_ptr,
+    glp_ptr,
+    gent_ptr,
+    inv_temp,
+    col0,
+    HAS_ENT: tl.constexpr,
+):
     """dL/dlogits of a tile of scaled logits z, with p = exp((z - m) - log s):
         dL/dz_k = (g_lp (1[k = target] - p_k) + g_ent p_k (E_p[z] - z_k)) / T.
     cols count from the block's first vocab row; col0 is that row's index in the shard (targets are)."""

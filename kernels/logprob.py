@@ -77,9 +77,22 @@ _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _logits_tile(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_hn, stride_wv,
-                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                 CAST_F32: tl.constexpr, IEEE: tl.constexpr):
+def _logits_tile(
+    h_ptr,
+    w_ptr,
+    rows,
+    row_ok,
+    cols,
+    col_ok,
+    H,
+    stride_hn,
+    stride_wv,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """fp32 [BLOCK_N, BLOCK_V] tile of hidden[rows] @ weight[cols].T (row strides given, k stride 1)."""
     acc = tl.zeros([BLOCK_N, BLOCK_V], dtype=tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
@@ -101,9 +114,25 @@ def _logits_tile(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_hn, stride_
 
 
 @triton.jit
-def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, stats_ptr, N, V, H, stride_hn, stride_wv, num_splits, inv_temp,
-                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
-                CAST_F32: tl.constexpr, IEEE: tl.constexpr):
+def _fwd_kernel(
+    h_ptr,
+    w_ptr,
+    tgt_ptr,
+    stats_ptr,
+    N,
+    V,
+    H,
+    stride_hn,
+    stride_wv,
+    num_splits,
+    inv_temp,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_N: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     # Grouped launch order: GROUP_N consecutive row blocks x all splits run side by side.
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -121,17 +150,55 @@ def _fwd_kernel(h_ptr, w_ptr, tgt_ptr, stats_ptr, N, V, H, stride_hn, stride_wv,
     for v0 in range(v_begin, v_end, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         col_ok = cols < v_end
-        z = _logits_tile(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_hn, stride_wv,
-                         BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE) * inv_temp
+        z = (
+            _logits_tile(
+                h_ptr,
+                w_ptr,
+                rows,
+                row_ok,
+                cols,
+                col_ok,
+                H,
+                stride_hn,
+                stride_wv,
+                BLOCK_N,
+                BLOCK_V,
+                BLOCK_K,
+                CAST_F32,
+                IEEE,
+            )
+            * inv_temp
+        )
         m, s, t, zt = online_update(m, s, t, zt, z, cols, col_ok, tgt)
     store_stats(stats_ptr, pid_s, N, rows, row_ok, m, s, t, zt)
 
 
 @triton.jit
-def _dlogits_kernel(h_ptr, w_ptr, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr, gent_ptr, dz_ptr,
-                    N, V, H, stride_hn, stride_wv, stride_dzn, inv_temp, col0,
-                    HAS_ENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                    BLOCK_K: tl.constexpr, CAST_F32: tl.constexpr, IEEE: tl.constexpr):
+def _dlogits_kernel(
+    h_ptr,
+    w_ptr,
+    tgt_ptr,
+    max_ptr,
+    logs_ptr,
+    meanc_ptr,
+    glp_ptr,
+    gent_ptr,
+    dz_ptr,
+    N,
+    V,
+    H,
+    stride_hn,
+    stride_wv,
+    stride_dzn,
+    inv_temp,
+    col0,
+    HAS_ENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     # Row blocks vary fastest: programs in flight share one weight tile (read once from HBM) and
     # the chunk's hidden rows stay in L2.
     pid = tl.program_id(0)
@@ -142,10 +209,15 @@ def _dlogits_kernel(h_ptr, w_ptr, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr
     row_ok = rows < N
     cols = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     col_ok = cols < V
-    z = _logits_tile(h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_hn, stride_wv,
-                     BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE) * inv_temp
-    dz = dz_tile(z, rows, row_ok, cols, col_ok, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr, gent_ptr,
-                 inv_temp, col0, HAS_ENT)
+    z = (
+        _logits_tile(
+            h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_hn, stride_wv, BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE
+        )
+        * inv_temp
+    )
+    dz = dz_tile(
+        z, rows, row_ok, cols, col_ok, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr, gent_ptr, inv_temp, col0, HAS_ENT
+    )
     out = dz_ptr + rows.to(tl.int64)[:, None] * stride_dzn + cols[None, :]
     tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -178,10 +250,10 @@ if INTERPRET:
     _dlogits = _dlogits_kernel
 else:  # pragma: no cover - compiled path, exercised by tests/gpu
     _every = autotune_every_config()
-    _fwd = triton.autotune(configs=_hopper_configs(True, every=_every),
-                           key=["V", "H", "CAST_F32", "IEEE"])(_fwd_kernel)
-    _dlogits = triton.autotune(configs=_hopper_configs(False, every=_every),
-                               key=["V", "H", "HAS_ENT", "IEEE"])(_dlogits_kernel)
+    _fwd = triton.autotune(configs=_hopper_configs(True, every=_every), key=["V", "H", "CAST_F32", "IEEE"])(_fwd_kernel)
+    _dlogits = triton.autotune(configs=_hopper_configs(False, every=_every), key=["V", "H", "HAS_ENT", "IEEE"])(
+        _dlogits_kernel
+    )
 
 
 def _launch_meta(extra: dict, *, n: int, v: int, h: int) -> dict:
@@ -223,8 +295,21 @@ def _forward_stats(hidden, weight, targets_local, inv_temp: float, logits: str =
     flags = {"CAST_F32": cast_dot_inputs_to_fp32(hidden.dtype), "IEEE": hidden.dtype == torch.float32}
     meta = _launch_meta({"GROUP_N": 2}, n=n, v=v, h=h)
     grid = lambda META: (triton.cdiv(n, META["BLOCK_N"]) * splits,)  # noqa: E731
-    _fwd[grid](hidden, weight, targets_local, stats, n, v, h, hidden.stride(0), weight.stride(0), splits,
-               inv_temp, **flags, **meta)
+    _fwd[grid](
+        hidden,
+        weight,
+        targets_local,
+        stats,
+        n,
+        v,
+        h,
+        hidden.stride(0),
+        weight.stride(0),
+        splits,
+        inv_temp,
+        **flags,
+        **meta,
+    )
     return merge_stats(stats)
 
 
@@ -242,8 +327,11 @@ _OUT_DTYPE_MM = True  # torch.mm/addmm(..., out_dtype=float32) on CUDA (torch >=
 def _out_dtype_mm_failed(err: Exception) -> None:
     global _OUT_DTYPE_MM
     _OUT_DTYPE_MM = False
-    warnings.warn(f"torch.mm(out_dtype=float32) is unavailable ({err}); falling back to 16-bit products "
-                  "added in fp32 (one extra rounding per chunk)", stacklevel=3)
+    warnings.warn(
+        f"torch.mm(out_dtype=float32) is unavailable ({err}); falling back to 16-bit products "
+        "added in fp32 (one extra rounding per chunk)",
+        stacklevel=3,
+    )
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -279,7 +367,7 @@ def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
                 _out_dtype_mm_failed(err)
         rows = max(1, (64 << 20) // (acc.shape[1] * a.element_size()))  # 16-bit temporaries <= 64 MiB
         for r0 in range(0, acc.shape[0], rows):
-            acc[r0:r0 + rows].add_(a[r0:r0 + rows] @ b)
+            acc[r0 : r0 + rows].add_(a[r0 : r0 + rows] @ b)
 
 
 def _chunk_rows(n: int, v: int, element_size: int) -> int:
@@ -292,6 +380,7 @@ def _chunk_rows(n: int, v: int, element_size: int) -> int:
 class _BackwardJob:
     """What both backward schedules need: inputs, saved per-token stats, upstream grads, outputs
     (grad_h [N, H] or None; grad_w = the real rows of the weight gradient, [V, H], or None)."""
+
     hidden: torch.Tensor
     weight: torch.Tensor
     targets_local: torch.Tensor
@@ -316,26 +405,56 @@ class _BackwardJob:
             return
         if self.logits == "cublas":
             assert self.scratch is not None  # allocated with the cuBLAS path (_backward_blocked)
-            logprob_cublas.dlogits_into(dz, _packed(self.scratch, rows, cols), self.hidden[r0:r1], self.weight[v0:v1],
-                                        self.targets_local[r0:r1], self.big_m[r0:r1], self.log_s[r0:r1],
-                                        self.mean_c[r0:r1], self.g_lp[r0:r1], self.g_ent[r0:r1], has_ent=self.has_ent,
-                                        inv_temp=self.inv_temp, col0=v0)
+            logprob_cublas.dlogits_into(
+                dz,
+                _packed(self.scratch, rows, cols),
+                self.hidden[r0:r1],
+                self.weight[v0:v1],
+                self.targets_local[r0:r1],
+                self.big_m[r0:r1],
+                self.log_s[r0:r1],
+                self.mean_c[r0:r1],
+                self.g_lp[r0:r1],
+                self.g_ent[r0:r1],
+                has_ent=self.has_ent,
+                inv_temp=self.inv_temp,
+                col0=v0,
+            )
             return
         flags = {"CAST_F32": cast_dot_inputs_to_fp32(self.hidden.dtype), "IEEE": self.hidden.dtype == torch.float32}
         meta = _launch_meta({}, n=rows, v=cols, h=h)
 
         def grid(META):
             return (triton.cdiv(rows, META["BLOCK_N"]) * triton.cdiv(cols, META["BLOCK_V"]),)
-        _dlogits[grid](self.hidden[r0:r1], self.weight[v0:v1], self.targets_local[r0:r1], self.big_m[r0:r1],
-                       self.log_s[r0:r1], self.mean_c[r0:r1], self.g_lp[r0:r1], self.g_ent[r0:r1], dz, rows, cols, h,
-                       self.hidden.stride(0), self.weight.stride(0), dz.stride(0), self.inv_temp, v0,
-                       HAS_ENT=self.has_ent, **flags, **meta)
+
+        _dlogits[grid](
+            self.hidden[r0:r1],
+            self.weight[v0:v1],
+            self.targets_local[r0:r1],
+            self.big_m[r0:r1],
+            self.log_s[r0:r1],
+            self.mean_c[r0:r1],
+            self.g_lp[r0:r1],
+            self.g_ent[r0:r1],
+            dz,
+            rows,
+            cols,
+            h,
+            self.hidden.stride(0),
+            self.weight.stride(0),
+            dz.stride(0),
+            self.inv_temp,
+            v0,
+            HAS_ENT=self.has_ent,
+            **flags,
+            **meta,
+        )
 
 
 def _packed(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """A contiguous [rows, cols] view of the front of buf: a narrower last vocab block stays dense, so
     cuBLAS writes it in place (a row-strided `out` view can make torch stage the GEMM in a temporary)."""
-    return buf.view(-1)[:rows * cols].view(rows, cols)
+    return buf.view(-1)[: rows * cols].view(rows, cols)
 
 
 def _backward_row_chunked(job: _BackwardJob) -> None:
@@ -354,7 +473,7 @@ def _backward_row_chunked(job: _BackwardJob) -> None:
         acc_w = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
     for r0 in range(0, n, chunk):
         r1 = min(n, r0 + chunk)
-        dz = workspace[:r1 - r0]
+        dz = workspace[: r1 - r0]
         job.dlogits(dz, r0, r1, 0, v)
         if job.grad_h is not None:
             if job.tp_group is None:
@@ -375,8 +494,9 @@ def _backward_row_chunked(job: _BackwardJob) -> None:
         job.grad_w.copy_(acc_w)
 
 
-def blocked_plan(n: int, h: int, v: int, element_size: int, *, tp: bool = False,
-                 cublas: bool = False) -> tuple[int, int]:
+def blocked_plan(
+    n: int, h: int, v: int, element_size: int, *, tp: bool = False, cublas: bool = False
+) -> tuple[int, int]:
     """(R, Vc) of the blocked backward: row blocks of R rows x vocab blocks of Vc rows, with
     R * (Vc * element_size + 4H [fp32 grad_hidden rows, when V > Vc or with TP]) <= the workspace
     budget min(BACKWARD_WORKSPACE_BYTES, BLOCKED_BUDGET_PER_NH * N * H). v is the shard's row count
@@ -397,8 +517,9 @@ def blocked_plan(n: int, h: int, v: int, element_size: int, *, tp: bool = False,
     return -(-even // align) * align, cols
 
 
-def blocked_workspace_bytes(n: int, h: int, v: int, element_size: int, *, tp: bool = False,
-                            cublas: bool = False) -> int:
+def blocked_workspace_bytes(
+    n: int, h: int, v: int, element_size: int, *, tp: bool = False, cublas: bool = False
+) -> int:
     """Bytes the blocked backward allocates besides its two outputs: the dL/dlogits block [R, Vc] and,
     with more than one vocab block (or TP), the fp32 grad_hidden rows [R, H]. At most
     max(BACKWARD_WORKSPACE_BYTES, one aligned row block) whatever N is."""
@@ -428,7 +549,7 @@ def _backward_blocked(job: _BackwardJob) -> None:
         r1 = min(n, r0 + rows)
         h_rows = hidden[r0:r1]
         if acc_h is not None:
-            acc_h[:r1 - r0].zero_()
+            acc_h[: r1 - r0].zero_()
         for v0 in range(0, max(v, 1), cols):
             v1 = min(v, v0 + cols)
             dz = _packed(dz_buf, r1 - r0, v1 - v0)
@@ -437,14 +558,14 @@ def _backward_blocked(job: _BackwardJob) -> None:
                 if acc_h is None:  # one vocab block, no TP: K = V, written once
                     torch.mm(dz, weight[v0:v1], out=job.grad_h[r0:r1])
                 else:
-                    _addmm_fp32_(acc_h[:r1 - r0], dz, weight[v0:v1])
+                    _addmm_fp32_(acc_h[: r1 - r0], dz, weight[v0:v1])
             if job.grad_w is not None and v1 > v0:
                 if r0 == 0:
                     torch.mm(dz.t(), h_rows, out=job.grad_w[v0:v1])
                 else:
                     job.grad_w[v0:v1].addmm_(dz.t(), h_rows)
         if acc_h is not None:
-            part = acc_h[:r1 - r0]
+            part = acc_h[: r1 - r0]
             if job.tp_group is not None:
                 dist.all_reduce(part, group=job.tp_group)
             assert job.grad_h is not None  # acc_h exists only for a hidden gradient
@@ -477,7 +598,7 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if (grad_logprob is None and grad_entropy is None) or not (need_h or need_w):
             return None, None, None, None, None, None, None, None, None
-        weight = weight_shard[:ctx.real_rows]  # padding rows: no logits, so no dL/dz and a zero gradient
+        weight = weight_shard[: ctx.real_rows]  # padding rows: no logits, so no dL/dz and a zero gradient
         v = weight.shape[0]
         g_lp = torch.zeros_like(log_s) if grad_logprob is None else grad_logprob.float().contiguous()
         has_ent = grad_entropy is not None
@@ -487,9 +608,23 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         if need_w:
             padded = v < weight_shard.shape[0]
             grad_shard = torch.zeros_like(weight_shard) if padded else torch.empty_like(weight_shard)
-        job = _BackwardJob(hidden, weight, targets_local, big_m, log_s, mean_c, g_lp, g_ent, has_ent,
-                           ctx.inv_temp, ctx.tp_group, grad_h, grad_shard[:v] if need_w else None,
-                           weight_shard.shape[0], ctx.logits)
+        job = _BackwardJob(
+            hidden,
+            weight,
+            targets_local,
+            big_m,
+            log_s,
+            mean_c,
+            g_lp,
+            g_ent,
+            has_ent,
+            ctx.inv_temp,
+            ctx.tp_group,
+            grad_h,
+            grad_shard[:v] if need_w else None,
+            weight_shard.shape[0],
+            ctx.logits,
+        )
         if ctx.backward == "row_chunked":
             _backward_row_chunked(job)
         else:
@@ -536,13 +671,16 @@ def linear_logprob_entropy(
     if logits not in LOGITS:
         raise ValueError(f"logits must be one of {LOGITS}; got {logits!r}")
     if logits == "cublas" and backward != "blocked":
-        raise ValueError("logits='cublas' needs backward='blocked' (the row_chunked schedule has no fp32 logits "
-                         "scratch in its workspace)")
+        raise ValueError(
+            "logits='cublas' needs backward='blocked' (the row_chunked schedule has no fp32 logits "
+            "scratch in its workspace)"
+        )
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=torch.float32) + (hidden.sum() + weight.sum()) * 0
         return empty, (empty.clone() if return_entropy else None)
     hidden = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    logprob, entropy = _LinearLogprobEntropy.apply(hidden, weight, targets, float(temperature), tp_group,
-                                                   bool(return_entropy), vocab_size, backward, logits)
+    logprob, entropy = _LinearLogprobEntropy.apply(
+        hidden, weight, targets, float(temperature), tp_group, bool(return_entropy), vocab_size, backward, logits
+    )
     return logprob, (entropy if return_entropy else None)

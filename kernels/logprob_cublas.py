@@ -35,8 +35,19 @@ ROW_ALIGN = 16 if INTERPRET else 128
 
 
 @triton.jit
-def _stats_epilogue_kernel(z_ptr, tgt_ptr, stats_ptr, N, V, stride_zn, stats_stride, num_splits, inv_temp,
-                           BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+def _stats_epilogue_kernel(
+    z_ptr,
+    tgt_ptr,
+    stats_ptr,
+    N,
+    V,
+    stride_zn,
+    stats_stride,
+    num_splits,
+    inv_temp,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     """Partial (m, s, t, zt) of rows [pid_n * BLOCK_N, ...) over vocab split pid_s of the fp32 logits
     chunk z [N, V]; stats [num_splits, 4, stats_stride] (row r of this chunk at column r)."""
     pid_n = tl.program_id(0)
@@ -56,9 +67,25 @@ def _stats_epilogue_kernel(z_ptr, tgt_ptr, stats_ptr, N, V, stride_zn, stats_str
 
 
 @triton.jit
-def _dlogits_epilogue_kernel(z_ptr, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr, gent_ptr, dz_ptr,
-                             N, V, stride_zn, stride_dzn, inv_temp, col0,
-                             HAS_ENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+def _dlogits_epilogue_kernel(
+    z_ptr,
+    tgt_ptr,
+    max_ptr,
+    logs_ptr,
+    meanc_ptr,
+    glp_ptr,
+    gent_ptr,
+    dz_ptr,
+    N,
+    V,
+    stride_zn,
+    stride_dzn,
+    inv_temp,
+    col0,
+    HAS_ENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     pid_v = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,10 +94,10 @@ def _dlogits_epilogue_kernel(z_ptr, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_p
     col_ok = cols < V
     ok = row_ok[:, None] & col_ok[None, :]
     z = tl.load(z_ptr + rows.to(tl.int64)[:, None] * stride_zn + cols[None, :], mask=ok, other=0.0) * inv_temp
-    dz = dz_tile(z, rows, row_ok, cols, col_ok, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr, gent_ptr,
-                 inv_temp, col0, HAS_ENT)
-    tl.store(dz_ptr + rows.to(tl.int64)[:, None] * stride_dzn + cols[None, :], dz.to(dz_ptr.dtype.element_ty),
-             mask=ok)
+    dz = dz_tile(
+        z, rows, row_ok, cols, col_ok, tgt_ptr, max_ptr, logs_ptr, meanc_ptr, glp_ptr, gent_ptr, inv_temp, col0, HAS_ENT
+    )
+    tl.store(dz_ptr + rows.to(tl.int64)[:, None] * stride_dzn + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=ok)
 
 
 _OUT_DTYPE_ADDMM = True  # torch.addmm(..., out_dtype=float32) on CUDA (torch >= 2.9); probed on first use
@@ -93,8 +120,11 @@ def mm_fp32_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
             raise
         except (TypeError, RuntimeError, NotImplementedError) as err:
             _OUT_DTYPE_ADDMM = False
-            warnings.warn(f"torch.addmm(out_dtype=float32) is unavailable ({err}); logits='cublas' rounds "
-                          "the logits to 16 bits (log-probs off by up to ~2^-9 |z|)", stacklevel=2)
+            warnings.warn(
+                f"torch.addmm(out_dtype=float32) is unavailable ({err}); logits='cublas' rounds "
+                "the logits to 16 bits (log-probs off by up to ~2^-9 |z|)",
+                stacklevel=2,
+            )
     out.copy_(a @ b)
 
 
@@ -104,8 +134,9 @@ def chunk_rows(n: int, h: int, v: int) -> int:
     return min(n, max(ROW_ALIGN, rows // ROW_ALIGN * ROW_ALIGN))
 
 
-def forward_split_stats(hidden: torch.Tensor, weight: torch.Tensor, targets_local: torch.Tensor,
-                        inv_temp: float) -> torch.Tensor:
+def forward_split_stats(
+    hidden: torch.Tensor, weight: torch.Tensor, targets_local: torch.Tensor, inv_temp: float
+) -> torch.Tensor:
     """[splits, 4, N] partial statistics (logprob.merge_stats merges them): per chunk of rows, logits
     = hidden[chunk] @ weight.T in fp32 (cuBLAS), then the stats epilogue."""
     n, h = hidden.shape
@@ -116,21 +147,62 @@ def forward_split_stats(hidden: torch.Tensor, weight: torch.Tensor, targets_loca
     logits = torch.empty((chunk, v), device=hidden.device, dtype=torch.float32)
     for r0 in range(0, n, chunk):
         r1 = min(n, r0 + chunk)
-        z = logits[:r1 - r0]
+        z = logits[: r1 - r0]
         mm_fp32_into(z, hidden[r0:r1], weight.t())
         grid = (triton.cdiv(r1 - r0, EPILOGUE_BLOCK_N), splits)
-        _stats_epilogue_kernel[grid](z, targets_local[r0:r1], stats[:, :, r0:], r1 - r0, v, z.stride(0), n, splits,
-                                     inv_temp, BLOCK_N=EPILOGUE_BLOCK_N, BLOCK_V=EPILOGUE_BLOCK_V)
+        _stats_epilogue_kernel[grid](
+            z,
+            targets_local[r0:r1],
+            stats[:, :, r0:],
+            r1 - r0,
+            v,
+            z.stride(0),
+            n,
+            splits,
+            inv_temp,
+            BLOCK_N=EPILOGUE_BLOCK_N,
+            BLOCK_V=EPILOGUE_BLOCK_V,
+        )
     return stats
 
 
-def dlogits_into(dz: torch.Tensor, logits: torch.Tensor, hidden_rows: torch.Tensor, weight_rows: torch.Tensor,
-                 tgt, big_m, log_s, mean_c, g_lp, g_ent, *, has_ent: bool, inv_temp: float, col0: int) -> None:
+def dlogits_into(
+    dz: torch.Tensor,
+    logits: torch.Tensor,
+    hidden_rows: torch.Tensor,
+    weight_rows: torch.Tensor,
+    tgt,
+    big_m,
+    log_s,
+    mean_c,
+    g_lp,
+    g_ent,
+    *,
+    has_ent: bool,
+    inv_temp: float,
+    col0: int,
+) -> None:
     """dz [R, Vc] = dL/dlogits of hidden_rows @ weight_rows.T (weight_rows = the shard's rows from col0 on;
     tgt: shard-local target ids); logits: an fp32 [R, Vc] scratch."""
     rows, cols = dz.shape
     mm_fp32_into(logits, hidden_rows, weight_rows.t())
     grid = (triton.cdiv(rows, EPILOGUE_BLOCK_N), triton.cdiv(cols, EPILOGUE_BLOCK_V))
-    _dlogits_epilogue_kernel[grid](logits, tgt, big_m, log_s, mean_c, g_lp, g_ent, dz, rows, cols, logits.stride(0),
-                                   dz.stride(0), inv_temp, col0, HAS_ENT=has_ent, BLOCK_N=EPILOGUE_BLOCK_N,
-                                   BLOCK_V=EPILOGUE_BLOCK_V)
+    _dlogits_epilogue_kernel[grid](
+        logits,
+        tgt,
+        big_m,
+        log_s,
+        mean_c,
+        g_lp,
+        g_ent,
+        dz,
+        rows,
+        cols,
+        logits.stride(0),
+        dz.stride(0),
+        inv_temp,
+        col0,
+        HAS_ENT=has_ent,
+        BLOCK_N=EPILOGUE_BLOCK_N,
+        BLOCK_V=EPILOGUE_BLOCK_V,
+    )

@@ -41,10 +41,29 @@ _REDUCE_BLOCK = 64 if INTERPRET else 512
 
 
 @triton.jit
-def _fused_kernel(lp_ptr, old_ptr, adv_ptr, mask_ptr, grad_ptr, part_ptr, T, num_blocks,
-                  eps_low, eps_high, clip_c, inv_denom, adv_cols, counter_ptr, out_ptr, loss_denominator,
-                  HAS_DUAL: tl.constexpr, BLOCK: tl.constexpr, ADV_PER_ROW: tl.constexpr,
-                  ONE_PASS: tl.constexpr, REDUCE_BLOCK: tl.constexpr):
+def _fused_kernel(
+    lp_ptr,
+    old_ptr,
+    adv_ptr,
+    mask_ptr,
+    grad_ptr,
+    part_ptr,
+    T,
+    num_blocks,
+    eps_low,
+    eps_high,
+    clip_c,
+    inv_denom,
+    adv_cols,
+    counter_ptr,
+    out_ptr,
+    loss_denominator,
+    HAS_DUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ADV_PER_ROW: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    REDUCE_BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < T
@@ -110,8 +129,7 @@ def _reduce_kernel(part_ptr, loss_ptr, stats_ptr, num_blocks, loss_denominator, 
 
 
 @triton.jit
-def _finish(part_ptr, loss_ptr, stats_ptr, num_blocks, loss_denominator, BLOCK: tl.constexpr,
-            VOLATILE: tl.constexpr):
+def _finish(part_ptr, loss_ptr, stats_ptr, num_blocks, loss_denominator, BLOCK: tl.constexpr, VOLATILE: tl.constexpr):
     # One program walks the [8, num_blocks] partials in a fixed order (then a fixed tl.sum tree),
     # so reruns are bit-identical, and finishes the statistics here: no extra launches.
     # VOLATILE: partials written by other programs of the same launch (no stale cached lines).
@@ -121,8 +139,9 @@ def _finish(part_ptr, loss_ptr, stats_ptr, num_blocks, loss_denominator, BLOCK: 
     acc_max = tl.zeros([8, BLOCK], dtype=tl.float32)  # ratios are > 0: 0 is a safe identity
     for b0 in range(0, num_blocks, BLOCK):
         ok = b0 + offs < num_blocks
-        x = tl.load(part_ptr + rows[:, None] * num_blocks + b0 + offs[None, :], mask=ok[None, :], other=0.0,
-                    volatile=VOLATILE)
+        x = tl.load(
+            part_ptr + rows[:, None] * num_blocks + b0 + offs[None, :], mask=ok[None, :], other=0.0, volatile=VOLATILE
+        )
         acc_sum += x
         acc_max = tl.maximum(acc_max, x)
     sums = tl.sum(acc_sum, axis=1)
@@ -160,8 +179,9 @@ def _flat_advantages(advantages: torch.Tensor, logprob: torch.Tensor):
 
 class _PolicyLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logprob, old_logprob, advantages, mask, eps_low, eps_high, clip_ratio_c, loss_denominator,
-                one_pass):
+    def forward(
+        ctx, logprob, old_logprob, advantages, mask, eps_low, eps_high, clip_ratio_c, loss_denominator, one_pass
+    ):
         lp_flat = logprob.reshape(-1).contiguous()
         old_flat = old_logprob.reshape(-1).contiguous()
         adv_flat, per_row, adv_cols = _flat_advantages(advantages, logprob)
@@ -172,16 +192,35 @@ class _PolicyLoss(torch.autograd.Function):
         num_blocks = max(1, triton.cdiv(num, _BLOCK))
         grad = torch.empty_like(lp_flat)
         # one allocation: [loss, 7 stats | 8 x num_blocks partials]
-        buf = torch.empty(1 + len(POLICY_LOSS_STAT_KEYS) + _NUM_PARTIALS * num_blocks, device=grad.device,
-                          dtype=torch.float32)
+        buf = torch.empty(
+            1 + len(POLICY_LOSS_STAT_KEYS) + _NUM_PARTIALS * num_blocks, device=grad.device, dtype=torch.float32
+        )
         out, partials = buf[:8], buf[8:]
         has_dual = clip_ratio_c is not None
         counter = _counter(grad.device) if one_pass else buf
-        _fused_kernel[(num_blocks,)](lp_flat, old_flat, adv_flat, mask_flat, grad, partials, num, num_blocks,
-                                    float(eps_low), float(eps_high), float(clip_ratio_c) if has_dual else 0.0,
-                                    1.0 / loss_denominator, adv_cols, counter, out, loss_denominator,
-                                    HAS_DUAL=has_dual, BLOCK=_BLOCK, ADV_PER_ROW=per_row, ONE_PASS=one_pass,
-                                    REDUCE_BLOCK=_REDUCE_BLOCK)
+        _fused_kernel[(num_blocks,)](
+            lp_flat,
+            old_flat,
+            adv_flat,
+            mask_flat,
+            grad,
+            partials,
+            num,
+            num_blocks,
+            float(eps_low),
+            float(eps_high),
+            float(clip_ratio_c) if has_dual else 0.0,
+            1.0 / loss_denominator,
+            adv_cols,
+            counter,
+            out,
+            loss_denominator,
+            HAS_DUAL=has_dual,
+            BLOCK=_BLOCK,
+            ADV_PER_ROW=per_row,
+            ONE_PASS=one_pass,
+            REDUCE_BLOCK=_REDUCE_BLOCK,
+        )
         if not one_pass:  # the first design: a second single-program launch reduces the partials
             _reduce_kernel[(1,)](partials, out, out[1:], num_blocks, loss_denominator, BLOCK=_REDUCE_BLOCK)
         ctx.save_for_backward(grad.view(logprob.shape))
@@ -214,6 +253,7 @@ def policy_loss(
     one_pass=False: the first design (a second launch reduces the partials), kept for the benchmark."""
     check_policy_loss_args(logprob, old_logprob, advantages, mask, eps_low, eps_high, clip_ratio_c, loss_denominator)
     require_runnable(logprob, old_logprob, advantages, mask, op="policy_loss")
-    loss, stats = _PolicyLoss.apply(logprob, old_logprob, advantages, mask, eps_low, eps_high, clip_ratio_c,
-                                    float(loss_denominator), bool(one_pass))
+    loss, stats = _PolicyLoss.apply(
+        logprob, old_logprob, advantages, mask, eps_low, eps_high, clip_ratio_c, float(loss_denominator), bool(one_pass)
+    )
     return loss, dict(zip(POLICY_LOSS_STAT_KEYS, stats.unbind(0)))

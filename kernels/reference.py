@@ -31,7 +31,9 @@ POLICY_LOSS_STAT_KEYS = (
 def check_logprob_args(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float):
     """ValueError for inputs the kernels cannot honour (shared by the fused op and the reference)."""
     if hidden.dim() != 2 or weight.dim() != 2:
-        raise ValueError(f"hidden must be [N, H] and weight [V_local, H]; got {tuple(hidden.shape)} and {tuple(weight.shape)}")
+        raise ValueError(
+            f"hidden must be [N, H] and weight [V_local, H]; got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
     if hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden size mismatch: hidden has H={hidden.shape[1]}, weight has H={weight.shape[1]}")
     if targets.dim() != 1 or targets.shape[0] != hidden.shape[0]:
@@ -58,8 +60,10 @@ def check_vocab_size(vocab_size, vocab_rows: int) -> int:
     if vocab_size is None:
         return vocab_rows
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not 1 <= vocab_size <= vocab_rows:
-        raise ValueError(f"vocab_size must be an int in [1, {vocab_rows}] (the weight's rows over all TP ranks; "
-                         f"the rest is padding); got {vocab_size!r}")
+        raise ValueError(
+            f"vocab_size must be an int in [1, {vocab_rows}] (the weight's rows over all TP ranks; "
+            f"the rest is padding); got {vocab_size!r}"
+        )
     return vocab_size
 
 
@@ -70,8 +74,10 @@ def check_targets_in_vocab(targets: torch.Tensor, vocab_total: int):
         return
     lo, hi = int(targets.min()), int(targets.max())
     if lo < 0 or hi >= vocab_total:
-        raise ValueError(f"targets must be token ids in [0, {vocab_total}); got min {lo}, max {hi} "
-                         "(mask padding positions with the loss mask, not with -100)")
+        raise ValueError(
+            f"targets must be token ids in [0, {vocab_total}); got min {lo}, max {hi} "
+            "(mask padding positions with the loss mask, not with -100)"
+        )
 
 
 class _AllReduceSumGrad(torch.autograd.Function):
@@ -150,8 +156,9 @@ def linear_logprob_entropy_reference(
     target_logit = torch.where(owns, logits_NV.gather(1, local_t.clamp(0, vocab_local - 1)[:, None])[:, 0], 0.0)
     real_rows = max(0, min(vocab_local, vocab_size - vocab_start))
     if real_rows < vocab_local:
-        return _padded_vocab_reference(logits_NV, target_logit, real_rows=real_rows, tp_group=tp_group,
-                                       return_entropy=return_entropy)
+        return _padded_vocab_reference(
+            logits_NV, target_logit, real_rows=real_rows, tp_group=tp_group, return_entropy=return_entropy
+        )
     if tp_group is None:
         lse = torch.logsumexp(logits_NV, dim=1)
         logp_NV = logits_NV - lse[:, None]
@@ -247,8 +254,10 @@ def check_policy_loss_args(logprob, old_logprob, advantages, mask, eps_low, eps_
             if torch.broadcast_shapes(advantages.shape, logprob.shape) != logprob.shape:
                 raise RuntimeError
         except RuntimeError:
-            raise ValueError(f"advantages {tuple(advantages.shape)} must have the shape of logprob "
-                             f"{tuple(logprob.shape)} or broadcast to it (e.g. [B, 1])") from None
+            raise ValueError(
+                f"advantages {tuple(advantages.shape)} must have the shape of logprob "
+                f"{tuple(logprob.shape)} or broadcast to it (e.g. [B, 1])"
+            ) from None
     if not (0.0 <= eps_low < 1.0) or eps_high < 0.0:
         raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0; got eps_low={eps_low}, eps_high={eps_high}")
     if clip_ratio_c is not None and not clip_ratio_c > 1.0:
@@ -281,6 +290,13 @@ def policy_loss_reference(
     )
     loss = (maskf * per_token).sum() / loss_denominator
     with torch.no_grad():
-        stats = policy_loss_stats(log_ratio.detach(), ratio.detach(), adv, maskf, eps_low=eps_low, eps_high=eps_high,
-                                  clip_ratio_c=clip_ratio_c)
+        stats = policy_loss_stats(
+            log_ratio.detach(),
+            ratio.detach(),
+            adv,
+            maskf,
+            eps_low=eps_low,
+            eps_high=eps_high,
+            clip_ratio_c=clip_ratio_c,
+        )
     return loss, stats

@@ -59,8 +59,9 @@ def mount_tmpfs(tmp_path):
     def mount(size: str, skip_reason: str):
         path = tmp_path / f"fs{len(mounts)}"
         path.mkdir()
-        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode:
+        if subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode:
             pytest.skip(skip_reason)
         mounts.append(path)
         return path

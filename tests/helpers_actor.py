@@ -19,14 +19,22 @@ def make_cfg(*, tp=1, pp=1, cp=1, micro_batch_tokens=256, sequence_parallel=Fals
     from dapo_megatron.config import ActorConfig, Config
 
     cfg = Config()
-    cfg.actor = ActorConfig(tp=tp, pp=pp, cp=cp, attention_backend="torch", precision="fp32",
-                            micro_batch_tokens=micro_batch_tokens, use_distributed_optimizer=True,
-                            sequence_parallel=sequence_parallel, fused_logprob=fused, fused_policy_loss=fused)
+    cfg.actor = ActorConfig(
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        attention_backend="torch",
+        precision="fp32",
+        micro_batch_tokens=micro_batch_tokens,
+        use_distributed_optimizer=True,
+        sequence_parallel=sequence_parallel,
+        fused_logprob=fused,
+        fused_policy_loss=fused,
+    )
     cfg.rollout.temperature = 1.0
     for key, value in trainer.items():
         setattr(cfg.trainer, key, value)
     return cfg
-
 
 
 def make_samples(n, *, seed=0, vocab=300):
@@ -39,7 +47,6 @@ def make_samples(n, *, seed=0, vocab=300):
     return out
 
 
-
 def hf_logprobs(hf_dir, samples):
     from transformers import AutoModelForCausalLM
 
@@ -48,8 +55,8 @@ def hf_logprobs(hf_dir, samples):
     with torch.no_grad():
         for s in samples:
             ids = torch.tensor([s.prompt_ids + s.response_ids])
-            logp = torch.log_softmax(model(ids).logits[0].double(), -1)[len(s.prompt_ids) - 1:-1]
-            logps.append(logp.gather(1, ids[0, len(s.prompt_ids):, None])[:, 0].float())
+            logp = torch.log_softmax(model(ids).logits[0].double(), -1)[len(s.prompt_ids) - 1 : -1]
+            logps.append(logp.gather(1, ids[0, len(s.prompt_ids) :, None])[:, 0].float())
             ents.append(-(logp.exp() * logp).sum(-1).float())
     return logps, ents
 
@@ -59,7 +66,6 @@ def hf_logprobs(hf_dir, samples):
 STEP = dict(lr=1e-3, eps=1e-4, weight_decay=0.1, grad_clip=1.0)
 
 
-
 def fill_rl_fields(samples, hf_logps, *, seed=1):
     gen = torch.Generator().manual_seed(seed)
     for i, (s, lp) in enumerate(zip(samples, hf_logps)):
@@ -67,7 +73,6 @@ def fill_rl_fields(samples, hf_logps, *, seed=1):
         s.advantage = [1.5, -1.0, 0.5, -1.5][i % 4]
     samples[1].loss_mask = [1] * (len(samples[1].response_ids) - 1) + [0]
     return samples
-
 
 
 def grads_rank(hf_dir, samples, budget, algo=None, cp=1):
@@ -107,7 +112,6 @@ def grads_rank(hf_dir, samples, budget, algo=None, cp=1):
     return metrics, num_micro, captured
 
 
-
 def hf_seq_mean_step(hf_dir, samples, *, dtype, eps_low, eps_high, clip_ratio_c, tis_cap, kl_coef) -> PolicyStep:
     """The same big-batch step, written out per sequence for seq-mean-token-mean with overlong
     filtering, truncated importance sampling and a k3 KL term (docs/algorithm.md 5 + the GRPO baseline):
@@ -138,9 +142,17 @@ def moe_cfg(*, tp=1, ep=1, etp=None, micro_batch_tokens=64, **trainer):
     from dapo_megatron.config import ActorConfig, Config
 
     cfg = Config()
-    cfg.actor = ActorConfig(tp=tp, ep=ep, etp=etp, attention_backend="torch", precision="fp32",
-                            micro_batch_tokens=micro_batch_tokens, use_distributed_optimizer=True, world_size=2,
-                            sequence_parallel=tp > 1)  # megatron's MoELayer trains TP only with SP
+    cfg.actor = ActorConfig(
+        tp=tp,
+        ep=ep,
+        etp=etp,
+        attention_backend="torch",
+        precision="fp32",
+        micro_batch_tokens=micro_batch_tokens,
+        use_distributed_optimizer=True,
+        world_size=2,
+        sequence_parallel=tp > 1,
+    )  # megatron's MoELayer trains TP only with SP
     cfg.rollout.temperature = 1.0
     for key, value in trainer.items():
         setattr(cfg.trainer, key, value)
@@ -153,7 +165,6 @@ def _storage_bytes(tensors) -> dict[int, int]:
         st = t.untyped_storage()
         out[st.data_ptr()] = st.nbytes()
     return out
-
 
 
 def measure_actor_static(actor) -> dict[str, int]:
@@ -169,8 +180,12 @@ def measure_actor_static(actor) -> dict[str, int]:
         for state in inner.state.values():
             # 'step' is a host scalar on GPUs (torch AdamW, not capturable) or per group (fused Adam)
             adam.update(_storage_bytes(v for k, v in state.items() if k != "step" and torch.is_tensor(v)))
-    return {"weights": sum(params.values()), "grads": sum(grads.values()),
-            "main_params": sum(masters.values()), "adam": sum(adam.values())}
+    return {
+        "weights": sum(params.values()),
+        "grads": sum(grads.values()),
+        "main_params": sum(masters.values()),
+        "adam": sum(adam.values()),
+    }
 
 
 def memplan_samples(n, *, seed=0, vocab=300):

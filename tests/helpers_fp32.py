@@ -26,7 +26,7 @@ import torch
 # the layouts' fp32 sums run in other orders than the transformers reference: measured worst ratio of
 # a layout's error to its bound 0.36 (AMD EPYC, 2026-11-26), so 4 leaves a factor of 10
 SAFETY = 4.0
-U32 = 2.0 ** -24  # fp32 unit roundoff
+U32 = 2.0**-24  # fp32 unit roundoff
 
 
 @dataclass
@@ -52,8 +52,8 @@ def hf_response_logprobs(hf_dir, samples, *, dtype, forward_context=None):
     for s in samples:
         ids = torch.tensor([s.prompt_ids + s.response_ids])
         with forward_context(model, s) if forward_context else contextlib.nullcontext():
-            logp = torch.log_softmax(model(ids).logits[0], -1)[len(s.prompt_ids) - 1:-1]
-        logps.append(logp.gather(1, ids[0, len(s.prompt_ids):, None])[:, 0])
+            logp = torch.log_softmax(model(ids).logits[0], -1)[len(s.prompt_ids) - 1 : -1]
+        logps.append(logp.gather(1, ids[0, len(s.prompt_ids) :, None])[:, 0])
     logp_all = torch.cat(logps)
     logp_all.retain_grad()
     return model, logp_all
@@ -69,17 +69,23 @@ def policy_step_of(model, logp_all: torch.Tensor, loss: torch.Tensor) -> PolicyS
     return PolicyStep(float(loss.detach()), logp_all.detach().double(), logp_all.grad.double(), grads)
 
 
-def hf_policy_step(hf_dir, samples, *, dtype, eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0,
-                   forward_context=None) -> PolicyStep:
+def hf_policy_step(
+    hf_dir, samples, *, dtype, eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0, forward_context=None
+) -> PolicyStep:
     """d/dtheta of sum_all_tokens(mask * l) / sum(mask) on the transformers model, in one batch, in `dtype`."""
     from dapo_megatron.algo.policy_loss import policy_loss
 
     model, logp_all = hf_response_logprobs(hf_dir, samples, dtype=dtype, forward_context=forward_context)
     per_token = lambda values: torch.cat([torch.as_tensor(v, dtype=dtype) for v in values])  # noqa: E731
-    loss, _ = policy_loss(logp_all, per_token(s.old_logprobs for s in samples),
-                          per_token([s.advantage] * len(s.response_ids) for s in samples),
-                          per_token(s.response_mask() for s in samples),
-                          eps_low=eps_low, eps_high=eps_high, clip_ratio_c=clip_ratio_c)
+    loss, _ = policy_loss(
+        logp_all,
+        per_token(s.old_logprobs for s in samples),
+        per_token([s.advantage] * len(s.response_ids) for s in samples),
+        per_token(s.response_mask() for s in samples),
+        eps_low=eps_low,
+        eps_high=eps_high,
+        clip_ratio_c=clip_ratio_c,
+    )
     return policy_step_of(model, logp_all, loss)
 
 
@@ -95,14 +101,18 @@ class StepBounds:
 
     def check_loss(self, got: float, label: str = "") -> float:
         err = abs(got - self.exact.loss)
-        assert err <= self.loss_bound, (f"{label} loss {got!r} is {err:.3e} from the float64 value "
-                                        f"{self.exact.loss!r}; fp32 rounding allows {self.loss_bound:.3e}")
+        assert err <= self.loss_bound, (
+            f"{label} loss {got!r} is {err:.3e} from the float64 value "
+            f"{self.exact.loss!r}; fp32 rounding allows {self.loss_bound:.3e}"
+        )
         return err / self.loss_bound
 
     def check_grad_norm(self, got: float, label: str = "") -> float:
         err = abs(got - self.grad_norm)
-        assert err <= self.grad_norm_bound, (f"{label} grad_norm {got!r} is {err:.3e} from the float64 value "
-                                             f"{self.grad_norm!r}; fp32 rounding allows {self.grad_norm_bound:.3e}")
+        assert err <= self.grad_norm_bound, (
+            f"{label} grad_norm {got!r} is {err:.3e} from the float64 value "
+            f"{self.grad_norm!r}; fp32 rounding allows {self.grad_norm_bound:.3e}"
+        )
         return err / self.grad_norm_bound
 
     def check_grads(self, got: dict[str, torch.Tensor], label: str = "") -> float:
@@ -110,8 +120,10 @@ class StepBounds:
         worst = 0.0
         for name, g in self.exact.grads.items():
             err = float((got[name].double() - g).abs().max())
-            assert err <= self.grad_bounds[name], (f"{label} gradient {name} is {err:.3e} from the float64 "
-                                                   f"gradient; fp32 rounding allows {self.grad_bounds[name]:.3e}")
+            assert err <= self.grad_bounds[name], (
+                f"{label} gradient {name} is {err:.3e} from the float64 "
+                f"gradient; fp32 rounding allows {self.grad_bounds[name]:.3e}"
+            )
             worst = max(worst, err / self.grad_bounds[name])
         return worst
 
@@ -120,8 +132,10 @@ def step_bounds(fp32: PolicyStep, exact: PolicyStep) -> StepBounds:
     logprob_err = float((fp32.logprobs - exact.logprobs).abs().max())
     # first-order propagation of the worst per-token error into the loss, plus the mean's own rounding
     loss_bound = SAFETY * (float(exact.dloss_dlogprobs.abs().sum()) * logprob_err + U32 * abs(exact.loss))
-    grad_bounds = {name: SAFETY * float((fp32.grads[name] - g).abs().max()) + U32 * float(g.abs().max())
-                   for name, g in exact.grads.items()}
+    grad_bounds = {
+        name: SAFETY * float((fp32.grads[name] - g).abs().max()) + U32 * float(g.abs().max())
+        for name, g in exact.grads.items()
+    }
     flat = torch.cat([g.flatten() for g in exact.grads.values()])
     flat32 = torch.cat([fp32.grads[name].flatten() for name in exact.grads])
     norm = float(flat.norm())
@@ -130,12 +144,21 @@ def step_bounds(fp32: PolicyStep, exact: PolicyStep) -> StepBounds:
 
 def reference_step(hf_dir, samples, **step_args) -> StepBounds:
     """The float64 step and the fp32 bounds around it (the transformers model run in both precisions)."""
-    return step_bounds(hf_policy_step(hf_dir, samples, dtype=torch.float32, **step_args),
-                       hf_policy_step(hf_dir, samples, dtype=torch.float64, **step_args))
+    return step_bounds(
+        hf_policy_step(hf_dir, samples, dtype=torch.float32, **step_args),
+        hf_policy_step(hf_dir, samples, dtype=torch.float64, **step_args),
+    )
 
 
-def adam_first_step(weights: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], *, lr: float, eps: float,
-                    weight_decay: float, grad_clip: float) -> dict[str, torch.Tensor]:
+def adam_first_step(
+    weights: dict[str, torch.Tensor],
+    grads: dict[str, torch.Tensor],
+    *,
+    lr: float,
+    eps: float,
+    weight_decay: float,
+    grad_clip: float,
+) -> dict[str, torch.Tensor]:
     """Megatron's first update in float64: clip by the global norm, then AdamW step 1 (bias-corrected
     m = g, v = g^2: w <- w (1 - lr wd) - lr g / (|g| + eps)); weight decay only on matrices (megatron
     gives biases and norms wd_mult 0)."""
@@ -149,8 +172,9 @@ def adam_first_step(weights: dict[str, torch.Tensor], grads: dict[str, torch.Ten
     return out
 
 
-def adam_weight_bounds(bounds: StepBounds, weights: dict[str, torch.Tensor], *, lr: float, eps: float,
-                       grad_clip: float) -> dict[str, torch.Tensor]:
+def adam_weight_bounds(
+    bounds: StepBounds, weights: dict[str, torch.Tensor], *, lr: float, eps: float, grad_clip: float
+) -> dict[str, torch.Tensor]:
     """Per-entry bound on an fp32 layout's updated weights around adam_first_step's: the gradient's
     bound times the update's slope lr * eps / (|g| + eps)^2 (at most lr / eps), including the clip
     factor's own error, plus the rounding of the update's own fp32 arithmetic (worst case, not measured:
@@ -167,16 +191,19 @@ def adam_weight_bounds(bounds: StepBounds, weights: dict[str, torch.Tensor], *, 
     return out
 
 
-def check_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], bound: dict[str, torch.Tensor],
-                  label: str = "") -> float:
+def check_weights(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], bound: dict[str, torch.Tensor], label: str = ""
+) -> float:
     """Every entry within its bound; returns the worst ratio error / bound."""
     assert set(got) == set(want)
     worst = 0.0
     for name, w in want.items():
         err = (got[name].double() - w).abs()
         ratio = float((err / bound[name]).max())
-        assert ratio <= 1.0, (f"{label} weight {name} is {float(err.max()):.3e} from the float64 update "
-                              f"(worst entry {ratio:.2f}x its fp32 bound)")
+        assert ratio <= 1.0, (
+            f"{label} weight {name} is {float(err.max()):.3e} from the float64 update "
+            f"(worst entry {ratio:.2f}x its fp32 bound)"
+        )
         worst = max(worst, ratio)
     return worst
 
@@ -199,10 +226,12 @@ class TokenBounds:
         """Every token within its bound; returns the worst ratio error / bound."""
         lp_err = max(float((a.double() - b).abs().max()) for a, b in zip(logprobs, self.logprobs))
         ent_err = max(float((a.double() - b).abs().max()) for a, b in zip(entropies, self.entropies))
-        assert lp_err <= self.logprob_bound, (f"{label} log-probs {lp_err:.3e} from float64; fp32 rounding "
-                                              f"allows {self.logprob_bound:.3e}")
-        assert ent_err <= self.entropy_bound, (f"{label} entropies {ent_err:.3e} from float64; fp32 rounding "
-                                               f"allows {self.entropy_bound:.3e}")
+        assert lp_err <= self.logprob_bound, (
+            f"{label} log-probs {lp_err:.3e} from float64; fp32 rounding allows {self.logprob_bound:.3e}"
+        )
+        assert ent_err <= self.entropy_bound, (
+            f"{label} entropies {ent_err:.3e} from float64; fp32 rounding allows {self.entropy_bound:.3e}"
+        )
         return max(lp_err / self.logprob_bound, ent_err / self.entropy_bound)
 
 
@@ -215,8 +244,8 @@ def hf_token_logprobs(hf_dir, samples, *, dtype) -> tuple[list[torch.Tensor], li
     with torch.no_grad():
         for s in samples:
             ids = torch.tensor([s.prompt_ids + s.response_ids])
-            logp = torch.log_softmax(model(ids).logits[0], -1)[len(s.prompt_ids) - 1:-1]
-            logps.append(logp.gather(1, ids[0, len(s.prompt_ids):, None])[:, 0].double())
+            logp = torch.log_softmax(model(ids).logits[0], -1)[len(s.prompt_ids) - 1 : -1]
+            logps.append(logp.gather(1, ids[0, len(s.prompt_ids) :, None])[:, 0].double())
             ents.append(-(logp.exp() * logp).sum(-1).double())
     return logps, ents
 

@@ -19,22 +19,45 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # deterministic per step: same prompts, same seeds, same sampled tokens -> same rewards and updates
-EXACT_KEYS = ("reward/mean", "acc/mean", "sampler/acc_all", "sampler/groups_seen", "sampler/groups_kept",
-              "sampler/rounds", "response_length/mean", "actor/num_tokens")
-
+EXACT_KEYS = (
+    "reward/mean",
+    "acc/mean",
+    "sampler/acc_all",
+    "sampler/groups_seen",
+    "sampler/groups_kept",
+    "sampler/rounds",
+    "response_length/mean",
+    "actor/num_tokens",
+)
 
 
 # fp32 values computed by the actor from those tokens (bit-identical on one machine, see test)
-FLOAT_KEYS = ("actor/loss", "actor/grad_norm", "actor/clipfrac_low", "actor/clipfrac_high", "actor/entropy",
-              "actor/approx_kl")
-
+FLOAT_KEYS = (
+    "actor/loss",
+    "actor/grad_norm",
+    "actor/clipfrac_low",
+    "actor/clipfrac_high",
+    "actor/entropy",
+    "actor/approx_kl",
+)
 
 
 def train_tiny(out: Path, cache: Path, *extra: str, log: Path | None = None) -> list[dict]:
-    cmd = [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu.yaml"),
-           f"trainer.output_dir={out}", f"tiny.cache_dir={cache}", "tiny.warm_start_steps=300",
-           "trainer.eval_every=4", "trainer.save_every=2", "trainer.keep_checkpoints=2", "trainer.wandb_mode=disabled",
-           *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dapo_megatron.cli",
+        "train",
+        str(ROOT / "configs/runs/tiny_cpu.yaml"),
+        f"trainer.output_dir={out}",
+        f"tiny.cache_dir={cache}",
+        "tiny.warm_start_steps=300",
+        "trainer.eval_every=4",
+        "trainer.save_every=2",
+        "trainer.keep_checkpoints=2",
+        "trainer.wandb_mode=disabled",
+        *extra,
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -45,11 +68,23 @@ def train_tiny(out: Path, cache: Path, *extra: str, log: Path | None = None) -> 
 
 
 def train_cmd(out: Path, cache: Path, *extra: str, config: str = "tiny_cpu.yaml") -> list[str]:
-    return [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs" / config),
-            f"trainer.output_dir={out}", f"tiny.cache_dir={cache}", "tiny.warm_start_steps=300",
-            "trainer.total_steps=4", "trainer.eval_every=4", "trainer.save_every=2", "trainer.keep_checkpoints=2",
-            "trainer.wandb_mode=disabled", "rollout.engine_wait_s=120", *extra]  # tiny_run_a's settings
-
+    return [
+        sys.executable,
+        "-m",
+        "dapo_megatron.cli",
+        "train",
+        str(ROOT / "configs/runs" / config),
+        f"trainer.output_dir={out}",
+        f"tiny.cache_dir={cache}",
+        "tiny.warm_start_steps=300",
+        "trainer.total_steps=4",
+        "trainer.eval_every=4",
+        "trainer.save_every=2",
+        "trainer.keep_checkpoints=2",
+        "trainer.wandb_mode=disabled",
+        "rollout.engine_wait_s=120",
+        *extra,
+    ]  # tiny_run_a's settings
 
 
 def step_rows(out: Path) -> list[dict]:
@@ -58,12 +93,10 @@ def step_rows(out: Path) -> list[dict]:
     return [r for r in rows if r["step"] > 0]  # step 0: the starting eval
 
 
-
 def engine_pid(out: Path) -> int:
     records = [json.loads(p.read_text()) for p in (out / "engines").glob("*.json")]
     assert len(records) == 1, records
     return int(records[0]["pid"])
-
 
 
 def live_engine(out: Path) -> dict | None:
@@ -80,7 +113,6 @@ def live_engine(out: Path) -> dict | None:
     return None
 
 
-
 def _weight_version(url: str, run_dir: Path) -> str | None:
     """The engine's weight version, asked with the run's key (the engines the launcher starts refuse a
     request without it: rollout/auth.py)."""
@@ -95,31 +127,32 @@ def _weight_version(url: str, run_dir: Path) -> str | None:
         return None
 
 
-
 def step_logged(step: int):
     return lambda out: live_engine(out) if any(r["step"] == step for r in step_rows(out)) else None
 
 
-
 def holds_weights(version: str):
     """Once the live engine reports `version`: right after that step's sync, i.e. during its eval."""
+
     def ready(out: Path) -> dict | None:
         record = live_engine(out)
         return record if record and _weight_version(record["url"], out) == version else None
+
     return ready
 
 
-
-def train_killing_engine(out: Path, cache: Path, *extra: str, kills=(step_logged(1),),
-                          config: str = "tiny_cpu.yaml") -> tuple[int, str, list]:
+def train_killing_engine(
+    out: Path, cache: Path, *extra: str, kills=(step_logged(1),), config: str = "tiny_cpu.yaml"
+) -> tuple[int, str, list]:
     """Run train; SIGKILL its live engine at each of `kills` in turn (each returns the engine's
     registration once it is time). Returns (exit code, console text, the killed engines' registrations)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     log = out.parent / f"{out.name}.console.txt"
     killed = []
     with open(log, "w") as f:
-        proc = subprocess.Popen(train_cmd(out, cache, *extra, config=config), cwd=ROOT, env=env, stdout=f,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            train_cmd(out, cache, *extra, config=config), cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT
+        )
         try:
             deadline = time.monotonic() + 600
             for ready in kills:
@@ -141,7 +174,6 @@ def process_alive(proc: psutil.Process) -> bool:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-
 
 
 def run_processes(out: Path) -> list[psutil.Process]:

@@ -56,9 +56,9 @@ REGISTRY = Path("/run/dapo-multihost")
 
 @dataclass(frozen=True)
 class Host:
-    name: str       # hostname, Slurm NodeName and network namespace name
-    address: str    # eth0's address on the bridge (Slurm's NodeAddr)
-    veth: str       # the bridge-side end of its link, in this machine's namespace
+    name: str  # hostname, Slurm NodeName and network namespace name
+    address: str  # eth0's address on the bridge (Slurm's NodeAddr)
+    veth: str  # the bridge-side end of its link, in this machine's namespace
 
     @property
     def netns(self) -> str:
@@ -129,18 +129,39 @@ class MultiHostSlurm(LocalSlurm):
 
     def _register(self) -> None:
         REGISTRY.mkdir(parents=True, exist_ok=True)
-        (REGISTRY / f"{self.tag}.json").write_text(json.dumps({
-            "pid": os.getpid(), "tag": self.tag, "root": str(self.root), "bridge": self.bridge,
-            "hosts": [h.name for h in self.hosts]}))
+        (REGISTRY / f"{self.tag}.json").write_text(
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "tag": self.tag,
+                    "root": str(self.root),
+                    "bridge": self.bridge,
+                    "hosts": [h.name for h in self.hosts],
+                }
+            )
+        )
 
     def on_host(self, host: Host, argv: list[str]) -> list[str]:
         """argv run "on" host: in its network namespace, with its /etc/hosts and its own hostname."""
         # not `ip netns exec`: it remounts /sys for the namespace, which hides /sys/fs/cgroup, and
         # slurmd refuses to start without it; the same /etc/hosts binding, made here
-        return ["nsenter", f"--net=/run/netns/{host.netns}", "--", "unshare", "--mount", "--uts",
-                "--propagation", "slave", "--", "sh", "-c",
-                'mount --bind "$1" /etc/hosts && hostname "$0" && shift && exec "$@"', host.name,
-                str(NETNS_ETC / host.netns / "hosts"), *argv]
+        return [
+            "nsenter",
+            f"--net=/run/netns/{host.netns}",
+            "--",
+            "unshare",
+            "--mount",
+            "--uts",
+            "--propagation",
+            "slave",
+            "--",
+            "sh",
+            "-c",
+            'mount --bind "$1" /etc/hosts && hostname "$0" && shift && exec "$@"',
+            host.name,
+            str(NETNS_ETC / host.netns / "hosts"),
+            *argv,
+        ]
 
     def cut_link(self, host: Host) -> None:
         """Unplug the host's cable: its bridge port goes down (addresses and sockets stay)."""
@@ -172,15 +193,23 @@ class MultiHostSlurm(LocalSlurm):
         log = open(self.root / "log" / f"slurmd-{host.name}.out", "ab")
         self.slurmd[host.name] = subprocess.Popen(
             self.on_host(host, ["slurmd", "-D", "-N", host.name, "-f", str(self.conf)]),
-            env=self.env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
 
     # ---------------------------------------------------------------- lifecycle
     def start(self, timeout_s: float = 60.0) -> "MultiHostSlurm":
         from slurm_cluster import missing_binaries
 
-        missing = missing_binaries() + (["ip", "unshare"] if subprocess.run(
-            ["sh", "-c", "command -v ip && command -v unshare"], capture_output=True).returncode else [])
+        missing = missing_binaries() + (
+            ["ip", "unshare"]
+            if subprocess.run(["sh", "-c", "command -v ip && command -v unshare"], capture_output=True).returncode
+            else []
+        )
         if missing:
             raise RuntimeError(f"binaries missing: {', '.join(missing)} (run .ci/system_deps.sh)")
         for sub in ("munge", "run", "log", "state", "spool", *(f"spool/{h.name}" for h in self.hosts)):
@@ -223,7 +252,9 @@ class MultiHostSlurm(LocalSlurm):
         while time.monotonic() < deadline:
             for name, proc in self.slurmd.items():
                 if proc.poll() is not None:
-                    raise RuntimeError(f"slurmd of {name} exited with {proc.returncode}\n{self._log_tail(f'slurmd-{name}')}")
+                    raise RuntimeError(
+                        f"slurmd of {name} exited with {proc.returncode}\n{self._log_tail(f'slurmd-{name}')}"
+                    )
             out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], env=self.env, capture_output=True, text=True)
             states = out.stdout.strip()
             lines = states.splitlines()
@@ -291,8 +322,11 @@ class MultiHostSlurm(LocalSlurm):
     def leftovers(self) -> list[str]:
         """What of this cluster still exists (empty: nothing)."""
         left = [f"netns {ns}" for ns in _ip("netns", "list", check=False).stdout.split() if self.tag in ns]
-        left += [f"link {line.split(':')[1].strip()}" for line in _ip("-o", "link", check=False).stdout.splitlines()
-                 if self.tag in line]
+        left += [
+            f"link {line.split(':')[1].strip()}"
+            for line in _ip("-o", "link", check=False).stdout.splitlines()
+            if self.tag in line
+        ]
         left += [f"/etc/netns/{h.netns}" for h in self.hosts if (NETNS_ETC / h.netns).exists()]
         left += [f"process {name}" for name in self.still_running()]
         return left

@@ -99,18 +99,26 @@ class LocalSlurm:
             key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         (self.root / "munge").chmod(0o700)
-        self._spawn("munged", [
-            "munged", "--force", f"--key-file={key}", f"--socket={self.munge_socket}",
-            f"--pid-file={self.pid_files['munged']}", f"--log-file={self.root / 'log' / 'munged.log'}",
-            f"--seed-file={self.root / 'munge' / 'munged.seed'}",
-        ])
+        self._spawn(
+            "munged",
+            [
+                "munged",
+                "--force",
+                f"--key-file={key}",
+                f"--socket={self.munge_socket}",
+                f"--pid-file={self.pid_files['munged']}",
+                f"--log-file={self.root / 'log' / 'munged.log'}",
+                f"--seed-file={self.root / 'munge' / 'munged.seed'}",
+            ],
+        )
 
     def _spawn(self, name: str, argv: list[str]) -> None:
         """The daemons fork into the background and write their pid files; wait for the file."""
         result = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=30)
         if result.returncode != 0:
-            raise RuntimeError(f"{name} failed to start (rc {result.returncode}): {result.stderr.strip()}"
-                               f"\n{self._log_tail(name)}")
+            raise RuntimeError(
+                f"{name} failed to start (rc {result.returncode}): {result.stderr.strip()}\n{self._log_tail(name)}"
+            )
         deadline = time.monotonic() + 15
         pid_file = self.pid_files[name]
         while time.monotonic() < deadline:
@@ -139,12 +147,12 @@ SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.munge_socket},cred_expire=5
-StateSaveLocation={r / 'state'}
-SlurmdSpoolDir={r / 'spool'}
-SlurmctldPidFile={self.pid_files['slurmctld']}
-SlurmdPidFile={self.pid_files['slurmd']}
-SlurmctldLogFile={r / 'log' / 'slurmctld.log'}
-SlurmdLogFile={r / 'log' / 'slurmd.log'}
+StateSaveLocation={r / "state"}
+SlurmdSpoolDir={r / "spool"}
+SlurmctldPidFile={self.pid_files["slurmctld"]}
+SlurmdPidFile={self.pid_files["slurmd"]}
+SlurmctldLogFile={r / "log" / "slurmctld.log"}
+SlurmdLogFile={r / "log" / "slurmd.log"}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -174,8 +182,10 @@ PartitionName={self.partition} Nodes=localhost Default=YES MaxTime=INFINITE Stat
             if state.startswith("idle"):
                 return
             time.sleep(0.3)
-        raise RuntimeError(f"node not idle after {timeout_s}s (state {state!r})\n{self._log_tail('slurmctld')}"
-                           f"\n{self._log_tail('slurmd')}")
+        raise RuntimeError(
+            f"node not idle after {timeout_s}s (state {state!r})\n{self._log_tail('slurmctld')}"
+            f"\n{self._log_tail('slurmd')}"
+        )
 
     def stop(self) -> None:
         """Cancel the jobs and wait for them to end, stop slurmd, slurmctld, munged (by pid file), kill
@@ -265,8 +275,19 @@ PartitionName={self.partition} Nodes=localhost Default=YES MaxTime=INFINITE Stat
 
     def wait_done(self, job_ids: list[str], *, timeout_s: float = 120.0, poll_s: float = 0.5) -> dict[str, str]:
         """Poll until no listed job (or array task) is pending, running or being requeued."""
-        active = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD",
-                  "REQUEUE_FED", "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT"}
+        active = {
+            "PENDING",
+            "RUNNING",
+            "CONFIGURING",
+            "COMPLETING",
+            "REQUEUED",
+            "REQUEUE_HOLD",
+            "REQUEUE_FED",
+            "RESIZING",
+            "SUSPENDED",
+            "SIGNALING",
+            "STAGE_OUT",
+        }
         deadline = time.monotonic() + timeout_s
         states: dict[str, str] = {}
         while time.monotonic() < deadline:

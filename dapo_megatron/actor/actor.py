@@ -112,8 +112,9 @@ class Actor:
     optimizer: Any
     lr_schedule: Any
 
-    def __init__(self, settings: ActorSettings, hf_dir: str | Path, layout: ParallelLayout, *,
-                 frozen: bool = False) -> None:
+    def __init__(
+        self, settings: ActorSettings, hf_dir: str | Path, layout: ParallelLayout, *, frozen: bool = False
+    ) -> None:
         """Build the model for this rank's place in the (already initialized) parallel layout, load
         the HF checkpoint into it, wrap it in megatron DDP and build the optimizer. `layout`: what
         model_parallel() yields (dataplane/layout.py); it must match the settings' actor.tp, pp, ...
@@ -133,8 +134,10 @@ class Actor:
         ac, opt = settings.actor, settings.optimizer
         wanted = dict(tp=ac.tp, pp=ac.pp, cp=ac.cp, vpp=ac.vpp, ep=ac.ep, etp=ac.tp if ac.etp is None else ac.etp)
         if layout.sizes != wanted:
-            raise ValueError(f"actor: megatron parallel state {layout.sizes} does not match the config's actor.{wanted} "
-                             "(pass the layout of parallel.model_parallel(tp=cfg.actor.tp, ...))")
+            raise ValueError(
+                f"actor: megatron parallel state {layout.sizes} does not match the config's actor.{wanted} "
+                "(pass the layout of parallel.model_parallel(tp=cfg.actor.tp, ...))"
+            )
         for key in ("fused_logprob", "fused_policy_loss"):  # fail here, not in the middle of a step
             if getattr(ac, key):
                 require_fused_kernels(f"actor.{key}", device_type=coll.compute_device().type)
@@ -143,16 +146,26 @@ class Actor:
 
         self.moe = moe_shape_of(self.hf_config)
         if self.moe is not None and ac.tp > 1 and not ac.sequence_parallel:
-            raise ValueError(f"actor.sequence_parallel must be true for the mixture-of-experts model {self.hf_dir} "
-                             f"at actor.tp={ac.tp} (megatron-core's MoELayer refuses to train TP without it)")
+            raise ValueError(
+                f"actor.sequence_parallel must be true for the mixture-of-experts model {self.hf_dir} "
+                f"at actor.tp={ac.tp} (megatron-core's MoELayer refuses to train TP without it)"
+            )
         if self.moe is None and ac.routing_replay:
-            raise ValueError(f"actor.routing_replay=true needs a mixture-of-experts model; {self.hf_dir}/config.json "
-                             f"model_type {self.hf_config.model_type!r} has no router")
+            raise ValueError(
+                f"actor.routing_replay=true needs a mixture-of-experts model; {self.hf_dir}/config.json "
+                f"model_type {self.hf_config.model_type!r} has no router"
+            )
         # vocab_divisible_by=1: the vocabulary is padded only up to a multiple of tp (< tp zero rows);
         # the head excludes rows >= vocab_size from the softmax (token_logprobs_entropy(vocab_size=)).
-        chunks = build_model_chunks(self.hf_config, attention_backend=ac.attention_backend, precision=ac.precision,
-                                    sequence_parallel=ac.sequence_parallel, recompute=ac.recompute,
-                                    vocab_divisible_by=1, attention_kernel=ac.attention_kernel)
+        chunks = build_model_chunks(
+            self.hf_config,
+            attention_backend=ac.attention_backend,
+            precision=ac.precision,
+            sequence_parallel=ac.sequence_parallel,
+            recompute=ac.recompute,
+            vocab_divisible_by=1,
+            attention_kernel=ac.attention_kernel,
+        )
         load_hf_into_model(chunks, self.hf_dir)
         self._engine_dtype: torch.dtype | None = None
         if ac.quantization_aware:  # every forward multiplies by the FP8 engines' weights (actor/fake_quant.py)
@@ -160,8 +173,16 @@ class Actor:
             # trainer/settings.py sets fp8_checkpoint exactly when actor.quantization_aware is on
             assert settings.fp8_checkpoint is not None
             conv = fp8_converter(settings.fp8_checkpoint)
-            apply_weight_fake_quant(chunks, self.hf_config, layout, quantized_modules=conv.quantized_modules,
-                                    block=conv.block, dtype=conv.dtype, quantize_inputs=True, cast_unquantized=True)
+            apply_weight_fake_quant(
+                chunks,
+                self.hf_config,
+                layout,
+                quantized_modules=conv.quantized_modules,
+                block=conv.block,
+                dtype=conv.dtype,
+                quantize_inputs=True,
+                cast_unquantized=True,
+            )
             self._engine_dtype = conv.dtype  # the LM head weight, read outside the model's forward: _head
         self._chunks = chunks
 
@@ -194,12 +215,24 @@ class Actor:
             for index, chunk in enumerate(chunks)
         ]
         self.optimizer = build_optimizer(
-            self.model, lr=opt.lr, weight_decay=opt.weight_decay, adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2,
-            grad_clip=opt.grad_clip, precision=ac.precision, use_distributed_optimizer=ac.use_distributed_optimizer,
+            self.model,
+            lr=opt.lr,
+            weight_decay=opt.weight_decay,
+            adam_beta1=opt.adam_beta1,
+            adam_beta2=opt.adam_beta2,
+            grad_clip=opt.grad_clip,
+            precision=ac.precision,
+            use_distributed_optimizer=ac.use_distributed_optimizer,
         )
-        self.lr_schedule = build_lr_schedule(self.optimizer, lr=opt.lr, warmup_steps=opt.warmup_steps,
-                                             weight_decay=opt.weight_decay, decay_style=opt.lr_decay_style,
-                                             min_lr=opt.min_lr, total_steps=opt.total_steps)
+        self.lr_schedule = build_lr_schedule(
+            self.optimizer,
+            lr=opt.lr,
+            warmup_steps=opt.warmup_steps,
+            weight_decay=opt.weight_decay,
+            decay_style=opt.lr_decay_style,
+            min_lr=opt.min_lr,
+            total_steps=opt.total_steps,
+        )
         config = chunks[0].config
         config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
         config.grad_scale_func = self.optimizer.scale_loss
@@ -271,24 +304,38 @@ class Actor:
     @property
     def pack_settings(self) -> PackSettings:
         """How this actor packs sequences (the driver plans every DP rank's share with the same)."""
-        return PackSettings.for_layout(micro_batch_tokens=self.settings.actor.micro_batch_tokens, tp=self.layout.tp_size,
-                                       pp=self.layout.pp_size, cp=self.layout.cp_size, vpp=self.layout.vpp_size,
-                                       sequence_parallel=self.settings.actor.sequence_parallel)
+        return PackSettings.for_layout(
+            micro_batch_tokens=self.settings.actor.micro_batch_tokens,
+            tp=self.layout.tp_size,
+            pp=self.layout.pp_size,
+            cp=self.layout.cp_size,
+            vpp=self.layout.vpp_size,
+            sequence_parallel=self.settings.actor.sequence_parallel,
+        )
 
     def _share_of(self, data: BatchShare | list[Sample]) -> BatchShare:
         if isinstance(data, BatchShare):
             return data
-        return share_of_samples(list(data), settings=self.pack_settings, dp_size=self.layout.dp_size,
-                                dp_rank=self.layout.dp_rank)
+        return share_of_samples(
+            list(data), settings=self.pack_settings, dp_size=self.layout.dp_size, dp_rank=self.layout.dp_rank
+        )
 
     def _pack(self, mini: BatchShare, *, mask_truncated: bool) -> PackedShare:
         """The micro-batches of one mini-batch of this rank's share."""
         settings = self.pack_settings
         pad_token = int(getattr(self.hf_config, "pad_token_id", None) or 0)
-        micro_batches = [pack_batch_micro_batch(mini.batch, a, b, length=length,
-                                                seq_pad_multiple=settings.seq_pad_multiple, pad_token_id=pad_token,
-                                                mask_truncated=mask_truncated)
-                         for a, b, length in mini.micro_batch_spans(settings)]
+        micro_batches = [
+            pack_batch_micro_batch(
+                mini.batch,
+                a,
+                b,
+                length=length,
+                seq_pad_multiple=settings.seq_pad_multiple,
+                pad_token_id=pad_token,
+                mask_truncated=mask_truncated,
+            )
+            for a, b, length in mini.micro_batch_spans(settings)
+        ]
         shared = int(mini.mini_batch_lengths[0])
         return PackedShare(micro_batches=micro_batches, num_micro_batches=len(micro_batches), length=shared or None)
 
@@ -311,8 +358,15 @@ class Actor:
         host_cu = mb.cu_seqlens_padded
         max_len = int((host_cu[1:] - host_cu[:-1]).max())
         cu = to_device(host_cu, device)
-        packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
-                                 cu_seqlens_kv_padded=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len)
+        packed = PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu,
+            cu_seqlens_kv=cu,
+            cu_seqlens_q_padded=cu,
+            cu_seqlens_kv_padded=cu,
+            max_seqlen_q=max_len,
+            max_seqlen_kv=max_len,
+        )
         setattr(packed, HOST_BOUNDS_ATTR, host_cu)
         tokens = to_device(self._local(mb.tokens, mb), device)[None]
         positions = to_device(self._local(mb.position_ids, mb), device)[None]
@@ -325,9 +379,14 @@ class Actor:
         """The engine's experts of this micro-batch for the chunk's routers (routing_replay.py)."""
         routing, batch = self.routing, self._routed_batch
         assert routing is not None and batch is not None  # set together by _begin_routing
-        experts, valid = pack_batch_routed_experts(batch, mb.sample_indices, mb.seq_lengths_padded,
-                                                   length=mb.length, num_layers=routing.num_layers,
-                                                   topk=routing.topk)
+        experts, valid = pack_batch_routed_experts(
+            batch,
+            mb.sample_indices,
+            mb.seq_lengths_padded,
+            length=mb.length,
+            num_layers=routing.num_layers,
+            topk=routing.topk,
+        )
         routing.before_forward(chunk, experts, valid, lambda t: self._local(t, mb))
 
     def _begin_routing(self, batch: RolloutBatch, *, measure: bool) -> None:
@@ -355,17 +414,23 @@ class Actor:
 
     def _head(self, mb: MicroBatch, gpt, output: torch.Tensor, *, positions: torch.Tensor):
         """Log-prob and entropy at the local response positions `positions` (last stage only)."""
-        hidden_SH = full_sequence_hidden(output, sequence_parallel=self.settings.actor.sequence_parallel,
-                                         tp_group=self.layout.tp_group)[0]  # [1, S, H] -> [S, H]
+        hidden_SH = full_sequence_hidden(
+            output, sequence_parallel=self.settings.actor.sequence_parallel, tp_group=self.layout.tp_group
+        )[0]  # [1, S, H] -> [S, H]
         targets = to_device(self._local(mb.targets, mb), hidden_SH.device)
         pos = to_device(positions, hidden_SH.device)
         weight = output_weight(gpt)
         if self._engine_dtype is not None:  # actor.quantization_aware: the engines' bf16 LM head
-
             weight = cast_like_engines(weight, self._engine_dtype)
-        return token_logprobs_entropy(hidden_SH[pos], weight, targets[pos],
-                                      temperature=self.settings.temperature, tp_group=self.layout.tp_group,
-                                      vocab_size=self.hf_config.vocab_size, fused=self.settings.actor.fused_logprob)
+        return token_logprobs_entropy(
+            hidden_SH[pos],
+            weight,
+            targets[pos],
+            temperature=self.settings.temperature,
+            tp_group=self.layout.tp_group,
+            vocab_size=self.hf_config.vocab_size,
+            fused=self.settings.actor.fused_logprob,
+        )
 
     def _run(self, micro_batches: list[MicroBatch], *, head, length: int | None, forward_only: bool) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -401,8 +466,10 @@ class Actor:
         coll.all_gather(parts, flat, group=self.layout.cp_group)
         widths = [out.size(1) for out in local_outputs]
         per_rank = [part.split(widths, dim=1) for part in parts]
-        return [merge_from_cp([per_rank[r][i] for r in range(cp)], mb.cu_seqlens_padded, dim=1)
-                for i, mb in enumerate(micro_batches)]
+        return [
+            merge_from_cp([per_rank[r][i] for r in range(cp)], mb.cu_seqlens_padded, dim=1)
+            for i, mb in enumerate(micro_batches)
+        ]
 
     # --- log-probs -----------------------------------------------------------------------------------
 
@@ -449,8 +516,10 @@ class Actor:
                     outputs = self._merge_cp(outputs, packed.micro_batches)
                     # response positions in packed order = the share's response-token order
                     # (host-side positions: a boolean mask on the device would be a nonzero(), a sync)
-                    values += [full[:, to_device(mb.response_mask.nonzero()[:, 0], full.device)]
-                               for mb, full in zip(packed.micro_batches, outputs)]
+                    values += [
+                        full[:, to_device(mb.response_mask.nonzero()[:, 0], full.device)]
+                        for mb, full in zip(packed.micro_batches, outputs)
+                    ]
         except BaseException:
             self._end_routing(collect=False)
             raise
@@ -479,8 +548,11 @@ class Actor:
         coll.all_reduce(flat)
         flat = flat.cpu()
         bounds = offsets.tolist()
-        return LogProbs(logprobs=[flat[0, a:b].clone() for a, b in zip(bounds, bounds[1:])],
-                        entropies=[flat[1, a:b].clone() for a, b in zip(bounds, bounds[1:])], routing=out.routing)
+        return LogProbs(
+            logprobs=[flat[0, a:b].clone() for a, b in zip(bounds, bounds[1:])],
+            entropies=[flat[1, a:b].clone() for a, b in zip(bounds, bounds[1:])],
+            routing=out.routing,
+        )
 
     # --- the train step ------------------------------------------------------------------------------
 
@@ -498,8 +570,10 @@ class Actor:
         self._require("params", "grads", "optimizer", action="train", trains=True)
         mini = self._share_of(mini_batch)
         if mini.num_mini_batches != 1:
-            raise ValueError(f"Actor.train: one mini-batch per update, got {mini.num_mini_batches} "
-                             "(iterate BatchShare.mini_batches())")
+            raise ValueError(
+                f"Actor.train: one mini-batch per update, got {mini.num_mini_batches} "
+                "(iterate BatchShare.mini_batches())"
+            )
         self._check_train_inputs(mini.batch)
         for m in self.model:
             m.train()
@@ -535,14 +609,19 @@ class Actor:
             self.optimizer.zero_grad()
             updated, grad_norm = False, 0.0
         else:
-            updated, grad_norm = guarded_step(self.optimizer, grad_clip=self.settings.optimizer.grad_clip,
-                                              loss_is_finite=loss_is_finite)
+            updated, grad_norm = guarded_step(
+                self.optimizer, grad_clip=self.settings.optimizer.grad_clip, loss_is_finite=loss_is_finite
+            )
         self.num_updates += int(updated)
         self.last_step = step
         return {
-            **objective_metrics(m, float(ratio_max)), "grad_norm": grad_norm, "lr": lr, "loss_denominator": denom,
+            **objective_metrics(m, float(ratio_max)),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "loss_denominator": denom,
             "num_micro_batches": float(share.num_micro_batches),
-            "nonfinite": float(denom > 0 and not updated), "update_skipped": float(not updated),
+            "nonfinite": float(denom > 0 and not updated),
+            "update_skipped": float(not updated),
         }
 
     def _check_train_inputs(self, batch: RolloutBatch) -> None:
@@ -561,15 +640,16 @@ class Actor:
         """D of the loss (algo/aggregation.py) over the whole mini-batch: this DP rank's share, summed
         over the DP group (CP ranks share a share)."""
         mode = self.settings.algorithm.loss_agg_mode
-        local = sum(count_loss_units_packed(mb.loss_mask, mb.seq_ids, mb.num_sequences, agg_mode=mode)
-                    for mb in micro_batches)
-        count = torch.tensor([float(local)], dtype=torch.float64,
-                             device=coll.compute_device())
+        local = sum(
+            count_loss_units_packed(mb.loss_mask, mb.seq_ids, mb.num_sequences, agg_mode=mode) for mb in micro_batches
+        )
+        count = torch.tensor([float(local)], dtype=torch.float64, device=coll.compute_device())
         coll.all_reduce(count, group=self.layout.dp_group)
         return float(count.item())
 
-    def _loss(self, mb: MicroBatch, pos: torch.Tensor, logprob: torch.Tensor, entropy: torch.Tensor, *,
-              denom: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _loss(
+        self, mb: MicroBatch, pos: torch.Tensor, logprob: torch.Tensor, entropy: torch.Tensor, *, denom: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The objective (algo/objective.py) on this rank's response tokens of the micro-batch: its
         local positions `pos` of the packed tensors (its CP chunks), moved to the head's device."""
         dev = logprob.device
@@ -584,13 +664,21 @@ class Actor:
 
         wants = self.objective
         # n_seq(t) over the whole micro-batch, before the CP split (seq-mean-token-mean's weight)
-        sequence_tokens = (sequence_token_counts(mb.loss_mask, mb.seq_ids, mb.num_sequences)
-                           if wants.reads_sequence_tokens else None)
-        tokens = PackedTokens(logprob=logprob, entropy=entropy, old_logprob=take(mb.old_logprobs),
-                              advantages=take(mb.advantages), loss_mask=take(mb.loss_mask), seq_ids=take(mb.seq_ids),
-                              num_sequences=mb.num_sequences, sequence_tokens=take_optional(sequence_tokens),
-                              rollout_logprobs=take_optional(mb.rollout_logprobs) if wants.reads_rollout_logprobs else None,
-                              ref_logprobs=take_optional(mb.ref_logprobs) if wants.reads_ref_logprobs else None)
+        sequence_tokens = (
+            sequence_token_counts(mb.loss_mask, mb.seq_ids, mb.num_sequences) if wants.reads_sequence_tokens else None
+        )
+        tokens = PackedTokens(
+            logprob=logprob,
+            entropy=entropy,
+            old_logprob=take(mb.old_logprobs),
+            advantages=take(mb.advantages),
+            loss_mask=take(mb.loss_mask),
+            seq_ids=take(mb.seq_ids),
+            num_sequences=mb.num_sequences,
+            sequence_tokens=take_optional(sequence_tokens),
+            rollout_logprobs=take_optional(mb.rollout_logprobs) if wants.reads_rollout_logprobs else None,
+            ref_logprobs=take_optional(mb.ref_logprobs) if wants.reads_ref_logprobs else None,
+        )
         return objective(tokens, self.objective, loss_denominator=denom)
 
     # --- checkpoints ---------------------------------------------------------------------------------
@@ -603,7 +691,8 @@ class Actor:
         # "fully_sharded_model_space" needs ShardedTensor.flattened_range, which 0.16.1 rejects);
         # a checkpoint can be resumed with another DP size but the same TP x PP.
         state["optimizer"] = self.optimizer.sharded_state_dict(
-            dict(state), is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"})
+            dict(state), is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+        )
         state["rng_state"] = rng_sharded_object(self.layout)
         return state
 
@@ -611,10 +700,19 @@ class Actor:
         """Collective: model + optimizer + RNG (megatron dist_checkpointing) + actor_state.json,
         written to `<path>.tmp` and renamed (checkpoint.py)."""
         self._require("params", "optimizer", action="save", trains=True)
-        meta = {"num_updates": self.num_updates, "last_step": self.last_step, "adam_step": adam_step(self.optimizer),
-                "lr_schedule": self.lr_schedule.state_dict(),
-                "layout": {"tp": self.layout.tp_size, "pp": self.layout.pp_size, "cp": self.layout.cp_size,
-                           "dp": self.layout.dp_size, "vpp": self.layout.vpp_size}}
+        meta = {
+            "num_updates": self.num_updates,
+            "last_step": self.last_step,
+            "adam_step": adam_step(self.optimizer),
+            "lr_schedule": self.lr_schedule.state_dict(),
+            "layout": {
+                "tp": self.layout.tp_size,
+                "pp": self.layout.pp_size,
+                "cp": self.layout.cp_size,
+                "dp": self.layout.dp_size,
+                "vpp": self.layout.vpp_size,
+            },
+        }
         return save_checkpoint(path, sharded_state_dict=self._sharded_state_dict(is_loading=False), meta=meta)
 
     def load(self, path: str | Path) -> dict:
@@ -631,4 +729,3 @@ class Actor:
         self.num_updates = int(meta["num_updates"])
         self.last_step = int(meta["last_step"])
         return meta
-

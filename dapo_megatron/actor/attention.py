@@ -52,13 +52,16 @@ ATTENTION_KERNELS = ("sdpa", "flex")
 class QueryBlock:
     """Query rows [q_start, q_end) (local order) of one document and the keys [k_start, k_end) (token
     order) they may see; the queries are the last q_end - q_start positions of that key range."""
+
     q_start: int
     q_end: int
     k_start: int
     k_end: int
 
 
-def document_blocks(bounds: Sequence[int], local_tokens: int, *, cp_size: int = 1, cp_rank: int = 0) -> list[QueryBlock]:
+def document_blocks(
+    bounds: Sequence[int], local_tokens: int, *, cp_size: int = 1, cp_rank: int = 0
+) -> list[QueryBlock]:
     """The query blocks of a packed micro-batch of documents with (global, padded) boundaries `bounds`.
 
     cp_size = 1: tokens past bounds[-1] (an unannounced padding tail) form one more document, so every
@@ -69,18 +72,22 @@ def document_blocks(bounds: Sequence[int], local_tokens: int, *, cp_size: int = 
         if bounds[-1] < local_tokens:
             bounds = bounds + [local_tokens]
         if bounds[-1] != local_tokens:
-            raise ValueError(f"packed sequence boundaries end at {bounds[-1]} but the micro-batch has "
-                             f"{local_tokens} tokens")
+            raise ValueError(
+                f"packed sequence boundaries end at {bounds[-1]} but the micro-batch has {local_tokens} tokens"
+            )
         return [QueryBlock(s, e, s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
     if bounds[-1] != local_tokens * cp_size:
-        raise ValueError(f"context parallel: boundaries end at {bounds[-1]} but cp={cp_size} ranks hold "
-                         f"{local_tokens} tokens each")
+        raise ValueError(
+            f"context parallel: boundaries end at {bounds[-1]} but cp={cp_size} ranks hold {local_tokens} tokens each"
+        )
     blocks, offset = [], 0
     for start, end in zip(bounds[:-1], bounds[1:]):
         length = end - start
         if length % (2 * cp_size):
-            raise ValueError(f"a packed segment of {length} tokens (offset {start}) is not a multiple of "
-                             f"2*cp = {2 * cp_size}: pad every sequence with seq_pad_multiple=2*cp")
+            raise ValueError(
+                f"a packed segment of {length} tokens (offset {start}) is not a multiple of "
+                f"2*cp = {2 * cp_size}: pad every sequence with seq_pad_multiple=2*cp"
+            )
         chunk = length // (2 * cp_size)
         if chunk == 0:
             continue
@@ -100,25 +107,32 @@ def _causal_block(q, k, v, *, scale: float, dropout_p: float) -> torch.Tensor:
     n, m = q.size(2), k.size(2)
     gqa = q.size(1) != k.size(1)
     if n == m:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale,
-                                              enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
     if _lower_right_by_flash(q):
         from torch.nn.attention.bias import causal_lower_right
 
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, m), dropout_p=dropout_p,
-                                              scale=scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=causal_lower_right(n, m), dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+        )
     # zero queries in front make the block square: query i of the padded block sees keys <= i
     padded = torch.cat([q.new_zeros(q.size(0), q.size(1), m - n, q.size(3)), q], dim=2)
-    out = F.scaled_dot_product_attention(padded, k, v, is_causal=True, dropout_p=dropout_p, scale=scale,
-                                         enable_gqa=gqa)
-    return out[:, :, m - n:]
+    out = F.scaled_dot_product_attention(padded, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+    return out[:, :, m - n :]
 
 
 def blockwise_attention(q, k, v, blocks: Sequence[QueryBlock], *, scale: float, dropout_p: float = 0.0) -> torch.Tensor:
     """Document-causal attention block by block: q [B, h, Tq, d]; k, v [B, g, Tk, d] in token order;
     returns [B, h, Tq, d]. Every query row must be in exactly one block (document_blocks' blocks are)."""
-    outs = [_causal_block(q[:, :, b.q_start:b.q_end], k[:, :, b.k_start:b.k_end], v[:, :, b.k_start:b.k_end],
-                          scale=scale, dropout_p=dropout_p) for b in blocks]
+    outs = [
+        _causal_block(
+            q[:, :, b.q_start : b.q_end],
+            k[:, :, b.k_start : b.k_end],
+            v[:, :, b.k_start : b.k_end],
+            scale=scale,
+            dropout_p=dropout_p,
+        )
+        for b in blocks
+    ]
     if len(outs) == 1:
         return outs[0]
     # concatenated token-major ([B, T, h, d] storage, returned as a [B, h, T, d] view): the callers' move
@@ -202,8 +216,15 @@ def document_block_mask(blocks: Sequence[QueryBlock], *, key_tokens: int, device
     def mask_mod(batch, head, q_idx, kv_idx):
         return (kv_idx >= key_lo[q_idx]) & (kv_idx <= key_hi[q_idx])
 
-    return BlockMask.from_kv_blocks(kv_num[None, None], kv_idx[None, None], full_num[None, None], full_idx[None, None],
-                                    BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=(query_tokens, key_tokens))
+    return BlockMask.from_kv_blocks(
+        kv_num[None, None],
+        kv_idx[None, None],
+        full_num[None, None],
+        full_idx[None, None],
+        BLOCK_SIZE=block_size,
+        mask_mod=mask_mod,
+        seq_lengths=(query_tokens, key_tokens),
+    )
 
 
 _COMPILED_FLEX: Callable[..., torch.Tensor] | None = None
@@ -230,8 +251,10 @@ def check_attention_kernel(kernel: str) -> None:
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"actor.attention_kernel={kernel!r}: allowed {', '.join(ATTENTION_KERNELS)}")
     if kernel == "flex" and not torch.cuda.is_available():
-        raise ValueError("actor.attention_kernel=flex needs a CUDA GPU: FlexAttention's backward is not "
-                         "implemented on CPU (torch 2.13); use actor.attention_kernel=sdpa")
+        raise ValueError(
+            "actor.attention_kernel=flex needs a CUDA GPU: FlexAttention's backward is not "
+            "implemented on CPU (torch 2.13); use actor.attention_kernel=sdpa"
+        )
 
 
 # One layout per distinct micro-batch shape, shared by every layer (and by the next micro-batch of the
@@ -241,8 +264,7 @@ _LAYOUT_CACHE: OrderedDict[tuple, tuple] = OrderedDict()
 _LAYOUT_CACHE_SIZE = 4
 
 
-def _attention_layout(bounds: tuple, local_tokens: int, cp_size: int, cp_rank: int, kernel: str,
-                      device: torch.device):
+def _attention_layout(bounds: tuple, local_tokens: int, cp_size: int, cp_rank: int, kernel: str, device: torch.device):
     key = (bounds, local_tokens, cp_size, cp_rank, kernel, str(device))
     hit = _LAYOUT_CACHE.get(key)
     if hit is not None:
@@ -264,6 +286,7 @@ def _attention_layout(bounds: tuple, local_tokens: int, cp_size: int, cp_rank: i
 
 # --- megatron core attention ---------------------------------------------------------------------------
 
+
 class TorchSDPAttention(torch.nn.Module):
     """Core attention of the torch backend: drop-in for megatron's DotProductAttention (same constructor and
     forward signature), with packed THD sequences and context parallelism in O(T) memory (module docstring).
@@ -274,25 +297,38 @@ class TorchSDPAttention(torch.nn.Module):
     megatron-core's cp_comm_type "all_gather"; the other comm types are refused.
     """
 
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None, kernel: str = "sdpa"):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        kernel: str = "sdpa",
+    ):
         super().__init__()
         from megatron.core import parallel_state
 
         check_attention_kernel(kernel)
         self.config = config
         self.kernel = kernel
-        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         if kernel == "flex" and self.dropout_p:
-            raise ValueError("actor.attention_kernel=flex: FlexAttention has no attention dropout "
-                             f"(config.json attention_dropout={self.dropout_p})")
+            raise ValueError(
+                "actor.attention_kernel=flex: FlexAttention has no attention dropout "
+                f"(config.json attention_dropout={self.dropout_p})"
+            )
         self.cp_group = None
         if config.context_parallel_size > 1:
             if cp_comm_type not in (None, "all_gather"):
-                raise ValueError(f"cp_comm_type={cp_comm_type!r}: the torch attention backend implements "
-                                 "context parallelism as 'all_gather' only (use attention_backend=te for p2p/a2a)")
+                raise ValueError(
+                    f"cp_comm_type={cp_comm_type!r}: the torch attention backend implements "
+                    "context parallelism as 'all_gather' only (use attention_backend=te for p2p/a2a)"
+                )
             cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
             self.cp_group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group()
 
@@ -300,12 +336,15 @@ class TorchSDPAttention(torch.nn.Module):
         """(index putting gathered K/V in token order or None, query blocks, flex BlockMask or None)."""
         cp_size = 1 if self.cp_group is None else self.cp_group.size()
         cp_rank = 0 if self.cp_group is None else self.cp_group.rank()
-        return _attention_layout(tuple(int(x) for x in bounds), local_tokens, cp_size, cp_rank, self.kernel,
-                                 torch.device(device))
+        return _attention_layout(
+            tuple(int(x) for x in bounds), local_tokens, cp_size, cp_rank, self.kernel, torch.device(device)
+        )
 
     def _gather_kv(self, key, value, order):
-        return (gather_for_cp(key, token_order=order, cp_group=self.cp_group),
-                gather_for_cp(value, token_order=order, cp_group=self.cp_group))
+        return (
+            gather_for_cp(key, token_order=order, cp_group=self.cp_group),
+            gather_for_cp(value, token_order=order, cp_group=self.cp_group),
+        )
 
     def _attend(self, q, k, v, blocks, mask):
         """q [B, h, Tq, d]; k, v [B, g, Tk, d] -> [B, h, Tq, d]."""
@@ -314,8 +353,9 @@ class TorchSDPAttention(torch.nn.Module):
         dropout_p = self.dropout_p if self.training else 0.0
         return blockwise_attention(q, k, v, blocks, scale=self.softmax_scale, dropout_p=dropout_p)
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by the torch attention backend")
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
@@ -326,15 +366,24 @@ class TorchSDPAttention(torch.nn.Module):
         seq, batch = query.size(0), query.size(1)
         if attention_mask is not None:
             if self.cp_group is not None:
-                raise ValueError("an explicit attention_mask with context parallelism: the torch backend "
-                                 "supports causal (attention_mask=None) or packed THD batches")
+                raise ValueError(
+                    "an explicit attention_mask with context parallelism: the torch backend "
+                    "supports causal (attention_mask=None) or packed THD batches"
+                )
             if self.kernel == "flex":
                 raise ValueError("actor.attention_kernel=flex: an explicit attention_mask is not supported")
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
             dropout_p = self.dropout_p if self.training else 0.0
             # megatron: True = masked out; SDPA: True = attend
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=~attention_mask, dropout_p=dropout_p,
-                                                 scale=self.softmax_scale, enable_gqa=q.size(1) != k.size(1))
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=~attention_mask,
+                dropout_p=dropout_p,
+                scale=self.softmax_scale,
+                enable_gqa=q.size(1) != k.size(1),
+            )
             return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)
         # the row is split like megatron's get_batch_on_this_cp_rank: one segment of seq*cp tokens
         cp_size = 1 if self.cp_group is None else self.cp_group.size()

@@ -101,15 +101,18 @@ def load_checkpoint(path: str | Path, *, sharded_state_dict: dict) -> tuple[dict
         # deprecated `load_state_dict` and builds torch ShardedTensors, and torch 2.13 answers each with a
         # FutureWarning on every rank at every resume: four lines about megatron's internals that the user
         # can do nothing about. Exactly these two messages are ignored, only for this call.
-        warnings.filterwarnings("ignore", message=r"`load_state_dict` is deprecated and will be removed",
-                                category=FutureWarning)
-        warnings.filterwarnings("ignore", message=r"Please use DTensor instead and we are deprecating ShardedTensor",
-                                category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=r"`load_state_dict` is deprecated and will be removed", category=FutureWarning
+        )
+        warnings.filterwarnings(
+            "ignore", message=r"Please use DTensor instead and we are deprecating ShardedTensor", category=FutureWarning
+        )
         state = dist_checkpointing.load(sharded_state_dict, str(where))
     return state, meta
 
 
 # --- RNG state (one ShardedObject per TP x PP position; DP/CP ranks are replicas) --------------------
+
 
 def rng_sharded_object(layout: ParallelLayout):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -122,8 +125,13 @@ def rng_sharded_object(layout: ParallelLayout):
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "tracker": get_cuda_rng_tracker().get_states(),
     }
-    return ShardedObject("rng_state", state, (layout.pp_size, layout.tp_size), (layout.pp_rank, layout.tp_rank),
-                         replica_id=layout.dp_cp_rank)
+    return ShardedObject(
+        "rng_state",
+        state,
+        (layout.pp_size, layout.tp_size),
+        (layout.pp_rank, layout.tp_rank),
+        replica_id=layout.dp_cp_rank,
+    )
 
 
 def restore_rng(state: dict) -> None:

@@ -98,9 +98,21 @@ _MODE: _CudaToCpuMode | None = None
 
 # CPU tensor type name -> the CUDA name megatron compares against ('torch.FloatTensor' ->
 # 'torch.cuda.FloatTensor').
-_CUDA_TYPE_NAME = {f"torch.{n}": f"torch.cuda.{n}" for n in (
-    "FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor", "IntTensor", "LongTensor",
-    "ByteTensor", "CharTensor", "ShortTensor", "BoolTensor")}
+_CUDA_TYPE_NAME = {
+    f"torch.{n}": f"torch.cuda.{n}"
+    for n in (
+        "FloatTensor",
+        "DoubleTensor",
+        "HalfTensor",
+        "BFloat16Tensor",
+        "IntTensor",
+        "LongTensor",
+        "ByteTensor",
+        "CharTensor",
+        "ShortTensor",
+        "BoolTensor",
+    )
+}
 
 
 def _is_cuda_device(device: object) -> bool:
@@ -227,10 +239,15 @@ def _patch_moe() -> None:
     bind_missing_te_gemm()
     original = dist.all_to_all_single
 
-    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
-                          async_op=False):
-        return original(output, input, _split_sizes_as_ints(output_split_sizes),
-                        _split_sizes_as_ints(input_split_sizes), group=group, async_op=async_op)
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        return original(
+            output,
+            input,
+            _split_sizes_as_ints(output_split_sizes),
+            _split_sizes_as_ints(input_split_sizes),
+            group=group,
+            async_op=async_op,
+        )
 
     patched: Any = all_to_all_single  # a function attribute: the original, for undoing the patch
     patched._dapo_original = original

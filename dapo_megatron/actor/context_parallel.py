@@ -89,8 +89,9 @@ def merge_from_cp(parts: list[torch.Tensor], cu_seqlens_padded, *, dim: int = 0)
 def gathered_to_token_order(cu_seqlens_padded, *, cp_size: int) -> torch.Tensor:
     """Index that puts an all-gathered tensor (rank 0's local tokens, then rank 1's, ...) back in
     packed token order: token_order = gathered.index_select(0, index)."""
-    gathered_positions = torch.cat([cp_local_indices(cu_seqlens_padded, cp_size=cp_size, cp_rank=r)
-                                    for r in range(cp_size)])
+    gathered_positions = torch.cat(
+        [cp_local_indices(cu_seqlens_padded, cp_size=cp_size, cp_rank=r) for r in range(cp_size)]
+    )
     return torch.argsort(gathered_positions)
 
 

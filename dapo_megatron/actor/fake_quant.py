@@ -93,8 +93,9 @@ class ShardBlocks:
         return replace(self, row_block=self.row_block.to(device), col_block=self.col_block.to(device))
 
 
-def shard_blocks(pmap: ParamMap, hf_shapes: Sequence[tuple[int, ...]], *, dims: Dims, tp_rank: int, tp_size: int,
-                 block: int) -> ShardBlocks:
+def shard_blocks(
+    pmap: ParamMap, hf_shapes: Sequence[tuple[int, ...]], *, dims: Dims, tp_rank: int, tp_size: int, block: int
+) -> ShardBlocks:
     """The block of every local element, from the mapping's own shard maths: shard_for_rank applied to
     HF-shaped tensors of block ids gives the local layout of the ids (no layout code repeated here)."""
     block_rows = [-(-rows // block) for rows, _ in hf_shapes]
@@ -107,17 +108,25 @@ def shard_blocks(pmap: ParamMap, hf_shapes: Sequence[tuple[int, ...]], *, dims: 
         col_block = shard_for_rank("row", [col_ids[None, :]], tp_rank=tp_rank, tp_size=tp_size, dims=dims)[0]
         row_block = torch.arange(hf_shapes[0][0], dtype=torch.int64) // block
     elif pmap.kind in FUSED_KINDS:  # rows fused from several HF tensors, interleaved / stacked per TP shard
-        ids = [(start + torch.arange(rows, dtype=torch.int64) // block)[:, None]
-               for start, (rows, _) in zip(starts, hf_shapes)]
+        ids = [
+            (start + torch.arange(rows, dtype=torch.int64) // block)[:, None]
+            for start, (rows, _) in zip(starts, hf_shapes)
+        ]
         row_block = shard_for_rank(pmap.kind, ids, tp_rank=tp_rank, tp_size=tp_size, dims=dims)[:, 0]
         col_block = col_ids
     else:
-        raise ValueError(f"{pmap.mcore_name}: the engines hold {pmap.hf_names} in FP8, but quantization-aware "
-                         f"forward supports dense Linear kinds only (not {pmap.kind!r}: MoE experts are not covered)")
+        raise ValueError(
+            f"{pmap.mcore_name}: the engines hold {pmap.hf_names} in FP8, but quantization-aware "
+            f"forward supports dense Linear kinds only (not {pmap.kind!r}: MoE experts are not covered)"
+        )
     one_block = all(n == 1 for n in block_rows) and -(-in_features // block) == 1
-    return ShardBlocks(row_block=row_block.contiguous(), col_block=col_block.contiguous(), row_starts=tuple(starts),
-                       num_block_cols=-(-in_features // block),
-                       shared_amax=pmap.kind in FUSED_KINDS and one_block)
+    return ShardBlocks(
+        row_block=row_block.contiguous(),
+        col_block=col_block.contiguous(),
+        row_starts=tuple(starts),
+        num_block_cols=-(-in_features // block),
+        shared_amax=pmap.kind in FUSED_KINDS and one_block,
+    )
 
 
 def local_block_amax(weight_q: torch.Tensor, blocks: ShardBlocks) -> torch.Tensor:
@@ -144,8 +153,9 @@ def block_scales(amax: torch.Tensor, blocks: ShardBlocks) -> torch.Tensor:
     return amax.float() / E4M3_MAX  # export/quant_utils.get_scaling_factor: amax.float() / maxbound
 
 
-def fake_quant_values(weight: torch.Tensor, blocks: ShardBlocks, *, dtype: torch.dtype,
-                      tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def fake_quant_values(
+    weight: torch.Tensor, blocks: ShardBlocks, *, dtype: torch.dtype, tp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """dequant(quant(weight)) of this local shard in fp32: the engines' weight values, bit for bit.
     Collective over tp_group (one small MAX all-reduce of the amax grid) when it has more than one rank."""
     weight_q = weight.detach().to(dtype)
@@ -189,14 +199,16 @@ def _straight_through(t: torch.Tensor, value: Callable[[torch.Tensor], torch.Ten
     return out
 
 
-def fake_quant_weight(weight: torch.Tensor, blocks: ShardBlocks, *, dtype: torch.dtype,
-                      tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def fake_quant_weight(
+    weight: torch.Tensor, blocks: ShardBlocks, *, dtype: torch.dtype, tp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """The tensor the Linear multiplies by: fake-quantized values, straight-through gradient to `weight`."""
-    return _straight_through(weight, lambda w: fake_quant_values(w, blocks, dtype=dtype, tp_group=tp_group)
-                             .to(w.dtype))
+    return _straight_through(weight, lambda w: fake_quant_values(w, blocks, dtype=dtype, tp_group=tp_group).to(w.dtype))
 
 
-def fake_quant_input_values(x: torch.Tensor, blocks: ShardBlocks, *, tp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def fake_quant_input_values(
+    x: torch.Tensor, blocks: ShardBlocks, *, tp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """dequant(quant(x)) of a Linear's input as the engines' GEMM quantizes it (SGLang's dynamic
     activations: one scale per token and per 128 input channels, quant/fp8_activation.py), in x's dtype.
 
@@ -219,19 +231,28 @@ class _Hooks:
     """The pre/post forward hooks of one Linear: swap the fake-quantized weight in (and, with
     quantize_inputs, replace the input by its FP8 values), put the Parameter back after the forward."""
 
-    def __init__(self, blocks: ShardBlocks, *, dtype: torch.dtype, tp_group: dist.ProcessGroup | None,
-                 input_tp_group: dist.ProcessGroup | None, quantize_inputs: bool) -> None:
+    def __init__(
+        self,
+        blocks: ShardBlocks,
+        *,
+        dtype: torch.dtype,
+        tp_group: dist.ProcessGroup | None,
+        input_tp_group: dist.ProcessGroup | None,
+        quantize_inputs: bool,
+    ) -> None:
         self.blocks, self.dtype, self.tp_group = blocks, dtype, tp_group
         self.input_tp_group, self.quantize_inputs = input_tp_group, quantize_inputs
         self.master: torch.nn.Parameter | None = None
 
     def pre(self, module, args):
         self.master = module._parameters["weight"]
-        module._parameters["weight"] = fake_quant_weight(self.master, self.blocks, dtype=self.dtype,
-                                                         tp_group=self.tp_group)
+        module._parameters["weight"] = fake_quant_weight(
+            self.master, self.blocks, dtype=self.dtype, tp_group=self.tp_group
+        )
         if self.quantize_inputs:  # the Linear's input is args[0]; returning new args replaces it
-            x = _straight_through(args[0], lambda x: fake_quant_input_values(x, self.blocks,
-                                                                             tp_group=self.input_tp_group))
+            x = _straight_through(
+                args[0], lambda x: fake_quant_input_values(x, self.blocks, tp_group=self.input_tp_group)
+            )
             return (x, *args[1:])
         return None
 
@@ -283,8 +304,11 @@ def apply_engine_dtype_casts(chunks: Sequence[torch.nn.Module], *, skip: set[int
         for name, module in unwrap_model(chunk).named_modules():
             if name.rpartition(".")[2] == "output_layer":
                 continue
-            names = [n for n, p in module._parameters.items()
-                     if p is not None and id(p) not in skip and p.is_floating_point()]
+            names = [
+                n
+                for n, p in module._parameters.items()
+                if p is not None and id(p) not in skip and p.is_floating_point()
+            ]
             if names:
                 hooks = _CastHooks(names, dtype)
                 handles.append(module.register_forward_pre_hook(hooks.pre))
@@ -293,12 +317,22 @@ def apply_engine_dtype_casts(chunks: Sequence[torch.nn.Module], *, skip: set[int
 
 
 def _linears(chunk) -> list[tuple[str, torch.nn.Module]]:
-    return [(name, m) for name, m in chunk.named_modules()
-            if name.rpartition(".")[2] in LINEAR_NAMES and isinstance(m._parameters.get("weight"), torch.nn.Parameter)]
+    return [
+        (name, m)
+        for name, m in chunk.named_modules()
+        if name.rpartition(".")[2] in LINEAR_NAMES and isinstance(m._parameters.get("weight"), torch.nn.Parameter)
+    ]
 
 
-def quantized_linears(chunks: Sequence[torch.nn.Module], hf_config: PretrainedConfig, *, quantized_modules: set[str], block: int,
-                      tp_rank: int, tp_size: int) -> list[tuple[torch.nn.Module, ParamMap, ShardBlocks]]:
+def quantized_linears(
+    chunks: Sequence[torch.nn.Module],
+    hf_config: PretrainedConfig,
+    *,
+    quantized_modules: set[str],
+    block: int,
+    tp_rank: int,
+    tp_size: int,
+) -> list[tuple[torch.nn.Module, ParamMap, ShardBlocks]]:
     """(module, mapping, blocks) of every local Linear whose HF weights the engines hold in FP8."""
     dims = Dims.from_hf(hf_config)
     shapes = expected_hf_shapes(dims)
@@ -313,17 +347,28 @@ def quantized_linears(chunks: Sequence[torch.nn.Module], hf_config: PretrainedCo
             if not any(held):
                 continue
             if not all(held):
-                raise ValueError(f"actor.quantization_aware: the engines' checkpoint holds only some of "
-                                 f"{members} in FP8 (a fused Megatron weight is quantized whole or not at all)")
-            blocks = shard_blocks(pmap, [shapes[n] for n in pmap.hf_names], dims=dims, tp_rank=tp_rank,
-                                  tp_size=tp_size, block=block).to(module.get_parameter("weight").device)
+                raise ValueError(
+                    f"actor.quantization_aware: the engines' checkpoint holds only some of "
+                    f"{members} in FP8 (a fused Megatron weight is quantized whole or not at all)"
+                )
+            blocks = shard_blocks(
+                pmap, [shapes[n] for n in pmap.hf_names], dims=dims, tp_rank=tp_rank, tp_size=tp_size, block=block
+            ).to(module.get_parameter("weight").device)
             found.append((module, pmap, blocks))
     return found
 
 
-def apply_weight_fake_quant(chunks: Sequence[torch.nn.Module], hf_config: PretrainedConfig, layout: ParallelLayout, *,
-                            quantized_modules: set[str], block: int,
-                            dtype: torch.dtype, quantize_inputs: bool = False, cast_unquantized: bool = False) -> list:
+def apply_weight_fake_quant(
+    chunks: Sequence[torch.nn.Module],
+    hf_config: PretrainedConfig,
+    layout: ParallelLayout,
+    *,
+    quantized_modules: set[str],
+    block: int,
+    dtype: torch.dtype,
+    quantize_inputs: bool = False,
+    cast_unquantized: bool = False,
+) -> list:
     """Register the hooks on every FP8 Linear of this rank's chunks (call inside model_parallel, after the
     model is built). Returns the hook handles. quantize_inputs: also give each such Linear its input as
     the engines' GEMM quantizes it (the actor turns it on: SGLang's block-FP8 GEMM always does); needs
@@ -334,30 +379,38 @@ def apply_weight_fake_quant(chunks: Sequence[torch.nn.Module], hf_config: Pretra
     and the tiny fp32 run's mismatch stayed at the unquantized trainer's level without it."""
     experts = sorted(m for m in quantized_modules if ".experts." in m)
     if experts:  # TE's grouped experts hold weight0, weight1, ...: they would be skipped silently
-        raise ValueError(f"actor.quantization_aware: the engines hold MoE experts in FP8 ({experts[0]}, ...), which the "
-                         "quantization-aware forward does not cover")
+        raise ValueError(
+            f"actor.quantization_aware: the engines hold MoE experts in FP8 ({experts[0]}, ...), which the "
+            "quantization-aware forward does not cover"
+        )
     tp_size = layout.tp_size
     tp_group = layout.tp_group if tp_size > 1 else None
-    linears = quantized_linears(chunks, hf_config, quantized_modules=quantized_modules, block=block,
-                                tp_rank=layout.tp_rank, tp_size=tp_size)
+    linears = quantized_linears(
+        chunks, hf_config, quantized_modules=quantized_modules, block=block, tp_rank=layout.tp_rank, tp_size=tp_size
+    )
     if quantized_modules and not linears:
         raise ValueError("actor.quantization_aware: none of the engines' FP8 modules maps to a Linear of this model")
     handles = []
     for module, pmap, blocks in linears:
         in_features = int(blocks.col_block.numel()) * (tp_size if pmap.kind == "row" else 1)
         if quantize_inputs and in_features % block:
-            raise ValueError(f"actor.quantization_aware: {pmap.hf_names[0]} reads {in_features} input features, not a "
-                             f"multiple of the FP8 group {block} (SGLang's block-FP8 GEMM refuses such inputs)")
+            raise ValueError(
+                f"actor.quantization_aware: {pmap.hf_names[0]} reads {in_features} input features, not a "
+                f"multiple of the FP8 group {block} (SGLang's block-FP8 GEMM refuses such inputs)"
+            )
         if quantize_inputs and "LayerNorm" in type(module).__name__:
             # TE's fused norm + Linear (the te spec's linear_qkv / linear_fc1) normalizes inside its forward:
             # a hook sees the input before the norm, and the engines quantize the normalized one
-            raise ValueError(f"actor.quantization_aware: {type(module).__name__} ({pmap.mcore_name}) fuses the norm into "
-                             "the Linear, so its FP8 input cannot be reproduced from a hook; use "
-                             "actor.attention_backend=torch (separate norm modules) with quantization_aware")
+            raise ValueError(
+                f"actor.quantization_aware: {type(module).__name__} ({pmap.mcore_name}) fuses the norm into "
+                "the Linear, so its FP8 input cannot be reproduced from a hook; use "
+                "actor.attention_backend=torch (separate norm modules) with quantization_aware"
+            )
         # a row-parallel Linear's input is split over TP along the channels its groups are made of
         input_tp_group = tp_group if pmap.kind == "row" else None
-        hooks = _Hooks(blocks, dtype=dtype, tp_group=tp_group, input_tp_group=input_tp_group,
-                       quantize_inputs=quantize_inputs)
+        hooks = _Hooks(
+            blocks, dtype=dtype, tp_group=tp_group, input_tp_group=input_tp_group, quantize_inputs=quantize_inputs
+        )
         handles.append(module.register_forward_pre_hook(hooks.pre))
         handles.append(module.register_forward_hook(hooks.post, always_call=True))
     if cast_unquantized:

@@ -30,16 +30,25 @@ def require_fused_kernels(key: str, *, device_type: str) -> None:
     try:
         from dapo_kernels._runtime import why_not_runnable
     except ImportError as err:  # triton missing
-        raise ValueError(f"{key}=true needs dapo_kernels' Triton kernels, which do not import here ({err}); "
-                         f"install triton or set {key}=false (plain torch)") from None
+        raise ValueError(
+            f"{key}=true needs dapo_kernels' Triton kernels, which do not import here ({err}); "
+            f"install triton or set {key}=false (plain torch)"
+        ) from None
     reason = why_not_runnable(device_type)
     if reason is not None:
         raise ValueError(f"{key}=true cannot run here: {reason}. Set {key}=false for the plain-torch path.")
 
 
-def token_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                           temperature: float, tp_group, vocab_size: int | None = None,
-                           fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float,
+    tp_group,
+    vocab_size: int | None = None,
+    fused: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprob[N], entropy[N]) of softmax(hidden @ weight.T / temperature) at `targets`, fp32.
     fused=True: the Triton kernel (compiled, or interpreted on CPU); fused=False: plain torch."""
     hidden = hidden.to(weight.dtype)  # a Float16Module wrapper would hand the output back as fp32

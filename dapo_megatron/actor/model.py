@@ -106,7 +106,9 @@ def rope_settings_of(hf_config: PretrainedConfig) -> tuple[float, float | None]:
     if rope_type == "llama3":
         for key, value in _MEGATRON_LLAMA3_ROPE.items():
             if float(params.get(key, -1)) != value:
-                raise ValueError(f"config.json llama3 RoPE {key}={params.get(key)!r}: megatron-core supports only {value}")
+                raise ValueError(
+                    f"config.json llama3 RoPE {key}={params.get(key)!r}: megatron-core supports only {value}"
+                )
         return float(theta), float(params["factor"])
     raise ValueError(f"config.json rope_type {rope_type!r} is not supported (default and llama3 are)")
 
@@ -115,14 +117,17 @@ def rope_theta_of(hf_config: PretrainedConfig) -> float:
     return rope_settings_of(hf_config)[0]
 
 
-def transformer_config_from_hf(hf_config: PretrainedConfig, *, precision: Precision = "bf16",
-                               sequence_parallel: bool = False,
-                               recompute: Literal["none", "selective", "full"] = "none",
-                               attention_backend: AttentionBackend = "torch"):
+def transformer_config_from_hf(
+    hf_config: PretrainedConfig,
+    *,
+    precision: Precision = "bf16",
+    sequence_parallel: bool = False,
+    recompute: Literal["none", "selective", "full"] = "none",
+    attention_backend: AttentionBackend = "torch",
+):
     """TransformerConfig for the current parallel_state layout (call inside model_parallel())."""
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
-
 
     model_type_of(hf_config)
     if getattr(hf_config, "hidden_act", "silu") != "silu":
@@ -139,8 +144,9 @@ def transformer_config_from_hf(hf_config: PretrainedConfig, *, precision: Precis
     if sequence_parallel and tp == 1:
         raise ValueError("actor.sequence_parallel needs actor.tp > 1")
     if hf_config.num_hidden_layers % (pp * (vpp or 1)):
-        raise ValueError(f"num_hidden_layers={hf_config.num_hidden_layers} is not divisible by "
-                         f"pp*vpp = {pp}*{vpp or 1}")
+        raise ValueError(
+            f"num_hidden_layers={hf_config.num_hidden_layers} is not divisible by pp*vpp = {pp}*{vpp or 1}"
+        )
     on_gpu = torch.cuda.is_available()
     fuse = on_gpu and attention_backend == "te"  # fused kernels need TE / CUDA
     recompute_kwargs: dict[str, str | int] = {}
@@ -197,6 +203,7 @@ def transformer_config_from_hf(hf_config: PretrainedConfig, *, precision: Precis
 # the core attention (TorchSDPAttention: packed and context-parallel causal attention in O(T) memory)
 # is actor/attention.py
 
+
 class TorchRMSNorm(torch.nn.RMSNorm):
     """torch RMSNorm with megatron's norm constructor; unlike WrappedTorchNorm it allows sequence
     parallel: its weight is marked `sequence_parallel` so Megatron all-reduces its gradient over TP."""
@@ -218,8 +225,9 @@ def torch_layer_spec(*, qk_layernorm: bool = False, num_experts: int | None = No
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm, num_experts=num_experts,
-                                    moe_grouped_gemm=False)
+    spec = get_gpt_layer_local_spec(
+        normalization="RMSNorm", qk_layernorm=qk_layernorm, num_experts=num_experts, moe_grouped_gemm=False
+    )
     attention = spec.submodules.self_attention
     replaced = dict(core_attention=ModuleSpec(module=TorchSDPAttention, params={"kernel": attention_kernel}))
     if qk_layernorm:
@@ -238,15 +246,19 @@ def te_layer_spec(*, qk_layernorm: bool = False):
     try:
         import transformer_engine  # noqa: F401
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     except (ImportError, RuntimeError, AssertionError) as err:
-        raise ValueError("actor.attention_backend=te needs Transformer Engine (pip install "
-                         "'transformer-engine[pytorch]' on a CUDA machine, or an NGC container); "
-                         f"use actor.attention_backend=torch without it ({type(err).__name__}: {err})") from err
+        raise ValueError(
+            "actor.attention_backend=te needs Transformer Engine (pip install "
+            "'transformer-engine[pytorch]' on a CUDA machine, or an NGC container); "
+            f"use actor.attention_backend=torch without it ({type(err).__name__}: {err})"
+        ) from err
 
 
-def _block_spec(config, hf_config, vp_stage: int | None, attention_backend: AttentionBackend,
-                attention_kernel: str = "sdpa"):
+def _block_spec(
+    config, hf_config, vp_stage: int | None, attention_backend: AttentionBackend, attention_kernel: str = "sdpa"
+):
     """The decoder block of this (virtual) pipeline stage: one layer spec per layer, MoE or dense as
     the HF config says (actor/moe.py moe_layer_pattern), with our final norm for the torch backend
     (megatron's default would be WrappedTorchNorm, which refuses sequence parallel). The TE
@@ -256,7 +268,6 @@ def _block_spec(config, hf_config, vp_stage: int | None, attention_backend: Atte
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-
     qk_norm = has_qk_norm(hf_config)
     pattern = moe_layer_pattern(hf_config)
     if attention_backend == "te":
@@ -264,11 +275,16 @@ def _block_spec(config, hf_config, vp_stage: int | None, attention_backend: Atte
             return te_layer_spec(qk_layernorm=qk_norm)
         te_layer_spec(qk_layernorm=qk_norm)  # the clear error when TE is missing
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm",
-                                          vp_stage=vp_stage)
+
+        return get_gpt_decoder_block_spec(
+            config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage
+        )
     dense = torch_layer_spec(qk_layernorm=qk_norm, attention_kernel=attention_kernel)
-    sparse = (torch_layer_spec(qk_layernorm=qk_norm, num_experts=config.num_moe_experts, attention_kernel=attention_kernel)
-              if any(pattern) else None)
+    sparse = (
+        torch_layer_spec(qk_layernorm=qk_norm, num_experts=config.num_moe_experts, attention_kernel=attention_kernel)
+        if any(pattern)
+        else None
+    )
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     layer_specs = [sparse if pattern[offset + i] else dense for i in range(num_layers)]
@@ -277,11 +293,20 @@ def _block_spec(config, hf_config, vp_stage: int | None, attention_backend: Atte
 
 # --- the provider ---------------------------------------------------------------------------------
 
-def build_gpt_model(hf_config: PretrainedConfig, *, attention_backend: AttentionBackend = "torch", precision: Precision = "bf16",
-                    sequence_parallel: bool = False, recompute: Literal["none", "selective", "full"] = "none",
-                    pre_process: bool | None = None, post_process: bool | None = None,
-                    vp_stage: int | None = None, vocab_divisible_by: int = VOCAB_DIVISIBLE_BY,
-                    attention_kernel: str = "sdpa") -> GPTModel:
+
+def build_gpt_model(
+    hf_config: PretrainedConfig,
+    *,
+    attention_backend: AttentionBackend = "torch",
+    precision: Precision = "bf16",
+    sequence_parallel: bool = False,
+    recompute: Literal["none", "selective", "full"] = "none",
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    vp_stage: int | None = None,
+    vocab_divisible_by: int = VOCAB_DIVISIBLE_BY,
+    attention_kernel: str = "sdpa",
+) -> GPTModel:
     """One GPTModel chunk for this rank's pipeline stage (and virtual stage `vp_stage`).
 
     Call inside `model_parallel(...)`. pre/post_process default to "first/last (virtual) stage".
@@ -296,8 +321,13 @@ def build_gpt_model(hf_config: PretrainedConfig, *, attention_backend: Attention
         raise ValueError(f"actor.attention_backend={attention_backend!r}: allowed torch, te")
     if attention_backend == "torch":
         check_attention_kernel(attention_kernel)  # flex: CUDA only, refused here rather than in backward
-    config = transformer_config_from_hf(hf_config, precision=precision, sequence_parallel=sequence_parallel,
-                                        recompute=recompute, attention_backend=attention_backend)
+    config = transformer_config_from_hf(
+        hf_config,
+        precision=precision,
+        sequence_parallel=sequence_parallel,
+        recompute=recompute,
+        attention_backend=attention_backend,
+    )
     if config.virtual_pipeline_model_parallel_size is not None and vp_stage is None:
         raise ValueError("virtual pipeline parallelism: pass vp_stage (or use build_model_chunks)")
     if pre_process is None:
@@ -339,6 +369,7 @@ def build_model_chunks(hf_config: PretrainedConfig, **kwargs) -> list[GPTModel]:
 
 # --- packed input helpers -------------------------------------------------------------------------
 
+
 def packed_seq_params_from_lengths(lengths: Sequence[int], *, device: Device = None) -> PackedSeqParams:
     """PackedSeqParams (qkv_format="thd") for sequences of these lengths packed into one row."""
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -351,8 +382,9 @@ def packed_seq_params_from_lengths(lengths: Sequence[int], *, device: Device = N
     cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
     cu_seqlens[1:] = torch.cumsum(lengths_t, 0)
     max_len = int(max(lengths))
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                           max_seqlen_q=max_len, max_seqlen_kv=max_len)
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=max_len, max_seqlen_kv=max_len
+    )
 
 
 def packed_position_ids(lengths: Sequence[int], *, device: Device = None) -> torch.Tensor:

@@ -42,8 +42,11 @@ def moe_layer_pattern(hf_config: PretrainedConfig) -> list[int]:
     return [int(s) for s in shape.sparse_layers]
 
 
-def moe_transformer_kwargs(hf_config: PretrainedConfig, *, attention_backend: str,
-                           ) -> dict[str, int | bool | str | list[int]]:
+def moe_transformer_kwargs(
+    hf_config: PretrainedConfig,
+    *,
+    attention_backend: str,
+) -> dict[str, int | bool | str | list[int]]:
     """TransformerConfig keyword arguments for the experts (empty for a dense model).
 
     Call inside model_parallel(): the expert-parallel sizes come from megatron's parallel state."""
@@ -78,8 +81,10 @@ def check_expert_parallel(hf_config: PretrainedConfig, *, ep: int, etp: int) -> 
     shape = moe_shape_of(hf_config)
     if shape is None:
         if ep > 1:
-            raise ValueError(f"actor.ep={ep}: expert parallelism needs a mixture-of-experts model; "
-                             f"config.json model_type {getattr(hf_config, 'model_type', None)!r} has no experts")
+            raise ValueError(
+                f"actor.ep={ep}: expert parallelism needs a mixture-of-experts model; "
+                f"config.json model_type {getattr(hf_config, 'model_type', None)!r} has no experts"
+            )
         return
     if shape.num_experts % ep:
         raise ValueError(f"actor.ep={ep} must divide the number of experts num_experts={shape.num_experts}")

@@ -103,7 +103,9 @@ def _inner_optimizers(optimizer) -> list:
     return out
 
 
-def storages_by_category(tensors: dict[str, list[torch.Tensor]], *, device: str) -> dict[str, dict[int, torch.UntypedStorage]]:
+def storages_by_category(
+    tensors: dict[str, list[torch.Tensor]], *, device: str
+) -> dict[str, dict[int, torch.UntypedStorage]]:
     """{category: {storage id: storage}} over the tensors on `device`, each storage in ONE category
     (the first of CATEGORIES that holds a view of it). The id is the storage's C++ object
     (`_cdata`): stable across resize_, unlike data_ptr, which is 0 for every freed storage."""

@@ -24,9 +24,18 @@ import math
 import torch
 
 
-def build_optimizer(model_chunks: list, *, lr: float, weight_decay: float, adam_beta1: float,
-                    adam_beta2: float, grad_clip: float, precision: str, use_distributed_optimizer: bool,
-                    adam_eps: float = 1e-8):
+def build_optimizer(
+    model_chunks: list,
+    *,
+    lr: float,
+    weight_decay: float,
+    adam_beta1: float,
+    adam_beta2: float,
+    grad_clip: float,
+    precision: str,
+    use_distributed_optimizer: bool,
+    adam_eps: float = 1e-8,
+):
     """megatron.core.optimizer.get_megatron_optimizer over DDP-wrapped chunks (AdamW, fp32 master
     weights for bf16/fp16 models). Clipping is done by `guarded_step`, which knows the grad norm."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -48,8 +57,16 @@ def build_optimizer(model_chunks: list, *, lr: float, weight_decay: float, adam_
     return get_megatron_optimizer(config, model_chunks)
 
 
-def build_lr_schedule(optimizer, *, lr: float, warmup_steps: int, weight_decay: float,
-                      decay_style: str = "constant", min_lr: float = 0.0, total_steps: int = 0):
+def build_lr_schedule(
+    optimizer,
+    *,
+    lr: float,
+    warmup_steps: int,
+    weight_decay: float,
+    decay_style: str = "constant",
+    min_lr: float = 0.0,
+    total_steps: int = 0,
+):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     if decay_style not in ("constant", "linear", "cosine"):
@@ -103,7 +120,9 @@ def guarded_step(optimizer, *, grad_clip: float, loss_is_finite: bool) -> tuple[
             params = opt.get_parameters()
             if params:
                 clip_grad_by_total_norm_fp32(
-                    params, max_norm=grad_clip, total_norm=grad_norm,
+                    params,
+                    max_norm=grad_clip,
+                    total_norm=grad_norm,
                     use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
                 )
     return bool(optimizer.step_with_ready_grads()), grad_norm
@@ -134,7 +153,7 @@ def adam_step(optimizer) -> int:
     """The inner Adam step counter (the same for every parameter; 0 before the first update)."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
-        for state in (inner.state.values() if inner is not None else ()):
+        for state in inner.state.values() if inner is not None else ():
             if "step" in state:
                 return int(state["step"])
     return 0
@@ -147,6 +166,6 @@ def set_adam_step(optimizer, step: int) -> None:
     step's weights differed from an uninterrupted run while its loss was identical)."""
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = getattr(opt, "optimizer", None)
-        for state in (inner.state.values() if inner is not None else ()):
+        for state in inner.state.values() if inner is not None else ():
             if "step" in state:
                 state["step"] = torch.tensor(float(step), dtype=state["step"].dtype, device=state["step"].device)

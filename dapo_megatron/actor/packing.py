@@ -119,7 +119,9 @@ def pack_micro_batch(
     loss_mask = torch.zeros(length, dtype=torch.float32)
     advantages = torch.zeros(length, dtype=torch.float32)
     per_token = {
-        name: torch.zeros(length, dtype=torch.float32) if all(getattr(s, name) is not None for s in chosen) and chosen else None
+        name: torch.zeros(length, dtype=torch.float32)
+        if all(getattr(s, name) is not None for s in chosen) and chosen
+        else None
         for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs")
     }
 
@@ -164,8 +166,16 @@ def pack_micro_batch(
     )
 
 
-def pack_batch_micro_batch(batch, start: int, stop: int, *, length: int, seq_pad_multiple: int = 1,
-                           pad_token_id: int = 0, mask_truncated: bool = False) -> MicroBatch:
+def pack_batch_micro_batch(
+    batch,
+    start: int,
+    stop: int,
+    *,
+    length: int,
+    seq_pad_multiple: int = 1,
+    pad_token_id: int = 0,
+    mask_truncated: bool = False,
+) -> MicroBatch:
     """pack_micro_batch for sequences start..stop-1 of a RolloutBatch (dataplane/batch.py), with
     tensor ops only: the same tensors, bit for bit, as pack_micro_batch on the equivalent Samples
     (tests/unit/test_dataplane_batch.py). An empty range gives a padding-only micro-batch."""
@@ -214,10 +224,19 @@ def pack_batch_micro_batch(batch, start: int, stop: int, *, length: int, seq_pad
         buf[response_dst] = values
         per_token[name] = buf
     return MicroBatch(
-        sample_indices=list(range(start, stop)), seq_lengths=lens.tolist(), seq_lengths_padded=padded.tolist(),
-        tokens=tokens, position_ids=position_ids, seq_ids=seq_ids, targets=targets, response_mask=response_mask,
-        loss_mask=loss_mask, advantages=advantages, old_logprobs=per_token["old_logprobs"],
-        rollout_logprobs=per_token["rollout_logprobs"], ref_logprobs=per_token["ref_logprobs"],
+        sample_indices=list(range(start, stop)),
+        seq_lengths=lens.tolist(),
+        seq_lengths_padded=padded.tolist(),
+        tokens=tokens,
+        position_ids=position_ids,
+        seq_ids=seq_ids,
+        targets=targets,
+        response_mask=response_mask,
+        loss_mask=loss_mask,
+        advantages=advantages,
+        old_logprobs=per_token["old_logprobs"],
+        rollout_logprobs=per_token["rollout_logprobs"],
+        ref_logprobs=per_token["ref_logprobs"],
     )
 
 
@@ -246,8 +265,9 @@ def pack_for_rank(
     """Plan the whole mini-batch (identically on every rank) and build this DP rank's micro-batches."""
     validate_samples(samples)
     lengths = padded_lengths(samples, seq_pad_multiple)
-    plan = plan_micro_batches(lengths, micro_batch_tokens=micro_batch_tokens, dp_size=dp_size,
-                              min_micro_batches=min_micro_batches)
+    plan = plan_micro_batches(
+        lengths, micro_batch_tokens=micro_batch_tokens, dp_size=dp_size, min_micro_batches=min_micro_batches
+    )
     fills = [sum(lengths[i] for i in mb) for share in plan for mb in share]
     shared = round_up(max(max(fills), 1), pad_multiple) if uniform_length else None
     micro_batches = []
@@ -255,8 +275,12 @@ def pack_for_rank(
         own = round_up(max(sum(lengths[i] for i in indices), 1), pad_multiple)
         micro_batches.append(
             pack_micro_batch(
-                samples, indices, length=shared or own, seq_pad_multiple=seq_pad_multiple,
-                pad_token_id=pad_token_id, mask_truncated=mask_truncated,
+                samples,
+                indices,
+                length=shared or own,
+                seq_pad_multiple=seq_pad_multiple,
+                pad_token_id=pad_token_id,
+                mask_truncated=mask_truncated,
             )
         )
     return PackedShare(micro_batches=micro_batches, num_micro_batches=len(plan[dp_rank]), length=shared)

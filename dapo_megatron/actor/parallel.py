@@ -42,8 +42,9 @@ class LaunchEnv:
 def _first_slurm_host(nodelist: str) -> str:
     """First hostname of a Slurm node list: 'gpu[003-005,9],cpu1' -> 'gpu003'."""
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                             text=True, timeout=30, check=True).stdout.split()
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True
+        ).stdout.split()
         if out:
             return out[0]
     except (OSError, subprocess.SubprocessError):
@@ -110,10 +111,12 @@ def gpu_for_local_rank(local_rank: int, local_world_size: int | None, device_cou
         raise ValueError("init_distributed: CUDA is available but no GPU is visible (CUDA_VISIBLE_DEVICES?)")
     ranks = local_world_size if local_world_size is not None else local_rank + 1
     if local_rank >= device_count or ranks > device_count:
-        raise ValueError(f"{ranks} ranks per node (LOCAL_WORLD_SIZE) but {device_count} GPU(s) visible: "
-                         f"LOCAL_RANK={local_rank} would share a GPU with another rank (NCCL refuses duplicate "
-                         "GPUs). Start at most one rank per GPU (torchrun --nproc-per-node, slurm.gpus_per_node, "
-                         "actor.world_size) or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+        raise ValueError(
+            f"{ranks} ranks per node (LOCAL_WORLD_SIZE) but {device_count} GPU(s) visible: "
+            f"LOCAL_RANK={local_rank} would share a GPU with another rank (NCCL refuses duplicate "
+            "GPUs). Start at most one rank per GPU (torchrun --nproc-per-node, slurm.gpus_per_node, "
+            "actor.world_size) or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+        )
     return local_rank
 
 
@@ -124,7 +127,6 @@ def init_distributed(*, timeout_minutes: int = 30) -> LaunchEnv:
     A no-op (apart from returning the layout) when the process group already exists.
     """
     import datetime
-
 
     apply_megatron_compat()
     env = launch_env()
@@ -140,8 +142,9 @@ def init_distributed(*, timeout_minutes: int = 30) -> LaunchEnv:
     timeout = datetime.timedelta(minutes=timeout_minutes)
     init_method = f"tcp://{env.master_addr}:{env.master_port}"
     if not spans_hosts():
-        dist.init_process_group(backend=backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
-                                timeout=timeout)
+        dist.init_process_group(
+            backend=backend, init_method=init_method, rank=env.rank, world_size=env.world_size, timeout=timeout
+        )
         return env
     # Several hosts: each rank's gloo/NCCL interface is the one that routes to the other hosts, chosen
     # before any group exists (dataplane/addresses.py; a host name on 127.0.1.1 would be advertised
@@ -149,13 +152,19 @@ def init_distributed(*, timeout_minutes: int = 30) -> LaunchEnv:
     # peer's address from it; the default group then uses the same store, as init_method would.
     store, _, _ = next(dist.rendezvous(init_method, env.rank, env.world_size, timeout=timeout))
     store.set_timeout(timeout)
-    route = choose_socket_interfaces(env.master_addr, spans_hosts=True, store=store,
-                                     timeout_s=timeout.total_seconds())
+    route = choose_socket_interfaces(env.master_addr, spans_hosts=True, store=store, timeout_s=timeout.total_seconds())
     if route is not None:
-        print(f"[rank {env.rank}] gloo/nccl interface {route.interface} ({route.address}), the route to "
-              f"{route.peer}", flush=True)
-    dist.init_process_group(backend=backend, store=dist.PrefixStore("default_pg", store), rank=env.rank,
-                            world_size=env.world_size, timeout=timeout)
+        print(
+            f"[rank {env.rank}] gloo/nccl interface {route.interface} ({route.address}), the route to {route.peer}",
+            flush=True,
+        )
+    dist.init_process_group(
+        backend=backend,
+        store=dist.PrefixStore("default_pg", store),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=timeout,
+    )
     return env
 
 
@@ -171,8 +180,9 @@ def spans_hosts(environ: dict | None = None) -> bool:
     return False
 
 
-def initialize_model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None,
-                              ep: int = 1, etp: int | None = None) -> None:
+def initialize_model_parallel(
+    *, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None, ep: int = 1, etp: int | None = None
+) -> None:
     """Megatron's parallel_state groups for a TP x CP x DP x PP layout over the whole world, and for
     the experts an ETP x EP x EDP x PP layout over the same ranks (megatron's expert rank generator:
     the expert-parallel group is carved out of the data-parallel ranks; etp None = tp)."""
@@ -188,8 +198,10 @@ def initialize_model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int
     if ep < 1 or expert_etp < 1:
         raise ValueError(f"actor.ep={ep} and actor.etp={etp} must be >= 1")
     if world_size % (expert_etp * ep * pp):
-        raise ValueError(f"world size {world_size} is not a multiple of etp*ep*pp = {expert_etp}*{ep}*{pp} "
-                         "(actor.etp, actor.ep, actor.pp: each pipeline stage's ranks hold etp x ep expert shards)")
+        raise ValueError(
+            f"world size {world_size} is not a multiple of etp*ep*pp = {expert_etp}*{ep}*{pp} "
+            "(actor.etp, actor.ep, actor.pp: each pipeline stage's ranks hold etp x ep expert shards)"
+        )
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -225,31 +237,47 @@ def layout_from_megatron() -> ParallelLayout:
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     return ParallelLayout(
-        rank=dist.get_rank(), world_size=dist.get_world_size(),
-        tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
         tp_group=ps.get_tensor_model_parallel_group(),
-        pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
         pp_group=ps.get_pipeline_model_parallel_group(),
         vpp_size=ps.get_virtual_pipeline_model_parallel_world_size(),
         is_first_stage=ps.is_pipeline_first_stage(ignore_virtual=True),
         is_last_stage=ps.is_pipeline_last_stage(ignore_virtual=True),
-        cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
+        cp_rank=ps.get_context_parallel_rank(),
+        cp_size=ps.get_context_parallel_world_size(),
         cp_group=ps.get_context_parallel_group(),
-        dp_rank=dp_rank, dp_size=dp_size, dp_group=ps.get_data_parallel_group(),
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        dp_group=ps.get_data_parallel_group(),
         dp_cp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
         dp_cp_size=ps.get_data_parallel_world_size(with_context_parallel=True),
         dp_cp_group=ps.get_data_parallel_group(with_context_parallel=True),
-        ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=ps.get_expert_model_parallel_world_size(),
         ep_group=ps.get_expert_model_parallel_group(),
-        etp_rank=ps.get_expert_tensor_parallel_rank(), etp_size=ps.get_expert_tensor_parallel_world_size(),
+        etp_rank=ps.get_expert_tensor_parallel_rank(),
+        etp_size=ps.get_expert_tensor_parallel_world_size(),
         etp_group=ps.get_expert_tensor_parallel_group(),
         replica_group=_replica_group(dp_rank, dp_size),
     )
 
 
 @contextlib.contextmanager
-def model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, vpp: int | None = None, ep: int = 1,
-                   etp: int | None = None, seed: int = 1234) -> Iterator[ParallelLayout]:
+def model_parallel(
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    vpp: int | None = None,
+    ep: int = 1,
+    etp: int | None = None,
+    seed: int = 1234,
+) -> Iterator[ParallelLayout]:
     """Megatron parallel state + RNG tracker for the body, which receives this rank's ParallelLayout
     (dataplane/layout.py) to pass to the actor, the roles and the data plane; destroyed on exit (also
     on errors), and with it the layout's groups.

@@ -54,21 +54,34 @@ def validate_batch_routed_experts(batch: RolloutBatch, *, num_layers: int, topk:
     tokens when the batch was built: RolloutBatch.from_samples)."""
     experts = batch.token_fields.get("routed_experts")
     if experts is None:
-        raise ValueError("the batch carries no routed_experts but actor.routing_replay=true needs the engine's experts "
-                         "(rollout.return_routed_experts=true; SGLang: --enable-return-routed-experts)")
+        raise ValueError(
+            "the batch carries no routed_experts but actor.routing_replay=true needs the engine's experts "
+            "(rollout.return_routed_experts=true; SGLang: --enable-return-routed-experts)"
+        )
     if experts.shape[-1] != num_layers * topk:
-        raise ValueError(f"routed_experts has {experts.shape[-1]} ids per token, the model needs {num_layers * topk} "
-                         f"(layers {num_layers} x top-k {topk})")
+        raise ValueError(
+            f"routed_experts has {experts.shape[-1]} ids per token, the model needs {num_layers * topk} "
+            f"(layers {num_layers} x top-k {topk})"
+        )
     first_rows = batch.seq_offsets[:-1]
     missing = (experts[first_rows, 0] < 0).nonzero()[:, 0] if batch.num_sequences else torch.zeros(0)
     if missing.numel():
-        raise ValueError(f"sequence {int(missing[0])} of the batch: routed_experts is None but "
-                         "actor.routing_replay=true needs the engine's experts of every sequence "
-                         "(rollout.return_routed_experts=true)")
+        raise ValueError(
+            f"sequence {int(missing[0])} of the batch: routed_experts is None but "
+            "actor.routing_replay=true needs the engine's experts of every sequence "
+            "(rollout.return_routed_experts=true)"
+        )
 
 
-def pack_batch_routed_experts(batch: RolloutBatch, sample_indices: Sequence[int], seq_lengths_padded: Sequence[int], *,
-                              length: int, num_layers: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_batch_routed_experts(
+    batch: RolloutBatch,
+    sample_indices: Sequence[int],
+    seq_lengths_padded: Sequence[int],
+    *,
+    length: int,
+    num_layers: int,
+    topk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's experts of one packed micro-batch, aligned with its tokens (packing.py layout):
     ([length, num_layers, topk] int64, [length] bool: the engine reported this token), for
     sequences `sample_indices` (a consecutive run) of a RolloutBatch whose
@@ -103,8 +116,9 @@ def _moe_routers(chunk: GPTModel) -> list[tuple[int, TopKRouter]]:
 class RoutingReplay:
     """Drives the routers of one Actor's model chunks: replay (R3) and the agreement counters."""
 
-    def __init__(self, chunks: Sequence[GPTModel], layout: ParallelLayout, *, num_layers: int, topk: int,
-                 sequence_parallel: bool) -> None:
+    def __init__(
+        self, chunks: Sequence[GPTModel], layout: ParallelLayout, *, num_layers: int, topk: int, sequence_parallel: bool
+    ) -> None:
         self.layout = layout
         self.num_layers, self.topk = num_layers, topk
         self.sequence_parallel = sequence_parallel
@@ -136,8 +150,13 @@ class RoutingReplay:
                 else:
                     router.router_replay.set_router_replay_action(action)
 
-    def before_forward(self, chunk: torch.nn.Module, experts: torch.Tensor, valid: torch.Tensor,
-                       local: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def before_forward(
+        self,
+        chunk: torch.nn.Module,
+        experts: torch.Tensor,
+        valid: torch.Tensor,
+        local: Callable[[torch.Tensor], torch.Tensor],
+    ) -> None:
         """Targets of this chunk's routers for one micro-batch: experts [T, L, k] and valid [T] of the
         packed tokens; `local` cuts a [T, ...] tensor to this CP rank's tokens."""
         if not (self._replay or self._measure):
@@ -191,8 +210,11 @@ class RoutingReplay:
         overlap, exact, tokens = counts.tolist()  # the pass's one host read
         if tokens == 0:
             return {}
-        return {"routing/agreement": overlap / (tokens * self.topk), "routing/exact_match": exact / tokens,
-                "routing/token_layers": tokens}
+        return {
+            "routing/agreement": overlap / (tokens * self.topk),
+            "routing/exact_match": exact / tokens,
+            "routing/token_layers": tokens,
+        }
 
 
 def agreement_counts(own: torch.Tensor, engine: torch.Tensor, valid: torch.Tensor, *, topk: int) -> torch.Tensor:
@@ -204,11 +226,13 @@ def agreement_counts(own: torch.Tensor, engine: torch.Tensor, valid: torch.Tenso
     return torch.stack([(overlap * valid).sum(), ((overlap == topk) & valid).sum(), valid.sum()]).to(torch.float64)
 
 
-def make_routing_replay(chunks: Sequence[GPTModel], hf_config: PretrainedConfig, layout: ParallelLayout, *,
-                        sequence_parallel: bool) -> RoutingReplay | None:
+def make_routing_replay(
+    chunks: Sequence[GPTModel], hf_config: PretrainedConfig, layout: ParallelLayout, *, sequence_parallel: bool
+) -> RoutingReplay | None:
     """A RoutingReplay for a MoE model's chunks, None for a dense model."""
     shape = moe_shape_of(hf_config)
     if shape is None:
         return None
-    return RoutingReplay(chunks, layout, num_layers=hf_config.num_hidden_layers, topk=shape.topk,
-                         sequence_parallel=sequence_parallel)
+    return RoutingReplay(
+        chunks, layout, num_layers=hf_config.num_hidden_layers, topk=shape.topk, sequence_parallel=sequence_parallel
+    )

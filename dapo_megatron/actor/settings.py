@@ -32,9 +32,17 @@ class OptimizerSettings:
 
     @classmethod
     def from_trainer(cls, trainer: TrainerConfig) -> OptimizerSettings:
-        return cls(lr=trainer.lr, warmup_steps=trainer.warmup_steps, lr_decay_style=trainer.lr_decay_style,
-                   min_lr=trainer.min_lr, total_steps=trainer.total_steps, weight_decay=trainer.weight_decay,
-                   grad_clip=trainer.grad_clip, adam_beta1=trainer.adam_beta1, adam_beta2=trainer.adam_beta2)
+        return cls(
+            lr=trainer.lr,
+            warmup_steps=trainer.warmup_steps,
+            lr_decay_style=trainer.lr_decay_style,
+            min_lr=trainer.min_lr,
+            total_steps=trainer.total_steps,
+            weight_decay=trainer.weight_decay,
+            grad_clip=trainer.grad_clip,
+            adam_beta1=trainer.adam_beta1,
+            adam_beta2=trainer.adam_beta2,
+        )
 
 
 @dataclass(frozen=True)
@@ -48,7 +56,17 @@ class ActorSettings:
     def objective(self) -> ObjectiveSettings:
         """The loss keys of the algorithm section as algo/objective.py's scalars."""
         al = self.algorithm
-        return ObjectiveSettings(policy_loss=al.policy_loss, loss_agg_mode=al.loss_agg_mode,
-                                 clip=ClipSettings(eps_low=al.eps_low, eps_high=al.eps_high, clip_ratio_c=al.clip_ratio_c,
-                                                   fused=self.actor.fused_policy_loss),
-                                 tis_cap=al.tis_cap, use_kl=al.use_kl, kl_coef=al.kl_coef, kl_kind=al.kl_kind)
+        return ObjectiveSettings(
+            policy_loss=al.policy_loss,
+            loss_agg_mode=al.loss_agg_mode,
+            clip=ClipSettings(
+                eps_low=al.eps_low,
+                eps_high=al.eps_high,
+                clip_ratio_c=al.clip_ratio_c,
+                fused=self.actor.fused_policy_loss,
+            ),
+            tis_cap=al.tis_cap,
+            use_kl=al.use_kl,
+            kl_coef=al.kl_coef,
+            kl_kind=al.kl_kind,
+        )

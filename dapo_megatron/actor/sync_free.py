@@ -20,8 +20,9 @@ import torch
 from torch import Tensor
 
 
-def thd_positions(cu_seqlens: Tensor, num_local_tokens: int, *, cp_size: int, cp_rank: int,
-                  global_offsets: bool) -> Tensor:
+def thd_positions(
+    cu_seqlens: Tensor, num_local_tokens: int, *, cp_size: int, cp_rank: int, global_offsets: bool
+) -> Tensor:
     """The frequency-table row of each local token of a THD micro-batch, as megatron's
     _get_thd_freqs_on_this_cp_rank slices it: sequence i (global length n_i, n_i / cp_size tokens here)
     holds on CP rank r the chunks r and 2 cp - 1 - r of its 2 cp chunks, so its first half here reads rows
@@ -39,14 +40,21 @@ def thd_positions(cu_seqlens: Tensor, num_local_tokens: int, *, cp_size: int, cp
     else:
         length = local_lengths[seq]
         half = length // 2
-        rows = torch.where(within < half, cp_rank * half + within,
-                           cp_size * length - (cp_rank + 1) * half + (within - half))
+        rows = torch.where(
+            within < half, cp_rank * half + within, cp_size * length - (cp_rank + 1) * half + (within - half)
+        )
     return rows + starts[seq] if global_offsets else rows
 
 
-def apply_rotary_pos_emb_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, rotary_interleaved: bool = False,
-                             multi_latent_attention: bool = False, mscale: float = 1.0,
-                             cp_group: torch.distributed.ProcessGroup | None = None) -> Tensor:
+def apply_rotary_pos_emb_thd(
+    t: Tensor,
+    cu_seqlens: Tensor,
+    freqs: Tensor,
+    rotary_interleaved: bool = False,
+    multi_latent_attention: bool = False,
+    mscale: float = 1.0,
+    cp_group: torch.distributed.ProcessGroup | None = None,
+) -> Tensor:
     """megatron-core's rope_utils._apply_rotary_pos_emb_thd (same signature, same result), without reading
     cu_seqlens on the host: t [T, h, d] local tokens, cu_seqlens [b + 1] global, freqs [max_s, 1, 1, d]."""
     from megatron.core.models.common.embeddings import rope_utils
@@ -58,9 +66,13 @@ def apply_rotary_pos_emb_thd(t: Tensor, cu_seqlens: Tensor, freqs: Tensor, rotar
     # cp_size in THD with CP, so cu_seqlens[-1] is the local token count times cp_size, known on the host
     global_offsets = freqs.dim() >= 1 and freqs.size(0) == t.size(0) * cp_size
     rows = thd_positions(cu_seqlens, t.size(0), cp_size=cp_size, cp_rank=cp_rank, global_offsets=global_offsets)
-    return rope_utils._apply_rotary_pos_emb_bshd(t.unsqueeze(1), freqs[rows], rotary_interleaved=rotary_interleaved,
-                                                 multi_latent_attention=multi_latent_attention,
-                                                 mscale=mscale).squeeze(1)
+    return rope_utils._apply_rotary_pos_emb_bshd(
+        t.unsqueeze(1),
+        freqs[rows],
+        rotary_interleaved=rotary_interleaved,
+        multi_latent_attention=multi_latent_attention,
+        mscale=mscale,
+    ).squeeze(1)
 
 
 def multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):

@@ -42,8 +42,9 @@ def tokens_per_sequence(loss_mask: torch.Tensor, seq_ids: torch.Tensor, num_sequ
     return counts[1:]
 
 
-def count_loss_units_packed(loss_mask: torch.Tensor, seq_ids: torch.Tensor, num_sequences: int, *,
-                            agg_mode: str) -> int:
+def count_loss_units_packed(
+    loss_mask: torch.Tensor, seq_ids: torch.Tensor, num_sequences: int, *, agg_mode: str
+) -> int:
     """D of a packed micro-batch alone (count_loss_units for the packed layout)."""
     check_agg_mode(agg_mode)
     if agg_mode == "token-mean":

@@ -96,7 +96,9 @@ class DynamicSampler:
     def add_round(self, groups: Sequence[Any]) -> int:
         """Add one generation round's scored groups; returns how many of them were kept."""
         if self._taken:
-            raise ValueError("DynamicSampler.add_round: this sampler's batch was already taken; make a new one per step")
+            raise ValueError(
+                "DynamicSampler.add_round: this sampler's batch was already taken; make a new one per step"
+            )
         if self.done:
             raise ValueError(
                 f"DynamicSampler.add_round: sampling is done ({len(self._kept)} groups kept, "

@@ -27,8 +27,19 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-__all__ = ["avg_at_k", "pass_at_k", "pass_ks", "summarize", "majority_correct", "bootstrap_means",
-           "bootstrap_mean_ci", "paired_bootstrap_diff", "BOOTSTRAP_RESAMPLES", "BOOTSTRAP_SEED", "CI_LEVEL"]
+__all__ = [
+    "avg_at_k",
+    "pass_at_k",
+    "pass_ks",
+    "summarize",
+    "majority_correct",
+    "bootstrap_means",
+    "bootstrap_mean_ci",
+    "paired_bootstrap_diff",
+    "BOOTSTRAP_RESAMPLES",
+    "BOOTSTRAP_SEED",
+    "CI_LEVEL",
+]
 
 BOOTSTRAP_RESAMPLES = 2000
 BOOTSTRAP_SEED = 0  # fixed: an interval is a function of the eval's results only
@@ -76,7 +87,7 @@ def pass_ks(n: int) -> list[int]:
     """The j of pass@j an eval reports: the powers of two below n, then n itself (n = 32: 1, 2, 4, 8, 16, 32)."""
     if n < 1:
         raise ValueError(f"pass_ks: n={n} must be >= 1")
-    return [2 ** e for e in range(max(0, math.ceil(math.log2(n)))) if 2 ** e < n] + [n]
+    return [2**e for e in range(max(0, math.ceil(math.log2(n)))) if 2**e < n] + [n]
 
 
 def summarize(correct: torch.Tensor | Sequence[Sequence[float]], *, ks: Iterable[int] = (1,)) -> dict[str, float]:
@@ -115,8 +126,9 @@ def majority_correct(answers: Sequence[str], correct: Sequence[float], *, abstai
     return sum(right[a] / votes[a] for a in tied) / len(tied)
 
 
-def bootstrap_means(values: torch.Tensor | Sequence[float], *, resamples: int = BOOTSTRAP_RESAMPLES,
-                    seed: int = BOOTSTRAP_SEED) -> torch.Tensor:
+def bootstrap_means(
+    values: torch.Tensor | Sequence[float], *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED
+) -> torch.Tensor:
     """[resamples] float64 means of `values` over problems drawn with replacement (the module's rule)."""
     v = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
     if v.numel() == 0:
@@ -137,15 +149,25 @@ def _percentile_interval(means: torch.Tensor, level: float) -> tuple[float, floa
     return float(ordered[low]), float(ordered[high])
 
 
-def bootstrap_mean_ci(values: torch.Tensor | Sequence[float], *, resamples: int = BOOTSTRAP_RESAMPLES,
-                      seed: int = BOOTSTRAP_SEED, level: float = CI_LEVEL) -> tuple[float, float]:
+def bootstrap_mean_ci(
+    values: torch.Tensor | Sequence[float],
+    *,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+    level: float = CI_LEVEL,
+) -> tuple[float, float]:
     """[low, high]: the percentile-bootstrap interval of the mean of per-problem values (e.g. c_i / n)."""
     return _percentile_interval(bootstrap_means(values, resamples=resamples, seed=seed), level)
 
 
-def paired_bootstrap_diff(a: torch.Tensor | Sequence[float], b: torch.Tensor | Sequence[float], *,
-                          resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED,
-                          level: float = CI_LEVEL) -> dict[str, float | str]:
+def paired_bootstrap_diff(
+    a: torch.Tensor | Sequence[float],
+    b: torch.Tensor | Sequence[float],
+    *,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+    level: float = CI_LEVEL,
+) -> dict[str, float | str]:
     """mean(b) - mean(a) over the same problems (a[i] and b[i] are problem i's scores under A and B)
     and its paired-bootstrap interval: every resample draws problems once and uses them for both, so
     the spread of problem difficulty (shared by A and B) cancels. "verdict" is "B better" when the

@@ -37,8 +37,10 @@ def gspo_policy_loss(tokens: LossTokens, clip: ClipSettings) -> tuple[torch.Tens
     if clip.fused:
         raise ValueError("algorithm.policy_loss='gspo' has no fused kernel: set actor.fused_policy_loss=false")
     if clip.clip_ratio_c is not None:
-        raise ValueError(f"algorithm.policy_loss='gspo' has no dual clip: set algorithm.clip_ratio_c=null "
-                         f"(it is {clip.clip_ratio_c})")
+        raise ValueError(
+            f"algorithm.policy_loss='gspo' has no dual clip: set algorithm.clip_ratio_c=null "
+            f"(it is {clip.clip_ratio_c})"
+        )
     dtype, device = t.logprob.dtype, t.logprob.device
     mask = t.mask.to(dtype)
     seq = t.seq_ids.to(device=device, dtype=torch.int64)
@@ -49,9 +51,17 @@ def gspo_policy_loss(tokens: LossTokens, clip: ClipSettings) -> tuple[torch.Tens
     # one advantage per sequence (every token of a sequence carries the same one): scattered, not averaged,
     # so it is the value itself and not a mean with a rounding error
     advantage = zeros.scatter(0, seq, t.advantages.to(dtype))
-    per_sequence = torch.maximum(-advantage * ratio,
-                                 -advantage * torch.clamp(ratio, 1.0 - clip.eps_low, 1.0 + clip.eps_high))
+    per_sequence = torch.maximum(
+        -advantage * ratio, -advantage * torch.clamp(ratio, 1.0 - clip.eps_low, 1.0 + clip.eps_high)
+    )
     loss = (t.weight.to(dtype) * per_sequence[seq]).sum() / t.loss_denominator
-    stats = policy_loss_stats(log_ratio.detach()[seq], ratio.detach()[seq], advantage[seq], t.weight.detach().to(dtype),
-                              eps_low=clip.eps_low, eps_high=clip.eps_high, clip_ratio_c=None)
+    stats = policy_loss_stats(
+        log_ratio.detach()[seq],
+        ratio.detach()[seq],
+        advantage[seq],
+        t.weight.detach().to(dtype),
+        eps_low=clip.eps_low,
+        eps_high=clip.eps_high,
+        clip_ratio_c=None,
+    )
     return loss, {key: value.float() for key, value in stats.items()}

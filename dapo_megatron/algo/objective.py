@@ -25,8 +25,21 @@ from dapo_megatron.algo.policy_loss import ClipSettings, LossTokens
 from dapo_megatron.algo.registry import POLICY_LOSSES
 
 # what objective() returns to be summed over micro-batches and ranks, in this order (ratio_max: a max)
-METRIC_SUMS = ("loss", "pg_loss", "kl_loss", "clipfrac_low", "clipfrac_high", "dualclip_frac", "approx_kl",
-               "ratio_mean", "entropy", "kl", "tis_weight", "num_tokens", "num_weight")
+METRIC_SUMS = (
+    "loss",
+    "pg_loss",
+    "kl_loss",
+    "clipfrac_low",
+    "clipfrac_high",
+    "dualclip_frac",
+    "approx_kl",
+    "ratio_mean",
+    "entropy",
+    "kl",
+    "tis_weight",
+    "num_tokens",
+    "num_weight",
+)
 _WEIGHTED_STATS = ("clipfrac_low", "clipfrac_high", "dualclip_frac", "approx_kl", "ratio_mean")
 
 
@@ -76,8 +89,9 @@ class PackedTokens:
     ref_logprobs: torch.Tensor | None = None  # the reference policy's (with use_kl)
 
 
-def objective(tokens: PackedTokens, settings: ObjectiveSettings, *,
-              loss_denominator: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def objective(
+    tokens: PackedTokens, settings: ObjectiveSettings, *, loss_denominator: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(loss to backpropagate, values): values holds METRIC_SUMS (detached, to be summed) and ratio_max."""
     t, s, denom = tokens, settings, loss_denominator
     mask = t.loss_mask
@@ -92,8 +106,18 @@ def objective(tokens: PackedTokens, settings: ObjectiveSettings, *,
         tis = behaviour_weight(t.old_logprob, t.rollout_logprobs, s.tis_cap)
         pg_weight = weight * tis
     pg_loss, stats = POLICY_LOSSES.get(s.policy_loss)(
-        LossTokens(logprob=t.logprob, old_logprob=t.old_logprob, advantages=t.advantages, mask=mask, weight=pg_weight,
-                   seq_ids=t.seq_ids, num_sequences=t.num_sequences, loss_denominator=denom), s.clip)
+        LossTokens(
+            logprob=t.logprob,
+            old_logprob=t.old_logprob,
+            advantages=t.advantages,
+            mask=mask,
+            weight=pg_weight,
+            seq_ids=t.seq_ids,
+            num_sequences=t.num_sequences,
+            loss_denominator=denom,
+        ),
+        s.clip,
+    )
     kl = torch.zeros_like(t.logprob)
     kl_loss = torch.zeros((), dtype=torch.float32, device=t.logprob.device)
     if s.use_kl:
@@ -104,10 +128,15 @@ def objective(tokens: PackedTokens, settings: ObjectiveSettings, *,
     trained = (mask != 0).float()
     num_weight = stats["num_tokens"].float()  # the stats are means over pg_weight: sums are mean * weight
     values = {
-        "loss": loss.detach(), "pg_loss": pg_loss.detach(), "kl_loss": kl_loss.detach(),
+        "loss": loss.detach(),
+        "pg_loss": pg_loss.detach(),
+        "kl_loss": kl_loss.detach(),
         **{k: stats[k].float() * num_weight for k in _WEIGHTED_STATS},
-        "entropy": (t.entropy.detach() * trained).sum(), "kl": (kl.detach() * trained).sum(),
-        "tis_weight": (tis * trained).sum(), "num_tokens": trained.sum(), "num_weight": num_weight,
+        "entropy": (t.entropy.detach() * trained).sum(),
+        "kl": (kl.detach() * trained).sum(),
+        "tis_weight": (tis * trained).sum(),
+        "num_tokens": trained.sum(),
+        "num_weight": num_weight,
         "ratio_max": stats["ratio_max"].float(),
     }
     return loss, values
@@ -120,8 +149,13 @@ def objective_metrics(sums: dict[str, float], ratio_max: float) -> dict[str, flo
     weight = max(sums["num_weight"], 1e-30)
     tokens = max(sums["num_tokens"], 1.0)
     return {
-        "loss": sums["loss"], "pg_loss": sums["pg_loss"], "kl_loss": sums["kl_loss"],
-        **{k: sums[k] / weight for k in _WEIGHTED_STATS}, "ratio_max": float(ratio_max),
-        "entropy": sums["entropy"] / tokens, "kl": sums["kl"] / tokens, "tis_weight": sums["tis_weight"] / tokens,
+        "loss": sums["loss"],
+        "pg_loss": sums["pg_loss"],
+        "kl_loss": sums["kl_loss"],
+        **{k: sums[k] / weight for k in _WEIGHTED_STATS},
+        "ratio_max": float(ratio_max),
+        "entropy": sums["entropy"] / tokens,
+        "kl": sums["kl"] / tokens,
+        "tis_weight": sums["tis_weight"] / tokens,
         "num_tokens": sums["num_tokens"],
     }

@@ -35,9 +35,7 @@ def overlong_penalty(
     if max_length < 1:
         raise ValueError(f"overlong_penalty: max_length={max_length} must be >= 1")
     if not 0 <= buffer_length <= max_length:
-        raise ValueError(
-            f"overlong_penalty: buffer_length={buffer_length} must be in [0, max_length={max_length}]"
-        )
+        raise ValueError(f"overlong_penalty: buffer_length={buffer_length} must be in [0, max_length={max_length}]")
     if factor < 0:
         raise ValueError(f"overlong_penalty: factor={factor} must be >= 0 (it is subtracted from the reward)")
     lengths_t = torch.as_tensor(lengths)

@@ -102,8 +102,9 @@ def policy_loss(
 
     adv = advantages.to(logprob.dtype).expand_as(logprob)
     weight = mask.to(logprob.dtype)
-    per_token, ratio, log_ratio = policy_loss_terms(logprob, old_logprob, adv, eps_low=eps_low, eps_high=eps_high,
-                                                    clip_ratio_c=clip_ratio_c)
+    per_token, ratio, log_ratio = policy_loss_terms(
+        logprob, old_logprob, adv, eps_low=eps_low, eps_high=eps_high, clip_ratio_c=clip_ratio_c
+    )
 
     masked = per_token * weight
     if agg_mode == "token-mean":
@@ -122,8 +123,15 @@ def policy_loss(
             raise ValueError(f"policy_loss: loss_denominator={denom} must be > 0")
     loss = total / denom
 
-    stats = policy_loss_stats(log_ratio.detach(), ratio.detach(), adv.detach(), weight.detach(), eps_low=eps_low,
-                              eps_high=eps_high, clip_ratio_c=clip_ratio_c)
+    stats = policy_loss_stats(
+        log_ratio.detach(),
+        ratio.detach(),
+        adv.detach(),
+        weight.detach(),
+        eps_low=eps_low,
+        eps_high=eps_high,
+        clip_ratio_c=clip_ratio_c,
+    )
     return loss, {key: value.float() for key, value in stats.items()}
 
 
@@ -161,11 +169,27 @@ def dapo_policy_loss(tokens: LossTokens, clip: ClipSettings) -> tuple[torch.Tens
     weight and the global D (the fused kernel's form too; tests/distributed/test_actor_fused.py)."""
     t = tokens
     if clip.fused:
-        return fused_policy_loss(t.logprob, t.old_logprob, t.advantages, t.weight, eps_low=clip.eps_low,
-                                 eps_high=clip.eps_high, clip_ratio_c=clip.clip_ratio_c,
-                                 loss_denominator=float(t.loss_denominator))
-    return policy_loss(t.logprob, t.old_logprob, t.advantages, t.weight, eps_low=clip.eps_low, eps_high=clip.eps_high,
-                       clip_ratio_c=clip.clip_ratio_c, agg_mode="token-mean", loss_denominator=float(t.loss_denominator))
+        return fused_policy_loss(
+            t.logprob,
+            t.old_logprob,
+            t.advantages,
+            t.weight,
+            eps_low=clip.eps_low,
+            eps_high=clip.eps_high,
+            clip_ratio_c=clip.clip_ratio_c,
+            loss_denominator=float(t.loss_denominator),
+        )
+    return policy_loss(
+        t.logprob,
+        t.old_logprob,
+        t.advantages,
+        t.weight,
+        eps_low=clip.eps_low,
+        eps_high=clip.eps_high,
+        clip_ratio_c=clip.clip_ratio_c,
+        agg_mode="token-mean",
+        loss_denominator=float(t.loss_denominator),
+    )
 
 
 @POLICY_LOSSES.register("grpo")
@@ -173,6 +197,8 @@ def grpo_policy_loss(tokens: LossTokens, clip: ClipSettings) -> tuple[torch.Tens
     """Naive GRPO's PPO surrogate: one symmetric clip range. The arithmetic is dapo's with
     eps_high = eps_low, so the ladder's rung 0 computes what it did before the registry, bit for bit."""
     if clip.eps_high != clip.eps_low:
-        raise ValueError(f"algorithm.policy_loss='grpo' clips symmetrically: algorithm.eps_high={clip.eps_high} must "
-                         f"equal algorithm.eps_low={clip.eps_low} (clip-higher is algorithm.policy_loss='dapo')")
+        raise ValueError(
+            f"algorithm.policy_loss='grpo' clips symmetrically: algorithm.eps_high={clip.eps_high} must "
+            f"equal algorithm.eps_low={clip.eps_low} (clip-higher is algorithm.policy_loss='dapo')"
+        )
     return dapo_policy_loss(tokens, clip)

@@ -32,8 +32,10 @@ class Registry(Generic[F]):
     def register(self, name: str) -> Callable[[F], F]:
         def add(function: F) -> F:
             if name in self._functions and self._functions[name] is not function:
-                raise ValueError(f"{self.key}: {name!r} is registered twice ({self._functions[name].__module__} "
-                                 f"and {function.__module__})")
+                raise ValueError(
+                    f"{self.key}: {name!r} is registered twice ({self._functions[name].__module__} "
+                    f"and {function.__module__})"
+                )
             self._functions[name] = function
             return function
 

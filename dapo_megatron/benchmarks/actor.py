@@ -61,12 +61,28 @@ from dapo_megatron.trainer.settings import actor_settings
 from dapo_megatron.weights.mapping import Dims, expected_hf_shapes
 
 PEAK_FLOPS = {"bf16": 989e12}
-QWEN25_15B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                  num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6,
-                  rope_theta=1000000.0, tie_word_embeddings=True)
+QWEN25_15B = dict(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+)
 # the CPU check's shape: the attention and the packing of long micro-batches, not the FLOPs
-TINY = dict(QWEN25_15B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=512)
+TINY = dict(
+    QWEN25_15B,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+)
 SHAPES = {"qwen2.5-1.5b": QWEN25_15B, "tiny": TINY}
 
 
@@ -91,37 +107,78 @@ def write_random_checkpoint(out_dir: Path, *, num_layers: int, seed: int = 0, sh
     return out_dir
 
 
-def make_mini_batch(*, tokens_per_mb: int, seqs_per_mb: int, num_mb: int, dp: int, vocab: int, seed: int,
-                    prompt_tokens: int | None = None):
+def make_mini_batch(
+    *,
+    tokens_per_mb: int,
+    seqs_per_mb: int,
+    num_mb: int,
+    dp: int,
+    vocab: int,
+    seed: int,
+    prompt_tokens: int | None = None,
+):
     """Samples that fill num_mb micro-batches of tokens_per_mb tokens on each of dp ranks exactly; each sequence
     is a prompt of prompt_tokens (default min(256, half the sequence)) and a response of the rest."""
     gen = torch.Generator().manual_seed(seed)
     length = tokens_per_mb // seqs_per_mb
     prompt = min(256, length // 2) if prompt_tokens is None else prompt_tokens
     if not 1 <= prompt < length:
-        raise ValueError(f"--prompt-tokens {prompt}: must be at least 1 and below the sequence length {length} "
-                         f"(--tokens {tokens_per_mb} / --seqs-per-mb {seqs_per_mb})")
+        raise ValueError(
+            f"--prompt-tokens {prompt}: must be at least 1 and below the sequence length {length} "
+            f"(--tokens {tokens_per_mb} / --seqs-per-mb {seqs_per_mb})"
+        )
     samples = []
     for i in range(seqs_per_mb * num_mb * dp):
         ids = torch.randint(5, vocab, (length,), generator=gen).tolist()
         response = ids[prompt:]
-        samples.append(Sample(prompt_ids=ids[:prompt], response_ids=response, group_index=i,
-                              advantage=1.0 if i % 2 else -1.0,
-                              old_logprobs=[-2.0] * len(response)))
+        samples.append(
+            Sample(
+                prompt_ids=ids[:prompt],
+                response_ids=response,
+                group_index=i,
+                advantage=1.0 if i % 2 else -1.0,
+                old_logprobs=[-2.0] * len(response),
+            )
+        )
     return samples
 
 
 def flops_per_step(samples, *, num_params: int, hidden: int, layers: int) -> float:
     tokens = sum(s.num_tokens for s in samples)
-    attention = 6.0 * layers * hidden * sum(s.num_tokens ** 2 for s in samples)
+    attention = 6.0 * layers * hidden * sum(s.num_tokens**2 for s in samples)
     return 6.0 * num_params * tokens + attention
 
 
 # the CSV's columns, fixed before the first row so that every row is appended the moment it is measured
-FIELDS = ["bench", "model", "precision", "attention", "tp", "pp", "dp", "tokens_per_micro_batch", "prompt_tokens",
-          "micro_batches", "seqs_per_micro_batch", "recompute", "status", "step_s_p50", "step_s_min", "tokens_per_s",
-          "tflops_per_gpu", "mfu", "peak_mem_gib", "host_syncs", "model_freed", "attention_kernel", "loss",
-          "num_params", "device", "num_gpus", "date"]
+FIELDS = [
+    "bench",
+    "model",
+    "precision",
+    "attention",
+    "tp",
+    "pp",
+    "dp",
+    "tokens_per_micro_batch",
+    "prompt_tokens",
+    "micro_batches",
+    "seqs_per_micro_batch",
+    "recompute",
+    "status",
+    "step_s_p50",
+    "step_s_min",
+    "tokens_per_s",
+    "tflops_per_gpu",
+    "mfu",
+    "peak_mem_gib",
+    "host_syncs",
+    "model_freed",
+    "attention_kernel",
+    "loss",
+    "num_params",
+    "device",
+    "num_gpus",
+    "date",
+]
 # A test's way to make one row run out of memory for real: "TOKENS=GIB" allocates GIB GiB on the bench's device
 # in the row of TOKENS tokens per micro-batch, once its actor is built (tests/integration/test_actor_bench_cpu.py).
 EXTRA_ALLOC_ENV = "DAPO_BENCH_ACTOR_EXTRA_ALLOC_GIB"
@@ -130,39 +187,61 @@ EXTRA_ALLOC_ENV = "DAPO_BENCH_ACTOR_EXTRA_ALLOC_GIB"
 def is_out_of_memory(err: BaseException) -> bool:
     """torch.OutOfMemoryError (the CUDA caching allocator), or the CPU allocator's failure, a RuntimeError."""
     return isinstance(err, torch.OutOfMemoryError) or (
-        isinstance(err, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(err))
+        isinstance(err, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(err)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dapo-megatron bench actor", description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768], help="tokens per micro-batch")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
-    parser.add_argument("--attention-kernel", choices=["sdpa", "flex"], default="sdpa",
-                        help="actor.attention_kernel of the torch backend (flex: CUDA only)")
-    parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="peak of one device for MFU (default: 989, H100 bf16, on CUDA; none on CPU)")
+    parser.add_argument(
+        "--attention-kernel",
+        choices=["sdpa", "flex"],
+        default="sdpa",
+        help="actor.attention_kernel of the torch backend (flex: CUDA only)",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="peak of one device for MFU (default: 989, H100 bf16, on CUDA; none on CPU)",
+    )
     parser.add_argument("--seqs-per-mb", type=int, default=2)
-    parser.add_argument("--prompt-tokens", type=int, default=None,
-                        help="prompt length of every sequence (default min(256, half the sequence))")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=None,
+        help="prompt length of every sequence (default min(256, half the sequence))",
+    )
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per DP rank per step")
     parser.add_argument("--steps", type=int, default=5, help="measured steps (after one warm-up step)")
     parser.add_argument("--layers", type=int, default=None, help="default: the shape's")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--attention", choices=["torch", "te"], default="torch")
-    parser.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
-                        help="actor.recompute; the presets use full where selective does not fit (16K+ tokens at 1.5B)")
-    parser.add_argument("--count-syncs", action="store_true",
-                        help="CUDA: run the measured steps under torch.cuda.set_sync_debug_mode('warn') and count "
-                             "the host syncs (column host_syncs; the most frequent call sites are printed)")
+    parser.add_argument(
+        "--recompute",
+        choices=["none", "selective", "full"],
+        default="none",
+        help="actor.recompute; the presets use full where selective does not fit (16K+ tokens at 1.5B)",
+    )
+    parser.add_argument(
+        "--count-syncs",
+        action="store_true",
+        help="CUDA: run the measured steps under torch.cuda.set_sync_debug_mode('warn') and count "
+        "the host syncs (column host_syncs; the most frequent call sites are printed)",
+    )
     parser.add_argument("--checkpoint-dir", default="", help="reuse / write the random HF checkpoint here")
     add_output_args(parser, name="actor")
     args = parser.parse_args(argv)
     for tokens in args.tokens:  # before any model is built
         length = tokens // args.seqs_per_mb
         if args.prompt_tokens is not None and not 1 <= args.prompt_tokens < length:
-            parser.error(f"--prompt-tokens {args.prompt_tokens}: must be at least 1 and below the sequence length "
-                         f"{length} (--tokens {tokens} / --seqs-per-mb {args.seqs_per_mb})")
+            parser.error(
+                f"--prompt-tokens {args.prompt_tokens}: must be at least 1 and below the sequence length "
+                f"{length} (--tokens {tokens} / --seqs-per-mb {args.seqs_per_mb})"
+            )
     shape = SHAPES[args.shape]
     args.layers = args.layers or shape["num_hidden_layers"]
     on_gpu = torch.cuda.is_available()
@@ -198,16 +277,38 @@ def _row(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool, dev
     reachable through the chunk config's callbacks) and model_freed says whether it was."""
     precision: Literal["bf16", "fp32"] = "bf16" if on_gpu else "fp32"
     row: dict[str, Any] = dict.fromkeys(FIELDS, "")
-    row.update({"bench": "actor_train", "model": f"{args.shape}-shape-l{args.layers}", "precision": precision,
-                "attention": args.attention, "tp": args.tp, "pp": args.pp, "tokens_per_micro_batch": tokens_per_mb,
-                "prompt_tokens": args.prompt_tokens if args.prompt_tokens is not None else "",
-                "micro_batches": args.micro_batches, "seqs_per_micro_batch": args.seqs_per_mb,
-                "recompute": args.recompute, "attention_kernel": args.attention_kernel, "device": device,
-                "num_gpus": torch.distributed.get_world_size(), "date": datetime.date.today().isoformat()})
+    row.update(
+        {
+            "bench": "actor_train",
+            "model": f"{args.shape}-shape-l{args.layers}",
+            "precision": precision,
+            "attention": args.attention,
+            "tp": args.tp,
+            "pp": args.pp,
+            "tokens_per_micro_batch": tokens_per_mb,
+            "prompt_tokens": args.prompt_tokens if args.prompt_tokens is not None else "",
+            "micro_batches": args.micro_batches,
+            "seqs_per_micro_batch": args.seqs_per_mb,
+            "recompute": args.recompute,
+            "attention_kernel": args.attention_kernel,
+            "device": device,
+            "num_gpus": torch.distributed.get_world_size(),
+            "date": datetime.date.today().isoformat(),
+        }
+    )
     actor_ref: list = []  # a weak reference to the row's actor, once built
     try:
-        row.update(_measure(args, shape=shape, ckpt=ckpt, tokens_per_mb=tokens_per_mb, on_gpu=on_gpu,
-                            precision=precision, actor_ref=actor_ref))
+        row.update(
+            _measure(
+                args,
+                shape=shape,
+                ckpt=ckpt,
+                tokens_per_mb=tokens_per_mb,
+                on_gpu=on_gpu,
+                precision=precision,
+                actor_ref=actor_ref,
+            )
+        )
         row["status"] = "ok"
     except (torch.OutOfMemoryError, RuntimeError) as err:
         if not is_out_of_memory(err):
@@ -225,16 +326,32 @@ def _row(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool, dev
     return row
 
 
-def _measure(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool, precision: Literal["bf16", "fp32"],
-             actor_ref: list) -> dict:
+def _measure(
+    args,
+    *,
+    shape: dict,
+    ckpt: Path,
+    tokens_per_mb: int,
+    on_gpu: bool,
+    precision: Literal["bf16", "fp32"],
+    actor_ref: list,
+) -> dict:
     peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else (PEAK_FLOPS["bf16"] if on_gpu else None)
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     cfg = Config()
-    cfg.actor = ActorConfig(tp=args.tp, pp=args.pp, attention_backend=args.attention, precision=precision,
-                            micro_batch_tokens=tokens_per_mb, recompute=args.recompute,
-                            use_distributed_optimizer=True, world_size=torch.distributed.get_world_size(),
-                            attention_kernel=args.attention_kernel, fused_logprob=on_gpu,
-                            fused_policy_loss=on_gpu)
+    cfg.actor = ActorConfig(
+        tp=args.tp,
+        pp=args.pp,
+        attention_backend=args.attention,
+        precision=precision,
+        micro_batch_tokens=tokens_per_mb,
+        recompute=args.recompute,
+        use_distributed_optimizer=True,
+        world_size=torch.distributed.get_world_size(),
+        attention_kernel=args.attention_kernel,
+        fused_logprob=on_gpu,
+        fused_policy_loss=on_gpu,
+    )
     cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-6, 0
     with model_parallel(tp=args.tp, pp=args.pp, seed=1) as layout:
         actor = Actor(actor_settings(cfg), ckpt, layout)
@@ -247,9 +364,15 @@ def _measure(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool,
             coll.all_reduce(counts)  # over all ranks: TP/PP shards add up, DP replicas repeat
             dp = layout.dp_size  # read inside the block: the groups are gone after it
             num_params = int(counts.item()) // dp
-            samples = make_mini_batch(tokens_per_mb=tokens_per_mb, seqs_per_mb=args.seqs_per_mb,
-                                      num_mb=args.micro_batches, dp=dp, vocab=actor.hf_config.vocab_size,
-                                      seed=tokens_per_mb, prompt_tokens=args.prompt_tokens)
+            samples = make_mini_batch(
+                tokens_per_mb=tokens_per_mb,
+                seqs_per_mb=args.seqs_per_mb,
+                num_mb=args.micro_batches,
+                dp=dp,
+                vocab=actor.hf_config.vocab_size,
+                seed=tokens_per_mb,
+                prompt_tokens=args.prompt_tokens,
+            )
             times, syncs = [], None
             for step in range(args.steps + 1):
                 counting = args.count_syncs and on_gpu and step > 0
@@ -270,12 +393,16 @@ def _measure(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool,
     flops = flops_per_step(samples, num_params=num_params, hidden=shape["hidden_size"], layers=args.layers)
     num_gpus = torch.distributed.get_world_size()
     return {
-        "dp": dp, "step_s_p50": round(step_s, 4), "step_s_min": round(min(times), 4),
+        "dp": dp,
+        "step_s_p50": round(step_s, 4),
+        "step_s_min": round(min(times), 4),
         "tokens_per_s": round(sum(s.num_tokens for s in samples) / step_s, 1),
         "tflops_per_gpu": round(flops / step_s / num_gpus / 1e12, 1),
         "mfu": round(flops / step_s / num_gpus / peak_flops, 4) if peak_flops else "",
-        "peak_mem_gib": round(peak_mem, 2), "host_syncs": syncs if syncs is not None else "",
-        "loss": round(metrics["loss"], 5), "num_params": num_params,
+        "peak_mem_gib": round(peak_mem, 2),
+        "host_syncs": syncs if syncs is not None else "",
+        "loss": round(metrics["loss"], 5),
+        "num_params": num_params,
     }
 
 
@@ -310,13 +437,25 @@ class _SyncCounter:
         self._caught.__exit__(*exc)
         self.count = len(records)
         sites = collections.Counter(f"{w.filename}:{w.lineno}" for w in records)
-        print(f"host syncs in the measured step: {self.count}" + "".join(
-            f"\n  {n:6d}  {site}" for site, n in sites.most_common(5)))
+        print(
+            f"host syncs in the measured step: {self.count}"
+            + "".join(f"\n  {n:6d}  {site}" for site, n in sites.most_common(5))
+        )
 
 
 def _print_row(row: dict, *, header: bool) -> None:
-    keys = ["tokens_per_micro_batch", "recompute", "status", "step_s_p50", "tokens_per_s", "tflops_per_gpu", "mfu",
-            "peak_mem_gib", "host_syncs", "model_freed"]
+    keys = [
+        "tokens_per_micro_batch",
+        "recompute",
+        "status",
+        "step_s_p50",
+        "tokens_per_s",
+        "tflops_per_gpu",
+        "mfu",
+        "peak_mem_gib",
+        "host_syncs",
+        "model_freed",
+    ]
     if header:
         print(" | ".join(f"{k:>22}" for k in keys))
     print(" | ".join(f"{row[k]!s:>22}" for k in keys))

@@ -61,19 +61,60 @@ from dapo_megatron.transfer.stage_export import StageExporter, gather_manifests,
 
 DEFAULT_LAYOUTS = ("2:dp2", "2:tp2", "2:pp2", "4:dp4", "4:tp2,dp2", "4:pp2,dp2", "4:tp2,pp2", "4:cp2,dp2")
 # The 32B architecture (hidden 5120, 64 layers, 40/8 heads, FFN 27648, vocab 152064) scaled down.
-MODEL = dict(hidden_size=640, intermediate_size=3456, num_hidden_layers=8, num_attention_heads=10,
-             num_key_value_heads=2, vocab_size=19008, max_position_embeddings=32768, rms_norm_eps=1e-6,
-             rope_theta=1000000.0, tie_word_embeddings=False)
-CSV_FIELDS = ("date", "machine", "code", "layout", "world", "tp", "pp", "cp", "dp", "rank", "role", "responses",
-              "tokens", "batch_recv_bytes", "share_bytes", "recv_over_share", "logprob_reduce_recv_bytes",
-              "distribute_s", "bookkeep_s", "export_s", "peak_rss_mb", "py_objects_per_token",
-              "export_peak_mb", "largest_tensor_mb", "largest_bucket_mb")
+MODEL = dict(
+    hidden_size=640,
+    intermediate_size=3456,
+    num_hidden_layers=8,
+    num_attention_heads=10,
+    num_key_value_heads=2,
+    vocab_size=19008,
+    max_position_embeddings=32768,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    tie_word_embeddings=False,
+)
+CSV_FIELDS = (
+    "date",
+    "machine",
+    "code",
+    "layout",
+    "world",
+    "tp",
+    "pp",
+    "cp",
+    "dp",
+    "rank",
+    "role",
+    "responses",
+    "tokens",
+    "batch_recv_bytes",
+    "share_bytes",
+    "recv_over_share",
+    "logprob_reduce_recv_bytes",
+    "distribute_s",
+    "bookkeep_s",
+    "export_s",
+    "peak_rss_mb",
+    "py_objects_per_token",
+    "export_peak_mb",
+    "largest_tensor_mb",
+    "largest_bucket_mb",
+)
 
 
 # ----------------------------------------------------------------------------------- the step's data
 
-def synthetic_samples(*, prompts: int, n: int, seed: int, median_response: int = 2000, sigma: float = 0.9,
-                      max_response: int = 20480, vocab: int = int(MODEL["vocab_size"])) -> list:
+
+def synthetic_samples(
+    *,
+    prompts: int,
+    n: int,
+    seed: int,
+    median_response: int = 2000,
+    sigma: float = 0.9,
+    max_response: int = 20480,
+    vocab: int = int(MODEL["vocab_size"]),
+) -> list:
     """Samples as the sampler returns them (Python lists per token), lengths long-tailed."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -84,9 +125,17 @@ def synthetic_samples(*, prompts: int, n: int, seed: int, median_response: int =
             length = min(max_response, max(16, int(rng.lognormvariate(math.log(median_response), sigma))))
             response = torch.randint(5, vocab, (length,), generator=gen).tolist()
             logprobs = (-torch.rand(length, generator=gen) * 3).tolist()
-            out.append(Sample(prompt_ids=prompt, response_ids=response, group_index=g,
-                              reward=float(rng.choice((-1.0, 1.0))), truncated=length >= max_response,
-                              advantage=rng.uniform(-1.5, 1.5), rollout_logprobs=logprobs))
+            out.append(
+                Sample(
+                    prompt_ids=prompt,
+                    response_ids=response,
+                    group_index=g,
+                    reward=float(rng.choice((-1.0, 1.0))),
+                    truncated=length >= max_response,
+                    advantage=rng.uniform(-1.5, 1.5),
+                    rollout_logprobs=logprobs,
+                )
+            )
     return out
 
 
@@ -98,6 +147,7 @@ def share_tensor_bytes(num_tokens: int, num_response_tokens: int, num_samples: i
 
 
 # ------------------------------------------------------------------------------------ measurements
+
 
 def rss_bytes() -> int:
     with open("/proc/self/statm") as fh:
@@ -120,14 +170,19 @@ def peak_rss_bytes() -> int:
 
 # ------------------------------------------------------------- the implementations being measured
 
+
 def distribute(samples, *, cfg, layout, step_tokens: int) -> tuple[object, dict]:
     """The driver turns the Samples into one RolloutBatch and scatter_batch sends each DP replica
     its token-balanced share of every mini-batch (dataplane/scatter.py)."""
     import torch.distributed as dist
 
     batch = RolloutBatch.from_samples(samples) if dist.get_rank() == 0 else None
-    share, stats = scatter_batch(batch, layout=layout, settings=PackSettings.from_actor_config(cfg.actor),
-                                 sequences_per_mini_batch=cfg.trainer.mini_batch_size * cfg.rollout.n)
+    share, stats = scatter_batch(
+        batch,
+        layout=layout,
+        settings=PackSettings.from_actor_config(cfg.actor),
+        sequences_per_mini_batch=cfg.trainer.mini_batch_size * cfg.rollout.n,
+    )
     return share, {"batch_recv_bytes": stats.bytes_received, "share_bytes": stats.share_bytes}
 
 
@@ -154,14 +209,17 @@ def export(chunks, hf_config, layout, *, bucket_bytes: int) -> dict:
         sizes = [t.numel() * t.element_size() for _, t in bucket]
         largest, largest_bucket = max(largest, *sizes), max(largest_bucket, sum(sizes))
         del bucket
-    return {"largest_tensor_bytes": max(largest, exporter.stats.largest_tensor),
-            "largest_bucket_bytes": max(largest_bucket, exporter.stats.largest_bucket)}
+    return {
+        "largest_tensor_bytes": max(largest, exporter.stats.largest_tensor),
+        "largest_bucket_bytes": max(largest_bucket, exporter.stats.largest_bucket),
+    }
 
 
 CODE_VERSION = "after: tensor batch scattered per DP share + per-stage export"
 
 
 # ----------------------------------------------------------------------------------------- one rank
+
 
 def _parse_layout(text: str) -> dict:
     world, _, parts = text.partition(":")
@@ -180,9 +238,16 @@ def _parse_layout(text: str) -> dict:
 
 def _bench_config(layout: dict, args):
     cfg = Config()
-    cfg.actor = ActorConfig(tp=layout["tp"], pp=layout["pp"], cp=layout["cp"], attention_backend="torch",
-                            precision="bf16", micro_batch_tokens=24576, use_distributed_optimizer=True,
-                            sequence_parallel=layout["tp"] > 1)
+    cfg.actor = ActorConfig(
+        tp=layout["tp"],
+        pp=layout["pp"],
+        cp=layout["cp"],
+        attention_backend="torch",
+        precision="bf16",
+        micro_batch_tokens=24576,
+        use_distributed_optimizer=True,
+        sequence_parallel=layout["tp"] > 1,
+    )
     cfg.rollout.n = args.n
     cfg.trainer.train_batch_size = args.prompts
     cfg.trainer.mini_batch_size = max(1, args.prompts // 16)  # 16 updates per step, as the 32B preset
@@ -191,8 +256,13 @@ def _bench_config(layout: dict, args):
 
 
 def _rank_main(rank: int, layout: dict, args, port: int, queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(layout["world"]), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(layout["world"]),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     import warnings
 
@@ -216,8 +286,13 @@ def _rank_step(layout: dict, args) -> dict:
     cfg = _bench_config(layout, args)
     hf_config = Qwen2Config(**MODEL, torch_dtype="bfloat16")
     with parallel.model_parallel(tp=layout["tp"], pp=layout["pp"], cp=layout["cp"], seed=0) as groups:
-        chunks = build_model_chunks(hf_config, attention_backend="torch", precision="bf16",
-                                    sequence_parallel=cfg.actor.sequence_parallel, vocab_divisible_by=1)
+        chunks = build_model_chunks(
+            hf_config,
+            attention_backend="torch",
+            precision="bf16",
+            sequence_parallel=cfg.actor.sequence_parallel,
+            vocab_divisible_by=1,
+        )
         samples = synthetic_samples(prompts=args.prompts, n=args.n, seed=args.seed) if dist.get_rank() == 0 else None
         tokens = torch.tensor([sum(s.num_tokens for s in samples) if samples else 0])
         coll.broadcast(tokens, src=0)
@@ -252,9 +327,16 @@ def _rank_step(layout: dict, args) -> dict:
         coll.all_reduce(largest_bucket, op=dist.ReduceOp.MAX)
         role = _role(groups)
     return {
-        **recv, **reduce, "tokens": step_tokens, "distribute_s": t1 - t0, "bookkeep_s": t2 - t1, "export_s": t4 - t3,
-        "peak_rss_mb": step_peak / 2**20, "py_objects_per_token": objects / max(step_tokens, 1),
-        "export_peak_mb": max(export_peak, 0) / 2**20, "largest_tensor_mb": exported["largest_tensor_bytes"] / 2**20,
+        **recv,
+        **reduce,
+        "tokens": step_tokens,
+        "distribute_s": t1 - t0,
+        "bookkeep_s": t2 - t1,
+        "export_s": t4 - t3,
+        "peak_rss_mb": step_peak / 2**20,
+        "py_objects_per_token": objects / max(step_tokens, 1),
+        "export_peak_mb": max(export_peak, 0) / 2**20,
+        "largest_tensor_mb": exported["largest_tensor_bytes"] / 2**20,
         "largest_bucket_mb": max(int(largest_bucket), args.bucket_mb << 20) / 2**20,
         "role": role,
     }
@@ -272,9 +354,15 @@ def _import_everything_measured() -> None:
     import importlib
     import pickle  # noqa: F401
 
-    for name in ("dapo_megatron.trainer.train", "dapo_megatron.weights", "dapo_megatron.actor.packing",
-                 "dapo_megatron.dataplane.scatter", "dapo_megatron.dataplane.step_metrics", "dapo_megatron.dataplane.roles",
-                 "dapo_megatron.transfer.stage_export"):
+    for name in (
+        "dapo_megatron.trainer.train",
+        "dapo_megatron.weights",
+        "dapo_megatron.actor.packing",
+        "dapo_megatron.dataplane.scatter",
+        "dapo_megatron.dataplane.step_metrics",
+        "dapo_megatron.dataplane.roles",
+        "dapo_megatron.transfer.stage_export",
+    ):
         try:
             importlib.import_module(name)
         except ImportError:  # a module the measured revision does not have
@@ -316,6 +404,7 @@ def run_layout(layout: dict, args) -> list[dict]:
 
 # ----------------------------------------------------------------------------------------- reporting
 
+
 def summarize(rows: list[dict]) -> dict:
     """The three headline numbers over every layout and rank (module docstring)."""
     receivers = [r for r in rows if r["role"] != "driver" and r["share_bytes"] > 0]
@@ -323,22 +412,30 @@ def summarize(rows: list[dict]) -> dict:
     y = max(r["py_objects_per_token"] for r in rows)
     z = max(r["export_peak_mb"] / r["largest_bucket_mb"] for r in rows)
     quiet = max((r["largest_tensor_mb"] for r in rows if r["role"] == "rank"), default=0.0)
-    return {"batch_bytes_over_share": x, "python_objects_per_token": y, "export_peak_over_bucket": z,
-            "non_sender_largest_tensor_mb": quiet}
+    return {
+        "batch_bytes_over_share": x,
+        "python_objects_per_token": y,
+        "export_peak_over_bucket": z,
+        "non_sender_largest_tensor_mb": quiet,
+    }
 
 
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'layout':<12}{'rank':>5} {'role':<7}{'recv MB':>9}{'share MB':>9}{'recv/share':>11}"
-            f"{'lp-red MB':>10}{'dist s':>8}{'book s':>8}{'export s':>9}{'peak RSS MB':>12}{'obj/tok':>8}"
-            f"{'exp peak MB':>12}{'largest MB':>11}")
+    head = (
+        f"{'layout':<12}{'rank':>5} {'role':<7}{'recv MB':>9}{'share MB':>9}{'recv/share':>11}"
+        f"{'lp-red MB':>10}{'dist s':>8}{'book s':>8}{'export s':>9}{'peak RSS MB':>12}{'obj/tok':>8}"
+        f"{'exp peak MB':>12}{'largest MB':>11}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
         ratio = r["batch_recv_bytes"] / r["share_bytes"] if r["share_bytes"] and r["role"] != "driver" else float("nan")
-        print(f"{r['layout']:<12}{r['rank']:>5} {r['role']:<7}{r['batch_recv_bytes'] / 1e6:>9.2f}"
-              f"{r['share_bytes'] / 1e6:>9.2f}{ratio:>11.2f}{r['logprob_reduce_recv_bytes'] / 1e6:>10.2f}"
-              f"{r['distribute_s']:>8.2f}{r['bookkeep_s']:>8.2f}{r['export_s']:>9.2f}{r['peak_rss_mb']:>12.0f}"
-              f"{r['py_objects_per_token']:>8.3f}{r['export_peak_mb']:>12.1f}{r['largest_tensor_mb']:>11.1f}")
+        print(
+            f"{r['layout']:<12}{r['rank']:>5} {r['role']:<7}{r['batch_recv_bytes'] / 1e6:>9.2f}"
+            f"{r['share_bytes'] / 1e6:>9.2f}{ratio:>11.2f}{r['logprob_reduce_recv_bytes'] / 1e6:>10.2f}"
+            f"{r['distribute_s']:>8.2f}{r['bookkeep_s']:>8.2f}{r['export_s']:>9.2f}{r['peak_rss_mb']:>12.0f}"
+            f"{r['py_objects_per_token']:>8.3f}{r['export_peak_mb']:>12.1f}{r['largest_tensor_mb']:>11.1f}"
+        )
 
 
 def append_csv(path: Path, rows: list[dict]) -> None:
@@ -355,10 +452,14 @@ def append_csv(path: Path, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dapo-megatron bench dataplane", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layouts", default=";".join(DEFAULT_LAYOUTS),
-                        help="';'-separated WORLD:PARTS, parts tpN/ppN/cpN/dpN (default: %(default)s)")
+    parser = argparse.ArgumentParser(
+        prog="dapo-megatron bench dataplane", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--layouts",
+        default=";".join(DEFAULT_LAYOUTS),
+        help="';'-separated WORLD:PARTS, parts tpN/ppN/cpN/dpN (default: %(default)s)",
+    )
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step (the 32B preset: 512)")
     parser.add_argument("--n", type=int, default=16, help="responses per prompt")
     parser.add_argument("--bucket-mb", type=int, default=32, help="weight bucket bound (rollout.weight_bucket_mb)")
@@ -376,16 +477,30 @@ def main(argv: list[str] | None = None) -> int:
     for layout in layouts:
         print(f"[bench dataplane] layout {layout['name']} ...", flush=True)
         for row in run_layout(layout, args):
-            rows.append({**row, "layout": layout["name"], "world": layout["world"], "tp": layout["tp"],
-                         "pp": layout["pp"], "cp": layout["cp"], "dp": layout["dp"], "date": stamp,
-                         "machine": machine, "code": CODE_VERSION, "responses": args.prompts * args.n})
+            rows.append(
+                {
+                    **row,
+                    "layout": layout["name"],
+                    "world": layout["world"],
+                    "tp": layout["tp"],
+                    "pp": layout["pp"],
+                    "cp": layout["cp"],
+                    "dp": layout["dp"],
+                    "date": stamp,
+                    "machine": machine,
+                    "code": CODE_VERSION,
+                    "responses": args.prompts * args.n,
+                }
+            )
     print_table(rows)
     append_csv(Path(args.csv) if args.csv else Path(args.results_dir) / "dataplane.csv", rows)
     s = summarize(rows)
     print(f"largest tensor a non-sending rank materialised in the export: {s['non_sender_largest_tensor_mb']:.1f} MB")
-    print(f"dataplane: batch_bytes_over_share={s['batch_bytes_over_share']:.3f} "
-          f"python_objects_per_token={s['python_objects_per_token']:.3f} "
-          f"export_peak_over_bucket={s['export_peak_over_bucket']:.2f}")
+    print(
+        f"dataplane: batch_bytes_over_share={s['batch_bytes_over_share']:.3f} "
+        f"python_objects_per_token={s['python_objects_per_token']:.3f} "
+        f"export_peak_over_bucket={s['export_peak_over_bucket']:.2f}"
+    )
     return 0
 
 

@@ -36,34 +36,127 @@ from dapo_megatron.rollout.registry import read_registrations
 
 # every route of the CPU engine with the JSON fields its handler reads (garbage is built from these)
 ENDPOINTS: list[tuple[str, str, tuple[str, ...]]] = [
-    ("POST", "/generate", ("input_ids", "text", "sampling_params", "rid", "return_logprob", "stream",
-                           "return_routed_experts", "routed_experts_start_len", "logprob_start_len")),
+    (
+        "POST",
+        "/generate",
+        (
+            "input_ids",
+            "text",
+            "sampling_params",
+            "rid",
+            "return_logprob",
+            "stream",
+            "return_routed_experts",
+            "routed_experts_start_len",
+            "logprob_start_len",
+        ),
+    ),
     ("POST", "/abort_request", ("rid", "abort_all")),
-    ("POST", "/begin_weight_update", ()), ("POST", "/end_weight_update", ()),
-    ("POST", "/init_weights_update_group", ("master_address", "master_port", "rank_offset", "world_size",
-                                            "group_name", "backend")),
+    ("POST", "/begin_weight_update", ()),
+    ("POST", "/end_weight_update", ()),
+    (
+        "POST",
+        "/init_weights_update_group",
+        ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"),
+    ),
     ("POST", "/destroy_weights_update_group", ("group_name",)),
-    ("POST", "/update_weights_from_distributed", ("names", "dtypes", "shapes", "group_name", "flush_cache",
-                                                  "load_format", "weight_version")),
-    ("POST", "/update_weights_from_tensor", ("serialized_named_tensors", "load_format", "flush_cache",
-                                             "weight_version")),
+    (
+        "POST",
+        "/update_weights_from_distributed",
+        ("names", "dtypes", "shapes", "group_name", "flush_cache", "load_format", "weight_version"),
+    ),
+    (
+        "POST",
+        "/update_weights_from_tensor",
+        ("serialized_named_tensors", "load_format", "flush_cache", "weight_version"),
+    ),
     ("POST", "/update_weights_from_disk", ("model_path", "weight_version")),
     ("POST", "/update_weight_version", ("new_version", "abort_all_requests")),
-    ("POST", "/pause_generation", ("mode",)), ("POST", "/continue_generation", ()),
-    ("POST", "/flush_cache", ()), ("POST", "/release_memory_occupation", ("tags",)),
-    ("POST", "/resume_memory_occupation", ("tags",)), ("POST", "/get_weights_by_name", ("name", "truncate_size")),
-    ("GET", "/get_weights_by_name", ("name", "truncate_size")), ("GET", "/flush_cache", ()),
+    ("POST", "/pause_generation", ("mode",)),
+    ("POST", "/continue_generation", ()),
+    ("POST", "/flush_cache", ()),
+    ("POST", "/release_memory_occupation", ("tags",)),
+    ("POST", "/resume_memory_occupation", ("tags",)),
+    ("POST", "/get_weights_by_name", ("name", "truncate_size")),
+    ("GET", "/get_weights_by_name", ("name", "truncate_size")),
+    ("GET", "/flush_cache", ()),
 ]
-GET_QUERIES = ["", "?timeout=abc", "?timeout=nan", "?timeout=1e999", "?timeout=-5", "?name=x&truncate_size=-1",
-               "?name=model.norm.weight&truncate_size=99999999999999999999", "?name=model.norm.weight&truncate_size=x",
-               "?name=%ff%fe", "?truncate_size=1"]
-JUNK: list[Any] = [None, True, False, 0, -1, 1, 2, 255, 10**30, -(10**12), 1.5, -0.0, 1e308, "", "x", "17", "\u00e9\u4e2d",
-        "/", "weights", "abort", "model.norm.weight", [], [1], [-1], [1, 2], ["a"], [["a"]], [[1]], [None], [{}],
-        {}, {"a": 1}, {"max_new_tokens": "x"}, {"n": 10**9}, {"temprature": 1}, [[1, 2], [3]], ["weights", 3]]
-RAW = [b"", b"{", b"[]", b"null", b"17", b'"x"', b"\xff\xfe\x00", b"\x80abc", "{\"a\": \"\u00e9\"}".encode("latin-1"),
-       b'{"input_ids": [1,]}', b"\xef\xbb\xbf{}", b"[" * 5000, b'{"a":' * 3000, b"NaN", b"Infinity",
-       b'{"a": NaN}', b'{"truncate_size": 1e999}', b'{"text": "\\ud800"}', b'{"rid": "\\udfff", "input_ids": [1]}',
-       b'{"model_path": "\\ud800"}', b'{"name": "\\ud800"}', b'{"tags": ["\\ud800"]}', b"\x00" * 100]
+GET_QUERIES = [
+    "",
+    "?timeout=abc",
+    "?timeout=nan",
+    "?timeout=1e999",
+    "?timeout=-5",
+    "?name=x&truncate_size=-1",
+    "?name=model.norm.weight&truncate_size=99999999999999999999",
+    "?name=model.norm.weight&truncate_size=x",
+    "?name=%ff%fe",
+    "?truncate_size=1",
+]
+JUNK: list[Any] = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2,
+    255,
+    10**30,
+    -(10**12),
+    1.5,
+    -0.0,
+    1e308,
+    "",
+    "x",
+    "17",
+    "\u00e9\u4e2d",
+    "/",
+    "weights",
+    "abort",
+    "model.norm.weight",
+    [],
+    [1],
+    [-1],
+    [1, 2],
+    ["a"],
+    [["a"]],
+    [[1]],
+    [None],
+    [{}],
+    {},
+    {"a": 1},
+    {"max_new_tokens": "x"},
+    {"n": 10**9},
+    {"temprature": 1},
+    [[1, 2], [3]],
+    ["weights", 3],
+]
+RAW = [
+    b"",
+    b"{",
+    b"[]",
+    b"null",
+    b"17",
+    b'"x"',
+    b"\xff\xfe\x00",
+    b"\x80abc",
+    '{"a": "\u00e9"}'.encode("latin-1"),
+    b'{"input_ids": [1,]}',
+    b"\xef\xbb\xbf{}",
+    b"[" * 5000,
+    b'{"a":' * 3000,
+    b"NaN",
+    b"Infinity",
+    b'{"a": NaN}',
+    b'{"truncate_size": 1e999}',
+    b'{"text": "\\ud800"}',
+    b'{"rid": "\\udfff", "input_ids": [1]}',
+    b'{"model_path": "\\ud800"}',
+    b'{"name": "\\ud800"}',
+    b'{"tags": ["\\ud800"]}',
+    b"\x00" * 100,
+]
 
 
 def garbage(rng: random.Random, fields: tuple[str, ...]) -> bytes:
@@ -81,13 +174,15 @@ def garbage(rng: random.Random, fields: tuple[str, ...]) -> bytes:
     if kind == 2 or len(raw) < 2:
         return raw
     cut = rng.randrange(1, len(raw))
-    return raw[:cut] if kind == 3 else raw[:cut] + bytes([rng.choice([0xff, 0xc3, 0x00, 0x5b])]) + raw[cut + 1:]
+    return raw[:cut] if kind == 3 else raw[:cut] + bytes([rng.choice([0xFF, 0xC3, 0x00, 0x5B])]) + raw[cut + 1 :]
 
 
-def send(url: str, method: str, path: str, body: bytes | None, *, timeout: float = 300.0,
-         headers: dict | None = None) -> tuple[int, bytes]:
-    req = urllib.request.Request(url + path, data=body, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+def send(
+    url: str, method: str, path: str, body: bytes | None, *, timeout: float = 300.0, headers: dict | None = None
+) -> tuple[int, bytes]:
+    req = urllib.request.Request(
+        url + path, data=body, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read()
@@ -205,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="", help="HF checkpoint the engine serves (default: a tiny random Qwen2)")
     ap.add_argument("--bodies-per-endpoint", type=int, default=300)
     ap.add_argument("--big-mb", type=int, default=50)
-    ap.add_argument("--max-request-mb", type=int, default=0, help="the server's --max-request-bytes in MB (0 = default)")
+    ap.add_argument(
+        "--max-request-mb", type=int, default=0, help="the server's --max-request-bytes in MB (0 = default)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     add_output_args(ap, name="engine_abuse")
     args = ap.parse_args(argv)
@@ -214,12 +311,26 @@ def main(argv: list[str] | None = None) -> int:
         limit = ["--max-request-bytes", str(args.max_request_mb * 1_000_000)] if args.max_request_mb else []
         with served_engine(model, Path(tmp) / "engines", limit) as (url, proc):
             rows = _measure(url, proc.pid, model, args)
-    fields = ["case", "status", "count", "seconds", "peak_rss_mb", "health_s", "small_generate_s", "limit_mb",
-              "machine", "date"]
-    print(f"{'case':<32} {'status':>10} {'count':>6} {'s':>7} {'peak RSS MB':>12} {'/health s':>10} {'small gen s':>12}")
+    fields = [
+        "case",
+        "status",
+        "count",
+        "seconds",
+        "peak_rss_mb",
+        "health_s",
+        "small_generate_s",
+        "limit_mb",
+        "machine",
+        "date",
+    ]
+    print(
+        f"{'case':<32} {'status':>10} {'count':>6} {'s':>7} {'peak RSS MB':>12} {'/health s':>10} {'small gen s':>12}"
+    )
     for r in rows:
-        print(f"{r['case']:<32} {r['status']:>10} {r['count']:>6} {r['seconds']:>7.2f} {r['peak_rss_mb']:>12.0f} "
-              f"{r['health_s']:>10.2f} {r['small_generate_s']:>12.2f}")
+        print(
+            f"{r['case']:<32} {r['status']:>10} {r['count']:>6} {r['seconds']:>7.2f} {r['peak_rss_mb']:>12.0f} "
+            f"{r['health_s']:>10.2f} {r['small_generate_s']:>12.2f}"
+        )
     append_rows(results_csv(args, name="engine_abuse"), rows, fields=fields)
     return 0
 
@@ -230,9 +341,23 @@ def served_engine(model: str, register_dir: Path, extra_args: Sequence[str] = ()
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", model,
-                             "--register-dir", str(register_dir), "--threads", "1", *extra_args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dapo_megatron.cli",
+            "serve-rollout",
+            "--model",
+            model,
+            "--register-dir",
+            str(register_dir),
+            "--threads",
+            "1",
+            *extra_args,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 300
         while not (recs := [r for r in _records(read_registrations, register_dir) if r["pid"] == proc.pid]):
@@ -258,25 +383,45 @@ def _tiny_model(out: Path) -> str:
 
     torch.manual_seed(0)
     tok = build_tiny_tokenizer()
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
     Qwen2ForCausalLM(cfg).save_pretrained(out)
     tok.save_pretrained(out)
     return str(out)
 
 
 def _measure(url: str, pid: int, model: str, args) -> list[dict]:
-    common = {"limit_mb": args.max_request_mb or 16.78, "machine": platform.processor() or platform.machine(),
-              "date": datetime.date.today().isoformat()}
+    common = {
+        "limit_mb": args.max_request_mb or 16.78,
+        "machine": platform.processor() or platform.machine(),
+        "date": datetime.date.today().isoformat(),
+    }
     rows = []
     with PeakRSS(pid) as rss:
         tic = time.perf_counter()
         statuses = garbage_run(url, model, per_endpoint=args.bodies_per_endpoint, seed=args.seed)
         seconds = time.perf_counter() - tic
     total = sum(statuses.values())
-    rows.append({"case": f"garbage x{total} ({len(ENDPOINTS)} routes)", "status": "5xx",
-                 "count": sum(c for s, c in statuses.items() if s >= 500), "seconds": seconds,
-                 "peak_rss_mb": rss.peak / 1e6, "health_s": 0.0, "small_generate_s": 0.0, **common})
+    rows.append(
+        {
+            "case": f"garbage x{total} ({len(ENDPOINTS)} routes)",
+            "status": "5xx",
+            "count": sum(c for s, c in statuses.items() if s >= 500),
+            "seconds": seconds,
+            "peak_rss_mb": rss.peak / 1e6,
+            "health_s": 0.0,
+            "small_generate_s": 0.0,
+            **common,
+        }
+    )
     print(f"garbage statuses: {dict(sorted(statuses.items()))}")
     for name, (length, chunks) in big_bodies(args.big_mb).items():
         for framing in ("content-length", "chunked"):
@@ -287,15 +432,25 @@ def _measure(url: str, pid: int, model: str, args) -> list[dict]:
                 tic = time.perf_counter()
                 try:
                     status: int | str
-                    status, _ = post_streamed(url, "/generate", chunks,
-                                              length=length if framing == "content-length" else None)
+                    status, _ = post_streamed(
+                        url, "/generate", chunks, length=length if framing == "content-length" else None
+                    )
                 except (ConnectionError, http.client.HTTPException) as err:  # the server answered and closed first
                     status = f"closed ({type(err).__name__})"
                 seconds = time.perf_counter() - tic
                 stop.set()
                 prober.join()
             _, chunks = big_bodies(args.big_mb)[name]  # a fresh generator for the next framing
-            rows.append({"case": f"{name} ({framing})", "status": status, "count": 1, "seconds": seconds,
-                         "peak_rss_mb": rss.peak / 1e6, "health_s": lat.get("health_s", 0.0),
-                         "small_generate_s": lat.get("small_generate_s", 0.0), **common})
+            rows.append(
+                {
+                    "case": f"{name} ({framing})",
+                    "status": status,
+                    "count": 1,
+                    "seconds": seconds,
+                    "peak_rss_mb": rss.peak / 1e6,
+                    "health_s": lat.get("health_s", 0.0),
+                    "small_generate_s": lat.get("small_generate_s", 0.0),
+                    **common,
+                }
+            )
     return rows

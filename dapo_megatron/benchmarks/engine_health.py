@@ -35,8 +35,20 @@ from pathlib import Path
 from dapo_megatron.benchmarks.engine_abuse import _tiny_model, send, served_engine
 from dapo_megatron.benchmarks.run import add_output_args, append_rows, check_header, results_csv
 
-FIELDS = ["kind", "bodies", "body_mb", "big_status", "big_request_s", "health_probes", "health_p50_ms",
-          "health_p90_ms", "health_max_ms", "label", "machine", "date"]
+FIELDS = [
+    "kind",
+    "bodies",
+    "body_mb",
+    "big_status",
+    "big_request_s",
+    "health_probes",
+    "health_p50_ms",
+    "health_p90_ms",
+    "health_max_ms",
+    "label",
+    "machine",
+    "date",
+]
 PROMPT_TOKENS = 4000  # under the tiny checkpoint's 4,096-token context
 
 
@@ -46,7 +58,11 @@ def bodies(kind: str, size: int, vocab_size: int) -> tuple[str, bytes]:
         prompt = "[" + ", ".join(["17"] * PROMPT_TOKENS) + "]"
         count = (size - 64) // (len(prompt) + 2)
         last = "[" + ", ".join(["17"] * (PROMPT_TOKENS - 1) + [str(vocab_size + 5)]) + "]"
-        raw = '{"input_ids": [' + ", ".join([prompt] * (count - 1) + [last]) + '], "sampling_params": {"max_new_tokens": 1}}'
+        raw = (
+            '{"input_ids": ['
+            + ", ".join([prompt] * (count - 1) + [last])
+            + '], "sampling_params": {"max_new_tokens": 1}}'
+        )
         return "/generate", raw.encode()
     if kind == "generate-flat-ids":
         count = (size - 64) // 4
@@ -103,10 +119,17 @@ def measure(url: str, kind: str, *, count: int, size: int, vocab_size: int) -> d
     window = [s for t, s in lat if tic <= t < end]  # probes sent while bodies were in flight
     # bodies parsed faster than one probe's round trip leave no probe in the window: no latency to report
     stat = (lambda f: 1e3 * f(window)) if window else (lambda f: float("nan"))
-    return {"kind": kind, "bodies": len(seconds), "body_mb": round(len(body) / 1e6, 2) if body else 0.0,
-            "big_status": "/".join(map(str, sorted(statuses))), "big_request_s": statistics.mean(seconds) if seconds else 0.0,
-            "health_probes": len(window), "health_p50_ms": stat(statistics.median),
-            "health_p90_ms": stat(lambda w: percentile(w, 0.9)), "health_max_ms": stat(max)}
+    return {
+        "kind": kind,
+        "bodies": len(seconds),
+        "body_mb": round(len(body) / 1e6, 2) if body else 0.0,
+        "big_status": "/".join(map(str, sorted(statuses))),
+        "big_request_s": statistics.mean(seconds) if seconds else 0.0,
+        "health_probes": len(window),
+        "health_p50_ms": stat(statistics.median),
+        "health_p90_ms": stat(lambda w: percentile(w, 0.9)),
+        "health_max_ms": stat(max),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,16 +147,27 @@ def main(argv: list[str] | None = None) -> int:
         model = _tiny_model(Path(tmp) / "model")
         vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         with served_engine(model, Path(tmp) / "engines") as (url, _proc):
-            common = {"label": args.label, "machine": platform.processor() or platform.machine(),
-                      "date": datetime.date.today().isoformat()}
+            common = {
+                "label": args.label,
+                "machine": platform.processor() or platform.machine(),
+                "date": datetime.date.today().isoformat(),
+            }
             for kind in args.kinds.split(","):
-                rows.append({**measure(url, kind, count=args.bodies, size=int(args.body_mb * 1e6),
-                                       vocab_size=vocab_size), **common})
-    print(f"{'kind':<22} {'bodies':>6} {'MB':>6} {'status':>6} {'big s':>7} {'probes':>6} {'p50 ms':>8} "
-          f"{'p90 ms':>8} {'max ms':>8}")
+                rows.append(
+                    {
+                        **measure(url, kind, count=args.bodies, size=int(args.body_mb * 1e6), vocab_size=vocab_size),
+                        **common,
+                    }
+                )
+    print(
+        f"{'kind':<22} {'bodies':>6} {'MB':>6} {'status':>6} {'big s':>7} {'probes':>6} {'p50 ms':>8} "
+        f"{'p90 ms':>8} {'max ms':>8}"
+    )
     for r in rows:
-        print(f"{r['kind']:<22} {r['bodies']:>6} {r['body_mb']:>6} {r['big_status']:>6} {r['big_request_s']:>7.2f} "
-              f"{r['health_probes']:>6} {r['health_p50_ms']:>8.1f} {r['health_p90_ms']:>8.1f} {r['health_max_ms']:>8.1f}")
+        print(
+            f"{r['kind']:<22} {r['bodies']:>6} {r['body_mb']:>6} {r['big_status']:>6} {r['big_request_s']:>7.2f} "
+            f"{r['health_probes']:>6} {r['health_p50_ms']:>8.1f} {r['health_p90_ms']:>8.1f} {r['health_max_ms']:>8.1f}"
+        )
     append_rows(csv_path, rows, fields=FIELDS)
     return 0
 

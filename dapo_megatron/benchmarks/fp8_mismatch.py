@@ -59,17 +59,23 @@ def measure(*, model_dir: str, num_prompts: int, seed: int) -> dict[str, float]:
     quantized = [k for k, v in fp8_sd.items() if v.dtype == torch.float8_e4m3fn]
     with torch.no_grad():
         for name in quantized:
-            state[name].copy_(dequantize_block_fp8(fp8_sd[name], fp8_sd[name.removesuffix(".weight") + ".weight_scale_inv"]))
+            state[name].copy_(
+                dequantize_block_fp8(fp8_sd[name], fp8_sd[name.removesuffix(".weight") + ".weight_scale_inv"])
+            )
     ref = _answer_logprobs(fp32, tokenizer, prompts, answers)
     got = _answer_logprobs(fp8_model, tokenizer, prompts, answers)
     diff = (got - ref).abs()
     lin_bf16 = sum(state[k].numel() * 2 for k in quantized)
-    lin_fp8 = sum(fp8_sd[k].numel() + 4 * fp8_sd[k.removesuffix(".weight") + ".weight_scale_inv"].numel()
-                  for k in quantized)  # 1 byte per weight + one fp32 scale per block
+    lin_fp8 = sum(
+        fp8_sd[k].numel() + 4 * fp8_sd[k.removesuffix(".weight") + ".weight_scale_inv"].numel() for k in quantized
+    )  # 1 byte per weight + one fp32 scale per block
     return {
-        "weights_bytes_bf16": bf16_bytes, "weights_bytes_fp8_export": _bytes(fp8_sd),
-        "linear_bytes_bf16": lin_bf16, "linear_bytes_fp8": lin_fp8,
-        "logprob_mismatch_mean": diff.mean().item(), "logprob_mismatch_max": diff.max().item(),
+        "weights_bytes_bf16": bf16_bytes,
+        "weights_bytes_fp8_export": _bytes(fp8_sd),
+        "linear_bytes_bf16": lin_bf16,
+        "linear_bytes_fp8": lin_fp8,
+        "logprob_mismatch_mean": diff.mean().item(),
+        "logprob_mismatch_max": diff.max().item(),
         "tokens": float(diff.numel()),
     }
 

@@ -25,8 +25,35 @@ from dapo_megatron.benchmarks.run import add_output_args, append_rows, results_c
 from dapo_megatron.reward.math_dapo import score
 
 CSV_FIELDS = ["kernel", "provider", "mode", "metric", "unit", "x", "p50", "p20", "p80", "device", "date"]
-WORDS = ("the", "so", "we", "get", "then", "therefore", "let", "x", "=", "+", "-", "\\frac{1}{2}", "$", "sum",
-         "of", "is", "12", "7", "\\cdot", "(", ")", "\n", "Wait,", "check:", "answer", "step", "\\boxed{3}")
+WORDS = (
+    "the",
+    "so",
+    "we",
+    "get",
+    "then",
+    "therefore",
+    "let",
+    "x",
+    "=",
+    "+",
+    "-",
+    "\\frac{1}{2}",
+    "$",
+    "sum",
+    "of",
+    "is",
+    "12",
+    "7",
+    "\\cdot",
+    "(",
+    ")",
+    "\n",
+    "Wait,",
+    "check:",
+    "answer",
+    "step",
+    "\\boxed{3}",
+)
 TAILS = (
     ("\nAnswer: {a}", True),
     ("\nAnswer: {b}", False),
@@ -88,8 +115,10 @@ def main(argv: list[str]) -> int:
     add_output_args(parser, name="reward")
     args = parser.parse_args(argv)
     if args.num < 1 or args.chars < 100 or args.repeats < 1:
-        raise ValueError("bench reward: need --num >= 1, --chars >= 100, --repeats >= 1 "
-                         f"(got {args.num}, {args.chars}, {args.repeats})")
+        raise ValueError(
+            "bench reward: need --num >= 1, --chars >= 100, --repeats >= 1 "
+            f"(got {args.num}, {args.chars}, {args.repeats})"
+        )
 
     times = []
     for _ in range(args.repeats):
@@ -104,8 +133,19 @@ def main(argv: list[str]) -> int:
 
     print(f"{'responses':>10} {'chars':>8} {'seconds p50':>12} {'p20':>8} {'p80':>8} {'responses/s':>12}  device")
     print(f"{args.num:>10} {args.chars:>8} {p50:>12.4f} {p20:>8.4f} {p80:>8.4f} {args.num / p50:>12.0f}  {device}")
-    row = ["reward_math_dapo", "python", "score", f"seconds_per_{args.num}_responses", "s", args.chars,
-           f"{p50:.6f}", f"{p20:.6f}", f"{p80:.6f}", device, date]
+    row = [
+        "reward_math_dapo",
+        "python",
+        "score",
+        f"seconds_per_{args.num}_responses",
+        "s",
+        args.chars,
+        f"{p50:.6f}",
+        f"{p20:.6f}",
+        f"{p80:.6f}",
+        device,
+        date,
+    ]
     append_rows(results_csv(args, name="reward"), [dict(zip(CSV_FIELDS, row))], fields=CSV_FIELDS)
     return 0
 

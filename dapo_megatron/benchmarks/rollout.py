@@ -32,10 +32,18 @@ from dapo_megatron.transfer.weight_sync import DistributedWeightSync, TensorWeig
 def _random_qwen2(out_dir: str, *, hidden: int, layers: int, vocab: int) -> int:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    cfg = Qwen2Config(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
-                      vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False,
-                      bos_token_id=1, eos_token_id=2)
+    cfg = Qwen2Config(
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128),
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(out_dir)
     return sum(p.numel() for p in model.parameters())
@@ -48,8 +56,12 @@ def _row(kernel: str, provider: str, mode: str, metric: str, unit: str, x: objec
     import datetime
 
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    return dict(zip(CSV_FIELDS, (kernel, provider, mode, metric, unit, x, f"{value:.6g}", f"{value:.6g}",
-                                 f"{value:.6g}", _device(), date)))
+    return dict(
+        zip(
+            CSV_FIELDS,
+            (kernel, provider, mode, metric, unit, x, f"{value:.6g}", f"{value:.6g}", f"{value:.6g}", _device(), date),
+        )
+    )
 
 
 async def _run(url: str, model_dir: str, *, new_tokens: int, concurrency: list[int]) -> list[dict]:
@@ -60,13 +72,29 @@ async def _run(url: str, model_dir: str, *, new_tokens: int, concurrency: list[i
         print(f"{'concurrent requests':>20} {'tokens':>8} {'seconds':>8} {'tokens/s':>9}")
         for conc in concurrency:
             tic = time.perf_counter()
-            outs = await asyncio.gather(*(c.generate(input_ids=[1, 5 + i, 9], sampling_params={
-                "max_new_tokens": new_tokens, "ignore_eos": True, "sampling_seed": i}) for i in range(conc)))
+            outs = await asyncio.gather(
+                *(
+                    c.generate(
+                        input_ids=[1, 5 + i, 9],
+                        sampling_params={"max_new_tokens": new_tokens, "ignore_eos": True, "sampling_seed": i},
+                    )
+                    for i in range(conc)
+                )
+            )
             dt = time.perf_counter() - tic
             tokens = sum(len(o["output_ids"]) for o in outs)
             print(f"{conc:>20} {tokens:>8} {dt:>8.2f} {tokens / dt:>9.1f}")
-            rows.append(_row("rollout_generate", "cpu_server", f"new_tokens={new_tokens}", "tokens_per_s", "tok/s",
-                             conc, tokens / dt))
+            rows.append(
+                _row(
+                    "rollout_generate",
+                    "cpu_server",
+                    f"new_tokens={new_tokens}",
+                    "tokens_per_s",
+                    "tok/s",
+                    conc,
+                    tokens / dt,
+                )
+            )
         weights = list(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict().items())
         print(f"\n{'weight sync':>20} {'MB':>8} {'seconds':>8} {'GB/s':>9}")
         sync = DistributedWeightSync(backend="gloo", bucket_bytes=64 << 20)  # flattened buckets
@@ -75,13 +103,31 @@ async def _run(url: str, model_dir: str, *, new_tokens: int, concurrency: list[i
             st = await sync.sync([c], iter(weights), weight_version=f"bench_{step}")
             st.seconds = time.perf_counter() - tic
             print(f"{label:>20} {st.bytes / 1e6:>8.1f} {st.seconds:>8.2f} {st.gb_per_s:>9.3f}")
-            rows.append(_row("weight_sync", "gloo_broadcast", "first" if "1st" in label else "repeat", "gb_per_s",
-                             "GB/s", round(st.bytes / 1e6, 1), st.gb_per_s))
+            rows.append(
+                _row(
+                    "weight_sync",
+                    "gloo_broadcast",
+                    "first" if "1st" in label else "repeat",
+                    "gb_per_s",
+                    "GB/s",
+                    round(st.bytes / 1e6, 1),
+                    st.gb_per_s,
+                )
+            )
         await sync.close([c])
         st = await TensorWeightSync(bucket_bytes=64 << 20).sync([c], iter(weights), weight_version="bench_tensor")
         print(f"{'shared memory':>20} {st.bytes / 1e6:>8.1f} {st.seconds:>8.2f} {st.gb_per_s:>9.3f}")
-        rows.append(_row("weight_sync", "tensor_shared_memory", "repeat", "gb_per_s", "GB/s", round(st.bytes / 1e6, 1),
-                         st.gb_per_s))
+        rows.append(
+            _row(
+                "weight_sync",
+                "tensor_shared_memory",
+                "repeat",
+                "gb_per_s",
+                "GB/s",
+                round(st.bytes / 1e6, 1),
+                st.gb_per_s,
+            )
+        )
     return rows
 
 
@@ -97,19 +143,41 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")
         n = _random_qwen2(model_dir, hidden=args.hidden, layers=args.layers, vocab=args.vocab)
-        print(f"random Qwen2: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {n / 1e6:.1f} M params, "
-              f"fp32, torch threads {torch.get_num_threads()}\n")
+        print(
+            f"random Qwen2: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {n / 1e6:.1f} M params, "
+            f"fp32, torch threads {torch.get_num_threads()}\n"
+        )
         reg = os.path.join(tmp, "engines")
-        proc = subprocess.Popen([sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", model_dir,
-                                 "--port", "0", "--register-dir", reg], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "dapo_megatron.cli",
+                "serve-rollout",
+                "--model",
+                model_dir,
+                "--port",
+                "0",
+                "--register-dir",
+                reg,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             while not (os.path.isdir(reg) and read_registrations(reg)):
                 if proc.poll() is not None:
                     raise RuntimeError("serve-rollout exited")
                 time.sleep(0.2)
             url = read_registrations(reg)[0]["url"]
-            rows = asyncio.run(_run(url, model_dir, new_tokens=args.new_tokens,
-                                    concurrency=[int(x) for x in args.concurrency.split(",")]))
+            rows = asyncio.run(
+                _run(
+                    url,
+                    model_dir,
+                    new_tokens=args.new_tokens,
+                    concurrency=[int(x) for x in args.concurrency.split(",")],
+                )
+            )
         finally:
             proc.kill()
             proc.wait()

@@ -45,10 +45,18 @@ def _random_model(out_dir: str, *, hidden: int, layers: int, vocab: int, seed: i
 
     tok = build_tiny_tokenizer()
     torch.manual_seed(seed)
-    cfg = Qwen2Config(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
-                      vocab_size=max(vocab, len(tok)), max_position_embeddings=4096, tie_word_embeddings=False,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    cfg = Qwen2Config(
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128),
+        vocab_size=max(vocab, len(tok)),
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out_dir)
     tok.save_pretrained(out_dir)
 
@@ -58,17 +66,40 @@ def _prompts(model_dir: str, num: int, seed: int) -> tuple[list[str], list[list[
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     train, _ = synthetic_train_eval(num_train=num, num_eval=1, difficulty=2, seed=seed, style="compact")
-    texts = [tok.apply_chat_template([{"role": "user", "content": r.prompt}], add_generation_prompt=True,
-                                     tokenize=False) for r in train]
-    ids = [tok.apply_chat_template([{"role": "user", "content": r.prompt}], add_generation_prompt=True,
-                                   tokenize=True, return_dict=False) for r in train]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": r.prompt}], add_generation_prompt=True, tokenize=False)
+        for r in train
+    ]
+    ids = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": r.prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for r in train
+    ]
     return texts, ids
 
 
 def _serve(model_dir: str, reg: str, *, dtype: str):
-    proc = subprocess.Popen([sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", model_dir,
-                             "--port", "0", "--register-dir", reg, "--dtype", dtype, "--threads",
-                             str(torch.get_num_threads())], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dapo_megatron.cli",
+            "serve-rollout",
+            "--model",
+            model_dir,
+            "--port",
+            "0",
+            "--register-dir",
+            reg,
+            "--dtype",
+            dtype,
+            "--threads",
+            str(torch.get_num_threads()),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     while not (os.path.isdir(reg) and [r for r in read_registrations(reg) if r.get("pid") == proc.pid]):
         if proc.poll() is not None:
             raise RuntimeError(f"serve-rollout --model {model_dir} exited with {proc.returncode}")
@@ -82,13 +113,18 @@ async def _measure(url: str, prompts: list[list[int]], new_tokens: int) -> tuple
         params = {"max_new_tokens": new_tokens, "ignore_eos": True, "temperature": 1.0}
         await c.generate(input_ids=prompts[:2], sampling_params=params)  # warm-up (first-call allocations)
         tic = time.perf_counter()
-        outs = await asyncio.gather(*(c.generate(input_ids=p, return_logprob=True,
-                                                 sampling_params={**params, "sampling_seed": i})
-                                      for i, p in enumerate(prompts)))
+        outs = await asyncio.gather(
+            *(
+                c.generate(input_ids=p, return_logprob=True, sampling_params={**params, "sampling_seed": i})
+                for i, p in enumerate(prompts)
+            )
+        )
         seconds = time.perf_counter() - tic
     tokens = sum(len(o["output_ids"]) for o in outs)
-    return {"weight_bytes": info["cpu_engine"]["resident_memory_bytes"]["weights"],
-            "tokens_per_s": tokens / seconds}, outs
+    return {
+        "weight_bytes": info["cpu_engine"]["resident_memory_bytes"]["weights"],
+        "tokens_per_s": tokens / seconds,
+    }, outs
 
 
 def _mismatch(model_dir: str, prompts: list[list[int]], outs: list) -> tuple[float, float]:
@@ -100,7 +136,7 @@ def _mismatch(model_dir: str, prompts: list[list[int]], outs: list) -> tuple[flo
     with torch.no_grad():
         for p, o in zip(prompts, outs):
             ids = torch.tensor([p + o["output_ids"]])
-            logp = torch.log_softmax(model(ids).logits[0].double(), -1)[len(p) - 1:-1]
+            logp = torch.log_softmax(model(ids).logits[0].double(), -1)[len(p) - 1 : -1]
             ref = logp.gather(-1, torch.tensor(o["output_ids"])[:, None])[:, 0]
             eng = torch.tensor([x[0] for x in o["meta_info"]["output_token_logprobs"]], dtype=torch.float64)
             diffs.append((eng - ref).abs())
@@ -124,19 +160,32 @@ def run(model_dir: str, *, num_prompts: int, new_tokens: int, seed: int, tmp: st
     print(f"{'engine':>8} {'weights MB':>11} {'tokens/s':>9} {'mismatch mean':>14} {'mismatch max':>13}")
     rows = []
     for label, s in results.items():
-        print(f"{label:>8} {s['weight_bytes'] / 1e6:>11.2f} {s['tokens_per_s']:>9.1f} {s['mismatch_mean']:>14.3e} "
-              f"{s['mismatch_max']:>13.3e}")
+        print(
+            f"{label:>8} {s['weight_bytes'] / 1e6:>11.2f} {s['tokens_per_s']:>9.1f} {s['mismatch_mean']:>14.3e} "
+            f"{s['mismatch_max']:>13.3e}"
+        )
         mode = f"prompts={num_prompts},new_tokens={new_tokens}"
-        rows += [_row("rollout_quant", f"engine_{label}", mode, "weight_bytes", "B", num_prompts, s["weight_bytes"]),
-                 _row("rollout_quant", f"engine_{label}", mode, "tokens_per_s", "tok/s", num_prompts,
-                      s["tokens_per_s"]),
-                 _row("rollout_quant", f"engine_{label}", mode, "logprob_mismatch_mean", "nat", num_prompts,
-                      s["mismatch_mean"]),
-                 _row("rollout_quant", f"engine_{label}", mode, "logprob_mismatch_max", "nat", num_prompts,
-                      s["mismatch_max"])]
+        rows += [
+            _row("rollout_quant", f"engine_{label}", mode, "weight_bytes", "B", num_prompts, s["weight_bytes"]),
+            _row("rollout_quant", f"engine_{label}", mode, "tokens_per_s", "tok/s", num_prompts, s["tokens_per_s"]),
+            _row(
+                "rollout_quant",
+                f"engine_{label}",
+                mode,
+                "logprob_mismatch_mean",
+                "nat",
+                num_prompts,
+                s["mismatch_mean"],
+            ),
+            _row(
+                "rollout_quant", f"engine_{label}", mode, "logprob_mismatch_max", "nat", num_prompts, s["mismatch_max"]
+            ),
+        ]
     ratio = results["fp8"]["weight_bytes"] / results["bf16"]["weight_bytes"]
-    print(f"fp8 / bf16 weight bytes: {ratio:.3f}; tokens/s ratio: "
-          f"{results['fp8']['tokens_per_s'] / results['bf16']['tokens_per_s']:.3f}")
+    print(
+        f"fp8 / bf16 weight bytes: {ratio:.3f}; tokens/s ratio: "
+        f"{results['fp8']['tokens_per_s'] / results['bf16']['tokens_per_s']:.3f}"
+    )
     return rows
 
 
@@ -158,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         if not model_dir:
             model_dir = os.path.join(tmp, "model")
             _random_model(model_dir, hidden=args.hidden, layers=args.layers, vocab=args.vocab, seed=args.seed)
-            print(f"random Qwen2: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
-                  f"torch threads {torch.get_num_threads()}\n")
+            print(
+                f"random Qwen2: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, "
+                f"torch threads {torch.get_num_threads()}\n"
+            )
         rows = run(model_dir, num_prompts=args.prompts, new_tokens=args.new_tokens, seed=args.seed, tmp=tmp)
     append_rows(results_csv(args, name="rollout_quant"), rows, fields=CSV_FIELDS)
     return 0

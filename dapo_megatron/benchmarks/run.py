@@ -42,8 +42,11 @@ DEFAULT_RESULTS_DIR = "results"
 
 def add_output_args(parser: argparse.ArgumentParser, *, name: str) -> None:
     """--results-dir DIR (default ./results) and --csv FILE, the same on every benchmark."""
-    parser.add_argument("--results-dir", default=DEFAULT_RESULTS_DIR,
-                        help=f"directory of the results CSVs; rows go to DIR/{name}.csv (default ./{DEFAULT_RESULTS_DIR})")
+    parser.add_argument(
+        "--results-dir",
+        default=DEFAULT_RESULTS_DIR,
+        help=f"directory of the results CSVs; rows go to DIR/{name}.csv (default ./{DEFAULT_RESULTS_DIR})",
+    )
     parser.add_argument("--csv", default=None, help="append to this CSV file instead (overrides --results-dir)")
 
 
@@ -60,8 +63,10 @@ def check_header(path: str | Path, fields: Iterable[str]) -> None:
     with path.open(newline="") as fh:
         header = next(csv.reader(fh), [])
     if header != fields:
-        raise ValueError(f"{path}: its columns {header} are not this benchmark's {fields} (an older version's "
-                         "file?); pass another --csv or --results-dir, or move the file away")
+        raise ValueError(
+            f"{path}: its columns {header} are not this benchmark's {fields} (an older version's "
+            "file?); pass another --csv or --results-dir, or move the file away"
+        )
 
 
 def append_rows(path: str | Path, rows: Sequence[Mapping[str, object]], *, fields: Iterable[str]) -> Path:

@@ -61,8 +61,17 @@ class DecodeHooks(Protocol):
 
 
 class CpuEngine:
-    def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0, max_batch_size: int = 64,
-                 deterministic: bool = True, context_length: int = 0, device: str = "cpu"):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_batch_size: int = 64,
+        deterministic: bool = True,
+        context_length: int = 0,
+        device: str = "cpu",
+    ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = model_path
@@ -71,16 +80,21 @@ class CpuEngine:
         # colocated path runs for real (CUDA IPC payloads, release/resume of real device memory);
         # sampling stays on the host with the same generators, so draws do not depend on the device
         self.device = torch.device(device)
-        if self.device.type == "cuda" and not (torch.cuda.is_available()
-                                               and (self.device.index or 0) < torch.cuda.device_count()):
-            raise ValueError(f"--device {device}: no such CUDA device here "
-                             f"({torch.cuda.device_count() if torch.cuda.is_available() else 0} visible)")
+        if self.device.type == "cuda" and not (
+            torch.cuda.is_available() and (self.device.index or 0) < torch.cuda.device_count()
+        ):
+            raise ValueError(
+                f"--device {device}: no such CUDA device here "
+                f"({torch.cuda.device_count() if torch.cuda.is_available() else 0} visible)"
+            )
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}")
         self.fp8 = is_fp8_checkpoint(model_path)
         if self.fp8 and self.device.type != "cpu":
-            raise ValueError(f"--device {device}: the block-FP8 engine computes SGLang's FP8 GEMM on the CPU only "
-                             "(cpu_engine/fp8_gemm.py); serve an FP8 checkpoint with --device cpu")
+            raise ValueError(
+                f"--device {device}: the block-FP8 engine computes SGLang's FP8 GEMM on the CPU only "
+                "(cpu_engine/fp8_gemm.py); serve an FP8 checkpoint with --device cpu"
+            )
         if self.fp8:  # block-FP8 export: fp8 weights + block scales, SGLang's w8a8 GEMM (cpu_engine/fp8.py)
             self.model = load_fp8_model(model_path, dtype=self.dtype)
         else:
@@ -105,8 +119,10 @@ class CpuEngine:
         allow_longer = os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "").lower() in ("1", "true")
         if context_length and model_len and context_length > model_len and not allow_longer:
             # as SGLang's ModelConfig._derive_context_length refuses to start
-            raise ValueError(f"--context-length {context_length} is greater than the model's max_position_embeddings "
-                             f"{model_len}; to allow it, set SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1")
+            raise ValueError(
+                f"--context-length {context_length} is greater than the model's max_position_embeddings "
+                f"{model_len}; to allow it, set SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1"
+            )
         self.context_length = context_length or model_len or (1 << 20)
         eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
         eos = eos if eos is not None else cfg.eos_token_id
@@ -130,8 +146,10 @@ class CpuEngine:
     # ------------------------------------------------------------------ model description
     def parameter_specs(self) -> dict[str, dict]:
         """Every name a weight update may target (state_dict keys, tied aliases included)."""
-        return {name: {"shape": shape, "dtype": str(dtype).removeprefix("torch.")}
-                for name, (shape, dtype) in self._param_specs.items()}
+        return {
+            name: {"shape": shape, "dtype": str(dtype).removeprefix("torch.")}
+            for name, (shape, dtype) in self._param_specs.items()
+        }
 
     def _tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.model.state_dict(keep_vars=True))
@@ -173,8 +191,9 @@ class CpuEngine:
             if name not in self._param_specs:
                 raise WeightError(f"unknown parameter name '{name}' (the model has {len(self._param_specs)} tensors)")
             if list(self._param_specs[name][0]) != list(shape):
-                raise WeightError(f"shape mismatch for '{name}': got {list(shape)}, "
-                                  f"model has {self._param_specs[name][0]}")
+                raise WeightError(
+                    f"shape mismatch for '{name}': got {list(shape)}, model has {self._param_specs[name][0]}"
+                )
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Copy tensors in place after checking every one of them (all or nothing)."""
@@ -186,9 +205,11 @@ class CpuEngine:
             # float8 bytes mean nothing without their scale, and a float8 parameter takes only float8 values
             # scaled by the trainer's converter: a bf16/fp32 tensor cast here would skip the scale
             if (tensor.dtype == torch.float8_e4m3fn) != (ours[name].dtype == torch.float8_e4m3fn):
-                raise WeightError(f"dtype mismatch for '{name}': got {str(tensor.dtype).removeprefix('torch.')}, the "
-                                  f"engine holds {str(ours[name].dtype).removeprefix('torch.')} (an FP8 engine takes "
-                                  "the block-FP8 weights of rollout.quantization=fp8; a plain one takes none)")
+                raise WeightError(
+                    f"dtype mismatch for '{name}': got {str(tensor.dtype).removeprefix('torch.')}, the "
+                    f"engine holds {str(ours[name].dtype).removeprefix('torch.')} (an FP8 engine takes "
+                    "the block-FP8 weights of rollout.quantization=fp8; a plain one takes none)"
+                )
         with torch.no_grad():
             for name, tensor in named:
                 ours[name].data.copy_(tensor.to(ours[name].dtype))
@@ -228,8 +249,9 @@ class CpuEngine:
             for p, shape in self._param_shapes:
                 p.data = torch.full(shape, float("nan"), dtype=p.dtype, device=self.device)  # undefined: sync next
             params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-            self.unsynced = {_region(t) for t in self._public_tensors().values()
-                             if t.untyped_storage().data_ptr() in params}
+            self.unsynced = {
+                _region(t) for t in self._public_tensors().values() if t.untyped_storage().data_ptr() in params
+            }
         self.released_tags.difference_update(tags)
 
     @property
@@ -262,16 +284,21 @@ class CpuEngine:
             ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
             mask = torch.zeros((len(rows), width), dtype=torch.long)
             for b, r in enumerate(rows):  # left padding: every row's last token is at -1
-                ids[b, width - len(r):] = torch.tensor(r)
-                mask[b, width - len(r):] = 1
+                ids[b, width - len(r) :] = torch.tensor(r)
+                mask[b, width - len(r) :] = 1
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
             cache = DynamicCache()
         else:
             ids = torch.tensor([[r[-1]] for r in rows], dtype=torch.long)
             positions = positions[:, -1:] + 1
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
-        out = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                         position_ids=positions.to(self.device), past_key_values=cache, use_cache=True)
+        out = self.model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+        )
         self.kv_cache_bytes = sum(t.numel() * t.element_size() for t in _cache_tensors(out.past_key_values))
         return out.logits[:, -1, :].float().cpu(), out.past_key_values, mask, positions
 
@@ -321,8 +348,9 @@ class CpuEngine:
                     self.routing.start(active=any(s.return_routed_experts for s in seqs), batch_size=len(seqs))
                     logits, cache, mask, positions = self._forward(rows)
                 else:
-                    logits, cache, mask, positions = self._forward([s.prompt_ids + s.output_ids for s in seqs],
-                                                                    cache, mask, positions)
+                    logits, cache, mask, positions = self._forward(
+                        [s.prompt_ids + s.output_ids for s in seqs], cache, mask, positions
+                    )
                 for b, s in enumerate(seqs):
                     if done[b]:
                         continue

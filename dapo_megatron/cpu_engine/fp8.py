@@ -50,10 +50,12 @@ class Fp8Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype: torch.dtype, block: int):
         super().__init__()
         self.in_features, self.out_features, self.block = in_features, out_features, block
-        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn),
-                                   requires_grad=False)
-        self.weight_scale_inv = nn.Parameter(torch.ones(block_scale_shape((out_features, in_features), block),
-                                                        dtype=torch.float32), requires_grad=False)
+        self.weight = nn.Parameter(
+            torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn), requires_grad=False
+        )
+        self.weight_scale_inv = nn.Parameter(
+            torch.ones(block_scale_shape((out_features, in_features), block), dtype=torch.float32), requires_grad=False
+        )
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,8 +63,10 @@ class Fp8Linear(nn.Module):
         return block_fp8_linear(x, self.weight, self.weight_scale_inv, self.bias, block=self.block)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"fp8_e4m3fn {self.block}x{self.block} blocks, dynamic fp8 activations per token x {self.block}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"fp8_e4m3fn {self.block}x{self.block} blocks, dynamic fp8 activations per token x {self.block}"
+        )
 
 
 def _quantized_modules(state: dict[str, torch.Tensor]) -> set[str]:
@@ -79,8 +83,10 @@ def load_fp8_model(model_dir: str | Path, *, dtype: torch.dtype):
 
     model_dir = Path(model_dir)
     if (model_dir / "hf_quant_config.json").is_file():
-        raise ValueError(f"{model_dir}: a modelopt export not converted to the block-FP8 rollout layout "
-                         "(hf_quant_config.json present); export it with dapo_megatron.quant.fp8_export.export_fp8_checkpoint")
+        raise ValueError(
+            f"{model_dir}: a modelopt export not converted to the block-FP8 rollout layout "
+            "(hf_quant_config.json present); export it with dapo_megatron.quant.fp8_export.export_fp8_checkpoint"
+        )
     block = int(read_quant_config(model_dir)["weight_block_size"][0])  # ValueError unless block FP8
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -101,23 +107,30 @@ def load_fp8_model(model_dir: str | Path, *, dtype: torch.dtype):
         if not isinstance(linear, nn.Linear):
             raise ValueError(f"{model_dir}: '{name}.weight_scale_inv' names {type(linear).__name__}, not an nn.Linear")
         if linear.in_features % block:
-            raise ValueError(f"{model_dir}: '{name}' takes {linear.in_features} input features, not a multiple of "
-                             f"the FP8 block {block}: SGLang's block-FP8 GEMM quantizes activations per {block} "
-                             "channels and asserts it (per_token_group_quant_fp8); so does this engine")
+            raise ValueError(
+                f"{model_dir}: '{name}' takes {linear.in_features} input features, not a multiple of "
+                f"the FP8 block {block}: SGLang's block-FP8 GEMM quantizes activations per {block} "
+                "channels and asserts it (per_token_group_quant_fp8); so does this engine"
+            )
         if state[f"{name}.weight"].dtype != torch.float8_e4m3fn:
             raise ValueError(f"{model_dir}: '{name}.weight' is {state[f'{name}.weight'].dtype}, expected float8_e4m3fn")
-        setattr(parent, leaf, Fp8Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                                        dtype=dtype, block=block))
+        setattr(
+            parent,
+            leaf,
+            Fp8Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, dtype=dtype, block=block),
+        )
     ours = model.state_dict()
     unknown = sorted(set(state) - set(ours))
     if unknown:
-        raise ValueError(f"{model_dir}: checkpoint tensor '{unknown[0]}' has no place in the model "
-                         f"({len(unknown)} such tensors)")
+        raise ValueError(
+            f"{model_dir}: checkpoint tensor '{unknown[0]}' has no place in the model ({len(unknown)} such tensors)"
+        )
     with torch.no_grad():
         for name, tensor in state.items():
             if list(ours[name].shape) != list(tensor.shape):
-                raise ValueError(f"{model_dir}: '{name}' has shape {list(tensor.shape)}, "
-                                 f"the model {list(ours[name].shape)}")
+                raise ValueError(
+                    f"{model_dir}: '{name}' has shape {list(tensor.shape)}, the model {list(ours[name].shape)}"
+                )
             ours[name].copy_(tensor.to(ours[name].dtype))
     missing = sorted(set(ours) - set(state))
     tied = config.tie_word_embeddings if hasattr(config, "tie_word_embeddings") else False

@@ -23,8 +23,14 @@ from dapo_megatron.quant.fp8_activation import per_token_group_quant_fp8
 from dapo_megatron.quant.fp8_format import BLOCK, block_scale_shape
 
 
-def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                     bias: torch.Tensor | None = None, *, block: int = BLOCK) -> torch.Tensor:
+def block_fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    block: int = BLOCK,
+) -> torch.Tensor:
     """x [..., K] times the block-FP8 weight [N, K] (scales [ceil(N/block), K/block]), SGLang's numerics;
     output [..., N] in x's dtype. ValueError when K is not a multiple of `block`."""
     n, k = weight.shape
@@ -33,14 +39,17 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: to
     if x.shape[-1] != k:
         raise ValueError(f"block_fp8_linear: input dimension {x.shape[-1]}, the weight takes {k}")
     if tuple(weight_scale_inv.shape) != block_scale_shape(weight.shape, block):
-        raise ValueError(f"block_fp8_linear: weight {tuple(weight.shape)} needs scales of shape "
-                         f"{block_scale_shape(weight.shape, block)}, got {tuple(weight_scale_inv.shape)}")
+        raise ValueError(
+            f"block_fp8_linear: weight {tuple(weight.shape)} needs scales of shape "
+            f"{block_scale_shape(weight.shape, block)}, got {tuple(weight_scale_inv.shape)}"
+        )
     x2d = x.reshape(-1, k)
     q, x_scale = per_token_group_quant_fp8(x2d, group=block)  # ValueError unless k % block == 0
     groups = k // block
     # the exact per-tile dot products, [groups, M, N], each rounded to fp32 once
-    dots = torch.einsum("mgk,ngk->gmn", q.double().reshape(-1, groups, block),
-                        weight.double().reshape(n, groups, block)).float()
+    dots = torch.einsum(
+        "mgk,ngk->gmn", q.double().reshape(-1, groups, block), weight.double().reshape(n, groups, block)
+    ).float()
     # the block scale each output column reads in tile g: weight_scale_inv[n // block, g]
     w_scale = weight_scale_inv.float().repeat_interleave(block, dim=0)[:n]  # [N, groups]
     acc = torch.zeros(x2d.shape[0], n, dtype=torch.float32)

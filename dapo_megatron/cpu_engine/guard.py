@@ -76,8 +76,9 @@ class Limits:
 
 def error_response(status: int, message: str, field: str | None = None) -> web.Response:
     """The CPU engine's error shape: a superset of SGLang's {"error": {"message"}} and {"success", "message"}."""
-    return web.json_response({"error": {"message": message, "field": field}, "success": False,
-                              "message": message}, status=status)
+    return web.json_response(
+        {"error": {"message": message, "field": field}, "success": False, "message": message}, status=status
+    )
 
 
 def too_large(limit: int, size: int | None = None) -> RequestError:
@@ -88,8 +89,13 @@ def too_large(limit: int, size: int | None = None) -> RequestError:
 def guard_middleware(limits: Limits):
     @web.middleware
     async def guard(request: web.Request, handler):
-        status = decide(request.method, request.path, request.headers.get("Authorization"),
-                        api_key=limits.api_key, admin_api_key=limits.admin_api_key)
+        status = decide(
+            request.method,
+            request.path,
+            request.headers.get("Authorization"),
+            api_key=limits.api_key,
+            admin_api_key=limits.admin_api_key,
+        )
         if status is not None:
             return web.json_response(refusal_body(status), status=status)
         size = request.content_length
@@ -201,18 +207,19 @@ def loads_yielding(raw: bytes):
 
     def scanner(depth: int):
         def scan_once(s: str, idx: int):
-            char = s[idx:idx + 1]
+            char = s[idx : idx + 1]
             if depth >= _SPLIT_DEPTH or char not in ("{", "["):
                 return _C_SCAN(s, idx)
             if char == "[":
                 j = idx + 1
-                while s[j:j + 1] in _WS and j < len(s):
+                while s[j : j + 1] in _WS and j < len(s):
                     j += 1
-                if s[j:j + 1] not in ("[", "{"):  # an array of scalars (or empty, or malformed)
+                if s[j : j + 1] not in ("[", "{"):  # an array of scalars (or empty, or malformed)
                     return _flat_array(s, idx, pause)
                 return json.decoder.JSONArray((s, idx + 1), scanner(depth + 1))  # type: ignore[attr-defined]
             return json.decoder.JSONObject(  # type: ignore[attr-defined]
-                (s, idx + 1), True, scanner(depth + 1), None, None, memo)
+                (s, idx + 1), True, scanner(depth + 1), None, None, memo
+            )
 
         def scan_and_yield(s: str, idx: int):
             value = scan_once(s, idx)

@@ -34,21 +34,50 @@ from typing import Any
 # SGLang GenerateReqInput fields that change the result and that the CPU engine does not implement:
 # refused when set to anything but their default.
 _UNSUPPORTED_FIELDS: dict[str, Any] = {
-    "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None, "lora_path": None,
-    "top_logprobs_num": (None, 0), "token_ids_logprob": (None, []), "return_hidden_states": (None, False),
-    "session_params": None, "custom_logit_processor": None,
-    "return_text_in_logprobs": (None, False), "return_sampling_mask": (None, False), "return_entropy": (None, False),
+    "input_embeds": None,
+    "image_data": None,
+    "video_data": None,
+    "audio_data": None,
+    "lora_path": None,
+    "top_logprobs_num": (None, 0),
+    "token_ids_logprob": (None, []),
+    "return_hidden_states": (None, False),
+    "session_params": None,
+    "custom_logit_processor": None,
+    "return_text_in_logprobs": (None, False),
+    "return_sampling_mask": (None, False),
+    "return_entropy": (None, False),
 }  # (return_routed_experts / routed_experts_start_len are implemented: MoE routing, rollout/routing.py)
 # SGLang SamplingParams keys the CPU engine implements ...
 _SAMPLING_KEYS = {
-    "n", "temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop", "stop_token_ids", "ignore_eos",
-    "sampling_seed", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval",
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_new_tokens",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "sampling_seed",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "stream_interval",
 }
 # ... and those it refuses unless at their default (value: the defaults SGLang treats as "off")
 _SAMPLING_UNSUPPORTED: dict[str, tuple] = {
-    "frequency_penalty": (0, 0.0, None), "presence_penalty": (0, 0.0, None), "repetition_penalty": (1, 1.0, None),
-    "min_new_tokens": (0, None), "beam_width": (None, 1), "json_schema": (None, ""), "regex": (None, ""),
-    "ebnf": (None, ""), "structural_tag": (None, ""), "stop_regex": (None, "", []), "logit_bias": (None, {}),
+    "frequency_penalty": (0, 0.0, None),
+    "presence_penalty": (0, 0.0, None),
+    "repetition_penalty": (1, 1.0, None),
+    "min_new_tokens": (0, None),
+    "beam_width": (None, 1),
+    "json_schema": (None, ""),
+    "regex": (None, ""),
+    "ebnf": (None, ""),
+    "structural_tag": (None, ""),
+    "stop_regex": (None, "", []),
+    "logit_bias": (None, {}),
     "custom_params": (None, {}),
 }
 # every key SGLang's SamplingParams accepts that the CPU engine knows of (any other key: SGLang's HTTP 500,
@@ -97,8 +126,9 @@ class SequenceRequest:
     routed_experts: Any = None  # [rows, layers, topk] once generated (rollout/routing.py)
 
 
-def _number(value: Any, name: str, *, kind: type, lo: float | None = None, hi: float | None = None,
-            lo_open: bool = False) -> Any:
+def _number(
+    value: Any, name: str, *, kind: type, lo: float | None = None, hi: float | None = None, lo_open: bool = False
+) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         raise RequestError(name, f"must be {'a number' if kind is float else 'an integer'}, got {value!r}")
     if (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi):
@@ -155,7 +185,9 @@ def parse_sampling_params(raw: Any, name: str, *, vocab_size: int) -> SamplingPa
 
 def _token_list(value: Any, name: str, *, vocab_size: int, context_length: int) -> list[int]:
     if not isinstance(value, list) or not value:
-        raise RequestError(name, "input_ids cannot be empty" if value == [] else "must be a non-empty list of token ids")
+        raise RequestError(
+            name, "input_ids cannot be empty" if value == [] else "must be a non-empty list of token ids"
+        )
     if len(value) >= context_length:  # before looking at a million ids one by one (SGLang's message)
         check_context_length(len(value), 0, context_length=context_length, name=name)
     # every id an int (bool is its own type) in range: decided by C builtins, 5x faster than the loop below,
@@ -183,12 +215,17 @@ def _check_unsupported(body: dict) -> None:
 def check_context_length(prompt_len: int, max_new_tokens: int, *, context_length: int, name: str) -> None:
     """SGLang's TokenizerManager._validate_one_request (no auto-truncation), same messages."""
     if prompt_len >= context_length:
-        raise RequestError(name, f"The input ({prompt_len} tokens) is longer than the model's context length "
-                                 f"({context_length} tokens).")
+        raise RequestError(
+            name,
+            f"The input ({prompt_len} tokens) is longer than the model's context length ({context_length} tokens).",
+        )
     if prompt_len + max_new_tokens > context_length:
-        raise RequestError(name, f"Requested token count exceeds the model's maximum context length of {context_length} "
-                                 f"tokens. You requested a total of {prompt_len + max_new_tokens} tokens: {prompt_len} "
-                                 f"tokens from the input messages and {max_new_tokens} tokens for the completion.")
+        raise RequestError(
+            name,
+            f"Requested token count exceeds the model's maximum context length of {context_length} "
+            f"tokens. You requested a total of {prompt_len + max_new_tokens} tokens: {prompt_len} "
+            f"tokens from the input messages and {max_new_tokens} tokens for the completion.",
+        )
 
 
 def _rids(rid: Any, *, num_prompts: int, is_batch: bool) -> list[str]:
@@ -213,8 +250,9 @@ def _rids(rid: Any, *, num_prompts: int, is_batch: bool) -> list[str]:
     raise RequestError("rid", "The rid should be a string or a list of strings.")
 
 
-def parse_generate(body: Any, *, vocab_size: int, tokenize, context_length: int,
-                   min_tokens=None, pause=None) -> tuple[list[SequenceRequest], bool]:
+def parse_generate(
+    body: Any, *, vocab_size: int, tokenize, context_length: int, min_tokens=None, pause=None
+) -> tuple[list[SequenceRequest], bool]:
     """Body of POST /generate -> (sequences in SGLang's output order, whether the reply is a list).
 
     `tokenize(text) -> list[int]`, or None when the server has no tokenizer; `min_tokens(text) -> int`, a
@@ -239,6 +277,7 @@ def parse_generate(body: Any, *, vocab_size: int, tokenize, context_length: int,
     else:
         ids = body["input_ids"]
         is_batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+
         def checked(i: int, p: Any) -> list[int]:
             if pause is not None:
                 pause()
@@ -255,9 +294,13 @@ def parse_generate(body: Any, *, vocab_size: int, tokenize, context_length: int,
     if isinstance(raw_params, list):
         if not is_batch or len(raw_params) != num:
             raise RequestError("sampling_params", f"a list needs one entry per prompt ({num}), got {len(raw_params)}")
-        params = [parse_sampling_params(r, f"sampling_params[{i}]", vocab_size=vocab_size) for i, r in enumerate(raw_params)]
+        params = [
+            parse_sampling_params(r, f"sampling_params[{i}]", vocab_size=vocab_size) for i, r in enumerate(raw_params)
+        ]
         if len({p.n for p in params}) > 1:
-            raise RequestError("sampling_params", "The parallel_sample_num should be the same for all samples in sample params.")
+            raise RequestError(
+                "sampling_params", "The parallel_sample_num should be the same for all samples in sample params."
+            )
     else:
         params = [parse_sampling_params(raw_params, "sampling_params", vocab_size=vocab_size)] * num
     n = params[0].n
@@ -280,17 +323,24 @@ def parse_generate(body: Any, *, vocab_size: int, tokenize, context_length: int,
             name = f"text[{i}]" if is_batch else "text"
             lower = min_tokens(t) if min_tokens is not None else 0
             if lower >= context_length or lower + p.max_new_tokens > context_length:
-                raise RequestError(name, f"The input ({len(t)} characters, at least {lower} tokens) is longer than "
-                                         f"the model's context length ({context_length} tokens) allows with "
-                                         f"max_new_tokens={p.max_new_tokens}.")
+                raise RequestError(
+                    name,
+                    f"The input ({len(t)} characters, at least {lower} tokens) is longer than "
+                    f"the model's context length ({context_length} tokens) allows with "
+                    f"max_new_tokens={p.max_new_tokens}.",
+                )
             try:  # JSON can carry lone surrogates ("\ud800"), which no tokenizer takes (TypeError in `tokenizers`)
                 t.encode("utf-8")
             except UnicodeEncodeError as err:
                 raise RequestError(name, f"not valid Unicode text (lone surrogate at character {err.start})") from None
             prompts.append(tokenize(t))
     for i, (prompt, p) in enumerate(zip(prompts, params)):
-        check_context_length(len(prompt), p.max_new_tokens, context_length=context_length,
-                             name=f"input_ids[{i}]" if is_batch else "input_ids")
+        check_context_length(
+            len(prompt),
+            p.max_new_tokens,
+            context_length=context_length,
+            name=f"input_ids[{i}]" if is_batch else "input_ids",
+        )
     routed = body.get("return_routed_experts", False)
     if not isinstance(routed, bool):
         raise RequestError("return_routed_experts", f"must be true or false, got {routed!r}")
@@ -299,8 +349,15 @@ def parse_generate(body: Any, *, vocab_size: int, tokenize, context_length: int,
         raise RequestError("routed_experts_start_len", f"must be an integer >= 0, got {routed_start!r}")
     seqs = [
         # n > 1: every sample gets a fresh uuid rid (regenerate_rid), none of the client's
-        SequenceRequest(list(prompts[i]), params[i], rids[i] if n == 1 else uuid.uuid4().hex, j, bool(flags[i]),
-                        return_routed_experts=routed, routed_experts_start_len=routed_start)
+        SequenceRequest(
+            list(prompts[i]),
+            params[i],
+            rids[i] if n == 1 else uuid.uuid4().hex,
+            j,
+            bool(flags[i]),
+            return_routed_experts=routed,
+            routed_experts_start_len=routed_start,
+        )
         for i in range(num)
         for j in range(n)
     ]

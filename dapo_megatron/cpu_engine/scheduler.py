@@ -112,9 +112,11 @@ class Batcher:
     def counts(self) -> dict:
         with self.cond:
             live = [i.seq for i in self.running if i.seq.finish_reason is None]
-            return {"num_waiting_sequences": len(self.waiting) + (len(live) if self.retracted else 0),
-                    "num_running_sequences": 0 if self.retracted else len(live),
-                    "running": [{"rid": s.rid, "completion_tokens": len(s.output_ids)} for s in live]}
+            return {
+                "num_waiting_sequences": len(self.waiting) + (len(live) if self.retracted else 0),
+                "num_running_sequences": 0 if self.retracted else len(live),
+                "running": [{"rid": s.rid, "completion_tokens": len(s.output_ids)} for s in live],
+            }
 
     # ------------------------------------------------------------------ from the event loop
     def submit(self, seqs: list[SequenceRequest]) -> list[asyncio.Future]:

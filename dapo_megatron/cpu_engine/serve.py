@@ -35,8 +35,9 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-async def _serve(server: RolloutServer, *, host: str, port: int, model: str, register_dir: str,
-                 base_gpu_id: int | None = None) -> None:
+async def _serve(
+    server: RolloutServer, *, host: str, port: int, model: str, register_dir: str, base_gpu_id: int | None = None
+) -> None:
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
@@ -51,12 +52,22 @@ async def _serve(server: RolloutServer, *, host: str, port: int, model: str, reg
     registration = ""
     try:
         if register_dir:  # only once the socket accepts connections
-            registration = write_registration(register_dir, {
-                "host": host, "port": port, "url": url, "tp_size": 1, "model": model, "pid": os.getpid(),
-                "engine": "cpu", "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                # where it sits (colocated placement: the trainer rank on this slot feeds it)
-                "node": socket.gethostname(), "base_gpu_id": base_gpu_id,
-            })
+            registration = write_registration(
+                register_dir,
+                {
+                    "host": host,
+                    "port": port,
+                    "url": url,
+                    "tp_size": 1,
+                    "model": model,
+                    "pid": os.getpid(),
+                    "engine": "cpu",
+                    "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                    # where it sits (colocated placement: the trainer rank on this slot feeds it)
+                    "node": socket.gethostname(),
+                    "base_gpu_id": base_gpu_id,
+                },
+            )
         await stop.wait()
         print("serve-rollout: stopping", flush=True)
     finally:
@@ -90,7 +101,7 @@ def _with_config_file(ap: argparse.ArgumentParser, argv: list[str]) -> list[str]
             merged += [flag] if value else ([f"--no-{flag[2:]}"] if f"--no-{flag[2:]}" in known else [])
         else:
             merged += [flag, str(value)]
-    return merged + argv[:at] + argv[at + 2:]
+    return merged + argv[:at] + argv[at + 2 :]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,30 +111,58 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=0, help="0 = pick a free port (written to the registry)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--seed", type=int, default=0, help="draws of requests when seeds are not honoured")
-    ap.add_argument("--context-length", type=int, default=0,
-                    help="prompt + max_new_tokens limit (SGLang's flag; 0 = the model's max_position_embeddings)")
-    ap.add_argument("--enable-deterministic-inference", action=argparse.BooleanOptionalAction, default=True,
-                    help="honour sampling_seed as SGLang does with this flag (default on: the CPU engine is "
-                         "deterministic); off: ignore it, as SGLang does by default")
+    ap.add_argument(
+        "--context-length",
+        type=int,
+        default=0,
+        help="prompt + max_new_tokens limit (SGLang's flag; 0 = the model's max_position_embeddings)",
+    )
+    ap.add_argument(
+        "--enable-deterministic-inference",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="honour sampling_seed as SGLang does with this flag (default on: the CPU engine is "
+        "deterministic); off: ignore it, as SGLang does by default",
+    )
     ap.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together")
     ap.add_argument("--register-dir", default="", help="write <host>_<port>.json here once serving")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
-    ap.add_argument("--base-gpu-id", type=int, default=None,
-                    help="the device slot this engine occupies on its node, as SGLang's flag (the CPU twin of a "
-                         "colocated engine's GPU: the trainer rank with this local rank feeds it its weights)")
-    ap.add_argument("--device", default="cpu",
-                    help="cpu, or cuda[:N]: hold the model and KV cache on that GPU (a colocated engine on one "
-                         "real GPU: CUDA IPC weight payloads, release/resume of device memory)")
-    ap.add_argument("--api-key", default=None,
-                    help="SGLang's --api-key: every endpoint but /health*, /ready needs `Authorization: Bearer KEY` "
-                         "(the admin endpoints need --admin-api-key instead when that is set); rollout/auth.py")
-    ap.add_argument("--admin-api-key", default=None,
-                    help="SGLang's --admin-api-key: the weight, memory, cache, pause and abort endpoints need it")
-    ap.add_argument("--config", default=None,
-                    help="SGLang's --config: a YAML file of these options (api-key, admin-api-key, ...), so keys stay "
-                         "off the command line; options given on the command line win")
-    ap.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
-                    help="bodies above this many bytes are refused (413) before they are read")
+    ap.add_argument(
+        "--base-gpu-id",
+        type=int,
+        default=None,
+        help="the device slot this engine occupies on its node, as SGLang's flag (the CPU twin of a "
+        "colocated engine's GPU: the trainer rank with this local rank feeds it its weights)",
+    )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, or cuda[:N]: hold the model and KV cache on that GPU (a colocated engine on one "
+        "real GPU: CUDA IPC weight payloads, release/resume of device memory)",
+    )
+    ap.add_argument(
+        "--api-key",
+        default=None,
+        help="SGLang's --api-key: every endpoint but /health*, /ready needs `Authorization: Bearer KEY` "
+        "(the admin endpoints need --admin-api-key instead when that is set); rollout/auth.py",
+    )
+    ap.add_argument(
+        "--admin-api-key",
+        default=None,
+        help="SGLang's --admin-api-key: the weight, memory, cache, pause and abort endpoints need it",
+    )
+    ap.add_argument(
+        "--config",
+        default=None,
+        help="SGLang's --config: a YAML file of these options (api-key, admin-api-key, ...), so keys stay "
+        "off the command line; options given on the command line win",
+    )
+    ap.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="bodies above this many bytes are refused (413) before they are read",
+    )
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(_with_config_file(ap, argv))
     if args.max_request_bytes < 1:
@@ -136,14 +175,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     port = args.port or _free_port(args.host)
-    engine = CpuEngine(args.model, dtype=args.dtype, seed=args.seed, max_batch_size=args.max_batch_size,
-                       deterministic=args.enable_deterministic_inference, context_length=args.context_length,
-                       device=args.device)
-    server = RolloutServer(engine, model_name=os.path.basename(os.path.normpath(args.model)), seed=args.seed,
-                           limits=Limits(api_key=args.api_key, admin_api_key=args.admin_api_key,
-                                         max_request_bytes=args.max_request_bytes))
-    asyncio.run(_serve(server, host=args.host, port=port, model=args.model, register_dir=args.register_dir,
-                       base_gpu_id=args.base_gpu_id))
+    engine = CpuEngine(
+        args.model,
+        dtype=args.dtype,
+        seed=args.seed,
+        max_batch_size=args.max_batch_size,
+        deterministic=args.enable_deterministic_inference,
+        context_length=args.context_length,
+        device=args.device,
+    )
+    server = RolloutServer(
+        engine,
+        model_name=os.path.basename(os.path.normpath(args.model)),
+        seed=args.seed,
+        limits=Limits(api_key=args.api_key, admin_api_key=args.admin_api_key, max_request_bytes=args.max_request_bytes),
+    )
+    asyncio.run(
+        _serve(
+            server,
+            host=args.host,
+            port=port,
+            model=args.model,
+            register_dir=args.register_dir,
+            base_gpu_id=args.base_gpu_id,
+        )
+    )
     return 0
 
 

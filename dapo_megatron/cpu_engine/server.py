@@ -65,8 +65,10 @@ from dapo_megatron.transfer.tensor_payload import PayloadError, deserialize_payl
 from dapo_megatron.transfer.weight_group import open_weight_group
 
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT's default
-FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. "
-           "(When there are running or waiting requests, the operation will not be performed.)\n")
+FLUSHED = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
 
 
 _error = error_response
@@ -108,31 +110,52 @@ class RolloutServer:
         # it begins, so that a test can act while a sync is in flight (a tiny model's session lasts ~0.1 s)
         self.session_hold_s = float(os.environ.get("DAPO_CPU_ENGINE_SESSION_HOLD_S") or 0)
         self.groups: dict[str, object] = {}  # group_name -> ProcessGroup
-        self.stats: dict[str, Any] = {"num_requests": 0, "num_sequences": 0, "num_aborted": 0, "aborted_rids": [],
-                      "num_weight_updates": 0}
+        self.stats: dict[str, Any] = {
+            "num_requests": 0,
+            "num_sequences": 0,
+            "num_aborted": 0,
+            "aborted_rids": [],
+            "num_weight_updates": 0,
+        }
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.limits.max_request_bytes,
-                              middlewares=[guard_middleware(self.limits)])
+        app = web.Application(
+            client_max_size=self.limits.max_request_bytes, middlewares=[guard_middleware(self.limits)]
+        )
         r = app.router
         for path, handler in [
-            ("/generate", self.generate), ("/abort_request", self.abort_request),
-            ("/begin_weight_update", self.begin_weight_update), ("/end_weight_update", self.end_weight_update),
-            ("/init_weights_update_group", self.init_group), ("/destroy_weights_update_group", self.destroy_group),
+            ("/generate", self.generate),
+            ("/abort_request", self.abort_request),
+            ("/begin_weight_update", self.begin_weight_update),
+            ("/end_weight_update", self.end_weight_update),
+            ("/init_weights_update_group", self.init_group),
+            ("/destroy_weights_update_group", self.destroy_group),
             ("/update_weights_from_distributed", self.update_from_distributed),
-            ("/update_weights_from_tensor", self.update_from_tensor), ("/update_weights_from_disk", self.update_from_disk),
+            ("/update_weights_from_tensor", self.update_from_tensor),
+            ("/update_weights_from_disk", self.update_from_disk),
             ("/update_weight_version", self.update_weight_version),
-            ("/pause_generation", self.pause_generation), ("/continue_generation", self.continue_generation),
+            ("/pause_generation", self.pause_generation),
+            ("/continue_generation", self.continue_generation),
         ]:
             r.add_post(path, handler)
         r.add_put("/generate", self.generate)
-        for path, handler in [("/flush_cache", self.flush_cache), ("/release_memory_occupation", self.release),
-                              ("/resume_memory_occupation", self.resume), ("/get_weights_by_name", self.weights_by_name)]:
+        for path, handler in [
+            ("/flush_cache", self.flush_cache),
+            ("/release_memory_occupation", self.release),
+            ("/resume_memory_occupation", self.resume),
+            ("/get_weights_by_name", self.weights_by_name),
+        ]:
             r.add_get(path, handler)
             r.add_post(path, handler)
-        for path, handler in [("/health", self.health), ("/health_generate", self.health), ("/ready", self.ready),
-                              ("/model_info", self.model_info), ("/get_model_info", self.model_info),
-                              ("/server_info", self.server_info), ("/get_server_info", self.server_info)]:
+        for path, handler in [
+            ("/health", self.health),
+            ("/health_generate", self.health),
+            ("/ready", self.ready),
+            ("/model_info", self.model_info),
+            ("/get_model_info", self.model_info),
+            ("/server_info", self.server_info),
+            ("/get_server_info", self.server_info),
+        ]:
             r.add_get(path, handler)
         return app
 
@@ -166,14 +189,23 @@ class RolloutServer:
             body = await _json(request)
             e = self.engine
             tokenize = e.tokenize if e.tokenizer is not None else None
-            parse = functools.partial(parse_generate, body, vocab_size=e.vocab_size, tokenize=tokenize,
-                                      context_length=e.context_length, min_tokens=e.min_tokens,
-                                      pause=Pauser() if is_large(request) else None)
+            parse = functools.partial(
+                parse_generate,
+                body,
+                vocab_size=e.vocab_size,
+                tokenize=tokenize,
+                context_length=e.context_length,
+                min_tokens=e.min_tokens,
+                pause=Pauser() if is_large(request) else None,
+            )
             # a text prompt is tokenized on a worker thread (the tokenizer lets go of the GIL): /health and
             # other requests are served meanwhile; prompts sure to exceed the context never get there.
             # Token ids are checked one by one: on the parse pool when the body is large (guard.off_loop)
-            seqs, as_list = (await asyncio.get_running_loop().run_in_executor(None, parse) if "text" in body
-                             else await off_loop(request, parse))
+            seqs, as_list = (
+                await asyncio.get_running_loop().run_in_executor(None, parse)
+                if "text" in body
+                else await off_loop(request, parse)
+            )
         except RequestError as err:
             return _error(err.status, str(err), err.field)
         refusal = self._not_serving()
@@ -194,12 +226,16 @@ class RolloutServer:
         not yet written again. SGLang would sample from freed or stale memory; the CPU engine answers 409."""
         e = self.engine
         if e.released:
-            return (f"memory is released ({sorted(e.released_tags)}): call /resume_memory_occupation, then sync the "
-                    "weights, before /generate")
+            return (
+                f"memory is released ({sorted(e.released_tags)}): call /resume_memory_occupation, then sync the "
+                "weights, before /generate"
+            )
         if e.unsynced:
-            return (f"weights were resumed after a release and {len(e.unsynced)} parameter tensors have not been "
-                    "written since (their content is undefined): sync the weights (update_weights_from_tensor / "
-                    "_distributed / _disk) before /generate")
+            return (
+                f"weights were resumed after a release and {len(e.unsynced)} parameter tensors have not been "
+                "written since (their content is undefined): sync the weights (update_weights_from_tensor / "
+                "_distributed / _disk) before /generate"
+            )
         return ""
 
     def _output(self, s: SequenceRequest, latency: float, received: float) -> dict:
@@ -212,10 +248,17 @@ class RolloutServer:
                 spans.append({"version": version, "start": i, "end": i + 1})
         if not spans:
             spans = [{"version": self.engine.weight_version, "start": 0, "end": 0}]
-        meta = {"id": s.rid, "finish_reason": s.finish_reason, "prompt_tokens": len(s.prompt_ids),
-                "completion_tokens": len(s.output_ids), "cached_tokens": 0, "e2e_latency": latency,
-                "request_received_ts": received,
-                "weight_version": spans[-1]["version"], "weight_versions": spans}
+        meta = {
+            "id": s.rid,
+            "finish_reason": s.finish_reason,
+            "prompt_tokens": len(s.prompt_ids),
+            "completion_tokens": len(s.output_ids),
+            "cached_tokens": 0,
+            "e2e_latency": latency,
+            "request_received_ts": received,
+            "weight_version": spans[-1]["version"],
+            "weight_versions": spans,
+        }
         if s.return_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(s.output_logprobs, s.output_ids)]
         if s.routed_experts is not None:  # a dense model records none and, like SGLang, sends none
@@ -272,6 +315,7 @@ class RolloutServer:
     # ------------------------------------------------------------------ weights
     async def _run_locked(self, fn, *args):
         """fn on a worker thread, holding the engine lock (no decode step in between)."""
+
         def call():
             with self.engine.lock:
                 return fn(*args)
@@ -315,8 +359,11 @@ class RolloutServer:
             group_name = _field(body, "group_name", str, default="weight_update_group")
             backend = _field(body, "backend", str, default="nccl")  # SGLang's default
             if backend != "gloo":
-                raise RequestError("backend", f"this CPU engine joins gloo groups only, got {backend!r} "
-                                              "(it says so in /server_info cpu_engine.weight_group_backend)")
+                raise RequestError(
+                    "backend",
+                    f"this CPU engine joins gloo groups only, got {backend!r} "
+                    "(it says so in /server_info cpu_engine.weight_group_backend)",
+                )
             if not 1 <= rank_offset < world_size:
                 raise RequestError("rank_offset", f"must be in [1, world_size={world_size}), got {rank_offset}")
             if group_name in self.groups:
@@ -326,8 +373,16 @@ class RolloutServer:
 
         try:
             pg = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: open_weight_group(backend="gloo", master_address=address, master_port=port,
-                                                rank=rank_offset, world_size=world_size, group_name=group_name))
+                None,
+                lambda: open_weight_group(
+                    backend="gloo",
+                    master_address=address,
+                    master_port=port,
+                    rank=rank_offset,
+                    world_size=world_size,
+                    group_name=group_name,
+                ),
+            )
         except Exception as err:  # noqa: BLE001
             return _error(400, f"Failed to initialize custom process group: {err}.")
         self.groups[group_name] = pg
@@ -362,8 +417,10 @@ class RolloutServer:
             return _error(400, str(err), err.field)
         async with self._update_lock():
             if not self.session_open:
-                return _error(400, "update_weights_from_distributed must run between begin_weight_update() "
-                                   "and end_weight_update()")
+                return _error(
+                    400,
+                    "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()",
+                )
             try:
                 specs = self._specs(names, dtypes, shapes, load_format, group_name)
             except RequestError as err:
@@ -399,8 +456,10 @@ class RolloutServer:
         if load_format not in (None, "flattened_bucket"):
             raise RequestError("load_format", f"Unknown load_format={load_format}")
         if group_name not in self.groups:
-            raise RequestError("group_name", f"Group {group_name} not in {sorted(self.groups)}. "
-                                             "Please call `init_weights_update_group` first.")
+            raise RequestError(
+                "group_name",
+                f"Group {group_name} not in {sorted(self.groups)}. Please call `init_weights_update_group` first.",
+            )
         specs = []
         for i, (name, d, shape) in enumerate(zip(names, dtypes, shapes)):
             dt = getattr(torch, str(d), None)
@@ -419,13 +478,16 @@ class RolloutServer:
             if not payloads or not all(isinstance(p, str) for p in payloads):
                 raise RequestError("serialized_named_tensors", "must hold one base64 payload per engine TP rank")
             if load_format not in (None, "direct"):
-                raise RequestError("load_format", f"the CPU engine reads lists of (name, tensor) only, got {load_format!r}")
+                raise RequestError(
+                    "load_format", f"the CPU engine reads lists of (name, tensor) only, got {load_format!r}"
+                )
         except RequestError as err:
             return _error(400, str(err), err.field)
         async with self._update_lock():
             if not self.session_open:
-                return _error(400, "update_weights_from_tensor must run between begin_weight_update() "
-                                   "and end_weight_update()")
+                return _error(
+                    400, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
+                )
             try:
                 # this engine is TP rank 0: its own entry only
                 # base64 and unpickling of a large payload on the parse pool (the writer lock is held throughout);
@@ -470,8 +532,9 @@ class RolloutServer:
         if abort_all:
             self._abort(abort_all=True)
         self.engine.weight_version = version
-        return web.json_response({"success": True, "message": f"Weight version updated to {version}",
-                                  "new_version": version})
+        return web.json_response(
+            {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+        )
 
     async def weights_by_name(self, request: web.Request) -> web.Response:
         try:
@@ -526,7 +589,9 @@ class RolloutServer:
             return _error(400, str(err), err.field)
         missing = [t for t in tags if t not in self.engine.released_tags]
         if missing:
-            return _error(400, f"tags {missing} are not released (released: {sorted(self.engine.released_tags)})", "tags")
+            return _error(
+                400, f"tags {missing} are not released (released: {sorted(self.engine.released_tags)})", "tags"
+            )
         await self._run_locked(self.engine.resume, tags)
         return web.json_response(None)
 
@@ -537,8 +602,9 @@ class RolloutServer:
         if self.status != "Up" or self._not_serving():
             return web.Response(status=503)
         tic = time.monotonic()
-        seq = SequenceRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0), f"HEALTH_CHECK_{time.time_ns()}",
-                              0, False)
+        seq = SequenceRequest(
+            [0], SamplingParams(max_new_tokens=1, temperature=0.0), f"HEALTH_CHECK_{time.time_ns()}", 0, False
+        )
         task = asyncio.ensure_future(self.run_sequences([seq]))
         try:
             while time.monotonic() < tic + HEALTH_CHECK_TIMEOUT_S:
@@ -564,36 +630,66 @@ class RolloutServer:
 
     async def model_info(self, request: web.Request) -> web.Response:
         cfg = self.engine.model.config
-        return web.json_response({
-            "model_path": self.engine.model_path, "served_model_name": self.model_name,
-            "tokenizer_path": self.engine.model_path if self.engine.tokenizer is not None else None,
-            "is_generation": True, "preferred_sampling_params": None, "weight_version": self.engine.weight_version,
-            "load_format": "auto", "model_type": getattr(cfg, "model_type", None),
-            "architectures": getattr(cfg, "architectures", None),
-            "parameters": self.engine.parameter_specs(),  # CPU extra: the names and shapes a sync may target
-        })
+        return web.json_response(
+            {
+                "model_path": self.engine.model_path,
+                "served_model_name": self.model_name,
+                "tokenizer_path": self.engine.model_path if self.engine.tokenizer is not None else None,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.engine.weight_version,
+                "load_format": "auto",
+                "model_type": getattr(cfg, "model_type", None),
+                "architectures": getattr(cfg, "architectures", None),
+                "parameters": self.engine.parameter_specs(),  # CPU extra: the names and shapes a sync may target
+            }
+        )
 
     async def server_info(self, request: web.Request) -> web.Response:
         e = self.engine
-        gb = 1024 ** 3
-        return web.json_response({
-            # a few of SGLang's ServerArgs fields (server_info is ServerArgs.resolved_dict() + state)
-            "model_path": e.model_path, "tp_size": 1, "dp_size": 1, "context_length": e.context_length,
-            "random_seed": self.seed, "enable_deterministic_inference": e.deterministic,
-            "max_running_requests": e.max_batch_size, "weight_version": e.weight_version,
-            "device": e.device.type, "cpu_engine_device": str(e.device),
-            "quantization": "fp8" if e.fp8 else None,
-            "version": "dapo-megatron cpu engine (sglang 0.5.21 protocol)",
-            "internal_states": [{"memory_usage": {  # SGLang's build_memory_usage shape, in GB
-                "weight": round(e.loaded_weight_bytes / gb, 3), "kvcache": 0.0, "token_capacity": 0,
-                "graph": {}}}],
-            "cpu_engine": {  # CPU extra: counters and what is resident now (release frees it)
-                **self.stats, **self.batcher.counts(), "pid": os.getpid(), "status": self.status,
-                "is_paused": self.is_pause,
-                "weight_update_session_open": self.session_open, "released_tags": sorted(e.released_tags),
-                "weight_group_backend": "gloo",  # the only one it joins (init_group); the trainer follows it
-                "resident_memory_bytes": {"weights": e.resident_weight_bytes(), "kv_cache": e.kv_cache_bytes},
-                # CPU extra: what a GEMM of an fp8 Linear computes (cpu_engine/fp8_gemm.py, SGLang's numerics)
-                "fp8_gemm": ("w8a8 block fp8: weights 128x128 blocks, activations quantized dynamically per token "
-                             "x 128 channels" if e.fp8 else None)},
-        })
+        gb = 1024**3
+        return web.json_response(
+            {
+                # a few of SGLang's ServerArgs fields (server_info is ServerArgs.resolved_dict() + state)
+                "model_path": e.model_path,
+                "tp_size": 1,
+                "dp_size": 1,
+                "context_length": e.context_length,
+                "random_seed": self.seed,
+                "enable_deterministic_inference": e.deterministic,
+                "max_running_requests": e.max_batch_size,
+                "weight_version": e.weight_version,
+                "device": e.device.type,
+                "cpu_engine_device": str(e.device),
+                "quantization": "fp8" if e.fp8 else None,
+                "version": "dapo-megatron cpu engine (sglang 0.5.21 protocol)",
+                "internal_states": [
+                    {
+                        "memory_usage": {  # SGLang's build_memory_usage shape, in GB
+                            "weight": round(e.loaded_weight_bytes / gb, 3),
+                            "kvcache": 0.0,
+                            "token_capacity": 0,
+                            "graph": {},
+                        }
+                    }
+                ],
+                "cpu_engine": {  # CPU extra: counters and what is resident now (release frees it)
+                    **self.stats,
+                    **self.batcher.counts(),
+                    "pid": os.getpid(),
+                    "status": self.status,
+                    "is_paused": self.is_pause,
+                    "weight_update_session_open": self.session_open,
+                    "released_tags": sorted(e.released_tags),
+                    "weight_group_backend": "gloo",  # the only one it joins (init_group); the trainer follows it
+                    "resident_memory_bytes": {"weights": e.resident_weight_bytes(), "kv_cache": e.kv_cache_bytes},
+                    # CPU extra: what a GEMM of an fp8 Linear computes (cpu_engine/fp8_gemm.py, SGLang's numerics)
+                    "fp8_gemm": (
+                        "w8a8 block fp8: weights 128x128 blocks, activations quantized dynamically per token "
+                        "x 128 channels"
+                        if e.fp8
+                        else None
+                    ),
+                },
+            }
+        )

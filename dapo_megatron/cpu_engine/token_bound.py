@@ -37,7 +37,12 @@ def max_chars_per_token(tokenizer) -> int | None:
     kinds = _types(normalizer) - {"Sequence", ""} if normalizer else set()
     if not kinds <= {"NFC"}:
         return None
-    added = [t.content for t in tokenizer.added_tokens_decoder.values()] if hasattr(tokenizer, "added_tokens_decoder") else []
-    longest = max([len(tok) for tok in backend.get_vocab(with_added_tokens=False)] +
-                  [len(t.encode("utf-8")) for t in added] + [1])
+    added = (
+        [t.content for t in tokenizer.added_tokens_decoder.values()]
+        if hasattr(tokenizer, "added_tokens_decoder")
+        else []
+    )
+    longest = max(
+        [len(tok) for tok in backend.get_vocab(with_added_tokens=False)] + [len(t.encode("utf-8")) for t in added] + [1]
+    )
     return longest * (3 if kinds else 1)

@@ -22,15 +22,24 @@ DEFAULT_EVAL_SET = "eval"  # the name of a run's only eval set (data.eval_path o
 def train_and_eval_sets(data_cfg, *, tokenizer=None, max_prompt_length: int = 0) -> tuple[list, dict[str, list]]:
     """(train, name -> eval records): data.eval_sets, each file read and checked under its own key
     (data.eval_sets.<name>), or {"eval": the eval records of train_and_eval_records} ({} when empty)."""
-    train, evals = _train_and_eval(data_cfg, tokenizer=tokenizer, max_prompt_length=max_prompt_length,
-                                   with_eval=not data_cfg.eval_sets)
+    train, evals = _train_and_eval(
+        data_cfg, tokenizer=tokenizer, max_prompt_length=max_prompt_length, with_eval=not data_cfg.eval_sets
+    )
     if not data_cfg.eval_sets:
         return train, ({DEFAULT_EVAL_SET: evals} if evals else {})
     length = (lambda record: len(prompt_token_ids(tokenizer, record))) if tokenizer is not None else None
-    sets: dict[str, list] = {name: load_prompts(path, dedup=False, prompt_template=data_cfg.prompt_template, key=f"data.eval_sets.{name}",
-                               skip_bad_rows=data_cfg.skip_bad_rows, prompt_length=length,
-                               max_prompt_length=max_prompt_length)
-            for name, path in data_cfg.eval_sets.items()}
+    sets: dict[str, list] = {
+        name: load_prompts(
+            path,
+            dedup=False,
+            prompt_template=data_cfg.prompt_template,
+            key=f"data.eval_sets.{name}",
+            skip_bad_rows=data_cfg.skip_bad_rows,
+            prompt_length=length,
+            max_prompt_length=max_prompt_length,
+        )
+        for name, path in data_cfg.eval_sets.items()
+    }
     return train, sets
 
 
@@ -39,8 +48,10 @@ def train_and_eval_records(data_cfg, *, tokenizer=None, max_prompt_length: int =
     if not data_cfg.eval_sets:
         return _train_and_eval(data_cfg, tokenizer=tokenizer, max_prompt_length=max_prompt_length, with_eval=True)
     train, sets = train_and_eval_sets(data_cfg, tokenizer=tokenizer, max_prompt_length=max_prompt_length)
-    evals = PromptList([r for records in sets.values() for r in records],
-                       num_skipped=sum(getattr(records, "num_skipped", 0) for records in sets.values()))
+    evals = PromptList(
+        [r for records in sets.values() for r in records],
+        num_skipped=sum(getattr(records, "num_skipped", 0) for records in sets.values()),
+    )
     return train, evals
 
 
@@ -52,20 +63,27 @@ def _train_and_eval(data_cfg, *, tokenizer, max_prompt_length: int, with_eval: b
     length = (lambda record: len(prompt_token_ids(tokenizer, record))) if tokenizer is not None else None
     checks = dict(skip_bad_rows=d.skip_bad_rows, prompt_length=length, max_prompt_length=max_prompt_length)
     if d.train_path:
-        train = load_prompts(d.train_path, dedup=d.dedup, prompt_template=d.prompt_template, key="data.train_path",
-                             **checks)
-        evals = (load_prompts(d.eval_path, dedup=False, prompt_template=d.prompt_template, key="data.eval_path",
-                              **checks) if d.eval_path and with_eval else [])
+        train = load_prompts(
+            d.train_path, dedup=d.dedup, prompt_template=d.prompt_template, key="data.train_path", **checks
+        )
+        evals = (
+            load_prompts(d.eval_path, dedup=False, prompt_template=d.prompt_template, key="data.eval_path", **checks)
+            if d.eval_path and with_eval
+            else []
+        )
         return train, evals  # PromptLists: num_skipped says how many bad rows were left out
     s = d.synthetic
-    synthetic_train, synthetic_eval = synthetic_train_eval(num_train=s.num_train, num_eval=s.num_eval, difficulty=s.difficulty,
-                                        seed=s.seed, style=s.style)
+    synthetic_train, synthetic_eval = synthetic_train_eval(
+        num_train=s.num_train, num_eval=s.num_eval, difficulty=s.difficulty, seed=s.seed, style=s.style
+    )
     if length is not None and max_prompt_length > 0:
-        synthetic_train = _within_length(synthetic_train, length, max_prompt_length, "data.synthetic (train)",
-                                         d.skip_bad_rows)
+        synthetic_train = _within_length(
+            synthetic_train, length, max_prompt_length, "data.synthetic (train)", d.skip_bad_rows
+        )
         if with_eval:
-            synthetic_eval = _within_length(synthetic_eval, length, max_prompt_length, "data.synthetic (eval)",
-                                            d.skip_bad_rows)
+            synthetic_eval = _within_length(
+                synthetic_eval, length, max_prompt_length, "data.synthetic (eval)", d.skip_bad_rows
+            )
     return synthetic_train, (synthetic_eval if with_eval else [])
 
 
@@ -74,8 +92,10 @@ def _within_length(records: list, length, limit: int, key: str, skip: bool) -> l
     for k, record in enumerate(records):
         num_tokens = length(record)
         if num_tokens > limit:
-            problems.append(f"{key}: problem {k} (0-based): the prompt is {num_tokens} tokens after the chat "
-                            f"template and tokenizer, over rollout.max_prompt_length={limit}")
+            problems.append(
+                f"{key}: problem {k} (0-based): the prompt is {num_tokens} tokens after the chat "
+                f"template and tokenizer, over rollout.max_prompt_length={limit}"
+            )
         else:
             kept.append(record)
     if problems and (not skip or not kept):

@@ -23,8 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PromptRecord", "PromptList", "load_prompts", "save_prompts", "apply_template", "DAPO_TEMPLATE",
-           "prompt_token_ids"]
+__all__ = [
+    "PromptRecord",
+    "PromptList",
+    "load_prompts",
+    "save_prompts",
+    "apply_template",
+    "DAPO_TEMPLATE",
+    "prompt_token_ids",
+]
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +78,15 @@ class PromptRecord:
 class PromptList(list):
     """A list of PromptRecord that remembers where it came from and what de-duplication dropped."""
 
-    def __init__(self, records: Iterable[PromptRecord] = (), *, path: str = "", num_rows: int = 0,
-                 num_duplicates: int = 0, num_skipped: int = 0) -> None:
+    def __init__(
+        self,
+        records: Iterable[PromptRecord] = (),
+        *,
+        path: str = "",
+        num_rows: int = 0,
+        num_duplicates: int = 0,
+        num_skipped: int = 0,
+    ) -> None:
         super().__init__(records)
         self.path = path
         self.num_rows = num_rows  # rows in the file
@@ -80,9 +94,16 @@ class PromptList(list):
         self.num_skipped = num_skipped  # bad rows left out (skip_bad_rows)
 
 
-def load_prompts(path: str | Path, *, dedup: bool = True, prompt_template: str = "as-is",
-                 skip_bad_rows: bool = False, prompt_length: Callable[[PromptRecord], int] | None = None,
-                 max_prompt_length: int = 0, key: str = "data.train_path") -> PromptList:
+def load_prompts(
+    path: str | Path,
+    *,
+    dedup: bool = True,
+    prompt_template: str = "as-is",
+    skip_bad_rows: bool = False,
+    prompt_length: Callable[[PromptRecord], int] | None = None,
+    max_prompt_length: int = 0,
+    key: str = "data.train_path",
+) -> PromptList:
     """Read a parquet or jsonl file in the DAPO-Math schema into PromptRecords, checking every row.
 
     dedup drops rows whose (chat, ground truth) repeat an earlier row, keeping the first, and logs how
@@ -97,7 +118,9 @@ def load_prompts(path: str | Path, *, dedup: bool = True, prompt_template: str =
     """
     path = Path(path)
     if prompt_template not in PROMPT_TEMPLATES:
-        raise ValueError(f"load_prompts: prompt_template={prompt_template!r} is not allowed; choose one of {list(PROMPT_TEMPLATES)}")
+        raise ValueError(
+            f"load_prompts: prompt_template={prompt_template!r} is not allowed; choose one of {list(PROMPT_TEMPLATES)}"
+        )
     if not path.is_file():
         raise ValueError(f"{key}: prompt file not found: {path}")
     seen: set[tuple] = set()
@@ -119,8 +142,10 @@ def load_prompts(path: str | Path, *, dedup: bool = True, prompt_template: str =
             if prompt_length is not None and max_prompt_length > 0:
                 num_tokens = prompt_length(record)
                 if num_tokens > max_prompt_length:
-                    raise ValueError(f"{where}: the prompt is {num_tokens} tokens after the chat template and "
-                                     f"tokenizer, over rollout.max_prompt_length={max_prompt_length}")
+                    raise ValueError(
+                        f"{where}: the prompt is {num_tokens} tokens after the chat template and "
+                        f"tokenizer, over rollout.max_prompt_length={max_prompt_length}"
+                    )
         except ValueError as err:
             problems.append(str(err))
             continue
@@ -128,23 +153,33 @@ def load_prompts(path: str | Path, *, dedup: bool = True, prompt_template: str =
     if problems and not skip_bad_rows:
         raise ValueError(bad_rows_message(key, path, problems, num_rows))
     if problems:
-        log.warning("%s %s: skipped %d bad rows of %d (data.skip_bad_rows=true); the first: %s", key, path,
-                    len(problems), num_rows, problems[0])
+        log.warning(
+            "%s %s: skipped %d bad rows of %d (data.skip_bad_rows=true); the first: %s",
+            key,
+            path,
+            len(problems),
+            num_rows,
+            problems[0],
+        )
     if not records:
         raise ValueError(f"{key}: {path} has no usable rows ({num_rows} rows, {len(problems)} bad)")
     if num_duplicates:
-        log.warning("%s: dropped %d duplicate rows of %d (%d unique prompts kept)", path, num_duplicates, num_rows,
-                    len(records))
-    return PromptList(records, path=str(path), num_rows=num_rows, num_duplicates=num_duplicates,
-                      num_skipped=len(problems))
+        log.warning(
+            "%s: dropped %d duplicate rows of %d (%d unique prompts kept)", path, num_duplicates, num_rows, len(records)
+        )
+    return PromptList(
+        records, path=str(path), num_rows=num_rows, num_duplicates=num_duplicates, num_skipped=len(problems)
+    )
 
 
 def bad_rows_message(key: str, path: str | Path, problems: list[str], num_rows: int) -> str:
     """One error for every bad row: the first MAX_LISTED listed, the rest counted."""
     listed = "\n  ".join(problems[:MAX_LISTED])
     rest = f"\n  ... and {len(problems) - MAX_LISTED} more bad rows" if len(problems) > MAX_LISTED else ""
-    return (f"{key}: {path}: {len(problems)} of {num_rows} rows cannot be trained on (fix them, or set "
-            f"data.skip_bad_rows=true to leave them out):\n  {listed}{rest}")
+    return (
+        f"{key}: {path}: {len(problems)} of {num_rows} rows cannot be trained on (fix them, or set "
+        f"data.skip_bad_rows=true to leave them out):\n  {listed}{rest}"
+    )
 
 
 def _plain_text_ids(tokenizer, text: str) -> list[int]:
@@ -154,7 +189,7 @@ def _plain_text_ids(tokenizer, text: str) -> list[int]:
     plain = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     full = tokenizer(text)["input_ids"]
     for start in range(len(full) - len(plain) + 1):
-        if full[start:start + len(plain)] == plain:
+        if full[start : start + len(plain)] == plain:
             return list(full[:start]) + plain
     return plain
 
@@ -200,13 +235,15 @@ def save_prompts(records: Iterable[PromptRecord], path: str | Path) -> Path:
 def _arrow_schema():
     import pyarrow as pa
 
-    return pa.schema([
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
-        ("extra_info", pa.struct([("index", pa.string())])),
-    ])
+    return pa.schema(
+        [
+            ("data_source", pa.string()),
+            ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
+            ("ability", pa.string()),
+            ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+            ("extra_info", pa.struct([("index", pa.string())])),
+        ]
+    )
 
 
 def _iter_rows(path: Path) -> Iterator[tuple[int, str, Any]]:
@@ -221,8 +258,10 @@ def _iter_rows(path: Path) -> Iterator[tuple[int, str, Any]]:
         names = pf.schema_arrow.names
         for column in REQUIRED_COLUMNS:
             if column not in names:
-                raise ValueError(f"{path}: row 0 (0-based) and every other row: column '{column}' is missing "
-                                 f"(columns: {', '.join(names)})")
+                raise ValueError(
+                    f"{path}: row 0 (0-based) and every other row: column '{column}' is missing "
+                    f"(columns: {', '.join(names)})"
+                )
         row_number = 0
         for batch in pf.iter_batches(batch_size=16384):  # bounded memory on the 1.79M-row public file
             for row in batch.to_pylist():
@@ -268,7 +307,9 @@ def _parse_row(row: Any, row_number: int, where: str) -> PromptRecord:
 
     reward_model = row["reward_model"]
     if not isinstance(reward_model, dict):
-        raise ValueError(f"{where}: column 'reward_model' must be a struct {{ground_truth, style}}, got {reward_model!r:.80}")
+        raise ValueError(
+            f"{where}: column 'reward_model' must be a struct {{ground_truth, style}}, got {reward_model!r:.80}"
+        )
     truth = reward_model.get("ground_truth")
     if isinstance(truth, bool) or not isinstance(truth, (str, int)):
         raise ValueError(f"{where}: column 'reward_model.ground_truth' must be a string, got {truth!r:.80}")
@@ -302,7 +343,9 @@ def _parse_messages(prompt: Any, where: str) -> list[dict[str, str]]:
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     if not isinstance(prompt, list) or not prompt:
-        raise ValueError(f"{where}: column 'prompt' must be a non-empty list of {{content, role}} messages, got {prompt!r:.80}")
+        raise ValueError(
+            f"{where}: column 'prompt' must be a non-empty list of {{content, role}} messages, got {prompt!r:.80}"
+        )
     messages = []
     for k, message in enumerate(prompt):
         if not isinstance(message, dict):
@@ -323,6 +366,12 @@ def _templated(record: PromptRecord) -> PromptRecord:
         if m["role"] == "user":
             m["content"] = wrapped
             break
-    return PromptRecord(prompt=wrapped, ground_truth=record.ground_truth, data_source=record.data_source,
-                        index=record.index, ability=record.ability, reward_style=record.reward_style,
-                        messages=messages)
+    return PromptRecord(
+        prompt=wrapped,
+        ground_truth=record.ground_truth,
+        data_source=record.data_source,
+        index=record.index,
+        ability=record.ability,
+        reward_style=record.reward_style,
+        messages=messages,
+    )

@@ -57,7 +57,9 @@ class PromptStream(Generic[T]):
     def load_state_dict(self, state: dict[str, int]) -> PromptStream[T]:
         epoch, cursor = int(state["epoch"]), int(state["cursor"])
         if not 0 <= cursor <= len(self.records):
-            raise ValueError(f"PromptStream state cursor={cursor} is outside 0..{len(self.records)} "
-                             "(was the checkpoint made with another prompt set?)")
+            raise ValueError(
+                f"PromptStream state cursor={cursor} is outside 0..{len(self.records)} "
+                "(was the checkpoint made with another prompt set?)"
+            )
         self.epoch, self.cursor, self._order = epoch, cursor, self._order_of(epoch)
         return self

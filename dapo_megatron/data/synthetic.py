@@ -63,8 +63,10 @@ def make_synthetic_task(num: int, *, difficulty: int, seed: int, style: str = "d
     if num < 0:
         raise ValueError(f"make_synthetic_task: num={num} must be >= 0")
     if difficulty not in DIFFICULTY_LEVELS:
-        raise ValueError(f"make_synthetic_task: difficulty={difficulty!r} is not allowed; choose one of "
-                         f"{sorted(DIFFICULTY_LEVELS)} ({'; '.join(f'{k}: {v}' for k, v in DIFFICULTY_LEVELS.items())})")
+        raise ValueError(
+            f"make_synthetic_task: difficulty={difficulty!r} is not allowed; choose one of "
+            f"{sorted(DIFFICULTY_LEVELS)} ({'; '.join(f'{k}: {v}' for k, v in DIFFICULTY_LEVELS.items())})"
+        )
     if style not in SYNTHETIC_STYLES:
         raise ValueError(f"make_synthetic_task: style={style!r} is not allowed; choose one of {list(SYNTHETIC_STYLES)}")
     rng = random.Random(f"synthetic-{difficulty}-{seed}")  # str seeds hash deterministically (sha512)
@@ -76,8 +78,15 @@ def make_synthetic_task(num: int, *, difficulty: int, seed: int, style: str = "d
         else:
             question = f"What is {' '.join(map(str, tokens))}?"
             prompt = apply_template(question) if style == "dapo" else question
-        records.append(PromptRecord(prompt=prompt, ground_truth=str(value), data_source="math_dapo",
-                                    index=f"synthetic-d{difficulty}-s{seed}-{i}", ability="ARITHMETIC"))
+        records.append(
+            PromptRecord(
+                prompt=prompt,
+                ground_truth=str(value),
+                data_source="math_dapo",
+                index=f"synthetic-d{difficulty}-s{seed}-{i}",
+                ability="ARITHMETIC",
+            )
+        )
     return records
 
 
@@ -93,10 +102,16 @@ def synthetic_train_eval(*, num_train: int, num_eval: int, difficulty: int, seed
     held: list = []
     draw = num_eval
     while len(held) < num_eval:
-        pool = [r for r in make_synthetic_task(draw, difficulty=difficulty, seed=seed + 1, style=style) if r.prompt not in seen]
+        pool = [
+            r
+            for r in make_synthetic_task(draw, difficulty=difficulty, seed=seed + 1, style=style)
+            if r.prompt not in seen
+        ]
         held = pool[:num_eval]
         if draw > 64 * max(num_eval, 1):
-            raise ValueError(f"data.synthetic: cannot draw {num_eval} eval problems outside the {num_train} train "
-                             f"problems at difficulty {difficulty}; lower data.synthetic.num_eval or num_train")
+            raise ValueError(
+                f"data.synthetic: cannot draw {num_eval} eval problems outside the {num_train} train "
+                f"problems at difficulty {difficulty}; lower data.synthetic.num_eval or num_train"
+            )
         draw *= 2
     return train, held

@@ -57,9 +57,13 @@ class TinyModelSpec:
             if name != "arch" and value < 1:
                 raise ValueError(f"tiny model: {name}={value} must be >= 1")
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"tiny model: hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}")
+            raise ValueError(
+                f"tiny model: hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}"
+            )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"tiny model: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ValueError(
+                f"tiny model: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
 
 
 # --------------------------------------------------------------------------------------------
@@ -82,8 +86,10 @@ def _cache_ok(path: Path, record: dict, *, cached_only: bool = False) -> bool:
             keys = sorted(k for k in set(stored) | set(record) if stored.get(k) != record.get(k))
             why = f"it was built with other settings (build.json differs in {', '.join(keys)})"
     if cached_only:
-        raise ValueError(f"tiny.require_cached=true: {path}: {why}; build it first with the same config "
-                         "(python -m dapo_megatron.launch.prepare CONFIG ..., or tests/gpu/prepare.sh for the GPU check)")
+        raise ValueError(
+            f"tiny.require_cached=true: {path}: {why}; build it first with the same config "
+            "(python -m dapo_megatron.launch.prepare CONFIG ..., or tests/gpu/prepare.sh for the GPU check)"
+        )
     return False
 
 
@@ -98,8 +104,9 @@ def _write_atomically(path: Path, record: dict, save) -> Path:
     return path
 
 
-def build_tiny_model(out_dir: str | Path, *, seed: int, spec: TinyModelSpec = TinyModelSpec(),
-                     cached_only: bool = False) -> Path:
+def build_tiny_model(
+    out_dir: str | Path, *, seed: int, spec: TinyModelSpec = TinyModelSpec(), cached_only: bool = False
+) -> Path:
     """Random-init tiny Qwen2 + tokenizer saved (fp32 safetensors) to `<out_dir>/tiny_model/init`.
 
     Idempotent: an existing directory built with the same seed and spec is reused (cached_only: or
@@ -137,10 +144,16 @@ def build_tiny_model(out_dir: str | Path, *, seed: int, spec: TinyModelSpec = Ti
     if spec.arch == "qwen3_moe":
         from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-        config = Qwen3MoeConfig(**common, head_dim=spec.hidden_size // spec.num_heads, num_experts=spec.num_experts,
-                                num_experts_per_tok=spec.num_experts_per_tok, norm_topk_prob=True,
-                                moe_intermediate_size=spec.moe_intermediate_size, decoder_sparse_step=1,
-                                mlp_only_layers=[])  # Qwen3-30B-A3B's routing: every layer sparse, normalised top-k
+        config = Qwen3MoeConfig(
+            **common,
+            head_dim=spec.hidden_size // spec.num_heads,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            norm_topk_prob=True,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )  # Qwen3-30B-A3B's routing: every layer sparse, normalised top-k
         model = AutoModelForCausalLM.from_config(config).float()
     else:
         model = Qwen2ForCausalLM(Qwen2Config(**common)).float()
@@ -212,28 +225,59 @@ def warm_start(
     if len(prompts) != len(answers) or not prompts:
         raise ValueError(f"warm start: need equally many prompts and answers (got {len(prompts)} and {len(answers)})")
     if steps < 0 or batch_size < 1 or lr <= 0 or not 0 <= label_smoothing < 1:
-        raise ValueError(f"warm start: steps={steps} (>= 0), batch_size={batch_size} (>= 1), lr={lr} (> 0), "
-                         f"label_smoothing={label_smoothing} (in [0, 1))")
+        raise ValueError(
+            f"warm start: steps={steps} (>= 0), batch_size={batch_size} (>= 1), lr={lr} (> 0), "
+            f"label_smoothing={label_smoothing} (in [0, 1))"
+        )
     init_dir = Path(init_dir)
     path = Path(out_dir) / "tiny_model" / "warm"
     digest = _digest(list(prompts), list(answers))
     init_record = json.loads((init_dir / "build.json").read_text()) if (init_dir / "build.json").is_file() else {}
-    record = {"stage": "warm", "init": init_record, "data": digest, "steps": steps,
-              "batch_size": batch_size, "lr": lr, "seed": seed, "label_smoothing": label_smoothing,
-              "torch_threads": WARM_START_THREADS}
+    record = {
+        "stage": "warm",
+        "init": init_record,
+        "data": digest,
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "seed": seed,
+        "label_smoothing": label_smoothing,
+        "torch_threads": WARM_START_THREADS,
+    }
     if _cache_ok(path, record, cached_only=cached_only):
         return path
     threads = torch.get_num_threads()
     torch.set_num_threads(WARM_START_THREADS)
     try:
-        return _warm_start(init_dir, path, record, prompts=prompts, answers=answers, steps=steps,
-                           batch_size=batch_size, lr=lr, seed=seed, label_smoothing=label_smoothing)
+        return _warm_start(
+            init_dir,
+            path,
+            record,
+            prompts=prompts,
+            answers=answers,
+            steps=steps,
+            batch_size=batch_size,
+            lr=lr,
+            seed=seed,
+            label_smoothing=label_smoothing,
+        )
     finally:
         torch.set_num_threads(threads)
 
 
-def _warm_start(init_dir: Path, path: Path, record: dict, *, prompts: Sequence[str], answers: Sequence[str],
-                steps: int, batch_size: int, lr: float, seed: int, label_smoothing: float) -> Path:
+def _warm_start(
+    init_dir: Path,
+    path: Path,
+    record: dict,
+    *,
+    prompts: Sequence[str],
+    answers: Sequence[str],
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    label_smoothing: float,
+) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(init_dir)
@@ -248,12 +292,20 @@ def _warm_start(init_dir: Path, path: Path, record: dict, *, prompts: Sequence[s
     warmup = max(1, steps // 10)
     for step in range(steps):
         for g in opt.param_groups:  # linear warm-up, then cosine to 10% of lr
-            frac = (step + 1) / warmup if step < warmup else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+            frac = (
+                (step + 1) / warmup
+                if step < warmup
+                else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+            )
             g["lr"] = lr * min(1.0, frac)
         idx = [rng.randrange(len(prompts)) for _ in range(batch_size)]
         batch = sft_batch(tok, [prompts[i] for i in idx], [answers[i] for i in idx])
-        loss = smoothed_nll(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
-                            batch["labels"], eps=label_smoothing, smooth_ids=smooth_ids)
+        loss = smoothed_nll(
+            model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
+            batch["labels"],
+            eps=label_smoothing,
+            smooth_ids=smooth_ids,
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -300,8 +352,12 @@ def _moe_spec_fields(tn) -> dict:
     build.json stay what they were)."""
     if tn.arch != "qwen3_moe":
         return {}
-    return dict(arch=tn.arch, num_experts=tn.num_experts, num_experts_per_tok=tn.num_experts_per_tok,
-                moe_intermediate_size=tn.moe_intermediate_size)
+    return dict(
+        arch=tn.arch,
+        num_experts=tn.num_experts,
+        num_experts_per_tok=tn.num_experts_per_tok,
+        moe_intermediate_size=tn.moe_intermediate_size,
+    )
 
 
 def prepare_tiny_model(tiny, synthetic, *, out_dir: str | Path, seed: int, max_positions: int) -> str:
@@ -314,15 +370,30 @@ def prepare_tiny_model(tiny, synthetic, *, out_dir: str | Path, seed: int, max_p
     tn, syn = tiny, synthetic
     if not tn.enabled:
         raise ValueError("prepare_tiny_model: tiny.enabled is false (set model.path instead)")
-    spec = TinyModelSpec(hidden_size=tn.hidden_size, num_layers=tn.num_layers, num_heads=tn.num_heads,
-                         num_kv_heads=tn.num_kv_heads, intermediate_size=tn.intermediate_size,
-                         max_position_embeddings=max(256, max_positions), **_moe_spec_fields(tn))
+    spec = TinyModelSpec(
+        hidden_size=tn.hidden_size,
+        num_layers=tn.num_layers,
+        num_heads=tn.num_heads,
+        num_kv_heads=tn.num_kv_heads,
+        intermediate_size=tn.intermediate_size,
+        max_position_embeddings=max(256, max_positions),
+        **_moe_spec_fields(tn),
+    )
     cache = tn.cache_dir or str(out_dir)
     init = build_tiny_model(cache, seed=seed, spec=spec, cached_only=tn.require_cached)
-    train, _ = synthetic_train_eval(num_train=syn.num_train, num_eval=syn.num_eval, difficulty=syn.difficulty,
-                                    seed=syn.seed, style=syn.style)
-    warm = warm_start(init, cache, prompts=[r.prompt for r in train],
-                      answers=[r.ground_truth for r in train], steps=tn.warm_start_steps,
-                      batch_size=tn.warm_start_batch_size, lr=tn.warm_start_lr, seed=seed,
-                      label_smoothing=tn.label_smoothing, cached_only=tn.require_cached)
+    train, _ = synthetic_train_eval(
+        num_train=syn.num_train, num_eval=syn.num_eval, difficulty=syn.difficulty, seed=syn.seed, style=syn.style
+    )
+    warm = warm_start(
+        init,
+        cache,
+        prompts=[r.prompt for r in train],
+        answers=[r.ground_truth for r in train],
+        steps=tn.warm_start_steps,
+        batch_size=tn.warm_start_batch_size,
+        lr=tn.warm_start_lr,
+        seed=seed,
+        label_smoothing=tn.label_smoothing,
+        cached_only=tn.require_cached,
+    )
     return str(warm)

@@ -13,15 +13,22 @@ SPECIAL_TOKENS = [PAD, EOS, UNK, USER, ASSISTANT]  # ids 0..4
 # One user turn in, the assistant's text out; a finished assistant turn ends with EOS (the stop token).
 CHAT_TEMPLATE = (
     "{% for m in messages %}"
-    "{% if m['role'] == 'assistant' %}" + ASSISTANT + "{{ m['content'] }}" + EOS + "{% else %}"
-    + USER + "{{ m['content'] }}{% endif %}{% endfor %}"
+    "{% if m['role'] == 'assistant' %}"
+    + ASSISTANT
+    + "{{ m['content'] }}"
+    + EOS
+    + "{% else %}"
+    + USER
+    + "{{ m['content'] }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}" + ASSISTANT + "{% endif %}"
 )
 
 
 def _byte_level_alphabet() -> list[str]:
     """The 256 symbols byte-level BPE uses for bytes 0..255 (GPT-2 / Qwen2 mapping: ' ' -> 'Ġ')."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     symbol, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -44,8 +51,13 @@ def build_tiny_tokenizer():
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + _byte_level_alphabet())}
     tok = Qwen2Tokenizer(
-        vocab=vocab, merges=[], unk_token=UNK, eos_token=EOS, pad_token=PAD,
-        additional_special_tokens=[USER, ASSISTANT], padding_side="left",
+        vocab=vocab,
+        merges=[],
+        unk_token=UNK,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=[USER, ASSISTANT],
+        padding_side="left",
     )
     tok.chat_template = CHAT_TEMPLATE
     return tok

@@ -29,9 +29,9 @@ CHOSEN_HERE: set[str] = set()
 
 @dataclass(frozen=True)
 class Route:
-    peer: str        # the peer's IPv4 address
-    address: str     # this host's source address toward it
-    interface: str   # the interface holding that address
+    peer: str  # the peer's IPv4 address
+    address: str  # this host's source address toward it
+    interface: str  # the interface holding that address
 
 
 def resolve_ipv4(host: str) -> str:
@@ -49,8 +49,9 @@ def local_ipv4() -> dict[str, list[str]]:
     """interface -> its IPv4 addresses, on this host (in this network namespace)."""
     import psutil
 
-    return {name: [a.address for a in infos if a.family == socket.AF_INET]
-            for name, infos in psutil.net_if_addrs().items()}
+    return {
+        name: [a.address for a in infos if a.family == socket.AF_INET] for name, infos in psutil.net_if_addrs().items()
+    }
 
 
 def interface_of(address: str) -> str | None:
@@ -81,14 +82,22 @@ def interface_toward(peer_host: str) -> Route:
         raise ValueError(f"no route from {socket.gethostname()} to {peer_host} ({peer}): {err}") from None
     name = interface_of(source) or "?"
     if is_loopback(source):
-        raise ValueError(f"{peer_host} ({peer}) is reached through loopback from {socket.gethostname()} "
-                         f"(address {source}, interface {name}): a group that spans hosts cannot use it; fix "
-                         f"/etc/hosts or set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the interface the hosts share")
+        raise ValueError(
+            f"{peer_host} ({peer}) is reached through loopback from {socket.gethostname()} "
+            f"(address {source}, interface {name}): a group that spans hosts cannot use it; fix "
+            f"/etc/hosts or set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the interface the hosts share"
+        )
     return Route(peer, source, name)
 
 
-def choose_socket_interfaces(master_addr: str, *, spans_hosts: bool, store=None, timeout_s: float = 300.0,
-                             environ: MutableMapping[str, str] | None = None) -> Route | None:
+def choose_socket_interfaces(
+    master_addr: str,
+    *,
+    spans_hosts: bool,
+    store=None,
+    timeout_s: float = 300.0,
+    environ: MutableMapping[str, str] | None = None,
+) -> Route | None:
     """Set GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME (each only where the user has not) to the interface
     that routes to the other hosts of the group, before the groups are created. Returns the route used
     (None: one host only, or the user chose both).
@@ -111,15 +120,17 @@ def choose_socket_interfaces(master_addr: str, *, spans_hosts: bool, store=None,
         return None
     if route is None:  # this rank shares the master's host: ask a rank on another host where it is
         if store is None:
-            raise ValueError(f"MASTER_ADDR {master_addr} ({master}) is this host and the group spans hosts, but "
-                             "there is no store to learn a peer's address from; set GLOO_SOCKET_IFNAME")
+            raise ValueError(
+                f"MASTER_ADDR {master_addr} ({master}) is this host and the group spans hosts, but "
+                "there is no store to learn a peer's address from; set GLOO_SOCKET_IFNAME"
+            )
         store.wait([f"{_PEER_KEY}1"], _seconds(timeout_s))
         route = interface_toward(store.get(f"{_PEER_KEY}1").decode())
     if not env.get("GLOO_SOCKET_IFNAME"):
-        env["GLOO_SOCKET_IFNAME"] = route.interface          # gloo: exact names
+        env["GLOO_SOCKET_IFNAME"] = route.interface  # gloo: exact names
         CHOSEN_HERE.add("GLOO_SOCKET_IFNAME")
     if not env.get("NCCL_SOCKET_IFNAME"):
-        env["NCCL_SOCKET_IFNAME"] = f"={route.interface}"    # NCCL: '=' exact, else every name it prefixes
+        env["NCCL_SOCKET_IFNAME"] = f"={route.interface}"  # NCCL: '=' exact, else every name it prefixes
         CHOSEN_HERE.add("NCCL_SOCKET_IFNAME")
     return route
 

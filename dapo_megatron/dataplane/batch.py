@@ -111,8 +111,11 @@ class RolloutBatch:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the batch holds, by name (token fields as `token_fields.<name>`)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name != "token_fields" and getattr(self, f.name) is not None}
+        out = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name != "token_fields" and getattr(self, f.name) is not None
+        }
         out.update({f"token_fields.{k}": v for k, v in self.token_fields.items()})
         return out
 
@@ -142,8 +145,9 @@ class RolloutBatch:
             tokens=tokens,
             seq_lengths=torch.tensor([s.num_tokens for s in samples], dtype=torch.int32),
             prompt_lengths=torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.int32),
-            group_index=torch.tensor(list(group_index) if group_index is not None else [s.group_index for s in samples],
-                                     dtype=torch.int32),
+            group_index=torch.tensor(
+                list(group_index) if group_index is not None else [s.group_index for s in samples], dtype=torch.int32
+            ),
             rewards=torch.tensor([float(s.reward) for s in samples], dtype=torch.float32),
             advantages=torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32),
             truncated=torch.tensor([bool(s.truncated) for s in samples], dtype=torch.bool),
@@ -170,14 +174,22 @@ class RolloutBatch:
         so, ro = self.seq_offsets, self.response_offsets
         t0, t1 = int(so[start]), int(so[start + length])
         r0, r1 = int(ro[start]), int(ro[start + length])
-        return self._take(lambda t: t[start: start + length], lambda t: t[t0:t1], lambda t: t[r0:r1])
+        return self._take(lambda t: t[start : start + length], lambda t: t[t0:t1], lambda t: t[r0:r1])
 
     def _take(self, per_sequence, per_token, per_response) -> RolloutBatch:
         values = {name: per_sequence(getattr(self, name)) for name in SEQUENCE_FIELDS}
-        values.update({name: None if getattr(self, name) is None else per_response(getattr(self, name))
-                       for name in RESPONSE_FIELDS})
-        return replace(self, tokens=per_token(self.tokens),
-                       token_fields={k: per_token(v) for k, v in self.token_fields.items()}, **values)
+        values.update(
+            {
+                name: None if getattr(self, name) is None else per_response(getattr(self, name))
+                for name in RESPONSE_FIELDS
+            }
+        )
+        return replace(
+            self,
+            tokens=per_token(self.tokens),
+            token_fields={k: per_token(v) for k, v in self.token_fields.items()},
+            **values,
+        )
 
 
 def _response_field(samples: Sequence, name: str) -> torch.Tensor | None:
@@ -187,8 +199,10 @@ def _response_field(samples: Sequence, name: str) -> torch.Tensor | None:
         return None
     if not all(have):
         missing = have.index(False)
-        raise ValueError(f"sample {missing}: {name} is None while other samples of the batch have it "
-                         f"(a batch holds a per-token field for every response or for none)")
+        raise ValueError(
+            f"sample {missing}: {name} is None while other samples of the batch have it "
+            f"(a batch holds a per-token field for every response or for none)"
+        )
     return torch.cat([torch.tensor(getattr(s, name), dtype=torch.float32) for s in samples])
 
 
@@ -211,11 +225,13 @@ def _routed_experts_field(samples: Sequence) -> torch.Tensor | None:
         if rows is not None:
             rows = torch.as_tensor(rows)
             if tuple(rows.shape) != (s.num_tokens - 1, width):
-                raise ValueError(f"sample {index}: routed_experts has shape {tuple(rows.shape)}, expected "
-                                 f"{(s.num_tokens - 1, width)} (prompt + response - 1 tokens, "
-                                 "the batch's layers x top-k)")
+                raise ValueError(
+                    f"sample {index}: routed_experts has shape {tuple(rows.shape)}, expected "
+                    f"{(s.num_tokens - 1, width)} (prompt + response - 1 tokens, "
+                    "the batch's layers x top-k)"
+                )
             if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) > torch.iinfo(ROUTED_EXPERTS_DTYPE).max):
                 raise ValueError(f"sample {index}: routed_experts holds expert ids outside 0..32767")
-            out[offset: offset + rows.shape[0]] = rows.to(ROUTED_EXPERTS_DTYPE)
+            out[offset : offset + rows.shape[0]] = rows.to(ROUTED_EXPERTS_DTYPE)
         offset += s.num_tokens
     return out

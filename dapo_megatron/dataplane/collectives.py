@@ -171,8 +171,12 @@ def _wait_for_worker_release(tensor: torch.Tensor, held: int, timeout_s: float =
     while tensor._use_count() > held:  # type: ignore[attr-defined]
         if time.monotonic() > deadline:  # someone else holds it too: the data is there, move on
             uses = tensor._use_count()  # type: ignore[attr-defined]
-            log.warning("pg_broadcast: the tensor still has %d references %.0f s after the collective (had %d)",
-                        uses, timeout_s, held)
+            log.warning(
+                "pg_broadcast: the tensor still has %d references %.0f s after the collective (had %d)",
+                uses,
+                timeout_s,
+                held,
+            )
             return
         time.sleep(0.0002)  # releases the GIL, which the worker needs for the release
 

@@ -59,9 +59,15 @@ def _packed(outcome: tuple[str, object]) -> bytes:
     try:
         return pickle.dumps(outcome)
     except Exception as err:  # noqa: BLE001 - pickling can fail with any type
-        return pickle.dumps(("error", RuntimeError(
-            f"driver_decides: the driver's result ({type(outcome[1]).__name__}) cannot be sent to the other "
-            f"ranks: {type(err).__name__}: {err}")))
+        return pickle.dumps(
+            (
+                "error",
+                RuntimeError(
+                    f"driver_decides: the driver's result ({type(outcome[1]).__name__}) cannot be sent to the other "
+                    f"ranks: {type(err).__name__}: {err}"
+                ),
+            )
+        )
 
 
 def _packed_error(err: Exception) -> bytes:

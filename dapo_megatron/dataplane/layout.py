@@ -56,5 +56,11 @@ class ParallelLayout:
     @property
     def sizes(self) -> dict[str, int | None]:
         """The sizes a config names (actor.tp, ...): to check a layout against the config, or record it."""
-        return {"tp": self.tp_size, "pp": self.pp_size, "cp": self.cp_size, "vpp": self.vpp_size,
-                "ep": self.ep_size, "etp": self.etp_size}
+        return {
+            "tp": self.tp_size,
+            "pp": self.pp_size,
+            "cp": self.cp_size,
+            "vpp": self.vpp_size,
+            "ep": self.ep_size,
+            "etp": self.etp_size,
+        }

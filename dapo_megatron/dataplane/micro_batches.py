@@ -16,8 +16,9 @@ def round_up(value: int, multiple: int) -> int:
 # Planning: which samples go to which DP rank and micro-batch (pure, deterministic)
 
 
-def plan_micro_batches(lengths: list[int], *, micro_batch_tokens: int, dp_size: int,
-                       min_micro_batches: int = 1) -> list[list[list[int]]]:
+def plan_micro_batches(
+    lengths: list[int], *, micro_batch_tokens: int, dp_size: int, min_micro_batches: int = 1
+) -> list[list[list[int]]]:
     """Split sample indices into `plan[dp_rank][micro_batch] -> [sample indices]`.
 
     1. DP shares: longest-first greedy (LPT): each sample, longest first (ties: lower index), goes to

@@ -46,11 +46,21 @@ class RankRoles:
         stage, stages = layout.pp_rank, layout.pp_size
         last = stage == stages - 1
         dp_rank = layout.dp_rank
-        return cls(rank=dist.get_rank(), stage=stage, num_stages=stages, dp_rank=dp_rank, dp_size=layout.dp_size,
-                   driver=dist.get_rank() == 0, batch_source=tp0 and cp0 and stage == 0, holds_results=last,
-                   reports=last and tp0 and cp0, exporter=tp0 and cp0 and dp_rank == 0)
+        return cls(
+            rank=dist.get_rank(),
+            stage=stage,
+            num_stages=stages,
+            dp_rank=dp_rank,
+            dp_size=layout.dp_size,
+            driver=dist.get_rank() == 0,
+            batch_source=tp0 and cp0 and stage == 0,
+            holds_results=last,
+            reports=last and tp0 and cp0,
+            exporter=tp0 and cp0 and dp_rank == 0,
+        )
 
     def describe(self) -> str:
         names = [n for n in ("driver", "batch_source", "holds_results", "reports", "exporter") if getattr(self, n)]
         return f"rank {self.rank} (stage {self.stage}/{self.num_stages}, dp {self.dp_rank}/{self.dp_size}): " + (
-            ", ".join(names) or "actor only")
+            ", ".join(names) or "actor only"
+        )

@@ -48,24 +48,31 @@ class ScatterStats:
 
 def _header(share: BatchShare) -> dict:
     tensors = _share_tensors(share)
-    return {"step_sequences": share.step_sequences,
-            "tensors": [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in tensors.items()]}
+    return {
+        "step_sequences": share.step_sequences,
+        "tensors": [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in tensors.items()],
+    }
 
 
 def _share_tensors(share: BatchShare) -> dict[str, torch.Tensor]:
-    out = {f"batch.{k}": v for k, v in share.batch.tensors().items()
-           if k not in ("old_logprobs", "ref_logprobs")}  # computed by the ranks themselves
+    out = {
+        f"batch.{k}": v for k, v in share.batch.tensors().items() if k not in ("old_logprobs", "ref_logprobs")
+    }  # computed by the ranks themselves
     out.update({f"plan.{k}": getattr(share, k) for k in PLAN_FIELDS})
     return out
 
 
 def _share_from_tensors(header: dict, tensors: dict[str, torch.Tensor]) -> BatchShare:
     batch_fields = {k.removeprefix("batch."): v for k, v in tensors.items() if k.startswith("batch.")}
-    token_fields = {k.removeprefix("token_fields."): batch_fields.pop(k) for k in list(batch_fields)
-                    if k.startswith("token_fields.")}
+    token_fields = {
+        k.removeprefix("token_fields."): batch_fields.pop(k)
+        for k in list(batch_fields)
+        if k.startswith("token_fields.")
+    }
     batch = RolloutBatch(**batch_fields, token_fields=token_fields)
-    return BatchShare(batch=batch, step_sequences=int(header["step_sequences"]),
-                      **{k: tensors[f"plan.{k}"] for k in PLAN_FIELDS})
+    return BatchShare(
+        batch=batch, step_sequences=int(header["step_sequences"]), **{k: tensors[f"plan.{k}"] for k in PLAN_FIELDS}
+    )
 
 
 def _wire(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -76,13 +83,16 @@ def _wire(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _empty_like_header(header: dict, device: torch.device) -> dict[str, torch.Tensor]:
     """uint8 receive buffers of each field's bytes (_wire's layout)."""
-    return {name: torch.empty(torch.Size(shape).numel() * getattr(torch, dtype).itemsize, dtype=torch.uint8,
-                              device=device) for name, dtype, shape in header["tensors"]}
+    return {
+        name: torch.empty(torch.Size(shape).numel() * getattr(torch, dtype).itemsize, dtype=torch.uint8, device=device)
+        for name, dtype, shape in header["tensors"]
+    }
 
 
 def _unwire(header: dict, buffers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: buffers[name].cpu().view(getattr(torch, dtype)).view(shape)
-            for name, dtype, shape in header["tensors"]}
+    return {
+        name: buffers[name].cpu().view(getattr(torch, dtype)).view(shape) for name, dtype, shape in header["tensors"]
+    }
 
 
 def _header_bytes(header: dict) -> int:
@@ -91,8 +101,9 @@ def _header_bytes(header: dict) -> int:
     return len(pickle.dumps(header))
 
 
-def scatter_batch(batch: RolloutBatch | None, *, layout: ParallelLayout, settings: PackSettings,
-                  sequences_per_mini_batch: int) -> tuple[BatchShare, ScatterStats]:
+def scatter_batch(
+    batch: RolloutBatch | None, *, layout: ParallelLayout, settings: PackSettings, sequences_per_mini_batch: int
+) -> tuple[BatchShare, ScatterStats]:
     """Collective: every rank returns its DP replica's share (module docstring). `batch` on the
     driver (global rank 0), None elsewhere. `layout` gives the process groups (its dp_group and
     replica_group)."""
@@ -104,8 +115,9 @@ def scatter_batch(batch: RolloutBatch | None, *, layout: ParallelLayout, setting
     if rank == 0:
         if batch is None:
             raise ValueError("scatter_batch: the driver (rank 0) must pass the step's batch")
-        share = _send_shares(batch, settings=settings, sequences_per_mini_batch=sequences_per_mini_batch,
-                             dp_group=dp_group)
+        share = _send_shares(
+            batch, settings=settings, sequences_per_mini_batch=sequences_per_mini_batch, dp_group=dp_group
+        )
     elif rank == source:
         # megatron's order (tp-cp-ep-dp-pp) puts each replica's first rank in rank 0's DP group
         assert 0 in dist.get_process_group_ranks(dp_group), f"rank {rank}: batch source outside the driver's DP group"
@@ -120,12 +132,12 @@ def scatter_batch(batch: RolloutBatch | None, *, layout: ParallelLayout, setting
     return share, stats
 
 
-def _send_shares(batch: RolloutBatch, *, settings: PackSettings, sequences_per_mini_batch: int,
-                 dp_group) -> BatchShare:
+def _send_shares(batch: RolloutBatch, *, settings: PackSettings, sequences_per_mini_batch: int, dp_group) -> BatchShare:
     """Driver: plan, cut and post one share per DP source; returns the driver's own (DP rank 0)."""
     dp_ranks = dist.get_process_group_ranks(dp_group)  # the batch sources, DP rank order
-    plans: list[SharePlan] = plan_shares(batch.seq_lengths, sequences_per_mini_batch=sequences_per_mini_batch,
-                                         settings=settings, dp_size=len(dp_ranks))
+    plans: list[SharePlan] = plan_shares(
+        batch.seq_lengths, sequences_per_mini_batch=sequences_per_mini_batch, settings=settings, dp_size=len(dp_ranks)
+    )
     shares = [BatchShare.from_plan(batch, plan, step_sequences=batch.num_sequences) for plan in plans]
     device = coll.backend_device(dp_group)
     pending = []  # (work, tensor): the sent copy must outlive its send

@@ -41,18 +41,29 @@ class PackSettings:
     min_micro_batches: int = 1  # interleaved pipeline schedule: at least pp micro-batches
 
     @classmethod
-    def for_layout(cls, *, micro_batch_tokens: int, tp: int, pp: int, cp: int, vpp: int | None,
-                   sequence_parallel: bool) -> PackSettings:
+    def for_layout(
+        cls, *, micro_batch_tokens: int, tp: int, pp: int, cp: int, vpp: int | None, sequence_parallel: bool
+    ) -> PackSettings:
         seq_pad = 2 * cp if cp > 1 else 1
-        return cls(micro_batch_tokens=micro_batch_tokens, seq_pad_multiple=seq_pad,
-                   pad_multiple=(tp if sequence_parallel else 1) * seq_pad, uniform_length=pp > 1,
-                   min_micro_batches=pp if vpp else 1)
+        return cls(
+            micro_batch_tokens=micro_batch_tokens,
+            seq_pad_multiple=seq_pad,
+            pad_multiple=(tp if sequence_parallel else 1) * seq_pad,
+            uniform_length=pp > 1,
+            min_micro_batches=pp if vpp else 1,
+        )
 
     @classmethod
     def from_actor_config(cls, actor_cfg) -> PackSettings:
         a = actor_cfg
-        return cls.for_layout(micro_batch_tokens=a.micro_batch_tokens, tp=a.tp, pp=a.pp, cp=a.cp, vpp=a.vpp,
-                              sequence_parallel=a.sequence_parallel)
+        return cls.for_layout(
+            micro_batch_tokens=a.micro_batch_tokens,
+            tp=a.tp,
+            pp=a.pp,
+            cp=a.cp,
+            vpp=a.vpp,
+            sequence_parallel=a.sequence_parallel,
+        )
 
 
 @dataclass
@@ -65,8 +76,9 @@ class SharePlan:
     mini_batch_lengths: torch.Tensor  # [mini-batches] padded length shared by the mini-batch's micro-batches, 0 = own
 
 
-def plan_shares(seq_lengths: torch.Tensor, *, sequences_per_mini_batch: int, settings: PackSettings,
-                dp_size: int) -> list[SharePlan]:
+def plan_shares(
+    seq_lengths: torch.Tensor, *, sequences_per_mini_batch: int, settings: PackSettings, dp_size: int
+) -> list[SharePlan]:
     """Every DP rank's SharePlan; mini-batches are consecutive runs of sequences_per_mini_batch."""
     if sequences_per_mini_batch < 1:
         raise ValueError(f"sequences per mini-batch must be >= 1, got {sequences_per_mini_batch}")
@@ -77,9 +89,10 @@ def plan_shares(seq_lengths: torch.Tensor, *, sequences_per_mini_batch: int, set
     per_mini: list[int] = []
     mini_lengths: list[int] = []
     for first in range(0, len(lengths), sequences_per_mini_batch):
-        part = lengths[first: first + sequences_per_mini_batch]
-        plan = plan_micro_batches(part, micro_batch_tokens=s.micro_batch_tokens, dp_size=dp_size,
-                                  min_micro_batches=s.min_micro_batches)
+        part = lengths[first : first + sequences_per_mini_batch]
+        plan = plan_micro_batches(
+            part, micro_batch_tokens=s.micro_batch_tokens, dp_size=dp_size, min_micro_batches=s.min_micro_batches
+        )
         fills = [sum(part[i] for i in micro) for share in plan for micro in share]
         mini_lengths.append(round_up(max(max(fills), 1), s.pad_multiple) if s.uniform_length else 0)
         per_mini.append(len(plan[0]))
@@ -87,10 +100,15 @@ def plan_shares(seq_lengths: torch.Tensor, *, sequences_per_mini_batch: int, set
             for micro in share:
                 order[rank].extend(first + i for i in micro)
                 sizes[rank].append(len(micro))
-    return [SharePlan(indices=torch.tensor(order[r], dtype=torch.int64),
-                      micro_batch_sizes=torch.tensor(sizes[r], dtype=torch.int64),
-                      micro_batches_per_mini=torch.tensor(per_mini, dtype=torch.int64),
-                      mini_batch_lengths=torch.tensor(mini_lengths, dtype=torch.int64)) for r in range(dp_size)]
+    return [
+        SharePlan(
+            indices=torch.tensor(order[r], dtype=torch.int64),
+            micro_batch_sizes=torch.tensor(sizes[r], dtype=torch.int64),
+            micro_batches_per_mini=torch.tensor(per_mini, dtype=torch.int64),
+            mini_batch_lengths=torch.tensor(mini_lengths, dtype=torch.int64),
+        )
+        for r in range(dp_size)
+    ]
 
 
 @dataclass
@@ -106,9 +124,14 @@ class BatchShare:
 
     @classmethod
     def from_plan(cls, batch: RolloutBatch, plan: SharePlan, *, step_sequences: int) -> BatchShare:
-        return cls(batch=batch.select(plan.indices), micro_batch_sizes=plan.micro_batch_sizes,
-                   micro_batches_per_mini=plan.micro_batches_per_mini, mini_batch_lengths=plan.mini_batch_lengths,
-                   step_sequences=step_sequences, source_indices=plan.indices)
+        return cls(
+            batch=batch.select(plan.indices),
+            micro_batch_sizes=plan.micro_batch_sizes,
+            micro_batches_per_mini=plan.micro_batches_per_mini,
+            mini_batch_lengths=plan.mini_batch_lengths,
+            step_sequences=step_sequences,
+            source_indices=plan.indices,
+        )
 
     @property
     def num_mini_batches(self) -> int:
@@ -118,26 +141,33 @@ class BatchShare:
         """One share per optimizer update (views of this one)."""
         micro_start = seq_start = 0
         for j, count in enumerate(self.micro_batches_per_mini.tolist()):
-            sizes = self.micro_batch_sizes[micro_start: micro_start + count]
+            sizes = self.micro_batch_sizes[micro_start : micro_start + count]
             num = int(sizes.sum())
-            yield BatchShare(batch=self.batch.narrow(seq_start, num), micro_batch_sizes=sizes,
-                             micro_batches_per_mini=self.micro_batches_per_mini[j: j + 1],
-                             mini_batch_lengths=self.mini_batch_lengths[j: j + 1], step_sequences=self.step_sequences,
-                             source_indices=None if self.source_indices is None
-                             else self.source_indices[seq_start: seq_start + num])
+            yield BatchShare(
+                batch=self.batch.narrow(seq_start, num),
+                micro_batch_sizes=sizes,
+                micro_batches_per_mini=self.micro_batches_per_mini[j : j + 1],
+                mini_batch_lengths=self.mini_batch_lengths[j : j + 1],
+                step_sequences=self.step_sequences,
+                source_indices=None
+                if self.source_indices is None
+                else self.source_indices[seq_start : seq_start + num],
+            )
             micro_start += count
             seq_start += num
 
     def micro_batch_spans(self, settings: PackSettings) -> list[tuple[int, int, int]]:
         """(first sequence, end, padded length) of each micro-batch of a one-mini-batch share."""
         if self.num_mini_batches != 1:
-            raise ValueError(f"micro_batch_spans: the share holds {self.num_mini_batches} mini-batches; "
-                             "iterate share.mini_batches() first")
+            raise ValueError(
+                f"micro_batch_spans: the share holds {self.num_mini_batches} mini-batches; "
+                "iterate share.mini_batches() first"
+            )
         shared = int(self.mini_batch_lengths[0])
         padded = -(-self.batch.seq_lengths.to(torch.int64) // settings.seq_pad_multiple) * settings.seq_pad_multiple
         spans, start = [], 0
         for size in self.micro_batch_sizes.tolist():
-            fill = int(padded[start: start + size].sum())
+            fill = int(padded[start : start + size].sum())
             spans.append((start, start + size, shared or round_up(max(fill, 1), settings.pad_multiple)))
             start += size
         return spans
@@ -147,6 +177,7 @@ def share_of_samples(samples: Sequence, *, settings: PackSettings, dp_size: int,
     """This DP rank's share of a list of Samples that every rank holds, as one mini-batch (no
     communication: every rank plans the same list identically)."""
     batch = RolloutBatch.from_samples(samples)
-    plans = plan_shares(batch.seq_lengths, sequences_per_mini_batch=max(batch.num_sequences, 1), settings=settings,
-                        dp_size=dp_size)
+    plans = plan_shares(
+        batch.seq_lengths, sequences_per_mini_batch=max(batch.num_sequences, 1), settings=settings, dp_size=dp_size
+    )
     return BatchShare.from_plan(batch, plans[dp_rank], step_sequences=batch.num_sequences)

@@ -21,8 +21,9 @@ from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.dataplane.batch import RolloutBatch
 
 
-def old_logprob_metrics(batch: RolloutBatch, logprobs: torch.Tensor | None, entropies: torch.Tensor | None, *,
-                        reports: bool) -> dict[str, float]:
+def old_logprob_metrics(
+    batch: RolloutBatch, logprobs: torch.Tensor | None, entropies: torch.Tensor | None, *, reports: bool
+) -> dict[str, float]:
     """actor/entropy_old: mean entropy of pi_old over the step's response tokens; mismatch/mean and
     mismatch/max: |log pi_trainer - log pi_engine| on the sampled tokens (kernels, precision and
     attention differences between trainer and engine show up here before they show up as

@@ -38,8 +38,9 @@ def node_address() -> str:
     name = os.environ.get("SLURMD_NODENAME", "")
     if name:
         try:
-            out = subprocess.run(["scontrol", "show", "node", name, "-o"], capture_output=True, text=True,
-                                 timeout=30).stdout
+            out = subprocess.run(
+                ["scontrol", "show", "node", name, "-o"], capture_output=True, text=True, timeout=30
+            ).stdout
             for part in out.split():
                 if part.startswith("NodeAddr="):
                     return part.split("=", 1)[1]
@@ -51,12 +52,16 @@ def node_address() -> str:
 def engines_per_node(cfg: Config) -> int:
     r, s = cfg.rollout, cfg.slurm
     if r.num_engines % s.nodes:
-        raise ValueError(f"config key 'rollout.num_engines': {r.num_engines} colocated engines do not spread "
-                         f"evenly over slurm.nodes={s.nodes}")
+        raise ValueError(
+            f"config key 'rollout.num_engines': {r.num_engines} colocated engines do not spread "
+            f"evenly over slurm.nodes={s.nodes}"
+        )
     per_node = r.num_engines // s.nodes
     if r.engine == "sglang" and per_node * r.engine_tp > s.gpus_per_node:
-        raise ValueError(f"config key 'rollout.num_engines': {per_node} engines x engine_tp {r.engine_tp} per node "
-                         f"need more than slurm.gpus_per_node={s.gpus_per_node} GPUs")
+        raise ValueError(
+            f"config key 'rollout.num_engines': {per_node} engines x engine_tp {r.engine_tp} per node "
+            f"need more than slurm.gpus_per_node={s.gpus_per_node} GPUs"
+        )
     return per_node
 
 
@@ -82,19 +87,67 @@ def engine_commands(cfg: Config, *, host: str, python: str = sys.executable) -> 
     for i in range(per_node):
         seed = str(cfg.trainer.seed + node_id * per_node + i)
         if r.engine == "sglang":
-            cmds.append([python, "-m", "dapo_megatron.rollout.sglang_launcher", "--model", model, *quant,
-                         "--tp", str(r.engine_tp), "--context-length", str(context_length),
-                         "--mem-fraction", str(r.mem_fraction_static), "--colocate",
-                         "--seed", seed, "--host", "0.0.0.0", "--advertise-host", host, "--port", str(_free_port()),
-                         "--base-gpu-id", str(i * r.engine_tp), "--register-dir", register_dir,
-                         "--auth-file", secret, *sglang_routing_args(return_routed_experts=r.return_routed_experts)])
+            cmds.append(
+                [
+                    python,
+                    "-m",
+                    "dapo_megatron.rollout.sglang_launcher",
+                    "--model",
+                    model,
+                    *quant,
+                    "--tp",
+                    str(r.engine_tp),
+                    "--context-length",
+                    str(context_length),
+                    "--mem-fraction",
+                    str(r.mem_fraction_static),
+                    "--colocate",
+                    "--seed",
+                    seed,
+                    "--host",
+                    "0.0.0.0",
+                    "--advertise-host",
+                    host,
+                    "--port",
+                    str(_free_port()),
+                    "--base-gpu-id",
+                    str(i * r.engine_tp),
+                    "--register-dir",
+                    register_dir,
+                    "--auth-file",
+                    secret,
+                    *sglang_routing_args(return_routed_experts=r.return_routed_experts),
+                ]
+            )
         else:
             threads = max(1, cfg.slurm.cpus_per_task // max(per_node, 1) // 2)  # the actor needs CPUs too
-            cmds.append([python, "-m", "dapo_megatron.cli", "serve-rollout", "--model", model,
-                         "--host", host, "--port", "0", "--seed", seed, "--threads", str(threads),
-                         "--context-length", str(context_length), "--base-gpu-id", str(i * r.engine_tp),
-                         *(["--device", f"cuda:{i * r.engine_tp}"] if r.cpu_engine_device == "cuda" else []),
-                         "--register-dir", register_dir, "--config", secret])
+            cmds.append(
+                [
+                    python,
+                    "-m",
+                    "dapo_megatron.cli",
+                    "serve-rollout",
+                    "--model",
+                    model,
+                    "--host",
+                    host,
+                    "--port",
+                    "0",
+                    "--seed",
+                    seed,
+                    "--threads",
+                    str(threads),
+                    "--context-length",
+                    str(context_length),
+                    "--base-gpu-id",
+                    str(i * r.engine_tp),
+                    *(["--device", f"cuda:{i * r.engine_tp}"] if r.cpu_engine_device == "cuda" else []),
+                    "--register-dir",
+                    register_dir,
+                    "--config",
+                    secret,
+                ]
+            )
     return cmds
 
 
@@ -141,8 +194,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[colocated] removed stale registration {path.name}", flush=True)
     env = engine_environment(dict(os.environ))
     procs = [subprocess.Popen(cmd, start_new_session=True, env=env) for cmd in engine_commands(cfg, host=host)]
-    print(f"[colocated] node {os.environ.get('SLURM_NODEID', '0')} ({host}): {len(procs)} "
-          f"{cfg.rollout.engine} engine(s) registering in {register_dir}", flush=True)
+    print(
+        f"[colocated] node {os.environ.get('SLURM_NODEID', '0')} ({host}): {len(procs)} "
+        f"{cfg.rollout.engine} engine(s) registering in {register_dir}",
+        flush=True,
+    )
     stopping = []
 
     def stop(signum, frame):

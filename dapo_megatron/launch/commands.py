@@ -34,8 +34,9 @@ every rank trains on its data-parallel share; trainer/placement.py says what mov
 def train(argv: list[str]) -> int:
     """`dapo-megatron train`: by hand, the local launcher (launch/local.py); under torchrun/srun (RANK
     set), one rank of the loop (trainer/train.py)."""
-    parser = argparse.ArgumentParser(prog="dapo-megatron train", description=TRAIN_HELP,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="dapo-megatron train", description=TRAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     parser.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
@@ -51,8 +52,9 @@ def train(argv: list[str]) -> int:
         return loop.run_worker_recorded(cfg, resume=args.resume) or 0  # None: the worker exited with SystemExit(0)
 
     try:
-        return launch_training(cfg, args.config, args.overrides, resume=args.resume, overwrite=args.overwrite,
-                               skip_plan=args.skip_plan)
+        return launch_training(
+            cfg, args.config, args.overrides, resume=args.resume, overwrite=args.overwrite, skip_plan=args.skip_plan
+        )
     except KeyboardInterrupt as stop:  # a second Ctrl-C, or one before the ranks ran: one line, no traceback
         return stopped_at_once(stop, cfg.trainer.output_dir)
 
@@ -84,19 +86,25 @@ def evaluate(argv: list[str]) -> int:
 
     if "--compare" in argv:
         return compare(argv)
-    parser = argparse.ArgumentParser(prog="dapo-megatron eval", description=evaluate.__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="dapo-megatron eval", description=evaluate.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--checkpoint", default="",
-                        help="run checkpoint, HF model or run directory (default: the config's trainer.output_dir)")
+    parser.add_argument(
+        "--checkpoint",
+        default="",
+        help="run checkpoint, HF model or run directory (default: the config's trainer.output_dir)",
+    )
     parser.add_argument("--output", default="", help="JSON results (default <checkpoint>/eval.json)")
     args = parser.parse_intermixed_args(argv)  # flags and key=value overrides in any order
     if Path(args.config).is_dir():  # `eval RUN_DIR`: the run directory is what --checkpoint takes
         saved = sorted(Path(args.config).glob("slurm/config.yaml")) + sorted(Path(args.config).glob("*.yaml"))
         config_hint = saved[0] if saved else "CONFIG"
-        raise ValueError(f"{args.config} is a directory, not a config file; a run directory goes to --checkpoint: "
-                         f"dapo-megatron eval {config_hint} --checkpoint {args.config}")
+        raise ValueError(
+            f"{args.config} is a directory, not a config file; a run directory goes to --checkpoint: "
+            f"dapo-megatron eval {config_hint} --checkpoint {args.config}"
+        )
     cfg = load_config(args.config, args.overrides)
     checkpoint, hf_dir = resolve_checkpoint(args.checkpoint or cfg.trainer.output_dir)
     if checkpoint != args.checkpoint:
@@ -118,20 +126,34 @@ def evaluate(argv: list[str]) -> int:
         if urls:
             pool = EnginePool(urls, timeout_s=r.request_timeout_s, max_retries=r.max_retries, keys=keys)
         else:
-            pool = await EnginePool.from_registry(str(Path(t.output_dir) / "engines"), min_engines=1,
-                                                  timeout_s=r.request_timeout_s, max_retries=r.max_retries,
-                                                  keys=keys)
+            pool = await EnginePool.from_registry(
+                str(Path(t.output_dir) / "engines"),
+                min_engines=1,
+                timeout_s=r.request_timeout_s,
+                max_retries=r.max_retries,
+                keys=keys,
+            )
             await asyncio.gather(*(c.update_weights_from_disk(hf_dir) for c in pool.live_clients()))
         try:
-            sampler = RolloutSampler(pool, tokenizer, RolloutSettings.from_sections(r, cfg.algorithm, seed=t.seed, progress=False))
+            sampler = RolloutSampler(
+                pool, tokenizer, RolloutSettings.from_sections(r, cfg.algorithm, seed=t.seed, progress=False)
+            )
             eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
             seeded = await pool.seeds_honoured()
             out = {}
             for name, records in sets.items():
-                out[name] = await sample_eval(pool, [sampler.prompt_ids(rec) for rec in records], records, n=t.eval_n,
-                                              temperature=t.eval_temperature, top_p=t.eval_top_p,
-                                              max_new_tokens=r.max_response_length, seed=t.seed, stop_token_ids=eos,
-                                              per_sample_seeds=seeded)
+                out[name] = await sample_eval(
+                    pool,
+                    [sampler.prompt_ids(rec) for rec in records],
+                    records,
+                    n=t.eval_n,
+                    temperature=t.eval_temperature,
+                    top_p=t.eval_top_p,
+                    max_new_tokens=r.max_response_length,
+                    seed=t.seed,
+                    stop_token_ids=eos,
+                    per_sample_seeds=seeded,
+                )
             return out
         finally:
             await pool.close()
@@ -140,15 +162,23 @@ def evaluate(argv: list[str]) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             secret = run_secret_path(tmp)  # these engines' own key, gone with them
             keys = ensure_secret_file(secret)
-            with LocalEngines(hf_dir, num_engines=r.num_engines, register_dir=os.path.join(tmp, "engines"),
-                              seed=t.seed, auth_file=secret) as engines:
+            with LocalEngines(
+                hf_dir,
+                num_engines=r.num_engines,
+                register_dir=os.path.join(tmp, "engines"),
+                seed=t.seed,
+                auth_file=secret,
+            ) as engines:
                 samples = asyncio.run(run(engines.urls, keys))
     else:  # the user's keys for engine_urls, else the run's secret (its SGLang engines registered)
         samples = asyncio.run(run(list(r.engine_urls) or None, engine_keys(r, t.output_dir)))
     step = _checkpoint_step(checkpoint)
     reports = {name: eval_report(samples[name], records, step=step, name=name) for name, records in sets.items()}
-    write_eval_file(output, reports, extra={"checkpoint": checkpoint, "model": hf_dir, "temperature": t.eval_temperature,
-                                            "top_p": t.eval_top_p})
+    write_eval_file(
+        output,
+        reports,
+        extra={"checkpoint": checkpoint, "model": hf_dir, "temperature": t.eval_temperature, "top_p": t.eval_top_p},
+    )
     for report in reports.values():
         print(json.dumps({k: v for k, v in report.items() if k not in ("problems", "interval", "maj_tie_rule")}))
     print(f"[eval] wrote {output}")
@@ -175,13 +205,20 @@ def compare(argv: list[str]) -> int:
     from dapo_megatron.trainer.eval_report import compare_evals, load_eval_sets
 
     parser = argparse.ArgumentParser(prog="dapo-megatron eval --compare", description=compare.__doc__)
-    parser.add_argument("--compare", nargs=2, metavar=("A", "B"), required=True,
-                        help="eval JSON files or run directories (their newest evals/step_N.json)")
+    parser.add_argument(
+        "--compare",
+        nargs=2,
+        metavar=("A", "B"),
+        required=True,
+        help="eval JSON files or run directories (their newest evals/step_N.json)",
+    )
     args = parser.parse_args(argv)
     (path_a, sets_a), (path_b, sets_b) = (load_eval_sets(x) for x in args.compare)
     print(f"A: {path_a}\nB: {path_b}")
     for row in compare_evals(sets_a, sets_b, where_a=str(path_a), where_b=str(path_b)):
         low, high = row["diff_ci95"]
-        print(f"{row['set']}: avg@k A {row['avg_a']:.1%}  B {row['avg_b']:.1%}  B-A {row['diff']:+.1%} "
-              f"[{low:+.1%}, {high:+.1%}] (95% paired bootstrap, {row['num_prompts']} problems): {row['verdict']}")
+        print(
+            f"{row['set']}: avg@k A {row['avg_a']:.1%}  B {row['avg_b']:.1%}  B-A {row['diff']:+.1%} "
+            f"[{low:+.1%}, {high:+.1%}] (95% paired bootstrap, {row['num_prompts']} problems): {row['verdict']}"
+        )
     return 0

@@ -19,16 +19,34 @@ from dapo_megatron.launch.local import LocalProcesses
 
 
 class LocalEngines:
-    def __init__(self, model_dir: str, *, num_engines: int, register_dir: str, seed: int = 0,
-                 threads: int = 1, max_batch_size: int = 64, host: str = "127.0.0.1", start_timeout_s: float = 300.0,
-                 auth_file: str | os.PathLike | None = None):
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        num_engines: int,
+        register_dir: str,
+        seed: int = 0,
+        threads: int = 1,
+        max_batch_size: int = 64,
+        host: str = "127.0.0.1",
+        start_timeout_s: float = 300.0,
+        auth_file: str | os.PathLike | None = None,
+    ):
         log_dir = os.path.join(os.path.dirname(os.path.abspath(register_dir)), "logs")
         self.register_dir = register_dir
         self._procs = LocalProcesses(log_dir)
         try:
             self.urls = self._procs.start_cpu_engines(
-                model_dir, num=num_engines, register_dir=register_dir, seed=seed, threads=threads,
-                max_batch_size=max_batch_size, host=host, timeout_s=start_timeout_s, auth_file=auth_file)
+                model_dir,
+                num=num_engines,
+                register_dir=register_dir,
+                seed=seed,
+                threads=threads,
+                max_batch_size=max_batch_size,
+                host=host,
+                timeout_s=start_timeout_s,
+                auth_file=auth_file,
+            )
         except BaseException:
             self.close()
             raise

@@ -31,8 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         print("")  # the trainer job starts no engines that need it (disaggregated: the fp8_export job)
         return 0
     if cfg.rollout.quantization != "fp8":
-        print(f"rollout: error: config key 'rollout.quantization' is {cfg.rollout.quantization!r}; nothing to export",
-              file=sys.stderr)
+        print(
+            f"rollout: error: config key 'rollout.quantization' is {cfg.rollout.quantization!r}; nothing to export",
+            file=sys.stderr,
+        )
         return 2
     with contextlib.redirect_stdout(sys.stderr):  # stdout carries only the directory (a caller may capture it)
         if cfg.tiny.enabled:
@@ -41,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = cfg.model.path
         else:
             raise ValueError("config key 'model.path' is empty: name a HF checkpoint directory")
-        out = prepare_fp8_rollout(model_dir, fp8_rollout_dir(cfg.trainer.output_dir), engine=r.engine,
-                                  engine_tp=r.engine_tp)
+        out = prepare_fp8_rollout(
+            model_dir, fp8_rollout_dir(cfg.trainer.output_dir), engine=r.engine, engine_tp=r.engine_tp
+        )
     print(out)
     return 0
 

@@ -100,8 +100,13 @@ def load_rows(results_dir: Path) -> list[dict[str, Any]]:
     for path in sorted(results_dir.glob("*.json"), key=lambda p: _step_key(p.stem)):
         data = _read_object(path)
         # the file name names the row; a "checkpoint" field inside (eval writes the full path) is dropped
-        rows.append({"checkpoint": path.stem, **{k: v for k, v in _flatten(data).items() if k != "checkpoint"},
-                     **_vs_previous(prev, data)})
+        rows.append(
+            {
+                "checkpoint": path.stem,
+                **{k: v for k, v in _flatten(data).items() if k != "checkpoint"},
+                **_vs_previous(prev, data),
+            }
+        )
         prev = data
     return rows
 
@@ -113,7 +118,9 @@ def ladder_rows(sweep_dir: Path) -> list[dict[str, Any]]:
 
     runs_file = sweep_dir / "slurm" / "sweep_runs.tsv"
     if not runs_file.is_file():
-        raise ValueError(f"{runs_file}: no sweep runs list (is {sweep_dir} a sweep directory of `slurm submit --sweep`?)")
+        raise ValueError(
+            f"{runs_file}: no sweep runs list (is {sweep_dir} a sweep directory of `slurm submit --sweep`?)"
+        )
     rows, prev = [], None
     for number, line in enumerate(runs_file.read_text().splitlines(), start=1):
         if not line.strip():

@@ -29,8 +29,9 @@ from dapo_megatron.launch.run_lock import LOCK_FILE, RunDirInUse, RunLock
 from dapo_megatron.launch.script_entry import run_as_script
 
 
-def job_start_args(run_dir: str | Path, *, resume_requested: bool, restart: int, total_steps: int,
-                   command: str) -> tuple[list[str], str, bool]:
+def job_start_args(
+    run_dir: str | Path, *, resume_requested: bool, restart: int, total_steps: int, command: str
+) -> tuple[list[str], str, bool]:
     """(the trainer's extra arguments, a line for the log or "", nothing to do) for one job start.
 
     restart > 0 (Slurm requeued this job): continue from the newest complete checkpoint; one requeued
@@ -50,8 +51,9 @@ def job_start_args(run_dir: str | Path, *, resume_requested: bool, restart: int,
             return ["--resume"], f"[job] requeued (restart {restart}): resuming from {found[-1][1].name}", False
         return [], f"[job] requeued (restart {restart}) before a complete checkpoint: starting from step 0", False
     if resume_requested and found:
-        decision = check_run_dir(run_dir, resume=True, overwrite=False, total_steps=total_steps, command=command,
-                                 prefix="[job]")
+        decision = check_run_dir(
+            run_dir, resume=True, overwrite=False, total_steps=total_steps, command=command, prefix="[job]"
+        )
         return ["--resume"], decision.message, decision.nothing_to_do
     try:
         check_run_dir(run_dir, resume=False, overwrite=False, total_steps=total_steps, command=command)
@@ -65,8 +67,14 @@ def job_start_args(run_dir: str | Path, *, resume_requested: bool, restart: int,
 def _acquire(args) -> int:
     cfg = load_config(args.config)
     run_dir = Path(cfg.trainer.output_dir)
-    lock = RunLock(run_dir, command=f"dapo-megatron train {args.config}", fd=args.fd, job=args.job,
-                   restart=args.restart, holder_pid=args.holder_pid)
+    lock = RunLock(
+        run_dir,
+        command=f"dapo-megatron train {args.config}",
+        fd=args.fd,
+        job=args.job,
+        restart=args.restart,
+        holder_pid=args.holder_pid,
+    )
     try:
         lock.acquire()
     except RunDirInUse as err:
@@ -76,8 +84,12 @@ def _acquire(args) -> int:
         print(lock.stale_note.replace("[train]", "[job]", 1), file=sys.stderr, flush=True)
     try:
         extra, message, nothing_to_do = job_start_args(
-            run_dir, resume_requested=args.resume_requested, restart=args.restart,
-            total_steps=cfg.trainer.total_steps, command=f"dapo-megatron slurm submit {args.config}")
+            run_dir,
+            resume_requested=args.resume_requested,
+            restart=args.restart,
+            total_steps=cfg.trainer.total_steps,
+            command=f"dapo-megatron slurm submit {args.config}",
+        )
     except ValueError as err:
         lock.release()
         print(f"[job] {args.job}: refused, nothing written: {err}", file=sys.stderr, flush=True)

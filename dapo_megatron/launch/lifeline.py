@@ -48,10 +48,12 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
 
 
 # exec'd by with_lifeline: set the parent-death signal, check the parent is still there, then become argv
-_SHIM = ("import ctypes, os, sys; parent = int(sys.argv[1]); "
-         "ctypes.CDLL(None).prctl(1, int(sys.argv[2]), 0, 0, 0); "
-         "os.getppid() == parent or os._exit(1); "
-         "os.execvp(sys.argv[3], sys.argv[3:])")
+_SHIM = (
+    "import ctypes, os, sys; parent = int(sys.argv[1]); "
+    "ctypes.CDLL(None).prctl(1, int(sys.argv[2]), 0, 0, 0); "
+    "os.getppid() == parent or os._exit(1); "
+    "os.execvp(sys.argv[3], sys.argv[3:])"
+)
 
 
 def with_lifeline(argv: list[str], sig: int = signal.SIGTERM) -> list[str]:

@@ -44,8 +44,10 @@ def check_cores(cores: list[int], key: str) -> None:
     available = os.sched_getaffinity(0)
     missing = [c for c in cores if c not in available]
     if missing:
-        raise ValueError(f"config key '{key}': CPU cores {missing} are not available to this process "
-                         f"(available: {sorted(available)})")
+        raise ValueError(
+            f"config key '{key}': CPU cores {missing} are not available to this process "
+            f"(available: {sorted(available)})"
+        )
     if shutil.which("taskset") is None:
         raise ValueError(f"config key '{key}': pinning to cores {cores} needs `taskset` (util-linux) on PATH")
 
@@ -80,16 +82,22 @@ class LocalProcesses:
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"
 
-    def start(self, name: str, argv: list[str], *, env: dict[str, str] | None = None,
-              engine: bool = False) -> subprocess.Popen:
+    def start(
+        self, name: str, argv: list[str], *, env: dict[str, str] | None = None, engine: bool = False
+    ) -> subprocess.Popen:
         """engine: a rollout engine, started without the trainer-only variables (colocated.engine_environment)."""
         from dapo_megatron.launch.colocated import engine_environment
 
         log = open(self.log_path(name), "ab")  # noqa: SIM115 - closed below, once the child holds its own copy
         base = engine_environment(dict(os.environ)) if engine else os.environ
         # with_lifeline: SIGTERM to the child if this process dies, even by SIGKILL (launch/lifeline.py)
-        proc = subprocess.Popen(with_lifeline(argv), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**base, **(env or {})})
+        proc = subprocess.Popen(
+            with_lifeline(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**base, **(env or {})},
+        )
         log.close()  # the child holds its own descriptor
         self.children[name] = proc
         return proc
@@ -107,10 +115,22 @@ class LocalProcesses:
             self._stop(proc, signal.SIGINT)  # let the ranks see Ctrl-C first
             raise
 
-    def start_cpu_engines(self, model_dir: str | Path, *, num: int, register_dir: str | Path, seed: int = 0,
-                          threads: int = 1, max_batch_size: int = 64, host: str = "127.0.0.1",
-                          timeout_s: float = 300.0, context_length: int = 0, cores: Sequence[int] = (),
-                          device: str = "cpu", auth_file: str | os.PathLike | None = None) -> list[str]:
+    def start_cpu_engines(
+        self,
+        model_dir: str | Path,
+        *,
+        num: int,
+        register_dir: str | Path,
+        seed: int = 0,
+        threads: int = 1,
+        max_batch_size: int = 64,
+        host: str = "127.0.0.1",
+        timeout_s: float = 300.0,
+        context_length: int = 0,
+        cores: Sequence[int] = (),
+        device: str = "cpu",
+        auth_file: str | os.PathLike | None = None,
+    ) -> list[str]:
         """Start `num` serve-rollout processes and wait until each has registered; returns their
         URLs in start order. Records of other processes in register_dir (an earlier run, SGLang
         engines of the same run) are left alone: only these processes' pids count.
@@ -128,30 +148,56 @@ class LocalProcesses:
 
             visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if visible < num:
-                raise ValueError(f"rollout.cpu_engine_device=cuda puts engine i on GPU i: {num} engines need {num} "
-                                 f"GPUs, {visible} visible (set rollout.num_engines or rollout.cpu_engine_device=cpu)")
+                raise ValueError(
+                    f"rollout.cpu_engine_device=cuda puts engine i on GPU i: {num} engines need {num} "
+                    f"GPUs, {visible} visible (set rollout.num_engines or rollout.cpu_engine_device=cpu)"
+                )
         register_dir = Path(register_dir)
         register_dir.mkdir(parents=True, exist_ok=True)
         procs = []
         for index in range(num):
             name = f"engine_{index}"
-            self.engines[name] = {"host": host, "port": 0, "url": "", "register_dir": str(register_dir),
-                                  "threads": threads, "cores": list(cores), "argv": [
-                sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", str(model_dir), "--host", host,
-                "--seed", str(seed + index), "--threads", str(threads),
-                "--max-batch-size", str(max_batch_size), "--register-dir", str(register_dir),
-                "--base-gpu-id", str(index),  # engine i on slot i: the colocated placement's map
-                *(["--device", f"cuda:{index}"] if device == "cuda" else []),
-                *(["--context-length", str(context_length)] if context_length else []),
-                *(["--config", str(auth_file)] if auth_file else [])]}
+            self.engines[name] = {
+                "host": host,
+                "port": 0,
+                "url": "",
+                "register_dir": str(register_dir),
+                "threads": threads,
+                "cores": list(cores),
+                "argv": [
+                    sys.executable,
+                    "-m",
+                    "dapo_megatron.cli",
+                    "serve-rollout",
+                    "--model",
+                    str(model_dir),
+                    "--host",
+                    host,
+                    "--seed",
+                    str(seed + index),
+                    "--threads",
+                    str(threads),
+                    "--max-batch-size",
+                    str(max_batch_size),
+                    "--register-dir",
+                    str(register_dir),
+                    "--base-gpu-id",
+                    str(index),  # engine i on slot i: the colocated placement's map
+                    *(["--device", f"cuda:{index}"] if device == "cuda" else []),
+                    *(["--context-length", str(context_length)] if context_length else []),
+                    *(["--config", str(auth_file)] if auth_file else []),
+                ],
+            }
             procs.append((name, self.restart_engine(name, port=0)))
         order = [proc.pid for _, proc in procs]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for name, proc in procs:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"rollout engine {name} exited with code {proc.returncode} before "
-                                       f"registering; its log ({self.log_path(name)}) ends with:\n{self.tail(name)}")
+                    raise RuntimeError(
+                        f"rollout engine {name} exited with code {proc.returncode} before "
+                        f"registering; its log ({self.log_path(name)}) ends with:\n{self.tail(name)}"
+                    )
             mine = [r for r in read_registrations(str(register_dir)) if r.get("pid") in order]
             if len(mine) == num:
                 mine.sort(key=lambda r: order.index(r["pid"]))
@@ -159,15 +205,21 @@ class LocalProcesses:
                     self.engines[name].update(url=rec["url"], port=int(rec["port"]))
                 return [r["url"] for r in mine]
             time.sleep(0.2)
-        raise TimeoutError(f"{num} rollout engines did not all register in {register_dir} within {timeout_s:.0f} s; "
-                           f"see {self.log_dir}/engine_*.log")
+        raise TimeoutError(
+            f"{num} rollout engines did not all register in {register_dir} within {timeout_s:.0f} s; "
+            f"see {self.log_dir}/engine_*.log"
+        )
 
     def restart_engine(self, name: str, *, port: int) -> subprocess.Popen:
         """Start CPU engine `name` (again) with its own arguments on `port` (0 = a free one); its log
         goes on in the same file."""
         spec = self.engines[name]
-        return self.start(name, pinned([*spec["argv"], "--port", str(port)], spec.get("cores", [])),
-                          env={"OMP_NUM_THREADS": str(spec["threads"]), "TOKENIZERS_PARALLELISM": "false"}, engine=True)
+        return self.start(
+            name,
+            pinned([*spec["argv"], "--port", str(port)], spec.get("cores", [])),
+            env={"OMP_NUM_THREADS": str(spec["threads"]), "TOKENIZERS_PARALLELISM": "false"},
+            engine=True,
+        )
 
     def tail(self, name: str, lines: int = 20) -> str:
         path = self.log_path(name)
@@ -199,8 +251,9 @@ class LocalProcesses:
         self.children.clear()
 
 
-def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool, overwrite: bool = False,
-                    skip_plan: bool = False) -> int:
+def launch_training(
+    cfg, config_path: str, overrides: list[str], *, resume: bool, overwrite: bool = False, skip_plan: bool = False
+) -> int:
     """This machine: take the run directory's lock (one run per directory, launch/run_lock.py), decide
     about the run directory, check the memory plan, prepare the model, start CPU engines, run the actor
     ranks under torchrun, then print where everything is (run_log.run_summary)."""
@@ -215,19 +268,28 @@ def launch_training(cfg, config_path: str, overrides: list[str], *, resume: bool
         finally:  # no process of this run outlives it (launch/lifeline.py); the lock is released after
             ended = reap_descendants(spare=before)
             if ended:
-                print(f"[train] ended {len(ended)} process(es) the run left behind: {'; '.join(ended)}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[train] ended {len(ended)} process(es) the run left behind: {'; '.join(ended)}",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
 
-def _launch_locked(cfg, config_path: str, overrides: list[str], *, resume: bool, overwrite: bool,
-                   skip_plan: bool) -> int:
+def _launch_locked(
+    cfg, config_path: str, overrides: list[str], *, resume: bool, overwrite: bool, skip_plan: bool
+) -> int:
     from dapo_megatron.launch.run_dir import check_run_dir
 
     t_start = time.perf_counter()
     run_dir = Path(cfg.trainer.output_dir)
     # before anything starts: a finished run says so at once, and two runs never mix in one directory
-    decision = check_run_dir(run_dir, resume=resume, overwrite=overwrite, total_steps=cfg.trainer.total_steps,
-                             command=f"dapo-megatron train {config_path}")
+    decision = check_run_dir(
+        run_dir,
+        resume=resume,
+        overwrite=overwrite,
+        total_steps=cfg.trainer.total_steps,
+        command=f"dapo-megatron train {config_path}",
+    )
     if decision.message:
         print(decision.message, flush=True)
     if decision.nothing_to_do:
@@ -254,50 +316,85 @@ def _launch_locked(cfg, config_path: str, overrides: list[str], *, resume: bool,
     overrides = [*overrides, f"model.path={model_dir}"]
     engine_model_dir = model_dir
     if cfg.rollout.quantization == "fp8":  # the engines serve modelopt's block-FP8 export of the base model
-
         with phases.phase("fp8", slow_note="exporting the base model with modelopt block FP8 for the engines") as note:
-            engine_model_dir = str(prepare_fp8_rollout(model_dir, fp8_rollout_dir(cfg.trainer.output_dir),
-                                                       engine=cfg.rollout.engine, engine_tp=cfg.rollout.engine_tp))
+            engine_model_dir = str(
+                prepare_fp8_rollout(
+                    model_dir,
+                    fp8_rollout_dir(cfg.trainer.output_dir),
+                    engine=cfg.rollout.engine,
+                    engine_tp=cfg.rollout.engine_tp,
+                )
+            )
             note["detail"] = f"block-FP8 checkpoint (modelopt) for the engines in {engine_model_dir}"
     with LocalProcesses(run_dir / "logs") as procs:
         if cfg.rollout.engine == "cpu" and not cfg.rollout.engine_urls:
             with phases.phase("rollout", slow_note=f"starting {cfg.rollout.num_engines} CPU engine(s)") as note:
                 urls = procs.start_cpu_engines(
-                    engine_model_dir, num=cfg.rollout.num_engines, register_dir=run_dir / "engines",
-                    seed=cfg.trainer.seed, cores=cfg.rollout.cpu_engine_cores, device=cfg.rollout.cpu_engine_device,
+                    engine_model_dir,
+                    num=cfg.rollout.num_engines,
+                    register_dir=run_dir / "engines",
+                    seed=cfg.trainer.seed,
+                    cores=cfg.rollout.cpu_engine_cores,
+                    device=cfg.rollout.cpu_engine_device,
                     auth_file=secret,
-                    context_length=cfg.rollout.max_prompt_length + cfg.rollout.max_response_length)
-                note["detail"] = (f"{len(urls)} CPU engine{'s' if len(urls) > 1 else ''} serving at {', '.join(urls)} "
-                                  f"(logs in {procs.log_dir})")
+                    context_length=cfg.rollout.max_prompt_length + cfg.rollout.max_response_length,
+                )
+                note["detail"] = (
+                    f"{len(urls)} CPU engine{'s' if len(urls) > 1 else ''} serving at {', '.join(urls)} "
+                    f"(logs in {procs.log_dir})"
+                )
         elif cfg.rollout.engine == "sglang" and not cfg.rollout.engine_urls:
-            fp8_args = (f" --model {engine_model_dir} --quantization fp8" if cfg.rollout.quantization == "fp8" else "")
-            print(f"[train] waiting for SGLang engines to register in {run_dir / 'engines'} "
-                  f"(slurm/rollout_array.sbatch or `python -m dapo_megatron.rollout.sglang_launcher{fp8_args} "
-                  f"--auth-file {secret} --register-dir {run_dir / 'engines'} ...`)",
-                  flush=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={cfg.actor.world_size}", "-m", "dapo_megatron.cli", "train", config_path,
-               *overrides, *(["--resume"] if resume else [])]
+            fp8_args = f" --model {engine_model_dir} --quantization fp8" if cfg.rollout.quantization == "fp8" else ""
+            print(
+                f"[train] waiting for SGLang engines to register in {run_dir / 'engines'} "
+                f"(slurm/rollout_array.sbatch or `python -m dapo_megatron.rollout.sglang_launcher{fp8_args} "
+                f"--auth-file {secret} --register-dir {run_dir / 'engines'} ...`)",
+                flush=True,
+            )
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={cfg.actor.world_size}",
+            "-m",
+            "dapo_megatron.cli",
+            "train",
+            config_path,
+            *overrides,
+            *(["--resume"] if resume else []),
+        ]
         t_ranks = time.perf_counter()
         # engines that exit while the ranks run are restarted (rollout.engine_restarts); the supervisor
         # stops before the clean-up below stops the engines
         # Ctrl-C / SIGTERM from here on: the ranks finish the step, checkpoint it and stop (launch/local_stop.py)
-        with EngineSupervisor(procs, budget=cfg.rollout.engine_restarts, events_path=engine_events_path(run_dir)), \
-                LocalStop(run_dir / STOP_FILE) as stop:
-            rc = procs.run_foreground("actor", pinned(cmd, cfg.actor.cpu_cores),
-                                      env={"OMP_NUM_THREADS": "1", **stop.rank_env()})
+        with (
+            EngineSupervisor(procs, budget=cfg.rollout.engine_restarts, events_path=engine_events_path(run_dir)),
+            LocalStop(run_dir / STOP_FILE) as stop,
+        ):
+            rc = procs.run_foreground(
+                "actor", pinned(cmd, cfg.actor.cpu_cores), env={"OMP_NUM_THREADS": "1", **stop.rank_env()}
+            )
         ranks_wall_s = time.perf_counter() - t_ranks
     if rc != 0:
         # the ranks' own output went to this terminal; torchrun's closing "Root Cause" block carries the
         # first failing rank's whole traceback (trainer/train.py records it with torch elastic's error file),
         # which a rank killed by its peer's failure (gloo "Connection closed by peer") would bury
-        print(f"[train] the actor ranks failed (torchrun exit code {rc}): the first failing rank's error is the "
-              f"\"Root Cause\" block above; engine logs in {run_dir / 'logs'}", file=sys.stderr, flush=True)
+        print(
+            f"[train] the actor ranks failed (torchrun exit code {rc}): the first failing rank's error is the "
+            f'"Root Cause" block above; engine logs in {run_dir / "logs"}',
+            file=sys.stderr,
+            flush=True,
+        )
     if rc == 0 and stop.received is not None and _stopped_early(cfg):
         return stop.exit_code  # the driver's "stopped at step N (...)" line is the last word
     if rc == 0:
-        print(run_log.run_summary(run_dir, phase_seconds=phases.seconds, ranks_wall_s=ranks_wall_s,
-                                  wall_s=time.perf_counter() - t_start), flush=True)
+        print(
+            run_log.run_summary(
+                run_dir, phase_seconds=phases.seconds, ranks_wall_s=ranks_wall_s, wall_s=time.perf_counter() - t_start
+            ),
+            flush=True,
+        )
     return rc
 
 
@@ -318,12 +415,22 @@ def check_prompt_data(cfg, model_dir: str = "", *, tokenizer=None) -> str:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    train, evals = train_and_eval_records(cfg.data, tokenizer=tokenizer, max_prompt_length=cfg.rollout.max_prompt_length)
-    skipped = [f"{n} bad {kind} rows left out (data.skip_bad_rows)" for kind, n in
-               (("train", getattr(train, "num_skipped", 0)), ("eval", getattr(evals, "num_skipped", 0))) if n]
-    lengths = (f" (prompts within rollout.max_prompt_length={cfg.rollout.max_prompt_length} tokens)"
-               if tokenizer is not None else "")
-    return f"{len(train)} train and {len(evals)} eval prompts checked{lengths}" + (f"; {', '.join(skipped)}" if skipped else "")
+    train, evals = train_and_eval_records(
+        cfg.data, tokenizer=tokenizer, max_prompt_length=cfg.rollout.max_prompt_length
+    )
+    skipped = [
+        f"{n} bad {kind} rows left out (data.skip_bad_rows)"
+        for kind, n in (("train", getattr(train, "num_skipped", 0)), ("eval", getattr(evals, "num_skipped", 0)))
+        if n
+    ]
+    lengths = (
+        f" (prompts within rollout.max_prompt_length={cfg.rollout.max_prompt_length} tokens)"
+        if tokenizer is not None
+        else ""
+    )
+    return f"{len(train)} train and {len(evals)} eval prompts checked{lengths}" + (
+        f"; {', '.join(skipped)}" if skipped else ""
+    )
 
 
 def _prepare_model(cfg) -> str:
@@ -338,7 +445,8 @@ def _model_line(cfg, model_dir: str) -> str:
     if not cfg.tiny.enabled:
         return f"{model_dir} (model.path)"
     tn = cfg.tiny
-    kind = (f"Qwen3-MoE, {tn.num_experts} experts top-{tn.num_experts_per_tok}" if tn.arch == "qwen3_moe"
-            else "Qwen2")
-    return (f"tiny {kind} ({tn.hidden_size} hidden, {tn.num_layers} layers), warm-started on the answer format "
-            f"({tn.warm_start_steps} steps), in {model_dir}")
+    kind = f"Qwen3-MoE, {tn.num_experts} experts top-{tn.num_experts_per_tok}" if tn.arch == "qwen3_moe" else "Qwen2"
+    return (
+        f"tiny {kind} ({tn.hidden_size} hidden, {tn.num_layers} layers), warm-started on the answer format "
+        f"({tn.warm_start_steps} steps), in {model_dir}"
+    )

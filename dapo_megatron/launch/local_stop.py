@@ -58,9 +58,12 @@ class LocalStop:
             raise StopNow(signum)
         self.received = signal.Signals(signum)
         self.request_file.write_text(self.received.name)
-        print(f"[train] {self.received.name}: the step in flight finishes and is checkpointed, then the run stops "
-              "(Ctrl-C again stops at once and loses the steps since the newest checkpoint)", file=sys.stderr,
-              flush=True)
+        print(
+            f"[train] {self.received.name}: the step in flight finishes and is checkpointed, then the run stops "
+            "(Ctrl-C again stops at once and loses the steps since the newest checkpoint)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     @property
     def exit_code(self) -> int:

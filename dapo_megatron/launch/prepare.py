@@ -21,8 +21,13 @@ def tiny_model_dir(cfg: Config) -> str:
     from dapo_megatron.data.tiny_model import prepare_tiny_model
 
     r = cfg.rollout
-    return prepare_tiny_model(cfg.tiny, cfg.data.synthetic, out_dir=cfg.trainer.output_dir, seed=cfg.trainer.seed,
-                              max_positions=r.max_prompt_length + r.max_response_length)
+    return prepare_tiny_model(
+        cfg.tiny,
+        cfg.data.synthetic,
+        out_dir=cfg.trainer.output_dir,
+        seed=cfg.trainer.seed,
+        max_positions=r.max_prompt_length + r.max_response_length,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

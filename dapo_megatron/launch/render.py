@@ -57,8 +57,9 @@ def shell_assignments(values: dict[str, Value]) -> str:
     return "\n".join(lines)
 
 
-def sbatch_resource_lines(cfg: Config, *, nodes: int | None = None, gpus_per_node: int | None = None,
-                          cpus_per_task: int | None = None) -> list[str]:
+def sbatch_resource_lines(
+    cfg: Config, *, nodes: int | None = None, gpus_per_node: int | None = None, cpus_per_task: int | None = None
+) -> list[str]:
     """`#SBATCH` lines for partition, account, qos, nodes, GPUs, CPUs, memory, time, constraint, extras."""
     s = cfg.slurm
     nodes = s.nodes if nodes is None else nodes
@@ -90,7 +91,7 @@ def fill(template: str, *, sbatch: Sequence[str], values: dict[str, Value], setu
         elif marker == "#{{SETUP}}":
             out.extend(setup if setup else [":  # (none)"])
         elif marker.startswith("#{{INCLUDE ") and marker.endswith("}}"):
-            out.append(template_text(marker[len("#{{INCLUDE "):-2].strip()).rstrip("\n"))
+            out.append(template_text(marker[len("#{{INCLUDE ") : -2].strip()).rstrip("\n"))
         else:
             out.append(line)
     text = "\n".join(out) + "\n"
@@ -140,9 +141,11 @@ def trainer_procs_per_node(cfg: Config) -> int:
     s, world = cfg.slurm, cfg.actor.world_size
     per_node = s.gpus_per_node if s.gpus_per_node > 0 else world // s.nodes
     if per_node < 1 or per_node * s.nodes != world:
-        raise ValueError(f"config key 'actor.world_size': {world} ranks do not fill slurm.nodes={s.nodes} x "
-                         f"{'slurm.gpus_per_node' if s.gpus_per_node else 'ranks per node'}={per_node}; "
-                         f"make actor.world_size = nodes x gpus_per_node")
+        raise ValueError(
+            f"config key 'actor.world_size': {world} ranks do not fill slurm.nodes={s.nodes} x "
+            f"{'slurm.gpus_per_node' if s.gpus_per_node else 'ranks per node'}={per_node}; "
+            f"make actor.world_size = nodes x gpus_per_node"
+        )
     return per_node
 
 
@@ -166,8 +169,9 @@ def _signal_lines(cfg: Config) -> list[str]:
     return [f"#SBATCH --signal=B:USR1@{cfg.slurm.signal_seconds}"] if cfg.slurm.signal_seconds > 0 else []
 
 
-def render_train(cfg: Config, *, config_file: str, engine_job: str = "", entry: Sequence[str] = TRAIN_ENTRY,
-                 resume: bool = False) -> str:
+def render_train(
+    cfg: Config, *, config_file: str, engine_job: str = "", entry: Sequence[str] = TRAIN_ENTRY, resume: bool = False
+) -> str:
     """slurm/train.sbatch: the trainer on slurm.nodes nodes, requeued after a checkpoint on USR1.
 
     config_file: the resolved config the ranks load (submit writes it to <run_dir>/slurm/config.yaml).
@@ -176,20 +180,29 @@ def render_train(cfg: Config, *, config_file: str, engine_job: str = "", entry: 
     resume: submitted with --resume (a requeue resumes in any case).
     """
     values = {"CONFIG": config_file, **_trainer_values(cfg, engine_job=engine_job, entry=entry, resume=resume)}
-    return fill(template_text("train.sbatch"), sbatch=sbatch_resource_lines(cfg) + _signal_lines(cfg),
-                values=values, setup=cfg.slurm.setup)
+    return fill(
+        template_text("train.sbatch"),
+        sbatch=sbatch_resource_lines(cfg) + _signal_lines(cfg),
+        values=values,
+        setup=cfg.slurm.setup,
+    )
 
 
-def render_sweep_array(cfg: Config, *, configs_dir: str, entry: Sequence[str] = TRAIN_ENTRY,
-                       resume: bool = False) -> str:
+def render_sweep_array(
+    cfg: Config, *, configs_dir: str, entry: Sequence[str] = TRAIN_ENTRY, resume: bool = False
+) -> str:
     """slurm/sweep_array.sbatch: array task i trains the i-th *.yaml of configs_dir (sorted by name).
 
     cfg: any config of the sweep (they share one slurm section); the array range and its %K throttle
     are sbatch arguments (submit.py).
     """
     values = {"CONFIGS_DIR": configs_dir, **_trainer_values(cfg, engine_job="", entry=entry, resume=resume)}
-    return fill(template_text("sweep_array.sbatch"), sbatch=sbatch_resource_lines(cfg) + _signal_lines(cfg),
-                values=values, setup=cfg.slurm.setup)
+    return fill(
+        template_text("sweep_array.sbatch"),
+        sbatch=sbatch_resource_lines(cfg) + _signal_lines(cfg),
+        values=values,
+        setup=cfg.slurm.setup,
+    )
 
 
 def engine_resources(cfg: Config) -> tuple[int, int]:
@@ -198,8 +211,10 @@ def engine_resources(cfg: Config) -> tuple[int, int]:
     if s.gpus_per_node == 0:
         return 0, s.cpus_per_task
     if tp > s.gpus_per_node:
-        raise ValueError(f"config key 'rollout.engine_tp': {tp} GPUs per engine but slurm.gpus_per_node is "
-                         f"{s.gpus_per_node}; one engine must fit on one node")
+        raise ValueError(
+            f"config key 'rollout.engine_tp': {tp} GPUs per engine but slurm.gpus_per_node is "
+            f"{s.gpus_per_node}; one engine must fit on one node"
+        )
     return tp, max(1, s.cpus_per_task * tp // s.gpus_per_node)
 
 
@@ -227,44 +242,66 @@ def render_rollout_array(cfg: Config, *, register_dir: str) -> str:
         "AUTH_FILE": str(run_secret_path(cfg.trainer.output_dir)),
         "SGLANG_ARGS": sglang_routing_args(return_routed_experts=cfg.rollout.return_routed_experts),
     }
-    return fill(template_text("rollout_array.sbatch"),
-                sbatch=sbatch_resource_lines(cfg, nodes=1, gpus_per_node=gpus, cpus_per_task=cpus),
-                values=values, setup=setup_of(cfg, "engines"))
+    return fill(
+        template_text("rollout_array.sbatch"),
+        sbatch=sbatch_resource_lines(cfg, nodes=1, gpus_per_node=gpus, cpus_per_task=cpus),
+        values=values,
+        setup=setup_of(cfg, "engines"),
+    )
 
 
 def render_fp8_export(cfg: Config, *, config_file: str) -> str:
     """slurm/fp8_export.sbatch: the engines' block-FP8 export of the base model (rollout.quantization=fp8
     with an engine array, which starts after it: --dependency=afterok), on one node's CPUs."""
     values: dict[str, Value] = {"PYTHON": python_of(cfg), "CONFIG": config_file}
-    return fill(template_text("fp8_export.sbatch"),
-                sbatch=sbatch_resource_lines(cfg, nodes=1, gpus_per_node=0),
-                values=values, setup=cfg.slurm.setup)
+    return fill(
+        template_text("fp8_export.sbatch"),
+        sbatch=sbatch_resource_lines(cfg, nodes=1, gpus_per_node=0),
+        values=values,
+        setup=cfg.slurm.setup,
+    )
 
 
-def render_eval_array(cfg: Config, *, config_file: str, checkpoints_file: str, results_dir: str,
-                      entry: Sequence[str] = EVAL_ENTRY) -> str:
+def render_eval_array(
+    cfg: Config, *, config_file: str, checkpoints_file: str, results_dir: str, entry: Sequence[str] = EVAL_ENTRY
+) -> str:
     """slurm/eval_array.sbatch: array task i evaluates line i+1 of checkpoints_file into results_dir.
 
     entry: what the interpreter runs, before CONFIG --checkpoint DIR --output FILE.
     """
     gpus = min(cfg.slurm.gpus_per_node, max(cfg.rollout.engine_tp, 1))
-    values: dict[str, Value] = {"PYTHON": python_of(cfg), "EVAL_ENTRY": list(entry), "CONFIG": config_file,
-                                "CHECKPOINTS_FILE": checkpoints_file, "RESULTS_DIR": results_dir}
-    return fill(template_text("eval_array.sbatch"), sbatch=sbatch_resource_lines(cfg, nodes=1, gpus_per_node=gpus),
-                values=values, setup=cfg.slurm.setup)
+    values: dict[str, Value] = {
+        "PYTHON": python_of(cfg),
+        "EVAL_ENTRY": list(entry),
+        "CONFIG": config_file,
+        "CHECKPOINTS_FILE": checkpoints_file,
+        "RESULTS_DIR": results_dir,
+    }
+    return fill(
+        template_text("eval_array.sbatch"),
+        sbatch=sbatch_resource_lines(cfg, nodes=1, gpus_per_node=gpus),
+        values=values,
+        setup=cfg.slurm.setup,
+    )
 
 
 def render_eval_gather(cfg: Config, *, results_dir: str) -> str:
     """slurm/eval_gather.sbatch: one small CPU task that writes results.md and results.csv."""
     values: dict[str, Value] = {"PYTHON": python_of(cfg), "RESULTS_DIR": results_dir}
-    return fill(template_text("eval_gather.sbatch"),
-                sbatch=sbatch_resource_lines(cfg, nodes=1, gpus_per_node=0, cpus_per_task=1),
-                values=values, setup=cfg.slurm.setup)
+    return fill(
+        template_text("eval_gather.sbatch"),
+        sbatch=sbatch_resource_lines(cfg, nodes=1, gpus_per_node=0, cpus_per_task=1),
+        values=values,
+        setup=cfg.slurm.setup,
+    )
 
 
 def render_bench_kernels(cfg: Config, *, bench_args: Sequence[str] = ()) -> str:
     """slurm/bench_kernels.sbatch: `dapo-megatron bench kernels` on one GPU."""
     values: dict[str, Value] = {"PYTHON": python_of(cfg), "BENCH_ARGS": list(bench_args)}
-    return fill(template_text("bench_kernels.sbatch"),
-                sbatch=sbatch_resource_lines(cfg, nodes=1, gpus_per_node=min(cfg.slurm.gpus_per_node, 1)),
-                values=values, setup=cfg.slurm.setup)
+    return fill(
+        template_text("bench_kernels.sbatch"),
+        sbatch=sbatch_resource_lines(cfg, nodes=1, gpus_per_node=min(cfg.slurm.gpus_per_node, 1)),
+        values=values,
+        setup=cfg.slurm.setup,
+    )

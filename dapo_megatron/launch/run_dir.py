@@ -51,8 +51,15 @@ def clear_run(run_dir: Path) -> list[str]:
     return removed
 
 
-def check_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool, total_steps: int,
-                  command: str = "dapo-megatron train CONFIG", prefix: str = "[train]") -> RunDirDecision:
+def check_run_dir(
+    run_dir: str | Path,
+    *,
+    resume: bool,
+    overwrite: bool,
+    total_steps: int,
+    command: str = "dapo-megatron train CONFIG",
+    prefix: str = "[train]",
+) -> RunDirDecision:
     """Refuse to mix two runs; clear with `overwrite`; say when `resume` has nothing left to do.
     command: how the ways out are spelled (`slurm submit` passes its own); prefix: of the printed lines."""
     run_dir = Path(run_dir)
@@ -66,27 +73,47 @@ def check_run_dir(run_dir: str | Path, *, resume: bool, overwrite: bool, total_s
         return RunDirDecision(start_step=0, message=message)
     if resume:
         if latest_step is None:  # as the ranks would (checkpointing.newest_valid_checkpoint), but before they start
-            raise ValueError(f"--resume: no checkpoint in {ckpt.checkpoint_root(run_dir)} (a complete step_<N>/ "
-                             f"with {ckpt.STATE_FILE}); run without --resume to start this run from the beginning")
+            raise ValueError(
+                f"--resume: no checkpoint in {ckpt.checkpoint_root(run_dir)} (a complete step_<N>/ "
+                f"with {ckpt.STATE_FILE}); run without --resume to start this run from the beginning"
+            )
         # a finished run is only finished if its last checkpoint is intact (its manifest verifies);
         # otherwise the ranks set it aside and resume from an earlier one (trainer/run_checkpoint.py)
         problems = ckpt.verify_checkpoint(checkpoints[-1][1]) if latest_step >= total_steps else []
         if problems:
-            return RunDirDecision(start_step=latest_step, message=(
-                f"{prefix} {checkpoints[-1][1].name} does not verify ({problems[0]}): resuming from an earlier "
-                "checkpoint"))
+            return RunDirDecision(
+                start_step=latest_step,
+                message=(
+                    f"{prefix} {checkpoints[-1][1].name} does not verify ({problems[0]}): resuming from an earlier "
+                    "checkpoint"
+                ),
+            )
         if latest_step >= total_steps:
-            return RunDirDecision(start_step=latest_step, nothing_to_do=True, message=(
-                f"{prefix} {run_dir} is already at step {latest_step} of {total_steps} "
-                f"(trainer.total_steps): nothing to do. Raise trainer.total_steps to train further."))
-        return RunDirDecision(start_step=latest_step, message=(
-            f"{prefix} resuming {run_dir} from step {latest_step} of {total_steps} ({checkpoints[-1][1].name})"))
+            return RunDirDecision(
+                start_step=latest_step,
+                nothing_to_do=True,
+                message=(
+                    f"{prefix} {run_dir} is already at step {latest_step} of {total_steps} "
+                    f"(trainer.total_steps): nothing to do. Raise trainer.total_steps to train further."
+                ),
+            )
+        return RunDirDecision(
+            start_step=latest_step,
+            message=(
+                f"{prefix} resuming {run_dir} from step {latest_step} of {total_steps} ({checkpoints[-1][1].name})"
+            ),
+        )
     if latest_step is not None or _has_metrics(run_dir):
-        held = (f"checkpoints up to step {latest_step}" if latest_step is not None else
-                "metrics.jsonl of an earlier run (no complete checkpoint)")
+        held = (
+            f"checkpoints up to step {latest_step}"
+            if latest_step is not None
+            else "metrics.jsonl of an earlier run (no complete checkpoint)"
+        )
         ways = [f"continue it: {command} ... --resume"] if latest_step is not None else []
         ways.append(f"start over: {command} ... --overwrite (deletes {', '.join(RUN_FILES)} there)")
         ways.append("or write elsewhere: trainer.output_dir=NEW_DIR")
-        raise ValueError(f"trainer.output_dir {run_dir} already holds a run ({held}); a new run there would mix "
-                         "with it. " + "; ".join(ways))
+        raise ValueError(
+            f"trainer.output_dir {run_dir} already holds a run ({held}); a new run there would mix "
+            "with it. " + "; ".join(ways)
+        )
     return RunDirDecision(start_step=0)

@@ -44,7 +44,9 @@ class RunDirInUse(ValueError):
 
 def _describe(holder: dict) -> str:
     started = holder.get("started")
-    since = time.strftime(" since %Y-%m-%d %H:%M:%S UTC", time.gmtime(started)) if isinstance(started, (int, float)) else ""
+    since = (
+        time.strftime(" since %Y-%m-%d %H:%M:%S UTC", time.gmtime(started)) if isinstance(started, (int, float)) else ""
+    )
     command = f", `{holder['command']}`" if holder.get("command") else ""
     job = f"Slurm job {holder['job']} (restart {holder.get('restart', 0)}): " if holder.get("job") else ""
     return f"{job}pid {holder.get('pid', '?')} on host {holder.get('host', '?')}{since}{command}"
@@ -86,8 +88,16 @@ CONTENDED_RETRY_S = 2.0
 
 
 class RunLock:
-    def __init__(self, run_dir: str | Path, *, command: str = "", fd: int | None = None, job: str = "",
-                 restart: int = 0, holder_pid: int = 0) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        command: str = "",
+        fd: int | None = None,
+        job: str = "",
+        restart: int = 0,
+        holder_pid: int = 0,
+    ) -> None:
         """fd: an inherited descriptor already open on <run_dir>/.run.lock (the Slurm batch shell's);
         job / restart: the Slurm job holding it (SLURM_JOB_ID or ARRAY_TASK form, SLURM_RESTART_COUNT);
         holder_pid: the process that keeps fd open (the shell), recorded instead of this one's."""
@@ -148,19 +158,27 @@ class RunLock:
                 self._close()
                 raise
             holder = self._read_holder()  # no flock here: the record decides
-            if holder and not self._own_previous_incarnation(holder) and (
-                    holder.get("host") != socket.gethostname() or _alive(int(holder.get("pid", 0) or 0))):
+            if (
+                holder
+                and not self._own_previous_incarnation(holder)
+                and (holder.get("host") != socket.gethostname() or _alive(int(holder.get("pid", 0) or 0)))
+            ):
                 self._close()
-                raise RunDirInUse(f"{self._refuse(holder)} (this file system has no flock: if that run is gone, "
-                                  f"delete {self.path})") from None
+                raise RunDirInUse(
+                    f"{self._refuse(holder)} (this file system has no flock: if that run is gone, delete {self.path})"
+                ) from None
         previous = self._read_holder()
         if previous and self._own_previous_incarnation(previous):
-            self.stale_note = (f"[train] {self.path}: Slurm job {self.job} restart {self.restart} takes over the "
-                               f"lock of its previous incarnation (restart {previous.get('restart', '?')}, pid "
-                               f"{previous.get('pid', '?')} on host {previous.get('host', '?')}), which Slurm ended")
+            self.stale_note = (
+                f"[train] {self.path}: Slurm job {self.job} restart {self.restart} takes over the "
+                f"lock of its previous incarnation (restart {previous.get('restart', '?')}, pid "
+                f"{previous.get('pid', '?')} on host {previous.get('host', '?')}), which Slurm ended"
+            )
         elif previous:
-            self.stale_note = (f"[train] {self.path}: taking over the stale lock of {_describe(previous)}, which "
-                               "is no longer running (it ended without releasing the directory)")
+            self.stale_note = (
+                f"[train] {self.path}: taking over the stale lock of {_describe(previous)}, which "
+                "is no longer running (it ended without releasing the directory)"
+            )
         record = {"pid": self.holder_pid, "host": socket.gethostname(), "started": time.time(), "command": self.command}
         if self.job:
             record.update(job=self.job, restart=self.restart)
@@ -216,7 +234,8 @@ def refusal(run_dir: Path, holder: dict) -> RunDirInUse:
     return RunDirInUse(
         f"trainer.output_dir {run_dir} is in use by another run: {_describe(holder)} holds {path}. "
         "Two runs in one directory would use each other's engines and checkpoints: wait for it to end, "
-        f"stop it ({_way_to_stop(holder)}), or write elsewhere: trainer.output_dir=NEW_DIR")
+        f"stop it ({_way_to_stop(holder)}), or write elsewhere: trainer.output_dir=NEW_DIR"
+    )
 
 
 def holder(run_dir: str | Path) -> tuple[dict | None, bool]:

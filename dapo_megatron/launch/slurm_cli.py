@@ -46,31 +46,48 @@ def _submit(argv: list[str]) -> int:
     # per sub-command, as cli.py dispatches: `slurm status` does not load the plans, checks and renderers
     from dapo_megatron.launch import submit, submit_guard
 
-    ap = argparse.ArgumentParser(prog="dapo-megatron slurm submit",
-                                 description="render the sbatch files of a run and submit them")
+    ap = argparse.ArgumentParser(
+        prog="dapo-megatron slurm submit", description="render the sbatch files of a run and submit them"
+    )
     ap.add_argument("args", nargs="*", metavar="CONFIG|key=value", help="a config file and dotted overrides")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--sweep", metavar="DIR", help="one array task per *.yaml of DIR (no CONFIG)")
     mode.add_argument("--eval", metavar="RUN_DIR", help="one array task per checkpoint of RUN_DIR, then a table")
     mode.add_argument("--bench-kernels", action="store_true", help="the kernel benchmarks on one GPU")
-    ap.add_argument("--engines", type=int, default=0, metavar="K",
-                    help="K disaggregated rollout engines (an array job) for the trainer")
+    ap.add_argument(
+        "--engines",
+        type=int,
+        default=0,
+        metavar="K",
+        help="K disaggregated rollout engines (an array job) for the trainer",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the scripts and sbatch commands only")
     ap.add_argument("--skip-plan", action="store_true", help="submit training runs without checking the memory plan")
-    ap.add_argument("--resume", action="store_true",
-                    help="continue the run in trainer.output_dir from its newest checkpoint (sweeps: each run)")
-    ap.add_argument("--overwrite", action="store_true",
-                    help="clear a previous run in trainer.output_dir at submission (its checkpoints, metrics, logs)")
-    ap.add_argument("--skip-data-check", action="store_true",
-                    help="do not read the prompt files here (they exist only where the jobs run; the job checks them)")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run in trainer.output_dir from its newest checkpoint (sweeps: each run)",
+    )
+    ap.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="clear a previous run in trainer.output_dir at submission (its checkpoints, metrics, logs)",
+    )
+    ap.add_argument(
+        "--skip-data-check",
+        action="store_true",
+        help="do not read the prompt files here (they exist only where the jobs run; the job checks them)",
+    )
     args = ap.parse_intermixed_args(argv)
     configs, overrides = _split(args.args)
     plan_lines: list[str] = []  # the memory plan's verdicts; a plan that does not fit raises before any submission
     if args.engines and (args.sweep or args.eval or args.bench_kernels):
         raise ValueError("--engines goes with a training run, not with --sweep, --eval or --bench-kernels")
     if (args.resume or args.overwrite or args.skip_data_check) and (args.eval or args.bench_kernels):
-        raise ValueError("--resume, --overwrite and --skip-data-check go with a training run or --sweep, "
-                         "not with --eval or --bench-kernels (which neither write the run nor take its lock)")
+        raise ValueError(
+            "--resume, --overwrite and --skip-data-check go with a training run or --sweep, "
+            "not with --eval or --bench-kernels (which neither write the run nor take its lock)"
+        )
     checks = None
     if args.sweep:
         if configs:
@@ -90,8 +107,9 @@ def _submit(argv: list[str]) -> int:
         if not args.skip_plan:
             _check_memory(plan, plan_lines)
         # in use, run directory, data: refused here (exit 2) before anything is written or submitted
-        checks = submit_guard.check_training_submission(plan, resume=args.resume, overwrite=args.overwrite,
-                                                        command=command, skip_data_check=args.skip_data_check)
+        checks = submit_guard.check_training_submission(
+            plan, resume=args.resume, overwrite=args.overwrite, command=command, skip_data_check=args.skip_data_check
+        )
     if checks is not None and submit_guard.report(checks, out=plan_lines.append) == 0:
         print("\n".join([*plan_lines, "[slurm submit] nothing to submit"]))  # --resume of finished runs
         return 0
@@ -111,13 +129,17 @@ def _submit(argv: list[str]) -> int:
 def _warn_cluster_defaults(plan) -> None:
     """One stderr line when no job names a partition or an account: sbatch then takes the cluster's
     default partition and the user's default account, which is rarely the GPU partition meant."""
-    missing = [key for key in ("partition", "account")
-               if not any(f"#SBATCH --{key}=" in job.script() for job in plan.jobs)]
+    missing = [
+        key for key in ("partition", "account") if not any(f"#SBATCH --{key}=" in job.script() for job in plan.jobs)
+    ]
     if missing:
         keys = " and ".join(f"slurm.{key}" for key in missing)
-        print(f"warning: {keys} {'is' if len(missing) == 1 else 'are'} empty: sbatch uses the cluster's default "
-              f"{' and '.join(missing)}; set {' '.join(f'slurm.{key}=NAME' for key in missing)} if that is not "
-              "what you mean", file=sys.stderr)
+        print(
+            f"warning: {keys} {'is' if len(missing) == 1 else 'are'} empty: sbatch uses the cluster's default "
+            f"{' and '.join(missing)}; set {' '.join(f'slurm.{key}=NAME' for key in missing)} if that is not "
+            "what you mean",
+            file=sys.stderr,
+        )
 
 
 def _check_memory(plan, lines: list[str]) -> None:
@@ -162,7 +184,11 @@ def _status(argv: list[str]) -> int:
 def main(argv: list[str]) -> int:
     commands = {"submit": _submit, "status": _status, "render": _render}
     if not argv or argv[0] not in commands:
-        print(__doc__.split("\n\n")[1] if argv and argv[0] in ("-h", "--help") else
-              "usage: dapo-megatron slurm {submit|status|render} ...  (see --help of each)", file=sys.stderr)
+        print(
+            __doc__.split("\n\n")[1]
+            if argv and argv[0] in ("-h", "--help")
+            else "usage: dapo-megatron slurm {submit|status|render} ...  (see --help of each)",
+            file=sys.stderr,
+        )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return commands[argv[0]](argv[1:])

@@ -40,8 +40,15 @@ def job_rows(job_id: str, run: Runner = _run) -> list[dict[str, str]]:
         for line in out.strip().splitlines():
             f = dict(part.split("=", 1) for part in line.split() if "=" in part)
             task = f"{f['ArrayJobId']}_{f['ArrayTaskId']}" if f.get("ArrayTaskId") else f.get("JobId", job_id)
-            rows.append({"id": task, "state": f.get("JobState", "?"), "elapsed": f.get("RunTime", ""),
-                         "restarts": f.get("Restarts", ""), "reason": f.get("Reason", "")})
+            rows.append(
+                {
+                    "id": task,
+                    "state": f.get("JobState", "?"),
+                    "elapsed": f.get("RunTime", ""),
+                    "restarts": f.get("Restarts", ""),
+                    "reason": f.get("Reason", ""),
+                }
+            )
         return rows
     out = run(["sacct", "-n", "-P", "-X", "-j", job_id, "--format=JobID,State,Elapsed,Reason"])
     if out and out.strip():
@@ -50,8 +57,15 @@ def job_rows(job_id: str, run: Runner = _run) -> list[dict[str, str]]:
             task, state, elapsed, reason = (line.split("|") + ["", "", "", ""])[:4]
             rows.append({"id": task, "state": state, "elapsed": elapsed, "restarts": "", "reason": reason})
         return rows
-    return [{"id": job_id, "state": "gone", "elapsed": "", "restarts": "",
-             "reason": "not in squeue or scontrol; sacct unavailable"}]
+    return [
+        {
+            "id": job_id,
+            "state": "gone",
+            "elapsed": "",
+            "restarts": "",
+            "reason": "not in squeue or scontrol; sacct unavailable",
+        }
+    ]
 
 
 def last_metrics(run_dir: Path) -> dict | None:
@@ -83,15 +97,19 @@ def summarize(run_dir: str | Path, run: Runner = _run) -> str:
     lines = [f"run {run_dir}", "", f"{'role':<12} {'job':<12} {'state':<12} {'elapsed':<10} {'restarts':<8} reason"]
     for job in jobs:
         for row in job_rows(job["job_id"], run):
-            lines.append(f"{job['role']:<12} {row['id']:<12} {row['state']:<12} {row['elapsed']:<10} "
-                         f"{row['restarts']:<8} {row['reason']}")
+            lines.append(
+                f"{job['role']:<12} {row['id']:<12} {row['state']:<12} {row['elapsed']:<10} "
+                f"{row['restarts']:<8} {row['reason']}"
+            )
     engines = sorted((run_dir / "engines").glob("*.json")) if (run_dir / "engines").is_dir() else []
     if engines:
         lines += ["", f"registered engines ({run_dir / 'engines'}):"]
         for path in engines:
             try:
                 rec = json.loads(path.read_text())
-                lines.append(f"  {rec.get('url', '?')}  tp={rec.get('tp_size', '?')}  since {rec.get('started_at', '?')}")
+                lines.append(
+                    f"  {rec.get('url', '?')}  tp={rec.get('tp_size', '?')}  since {rec.get('started_at', '?')}"
+                )
             except json.JSONDecodeError:
                 lines.append(f"  {path.name}: unreadable")
     for name, path in _run_dirs(run_dir):

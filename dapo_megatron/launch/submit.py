@@ -86,8 +86,10 @@ def _resolved(cfg: Config) -> Config:
 
 # -------------------------------------------------------------------------------- plans
 
-def plan_train(cfg: Config, *, engines: int = 0, entry: Sequence[str] = render.TRAIN_ENTRY,
-               resume: bool = False) -> Plan:
+
+def plan_train(
+    cfg: Config, *, engines: int = 0, entry: Sequence[str] = render.TRAIN_ENTRY, resume: bool = False
+) -> Plan:
     """A training run; with engines=K also a rollout array of K engines that the trainer finds via
     <run_dir>/engines/ (rollout.placement becomes disaggregated, rollout.num_engines K).
     resume: the job's first start continues the run from its newest checkpoint (`slurm submit --resume`)."""
@@ -103,20 +105,34 @@ def plan_train(cfg: Config, *, engines: int = 0, entry: Sequence[str] = render.T
     config_file = run_dir / "slurm" / "config.yaml"
     jobs = []
     if engines:
-        array = JobSpec("engines", _fixed(render.render_rollout_array(cfg, register_dir=str(run_dir / "engines"))),
-                        [f"--array=0-{engines - 1}", *_log_args(run_dir, "engines", array=True)])
+        array = JobSpec(
+            "engines",
+            _fixed(render.render_rollout_array(cfg, register_dir=str(run_dir / "engines"))),
+            [f"--array=0-{engines - 1}", *_log_args(run_dir, "engines", array=True)],
+        )
         if cfg.rollout.quantization == "fp8":
             # the engines start from the block-FP8 export of the base model: written by its own job first
-            jobs.append(JobSpec("fp8_export", _fixed(render.render_fp8_export(cfg, config_file=str(config_file))),
-                                _log_args(run_dir, "fp8_export", array=False)))
+            jobs.append(
+                JobSpec(
+                    "fp8_export",
+                    _fixed(render.render_fp8_export(cfg, config_file=str(config_file))),
+                    _log_args(run_dir, "fp8_export", array=False),
+                )
+            )
             array.dependency = ("afterok", "fp8_export")
         jobs.append(array)
     # the trainer cancels its engine array when training ends: the id is known once engines are submitted
-    train = JobSpec("train", lambda ids: render.render_train(cfg, config_file=str(config_file), entry=entry,
-                                                             resume=resume,
-                                                             engine_job=ids.get("engines", "<engines job id>")
-                                                             if engines else ""),
-                    _log_args(run_dir, "train", array=False))
+    train = JobSpec(
+        "train",
+        lambda ids: render.render_train(
+            cfg,
+            config_file=str(config_file),
+            entry=entry,
+            resume=resume,
+            engine_job=ids.get("engines", "<engines job id>") if engines else "",
+        ),
+        _log_args(run_dir, "train", array=False),
+    )
     train.script()  # render once now: a config that cannot launch fails before anything is submitted
     if engines:
         # the trainer starts once the engines have started (no GPU hours spent waiting in the queue
@@ -130,13 +146,20 @@ def _require_engines(cfg: Config, where: str) -> None:
     """A trainer job alone starts engines only when they are colocated: a disaggregated run without
     fixed URLs would wait for registrations nobody writes."""
     if cfg.rollout.placement == "disaggregated" and not cfg.rollout.engine_urls:
-        raise ValueError(f"{where}config key 'rollout.placement': disaggregated engines run as their own array "
-                         f"job: pass --engines K (or set rollout.engine_urls); rollout.placement=colocated "
-                         f"starts them inside the trainer's job, on its GPUs")
+        raise ValueError(
+            f"{where}config key 'rollout.placement': disaggregated engines run as their own array "
+            f"job: pass --engines K (or set rollout.engine_urls); rollout.placement=colocated "
+            f"starts them inside the trainer's job, on its GPUs"
+        )
 
 
-def plan_sweep(sweep_dir: str | Path, overrides: Sequence[str] = (), *,
-               entry: Sequence[str] = render.TRAIN_ENTRY, resume: bool = False) -> Plan:
+def plan_sweep(
+    sweep_dir: str | Path,
+    overrides: Sequence[str] = (),
+    *,
+    entry: Sequence[str] = render.TRAIN_ENTRY,
+    resume: bool = False,
+) -> Plan:
     """One array task per *.yaml of sweep_dir (sorted by name), throttled to slurm.array_throttle.
 
     Each run keeps its own trainer.output_dir; an override trainer.output_dir=BASE puts run <stem>
@@ -163,21 +186,29 @@ def plan_sweep(sweep_dir: str | Path, overrides: Sequence[str] = (), *,
         _require_engines(cfg, f"--sweep {sweep_dir}: {path.name}: ")
         out = cfg.trainer.output_dir
         if out in seen:
-            raise ValueError(f"--sweep {sweep_dir}: {seen[out].name} and {path.name} both write to trainer.output_dir "
-                             f"{out}; give each run its own directory (or pass trainer.output_dir=BASE)")
+            raise ValueError(
+                f"--sweep {sweep_dir}: {seen[out].name} and {path.name} both write to trainer.output_dir "
+                f"{out}; give each run its own directory (or pass trainer.output_dir=BASE)"
+            )
         seen[out] = path
     first_path, first = configs[0]
     for path, cfg in configs[1:]:
         if cfg.slurm != first.slurm:
             diff = [k for k in vars(first.slurm) if getattr(first.slurm, k) != getattr(cfg.slurm, k)]
-            raise ValueError(f"--sweep {sweep_dir}: one array job needs one slurm section, but {path.name} differs "
-                             f"from {first_path.name} in {', '.join('slurm.' + k for k in diff)}")
+            raise ValueError(
+                f"--sweep {sweep_dir}: one array job needs one slurm section, but {path.name} differs "
+                f"from {first_path.name} in {', '.join('slurm.' + k for k in diff)}"
+            )
     run_dir = base or _abs(os.path.commonpath([c.trainer.output_dir for _, c in configs])) / f"sweep_{sweep_dir.name}"
     files_out = {f"slurm/configs/{path.stem}.yaml": dump_config(cfg) for path, cfg in configs}
     array = f"--array=0-{len(configs) - 1}%{first.slurm.array_throttle}"
-    job = JobSpec("sweep", _fixed(render.render_sweep_array(first, configs_dir=str(run_dir / "slurm" / "configs"),
-                                                            entry=entry, resume=resume)),
-                  [array, *_log_args(run_dir, "sweep", array=True)])
+    job = JobSpec(
+        "sweep",
+        _fixed(
+            render.render_sweep_array(first, configs_dir=str(run_dir / "slurm" / "configs"), entry=entry, resume=resume)
+        ),
+        [array, *_log_args(run_dir, "sweep", array=True)],
+    )
     runs = "\n".join(f"{path.stem}\t{cfg.trainer.output_dir}" for path, cfg in configs) + "\n"
     return Plan(run_dir, [job], {**files_out, "slurm/sweep_runs.tsv": runs})
 
@@ -200,15 +231,29 @@ def plan_eval(cfg: Config, eval_run_dir: str | Path, *, entry: Sequence[str] = r
     ckpt_file = run_dir / "slurm" / "eval_checkpoints.txt"
     if any("\n" in str(p) for p in checkpoints):
         raise ValueError(f"--eval {run_dir}: a checkpoint path contains a line break")
-    eval_job = JobSpec("eval", _fixed(render.render_eval_array(
-                           cfg, config_file=str(run_dir / "slurm" / "eval_config.yaml"),
-                           checkpoints_file=str(ckpt_file), results_dir=str(results), entry=entry)),
-                       [f"--array=0-{len(checkpoints) - 1}%{cfg.slurm.array_throttle}",
-                        *_log_args(run_dir, "eval", array=True)])
-    gather = JobSpec("eval_gather", _fixed(render.render_eval_gather(cfg, results_dir=str(results))),
-                     _log_args(run_dir, "eval_gather", array=False), dependency=("afterok", "eval"))
-    files = {"slurm/eval_config.yaml": dump_config(cfg),
-             "slurm/eval_checkpoints.txt": "".join(f"{p}\n" for p in checkpoints)}
+    eval_job = JobSpec(
+        "eval",
+        _fixed(
+            render.render_eval_array(
+                cfg,
+                config_file=str(run_dir / "slurm" / "eval_config.yaml"),
+                checkpoints_file=str(ckpt_file),
+                results_dir=str(results),
+                entry=entry,
+            )
+        ),
+        [f"--array=0-{len(checkpoints) - 1}%{cfg.slurm.array_throttle}", *_log_args(run_dir, "eval", array=True)],
+    )
+    gather = JobSpec(
+        "eval_gather",
+        _fixed(render.render_eval_gather(cfg, results_dir=str(results))),
+        _log_args(run_dir, "eval_gather", array=False),
+        dependency=("afterok", "eval"),
+    )
+    files = {
+        "slurm/eval_config.yaml": dump_config(cfg),
+        "slurm/eval_checkpoints.txt": "".join(f"{p}\n" for p in checkpoints),
+    }
     return Plan(run_dir, [eval_job, gather], files)
 
 
@@ -223,8 +268,11 @@ def plan_bench_kernels(cfg: Config) -> Plan:
 def training_configs(plan: Plan) -> list[tuple[str, Config]]:
     """(name, config) of every training run the plan's jobs will load, as they will load it (the written
     resolved copy): ("config", ...) for a run, (stem, ...) per run of a sweep, in array order."""
-    return [(Path(rel).stem, config_from_dict(yaml.safe_load(text))) for rel, text in plan.files.items()
-            if rel == "slurm/config.yaml" or rel.startswith("slurm/configs/")]
+    return [
+        (Path(rel).stem, config_from_dict(yaml.safe_load(text)))
+        for rel, text in plan.files.items()
+        if rel == "slurm/config.yaml" or rel.startswith("slurm/configs/")
+    ]
 
 
 def check_memory(plan: Plan, *, out: Callable[[str], None] = print) -> None:
@@ -239,6 +287,7 @@ def check_memory(plan: Plan, *, out: Callable[[str], None] = print) -> None:
 
 
 # -------------------------------------------------------------------------------- submission
+
 
 def sbatch_argv(plan: Plan, job: JobSpec, job_ids: dict[str, str]) -> list[str]:
     argv = ["sbatch", "--parsable", *job.sbatch_args]
@@ -256,8 +305,9 @@ def parse_job_id(stdout: str) -> str:
     return job_id
 
 
-def submit(plan: Plan, *, dry_run: bool = False, out: Callable[[str], None] = print,
-           env: dict[str, str] | None = None) -> dict[str, str]:
+def submit(
+    plan: Plan, *, dry_run: bool = False, out: Callable[[str], None] = print, env: dict[str, str] | None = None
+) -> dict[str, str]:
     """Write the plan's files and scripts, sbatch each job in order, record jobs.json; role -> job id.
 
     dry_run: print the sbatch command lines, the scripts, then the other files (the resolved config,
@@ -292,16 +342,25 @@ def submit(plan: Plan, *, dry_run: bool = False, out: Callable[[str], None] = pr
         result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
         if result.returncode != 0:
             _record(plan.run_dir, records)
-            raise RuntimeError(f"sbatch failed for {job.role} (rc {result.returncode}): {result.stderr.strip()}"
-                               + (f"; already submitted: {job_ids}" if job_ids else ""))
+            raise RuntimeError(
+                f"sbatch failed for {job.role} (rc {result.returncode}): {result.stderr.strip()}"
+                + (f"; already submitted: {job_ids}" if job_ids else "")
+            )
         job_ids[job.role] = parse_job_id(result.stdout)
-        records.append({"role": job.role, "job_id": job_ids[job.role], "script": str(script_path), "argv": argv,
-                        "submitted_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")})
+        records.append(
+            {
+                "role": job.role,
+                "job_id": job_ids[job.role],
+                "script": str(script_path),
+                "argv": argv,
+                "submitted_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            }
+        )
         out(f"{job.role}: {job_ids[job.role]}")
     _record(plan.run_dir, records)
     if job_ids.get("sweep"):  # each run's own directory records its array task too: `slurm status RUN`
-        for task, (_, cfg) in enumerate(training_configs(plan)):   # shows it, and `slurm submit` into
-            run_dir = Path(cfg.trainer.output_dir)                  # that directory sees it pending
+        for task, (_, cfg) in enumerate(training_configs(plan)):  # shows it, and `slurm submit` into
+            run_dir = Path(cfg.trainer.output_dir)  # that directory sees it pending
             (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
             _record(run_dir, [{**records[-1], "job_id": f"{job_ids['sweep']}_{task}"}])
     return job_ids

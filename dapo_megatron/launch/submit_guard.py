@@ -37,8 +37,21 @@ from dapo_megatron.launch.submit import training_configs
 
 # states after which a job runs no more (squeue may still list them for a moment); anything else counts
 # as pending or running: PENDING, RUNNING, CONFIGURING, COMPLETING, REQUEUED, SUSPENDED, ...
-FINISHED = frozenset({"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL",
-                      "DEADLINE", "OUT_OF_MEMORY", "REVOKED", "SPECIAL_EXIT"})
+FINISHED = frozenset(
+    {
+        "COMPLETED",
+        "CANCELLED",
+        "FAILED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "PREEMPTED",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "OUT_OF_MEMORY",
+        "REVOKED",
+        "SPECIAL_EXIT",
+    }
+)
 TRAINING_ROLES = ("train", "engines", "fp8_export", "sweep")  # write the run: block any new training job
 READING_ROLES = ("eval", "eval_gather")  # read its checkpoints: block --overwrite only
 
@@ -63,7 +76,9 @@ def parse_squeue(stdout: str) -> list[tuple[str, str, str]]:
     return rows
 
 
-def live_jobs(records: list[dict], rows: list[tuple[str, str, str]], roles: tuple[str, ...]) -> list[tuple[str, str, str, str]]:
+def live_jobs(
+    records: list[dict], rows: list[tuple[str, str, str]], roles: tuple[str, ...]
+) -> list[tuple[str, str, str, str]]:
     """(role, recorded id, squeue id, state) for each recorded job of `roles` that a squeue row shows
     unfinished. A record's id is a job, an array job (any of its tasks counts) or one array task (`A_i`)."""
     found = []
@@ -88,8 +103,10 @@ def queue_rows(job_ids: list[str], run: Squeue = _squeue) -> list[tuple[str, str
     if result.returncode != 0:
         if "Invalid job id" in (result.stderr or ""):
             return []
-        raise QueueUnavailable(f"`{' '.join(argv)}` exited with {result.returncode}: "
-                               f"{(result.stderr or result.stdout or '').strip()[:300]}")
+        raise QueueUnavailable(
+            f"`{' '.join(argv)}` exited with {result.returncode}: "
+            f"{(result.stderr or result.stdout or '').strip()[:300]}"
+        )
     return parse_squeue(result.stdout)
 
 
@@ -119,16 +136,21 @@ def check_queue(jobs_dirs: list[Path], *, overwrite: bool, run: Squeue = _squeue
             raise QueueUnavailable(
                 f"{err}. {jobs_dir / 'slurm/jobs.json'} records job(s) {', '.join(ids)} of this directory and "
                 "whether they still run cannot be checked, so nothing was submitted. Try again when squeue "
-                "answers (or, if you know those jobs have ended, move that jobs.json aside)") from None
+                "answers (or, if you know those jobs have ended, move that jobs.json aside)"
+            ) from None
         live = live_jobs(records, rows, roles)
         if live:
-            what = ("reads its checkpoints, which --overwrite would delete" if all(role in READING_ROLES
-                                                                                  for role, *_ in live) else "still uses it")
+            what = (
+                "reads its checkpoints, which --overwrite would delete"
+                if all(role in READING_ROLES for role, *_ in live)
+                else "still uses it"
+            )
             raise RunDirInUse(
                 f"{jobs_dir} is in use: {'; '.join(f'{role} job {task} ({state})' for role, _, task, state in live)}, "
                 f"recorded in {jobs_dir / 'slurm/jobs.json'}, {what}. Wait for it to end, cancel it "
                 f"(scancel {' '.join(dict.fromkeys(job for _, job, _, _ in live))}), "
-                "or write elsewhere: trainer.output_dir=NEW_DIR")
+                "or write elsewhere: trainer.output_dir=NEW_DIR"
+            )
 
 
 def check_lock(run_dir: Path, *, run: Squeue = _squeue) -> None:
@@ -150,8 +172,10 @@ def check_data(cfg: Config, *, skip: bool) -> str:
     files = [(f"data.{key}", getattr(cfg.data, key)) for key in ("train_path", "eval_path")]
     for key, path in files + [(f"data.eval_sets.{name}", path) for name, path in cfg.data.eval_sets.items()]:
         if path and not Path(path).is_file():
-            raise ValueError(f"config key '{key}': {path} is not a file on this machine; if it exists only "
-                             "where the jobs run, pass --skip-data-check (the job checks every row there)")
+            raise ValueError(
+                f"config key '{key}': {path} is not a file on this machine; if it exists only "
+                "where the jobs run, pass --skip-data-check (the job checks every row there)"
+            )
     note = ""
     if cfg.tiny.enabled:
         tokenizer = build_tiny_tokenizer()  # the tiny model's own tokenizer; the model is built by the job
@@ -163,8 +187,10 @@ def check_data(cfg: Config, *, skip: bool) -> str:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     else:
         tokenizer = None
-        note = (f"; prompt lengths not checked: model.path {cfg.model.path} is not a directory on this machine "
-                "(the job checks them)")
+        note = (
+            f"; prompt lengths not checked: model.path {cfg.model.path} is not a directory on this machine "
+            "(the job checks them)"
+        )
     return check_prompt_data(cfg, tokenizer=tokenizer) + note
 
 
@@ -178,8 +204,9 @@ class RunCheck:
     to_remove: tuple[str, ...] = ()  # --overwrite: the run's files that will be cleared
 
 
-def check_training_submission(plan, *, resume: bool, overwrite: bool, command: str, skip_data_check: bool = False,
-                              run: Squeue = _squeue) -> list[RunCheck]:
+def check_training_submission(
+    plan, *, resume: bool, overwrite: bool, command: str, skip_data_check: bool = False, run: Squeue = _squeue
+) -> list[RunCheck]:
     """Every check of a training plan (plan_train / plan_sweep), in the order a user fixes them: in use,
     then the run directory, then the data. Raises (RunDirInUse, QueueUnavailable, ValueError) before
     anything is written; returns one RunCheck per run."""
@@ -195,20 +222,31 @@ def check_training_submission(plan, *, resume: bool, overwrite: bool, command: s
         check_lock(run_dir, run=run)
         where = f"{label}: " if len(runs) > 1 else ""
         if overwrite:
-            check = RunCheck(label, run_dir, to_remove=tuple(n for n in RUN_FILES if (run_dir / n).exists()
-                                                             or (run_dir / n).is_symlink()))
+            check = RunCheck(
+                label,
+                run_dir,
+                to_remove=tuple(n for n in RUN_FILES if (run_dir / n).exists() or (run_dir / n).is_symlink()),
+            )
         else:
             from dapo_megatron.trainer.run_checkpoint import list_checkpoints
 
             if resume and len(runs) > 1 and not list_checkpoints(run_dir) and not (run_dir / "metrics.jsonl").exists():
                 # a sweep's run that never started: it starts from the beginning (the job says so too)
-                check = RunCheck(label, run_dir, message=f"[slurm submit] {where}no checkpoint in {run_dir}: "
-                                                         "this run starts from step 0")
+                check = RunCheck(
+                    label,
+                    run_dir,
+                    message=f"[slurm submit] {where}no checkpoint in {run_dir}: this run starts from step 0",
+                )
             else:
                 try:
-                    decision = check_run_dir(run_dir, resume=resume, overwrite=False,
-                                             total_steps=cfg.trainer.total_steps, command=command,
-                                             prefix=f"[slurm submit] {where}".rstrip())
+                    decision = check_run_dir(
+                        run_dir,
+                        resume=resume,
+                        overwrite=False,
+                        total_steps=cfg.trainer.total_steps,
+                        command=command,
+                        prefix=f"[slurm submit] {where}".rstrip(),
+                    )
                 except ValueError as err:
                     raise ValueError(f"{where}{err}") from None
                 message = decision.message

@@ -102,14 +102,23 @@ class EngineSupervisor:
         if spec.get("down"):
             return
         url = spec.get("url", "")
-        event = {"time": time.time(), "engine": name, "url": url, "pid": proc.pid, "returncode": proc.returncode,
-                 "budget": self.budget}
+        event = {
+            "time": time.time(),
+            "engine": name,
+            "url": url,
+            "pid": proc.pid,
+            "returncode": proc.returncode,
+            "budget": self.budget,
+        }
         what = f"[engines] {name} ({url or 'not registered'}, pid {proc.pid}) exited with {_exit_name(proc.returncode)}"
         if self.restarts >= self.budget:
             spec["down"] = True
             self._record({**event, "action": "budget_spent", "restarts": self.restarts})
-            self.out(f"{what}; not restarted: the restart budget is spent "
-                     f"({self.restarts} of rollout.engine_restarts={self.budget})", flush=True)
+            self.out(
+                f"{what}; not restarted: the restart budget is spent "
+                f"({self.restarts} of rollout.engine_restarts={self.budget})",
+                flush=True,
+            )
             return
         self.restarts += 1
         port = spec["port"] if spec.get("port") and port_is_free(spec["host"], spec["port"]) else 0
@@ -117,8 +126,11 @@ class EngineSupervisor:
         self._awaiting[name] = new.pid
         self._record({**event, "action": "restarted", "restarts": self.restarts, "new_pid": new.pid})
         where = f"on its port {port}" if port else "on a new port (its old one is taken)"
-        self.out(f"{what}; restarting it {where} (restart {self.restarts} of rollout.engine_restarts="
-                 f"{self.budget}); the trainer re-syncs its weights before using it", flush=True)
+        self.out(
+            f"{what}; restarting it {where} (restart {self.restarts} of rollout.engine_restarts="
+            f"{self.budget}); the trainer re-syncs its weights before using it",
+            flush=True,
+        )
 
     def _note_registered(self, name: str, pid: int) -> None:
         try:
@@ -129,8 +141,10 @@ class EngineSupervisor:
             if rec.get("pid") == pid:
                 del self._awaiting[name]
                 self.procs.engines[name].update(url=rec["url"], port=int(rec["port"]))
-                self.out(f"[engines] {name} serves again at {rec['url']} (pid {pid}, registered "
-                         f"{rec['started_at']})", flush=True)
+                self.out(
+                    f"[engines] {name} serves again at {rec['url']} (pid {pid}, registered {rec['started_at']})",
+                    flush=True,
+                )
                 return
 
     def _record(self, event: dict) -> None:

@@ -129,8 +129,9 @@ class ActivationModel:
 
     # --- one transformer layer -----------------------------------------------------------------------
 
-    def layer_parts(self, *, tokens: int, recompute: str | None = None, sparse: bool = False,
-                    single_document: bool = False) -> dict[str, float]:
+    def layer_parts(
+        self, *, tokens: int, recompute: str | None = None, sparse: bool = False, single_document: bool = False
+    ) -> dict[str, float]:
         """Bytes one layer keeps for a micro-batch of `tokens` tokens (before the CP split); sparse: a
         mixture-of-experts layer (router + experts in place of the dense MLP); single_document: the
         micro-batch is one sequence (the torch backend's attention output is then not concatenated)."""
@@ -141,8 +142,7 @@ class ActivationModel:
         if recompute == "full":
             return {"layer input (full recompute)": n * a * d.hidden / s}
         if self.backend == "torch":
-            parts = {"norms": n * 2 * ((8 + a) * d.hidden + 4) / s,
-                     "rope cos/sin": n * 4 * d.head_dim * a}
+            parts = {"norms": n * 2 * ((8 + a) * d.hidden + 4) / s, "rope cos/sin": n * 4 * d.head_dim * a}
             # something else keeps the QKV output: the checkpoint, or v (a view of it) in the core attention
             qkv_kept = recompute == "selective" or self.cp == 1
             if recompute == "selective":
@@ -169,8 +169,10 @@ class ActivationModel:
                     inputs = 4 * (d.q_width + d.kv_width)
                 parts["qk norms"] = n * (inputs + 4 * (d.heads + d.kv_heads) + 4 * (d.q_width + d.kv_width)) / t
         else:
-            parts = {"norms": n * 2 * (2 * a * d.hidden + 4) / s,
-                     "attention": n * a * (3 * d.q_width + 3 * d.kv_width) / t}
+            parts = {
+                "norms": n * 2 * (2 * a * d.hidden + 4) / s,
+                "attention": n * a * (3 * d.q_width + 3 * d.kv_width) / t,
+            }
             if self.cp > 1:
                 parts["attention"] += n_kv * a * 2 * d.kv_width / t
             if recompute != "selective":
@@ -237,15 +239,26 @@ class ActivationModel:
             return {"logits path (fused kernel)": n * (a * d.hidden + 20)}
         # three fp32 [N, V/t] tensors (logits, exp, log-softmax or shifted logits) + small per-token terms
         small = 13 if self.tp == 1 else 25
-        return {f"logits path (unfused, 3 x fp32 [N, V/{self.tp}])": n * (a * d.hidden + 12 * d.vocab / self.tp + small)}
+        return {
+            f"logits path (unfused, 3 x fp32 [N, V/{self.tp}])": n * (a * d.hidden + 12 * d.vocab / self.tp + small)
+        }
 
     def final_norm(self, *, tokens: int) -> float:
         n = self.local_tokens(tokens)
         per = 8 * self.dims.hidden + 4 if self.backend == "torch" else self.a * self.dims.hidden + 4
         return n * per / self.s
 
-    def saved(self, *, tokens: int, response_tokens: int, layers: int, first: bool, last: bool,
-              max_sequence: int | None = None, sparse_layers: int = 0) -> dict[str, float]:
+    def saved(
+        self,
+        *,
+        tokens: int,
+        response_tokens: int,
+        layers: int,
+        first: bool,
+        last: bool,
+        max_sequence: int | None = None,
+        sparse_layers: int = 0,
+    ) -> dict[str, float]:
         """Bytes kept for the backward by one micro-batch on a stage with `layers` layers of which
         `sparse_layers` are mixture-of-experts layers (max_sequence: the longest packed sequence, which
         sizes the RoPE table that full recompute keeps; when it fills the micro-batch, the micro-batch is one
@@ -264,20 +277,24 @@ class ActivationModel:
             parts.update(self.head_parts(response_tokens=response_tokens))
             parts["loss terms"] = self.local_tokens(response_tokens) * LOSS_BYTES_PER_TOKEN
             if self.quantization_aware and self.precision != "bf16":  # LM head + final norm rounded to bf16
-                parts["bf16-rounded LM head + final norm (quantization-aware)"] = \
-                    self.a * (-(-self.dims.vocab // self.tp) * self.dims.hidden + self.dims.hidden)
+                parts["bf16-rounded LM head + final norm (quantization-aware)"] = self.a * (
+                    -(-self.dims.vocab // self.tp) * self.dims.hidden + self.dims.hidden
+                )
         return parts
 
     # --- transients ----------------------------------------------------------------------------------
 
-    def backward_working_set(self, *, tokens: int, response_tokens: int, last: bool,
-                             largest_param_numel: int) -> dict[str, float]:
+    def backward_working_set(
+        self, *, tokens: int, response_tokens: int, last: bool, largest_param_numel: int
+    ) -> dict[str, float]:
         """Estimates of what exists on top of the saved activations while a micro-batch runs: one layer's
         full activations (recomputed under full recompute; gradients in flight otherwise), the largest
         parameter's gradient before DDP adds it to main_grad, and the unfused head's two fp32 [N, V/t]
         gradient buffers. (The torch backend has no [T, T] mask: actor/attention.py.)"""
-        parts = {"one layer in backward": self._one_layer(tokens=tokens),
-                 "largest parameter gradient": largest_param_numel * self.a}
+        parts = {
+            "one layer in backward": self._one_layer(tokens=tokens),
+            "largest parameter gradient": largest_param_numel * self.a,
+        }
         if last and not self.fused_logprob:
             parts["logits gradient"] = self.local_tokens(response_tokens) * 8 * self.dims.vocab / self.tp
         if last and self.fused_logprob:
@@ -288,8 +305,12 @@ class ActivationModel:
             from dapo_kernels.logprob import blocked_workspace_bytes
 
             parts["fused head backward workspace"] = blocked_workspace_bytes(
-                self.local_tokens(response_tokens), self.dims.hidden, -(-self.dims.vocab // self.tp), int(self.a),
-                tp=self.tp > 1)
+                self.local_tokens(response_tokens),
+                self.dims.hidden,
+                -(-self.dims.vocab // self.tp),
+                int(self.a),
+                tp=self.tp > 1,
+            )
         return parts
 
     def forward_only_working_set(self, *, tokens: int, response_tokens: int, last: bool) -> dict[str, float]:
@@ -310,8 +331,11 @@ class ActivationModel:
         dense = sum(self.layer_parts(tokens=tokens, recompute="none").values())
         if not self.dims.is_moe:
             return dense
-        exchange = (self.local_tokens(tokens) / self.s * self.dims.topk + self.routed_pairs(tokens=tokens)) \
-            * self.a * self.dims.hidden
+        exchange = (
+            (self.local_tokens(tokens) / self.s * self.dims.topk + self.routed_pairs(tokens=tokens))
+            * self.a
+            * self.dims.hidden
+        )
         sparse = sum(self.layer_parts(tokens=tokens, recompute="none", sparse=True).values()) + exchange
         return max(dense, sparse) if self.dims.num_sparse_layers < self.dims.layers else sparse
 

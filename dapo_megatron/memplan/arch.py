@@ -74,12 +74,18 @@ class ModelDims:
 
     def describe(self) -> str:
         tie = "tied" if self.tied else "untied"
-        moe = (f", {self.num_sparse_layers} MoE layers of {self.num_experts} experts (width {self.moe_ffn}, "
-               f"top-{self.topk})" if self.is_moe else "")
+        moe = (
+            f", {self.num_sparse_layers} MoE layers of {self.num_experts} experts (width {self.moe_ffn}, "
+            f"top-{self.topk})"
+            if self.is_moe
+            else ""
+        )
         ffn = f", dense ffn {self.ffn}" if not self.is_moe or self.num_sparse_layers < self.layers else ""
-        return (f"{self.name}: {self.layers} layers, hidden {self.hidden}, {self.heads}/{self.kv_heads} heads of "
-                f"{self.head_dim}{' with QK-norm' if self.qk_norm else ''}{ffn}{moe}, vocab {self.vocab}, "
-                f"{tie} embeddings")
+        return (
+            f"{self.name}: {self.layers} layers, hidden {self.hidden}, {self.heads}/{self.kv_heads} heads of "
+            f"{self.head_dim}{' with QK-norm' if self.qk_norm else ''}{ffn}{moe}, vocab {self.vocab}, "
+            f"{tie} embeddings"
+        )
 
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "bf16": 2, "fp16": 2, "fp32": 4}
@@ -89,8 +95,10 @@ def dims_from_hf_config(config: dict[str, Any], *, name: str, source: str) -> Mo
     """ModelDims from the fields of a HF config.json (a dict). ValueError names the missing field."""
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModel(f"{source}: model_type {model_type!r} is not modelled by the memory plan "
-                               f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise UnsupportedModel(
+            f"{source}: model_type {model_type!r} is not modelled by the memory plan "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if not isinstance(config.get(key), int) or config[key] < 1:
             raise ValueError(f"{source}: '{key}' must be a positive integer, got {config.get(key)!r}")
@@ -101,11 +109,21 @@ def dims_from_hf_config(config: dict[str, Any], *, name: str, source: str) -> Mo
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
     moe = _moe_fields(config, source=source)
     return ModelDims(
-        model_type=model_type, hidden=config["hidden_size"], ffn=config["intermediate_size"],
-        layers=config["num_hidden_layers"], heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-        vocab=config["vocab_size"], tied=bool(config.get("tie_word_embeddings", False)), qkv_bias=qkv_bias,
-        dtype_bytes=_DTYPE_BYTES.get(dtype, 2), name=name, source=source,
-        qk_norm=model_type in ("qwen3", "qwen3_moe"), **moe,  # actor/model.py has_qk_norm
+        model_type=model_type,
+        hidden=config["hidden_size"],
+        ffn=config["intermediate_size"],
+        layers=config["num_hidden_layers"],
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab=config["vocab_size"],
+        tied=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        dtype_bytes=_DTYPE_BYTES.get(dtype, 2),
+        name=name,
+        source=source,
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        **moe,  # actor/model.py has_qk_norm
     )
 
 
@@ -118,16 +136,22 @@ def _moe_fields(config: dict[str, Any], *, source: str) -> dict[str, Any]:
         return {}
     config = {**config, "num_experts": num_experts}
     if config.get("shared_expert_intermediate_size"):
-        raise UnsupportedModel(f"{source}: shared experts (shared_expert_intermediate_size) are not modelled "
-                               "(Qwen3-MoE has none; the actor does not build them either)")
+        raise UnsupportedModel(
+            f"{source}: shared experts (shared_expert_intermediate_size) are not modelled "
+            "(Qwen3-MoE has none; the actor does not build them either)"
+        )
     for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
         if not isinstance(config.get(key), int) or config[key] < 1:
             raise ValueError(f"{source}: '{key}' must be a positive integer, got {config.get(key)!r}")
     step = int(config.get("decoder_sparse_step") or 1)
     dense_only = set(config.get("mlp_only_layers") or [])
     sparse = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(config["num_hidden_layers"]))
-    return dict(num_experts=config["num_experts"], topk=config["num_experts_per_tok"],
-                moe_ffn=config["moe_intermediate_size"], sparse_layers=sparse)
+    return dict(
+        num_experts=config["num_experts"],
+        topk=config["num_experts_per_tok"],
+        moe_ffn=config["moe_intermediate_size"],
+        sparse_layers=sparse,
+    )
 
 
 def known_models() -> dict[str, Path]:
@@ -139,16 +163,31 @@ def _tiny_dims(cfg) -> ModelDims:
     tn = cfg.tiny
     # the tiny tokenizer: 5 special tokens + 256 byte symbols, padded like build_tiny_model does
     vocab = padded_vocab_size(len(SPECIAL_TOKENS) + 256)
-    config = {"model_type": tn.arch, "hidden_size": tn.hidden_size, "intermediate_size": tn.intermediate_size,
-              "num_hidden_layers": tn.num_layers, "num_attention_heads": tn.num_heads,
-              "num_key_value_heads": tn.num_kv_heads, "vocab_size": vocab, "tie_word_embeddings": False,
-              "torch_dtype": "float32"}
+    config = {
+        "model_type": tn.arch,
+        "hidden_size": tn.hidden_size,
+        "intermediate_size": tn.intermediate_size,
+        "num_hidden_layers": tn.num_layers,
+        "num_attention_heads": tn.num_heads,
+        "num_key_value_heads": tn.num_kv_heads,
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
     if tn.arch == "qwen3_moe":  # what tiny.build_tiny_model writes: every layer sparse, head_dim = hidden / heads
-        config.update(head_dim=tn.hidden_size // tn.num_heads, num_experts=tn.num_experts,
-                      num_experts_per_tok=tn.num_experts_per_tok, moe_intermediate_size=tn.moe_intermediate_size,
-                      decoder_sparse_step=1, mlp_only_layers=[])
-    return dims_from_hf_config(config, name=f"tiny {tn.arch}",
-                               source="tiny.* config keys (built at run time, dapo_megatron/data/tiny_model.py)")
+        config.update(
+            head_dim=tn.hidden_size // tn.num_heads,
+            num_experts=tn.num_experts,
+            num_experts_per_tok=tn.num_experts_per_tok,
+            moe_intermediate_size=tn.moe_intermediate_size,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+    return dims_from_hf_config(
+        config,
+        name=f"tiny {tn.arch}",
+        source="tiny.* config keys (built at run time, dapo_megatron/data/tiny_model.py)",
+    )
 
 
 def model_dims_for(cfg) -> ModelDims:
@@ -168,10 +207,15 @@ def model_dims_for(cfg) -> ModelDims:
     copy = known.get(path.name.lower())
     if copy is None:
         names = ", ".join(p.stem for p in known.values())
-        raise ValueError(f"model.path: {path}/config.json not found, and '{path.name}' is not one of the committed "
-                         f"architectures ({names}, in {KNOWN_MODELS_DIR}); point model.path at a HF checkpoint "
-                         f"directory, or add its config.json there as <directory name>.json")
+        raise ValueError(
+            f"model.path: {path}/config.json not found, and '{path.name}' is not one of the committed "
+            f"architectures ({names}, in {KNOWN_MODELS_DIR}); point model.path at a HF checkpoint "
+            f"directory, or add its config.json there as <directory name>.json"
+        )
     config = json.loads(copy.read_text())
     where = config.get("_source", "")
-    return dims_from_hf_config(config, name=copy.stem,
-                               source=f"committed copy {copy.name} of {where.split(' ')[0]} ({path}/config.json is not on this machine)")
+    return dims_from_hf_config(
+        config,
+        name=copy.stem,
+        source=f"committed copy {copy.name} of {where.split(' ')[0]} ({path}/config.json is not on this machine)",
+    )

@@ -69,5 +69,11 @@ def engine_memory(dims: ModelDims, *, engine_tp: int, mem_fraction_static: float
     pool = int(mem_fraction_static * gpu_bytes)
     kv = max(0, pool - weights)
     per_token = kv_bytes_per_token(dims, engine_tp=engine_tp)
-    return EngineMemory(weights=weights, static_pool=pool, kv_cache=kv, kv_bytes_per_token=per_token,
-                        kv_tokens=kv // per_token, runtime=sglang_runtime_reserve(gpu_bytes=gpu_bytes, engine_tp=engine_tp))
+    return EngineMemory(
+        weights=weights,
+        static_pool=pool,
+        kv_cache=kv,
+        kv_bytes_per_token=per_token,
+        kv_tokens=kv // per_token,
+        runtime=sglang_runtime_reserve(gpu_bytes=gpu_bytes, engine_tp=engine_tp),
+    )

@@ -59,22 +59,33 @@ def comparison_row(cfg) -> dict[str, float | str]:
     pipeline stage (and DP rank); activations: the first stage (Megatron's formula's stage), train phase."""
     dims = model_dims_for(cfg)
     if dims.is_moe:  # its parameter count has no experts; the MoE terms are checked against the real actor instead
-        raise ValueError(f"{dims.name}: Megatron-LM's theoretical-memory formula models dense GPT models only "
-                         "(the plan's MoE terms are compared with the real actor: tests/distributed/test_memplan_moe.py)")
+        raise ValueError(
+            f"{dims.name}: Megatron-LM's theoretical-memory formula models dense GPT models only "
+            "(the plan's MoE terms are compared with the real actor: tests/distributed/test_memplan_moe.py)"
+        )
     ac = cfg.actor
     x = _inputs(cfg, dims)
     layout = x.layout
     meg_static = megatron_weights_and_optimizer(dims, layout, distributed_optimizer=ac.use_distributed_optimizer)
-    meg_act = megatron_activations(dims, layout, tokens=x.tokens // ac.cp,
-                                   selective_sp=ac.sequence_parallel and ac.recompute == "selective")
-    ours_static = max(worst_static(dims, layout, precision=ac.precision, distributed_optimizer=ac.use_distributed_optimizer,
-                                   pp_rank=stage).total for stage in range(layout.pp))
+    meg_act = megatron_activations(
+        dims, layout, tokens=x.tokens // ac.cp, selective_sp=ac.sequence_parallel and ac.recompute == "selective"
+    )
+    ours_static = max(
+        worst_static(
+            dims, layout, precision=ac.precision, distributed_optimizer=ac.use_distributed_optimizer, pp_rank=stage
+        ).total
+        for stage in range(layout.pp)
+    )
     train = _trainer_phases(x, 0, colocated=False)["train"]
     ours_act = sum(v for k, v in train.items() if k.startswith(("activations saved", "logits path")))
-    return {"megatron static": meg_static / GIB, "plan static": ours_static / GIB,
-            "megatron activations": meg_act / GIB, "plan activations": ours_act / GIB,
-            "setting": f"tp{ac.tp} pp{ac.pp} dp{layout.dp} sp={'on' if ac.sequence_parallel else 'off'} "
-                       f"recompute={ac.recompute} T={x.tokens}"}
+    return {
+        "megatron static": meg_static / GIB,
+        "plan static": ours_static / GIB,
+        "megatron activations": meg_act / GIB,
+        "plan activations": ours_act / GIB,
+        "setting": f"tp{ac.tp} pp{ac.pp} dp{layout.dp} sp={'on' if ac.sequence_parallel else 'off'} "
+        f"recompute={ac.recompute} T={x.tokens}",
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -82,8 +93,10 @@ def main(argv: list[str]) -> int:
     print("|---|---|---|---|")
     for path in argv:
         row = comparison_row(load_config(path))
-        print(f"| {path} | {row['setting']} | {row['megatron static']:.2f} / {row['plan static']:.2f} | "
-              f"{row['megatron activations']:.2f} / {row['plan activations']:.2f} |")
+        print(
+            f"| {path} | {row['setting']} | {row['megatron static']:.2f} / {row['plan static']:.2f} | "
+            f"{row['megatron activations']:.2f} / {row['plan activations']:.2f} |"
+        )
     return 0
 
 

@@ -52,10 +52,26 @@ MOE_EXPERT_LOAD_ALLOWANCE = 2.0
 
 
 # display order of the rows (by prefix): actor state, activations, transients, runtime, engine
-ROW_ORDER = ("actor weights", "actor gradients", "actor fp32 master", "actor Adam", "reference model",
-             "activations saved", "logits path", "working set", "log-prob outputs", "optimizer step",
-             "weight transfer", "RoPE table", "trainer runtime", "engine weights", "engine KV", "engine runtime",
-             "engine process", "engine weight receive")
+ROW_ORDER = (
+    "actor weights",
+    "actor gradients",
+    "actor fp32 master",
+    "actor Adam",
+    "reference model",
+    "activations saved",
+    "logits path",
+    "working set",
+    "log-prob outputs",
+    "optimizer step",
+    "weight transfer",
+    "RoPE table",
+    "trainer runtime",
+    "engine weights",
+    "engine KV",
+    "engine runtime",
+    "engine process",
+    "engine weight receive",
+)
 
 
 def _row_rank(name: str) -> int:
@@ -129,8 +145,16 @@ class _Inputs:
 def _inputs(cfg, dims: ModelDims) -> _Inputs:
     ac, ro, tr = cfg.actor, cfg.rollout, cfg.trainer
     mp = ac.tp * ac.pp * ac.cp
-    layout = Layout(tp=ac.tp, pp=ac.pp, cp=ac.cp, dp=ac.world_size // mp, vpp=ac.vpp,
-                    sequence_parallel=ac.sequence_parallel, ep=ac.ep, etp=ac.etp)
+    layout = Layout(
+        tp=ac.tp,
+        pp=ac.pp,
+        cp=ac.cp,
+        dp=ac.world_size // mp,
+        vpp=ac.vpp,
+        sequence_parallel=ac.sequence_parallel,
+        ep=ac.ep,
+        etp=ac.etp,
+    )
     pad = (ac.tp if ac.sequence_parallel else 1) * (2 * ac.cp if ac.cp > 1 else 1)
     tokens = -(-ac.micro_batch_tokens // pad) * pad
     max_sequence = ro.max_prompt_length + ro.max_response_length
@@ -140,32 +164,52 @@ def _inputs(cfg, dims: ModelDims) -> _Inputs:
     largest_full = max(dims.vocab, dims.ffn, dims.q_width) * dims.hidden * PARAM_BYTES[ac.precision]
     engine, per_gpu = None, 0
     if ro.engine == "sglang":
-        engine = engine_memory(dims, engine_tp=ro.engine_tp, mem_fraction_static=ro.mem_fraction_static,
-                               gpu_bytes=int(cfg.slurm.gpu_memory_gb * GIB))
+        engine = engine_memory(
+            dims,
+            engine_tp=ro.engine_tp,
+            mem_fraction_static=ro.mem_fraction_static,
+            gpu_bytes=int(cfg.slurm.gpu_memory_gb * GIB),
+        )
         per_gpu = max(1, math.ceil(ro.num_engines * ro.engine_tp / ac.world_size))
     return _Inputs(
-        dims=dims, layout=layout,
-        act=ActivationModel(dims, tp=ac.tp, sequence_parallel=ac.sequence_parallel, cp=ac.cp,
-                            backend=ac.attention_backend, recompute=ac.recompute, precision=ac.precision,
-                            fused_logprob=ac.fused_logprob, ep=ac.ep, etp=layout.expert_tp,
-                            expert_load=MOE_EXPERT_LOAD_ALLOWANCE if dims.is_moe else 1.0,
-                            quantization_aware=ac.quantization_aware),
-        precision=ac.precision, distributed=ac.use_distributed_optimizer, tokens=tokens,
-        max_sequence=max_sequence, use_kl=cfg.algorithm.use_kl,
-        logprob_flat=8 * responses * ro.max_response_length, logprob_share=8 * share_tokens,
+        dims=dims,
+        layout=layout,
+        act=ActivationModel(
+            dims,
+            tp=ac.tp,
+            sequence_parallel=ac.sequence_parallel,
+            cp=ac.cp,
+            backend=ac.attention_backend,
+            recompute=ac.recompute,
+            precision=ac.precision,
+            fused_logprob=ac.fused_logprob,
+            ep=ac.ep,
+            etp=layout.expert_tp,
+            expert_load=MOE_EXPERT_LOAD_ALLOWANCE if dims.is_moe else 1.0,
+            quantization_aware=ac.quantization_aware,
+        ),
+        precision=ac.precision,
+        distributed=ac.use_distributed_optimizer,
+        tokens=tokens,
+        max_sequence=max_sequence,
+        use_kl=cfg.algorithm.use_kl,
+        logprob_flat=8 * responses * ro.max_response_length,
+        logprob_share=8 * share_tokens,
         # a bucket holds up to weight_bucket_mb of full tensors (one larger tensor travels alone), never more
         # than the whole model
         bucket=min(max(ro.weight_bucket_mb << 20, largest_full), total_params(dims) * PARAM_BYTES[ac.precision]),
         largest_full=largest_full,
-        engine=engine, engines_per_gpu=per_gpu,
+        engine=engine,
+        engines_per_gpu=per_gpu,
     )
 
 
 def _sparse_per_chunk(dims: ModelDims, layout: Layout) -> int:
     """MoE layers in the chunk that has the most (every chunk is charged that many: an upper bound)."""
     per = layers_per_chunk(dims, layout)
-    return max((sum(dims.is_sparse(c * per + i) for i in range(per)) for c in range(layout.pp * layout.chunks)),
-               default=0)
+    return max(
+        (sum(dims.is_sparse(c * per + i) for i in range(per)) for c in range(layout.pp * layout.chunks)), default=0
+    )
 
 
 def _in_flight(layout: Layout, stage: int) -> int:
@@ -186,54 +230,83 @@ def _trainer_phases(x: _Inputs, stage: int, *, colocated: bool) -> dict[str, dic
     first, last = stage == 0, stage == lay.pp - 1
     st = worst_static(x.dims, lay, precision=x.precision, distributed_optimizer=x.distributed, pp_rank=stage)
     weights = {f"actor weights ({x.precision})": st.weights}
-    state = {"actor gradients (fp32 main_grad buffer)": st.grads,
-             "actor fp32 master params": st.main_params,
-             "actor Adam exp_avg + exp_avg_sq (fp32)": st.adam}
-    ref = {"reference model weights (frozen)": frozen_weight_bytes(x.dims, lay, precision=x.precision, pp_rank=stage)
-           if x.use_kl else 0}
-    runtime = {"trainer runtime (CUDA context, NCCL; allowance)": TRAINER_RUNTIME_BYTES,
-               "RoPE table cache (megatron lru_cache)": act.rope_cache(max_sequence=min(x.max_sequence, x.tokens))}
+    state = {
+        "actor gradients (fp32 main_grad buffer)": st.grads,
+        "actor fp32 master params": st.main_params,
+        "actor Adam exp_avg + exp_avg_sq (fp32)": st.adam,
+    }
+    ref = {
+        "reference model weights (frozen)": frozen_weight_bytes(x.dims, lay, precision=x.precision, pp_rank=stage)
+        if x.use_kl
+        else 0
+    }
+    runtime = {
+        "trainer runtime (CUDA context, NCCL; allowance)": TRAINER_RUNTIME_BYTES,
+        "RoPE table cache (megatron lru_cache)": act.rope_cache(max_sequence=min(x.max_sequence, x.tokens)),
+    }
     layers = layers_per_chunk(x.dims, lay)
-    chunk = act.saved(tokens=x.tokens, response_tokens=x.tokens, layers=layers, first=False, last=False,
-                      max_sequence=x.max_sequence, sparse_layers=_sparse_per_chunk(x.dims, lay))
+    chunk = act.saved(
+        tokens=x.tokens,
+        response_tokens=x.tokens,
+        layers=layers,
+        first=False,
+        last=False,
+        max_sequence=x.max_sequence,
+        sparse_layers=_sparse_per_chunk(x.dims, lay),
+    )
     saved = sum(chunk.values()) * _in_flight(lay, stage)
     ends = act.saved(tokens=x.tokens, response_tokens=x.tokens, layers=0, first=first, last=last)
     ends_body, head = _split_head(ends)
     if first:
         ends_body += act.local_tokens(x.tokens) * 8 * (min(_in_flight(lay, stage), lay.pp) - 1)  # ids in flight
     working = "working set (estimate)"
-    train = {"activations saved for backward": saved + ends_body, **head,
-             working: sum(act.backward_working_set(tokens=x.tokens, response_tokens=x.tokens, last=last,
-                                                   largest_param_numel=st.largest_param_numel).values())}
+    train = {
+        "activations saved for backward": saved + ends_body,
+        **head,
+        working: sum(
+            act.backward_working_set(
+                tokens=x.tokens, response_tokens=x.tokens, last=last, largest_param_numel=st.largest_param_numel
+            ).values()
+        ),
+    }
     fwd = act.forward_only_working_set(tokens=x.tokens, response_tokens=x.tokens, last=last)
-    logprob = {working: sum(v for k, v in fwd.items() if k != "logits path"),
-               "log-prob outputs (fp32, step's responses)": x.logprob_flat + (x.logprob_share if last else 0)}
+    logprob = {
+        working: sum(v for k, v in fwd.items() if k != "logits path"),
+        "log-prob outputs (fp32, step's responses)": x.logprob_flat + (x.logprob_share if last else 0),
+    }
     if last:  # the forward-only head, on the same row as the train phase's logits path
         logprob[next(iter(head))] = fwd["logits path"]
-    step_tmp = {"optimizer step temporaries (torch AdamW foreach)":
-                4 * (st.adam // 8) if x.act.backend == "torch" else 0}
-    transfer = {"weight transfer buckets (full HF tensors)":
-                x.bucket + x.largest_full + (0 if colocated else x.bucket)}
+    step_tmp = {
+        "optimizer step temporaries (torch AdamW foreach)": 4 * (st.adam // 8) if x.act.backend == "torch" else 0
+    }
+    transfer = {"weight transfer buckets (full HF tensors)": x.bucket + x.largest_full + (0 if colocated else x.bucket)}
     resident = {**weights, **state, **runtime}
     if colocated:
-        return {"rollout": dict(runtime),
-                "log-prob": {**resident, **ref, **logprob},
-                "train": {**resident, **train},
-                "optimizer step": {**resident, **step_tmp},
-                "transfer": {**weights, **runtime, **transfer}}
-    return {"rollout": {**resident, **ref},
+        return {
+            "rollout": dict(runtime),
             "log-prob": {**resident, **ref, **logprob},
-            "train": {**resident, **ref, **train},
-            "optimizer step": {**resident, **ref, **step_tmp},
-            "transfer": {**resident, **ref, **transfer}}
+            "train": {**resident, **train},
+            "optimizer step": {**resident, **step_tmp},
+            "transfer": {**weights, **runtime, **transfer},
+        }
+    return {
+        "rollout": {**resident, **ref},
+        "log-prob": {**resident, **ref, **logprob},
+        "train": {**resident, **ref, **train},
+        "optimizer step": {**resident, **ref, **step_tmp},
+        "transfer": {**resident, **ref, **transfer},
+    }
 
 
 def _engine_rows(x: _Inputs, phase: str, *, colocated: bool) -> dict[str, float]:
     e, k = x.engine, x.engines_per_gpu
     if e is None:
         return {}
-    generating: dict[str, float] = {"engine weights": k * e.weights, "engine KV cache": k * e.kv_cache,
-                  "engine runtime (SGLang's reserve: activations, CUDA graphs)": k * e.runtime}
+    generating: dict[str, float] = {
+        "engine weights": k * e.weights,
+        "engine KV cache": k * e.kv_cache,
+        "engine runtime (SGLang's reserve: activations, CUDA graphs)": k * e.runtime,
+    }
     if not colocated:
         return {**generating, **({"engine weight receive bucket": x.bucket} if phase == "transfer" else {})}
     if phase == "rollout":
@@ -258,6 +331,7 @@ def _trainer_table(x: _Inputs, title: str, *, colocated: bool, with_engine: bool
 
 def _what_if(x: _Inputs) -> list[str]:
     """The actor's train-phase peak per GPU (alone, worst stage) under the alternatives of its memory knobs."""
+
     def peak(inputs: _Inputs) -> str:
         worst = max(sum(_trainer_phases(inputs, s, colocated=False)["train"].values()) for s in range(inputs.layout.pp))
         return f"{worst / GIB:.2f}"
@@ -265,11 +339,13 @@ def _what_if(x: _Inputs) -> list[str]:
     def act(**changes) -> _Inputs:
         return dataclasses.replace(x, act=dataclasses.replace(x.act, **changes))
 
-    return ["what-if: the actor's train-phase peak per GPU (GiB, trainer GPU without engine or reference model)",
-            f"  optimizer: distributed {peak(dataclasses.replace(x, distributed=True, use_kl=False))} / "
-            f"replicated {peak(dataclasses.replace(x, distributed=False, use_kl=False))}",
-            "  recompute: " + " / ".join(f"{r} {peak(act(recompute=r))}" for r in ("none", "selective", "full")),
-            f"  logits path: fused kernel {peak(act(fused_logprob=True))} / unfused fp32 {peak(act(fused_logprob=False))}"]
+    return [
+        "what-if: the actor's train-phase peak per GPU (GiB, trainer GPU without engine or reference model)",
+        f"  optimizer: distributed {peak(dataclasses.replace(x, distributed=True, use_kl=False))} / "
+        f"replicated {peak(dataclasses.replace(x, distributed=False, use_kl=False))}",
+        "  recompute: " + " / ".join(f"{r} {peak(act(recompute=r))}" for r in ("none", "selective", "full")),
+        f"  logits path: fused kernel {peak(act(fused_logprob=True))} / unfused fp32 {peak(act(fused_logprob=False))}",
+    ]
 
 
 def build_plan(cfg) -> MemoryPlan:
@@ -277,36 +353,50 @@ def build_plan(cfg) -> MemoryPlan:
     x = _inputs(cfg, dims)
     limit = int(cfg.slurm.gpu_memory_gb * GIB)
     ro, ac = cfg.rollout, cfg.actor
-    header = [f"model: {dims.describe()}", f"  from {dims.source}",
-              f"actor: {ac.world_size} ranks = tp {ac.tp} x pp {ac.pp}{f' x vpp {ac.vpp}' if ac.vpp else ''} x cp {ac.cp}"
-              f" x dp {x.layout.dp}"
-              + (f" (experts: ep {ac.ep} x etp {x.layout.expert_tp} x expert-dp {x.layout.expert_dp}; routed-token "
-                 f"allowance {MOE_EXPERT_LOAD_ALLOWANCE:g}x the balanced share)" if dims.is_moe else "")
-              + f"; sequence parallel {'on' if ac.sequence_parallel else 'off'}; {ac.precision}; "
-              f"recompute {ac.recompute}; {'distributed' if ac.use_distributed_optimizer else 'replicated'} optimizer; "
-              f"{ac.attention_backend} attention; logits {'fused kernel' if ac.fused_logprob else 'unfused fp32'}",
-              f"  micro-batch {x.tokens} tokens; reference model {'yes (algorithm.use_kl)' if x.use_kl else 'no'}"]
+    header = [
+        f"model: {dims.describe()}",
+        f"  from {dims.source}",
+        f"actor: {ac.world_size} ranks = tp {ac.tp} x pp {ac.pp}{f' x vpp {ac.vpp}' if ac.vpp else ''} x cp {ac.cp}"
+        f" x dp {x.layout.dp}"
+        + (
+            f" (experts: ep {ac.ep} x etp {x.layout.expert_tp} x expert-dp {x.layout.expert_dp}; routed-token "
+            f"allowance {MOE_EXPERT_LOAD_ALLOWANCE:g}x the balanced share)"
+            if dims.is_moe
+            else ""
+        )
+        + f"; sequence parallel {'on' if ac.sequence_parallel else 'off'}; {ac.precision}; "
+        f"recompute {ac.recompute}; {'distributed' if ac.use_distributed_optimizer else 'replicated'} optimizer; "
+        f"{ac.attention_backend} attention; logits {'fused kernel' if ac.fused_logprob else 'unfused fp32'}",
+        f"  micro-batch {x.tokens} tokens; reference model {'yes (algorithm.use_kl)' if x.use_kl else 'no'}",
+    ]
     problems: list[str] = []
     if x.engine is not None:
         e = x.engine
         seq = x.max_sequence
-        header.append(f"engines: {ro.num_engines} x sglang tp {ro.engine_tp}; static pool {ro.mem_fraction_static:g} x "
-                      f"{cfg.slurm.gpu_memory_gb:g} GiB = {e.static_pool / GIB:.2f} GiB per GPU: weights "
-                      f"{e.weights / GIB:.2f} + KV cache {e.kv_cache / GIB:.2f} GiB = {e.kv_tokens} tokens "
-                      f"({e.kv_tokens // seq} full {seq}-token sequences)")
+        header.append(
+            f"engines: {ro.num_engines} x sglang tp {ro.engine_tp}; static pool {ro.mem_fraction_static:g} x "
+            f"{cfg.slurm.gpu_memory_gb:g} GiB = {e.static_pool / GIB:.2f} GiB per GPU: weights "
+            f"{e.weights / GIB:.2f} + KV cache {e.kv_cache / GIB:.2f} GiB = {e.kv_tokens} tokens "
+            f"({e.kv_tokens // seq} full {seq}-token sequences)"
+        )
         if e.weights >= e.static_pool:
-            problems.append(f"rollout / engine weights: {e.weights / GIB:.2f} GiB per GPU do not fit in the static pool "
-                            f"rollout.mem_fraction_static x slurm.gpu_memory_gb = {e.static_pool / GIB:.2f} GiB "
-                            "(no room for a KV cache): raise rollout.engine_tp or rollout.mem_fraction_static")
+            problems.append(
+                f"rollout / engine weights: {e.weights / GIB:.2f} GiB per GPU do not fit in the static pool "
+                f"rollout.mem_fraction_static x slurm.gpu_memory_gb = {e.static_pool / GIB:.2f} GiB "
+                "(no room for a KV cache): raise rollout.engine_tp or rollout.mem_fraction_static"
+            )
         elif e.kv_tokens < seq:
-            problems.append(f"rollout / engine KV cache: {e.kv_tokens} tokens per engine, less than one sequence "
-                            f"(rollout.max_prompt_length + rollout.max_response_length = {seq}): raise "
-                            "rollout.mem_fraction_static or rollout.engine_tp")
+            problems.append(
+                f"rollout / engine KV cache: {e.kv_tokens} tokens per engine, less than one sequence "
+                f"(rollout.max_prompt_length + rollout.max_response_length = {seq}): raise "
+                "rollout.mem_fraction_static or rollout.engine_tp"
+            )
     else:
         header.append("engines: rollout.engine=cpu: the engines run on the host CPU (no GPU memory)")
     header += _what_if(dataclasses.replace(x, use_kl=False))
-    colocated = _trainer_table(x, "colocated: one GPU = one trainer rank + its engine TP rank",
-                               colocated=True, with_engine=True)
+    colocated = _trainer_table(
+        x, "colocated: one GPU = one trainer rank + its engine TP rank", colocated=True, with_engine=True
+    )
     disagg = [_trainer_table(x, "disaggregated: trainer GPUs", colocated=False, with_engine=False)]
     if x.engine is not None:
         engine_table = GpuTable(f"disaggregated: engine GPUs ({ro.num_engines} x {ro.engine_tp} more GPUs)")
@@ -314,8 +404,10 @@ def build_plan(cfg) -> MemoryPlan:
             engine_table.add(phase, _engine_rows(x, phase, colocated=False))
         disagg.append(engine_table)
     if x.engines_per_gpu > 1:
-        colocated.notes.append(f"{x.engines_per_gpu} engine TP ranks share each GPU (rollout.num_engines x "
-                               f"rollout.engine_tp > actor.world_size)")
+        colocated.notes.append(
+            f"{x.engines_per_gpu} engine TP ranks share each GPU (rollout.num_engines x "
+            f"rollout.engine_tp > actor.world_size)"
+        )
     tables = {"colocated": [colocated], "disaggregated": disagg}
     for table in tables[ro.placement]:
         for phase in PHASES:
@@ -324,6 +416,8 @@ def build_plan(cfg) -> MemoryPlan:
                 where = f" on pipeline stage {table.stages[phase]}" if phase in table.stages and ac.pp > 1 else ""
                 top = ", ".join(f"{name} {value / GIB:.2f}" for name, value in table.largest(phase))
                 digits = 2 if f"{total / GIB:.2f}" != f"{limit / GIB:.2f}" else 4  # never "2.00 GiB > 2 GiB"
-                problems.append(f"{ro.placement} / {phase}{where} ({table.title.split(': ', 1)[-1]}): "
-                                f"{total / GIB:.{digits}f} GiB > {limit / GIB:g} GiB; largest: {top} GiB")
+                problems.append(
+                    f"{ro.placement} / {phase}{where} ({table.title.split(': ', 1)[-1]}): "
+                    f"{total / GIB:.{digits}f} GiB > {limit / GIB:g} GiB; largest: {top} GiB"
+                )
     return MemoryPlan(header=header, tables=tables, placement=ro.placement, limit=limit, problems=problems)

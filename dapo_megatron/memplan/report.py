@@ -65,21 +65,28 @@ def check_before_launch(cfg, *, out: Callable[[str], None] = print, label: str =
         out(f"{tag} not checked: {err}")
         return None
     except ValueError as err:
-        raise ValueError(f"the memory plan cannot run: {err} (fix it, or pass --skip-plan to launch without the plan)") from None
+        raise ValueError(
+            f"the memory plan cannot run: {err} (fix it, or pass --skip-plan to launch without the plan)"
+        ) from None
     if plan.fits:
         peak, phase = max((t.peak() for t in plan.tables[plan.placement]), key=lambda p: p[0])
-        out(f"{tag} {plan.placement}: peak {peak / GIB:.2f} GiB per GPU ({phase}) of "
-            f"{plan.limit / GIB:g} GiB: fits (`dapo-megatron plan CONFIG` shows every phase)")
+        out(
+            f"{tag} {plan.placement}: peak {peak / GIB:.2f} GiB per GPU ({phase}) of "
+            f"{plan.limit / GIB:g} GiB: fits (`dapo-megatron plan CONFIG` shows every phase)"
+        )
         return plan
     out(format_plan(plan))
-    raise ValueError(f"the memory plan does not fit: {plan.problems[0]}"
-                     + (f" (and {len(plan.problems) - 1} more above)" if len(plan.problems) > 1 else "")
-                     + "; change the config, or pass --skip-plan to launch anyway")
+    raise ValueError(
+        f"the memory plan does not fit: {plan.problems[0]}"
+        + (f" (and {len(plan.problems) - 1} more above)" if len(plan.problems) > 1 else "")
+        + "; change the config, or pass --skip-plan to launch anyway"
+    )
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dapo-megatron plan", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="dapo-megatron plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
     args = parser.parse_intermixed_args(argv)  # flags and key=value overrides in any order

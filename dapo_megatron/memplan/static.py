@@ -100,9 +100,11 @@ class Param:
 def check_layout(dims: ModelDims, layout: Layout) -> None:
     """ValueError for layouts megatron (or the actor) refuses, naming the config key."""
     tp = layout.tp
-    checks = [("attention heads", dims.heads, "num_attention_heads"),
-              ("KV heads", dims.kv_heads, "num_key_value_heads"),
-              ("vocabulary", dims.vocab, "vocab_size")]
+    checks = [
+        ("attention heads", dims.heads, "num_attention_heads"),
+        ("KV heads", dims.kv_heads, "num_key_value_heads"),
+        ("vocabulary", dims.vocab, "vocab_size"),
+    ]
     if dims.num_sparse_layers < dims.layers:  # some layer has a dense MLP (an all-MoE model never builds one)
         checks.append(("FFN width", dims.ffn, "intermediate_size"))
     for what, value, key in checks:
@@ -110,14 +112,19 @@ def check_layout(dims: ModelDims, layout: Layout) -> None:
             raise ValueError(f"actor.tp={tp} must divide the model's {what} ({key}={value}, {dims.source})")
     if dims.is_moe:
         if dims.num_experts % layout.ep:
-            raise ValueError(f"actor.ep={layout.ep} must divide the number of experts num_experts={dims.num_experts} "
-                             f"({dims.source})")
+            raise ValueError(
+                f"actor.ep={layout.ep} must divide the number of experts num_experts={dims.num_experts} ({dims.source})"
+            )
         if dims.moe_ffn % layout.expert_tp:
-            raise ValueError(f"actor.etp={layout.expert_tp} must divide each expert's width "
-                             f"moe_intermediate_size={dims.moe_ffn} ({dims.source})")
+            raise ValueError(
+                f"actor.etp={layout.expert_tp} must divide each expert's width "
+                f"moe_intermediate_size={dims.moe_ffn} ({dims.source})"
+            )
         if layout.world % (layout.expert_tp * layout.ep * layout.pp):
-            raise ValueError(f"actor.world_size={layout.world} must be a multiple of etp*ep*pp = "
-                             f"{layout.expert_tp}*{layout.ep}*{layout.pp}")
+            raise ValueError(
+                f"actor.world_size={layout.world} must be a multiple of etp*ep*pp = "
+                f"{layout.expert_tp}*{layout.ep}*{layout.pp}"
+            )
     elif layout.ep > 1:
         raise ValueError(f"actor.ep={layout.ep}: expert parallelism needs a mixture-of-experts model ({dims.source})")
     per = layout.pp * layout.chunks
@@ -136,27 +143,34 @@ def chunk_params(dims: ModelDims, layout: Layout, *, pp_rank: int, vp_stage: int
     post = pp_rank == layout.pp - 1 and vp_stage == layout.chunks - 1
     params: list[Param] = []
     if pre:
-        params.append(Param("embedding.word_embeddings.weight", dims.vocab // tp * h,
-                            shared_embedding=dims.tied and not post))
+        params.append(
+            Param("embedding.word_embeddings.weight", dims.vocab // tp * h, shared_embedding=dims.tied and not post)
+        )
     qkv_rows = (dims.q_width + 2 * dims.kv_width) // tp
     per_chunk = layers_per_chunk(dims, layout)
     first_layer = (vp_stage * layout.pp + pp_rank) * per_chunk  # megatron's layer offset (interleaved order)
     for i in range(per_chunk):
         prefix = f"decoder.layers.{i}."
-        params += [Param(prefix + "input_layernorm.weight", h),
-                   Param(prefix + "self_attention.linear_proj.weight", h * dims.q_width // tp),
-                   Param(prefix + "self_attention.linear_qkv.weight", qkv_rows * h)]
+        params += [
+            Param(prefix + "input_layernorm.weight", h),
+            Param(prefix + "self_attention.linear_proj.weight", h * dims.q_width // tp),
+            Param(prefix + "self_attention.linear_qkv.weight", qkv_rows * h),
+        ]
         if dims.qkv_bias:
             params.append(Param(prefix + "self_attention.linear_qkv.bias", qkv_rows))
         if dims.qk_norm:  # one RMSNorm weight of head_dim for all query heads, one for all key heads
-            params += [Param(prefix + "self_attention.q_layernorm.weight", dims.head_dim),
-                       Param(prefix + "self_attention.k_layernorm.weight", dims.head_dim)]
+            params += [
+                Param(prefix + "self_attention.q_layernorm.weight", dims.head_dim),
+                Param(prefix + "self_attention.k_layernorm.weight", dims.head_dim),
+            ]
         params.append(Param(prefix + "pre_mlp_layernorm.weight", h))
         if dims.is_sparse(first_layer + i):
             params += _moe_params(dims, layout, prefix=prefix + "mlp.")
         else:
-            params += [Param(prefix + "mlp.linear_fc1.weight", 2 * dims.ffn // tp * h),
-                       Param(prefix + "mlp.linear_fc2.weight", h * dims.ffn // tp)]
+            params += [
+                Param(prefix + "mlp.linear_fc1.weight", 2 * dims.ffn // tp * h),
+                Param(prefix + "mlp.linear_fc2.weight", h * dims.ffn // tp),
+            ]
     if post:
         params.append(Param("decoder.final_layernorm.weight", h))
         if not dims.tied or not pre:  # tied and PP = 1: the LM head IS the embedding (no parameter)
@@ -170,8 +184,10 @@ def _moe_params(dims: ModelDims, layout: Layout, *, prefix: str) -> list[Param]:
     expert = layout.ep > 1  # allreduce=False only with expert parallelism (tensor_parallel/layers.py:829, 886)
     params = [Param(prefix + "router.weight", dims.num_experts * h)]
     for e in range(dims.num_experts // layout.ep):
-        params += [Param(prefix + f"experts.local_experts.{e}.linear_fc1.weight", 2 * width * h, expert_parallel=expert),
-                   Param(prefix + f"experts.local_experts.{e}.linear_fc2.weight", h * width, expert_parallel=expert)]
+        params += [
+            Param(prefix + f"experts.local_experts.{e}.linear_fc1.weight", 2 * width * h, expert_parallel=expert),
+            Param(prefix + f"experts.local_experts.{e}.linear_fc2.weight", h * width, expert_parallel=expert),
+        ]
     return params
 
 
@@ -248,8 +264,9 @@ class StaticBytes:
         self.largest_param_numel = max(self.largest_param_numel, other.largest_param_numel)
 
 
-def _buffer_bytes(params: list[Param], *, precision: str, distributed_optimizer: bool, dp_shards: int,
-                  dp_rank: int) -> StaticBytes:
+def _buffer_bytes(
+    params: list[Param], *, precision: str, distributed_optimizer: bool, dp_shards: int, dp_rank: int
+) -> StaticBytes:
     """One DDP buffer (and its optimizer's state) over a data-parallel group of dp_shards ranks."""
     param_bytes = PARAM_BYTES[precision]
     master = MASTER_BYTES if precision != "fp32" else 0
@@ -258,18 +275,34 @@ def _buffer_bytes(params: list[Param], *, precision: str, distributed_optimizer:
     buffer_numel = buckets[-1].end if buckets else 0
     if distributed_optimizer:
         owned = owned_numel(buckets, dp_shards=dp_shards, dp_rank=dp_rank)
-        out = StaticBytes(weights=buffer_numel * param_bytes, grads=buffer_numel * GRAD_BYTES,
-                          main_params=owned * master, adam=owned * ADAM_BYTES)
+        out = StaticBytes(
+            weights=buffer_numel * param_bytes,
+            grads=buffer_numel * GRAD_BYTES,
+            main_params=owned * master,
+            adam=owned * ADAM_BYTES,
+        )
     else:
-        out = StaticBytes(weights=numel * param_bytes, grads=buffer_numel * GRAD_BYTES,
-                          main_params=numel * master, adam=numel * ADAM_BYTES)
+        out = StaticBytes(
+            weights=numel * param_bytes,
+            grads=buffer_numel * GRAD_BYTES,
+            main_params=numel * master,
+            adam=numel * ADAM_BYTES,
+        )
     out.param_numel = numel
     out.largest_param_numel = max((p.numel for p in params), default=0)
     return out
 
 
-def static_bytes(dims: ModelDims, layout: Layout, *, precision: str, distributed_optimizer: bool,
-                 pp_rank: int, dp_rank: int = 0, expert_dp_rank: int = 0) -> StaticBytes:
+def static_bytes(
+    dims: ModelDims,
+    layout: Layout,
+    *,
+    precision: str,
+    distributed_optimizer: bool,
+    pp_rank: int,
+    dp_rank: int = 0,
+    expert_dp_rank: int = 0,
+) -> StaticBytes:
     """Bytes the actor allocates on the GPU of (pipeline rank pp_rank, DP*CP rank dp_rank, expert-data-
     parallel rank expert_dp_rank), all chunks. Expert-parallel weights (EP > 1) form a buffer of their own
     per chunk, sharded over the expert-data-parallel group (see the module docstring)."""
@@ -277,22 +310,45 @@ def static_bytes(dims: ModelDims, layout: Layout, *, precision: str, distributed
     out = StaticBytes()
     for vp_stage in range(layout.chunks):
         params = chunk_params(dims, layout, pp_rank=pp_rank, vp_stage=vp_stage)
-        out.add(_buffer_bytes([p for p in params if not p.expert_parallel], precision=precision,
-                              distributed_optimizer=distributed_optimizer, dp_shards=layout.dp_shards, dp_rank=dp_rank))
+        out.add(
+            _buffer_bytes(
+                [p for p in params if not p.expert_parallel],
+                precision=precision,
+                distributed_optimizer=distributed_optimizer,
+                dp_shards=layout.dp_shards,
+                dp_rank=dp_rank,
+            )
+        )
         experts = [p for p in params if p.expert_parallel]
         if experts:
-            out.add(_buffer_bytes(experts, precision=precision, distributed_optimizer=distributed_optimizer,
-                                  dp_shards=layout.expert_dp, dp_rank=expert_dp_rank))
+            out.add(
+                _buffer_bytes(
+                    experts,
+                    precision=precision,
+                    distributed_optimizer=distributed_optimizer,
+                    dp_shards=layout.expert_dp,
+                    dp_rank=expert_dp_rank,
+                )
+            )
     return out
 
 
-def worst_static(dims: ModelDims, layout: Layout, *, precision: str, distributed_optimizer: bool,
-                 pp_rank: int) -> StaticBytes:
+def worst_static(
+    dims: ModelDims, layout: Layout, *, precision: str, distributed_optimizer: bool, pp_rank: int
+) -> StaticBytes:
     """The DP rank of pipeline stage pp_rank with the most static bytes (ranks differ by padding; the dense
     and expert buffers' worst ranks are taken together: an upper bound by at most the padding)."""
+
     def at(dp_rank: int, expert_dp_rank: int) -> StaticBytes:
-        return static_bytes(dims, layout, precision=precision, distributed_optimizer=distributed_optimizer,
-                            pp_rank=pp_rank, dp_rank=dp_rank, expert_dp_rank=expert_dp_rank)
+        return static_bytes(
+            dims,
+            layout,
+            precision=precision,
+            distributed_optimizer=distributed_optimizer,
+            pp_rank=pp_rank,
+            dp_rank=dp_rank,
+            expert_dp_rank=expert_dp_rank,
+        )
 
     ranks = range(layout.dp_shards) if distributed_optimizer else range(1)
     worst_dense = max(ranks, key=lambda r: at(r, 0).total)
@@ -303,8 +359,10 @@ def worst_static(dims: ModelDims, layout: Layout, *, precision: str, distributed
 
 def frozen_weight_bytes(dims: ModelDims, layout: Layout, *, precision: str, pp_rank: int) -> int:
     """The KL reference model on one GPU: the same sharding, weights only (no DDP buffer, no optimizer)."""
-    return sum(p.numel for v in range(layout.chunks) for p in chunk_params(dims, layout, pp_rank=pp_rank, vp_stage=v)) \
+    return (
+        sum(p.numel for v in range(layout.chunks) for p in chunk_params(dims, layout, pp_rank=pp_rank, vp_stage=v))
         * PARAM_BYTES[precision]
+    )
 
 
 def total_params(dims: ModelDims) -> int:

@@ -44,6 +44,8 @@ def fp8_converter(checkpoint_dir: str | Path):
 
     path = Path(checkpoint_dir)
     if not (path / "config.json").is_file():
-        raise ValueError(f"rollout.quantization=fp8: no FP8 rollout checkpoint in {path} (the launcher exports it "
-                         "before starting the engines; engines of rollout.engine_urls must be started from it too)")
+        raise ValueError(
+            f"rollout.quantization=fp8: no FP8 rollout checkpoint in {path} (the launcher exports it "
+            "before starting the engines; engines of rollout.engine_urls must be started from it too)"
+        )
     return Fp8SyncConverter.from_checkpoint(path)

@@ -27,13 +27,16 @@ EPS = 1e-10  # the absmax floor SGLang passes (and its CUDA kernel bakes in)
 
 def _check_groups(x: torch.Tensor, group: int) -> None:
     if x.dim() < 1 or x.shape[-1] % group:
-        raise ValueError(f"per-token-group FP8 activations: the input dimension {x.shape[-1] if x.dim() else None} "
-                         f"is not a multiple of the group size {group} (SGLang's per_token_group_quant_fp8 asserts "
-                         "x.shape[-1] % group_size == 0)")
+        raise ValueError(
+            f"per-token-group FP8 activations: the input dimension {x.shape[-1] if x.dim() else None} "
+            f"is not a multiple of the group size {group} (SGLang's per_token_group_quant_fp8 asserts "
+            "x.shape[-1] % group_size == 0)"
+        )
 
 
-def per_token_group_quant_fp8(x: torch.Tensor, *, group: int = BLOCK,
-                              eps: float = EPS) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant_fp8(
+    x: torch.Tensor, *, group: int = BLOCK, eps: float = EPS
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(q float8_e4m3fn of x's shape, scale fp32 [..., K / group]); x ~= q * scale per group.
     ValueError when the last dimension K is not a multiple of `group`."""
     _check_groups(x, group)
@@ -42,8 +45,7 @@ def per_token_group_quant_fp8(x: torch.Tensor, *, group: int = BLOCK,
     return q.reshape(x.shape), scale[..., 0]
 
 
-def quant_with_absmax(x: torch.Tensor, absmax: torch.Tensor, *,
-                      eps: float = EPS) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_with_absmax(x: torch.Tensor, absmax: torch.Tensor, *, eps: float = EPS) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's arithmetic given each element's group maximum: x fp32, absmax fp32 broadcastable to x
     (max |x| over the element's group, which a caller may have reduced across ranks: actor/fake_quant.py).
     Returns (q float8_e4m3fn like x, scale fp32 shaped like absmax)."""
@@ -54,8 +56,9 @@ def quant_with_absmax(x: torch.Tensor, absmax: torch.Tensor, *,
     return q, scale
 
 
-def dequantize_activation_fp8(q: torch.Tensor, scale: torch.Tensor, *, group: int = BLOCK,
-                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_activation_fp8(
+    q: torch.Tensor, scale: torch.Tensor, *, group: int = BLOCK, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """q * scale per group (fp32 product), in `dtype`."""
     groups = q.float().reshape(*q.shape[:-1], q.shape[-1] // group, group)
     return (groups * scale[..., None]).reshape(q.shape).to(dtype)

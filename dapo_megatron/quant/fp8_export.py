@@ -43,8 +43,10 @@ def modelopt_block_cfg() -> dict:
         if entry.get("quantizer_name") == "*weight_quantizer" and "cfg" in entry:
             blocks = {int(k): v for k, v in entry["cfg"].get("block_sizes", {}).items()}
             if blocks != {-1: BLOCK, -2: BLOCK} or tuple(entry["cfg"].get("num_bits", ())) != (4, 3):
-                raise RuntimeError(f"modelopt FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG weight quantizer is {entry['cfg']}; "
-                                   f"expected E4M3 with block_sizes {{-1: {BLOCK}, -2: {BLOCK}}} (modelopt 0.47)")
+                raise RuntimeError(
+                    f"modelopt FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG weight quantizer is {entry['cfg']}; "
+                    f"expected E4M3 with block_sizes {{-1: {BLOCK}, -2: {BLOCK}}} (modelopt 0.47)"
+                )
             return cfg
     raise RuntimeError("modelopt FP8_2D_BLOCKWISE_WEIGHT_ONLY_CFG has no '*weight_quantizer' entry; modelopt changed?")
 
@@ -53,8 +55,10 @@ def sglang_scale(weight_fp8: torch.Tensor, modelopt_scale: torch.Tensor) -> torc
     """modelopt's block scale ([nb_out, 1, nb_in, 1] or 0-dim) as SGLang's weight_scale_inv [nb_out, nb_in]."""
     shape = block_scale_shape(weight_fp8.shape)
     if modelopt_scale.numel() != shape[0] * shape[1]:
-        raise ValueError(f"modelopt block scale has {modelopt_scale.numel()} elements, weight {tuple(weight_fp8.shape)} "
-                         f"needs {shape[0]} x {shape[1]}")
+        raise ValueError(
+            f"modelopt block scale has {modelopt_scale.numel()} elements, weight {tuple(weight_fp8.shape)} "
+            f"needs {shape[0]} x {shape[1]}"
+        )
     return modelopt_scale.to(torch.float32).reshape(shape).contiguous()
 
 
@@ -80,8 +84,10 @@ def _to_sglang_layout(export_dir: Path) -> None:
     index = export_dir / "model.safetensors.index.json"
     if index.is_file():
         idx = json.loads(index.read_text())
-        idx["weight_map"] = {(k.removesuffix(".weight_scale") + ".weight_scale_inv" if k.endswith(".weight_scale")
-                              else k): v for k, v in idx["weight_map"].items()}
+        idx["weight_map"] = {
+            (k.removesuffix(".weight_scale") + ".weight_scale_inv" if k.endswith(".weight_scale") else k): v
+            for k, v in idx["weight_map"].items()
+        }
         index.write_text(json.dumps(idx, indent=2))
     config_path = export_dir / "config.json"
     config = json.loads(config_path.read_text())
@@ -126,9 +132,11 @@ def read_quant_config(checkpoint_dir: str | Path) -> dict:
     qc = json.loads(path.read_text()).get("quantization_config") or {}
     block = qc.get("weight_block_size")
     if qc.get("quant_method") != "fp8" or not (isinstance(block, list) and len(block) == 2 and block[0] == block[1]):
-        raise ValueError(f"{path}: quantization_config={qc!r} is not block FP8 ({{'quant_method': 'fp8', "
-                         f"'weight_block_size': [{BLOCK}, {BLOCK}], ...}}); export it with "
-                         "dapo_megatron.quant.fp8_export.export_fp8_checkpoint")
+        raise ValueError(
+            f"{path}: quantization_config={qc!r} is not block FP8 ({{'quant_method': 'fp8', "
+            f"'weight_block_size': [{BLOCK}, {BLOCK}], ...}}); export it with "
+            "dapo_megatron.quant.fp8_export.export_fp8_checkpoint"
+        )
     if qc.get("activation_scheme", "dynamic") != "dynamic":
         raise ValueError(f"{path}: activation_scheme={qc['activation_scheme']!r}; block FP8 takes 'dynamic' only")
     return qc

@@ -43,8 +43,9 @@ def block_scale_shape(shape: tuple[int, ...] | torch.Size, block: int = BLOCK) -
     return (out_f + block - 1) // block, (in_f + block - 1) // block
 
 
-def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, *, block: int = BLOCK,
-                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_block_fp8(
+    weight: torch.Tensor, scale_inv: torch.Tensor, *, block: int = BLOCK, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """float8 weight times its per-block scale, the weight a block-FP8 GEMM multiplies by.
 
     SGLang's block_quant_dequant (fp8_utils.py): each scale repeated over its block x block tile, cropped
@@ -56,8 +57,10 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, *, block
         raise ValueError(f"dequantize_block_fp8: a 2-D weight expected, got shape {tuple(weight.shape)}")
     want = block_scale_shape(weight.shape, block)
     if tuple(scale_inv.shape) != want:
-        raise ValueError(f"dequantize_block_fp8: weight {tuple(weight.shape)} with block {block} needs a scale of "
-                         f"shape {want}, got {tuple(scale_inv.shape)}")
+        raise ValueError(
+            f"dequantize_block_fp8: weight {tuple(weight.shape)} with block {block} needs a scale of "
+            f"shape {want}, got {tuple(scale_inv.shape)}"
+        )
     n, k = weight.shape
     full = scale_inv.float().repeat_interleave(block, dim=0).repeat_interleave(block, dim=1)[:n, :k]
     return (weight.float() * full).to(dtype)
@@ -66,8 +69,12 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, *, block
 def sglang_quant_config(*, block: int = BLOCK, ignored: list[str] | None = None) -> dict:
     """config.json's quantization_config for SGLang's Fp8Config.from_config: serialized fp8 weights
     ("fp8" in quant_method), block size, dynamic activations (the only scheme block FP8 takes)."""
-    return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [block, block],
-            "ignored_layers": list(ignored or [])}
+    return {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [block, block],
+        "ignored_layers": list(ignored or []),
+    }
 
 
 def check_sglang_block_shapes(hf_config: dict, *, block: int = BLOCK, tp_size: int = 1) -> None:
@@ -87,27 +94,38 @@ def check_sglang_block_shapes(hf_config: dict, *, block: int = BLOCK, tp_size: i
     """
     archs = list(hf_config.get("architectures") or [])
     if not set(archs) & set(SGLANG_FP8_ARCHITECTURES):
-        raise ValueError(f"rollout.quantization=fp8 on SGLang: architectures {archs} not supported; block-FP8 "
-                         f"reloads are verified for {', '.join(SGLANG_FP8_ARCHITECTURES)} (Llama's SGLang loader "
-                         "renames weight_scale_inv, so its block scales would not load; docs/fp8.md)")
+        raise ValueError(
+            f"rollout.quantization=fp8 on SGLang: architectures {archs} not supported; block-FP8 "
+            f"reloads are verified for {', '.join(SGLANG_FP8_ARCHITECTURES)} (Llama's SGLang loader "
+            "renames weight_scale_inv, so its block scales would not load; docs/fp8.md)"
+        )
     hidden = int(hf_config["hidden_size"])
     heads = int(hf_config["num_attention_heads"])
     kv_heads = int(hf_config.get("num_key_value_heads") or heads)
     head_dim = int(hf_config.get("head_dim") or hidden // heads)
     inter = int(hf_config["intermediate_size"])
     kv_per_rank = max(1, kv_heads // tp_size) * head_dim  # fewer KV heads than ranks: replicated, one per rank
-    outs = {"q_proj": heads * head_dim // tp_size, "k_proj": kv_per_rank, "v_proj": kv_per_rank,
-            "gate_proj": inter // tp_size, "up_proj": inter // tp_size}
+    outs = {
+        "q_proj": heads * head_dim // tp_size,
+        "k_proj": kv_per_rank,
+        "v_proj": kv_per_rank,
+        "gate_proj": inter // tp_size,
+        "up_proj": inter // tp_size,
+    }
     if hidden % block:
-        raise ValueError(f"rollout.quantization=fp8 on SGLang: hidden_size {hidden} (the input of q/k/v/gate/up_proj on "
-                         f"every engine TP rank, rollout.engine_tp={tp_size}) is not a multiple of the FP8 block {block}; "
-                         f"SGLang's block-FP8 GEMM quantizes activations per {block} channels and asserts it at the "
-                         "first forward (per_token_group_quant_fp8: x.shape[-1] % group_size == 0)")
+        raise ValueError(
+            f"rollout.quantization=fp8 on SGLang: hidden_size {hidden} (the input of q/k/v/gate/up_proj on "
+            f"every engine TP rank, rollout.engine_tp={tp_size}) is not a multiple of the FP8 block {block}; "
+            f"SGLang's block-FP8 GEMM quantizes activations per {block} channels and asserts it at the "
+            "first forward (per_token_group_quant_fp8: x.shape[-1] % group_size == 0)"
+        )
     # the row-parallel inputs are these outputs: o_proj reads q_proj's, down_proj gate_proj's (intermediate_size
     # per rank), so their K % block rule is the one below too
     also = {"q_proj": "; also o_proj's input", "gate_proj": f"; intermediate_size {inter} per rank, down_proj's input"}
     for name, size in outs.items():
         if size % block:
-            raise ValueError(f"rollout.quantization=fp8 on SGLang: {name} has {size} output features per engine TP "
-                             f"rank (rollout.engine_tp={tp_size}{also.get(name, '')}), not a multiple of the FP8 block "
-                             f"{block}; SGLang's Fp8LinearMethod.validate_block_quant_shapes refuses it at start-up")
+            raise ValueError(
+                f"rollout.quantization=fp8 on SGLang: {name} has {size} output features per engine TP "
+                f"rank (rollout.engine_tp={tp_size}{also.get(name, '')}), not a multiple of the FP8 block "
+                f"{block}; SGLang's Fp8LinearMethod.validate_block_quant_shapes refuses it at start-up"
+            )

@@ -101,8 +101,10 @@ class Fp8SyncConverter:
                 if leaf in group and all(m in quantized_modules for m in members):
                     self._group_of[module] = members
         if set(self._quantizer_cfg["block_sizes"].values()) != {block}:
-            raise ValueError(f"checkpoint weight_block_size [{block}, {block}] differs from modelopt's recipe "
-                             f"{self._quantizer_cfg['block_sizes']}: re-export it with export_fp8_checkpoint")
+            raise ValueError(
+                f"checkpoint weight_block_size [{block}, {block}] differs from modelopt's recipe "
+                f"{self._quantizer_cfg['block_sizes']}: re-export it with export_fp8_checkpoint"
+            )
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path) -> Fp8SyncConverter:
@@ -120,8 +122,12 @@ class Fp8SyncConverter:
                 quantized.update(k.removesuffix(".weight_scale_inv") for k in names if k.endswith(".weight_scale_inv"))
         config = json.loads((Path(checkpoint_dir) / "config.json").read_text())
         dtype = getattr(torch, config.get("dtype") or config.get("torch_dtype") or "bfloat16")
-        return cls(quantized_modules=quantized, dtype=dtype, block=int(qc["weight_block_size"][0]),
-                   ignored_layers=list(qc.get("ignored_layers") or []))
+        return cls(
+            quantized_modules=quantized,
+            dtype=dtype,
+            block=int(qc["weight_block_size"][0]),
+            ignored_layers=list(qc.get("ignored_layers") or []),
+        )
 
     def convert(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Each quantized `<m>.weight` becomes fp8 `<m>.weight` + `<m>.weight_scale_inv`; others are cast to dtype."""

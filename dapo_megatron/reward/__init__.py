@@ -1,7 +1,7 @@
 """Rule-based reward scorers and their registry.
 
-    from dapo_megatron.reward import get_scorer
-    result = get_scorer("math_dapo")(response_text, ground_truth)   # RewardResult(score, acc, pred)
+from dapo_megatron.reward import get_scorer
+result = get_scorer("math_dapo")(response_text, ground_truth)   # RewardResult(score, acc, pred)
 """
 
 from __future__ import annotations

@@ -49,8 +49,10 @@ def version_number(version: str) -> int:
         return 0
     if version.startswith("step_") and version[5:].isdigit():
         return int(version[5:])
-    raise ValueError(f"overlapped rollout: weight_version {version!r} is neither 'step_<n>' nor "
-                     f"{INITIAL_WEIGHT_VERSION!r} (engine meta_info.weight_version)")
+    raise ValueError(
+        f"overlapped rollout: weight_version {version!r} is neither 'step_<n>' nor "
+        f"{INITIAL_WEIGHT_VERSION!r} (engine meta_info.weight_version)"
+    )
 
 
 def accepted_versions(batch_step: int, max_staleness: int) -> set[str]:
@@ -89,8 +91,17 @@ def filter_stale(groups: list[list[Any]], step: int, max_staleness: int) -> tupl
 
 
 class AsyncRollout:
-    def __init__(self, loop: asyncio.AbstractEventLoop, sampler: Any, prompts: Any, *, max_staleness: int,
-                 train_batch_size: int, total_steps: int, timeline: list | None = None) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sampler: Any,
+        prompts: Any,
+        *,
+        max_staleness: int,
+        train_batch_size: int,
+        total_steps: int,
+        timeline: list | None = None,
+    ) -> None:
         if max_staleness < 1:
             raise ValueError(f"AsyncRollout: max_staleness must be >= 1, got {max_staleness}")
         self.loop, self.sampler, self.prompts = loop, sampler, prompts
@@ -179,6 +190,7 @@ class AsyncRollout:
 
     def close(self) -> None:
         """Cancel the producer (the sampler aborts its requests), leave the loop stopped, not closed."""
+
         async def cancel():
             if self._task is not None:
                 self._task.cancel()

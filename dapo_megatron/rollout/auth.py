@@ -42,16 +42,33 @@ ADMIN_OPTIONAL = "admin_optional"
 # (method, path) -> SGLang's @auth_level of that route (http_server.py); a route that lists GET and POST
 # in SGLang (api_route) is listed with both. Absent: NORMAL (SGLang's fallback when no route matches).
 ENDPOINT_LEVELS: dict[tuple[str, str], str] = {
-    ("POST", "/generate"): NORMAL, ("PUT", "/generate"): NORMAL,
-    ("GET", "/model_info"): NORMAL, ("GET", "/get_model_info"): NORMAL,
-    ("GET", "/server_info"): NORMAL, ("GET", "/get_server_info"): NORMAL,
-    **{("POST", p): ADMIN_OPTIONAL for p in (
-        "/abort_request", "/pause_generation", "/continue_generation", "/begin_weight_update",
-        "/end_weight_update", "/init_weights_update_group", "/destroy_weights_update_group",
-        "/update_weights_from_distributed", "/update_weights_from_tensor", "/update_weights_from_disk",
-        "/update_weight_version")},
-    **{(m, p): ADMIN_OPTIONAL for m in ("GET", "POST") for p in (
-        "/flush_cache", "/release_memory_occupation", "/resume_memory_occupation", "/get_weights_by_name")},
+    ("POST", "/generate"): NORMAL,
+    ("PUT", "/generate"): NORMAL,
+    ("GET", "/model_info"): NORMAL,
+    ("GET", "/get_model_info"): NORMAL,
+    ("GET", "/server_info"): NORMAL,
+    ("GET", "/get_server_info"): NORMAL,
+    **{
+        ("POST", p): ADMIN_OPTIONAL
+        for p in (
+            "/abort_request",
+            "/pause_generation",
+            "/continue_generation",
+            "/begin_weight_update",
+            "/end_weight_update",
+            "/init_weights_update_group",
+            "/destroy_weights_update_group",
+            "/update_weights_from_distributed",
+            "/update_weights_from_tensor",
+            "/update_weights_from_disk",
+            "/update_weight_version",
+        )
+    },
+    **{
+        (m, p): ADMIN_OPTIONAL
+        for m in ("GET", "POST")
+        for p in ("/flush_cache", "/release_memory_occupation", "/resume_memory_occupation", "/get_weights_by_name")
+    },
 }
 OPEN_PREFIXES = ("/health", "/ready", "/metrics")  # decide_request_auth matches them by prefix
 SECRET_FILE = "engine_auth.yaml"
@@ -73,8 +90,9 @@ def _bearer_matches(header: str | None, key: str) -> bool:
     return hmac.compare_digest(parts[1].encode(), key.encode())  # constant time, as secrets.compare_digest
 
 
-def decide(method: str, path: str, authorization: str | None, *, api_key: str | None,
-           admin_api_key: str | None) -> int | None:
+def decide(
+    method: str, path: str, authorization: str | None, *, api_key: str | None, admin_api_key: str | None
+) -> int | None:
     """None when the request may pass, else the HTTP status SGLang answers (decide_request_auth)."""
     level = level_of(method, path)
     if level == OPEN:
@@ -104,8 +122,10 @@ class EngineKeys:
         return {"Authorization": f"Bearer {key}"} if key else {}
 
     def __repr__(self) -> str:  # never print a key (tracebacks, logs)
-        return (f"EngineKeys(api_key={'set' if self.api_key else None}, "
-                f"admin_api_key={'set' if self.admin_api_key else None})")
+        return (
+            f"EngineKeys(api_key={'set' if self.api_key else None}, "
+            f"admin_api_key={'set' if self.admin_api_key else None})"
+        )
 
 
 # ---------------------------------------------------------------------------------------- the run's secret
@@ -116,8 +136,10 @@ def run_secret_path(run_dir: str | Path) -> Path:
 def _check_private(path: Path, what: str) -> None:
     mode = path.stat().st_mode
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError(f"{what} '{path}' can be read by other users (mode {stat.S_IMODE(mode):o}); "
-                         f"it holds an engine key: chmod 600 '{path}'")
+        raise ValueError(
+            f"{what} '{path}' can be read by other users (mode {stat.S_IMODE(mode):o}); "
+            f"it holds an engine key: chmod 600 '{path}'"
+        )
 
 
 def read_secret_file(path: str | Path) -> EngineKeys:
@@ -129,7 +151,9 @@ def read_secret_file(path: str | Path) -> EngineKeys:
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"engine key file '{path}': expected api-key / admin-api-key entries")
-    keys = EngineKeys(api_key=_opt_key(data.get("api-key"), path), admin_api_key=_opt_key(data.get("admin-api-key"), path))
+    keys = EngineKeys(
+        api_key=_opt_key(data.get("api-key"), path), admin_api_key=_opt_key(data.get("admin-api-key"), path)
+    )
     if not (keys.api_key or keys.admin_api_key):
         raise ValueError(f"engine key file '{path}': neither api-key nor admin-api-key is set")
     return keys
@@ -140,8 +164,10 @@ def _opt_key(value, where) -> str | None:
         return None
     check_key(str(value), where)
     if str(value).startswith("-"):  # SGLang's --config turns it into argv, where argparse reads it as an option
-        raise ValueError(f"engine key file '{where}': a key may not start with '-' (SGLang's --config passes it "
-                         "through argparse); delete the file to have a new key made")
+        raise ValueError(
+            f"engine key file '{where}': a key may not start with '-' (SGLang's --config passes it "
+            "through argparse); delete the file to have a new key made"
+        )
     return str(value)
 
 
@@ -165,8 +191,10 @@ def ensure_secret_file(path: str | Path) -> EngineKeys:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")  # mkstemp: 0600
         try:
             with os.fdopen(fd, "w") as f:
-                f.write(f"# this run's engine key (dapo_megatron/rollout/auth.py); SGLang --config format\n"
-                        f"api-key: \"{key}\"\nadmin-api-key: \"{key}\"\n")
+                f.write(
+                    f"# this run's engine key (dapo_megatron/rollout/auth.py); SGLang --config format\n"
+                    f'api-key: "{key}"\nadmin-api-key: "{key}"\n'
+                )
             try:
                 os.link(tmp, path)  # atomic, and fails if another process got there first
             except FileExistsError:
@@ -199,10 +227,19 @@ def keys_from_config(rollout) -> EngineKeys:
     """The keys of engines the user started (rollout.engine_urls): from rollout.engine_api_key_env or
     rollout.engine_api_key_file, and rollout.engine_admin_api_key_env / _file; none set: no keys."""
     return EngineKeys(
-        api_key=_key_from(rollout.engine_api_key_env, rollout.engine_api_key_file,
-                          "rollout.engine_api_key_env", "rollout.engine_api_key_file"),
-        admin_api_key=_key_from(rollout.engine_admin_api_key_env, rollout.engine_admin_api_key_file,
-                                "rollout.engine_admin_api_key_env", "rollout.engine_admin_api_key_file"))
+        api_key=_key_from(
+            rollout.engine_api_key_env,
+            rollout.engine_api_key_file,
+            "rollout.engine_api_key_env",
+            "rollout.engine_api_key_file",
+        ),
+        admin_api_key=_key_from(
+            rollout.engine_admin_api_key_env,
+            rollout.engine_admin_api_key_file,
+            "rollout.engine_admin_api_key_env",
+            "rollout.engine_admin_api_key_file",
+        ),
+    )
 
 
 def engine_keys(rollout, run_dir: str | Path) -> EngineKeys:

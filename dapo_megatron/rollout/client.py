@@ -67,8 +67,14 @@ class SessionHolder:
 
 
 class EngineClient:
-    def __init__(self, url: str, *, timeout_s: float = 3600.0, sessions: SessionHolder | None = None,
-                 keys: EngineKeys | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float = 3600.0,
+        sessions: SessionHolder | None = None,
+        keys: EngineKeys | None = None,
+    ):
         self.url = url.rstrip("/")
         self.keys = keys or EngineKeys()
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -88,33 +94,49 @@ class EngineClient:
     def _sess(self) -> aiohttp.ClientSession:
         return self._sessions.get()
 
-    async def _request(self, method: str, path: str, payload: dict | None = None, *, timeout_s: float | None = None) -> Any:
+    async def _request(
+        self, method: str, path: str, payload: dict | None = None, *, timeout_s: float | None = None
+    ) -> Any:
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else self.timeout
         try:
-            async with self._sess().request(method, self.url + path, json=payload, timeout=timeout,
-                                            headers=self.keys.header_for(method, path)) as resp:
+            async with self._sess().request(
+                method, self.url + path, json=payload, timeout=timeout, headers=self.keys.header_for(method, path)
+            ) as resp:
                 body = await resp.read()
                 if resp.status >= 400:
                     hint = ""
                     if resp.status in (401, 403):  # SGLang's auth middleware (rollout/auth.py)
-                        hint = (" (the engine wants an API key: engines of rollout.engine_urls take theirs from "
-                                "rollout.engine_api_key_env / _file and the admin_ pair; the run's own engines "
-                                "from <run_dir>/secrets/engine_auth.yaml)")
-                    raise EngineError(f"{self.url}{path}: HTTP {resp.status}: {body.decode(errors='replace')[:2000]}"
-                                      f"{hint}", resp.status, self.url)
+                        hint = (
+                            " (the engine wants an API key: engines of rollout.engine_urls take theirs from "
+                            "rollout.engine_api_key_env / _file and the admin_ pair; the run's own engines "
+                            "from <run_dir>/secrets/engine_auth.yaml)"
+                        )
+                    raise EngineError(
+                        f"{self.url}{path}: HTTP {resp.status}: {body.decode(errors='replace')[:2000]}{hint}",
+                        resp.status,
+                        self.url,
+                    )
                 if not body:
                     return None
                 if resp.content_type == "application/json":
                     return await resp.json()
                 return body.decode(errors="replace")
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError, ConnectionError) as err:
-            raise EngineUnreachable(f"{self.url}{path}: engine unreachable ({type(err).__name__}: {err})",
-                                    url=self.url) from err
+            raise EngineUnreachable(
+                f"{self.url}{path}: engine unreachable ({type(err).__name__}: {err})", url=self.url
+            ) from err
 
     # ------------------------------------------------------------------ generation
-    async def generate(self, *, input_ids: list | None = None, text: str | list | None = None,
-                       sampling_params: dict | list | None = None, return_logprob: bool = False,
-                       rid: str | list | None = None, return_routed_experts: bool = False) -> Any:
+    async def generate(
+        self,
+        *,
+        input_ids: list | None = None,
+        text: str | list | None = None,
+        sampling_params: dict | list | None = None,
+        return_logprob: bool = False,
+        rid: str | list | None = None,
+        return_routed_experts: bool = False,
+    ) -> Any:
         payload: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
         if return_routed_experts:  # MoE: meta_info.routed_experts (rollout/routing.py)
             payload["return_routed_experts"] = True
@@ -160,36 +182,84 @@ class EngineClient:
         """Closes the session (the engine runs its post-load processing)."""
         return await self._request("POST", "/end_weight_update", {})
 
-    async def init_weights_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str = "weight_update_group",
-                                        backend: str = "nccl") -> Any:
-        return await self._request("POST", "/init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend})
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> Any:
+        return await self._request(
+            "POST",
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+        )
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> Any:
         return await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
-    async def update_weights_from_distributed(self, *, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str = "weight_update_group", flush_cache: bool = True,
-                                              load_format: str | None = None, weight_version: str | None = None) -> Any:
+    async def update_weights_from_distributed(
+        self,
+        *,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+    ) -> Any:
         """One bucket; the tensors follow as broadcasts from rank 0 of the group: one per tensor, or
         one for the whole bucket with load_format "flattened_bucket". Needs an open session."""
-        return await self._request("POST", "/update_weights_from_distributed", {
-            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name, "flush_cache": flush_cache,
-            "load_format": load_format, "weight_version": weight_version})
+        return await self._request(
+            "POST",
+            "/update_weights_from_distributed",
+            {
+                "names": names,
+                "dtypes": dtypes,
+                "shapes": shapes,
+                "group_name": group_name,
+                "flush_cache": flush_cache,
+                "load_format": load_format,
+                "weight_version": weight_version,
+            },
+        )
 
-    async def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None = None,
-                                         flush_cache: bool = True, weight_version: str | None = None) -> Any:
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        *,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+    ) -> Any:
         """One bucket as one payload per engine TP rank (tensor_payload.serialize_for_engine_rank).
         Needs an open session."""
-        return await self._request("POST", "/update_weights_from_tensor", {
-            "serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
-            "flush_cache": flush_cache, "weight_version": weight_version})
+        return await self._request(
+            "POST",
+            "/update_weights_from_tensor",
+            {
+                "serialized_named_tensors": serialized_named_tensors,
+                "load_format": load_format,
+                "flush_cache": flush_cache,
+                "weight_version": weight_version,
+            },
+        )
 
     async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> Any:
-        return await self._request("POST", "/update_weights_from_disk",
-                                   {"model_path": model_path, "weight_version": weight_version})
+        return await self._request(
+            "POST", "/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version}
+        )
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
         return await self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})

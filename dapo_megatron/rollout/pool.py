@@ -52,8 +52,15 @@ class _Engine:
 
 
 class EnginePool:
-    def __init__(self, urls: list[str] | None = None, *, registry_dir: str | None = None,
-                 timeout_s: float = 3600.0, max_retries: int = 3, keys: EngineKeys | None = None):
+    def __init__(
+        self,
+        urls: list[str] | None = None,
+        *,
+        registry_dir: str | None = None,
+        timeout_s: float = 3600.0,
+        max_retries: int = 3,
+        keys: EngineKeys | None = None,
+    ):
         if not urls and not registry_dir:
             raise ValueError("EnginePool: give engine urls (rollout.engine_urls) or a registry directory")
         self.registry_dir = registry_dir
@@ -70,9 +77,16 @@ class EnginePool:
             self._engines[url.rstrip("/")] = _Engine(self._client(url))
 
     @classmethod
-    async def from_registry(cls, registry_dir: str, *, min_engines: int = 1, wait_s: float = 600.0,
-                            timeout_s: float = 3600.0, max_retries: int = 3,
-                            keys: EngineKeys | None = None) -> EnginePool:
+    async def from_registry(
+        cls,
+        registry_dir: str,
+        *,
+        min_engines: int = 1,
+        wait_s: float = 600.0,
+        timeout_s: float = 3600.0,
+        max_retries: int = 3,
+        keys: EngineKeys | None = None,
+    ) -> EnginePool:
         """Wait until `min_engines` registered engines answer /health; all of them start live."""
         pool = cls(registry_dir=registry_dir, timeout_s=timeout_s, max_retries=max_retries, keys=keys)
         deadline = time.monotonic() + wait_s
@@ -82,8 +96,10 @@ class EnginePool:
             if len(pool.live_urls()) >= min_engines:
                 return pool
             if time.monotonic() > deadline:
-                raise TimeoutError(f"only {len(pool.live_urls())} of {min_engines} engines registered in "
-                                   f"{registry_dir} answered /health within {wait_s:.0f} s")
+                raise TimeoutError(
+                    f"only {len(pool.live_urls())} of {min_engines} engines registered in "
+                    f"{registry_dir} answered /health within {wait_s:.0f} s"
+                )
             await asyncio.sleep(1.0)
 
     def _client(self, url: str) -> EngineClient:
@@ -112,8 +128,10 @@ class EnginePool:
         return [rec for url, rec in sorted(self._records.items()) if url in targets]
 
     def load(self) -> dict[str, dict]:
-        return {url: {"state": e.state, "in_flight": e.in_flight, "served": e.served, "failures": e.failures}
-                for url, e in self._engines.items()}
+        return {
+            url: {"state": e.state, "in_flight": e.in_flight, "served": e.served, "failures": e.failures}
+            for url, e in self._engines.items()
+        }
 
     def mark_dead(self, url: str, reason: str = "") -> None:
         engine = self._engines.get(url)
@@ -243,7 +261,7 @@ class EngineEventReport:
             self.counts["restarted"] = 0
 
     def report(self, *, out: Callable[[str], None] = print) -> dict[str, float]:
-        for _, event, url in self.pool.events[self._seen:]:
+        for _, event, url in self.pool.events[self._seen :]:
             if event.startswith("dropped"):
                 self.counts["dropped"] += 1
                 self._dropped.add(url)
@@ -258,5 +276,7 @@ class EngineEventReport:
         self._seen = len(self.pool.events)
         if self.restart_events:
             self.counts["restarted"] = sum(e["action"] == "restarted" for e in read_engine_events(self.restart_events))
-        return {"engines/live": float(len(self.pool.live_urls())),
-                **{f"engines/{kind}_total": float(n) for kind, n in self.counts.items()}}
+        return {
+            "engines/live": float(len(self.pool.live_urls())),
+            **{f"engines/{kind}_total": float(n) for kind, n in self.counts.items()},
+        }

@@ -58,8 +58,10 @@ def decode_routed_experts(encoded: str, *, num_rows: int, where: str) -> torch.T
     ValueError naming `where` (the request) when the size does not fit that many rows."""
     flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
     if num_rows <= 0 or flat.size % num_rows:
-        raise ValueError(f"{where}: meta_info.routed_experts holds {flat.size} ids, not a whole number of "
-                         f"rows for {num_rows} tokens (prompt + output - 1)")
+        raise ValueError(
+            f"{where}: meta_info.routed_experts holds {flat.size} ids, not a whole number of "
+            f"rows for {num_rows} tokens (prompt + output - 1)"
+        )
     values = torch.from_numpy(flat.copy()).view(num_rows, -1)
     if values.numel() and (values.min() < 0 or values.max() > 32767):
         raise ValueError(f"{where}: meta_info.routed_experts holds expert ids outside [0, 32767]")
@@ -86,8 +88,11 @@ class RoutedExpertsRecorder:
         config = model.config
         self.num_layers = int(config.num_hidden_layers)
         self.topk = int(getattr(config, "num_experts_per_tok", 0) or 0)
-        routers = {int(m.group(1)): module for name, module in model.named_modules()
-                   if (m := _ROUTER_NAME.fullmatch(name)) and hasattr(module, "top_k")}
+        routers = {
+            int(m.group(1)): module
+            for name, module in model.named_modules()
+            if (m := _ROUTER_NAME.fullmatch(name)) and hasattr(module, "top_k")
+        }
         self.enabled = bool(routers) and self.topk > 0
         self._calls: list[dict[int, torch.Tensor]] | None = None  # per forward: layer -> [B, S, k]
         self._batch = 0
@@ -132,7 +137,7 @@ class RoutedExpertsRecorder:
         total = len(seq.prompt_ids) + len(seq.output_ids) - 1
         rows = torch.zeros(max(total, 0), self.num_layers, self.topk, dtype=torch.int16)
         for layer in self.layers:
-            prefill = calls[0][layer][row, width - prefill_length:]  # left padding: the prompt ends the row
+            prefill = calls[0][layer][row, width - prefill_length :]  # left padding: the prompt ends the row
             fed_back = [call[layer][row] for call in calls[1:]]  # one token per decode step
             rows[:, layer] = torch.cat([prefill, *fed_back])[:total]
         start = min(int(getattr(seq, "routed_experts_start_len", 0)), max(total, 0))

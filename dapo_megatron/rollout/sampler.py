@@ -80,12 +80,24 @@ class RolloutSettings:
     def from_sections(cls, rollout: Any, algorithm: Any, *, seed: int, **overrides: Any) -> RolloutSettings:
         """From the config's rollout and algorithm sections (dapo_megatron/config.py) and trainer.seed."""
         r, a = rollout, algorithm
-        values = dict(n=r.n, max_new_tokens=r.max_response_length, gen_batch_size=r.gen_batch_size,
-                      temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_prompt_length=r.max_prompt_length,
-                      dynamic_sampling=a.dynamic_sampling, max_num_gen_batches=a.max_num_gen_batches,
-                      on_exhausted=a.on_gen_batches_exhausted, overlong_shaping=a.overlong_shaping,
-                      overlong_buffer_length=a.overlong_buffer_length, overlong_penalty_factor=a.overlong_penalty_factor,
-                      seed=seed, in_order=r.in_order, return_routed_experts=r.return_routed_experts)
+        values = dict(
+            n=r.n,
+            max_new_tokens=r.max_response_length,
+            gen_batch_size=r.gen_batch_size,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_prompt_length=r.max_prompt_length,
+            dynamic_sampling=a.dynamic_sampling,
+            max_num_gen_batches=a.max_num_gen_batches,
+            on_exhausted=a.on_gen_batches_exhausted,
+            overlong_shaping=a.overlong_shaping,
+            overlong_buffer_length=a.overlong_buffer_length,
+            overlong_penalty_factor=a.overlong_penalty_factor,
+            seed=seed,
+            in_order=r.in_order,
+            return_routed_experts=r.return_routed_experts,
+        )
         values.update(overrides)
         return cls(**values)
 
@@ -126,8 +138,15 @@ def engine_span(output: dict, received: float) -> tuple[float, float] | None:
 
 
 class RolloutSampler:
-    def __init__(self, pool: EnginePool, tokenizer: Any, settings: RolloutSettings, *,
-                 reward_fn: Callable[[str, str], Any] | None = None, rid_prefix: str | None = None):
+    def __init__(
+        self,
+        pool: EnginePool,
+        tokenizer: Any,
+        settings: RolloutSettings,
+        *,
+        reward_fn: Callable[[str, str], Any] | None = None,
+        rid_prefix: str | None = None,
+    ):
         if settings.n < 1 or settings.gen_batch_size < 1 or settings.max_new_tokens < 1:
             raise ValueError(f"RolloutSettings: n, gen_batch_size and max_new_tokens must be >= 1, got {settings}")
         self.pool = pool
@@ -151,7 +170,9 @@ class RolloutSampler:
         ids = prompt_token_ids(self.tokenizer, record)  # the same function the start-up check uses (data/prompts.py)
         limit = self.settings.max_prompt_length
         if limit and len(ids) > limit:
-            raise ValueError(f"prompt of {len(ids)} tokens exceeds rollout.max_prompt_length={limit}: {str(record)[:200]}")
+            raise ValueError(
+                f"prompt of {len(ids)} tokens exceeds rollout.max_prompt_length={limit}: {str(record)[:200]}"
+            )
         return ids
 
     def sample_rid(self, k: int, j: int) -> str:
@@ -160,8 +181,14 @@ class RolloutSampler:
     def sampling_params(self, k: int) -> list[dict]:
         """One dict per sample of request k (n = 1 each; per-sample seeds where honoured)."""
         s = self.settings
-        base = {"n": 1, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-                "max_new_tokens": s.max_new_tokens, "stop_token_ids": list(s.stop_token_ids)}
+        base = {
+            "n": 1,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "max_new_tokens": s.max_new_tokens,
+            "stop_token_ids": list(s.stop_token_ids),
+        }
         if not s.per_sample_seeds:
             return [base] * s.n
         first = s.seed * 1_000_003 + k
@@ -173,8 +200,13 @@ class RolloutSampler:
     async def _generate_group(self, record: Any, k: int) -> tuple[Any, list[dict]]:
         ids = self.prompt_ids(record)
         routed = {"return_routed_experts": True} if self.settings.return_routed_experts else {}
-        outs = await self.pool.generate(input_ids=[ids] * self.settings.n, sampling_params=self.sampling_params(k),
-                                        return_logprob=True, rid=self.rids(k), **routed)
+        outs = await self.pool.generate(
+            input_ids=[ids] * self.settings.n,
+            sampling_params=self.sampling_params(k),
+            return_logprob=True,
+            rid=self.rids(k),
+            **routed,
+        )
         received = time.time()
         self.engine_spans.extend(span for span in (engine_span(o, received) for o in outs) if span is not None)
         return record, [dict(o, prompt_ids=ids) for o in outs]
@@ -193,8 +225,12 @@ class RolloutSampler:
         s = self.settings
         lengths = [len(o["output_ids"]) for o in outputs]
         if s.overlong_shaping:
-            shaping = overlong_penalty(lengths, max_length=s.max_new_tokens, buffer_length=s.overlong_buffer_length,
-                                       factor=s.overlong_penalty_factor).tolist()
+            shaping = overlong_penalty(
+                lengths,
+                max_length=s.max_new_tokens,
+                buffer_length=s.overlong_buffer_length,
+                factor=s.overlong_penalty_factor,
+            ).tolist()
         else:
             shaping = [0.0] * len(outputs)
         ground_truth = str(getattr(record, "ground_truth", ""))
@@ -202,26 +238,42 @@ class RolloutSampler:
         for o, extra_reward in zip(outputs, shaping):
             result = (self.reward_fn or _reward_for(record))(o["text"], ground_truth)
             meta = o["meta_info"]
-            samples.append(Sample(
-                prompt_ids=o["prompt_ids"], response_ids=list(o["output_ids"]), group_index=-1,
-                response_text=o["text"], ground_truth=ground_truth,
-                reward=float(result.score) + float(extra_reward), acc=float(result.acc),
-                truncated=meta["finish_reason"]["type"] == "length",
-                rollout_logprobs=[float(lp[0]) for lp in meta.get("output_token_logprobs", [])],
-                routed_experts=routed_experts_of(o, where=f"request {meta.get('id')}"),
-                extra={"score": float(result.score), "overlong_penalty": float(extra_reward),
-                       "pred": getattr(result, "pred", None), "finish_reason": meta["finish_reason"]["type"],
-                       # the weights that made it (every version, for a reply spanning an update)
-                       "weight_versions": [str(sp["version"]) for sp in
-                                           meta.get("weight_versions") or [{"version": meta.get("weight_version")}]]},
-            ))
+            samples.append(
+                Sample(
+                    prompt_ids=o["prompt_ids"],
+                    response_ids=list(o["output_ids"]),
+                    group_index=-1,
+                    response_text=o["text"],
+                    ground_truth=ground_truth,
+                    reward=float(result.score) + float(extra_reward),
+                    acc=float(result.acc),
+                    truncated=meta["finish_reason"]["type"] == "length",
+                    rollout_logprobs=[float(lp[0]) for lp in meta.get("output_token_logprobs", [])],
+                    routed_experts=routed_experts_of(o, where=f"request {meta.get('id')}"),
+                    extra={
+                        "score": float(result.score),
+                        "overlong_penalty": float(extra_reward),
+                        "pred": getattr(result, "pred", None),
+                        "finish_reason": meta["finish_reason"]["type"],
+                        # the weights that made it (every version, for a reply spanning an update)
+                        "weight_versions": [
+                            str(sp["version"])
+                            for sp in meta.get("weight_versions") or [{"version": meta.get("weight_version")}]
+                        ],
+                    },
+                )
+            )
         return samples
 
     # ------------------------------------------------------------------ dynamic sampling
     async def collect(self, prompts: Iterator[Any], *, train_batch_size: int) -> RolloutResult:
         s = self.settings
-        acc = DynamicSampler(train_batch_size=train_batch_size, enabled=s.dynamic_sampling,
-                             max_num_gen_batches=s.max_num_gen_batches, on_exhausted=s.on_exhausted)
+        acc = DynamicSampler(
+            train_batch_size=train_batch_size,
+            enabled=s.dynamic_sampling,
+            max_num_gen_batches=s.max_num_gen_batches,
+            on_exhausted=s.on_exhausted,
+        )
         bar = None
         if s.progress:
             import sys
@@ -229,16 +281,19 @@ class RolloutSampler:
             from tqdm import tqdm
 
             # a live bar on a terminal only: in a log file its redraws would bury the step table
-            bar = tqdm(total=train_batch_size, desc="rollout groups", unit="grp", leave=False,
-                       disable=not sys.stderr.isatty())
+            bar = tqdm(
+                total=train_batch_size, desc="rollout groups", unit="grp", leave=False, disable=not sys.stderr.isatty()
+            )
         totals: dict[str, int] = {}
         tic = time.perf_counter()
         try:
             while not acc.done:
                 records = [r for _, r in zip(range(s.gen_batch_size), prompts)]
                 if not records:
-                    raise ValueError(f"the prompt source ran out after {acc.stats()['rounds']} rounds with "
-                                     f"{acc.num_kept} of {train_batch_size} groups kept")
+                    raise ValueError(
+                        f"the prompt source ran out after {acc.stats()['rounds']} rounds with "
+                        f"{acc.num_kept} of {train_batch_size} groups kept"
+                    )
                 round_groups, counts = await self._round(records, acc.num_kept, train_batch_size, bar)
                 for key, value in counts.items():
                     totals[key] = totals.get(key, 0) + value
@@ -252,15 +307,21 @@ class RolloutSampler:
             for sample in group:
                 sample.group_index = gi
         scored = totals.get("scored", 0)
-        stats = {**acc.stats(), "tokens_generated": totals.get("tokens", 0), "seconds": seconds,
-                 "tokens_per_s": totals.get("tokens", 0) / seconds if seconds > 0 else 0.0,
-                 "samples_abort_requested": totals.get("abort_requested", 0),
-                 "samples_aborted": totals.get("aborted", 0),  # confirmed: the engine replied finish_reason abort
-                 "samples_finished_after_abort": totals.get("finished_after_abort", 0),  # the abort came too late
-                 "groups_unscored": totals.get("unscored", 0),
-                 "groups_stale": totals.get("stale_groups", 0), "samples_stale": totals.get("stale_samples", 0),
-                 # accuracy of every scored response, before the filter (kept groups bias it to ~0.5)
-                 "acc_all": totals.get("correct", 0) / scored if scored else 0.0, "responses_scored": scored}
+        stats = {
+            **acc.stats(),
+            "tokens_generated": totals.get("tokens", 0),
+            "seconds": seconds,
+            "tokens_per_s": totals.get("tokens", 0) / seconds if seconds > 0 else 0.0,
+            "samples_abort_requested": totals.get("abort_requested", 0),
+            "samples_aborted": totals.get("aborted", 0),  # confirmed: the engine replied finish_reason abort
+            "samples_finished_after_abort": totals.get("finished_after_abort", 0),  # the abort came too late
+            "groups_unscored": totals.get("unscored", 0),
+            "groups_stale": totals.get("stale_groups", 0),
+            "samples_stale": totals.get("stale_samples", 0),
+            # accuracy of every scored response, before the filter (kept groups bias it to ~0.5)
+            "acc_all": totals.get("correct", 0) / scored if scored else 0.0,
+            "responses_scored": scored,
+        }
         return RolloutResult(groups=groups, stats=stats)
 
     async def _round(self, records: list[Any], kept_before: int, target: int, bar) -> tuple[list, dict]:
@@ -302,9 +363,12 @@ class RolloutSampler:
                     if self.is_stale(outputs):
                         counts["stale_groups"] += 1
                         counts["stale_samples"] += len(outputs)
-                        log.warning("rollout: request %d was answered by weights %s, expected %s: group dropped",
-                                    tasks[task], sorted({o["meta_info"].get("weight_version") for o in outputs}),
-                                    self.weight_version)
+                        log.warning(
+                            "rollout: request %d was answered by weights %s, expected %s: group dropped",
+                            tasks[task],
+                            sorted({o["meta_info"].get("weight_version") for o in outputs}),
+                            self.weight_version,
+                        )
                         continue
                     group = self.score_group(record, outputs)
                     groups.append(group)
@@ -347,5 +411,9 @@ class RolloutSampler:
             if isinstance(r, BaseException):
                 log.warning("rollout: an aborted request failed instead of confirming: %s", r)
         aborted = sum(o["meta_info"]["finish_reason"]["type"] == "abort" for o in outputs)
-        return {"abort_requested": len(rids), "aborted": aborted, "finished_after_abort": len(outputs) - aborted,
-                "tokens": sum(len(o["output_ids"]) for o in outputs)}
+        return {
+            "abort_requested": len(rids),
+            "aborted": aborted,
+            "finished_after_abort": len(outputs) - aborted,
+            "tokens": sum(len(o["output_ids"]) for o in outputs),
+        }

@@ -58,13 +58,16 @@ ALLOW_ENV = "DAPO_ALLOW_SGLANG_VERSION"
 def check_sglang_version(installed: str | None, *, allow_other: bool) -> None:
     """Refuse an sglang whose major.minor differs from the verified release (clear error), unless allowed."""
     if installed is None:
-        raise RuntimeError(f"sglang is not installed in this environment: pip install -e '.[sglang]' "
-                           f"(sglang=={VERIFIED_SGLANG})")
+        raise RuntimeError(
+            f"sglang is not installed in this environment: pip install -e '.[sglang]' (sglang=={VERIFIED_SGLANG})"
+        )
     if installed.split(".")[:2] != VERIFIED_SGLANG.split(".")[:2] and not allow_other:
-        raise RuntimeError(f"sglang {installed} is installed, but dapo-megatron speaks the protocol of sglang "
-                           f"{VERIFIED_SGLANG} (docs/sglang.md, verified by tests/conformance); another minor "
-                           f"release may differ (session rules, request fields). Install sglang=={VERIFIED_SGLANG}, "
-                           f"or run anyway with --allow-sglang-version or {ALLOW_ENV}=1")
+        raise RuntimeError(
+            f"sglang {installed} is installed, but dapo-megatron speaks the protocol of sglang "
+            f"{VERIFIED_SGLANG} (docs/sglang.md, verified by tests/conformance); another minor "
+            f"release may differ (session rules, request fields). Install sglang=={VERIFIED_SGLANG}, "
+            f"or run anyway with --allow-sglang-version or {ALLOW_ENV}=1"
+        )
 
 
 def installed_sglang_version() -> str | None:
@@ -109,15 +112,27 @@ def sglang_command(s: SGLangSettings) -> list[str]:
         raise ValueError(f"sglang launcher: quantization must be '' or 'fp8', got {s.quantization!r}")
     if s.quantization == "fp8":
         read_quant_config(s.model_path)  # ValueError naming config.json unless it is the block-FP8 export
-    cmd = [s.python, "-m", "sglang.launch_server",
-           "--model-path", s.model_path,
-           "--tp-size", str(s.tp_size),
-           "--mem-fraction-static", str(s.mem_fraction_static),
-           "--random-seed", str(s.seed),
-           "--host", s.host,
-           "--port", str(s.port),
-           "--dtype", s.dtype,
-           "--base-gpu-id", str(s.base_gpu_id)]
+    cmd = [
+        s.python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        s.model_path,
+        "--tp-size",
+        str(s.tp_size),
+        "--mem-fraction-static",
+        str(s.mem_fraction_static),
+        "--random-seed",
+        str(s.seed),
+        "--host",
+        s.host,
+        "--port",
+        str(s.port),
+        "--dtype",
+        s.dtype,
+        "--base-gpu-id",
+        str(s.base_gpu_id),
+    ]
     if s.context_length:
         cmd += ["--context-length", str(s.context_length)]
     if s.colocate:
@@ -126,8 +141,10 @@ def sglang_command(s: SGLangSettings) -> list[str]:
         cmd += ["--quantization", s.quantization]
     if s.auth_file:
         if "--config" in s.extra_args:
-            raise ValueError("sglang launcher: --auth-file is passed to SGLang as --config (its only config file); "
-                             "put your other SGLang options on the command line instead of a second --config")
+            raise ValueError(
+                "sglang launcher: --auth-file is passed to SGLang as --config (its only config file); "
+                "put your other SGLang options on the command line instead of a second --config"
+            )
         # the keys reach SGLang through its YAML config, never on argv (`ps` shows argv to every user)
         cmd += ["--config", s.auth_file]
     return cmd + list(s.extra_args)
@@ -150,15 +167,18 @@ def copy_redacted(src: BinaryIO, dst: BinaryIO, secrets: Iterable[str | None]) -
         dst.flush()
 
 
-def start_server(cmd: list[str], secrets: Iterable[str | None] = ()) -> tuple[subprocess.Popen, threading.Thread | None]:
+def start_server(
+    cmd: list[str], secrets: Iterable[str | None] = ()
+) -> tuple[subprocess.Popen, threading.Thread | None]:
     """Popen(cmd); with secrets, its stdout and stderr reach this process's stdout through copy_redacted
     (one stream: Slurm writes both to the job's --output file anyway). Returns (process, pump thread)."""
     secrets = [k for k in secrets if k]
     if not secrets:
         return subprocess.Popen(cmd), None
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    pump = threading.Thread(target=copy_redacted, args=(proc.stdout, sys.stdout.buffer, secrets), name="engine-log",
-                            daemon=True)
+    pump = threading.Thread(
+        target=copy_redacted, args=(proc.stdout, sys.stdout.buffer, secrets), name="engine-log", daemon=True
+    )
     pump.start()
     return proc, pump
 
@@ -194,35 +214,65 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="launch an SGLang rollout engine and register it")
     ap.add_argument("--model", required=True)
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--context-length", type=int, default=0,
-                    help="rollout.max_prompt_length + rollout.max_response_length (0 = the model's own)")
+    ap.add_argument(
+        "--context-length",
+        type=int,
+        default=0,
+        help="rollout.max_prompt_length + rollout.max_response_length (0 = the model's own)",
+    )
     ap.add_argument("--mem-fraction", type=float, default=0.7)
     ap.add_argument("--colocate", action="store_true", help="--enable-memory-saver (shares GPUs with the trainer)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, default=30000)
-    ap.add_argument("--advertise-host", default="",
-                    help="the address registered for the trainer (default: --host, or the host name for 0.0.0.0)")
+    ap.add_argument(
+        "--advertise-host",
+        default="",
+        help="the address registered for the trainer (default: --host, or the host name for 0.0.0.0)",
+    )
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--base-gpu-id", type=int, default=0)
-    ap.add_argument("--quantization", default="", choices=["", "fp8"],
-                    help="fp8: --model is the block-FP8 export of rollout.quantization=fp8 (docs/fp8.md)")
+    ap.add_argument(
+        "--quantization",
+        default="",
+        choices=["", "fp8"],
+        help="fp8: --model is the block-FP8 export of rollout.quantization=fp8 (docs/fp8.md)",
+    )
     ap.add_argument("--register-dir", default="")
-    ap.add_argument("--auth-file", default="",
-                    help="the run's key file (<run_dir>/secrets/engine_auth.yaml; created here if absent): SGLang "
-                         "gets it as --config and then requires its api-key / admin-api-key on every request")
+    ap.add_argument(
+        "--auth-file",
+        default="",
+        help="the run's key file (<run_dir>/secrets/engine_auth.yaml; created here if absent): SGLang "
+        "gets it as --config and then requires its api-key / admin-api-key on every request",
+    )
     ap.add_argument("--health-timeout", type=float, default=1800.0)
-    ap.add_argument("--allow-sglang-version", action="store_true",
-                    help=f"run an sglang other than {VERIFIED_SGLANG.rsplit('.', 1)[0]}.x (also {ALLOW_ENV}=1)")
+    ap.add_argument(
+        "--allow-sglang-version",
+        action="store_true",
+        help=f"run an sglang other than {VERIFIED_SGLANG.rsplit('.', 1)[0]}.x (also {ALLOW_ENV}=1)",
+    )
     args, extra = ap.parse_known_args(argv)
-    check_sglang_version(installed_sglang_version(),
-                         allow_other=args.allow_sglang_version or os.environ.get(ALLOW_ENV) == "1")
-    settings = SGLangSettings(model_path=args.model, tp_size=args.tp, context_length=args.context_length,
-                              mem_fraction_static=args.mem_fraction,
-                              colocate=args.colocate, seed=args.seed, host=args.host, port=args.port, dtype=args.dtype,
-                              base_gpu_id=args.base_gpu_id, quantization=args.quantization,
-                              extra_args=tuple(extra), auth_file=args.auth_file)
-    keys = ensure_secret_file(args.auth_file) if args.auth_file else None  # the trainer reads it too (a requeue reuses it)
+    check_sglang_version(
+        installed_sglang_version(), allow_other=args.allow_sglang_version or os.environ.get(ALLOW_ENV) == "1"
+    )
+    settings = SGLangSettings(
+        model_path=args.model,
+        tp_size=args.tp,
+        context_length=args.context_length,
+        mem_fraction_static=args.mem_fraction,
+        colocate=args.colocate,
+        seed=args.seed,
+        host=args.host,
+        port=args.port,
+        dtype=args.dtype,
+        base_gpu_id=args.base_gpu_id,
+        quantization=args.quantization,
+        extra_args=tuple(extra),
+        auth_file=args.auth_file,
+    )
+    keys = (
+        ensure_secret_file(args.auth_file) if args.auth_file else None
+    )  # the trainer reads it too (a requeue reuses it)
     # SIGTERM (scancel, the colocated supervisor) unwinds like Ctrl-C, so the `finally` below stops
     # the server and removes its registration instead of leaving both behind
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -231,13 +281,27 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://{host}:{args.port}"
     registration = ""
     try:
-        wait_healthy(f"http://127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "") else url,
-                     proc=proc, timeout_s=args.health_timeout)
+        wait_healthy(
+            f"http://127.0.0.1:{args.port}" if args.host in ("0.0.0.0", "") else url,
+            proc=proc,
+            timeout_s=args.health_timeout,
+        )
         if args.register_dir:
-            registration = write_registration(args.register_dir, {
-                "host": host, "port": args.port, "url": url, "tp_size": args.tp, "model": args.model,
-                "pid": proc.pid, "engine": "sglang", "node": socket.gethostname(), "base_gpu_id": args.base_gpu_id,
-                "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat()})
+            registration = write_registration(
+                args.register_dir,
+                {
+                    "host": host,
+                    "port": args.port,
+                    "url": url,
+                    "tp_size": args.tp,
+                    "model": args.model,
+                    "pid": proc.pid,
+                    "engine": "sglang",
+                    "node": socket.gethostname(),
+                    "base_gpu_id": args.base_gpu_id,
+                    "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                },
+            )
         print(f"sglang engine ready at {url}", flush=True)
         return proc.wait()
     finally:

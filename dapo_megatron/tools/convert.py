@@ -58,8 +58,18 @@ def _barrier() -> None:
     dist.barrier()
 
 
-def hf_to_mcore(*, hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None, precision: str | None,
-                vocab_divisible_by: int = 128, ep: int = 1, etp: int | None = None) -> Path:
+def hf_to_mcore(
+    *,
+    hf_dir: str,
+    out_dir: str,
+    tp: int,
+    pp: int,
+    vpp: int | None,
+    precision: str | None,
+    vocab_divisible_by: int = 128,
+    ep: int = 1,
+    etp: int | None = None,
+) -> Path:
     from megatron.core import dist_checkpointing
     from transformers import AutoConfig
 
@@ -67,8 +77,12 @@ def hf_to_mcore(*, hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None,
     final = Path(out_dir).absolute()
     tmp = final.with_name(final.name + ".tmp")
     with model_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp):
-        chunks = build_model_chunks(hf_config, attention_backend="torch", precision=_precision_of(hf_config, precision),
-                                    vocab_divisible_by=vocab_divisible_by)
+        chunks = build_model_chunks(
+            hf_config,
+            attention_backend="torch",
+            precision=_precision_of(hf_config, precision),
+            vocab_divisible_by=vocab_divisible_by,
+        )
         load_hf_into_model(chunks, hf_dir, hf_config=hf_config)
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -79,7 +93,10 @@ def hf_to_mcore(*, hf_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None,
         _barrier()
     if dist.get_rank() == 0:
         hf_config.save_pretrained(str(tmp))
-        meta = {"source": str(Path(hf_dir).absolute()), "layout": {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp}}
+        meta = {
+            "source": str(Path(hf_dir).absolute()),
+            "layout": {"tp": tp, "pp": pp, "vpp": vpp, "ep": ep, "etp": etp},
+        }
         (tmp / "convert_meta.json").write_text(json.dumps(meta, indent=2))
         old = final.with_name(final.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -107,12 +124,23 @@ def _vocab_divisible_by_for(rows: int, vocab: int, tp: int, mcore_dir: str) -> i
     for candidate in (1, 128, rows // tp):
         if candidate >= 1 and rows % tp == 0 and padded_vocab_size(vocab, tp=tp, divisible_by=candidate) == rows:
             return candidate
-    raise ValueError(f"--mcore {mcore_dir}: its embedding has {rows} rows; vocabulary {vocab} cannot be padded to "
-                     f"that at --tp {tp}")
+    raise ValueError(
+        f"--mcore {mcore_dir}: its embedding has {rows} rows; vocabulary {vocab} cannot be padded to that at --tp {tp}"
+    )
 
 
-def mcore_to_hf(*, mcore_dir: str, hf_config_dir: str, out_dir: str, tp: int, pp: int, vpp: int | None,
-                precision: str | None, ep: int = 1, etp: int | None = None) -> Path:
+def mcore_to_hf(
+    *,
+    mcore_dir: str,
+    hf_config_dir: str,
+    out_dir: str,
+    tp: int,
+    pp: int,
+    vpp: int | None,
+    precision: str | None,
+    ep: int = 1,
+    etp: int | None = None,
+) -> Path:
     from megatron.core import dist_checkpointing
     from transformers import AutoConfig
 
@@ -123,9 +151,12 @@ def mcore_to_hf(*, mcore_dir: str, hf_config_dir: str, out_dir: str, tp: int, pp
     rows, dtype = _checkpoint_vocab_and_dtype(mcore_dir)
     divisible_by = _vocab_divisible_by_for(rows, hf_config.vocab_size, tp, mcore_dir)
     with model_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp):
-        chunks = build_model_chunks(hf_config, attention_backend="torch",
-                                    precision=precision or _DTYPE_TO_PRECISION.get(dtype, "fp32"),
-                                    vocab_divisible_by=divisible_by)
+        chunks = build_model_chunks(
+            hf_config,
+            attention_backend="torch",
+            precision=precision or _DTYPE_TO_PRECISION.get(dtype, "fp32"),
+            vocab_divisible_by=divisible_by,
+        )
         state = {_state_key(i, len(chunks)): c.sharded_state_dict() for i, c in enumerate(chunks)}
         loaded = dist_checkpointing.load(state, mcore_dir)
         for i, chunk in enumerate(chunks):
@@ -150,17 +181,24 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     to_hf.add_argument("--mcore", required=True)
     to_hf.add_argument("--hf-config", required=True, help="HF directory with config.json (and tokenizer files)")
     to_hf.add_argument("--out", required=True)
-    to_mcore.add_argument("--vocab-divisible-by", type=int, default=128,
-                          help="pad the vocabulary to a multiple of this x tp (Megatron-LM's default 128; "
-                               "the actor uses 1)")
+    to_mcore.add_argument(
+        "--vocab-divisible-by",
+        type=int,
+        default=128,
+        help="pad the vocabulary to a multiple of this x tp (Megatron-LM's default 128; the actor uses 1)",
+    )
     for p in (to_mcore, to_hf):
         p.add_argument("--tp", type=int, default=1)
         p.add_argument("--pp", type=int, default=1)
         p.add_argument("--vpp", type=int, default=None)
         p.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE models)")
         p.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
-        p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
-                       help="parameter dtype (default: the HF config's dtype / the checkpoint's)")
+        p.add_argument(
+            "--precision",
+            choices=["fp32", "bf16", "fp16"],
+            default=None,
+            help="parameter dtype (default: the HF config's dtype / the checkpoint's)",
+        )
     return parser.parse_args(list(argv))
 
 
@@ -171,12 +209,29 @@ def main(argv: Sequence[str]) -> int:
     init_distributed()
     try:
         if args.direction == "hf-to-mcore":
-            out = hf_to_mcore(hf_dir=args.hf, out_dir=args.out, tp=args.tp, pp=args.pp, vpp=args.vpp,
-                              precision=args.precision, vocab_divisible_by=args.vocab_divisible_by, ep=args.ep,
-                              etp=args.etp)
+            out = hf_to_mcore(
+                hf_dir=args.hf,
+                out_dir=args.out,
+                tp=args.tp,
+                pp=args.pp,
+                vpp=args.vpp,
+                precision=args.precision,
+                vocab_divisible_by=args.vocab_divisible_by,
+                ep=args.ep,
+                etp=args.etp,
+            )
         else:
-            out = mcore_to_hf(mcore_dir=args.mcore, hf_config_dir=args.hf_config, out_dir=args.out, tp=args.tp,
-                              pp=args.pp, vpp=args.vpp, precision=args.precision, ep=args.ep, etp=args.etp)
+            out = mcore_to_hf(
+                mcore_dir=args.mcore,
+                hf_config_dir=args.hf_config,
+                out_dir=args.out,
+                tp=args.tp,
+                pp=args.pp,
+                vpp=args.vpp,
+                precision=args.precision,
+                ep=args.ep,
+                etp=args.etp,
+            )
         if dist.get_rank() == 0:
             print(f"convert {args.direction}: wrote {out}", flush=True)
     finally:

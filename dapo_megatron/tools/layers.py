@@ -74,8 +74,9 @@ class Graph:
     imports: list[Import] = field(default_factory=list)
 
     def edges(self, *, module_level_only: bool = False) -> set[tuple[str, str]]:
-        resolved = ((i.importer, self.resolve(i.target)) for i in self.imports
-                    if not (module_level_only and i.in_function))
+        resolved = (
+            (i.importer, self.resolve(i.target)) for i in self.imports if not (module_level_only and i.in_function)
+        )
         return {(importer, target) for importer, target in resolved if target}
 
     def resolve(self, name: str) -> str | None:
@@ -219,10 +220,14 @@ class Report:
 
     @property
     def violations(self) -> list[str]:
-        out = [f"upward import: {i.importer} -> {i.target} ({i.path}:{i.line}"
-               f"{', in a function' if i.in_function else ''})" for i in self.upward]
-        out += [f"import between independent packages: {i.importer} -> {i.target} ({i.path}:{i.line})"
-                for i in self.same_layer]
+        out = [
+            f"upward import: {i.importer} -> {i.target} ({i.path}:{i.line}{', in a function' if i.in_function else ''})"
+            for i in self.upward
+        ]
+        out += [
+            f"import between independent packages: {i.importer} -> {i.target} ({i.path}:{i.line})"
+            for i in self.same_layer
+        ]
         out += [f"package cycle: {' <-> '.join(c)}" for c in self.package_cycles]
         out += [f"module import cycle: {' <-> '.join(c)}" for c in self.module_cycles]
         out += [f"module in no layer (add its package to tools/layers.py LAYERS): {m}" for m in self.unmapped]
@@ -247,7 +252,8 @@ def check(graph: Graph, layers=LAYERS, independent=INDEPENDENT) -> Report:
     units = {layer[1] for m in graph.modules if (layer := layer_of(m, layers))}
     package_edges = set(unit_edges(graph, layers))
     return Report(
-        upward=upward, same_layer=same,
+        upward=upward,
+        same_layer=same,
         package_cycles=cycles(units, package_edges),
         module_cycles=cycles(graph.modules, graph.edges()),  # deferred imports too: a cycle is a cycle
         unmapped=sorted(m for m in graph.modules if layer_of(m, layers) is None),
@@ -265,8 +271,14 @@ def whole_config_files(root: Path) -> list[str]:
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
-                if any(a.arg == "cfg" or (a.annotation is not None and ast.unparse(a.annotation).strip("'\"")
-                                          in ("Config", "config.Config")) for a in args):
+                if any(
+                    a.arg == "cfg"
+                    or (
+                        a.annotation is not None
+                        and ast.unparse(a.annotation).strip("'\"") in ("Config", "config.Config")
+                    )
+                    for a in args
+                ):
                     out.append(str(path.relative_to(root.parent)))
                     break
     return out
@@ -277,8 +289,11 @@ def repo_packages(repo: Path) -> dict[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dapo_megatron.tools.layers", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m dapo_megatron.tools.layers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--repo", default=str(Path(__file__).resolve().parents[2]))
     parser.add_argument("--check", action="store_true", help="exit 1 if the contract is broken")
     args = parser.parse_args(argv)
@@ -286,10 +301,14 @@ def main(argv: list[str] | None = None) -> int:
     graph = read_graph(repo_packages(repo))
     report = check(graph)
     cfg_files = whole_config_files(repo / "dapo_megatron")
-    print(f"modules: {len(graph.modules)}; imports of our own modules: {report.module_imports} at module "
-          f"level, {report.function_imports} inside functions")
-    print(f"package cycles: {len(report.package_cycles)}; module import cycles: {len(report.module_cycles)}; "
-          f"upward imports: {len(report.upward)}; between independent packages: {len(report.same_layer)}")
+    print(
+        f"modules: {len(graph.modules)}; imports of our own modules: {report.module_imports} at module "
+        f"level, {report.function_imports} inside functions"
+    )
+    print(
+        f"package cycles: {len(report.package_cycles)}; module import cycles: {len(report.module_cycles)}; "
+        f"upward imports: {len(report.upward)}; between independent packages: {len(report.same_layer)}"
+    )
     print(f"files with a function taking the whole Config: {len(cfg_files)}")
     for name in cfg_files:
         print(f"  {name}")

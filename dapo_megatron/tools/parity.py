@@ -70,8 +70,9 @@ from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.weights.load import load_hf_into_model
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int,
-                            temperature: float = 1.0) -> torch.Tensor:
+def vocab_parallel_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, temperature: float = 1.0
+) -> torch.Tensor:
     """log softmax(logits / temperature)[target] over the full vocabulary, from vocab-parallel logits.
 
     logits [..., V_pad/tp] is this TP rank's slice of the padded vocabulary; rows >= vocab_size
@@ -90,8 +91,9 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, voca
     return -tensor_parallel.vocab_parallel_cross_entropy(logits, targets)
 
 
-def megatron_logprobs(model_chunks: Sequence[Any], micro_batches: Sequence[dict], *, vocab_size: int,
-                      temperature: float = 1.0) -> list[torch.Tensor] | None:
+def megatron_logprobs(
+    model_chunks: Sequence[Any], micro_batches: Sequence[dict], *, vocab_size: int, temperature: float = 1.0
+) -> list[torch.Tensor] | None:
     """Per-token log-probs of each micro-batch through Megatron's pipeline schedule (forward only).
 
     Each micro-batch is a dict with input_ids and labels ([B, S], or [1, T] packed), position_ids,
@@ -124,8 +126,12 @@ def megatron_logprobs(model_chunks: Sequence[Any], micro_batches: Sequence[dict]
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = model(local(batch, "input_ids"), local(batch, "position_ids"), None,
-                       packed_seq_params=batch.get("packed_seq_params"))
+        output = model(
+            local(batch, "input_ids"),
+            local(batch, "position_ids"),
+            None,
+            packed_seq_params=batch.get("packed_seq_params"),
+        )
         return output, functools.partial(loss_func, local(batch, "labels"))
 
     vpp = len(chunks)
@@ -133,8 +139,12 @@ def megatron_logprobs(model_chunks: Sequence[Any], micro_batches: Sequence[dict]
     seq_length = max(b["input_ids"].size(1) for b in batches)
     with torch.no_grad():
         results = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iterators, model=chunks if vpp > 1 else chunks[0],
-            num_microbatches=len(batches), seq_length=seq_length, micro_batch_size=batches[0]["input_ids"].size(0),
+            forward_step_func=forward_step,
+            data_iterator=iterators,
+            model=chunks if vpp > 1 else chunks[0],
+            num_microbatches=len(batches),
+            seq_length=seq_length,
+            micro_batch_size=batches[0]["input_ids"].size(0),
             forward_only=True,
         )
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
@@ -179,8 +189,9 @@ def _head_grad_rel_diff(hidden_NH, weight, targets, *, tp_group, vocab_size: int
         hidden = hidden_NH.detach().requires_grad_()
         weight_leaf = weight.detach().requires_grad_()  # a new leaf over the same storage: no copy
         with torch.enable_grad():
-            logprob, entropy = token_logprobs_entropy(hidden, weight_leaf, targets, temperature=1.0,
-                                                      tp_group=tp_group, vocab_size=vocab_size, fused=fused)
+            logprob, entropy = token_logprobs_entropy(
+                hidden, weight_leaf, targets, temperature=1.0, tp_group=tp_group, vocab_size=vocab_size, fused=fused
+            )
             ((logprob * g_lp).sum() + (entropy * g_ent).sum()).backward()
         runs.append((logprob.detach(), entropy.detach(), hidden.grad, weight_leaf.grad))
     (lp_f, ent_f, gh_f, gw_f), (lp_r, ent_r, gh_r, gw_r) = runs
@@ -192,8 +203,14 @@ def _head_grad_rel_diff(hidden_NH, weight, targets, *, tp_group, vocab_size: int
     return lp_f, ent_f, lp_r, ent_r, rel
 
 
-def head_logprobs(model_chunks: Sequence[Any], micro_batches: Sequence[dict], *, vocab_size: int,
-                  sequence_parallel: bool, seed: int = 0) -> list[dict] | None:
+def head_logprobs(
+    model_chunks: Sequence[Any],
+    micro_batches: Sequence[dict],
+    *,
+    vocab_size: int,
+    sequence_parallel: bool,
+    seed: int = 0,
+) -> list[dict] | None:
     """check-parity --fused-logprob: the actor's LM head (fused Triton op) over the pipeline schedule.
 
     Patches the chunks to return hidden states (lm_head.return_hidden_states). Returns, on
@@ -222,8 +239,13 @@ def head_logprobs(model_chunks: Sequence[Any], micro_batches: Sequence[dict], *,
         hidden_BSH = full_sequence_hidden(output_tensor, sequence_parallel=sequence_parallel, tp_group=tp_group)
         b, s, h = hidden_BSH.shape
         lp, ent, lp_ref, ent_ref, rel = _head_grad_rel_diff(
-            hidden_BSH.reshape(b * s, h), output_weight(gpt), labels.reshape(-1), tp_group=tp_group,
-            vocab_size=vocab_size, seed=seed + next(step))
+            hidden_BSH.reshape(b * s, h),
+            output_weight(gpt),
+            labels.reshape(-1),
+            tp_group=tp_group,
+            vocab_size=vocab_size,
+            seed=seed + next(step),
+        )
         if cp_size > 1:
             coll.all_reduce(rel, op=dist.ReduceOp.MAX, group=parallel_state.get_context_parallel_group())
         out = {"logprobs": lp, "entropies": ent, "ref_logprobs": lp_ref, "ref_entropies": ent_ref}
@@ -231,8 +253,12 @@ def head_logprobs(model_chunks: Sequence[Any], micro_batches: Sequence[dict], *,
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = model(local(batch, "input_ids"), local(batch, "position_ids"), None,
-                       packed_seq_params=batch.get("packed_seq_params"))
+        output = model(
+            local(batch, "input_ids"),
+            local(batch, "position_ids"),
+            None,
+            packed_seq_params=batch.get("packed_seq_params"),
+        )
         return output, functools.partial(loss_func, local(batch, "labels"), _unwrap(model))
 
     batches = list(micro_batches)
@@ -240,9 +266,13 @@ def head_logprobs(model_chunks: Sequence[Any], micro_batches: Sequence[dict], *,
     iterators = [iter(batches) for _ in range(vpp)] if vpp > 1 else iter(batches)
     with torch.no_grad():
         results = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iterators, model=chunks if vpp > 1 else chunks[0],
-            num_microbatches=len(batches), seq_length=max(b["input_ids"].size(1) for b in batches),
-            micro_batch_size=batches[0]["input_ids"].size(0), forward_only=True,
+            forward_step_func=forward_step,
+            data_iterator=iterators,
+            model=chunks if vpp > 1 else chunks[0],
+            num_microbatches=len(batches),
+            seq_length=max(b["input_ids"].size(1) for b in batches),
+            micro_batch_size=batches[0]["input_ids"].size(0),
+            forward_only=True,
         )
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
@@ -261,8 +291,17 @@ def head_logprobs(model_chunks: Sequence[Any], micro_batches: Sequence[dict], *,
 
 # --- the CLI --------------------------------------------------------------------------------------
 
-def _parity_batches(*, num_seqs: int, seq_len: int, vocab_size: int, seed: int, device: Any,
-                    seq_multiple: int = 1, row_multiple: int = 1) -> tuple[torch.Tensor, list[int], list[dict]]:
+
+def _parity_batches(
+    *,
+    num_seqs: int,
+    seq_len: int,
+    vocab_size: int,
+    seed: int,
+    device: Any,
+    seq_multiple: int = 1,
+    row_multiple: int = 1,
+) -> tuple[torch.Tensor, list[int], list[dict]]:
     """K random sequences [K, L] (same on every rank), as one unpacked and one packed micro-batch.
 
     seq_multiple: each packed sequence is padded to a multiple of it (2*cp with context
@@ -278,8 +317,11 @@ def _parity_batches(*, num_seqs: int, seq_len: int, vocab_size: int, seed: int, 
     labels = torch.roll(tokens, -1, dims=1)
     row = round_up(seq_len, row_multiple)
     pad = row - seq_len
-    unpacked = dict(input_ids=F.pad(tokens, (0, pad)).to(device), labels=F.pad(labels, (0, pad)).to(device),
-                    position_ids=torch.arange(row).expand(num_seqs, -1).to(device))
+    unpacked = dict(
+        input_ids=F.pad(tokens, (0, pad)).to(device),
+        labels=F.pad(labels, (0, pad)).to(device),
+        position_ids=torch.arange(row).expand(num_seqs, -1).to(device),
+    )
     segments = [round_up(n, seq_multiple) for n in lengths]
     tail = round_up(sum(segments), row_multiple) - sum(segments)
     segments += [tail] if tail else []
@@ -289,9 +331,12 @@ def _parity_batches(*, num_seqs: int, seq_len: int, vocab_size: int, seed: int, 
         targets.append(F.pad(torch.roll(tokens[i, :n], -1), (0, segments[i] - n)))
     ids.append(torch.zeros(tail, dtype=tokens.dtype))
     targets.append(torch.zeros(tail, dtype=tokens.dtype))
-    packed = dict(input_ids=torch.cat(ids).unsqueeze(0).to(device), labels=torch.cat(targets).unsqueeze(0).to(device),
-                  position_ids=packed_position_ids(segments, device=device),
-                  packed_seq_params=packed_seq_params_from_lengths(segments, device=device))
+    packed = dict(
+        input_ids=torch.cat(ids).unsqueeze(0).to(device),
+        labels=torch.cat(targets).unsqueeze(0).to(device),
+        position_ids=packed_position_ids(segments, device=device),
+        packed_seq_params=packed_seq_params_from_lengths(segments, device=device),
+    )
     return tokens, lengths, [unpacked, packed]
 
 
@@ -318,10 +363,10 @@ def _comparable(megatron_out: list[torch.Tensor], lengths: list[int], *, seq_mul
     unpacked, packed = megatron_out
     k, length = unpacked.size(0), lengths[0]
     out = torch.full((2, k, length - 1), float("nan"), dtype=torch.float32, device=unpacked.device)
-    out[0] = unpacked[:, :length - 1]
+    out[0] = unpacked[:, : length - 1]
     start = 0
     for i, n in enumerate(lengths):
-        out[1, i, : n - 1] = packed[0, start:start + n - 1]
+        out[1, i, : n - 1] = packed[0, start : start + n - 1]
         start += round_up(n, seq_multiple)
     return out
 
@@ -334,27 +379,42 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--cp", type=int, default=1, help="context parallel size (sequences padded to 2*cp)")
     parser.add_argument("--vpp", type=int, default=None)
     parser.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (--tp > 1)")
-    parser.add_argument("--fused-logprob", action="store_true",
-                        help="score through the actor's LM head and dapo_kernels' fused log-prob/entropy kernel "
-                             "(Triton; interpreted on CPU): log-probs and entropies vs transformers, head "
-                             "gradients vs the plain-torch head")
-    parser.add_argument("--vocab-divisible-by", type=int, default=128,
-                        help="Megatron pads the vocabulary to a multiple of this x tp (Megatron-LM's 128; the "
-                             "actor uses 1); padding rows are excluded from the softmax")
+    parser.add_argument(
+        "--fused-logprob",
+        action="store_true",
+        help="score through the actor's LM head and dapo_kernels' fused log-prob/entropy kernel "
+        "(Triton; interpreted on CPU): log-probs and entropies vs transformers, head "
+        "gradients vs the plain-torch head",
+    )
+    parser.add_argument(
+        "--vocab-divisible-by",
+        type=int,
+        default=128,
+        help="Megatron pads the vocabulary to a multiple of this x tp (Megatron-LM's 128; the "
+        "actor uses 1); padding rows are excluded from the softmax",
+    )
     parser.add_argument("--ep", type=int, default=1, help="expert parallel size (MoE models)")
     parser.add_argument("--etp", type=int, default=None, help="expert tensor parallel size (default: --tp)")
     parser.add_argument("--tolerance", type=float, default=1e-5)
-    parser.add_argument("--grad-tolerance", type=float, default=1e-4,
-                        help="--fused-logprob: max |fused - torch| / max |torch| of the head's gradients")
+    parser.add_argument(
+        "--grad-tolerance",
+        type=float,
+        default=1e-4,
+        help="--fused-logprob: max |fused - torch| / max |torch| of the head's gradients",
+    )
     parser.add_argument("--seqs", type=int, default=3)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--attention-backend", choices=["torch", "te"], default="torch")
-    parser.add_argument("--reference-dtype", choices=["auto", "same", "fp64"], default="auto",
-                        help="transformers' dtype: that of --precision (same), or float64 (then the diff is "
-                             "Megatron's own rounding, without transformers' fp32 rounding on top); auto: "
-                             "float64 without CUDA, same on GPUs")
+    parser.add_argument(
+        "--reference-dtype",
+        choices=["auto", "same", "fp64"],
+        default="auto",
+        help="transformers' dtype: that of --precision (same), or float64 (then the diff is "
+        "Megatron's own rounding, without transformers' fp32 rounding on top); auto: "
+        "float64 without CUDA, same on GPUs",
+    )
     args = parser.parse_args(list(argv))
     if args.seq_len < 2 or args.seqs < 1:
         raise ValueError(f"--seq-len must be >= 2 and --seqs >= 1 (got {args.seq_len}, {args.seqs})")
@@ -372,8 +432,10 @@ def _check_model_fits_layout(hf_config: Any, *, tp: int, model: str) -> None:
     groups = getattr(hf_config, "num_key_value_heads", None) or heads
     for name, value in (("num_attention_heads", heads), ("num_key_value_heads", groups)):
         if value % tp:
-            raise ValueError(f"{model}/config.json {name}={value} is not divisible by --tp {tp} "
-                             "(Megatron splits heads and KV groups over tensor-parallel ranks)")
+            raise ValueError(
+                f"{model}/config.json {name}={value} is not divisible by --tp {tp} "
+                "(Megatron splits heads and KV groups over tensor-parallel ranks)"
+            )
 
 
 def _use_triton_interpreter_on_cpu(args: argparse.Namespace) -> None:
@@ -384,11 +446,15 @@ def _use_triton_interpreter_on_cpu(args: argparse.Namespace) -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return
     if "triton" in sys.modules:
-        raise ValueError("--fused-logprob without CUDA runs the Triton interpreter, but triton was imported before "
-                         "TRITON_INTERPRET=1 could be set: export TRITON_INTERPRET=1 before starting")
+        raise ValueError(
+            "--fused-logprob without CUDA runs the Triton interpreter, but triton was imported before "
+            "TRITON_INTERPRET=1 could be set: export TRITON_INTERPRET=1 before starting"
+        )
     os.environ["TRITON_INTERPRET"] = "1"
-    print("check-parity: no CUDA: --fused-logprob runs the Triton kernels in the interpreter (TRITON_INTERPRET=1)",
-          flush=True)
+    print(
+        "check-parity: no CUDA: --fused-logprob runs the Triton kernels in the interpreter (TRITON_INTERPRET=1)",
+        flush=True,
+    )
 
 
 def _compared(lengths: list[int], seq_len: int) -> torch.Tensor:
@@ -408,8 +474,16 @@ def _max_abs(diff: torch.Tensor, compared: torch.Tensor) -> float:
     return float(values.max()) if values.numel() else 0.0
 
 
-NUMBER_KEYS = ("logprob", "entropy", "grad_rel", "fused_vs_torch_logprob", "fused_vs_torch_entropy", "max_abs_logprob",
-               "fp32_floor_logprob", "fp32_floor_entropy")
+NUMBER_KEYS = (
+    "logprob",
+    "entropy",
+    "grad_rel",
+    "fused_vs_torch_logprob",
+    "fused_vs_torch_entropy",
+    "max_abs_logprob",
+    "fp32_floor_logprob",
+    "fp32_floor_entropy",
+)
 # Megatron in fp32 may be off the exact (float64) function by up to this many times transformers'
 # own fp32 forward: the two implement the same fp32 arithmetic in different orders.
 FP32_FLOOR_FACTOR = 2.0
@@ -434,22 +508,32 @@ def run_check(argv: Sequence[str]) -> dict[str, float]:
     # CP: every sequence padded to a multiple of 2*cp; SP: rows (and the packed total) to a multiple of tp too
     seq_multiple = 2 * args.cp if args.cp > 1 else 1
     row_multiple = seq_multiple * (args.tp if args.sequence_parallel else 1)
-    with model_parallel(tp=args.tp, pp=args.pp, cp=args.cp, vpp=args.vpp, ep=args.ep, etp=args.etp,
-                        seed=args.seed):
-        chunks = build_model_chunks(hf_config, attention_backend=args.attention_backend, precision=args.precision,
-                                    sequence_parallel=args.sequence_parallel,
-                                    vocab_divisible_by=args.vocab_divisible_by)
+    with model_parallel(tp=args.tp, pp=args.pp, cp=args.cp, vpp=args.vpp, ep=args.ep, etp=args.etp, seed=args.seed):
+        chunks = build_model_chunks(
+            hf_config,
+            attention_backend=args.attention_backend,
+            precision=args.precision,
+            sequence_parallel=args.sequence_parallel,
+            vocab_divisible_by=args.vocab_divisible_by,
+        )
         load_hf_into_model(chunks, args.model, hf_config=hf_config)
         tokens, lengths, batches = _parity_batches(
-            num_seqs=args.seqs, seq_len=args.seq_len, vocab_size=vocab, seed=args.seed, device=device,
-            seq_multiple=seq_multiple, row_multiple=row_multiple)
+            num_seqs=args.seqs,
+            seq_len=args.seq_len,
+            vocab_size=vocab,
+            seed=args.seed,
+            device=device,
+            seq_multiple=seq_multiple,
+            row_multiple=row_multiple,
+        )
         comparable = functools.partial(_comparable, lengths=lengths, seq_multiple=seq_multiple)
         compared = _compared(lengths, args.seq_len)
         result = torch.full((kinds, 2, args.seqs, args.seq_len - 1), float("nan"), dtype=torch.float32, device=device)
         extra = torch.zeros(3, dtype=torch.float64, device=device)  # grad_rel, fused-vs-torch logprob, entropy
         if args.fused_logprob:
-            out = head_logprobs(chunks, batches, vocab_size=vocab, sequence_parallel=args.sequence_parallel,
-                                seed=args.seed)
+            out = head_logprobs(
+                chunks, batches, vocab_size=vocab, sequence_parallel=args.sequence_parallel, seed=args.seed
+            )
             if out is not None:
                 for kind, key in enumerate(("logprobs", "entropies")):
                     result[kind] = comparable([o[key] for o in out])
@@ -473,8 +557,9 @@ def run_check(argv: Sequence[str]) -> dict[str, float]:
     return dict(zip(NUMBER_KEYS, verdict.tolist()))
 
 
-def _compare_with_transformers(args: argparse.Namespace, tokens: torch.Tensor, result: torch.Tensor,
-                               extra: torch.Tensor, *, compared: torch.Tensor) -> dict[str, float]:
+def _compare_with_transformers(
+    args: argparse.Namespace, tokens: torch.Tensor, result: torch.Tensor, extra: torch.Tensor, *, compared: torch.Tensor
+) -> dict[str, float]:
     """Driver side: transformers' log-probs (and entropies) of the same tokens; prints the table."""
     from transformers import AutoModelForCausalLM
 
@@ -485,37 +570,52 @@ def _compare_with_transformers(args: argparse.Namespace, tokens: torch.Tensor, r
     def transformers_values(model_dtype):
         # MoE experts: transformers' default grouped_mm kernel refuses float64; the eager loop is exact
         kwargs = {"experts_implementation": "eager"} if model_dtype == torch.float64 else {}
-        hf_model = AutoModelForCausalLM.from_pretrained(args.model, dtype=model_dtype, **kwargs).to(tokens.device).eval()
+        hf_model = (
+            AutoModelForCausalLM.from_pretrained(args.model, dtype=model_dtype, **kwargs).to(tokens.device).eval()
+        )
         return torch.stack(hf_logprobs_entropies(hf_model, tokens)).double()  # [2, K, L-1]
 
     reference = transformers_values(dtype)
     diff = (result.double() - reference[: result.shape[0], None]).abs()  # [kinds, 2, K, L-1]
-    layout = (f"tp={args.tp} pp={args.pp} cp={args.cp} vpp={args.vpp} ep={args.ep} etp={args.etp} "
-              f"sp={args.sequence_parallel} precision={args.precision} "
-              f"head={'fused' if args.fused_logprob else 'megatron-logits'} seqs={args.seqs} seq_len={args.seq_len} "
-              f"reference={str(dtype).replace('torch.', '')}")
+    layout = (
+        f"tp={args.tp} pp={args.pp} cp={args.cp} vpp={args.vpp} ep={args.ep} etp={args.etp} "
+        f"sp={args.sequence_parallel} precision={args.precision} "
+        f"head={'fused' if args.fused_logprob else 'megatron-logits'} seqs={args.seqs} seq_len={args.seq_len} "
+        f"reference={str(dtype).replace('torch.', '')}"
+    )
     print(f"check-parity: {args.model} {layout}", flush=True)
     for kind, name in enumerate(("logprob", "entropy")[: result.shape[0]]):
-        print(f"  {name:8s} max |diff| vs transformers: unpacked {_max_abs(diff[kind, 0], compared[0]):.3e}, "
-              f"packed {_max_abs(diff[kind, 1], compared[1]):.3e}", flush=True)
+        print(
+            f"  {name:8s} max |diff| vs transformers: unpacked {_max_abs(diff[kind, 0], compared[0]):.3e}, "
+            f"packed {_max_abs(diff[kind, 1], compared[1]):.3e}",
+            flush=True,
+        )
     floor = torch.zeros(2, dtype=torch.float64)
     if dtype == torch.float64 and args.precision == "fp32":
         # the fp32 noise floor of THIS model: a model with large activations cannot be computed to
         # 1e-5 in fp32 by anyone (a random hidden-128 Qwen2: transformers fp32 is off by 3.3e-5)
         own = (transformers_values(torch.float32) - reference).abs()
         floor = torch.tensor([_max_abs(own[kind], compared[0]) for kind in range(2)], dtype=torch.float64)
-        print(f"  transformers' own fp32 rounding (fp32 vs float64): logprob {floor[0]:.3e}, entropy {floor[1]:.3e}; "
-              f"limits max(--tolerance, {FP32_FLOOR_FACTOR:g} x that)", flush=True)
+        print(
+            f"  transformers' own fp32 rounding (fp32 vs float64): logprob {floor[0]:.3e}, entropy {floor[1]:.3e}; "
+            f"limits max(--tolerance, {FP32_FLOOR_FACTOR:g} x that)",
+            flush=True,
+        )
     if args.fused_logprob:
-        print(f"  fused vs plain-torch head (same hidden states): logprob {extra[1]:.3e}, entropy {extra[2]:.3e}, "
-              f"max relative gradient diff {extra[0]:.3e}", flush=True)
+        print(
+            f"  fused vs plain-torch head (same hidden states): logprob {extra[1]:.3e}, entropy {extra[2]:.3e}, "
+            f"max relative gradient diff {extra[0]:.3e}",
+            flush=True,
+        )
     return {
         "logprob": _max_abs(diff[0], compared),
         "entropy": _max_abs(diff[1], compared) if args.fused_logprob else 0.0,
-        "grad_rel": float(extra[0]), "fused_vs_torch_logprob": float(extra[1]),
+        "grad_rel": float(extra[0]),
+        "fused_vs_torch_logprob": float(extra[1]),
         "fused_vs_torch_entropy": float(extra[2]),
         "max_abs_logprob": _max_abs(reference[0, None].expand(2, -1, -1).abs(), compared),
-        "fp32_floor_logprob": float(floor[0]), "fp32_floor_entropy": float(floor[1]),
+        "fp32_floor_logprob": float(floor[0]),
+        "fp32_floor_entropy": float(floor[1]),
     }
 
 
@@ -527,7 +627,8 @@ def failures(numbers: dict[str, float], *, tolerance: float, grad_tolerance: flo
     limits = (
         ("logprob", max(tolerance, FP32_FLOOR_FACTOR * numbers.get("fp32_floor_logprob", 0.0))),
         ("entropy", max(tolerance, FP32_FLOOR_FACTOR * numbers.get("fp32_floor_entropy", 0.0))),
-        ("fused_vs_torch_logprob", tolerance), ("fused_vs_torch_entropy", tolerance),
+        ("fused_vs_torch_logprob", tolerance),
+        ("fused_vs_torch_entropy", tolerance),
         ("grad_rel", grad_tolerance),
     )
     return [f"{key} {numbers[key]:.3e} > {limit:.3g}" for key, limit in limits if not numbers.get(key, 0.0) <= limit]

@@ -34,13 +34,19 @@ TABLE_WIDTH = 120
 
 _QUIET_WARNINGS: tuple[tuple[str, str, str], ...] = (
     # (message regex, module regex, why it cannot matter)
-    (r"(Transformer Engine and Apex are|Apex is) not installed\. Falling back", r"megatron\.core",
-     "megatron-core announces, at import, each fused Apex/TE implementation it replaces with its torch one; "
-     "dapo-megatron chooses its backends explicitly (actor.attention_backend=torch runs without TE, Apex is "
-     "optional), so on CPU they print 14 times and say nothing the config does not"),
-    (r"full scope is deprecated\. Use empty cuda_graph_scope", r"megatron\.core",
-     "megatron-core 0.16.1's own TransformerConfig default (cuda_graph_scope='full') trips its deprecation "
-     "warning in __post_init__ (transformer_config.py:1705) once per rank; CUDA graphs are not used"),
+    (
+        r"(Transformer Engine and Apex are|Apex is) not installed\. Falling back",
+        r"megatron\.core",
+        "megatron-core announces, at import, each fused Apex/TE implementation it replaces with its torch one; "
+        "dapo-megatron chooses its backends explicitly (actor.attention_backend=torch runs without TE, Apex is "
+        "optional), so on CPU they print 14 times and say nothing the config does not",
+    ),
+    (
+        r"full scope is deprecated\. Use empty cuda_graph_scope",
+        r"megatron\.core",
+        "megatron-core 0.16.1's own TransformerConfig default (cuda_graph_scope='full') trips its deprecation "
+        "warning in __post_init__ (transformer_config.py:1705) once per rank; CUDA graphs are not used",
+    ),
 )
 
 
@@ -81,8 +87,9 @@ class Phases:
         note: dict[str, str] = {"detail": ""}
         timer = None
         if slow_note:
-            timer = threading.Timer(slow_after_s, lambda: print(f"{self.prefix} {name}: {slow_note} ...", file=out,
-                                                                 flush=True))
+            timer = threading.Timer(
+                slow_after_s, lambda: print(f"{self.prefix} {name}: {slow_note} ...", file=out, flush=True)
+            )
             timer.daemon = True
             timer.start()
         t0 = time.perf_counter()
@@ -106,8 +113,12 @@ def actor_ready(cfg: Any, *, out: TextIO | None = None) -> None:
     layout = f"TP {ac.tp} x PP {ac.pp}" + (f" x CP {ac.cp}" if ac.cp > 1 else "") + f" x DP {dp}"
     backend = dist.get_backend() if dist.is_initialized() else "none"
     since = time.time() - psutil.Process().create_time()
-    print(f"{PREFIX} actor: {world} Megatron rank{'s' if world > 1 else ''} ({layout}, {ac.precision}, {backend}), "
-          f"ready {since:.1f} s after launch", file=out or sys.stdout, flush=True)
+    print(
+        f"{PREFIX} actor: {world} Megatron rank{'s' if world > 1 else ''} ({layout}, {ac.precision}, {backend}), "
+        f"ready {since:.1f} s after launch",
+        file=out or sys.stdout,
+        flush=True,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -126,6 +137,7 @@ def _num(fmt: str):
         if math.isnan(number) or math.isinf(number):
             return str(number)
         return fmt.format(number)
+
     return cell
 
 
@@ -169,8 +181,10 @@ STEP_COLUMNS: tuple[tuple[str, str, int, Any], ...] = (
 
 
 # printed once above the first header: the columns whose names do not say it
-LEGEND = ("groups: prompt groups kept / generated (dynamic sampling); "
-          "mism: max |log p trainer - log p engine| on sampled tokens")
+LEGEND = (
+    "groups: prompt groups kept / generated (dynamic sampling); "
+    "mism: max |log p trainer - log p engine| on sampled tokens"
+)
 
 
 class StepTable:

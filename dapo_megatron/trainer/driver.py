@@ -55,33 +55,52 @@ class Driver:
         r = cfg.rollout
         keys = engine_keys(r, self.run_dir)  # the user's keys for engine_urls, else the run's secret
         if r.engine_urls:
-            self.pool = EnginePool(list(r.engine_urls), timeout_s=r.request_timeout_s, max_retries=r.max_retries,
-                                   keys=keys)
+            self.pool = EnginePool(
+                list(r.engine_urls), timeout_s=r.request_timeout_s, max_retries=r.max_retries, keys=keys
+            )
         else:
-            self.pool = self.loop.run_until_complete(EnginePool.from_registry(
-                str(self.run_dir / "engines"), min_engines=r.num_engines, timeout_s=r.request_timeout_s,
-                max_retries=r.max_retries, keys=keys))
+            self.pool = self.loop.run_until_complete(
+                EnginePool.from_registry(
+                    str(self.run_dir / "engines"),
+                    min_engines=r.num_engines,
+                    timeout_s=r.request_timeout_s,
+                    max_retries=r.max_retries,
+                    keys=keys,
+                )
+            )
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         # start-up admissions are not faults; restarts are the local launcher's (launch/supervise.py)
         self.engine_report = EngineEventReport(self.pool, restart_events=engine_events_path(self.run_dir))
         # what the driver knows when engines fail; the loop's FaultPolicy asks it (trainer/recovery.py)
-        self.engine_faults = EngineFaults(self.pool, run_dir=self.run_dir, engine=r.engine, engine_urls=r.engine_urls,
-                                          num_engines=r.num_engines, engine_wait_s=r.engine_wait_s)
+        self.engine_faults = EngineFaults(
+            self.pool,
+            run_dir=self.run_dir,
+            engine=r.engine,
+            engine_urls=r.engine_urls,
+            num_engines=r.num_engines,
+            engine_wait_s=r.engine_wait_s,
+        )
         eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         # sampling_seed only where every engine honours it (SGLang: --enable-deterministic-inference)
         seeded = self.loop.run_until_complete(self.pool.seeds_honoured())
-        self.sampler = RolloutSampler(self.pool, self.tokenizer,
-                                      RolloutSettings.from_sections(r, cfg.algorithm, seed=cfg.trainer.seed,
-                                                                   stop_token_ids=tuple(eos), per_sample_seeds=seeded),
-                                      rid_prefix="train")
+        self.sampler = RolloutSampler(
+            self.pool,
+            self.tokenizer,
+            RolloutSettings.from_sections(
+                r, cfg.algorithm, seed=cfg.trainer.seed, stop_token_ids=tuple(eos), per_sample_seeds=seeded
+            ),
+            rid_prefix="train",
+        )
         # checked like the launcher checked them before start (data.skip_bad_rows leaves out the same rows)
-        train, self.eval_sets = train_and_eval_sets(cfg.data, tokenizer=self.tokenizer,
-                                                    max_prompt_length=r.max_prompt_length)
+        train, self.eval_sets = train_and_eval_sets(
+            cfg.data, tokenizer=self.tokenizer, max_prompt_length=r.max_prompt_length
+        )
         self.prompts = PromptStream(train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         # master_address "" = the trainer address every engine reaches (weight_group.trainer_address)
         # the group's backend follows the engines (gloo for CPU engines, nccl for SGLang), not the trainer
-        self.weight_sync = DistributedWeightSync(bucket_bytes=r.weight_bucket_mb << 20,
-                                                 master_address=r.weight_sync_address)
+        self.weight_sync = DistributedWeightSync(
+            bucket_bytes=r.weight_bucket_mb << 20, master_address=r.weight_sync_address
+        )
         # rollout.quantization=fp8: every sync sends modelopt's fp8 weights + scales (quant/engine_checkpoint.py)
         self.fp8 = None
         if r.quantization == "fp8":
@@ -92,9 +111,15 @@ class Driver:
         self.next_step, self._rollout_end = 0, 0.0
         self.overlap = None
         if r.max_staleness >= 1:
-            self.overlap = AsyncRollout(self.loop, self.sampler, self.prompts, max_staleness=r.max_staleness,
-                                        train_batch_size=cfg.trainer.train_batch_size,
-                                        total_steps=cfg.trainer.total_steps, timeline=self.timeline)
+            self.overlap = AsyncRollout(
+                self.loop,
+                self.sampler,
+                self.prompts,
+                max_staleness=r.max_staleness,
+                train_batch_size=cfg.trainer.train_batch_size,
+                total_steps=cfg.trainer.total_steps,
+                timeline=self.timeline,
+            )
 
     def run(self, coro):
         """A coroutine on the driver's loop: here, or on its thread while steps overlap (every caller of
@@ -119,28 +144,42 @@ class Driver:
             result, overlap_stats = self.overlap.next_batch(step)
         else:
             result = self.loop.run_until_complete(
-                self.sampler.collect(self.prompts, train_batch_size=self.cfg.trainer.train_batch_size))
+                self.sampler.collect(self.prompts, train_batch_size=self.cfg.trainer.train_batch_size)
+            )
             self.timeline.append(("generate", step, tic, time.time()))
             self.timeline.extend(engine_phases(self.sampler.engine_spans, step))
             self.sampler.engine_spans.clear()
         self.next_step, self._rollout_end = step + 1, time.time()
         samples = result.samples
         lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
-        stats = {f"sampler/{k}": float(v) for k, v in result.stats.items()
-                 if isinstance(v, (int, float)) and k not in ("tokens_per_s", "seconds")}
-        stats.update({
-            "throughput/rollout_tok_s": float(result.stats.get("tokens_per_s", 0.0)),
-            "reward/mean": float(torch.tensor([s.reward for s in samples]).mean()) if samples else 0.0,
-            "acc/mean": float(torch.tensor([s.acc for s in samples]).mean()) if samples else 0.0,
-            "response_length/mean": float(lengths.mean()) if samples else 0.0,
-            "response_length/max": float(lengths.max()) if samples else 0.0,
-            "response_length/clip_ratio": float(sum(s.truncated for s in samples) / max(len(samples), 1)),
-        })
+        stats = {
+            f"sampler/{k}": float(v)
+            for k, v in result.stats.items()
+            if isinstance(v, (int, float)) and k not in ("tokens_per_s", "seconds")
+        }
+        stats.update(
+            {
+                "throughput/rollout_tok_s": float(result.stats.get("tokens_per_s", 0.0)),
+                "reward/mean": float(torch.tensor([s.reward for s in samples]).mean()) if samples else 0.0,
+                "acc/mean": float(torch.tensor([s.acc for s in samples]).mean()) if samples else 0.0,
+                "response_length/mean": float(lengths.mean()) if samples else 0.0,
+                "response_length/max": float(lengths.max()) if samples else 0.0,
+                "response_length/clip_ratio": float(sum(s.truncated for s in samples) / max(len(samples), 1)),
+            }
+        )
         stats.update(overlap_stats)
         return result.groups, stats
 
-    def try_phase(self, phase: Callable[[], Any], *, restore_prompts: bool = False, during: str, then: str,
-                  updates: int, step: int) -> tuple[Verdict, Any]:
+    def try_phase(
+        self,
+        phase: Callable[[], Any],
+        *,
+        restore_prompts: bool = False,
+        during: str,
+        then: str,
+        updates: int,
+        step: int,
+    ) -> tuple[Verdict, Any]:
         """(Verdict.OK, phase()) or, when every engine was lost during it, (Verdict.RESYNC | LOST, None) from
         EngineFaults.after_loss (trainer/recovery.py: FaultPolicy). restore_prompts (the rollout): the
         prompt stream and request counter are put back where the phase began, so that the redone
@@ -155,8 +194,9 @@ class Driver:
                 raise  # engines answer: not an engine loss
             if state is not None:
                 self.load_state_dict(state)
-            return self.engine_faults.after_loss(err, during=during, then=then, updates=updates, step=step,
-                                                 run=self.run), None
+            return self.engine_faults.after_loss(
+                err, during=during, then=then, updates=updates, step=step, run=self.run
+            ), None
 
     # --- weights out ----------------------------------------------------------------------------------
     def push_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], *, step: int) -> dict[str, float]:
@@ -179,15 +219,21 @@ class Driver:
         if self._rollout_end:  # the trainer's part of step step-1 on this rank: scatter, log-probs, updates
             self.timeline.append(("train", step - 1, self._rollout_end, tic))
         stats, self.engine_faults.sync_redo = self.run(
-            sync_dropping_dead(self.pool, self.weight_sync, named, weight_version=version, around=around))
+            sync_dropping_dead(self.pool, self.weight_sync, named, weight_version=version, around=around)
+        )
         if stats is None:
             return {}
         self.sampler.weight_version = version
         if self._rollout_end:
             self.timeline.append(("sync", step - 1, tic, time.time()))
         self.next_step, self._rollout_end = step, 0.0
-        return {"sync/seconds": stats.seconds, "sync/gb": stats.bytes / 1e9, "sync/gb_per_s": stats.gb_per_s,
-                "sync/buckets": float(stats.num_buckets), "sync/collectives": float(stats.num_collectives)}
+        return {
+            "sync/seconds": stats.seconds,
+            "sync/gb": stats.bytes / 1e9,
+            "sync/gb_per_s": stats.gb_per_s,
+            "sync/buckets": float(stats.num_buckets),
+            "sync/collectives": float(stats.num_collectives),
+        }
 
     def weights_now(self, version: str) -> None:
         """The engines hold weight version `version` (a transfer by another transport, trainer/placement.py):
@@ -212,18 +258,33 @@ class Driver:
         start, tic = time.perf_counter(), time.time()
         reports = {}
         for name, records in self.eval_sets.items():
-            samples = self.run(sample_eval(
-                self.pool, [self.sampler.prompt_ids(r) for r in records], records, n=t.eval_n,
-                temperature=t.eval_temperature, top_p=t.eval_top_p, max_new_tokens=self.cfg.rollout.max_response_length,
-                seed=t.seed, stop_token_ids=self.sampler.settings.stop_token_ids,
-                per_sample_seeds=self.sampler.settings.per_sample_seeds))
+            samples = self.run(
+                sample_eval(
+                    self.pool,
+                    [self.sampler.prompt_ids(r) for r in records],
+                    records,
+                    n=t.eval_n,
+                    temperature=t.eval_temperature,
+                    top_p=t.eval_top_p,
+                    max_new_tokens=self.cfg.rollout.max_response_length,
+                    seed=t.seed,
+                    stop_token_ids=self.sampler.settings.stop_token_ids,
+                    per_sample_seeds=self.sampler.settings.per_sample_seeds,
+                )
+            )
             reports[name] = eval_report(samples, records, step=step, name=name)
-        write_eval_file(eval_file_path(self.run_dir, step), reports,
-                        extra={"temperature": t.eval_temperature, "top_p": t.eval_top_p})
+        write_eval_file(
+            eval_file_path(self.run_dir, step),
+            reports,
+            extra={"temperature": t.eval_temperature, "top_p": t.eval_top_p},
+        )
         # the timeline's "eval" lane: without it an eval step is an unlabelled gap in timeline.png
         self.timeline.append(("eval", step, tic, time.time()))
-        metrics = {key: value for name, report in reports.items()
-                   for key, value in report_metrics(report, prefix=metric_prefix(name, num_sets=len(reports))).items()}
+        metrics = {
+            key: value
+            for name, report in reports.items()
+            for key, value in report_metrics(report, prefix=metric_prefix(name, num_sets=len(reports))).items()
+        }
         return {**metrics, "time/eval_s": time.perf_counter() - start}
 
     def close(self) -> None:

@@ -39,8 +39,17 @@ from dapo_megatron.algo.eval_stats import (
 from dapo_megatron.data.datasets import DEFAULT_EVAL_SET as DEFAULT_SET
 from dapo_megatron.reward.math_dapo import INVALID
 
-__all__ = ["eval_report", "report_metrics", "write_eval_file", "read_eval_file", "load_eval_sets", "compare_evals",
-           "eval_file_path", "headline_avg", "DEFAULT_SET"]
+__all__ = [
+    "eval_report",
+    "report_metrics",
+    "write_eval_file",
+    "read_eval_file",
+    "load_eval_sets",
+    "compare_evals",
+    "eval_file_path",
+    "headline_avg",
+    "DEFAULT_SET",
+]
 
 METHOD = "percentile bootstrap over problems"
 SUMMARY_KEYS = ("k", "num_prompts", "avg@k", "avg@k_ci95", "maj@k")  # and every pass@j
@@ -49,13 +58,22 @@ TIE_RULE = "a tie scores the fraction of the tied answers that are correct; [INV
 
 def prompt_hash(record) -> str:
     """12 hex digits naming a problem by its chat and ground truth: two evals compare only on equal problems."""
-    chat = record.chat() if hasattr(record, "chat") else [{"role": "user", "content": str(getattr(record, "prompt", ""))}]
+    chat = (
+        record.chat() if hasattr(record, "chat") else [{"role": "user", "content": str(getattr(record, "prompt", ""))}]
+    )
     text = json.dumps({"chat": chat, "ground_truth": str(getattr(record, "ground_truth", ""))}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def eval_report(samples, records: Sequence, *, step: int, name: str = DEFAULT_SET,
-                resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> dict[str, Any]:
+def eval_report(
+    samples,
+    records: Sequence,
+    *,
+    step: int,
+    name: str = DEFAULT_SET,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = BOOTSTRAP_SEED,
+) -> dict[str, Any]:
     """The report of one eval set from its EvalSamples (row i = records[i])."""
     correct = samples.correct
     num_problems, n = correct.shape
@@ -63,10 +81,17 @@ def eval_report(samples, records: Sequence, *, step: int, name: str = DEFAULT_SE
         raise ValueError(f"eval report: {num_problems} rows of samples for {len(records)} problems")
     per_problem = correct.mean(dim=1)
     low, high = bootstrap_mean_ci(per_problem, resamples=resamples, seed=seed)
-    report: dict[str, Any] = {"step": int(step), "set": name, "k": int(n), "num_prompts": int(num_problems),
-                              "avg@k": float(per_problem.mean()), "avg@k_ci95": [low, high]}
-    report["maj@k"] = sum(majority_correct(a, c, abstain=INVALID)
-                          for a, c in zip(samples.answers, correct.tolist())) / num_problems
+    report: dict[str, Any] = {
+        "step": int(step),
+        "set": name,
+        "k": int(n),
+        "num_prompts": int(num_problems),
+        "avg@k": float(per_problem.mean()),
+        "avg@k_ci95": [low, high],
+    }
+    report["maj@k"] = (
+        sum(majority_correct(a, c, abstain=INVALID) for a, c in zip(samples.answers, correct.tolist())) / num_problems
+    )
     for j in pass_ks(n):
         report[f"pass@{j}"] = float(pass_at_k(correct, k=j).mean())
     report["pass@k"] = report[f"pass@{n}"]
@@ -74,11 +99,19 @@ def eval_report(samples, records: Sequence, *, step: int, name: str = DEFAULT_SE
     report["maj_tie_rule"] = TIE_RULE
     tokens = samples.response_tokens.to(torch.float64)
     report["problems"] = [
-        {"index": i, "data_source": str(getattr(r, "data_source", "")), "prompt_hash": prompt_hash(r),
-         "ground_truth": str(getattr(r, "ground_truth", "")), "n": int(n), "correct": int(round(float(correct[i].sum()))),
-         "answers": dict(Counter(samples.answers[i]).most_common()),
-         "mean_response_tokens": float(tokens[i].mean()), "truncated": int(samples.truncated[i].sum())}
-        for i, r in enumerate(records)]
+        {
+            "index": i,
+            "data_source": str(getattr(r, "data_source", "")),
+            "prompt_hash": prompt_hash(r),
+            "ground_truth": str(getattr(r, "ground_truth", "")),
+            "n": int(n),
+            "correct": int(round(float(correct[i].sum()))),
+            "answers": dict(Counter(samples.answers[i]).most_common()),
+            "mean_response_tokens": float(tokens[i].mean()),
+            "truncated": int(samples.truncated[i].sum()),
+        }
+        for i, r in enumerate(records)
+    ]
     return report
 
 
@@ -143,8 +176,10 @@ def read_eval_file(path: str | Path) -> dict[str, dict[str, Any]]:
     sets = data["sets"] if isinstance(data.get("sets"), dict) else {str(data.get("set", DEFAULT_SET)): data}
     for name, report in sets.items():
         if not isinstance(report.get("problems"), list):
-            raise ValueError(f"eval file {path}: set {name!r} has no per-problem records ('problems'); it was written "
-                             "before evals kept them: evaluate the checkpoint again with `dapo-megatron eval`")
+            raise ValueError(
+                f"eval file {path}: set {name!r} has no per-problem records ('problems'); it was written "
+                "before evals kept them: evaluate the checkpoint again with `dapo-megatron eval`"
+            )
     return sets
 
 
@@ -154,16 +189,19 @@ def load_eval_sets(where: str | Path) -> tuple[Path, dict[str, dict[str, Any]]]:
     if path.is_dir():
         files = sorted((path / "evals").glob("step_*.json"))
         if not files:
-            raise ValueError(f"{path}: a directory without eval files ({path / 'evals'}/step_N.json); "
-                             "name an eval JSON file or a run directory whose run evaluated")
+            raise ValueError(
+                f"{path}: a directory without eval files ({path / 'evals'}/step_N.json); "
+                "name an eval JSON file or a run directory whose run evaluated"
+            )
         path = files[-1]
     elif not path.is_file():
         raise ValueError(f"{path}: neither an eval JSON file nor a run directory")
     return path, read_eval_file(path)
 
 
-def compare_evals(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]], *, where_a: str = "A",
-                  where_b: str = "B") -> list[dict[str, Any]]:
+def compare_evals(
+    a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]], *, where_a: str = "A", where_b: str = "B"
+) -> list[dict[str, Any]]:
     """Per eval set present in both: avg@k of A and of B, B - A with its paired-bootstrap interval and
     verdict. Refuses (ValueError) when a set's problems differ (count, order or content)."""
     common = [name for name in a if name in b]
@@ -179,12 +217,24 @@ def compare_evals(a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]], *,
             else:
                 first = next(i for i, (x, y) in enumerate(zip(ha, hb)) if x != y)
                 why = f"problem {first} differs (prompt_hash {ha[first]} vs {hb[first]})"
-            raise ValueError(f"eval set {name!r}: {where_a} and {where_b} were not evaluated on the same problems "
-                             f"({why}); a paired comparison needs the same problems in the same order")
+            raise ValueError(
+                f"eval set {name!r}: {where_a} and {where_b} were not evaluated on the same problems "
+                f"({why}); a paired comparison needs the same problems in the same order"
+            )
         acc_a = [p["correct"] / p["n"] for p in pa]
         acc_b = [p["correct"] / p["n"] for p in pb]
         diff = paired_bootstrap_diff(acc_a, acc_b)
-        rows.append({"set": name, "num_prompts": len(pa), "k_a": a[name]["k"], "k_b": b[name]["k"],
-                     "avg_a": sum(acc_a) / len(acc_a), "avg_b": sum(acc_b) / len(acc_b),
-                     "diff": diff["diff"], "diff_ci95": [diff["low"], diff["high"]], "verdict": diff["verdict"]})
+        rows.append(
+            {
+                "set": name,
+                "num_prompts": len(pa),
+                "k_a": a[name]["k"],
+                "k_b": b[name]["k"],
+                "avg_a": sum(acc_a) / len(acc_a),
+                "avg_b": sum(acc_b) / len(acc_b),
+                "diff": diff["diff"],
+                "diff_ci95": [diff["low"], diff["high"]],
+                "verdict": diff["verdict"],
+            }
+        )
     return rows

@@ -36,9 +36,19 @@ class EvalSamples:
 # Sampling a policy on the eval set (used by `train` every trainer.eval_every steps and by `eval`)
 
 
-async def sample_eval(pool, prompt_ids: Sequence[Sequence[int]], records: Sequence, *, n: int, temperature: float,
-                      top_p: float, max_new_tokens: int, seed: int, stop_token_ids: Sequence[int] = (),
-                      per_sample_seeds: bool = True) -> EvalSamples:
+async def sample_eval(
+    pool,
+    prompt_ids: Sequence[Sequence[int]],
+    records: Sequence,
+    *,
+    n: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    seed: int,
+    stop_token_ids: Sequence[int] = (),
+    per_sample_seeds: bool = True,
+) -> EvalSamples:
     """n samples of every problem, scored by its record's scorer (reward/: the same one training uses).
 
     Problem i is one request of n items (n = 1 each, rid f"eval-{seed}-{i}-{j}.", as the sampler's);
@@ -46,29 +56,42 @@ async def sample_eval(pool, prompt_ids: Sequence[Sequence[int]], records: Sequen
     policy gives the same samples."""
     import asyncio
 
-
-    params = {"n": 1, "temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
-              "stop_token_ids": list(stop_token_ids)}
+    params = {
+        "n": 1,
+        "temperature": temperature,
+        "top_p": top_p,
+        "max_new_tokens": max_new_tokens,
+        "stop_token_ids": list(stop_token_ids),
+    }
 
     async def one(i: int, ids: Sequence[int], record) -> list[tuple[float, str, int, bool]]:
         first = seed * 7919 + i
         sampling = [{**params, "sampling_seed": first + j} if per_sample_seeds else params for j in range(n)]
-        outs = await pool.generate(input_ids=[list(ids)] * n, rid=[f"eval-{seed}-{i}-{j}." for j in range(n)],
-                                   sampling_params=sampling)
+        outs = await pool.generate(
+            input_ids=[list(ids)] * n, rid=[f"eval-{seed}-{i}-{j}." for j in range(n)], sampling_params=sampling
+        )
         scorer = scorer_for_data_source(getattr(record, "data_source", "") or "math_dapo")
         rows = []
         for o in outs:
             result = scorer(o["text"], str(record.ground_truth))
             pred = getattr(result, "pred", None)
-            rows.append((float(result.acc), "" if pred is None else str(pred), len(o["output_ids"]),
-                         o["meta_info"]["finish_reason"]["type"] == "length"))
+            rows.append(
+                (
+                    float(result.acc),
+                    "" if pred is None else str(pred),
+                    len(o["output_ids"]),
+                    o["meta_info"]["finish_reason"]["type"] == "length",
+                )
+            )
         return rows
 
     rows = await asyncio.gather(*(one(i, ids, r) for i, (ids, r) in enumerate(zip(prompt_ids, records))))
-    return EvalSamples(correct=torch.tensor([[s[0] for s in row] for row in rows], dtype=torch.float64).reshape(len(records), n),
-                       answers=[[s[1] for s in row] for row in rows],
-                       response_tokens=torch.tensor([[s[2] for s in row] for row in rows], dtype=torch.int64).reshape(len(records), n),
-                       truncated=torch.tensor([[s[3] for s in row] for row in rows], dtype=torch.bool).reshape(len(records), n))
+    return EvalSamples(
+        correct=torch.tensor([[s[0] for s in row] for row in rows], dtype=torch.float64).reshape(len(records), n),
+        answers=[[s[1] for s in row] for row in rows],
+        response_tokens=torch.tensor([[s[2] for s in row] for row in rows], dtype=torch.int64).reshape(len(records), n),
+        truncated=torch.tensor([[s[3] for s in row] for row in rows], dtype=torch.bool).reshape(len(records), n),
+    )
 
 
 def resolve_checkpoint(checkpoint: str) -> tuple[str, str]:
@@ -77,16 +100,19 @@ def resolve_checkpoint(checkpoint: str) -> tuple[str, str]:
     model directory."""
     from pathlib import Path
 
-
     path = Path(checkpoint)
     if checkpoint_root(path).is_dir():  # a run directory
         latest = latest_checkpoint(path)
         if latest is None:
-            raise ValueError(f"--checkpoint {checkpoint}: a run directory without a complete checkpoint "
-                             f"({checkpoint_root(path)}/step_N with trainer_state.json)")
+            raise ValueError(
+                f"--checkpoint {checkpoint}: a run directory without a complete checkpoint "
+                f"({checkpoint_root(path)}/step_N with trainer_state.json)"
+            )
         path = latest
     for candidate in (path / "hf", path):
         if (candidate / "config.json").is_file():
             return str(path), str(candidate)
-    raise ValueError(f"--checkpoint {path}: neither it nor {path / 'hf'} holds a HF model (config.json); "
-                     "run checkpoints have hf/ when trainer.save_hf is true")
+    raise ValueError(
+        f"--checkpoint {path}: neither it nor {path / 'hf'} holds a HF model (config.json); "
+        "run checkpoints have hf/ when trainer.save_hf is true"
+    )

@@ -24,6 +24,8 @@ class NonFiniteGuard:
 
     def stop_if_exceeded(self) -> None:
         if self.in_row >= self.max_in_row:
-            raise RuntimeError(f"{self.in_row} updates in a row had a NaN/inf loss or grad norm "
-                               f"(trainer.max_nonfinite_in_row={self.max_in_row}); stopping. "
-                               f"Last good checkpoint: {self.last_good()}")
+            raise RuntimeError(
+                f"{self.in_row} updates in a row had a NaN/inf loss or grad norm "
+                f"(trainer.max_nonfinite_in_row={self.max_in_row}); stopping. "
+                f"Last good checkpoint: {self.last_good()}"
+            )

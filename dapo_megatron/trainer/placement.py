@@ -97,8 +97,7 @@ class _EngineSide:
             self.released.difference_update(todo)
 
     def resident_gb(self) -> float:
-        return self.driver.run(
-            engine_memory.resident_gb(self.driver.pool.weight_targets(), released=self.released))
+        return self.driver.run(engine_memory.resident_gb(self.driver.pool.weight_targets(), released=self.released))
 
 
 def _ledger(phase: str, actor, ref, engines: _EngineSide) -> dict[str, float]:
@@ -160,13 +159,14 @@ class ColocatedPlacement:
     def __init__(self, cfg: Config, *, roles: RankRoles, driver=None) -> None:
         import torch.distributed as dist
 
-
         if roles.driver and driver is None:
             raise ValueError("ColocatedPlacement: the driver rank needs its Driver (engine pool)")
         if cfg.rollout.engine_urls:
-            raise ValueError("config key 'rollout.engine_urls': fixed engine URLs cannot be colocated (the "
-                             "trainer must know which GPU each engine rank uses: registrations from the "
-                             "launcher); set rollout.placement=disaggregated or leave engine_urls empty")
+            raise ValueError(
+                "config key 'rollout.engine_urls': fixed engine URLs cannot be colocated (the "
+                "trainer must know which GPU each engine rank uses: registrations from the "
+                "launcher); set rollout.placement=disaggregated or leave engine_urls empty"
+            )
         self.roles = roles
         self.driver = driver
         self.engines = _EngineSide(driver)
@@ -175,9 +175,15 @@ class ColocatedPlacement:
             devices = [None] * dist.get_world_size()
             coll.all_gather_object(devices, trainer_device())
         self.slots = driver_decides(lambda: assign_engine_slots(driver.pool.registrations(), devices))
-        self.transfer = ColocatedTransfer(self.slots, driver=driver, bucket_bytes=cfg.rollout.weight_bucket_mb << 20,
-                                          verify=cfg.rollout.verify_weight_sync)
-        self.fp8 = None  # rollout.quantization=fp8: every rank converts what it hands its engine (quant/engine_checkpoint.py)
+        self.transfer = ColocatedTransfer(
+            self.slots,
+            driver=driver,
+            bucket_bytes=cfg.rollout.weight_bucket_mb << 20,
+            verify=cfg.rollout.verify_weight_sync,
+        )
+        self.fp8 = (
+            None  # rollout.quantization=fp8: every rank converts what it hands its engine (quant/engine_checkpoint.py)
+        )
         if cfg.rollout.quantization == "fp8":
             self.fp8 = fp8_converter(fp8_rollout_dir(cfg.trainer.output_dir))
 
@@ -206,9 +212,15 @@ class ColocatedPlacement:
         if not self.roles.driver:
             return {}
         self.driver.weights_now(f"step_{step}")
-        return {"sync/seconds": stats.seconds, "sync/gb": stats.bytes / 1e9, "sync/gb_per_s": stats.gb_per_s,
-                "sync/buckets": float(stats.num_buckets), "sync/collectives": 0.0, "sync/engines": float(stats.num_engines),
-                "sync/verified_tensors": float(stats.num_tensors if self.transfer.verify else 0)}
+        return {
+            "sync/seconds": stats.seconds,
+            "sync/gb": stats.bytes / 1e9,
+            "sync/gb_per_s": stats.gb_per_s,
+            "sync/buckets": float(stats.num_buckets),
+            "sync/collectives": 0.0,
+            "sync/engines": float(stats.num_engines),
+            "sync/verified_tensors": float(stats.num_tensors if self.transfer.verify else 0),
+        }
 
     @contextlib.contextmanager
     def actor_on_device(self, actor, *, step: int) -> Iterator[None]:

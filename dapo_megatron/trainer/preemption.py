@@ -66,8 +66,9 @@ class PreemptionSignal:
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is None:
             self.received = signal.Signals(signum)
-            print(f"[preemption] received {self.received.name}: checkpoint at the end of this step, then exit",
-                  flush=True)
+            print(
+                f"[preemption] received {self.received.name}: checkpoint at the end of this step, then exit", flush=True
+            )
 
     @property
     def requested(self) -> bool:
@@ -95,8 +96,10 @@ class PreemptionSignal:
         named = self.launcher_signal
         if named:
             return f"stopped at step {step} ({named}): checkpoint {checkpoint}; continue with --resume"
-        return f"[train] {self.received.name if self.received else 'signal'}: checkpoint of step {step} written; " \
-               "exiting so the job can be requeued"
+        return (
+            f"[train] {self.received.name if self.received else 'signal'}: checkpoint of step {step} written; "
+            "exiting so the job can be requeued"
+        )
 
     def should_stop(self, group: dist.ProcessGroup | None = None) -> bool:
         """True on every rank if any rank has a request; a collective when torch.distributed is up."""

@@ -108,27 +108,41 @@ class EngineFaults:
             if event.startswith("dropped"):
                 drops[url] = event.removeprefix("dropped").lstrip(": ")
         named = "; ".join(f"{url} dropped ({why})" for url, why in drops.items()) or str(err)
-        launcher = "; ".join(f"the launcher's {e['engine']} exited with code {e['returncode']} and was not restarted "
-                             f"(restart budget rollout.engine_restarts={e['budget']} spent)"
-                             for e in self.launcher_gave_up())
-        return (f"no rollout engine left at step {step}: {named}; none registered again within "
-                f"{waited_s:.0f} s (rollout.engine_wait_s={self.engine_wait_s:g})"
-                + (f"; {launcher}" if launcher else "") + f". Last error: {type(err).__name__}: {err}")
+        launcher = "; ".join(
+            f"the launcher's {e['engine']} exited with code {e['returncode']} and was not restarted "
+            f"(restart budget rollout.engine_restarts={e['budget']} spent)"
+            for e in self.launcher_gave_up()
+        )
+        return (
+            f"no rollout engine left at step {step}: {named}; none registered again within "
+            f"{waited_s:.0f} s (rollout.engine_wait_s={self.engine_wait_s:g})"
+            + (f"; {launcher}" if launcher else "")
+            + f". Last error: {type(err).__name__}: {err}"
+        )
 
     def after_loss(self, err: BaseException, *, during: str, then: str, updates: int, step: int, run) -> Verdict:
         """Every engine was lost `during` a phase on the weights after `updates` updates: RESYNC when
         one is (back) to take them (the phase redone `then`), LOST when none came back in time (the
         reason, naming `step`, in lost_reason). `run`: the driver's way of running a coroutine."""
         if self.pool.live_urls():  # overlapped steps: an engine came back and took a push meanwhile
-            print(f"[engines] every engine was lost during {during}; {', '.join(self.pool.live_urls())} is back: "
-                  f"re-syncing the weights of step {updates}, then {then}", flush=True)
+            print(
+                f"[engines] every engine was lost during {during}; {', '.join(self.pool.live_urls())} is back: "
+                f"re-syncing the weights of step {updates}, then {then}",
+                flush=True,
+            )
             return Verdict.RESYNC
-        print(f"[engines] no engine left during {during} ({type(err).__name__}); waiting up to "
-              f"{self.engine_wait_s:g} s (rollout.engine_wait_s) for one to register again", flush=True)
+        print(
+            f"[engines] no engine left during {during} ({type(err).__name__}); waiting up to "
+            f"{self.engine_wait_s:g} s (rollout.engine_wait_s) for one to register again",
+            flush=True,
+        )
         tic = time.monotonic()
         if run(self.wait_for_engine(wait_s=self.engine_wait_s)):
-            print(f"[engines] {', '.join(self.pool.pending_urls())} registered after {time.monotonic() - tic:.1f} s: "
-                  f"re-syncing the weights of step {updates}, then {then}", flush=True)
+            print(
+                f"[engines] {', '.join(self.pool.pending_urls())} registered after {time.monotonic() - tic:.1f} s: "
+                f"re-syncing the weights of step {updates}, then {then}",
+                flush=True,
+            )
             return Verdict.RESYNC
         self.lost_reason = self.lost_message(step, err, time.monotonic() - tic)
         return Verdict.LOST
@@ -159,18 +173,26 @@ class FaultPolicy:
         """The driver's `rollout()` ((groups, stats); (None, {}) elsewhere), redone after a re-sync when
         every engine died; EnginesLost on every rank, with the driver's message, when none came back (at
         most rollout.engine_restarts + 1 redone rollouts per step)."""
+
         def attempt() -> tuple[Verdict, Any]:
             verdict, result = self.driver.try_phase(
-                rollout, restore_prompts=True, during=f"step {step + 1}'s rollout",
-                then=f"step {step + 1}'s rollout starts over", updates=step, step=step + 1)
+                rollout,
+                restore_prompts=True,
+                during=f"step {step + 1}'s rollout",
+                then=f"step {step + 1}'s rollout starts over",
+                updates=step,
+                step=step + 1,
+            )
             if verdict is Verdict.LOST:  # raised on every rank (torchrun's "Root Cause" may be any rank's)
                 raise EnginesLost(self.driver.engine_faults.lost_reason)
             return verdict, result
 
         verdict, result, _ = self._with_resync(attempt, updates=step, attempts=self.engine_restarts + 2)
         if verdict is Verdict.RESYNC:
-            raise EnginesLost(f"step {step + 1}'s rollout was redone {self.engine_restarts + 1} times: the engines "
-                              f"keep dying (rollout.engine_restarts={self.engine_restarts})")
+            raise EnginesLost(
+                f"step {step + 1}'s rollout was redone {self.engine_restarts + 1} times: the engines "
+                f"keep dying (rollout.engine_restarts={self.engine_restarts})"
+            )
         return result if self.roles.driver else (None, {})
 
     def around_eval(self, evaluate: Callable[[], dict[str, float]], *, updates: int) -> dict[str, float]:
@@ -180,10 +202,15 @@ class FaultPolicy:
         recorded as missed ("eval/missed": 1) with a line saying why, and training goes on: the step it
         followed is complete and is never lost (the next rollout waits for an engine, or checkpoints
         this step and stops)."""
+
         def attempt() -> tuple[Verdict, Any]:
             return self.driver.try_phase(
-                evaluate, during=f"the eval of step {updates}",
-                then="the eval starts over with the same prompts and seeds", updates=updates, step=updates)
+                evaluate,
+                during=f"the eval of step {updates}",
+                then="the eval starts over with the same prompts and seeds",
+                updates=updates,
+                step=updates,
+            )
 
         verdict, scores, attempts = self._with_resync(attempt, updates=updates, attempts=2)
         if not self.roles.driver:
@@ -192,13 +219,17 @@ class FaultPolicy:
             return {**scores, **({"eval/retried": 1.0} if attempts > 1 else {})}
         faults = self.driver.engine_faults
         why = faults.lost_reason or "the engines died again during the retried eval"
-        print(f"[eval] the eval of step {updates} is missed (recorded as eval/missed=1): {why}. Training goes on "
-              f"from step {updates}, which is complete", flush=True)
+        print(
+            f"[eval] the eval of step {updates} is missed (recorded as eval/missed=1): {why}. Training goes on "
+            f"from step {updates}, which is complete",
+            flush=True,
+        )
         faults.lost_reason = ""
         return {"eval/missed": 1.0}
 
-    def _with_resync(self, attempt: Callable[[], tuple[Verdict, Any]], *, updates: int,
-                     attempts: int) -> tuple[Verdict, Any, int]:
+    def _with_resync(
+        self, attempt: Callable[[], tuple[Verdict, Any]], *, updates: int, attempts: int
+    ) -> tuple[Verdict, Any, int]:
         """The one retry-with-resync path: the driver's `attempt()` -> (verdict, result); every rank
         learns the verdict (the result stays on the driver); after RESYNC every rank re-syncs the
         weights after `updates` updates and the driver attempts again, `attempts` times at most.

@@ -86,8 +86,12 @@ class TrainerState:
         """A checkpoint's state; ValueError naming the file and key when one is missing or not a number."""
         try:
             score = raw.get("eval")
-            return cls(step=int(raw["step"]), nonfinite_in_row=int(raw.get("nonfinite_in_row", 0)),
-                       eval=float(score) if isinstance(score, (int, float)) else None, driver=raw.get("driver"))
+            return cls(
+                step=int(raw["step"]),
+                nonfinite_in_row=int(raw.get("nonfinite_in_row", 0)),
+                eval=float(score) if isinstance(score, (int, float)) else None,
+                driver=raw.get("driver"),
+            )
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{source}: not a trainer state ({type(err).__name__}: {err})") from None
 
@@ -153,6 +157,7 @@ def commit(tmp_dir: Path, final_dir: Path, *, keep: int, keep_best: bool = False
 
 # --- manifest: sizes and checksums, written last, verified on resume ----------------------------------
 
+
 def file_crc32(path: Path, *, chunk_bytes: int = 16 << 20) -> str:
     """CRC-32 of a file, read in chunks (detects truncation and bit rot; not a security hash)."""
     crc = 0
@@ -164,13 +169,11 @@ def file_crc32(path: Path, *, chunk_bytes: int = 16 << 20) -> str:
 
 def checkpoint_files(ckpt_dir: Path) -> list[str]:
     """Every file below ckpt_dir (relative, sorted), except the manifest itself."""
-    return sorted(str(p.relative_to(ckpt_dir)) for p in ckpt_dir.rglob("*")
-                  if p.is_file() and p.name != MANIFEST_FILE)
+    return sorted(str(p.relative_to(ckpt_dir)) for p in ckpt_dir.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
 
 
 def describe_files(ckpt_dir: Path, names: list[str]) -> dict[str, dict[str, Any]]:
-    return {name: {"bytes": (ckpt_dir / name).stat().st_size, "crc32": file_crc32(ckpt_dir / name)}
-            for name in names}
+    return {name: {"bytes": (ckpt_dir / name).stat().st_size, "crc32": file_crc32(ckpt_dir / name)} for name in names}
 
 
 def check_files(ckpt_dir: Path, expected: dict[str, dict[str, Any]]) -> list[str]:
@@ -251,8 +254,10 @@ def newest_valid_checkpoint(output_dir: str | Path, *, log: Callable[[str], None
     rank, _ = _world()
     found = driver_decides(lambda: list_checkpoints(output_dir))
     if not found:
-        raise ValueError(f"--resume: no checkpoint in {checkpoint_root(output_dir)} (a complete "
-                         f"step_<N>/ with {STATE_FILE}); run without --resume to start this run from the beginning")
+        raise ValueError(
+            f"--resume: no checkpoint in {checkpoint_root(output_dir)} (a complete "
+            f"step_<N>/ with {STATE_FILE}); run without --resume to start this run from the beginning"
+        )
     rejected: list[str] = []
     for _step, path in reversed(found):
         problems = verify_checkpoint(path)
@@ -264,14 +269,17 @@ def newest_valid_checkpoint(output_dir: str | Path, *, log: Callable[[str], None
         rejected.append(f"{path.name}: {problems[0]}{more}")
 
         def set_aside(path=path, why=f"{problems[0]}{more}") -> None:
-            log(f"[checkpoint] {path} is damaged: {why}; "
-                f"keeping it as {path.name}{CORRUPT_SUFFIX} and trying the previous checkpoint")
+            log(
+                f"[checkpoint] {path} is damaged: {why}; "
+                f"keeping it as {path.name}{CORRUPT_SUFFIX} and trying the previous checkpoint"
+            )
             path.rename(path.with_name(path.name + CORRUPT_SUFFIX))
 
         driver_decides(set_aside)  # every rank waits for the rename before verifying the previous one
-    raise ValueError("--resume: every checkpoint failed verification (each is kept as step_<N>.corrupt); "
-                     "refusing to start from nothing:\n  "
-                     + "\n  ".join(rejected))
+    raise ValueError(
+        "--resume: every checkpoint failed verification (each is kept as step_<N>.corrupt); "
+        "refusing to start from nothing:\n  " + "\n  ".join(rejected)
+    )
 
 
 def _save_hf(cfg, actor, roles, out_dir: Path) -> None:
@@ -279,8 +287,12 @@ def _save_hf(cfg, actor, roles, out_dir: Path) -> None:
     expert-parallel layouts the stage export does not cover yet, streamed to the driver through
     iter_hf_weights (every rank walks it in step)."""
     if covers_layout(actor.layout):
-        save_hf_by_stage(actor_exporter(actor, bucket_bytes=cfg.rollout.weight_bucket_mb << 20), actor.hf_config,
-                         out_dir, copy_from=cfg.model.path)
+        save_hf_by_stage(
+            actor_exporter(actor, bucket_bytes=cfg.rollout.weight_bucket_mb << 20),
+            actor.hf_config,
+            out_dir,
+            copy_from=cfg.model.path,
+        )
         return
     named = actor.iter_hf_weights()
     if roles.driver:
@@ -294,7 +306,6 @@ def save_step(cfg, actor, driver, roles, *, state: TrainerState) -> None:
     """All ranks: write checkpoints/step_<state.step>.tmp (actor; HF weights written by each pipeline
     stage; the driver's state_dict into `state`), then the driver renames it into place."""
     import torch.distributed as dist
-
 
     final = step_dir(cfg.trainer.output_dir, state.step)
     tmp = final.with_name(final.name + ".tmp")

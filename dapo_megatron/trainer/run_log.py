@@ -25,8 +25,13 @@ from typing import Any, Literal, TextIO
 from dapo_megatron.trainer import console as _console
 
 __all__ = [
-    "PLOT_PANELS", "MetricsLogger", "read_jsonl",
-    "build_figure", "plot_run", "plot_main", "progress",
+    "PLOT_PANELS",
+    "MetricsLogger",
+    "read_jsonl",
+    "build_figure",
+    "plot_run",
+    "plot_main",
+    "progress",
 ]
 
 METRICS_FILE = "metrics.jsonl"
@@ -40,7 +45,15 @@ _get = _console._get
 
 # PNG panels: (title, [(metric key, legend label), ...]); panels with no data are left out.
 PLOT_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
-    ("accuracy", (("acc/mean", "train acc (kept groups)"), ("sampler/acc_all", "train acc (all)"), ("eval/avg@k", "eval avg@k"), ("eval/pass@k", "eval pass@k"))),
+    (
+        "accuracy",
+        (
+            ("acc/mean", "train acc (kept groups)"),
+            ("sampler/acc_all", "train acc (all)"),
+            ("eval/avg@k", "eval avg@k"),
+            ("eval/pass@k", "eval pass@k"),
+        ),
+    ),
     ("reward", (("reward/mean", "reward"),)),
     ("response length", (("response_length/mean", "mean"), ("response_length/max", "max"))),
     ("entropy / KL", (("actor/entropy", "entropy"), ("actor/approx_kl", "approx KL"))),
@@ -80,8 +93,11 @@ class MetricsLogger:
         if resume_step is not None and self.path.is_file():
             # a crash mid-write leaves a last line without its newline: drop it, say so; a broken line
             # anywhere else is still an error naming it (read_jsonl)
-            records = read_jsonl(self.path, drop_partial_last=True,
-                                 on_drop=lambda note: print(f"[metrics] {note}", file=console or sys.stdout, flush=True))
+            records = read_jsonl(
+                self.path,
+                drop_partial_last=True,
+                on_drop=lambda note: print(f"[metrics] {note}", file=console or sys.stdout, flush=True),
+            )
             kept = [r for r in records if int(r.get("step", -1)) <= resume_step]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
         elif resume_step is None and self.path.is_file():
@@ -95,8 +111,12 @@ class MetricsLogger:
             import wandb
 
             self._wandb = wandb.init(
-                project=wandb_project, name=run_name or self.run_dir.name, dir=str(self.run_dir),
-                mode=wandb_mode, config=dict(config or {}), resume="allow" if resume_step is not None else None,
+                project=wandb_project,
+                name=run_name or self.run_dir.name,
+                dir=str(self.run_dir),
+                mode=wandb_mode,
+                config=dict(config or {}),
+                resume="allow" if resume_step is not None else None,
                 # quiet: no closing history/summary block on stderr (the run's own summary says it);
                 # close() names the offline run's sync command in one line instead
                 settings=wandb.Settings(quiet=True),
@@ -109,8 +129,9 @@ class MetricsLogger:
         if self._console is not None:
             self._table.print_row(step, record)
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))},
-                            step=int(step))
+            self._wandb.log(
+                {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}, step=int(step)
+            )
         return record
 
     def close(self, *, plot: bool = True) -> Path | None:
@@ -135,8 +156,9 @@ class MetricsLogger:
         self.close()
 
 
-def read_jsonl(path: str | Path, *, drop_partial_last: bool = False,
-               on_drop: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+def read_jsonl(
+    path: str | Path, *, drop_partial_last: bool = False, on_drop: Callable[[str], None] | None = None
+) -> list[dict[str, Any]]:
     """Records of a metrics.jsonl; a broken line raises ValueError naming the file and line.
 
     drop_partial_last: a last line with no newline that is not valid JSON (what a process killed in the
@@ -153,8 +175,10 @@ def read_jsonl(path: str | Path, *, drop_partial_last: bool = False,
         except json.JSONDecodeError as err:
             if drop_partial_last and partial_last and number == len(lines):
                 if on_drop is not None:
-                    on_drop(f"{path}: dropped line {number}, a partial record with no newline ({len(line)} "
-                            f"characters: what a crash in the middle of a write leaves)")
+                    on_drop(
+                        f"{path}: dropped line {number}, a partial record with no newline ({len(line)} "
+                        f"characters: what a crash in the middle of a write leaves)"
+                    )
                 break
             raise ValueError(f"{path}: line {number} is not valid JSON ({err.msg})") from None
         if not isinstance(record, dict) or "step" not in record:
@@ -180,8 +204,10 @@ def build_figure(records: Sequence[Mapping[str, Any]], *, title: str = ""):
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    panels = [(t, [(k, lbl, *_series(records, k)) for k, lbl in keys + (_eval_set_keys(records) if t == "accuracy" else ())])
-              for t, keys in PLOT_PANELS]
+    panels = [
+        (t, [(k, lbl, *_series(records, k)) for k, lbl in keys + (_eval_set_keys(records) if t == "accuracy" else ())])
+        for t, keys in PLOT_PANELS
+    ]
     panels = [(t, [s for s in series if s[2]]) for t, series in panels]
     panels = [(t, series) for t, series in panels if series]
     if not panels:
@@ -192,7 +218,7 @@ def build_figure(records: Sequence[Mapping[str, Any]], *, title: str = ""):
     for i, (panel_title, series) in enumerate(panels):
         ax = fig.add_subplot(rows, cols, i + 1)
         for key, label, xs, ys in series:
-            line, = ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
+            (line,) = ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
             band = _ci_band(records, key)
             if band is not None:  # the eval's 95% bootstrap interval over problems (trainer/eval_report.py)
                 ax.fill_between(band[0], band[1], band[2], color=line.get_color(), alpha=0.2, label=f"{label} 95% CI")
@@ -266,8 +292,13 @@ def _fmt_s(seconds: float) -> str:
     return f"{seconds:.1f} s"
 
 
-def run_summary(run_dir: str | Path, *, phase_seconds: Mapping[str, float] | None = None,
-                ranks_wall_s: float | None = None, wall_s: float | None = None) -> str:
+def run_summary(
+    run_dir: str | Path,
+    *,
+    phase_seconds: Mapping[str, float] | None = None,
+    ranks_wall_s: float | None = None,
+    wall_s: float | None = None,
+) -> str:
     """Where things are and how the run went: run directory, curves, final and best eval, the
     checkpoints on disk, and time per phase (start-up phases as measured by the launcher; the
     ranks' phases summed from metrics.jsonl; `other` = the rest of the ranks' wall time: their
@@ -283,8 +314,11 @@ def run_summary(run_dir: str | Path, *, phase_seconds: Mapping[str, float] | Non
     # a run with several eval sets (data.eval_sets): the first set's numbers (the one that picks the best checkpoint)
     sets = _eval_set_keys(records)
     pre = "eval/" if any("eval/avg@k" in r for r in records) or not sets else sets[0][0].removesuffix("avg@k")
-    evals = [(int(r["step"]), float(r[f"{pre}avg@k"]), r.get(f"{pre}pass@k"), r.get(f"{pre}k"))
-             for r in records if isinstance(r.get(f"{pre}avg@k"), (int, float))]
+    evals = [
+        (int(r["step"]), float(r[f"{pre}avg@k"]), r.get(f"{pre}pass@k"), r.get(f"{pre}k"))
+        for r in records
+        if isinstance(r.get(f"{pre}avg@k"), (int, float))
+    ]
     if evals:
         k = evals[-1][3]
         name = f"avg@{int(k)}" if isinstance(k, (int, float)) else "avg@k"
@@ -293,13 +327,18 @@ def run_summary(run_dir: str | Path, *, phase_seconds: Mapping[str, float] | Non
         lines.append(f"  final eval:   {name} {value:.1%} at step {step}{extra}")
         last = next(r for r in reversed(records) if isinstance(r.get(f"{pre}avg@k"), (int, float)))
         if f"{pre}avg@k_ci95_low" in last:  # the eval file (trainer/eval_report.py) holds every problem's record
-            lines.append(f"  eval file:    {run_dir / 'evals' / f'step_{step:06d}.json'} ({pre.strip('/')} {name} "
-                         f"{value:.1%}, 95% CI [{last[f'{pre}avg@k_ci95_low']:.1%}, {last[f'{pre}avg@k_ci95_high']:.1%}]"
-                         + (f", maj@{int(k)} {last[f'{pre}maj@k']:.1%}" if f"{pre}maj@k" in last and k else "") + ")")
+            lines.append(
+                f"  eval file:    {run_dir / 'evals' / f'step_{step:06d}.json'} ({pre.strip('/')} {name} "
+                f"{value:.1%}, 95% CI [{last[f'{pre}avg@k_ci95_low']:.1%}, {last[f'{pre}avg@k_ci95_high']:.1%}]"
+                + (f", maj@{int(k)} {last[f'{pre}maj@k']:.1%}" if f"{pre}maj@k" in last and k else "")
+                + ")"
+            )
         best_step, best, _, _ = max(evals, key=lambda e: (e[1], -e[0]))  # the earliest of equal bests
         first = evals[0]
-        lines.append(f"  best eval:    {name} {best:.1%} at step {best_step} "
-                     f"(step {first[0]}: {first[1]:.1%}, {len(evals)} evals)")
+        lines.append(
+            f"  best eval:    {name} {best:.1%} at step {best_step} "
+            f"(step {first[0]}: {first[1]:.1%}, {len(evals)} evals)"
+        )
     else:
         lines.append("  eval:         none logged (trainer.eval_every=0?)")
     checkpoints = list_checkpoints(run_dir)
@@ -312,10 +351,17 @@ def run_summary(run_dir: str | Path, *, phase_seconds: Mapping[str, float] | Non
     if best_ckpt is not None:
         lines.append(f"  best ckpt:    {best_ckpt[2]} (eval {best_ckpt[1]:.1%}, kept by trainer.keep_best_checkpoint)")
     steps = [r for r in records if int(r.get("step", 0)) > 0 and "time/step_s" in r]
-    sums = {key: sum(float(r.get(key, 0.0)) for r in records)
-            for key in ("time/gen_s", "time/logprob_s", "time/train_s", "time/sync_s", "time/eval_s")}
-    trained = [("generate", sums["time/gen_s"]), ("log-probs", sums["time/logprob_s"]),
-               ("train", sums["time/train_s"]), ("weight sync", sums["time/sync_s"]), ("eval", sums["time/eval_s"])]
+    sums = {
+        key: sum(float(r.get(key, 0.0)) for r in records)
+        for key in ("time/gen_s", "time/logprob_s", "time/train_s", "time/sync_s", "time/eval_s")
+    }
+    trained = [
+        ("generate", sums["time/gen_s"]),
+        ("log-probs", sums["time/logprob_s"]),
+        ("train", sums["time/train_s"]),
+        ("weight sync", sums["time/sync_s"]),
+        ("eval", sums["time/eval_s"]),
+    ]
     ran = [(name, secs) for name, secs in trained if secs > 0]
     if ranks_wall_s is not None:
         ran.append(("other", max(0.0, ranks_wall_s - sum(secs for _, secs in trained))))
@@ -326,7 +372,9 @@ def run_summary(run_dir: str | Path, *, phase_seconds: Mapping[str, float] | Non
             label = " " * len(label)
     if steps:
         step_total = sum(float(r["time/step_s"]) for r in steps)
-        lines.append(f"  steps:        {len(steps)} in {_fmt_s(step_total)} "
-                     f"(median {sorted(float(r['time/step_s']) for r in steps)[len(steps) // 2]:.2f} s per step)"
-                     + (f"; whole command {_fmt_s(wall_s)}" if wall_s is not None else ""))
+        lines.append(
+            f"  steps:        {len(steps)} in {_fmt_s(step_total)} "
+            f"(median {sorted(float(r['time/step_s']) for r in steps)[len(steps) // 2]:.2f} s per step)"
+            + (f"; whole command {_fmt_s(wall_s)}" if wall_s is not None else "")
+        )
     return "\n".join(lines)

@@ -15,5 +15,10 @@ def actor_settings(cfg: Config) -> ActorSettings:
     """The actor's: its section, the loss, the optimizer keys, the engines' temperature and (for the
     quantization-aware forward) where the engines' FP8 checkpoint is."""
     fp8 = str(fp8_rollout_dir(cfg.trainer.output_dir)) if cfg.actor.quantization_aware else None
-    return ActorSettings(actor=cfg.actor, algorithm=cfg.algorithm, optimizer=OptimizerSettings.from_trainer(cfg.trainer),
-                         temperature=cfg.rollout.temperature, fp8_checkpoint=fp8)
+    return ActorSettings(
+        actor=cfg.actor,
+        algorithm=cfg.algorithm,
+        optimizer=OptimizerSettings.from_trainer(cfg.trainer),
+        temperature=cfg.rollout.temperature,
+        fp8_checkpoint=fp8,
+    )

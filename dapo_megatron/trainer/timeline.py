@@ -23,8 +23,14 @@ from pathlib import Path
 from dapo_megatron.rollout.async_rollout import _union, engine_phases  # noqa: F401 (re-exported)
 
 TRAINER_PHASES = ("train", "sync")
-COLORS = {"engine": "tab:red", "generate": "tab:orange", "wait": "tab:gray", "train": "tab:blue",
-          "sync": "tab:green", "eval": "tab:purple"}
+COLORS = {
+    "engine": "tab:red",
+    "generate": "tab:orange",
+    "wait": "tab:gray",
+    "train": "tab:blue",
+    "sync": "tab:green",
+    "eval": "tab:purple",
+}
 LANES = ("engine", "generate", "wait", "train", "sync", "eval")  # top to bottom
 
 
@@ -54,14 +60,22 @@ def hidden_fraction(timeline: list[tuple[str, int, float, float]]) -> dict[str, 
     """Seconds of generation, of training (train + sync), of both at once, and the fraction of the
     shorter of the two that ran under the longer one (0 = sequential, 1 = fully hidden); the same
     from the engines' own stamps ("engine") against the trainer's phases (engine_*)."""
+
     def lane(*phases: str) -> list[tuple[float, float]]:
         return _union([(a, b) for p, _, a, b in timeline if p in phases])
 
     gen, eng, trn = lane("generate"), lane("engine"), lane(*TRAINER_PHASES)
     overlap, hidden = _hidden(gen, trn)
     engine_overlap, engine_hidden = _hidden(eng, trn)
-    return {"generate_s": _length(gen), "train_s": _length(trn), "overlap_s": overlap, "hidden_fraction": hidden,
-            "engine_s": _length(eng), "engine_overlap_s": engine_overlap, "engine_hidden_fraction": engine_hidden}
+    return {
+        "generate_s": _length(gen),
+        "train_s": _length(trn),
+        "overlap_s": overlap,
+        "hidden_fraction": hidden,
+        "engine_s": _length(eng),
+        "engine_overlap_s": engine_overlap,
+        "engine_hidden_fraction": engine_hidden,
+    }
 
 
 def step_wall_times(timeline: list[tuple[str, int, float, float]]) -> list[float]:

@@ -61,7 +61,9 @@ def dapo_step(step: int, run: Run) -> dict[str, float]:
     placement.before_rollout(actor)  # colocated: the actor leaves the device, the engines come back
     record.add(placement.ledger("rollout", actor, ref))
     #    (the driver's rollout, redone after a weight re-sync when every engine was lost: trainer/recovery.py)
-    groups, rollout_stats = run.faults.around_rollout(lambda: run.driver.rollout(), step=step)  # (None, {}) off the driver
+    groups, rollout_stats = run.faults.around_rollout(
+        lambda: run.driver.rollout(), step=step
+    )  # (None, {}) off the driver
     # 2. group advantages (algorithm.advantage; DAPO's A = (R - mean_g R) / (std_g R + eps)), then the
     #    step as tensors, built once
     batch = None
@@ -102,8 +104,9 @@ def with_group_advantages(groups: list[list], *, eps: float, estimator: str = "g
 
 def scatter(batch: RolloutBatch | None, actor, *, sequences_per_mini_batch: int):
     """Each data-parallel rank's token-balanced share of the driver's batch (dataplane/scatter.py)."""
-    share, _ = scatter_batch(batch, layout=actor.layout, settings=actor.pack_settings,
-                             sequences_per_mini_batch=sequences_per_mini_batch)
+    share, _ = scatter_batch(
+        batch, layout=actor.layout, settings=actor.pack_settings, sequences_per_mini_batch=sequences_per_mini_batch
+    )
     return share
 
 
@@ -124,21 +127,40 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
 
     parallel.init_distributed()
     tr = cfg.trainer
-    with parallel.model_parallel(tp=cfg.actor.tp, pp=cfg.actor.pp, cp=cfg.actor.cp, vpp=cfg.actor.vpp, ep=cfg.actor.ep,
-                                 etp=cfg.actor.etp, seed=tr.seed) as layout:
+    with parallel.model_parallel(
+        tp=cfg.actor.tp,
+        pp=cfg.actor.pp,
+        cp=cfg.actor.cp,
+        vpp=cfg.actor.vpp,
+        ep=cfg.actor.ep,
+        etp=cfg.actor.etp,
+        seed=tr.seed,
+    ) as layout:
         run = build_run(cfg, layout)
         checkpointer = Checkpointer(cfg, actor=run.actor, driver=run.driver, roles=run.roles, placement=run.placement)
         resumed = checkpointer.resume() if resume else None  # verified against its manifest
         if resumed is not None:
             run.faults.transfer(resumed.step)  # the engines start from the base model
         state = resumed or TrainerState()
-        metrics = MetricsLogger(tr.output_dir, wandb_mode=tr.wandb_mode, wandb_project=tr.wandb_project, config=cfg.to_dict(),
-                                resume_step=None if resumed is None else resumed.step) if run.roles.driver else None
+        metrics = (
+            MetricsLogger(
+                tr.output_dir,
+                wandb_mode=tr.wandb_mode,
+                wandb_project=tr.wandb_project,
+                config=cfg.to_dict(),
+                resume_step=None if resumed is None else resumed.step,
+            )
+            if run.roles.driver
+            else None
+        )
         evaluator = Evaluator(run.faults, run.driver, eval_every=tr.eval_every)
-        guard = NonFiniteGuard(max_in_row=tr.max_nonfinite_in_row, in_row=state.nonfinite_in_row,
-                               last_good=checkpointer.latest)
+        guard = NonFiniteGuard(
+            max_in_row=tr.max_nonfinite_in_row, in_row=state.nonfinite_in_row, last_good=checkpointer.latest
+        )
         preempt = PreemptionSignal().install()
-        if resumed is None and evaluator.should_evaluate(0):  # the starting point of the curve (every rank: a re-sync may be needed)
+        if resumed is None and evaluator.should_evaluate(
+            0
+        ):  # the starting point of the curve (every rank: a re-sync may be needed)
             scores = evaluator.evaluate(0)
             if metrics is not None:
                 metrics.log(0, scores)
@@ -155,8 +177,13 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
                 metrics.log(step + 1, log)
             guard.stop_if_exceeded()
             last_step, stop = step + 1 == tr.total_steps, preempt.should_stop()  # collective: every rank, the same step
-            checkpointer.save(TrainerState(step=step + 1, nonfinite_in_row=guard.in_row,
-                                           eval=headline_avg(log, list(cfg.data.eval_sets))), last_step=last_step, stop=stop)
+            checkpointer.save(
+                TrainerState(
+                    step=step + 1, nonfinite_in_row=guard.in_row, eval=headline_avg(log, list(cfg.data.eval_sets))
+                ),
+                last_step=last_step,
+                stop=stop,
+            )
             if stop and not last_step:
                 if run.roles.driver:
                     print(preempt.stop_line(step + 1, checkpointer.step_dir(step + 1)), flush=True)
@@ -173,16 +200,27 @@ def build_run(cfg: Config, layout: ParallelLayout) -> Run:
     policy, in this rank's parallel layout (model_parallel's)."""
     roles = RankRoles.current(layout)
     actor = Actor(actor_settings(cfg), cfg.model.path, layout)
-    ref = ReferencePolicy(actor_settings(cfg), cfg.model.path, layout) if cfg.algorithm.use_kl else None  # frozen, off-device when idle
+    ref = (
+        ReferencePolicy(actor_settings(cfg), cfg.model.path, layout) if cfg.algorithm.use_kl else None
+    )  # frozen, off-device when idle
     driver = Driver(cfg, model_dir=cfg.model.path, run_dir=Path(cfg.trainer.output_dir)) if roles.driver else None
     if roles.driver:
         console.actor_ready(cfg)
     placement = make_placement(cfg, roles=roles, driver=driver)
-    faults = FaultPolicy(roles=roles, placement=placement, actor=actor, driver=driver,
-                         engine_restarts=cfg.rollout.engine_restarts)
-    return Run(roles=roles, actor=actor, ref=ref, driver=driver, placement=placement, faults=faults,
-               advantage=cfg.algorithm.advantage, advantage_eps=cfg.algorithm.advantage_eps,
-               sequences_per_mini_batch=cfg.rollout.n * cfg.trainer.mini_batch_size)
+    faults = FaultPolicy(
+        roles=roles, placement=placement, actor=actor, driver=driver, engine_restarts=cfg.rollout.engine_restarts
+    )
+    return Run(
+        roles=roles,
+        actor=actor,
+        ref=ref,
+        driver=driver,
+        placement=placement,
+        faults=faults,
+        advantage=cfg.algorithm.advantage,
+        advantage_eps=cfg.algorithm.advantage_eps,
+        sequences_per_mini_batch=cfg.rollout.n * cfg.trainer.mini_batch_size,
+    )
 
 
 def run_worker_recorded(cfg, *, resume: bool) -> int | None:

@@ -24,8 +24,12 @@ from pathlib import Path
 
 PROBE_BYTES = 1 << 20
 _ERRNO_IN_TEXT = re.compile(r"\[Errno (\d+)\]")
-_TEXT_ERRNO = {"No space left on device": errno_codes.ENOSPC, "Disk quota exceeded": errno_codes.EDQUOT,
-               "Read-only file system": errno_codes.EROFS, "File too large": errno_codes.EFBIG}
+_TEXT_ERRNO = {
+    "No space left on device": errno_codes.ENOSPC,
+    "Disk quota exceeded": errno_codes.EDQUOT,
+    "Read-only file system": errno_codes.EROFS,
+    "File too large": errno_codes.EFBIG,
+}
 
 
 class CheckpointWriteError(RuntimeError):
@@ -96,11 +100,16 @@ def write_failure_message(path: str | Path, err: BaseException, *, previous: str
         space = f"{_mib(usage.free)} free of {_mib(usage.total)} on its file system"
     except OSError as usage_err:
         space = f"free space unknown ({usage_err})"
-    kept = (f"the previous checkpoint {previous} is intact: continue from it with --resume once there is room"
-            if previous else "no earlier checkpoint exists")
+    kept = (
+        f"the previous checkpoint {previous} is intact: continue from it with --resume once there is room"
+        if previous
+        else "no earlier checkpoint exists"
+    )
     first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
-    return (f"checkpoint write to {path} failed: {said}; {space}; {kept} (trainer.output_dir, "
-            f"trainer.keep_checkpoints). The writer said: {type(err).__name__}: {first_line}")
+    return (
+        f"checkpoint write to {path} failed: {said}; {space}; {kept} (trainer.output_dir, "
+        f"trainer.keep_checkpoints). The writer said: {type(err).__name__}: {first_line}"
+    )
 
 
 def remove_partial(path: str | Path) -> None:

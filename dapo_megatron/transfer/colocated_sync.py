@@ -56,6 +56,7 @@ from dapo_megatron.weights.export import bucketize
 @dataclass(frozen=True)
 class EngineSlot:
     """One engine TP rank: the entry `tp_rank` of the engine's serialized_named_tensors list."""
+
     url: str
     tp_rank: int
     tp_size: int
@@ -80,19 +81,23 @@ def assign_engine_slots(records: list[dict], devices: list[tuple[str, int]]) -> 
     out: dict[int, list[EngineSlot]] = {}
     for rec in sorted(records, key=lambda r: r["url"]):
         if rec.get("base_gpu_id") is None or not rec.get("node"):
-            raise ValueError(f"colocated placement: engine {rec['url']} did not register its node and GPUs "
-                             f"(registry keys 'node', 'base_gpu_id'): start it with the trainer's launcher "
-                             f"(launch/colocated.py, or `dapo-megatron train` locally), or use "
-                             f"rollout.placement=disaggregated")
+            raise ValueError(
+                f"colocated placement: engine {rec['url']} did not register its node and GPUs "
+                f"(registry keys 'node', 'base_gpu_id'): start it with the trainer's launcher "
+                f"(launch/colocated.py, or `dapo-megatron train` locally), or use "
+                f"rollout.placement=disaggregated"
+            )
         tp = int(rec["tp_size"])
         for r in range(tp):
             where = (rec["node"], int(rec["base_gpu_id"]) + r)
             feeder = by_device.get(where)
             if feeder is None:
-                raise ValueError(f"colocated placement: engine {rec['url']} TP rank {r} runs on node {where[0]} "
-                                 f"GPU {where[1]}, where no trainer rank runs (trainer GPUs: "
-                                 f"{sorted(set(devices))}); colocated engines must use the trainer's GPUs "
-                                 f"(rollout.num_engines x rollout.engine_tp <= the trainer's GPUs per node)")
+                raise ValueError(
+                    f"colocated placement: engine {rec['url']} TP rank {r} runs on node {where[0]} "
+                    f"GPU {where[1]}, where no trainer rank runs (trainer GPUs: "
+                    f"{sorted(set(devices))}); colocated engines must use the trainer's GPUs "
+                    f"(rollout.num_engines x rollout.engine_tp <= the trainer's GPUs per node)"
+                )
             out.setdefault(feeder, []).append(EngineSlot(rec["url"].rstrip("/"), r, tp))
     return out
 
@@ -100,6 +105,7 @@ def assign_engine_slots(records: list[dict], devices: list[tuple[str, int]]) -> 
 @dataclass
 class _EngineLists:
     """The driver's per-engine payload lists of one bucket, filled from the gathered slots."""
+
     tp_sizes: dict[str, int]
     lists: dict[str, list] = field(default_factory=dict)
 
@@ -119,8 +125,9 @@ class _EngineLists:
 class ColocatedTransfer:
     """Collective: every rank calls send() with the same named-tensor stream (iter_hf_weights)."""
 
-    def __init__(self, slots: dict[int, list[EngineSlot]], *, driver=None, bucket_bytes: int,
-                 verify: bool = False) -> None:
+    def __init__(
+        self, slots: dict[int, list[EngineSlot]], *, driver=None, bucket_bytes: int, verify: bool = False
+    ) -> None:
         import torch.distributed as dist
 
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -160,6 +167,7 @@ class ColocatedTransfer:
     # --- the driver's side (HTTP to the engines); every method returns "" or an error message ------
     def _on_driver(self, fn, *args) -> None:
         """fn on the driver; its error message, or what it raised, is an EngineError on every rank."""
+
         def decide() -> None:
             try:
                 message = fn(*args)
@@ -183,6 +191,7 @@ class ColocatedTransfer:
     def _begin(self, weight_version: str) -> str:
         clients = self._clients()
         if not self._shapes:
+
             async def shapes():
                 return await asyncio.gather(*(engine_shapes(c) for c in clients))
 
@@ -202,12 +211,19 @@ class ColocatedTransfer:
         for c in clients:
             check_against(self._shapes[c.url], bucket, engine=c.url)
         complete = lists.complete()
-        failures = self._run(_each(clients, [
-            c.update_weights_from_tensor(complete[c.url], flush_cache=True, weight_version=weight_version)
-            for c in clients]))
+        failures = self._run(
+            _each(
+                clients,
+                [
+                    c.update_weights_from_tensor(complete[c.url], flush_cache=True, weight_version=weight_version)
+                    for c in clients
+                ],
+            )
+        )
         if failures:
-            return _describe(f"weight sync {weight_version}: bucket {bucket[0][0]} ...: update_weights_from_tensor",
-                             failures)
+            return _describe(
+                f"weight sync {weight_version}: bucket {bucket[0][0]} ...: update_weights_from_tensor", failures
+            )
         if self.verify:
             return self._run(_compare(clients, bucket))
         return ""
@@ -223,9 +239,11 @@ class ColocatedTransfer:
         for url, specs in self._shapes.items():
             missing = sorted(n for n in specs if n not in seen and not _tied_alias(n, seen))
             if missing:
-                return (f"colocated weight transfer: engine {url} has tensors the trainer did not send: "
-                        f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; after a release their content "
-                        f"is undefined")
+                return (
+                    f"colocated weight transfer: engine {url} has tensors the trainer did not send: "
+                    f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; after a release their content "
+                    f"is undefined"
+                )
         return ""
 
 
@@ -263,6 +281,8 @@ async def _compare(clients, bucket) -> str:
             want = tensor.detach().to(torch.float64).reshape(got.shape)
             if not torch.equal(got, want):
                 diff = (got - want).abs().max().item()
-                return (f"weight sync verify: engine {c.url} holds '{name}' differing from the trainer's "
-                        f"by up to {diff:.3g}")
+                return (
+                    f"weight sync verify: engine {c.url} holds '{name}' differing from the trainer's "
+                    f"by up to {diff:.3g}"
+                )
     return ""

@@ -66,8 +66,9 @@ def _engine_bytes(info: dict, released: set[str]) -> float:
         return float(held.get("weights", 0)) + float(held.get("kv_cache", 0))
     states = info.get("internal_states") or [{}]
     usage = states[0].get("memory_usage") or {}
-    gb = (0.0 if "weights" in released else float(usage.get("weight", 0.0))) + \
-         (0.0 if "kv_cache" in released else float(usage.get("kvcache", 0.0)))
+    gb = (0.0 if "weights" in released else float(usage.get("weight", 0.0))) + (
+        0.0 if "kv_cache" in released else float(usage.get("kvcache", 0.0))
+    )
     return gb * GIB
 
 

@@ -122,8 +122,10 @@ def bucket_bytes(items: Sequence[ExportItem]) -> int:
 
 def views_of(flat: torch.Tensor, items: Sequence[ExportItem]) -> list[tuple[str, torch.Tensor]]:
     """The HF-named tensors inside a flat bucket buffer (views, no copy)."""
-    return [(name, flat[offset: offset + size].view(dtype).view(shape))
-            for name, shape, dtype, offset, size in bucket_layout(items)]
+    return [
+        (name, flat[offset : offset + size].view(dtype).view(shape))
+        for name, shape, dtype, offset, size in bucket_layout(items)
+    ]
 
 
 @dataclass
@@ -142,7 +144,9 @@ class ExportStats:
     largest_bucket: int = 0
 
 
-def stage_manifest(model_chunks: Sequence[torch.nn.Module], hf_config: PretrainedConfig) -> list[tuple[ExportItem, torch.Tensor]]:
+def stage_manifest(
+    model_chunks: Sequence[torch.nn.Module], hf_config: PretrainedConfig
+) -> list[tuple[ExportItem, torch.Tensor]]:
     """(item, parameter) for every parameter this rank holds, in HF streaming order (no communication)."""
     dims = Dims.from_hf(hf_config)
     local = _local_maps(list(model_chunks), dims)
@@ -151,17 +155,35 @@ def stage_manifest(model_chunks: Sequence[torch.nn.Module], hf_config: Pretraine
     for first in (n for n in shapes if n in local):
         pmap, param = local[first]
         names = tuple(pmap.hf_names)
-        out.append((ExportItem(key=first, names=names, shapes=tuple(tuple(shapes[n]) for n in names),
-                               dtype=param.dtype, kind=pmap.kind), param))
+        out.append(
+            (
+                ExportItem(
+                    key=first,
+                    names=names,
+                    shapes=tuple(tuple(shapes[n]) for n in names),
+                    dtype=param.dtype,
+                    kind=pmap.kind,
+                ),
+                param,
+            )
+        )
     return out
 
 
 class StageExporter:
-    def __init__(self, model_chunks: Sequence[torch.nn.Module], hf_config: PretrainedConfig, layout: ParallelLayout, *,
-                 bucket_bytes: int) -> None:
+    def __init__(
+        self,
+        model_chunks: Sequence[torch.nn.Module],
+        hf_config: PretrainedConfig,
+        layout: ParallelLayout,
+        *,
+        bucket_bytes: int,
+    ) -> None:
         if not covers_layout(layout):
-            raise ValueError(f"per-stage weight export: actor.ep={layout.ep_size}, actor.etp={layout.etp_size} "
-                             f"(tp={layout.tp_size}) is not supported yet; use iter_hf_weights (covers_layout())")
+            raise ValueError(
+                f"per-stage weight export: actor.ep={layout.ep_size}, actor.etp={layout.etp_size} "
+                f"(tp={layout.tp_size}) is not supported yet; use iter_hf_weights (covers_layout())"
+            )
         self.layout = layout
         self.dims = Dims.from_hf(hf_config)
         self.params = stage_manifest(model_chunks, hf_config)
@@ -212,8 +234,11 @@ class StageExporter:
                 continue
             buffers = [shard] + [torch.empty_like(shard) for _ in range(self.tp_size - 1)]
             self._hold(sum(b.numel() * b.element_size() for b in buffers[1:]))
-            works = [coll.irecv(buf, src=dist.get_global_rank(self.tp_group, r), group=self.tp_group)
-                     for r, buf in enumerate(buffers) if r > 0]
+            works = [
+                coll.irecv(buf, src=dist.get_global_rank(self.tp_group, r), group=self.tp_group)
+                for r, buf in enumerate(buffers)
+                if r > 0
+            ]
             started.append((buffers, works))
         return started
 
@@ -259,6 +284,7 @@ class StageExporter:
 
 # ------------------------------------------------------------------------ stages -> the driver
 
+
 def gather_manifests(exporter: StageExporter) -> list[list[ExportItem]] | None:
     """Every stage's items, in stage order, on the stage exporters (the driver among them): one
     all_gather_object of names and shapes over their pipeline group. None on every other rank."""
@@ -272,8 +298,10 @@ def gather_manifests(exporter: StageExporter) -> list[list[ExportItem]] | None:
     return out
 
 
-def weights_for_driver(exporter: StageExporter, manifests: list[list[ExportItem]] | None,
-                       ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def weights_for_driver(
+    exporter: StageExporter,
+    manifests: list[list[ExportItem]] | None,
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Collective generator, iterated to the end on every rank. The driver (global rank 0) gets
     every stage's buckets of (HF name, full tensor): its own stage's as they are merged, the
     others' received from their exporters, one flat transfer per bucket over the exporters'
@@ -296,8 +324,10 @@ def weights_for_driver(exporter: StageExporter, manifests: list[list[ExportItem]
         del bucket
 
 
-def _driver_stream(exporter: StageExporter, manifests: list[list[ExportItem]],
-                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def _driver_stream(
+    exporter: StageExporter,
+    manifests: list[list[ExportItem]],
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     for bucket in exporter.buckets():
         named = bucket.named
         del bucket
@@ -307,8 +337,11 @@ def _driver_stream(exporter: StageExporter, manifests: list[list[ExportItem]],
         return
     group = exporter.layout.pp_group
     device = exporter.params[0][1].device
-    incoming = [(stage, items) for stage in range(1, len(manifests))
-                for items in plan_buckets(manifests[stage], exporter.bucket_bytes)]
+    incoming = [
+        (stage, items)
+        for stage in range(1, len(manifests))
+        for items in plan_buckets(manifests[stage], exporter.bucket_bytes)
+    ]
 
     def post(index):
         stage, items = incoming[index]

@@ -31,9 +31,18 @@ from dapo_megatron.weights.save import finish_hf_dir, shard_file_name
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                      torch.uint8: "U8", torch.bool: "BOOL"}
+SAFETENSORS_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def plan_files(buckets: Sequence[Sequence[ExportItem]], max_bytes: int) -> list[list[int]]:
@@ -58,8 +67,11 @@ def safetensors_header(items: Sequence[ExportItem]) -> bytes:
     offset = 0
     for item in items:
         for name, shape, size in zip(item.names, item.shapes, item.sizes()):
-            header[name] = {"dtype": SAFETENSORS_DTYPES[item.dtype], "shape": list(shape),
-                            "data_offsets": [offset, offset + size]}
+            header[name] = {
+                "dtype": SAFETENSORS_DTYPES[item.dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + size],
+            }
             offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -70,8 +82,14 @@ def _write_tensor(handle, tensor: torch.Tensor) -> None:
     handle.write(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().data)
 
 
-def save_hf_by_stage(exporter: StageExporter, hf_config: PretrainedConfig, out_dir: str | os.PathLike, *,
-                     max_shard_bytes: int = 5 << 30, copy_from: str | os.PathLike | None = None) -> Path:
+def save_hf_by_stage(
+    exporter: StageExporter,
+    hf_config: PretrainedConfig,
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_bytes: int = 5 << 30,
+    copy_from: str | os.PathLike | None = None,
+) -> Path:
     """Collective over the world (module docstring). Returns out_dir on every rank."""
     stage = exporter.layout.pp_rank
     out_dir = Path(out_dir).absolute()
@@ -115,7 +133,8 @@ def save_hf_by_stage(exporter: StageExporter, hf_config: PretrainedConfig, out_d
                 for item in (item for b in file_buckets for item in buckets[b]):
                     weight_map.update({name: shard_file_name(offset + k, total) for name in item.names})
                     size += item.nbytes
-        finish_hf_dir(tmp_dir, out_dir, weight_map=weight_map, total_size=size, hf_config=hf_config,
-                      copy_from=copy_from)
+        finish_hf_dir(
+            tmp_dir, out_dir, weight_map=weight_map, total_size=size, hf_config=hf_config, copy_from=copy_from
+        )
     dist.barrier()
     return out_dir

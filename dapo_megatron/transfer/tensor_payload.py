@@ -61,7 +61,9 @@ def flatten_bucket(named: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
     return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in named])
 
 
-def unflatten_bucket(flat: torch.Tensor, specs: list[tuple[str, torch.dtype, list[int]]]) -> list[tuple[str, torch.Tensor]]:
+def unflatten_bucket(
+    flat: torch.Tensor, specs: list[tuple[str, torch.dtype, list[int]]]
+) -> list[tuple[str, torch.Tensor]]:
     """Views of `flat` as the named tensors (the engine side of one flattened bucket)."""
     out, offset = [], 0
     for name, dtype, shape in specs:
@@ -69,7 +71,7 @@ def unflatten_bucket(flat: torch.Tensor, specs: list[tuple[str, torch.dtype, lis
         for d in shape:
             numel *= d
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        out.append((name, flat[offset:offset + nbytes].view(dtype).reshape(shape)))
+        out.append((name, flat[offset : offset + nbytes].view(dtype).reshape(shape)))
         offset += nbytes
     if offset != flat.numel():
         raise ValueError(f"flattened bucket holds {flat.numel()} bytes, the tensors need {offset}")
@@ -113,7 +115,9 @@ def serialize_for_engine_rank(named: list[tuple[str, torch.Tensor]]) -> str:
     rank: each call shares the tensors anew (its own CUDA IPC handles or shared-memory reference)."""
     devices = {t.device.type for _, t in named}
     if devices - {"cpu", "cuda"} or len(devices) > 1:
-        raise ValueError(f"update_weights_from_tensor: tensors must all be on cpu or all on cuda, got {sorted(devices)}")
+        raise ValueError(
+            f"update_weights_from_tensor: tensors must all be on cpu or all on cuda, got {sorted(devices)}"
+        )
     if devices == {"cuda"}:
         try:
             from sglang.srt.utils import MultiprocessingSerializer
@@ -138,19 +142,39 @@ def serialize_for_engine_rank(named: list[tuple[str, torch.Tensor]]) -> str:
 # Globals a CPU payload may name: what ForkingPickler writes for CPU tensors under the file_system
 # strategy. Every entry is also in SGLang's SafeUnpickler.ALLOWED_GLOBALS (checked by the conformance
 # tests); file-descriptor passing (rebuild_storage_fd) is left out on purpose (see _cpu_shared_memory).
-_DTYPE_NAMES = ("float32", "float", "float16", "half", "bfloat16", "float64", "double", "int8", "uint8", "int16",
-                "short", "int32", "int", "int64", "long", "bool", "float8_e4m3fn", "float8_e5m2")
-ALLOWED_GLOBALS = frozenset({
-    ("torch.multiprocessing.reductions", "rebuild_tensor"),
-    ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
-    ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
-    ("torch", "Tensor"),
-    ("torch", "Size"),
-    ("torch.storage", "UntypedStorage"),
-    ("torch", "UntypedStorage"),
-    *(("torch", name) for name in _DTYPE_NAMES),
-})
+_DTYPE_NAMES = (
+    "float32",
+    "float",
+    "float16",
+    "half",
+    "bfloat16",
+    "float64",
+    "double",
+    "int8",
+    "uint8",
+    "int16",
+    "short",
+    "int32",
+    "int",
+    "int64",
+    "long",
+    "bool",
+    "float8_e4m3fn",
+    "float8_e5m2",
+)
+ALLOWED_GLOBALS = frozenset(
+    {
+        ("torch.multiprocessing.reductions", "rebuild_tensor"),
+        ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+        ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+        ("torch.multiprocessing.reductions", "rebuild_storage_empty"),
+        ("torch", "Tensor"),
+        ("torch", "Size"),
+        ("torch.storage", "UntypedStorage"),
+        ("torch", "UntypedStorage"),
+        *(("torch", name) for name in _DTYPE_NAMES),
+    }
+)
 
 
 class PayloadError(ValueError):
@@ -159,16 +183,20 @@ class PayloadError(ValueError):
 
 # CUDA IPC handles (an engine holding its model on a GPU, serve-rollout --device cuda): torch's rebuild, and
 # SGLang's patched one, whose device argument is the GPU's uuid (sglang/srt/utils/patch_torch.py)
-CUDA_GLOBALS = frozenset({
-    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
-    ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"),
-})
+CUDA_GLOBALS = frozenset(
+    {
+        ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"),
+        ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"),
+    }
+)
 # Data types a CUDA IPC payload names beside the rebuild: torch's reduce_tensor passes the storage's class,
 # type(tensor._typed_storage()) = torch.storage.TypedStorage, as rebuild_cuda_tensor's storage_cls. Missed until a
 # GPU ran it (2026-11-26, H100, torch 2.11: the payload's globals were rebuild_cuda_tensor, torch.Tensor, torch.Size,
 # torch.storage.TypedStorage, torch.float32); also on SGLang's allow list.
 CUDA_DATA_GLOBALS = frozenset({("torch.storage", "TypedStorage")})
-_DEVICE_ARG = 6  # the device's position in rebuild_cuda_tensor's arguments (patch_torch._REDUCE_TENSOR_ARG_DEVICE_INDEX)
+_DEVICE_ARG = (
+    6  # the device's position in rebuild_cuda_tensor's arguments (patch_torch._REDUCE_TENSOR_ARG_DEVICE_INDEX)
+)
 
 
 def _device_index(device: int | str) -> int:
@@ -185,7 +213,7 @@ def _rebuild_cuda_tensor_from_uuid(*args):
     """What SGLang's _rebuild_cuda_tensor_modified does, without importing SGLang."""
     from torch.multiprocessing import reductions
 
-    args = (*args[:_DEVICE_ARG], _device_index(args[_DEVICE_ARG]), *args[_DEVICE_ARG + 1:])
+    args = (*args[:_DEVICE_ARG], _device_index(args[_DEVICE_ARG]), *args[_DEVICE_ARG + 1 :])
     return reductions.rebuild_cuda_tensor(*args)
 
 
@@ -202,8 +230,11 @@ class _RestrictedUnpickler(pickle.Unpickler):
         if self.cuda and (module, name) in CUDA_DATA_GLOBALS:
             return super().find_class(module, name)
         if (module, name) not in ALLOWED_GLOBALS:
-            where = " (CUDA IPC handles need an engine on a GPU: serve-rollout --device cuda)" \
-                if (module, name) in CUDA_GLOBALS | CUDA_DATA_GLOBALS else ""
+            where = (
+                " (CUDA IPC handles need an engine on a GPU: serve-rollout --device cuda)"
+                if (module, name) in CUDA_GLOBALS | CUDA_DATA_GLOBALS
+                else ""
+            )
             raise PayloadError(f"the payload names {module}.{name}, which a tensor payload never needs{where}")
         return super().find_class(module, name)
 
@@ -222,7 +253,8 @@ def deserialize_payload(data: str, *, cuda: bool = False) -> list[tuple[str, tor
     except Exception as err:  # noqa: BLE001 - a corrupt pickle, a segment that no longer exists ...
         raise PayloadError(f"cannot unpickle ({type(err).__name__}: {err})") from None
     if not isinstance(obj, list) or not all(
-            isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
-            for p in obj):
+        isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], torch.Tensor)
+        for p in obj
+    ):
         raise PayloadError("must hold a list of (name, tensor) pairs")
     return [(name, tensor) for name, tensor in obj]

@@ -35,8 +35,16 @@ from dapo_megatron.dataplane import addresses
 from dapo_megatron.dataplane import collectives as coll
 
 
-def open_weight_group(*, backend: str, master_address: str, master_port: int, rank: int, world_size: int,
-                      group_name: str, timeout_s: float = 600.0):
+def open_weight_group(
+    *,
+    backend: str,
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    timeout_s: float = 600.0,
+):
     """One member of the trainer<->engines group; rank 0 (the trainer) hosts the TCP store."""
     from torch.distributed import TCPStore
     from torch.distributed.distributed_c10d import Backend, GroupName, PrefixStore, _new_process_group_helper, _world
@@ -46,13 +54,21 @@ def open_weight_group(*, backend: str, master_address: str, master_port: int, ra
     timeout = datetime.timedelta(seconds=timeout_s)
     # An explicit TCPStore, not rendezvous("tcp://..."): under torchrun (TORCHELASTIC_USE_AGENT_STORE
     # set) rendezvous makes rank 0 a mere client of a store nobody hosts. The keys are the same.
-    store = TCPStore(master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout,
-                     wait_for_workers=False)
+    store = TCPStore(
+        master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
+    )
     # gloo advertises the interface that routes to master_address (the trainer's own address on
     # rank 0): the host name may resolve to 127.0.1.1 (dataplane/addresses.py)
     with addresses.gloo_interface_for(master_address) if backend == "gloo" else contextlib.nullcontext():
-        pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                          group_name=GroupName(group_name), timeout=timeout)
+        pg, _ = _new_process_group_helper(
+            world_size,
+            rank,
+            [],
+            Backend(backend),
+            PrefixStore(group_name, store),
+            group_name=GroupName(group_name),
+            timeout=timeout,
+        )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}  # as SGLang: group rank = global rank
     return pg
 
@@ -71,8 +87,9 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         try:
-            return all(ipaddress.ip_address(info[4][0]).is_loopback
-                       for info in socket.getaddrinfo(host, None, socket.AF_INET))
+            return all(
+                ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None, socket.AF_INET)
+            )
         except socket.gaierror:
             return False
 
@@ -95,8 +112,9 @@ def socket_ifname_address(spec: str) -> str | None:
     order), '=eth0' (exact names), '^docker,lo' (any interface but these). None if nothing matches."""
     import psutil
 
-    addrs = {name: [a.address for a in infos if a.family == socket.AF_INET]
-             for name, infos in psutil.net_if_addrs().items()}
+    addrs = {
+        name: [a.address for a in infos if a.family == socket.AF_INET] for name, infos in psutil.net_if_addrs().items()
+    }
     candidates = {name: ips for name, ips in addrs.items() if ips}
     spec = spec.strip()
     exclude = spec.startswith("^")
@@ -141,21 +159,28 @@ def trainer_address(*, engine_urls: list[str], backend: str, configured: str = "
     if addresses.user_socket_ifname(var, environ):  # the user's choice; not one made here for the trainer's groups
         addr = socket_ifname_address(env[var])
         if addr is None:
-            raise ValueError(f"weight sync: {var}={env[var]!r} matches no interface with an IPv4 address on "
-                             "this host; fix it or set rollout.weight_sync_address")
+            raise ValueError(
+                f"weight sync: {var}={env[var]!r} matches no interface with an IPv4 address on "
+                "this host; fix it or set rollout.weight_sync_address"
+            )
         return addr
     sources = set()
     for host in remote:
         try:
             sources.add(route_source_address(host))
         except OSError as err:
-            raise ValueError(f"weight sync: no route from this host to engine host {host!r} ({err}); set "
-                             "rollout.weight_sync_address to an address of this host the engines can reach") from None
+            raise ValueError(
+                f"weight sync: no route from this host to engine host {host!r} ({err}); set "
+                "rollout.weight_sync_address to an address of this host the engines can reach"
+            ) from None
     if len(sources) > 1:
-        raise ValueError(f"weight sync: the engines are reached from different local addresses {sorted(sources)}; "
-                         "set rollout.weight_sync_address (or NCCL_SOCKET_IFNAME) to the one they all reach")
+        raise ValueError(
+            f"weight sync: the engines are reached from different local addresses {sorted(sources)}; "
+            "set rollout.weight_sync_address (or NCCL_SOCKET_IFNAME) to the one they all reach"
+        )
     (addr,) = sources
     if _is_loopback(addr):
-        raise ValueError(f"weight sync: engine hosts {remote} route through loopback from here; set "
-                         "rollout.weight_sync_address")
+        raise ValueError(
+            f"weight sync: engine hosts {remote} route through loopback from here; set rollout.weight_sync_address"
+        )
     return addr

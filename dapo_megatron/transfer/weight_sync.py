@@ -77,10 +77,15 @@ class SyncStats:
         return self.bytes / 1e9 / self.seconds if self.seconds > 0 else 0.0
 
     def as_dict(self) -> dict:
-        return {"weight_sync/tensors": self.num_tensors, "weight_sync/buckets": self.num_buckets,
-                "weight_sync/collectives": self.num_collectives, "weight_sync/bytes": self.bytes,
-                "weight_sync/seconds": self.seconds, "weight_sync/gb_per_s": self.gb_per_s,
-                "weight_sync/engines": self.num_engines}
+        return {
+            "weight_sync/tensors": self.num_tensors,
+            "weight_sync/buckets": self.num_buckets,
+            "weight_sync/collectives": self.num_collectives,
+            "weight_sync/bytes": self.bytes,
+            "weight_sync/seconds": self.seconds,
+            "weight_sync/gb_per_s": self.gb_per_s,
+            "weight_sync/engines": self.num_engines,
+        }
 
 
 # ---------------------------------------------------------------------------------------- checks
@@ -89,8 +94,10 @@ def check_against(specs: dict[str, list[int]], bucket: list[tuple[str, torch.Ten
         if name not in specs:
             raise ValueError(f"weight sync: tensor '{name}' does not exist in the model of engine {engine}")
         if list(tensor.shape) != list(specs[name]):
-            raise ValueError(f"weight sync: tensor '{name}' has shape {list(tensor.shape)}, "
-                             f"engine {engine} expects {list(specs[name])}")
+            raise ValueError(
+                f"weight sync: tensor '{name}' has shape {list(tensor.shape)}, "
+                f"engine {engine} expects {list(specs[name])}"
+            )
 
 
 def checkpoint_shapes(model_dir: str) -> dict[str, list[int]]:
@@ -172,17 +179,21 @@ async def weight_update_session(clients: list[EngineClient], *, end_timeout_s: f
     except BaseException:
         end_failures = await end_all()
         if end_failures:  # the body's error is the one to raise; these are logged beside it
-            log.error("weight sync: closing the sessions after a failed sync: %s",
-                      _name_failures("end_weight_update", end_failures))
+            log.error(
+                "weight sync: closing the sessions after a failed sync: %s",
+                _name_failures("end_weight_update", end_failures),
+            )
         raise
     end_failures = await end_all()
     if end_failures:
-        raise EngineError(f"weight sync: {_name_failures('end_weight_update', end_failures)}",
-                          url=next(iter(end_failures)))
+        raise EngineError(
+            f"weight sync: {_name_failures('end_weight_update', end_failures)}", url=next(iter(end_failures))
+        )
 
 
-def _buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
-             flattened: bool) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def _buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *, flattened: bool
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     for bucket in bucketize(named_tensors, bucket_bytes):
         yield from (split_for_alignment(bucket) if flattened else [bucket])
 
@@ -214,26 +225,38 @@ def engine_group_backend(server_infos: dict[str, dict]) -> str:
         by_backend.setdefault(backend, []).append(url)
     if len(by_backend) > 1:
         kinds = "; ".join(f"{b}: {', '.join(sorted(urls))}" for b, urls in sorted(by_backend.items()))
-        raise ValueError(f"weight sync: the engines join different weight-group backends ({kinds}); CPU rollout "
-                         "engines join gloo only, SGLang engines nccl: run one kind per pool (rollout.engine, "
-                         "rollout.engine_urls)")
+        raise ValueError(
+            f"weight sync: the engines join different weight-group backends ({kinds}); CPU rollout "
+            "engines join gloo only, SGLang engines nccl: run one kind per pool (rollout.engine, "
+            "rollout.engine_urls)"
+        )
     (backend,) = by_backend
     return backend
 
 
 def _check_trainer_can_join(backend: str) -> None:
     if backend == "nccl" and not torch.cuda.is_available():
-        raise ValueError("weight sync: SGLang engines receive weights over nccl, which needs a GPU on the trainer "
-                         "side; this trainer has none (use rollout.engine=cpu, or run the trainer on GPUs)")
+        raise ValueError(
+            "weight sync: SGLang engines receive weights over nccl, which needs a GPU on the trainer "
+            "side; this trainer has none (use rollout.engine=cpu, or run the trainer on GPUs)"
+        )
 
 
 class DistributedWeightSync:
     """Trainer side of update_weights_from_distributed. Re-forms the group whenever the set of engines
     changes (an engine dropped, a restarted one re-admitted): a process group's membership is fixed."""
 
-    def __init__(self, *, master_address: str = "", master_port: int = 0, backend: str | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, group_name: str = "dapo_weight_sync",
-                 timeout_s: float = 600.0, flattened: bool = True):
+    def __init__(
+        self,
+        *,
+        master_address: str = "",
+        master_port: int = 0,
+        backend: str | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        group_name: str = "dapo_weight_sync",
+        timeout_s: float = 600.0,
+        flattened: bool = True,
+    ):
         if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"weight sync: backend must be gloo, nccl or None (follow the engines), got {backend!r}")
         self.master_address = master_address  # "" = weight_group.trainer_address(engines)
@@ -266,12 +289,31 @@ class DistributedWeightSync:
         port = self.master_port or _free_port(address)
         offsets = [1 + sum(tp_sizes[:i]) for i in range(len(clients))]  # engine TP rank t joins as offset + t
         loop = asyncio.get_running_loop()
-        own = loop.run_in_executor(None, lambda: open_weight_group(
-            backend=self.backend, master_address=address, master_port=port, rank=0,
-            world_size=world_size, group_name=self._group_name, timeout_s=self.timeout_s))
-        joins = [asyncio.ensure_future(c.init_weights_update_group(
-            master_address=address, master_port=port, rank_offset=off, world_size=world_size,
-            group_name=self._group_name, backend=self.backend)) for c, off in zip(clients, offsets)]
+        own = loop.run_in_executor(
+            None,
+            lambda: open_weight_group(
+                backend=self.backend,
+                master_address=address,
+                master_port=port,
+                rank=0,
+                world_size=world_size,
+                group_name=self._group_name,
+                timeout_s=self.timeout_s,
+            ),
+        )
+        joins = [
+            asyncio.ensure_future(
+                c.init_weights_update_group(
+                    master_address=address,
+                    master_port=port,
+                    rank_offset=off,
+                    world_size=world_size,
+                    group_name=self._group_name,
+                    backend=self.backend,
+                )
+            )
+            for c, off in zip(clients, offsets)
+        ]
         # an engine that refuses to join leaves our rendezvous waiting (until timeout_s): fail fast
         done, _ = await asyncio.wait([own, *joins], return_when=asyncio.FIRST_EXCEPTION)
         failures = {c.url: j.exception() for c, j in zip(clients, joins) if j in done and j.exception() is not None}
@@ -281,20 +323,30 @@ class DistributedWeightSync:
                 if not j.done():
                     failures[c.url] = TimeoutError(
                         f"did not join within {self.timeout_s:.0f} s; it must reach {address}:{port} (set "
-                        f"rollout.weight_sync_address, or NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME)")
+                        f"rollout.weight_sync_address, or NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME)"
+                    )
             failures = failures or {"trainer": own.exception()}
         if failures:
             for j in joins:
                 j.cancel()
-            raise EngineError(f"weight sync: forming the group {self._group_name} at {address}:{port} failed: "
-                              f"{_name_failures('init_weights_update_group', failures)}", url=next(iter(failures)))
+            raise EngineError(
+                f"weight sync: forming the group {self._group_name} at {address}:{port} failed: "
+                f"{_name_failures('init_weights_update_group', failures)}",
+                url=next(iter(failures)),
+            )
         await asyncio.gather(*joins)
         self._pg = own.result()
         self.address = address
         self._members = tuple(c.url for c in clients)
         self._shapes = dict(zip(self._members, await asyncio.gather(*(engine_shapes(c) for c in clients))))
-        log.info("weight sync: group %s formed at %s:%d with %d engines (world size %d)",
-                 self._group_name, address, port, len(clients), world_size)
+        log.info(
+            "weight sync: group %s formed at %s:%d with %d engines (world size %d)",
+            self._group_name,
+            address,
+            port,
+            len(clients),
+            world_size,
+        )
 
     def _abandon_group(self) -> None:
         """Forget the trainer's side of a failed or closed group (re-formed at the next sync). Measured
@@ -308,13 +360,21 @@ class DistributedWeightSync:
         if not self._members:
             return
         live = [c for c in clients if c.url in self._members]
-        await asyncio.gather(*(asyncio.wait_for(c.destroy_weights_update_group(self._group_name), 60) for c in live),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(asyncio.wait_for(c.destroy_weights_update_group(self._group_name), 60) for c in live),
+            return_exceptions=True,
+        )
         self._abandon_group()
 
-    async def sync(self, clients: list[EngineClient], named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                   weight_version: str, manifest: dict[str, list[int]] | None = None,
-                   flush_cache: bool = True) -> SyncStats:
+    async def sync(
+        self,
+        clients: list[EngineClient],
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        weight_version: str,
+        manifest: dict[str, list[int]] | None = None,
+        flush_cache: bool = True,
+    ) -> SyncStats:
         """Send every tensor to every engine inside one session; returns the sync's statistics."""
         _check_sync_args(clients, weight_version)
         if self._pg is None or self._members != tuple(c.url for c in clients):
@@ -332,28 +392,54 @@ class DistributedWeightSync:
         stats.seconds = time.perf_counter() - tic
         stats.missing = sorted(set(self._shapes[clients[0].url]) - seen)
         self.history.append(stats)
-        log.info("weight sync %s: %d tensors in %d buckets, %d collective calls, %.1f MB in %.2f s to %d engines",
-                 weight_version, stats.num_tensors, stats.num_buckets, stats.num_collectives, stats.bytes / 1e6,
-                 stats.seconds, stats.num_engines)
+        log.info(
+            "weight sync %s: %d tensors in %d buckets, %d collective calls, %.1f MB in %.2f s to %d engines",
+            weight_version,
+            stats.num_tensors,
+            stats.num_buckets,
+            stats.num_collectives,
+            stats.bytes / 1e6,
+            stats.seconds,
+            stats.num_engines,
+        )
         return stats
 
-    async def _send_bucket(self, clients: list[EngineClient], bucket: list[tuple[str, torch.Tensor]],
-                           stats: SyncStats, *, weight_version: str, flush_cache: bool) -> None:
+    async def _send_bucket(
+        self,
+        clients: list[EngineClient],
+        bucket: list[tuple[str, torch.Tensor]],
+        stats: SyncStats,
+        *,
+        weight_version: str,
+        flush_cache: bool,
+    ) -> None:
         # an engine that died since the last bucket: fail before the broadcast, which the others would
         # otherwise wait in until the group's timeout (see _abandon_group); a refused connection says it
         errors = await asyncio.gather(*(engine_unreachable(c.url) for c in clients))
         down = {c.url: err for c, err in zip(clients, errors) if err is not None}
         if down:
             self._abandon_group()
-            raise EngineError(f"weight sync {weight_version}: bucket {stats.num_buckets}: "
-                              f"{_name_failures('connecting', down)}", url=next(iter(down)))
+            raise EngineError(
+                f"weight sync {weight_version}: bucket {stats.num_buckets}: {_name_failures('connecting', down)}",
+                url=next(iter(down)),
+            )
         names = [n for n, _ in bucket]
         tensors = [t.detach().contiguous() for _, t in bucket]
         payloads = [flatten_bucket(bucket)] if self.flattened else tensors
-        posts = [asyncio.ensure_future(c.update_weights_from_distributed(
-            names=names, dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors],
-            shapes=[list(t.shape) for t in tensors], group_name=self._group_name, flush_cache=flush_cache,
-            load_format=FLATTENED if self.flattened else None, weight_version=weight_version)) for c in clients]
+        posts = [
+            asyncio.ensure_future(
+                c.update_weights_from_distributed(
+                    names=names,
+                    dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors],
+                    shapes=[list(t.shape) for t in tensors],
+                    group_name=self._group_name,
+                    flush_cache=flush_cache,
+                    load_format=FLATTENED if self.flattened else None,
+                    weight_version=weight_version,
+                )
+            )
+            for c in clients
+        ]
         pg = self._pg
 
         def send_all() -> None:
@@ -380,8 +466,11 @@ class DistributedWeightSync:
         self._abandon_group()  # the group's state is unknown now: re-form it next time
         for p in posts:
             p.cancel()
-        raise EngineError(f"weight sync {weight_version}: bucket {stats.num_buckets} ({names[0]} ...): "
-                          f"{_name_failures('update_weights_from_distributed', failures)}", url=next(iter(failures)))
+        raise EngineError(
+            f"weight sync {weight_version}: bucket {stats.num_buckets} ({names[0]} ...): "
+            f"{_name_failures('update_weights_from_distributed', failures)}",
+            url=next(iter(failures)),
+        )
 
 
 # ------------------------------------------------------------------------------------ by tensor
@@ -392,9 +481,15 @@ class TensorWeightSync:
         self.bucket_bytes = bucket_bytes
         self.history: list[SyncStats] = []
 
-    async def sync(self, clients: list[EngineClient], named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                   weight_version: str, manifest: dict[str, list[int]] | None = None,
-                   flush_cache: bool = True) -> SyncStats:
+    async def sync(
+        self,
+        clients: list[EngineClient],
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        *,
+        weight_version: str,
+        manifest: dict[str, list[int]] | None = None,
+        flush_cache: bool = True,
+    ) -> SyncStats:
         _check_sync_args(clients, weight_version)
         shapes = dict(zip([c.url for c in clients], await asyncio.gather(*(engine_shapes(c) for c in clients))))
         tp_sizes = [int(i.get("tp_size", 1)) for i in await asyncio.gather(*(c.server_info() for c in clients))]
@@ -407,13 +502,21 @@ class TensorWeightSync:
                 for c in clients:
                     check_against(shapes[c.url], bucket, engine=c.url)
                 # one payload per engine TP rank, each serialized on its own (never one shared entry)
-                calls = [c.update_weights_from_tensor([serialize_for_engine_rank(bucket) for _ in range(tp)],
-                                                      flush_cache=flush_cache, weight_version=weight_version)
-                         for c, tp in zip(clients, tp_sizes)]
+                calls = [
+                    c.update_weights_from_tensor(
+                        [serialize_for_engine_rank(bucket) for _ in range(tp)],
+                        flush_cache=flush_cache,
+                        weight_version=weight_version,
+                    )
+                    for c, tp in zip(clients, tp_sizes)
+                ]
                 failures = await _gather_per_engine(clients, calls)
                 if failures:
-                    raise EngineError(f"weight sync {weight_version}: bucket {stats.num_buckets} ({bucket[0][0]} ...): "
-                                      f"{_name_failures('update_weights_from_tensor', failures)}", url=next(iter(failures)))
+                    raise EngineError(
+                        f"weight sync {weight_version}: bucket {stats.num_buckets} ({bucket[0][0]} ...): "
+                        f"{_name_failures('update_weights_from_tensor', failures)}",
+                        url=next(iter(failures)),
+                    )
                 stats.num_buckets += 1
                 stats.num_tensors += len(bucket)
                 stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -421,6 +524,13 @@ class TensorWeightSync:
         stats.seconds = time.perf_counter() - tic
         stats.missing = sorted(set(shapes[clients[0].url]) - seen)
         self.history.append(stats)
-        log.info("weight sync %s: %d tensors in %d buckets by tensor, %.1f MB in %.2f s to %d engines",
-                 weight_version, stats.num_tensors, stats.num_buckets, stats.bytes / 1e6, stats.seconds, stats.num_engines)
+        log.info(
+            "weight sync %s: %d tensors in %d buckets by tensor, %.1f MB in %.2f s to %d engines",
+            weight_version,
+            stats.num_tensors,
+            stats.num_buckets,
+            stats.bytes / 1e6,
+            stats.seconds,
+            stats.num_engines,
+        )
         return stats

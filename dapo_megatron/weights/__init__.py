@@ -1,6 +1,6 @@
 """HF <-> Megatron weights: name/shape mapping, loading into shards, streaming full tensors out.
 
-    from dapo_megatron.weights import load_hf_into_model, iter_hf_weights, bucketize, save_hf_checkpoint
+from dapo_megatron.weights import load_hf_into_model, iter_hf_weights, bucketize, save_hf_checkpoint
 """
 
 from dapo_megatron.weights.export import bucketize, iter_hf_weights

@@ -52,10 +52,14 @@ def _shard_all_gather(shard: torch.Tensor, pmap: ParamMap) -> list[torch.Tensor]
     from megatron.core import parallel_state
 
     if pmap.is_expert:
-        return _all_gather(shard, parallel_state.get_expert_tensor_parallel_group(),
-                           parallel_state.get_expert_tensor_parallel_world_size())
-    return _all_gather(shard, parallel_state.get_tensor_model_parallel_group(),
-                       parallel_state.get_tensor_model_parallel_world_size())
+        return _all_gather(
+            shard,
+            parallel_state.get_expert_tensor_parallel_group(),
+            parallel_state.get_expert_tensor_parallel_world_size(),
+        )
+    return _all_gather(
+        shard, parallel_state.get_tensor_model_parallel_group(), parallel_state.get_tensor_model_parallel_world_size()
+    )
 
 
 def _with_expert(names: Sequence[str], expert: int) -> tuple[str, ...]:
@@ -88,8 +92,12 @@ def _full_tensors(pmap: ParamMap, param: torch.Tensor, dims: Dims) -> list[tuple
     ep = parallel_state.get_expert_model_parallel_world_size() if pmap.is_expert else 1
     local_expert = pmap.local_expert or 0  # set on every expert parameter (is_expert)
     if ep == 1:
-        return list(zip(_with_expert(pmap.hf_names, expert_offset(dims) + local_expert) if pmap.is_expert
-                        else pmap.hf_names, tensors))
+        return list(
+            zip(
+                _with_expert(pmap.hf_names, expert_offset(dims) + local_expert) if pmap.is_expert else pmap.hf_names,
+                tensors,
+            )
+        )
     group = parallel_state.get_expert_model_parallel_group()
     per_rank = [_all_gather(t, group, ep) for t in tensors]  # [tensor k][ep rank q]
     num_local = dims.experts.num_experts // ep
@@ -100,7 +108,9 @@ def _full_tensors(pmap: ParamMap, param: torch.Tensor, dims: Dims) -> list[tuple
     return out
 
 
-def iter_hf_weights(model_chunks: Iterable[torch.nn.Module], hf_config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(
+    model_chunks: Iterable[torch.nn.Module], hf_config: PretrainedConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for every tensor of the HF checkpoint, on every rank (see top)."""
     from megatron.core import parallel_state
 
@@ -161,7 +171,9 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def bucketize(named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def bucketize(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], max_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group consecutive (name, tensor) pairs into lists of at most max_bytes in total.
 
     Order is kept. A tensor larger than max_bytes on its own is yielded alone (never split).

@@ -19,8 +19,10 @@ VOCAB_DIVISIBLE_BY = 128  # megatron's make_vocab_size_divisible_by default
 def model_type_of(hf_config: PretrainedConfig) -> str:
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model.arch: config.json model_type {model_type!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise ValueError(
+            f"model.arch: config.json model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     return model_type
 
 
@@ -70,13 +72,19 @@ def moe_shape_of(hf_config: PretrainedConfig) -> MoEShape | None:
     if num_experts <= 0:
         return None
     if getattr(hf_config, "shared_expert_intermediate_size", 0):
-        raise ValueError("config.json shared_expert_intermediate_size: shared experts are not supported "
-                         "(Qwen3-MoE has none)")
+        raise ValueError(
+            "config.json shared_expert_intermediate_size: shared experts are not supported (Qwen3-MoE has none)"
+        )
     topk = int(hf_config.num_experts_per_tok)
     if not 1 <= topk <= num_experts:
         raise ValueError(f"config.json num_experts_per_tok={topk} must be in [1, num_experts={num_experts}]")
     step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
     dense_only = set(getattr(hf_config, "mlp_only_layers", None) or [])
     sparse = tuple(i not in dense_only and (i + 1) % step == 0 for i in range(hf_config.num_hidden_layers))
-    return MoEShape(num_experts=num_experts, topk=topk, ffn=int(hf_config.moe_intermediate_size),
-                    norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)), sparse_layers=sparse)
+    return MoEShape(
+        num_experts=num_experts,
+        topk=topk,
+        ffn=int(hf_config.moe_intermediate_size),
+        norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
+        sparse_layers=sparse,
+    )

@@ -43,8 +43,16 @@ def public_shape(fused_shape: tuple[int, ...], proj: str) -> tuple[int, ...]:
     return (fused_shape[1] // 2, fused_shape[2])
 
 
-def read_fused_rows(get_slice: Callable[[str], Any], fused_shape: tuple[int, ...], fused_name: str,
-                    expert: int, proj: str, start: int | None, stop: int | None, dim: int) -> torch.Tensor:
+def read_fused_rows(
+    get_slice: Callable[[str], Any],
+    fused_shape: tuple[int, ...],
+    fused_name: str,
+    expert: int,
+    proj: str,
+    start: int | None,
+    stop: int | None,
+    dim: int,
+) -> torch.Tensor:
     """public_tensor[start:stop] along dim (0 or 1) of one expert's projection, read from the fused
     tensor through a safetensors slice without reading the other experts."""
     part = get_slice(fused_name)
@@ -53,10 +61,10 @@ def read_fused_rows(get_slice: Callable[[str], Any], fused_shape: tuple[int, ...
     if dim == 0:
         lo = 0 if start is None else start
         hi = rows if stop is None else stop
-        return part[expert, row0 + lo: row0 + hi, :]
+        return part[expert, row0 + lo : row0 + hi, :]
     lo = 0 if start is None else start
     hi = cols if stop is None else stop
-    return part[expert, row0: row0 + rows, lo:hi]
+    return part[expert, row0 : row0 + rows, lo:hi]
 
 
 def public_expert_views(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -68,13 +68,17 @@ def shard_group_of(pmap: ParamMap) -> tuple[int, int]:
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
-def chunk_param_maps(model: GPTModel, dims: Dims, *, first_expert: int | None = None) -> list[tuple[ParamMap, torch.nn.Parameter]]:
+def chunk_param_maps(
+    model: GPTModel, dims: Dims, *, first_expert: int | None = None
+) -> list[tuple[ParamMap, torch.nn.Parameter]]:
     """(mapping, parameter) for every parameter of one unwrapped chunk, in named_parameters order.
     first_expert: global index of local expert 0 (default: this EP rank's)."""
     offset = chunk_layer_offset(model)
     first = expert_offset(dims) if first_expert is None else first_expert
-    return [(map_param(name, layer_offset=offset, dims=dims, expert_offset=first), param)
-            for name, param in model.named_parameters()]
+    return [
+        (map_param(name, layer_offset=offset, dims=dims, expert_offset=first), param)
+        for name, param in model.named_parameters()
+    ]
 
 
 class SafetensorsCheckpoint:
@@ -132,16 +136,18 @@ class SafetensorsCheckpoint:
         fused = self._fused(name)
         if fused:
             fused_name, expert, proj = fused
-            return read_fused_rows(self._slice, tuple(self._slice(fused_name).get_shape()), fused_name, expert, proj,
-                                   start, stop, dim)
+            return read_fused_rows(
+                self._slice, tuple(self._slice(fused_name).get_shape()), fused_name, expert, proj, start, stop, dim
+            )
         part = self._slice(name)
         if dim == 0:
             return part[start:stop]
         return part[:, start:stop]
 
 
-def load_hf_into_model(model_chunks: Iterable[torch.nn.Module], hf_dir: str | os.PathLike, *,
-                       hf_config: PretrainedConfig | None = None) -> None:
+def load_hf_into_model(
+    model_chunks: Iterable[torch.nn.Module], hf_dir: str | os.PathLike, *, hf_config: PretrainedConfig | None = None
+) -> None:
     """Copy the HF checkpoint at hf_dir into every local parameter of model_chunks (this rank's).
 
     hf_config defaults to transformers.AutoConfig.from_pretrained(hf_dir). Raises ValueError naming
@@ -161,13 +167,24 @@ def load_hf_into_model(model_chunks: Iterable[torch.nn.Module], hf_dir: str | os
             for hf_name in pmap.hf_names:
                 shape = ckpt.shape(hf_name)
                 if shape != shapes[hf_name]:
-                    raise ValueError(f"HF checkpoint {ckpt.hf_dir}: tensor {hf_name!r} has shape "
-                                     f"{shape}, the config implies {shapes[hf_name]}")
+                    raise ValueError(
+                        f"HF checkpoint {ckpt.hf_dir}: tensor {hf_name!r} has shape "
+                        f"{shape}, the config implies {shapes[hf_name]}"
+                    )
             rank, size = shard_group_of(pmap)
-            shard = read_shard(pmap.kind, pmap.hf_names, ckpt.read_rows, tp_rank=rank, tp_size=size, dims=dims,
-                               vocab_rows=param.shape[0] * size if pmap.kind == "vocab" else None)
+            shard = read_shard(
+                pmap.kind,
+                pmap.hf_names,
+                ckpt.read_rows,
+                tp_rank=rank,
+                tp_size=size,
+                dims=dims,
+                vocab_rows=param.shape[0] * size if pmap.kind == "vocab" else None,
+            )
             if shard.shape != param.shape:  # internal invariant: config and model disagree
-                raise ValueError(f"megatron parameter {pmap.mcore_name!r} has shape {tuple(param.shape)} but "
-                                 f"{', '.join(pmap.hf_names)} give a shard of {tuple(shard.shape)}")
+                raise ValueError(
+                    f"megatron parameter {pmap.mcore_name!r} has shape {tuple(param.shape)} but "
+                    f"{', '.join(pmap.hf_names)} give a shard of {tuple(shard.shape)}"
+                )
             with torch.no_grad():
                 param.copy_(shard.to(dtype=param.dtype, device=param.device))

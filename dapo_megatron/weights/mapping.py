@@ -54,37 +54,81 @@ if TYPE_CHECKING:
 
 # (megatron local-spec suffix, TE-spec suffix, HF templates, kind) for the parameters of one layer.
 _LAYER_PARAMS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
-    ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight",
-     ("model.layers.{i}.input_layernorm.weight",), "replicated"),
-    ("self_attention.q_layernorm.weight", "self_attention.q_layernorm.weight",
-     ("model.layers.{i}.self_attn.q_norm.weight",), "replicated"),
-    ("self_attention.k_layernorm.weight", "self_attention.k_layernorm.weight",
-     ("model.layers.{i}.self_attn.k_norm.weight",), "replicated"),
-    ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.weight",
-     ("model.layers.{i}.self_attn.q_proj.weight", "model.layers.{i}.self_attn.k_proj.weight",
-      "model.layers.{i}.self_attn.v_proj.weight"), "qkv"),
-    ("self_attention.linear_qkv.bias", "self_attention.linear_qkv.bias",
-     ("model.layers.{i}.self_attn.q_proj.bias", "model.layers.{i}.self_attn.k_proj.bias",
-      "model.layers.{i}.self_attn.v_proj.bias"), "qkv"),
-    ("self_attention.linear_proj.weight", "self_attention.linear_proj.weight",
-     ("model.layers.{i}.self_attn.o_proj.weight",), "row"),
-    ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight",
-     ("model.layers.{i}.post_attention_layernorm.weight",), "replicated"),
-    ("mlp.linear_fc1.weight", "mlp.linear_fc1.weight",
-     ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"), "fc1"),
-    ("mlp.linear_fc2.weight", "mlp.linear_fc2.weight",
-     ("model.layers.{i}.mlp.down_proj.weight",), "row"),
+    (
+        "input_layernorm.weight",
+        "self_attention.linear_qkv.layer_norm_weight",
+        ("model.layers.{i}.input_layernorm.weight",),
+        "replicated",
+    ),
+    (
+        "self_attention.q_layernorm.weight",
+        "self_attention.q_layernorm.weight",
+        ("model.layers.{i}.self_attn.q_norm.weight",),
+        "replicated",
+    ),
+    (
+        "self_attention.k_layernorm.weight",
+        "self_attention.k_layernorm.weight",
+        ("model.layers.{i}.self_attn.k_norm.weight",),
+        "replicated",
+    ),
+    (
+        "self_attention.linear_qkv.weight",
+        "self_attention.linear_qkv.weight",
+        (
+            "model.layers.{i}.self_attn.q_proj.weight",
+            "model.layers.{i}.self_attn.k_proj.weight",
+            "model.layers.{i}.self_attn.v_proj.weight",
+        ),
+        "qkv",
+    ),
+    (
+        "self_attention.linear_qkv.bias",
+        "self_attention.linear_qkv.bias",
+        (
+            "model.layers.{i}.self_attn.q_proj.bias",
+            "model.layers.{i}.self_attn.k_proj.bias",
+            "model.layers.{i}.self_attn.v_proj.bias",
+        ),
+        "qkv",
+    ),
+    (
+        "self_attention.linear_proj.weight",
+        "self_attention.linear_proj.weight",
+        ("model.layers.{i}.self_attn.o_proj.weight",),
+        "row",
+    ),
+    (
+        "pre_mlp_layernorm.weight",
+        "mlp.linear_fc1.layer_norm_weight",
+        ("model.layers.{i}.post_attention_layernorm.weight",),
+        "replicated",
+    ),
+    (
+        "mlp.linear_fc1.weight",
+        "mlp.linear_fc1.weight",
+        ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
+        "fc1",
+    ),
+    ("mlp.linear_fc2.weight", "mlp.linear_fc2.weight", ("model.layers.{i}.mlp.down_proj.weight",), "row"),
     ("mlp.router.weight", "mlp.router.weight", ("model.layers.{i}.mlp.gate.weight",), "replicated"),
 )
 
 # One expert's matrices: (local-spec regex, TE grouped-GEMM regex) over the layer-relative suffix,
 # HF templates with {i} = layer and {e} = global expert, kind.
 _EXPERT_PARAMS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
-    (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight", r"mlp\.experts\.linear_fc1\.weight(\d+)",
-     ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "model.layers.{i}.mlp.experts.{e}.up_proj.weight"),
-     "expert_fc1"),
-    (r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight", r"mlp\.experts\.linear_fc2\.weight(\d+)",
-     ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",), "expert_row"),
+    (
+        r"mlp\.experts\.local_experts\.(\d+)\.linear_fc1\.weight",
+        r"mlp\.experts\.linear_fc1\.weight(\d+)",
+        ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "model.layers.{i}.mlp.experts.{e}.up_proj.weight"),
+        "expert_fc1",
+    ),
+    (
+        r"mlp\.experts\.local_experts\.(\d+)\.linear_fc2\.weight",
+        r"mlp\.experts\.linear_fc2\.weight(\d+)",
+        ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",),
+        "expert_row",
+    ),
 )
 
 # (megatron name, HF name, kind) outside the layers. Qwen2 and Llama share these HF names.
@@ -114,12 +158,19 @@ class Dims:
     @staticmethod
     def from_hf(hf_config: PretrainedConfig) -> Dims:
         model_type_of(hf_config)
-        return Dims(hidden=hf_config.hidden_size, num_heads=hf_config.num_attention_heads,
-                    num_groups=hf_config.num_key_value_heads, head_dim=head_dim_of(hf_config),
-                    ffn=hf_config.intermediate_size, vocab=hf_config.vocab_size,
-                    num_layers=hf_config.num_hidden_layers, qkv_bias=has_qkv_bias(hf_config),
-                    tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
-                    qk_norm=has_qk_norm(hf_config), moe=moe_shape_of(hf_config))
+        return Dims(
+            hidden=hf_config.hidden_size,
+            num_heads=hf_config.num_attention_heads,
+            num_groups=hf_config.num_key_value_heads,
+            head_dim=head_dim_of(hf_config),
+            ffn=hf_config.intermediate_size,
+            vocab=hf_config.vocab_size,
+            num_layers=hf_config.num_hidden_layers,
+            qkv_bias=has_qkv_bias(hf_config),
+            tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            qk_norm=has_qk_norm(hf_config),
+            moe=moe_shape_of(hf_config),
+        )
 
     @property
     def experts(self) -> MoEShape:
@@ -158,13 +209,16 @@ def expected_hf_shapes(dims: Dims) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (dims.vocab, h)}
     for i in range(dims.num_layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (dims.num_heads * d, h),
-            p + "self_attn.k_proj.weight": (dims.num_groups * d, h),
-            p + "self_attn.v_proj.weight": (dims.num_groups * d, h),
-            p + "self_attn.o_proj.weight": (h, dims.num_heads * d),
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (dims.num_heads * d, h),
+                p + "self_attn.k_proj.weight": (dims.num_groups * d, h),
+                p + "self_attn.v_proj.weight": (dims.num_groups * d, h),
+                p + "self_attn.o_proj.weight": (h, dims.num_heads * d),
+            }
+        )
         if dims.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
         if dims.is_sparse(i):
@@ -172,15 +226,25 @@ def expected_hf_shapes(dims: Dims) -> dict[str, tuple[int, ...]]:
             shapes[p + "mlp.gate.weight"] = (dims.experts.num_experts, h)
             for e in range(dims.experts.num_experts):
                 q = f"{p}mlp.experts.{e}."
-                shapes.update({q + "gate_proj.weight": (fe, h), q + "up_proj.weight": (fe, h),
-                               q + "down_proj.weight": (h, fe)})
+                shapes.update(
+                    {q + "gate_proj.weight": (fe, h), q + "up_proj.weight": (fe, h), q + "down_proj.weight": (h, fe)}
+                )
         else:
-            shapes.update({p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
-                           p + "mlp.down_proj.weight": (h, f)})
+            shapes.update(
+                {
+                    p + "mlp.gate_proj.weight": (f, h),
+                    p + "mlp.up_proj.weight": (f, h),
+                    p + "mlp.down_proj.weight": (h, f),
+                }
+            )
         if dims.qkv_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (dims.num_heads * d,),
-                           p + "self_attn.k_proj.bias": (dims.num_groups * d,),
-                           p + "self_attn.v_proj.bias": (dims.num_groups * d,)})
+            shapes.update(
+                {
+                    p + "self_attn.q_proj.bias": (dims.num_heads * d,),
+                    p + "self_attn.k_proj.bias": (dims.num_groups * d,),
+                    p + "self_attn.v_proj.bias": (dims.num_groups * d,),
+                }
+            )
     shapes["model.norm.weight"] = (h,)
     if not dims.tied:
         shapes["lm_head.weight"] = (dims.vocab, h)
@@ -203,7 +267,7 @@ def map_param(mcore_name: str, *, layer_offset: int, dims: Dims, expert_offset: 
             return ParamMap(mcore_name, (hf_name,), kind)
     prefix = "decoder.layers."
     if mcore_name.startswith(prefix):
-        local_index, _, suffix = mcore_name[len(prefix):].partition(".")
+        local_index, _, suffix = mcore_name[len(prefix) :].partition(".")
         if local_index.isdigit():
             layer = layer_offset + int(local_index)
             for local_suffix, te_suffix, templates, kind in _LAYER_PARAMS:
@@ -220,6 +284,7 @@ def map_param(mcore_name: str, *, layer_offset: int, dims: Dims, expert_offset: 
 
 # --- shard maths ----------------------------------------------------------------------------------
 
+
 def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: Dims) -> torch.Tensor:
     """Full HF q/k/v (weight [n*d, H] or bias [n*d]) -> megatron's per-group interleaved rows."""
     ng = dims.num_groups
@@ -235,8 +300,15 @@ def _deinterleave_qkv(full: torch.Tensor, dims: Dims) -> list[torch.Tensor]:
     return [t.reshape(-1, *full.shape[1:]).contiguous() for t in (q, k, v)]
 
 
-def shard_for_rank(kind: str, hf_tensors: Sequence[torch.Tensor], *, tp_rank: int, tp_size: int,
-                   dims: Dims, vocab_rows: int | None = None) -> torch.Tensor:
+def shard_for_rank(
+    kind: str,
+    hf_tensors: Sequence[torch.Tensor],
+    *,
+    tp_rank: int,
+    tp_size: int,
+    dims: Dims,
+    vocab_rows: int | None = None,
+) -> torch.Tensor:
     """Megatron's local shard on TP rank `tp_rank` from the full HF tensors. vocab_rows: the
     model's padded vocabulary (all ranks), when it was built with another vocab_divisible_by."""
     if kind == "replicated":
@@ -274,8 +346,9 @@ def merge_shards(kind: str, shards: Sequence[torch.Tensor], *, dims: Dims) -> li
     raise AssertionError(f"unknown kind {kind}")
 
 
-def merge_shards_into(kind: str, shards: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *,
-                      dims: Dims) -> None:
+def merge_shards_into(
+    kind: str, shards: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *, dims: Dims
+) -> None:
     """merge_shards written straight into `outputs` (the full HF tensors, e.g. views of a flat
     export bucket), shard by shard: no full-size temporary. Same values, bit for bit."""
     t = len(shards)
@@ -290,12 +363,12 @@ def merge_shards_into(kind: str, shards: Sequence[torch.Tensor], outputs: Sequen
     elif kind in ("row", "expert_row"):
         cols = shards[0].shape[1]
         for r, shard in enumerate(shards):
-            outputs[0][:, r * cols: (r + 1) * cols].copy_(shard)
+            outputs[0][:, r * cols : (r + 1) * cols].copy_(shard)
     elif kind in ("fc1", "expert_fc1"):
         half = shards[0].shape[0] // 2
         for r, shard in enumerate(shards):
-            outputs[0][r * half: (r + 1) * half].copy_(shard[:half])
-            outputs[1][r * half: (r + 1) * half].copy_(shard[half:])
+            outputs[0][r * half : (r + 1) * half].copy_(shard[:half])
+            outputs[1][r * half : (r + 1) * half].copy_(shard[half:])
     elif kind == "qkv":
         d, groups = dims.head_dim, dims.num_groups // t  # query groups per shard
         q_rows = dims.num_heads // dims.num_groups * d
@@ -304,13 +377,21 @@ def merge_shards_into(kind: str, shards: Sequence[torch.Tensor], outputs: Sequen
             q, k, v = torch.split(grouped, [q_rows, d, d], dim=1)
             g0 = r * groups
             for out, part, rows in ((outputs[0], q, q_rows), (outputs[1], k, d), (outputs[2], v, d)):
-                out[g0 * rows: (g0 + groups) * rows].copy_(part.reshape(-1, *shard.shape[1:]))
+                out[g0 * rows : (g0 + groups) * rows].copy_(part.reshape(-1, *shard.shape[1:]))
     else:
         raise AssertionError(f"unknown kind {kind}")
 
 
-def read_shard(kind: str, hf_names: Sequence[str], read_rows, *, tp_rank: int, tp_size: int, dims: Dims,
-               vocab_rows: int | None = None) -> torch.Tensor:
+def read_shard(
+    kind: str,
+    hf_names: Sequence[str],
+    read_rows,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    dims: Dims,
+    vocab_rows: int | None = None,
+) -> torch.Tensor:
     """Like shard_for_rank, but reads only the rows / columns this rank needs.
 
     read_rows(name, start, stop, dim) returns tensor[name] restricted to [start, stop) along dim

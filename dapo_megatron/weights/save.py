@@ -23,12 +23,27 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 # Files copied next to the weights when `copy_from` is given (tokenizer, generation defaults).
-AUX_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-             "tokenizer.model", "generation_config.json", "chat_template.jinja", "added_tokens.json")
+AUX_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+    "chat_template.jinja",
+    "added_tokens.json",
+)
 
 
-def save_hf_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], hf_config: PretrainedConfig, out_dir: str | os.PathLike,
-                       *, max_shard_bytes: int = 5 << 30, copy_from: str | os.PathLike | None = None) -> Path:
+def save_hf_checkpoint(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    hf_config: PretrainedConfig,
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_bytes: int = 5 << 30,
+    copy_from: str | os.PathLike | None = None,
+) -> Path:
     """Write model-0000k-of-0000n.safetensors shards of at most max_shard_bytes (a bigger tensor
     gets its own shard), model.safetensors.index.json and config.json into out_dir; returns it.
 
@@ -57,8 +72,9 @@ def save_hf_checkpoint(named_tensors: Iterable[tuple[str, torch.Tensor]], hf_con
             file_name = shard_file_name(k, n)
             os.replace(tmp_dir / f"shard-{k}.tmp", tmp_dir / file_name)
             weight_map.update(dict.fromkeys(names, file_name))
-        finish_hf_dir(tmp_dir, out_dir, weight_map=weight_map, total_size=total, hf_config=hf_config,
-                      copy_from=copy_from)
+        finish_hf_dir(
+            tmp_dir, out_dir, weight_map=weight_map, total_size=total, hf_config=hf_config, copy_from=copy_from
+        )
     finally:
         if tmp_dir.exists():
             shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -69,8 +85,15 @@ def shard_file_name(index: int, count: int) -> str:
     return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
-def finish_hf_dir(tmp_dir: Path, out_dir: Path, *, weight_map: dict[str, str], total_size: int, hf_config: PretrainedConfig,
-                  copy_from: str | os.PathLike | None) -> None:
+def finish_hf_dir(
+    tmp_dir: Path,
+    out_dir: Path,
+    *,
+    weight_map: dict[str, str],
+    total_size: int,
+    hf_config: PretrainedConfig,
+    copy_from: str | os.PathLike | None,
+) -> None:
     """Index, config and tokenizer files into tmp_dir, then tmp_dir becomes out_dir (an existing
     out_dir is replaced only now)."""
     with open(tmp_dir / "model.safetensors.index.json", "w", encoding="utf-8") as handle:

@@ -32,14 +32,22 @@ def generate(model_dir: str, dtype: str):
     seqs = []
     for i, record in enumerate(held_out[:16]):
         ids = prompt_ids(tok, record.prompt)
-        params = SamplingParams(n=8, temperature=1.0, max_new_tokens=16, sampling_seed=1000 + i,
-                                stop_token_ids=(tok.eos_token_id,))
+        params = SamplingParams(
+            n=8, temperature=1.0, max_new_tokens=16, sampling_seed=1000 + i, stop_token_ids=(tok.eos_token_id,)
+        )
         seqs += [SequenceRequest(ids, params, f"r{i}", j, True, return_routed_experts=True) for j in range(8)]
     engine.generate(seqs)
-    return [Sample(prompt_ids=s.prompt_ids, response_ids=s.output_ids, group_index=k // 8,
-                   rollout_logprobs=s.output_logprobs,
-                   routed_experts=s.routed_experts.reshape(s.routed_experts.shape[0], -1).to(torch.uint8))
-            for k, s in enumerate(seqs) if s.output_ids]
+    return [
+        Sample(
+            prompt_ids=s.prompt_ids,
+            response_ids=s.output_ids,
+            group_index=k // 8,
+            rollout_logprobs=s.output_logprobs,
+            routed_experts=s.routed_experts.reshape(s.routed_experts.shape[0], -1).to(torch.uint8),
+        )
+        for k, s in enumerate(seqs)
+        if s.output_ids
+    ]
 
 
 def main(argv: list[str]) -> None:
@@ -54,8 +62,15 @@ def main(argv: list[str]) -> None:
     dist.broadcast_object_list(box, src=0)
     samples = box[0]
     cfg = Config()
-    cfg.actor = ActorConfig(ep=ep, attention_backend="torch", precision="fp32", micro_batch_tokens=2048,
-                            use_distributed_optimizer=False, fused_logprob=False, world_size=dist.get_world_size())
+    cfg.actor = ActorConfig(
+        ep=ep,
+        attention_backend="torch",
+        precision="fp32",
+        micro_batch_tokens=2048,
+        use_distributed_optimizer=False,
+        fused_logprob=False,
+        world_size=dist.get_world_size(),
+    )
     cfg.rollout.return_routed_experts = True
     with model_parallel(ep=ep, seed=0) as layout:
         actor = Actor(actor_settings(cfg), model_dir, layout)
@@ -68,9 +83,11 @@ def main(argv: list[str]) -> None:
     if dist.get_rank() == 0:
         print(f"engine dtype {dtype}, EP={ep}, {len(samples)} responses, {results[False][0].numel()} tokens")
         for replay, (diff, routing) in results.items():
-            print(f"replay {'on ' if replay else 'off'}: |diff| mean {diff.mean():.2e}  p99 {diff.quantile(0.99):.2e}  "
-                  f"max {diff.max():.2e}  tokens > 0.1: {int((diff > 0.1).sum())}  "
-                  f"agreement {routing['routing/agreement']:.5f}  exact {routing['routing/exact_match']:.5f}")
+            print(
+                f"replay {'on ' if replay else 'off'}: |diff| mean {diff.mean():.2e}  p99 {diff.quantile(0.99):.2e}  "
+                f"max {diff.max():.2e}  tokens > 0.1: {int((diff > 0.1).sum())}  "
+                f"agreement {routing['routing/agreement']:.5f}  exact {routing['routing/exact_match']:.5f}"
+            )
     dist.destroy_process_group()
 
 

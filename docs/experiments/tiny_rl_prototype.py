@@ -46,9 +46,17 @@ def sample(model, tok, prompts: list[str], *, n: int, max_new: int, temperature:
     pad = tok.pad_token_id
     ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
     mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(r) for r in rows])[:, None]).long()
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=temperature,
-                         top_p=top_p, top_k=0, max_new_tokens=max_new, eos_token_id=tok.eos_token_id,
-                         pad_token_id=pad)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=True,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=0,
+        max_new_tokens=max_new,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=pad,
+    )
     res = []
     for r, seq in zip(rows, out[:, width:].tolist()):
         if tok.eos_token_id in seq:
@@ -71,7 +79,7 @@ def token_logprobs(model, batch):
     mask = torch.zeros(len(batch), T)
     lp_rows = []
     for i, (p, r, _) in enumerate(batch):
-        lp_rows.append(lp[i, len(p) - 1: len(p) - 1 + len(r)])
+        lp_rows.append(lp[i, len(p) - 1 : len(p) - 1 + len(r)])
         mask[i, : len(r)] = 1
     out = torch.stack([torch.nn.functional.pad(x, (0, T - x.numel())) for x in lp_rows])
     return out, mask
@@ -80,8 +88,9 @@ def token_logprobs(model, batch):
 def evaluate(model, tok, problems, *, k: int, max_new: int, top_p: float, seed: int) -> dict:
     prompts = [p for p, _ in problems]
     res = sample(model, tok, prompts, n=k, max_new=max_new, temperature=1.0, top_p=top_p, seed=seed)
-    correct = torch.tensor([score(tok.decode(r, skip_special_tokens=True), problems[i // k][1])
-                            for i, (_, r, _) in enumerate(res)]).view(len(problems), k)
+    correct = torch.tensor(
+        [score(tok.decode(r, skip_special_tokens=True), problems[i // k][1]) for i, (_, r, _) in enumerate(res)]
+    ).view(len(problems), k)
     return {"avg": float(avg_at_k(correct)), "pass": float(pass_at_k(correct, k=k).mean())}
 
 
@@ -99,8 +108,9 @@ def main() -> None:
     r, al, t, syn = cfg.rollout, cfg.algorithm, cfg.trainer, cfg.data.synthetic
 
     t0 = time.time()
-    train_rec, held_rec = synthetic_train_eval(num_train=syn.num_train, num_eval=syn.num_eval,
-                                               difficulty=syn.difficulty, seed=syn.seed, style=syn.style)
+    train_rec, held_rec = synthetic_train_eval(
+        num_train=syn.num_train, num_eval=syn.num_eval, difficulty=syn.difficulty, seed=syn.seed, style=syn.style
+    )
     train = [(x.prompt, x.ground_truth) for x in train_rec]
     held = [(x.prompt, x.ground_truth) for x in held_rec]
     warm = tiny_model_dir(cfg)
@@ -110,13 +120,23 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(warm)
     model = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32)
     ref = AutoModelForCausalLM.from_pretrained(warm, dtype=torch.float32) if al.use_kl else None
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay,
-                            betas=(t.adam_beta1, t.adam_beta2))
-    ev = lambda s: evaluate(model.eval(), tok, held, k=t.eval_n, max_new=r.max_response_length,  # noqa: E731
-                            top_p=t.eval_top_p, seed=7 + s)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=t.lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2)
+    )
+    ev = lambda s: evaluate(
+        model.eval(),
+        tok,
+        held,
+        k=t.eval_n,
+        max_new=r.max_response_length,  # noqa: E731
+        top_p=t.eval_top_p,
+        seed=7 + s,
+    )
     curve = []
     e = ev(0)
-    print(f"build+warm {t_build:.1f}s  step 0 avg@{t.eval_n}={e['avg']:.3f} pass@{t.eval_n}={e['pass']:.3f}", flush=True)
+    print(
+        f"build+warm {t_build:.1f}s  step 0 avg@{t.eval_n}={e['avg']:.3f} pass@{t.eval_n}={e['pass']:.3f}", flush=True
+    )
     curve.append({"step": 0, "t": 0.0, **e})
     rng = random.Random(t.seed)
     order = list(range(len(train)))
@@ -125,21 +145,32 @@ def main() -> None:
     t_rl = time.time()
     for step in range(1, t.total_steps + 1):
         ts = time.time()
-        sampler = algo.DynamicSampler(train_batch_size=t.train_batch_size, enabled=al.dynamic_sampling,
-                                      max_num_gen_batches=al.max_num_gen_batches,
-                                      on_exhausted=al.on_gen_batches_exhausted)
+        sampler = algo.DynamicSampler(
+            train_batch_size=t.train_batch_size,
+            enabled=al.dynamic_sampling,
+            max_num_gen_batches=al.max_num_gen_batches,
+            on_exhausted=al.on_gen_batches_exhausted,
+        )
         rounds_gen = 0
         accs = []
         while not sampler.done:
             take = [train[order[(cursor + i) % len(order)]] for i in range(r.gen_batch_size)]
             cursor += len(take)
-            res = sample(model.eval(), tok, [p for p, _ in take], n=r.n, max_new=r.max_response_length,
-                         temperature=r.temperature, top_p=r.top_p, seed=t.seed * 100003 + step * 101 + rounds_gen)
+            res = sample(
+                model.eval(),
+                tok,
+                [p for p, _ in take],
+                n=r.n,
+                max_new=r.max_response_length,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                seed=t.seed * 100003 + step * 101 + rounds_gen,
+            )
             rounds_gen += 1
             groups = []
             for g, (_, truth) in enumerate(take):
                 grp = []
-                for p, resp, trunc in res[g * r.n:(g + 1) * r.n]:
+                for p, resp, trunc in res[g * r.n : (g + 1) * r.n]:
                     acc = score(tok.decode(resp, skip_special_tokens=True), truth)
                     grp.append({"p": p, "r": resp, "trunc": trunc, "acc": acc})
                     accs.append(acc)
@@ -151,9 +182,12 @@ def main() -> None:
         rewards = torch.tensor([2 * s["acc"] - 1 for s in flat])
         if al.overlong_shaping:
             lengths = torch.tensor([len(s["r"]) for s in flat])
-            rewards = rewards + algo.overlong_penalty(lengths, max_length=r.max_response_length,
-                                                      buffer_length=al.overlong_buffer_length,
-                                                      factor=al.overlong_penalty_factor)
+            rewards = rewards + algo.overlong_penalty(
+                lengths,
+                max_length=r.max_response_length,
+                buffer_length=al.overlong_buffer_length,
+                factor=al.overlong_penalty_factor,
+            )
         gidx = torch.tensor([gi for gi, grp in enumerate(batch_groups) for _ in grp.samples])
         adv = algo.group_advantages(rewards, gidx, eps=al.advantage_eps)
         batch = [(s["p"], s["r"], s["trunc"]) for s in flat]
@@ -170,9 +204,16 @@ def main() -> None:
             T = lp.shape[1]
             if al.overlong_filter:
                 m = m * algo.overlong_filter_mask([b[2] for b in batch[sl]])[:, None]
-            loss, st = algo.policy_loss(lp, old_lp[sl, :T], adv[sl, None], m, eps_low=al.eps_low,
-                                        eps_high=al.eps_high, clip_ratio_c=al.clip_ratio_c,
-                                        agg_mode=al.loss_agg_mode)
+            loss, st = algo.policy_loss(
+                lp,
+                old_lp[sl, :T],
+                adv[sl, None],
+                m,
+                eps_low=al.eps_low,
+                eps_high=al.eps_high,
+                clip_ratio_c=al.clip_ratio_c,
+                agg_mode=al.loss_agg_mode,
+            )
             if ref_lp is not None:  # GRPO: per-sequence mean of the per-token k3 estimate
                 kl = algo.kl_penalty(lp, ref_lp[sl, :T], al.kl_kind)
                 loss = loss + al.kl_coef * ((kl * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
@@ -184,10 +225,17 @@ def main() -> None:
             opt.step()
             stats.append({k: float(v) for k, v in st.items()} | {"grad_norm": float(gn)})
         dt = time.time() - ts
-        line = {"step": step, "t": time.time() - t_rl, "step_s": dt, "gen_s": t_gen, "rounds": rounds_gen,
-                "train_acc": sum(accs) / len(accs), "resp_len": float(mask.sum(1).mean()),
-                "clip_high": sum(s["clipfrac_high"] for s in stats) / len(stats),
-                "kl": sum(s["approx_kl"] for s in stats) / len(stats)}
+        line = {
+            "step": step,
+            "t": time.time() - t_rl,
+            "step_s": dt,
+            "gen_s": t_gen,
+            "rounds": rounds_gen,
+            "train_acc": sum(accs) / len(accs),
+            "resp_len": float(mask.sum(1).mean()),
+            "clip_high": sum(s["clipfrac_high"] for s in stats) / len(stats),
+            "kl": sum(s["approx_kl"] for s in stats) / len(stats),
+        }
         if (t.eval_every and step % t.eval_every == 0) or step == t.total_steps:
             te = time.time()
             line |= ev(step)

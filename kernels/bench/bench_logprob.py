@@ -34,8 +34,12 @@ from dapo_kernels.bench.common import CsvWriter, PeakMemory, bf16_matmul_tflops,
 
 MODELS = memory_model.MODELS  # Qwen2.5: (hidden, vocab)
 PROVIDERS = ("fused", "fused_cublas", "fused_rowchunk", "torch", "chunked", "liger")
-MEMORY_MODEL = {"fused": memory_model.fused_blocked_bytes, "fused_rowchunk": memory_model.fused_row_chunked_bytes,
-                "fused_cublas": memory_model.fused_cublas_bytes, "liger": memory_model.liger_bytes}
+MEMORY_MODEL = {
+    "fused": memory_model.fused_blocked_bytes,
+    "fused_rowchunk": memory_model.fused_row_chunked_bytes,
+    "fused_cublas": memory_model.fused_cublas_bytes,
+    "liger": memory_model.liger_bytes,
+}
 CHUNK_ROWS = 4096
 
 
@@ -51,8 +55,13 @@ def _chunked_torch(hidden, weight, targets):
     """Plain torch with bounded memory: reference per row chunk, logits recomputed in backward."""
     lps, ents = [], []
     for r0 in range(0, hidden.shape[0], CHUNK_ROWS):
-        lp, ent = checkpoint(linear_logprob_entropy_reference, hidden[r0:r0 + CHUNK_ROWS], weight,
-                             targets[r0:r0 + CHUNK_ROWS], use_reentrant=False)
+        lp, ent = checkpoint(
+            linear_logprob_entropy_reference,
+            hidden[r0 : r0 + CHUNK_ROWS],
+            weight,
+            targets[r0 : r0 + CHUNK_ROWS],
+            use_reentrant=False,
+        )
         lps.append(lp)
         ents.append(ent)
     return torch.cat(lps), torch.cat(ents)
@@ -68,10 +77,15 @@ def make_call(provider: str, hidden, weight, targets, *, backward: bool):
             loss = liger(weight, hidden, targets)
             if backward:
                 loss.sum().backward()
+
         return run_liger
-    op = {"fused": linear_logprob_entropy, "torch": linear_logprob_entropy_reference, "chunked": _chunked_torch,
-          "fused_rowchunk": lambda *a: linear_logprob_entropy(*a, backward="row_chunked"),
-          "fused_cublas": lambda *a: linear_logprob_entropy(*a, logits="cublas")}[provider]
+    op = {
+        "fused": linear_logprob_entropy,
+        "torch": linear_logprob_entropy_reference,
+        "chunked": _chunked_torch,
+        "fused_rowchunk": lambda *a: linear_logprob_entropy(*a, backward="row_chunked"),
+        "fused_cublas": lambda *a: linear_logprob_entropy(*a, logits="cublas"),
+    }[provider]
 
     def run():
         if not backward:
@@ -80,6 +94,7 @@ def make_call(provider: str, hidden, weight, targets, *, backward: bool):
             return
         lp, ent = op(hidden, weight, targets)
         (lp.sum() + ent.sum()).backward()
+
     return run
 
 
@@ -124,11 +139,18 @@ def bench_shape(out: CsvWriter, table: list, *, n, h, v, tp, providers, modes, r
                 continue
             tflops = flops / (p50 * 1e-3) / 1e12
             out.add(provider, mode, "ms", "ms", x, p50, p20, p80)
-            out.add(provider, mode, "tflops", "TFLOP/s", x, tflops, flops / (p80 * 1e-3) / 1e12,
-                    flops / (p20 * 1e-3) / 1e12)
+            out.add(
+                provider, mode, "tflops", "TFLOP/s", x, tflops, flops / (p80 * 1e-3) / 1e12, flops / (p20 * 1e-3) / 1e12
+            )
             out.add(provider, mode, "pct_of_matmul", "%", x, 100 * tflops / matmul)
-            row = {"provider": provider, "mode": mode, "shape": x, "ms": f"{p50:.2f}", "tflops": f"{tflops:.0f}",
-                   "%matmul": f"{100 * tflops / matmul:.0f}"}
+            row = {
+                "provider": provider,
+                "mode": mode,
+                "shape": x,
+                "ms": f"{p50:.2f}",
+                "tflops": f"{tflops:.0f}",
+                "%matmul": f"{100 * tflops / matmul:.0f}",
+            }
             if peak.extra_bytes is not None:
                 out.add(provider, mode, "peak_extra_mem", "GB", x, peak.extra_bytes / 2**30)
                 row["peak_GB"] = f"{peak.extra_bytes / 2**30:.2f}"
@@ -158,9 +180,13 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", default="1,4,8", help="vocab shard widths V/tp")
     parser.add_argument("--providers", default=",".join(PROVIDERS))
     parser.add_argument("--modes", default="fwd,fwd_bwd")
-    parser.add_argument("--bwd-workspace-mb", type=int, default=None,
-                        help="fused backward's dL/dlogits chunk budget (default 256): larger chunks mean fewer "
-                             "fp32 grad_weight read-modify-writes")
+    parser.add_argument(
+        "--bwd-workspace-mb",
+        type=int,
+        default=None,
+        help="fused backward's dL/dlogits chunk budget (default 256): larger chunks mean fewer "
+        "fp32 grad_weight read-modify-writes",
+    )
 
 
 def run(args) -> list[dict]:
@@ -176,8 +202,18 @@ def run(args) -> list[dict]:
         h, v = model_shape(model)
         for tp in (int(t) for t in args.tp.split(",")):
             for n in (int(s) for s in args.n.split(",")):
-                bench_shape(out, table, n=n, h=h, v=v, tp=tp, providers=providers,
-                            modes=args.modes.split(","), repeats=args.repeats, device=args.device)
+                bench_shape(
+                    out,
+                    table,
+                    n=n,
+                    h=h,
+                    v=v,
+                    tp=tp,
+                    providers=providers,
+                    modes=args.modes.split(","),
+                    repeats=args.repeats,
+                    device=args.device,
+                )
                 out.flush()
     print_table(table, ["provider", "mode", "shape", "ms", "tflops", "%matmul", "peak_GB", "model_GB"])
     return table

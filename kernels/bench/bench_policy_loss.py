@@ -41,8 +41,11 @@ def _provider(name):
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", default="1048576,4194304,16777216", help="token counts, comma-separated")
     parser.add_argument("--loss-providers", default=",".join(PROVIDERS))
-    parser.add_argument("--loss-modes", default="fwd,fwd_bwd",
-                        help="fwd: the loss call (the fused one also writes the gradient); fwd_bwd: plus backward")
+    parser.add_argument(
+        "--loss-modes",
+        default="fwd,fwd_bwd",
+        help="fwd: the loss call (the fused one also writes the gradient); fwd_bwd: plus backward",
+    )
 
 
 def run(args) -> list[dict]:
@@ -68,6 +71,7 @@ def run(args) -> list[dict]:
                 print(f"skip {name}: not importable")
                 continue
             for mode in args.loss_modes.split(","):
+
                 def call(fn=fn, backward=mode == "fwd_bwd", logprob=logprob, old=old, adv=adv, mask=mask, num=num):
                     loss, _ = fn(logprob, old, adv, mask, **KW, loss_denominator=float(num))
                     if backward:

@@ -42,8 +42,14 @@ def quantiles(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), cuts[1], cuts[7]
 
 
-def time_calls(fn: Callable[[], object], *, repeats: int, warmup: int = 1, reset: Callable[[], None] | None = None,
-               device: str = "cuda"):
+def time_calls(
+    fn: Callable[[], object],
+    *,
+    repeats: int,
+    warmup: int = 1,
+    reset: Callable[[], None] | None = None,
+    device: str = "cuda",
+):
     """Milliseconds per call as (p50, p20, p80): one CUDA-event pair per call on a GPU (reset runs
     outside the timed region); on CPU (the interpreter dry run of the tests) a host clock."""
     for _ in range(warmup):
@@ -132,12 +138,21 @@ class CsvWriter:
 
     def add(self, provider: str, mode: str, metric: str, unit: str, x: str, p50, p20=None, p80=None):
         fmt = lambda v: "" if v is None else (v if isinstance(v, str) else f"{v:.6g}")  # noqa: E731
-        self.rows.append({
-            "kernel": self.kernel, "provider": provider, "mode": mode, "metric": metric, "unit": unit,
-            "x": x, "p50": fmt(p50), "p20": fmt(p20 if p20 is not None else p50 if isinstance(p50, str) else None),
-            "p80": fmt(p80 if p80 is not None else p50 if isinstance(p50, str) else None),
-            "device": self.device, "date": self.date,
-        })
+        self.rows.append(
+            {
+                "kernel": self.kernel,
+                "provider": provider,
+                "mode": mode,
+                "metric": metric,
+                "unit": unit,
+                "x": x,
+                "p50": fmt(p50),
+                "p20": fmt(p20 if p20 is not None else p50 if isinstance(p50, str) else None),
+                "p80": fmt(p80 if p80 is not None else p50 if isinstance(p50, str) else None),
+                "device": self.device,
+                "date": self.date,
+            }
+        )
 
     def flush(self) -> None:
         if not self.rows:

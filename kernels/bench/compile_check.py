@@ -29,8 +29,11 @@ def _compile(fn, signature: dict, constexprs: dict, divisible: set, *, num_warps
     names = list(signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n in divisible}
     signature = {**signature, **dict.fromkeys(constexprs, "constexpr")}
-    return triton_compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    return triton_compile(
+        ASTSource(fn, signature, constexprs, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
 
 
 def _report(kernel) -> dict:
@@ -56,10 +59,27 @@ def main(argv=None) -> int:
 
     policy_loss = sys.modules["dapo_kernels.policy_loss"]  # the package attribute is the function
 
-    logprob_div = {"h_ptr", "w_ptr", "tgt_ptr", "stats_ptr", "max_ptr", "logs_ptr", "meanc_ptr", "glp_ptr",
-                   "gent_ptr", "dz_ptr", "V", "H", "stride_hn", "stride_wv", "stride_dzn"}
-    shapes = [(c.kwargs["BLOCK_N"], c.kwargs["BLOCK_V"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
-              for c in logprob._hopper_configs(False)]
+    logprob_div = {
+        "h_ptr",
+        "w_ptr",
+        "tgt_ptr",
+        "stats_ptr",
+        "max_ptr",
+        "logs_ptr",
+        "meanc_ptr",
+        "glp_ptr",
+        "gent_ptr",
+        "dz_ptr",
+        "V",
+        "H",
+        "stride_hn",
+        "stride_wv",
+        "stride_dzn",
+    }
+    shapes = [
+        (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_V"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+        for c in logprob._hopper_configs(False)
+    ]
     if args.quick:
         shapes = shapes[:1]
     rows, failed = [], 0
@@ -67,45 +87,173 @@ def main(argv=None) -> int:
     for dtype in ("bf16", "fp16", "fp32"):
         for bn, bv, bk, warps, stages in shapes if dtype == "bf16" else shapes[:1]:
             tile = {"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk, "CAST_F32": False, "IEEE": dtype == "fp32"}
-            fwd_sig = {"h_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "tgt_ptr": "*i64", "stats_ptr": "*fp32", "N": "i32",
-                       "V": "i32", "H": "i32", "stride_hn": "i32", "stride_wv": "i32", "num_splits": "i32",
-                       "inv_temp": "fp32"}
-            bwd_sig = {"h_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "tgt_ptr": "*i64", "max_ptr": "*fp32",
-                       "logs_ptr": "*fp32", "meanc_ptr": "*fp32", "glp_ptr": "*fp32", "gent_ptr": "*fp32",
-                       "dz_ptr": f"*{dtype}", "N": "i32", "V": "i32", "H": "i32", "stride_hn": "i32",
-                       "stride_wv": "i32", "stride_dzn": "i32", "inv_temp": "fp32", "col0": "i32"}
+            fwd_sig = {
+                "h_ptr": f"*{dtype}",
+                "w_ptr": f"*{dtype}",
+                "tgt_ptr": "*i64",
+                "stats_ptr": "*fp32",
+                "N": "i32",
+                "V": "i32",
+                "H": "i32",
+                "stride_hn": "i32",
+                "stride_wv": "i32",
+                "num_splits": "i32",
+                "inv_temp": "fp32",
+            }
+            bwd_sig = {
+                "h_ptr": f"*{dtype}",
+                "w_ptr": f"*{dtype}",
+                "tgt_ptr": "*i64",
+                "max_ptr": "*fp32",
+                "logs_ptr": "*fp32",
+                "meanc_ptr": "*fp32",
+                "glp_ptr": "*fp32",
+                "gent_ptr": "*fp32",
+                "dz_ptr": f"*{dtype}",
+                "N": "i32",
+                "V": "i32",
+                "H": "i32",
+                "stride_hn": "i32",
+                "stride_wv": "i32",
+                "stride_dzn": "i32",
+                "inv_temp": "fp32",
+                "col0": "i32",
+            }
             name = f"{dtype} {bn}x{bv}x{bk} w{warps} s{stages}"
-            jobs.append((f"logprob fwd {name}", logprob._fwd_kernel, fwd_sig, {**tile, "GROUP_N": 8}, logprob_div, warps, stages))
-            jobs.append((f"logprob dlogits {name}", logprob._dlogits_kernel, bwd_sig, {**tile, "HAS_ENT": True},
-                         logprob_div, warps, stages))
+            jobs.append(
+                (
+                    f"logprob fwd {name}",
+                    logprob._fwd_kernel,
+                    fwd_sig,
+                    {**tile, "GROUP_N": 8},
+                    logprob_div,
+                    warps,
+                    stages,
+                )
+            )
+            jobs.append(
+                (
+                    f"logprob dlogits {name}",
+                    logprob._dlogits_kernel,
+                    bwd_sig,
+                    {**tile, "HAS_ENT": True},
+                    logprob_div,
+                    warps,
+                    stages,
+                )
+            )
     # logits="cublas": the epilogues over an fp32 logits chunk (no tl.dot: memory-bound by design)
     epi = {"BLOCK_N": logprob_cublas.EPILOGUE_BLOCK_N, "BLOCK_V": logprob_cublas.EPILOGUE_BLOCK_V}
-    epi_div = {"z_ptr", "tgt_ptr", "stats_ptr", "max_ptr", "logs_ptr", "meanc_ptr", "glp_ptr", "gent_ptr", "dz_ptr",
-               "V", "stride_zn", "stride_dzn", "stats_stride"}
-    jobs.append(("cublas-epilogue stats", logprob_cublas._stats_epilogue_kernel,
-                 {"z_ptr": "*fp32", "tgt_ptr": "*i64", "stats_ptr": "*fp32", "N": "i32", "V": "i32", "stride_zn": "i32",
-                  "stats_stride": "i32", "num_splits": "i32", "inv_temp": "fp32"}, epi, epi_div, 8, 2))
+    epi_div = {
+        "z_ptr",
+        "tgt_ptr",
+        "stats_ptr",
+        "max_ptr",
+        "logs_ptr",
+        "meanc_ptr",
+        "glp_ptr",
+        "gent_ptr",
+        "dz_ptr",
+        "V",
+        "stride_zn",
+        "stride_dzn",
+        "stats_stride",
+    }
+    jobs.append(
+        (
+            "cublas-epilogue stats",
+            logprob_cublas._stats_epilogue_kernel,
+            {
+                "z_ptr": "*fp32",
+                "tgt_ptr": "*i64",
+                "stats_ptr": "*fp32",
+                "N": "i32",
+                "V": "i32",
+                "stride_zn": "i32",
+                "stats_stride": "i32",
+                "num_splits": "i32",
+                "inv_temp": "fp32",
+            },
+            epi,
+            epi_div,
+            8,
+            2,
+        )
+    )
     for dtype in ("bf16", "fp32"):
-        jobs.append((f"cublas-epilogue dlogits {dtype}", logprob_cublas._dlogits_epilogue_kernel,
-                     {"z_ptr": "*fp32", "tgt_ptr": "*i64", "max_ptr": "*fp32", "logs_ptr": "*fp32", "meanc_ptr": "*fp32",
-                      "glp_ptr": "*fp32", "gent_ptr": "*fp32", "dz_ptr": f"*{dtype}", "N": "i32", "V": "i32",
-                      "stride_zn": "i32", "stride_dzn": "i32", "inv_temp": "fp32", "col0": "i32"},
-                     {**epi, "HAS_ENT": True}, epi_div,
-                     8, 2))
-    loss_sig = {"lp_ptr": "*fp32", "old_ptr": "*fp32", "adv_ptr": "*fp32", "mask_ptr": "*u8", "grad_ptr": "*fp32",
-                "part_ptr": "*fp32", "T": "i32", "num_blocks": "i32", "eps_low": "fp32", "eps_high": "fp32",
-                "clip_c": "fp32", "inv_denom": "fp32", "adv_cols": "i32", "counter_ptr": "*i32", "out_ptr": "*fp32",
-                "loss_denominator": "fp32"}
+        jobs.append(
+            (
+                f"cublas-epilogue dlogits {dtype}",
+                logprob_cublas._dlogits_epilogue_kernel,
+                {
+                    "z_ptr": "*fp32",
+                    "tgt_ptr": "*i64",
+                    "max_ptr": "*fp32",
+                    "logs_ptr": "*fp32",
+                    "meanc_ptr": "*fp32",
+                    "glp_ptr": "*fp32",
+                    "gent_ptr": "*fp32",
+                    "dz_ptr": f"*{dtype}",
+                    "N": "i32",
+                    "V": "i32",
+                    "stride_zn": "i32",
+                    "stride_dzn": "i32",
+                    "inv_temp": "fp32",
+                    "col0": "i32",
+                },
+                {**epi, "HAS_ENT": True},
+                epi_div,
+                8,
+                2,
+            )
+        )
+    loss_sig = {
+        "lp_ptr": "*fp32",
+        "old_ptr": "*fp32",
+        "adv_ptr": "*fp32",
+        "mask_ptr": "*u8",
+        "grad_ptr": "*fp32",
+        "part_ptr": "*fp32",
+        "T": "i32",
+        "num_blocks": "i32",
+        "eps_low": "fp32",
+        "eps_high": "fp32",
+        "clip_c": "fp32",
+        "inv_denom": "fp32",
+        "adv_cols": "i32",
+        "counter_ptr": "*i32",
+        "out_ptr": "*fp32",
+        "loss_denominator": "fp32",
+    }
     loss_div = {"lp_ptr", "old_ptr", "adv_ptr", "mask_ptr", "grad_ptr", "part_ptr", "counter_ptr", "out_ptr"}
     for one_pass in (True, False):
         for per_row in (False, True):
-            consts = {"HAS_DUAL": True, "BLOCK": 2048, "ADV_PER_ROW": per_row, "ONE_PASS": one_pass,
-                      "REDUCE_BLOCK": 512}
+            consts = {
+                "HAS_DUAL": True,
+                "BLOCK": 2048,
+                "ADV_PER_ROW": per_row,
+                "ONE_PASS": one_pass,
+                "REDUCE_BLOCK": 512,
+            }
             label = f"policy_loss fused {'one-pass' if one_pass else 'two-launch'}{' adv[B,1]' if per_row else ''}"
             jobs.append((label, policy_loss._fused_kernel, loss_sig, consts, loss_div, 4, 3))
-    jobs.append(("policy_loss reduce", policy_loss._reduce_kernel, {"part_ptr": "*fp32", "loss_ptr": "*fp32",
-                 "stats_ptr": "*fp32", "num_blocks": "i32", "loss_denominator": "fp32"}, {"BLOCK": 512},
-                 {"part_ptr", "loss_ptr", "stats_ptr"}, 4, 3))
+    jobs.append(
+        (
+            "policy_loss reduce",
+            policy_loss._reduce_kernel,
+            {
+                "part_ptr": "*fp32",
+                "loss_ptr": "*fp32",
+                "stats_ptr": "*fp32",
+                "num_blocks": "i32",
+                "loss_denominator": "fp32",
+            },
+            {"BLOCK": 512},
+            {"part_ptr", "loss_ptr", "stats_ptr"},
+            4,
+            3,
+        )
+    )
     for label, fn, sig, consts, div, warps, stages in jobs:
         start = time.time()
         try:

@@ -66,11 +66,17 @@ def rows(models, tps, ns):
         for tp in tps:
             v = v_full // tp
             for n in ns:
-                out.append({"model": model, "tp": tp, "N": n,
-                            "blocked_GiB": fused_blocked_bytes(n, h, v) / 2**30,
-                            "cublas_GiB": fused_cublas_bytes(n, h, v) / 2**30,
-                            "row_chunked_GiB": fused_row_chunked_bytes(n, h, v) / 2**30,
-                            "liger_GiB": liger_bytes(n, h, v) / 2**30})
+                out.append(
+                    {
+                        "model": model,
+                        "tp": tp,
+                        "N": n,
+                        "blocked_GiB": fused_blocked_bytes(n, h, v) / 2**30,
+                        "cublas_GiB": fused_cublas_bytes(n, h, v) / 2**30,
+                        "row_chunked_GiB": fused_row_chunked_bytes(n, h, v) / 2**30,
+                        "liger_GiB": liger_bytes(n, h, v) / 2**30,
+                    }
+                )
     return out
 
 
@@ -81,13 +87,17 @@ def main(argv=None) -> int:
     parser.add_argument("--n", default="4096,16384,32768,65536")
     args = parser.parse_args(argv)
     table = rows(args.models.split(","), [int(t) for t in args.tp.split(",")], [int(n) for n in args.n.split(",")])
-    print("| model | tp | N | fused (blocked) GiB | fused_cublas GiB | fused_rowchunk GiB | Liger GiB | "
-          "blocked, cublas <= Liger |")
+    print(
+        "| model | tp | N | fused (blocked) GiB | fused_cublas GiB | fused_rowchunk GiB | Liger GiB | "
+        "blocked, cublas <= Liger |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in table:
         ok = "/".join("yes" if r[k] <= r["liger_GiB"] else "NO" for k in ("blocked_GiB", "cublas_GiB"))
-        print(f"| {r['model']} | {r['tp']} | {r['N']} | {r['blocked_GiB']:.2f} | {r['cublas_GiB']:.2f} | "
-              f"{r['row_chunked_GiB']:.2f} | {r['liger_GiB']:.2f} | {ok} |")
+        print(
+            f"| {r['model']} | {r['tp']} | {r['N']} | {r['blocked_GiB']:.2f} | {r['cublas_GiB']:.2f} | "
+            f"{r['row_chunked_GiB']:.2f} | {r['liger_GiB']:.2f} | {ok} |"
+        )
     return 0
 
 

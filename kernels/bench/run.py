@@ -23,24 +23,35 @@ import torch
 
 # --quick: the side-by-side of issue 27 (new kernels, the first ones, Liger) at the shapes of its
 # profile, and the policy loss at one micro-batch (64K: host cost) and 16M tokens (bandwidth)
-QUICK = {"n": "4096,16384", "models": "7b", "tp": "1,8", "providers": "fused,fused_cublas,fused_rowchunk,liger",
-         "tokens": "65536,16777216", "loss_providers": "fused,fused_two_launch,torch", "repeats": 3}
+QUICK = {
+    "n": "4096,16384",
+    "models": "7b",
+    "tp": "1,8",
+    "providers": "fused,fused_cublas,fused_rowchunk,liger",
+    "tokens": "65536,16777216",
+    "loss_providers": "fused,fused_two_launch,torch",
+    "repeats": 3,
+}
 
 
 def _parser() -> argparse.ArgumentParser:
     from dapo_kernels.bench import bench_logprob, bench_policy_loss
 
-    parser = argparse.ArgumentParser(prog="dapo-megatron bench kernels", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="dapo-megatron bench kernels", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--kernels", default="logprob,policy_loss", help="subset of logprob,policy_loss")
     parser.add_argument("--quick", action="store_true", help=f"a subset that fits a 10-minute GPU call: {QUICK}")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per point (median, p20, p80)")
     parser.add_argument("--results-dir", default=None, help="rows go to DIR/kernels.csv (default ./results)")
     parser.add_argument("--csv", default=None, help="append to this CSV file instead (overrides --results-dir)")
     parser.add_argument("--correctness", action="store_true", help="run the interpreter correctness pass only")
-    parser.add_argument("--cpu-dry-run", action="store_true",
-                        help="run the benchmark code on CPU in the interpreter (tests; times are meaningless; "
-                             "needs --csv or --results-dir)")
+    parser.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="run the benchmark code on CPU in the interpreter (tests; times are meaningless; "
+        "needs --csv or --results-dir)",
+    )
     bench_logprob.add_args(parser)
     bench_policy_loss.add_args(parser)
     return parser
@@ -81,7 +92,9 @@ def correctness_pass() -> int:
         good = errs["logprob max abs"] < 2e-5 and errs["entropy max abs"] < 2e-5 and bool((lp <= 0).all())
         good = good and errs["grad_hidden max rel"] < grad_tol and errs["grad_weight max rel"] < grad_tol
         ok &= good
-        print(f"  {str(dtype):15s} " + "  ".join(f"{k} {e:.2e}" for k, e in errs.items()) + ("  ok" if good else "  FAIL"))
+        print(
+            f"  {str(dtype):15s} " + "  ".join(f"{k} {e:.2e}" for k, e in errs.items()) + ("  ok" if good else "  FAIL")
+        )
 
     num = 2000
     logprob = -torch.rand(num, generator=gen) * 3
@@ -100,8 +113,10 @@ def correctness_pass() -> int:
     stat_err = max(abs(stats[k] - stats64[k]) for k in stats)
     good = abs(loss - loss64) < 1e-6 and (grad - grad64).abs().max().item() < 1e-7 and stat_err < 1e-5
     ok &= good
-    print(f"policy_loss, T={num}: loss abs err {abs(loss - loss64):.2e}  grad max abs err "
-          f"{(grad - grad64).abs().max().item():.2e}  stats max abs err {stat_err:.2e}" + ("  ok" if good else "  FAIL"))
+    print(
+        f"policy_loss, T={num}: loss abs err {abs(loss - loss64):.2e}  grad max abs err "
+        f"{(grad - grad64).abs().max().item():.2e}  stats max abs err {stat_err:.2e}" + ("  ok" if good else "  FAIL")
+    )
     return 0 if ok else 1
 
 
@@ -112,10 +127,14 @@ def main(argv: list[str] | None = None) -> int:
         args.csv = os.path.join(args.results_dir, "kernels.csv")
     if args.cpu_dry_run or args.correctness or not torch.cuda.is_available():
         if args.cpu_dry_run and not args.csv:
-            raise ValueError("--cpu-dry-run needs --csv or --results-dir: the default results/kernels.csv keeps GPU "
-                             "measurements only")
+            raise ValueError(
+                "--cpu-dry-run needs --csv or --results-dir: the default results/kernels.csv keeps GPU "
+                "measurements only"
+            )
         if not (args.correctness or args.cpu_dry_run):
-            print("no CUDA GPU on this machine: no timings. Running the tiny correctness pass in the Triton interpreter.")
+            print(
+                "no CUDA GPU on this machine: no timings. Running the tiny correctness pass in the Triton interpreter."
+            )
             argv = ["--correctness"]
         import dapo_kernels
 

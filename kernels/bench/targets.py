@@ -85,8 +85,10 @@ def _ours(table: dict, mode: str, metric: str, x: str) -> dict[str, float]:
 
 
 def judge(table: dict) -> tuple[list[Verdict], str | None]:
-    shapes = sorted({k[4] for k in table if k[0] == "linear_logprob_entropy" and k[1] == "liger"},
-                    key=lambda x: tuple(_shape(x).values()))
+    shapes = sorted(
+        {k[4] for k in table if k[0] == "linear_logprob_entropy" and k[1] == "liger"},
+        key=lambda x: tuple(_shape(x).values()),
+    )
     t1 = Verdict("T1 TFLOP/s >= Liger")
     t2 = Verdict("T2 >= 650 TFLOP/s fwd_bwd 32B tp1 64K")
     t3 = Verdict("T3 fwd_bwd extra memory <= Liger")
@@ -102,7 +104,10 @@ def judge(table: dict) -> tuple[list[Verdict], str | None]:
             for p in OURS:
                 seen[p] |= p in ours
                 wins_all[p] &= p in ours and ours[p] >= liger
-        liger_mem, mems = _lm(table, "liger", "fwd_bwd", "peak_extra_mem", x), _ours(table, "fwd_bwd", "peak_extra_mem", x)
+        liger_mem, mems = (
+            _lm(table, "liger", "fwd_bwd", "peak_extra_mem", x),
+            _ours(table, "fwd_bwd", "peak_extra_mem", x),
+        )
         if liger_mem is not None and mems:
             best = min(mems, key=lambda p: mems[p])
             t3.check(mems[best] <= liger_mem, f"{x}: {best} {mems[best]:.2f} GB vs liger {liger_mem:.2f} GB")
@@ -113,8 +118,10 @@ def judge(table: dict) -> tuple[list[Verdict], str | None]:
         ours = _ours(table, "fwd_bwd", "tflops", x)
         if s.get("H") == H_32B and s.get("tp") == 1 and s.get("N") == 65536 and ours:
             best = max(ours, key=lambda p: ours[p])
-            t2.check(ours[best] >= TFLOPS_32B_TP1_64K,
-                     f"{x}: {best} {ours[best]:.0f} TFLOP/s (target {TFLOPS_32B_TP1_64K:.0f})")
+            t2.check(
+                ours[best] >= TFLOPS_32B_TP1_64K,
+                f"{x}: {best} {ours[best]:.0f} TFLOP/s (target {TFLOPS_32B_TP1_64K:.0f})",
+            )
     candidate = next((p for p in OURS if seen[p] and wins_all[p]), None) if t1.lines else None
     return [t1, t2, t3, *_loss_targets(table)], candidate
 

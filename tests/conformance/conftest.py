@@ -37,12 +37,17 @@ def sglang_installed() -> str:
     try:
         version = importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:
-        pytest.fail(f"sglang is not installed, and the conformance tests run SGLang's own code: "
-                    f"pip install --no-deps -c constraints.txt sglang=={SGLANG_VERSION} (README's test command)",
-                    pytrace=False)
+        pytest.fail(
+            f"sglang is not installed, and the conformance tests run SGLang's own code: "
+            f"pip install --no-deps -c constraints.txt sglang=={SGLANG_VERSION} (README's test command)",
+            pytrace=False,
+        )
     if version != SGLANG_VERSION:
-        pytest.fail(f"sglang {version} is installed; the conformance tests verify {SGLANG_VERSION} "
-                    f"(pip install --no-deps -c constraints.txt sglang=={SGLANG_VERSION})", pytrace=False)
+        pytest.fail(
+            f"sglang {version} is installed; the conformance tests verify {SGLANG_VERSION} "
+            f"(pip install --no-deps -c constraints.txt sglang=={SGLANG_VERSION})",
+            pytrace=False,
+        )
     return version
 
 
@@ -60,9 +65,25 @@ def oracle(sglang_installed, tiny_model, tmp_path_factory):
     ready, log_path, port = root / "ready", root / "oracle.log", _free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(ORACLE), "--model-dir", str(tiny_model), "--port", str(port),
-                                 "--tp-size", str(ORACLE_TP_SIZE), "--context-length", str(CONTEXT_LENGTH),
-                                 "--ready-file", str(ready)], stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(ORACLE),
+                "--model-dir",
+                str(tiny_model),
+                "--port",
+                str(port),
+                "--tp-size",
+                str(ORACLE_TP_SIZE),
+                "--context-length",
+                str(CONTEXT_LENGTH),
+                "--ready-file",
+                str(ready),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     try:
         deadline = time.monotonic() + 600  # importing sglang takes 20-60 s on a loaded 2-core machine
         while not ready.exists():
@@ -87,7 +108,11 @@ def cpu_engine(tiny_model, tmp_path_factory):
     from rollout_helpers import ServerProcess
 
     root = tmp_path_factory.mktemp("cpu_engine")
-    proc = ServerProcess(tiny_model, root / "engines", log_path=root / "server.log",
-                         extra_args=("--context-length", str(CONTEXT_LENGTH), "--no-enable-deterministic-inference"))
+    proc = ServerProcess(
+        tiny_model,
+        root / "engines",
+        log_path=root / "server.log",
+        extra_args=("--context-length", str(CONTEXT_LENGTH), "--no-enable-deterministic-inference"),
+    )
     yield proc.url
     proc.kill()

@@ -51,7 +51,7 @@ def _e4m3_rne(values):
 
     codes = np.arange(127, dtype=np.int64)  # 0x00..0x7e; 0x7f is NaN
     exp, man = codes >> 3, codes & 7
-    mags = np.where(exp == 0, man / 8.0 * 2.0 ** -6, (1 + man / 8.0) * 2.0 ** (exp - 7.0))
+    mags = np.where(exp == 0, man / 8.0 * 2.0**-6, (1 + man / 8.0) * 2.0 ** (exp - 7.0))
     v = np.asarray(values, dtype=np.float64)
     a = np.abs(v)
     hi = np.clip(np.searchsorted(mags, a, side="left"), 0, 126)  # first magnitude >= a
@@ -114,13 +114,14 @@ def main() -> None:
     out, names = {}, sorted({k.split(".")[0] for k in cases})
     for c in names:
         x = cases[f"{c}.x"]
-        q, s = fp8_utils.per_token_group_quant_fp8(x.reshape(-1, x.shape[-1]).contiguous(), 128,
-                                                   column_major_scales=False)
+        q, s = fp8_utils.per_token_group_quant_fp8(
+            x.reshape(-1, x.shape[-1]).contiguous(), 128, column_major_scales=False
+        )
         out[f"{c}.q"], out[f"{c}.scale"] = q.view(torch.uint8).contiguous(), s.contiguous()
         if f"{c}.weight" in cases:
             out[f"{c}.out"] = fp8_utils.triton_w8a8_block_fp8_linear(
-                x, cases[f"{c}.weight"], [128, 128], cases[f"{c}.weight_scale_inv"], None,
-                cases.get(f"{c}.bias")).contiguous()
+                x, cases[f"{c}.weight"], [128, 128], cases[f"{c}.weight_scale_inv"], None, cases.get(f"{c}.bias")
+            ).contiguous()
     save_file(out, out_path)
     try:
         quant_kernels.sglang_per_token_group_quant_fp8(torch.ones(1, 256), 128)

@@ -77,15 +77,21 @@ def _snapshot(model) -> tuple[dict, dict]:
     tensors, facts = {}, {}
     for name, module in model.named_modules():
         if hasattr(module, "weight_scale_inv") and module.weight.dtype == torch.float8_e4m3fn:
-            tensors[f"{name}.dequant"] = block_quant_dequant(module.weight.data, module.weight_scale_inv.data,
-                                                             module.quant_method.weight_block_size, torch.float32)
+            tensors[f"{name}.dequant"] = block_quant_dequant(
+                module.weight.data, module.weight_scale_inv.data, module.quant_method.weight_block_size, torch.float32
+            )
     for name, p in model.named_parameters():
         if not name.endswith((".weight", ".weight_scale_inv")) or ("proj" not in name):
             continue
         t = p.detach()
         tensors[name] = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).contiguous().clone()
-        facts[name] = {"id": id(p), "class": type(p).__name__, "dtype": str(t.dtype).removeprefix("torch."),
-                       "shape": list(t.shape), "has_weight_loader": hasattr(p, "weight_loader")}
+        facts[name] = {
+            "id": id(p),
+            "class": type(p).__name__,
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            "has_weight_loader": hasattr(p, "weight_loader"),
+        }
     return tensors, facts
 
 
@@ -96,8 +102,12 @@ def build_rank(args, tp_rank: int):
     from sglang.srt.model_loader.loader import DefaultModelLoader, _get_quantization_config, _initialize_model
     from sglang.srt.runtime_context import get_parallel
 
-    groups = {n: _Group(tp_rank if n.startswith(("tp", "attn_tp")) else 0, args.tp_size if n.startswith(("tp", "attn_tp")) else 1)
-              for n in ("pp_group", "tp_group", "attn_tp_group", "world_group")}
+    groups = {
+        n: _Group(
+            tp_rank if n.startswith(("tp", "attn_tp")) else 0, args.tp_size if n.startswith(("tp", "attn_tp")) else 1
+        )
+        for n in ("pp_group", "tp_group", "attn_tp_group", "world_group")
+    }
     get_parallel().override_permanently(tp_rank=tp_rank, attn_tp_rank=tp_rank, pp_rank=0, **groups)
     model_config = ModelConfig.from_server_args(args.server_args)
     load_config = LoadConfig(load_format="auto")
@@ -112,16 +122,26 @@ def build_rank(args, tp_rank: int):
 
     method = model.model.layers[0].self_attn.qkv_proj.quant_method
     linear = getattr(method.w8a8_block_fp8_linear, "func", method.w8a8_block_fp8_linear)
-    info = {"quantization": model_config.quantization, "quant_config": type(quant_config).__name__,
-            "weight_block_size": getattr(quant_config, "weight_block_size", None),
-            "linear_methods": sorted({type(m.quant_method).__name__ for m in model.modules()
-                                      if getattr(m, "quant_method", None) is not None}),
-            # which branch of process_weights_after_loading_block_quant ran: the NVIDIA one (not CPU-AMX,
-            # not ROCm fnuz, no Marlin, no MXFP8), whose UE8M0 requant is off unless DeepGEMM scales are UE8M0
-            "branch": {"cpu_amx": fp8_module._is_cpu, "fnuz": fp8_module._is_fp8_fnuz, "marlin": method.use_marlin,
-                       "mxfp8": method.use_mxfp8, "block_fp8_as_mxfp8": method.block_fp8_as_mxfp8,
-                       "block_quant": method.block_quant, "gemm": linear.__name__,
-                       "ue8m0_requant": should_deepgemm_weight_requant_ue8m0([128, 128])}}
+    info = {
+        "quantization": model_config.quantization,
+        "quant_config": type(quant_config).__name__,
+        "weight_block_size": getattr(quant_config, "weight_block_size", None),
+        "linear_methods": sorted(
+            {type(m.quant_method).__name__ for m in model.modules() if getattr(m, "quant_method", None) is not None}
+        ),
+        # which branch of process_weights_after_loading_block_quant ran: the NVIDIA one (not CPU-AMX,
+        # not ROCm fnuz, no Marlin, no MXFP8), whose UE8M0 requant is off unless DeepGEMM scales are UE8M0
+        "branch": {
+            "cpu_amx": fp8_module._is_cpu,
+            "fnuz": fp8_module._is_fp8_fnuz,
+            "marlin": method.use_marlin,
+            "mxfp8": method.use_mxfp8,
+            "block_fp8_as_mxfp8": method.block_fp8_as_mxfp8,
+            "block_quant": method.block_quant,
+            "gemm": linear.__name__,
+            "ue8m0_requant": should_deepgemm_weight_requant_ue8m0([128, 128]),
+        },
+    }
     return model, info
 
 
@@ -139,18 +159,36 @@ def build_manager(model, tp_rank: int, model_dir: str):
 
     runner = SimpleNamespace(tp_rank=tp_rank, model=model)
     runner.weight_updater = WeightUpdater(
-        tp_rank=tp_rank, device="cpu", gpu_id=0, model_config=SimpleNamespace(model_path=model_dir),
-        custom_weight_loaders={}, get_model=lambda: model, update_model_fields=lambda *a, **k: None,
-        recapture_cuda_graph=lambda: None, get_model_runner=lambda: runner)
+        tp_rank=tp_rank,
+        device="cpu",
+        gpu_id=0,
+        model_config=SimpleNamespace(model_path=model_dir),
+        custom_weight_loaders={},
+        get_model=lambda: model,
+        update_model_fields=lambda *a, **k: None,
+        recapture_cuda_graph=lambda: None,
+        get_model_runner=lambda: runner,
+    )
     worker = SimpleNamespace(model_runner=runner, weight_update_runners=lambda: [("target", runner)])
     worker.deserialize_own_rank = MethodType(TpModelWorker.deserialize_own_rank, worker)
-    scheduler = SimpleNamespace(waiting_queue=[], chunked_req=None, hisparse_coordinator=None, _engine_paused=False,
-                                disaggregation_mode=None, collect_inflight_reqs=lambda: set())
+    scheduler = SimpleNamespace(
+        waiting_queue=[],
+        chunked_req=None,
+        hisparse_coordinator=None,
+        _engine_paused=False,
+        disaggregation_mode=None,
+        collect_inflight_reqs=lambda: set(),
+    )
     scheduler.record_weight_version_change = MethodType(Scheduler.record_weight_version_change, scheduler)
     manager = SchedulerWeightUpdaterManager(
-        tp_worker=worker, draft_worker=None, tp_cpu_group=dist.group.WORLD,
-        memory_saver_adapter=TorchMemorySaverAdapter.create(enable=False), flush_cache=lambda empty_cache=True: True,
-        is_fully_idle=lambda **kw: True, scheduler=scheduler)
+        tp_worker=worker,
+        draft_worker=None,
+        tp_cpu_group=dist.group.WORLD,
+        memory_saver_adapter=TorchMemorySaverAdapter.create(enable=False),
+        flush_cache=lambda empty_cache=True: True,
+        is_fully_idle=lambda **kw: True,
+        scheduler=scheduler,
+    )
     return runner, manager
 
 
@@ -159,8 +197,11 @@ def sync_distributed(manager, runner, named) -> dict:
     the broadcast is the stand-in copy of our bytes (module docstring)."""
     import torch
     import torch.distributed as dist
-    from sglang.srt.managers.io_struct import (BeginWeightUpdateReqInput, EndWeightUpdateReqInput,
-                                               UpdateWeightsFromDistributedReqInput)
+    from sglang.srt.managers.io_struct import (
+        BeginWeightUpdateReqInput,
+        EndWeightUpdateReqInput,
+        UpdateWeightsFromDistributedReqInput,
+    )
 
     from dapo_megatron.transfer.tensor_payload import flatten_bucket
 
@@ -176,9 +217,14 @@ def sync_distributed(manager, runner, named) -> dict:
     dist.broadcast = broadcast_stand_in
     try:
         req = UpdateWeightsFromDistributedReqInput(
-            names=[n for n, _ in named], dtypes=[str(t.dtype).removeprefix("torch.") for _, t in named],
-            shapes=[list(t.shape) for _, t in named], group_name="fp8_sync", load_format="flattened_bucket",
-            flush_cache=False, weight_version="sync1")
+            names=[n for n, _ in named],
+            dtypes=[str(t.dtype).removeprefix("torch.") for _, t in named],
+            shapes=[list(t.shape) for _, t in named],
+            group_name="fp8_sync",
+            load_format="flattened_bucket",
+            flush_cache=False,
+            weight_version="sync1",
+        )
         result = manager.update_weights_from_distributed(req)
     finally:
         dist.broadcast = real_broadcast
@@ -189,12 +235,18 @@ def sync_distributed(manager, runner, named) -> dict:
 
 def sync_tensor(manager, payload: list[str]) -> dict:
     """Sync 2: begin / update_weights_from_tensor (our payload, one entry per engine TP rank) / end."""
-    from sglang.srt.managers.io_struct import (BeginWeightUpdateReqInput, EndWeightUpdateReqInput,
-                                               UpdateWeightsFromTensorReqInput)
+    from sglang.srt.managers.io_struct import (
+        BeginWeightUpdateReqInput,
+        EndWeightUpdateReqInput,
+        UpdateWeightsFromTensorReqInput,
+    )
 
     out = {"begin": manager.begin_weight_update(BeginWeightUpdateReqInput()).success}
-    result = manager.update_weights_from_tensor(UpdateWeightsFromTensorReqInput(
-        serialized_named_tensors=payload, load_format=None, flush_cache=False, weight_version="sync2"))
+    result = manager.update_weights_from_tensor(
+        UpdateWeightsFromTensorReqInput(
+            serialized_named_tensors=payload, load_format=None, flush_cache=False, weight_version="sync2"
+        )
+    )
     out.update(update=result.success, message=result.message)
     out["end"] = manager.end_weight_update(EndWeightUpdateReqInput()).success
     return out
@@ -223,12 +275,25 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     # the flags sglang_launcher.sglang_command passes for rollout.quantization=fp8, parsed by SGLang
-    args.server_args = prepare_server_args(["--model-path", args.export, "--quantization", "fp8", "--tp-size",
-                                            str(args.tp_size), "--context-length", "256", "--device", "cpu"])
+    args.server_args = prepare_server_args(
+        [
+            "--model-path",
+            args.export,
+            "--quantization",
+            "fp8",
+            "--tp-size",
+            str(args.tp_size),
+            "--context-length",
+            "256",
+            "--device",
+            "cpu",
+        ]
+    )
     publish(args.server_args, role="test")
     # the scheduler's barriers run on its TP CPU group: a gloo world of one
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=60)
+    )
     syncs = [list(load_file(args.sync1).items()), list(load_file(args.sync2).items())]
     # the trainer's payloads, made before any engine-side code runs: deserialize_own_rank installs SGLang's
     # CUDA-IPC tensor reductions in this process (monkey_patch_torch_reductions), which the trainer's CPU
@@ -241,8 +306,11 @@ def main() -> None:
         model, info = build_rank(args, tp_rank)
         runner, manager = build_manager(model, tp_rank, args.export)
         rank = {"info": info, "phases": {}}
-        for phase, run in (("start", None), ("sync1", lambda: sync_distributed(manager, runner, syncs[0])),
-                           ("sync2", lambda: sync_tensor(manager, payload))):
+        for phase, run in (
+            ("start", None),
+            ("sync1", lambda: sync_distributed(manager, runner, syncs[0])),
+            ("sync2", lambda: sync_tensor(manager, payload)),
+        ):
             result = run() if run else {}
             tensors, facts = _snapshot(model)
             save_file(tensors, str(out / f"rank{tp_rank}_{phase}.safetensors"))

@@ -144,17 +144,34 @@ def build_rank(*, tp_rank: int, model_dir: str, world_group, log: list):
     model = build_recording_model(model_dir)
     runner = SimpleNamespace(tp_rank=tp_rank, model=model)
     runner.weight_updater = WeightUpdater(
-        tp_rank=tp_rank, device="cpu", gpu_id=0, model_config=SimpleNamespace(model_path=model_dir),
-        custom_weight_loaders={}, get_model=lambda: model, update_model_fields=lambda *a, **k: None,
-        recapture_cuda_graph=lambda: None, get_model_runner=lambda: runner)
+        tp_rank=tp_rank,
+        device="cpu",
+        gpu_id=0,
+        model_config=SimpleNamespace(model_path=model_dir),
+        custom_weight_loaders={},
+        get_model=lambda: model,
+        update_model_fields=lambda *a, **k: None,
+        recapture_cuda_graph=lambda: None,
+        get_model_runner=lambda: runner,
+    )
     runner.weight_exporter = SimpleNamespace(get_weights_by_name=model.get_weights_by_name)
     worker = SimpleNamespace(model_runner=runner, weight_update_runners=lambda: [("target", runner)])
-    for method in ("init_weights_update_group", "destroy_weights_update_group", "deserialize_own_rank",
-                   "get_weights_by_name"):
+    for method in (
+        "init_weights_update_group",
+        "destroy_weights_update_group",
+        "deserialize_own_rank",
+        "get_weights_by_name",
+    ):
         setattr(worker, method, types.MethodType(getattr(TpModelWorker, method), worker))
 
-    scheduler = SimpleNamespace(waiting_queue=[], chunked_req=None, hisparse_coordinator=None,
-                                _engine_paused=False, disaggregation_mode=None, collect_inflight_reqs=lambda: set())
+    scheduler = SimpleNamespace(
+        waiting_queue=[],
+        chunked_req=None,
+        hisparse_coordinator=None,
+        _engine_paused=False,
+        disaggregation_mode=None,
+        collect_inflight_reqs=lambda: set(),
+    )
     scheduler.record_weight_version_change = types.MethodType(Scheduler.record_weight_version_change, scheduler)
 
     def flush_cache(empty_cache: bool = True) -> bool:
@@ -162,9 +179,14 @@ def build_rank(*, tp_rank: int, model_dir: str, world_group, log: list):
         return True
 
     manager = SchedulerWeightUpdaterManager(
-        tp_worker=worker, draft_worker=None, tp_cpu_group=world_group,
-        memory_saver_adapter=TorchMemorySaverAdapter.create(enable=False), flush_cache=flush_cache,
-        is_fully_idle=lambda **kw: True, scheduler=scheduler)
+        tp_worker=worker,
+        draft_worker=None,
+        tp_cpu_group=world_group,
+        memory_saver_adapter=TorchMemorySaverAdapter.create(enable=False),
+        flush_cache=flush_cache,
+        is_fully_idle=lambda **kw: True,
+        scheduler=scheduler,
+    )
     return SimpleNamespace(model=model, runner=runner, manager=manager, worker=worker)
 
 
@@ -199,8 +221,11 @@ def build_tokenizer_manager(*, ranks: list, server_args, context_length: int, vo
             self.vocab_size = vocab_size
             hf = json.load(open(os.path.join(server_args.model_path, "config.json")))
             self.model_config = SimpleNamespace(
-                vocab_size=vocab_size, is_image_understandable_model=False, is_audio_understandable_model=False,
-                hf_config=SimpleNamespace(model_type=hf.get("model_type"), architectures=hf.get("architectures")))
+                vocab_size=vocab_size,
+                is_image_understandable_model=False,
+                is_audio_understandable_model=False,
+                hf_config=SimpleNamespace(model_type=hf.get("model_type"), architectures=hf.get("architectures")),
+            )
             self.last_receive_tstamp = 0.0
             self.startup_time = time.time()
 
@@ -212,8 +237,7 @@ def build_tokenizer_manager(*, ranks: list, server_args, context_length: int, vo
                 log.append({"event": "abort_to_scheduler", "rid": req.rid, "abort_all": req.abort_all})
 
         async def _async_dispatch_to_scheduler(self, req):
-            log.append({"event": "to_scheduler", "type": type(req).__name__,
-                        "mode": getattr(req, "mode", None)})
+            log.append({"event": "to_scheduler", "type": type(req).__name__, "mode": getattr(req, "mode", None)})
 
         async def _wait_for_model_update_from_disk(self, obj):
             # stand-in for the scheduler's reload (DefaultModelLoader needs SGLang's GPU model classes)
@@ -226,8 +250,13 @@ def build_tokenizer_manager(*, ranks: list, server_args, context_length: int, vo
         async def generate_request(self, obj, request=None):
             obj.normalize_batch_and_arguments()  # SGLang's own normalisation (raises ValueError)
             items = [obj] if obj.is_single else [obj[i] for i in range(obj.batch_size)]
-            entry = {"event": "generate", "is_single": obj.is_single, "batch_size": obj.batch_size,
-                     "parallel_sample_num": obj.parallel_sample_num, "items": []}
+            entry = {
+                "event": "generate",
+                "is_single": obj.is_single,
+                "batch_size": obj.batch_size,
+                "parallel_sample_num": obj.parallel_sample_num,
+                "items": [],
+            }
             outs = []
             for item in items:
                 ids = item.input_ids
@@ -238,8 +267,14 @@ def build_tokenizer_manager(*, ranks: list, server_args, context_length: int, vo
                 samples = obj.parallel_sample_num
                 for _ in range(samples):
                     rid = item.rid if samples == 1 else item.regenerate_rid()  # SGLang's own n > 1 rids
-                    entry["items"].append({"rid": rid, "input_ids": list(ids), "sampling_params": dict(item.sampling_params),
-                                           "return_logprob": item.return_logprob})
+                    entry["items"].append(
+                        {
+                            "rid": rid,
+                            "input_ids": list(ids),
+                            "sampling_params": dict(item.sampling_params),
+                            "return_logprob": item.return_logprob,
+                        }
+                    )
                     outs.append(self._answer(rid, ids, params, item.return_logprob))
             log.append(entry)
             self.last_receive_tstamp = time.time()
@@ -249,20 +284,43 @@ def build_tokenizer_manager(*, ranks: list, server_args, context_length: int, vo
             """A fixed token pattern in the reply shape of TokenizerManager._handle_batch_output."""
             n = int(params.max_new_tokens)
             tokens = [(ids[-1] + 1 + i) % self.vocab_size for i in range(n)]
-            meta = {"id": rid, "finish_reason": {"type": "length", "length": n}, "prompt_tokens": len(ids),
-                    "weight_version": self.config_value("weight_version"), "completion_tokens": n, "cached_tokens": 0}
+            meta = {
+                "id": rid,
+                "finish_reason": {"type": "length", "length": n},
+                "prompt_tokens": len(ids),
+                "weight_version": self.config_value("weight_version"),
+                "completion_tokens": n,
+                "cached_tokens": 0,
+            }
             if return_logprob:
                 meta["output_token_logprobs"] = [(-1.0, t, None) for t in tokens]
             return {"text": "", "output_ids": tokens, "meta_info": meta}
 
     tm = LoopbackTokenizerManager()
-    for name in ("abort_request", "record_config_updates", "config_value", "pause_generation",
-                 "continue_generation", "_validate_token_ids_logprob", "update_weights_from_disk"):
+    for name in (
+        "abort_request",
+        "record_config_updates",
+        "config_value",
+        "pause_generation",
+        "continue_generation",
+        "_validate_token_ids_logprob",
+        "update_weights_from_disk",
+    ):
         setattr(tm, name, types.MethodType(getattr(TokenizerManager, name), tm))
-    for name in ("update_weights_from_distributed", "update_weights_from_tensor", "init_weights_update_group",
-                 "destroy_weights_update_group", "begin_weight_update", "end_weight_update",
-                 "_weight_update_session_call", "_update_weight_version_if_provided", "release_memory_occupation",
-                 "resume_memory_occupation", "flush_cache", "get_weights_by_name"):
+    for name in (
+        "update_weights_from_distributed",
+        "update_weights_from_tensor",
+        "init_weights_update_group",
+        "destroy_weights_update_group",
+        "begin_weight_update",
+        "end_weight_update",
+        "_weight_update_session_call",
+        "_update_weight_version_if_provided",
+        "release_memory_occupation",
+        "resume_memory_occupation",
+        "flush_cache",
+        "get_weights_by_name",
+    ):
         setattr(tm, name, types.MethodType(getattr(TokenizerControlMixin, name), tm))
 
     def fan_out(method: str):
@@ -274,11 +332,20 @@ def build_tokenizer_manager(*, ranks: list, server_args, context_length: int, vo
             outs = await asyncio.gather(*(loop.run_in_executor(None, getattr(r.manager, method), obj) for r in ranks))
             log.append({"event": method + ":done", "results": [_describe(o) for o in outs]})
             return outs[:1]  # only TP rank 0's scheduler answers the tokenizer manager
+
         return communicator
 
-    for method in ("update_weights_from_distributed", "init_weights_update_group", "destroy_weights_update_group",
-                   "update_weights_from_tensor", "begin_weight_update", "end_weight_update",
-                   "release_memory_occupation", "resume_memory_occupation", "get_weights_by_name"):
+    for method in (
+        "update_weights_from_distributed",
+        "init_weights_update_group",
+        "destroy_weights_update_group",
+        "update_weights_from_tensor",
+        "begin_weight_update",
+        "end_weight_update",
+        "release_memory_occupation",
+        "resume_memory_occupation",
+        "get_weights_by_name",
+    ):
         setattr(tm, method + "_communicator", fan_out(method))
 
     async def flush_cache_communicator(obj):
@@ -314,8 +381,14 @@ class RecordHttp:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
         authorization = headers.get(b"authorization")
-        entry = {"event": "http", "method": scope["method"], "path": scope["path"], "body": None, "status": None,
-                 "authorization": authorization.decode("latin-1") if authorization is not None else None}
+        entry = {
+            "event": "http",
+            "method": scope["method"],
+            "path": scope["path"],
+            "body": None,
+            "status": None,
+            "authorization": authorization.decode("latin-1") if authorization is not None else None,
+        }
         chunks: list[bytes] = []
 
         async def recv():
@@ -358,12 +431,27 @@ async def judge_auth(app, *, api_key, admin_api_key, method: str, path: str, aut
     async def send(message):
         sent.append(message)
 
-    middleware = capture.cls(handler, api_key=capture.kwargs["api_key"], admin_api_key=capture.kwargs["admin_api_key"],
-                             fastapi_app=app)
+    middleware = capture.cls(
+        handler, api_key=capture.kwargs["api_key"], admin_api_key=capture.kwargs["admin_api_key"], fastapi_app=app
+    )
     headers = [] if authorization is None else [(b"authorization", authorization.encode("latin-1"))]
-    await middleware({"type": "http", "method": method, "path": path, "raw_path": path.encode(), "root_path": "",
-                      "query_string": b"", "headers": headers, "scheme": "http", "server": ("127.0.0.1", 80),
-                      "client": ("127.0.0.1", 1), "http_version": "1.1"}, receive, send)
+    await middleware(
+        {
+            "type": "http",
+            "method": method,
+            "path": path,
+            "raw_path": path.encode(),
+            "root_path": "",
+            "query_string": b"",
+            "headers": headers,
+            "scheme": "http",
+            "server": ("127.0.0.1", 80),
+            "client": ("127.0.0.1", 1),
+            "http_version": "1.1",
+        },
+        receive,
+        send,
+    )
     if reached:
         return {"passed": True}
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
@@ -432,22 +520,36 @@ def main() -> int:
     from sglang.srt.runtime_context import publish
     from sglang.srt.server_args import prepare_server_args
 
-    server_args = prepare_server_args(["--model-path", args.model_dir, "--tp-size", str(args.tp_size),
-                                       "--context-length", str(args.context_length), "--device", "cpu"])
+    server_args = prepare_server_args(
+        [
+            "--model-path",
+            args.model_dir,
+            "--tp-size",
+            str(args.tp_size),
+            "--context-length",
+            str(args.context_length),
+            "--device",
+            "cpu",
+        ]
+    )
     publish(server_args, role="test")
     _allow_one_group_name_per_rank()
     # SGLang's weight updater asserts a default process group (its TP group) exists: a world of one
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
     log: list = []
-    ranks = [build_rank(tp_rank=r, model_dir=args.model_dir, world_group=dist.group.WORLD, log=log)
-             for r in range(args.tp_size)]
+    ranks = [
+        build_rank(tp_rank=r, model_dir=args.model_dir, world_group=dist.group.WORLD, log=log)
+        for r in range(args.tp_size)
+    ]
     with open(os.path.join(args.model_dir, "config.json")) as f:
         vocab_size = json.load(f)["vocab_size"]
-    tm = build_tokenizer_manager(ranks=ranks, server_args=server_args, context_length=args.context_length,
-                                 vocab_size=vocab_size, log=log)
-    http_server.set_global_state(http_server._GlobalState(tokenizer_manager=tm, template_manager=None,
-                                                          scheduler_info={}))
+    tm = build_tokenizer_manager(
+        ranks=ranks, server_args=server_args, context_length=args.context_length, vocab_size=vocab_size, log=log
+    )
+    http_server.set_global_state(
+        http_server._GlobalState(tokenizer_manager=tm, template_manager=None, scheduler_info={})
+    )
     app = http_server.app
 
     @app.get("/oracle/log")
@@ -457,10 +559,17 @@ def main() -> int:
     @app.get("/oracle/weights")
     async def oracle_weights(rank: int = 0):
         model = ranks[rank].model
-        return {"params": {n: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-                               "b64": base64.b64encode(t.contiguous().view(torch.uint8).numpy().tobytes()).decode()}
-                           for n, t in model.params.items()},
-                "loads": model.loads}
+        return {
+            "params": {
+                n: {
+                    "dtype": str(t.dtype).removeprefix("torch."),
+                    "shape": list(t.shape),
+                    "b64": base64.b64encode(t.contiguous().view(torch.uint8).numpy().tobytes()).decode(),
+                }
+                for n, t in model.params.items()
+            },
+            "loads": model.loads,
+        }
 
     @app.get("/oracle/request_fields")
     async def oracle_request_fields():
@@ -481,16 +590,17 @@ def main() -> int:
     async def oracle_auth(body: dict):
         """SGLang's own API-key middleware (add_api_key_middleware, with the route levels of this app) on
         each case, under the given keys: {"passed": true} or the status and JSON body it answers."""
-        return [await judge_auth(app, api_key=body["api_key"], admin_api_key=body["admin_api_key"], **case)
-                for case in body["cases"]]
+        return [
+            await judge_auth(app, api_key=body["api_key"], admin_api_key=body["admin_api_key"], **case)
+            for case in body["cases"]
+        ]
 
     @app.post("/oracle/reset_log")
     async def oracle_reset_log():
         log.clear()
         return {}
 
-    config = uvicorn.Config(RecordHttp(app, log), host="127.0.0.1", port=args.port, lifespan="off",
-                            log_level="warning")
+    config = uvicorn.Config(RecordHttp(app, log), host="127.0.0.1", port=args.port, lifespan="off", log_level="warning")
     server = uvicorn.Server(config)
 
     def announce():

@@ -27,15 +27,34 @@ import urllib.request
 import pytest
 from aiohttp import web
 
-from dapo_megatron.rollout.auth import (ADMIN_OPTIONAL, ENDPOINT_LEVELS, EngineKeys, decide, ensure_secret_file,
-                                        level_of, refusal_body)
+from dapo_megatron.rollout.auth import (
+    ADMIN_OPTIONAL,
+    ENDPOINT_LEVELS,
+    EngineKeys,
+    decide,
+    ensure_secret_file,
+    level_of,
+    refusal_body,
+)
 from dapo_megatron.rollout.client import EngineClient
 from dapo_megatron.rollout.sglang_launcher import SGLangSettings, sglang_command
 
 A, B = "key-A-0123456789", "key-B-9876543210"
 KEY_CONFIGS = [(None, None), (A, None), (None, B), (A, B), (A, A)]
-HEADERS = [None, f"Bearer {A}", f"Bearer {B}", f"bearer {A}", f"BEARER {B}", f"Bearer  {A}", f"Basic {A}", A,
-           "Bearer", "Bearer ", "Bearer wrong", f"Bearer {A} "]
+HEADERS = [
+    None,
+    f"Bearer {A}",
+    f"Bearer {B}",
+    f"bearer {A}",
+    f"BEARER {B}",
+    f"Bearer  {A}",
+    f"Basic {A}",
+    A,
+    "Bearer",
+    "Bearer ",
+    "Bearer wrong",
+    f"Bearer {A} ",
+]
 PATHS = sorted({path for _, path in ENDPOINT_LEVELS} | {"/health", "/health_generate", "/ready", "/metrics", "/nope"})
 METHODS = ["GET", "POST", "PUT", "OPTIONS"]
 
@@ -70,17 +89,30 @@ def test_our_decisions_are_sglangs(oracle, api_key, admin_api_key):
 def client_calls() -> list[tuple[str, dict]]:
     """Every public request method of EngineClient, with arguments."""
     calls = [
-        ("generate", {"input_ids": [1, 2]}), ("abort", {"rid": "r"}), ("pause_generation", {}),
-        ("continue_generation", {}), ("flush_cache", {}), ("begin_weight_update", {}), ("end_weight_update", {}),
+        ("generate", {"input_ids": [1, 2]}),
+        ("abort", {"rid": "r"}),
+        ("pause_generation", {}),
+        ("continue_generation", {}),
+        ("flush_cache", {}),
+        ("begin_weight_update", {}),
+        ("end_weight_update", {}),
         ("init_weights_update_group", {"master_address": "h", "master_port": 1, "rank_offset": 1, "world_size": 2}),
         ("destroy_weights_update_group", {}),
         ("update_weights_from_distributed", {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]]}),
-        ("update_weights_from_tensor", {"serialized_named_tensors": ["x"]}), ("update_weights_from_disk", {"model_path": "/m"}),
-        ("get_weights_by_name", {"name": "w"}), ("release_memory", {}), ("resume_memory", {}), ("health", {}),
-        ("model_info", {}), ("server_info", {}),
+        ("update_weights_from_tensor", {"serialized_named_tensors": ["x"]}),
+        ("update_weights_from_disk", {"model_path": "/m"}),
+        ("get_weights_by_name", {"name": "w"}),
+        ("release_memory", {}),
+        ("resume_memory", {}),
+        ("health", {}),
+        ("model_info", {}),
+        ("server_info", {}),
     ]
-    public = {name for name, fn in inspect.getmembers(EngineClient, inspect.iscoroutinefunction)
-              if not name.startswith("_") and name != "close"}
+    public = {
+        name
+        for name, fn in inspect.getmembers(EngineClient, inspect.iscoroutinefunction)
+        if not name.startswith("_") and name != "close"
+    }
     assert {name for name, _ in calls} == public, "a new client method: add it here"
     return calls
 
@@ -89,8 +121,9 @@ async def record_client_requests(keys: EngineKeys) -> list[dict]:
     seen: list[dict] = []
 
     async def anything(request: web.Request) -> web.Response:
-        seen.append({"method": request.method, "path": request.path,
-                     "authorization": request.headers.get("Authorization")})
+        seen.append(
+            {"method": request.method, "path": request.path, "authorization": request.headers.get("Authorization")}
+        )
         return web.json_response({})
 
     app = web.Application()
@@ -122,8 +155,11 @@ def test_every_client_request_passes_sglangs_middleware(oracle, api_key, admin_a
         other = sglang_judges(oracle, api_key and "other-api", admin_api_key and "other-admin", sent)
         guarded = [s for s, v in zip(sent, other) if not v["passed"]]
         # everything but /health when an api key is set; only the admin endpoints with an admin key alone
-        expect = {s["path"] for s in sent if s["path"] != "/health"
-                  and (api_key or level_of(s["method"], s["path"]) == ADMIN_OPTIONAL)}
+        expect = {
+            s["path"]
+            for s in sent
+            if s["path"] != "/health" and (api_key or level_of(s["method"], s["path"]) == ADMIN_OPTIONAL)
+        }
         assert {s["path"] for s in guarded} == expect
 
 
@@ -132,8 +168,9 @@ def keyed_cpu_engine(tiny_model, tmp_path_factory):
     from rollout_helpers import ServerProcess
 
     root = tmp_path_factory.mktemp("keyed_cpu_engine")
-    proc = ServerProcess(tiny_model, root / "engines", log_path=root / "server.log",
-                         extra_args=("--api-key", A, "--admin-api-key", B))
+    proc = ServerProcess(
+        tiny_model, root / "engines", log_path=root / "server.log", extra_args=("--api-key", A, "--admin-api-key", B)
+    )
     yield proc.url
     proc.kill()
 
@@ -164,7 +201,9 @@ def test_sglang_reads_the_keys_from_the_run_secret(oracle, tmp_path):
     argv = sglang_command(SGLangSettings(model_path="/ckpt/qwen", auth_file=str(secret), python="python3"))
     assert keys.api_key not in " ".join(argv) and argv[argv.index("--config") + 1] == str(secret)
     data = json.dumps({"argv": argv[3:], "fields": ["api_key", "admin_api_key", "model_path"]}).encode()
-    req = urllib.request.Request(oracle + "/oracle/server_args", data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        oracle + "/oracle/server_args", data=data, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=120) as resp:
         parsed = json.loads(resp.read())
     assert parsed == {"api_key": keys.api_key, "admin_api_key": keys.admin_api_key, "model_path": "/ckpt/qwen"}

@@ -33,8 +33,9 @@ print("META" + json.dumps(meta))
 def test_engine_span_reads_sglangs_own_request_stamps(sglang_installed):
     from dapo_megatron.rollout.sampler import engine_span
 
-    proc = subprocess.run([sys.executable, "-c", SCRIPT.format(here=str(HERE))], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT.format(here=str(HERE))], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = json.loads(next(line[4:] for line in proc.stdout.splitlines() if line.startswith("META")))
     assert meta["e2e_latency"] == 2.25

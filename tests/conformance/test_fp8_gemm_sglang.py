@@ -35,7 +35,7 @@ from dapo_megatron.quant.fp8_activation import per_token_group_quant_fp8
 from dapo_megatron.cpu_engine.fp8_gemm import block_fp8_linear
 
 SCRIPT = Path(__file__).with_name("sglang_fp8_gemm.py")
-U = 2.0 ** -24
+U = 2.0**-24
 
 
 def _quant_cases(gen: torch.Generator) -> dict[str, torch.Tensor]:
@@ -52,12 +52,16 @@ def _quant_cases(gen: torch.Generator) -> dict[str, torch.Tensor]:
     mids = (codes[1:] + codes[:-1]) / 2  # every tie of the rounding (scale 1: each group holds a 448)
     ties = torch.cat([torch.tensor([448.0]), mids, torch.tensor([0.0])])  # 1 + 126 + 1: one group
     ties = torch.cat([ties, -ties])
-    return {"rand32": torch.randn(5, 384, generator=gen) * mags,
-            "randbf16": (torch.randn(3, 256, generator=gen) * 7).to(torch.bfloat16),
-            "zero_group": zero, "huge": huge,
-            "negative": -(torch.rand(4, 128, generator=gen) * torch.logspace(-2, 2, 4)[:, None]),
-            "ties": ties[None, :], "one_token": torch.randn(1, 128, generator=gen),
-            "many": torch.randn(64, 1024, generator=gen).to(torch.bfloat16)}  # enough values to see x * (1/s) != x / s
+    return {
+        "rand32": torch.randn(5, 384, generator=gen) * mags,
+        "randbf16": (torch.randn(3, 256, generator=gen) * 7).to(torch.bfloat16),
+        "zero_group": zero,
+        "huge": huge,
+        "negative": -(torch.rand(4, 128, generator=gen) * torch.logspace(-2, 2, 4)[:, None]),
+        "ties": ties[None, :],
+        "one_token": torch.randn(1, 128, generator=gen),
+        "many": torch.randn(64, 1024, generator=gen).to(torch.bfloat16),
+    }  # enough values to see x * (1/s) != x / s
 
 
 def _exact_operands(gen, m: int, n: int, k: int, dtype: torch.dtype):
@@ -76,20 +80,42 @@ def sglang_run(sglang_installed, tmp_path_factory):
     gen = torch.Generator().manual_seed(0)
     cases = {f"{c}.x": x.contiguous() for c, x in _quant_cases(gen).items()}
     x, w = _exact_operands(gen, 3, 192, 256, torch.bfloat16)  # 192 rows: the second block of rows is partial
-    cases.update({"exactbf16.x": x, "exactbf16.weight": w,
-                  "exactbf16.weight_scale_inv": torch.rand(2, 2, generator=gen),
-                  "exactbf16.bias": torch.randn(192, generator=gen).to(torch.bfloat16)})
+    cases.update(
+        {
+            "exactbf16.x": x,
+            "exactbf16.weight": w,
+            "exactbf16.weight_scale_inv": torch.rand(2, 2, generator=gen),
+            "exactbf16.bias": torch.randn(192, generator=gen).to(torch.bfloat16),
+        }
+    )
     x, w = _exact_operands(gen, 1, 256, 384, torch.float32)
-    cases.update({"exact32.x": x, "exact32.weight": w,
-                  "exact32.weight_scale_inv": torch.rand(2, 3, generator=gen) / 100})
+    cases.update(
+        {"exact32.x": x, "exact32.weight": w, "exact32.weight_scale_inv": torch.rand(2, 3, generator=gen) / 100}
+    )
     w = (torch.randn(320, 384, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-    cases.update({"rand.x": torch.randn(4, 384, generator=gen), "rand.weight": w,
-                  "rand.weight_scale_inv": torch.rand(3, 3, generator=gen) / 1000})
+    cases.update(
+        {
+            "rand.x": torch.randn(4, 384, generator=gen),
+            "rand.weight": w,
+            "rand.weight_scale_inv": torch.rand(3, 3, generator=gen) / 1000,
+        }
+    )
     root = tmp_path_factory.mktemp("fp8_gemm")
     save_file(cases, str(root / "cases.safetensors"))
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(root / "cases.safetensors"), str(root / "out.safetensors"),
-                           str(root / "report.json")], env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            str(root / "cases.safetensors"),
+            str(root / "out.safetensors"),
+            str(root / "report.json"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return cases, load_file(str(root / "out.safetensors")), json.loads((root / "report.json").read_text())
 
@@ -126,8 +152,9 @@ def test_activation_quantization_bit_equal_to_sglangs_kernel(sglang_run):
 def test_linear_bit_equal_where_summation_order_cannot_matter(sglang_run):
     cases, got, _ = sglang_run
     for c in ("exactbf16", "exact32"):
-        ours = block_fp8_linear(cases[f"{c}.x"], cases[f"{c}.weight"], cases[f"{c}.weight_scale_inv"],
-                                cases.get(f"{c}.bias"))
+        ours = block_fp8_linear(
+            cases[f"{c}.x"], cases[f"{c}.weight"], cases[f"{c}.weight_scale_inv"], cases.get(f"{c}.bias")
+        )
         assert ours.dtype == got[f"{c}.out"].dtype == cases[f"{c}.x"].dtype
         assert torch.equal(ours, got[f"{c}.out"]), c
 

@@ -25,16 +25,20 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt not installed (pip install -e '.[modelopt]')")
+pytest.importorskip(
+    "modelopt.torch.quantization", reason="nvidia-modelopt not installed (pip install -e '.[modelopt]')"
+)
 
 SCRIPT = Path(__file__).with_name("sglang_fp8_reload.py")
 BLOCK = 128
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 256, 4, 2, 128, 512  # 2 blocks of hidden; q 4 blocks, k/v 2, gate/up 4
 # SGLang module -> (our shards, row-parallel?); qwen2.py stacked_params_mapping
-FUSED = {"self_attn.qkv_proj": (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], False),
-         "mlp.gate_up_proj": (["mlp.gate_proj", "mlp.up_proj"], False),
-         "self_attn.o_proj": (["self_attn.o_proj"], True),
-         "mlp.down_proj": (["mlp.down_proj"], True)}
+FUSED = {
+    "self_attn.qkv_proj": (["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], False),
+    "mlp.gate_up_proj": (["mlp.gate_proj", "mlp.up_proj"], False),
+    "self_attn.o_proj": (["self_attn.o_proj"], True),
+    "mlp.down_proj": (["mlp.down_proj"], True),
+}
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -69,9 +73,18 @@ def checkpoints(tmp_path_factory):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     root = tmp_path_factory.mktemp("fp8_sglang")
-    cfg = Qwen2Config(hidden_size=HIDDEN, head_dim=HEAD_DIM, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                      intermediate_size=INTER, num_hidden_layers=2, vocab_size=300, max_position_embeddings=256,
-                      tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"])
+    cfg = Qwen2Config(
+        hidden_size=HIDDEN,
+        head_dim=HEAD_DIM,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        intermediate_size=INTER,
+        num_hidden_layers=2,
+        vocab_size=300,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        architectures=["Qwen2ForCausalLM"],
+    )
     model = Qwen2ForCausalLM(cfg)
     model.save_pretrained(root / "base")
     export = export_fp8_checkpoint(root / "base", root / "fp8")
@@ -101,9 +114,22 @@ def test_sglang_loads_the_export_and_reloads_every_sync_in_place(sglang_installe
     check_sglang_block_shapes(json.loads((root / "fp8" / "config.json").read_text()), tp_size=tp)
     out = root / f"out_tp{tp}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(root / "fp8"), str(root / "sync1.safetensors"),
-                           str(root / "sync2.safetensors"), str(out), "--tp-size", str(tp)],
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            str(root / "fp8"),
+            str(root / "sync1.safetensors"),
+            str(root / "sync2.safetensors"),
+            str(out),
+            "--tp-size",
+            str(tp),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
     assert sorted(report) == [str(r) for r in range(tp)]
@@ -114,9 +140,16 @@ def test_sglang_loads_the_export_and_reloads_every_sync_in_place(sglang_installe
         assert info["quantization"] == "fp8" and info["quant_config"] == "Fp8Config"
         assert info["weight_block_size"] == [BLOCK, BLOCK] and "Fp8LinearMethod" in info["linear_methods"]
         assert "ModelOptFp8LinearMethod" not in info["linear_methods"]
-        assert info["branch"] == {"cpu_amx": False, "fnuz": False, "marlin": False, "mxfp8": False,
-                                  "block_fp8_as_mxfp8": False, "block_quant": True,
-                                  "gemm": "triton_w8a8_block_fp8_linear", "ue8m0_requant": False}
+        assert info["branch"] == {
+            "cpu_amx": False,
+            "fnuz": False,
+            "marlin": False,
+            "mxfp8": False,
+            "block_fp8_as_mxfp8": False,
+            "block_quant": True,
+            "gemm": "triton_w8a8_block_fp8_linear",
+            "ue8m0_requant": False,
+        }
         phases = report[str(rank)]["phases"]
         for phase in ("sync1", "sync2"):
             assert phases[phase]["result"]["begin"] and phases[phase]["result"]["end"]
@@ -142,4 +175,3 @@ def test_sglang_loads_the_export_and_reloads_every_sync_in_place(sglang_installe
     # the syncs really changed what the engine holds (the test would pass vacuously otherwise)
     q = "model.layers.1.self_attn.q_proj.weight"
     assert not torch.equal(_u8(sync1[q]), _u8(start[q])) and not torch.equal(_u8(sync2[q]), _u8(sync1[q]))
-

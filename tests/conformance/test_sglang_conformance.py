@@ -44,7 +44,9 @@ def call(url: str, path: str, body=None, method: str = "POST"):
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             raw = resp.read()
-            return resp.status, (json.loads(raw) if resp.headers.get_content_type() == "application/json" and raw else raw)
+            return resp.status, (
+                json.loads(raw) if resp.headers.get_content_type() == "application/json" and raw else raw
+            )
     except urllib.error.HTTPError as err:
         return err.code, err.read()
 
@@ -102,16 +104,22 @@ def test_distributed_sync_passes_sglang_session_rule_and_arrives_bit_exact(oracl
     calls = http_calls(oracle_log(oracle))
     updates = [c for c in calls if c[0] == "/update_weights_from_distributed"]
     # the group first (TP 2: world size 1 + 2), then one session around every bucket
-    assert [p for p, _ in calls] == (["/server_info", "/init_weights_update_group", "/model_info",
-                                      "/begin_weight_update"] + ["/update_weights_from_distributed"] * len(updates)
-                                     + ["/end_weight_update", "/generate", "/destroy_weights_update_group"])
+    assert [p for p, _ in calls] == (
+        ["/server_info", "/init_weights_update_group", "/model_info", "/begin_weight_update"]
+        + ["/update_weights_from_distributed"] * len(updates)
+        + ["/end_weight_update", "/generate", "/destroy_weights_update_group"]
+    )
     assert all(status == 200 for _, status in calls), calls
     assert stats.num_buckets == len(updates) > 3 and stats.num_tensors == len(weights)
     # one collective per bucket when flattened, one per tensor otherwise
     assert stats.num_collectives == (len(updates) if flattened else len(weights))
     bodies = [e["body"] for e in oracle_log(oracle) if e.get("path") == "/update_weights_from_distributed"]
-    assert all(b["load_format"] == ("flattened_bucket" if flattened else None) and b["weight_version"] == version
-               and b["flush_cache"] is True for b in bodies)
+    assert all(
+        b["load_format"] == ("flattened_bucket" if flattened else None)
+        and b["weight_version"] == version
+        and b["flush_cache"] is True
+        for b in bodies
+    )
     init = next(e["body"] for e in oracle_log(oracle) if e.get("path") == "/init_weights_update_group")
     assert (init["rank_offset"], init["world_size"], init["master_address"]) == (1, 1 + ORACLE_TP_SIZE, "127.0.0.1")
     assert reply["meta_info"]["weight_version"] == version  # SGLang's config_value("weight_version")
@@ -131,21 +139,26 @@ def test_tensor_sync_one_payload_per_rank_read_by_sglang_across_processes(oracle
     bodies = [e["body"] for e in log if e.get("path") == "/update_weights_from_tensor"]
     assert len(bodies) == stats.num_buckets > 1
     assert all(len(b["serialized_named_tensors"]) == ORACLE_TP_SIZE for b in bodies)  # one entry per TP rank
-    assert [c[0] for c in http_calls(log)][-2 - len(bodies):] == (
-        ["/begin_weight_update"] + ["/update_weights_from_tensor"] * len(bodies) + ["/end_weight_update"])
+    assert [c[0] for c in http_calls(log)][-2 - len(bodies) :] == (
+        ["/begin_weight_update"] + ["/update_weights_from_tensor"] * len(bodies) + ["/end_weight_update"]
+    )
     sglang_allowed = {tuple(g) for g in call(oracle, "/oracle/safe_unpickler_globals", method="GET")[1]}
     assert ALLOWED_GLOBALS <= sglang_allowed, ALLOWED_GLOBALS - sglang_allowed
-    assert CUDA_GLOBALS <= sglang_allowed, CUDA_GLOBALS - sglang_allowed  # CUDA IPC rebuilds (serve-rollout --device cuda)
+    assert CUDA_GLOBALS <= sglang_allowed, (
+        CUDA_GLOBALS - sglang_allowed
+    )  # CUDA IPC rebuilds (serve-rollout --device cuda)
     assert CUDA_DATA_GLOBALS <= sglang_allowed, CUDA_DATA_GLOBALS - sglang_allowed
 
 
 def test_sglang_refuses_updates_outside_a_session(oracle):
     """What today's main client hit first: it never opened a session."""
+
     async def scenario():
         async with EngineClient(oracle) as client:
             with pytest.raises(EngineError) as outside:
-                await client.update_weights_from_distributed(names=["lm_head.weight"], dtypes=["float32"],
-                                                             shapes=[[300, 64]], group_name="none")
+                await client.update_weights_from_distributed(
+                    names=["lm_head.weight"], dtypes=["float32"], shapes=[[300, 64]], group_name="none"
+                )
             await client.begin_weight_update()
             with pytest.raises(EngineError) as twice:
                 await client.begin_weight_update()
@@ -170,14 +183,27 @@ def test_sampler_items_keep_our_rids_through_sglang_normalisation(oracle, tiny_m
     async def scenario():
         pool = EnginePool(urls=[oracle])
         seeded = await pool.seeds_honoured()  # SGLang's default: sampling_seed is ignored
-        settings = RolloutSettings(n=4, max_new_tokens=5, gen_batch_size=3, dynamic_sampling=False,
-                                   overlong_shaping=False, progress=False, per_sample_seeds=seeded)
-        sampler = RolloutSampler(pool, tokenizer, settings, rid_prefix="conf",
-                                 reward_fn=lambda text, gt: SimpleNamespace(score=1.0, acc=1.0, pred=None))
+        settings = RolloutSettings(
+            n=4,
+            max_new_tokens=5,
+            gen_batch_size=3,
+            dynamic_sampling=False,
+            overlong_shaping=False,
+            progress=False,
+            per_sample_seeds=seeded,
+        )
+        sampler = RolloutSampler(
+            pool,
+            tokenizer,
+            settings,
+            rid_prefix="conf",
+            reward_fn=lambda text, gt: SimpleNamespace(score=1.0, acc=1.0, pred=None),
+        )
         sampler.weight_version = (await pool.live_clients()[0].model_info())["weight_version"]
         result = await sampler.collect(iter(records), train_batch_size=3)
-        n_request = await pool.live_clients()[0].generate(input_ids=[1, 2], rid="parent",
-                                                          sampling_params={"n": 2, "max_new_tokens": 1})
+        n_request = await pool.live_clients()[0].generate(
+            input_ids=[1, 2], rid="parent", sampling_params={"n": 2, "max_new_tokens": 1}
+        )
         await pool.close()
         return seeded, result, n_request
 
@@ -201,9 +227,23 @@ def test_every_body_is_an_sglang_request_class_and_accepted(oracle, tiny_model):
 
     async def scenario():
         async with EngineClient(oracle) as c:
-            await c.generate(input_ids=[[1, 2], [1, 2]], rid=["a-0-0.", "a-0-1."], return_logprob=True,
-                             sampling_params=[{"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 3,
-                                               "stop_token_ids": [2], "sampling_seed": 5}] * 2)
+            await c.generate(
+                input_ids=[[1, 2], [1, 2]],
+                rid=["a-0-0.", "a-0-1."],
+                return_logprob=True,
+                sampling_params=[
+                    {
+                        "n": 1,
+                        "temperature": 1.0,
+                        "top_p": 1.0,
+                        "top_k": -1,
+                        "max_new_tokens": 3,
+                        "stop_token_ids": [2],
+                        "sampling_seed": 5,
+                    }
+                ]
+                * 2,
+            )
             await c.abort("a-0-0.")
             await c.abort(abort_all=True)
             await c.flush_cache()
@@ -220,9 +260,17 @@ def test_every_body_is_an_sglang_request_class_and_accepted(oracle, tiny_model):
 
     info, model = asyncio.run(scenario())
     posted = [e for e in oracle_log(oracle) if e["event"] == "http" and e["method"] == "POST"]
-    assert {e["path"] for e in posted} >= {"/generate", "/abort_request", "/flush_cache", "/release_memory_occupation",
-                                           "/resume_memory_occupation", "/pause_generation", "/continue_generation",
-                                           "/update_weights_from_disk", "/get_weights_by_name"}
+    assert {e["path"] for e in posted} >= {
+        "/generate",
+        "/abort_request",
+        "/flush_cache",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+        "/pause_generation",
+        "/continue_generation",
+        "/update_weights_from_disk",
+        "/get_weights_by_name",
+    }
     for e in posted:
         assert e["status"] == 200, e
         if e["path"] in fields and e["body"]:
@@ -235,13 +283,32 @@ def test_every_body_is_an_sglang_request_class_and_accepted(oracle, tiny_model):
 
 
 def test_launcher_command_line_is_parsed_by_sglang_server_args(oracle):
-    settings = SGLangSettings(model_path="/ckpt/qwen", tp_size=4, context_length=22528, mem_fraction_static=0.55,
-                              colocate=True, seed=42, host="0.0.0.0", port=31000, base_gpu_id=4, python="python3")
+    settings = SGLangSettings(
+        model_path="/ckpt/qwen",
+        tp_size=4,
+        context_length=22528,
+        mem_fraction_static=0.55,
+        colocate=True,
+        seed=42,
+        host="0.0.0.0",
+        port=31000,
+        base_gpu_id=4,
+        python="python3",
+    )
     argv = sglang_command(settings)
     assert argv[:3] == ["python3", "-m", "sglang.launch_server"]
-    want = {"model_path": "/ckpt/qwen", "tp_size": 4, "context_length": 22528, "mem_fraction_static": 0.55,
-            "random_seed": 42, "enable_memory_saver": True, "host": "0.0.0.0", "port": 31000, "dtype": "auto",
-            "base_gpu_id": 4}
+    want = {
+        "model_path": "/ckpt/qwen",
+        "tp_size": 4,
+        "context_length": 22528,
+        "mem_fraction_static": 0.55,
+        "random_seed": 42,
+        "enable_memory_saver": True,
+        "host": "0.0.0.0",
+        "port": 31000,
+        "dtype": "auto",
+        "base_gpu_id": 4,
+    }
     status, parsed = call(oracle, "/oracle/server_args", {"argv": argv[3:], "fields": sorted(want)})
     assert status == 200 and parsed == want
 
@@ -304,12 +371,19 @@ def test_cuda_ipc_rebuild_twin_reads_the_device_where_sglang_does():
 
     source = open(importlib.util.find_spec("sglang").submodule_search_locations[0] + "/srt/utils/patch_torch.py").read()
     tree = ast.parse(source)
-    consts = {n.targets[0].id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
-              and isinstance(n.targets[0], ast.Name) and isinstance(n.value, ast.Constant)}
+    consts = {
+        n.targets[0].id: n.value.value
+        for n in tree.body
+        if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name) and isinstance(n.value, ast.Constant)
+    }
     assert consts["_REDUCE_TENSOR_ARG_DEVICE_INDEX"] == tensor_payload._DEVICE_ARG
     funcs = {n.name: ast.unparse(n) for n in tree.body if isinstance(n, ast.FunctionDef)}
-    assert "_modify_tuple(args, _REDUCE_TENSOR_ARG_DEVICE_INDEX, _device_from_maybe_uuid)" in \
-        funcs["_rebuild_cuda_tensor_modified"]
-    assert "if isinstance(device_maybe_uuid, int):\n        return device_maybe_uuid" in funcs["_device_from_maybe_uuid"]
+    assert (
+        "_modify_tuple(args, _REDUCE_TENSOR_ARG_DEVICE_INDEX, _device_from_maybe_uuid)"
+        in funcs["_rebuild_cuda_tensor_modified"]
+    )
+    assert (
+        "if isinstance(device_maybe_uuid, int):\n        return device_maybe_uuid" in funcs["_device_from_maybe_uuid"]
+    )
     assert "torch.cuda.get_device_properties(device).uuid" in funcs["_device_from_maybe_uuid"]
     assert tensor_payload._device_index(3) == 3

@@ -53,8 +53,9 @@ def test_copy_redacted_replaces_every_occurrence_longest_key_first():
     src = io.BytesIO(b"a=KEY1 b=KEY1 c=KEY12\n\nno key here\nlast line without newline KEY1")
     dst = io.BytesIO()
     copy_redacted(src, dst, ["KEY1", "KEY12", None, ""])
-    assert dst.getvalue() == (b"a=<redacted> b=<redacted> c=<redacted>\n\nno key here\n"
-                              b"last line without newline <redacted>")
+    assert dst.getvalue() == (
+        b"a=<redacted> b=<redacted> c=<redacted>\n\nno key here\nlast line without newline <redacted>"
+    )
     assert REDACTED == b"<redacted>"
 
 

@@ -49,12 +49,19 @@ def _resume_rank(hf_dir, batches, ckpt_dir):
         loaded = weights(second)
         resumed = second.train(batches[1], step=1)
         after_resume = weights(second)
-    return dict(saved=saved, loaded=loaded, after=after, after_resume=after_resume, meta=meta,
-                uninterrupted=uninterrupted, resumed=resumed, interrupted=interrupted)
+    return dict(
+        saved=saved,
+        loaded=loaded,
+        after=after,
+        after_resume=after_resume,
+        meta=meta,
+        uninterrupted=uninterrupted,
+        resumed=resumed,
+        interrupted=interrupted,
+    )
 
 
-def test_resume_gives_a_bit_identical_next_step_and_an_interrupted_save_keeps_the_old_checkpoint(
-        rank_pool, tmp_path):
+def test_resume_gives_a_bit_identical_next_step_and_an_interrupted_save_keeps_the_old_checkpoint(rank_pool, tmp_path):
     from helpers_tiny import save_tiny_hf
 
     hf_dir = str(save_tiny_hf(tmp_path / "qwen", arch="qwen2"))

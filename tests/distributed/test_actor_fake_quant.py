@@ -23,7 +23,9 @@ import torch
 
 from helpers_tiny import save_tiny_hf
 
-pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt not installed (pip install -e '.[modelopt]')")
+pytest.importorskip(
+    "modelopt.torch.quantization", reason="nvidia-modelopt not installed (pip install -e '.[modelopt]')"
+)
 
 TINY_RUN = dict(hidden_size=128, intermediate_size=256)  # 4 heads of 32, 2 KV heads: configs/runs/tiny_cpu.yaml
 ODD = dict(hidden_size=320, intermediate_size=384)  # heads of 80: partial blocks, blocks cut by TP
@@ -33,8 +35,10 @@ SEQ = 16
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("fake_quant")
-    return {"tiny_run": save_tiny_hf(root / "tiny_run", shape=TINY_RUN, seed=4),
-            "odd": save_tiny_hf(root / "odd", shape=ODD, seed=5)}
+    return {
+        "tiny_run": save_tiny_hf(root / "tiny_run", shape=TINY_RUN, seed=4),
+        "odd": save_tiny_hf(root / "odd", shape=ODD, seed=5),
+    }
 
 
 def _fp8_modules(hf_config) -> set[str]:
@@ -64,11 +68,19 @@ def _build(hf_dir, layout, sequence_parallel, quantize_inputs=False):
     from dapo_megatron.weights.load import load_hf_into_model
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
-    chunks = build_model_chunks(hf_config, attention_backend="torch", precision="fp32",
-                                sequence_parallel=sequence_parallel)
+    chunks = build_model_chunks(
+        hf_config, attention_backend="torch", precision="fp32", sequence_parallel=sequence_parallel
+    )
     load_hf_into_model(chunks, hf_dir, hf_config=hf_config)
-    apply_weight_fake_quant(chunks, hf_config, layout, quantized_modules=_fp8_modules(hf_config), block=128,
-                            dtype=torch.bfloat16, quantize_inputs=quantize_inputs)
+    apply_weight_fake_quant(
+        chunks,
+        hf_config,
+        layout,
+        quantized_modules=_fp8_modules(hf_config),
+        block=128,
+        dtype=torch.bfloat16,
+        quantize_inputs=quantize_inputs,
+    )
     return hf_config, chunks
 
 
@@ -90,14 +102,21 @@ def _values_on_rank(hf_dir, tp, sequence_parallel):
     with model_parallel(tp=tp, seed=0) as layout:
         hf_config, chunks = _build(hf_dir, layout, sequence_parallel)
         dims = Dims.from_hf(hf_config)
-        linears = quantized_linears(chunks, hf_config, quantized_modules=_fp8_modules(hf_config), block=128,
-                                    tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=tp)
+        linears = quantized_linears(
+            chunks,
+            hf_config,
+            quantized_modules=_fp8_modules(hf_config),
+            block=128,
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            tp_size=tp,
+        )
         seen, masters = {}, {}
         for module, pmap, _ in linears:
             masters[pmap.mcore_name] = (module.weight, module.weight.detach().clone())
 
             def record(mod, args, pmap=pmap):
                 seen[pmap.mcore_name] = (pmap, mod.weight.detach().clone(), isinstance(mod.weight, torch.nn.Parameter))
+
             module.register_forward_pre_hook(record)  # after fake_quant's pre-hook: sees what forward uses
         tokens = _tokens(hf_config.vocab_size)
         with torch.no_grad():
@@ -106,13 +125,19 @@ def _values_on_rank(hf_dir, tp, sequence_parallel):
         for pmap, local, is_param in seen.values():
             assert not is_param
             trainer.update(zip(pmap.hf_names, _merged(local, pmap, dims)))
-        conv = Fp8SyncConverter(quantized_modules=_fp8_modules(hf_config), dtype=torch.bfloat16, block=128,
-                                ignored_layers=[])
+        conv = Fp8SyncConverter(
+            quantized_modules=_fp8_modules(hf_config), dtype=torch.bfloat16, block=128, ignored_layers=[]
+        )
         sent = dict(conv.convert(iter_hf_weights(chunks, hf_config)))
-        engine = {n: dequantize_block_fp8(sent[n], sent[n.removesuffix("weight") + "weight_scale_inv"])
-                  for n in sent if sent[n].dtype == torch.float8_e4m3fn}
-        restored = all(isinstance(m.weight, torch.nn.Parameter) and m.weight is p and torch.equal(p, before)
-                       for (m, pmap, _), (p, before) in zip(linears, masters.values()))
+        engine = {
+            n: dequantize_block_fp8(sent[n], sent[n.removesuffix("weight") + "weight_scale_inv"])
+            for n in sent
+            if sent[n].dtype == torch.float8_e4m3fn
+        }
+        restored = all(
+            isinstance(m.weight, torch.nn.Parameter) and m.weight is p and torch.equal(p, before)
+            for (m, pmap, _), (p, before) in zip(linears, masters.values())
+        )
         return {"trainer": trainer, "engine": engine, "restored": restored, "num_linears": len(linears)}
 
 
@@ -151,15 +176,23 @@ def _inputs_on_rank(hf_dir, tp, sequence_parallel):
 
     with model_parallel(tp=tp, seed=0) as layout:
         hf_config, chunks = _build(hf_dir, layout, sequence_parallel, quantize_inputs=True)
-        linears = quantized_linears(chunks, hf_config, quantized_modules=_fp8_modules(hf_config), block=128,
-                                    tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=tp)
+        linears = quantized_linears(
+            chunks,
+            hf_config,
+            quantized_modules=_fp8_modules(hf_config),
+            block=128,
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            tp_size=tp,
+        )
         raw, seen = {}, {}
         for module, pmap, _ in linears:
+
             def before(mod, args, name=pmap.mcore_name):
                 raw[name] = args[0].detach().clone()
 
             def after(mod, args, name=pmap.mcore_name):
                 seen[name] = args[0].detach().clone()
+
             module.register_forward_pre_hook(before, prepend=True)  # before fake_quant's: the raw input
             module.register_forward_pre_hook(after)  # after it: what the Linear multiplies
         tokens = _tokens(hf_config.vocab_size)
@@ -200,8 +233,14 @@ def _grads_on_rank(hf_dir, tp, coef):
         logprobs = vocab_parallel_logprobs(logits[0, :-1], tokens[0, 1:], vocab_size=hf_config.vocab_size)
         (logprobs * coef).sum().backward()
         grads = {}
-        linears = quantized_linears(chunks, hf_config, quantized_modules=_fp8_modules(hf_config), block=128,
-                                    tp_rank=parallel_state.get_tensor_model_parallel_rank(), tp_size=tp)
+        linears = quantized_linears(
+            chunks,
+            hf_config,
+            quantized_modules=_fp8_modules(hf_config),
+            block=128,
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            tp_size=tp,
+        )
         for module, pmap, _ in linears:
             grads.update(zip(pmap.hf_names, _merged(module.weight.grad, pmap, Dims.from_hf(hf_config))))
         return {"grads": grads, "logprobs": logprobs.detach()}
@@ -222,8 +261,9 @@ def _reference(hf_dir, coef, *, quantized: bool):
         sent = dict(conv.convert((n, state[n]) for n in sorted(state)))
         with torch.no_grad():
             for m in modules:
-                model.get_submodule(m).weight.copy_(dequantize_block_fp8(sent[f"{m}.weight"],
-                                                                         sent[f"{m}.weight_scale_inv"]))
+                model.get_submodule(m).weight.copy_(
+                    dequantize_block_fp8(sent[f"{m}.weight"], sent[f"{m}.weight_scale_inv"])
+                )
     tokens = _tokens(model.config.vocab_size)
     logp = torch.log_softmax(model(tokens).logits[0, :-1], dim=-1)
     logprobs = logp.gather(-1, tokens[0, 1:, None])[:, 0]

@@ -23,13 +23,38 @@ import torch
 
 from safetensors.torch import load_file
 
-from helpers_fp32 import (U32, StepBounds, TokenBounds, adam_first_step, adam_weight_bounds, check_weights,
-                          min_distance_to_clip_edges, reference_step, step_bounds, token_bounds)
+from helpers_fp32 import (
+    U32,
+    StepBounds,
+    TokenBounds,
+    adam_first_step,
+    adam_weight_bounds,
+    check_weights,
+    min_distance_to_clip_edges,
+    reference_step,
+    step_bounds,
+    token_bounds,
+)
 from helpers_actor import STEP, fill_rl_fields, hf_logprobs, hf_seq_mean_step, make_cfg, make_samples
 
-STAT_KEYS = ("loss", "pg_loss", "kl_loss", "clipfrac_low", "clipfrac_high", "dualclip_frac", "approx_kl",
-             "ratio_mean", "ratio_max", "entropy", "kl", "tis_weight", "num_tokens", "loss_denominator",
-             "num_micro_batches", "update_skipped")
+STAT_KEYS = (
+    "loss",
+    "pg_loss",
+    "kl_loss",
+    "clipfrac_low",
+    "clipfrac_high",
+    "dualclip_frac",
+    "approx_kl",
+    "ratio_mean",
+    "ratio_max",
+    "entropy",
+    "kl",
+    "tis_weight",
+    "num_tokens",
+    "loss_denominator",
+    "num_micro_batches",
+    "update_skipped",
+)
 
 
 def _step_rank(hf_dir, samples, *, tp, sp, budget, fused_logprob, fused_policy_loss, algo=None, cp=1):
@@ -109,8 +134,12 @@ def _assert_same_step(ref, fused, exact: StepBounds, tokens: TokenBounds, sample
     after = adam_first_step(before, exact.exact.grads, **STEP)
     worst = 0.0
     for side, (m, g, w) in (("plain", (m_ref, g_ref, w_ref)), ("fused", (m_fused, g_fused, w_fused))):
-        worst = max(exact.check_loss(m["loss"], f"{label} {side}"), exact.check_grad_norm(m["grad_norm"], f"{label} {side}"),
-                    exact.check_grads(g, f"{label} {side}"), check_weights(w, after, bounds, f"{label} {side}"))
+        worst = max(
+            exact.check_loss(m["loss"], f"{label} {side}"),
+            exact.check_grad_norm(m["grad_norm"], f"{label} {side}"),
+            exact.check_grads(g, f"{label} {side}"),
+            check_weights(w, after, bounds, f"{label} {side}"),
+        )
     assert max(float(g.abs().max()) for g in g_ref.values()) > 1e-2  # a real gradient
     return worst
 
@@ -123,15 +152,26 @@ def tiny_dirs(tmp_path_factory):
     return {
         "qwen2": str(save_tiny_hf(root / "qwen2", arch="qwen2", tied=False)),
         # odd vocabulary (the actor pads 301 -> 302 at TP=2), tied embeddings, 8 heads / 2 KV groups (GQA 4:1)
-        "llama_v301_tied": str(save_tiny_hf(root / "llama", arch="llama", tied=True, seed=3,
-                                            shape=dict(vocab_size=301, num_attention_heads=8))),
+        "llama_v301_tied": str(
+            save_tiny_hf(
+                root / "llama", arch="llama", tied=True, seed=3, shape=dict(vocab_size=301, num_attention_heads=8)
+            )
+        ),
     }
 
 
 # budget 40 tokens: 2-3 packed micro-batches per rank (samples of up to 18 tokens)
-@pytest.mark.parametrize("model,tp,sp,cp", [("qwen2", 1, False, 1), ("qwen2", 2, False, 1), ("qwen2", 2, True, 1),
-                                            ("llama_v301_tied", 2, True, 1), ("qwen2", 1, False, 2)],
-                         ids=["tp1_dp2", "tp2", "tp2_sp", "llama_v301_tied_tp2_sp", "cp2"])
+@pytest.mark.parametrize(
+    "model,tp,sp,cp",
+    [
+        ("qwen2", 1, False, 1),
+        ("qwen2", 2, False, 1),
+        ("qwen2", 2, True, 1),
+        ("llama_v301_tied", 2, True, 1),
+        ("qwen2", 1, False, 2),
+    ],
+    ids=["tp1_dp2", "tp2", "tp2_sp", "llama_v301_tied_tp2_sp", "cp2"],
+)
 def test_fused_actor_equals_torch_actor(rank_pool, tiny_dirs, model, tp, sp, cp):
     hf_dir = tiny_dirs[model]
     samples = make_samples(8, seed=11)
@@ -139,10 +179,12 @@ def test_fused_actor_equals_torch_actor(rank_pool, tiny_dirs, model, tp, sp, cp)
     samples = fill_rl_fields(samples, hf_logps, seed=4)
     exact, tokens, before = _references(hf_dir, samples)
     pool = rank_pool(2)
-    ref = pool.run(_step_rank, hf_dir, samples, tp=tp, sp=sp, cp=cp, budget=40, fused_logprob=False,
-                   fused_policy_loss=False)
-    fused = pool.run(_step_rank, hf_dir, samples, tp=tp, sp=sp, cp=cp, budget=40, fused_logprob=True,
-                     fused_policy_loss=True)
+    ref = pool.run(
+        _step_rank, hf_dir, samples, tp=tp, sp=sp, cp=cp, budget=40, fused_logprob=False, fused_policy_loss=False
+    )
+    fused = pool.run(
+        _step_rank, hf_dir, samples, tp=tp, sp=sp, cp=cp, budget=40, fused_logprob=True, fused_policy_loss=True
+    )
     for rank_result in fused[1:]:  # identical on every rank
         assert all(torch.equal(a, b) for a, b in zip(rank_result[0], fused[0][0]))
         assert rank_result[2] == fused[0][2]
@@ -154,8 +196,10 @@ def test_fused_actor_equals_torch_actor(rank_pool, tiny_dirs, model, tp, sp, cp)
     assert max(float(e.max()) for e in ref[0][1]) > 1.0  # far from one-hot: the entropies are compared
     assert ref[0][2]["clipfrac_low"] + ref[0][2]["clipfrac_high"] > 0  # the clip branches are hit
     worst = _assert_same_step(ref[0], fused[0], exact, tokens, samples, before, label=f"{model} tp={tp} sp={sp}")
-    print(f"\n[fused actor] {model} tp={tp} sp={sp} cp={cp}: worst error / fp32 bound: log-probs {lp_worst:.2f}, "
-          f"step {worst:.2f} (log-prob bound {tokens.logprob_bound:.2e})")
+    print(
+        f"\n[fused actor] {model} tp={tp} sp={sp} cp={cp}: worst error / fp32 bound: log-probs {lp_worst:.2f}, "
+        f"step {worst:.2f} (log-prob bound {tokens.logprob_bound:.2e})"
+    )
 
 
 def test_fused_tp2_sp_step_equals_torch_tp1_step(rank_pool, tiny_dirs):
@@ -166,13 +210,16 @@ def test_fused_tp2_sp_step_equals_torch_tp1_step(rank_pool, tiny_dirs):
     samples = fill_rl_fields(samples, hf_logprobs(hf_dir, samples)[0], seed=4)
     exact, tokens, before = _references(hf_dir, samples)
     pool = rank_pool(2)
-    ref = pool.run(_step_rank, hf_dir, samples, tp=1, sp=False, budget=40, fused_logprob=False,
-                   fused_policy_loss=False)[0]
-    fused = pool.run(_step_rank, hf_dir, samples, tp=2, sp=True, budget=40, fused_logprob=True,
-                     fused_policy_loss=True)[0]
+    ref = pool.run(
+        _step_rank, hf_dir, samples, tp=1, sp=False, budget=40, fused_logprob=False, fused_policy_loss=False
+    )[0]
+    fused = pool.run(_step_rank, hf_dir, samples, tp=2, sp=True, budget=40, fused_logprob=True, fused_policy_loss=True)[
+        0
+    ]
     lp_worst = max(tokens.check(ref[0], ref[1], "torch tp1"), tokens.check(fused[0], fused[1], "fused tp2+sp"))
-    worst = _assert_same_step(ref, fused, exact, tokens, samples, before, label="fused tp2+sp vs torch tp1",
-                              same_layout=False)
+    worst = _assert_same_step(
+        ref, fused, exact, tokens, samples, before, label="fused tp2+sp vs torch tp1", same_layout=False
+    )
     print(f"\n[fused tp2+sp vs torch tp1] worst error / fp32 bound: log-probs {lp_worst:.2f}, step {worst:.2f}")
 
 
@@ -188,8 +235,9 @@ def test_fused_policy_loss_equals_torch_in_the_actor(rank_pool, tiny_dirs):
         s.rollout_logprobs = (torch.tensor(s.old_logprobs) + 0.5 * torch.randn(n, generator=gen)).tolist()
         s.ref_logprobs = (torch.tensor(s.old_logprobs) + 0.2 * torch.randn(n, generator=gen)).tolist()
         s.truncated = i in (2, 7)
-    algo = dict(loss_agg_mode="seq-mean-token-mean", overlong_filter=True, tis_cap=1.5, use_kl=True,
-                kl_coef=0.1, kl_kind="k3")
+    algo = dict(
+        loss_agg_mode="seq-mean-token-mean", overlong_filter=True, tis_cap=1.5, use_kl=True, kl_coef=0.1, kl_kind="k3"
+    )
     pool = rank_pool(2)
     kw = dict(tp=1, sp=False, budget=22, fused_logprob=False, algo=algo)
     ref = pool.run(_step_rank, hf_dir, samples, fused_policy_loss=False, **kw)[0]
@@ -198,11 +246,22 @@ def test_fused_policy_loss_equals_torch_in_the_actor(rank_pool, tiny_dirs):
     assert ref[2]["dualclip_frac"] + ref[2]["clipfrac_low"] + ref[2]["clipfrac_high"] > 0
     assert all(torch.equal(a, b) for a, b in zip(fused[0], ref[0]))  # the head is the same plain torch
     loss_args = dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0, tis_cap=1.5, kl_coef=0.1)
-    exact = step_bounds(hf_seq_mean_step(hf_dir, samples, dtype=torch.float32, **loss_args),
-                        hf_seq_mean_step(hf_dir, samples, dtype=torch.float64, **loss_args))
-    worst = _assert_same_step(ref, fused, exact, token_bounds(hf_dir, samples), samples, load_file(f"{hf_dir}/model.safetensors"),
-                              label="fused policy loss")
-    print(f"\n[fused policy loss] worst error / fp32 bound {worst:.2f}, loss {fused[2]['loss']:.6f} vs {ref[2]['loss']:.6f}")
+    exact = step_bounds(
+        hf_seq_mean_step(hf_dir, samples, dtype=torch.float32, **loss_args),
+        hf_seq_mean_step(hf_dir, samples, dtype=torch.float64, **loss_args),
+    )
+    worst = _assert_same_step(
+        ref,
+        fused,
+        exact,
+        token_bounds(hf_dir, samples),
+        samples,
+        load_file(f"{hf_dir}/model.safetensors"),
+        label="fused policy loss",
+    )
+    print(
+        f"\n[fused policy loss] worst error / fp32 bound {worst:.2f}, loss {fused[2]['loss']:.6f} vs {ref[2]['loss']:.6f}"
+    )
 
 
 def _bf16_rank(hf_dir, samples, fused):
@@ -240,5 +299,7 @@ def test_bf16_fused_actor_tp2_sp(rank_pool, tiny_dirs):
     assert _max_diff(fused, ref) <= 0.1
     assert metrics["loss"] == -1.0 and metrics["ratio_max"] == 1.0 and metrics["clipfrac_high"] == 0.0
     assert metrics["update_skipped"] == 0 and metrics["grad_norm"] > 0
-    print(f"\n[fused actor bf16 tp2 sp] vs transformers {_max_diff(fused, want):.3e}, vs torch head "
-          f"{_max_diff(fused, ref):.3e}")
+    print(
+        f"\n[fused actor bf16 tp2 sp] vs transformers {_max_diff(fused, want):.3e}, vs torch head "
+        f"{_max_diff(fused, ref):.3e}"
+    )

@@ -2,7 +2,6 @@
 for TP=1 x DP=2, TP=2 and PP=2, and with context parallelism (CP=2, TP=2 x CP=2 with sequence
 parallel, CP=2 x PP=2) equals CP=1; every rank returns the same values."""
 
-
 import pytest
 import torch
 
@@ -16,8 +15,11 @@ def _logprobs_rank(hf_dir, samples, tp, pp, micro_batch_tokens, sp=False, cp=1):
     from dapo_megatron.actor.parallel import model_parallel
 
     with model_parallel(tp=tp, pp=pp, cp=cp, seed=7) as layout:
-        actor = Actor(actor_settings(make_cfg(tp=tp, pp=pp, cp=cp, micro_batch_tokens=micro_batch_tokens, sequence_parallel=sp)),
-                      hf_dir, layout)
+        actor = Actor(
+            actor_settings(make_cfg(tp=tp, pp=pp, cp=cp, micro_batch_tokens=micro_batch_tokens, sequence_parallel=sp)),
+            hf_dir,
+            layout,
+        )
         out = actor.logprobs(samples)
     return out.logprobs, out.entropies
 
@@ -31,9 +33,17 @@ def tiny_dirs(tmp_path_factory):
 
 # budget 256: all 7 samples in one packed micro-batch per DP rank; 18 = the longest sample: mostly
 # one sample per micro-batch (the "unpacked" case); PP=2 pads every micro-batch to one length.
-@pytest.mark.parametrize("tp,pp,budget,tied,sp", [(1, 1, 256, False, False), (1, 1, 18, False, False),
-                                                  (2, 1, 64, False, False), (1, 2, 40, False, False),
-                                                  (2, 1, 40, True, False), (2, 1, 40, False, True)])
+@pytest.mark.parametrize(
+    "tp,pp,budget,tied,sp",
+    [
+        (1, 1, 256, False, False),
+        (1, 1, 18, False, False),
+        (2, 1, 64, False, False),
+        (1, 2, 40, False, False),
+        (2, 1, 40, True, False),
+        (2, 1, 40, False, True),
+    ],
+)
 def test_logprobs_match_transformers(rank_pool, tiny_dirs, tp, pp, budget, tied, sp):
     tiny_dir = tiny_dirs[tied]
     samples = make_samples(7)
@@ -83,8 +93,10 @@ def test_context_parallel_logprobs_equal_cp1(rank_pool, tiny_dirs, world, tp, pp
     exact = token_bounds(tiny_dir, samples)
     worst_cp1 = exact.check(base, base_ent, "cp=1")
     worst = exact.check(logps, ents, f"cp={cp}")
-    print(f"actor cp layout world={world} tp={tp} pp={pp} cp={cp} sp={sp}: worst error / fp32 bound cp=1 "
-          f"{worst_cp1:.2f}, cp={cp} {worst:.2f} (log-prob bound {exact.logprob_bound:.2e})")
+    print(
+        f"actor cp layout world={world} tp={tp} pp={pp} cp={cp} sp={sp}: worst error / fp32 bound cp=1 "
+        f"{worst_cp1:.2f}, cp={cp} {worst:.2f} (log-prob bound {exact.logprob_bound:.2e})"
+    )
     for got, ent, s in zip(logps, ents, samples):
         assert got.shape == ent.shape == (len(s.response_ids),)
 

@@ -96,8 +96,13 @@ def _roundtrip_rank(hf_dir, samples, tp, dist_opt, precision):
         actor.offload("grads", "optimizer", keep_grads=True)  # what the weight transfer does not need
         for_transfer = actor.resident_bytes()
         grads_freed = all(b.grad_data.untyped_storage().nbytes() == 0 for b in buffers)
-        adam = [v for inner in actor.optimizer.chained_optimizers for s in inner.optimizer.state.values()
-                for k, v in s.items() if k.startswith("exp_avg")]
+        adam = [
+            v
+            for inner in actor.optimizer.chained_optimizers
+            for s in inner.optimizer.state.values()
+            for k, v in s.items()
+            if k.startswith("exp_avg")
+        ]
         adam_freed = all(v.untyped_storage().nbytes() == 0 for v in adam)
         weights = {k: v.clone() for k, v in actor.iter_hf_weights()}  # the transfer reads only params
         try:
@@ -110,17 +115,31 @@ def _roundtrip_rank(hf_dir, samples, tp, dist_opt, precision):
         params_freed = all(p.untyped_storage().nbytes() == 0 for c in actor.model_chunks for p in c.parameters())
         actor.onload()
         after = _snapshot(actor)
-    return dict(full=full, for_transfer=for_transfer, offloaded=offloaded, grads_freed=grads_freed,
-                adam_freed=adam_freed, num_adam=len(adam), params_freed=params_freed, refused=refused,
-                opt_numel=opt_numel, opt_count=opt_count, before=before, after=after, weights=weights,
-                buffer_numel=sum(b.grad_data.numel() for b in buffers),
-                buffer_numel_unpadded=sum(b.numel_unpadded for b in buffers))
+    return dict(
+        full=full,
+        for_transfer=for_transfer,
+        offloaded=offloaded,
+        grads_freed=grads_freed,
+        adam_freed=adam_freed,
+        num_adam=len(adam),
+        params_freed=params_freed,
+        refused=refused,
+        opt_numel=opt_numel,
+        opt_count=opt_count,
+        before=before,
+        after=after,
+        weights=weights,
+        buffer_numel=sum(b.grad_data.numel() for b in buffers),
+        buffer_numel_unpadded=sum(b.numel_unpadded for b in buffers),
+    )
 
 
-@pytest.mark.parametrize("tp,dist_opt,precision", [(1, False, "fp32"), (1, True, "fp32"), (2, True, "fp32"),
-                                                   (1, True, "bf16")])
-def test_offload_frees_every_storage_and_onload_restores_every_byte(rank_pool, tiny_dir, batches, tp, dist_opt,
-                                                                     precision):
+@pytest.mark.parametrize(
+    "tp,dist_opt,precision", [(1, False, "fp32"), (1, True, "fp32"), (2, True, "fp32"), (1, True, "bf16")]
+)
+def test_offload_frees_every_storage_and_onload_restores_every_byte(
+    rank_pool, tiny_dir, batches, tp, dist_opt, precision
+):
     results = rank_pool(2).run(_roundtrip_rank, tiny_dir, batches[0], tp, dist_opt, precision)
     param_bytes = 2 if precision == "bf16" else 4
     for r in results:
@@ -219,11 +238,17 @@ def _reference_rank(hf_dir, samples, tp):
         again = ref.logprobs(samples)  # the second onload comes from the backup taken once
         policy = ref._policy
         facts = dict(
-            optimizer=policy.optimizer, grads=any(p.grad is not None for c in ref.model_chunks for p in c.parameters()),
+            optimizer=policy.optimizer,
+            grads=any(p.grad is not None for c in ref.model_chunks for p in c.parameters()),
             main_grad=any(hasattr(p, "main_grad") for c in ref.model_chunks for p in c.parameters()),
             wrapped=any(m is not c for m, c in zip(policy.model, ref.model_chunks)),
-            idle=idle, after=ref.resident_bytes(), frozen_cost=frozen_cost, param_bytes=param_bytes,
-            full_cost=full_cost, rotary_bytes=rotary_bytes)
+            idle=idle,
+            after=ref.resident_bytes(),
+            frozen_cost=frozen_cost,
+            param_bytes=param_bytes,
+            full_cost=full_cost,
+            rotary_bytes=rotary_bytes,
+        )
         try:
             policy.train(samples, step=0)
             facts["train"] = ""

@@ -9,8 +9,16 @@ import functools
 import pytest
 import torch
 
-from helpers_fp32 import (PolicyStep, adam_first_step, adam_weight_bounds, check_weights, hf_response_logprobs,
-                          policy_step_of, reference_step, step_bounds)
+from helpers_fp32 import (
+    PolicyStep,
+    adam_first_step,
+    adam_weight_bounds,
+    check_weights,
+    hf_response_logprobs,
+    policy_step_of,
+    reference_step,
+    step_bounds,
+)
 from helpers_actor import STEP, fill_rl_fields, grads_rank, hf_logprobs, hf_seq_mean_step, make_cfg, make_samples
 
 
@@ -36,8 +44,9 @@ def test_three_micro_batches_times_two_dp_ranks_give_the_big_batch_gradient(rank
         assert metrics["num_tokens"] == sum(sum(s.response_mask()) for s in samples)
         assert 0 < metrics["clipfrac_low"] + metrics["clipfrac_high"] < 1
     assert max(float(g.abs().max()) for g in ref.exact.grads.values()) > 1e-2  # the comparison is not vacuous
-    print(f"micro-batched x DP=2 vs float64: worst error / fp32 bound {max(worst):.2f} "
-          f"(loss bound {ref.loss_bound:.2e})")
+    print(
+        f"micro-batched x DP=2 vs float64: worst error / fp32 bound {max(worst):.2f} (loss bound {ref.loss_bound:.2e})"
+    )
 
 
 def _updated_weights_rank(hf_dir, samples, tp, pp=1, cp=1, sp=False):
@@ -46,8 +55,13 @@ def _updated_weights_rank(hf_dir, samples, tp, pp=1, cp=1, sp=False):
     from dapo_megatron.actor.parallel import model_parallel
 
     with model_parallel(tp=tp, pp=pp, cp=cp, seed=7) as layout:
-        actor = Actor(actor_settings(make_cfg(tp=tp, pp=pp, cp=cp, sequence_parallel=sp, micro_batch_tokens=40, lr=1e-3,
-                               warmup_steps=0)), hf_dir, layout)
+        actor = Actor(
+            actor_settings(
+                make_cfg(tp=tp, pp=pp, cp=cp, sequence_parallel=sp, micro_batch_tokens=40, lr=1e-3, warmup_steps=0)
+            ),
+            hf_dir,
+            layout,
+        )
         # Adam's first step is lr * g / (|g| + eps): its slope at g ~ 0 is lr / eps = 1e5 with the
         # default eps 1e-8, so fp32 rounding of ~1e-9 in a gradient that cancels to ~0 moves a weight
         # by ~1e-5 between layouts. eps = 1e-4 bounds that amplification at 10 (1e-8 here) while
@@ -82,8 +96,12 @@ def _check_step_against_float64(tiny_dir, results, label):
     worst = 0.0
     for m, w in results:
         assert m["update_skipped"] == 0
-        worst = max(worst, ref.check_loss(m["loss"], label), ref.check_grad_norm(m["grad_norm"], label),
-                    check_weights(w, after, bounds, label))
+        worst = max(
+            worst,
+            ref.check_loss(m["loss"], label),
+            ref.check_grad_norm(m["grad_norm"], label),
+            check_weights(w, after, bounds, label),
+        )
     return worst
 
 
@@ -100,9 +118,11 @@ def test_one_step_at_tp2_updates_weights_like_tp1_dp2(rank_pool, tiny_dir):
             assert torch.equal(results[0][1][name], results[1][1][name])
     moved = max(float((w - before[name].double()).abs().max()) for name, w in after.items())
     assert moved > 5e-4  # ~lr = 1e-3
-    print(f"one step: float64 loss {ref.exact.loss!r}, layouts {losses}; worst error / fp32 bound: {worst}; "
-          f"loss bound {ref.loss_bound:.2e} "
-          f"(rel {ref.loss_bound / abs(ref.exact.loss):.1e}), grad-norm bound {ref.grad_norm_bound:.2e}")
+    print(
+        f"one step: float64 loss {ref.exact.loss!r}, layouts {losses}; worst error / fp32 bound: {worst}; "
+        f"loss bound {ref.loss_bound:.2e} "
+        f"(rel {ref.loss_bound / abs(ref.exact.loss):.1e}), grad-norm bound {ref.grad_norm_bound:.2e}"
+    )
 
 
 @pytest.mark.parametrize("cp", [1, 2])
@@ -119,11 +139,14 @@ def test_seq_mean_token_mean_with_overlong_filter_tis_and_kl_gives_the_big_batch
         s.rollout_logprobs = (torch.tensor(s.old_logprobs) + 0.5 * torch.randn(n, generator=gen)).tolist()
         s.ref_logprobs = (torch.tensor(s.old_logprobs) + 0.2 * torch.randn(n, generator=gen)).tolist()
         s.truncated = i in (2, 7)
-    algo = dict(loss_agg_mode="seq-mean-token-mean", overlong_filter=True, tis_cap=1.5, use_kl=True,
-                kl_coef=0.1, kl_kind="k3")
+    algo = dict(
+        loss_agg_mode="seq-mean-token-mean", overlong_filter=True, tis_cap=1.5, use_kl=True, kl_coef=0.1, kl_kind="k3"
+    )
     loss_args = dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0, tis_cap=1.5, kl_coef=0.1)
-    ref = step_bounds(hf_seq_mean_step(tiny_dir, samples, dtype=torch.float32, **loss_args),
-                      hf_seq_mean_step(tiny_dir, samples, dtype=torch.float64, **loss_args))
+    ref = step_bounds(
+        hf_seq_mean_step(tiny_dir, samples, dtype=torch.float32, **loss_args),
+        hf_seq_mean_step(tiny_dir, samples, dtype=torch.float64, **loss_args),
+    )
     # 22 tokens: 3 micro-batches per DP rank; at CP=2 (sequences padded to multiples of 4, one DP
     # rank) 24 tokens
     results = rank_pool(2).run(grads_rank, tiny_dir, samples, 22 if cp == 1 else 24, algo, cp)
@@ -156,8 +179,10 @@ def test_one_step_at_cp2_updates_weights_like_cp1(rank_pool, tiny_dir, world, tp
         assert m["num_tokens"] == base[0][0]["num_tokens"] and m["loss_denominator"] == base[0][0]["loss_denominator"]
     for _, other in results[1:]:
         assert all(torch.equal(other[name], results[0][1][name]) for name in after)
-    print(f"train step world={world} tp={tp} sp={sp}: worst error / fp32 bound cp=1 {worst_cp1:.2f}, "
-          f"cp=2 {worst_cp2:.2f}; loss {results[0][0]['loss']:.9g} vs float64 {ref.exact.loss:.9g}")
+    print(
+        f"train step world={world} tp={tp} sp={sp}: worst error / fp32 bound cp=1 {worst_cp1:.2f}, "
+        f"cp=2 {worst_cp2:.2f}; loss {results[0][0]['loss']:.9g} vs float64 {ref.exact.loss:.9g}"
+    )
 
 
 def hf_gspo_step(hf_dir, samples, *, dtype, eps_low, eps_high) -> PolicyStep:
@@ -169,7 +194,9 @@ def hf_gspo_step(hf_dir, samples, *, dtype, eps_low, eps_high) -> PolicyStep:
         old = torch.tensor(s.old_logprobs, dtype=dtype)
         mask = torch.tensor(s.response_mask(), dtype=dtype)
         ratio = torch.exp(torch.clamp((mask * (lp - old)).sum() / mask.sum(), -20, 20))
-        per_seq.append(torch.maximum(-s.advantage * ratio, -s.advantage * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)))
+        per_seq.append(
+            torch.maximum(-s.advantage * ratio, -s.advantage * torch.clamp(ratio, 1 - eps_low, 1 + eps_high))
+        )
     loss = torch.stack(per_seq).mean()
     return policy_step_of(model, lp_all, loss)
 
@@ -182,8 +209,10 @@ def test_gspo_in_the_actor_gives_the_big_batch_sequence_level_gradient(rank_pool
     logps, _ = hf_logprobs(tiny_dir, samples)
     samples = fill_rl_fields(samples, logps, seed=3)
     algo = dict(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean", clip_ratio_c=None)
-    ref = step_bounds(hf_gspo_step(tiny_dir, samples, dtype=torch.float32, eps_low=0.2, eps_high=0.28),
-                      hf_gspo_step(tiny_dir, samples, dtype=torch.float64, eps_low=0.2, eps_high=0.28))
+    ref = step_bounds(
+        hf_gspo_step(tiny_dir, samples, dtype=torch.float32, eps_low=0.2, eps_high=0.28),
+        hf_gspo_step(tiny_dir, samples, dtype=torch.float64, eps_low=0.2, eps_high=0.28),
+    )
     results = rank_pool(2).run(grads_rank, tiny_dir, samples, 22, algo, 1)
     for metrics, num_micro, grads in results:
         assert num_micro == 3 and metrics["loss_denominator"] == 12

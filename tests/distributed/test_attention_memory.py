@@ -30,9 +30,11 @@ def _measure_rank(dense: bool):
     hf_config.max_position_embeddings = 8192
     original = attention.TorchSDPAttention._attend
     if dense:
+
         def dense_attend(self, q, k, v, blocks, mask):
             cu = torch.tensor(sorted({b.q_start for b in blocks} | {blocks[-1].q_end}))
             return dense_attention(q, k, v, block_causal_mask(cu, q.size(2)), scale=self.softmax_scale)
+
         attention.TorchSDPAttention._attend = dense_attend
     try:
         with model_parallel(tp=1, seed=0):
@@ -55,8 +57,12 @@ def _measure_rank(dense: bool):
                 ids = torch.randint(5, hf_config.vocab_size, (1, total))
                 saved.clear()
                 with saved_tensors_hooks(pack, lambda t: t):
-                    out = model(ids, packed_position_ids(lengths), attention_mask=None,
-                                packed_seq_params=packed_seq_params_from_lengths(lengths))
+                    out = model(
+                        ids,
+                        packed_position_ids(lengths),
+                        attention_mask=None,
+                        packed_seq_params=packed_seq_params_from_lengths(lengths),
+                    )
                 rows.append((total, sum(saved.values()) / hf_config.num_hidden_layers))
                 del out
             return rows

@@ -40,7 +40,7 @@ def _send_to_a_dead_engine():
 
 def test_a_failed_begin_raises_the_drivers_message_on_every_rank_and_leaves_them_in_step(rank_pool):
     driver, other = rank_pool(2).run(_send_to_a_dead_engine)
-    message = ("EngineError: colocated weight transfer: engines ['http://e:1'] are not in the pool (dead?)")
+    message = "EngineError: colocated weight transfer: engines ['http://e:1'] are not in the pool (dead?)"
     assert driver["error"] == other["error"] == message
     assert driver["asked"] == ["weight_targets", "weight_targets"]  # begin, then the session's end
     assert other["asked"] == []  # only the driver talks to the engines

@@ -19,8 +19,11 @@ def test_patch_targets_still_exist_in_installed_megatron():
 
 
 def test_check_patch_targets_names_a_missing_symbol(monkeypatch):
-    monkeypatch.setattr(compat, "PATCH_TARGETS", compat.PATCH_TARGETS + (
-        ("megatron.core.tensor_parallel.random", "_no_such_symbol", "a test"),))
+    monkeypatch.setattr(
+        compat,
+        "PATCH_TARGETS",
+        compat.PATCH_TARGETS + (("megatron.core.tensor_parallel.random", "_no_such_symbol", "a test"),),
+    )
     problems = compat.check_patch_targets()
     assert len(problems) == 1
     assert "megatron.core.tensor_parallel.random._no_such_symbol" in problems[0]
@@ -40,8 +43,11 @@ def _cpu_behaviour():
         "to_cuda": torch.ones(2).to("cuda").device.type,
         "to_dtype": torch.ones(2).to(torch.float64).dtype,
         "pinned": torch.empty(2, pin_memory=True).is_pinned(),
-        "types": (torch.ones(1).type(), torch.ones(1, dtype=torch.bfloat16).type(),
-                  torch.ones(1).type(torch.float64).dtype),
+        "types": (
+            torch.ones(1).type(),
+            torch.ones(1, dtype=torch.bfloat16).type(),
+            torch.ones(1).type(torch.float64).dtype,
+        ),
         "current_device": str(torch.cuda.current_device()),
     }
     # RNG: the tracker's fork() must use and restore the (CPU) default generator like on CUDA.
@@ -58,9 +64,11 @@ def _cpu_behaviour():
         forked_2 = torch.rand(4)  # the tracked stream advanced
     torch.manual_seed(1234)
     seeded_ref = torch.rand(4)
-    out.update(after_fork_equal=torch.equal(after_fork, expected_default),
-               forked_is_seed_stream=torch.equal(forked_1, seeded_ref),
-               forked_advances=not torch.equal(forked_1, forked_2))
+    out.update(
+        after_fork_equal=torch.equal(after_fork, expected_default),
+        forked_is_seed_stream=torch.equal(forked_1, seeded_ref),
+        forked_advances=not torch.equal(forked_1, forked_2),
+    )
     tracker.reset()
     out.update(_moe_behaviour())
     return out

@@ -24,10 +24,17 @@ def make_step(num_groups, n, *, seed, vocab=300, experts_width=0):
         prompt = [rng.randrange(5, vocab) for _ in range(rng.randint(2, 7))]
         for _ in range(n):
             r = rng.randint(1, 11)
-            out.append(Sample(prompt_ids=prompt, response_ids=[rng.randrange(5, vocab) for _ in range(r)],
-                              group_index=g, advantage=rng.uniform(-1.5, 1.5), reward=rng.choice([-1.0, 1.0]),
-                              truncated=rng.random() < 0.2,
-                              rollout_logprobs=[-rng.random() * 6 for _ in range(r)]))
+            out.append(
+                Sample(
+                    prompt_ids=prompt,
+                    response_ids=[rng.randrange(5, vocab) for _ in range(r)],
+                    group_index=g,
+                    advantage=rng.uniform(-1.5, 1.5),
+                    reward=rng.choice([-1.0, 1.0]),
+                    truncated=rng.random() < 0.2,
+                    rollout_logprobs=[-rng.random() * 6 for _ in range(r)],
+                )
+            )
             if experts_width and rng.random() < 0.8:
                 rows = [[rng.randrange(8) for _ in range(experts_width)] for _ in range(len(prompt) + r - 1)]
                 out[-1].routed_experts = torch.tensor(rows, dtype=torch.uint8)
@@ -42,15 +49,18 @@ def _scatter_rank(samples, tp, pp, cp, per_mini, budget):
     from dapo_megatron.dataplane.scatter import _header, _header_bytes, scatter_batch
     from dapo_megatron.dataplane.share import BatchShare, PackSettings, plan_shares
 
-    settings = PackSettings.for_layout(micro_batch_tokens=budget, tp=tp, pp=pp, cp=cp, vpp=None,
-                                       sequence_parallel=tp > 1)
+    settings = PackSettings.for_layout(
+        micro_batch_tokens=budget, tp=tp, pp=pp, cp=cp, vpp=None, sequence_parallel=tp > 1
+    )
     with parallel.model_parallel(tp=tp, pp=pp, cp=cp) as layout:
         batch = RolloutBatch.from_samples(samples)
-        share, stats = scatter_batch(batch if dist.get_rank() == 0 else None, layout=layout, settings=settings,
-                                     sequences_per_mini_batch=per_mini)
+        share, stats = scatter_batch(
+            batch if dist.get_rank() == 0 else None, layout=layout, settings=settings, sequences_per_mini_batch=per_mini
+        )
         # what this rank would have selected itself from the full list
-        plan = plan_shares(batch.seq_lengths, sequences_per_mini_batch=per_mini, settings=settings,
-                           dp_size=layout.dp_size)[layout.dp_rank]
+        plan = plan_shares(
+            batch.seq_lengths, sequences_per_mini_batch=per_mini, settings=settings, dp_size=layout.dp_size
+        )[layout.dp_rank]
         mine = BatchShare.from_plan(batch, plan, step_sequences=batch.num_sequences)
         got, want = share.batch.tensors(), mine.batch.tensors()
         assert set(got) == set(want), (set(got), set(want))
@@ -59,11 +69,19 @@ def _scatter_rank(samples, tp, pp, cp, per_mini, budget):
         for name in ("micro_batch_sizes", "micro_batches_per_mini", "mini_batch_lengths"):
             assert torch.equal(getattr(share, name), getattr(mine, name)), name
         assert share.step_sequences == len(samples)
-        return {"rank": dist.get_rank(), "received": stats.bytes_received, "share": stats.share_bytes,
-                "header": _header_bytes(_header(mine)), "sequences": share.batch.num_sequences,
-                "plan": sum(8 * getattr(mine, k).numel() for k in ("micro_batch_sizes", "micro_batches_per_mini",
-                                                                    "mini_batch_lengths")),
-                "dp_rank": layout.dp_rank, "fields": sorted(k for k in got if k.startswith("token_fields."))}
+        return {
+            "rank": dist.get_rank(),
+            "received": stats.bytes_received,
+            "share": stats.share_bytes,
+            "header": _header_bytes(_header(mine)),
+            "sequences": share.batch.num_sequences,
+            "plan": sum(
+                8 * getattr(mine, k).numel()
+                for k in ("micro_batch_sizes", "micro_batches_per_mini", "mini_batch_lengths")
+            ),
+            "dp_rank": layout.dp_rank,
+            "fields": sorted(k for k in got if k.startswith("token_fields.")),
+        }
 
 
 # (world, tp, pp, cp): pure DP, TP and PP peers, CP peers, no DP at all
@@ -77,8 +95,9 @@ def test_every_rank_receives_exactly_its_share(rank_pool, world, tp, pp, cp):
     samples = make_step(6, 4, seed=world * 10 + tp + 2 * pp + 3 * cp, experts_width=experts_width)
     results = rank_pool(world).run(_scatter_rank, samples, tp, pp, cp, 8, 64)
     assert all(r["fields"] == (["token_fields.routed_experts"] if experts_width else []) for r in results)
-    assert sum(r["sequences"] for r in results if r["rank"] == min(
-        q["rank"] for q in results if q["dp_rank"] == r["dp_rank"])) == len(samples)
+    assert sum(
+        r["sequences"] for r in results if r["rank"] == min(q["rank"] for q in results if q["dp_rank"] == r["dp_rank"])
+    ) == len(samples)
     for r in results:
         if r["rank"] == 0:
             assert r["received"] == 0  # the driver holds the batch
@@ -121,20 +140,34 @@ def _share_vs_list_rank(hf_dir, samples, tp, pp, per_mini, budget):
         weights = {k: v.clone() for k, v in actor.iter_hf_weights()}
 
         reference = Actor(actor_settings(cfg), hf_dir, layout)
-        minis = [samples[i: i + per_mini] for i in range(0, len(samples), per_mini)]
+        minis = [samples[i : i + per_mini] for i in range(0, len(samples), per_mini)]
         list_old = [reference.logprobs(m) for m in minis]  # each mini-batch planned alone: the same micro-batches
         for m, out in zip(minis, list_old):
             for s, lp in zip(m, out.logprobs):
                 s.old_logprobs = lp.tolist()
         list_updates = [reference.train(m, step=0) for m in minis]
         list_weights = {k: v.clone() for k, v in reference.iter_hf_weights()}
-        order = plan_shares(RolloutBatch.from_samples(samples).seq_lengths, sequences_per_mini_batch=per_mini,
-                            settings=actor.pack_settings, dp_size=layout.dp_size)[layout.dp_rank].indices
-        return {"holds": roles.holds_results, "share_old": old.logprobs, "share_ent": old.entropies,
-                "order": order, "dp_rank": layout.dp_rank, "rank": dist.get_rank(),
-                "list_old": [lp for out in list_old for lp in out.logprobs],
-                "list_ent": [e for out in list_old for e in out.entropies], "metrics": metrics,
-                "updates": updates, "list_updates": list_updates, "weights": weights, "list_weights": list_weights}
+        order = plan_shares(
+            RolloutBatch.from_samples(samples).seq_lengths,
+            sequences_per_mini_batch=per_mini,
+            settings=actor.pack_settings,
+            dp_size=layout.dp_size,
+        )[layout.dp_rank].indices
+        return {
+            "holds": roles.holds_results,
+            "share_old": old.logprobs,
+            "share_ent": old.entropies,
+            "order": order,
+            "dp_rank": layout.dp_rank,
+            "rank": dist.get_rank(),
+            "list_old": [lp for out in list_old for lp in out.logprobs],
+            "list_ent": [e for out in list_old for e in out.entropies],
+            "metrics": metrics,
+            "updates": updates,
+            "list_updates": list_updates,
+            "weights": weights,
+            "list_weights": list_weights,
+        }
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +199,12 @@ def test_actor_on_scattered_shares_equals_the_list_path(rank_pool, tiny_dir, tp,
     assert covered == set(range(len(samples)))
     # metrics: entropy over all tokens and |trainer - engine| against a float64 reference
     ent = torch.cat([e.double() for e in holders[0]["list_ent"]])
-    diff = torch.cat([(lp.double() - torch.tensor(s.rollout_logprobs, dtype=torch.float32).double()).abs()
-                      for lp, s in zip(holders[0]["list_old"], samples)])
+    diff = torch.cat(
+        [
+            (lp.double() - torch.tensor(s.rollout_logprobs, dtype=torch.float32).double()).abs()
+            for lp, s in zip(holders[0]["list_old"], samples)
+        ]
+    )
     for r in results:
         m = r["metrics"]
         assert m["actor/entropy_old"] == pytest.approx(float(ent.mean()), rel=1e-12)
@@ -191,15 +228,30 @@ def _roles_rank(tp, pp, cp):
 
 # megatron's order tp-cp-dp-pp, worked out by hand: rank = tp + TP * (cp + CP * (dp + DP * pp))
 ROLES = {
-    (2, 2, 1): [{"driver", "batch_source", "exporter"}, set(), {"holds_results", "reports", "exporter"},
-                {"holds_results"}],
-    (1, 1, 2): [{"driver", "batch_source", "holds_results", "reports", "exporter"}, {"holds_results"},
-                {"batch_source", "holds_results", "reports"}, {"holds_results"}],
-    (1, 2, 1): [{"driver", "batch_source", "exporter"}, {"batch_source"},
-                {"holds_results", "reports", "exporter"}, {"holds_results", "reports"}],
+    (2, 2, 1): [
+        {"driver", "batch_source", "exporter"},
+        set(),
+        {"holds_results", "reports", "exporter"},
+        {"holds_results"},
+    ],
+    (1, 1, 2): [
+        {"driver", "batch_source", "holds_results", "reports", "exporter"},
+        {"holds_results"},
+        {"batch_source", "holds_results", "reports"},
+        {"holds_results"},
+    ],
+    (1, 2, 1): [
+        {"driver", "batch_source", "exporter"},
+        {"batch_source"},
+        {"holds_results", "reports", "exporter"},
+        {"holds_results", "reports"},
+    ],
 }
-REPLICAS = {(2, 2, 1): [[0, 1, 2, 3]] * 4, (1, 1, 2): [[0, 1], [0, 1], [2, 3], [2, 3]],
-            (1, 2, 1): [[0, 2], [1, 3], [0, 2], [1, 3]]}
+REPLICAS = {
+    (2, 2, 1): [[0, 1, 2, 3]] * 4,
+    (1, 1, 2): [[0, 1], [0, 1], [2, 3], [2, 3]],
+    (1, 2, 1): [[0, 2], [1, 3], [0, 2], [1, 3]],
+}
 
 
 @pytest.mark.parametrize("layout", list(ROLES), ids=lambda v: f"tp{v[0]}pp{v[1]}cp{v[2]}")

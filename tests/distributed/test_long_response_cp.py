@@ -37,8 +37,11 @@ def long_tiny_dir(tmp_path_factory):
 
 def _long_sample():
     rng = random.Random(11)
-    sample = Sample(prompt_ids=[rng.randrange(5, 300) for _ in range(PROMPT)],
-                    response_ids=[rng.randrange(5, 300) for _ in range(RESPONSE)], group_index=0)
+    sample = Sample(
+        prompt_ids=[rng.randrange(5, 300) for _ in range(PROMPT)],
+        response_ids=[rng.randrange(5, 300) for _ in range(RESPONSE)],
+        group_index=0,
+    )
     gen = torch.Generator().manual_seed(3)
     sample.old_logprobs = (-5.7 + 0.3 * torch.randn(RESPONSE, generator=gen)).tolist()
     sample.advantage = 1.0
@@ -59,5 +62,7 @@ def test_20k_token_response_trains_at_cp2_like_the_float64_step(rank_pool, long_
         assert n2 == 1 and m2["num_tokens"] == RESPONSE
         worst = max(worst, ref.check_loss(m2["loss"], "cp=2"), ref.check_grads(g2, "cp=2"))
     assert any(float(g.abs().max()) > 1e-3 for g in ref.exact.grads.values())  # the gradients are not all ~0
-    print(f"20,496-token step: float64 + fp32 reference {ref_s:.1f} s, cp=2 {cp2_s:.1f} s (incl. model build); "
-          f"loss {results[0][0]['loss']:.9g} vs float64 {ref.exact.loss:.9g}; worst error / fp32 bound {worst:.2f}")
+    print(
+        f"20,496-token step: float64 + fp32 reference {ref_s:.1f} s, cp=2 {cp2_s:.1f} s (incl. model build); "
+        f"loss {results[0][0]['loss']:.9g} vs float64 {ref.exact.loss:.9g}; worst error / fp32 bound {worst:.2f}"
+    )

@@ -11,7 +11,6 @@ micro-batch (its length, response tokens and longest sequence) must be within 2%
 to +0.13%).
 """
 
-
 import pytest
 import torch
 
@@ -62,13 +61,29 @@ def _measure_rank(hf_dir, tp, sp, precision, recompute, budget, num_samples, fp8
         actor._forward_step, actor._loss = start_forward, end_forward
         with saved_tensors_hooks(pack, lambda t: t):
             actor.train(memplan_samples(num_samples), step=0)
-        model = ActivationModel(model_dims_for(cfg), tp=tp, sequence_parallel=sp, backend="torch",
-                                recompute=recompute, precision=precision, fused_logprob=False,
-                                quantization_aware=fp8_run_dir is not None)
+        model = ActivationModel(
+            model_dims_for(cfg),
+            tp=tp,
+            sequence_parallel=sp,
+            backend="torch",
+            recompute=recompute,
+            precision=precision,
+            fused_logprob=False,
+            quantization_aware=fp8_run_dir is not None,
+        )
         layers = model.dims.layers
-        return [(measured, sum(model.saved(tokens=length, response_tokens=n, layers=layers, first=True, last=True,
-                                           max_sequence=longest).values()), length)
-                for measured, length, n, longest in records]
+        return [
+            (
+                measured,
+                sum(
+                    model.saved(
+                        tokens=length, response_tokens=n, layers=layers, first=True, last=True, max_sequence=longest
+                    ).values()
+                ),
+                length,
+            )
+            for measured, length, n, longest in records
+        ]
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +95,12 @@ def tiny_dir(tmp_path_factory):
 
 # (tp, sequence parallel, precision, recompute, micro_batch_tokens, samples); 2 ranks: DP=2 or TP=2
 CASES = [
-    (1, False, "fp32", "none", 512, 8),       # one micro-batch per DP rank (~100-160 tokens)
-    (1, False, "fp32", "none", 48, 8),        # small budget: several micro-batches of <= 48 tokens
+    (1, False, "fp32", "none", 512, 8),  # one micro-batch per DP rank (~100-160 tokens)
+    (1, False, "fp32", "none", 48, 8),  # small budget: several micro-batches of <= 48 tokens
     (1, False, "bf16", "selective", 512, 8),  # checkpointed core attention: no [T, T] mask, no repeated K/V
-    (1, False, "fp32", "full", 512, 8),       # only each layer's input
-    (2, True, "fp32", "none", 512, 8),        # TP=2 + sequence parallel: norms / linear inputs split; vocab-parallel head
-    (2, False, "bf16", "none", 1024, 16),     # TP=2 without SP, a longer micro-batch (~300 tokens)
+    (1, False, "fp32", "full", 512, 8),  # only each layer's input
+    (2, True, "fp32", "none", 512, 8),  # TP=2 + sequence parallel: norms / linear inputs split; vocab-parallel head
+    (2, False, "bf16", "none", 1024, 16),  # TP=2 without SP, a longer micro-batch (~300 tokens)
 ]
 
 
@@ -97,8 +112,10 @@ def test_activations_match_cpu_measurement(rank_pool, tiny_dir, tp, sp, precisio
     if budget < 100:
         assert len(rows) > 2  # several micro-batches really ran
     for measured, planned, length in rows:
-        print(f"tp={tp} sp={sp} {precision} {recompute} T={length}: measured {measured} B, planned {planned:.0f} B "
-              f"({planned / measured - 1:+.2%})")
+        print(
+            f"tp={tp} sp={sp} {precision} {recompute} T={length}: measured {measured} B, planned {planned:.0f} B "
+            f"({planned / measured - 1:+.2%})"
+        )
         assert abs(planned / measured - 1) < 0.02, (measured, planned, length)
 
 
@@ -118,21 +135,25 @@ def fp8_tiny(tmp_path_factory):
 # quantization-aware forward: the fake-quantized weights, the attention output kept twice, fp32 casts
 QAT_CASES = [
     (1, False, "fp32", "none", 512, 8),
-    (2, True, "fp32", "none", 512, 8),        # TP shards of the weights, the row-parallel inputs' groups
+    (2, True, "fp32", "none", 512, 8),  # TP shards of the weights, the row-parallel inputs' groups
     (1, False, "bf16", "selective", 512, 8),  # no casts in bf16; checkpointed attention: no second output
 ]
 
 
 @pytest.mark.parametrize("tp,sp,precision,recompute,budget,num_samples", QAT_CASES)
-def test_quantization_aware_activations_match_cpu_measurement(rank_pool, fp8_tiny, tp, sp, precision, recompute,
-                                                              budget, num_samples):
+def test_quantization_aware_activations_match_cpu_measurement(
+    rank_pool, fp8_tiny, tp, sp, precision, recompute, budget, num_samples
+):
     pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt not installed")
     hf_dir, run_dir = fp8_tiny
     results = rank_pool(2).run(_measure_rank, hf_dir, tp, sp, precision, recompute, budget, num_samples, run_dir)
     plain = rank_pool(2).run(_measure_rank, hf_dir, tp, sp, precision, recompute, budget, num_samples)
     for (measured, planned, length), (plain_measured, _, _) in zip(
-            [row for rank in results for row in rank], [row for rank in plain for row in rank]):
-        print(f"quantization-aware tp={tp} sp={sp} {precision} {recompute} T={length}: measured {measured} B "
-              f"(without: {plain_measured} B), planned {planned:.0f} B ({planned / measured - 1:+.2%})")
+        [row for rank in results for row in rank], [row for rank in plain for row in rank]
+    ):
+        print(
+            f"quantization-aware tp={tp} sp={sp} {precision} {recompute} T={length}: measured {measured} B "
+            f"(without: {plain_measured} B), planned {planned:.0f} B ({planned / measured - 1:+.2%})"
+        )
         assert measured > plain_measured  # the fake-quantized copies really are kept
         assert abs(planned / measured - 1) < 0.02, (measured, planned, length)

@@ -37,9 +37,15 @@ def _rank(hf_dir, tp, ep, etp, precision, distributed):
         expert_buffers = sum(len(m.expert_parallel_buffers) for m in actor.model)
         layout = Layout(tp=tp, pp=1, cp=1, dp=ranks.dp_size, ep=ep, etp=etp, sequence_parallel=tp > 1)
         assert layout.expert_dp == parallel_state.get_expert_data_parallel_world_size()
-        planned = static_bytes(model_dims_for(cfg), layout, precision=precision, distributed_optimizer=distributed,
-                               pp_rank=0, dp_rank=ranks.dp_cp_rank,
-                               expert_dp_rank=parallel_state.get_expert_data_parallel_rank())
+        planned = static_bytes(
+            model_dims_for(cfg),
+            layout,
+            precision=precision,
+            distributed_optimizer=distributed,
+            pp_rank=0,
+            dp_rank=ranks.dp_cp_rank,
+            expert_dp_rank=parallel_state.get_expert_data_parallel_rank(),
+        )
     return measured, {k: getattr(planned, k) for k in measured}, expert_buffers
 
 
@@ -52,12 +58,12 @@ def moe_dir(tmp_path_factory):
 
 # (tp, ep, etp, precision, distributed optimizer); 2 ranks each
 CASES = [
-    (1, 2, None, "fp32", True),   # EP=2: 2 experts per rank in an expert buffer (EDP=1), dense buffer over DP=2
-    (1, 2, None, "bf16", True),   # bf16: fp32 master shards of both buffers
+    (1, 2, None, "fp32", True),  # EP=2: 2 experts per rank in an expert buffer (EDP=1), dense buffer over DP=2
+    (1, 2, None, "bf16", True),  # bf16: fp32 master shards of both buffers
     (1, 2, None, "bf16", False),  # EP=2 without the distributed optimizer: full fp32 copies of both
-    (1, 1, None, "bf16", True),   # EP=1: the experts are ordinary parameters of the dense buffer (DP=2)
-    (2, 2, 1, "bf16", True),      # TP=2 x EP=2, ETP=1: dense parts split over TP, whole experts per EP rank
-    (2, 1, None, "bf16", True),   # TP=2, ETP=TP=2: every expert split like the dense MLP, dense buffer
+    (1, 1, None, "bf16", True),  # EP=1: the experts are ordinary parameters of the dense buffer (DP=2)
+    (2, 2, 1, "bf16", True),  # TP=2 x EP=2, ETP=1: dense parts split over TP, whole experts per EP rank
+    (2, 1, None, "bf16", True),  # TP=2, ETP=TP=2: every expert split like the dense MLP, dense buffer
 ]
 
 
@@ -89,10 +95,24 @@ def test_moe_static_hand_computed():
     from dapo_megatron.memplan.arch import dims_from_hf_config
     from dapo_megatron.memplan.static import Layout, static_bytes, total_params
 
-    dims = dims_from_hf_config({"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128,
-                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                "head_dim": 24, "vocab_size": 300, "num_experts": 4, "num_experts_per_tok": 2,
-                                "moe_intermediate_size": 32, "mlp_only_layers": [1]}, name="tiny", source="test")
+    dims = dims_from_hf_config(
+        {
+            "model_type": "qwen3_moe",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 24,
+            "vocab_size": 300,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "mlp_only_layers": [1],
+        },
+        name="tiny",
+        source="test",
+    )
     assert dims.sparse_layers == (True, False) and dims.qk_norm and not dims.qkv_bias
     attention = 2 * 18608
     dense = attention + 24576 + 256 + 2 * 19200 + 64
@@ -111,8 +131,9 @@ def test_moe_static_hand_computed():
     assert dense_buffer == 100_736
     assert s.adam == 8 * (dense_buffer // 2 - 80 + 12288)
     # EP=2 over 8 ranks (DP=8, EDP=4): each expert-data-parallel rank owns a quarter of the expert buffer
-    s8 = static_bytes(dims, Layout(dp=8, ep=2), precision="bf16", distributed_optimizer=True, pp_rank=0,
-                      dp_rank=0, expert_dp_rank=3)
+    s8 = static_bytes(
+        dims, Layout(dp=8, ep=2), precision="bf16", distributed_optimizer=True, pp_rank=0, dp_rank=0, expert_dp_rank=3
+    )
     expert_buffer = -(-12288 // 128) * 128
     rank0_dense = dense_buffer // 8  # [0, 12592): inside the LM head (19,200), no gap
     assert s8.adam == 8 * (rank0_dense + expert_buffer // 4)
@@ -120,6 +141,7 @@ def test_moe_static_hand_computed():
 
 
 # --- activations ------------------------------------------------------------------------------------
+
 
 def _measure_activations(hf_dir, tp, ep, precision, recompute):
     """What each micro-batch keeps for its backward (saved_tensors_hooks, as test_memplan_activations
@@ -155,10 +177,12 @@ def _measure_activations(hf_dir, tp, ep, precision, recompute):
         for layer in actor.model[0].module.decoder.layers:  # count the rows each rank's experts receive
             experts = getattr(layer.mlp, "experts", None)
             if experts is not None:
+
                 def counting(hidden, tokens_per_expert, probs, _forward=experts.forward):
                     if current is not None:
                         routed.append(int(tokens_per_expert.sum()))
                     return _forward(hidden, tokens_per_expert, probs)
+
                 experts.forward = counting
 
         forward_step, loss = actor._forward_step, actor._loss
@@ -172,8 +196,9 @@ def _measure_activations(hf_dir, tp, ep, precision, recompute):
         def end_forward(mb, pos, *args, **kwargs):
             nonlocal current
             out = loss(mb, pos, *args, **kwargs)
-            records.append((sum(current.values()), mb.length, int(pos.numel()), max(mb.seq_lengths_padded),
-                            list(routed)))
+            records.append(
+                (sum(current.values()), mb.length, int(pos.numel()), max(mb.seq_lengths_padded), list(routed))
+            )
             current = None
             return out
 
@@ -181,26 +206,44 @@ def _measure_activations(hf_dir, tp, ep, precision, recompute):
         with saved_tensors_hooks(pack, lambda t: t):
             actor.train(memplan_samples(8), step=0)
         dims = model_dims_for(cfg)
-        model = ActivationModel(dims, tp=tp, sequence_parallel=tp > 1, backend="torch", recompute=recompute,
-                                precision=precision, fused_logprob=False, ep=ep, etp=1)
+        model = ActivationModel(
+            dims,
+            tp=tp,
+            sequence_parallel=tp > 1,
+            backend="torch",
+            recompute=recompute,
+            precision=precision,
+            fused_logprob=False,
+            ep=ep,
+            etp=1,
+        )
         rows = []
         for measured, length, n, longest, pairs in records:
             balanced = model.routed_pairs(tokens=length)
             # the one sparse layer (layer 0) with the token-expert pairs it really received on this rank
             exact = dataclasses.replace(model, expert_load=sum(pairs) / balanced if pairs else 1.0)
-            planned = sum(exact.saved(tokens=length, response_tokens=n, layers=dims.layers, first=True, last=True,
-                                      max_sequence=longest, sparse_layers=dims.num_sparse_layers).values())
+            planned = sum(
+                exact.saved(
+                    tokens=length,
+                    response_tokens=n,
+                    layers=dims.layers,
+                    first=True,
+                    last=True,
+                    max_sequence=longest,
+                    sparse_layers=dims.num_sparse_layers,
+                ).values()
+            )
             rows.append((measured, planned, length, pairs, balanced))
         return rows
 
 
 # (tp, ep, precision, recompute); 2 ranks
 ACTIVATION_CASES = [
-    (1, 2, "fp32", "none"),       # EP=2 fp32: QK-norm's k keeps the QKV output; experts' SwiGLU + weighted act
-    (1, 2, "bf16", "none"),       # bf16: fp32 norm copies, bf16 probs
+    (1, 2, "fp32", "none"),  # EP=2 fp32: QK-norm's k keeps the QKV output; experts' SwiGLU + weighted act
+    (1, 2, "bf16", "none"),  # bf16: fp32 norm copies, bf16 probs
     (1, 2, "bf16", "selective"),  # the core attention recomputed; the MoE terms stay (recompute_modules core_attn)
-    (1, 2, "fp32", "full"),       # only each layer's input
-    (2, 2, "fp32", "none"),       # TP=2 + SP x EP=2 (ETP=1): each rank routes its T/2 tokens
+    (1, 2, "fp32", "full"),  # only each layer's input
+    (2, 2, "fp32", "none"),  # TP=2 + SP x EP=2 (ETP=1): each rank routes its T/2 tokens
 ]
 
 
@@ -209,11 +252,14 @@ def test_moe_activations_match_cpu_measurement(rank_pool, moe_dir, tp, ep, preci
     """Within 2% of the measurement given the token-expert pairs the rank received (the plan's formula is
     exact up to the loss terms' per-token constant, as for the dense model); the plan itself assumes
     MOE_EXPERT_LOAD_ALLOWANCE x the balanced share, printed here next to the measured share."""
-    rows = [row for rank in rank_pool(2).run(_measure_activations, moe_dir, tp, ep, precision, recompute)
-            for row in rank]
+    rows = [
+        row for rank in rank_pool(2).run(_measure_activations, moe_dir, tp, ep, precision, recompute) for row in rank
+    ]
     assert rows and all(measured > 0 for measured, *_ in rows)
     for measured, planned, length, pairs, balanced in rows:
-        print(f"tp={tp} ep={ep} {precision} {recompute} T={length}: measured {measured} B, planned {planned:.0f} B "
-              f"({planned / measured - 1:+.2%}); routed pairs {pairs} vs balanced {balanced:.0f}")
+        print(
+            f"tp={tp} ep={ep} {precision} {recompute} T={length}: measured {measured} B, planned {planned:.0f} B "
+            f"({planned / measured - 1:+.2%}); routed pairs {pairs} vs balanced {balanced:.0f}"
+        )
         assert len(pairs) == 1  # one sparse layer, one forward per micro-batch
         assert abs(planned / measured - 1) < 0.02, (measured, planned, length)

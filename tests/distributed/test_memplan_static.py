@@ -38,8 +38,14 @@ def _rank(hf_dir, tp, pp, vpp, precision, distributed):
             init_empty_optimizer_state(actor.optimizer)
         measured = measure_actor_static(actor)
         layout = Layout(tp=tp, pp=pp, cp=1, dp=ranks.dp_size, vpp=vpp)
-        planned = static_bytes(model_dims_for(cfg), layout, precision=precision, distributed_optimizer=distributed,
-                               pp_rank=ranks.pp_rank, dp_rank=ranks.dp_cp_rank)
+        planned = static_bytes(
+            model_dims_for(cfg),
+            layout,
+            precision=precision,
+            distributed_optimizer=distributed,
+            pp_rank=ranks.pp_rank,
+            dp_rank=ranks.dp_cp_rank,
+        )
     return measured, {k: getattr(planned, k) for k in measured}
 
 
@@ -47,20 +53,21 @@ def _rank(hf_dir, tp, pp, vpp, precision, distributed):
 def tiny_dirs(tmp_path_factory):
     from helpers_tiny import save_tiny_hf
 
-    return {(tied, layers): str(save_tiny_hf(tmp_path_factory.mktemp("qwen"), arch="qwen2", tied=tied,
-                                             num_layers=layers))
-            for tied, layers in ((False, 2), (True, 2), (False, 4))}
+    return {
+        (tied, layers): str(save_tiny_hf(tmp_path_factory.mktemp("qwen"), arch="qwen2", tied=tied, num_layers=layers))
+        for tied, layers in ((False, 2), (True, 2), (False, 4))
+    }
 
 
 # (tp, pp, vpp, precision, distributed optimizer, tied, layers); 2 ranks each
 CASES = [
-    (1, 1, None, "fp32", True, False, 2),   # DP=2, distributed optimizer: padded buffers, sharded state
+    (1, 1, None, "fp32", True, False, 2),  # DP=2, distributed optimizer: padded buffers, sharded state
     (1, 1, None, "fp32", False, False, 2),  # DP=2 without it: full state on every rank
-    (1, 1, None, "bf16", True, True, 2),    # DP=2 bf16: fp32 master shards; tied embeddings at PP=1
-    (2, 1, None, "bf16", True, False, 2),   # TP=2: every tensor split (vocab, QKV rows, fc1/fc2)
+    (1, 1, None, "bf16", True, True, 2),  # DP=2 bf16: fp32 master shards; tied embeddings at PP=1
+    (2, 1, None, "bf16", True, False, 2),  # TP=2: every tensor split (vocab, QKV rows, fc1/fc2)
     (2, 1, None, "bf16", False, False, 2),  # TP=2 bf16 without it: Float16Optimizer's full fp32 copies
-    (1, 2, None, "fp32", True, True, 2),    # PP=2 tied: embedding first stage, own LM-head copy last, own buckets
-    (1, 2, 2, "bf16", True, False, 4),      # PP=2 x VPP=2: two DDP buffers per rank
+    (1, 2, None, "fp32", True, True, 2),  # PP=2 tied: embedding first stage, own LM-head copy last, own buckets
+    (1, 2, 2, "bf16", True, False, 4),  # PP=2 x VPP=2: two DDP buffers per rank
 ]
 
 
@@ -83,16 +90,28 @@ def test_static_bytes_hand_computed():
     from dapo_megatron.memplan.arch import dims_from_hf_config
     from dapo_megatron.memplan.static import Layout, static_bytes
 
-    dims = dims_from_hf_config({"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
-                                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                "vocab_size": 300}, name="tiny", source="test")
+    dims = dims_from_hf_config(
+        {
+            "model_type": "qwen2",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 300,
+        },
+        name="tiny",
+        source="test",
+    )
     plain = static_bytes(dims, Layout(dp=2), precision="fp32", distributed_optimizer=False, pp_rank=0)
     assert plain.param_numel == 112704
     assert (plain.weights, plain.grads, plain.main_params, plain.adam) == (4 * 112704, 4 * 112704, 0, 8 * 112704)
     # distributed optimizer, DP=2: parameters start on multiples of 64 (every size here is one already) and
     # the bucket ends on a multiple of lcm(2, 128) = 128: 112704 -> 112768 elements
-    sharded = [static_bytes(dims, Layout(dp=2), precision="bf16", distributed_optimizer=True, pp_rank=0, dp_rank=r)
-               for r in (0, 1)]
+    sharded = [
+        static_bytes(dims, Layout(dp=2), precision="bf16", distributed_optimizer=True, pp_rank=0, dp_rank=r)
+        for r in (0, 1)
+    ]
     assert all(s.weights == 2 * 112768 and s.grads == 4 * 112768 for s in sharded)
     # rank 0 owns elements [0, 56384) of the buffer (all real), rank 1 [56384, 112768) minus 64 padding
     assert [s.adam for s in sharded] == [8 * 56384, 8 * (56384 - 64)]

@@ -43,12 +43,19 @@ def _megatron_on_rank(hf_dir, tp, pp, vpp, sequence_parallel=False, cp=1, seq_le
     hf_config = AutoConfig.from_pretrained(hf_dir)
     seq_multiple = 2 * cp if cp > 1 else 1
     with model_parallel(tp=tp, pp=pp, cp=cp, vpp=vpp, seed=0):
-        chunks = build_model_chunks(hf_config, attention_backend="torch", precision="fp32",
-                                    sequence_parallel=sequence_parallel)
+        chunks = build_model_chunks(
+            hf_config, attention_backend="torch", precision="fp32", sequence_parallel=sequence_parallel
+        )
         load_hf_into_model(chunks, hf_dir, hf_config=hf_config)
         tokens, lengths, batches = _parity_batches(
-            num_seqs=NUM_SEQS, seq_len=seq_len, vocab_size=hf_config.vocab_size, seed=0, device="cpu",
-            seq_multiple=seq_multiple, row_multiple=seq_multiple * (tp if sequence_parallel else 1))
+            num_seqs=NUM_SEQS,
+            seq_len=seq_len,
+            vocab_size=hf_config.vocab_size,
+            seed=0,
+            device="cpu",
+            seq_multiple=seq_multiple,
+            row_multiple=seq_multiple * (tp if sequence_parallel else 1),
+        )
         out = megatron_logprobs(chunks, batches, vocab_size=hf_config.vocab_size)
         return None if out is None else (tokens, lengths, _comparable(out, lengths, seq_multiple=seq_multiple))
 
@@ -65,10 +72,10 @@ def _reference(hf_dir, tokens, dtype=torch.float32):
 LAYOUTS = [  # (world size, tp, pp, vpp, sequence parallel)
     (2, 1, 1, None, False),  # DP=2
     (2, 2, 1, None, False),
-    (2, 2, 1, None, True),   # sequence parallel: TorchRMSNorm instead of megatron's WrappedTorchNorm
+    (2, 2, 1, None, True),  # sequence parallel: TorchRMSNorm instead of megatron's WrappedTorchNorm
     (2, 1, 2, None, False),
     (4, 2, 2, None, False),
-    (4, 1, 2, 2, False),     # PP=2 x VPP=2 (DP=2): interleaved schedule, 1 layer per chunk
+    (4, 1, 2, 2, False),  # PP=2 x VPP=2 (DP=2): interleaved schedule, 1 layer per chunk
 ]
 
 
@@ -82,7 +89,7 @@ def test_logprobs_match_transformers(rank_pool, hf_dirs, world, tp, pp, vpp, sp)
 CP_LAYOUTS = [  # (world size, tp, pp, cp, sequence parallel)
     (2, 1, 1, 2, False),
     (4, 2, 1, 2, False),
-    (4, 2, 1, 2, True),   # SP inside each CP rank's chunks: rows padded to 2*cp*tp
+    (4, 2, 1, 2, True),  # SP inside each CP rank's chunks: rows padded to 2*cp*tp
     (4, 1, 2, 2, False),
     (4, 1, 1, 4, False),  # 8 chunks of 2 tokens per 16-token row
 ]
@@ -96,8 +103,10 @@ def test_context_parallel_logprobs_match_transformers(rank_pool, hf_dirs, world,
     hf_dir = str(hf_dirs["qwen2"])
     results = rank_pool(world).run(_megatron_on_rank, hf_dir, tp, pp, None, sp, cp, CP_SEQ_LEN)
     diffs = _assert_matches_transformers(hf_dir, results, world=world, pp=pp)
-    print(f"cp layout world={world} tp={tp} pp={pp} cp={cp} sp={sp}: max |diff| vs transformers fp32 "
-          f"unpacked {diffs[0]:.2e} packed {diffs[1]:.2e}")
+    print(
+        f"cp layout world={world} tp={tp} pp={pp} cp={cp} sp={sp}: max |diff| vs transformers fp32 "
+        f"unpacked {diffs[0]:.2e} packed {diffs[1]:.2e}"
+    )
 
 
 def _assert_matches_transformers(hf_dir, results, *, world, pp):
@@ -145,9 +154,28 @@ def test_check_parity_cli_under_torchrun(hf_dirs, tmp_path):
     --seq-len so every sequence is padded for the CP split)."""
     repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
-           "-m", "dapo_megatron.cli", "check-parity", "--model", str(hf_dirs["qwen2"]), "--tp", "1", "--pp", "1",
-           "--cp", "2", "--seq-len", "15"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "29533",
+        "-m",
+        "dapo_megatron.cli",
+        "check-parity",
+        "--model",
+        str(hf_dirs["qwen2"]),
+        "--tp",
+        "1",
+        "--pp",
+        "1",
+        "--cp",
+        "2",
+        "--seq-len",
+        "15",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "tp=1 pp=1 cp=2" in proc.stdout
@@ -167,6 +195,7 @@ def test_llama3_rope_scaling_matches_transformers(rank_pool, hf_dirs):
     reference = _reference(hf_dir, tokens)
     assert (ours[0] - reference).abs().max().item() <= TOLERANCE
     # the scaling matters here: the same weights with plain RoPE give clearly different log-probs
-    plain = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, rope_parameters={
-        "rope_type": "default", "rope_theta": 10000.0}).eval()
+    plain = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}
+    ).eval()
     assert (hf_logprobs(plain, tokens) - reference).abs().max().item() > 10 * TOLERANCE

@@ -44,7 +44,11 @@ def updated_weights_on_rank(hf_dir, samples, tp, ep, etp):
     from dapo_megatron.actor.parallel import model_parallel
 
     with model_parallel(tp=tp, ep=ep, etp=etp, seed=7) as layout:
-        actor = Actor(actor_settings(moe_cfg(tp=tp, ep=ep, etp=etp, micro_batch_tokens=40, lr=1e-3, warmup_steps=0)), hf_dir, layout)
+        actor = Actor(
+            actor_settings(moe_cfg(tp=tp, ep=ep, etp=etp, micro_batch_tokens=40, lr=1e-3, warmup_steps=0)),
+            hf_dir,
+            layout,
+        )
         for group in actor.optimizer.param_groups:
             group["eps"] = 1e-4  # see test_actor_train: bounds Adam's amplification of rounding at g ~ 0
         metrics = actor.train(samples, step=0)
@@ -70,8 +74,14 @@ def test_train_step_at_ep2_equals_ep1(rank_pool, moe_dir):
         results = pool.run(updated_weights_on_rank, moe_dir, samples, *layout)
         for m, w in results:
             assert m["update_skipped"] == 0
-            worst[label] = round(max(ref.check_loss(m["loss"], label), ref.check_grad_norm(m["grad_norm"], label),
-                                     check_weights(w, after, bounds, label)), 2)
+            worst[label] = round(
+                max(
+                    ref.check_loss(m["loss"], label),
+                    ref.check_grad_norm(m["grad_norm"], label),
+                    check_weights(w, after, bounds, label),
+                ),
+                2,
+            )
         assert all(torch.equal(results[0][1][name], results[1][1][name]) for name in after)
     print(f"moe step vs float64: worst error / fp32 bound {worst}")
     moved_experts = 0

@@ -26,8 +26,9 @@ def hf_dirs(tmp_path_factory):
         "qwen3": save_tiny_hf(root / "qwen3", arch="qwen3", num_layers=4),
         "qwen3_moe": save_tiny_hf(root / "qwen3_moe", arch="qwen3_moe", num_layers=4, seed=4),
         # norm_topk_prob=False: megatron's pre-softmax routing (probabilities not renormalised)
-        "qwen3_moe_unnormed": save_tiny_hf(root / "qwen3_moe_un", arch="qwen3_moe", num_layers=2, seed=5,
-                                           norm_topk_prob=False),
+        "qwen3_moe_unnormed": save_tiny_hf(
+            root / "qwen3_moe_un", arch="qwen3_moe", num_layers=2, seed=5, norm_topk_prob=False
+        ),
     }
 
 
@@ -47,8 +48,9 @@ def megatron_logprobs_on_rank(hf_dir, tp, pp, ep, etp=None):
         fc1 = {n: p for n, p in chunks[0].named_parameters() if ".experts." in n and "linear_fc1" in n}
         layers = {n.split(".mlp.")[0] for n in fc1}
         experts = (len(fc1) // max(len(layers), 1), next(iter(fc1.values())).shape[0] if fc1 else 0)
-        tokens, lengths, batches = _parity_batches(num_seqs=NUM_SEQS, seq_len=SEQ_LEN,
-                                                   vocab_size=hf_config.vocab_size, seed=0, device="cpu")
+        tokens, lengths, batches = _parity_batches(
+            num_seqs=NUM_SEQS, seq_len=SEQ_LEN, vocab_size=hf_config.vocab_size, seed=0, device="cpu"
+        )
         out = megatron_logprobs(chunks, batches, vocab_size=hf_config.vocab_size)
         return experts, (None if out is None else (tokens, lengths, _comparable(out, lengths)))
 
@@ -62,9 +64,15 @@ def reference_logprobs(hf_dir, tokens):
 
 
 LAYOUTS = [  # (checkpoint, world, tp, pp, ep, etp)
-    ("qwen3", 2, 1, 1, 1, None), ("qwen3", 2, 2, 1, 1, None), ("qwen3", 2, 1, 2, 1, None),
-    ("qwen3_moe", 2, 1, 1, 1, None), ("qwen3_moe", 2, 1, 1, 2, None), ("qwen3_moe", 2, 2, 1, 1, None),
-    ("qwen3_moe", 2, 1, 2, 1, None), ("qwen3_moe", 2, 2, 1, 2, 1), ("qwen3_moe", 4, 1, 2, 2, None),
+    ("qwen3", 2, 1, 1, 1, None),
+    ("qwen3", 2, 2, 1, 1, None),
+    ("qwen3", 2, 1, 2, 1, None),
+    ("qwen3_moe", 2, 1, 1, 1, None),
+    ("qwen3_moe", 2, 1, 1, 2, None),
+    ("qwen3_moe", 2, 2, 1, 1, None),
+    ("qwen3_moe", 2, 1, 2, 1, None),
+    ("qwen3_moe", 2, 2, 1, 2, 1),
+    ("qwen3_moe", 4, 1, 2, 2, None),
     ("qwen3_moe_unnormed", 2, 1, 1, 2, None),
 ]
 
@@ -110,8 +118,22 @@ def test_routing_matters_in_the_moe_checkpoint(hf_dirs):
 def test_check_parity_cli_with_expert_parallel(hf_dirs, tmp_path):
     repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29537",
-           "-m", "dapo_megatron.cli", "check-parity", "--model", str(hf_dirs["qwen3_moe"]), "--ep", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "29537",
+        "-m",
+        "dapo_megatron.cli",
+        "check-parity",
+        "--model",
+        str(hf_dirs["qwen3_moe"]),
+        "--ep",
+        "2",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ep=2" in proc.stdout

@@ -30,6 +30,7 @@ def routing(model, forced: dict | None = None, record: dict | None = None):
     """Hooks on transformers' routers: `forced[layer]` [N - 1, k] replaces the top-k of the first N - 1
     tokens (gate weights = the router's softmax at those experts, renormalised: norm_topk_prob);
     `record[layer]` receives the router's own top-k."""
+
     def hook(layer):
         def run(module, args, output):
             logits, weights, indices = output
@@ -38,13 +39,17 @@ def routing(model, forced: dict | None = None, record: dict | None = None):
             if forced is None:
                 return None
             rows = forced[layer].to(indices.dtype)
-            indices = torch.cat([rows, indices[rows.shape[0]:]])
+            indices = torch.cat([rows, indices[rows.shape[0] :]])
             probs = torch.softmax(logits.float(), dim=-1).gather(1, indices)
             return logits, (probs / probs.sum(-1, keepdim=True)).to(weights.dtype), indices
+
         return run
 
-    handles = [layer.mlp.gate.register_forward_hook(hook(i)) for i, layer in enumerate(model.model.layers)
-               if hasattr(layer.mlp, "gate")]
+    handles = [
+        layer.mlp.gate.register_forward_hook(hook(i))
+        for i, layer in enumerate(model.model.layers)
+        if hasattr(layer.mlp, "gate")
+    ]
     try:
         yield
     finally:
@@ -59,8 +64,9 @@ def other_routing(samples, seed):
     for s in samples:
         rows = torch.zeros(s.num_tokens - 1, NUM_LAYERS, TOPK, dtype=torch.uint8)
         for layer in SPARSE:
-            rows[:, layer] = torch.stack([torch.randperm(NUM_EXPERTS, generator=gen)[:TOPK]
-                                          for _ in range(s.num_tokens - 1)]).to(torch.uint8)
+            rows[:, layer] = torch.stack(
+                [torch.randperm(NUM_EXPERTS, generator=gen)[:TOPK] for _ in range(s.num_tokens - 1)]
+            ).to(torch.uint8)
         s.routed_experts = rows.view(s.num_tokens - 1, -1)
     return samples
 
@@ -79,8 +85,8 @@ def hf_logprobs(moe_dir, samples, *, forced: bool):
         for s in samples:
             ids = torch.tensor([s.prompt_ids + s.response_ids])
             with routing(model, forced_of(s) if forced else None):
-                logp = torch.log_softmax(model(ids).logits[0].double(), -1)[len(s.prompt_ids) - 1:-1]
-            out.append(logp.gather(1, ids[0, len(s.prompt_ids):, None])[:, 0].float())
+                logp = torch.log_softmax(model(ids).logits[0].double(), -1)[len(s.prompt_ids) - 1 : -1]
+            out.append(logp.gather(1, ids[0, len(s.prompt_ids) :, None])[:, 0].float())
     return out
 
 

@@ -23,8 +23,11 @@ def hf_dirs(tmp_path_factory):
     moe.save_pretrained(root / "qwen3_moe")  # public layout: mlp.experts.{e}.{gate,up,down}_proj.weight
     fused = root / "qwen3_moe_fused"  # transformers' in-memory layout: mlp.experts.gate_up_proj [E, 2F, H]
     moe.config.save_pretrained(fused)
-    save_file({k: v.contiguous() for k, v in moe.state_dict().items()}, str(fused / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in moe.state_dict().items()},
+        str(fused / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     return {"qwen3": root / "qwen3", "qwen3_moe": root / "qwen3_moe", "qwen3_moe_fused": fused}
 
 
@@ -50,10 +53,15 @@ def roundtrip_on_rank(hf_dir, tp, pp, ep, etp):
 
 
 ROUNDTRIPS = [  # (checkpoint, world, tp, pp, ep, etp)
-    ("qwen3", 2, 2, 1, 1, None), ("qwen3", 2, 1, 2, 1, None),
-    ("qwen3_moe", 2, 1, 1, 2, None), ("qwen3_moe", 2, 2, 1, 1, None), ("qwen3_moe", 4, 1, 2, 2, None),
-    ("qwen3_moe", 4, 2, 1, 2, 1), ("qwen3_moe", 4, 2, 2, 2, 1),
-    ("qwen3_moe_fused", 2, 1, 1, 2, None), ("qwen3_moe_fused", 4, 2, 2, 2, 1),
+    ("qwen3", 2, 2, 1, 1, None),
+    ("qwen3", 2, 1, 2, 1, None),
+    ("qwen3_moe", 2, 1, 1, 2, None),
+    ("qwen3_moe", 2, 2, 1, 1, None),
+    ("qwen3_moe", 4, 1, 2, 2, None),
+    ("qwen3_moe", 4, 2, 1, 2, 1),
+    ("qwen3_moe", 4, 2, 2, 2, 1),
+    ("qwen3_moe_fused", 2, 1, 1, 2, None),
+    ("qwen3_moe_fused", 4, 2, 2, 2, 1),
 ]
 
 
@@ -133,8 +141,10 @@ def test_convert_ep2_checkpoint_back_with_another_layout(rank_pool, hf_dirs, tmp
     pool = rank_pool(2)
     assert pool.run(_convert_on_rank, ["hf-to-mcore", "--hf", str(hf_dir), "--out", str(mcore), "--ep", "2"]) == [0, 0]
     assert json.loads((mcore / "convert_meta.json").read_text())["layout"]["ep"] == 2
-    assert pool.run(_convert_on_rank, ["mcore-to-hf", "--mcore", str(mcore), "--hf-config", str(hf_dir),
-                                       "--out", str(back), "--tp", "2"]) == [0, 0]
+    assert pool.run(
+        _convert_on_rank,
+        ["mcore-to-hf", "--mcore", str(mcore), "--hf-config", str(hf_dir), "--out", str(back), "--tp", "2"],
+    ) == [0, 0]
     reference, result = _state(hf_dirs["qwen3_moe"]), _state(back)
     assert set(result) == set(reference)
     for name, tensor in reference.items():

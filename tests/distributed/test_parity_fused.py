@@ -41,10 +41,12 @@ MODELS = {
     "qwen2_v300": dict(arch="qwen2", tied=False, shape=None),
     "llama_v301_tied": dict(arch="llama", tied=True, shape=dict(vocab_size=301, num_attention_heads=8)),
     "qwen2_v100_mha": dict(arch="qwen2", tied=True, shape=dict(vocab_size=100, num_key_value_heads=4)),
-    "llama_v257_gqa3": dict(arch="llama", tied=False, shape=dict(vocab_size=257, hidden_size=96,
-                                                                 num_attention_heads=6, intermediate_size=160)),
-    "qwen2_v8191": dict(arch="qwen2", tied=False, shape=dict(vocab_size=8191, hidden_size=128,
-                                                              intermediate_size=256)),
+    "llama_v257_gqa3": dict(
+        arch="llama",
+        tied=False,
+        shape=dict(vocab_size=257, hidden_size=96, num_attention_heads=6, intermediate_size=160),
+    ),
+    "qwen2_v8191": dict(arch="qwen2", tied=False, shape=dict(vocab_size=8191, hidden_size=128, intermediate_size=256)),
 }
 
 
@@ -70,11 +72,13 @@ def _run(rank_pool, world, hf_dir, *extra):
 def _assert_passes(numbers, label):
     from dapo_megatron.tools.parity import failures
 
-    print(f"\n[check-parity --fused-logprob] {label}: max|logprob| {numbers['max_abs_logprob']:.1f}, "
-          f"logprob {numbers['logprob']:.2e} (fp32 floor {numbers['fp32_floor_logprob']:.2e}), "
-          f"entropy {numbers['entropy']:.2e} (floor {numbers['fp32_floor_entropy']:.2e}), head grad rel "
-          f"{numbers['grad_rel']:.2e}, fused vs torch head logprob {numbers['fused_vs_torch_logprob']:.2e} "
-          f"entropy {numbers['fused_vs_torch_entropy']:.2e}")
+    print(
+        f"\n[check-parity --fused-logprob] {label}: max|logprob| {numbers['max_abs_logprob']:.1f}, "
+        f"logprob {numbers['logprob']:.2e} (fp32 floor {numbers['fp32_floor_logprob']:.2e}), "
+        f"entropy {numbers['entropy']:.2e} (floor {numbers['fp32_floor_entropy']:.2e}), head grad rel "
+        f"{numbers['grad_rel']:.2e}, fused vs torch head logprob {numbers['fused_vs_torch_logprob']:.2e} "
+        f"entropy {numbers['fused_vs_torch_entropy']:.2e}"
+    )
     assert failures(numbers, tolerance=TOLERANCE, grad_tolerance=1e-5) == []  # the command's grad limit: 1e-4
     assert numbers["fp32_floor_logprob"] > 0  # CPU: transformers ran in float64 and in fp32
     # the two heads see the same hidden states: they differ by fp32 summation order only, a few ulps
@@ -89,19 +93,35 @@ def test_tp2_sequence_parallel(rank_pool, model_dirs, name):
     _assert_passes(_run(rank_pool, 2, model_dirs[name], "--tp", "2", "--sequence-parallel"), f"{name} tp=2 sp")
 
 
-@pytest.mark.parametrize("world,extra", [(2, ("--tp", "1")), (2, ("--tp", "2")), (2, ("--tp", "1", "--pp", "2")),
-                                         (2, ("--tp", "2", "--sequence-parallel", "--vocab-divisible-by", "1")),
-                                         (2, ("--tp", "2", "--sequence-parallel", "--seq-len", "15")),
-                                         (2, ("--tp", "1", "--cp", "2", "--seq-len", "15"))],
-                         ids=["tp1_dp2", "tp2", "pp2", "tp2_sp_actor_padding", "tp2_sp_odd_rows", "cp2"])
+@pytest.mark.parametrize(
+    "world,extra",
+    [
+        (2, ("--tp", "1")),
+        (2, ("--tp", "2")),
+        (2, ("--tp", "1", "--pp", "2")),
+        (2, ("--tp", "2", "--sequence-parallel", "--vocab-divisible-by", "1")),
+        (2, ("--tp", "2", "--sequence-parallel", "--seq-len", "15")),
+        (2, ("--tp", "1", "--cp", "2", "--seq-len", "15")),
+    ],
+    ids=["tp1_dp2", "tp2", "pp2", "tp2_sp_actor_padding", "tp2_sp_odd_rows", "cp2"],
+)
 def test_other_layouts(rank_pool, model_dirs, world, extra):
     _assert_passes(_run(rank_pool, world, model_dirs["llama_v301_tied"], *extra), f"llama_v301_tied {extra}")
 
 
 def test_the_megatron_logits_path_is_unchanged(rank_pool, model_dirs):
     """Without --fused-logprob: Megatron's own logits and vocab-parallel cross entropy, now with SP."""
-    argv = ["--model", model_dirs["llama_v301_tied"], "--seqs", str(SEQS), "--seq-len", str(SEQ_LEN),
-            "--tp", "2", "--sequence-parallel"]
+    argv = [
+        "--model",
+        model_dirs["llama_v301_tied"],
+        "--seqs",
+        str(SEQS),
+        "--seq-len",
+        str(SEQ_LEN),
+        "--tp",
+        "2",
+        "--sequence-parallel",
+    ]
     numbers = rank_pool(2).run(_check_rank, argv)[0]
     assert numbers["logprob"] <= TOLERANCE
     assert numbers["entropy"] == numbers["grad_rel"] == 0.0  # not measured on this path
@@ -113,9 +133,24 @@ def test_check_parity_fused_cli_under_torchrun(model_dirs, tmp_path):
     repo = Path(__file__).resolve().parents[2]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29547",
-           "-m", "dapo_megatron.cli", "check-parity", "--model", model_dirs["llama_v257_gqa3"], "--tp", "2",
-           "--sequence-parallel", "--fused-logprob"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "29547",
+        "-m",
+        "dapo_megatron.cli",
+        "check-parity",
+        "--model",
+        model_dirs["llama_v257_gqa3"],
+        "--tp",
+        "2",
+        "--sequence-parallel",
+        "--fused-logprob",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
@@ -138,10 +173,13 @@ def test_verdict_and_argument_errors(model_dirs):
     # above the tolerance but within 2x transformers' own fp32 error on this model: passes
     noisy = dict(ok, logprob=3.4e-5, fp32_floor_logprob=3.3e-5)
     assert parity.failures(noisy, tolerance=1e-5, grad_tolerance=1e-4) == []
-    assert parity.failures(dict(noisy, logprob=7e-5), tolerance=1e-5, grad_tolerance=1e-4) == ["logprob 7.000e-05 > 6.6e-05"]
+    assert parity.failures(dict(noisy, logprob=7e-5), tolerance=1e-5, grad_tolerance=1e-4) == [
+        "logprob 7.000e-05 > 6.6e-05"
+    ]
     # the heads on the same hidden states are held to the tolerance itself
     assert parity.failures(dict(ok, fused_vs_torch_entropy=3e-5), tolerance=1e-5, grad_tolerance=1e-4) == [
-        "fused_vs_torch_entropy 3.000e-05 > 1e-05"]
+        "fused_vs_torch_entropy 3.000e-05 > 1e-05"
+    ]
     with pytest.raises(ValueError, match="--sequence-parallel needs --tp > 1"):
         parity._parse(["--model", "m", "--sequence-parallel"])
     with pytest.raises(ValueError, match="--vocab-divisible-by must be >= 1"):

@@ -23,8 +23,9 @@ def _passes(redo_after: tuple[int, ...]):
             return {"http://a:1": {}, "http://b:2": {}}  # two engines known: at most 3 passes
 
     class _DriverStandIn:
-        engine_faults = EngineFaults(_Pool(), run_dir=".", engine="sglang", engine_urls=(), num_engines=2,
-                                     engine_wait_s=0.0)
+        engine_faults = EngineFaults(
+            _Pool(), run_dir=".", engine="sglang", engine_urls=(), num_engines=2, engine_wait_s=0.0
+        )
 
     driver = _DriverStandIn() if rank == 0 else None
     sums = []
@@ -42,8 +43,9 @@ def _passes(redo_after: tuple[int, ...]):
             return {"sync/buckets": 3.0} if driver is not None else {}
 
     try:
-        policy = FaultPolicy(roles=SimpleNamespace(driver=rank == 0), placement=_Export(), actor=None, driver=driver,
-                             engine_restarts=0)
+        policy = FaultPolicy(
+            roles=SimpleNamespace(driver=rank == 0), placement=_Export(), actor=None, driver=driver, engine_restarts=0
+        )
         stats = policy.transfer(1)
     except RuntimeError as err:
         return {"passes": len(sums), "sums": sums, "error": str(err)}

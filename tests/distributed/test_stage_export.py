@@ -18,9 +18,10 @@ from helpers_tiny import save_tiny_hf
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("stage_export")
-    return {"qwen2": save_tiny_hf(root / "qwen2", arch="qwen2", tied=False, num_layers=4),
-            "tied_bf16": save_tiny_hf(root / "tied", arch="qwen2", tied=True, num_layers=4, seed=3,
-                                      dtype=torch.bfloat16)}
+    return {
+        "qwen2": save_tiny_hf(root / "qwen2", arch="qwen2", tied=False, num_layers=4),
+        "tied_bf16": save_tiny_hf(root / "tied", arch="qwen2", tied=True, num_layers=4, seed=3, dtype=torch.bfloat16),
+    }
 
 
 def _hf_state(hf_dir):
@@ -54,21 +55,41 @@ def _export_on_rank(hf_dir, tp, pp, bucket_bytes, save_to, vpp=None):
             received += [(name, tensor.clone()) for name, tensor in bucket]
             sizes.append(sum(t.numel() * t.element_size() for _, t in bucket))
         stats = exporter.stats
-        save_hf_by_stage(StageExporter(chunks, hf_config, layout, bucket_bytes=bucket_bytes), hf_config, save_to,
-                         max_shard_bytes=3 * bucket_bytes, copy_from=hf_dir)
+        save_hf_by_stage(
+            StageExporter(chunks, hf_config, layout, bucket_bytes=bucket_bytes),
+            hf_config,
+            save_to,
+            max_shard_bytes=3 * bucket_bytes,
+            copy_from=hf_dir,
+        )
         plan = [[item.nbytes for item in items] for items in exporter.plan]
-        return {"rank": dist.get_rank(), "received": received, "largest": stats.largest_tensor,
-                "peak_held": stats.peak_held, "largest_bucket": stats.largest_bucket, "plan": plan,
-                "exporter": exporter.is_exporter, "stage": layout.pp_rank, "received_buckets": sizes}
+        return {
+            "rank": dist.get_rank(),
+            "received": received,
+            "largest": stats.largest_tensor,
+            "peak_held": stats.peak_held,
+            "largest_bucket": stats.largest_bucket,
+            "plan": plan,
+            "exporter": exporter.is_exporter,
+            "stage": layout.pp_rank,
+            "received_buckets": sizes,
+        }
 
 
-LAYOUTS = [("qwen2", 4, 2, 2, None), ("qwen2", 2, 2, 1, None), ("qwen2", 2, 1, 2, None), ("qwen2", 4, 1, 2, None),
-           ("qwen2", 4, 1, 2, 2), ("tied_bf16", 4, 2, 2, None)]
+LAYOUTS = [
+    ("qwen2", 4, 2, 2, None),
+    ("qwen2", 2, 2, 1, None),
+    ("qwen2", 2, 1, 2, None),
+    ("qwen2", 4, 1, 2, None),
+    ("qwen2", 4, 1, 2, 2),
+    ("tied_bf16", 4, 2, 2, None),
+]
 
 
 @pytest.mark.parametrize("name,world,tp,pp,vpp", LAYOUTS, ids=lambda v: str(v))
-def test_driver_receives_every_tensor_and_only_exporters_materialise(rank_pool, hf_dirs, tmp_path, name, world, tp,
-                                                                     pp, vpp):
+def test_driver_receives_every_tensor_and_only_exporters_materialise(
+    rank_pool, hf_dirs, tmp_path, name, world, tp, pp, vpp
+):
     reference = _hf_state(hf_dirs[name])
     bucket = 40_000  # bytes: several buckets per stage, the embedding (~80 KB fp32) alone in its own
     results = rank_pool(world).run(_export_on_rank, str(hf_dirs[name]), tp, pp, bucket, str(tmp_path / "hf"), vpp)

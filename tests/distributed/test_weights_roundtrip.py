@@ -21,8 +21,9 @@ def hf_dirs(tmp_path_factory):
         "qwen2": save_tiny_hf(root / "qwen2", arch="qwen2", tied=False, num_layers=4),
         "qwen2_tied": save_tiny_hf(root / "qwen2_tied", arch="qwen2", tied=True, num_layers=4, seed=1),
         "llama": save_tiny_hf(root / "llama", arch="llama", tied=False, num_layers=4, seed=2),
-        "qwen2_bf16": save_tiny_hf(root / "qwen2_bf16", arch="qwen2", tied=True, num_layers=4, seed=3,
-                                   dtype=torch.bfloat16),
+        "qwen2_bf16": save_tiny_hf(
+            root / "qwen2_bf16", arch="qwen2", tied=True, num_layers=4, seed=3, dtype=torch.bfloat16
+        ),
     }
 
 
@@ -49,9 +50,15 @@ def _roundtrip_on_rank(hf_dir, tp, pp, vpp):
 
 
 ROUNDTRIPS = [  # (checkpoint, world, tp, pp, vpp)
-    ("qwen2", 2, 1, 1, None), ("qwen2", 2, 2, 1, None), ("qwen2", 2, 1, 2, None),
-    ("qwen2", 4, 2, 2, None), ("qwen2", 4, 1, 2, 2), ("qwen2", 4, 2, 1, None),
-    ("qwen2_tied", 2, 2, 1, None), ("qwen2_tied", 2, 1, 2, None), ("qwen2_tied", 4, 2, 2, None),
+    ("qwen2", 2, 1, 1, None),
+    ("qwen2", 2, 2, 1, None),
+    ("qwen2", 2, 1, 2, None),
+    ("qwen2", 4, 2, 2, None),
+    ("qwen2", 4, 1, 2, 2),
+    ("qwen2", 4, 2, 1, None),
+    ("qwen2_tied", 2, 2, 1, None),
+    ("qwen2_tied", 2, 1, 2, None),
+    ("qwen2_tied", 4, 2, 2, None),
     ("llama", 4, 2, 2, None),
     ("qwen2_bf16", 4, 2, 2, None),  # bf16 parameters (what runs on GPUs), streamed as bf16
 ]
@@ -98,8 +105,9 @@ def _broken_copy(src, dst, edit):
 
 
 def test_missing_tensor_raises_value_error_naming_it(rank_pool, hf_dirs, tmp_path):
-    broken = _broken_copy(hf_dirs["qwen2"], tmp_path / "missing",
-                          lambda s: s.pop("model.layers.2.self_attn.k_proj.bias"))
+    broken = _broken_copy(
+        hf_dirs["qwen2"], tmp_path / "missing", lambda s: s.pop("model.layers.2.self_attn.k_proj.bias")
+    )
     errors = rank_pool(2).run(_load_expecting_error, str(broken), 2)
     for err in errors:
         assert err is not None and "model.layers.2.self_attn.k_proj.bias" in err and "missing" in err
@@ -138,10 +146,18 @@ def test_convert_hf_to_mcore_and_back_with_another_layout(rank_pool, hf_dirs, tm
     mcore, back = tmp_path / "mcore", tmp_path / "hf_back"
     pool = rank_pool(2)
     assert pool.run(_convert_on_rank, ["hf-to-mcore", "--hf", str(hf_dir), "--out", str(mcore), "--tp", "2"]) == [0, 0]
-    assert json.loads((mcore / "convert_meta.json").read_text())["layout"] == {"tp": 2, "pp": 1, "vpp": None, "ep": 1, "etp": None}
+    assert json.loads((mcore / "convert_meta.json").read_text())["layout"] == {
+        "tp": 2,
+        "pp": 1,
+        "vpp": None,
+        "ep": 1,
+        "etp": None,
+    }
     # reshard on the way back: TP=2 checkpoint read as PP=2
-    assert pool.run(_convert_on_rank, ["mcore-to-hf", "--mcore", str(mcore), "--hf-config", str(hf_dir),
-                                       "--out", str(back), "--pp", "2"]) == [0, 0]
+    assert pool.run(
+        _convert_on_rank,
+        ["mcore-to-hf", "--mcore", str(mcore), "--hf-config", str(hf_dir), "--out", str(back), "--pp", "2"],
+    ) == [0, 0]
     reference, result = _hf_state(hf_dir), _hf_state(back)
     assert set(result) == set(reference)
     for name, tensor in reference.items():

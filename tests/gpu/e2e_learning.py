@@ -23,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--within", type=int, default=30, help="steps")
     ap.add_argument("--json", default=None, help="also write the numbers here as one JSON object")
     args = ap.parse_args(argv)
-    rows = [json.loads(line) for line in (Path(args.run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = [
+        json.loads(line) for line in (Path(args.run_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()
+    ]
     evals = [(int(r["step"]), float(r["eval/avg@k"])) for r in rows if "eval/avg@k" in r]
     times = [float(r["time/step_s"]) for r in rows if "time/step_s" in r]
     if not evals or evals[0][0] != 0:
@@ -33,13 +35,22 @@ def main(argv: list[str] | None = None) -> int:
     best = max(acc for step, acc in evals if step <= args.within)
     curve = " -> ".join(f"{acc:.1%}@{step}" for step, acc in evals)
     median = f", median step {statistics.median(times):.2f} s" if times else ""
-    print(f"{args.run_dir}: avg@k {curve}; gain {best - start:+.1%} within {args.within} steps "
-          f"(need {args.min_gain:+.0%}){median}")
+    print(
+        f"{args.run_dir}: avg@k {curve}; gain {best - start:+.1%} within {args.within} steps "
+        f"(need {args.min_gain:+.0%}){median}"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({
-            "avg_at_k": {str(step): round(acc, 4) for step, acc in evals}, "gain": round(best - start, 4),
-            "min_gain": args.min_gain, "within": args.within,
-            "median_step_s": round(statistics.median(times), 3) if times else None}))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "avg_at_k": {str(step): round(acc, 4) for step, acc in evals},
+                    "gain": round(best - start, 4),
+                    "min_gain": args.min_gain,
+                    "within": args.within,
+                    "median_step_s": round(statistics.median(times), 3) if times else None,
+                }
+            )
+        )
     return 0 if best - start >= args.min_gain else 1
 
 

@@ -21,12 +21,30 @@ from pathlib import Path
 
 # what the steps import, grouped by who needs them
 MODULES = {
-    "image": ["torch", "triton", "transformers", "safetensors", "tokenizers", "yaml", "numpy", "pyarrow", "aiohttp",
-              "psutil", "pytest"],
+    "image": [
+        "torch",
+        "triton",
+        "transformers",
+        "safetensors",
+        "tokenizers",
+        "yaml",
+        "numpy",
+        "pyarrow",
+        "aiohttp",
+        "psutil",
+        "pytest",
+    ],
     "carried wheels": ["megatron.core", "liger_kernel.transformers"],
-    "this repo": ["dapo_kernels", "dapo_kernels.bench.run", "dapo_kernels.bench.targets",
-                  "dapo_megatron.actor.actor", "dapo_megatron.benchmarks.actor", "dapo_megatron.cli",
-                  "dapo_megatron.cpu_engine.server", "dapo_megatron.trainer.train"],
+    "this repo": [
+        "dapo_kernels",
+        "dapo_kernels.bench.run",
+        "dapo_kernels.bench.targets",
+        "dapo_megatron.actor.actor",
+        "dapo_megatron.benchmarks.actor",
+        "dapo_megatron.cli",
+        "dapo_megatron.cpu_engine.server",
+        "dapo_megatron.trainer.train",
+    ],
 }
 VERSIONS = ["torch", "triton", "transformers", "megatron.core", "liger_kernel", "numpy", "safetensors"]
 TINY_DIRS = ["tiny", "tiny_moe"]
@@ -64,9 +82,13 @@ def check_gpu() -> tuple[dict, list[str]]:
     if not torch.cuda.is_available():
         return {}, ["torch.cuda.is_available() is False"]
     props = torch.cuda.get_device_properties(0)
-    info = {"gpu": torch.cuda.get_device_name(0), "capability": f"{props.major}.{props.minor}",
-            "gpu_mem_gib": round(props.total_memory / 2**30, 1), "num_gpus": torch.cuda.device_count(),
-            "cuda": torch.version.cuda}
+    info = {
+        "gpu": torch.cuda.get_device_name(0),
+        "capability": f"{props.major}.{props.minor}",
+        "gpu_mem_gib": round(props.total_memory / 2**30, 1),
+        "num_gpus": torch.cuda.device_count(),
+        "cuda": torch.version.cuda,
+    }
     x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
     problems = [] if float(x.sum()) == (1 << 20) * ((1 << 20) - 1) / 2 else ["a CUDA sum came out wrong"]
     with socket.socket() as sock:
@@ -82,8 +104,12 @@ def check_gpu() -> tuple[dict, list[str]]:
 
 
 def check_carry(carry: Path) -> list[str]:
-    missing = [f"{carry / d}/tiny_model/warm: not carried (run tests/gpu/prepare.sh on the CPU machine and pass "
-               f"carry=['.gpu'])" for d in TINY_DIRS if not (carry / d / "tiny_model" / "warm" / "build.json").is_file()]
+    missing = [
+        f"{carry / d}/tiny_model/warm: not carried (run tests/gpu/prepare.sh on the CPU machine and pass "
+        f"carry=['.gpu'])"
+        for d in TINY_DIRS
+        if not (carry / d / "tiny_model" / "warm" / "build.json").is_file()
+    ]
     for line in missing:
         print(f"  FAIL {line}")
     return missing

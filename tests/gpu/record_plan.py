@@ -39,8 +39,14 @@ def read_results(path: Path) -> list[dict]:
 
 def record(plan: Path, results: list[dict], *, device: str | None, date: str) -> list[str]:
     """Rewrite `plan` from `results`; returns the lines to print (updates, timeouts, totals)."""
-    device = device or next((r.get("metrics", {}).get("gpu") for r in results
-                             if r.get("step") == "preflight" and r.get("metrics", {}).get("gpu")), None)
+    device = device or next(
+        (
+            r.get("metrics", {}).get("gpu")
+            for r in results
+            if r.get("step") == "preflight" and r.get("metrics", {}).get("gpu")
+        ),
+        None,
+    )
     if not device:
         raise ValueError("no device: the results hold no preflight step with a GPU name; pass --device")
     finished = {r["step"]: r for r in results if r.get("status") in ("ok", "failed")}
@@ -54,12 +60,18 @@ def record(plan: Path, results: list[dict], *, device: str | None, date: str) ->
         step = fields["step"]
         if step in finished:
             seconds = float(finished[step]["seconds"])
-            fields.update(budget_s=str(budget_from(seconds)), measured_s=f"{seconds:.1f}",
-                          measured_on=device.replace("\t", " "), date=date)
+            fields.update(
+                budget_s=str(budget_from(seconds)),
+                measured_s=f"{seconds:.1f}",
+                measured_on=device.replace("\t", " "),
+                date=date,
+            )
             report.append(f"{step}: {finished[step]['status']} in {seconds:.1f} s -> budget_s {fields['budget_s']}")
         elif step in timed_out:
-            report.append(f"{step}: TIMEOUT at its budget of {fields['budget_s']} s: it needs more; raise budget_s "
-                          "by hand (or split the step)")
+            report.append(
+                f"{step}: TIMEOUT at its budget of {fields['budget_s']} s: it needs more; raise budget_s "
+                "by hand (or split the step)"
+            )
         totals[fields["call"]] = totals.get(fields["call"], 0) + int(fields["budget_s"])
         out_lines.append("\t".join(fields.get(c, "-") for c in COLUMNS))
     plan.write_text("\n".join(out_lines) + "\n")

@@ -42,9 +42,16 @@ def read_metrics(path: str) -> tuple[dict, str]:
 
 def record(args: argparse.Namespace) -> int:
     metrics, problem = read_metrics(args.metrics)
-    line = {"call": args.call, "step": args.step, "status": args.status, "seconds": round(args.seconds, 3),
-            "rc": args.rc, "budget_s": args.budget, "started_at_s": round(args.started_at / 1000, 3),
-            "metrics": metrics}
+    line = {
+        "call": args.call,
+        "step": args.step,
+        "status": args.status,
+        "seconds": round(args.seconds, 3),
+        "rc": args.rc,
+        "budget_s": args.budget,
+        "started_at_s": round(args.started_at / 1000, 3),
+        "metrics": metrics,
+    }
     note = "; ".join(n for n in (args.note, problem) if n)
     if note:
         line["note"] = note
@@ -61,8 +68,12 @@ def junit(path: str) -> dict:
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-    return {"passed": total["tests"] - total["failures"] - total["errors"] - total["skipped"],
-            "failed": total["failures"], "errors": total["errors"], "skipped": total["skipped"]}
+    return {
+        "passed": total["tests"] - total["failures"] - total["errors"] - total["skipped"],
+        "failed": total["failures"],
+        "errors": total["errors"],
+        "skipped": total["skipped"],
+    }
 
 
 def csv_last_row(path: str, columns: list[str]) -> dict:
@@ -87,7 +98,7 @@ def targets(path: str) -> dict:
     for line in Path(path).read_text().splitlines():
         for status in ("PASS", "FAIL", "NOT MEASURED"):
             if line.startswith(status) and " T" in line:
-                out[line[len(status):].split()[0]] = status
+                out[line[len(status) :].split()[0]] = status
     return out
 
 
@@ -110,8 +121,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--note", default="")
         ap.add_argument("--metrics", default="")
         return record(ap.parse_args(rest))
-    handlers = {"junit": lambda: junit(rest[0]), "csv": lambda: csv_last_row(rest[0], rest[1:]),
-                "csv-rows": lambda: csv_rows(rest[0], rest[1]), "targets": lambda: targets(rest[0])}
+    handlers = {
+        "junit": lambda: junit(rest[0]),
+        "csv": lambda: csv_last_row(rest[0], rest[1:]),
+        "csv-rows": lambda: csv_rows(rest[0], rest[1]),
+        "targets": lambda: targets(rest[0]),
+    }
     if command not in handlers or not rest:
         print(__doc__, file=sys.stderr)
         return 2

@@ -45,16 +45,22 @@ def test_bf16_logprobs_match_transformers_and_a_step_trains(tmp_path):
     _single_process_group()
     hf_dir = save_tiny_hf(tmp_path / "qwen", arch="qwen2")
     gen = torch.Generator().manual_seed(0)
-    samples = [Sample(prompt_ids=torch.randint(5, 300, (6,), generator=gen).tolist(),
-                      response_ids=torch.randint(5, 300, (9,), generator=gen).tolist(), group_index=i,
-                      advantage=1.0 if i % 2 else -1.0) for i in range(6)]
+    samples = [
+        Sample(
+            prompt_ids=torch.randint(5, 300, (6,), generator=gen).tolist(),
+            response_ids=torch.randint(5, 300, (9,), generator=gen).tolist(),
+            group_index=i,
+            advantage=1.0 if i % 2 else -1.0,
+        )
+        for i in range(6)
+    ]
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32).cuda().eval()
     want = []
     with torch.no_grad():
         for s in samples:
             ids = torch.tensor([s.prompt_ids + s.response_ids], device="cuda")
-            logp = torch.log_softmax(hf(ids).logits[0].double(), -1)[len(s.prompt_ids) - 1:-1]
-            want.append(logp.gather(1, ids[0, len(s.prompt_ids):, None])[:, 0].float().cpu())
+            logp = torch.log_softmax(hf(ids).logits[0].double(), -1)[len(s.prompt_ids) - 1 : -1]
+            want.append(logp.gather(1, ids[0, len(s.prompt_ids) :, None])[:, 0].float().cpu())
     cfg = Config()
     cfg.actor = ActorConfig(attention_backend="torch", precision="bf16", micro_batch_tokens=64)
     cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-3, 0
@@ -79,8 +85,25 @@ def test_bench_reports_throughput_and_mfu(tmp_path):
     _single_process_group()
     csv_path = tmp_path / "actor_bench.csv"
     # two layers keep the test short; the full 28-layer numbers come from run_all.sh's bench run
-    assert bench.main(["--tokens", "4096", "--layers", "2", "--steps", "2", "--micro-batches", "2",
-                       "--csv", str(csv_path), "--checkpoint-dir", str(tmp_path / "ckpt")]) == 0
+    assert (
+        bench.main(
+            [
+                "--tokens",
+                "4096",
+                "--layers",
+                "2",
+                "--steps",
+                "2",
+                "--micro-batches",
+                "2",
+                "--csv",
+                str(csv_path),
+                "--checkpoint-dir",
+                str(tmp_path / "ckpt"),
+            ]
+        )
+        == 0
+    )
     import csv
 
     (row,) = list(csv.DictReader(csv_path.open()))
@@ -103,9 +126,16 @@ def test_offload_frees_cuda_memory_and_onload_restores_bit_for_bit(tmp_path):
     _single_process_group()
     hf_dir = save_tiny_hf(tmp_path / "qwen", arch="qwen2")
     gen = torch.Generator().manual_seed(0)
-    samples = [Sample(prompt_ids=torch.randint(5, 300, (6,), generator=gen).tolist(),
-                      response_ids=torch.randint(5, 300, (9,), generator=gen).tolist(), group_index=i,
-                      advantage=1.0 if i % 2 else -1.0, old_logprobs=[-5.0] * 9) for i in range(6)]
+    samples = [
+        Sample(
+            prompt_ids=torch.randint(5, 300, (6,), generator=gen).tolist(),
+            response_ids=torch.randint(5, 300, (9,), generator=gen).tolist(),
+            group_index=i,
+            advantage=1.0 if i % 2 else -1.0,
+            old_logprobs=[-5.0] * 9,
+        )
+        for i in range(6)
+    ]
     cfg = Config()
     cfg.actor = ActorConfig(attention_backend="torch", precision="bf16", micro_batch_tokens=64)
     cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-3, 0
@@ -113,8 +143,12 @@ def test_offload_frees_cuda_memory_and_onload_restores_bit_for_bit(tmp_path):
         actor = Actor(actor_settings(cfg), hf_dir, layout)
         actor.train(samples, step=0)
         tensors = actor_tensors(actor.model_chunks, actor.optimizer)
-        snapshot = [t.detach().reshape(-1).view(torch.uint8).clone() for c in ("params", "optimizer")
-                    for t in tensors[c] if t.is_cuda]
+        snapshot = [
+            t.detach().reshape(-1).view(torch.uint8).clone()
+            for c in ("params", "optimizer")
+            for t in tensors[c]
+            if t.is_cuda
+        ]
         storages = storages_by_category(tensors, device="cuda")
         held = actor.resident_bytes()
         assert held["params"] > 0 and held["grads"] > 0 and held["optimizer"] > 0
@@ -127,8 +161,12 @@ def test_offload_frees_cuda_memory_and_onload_restores_bit_for_bit(tmp_path):
         count = sum(len(s) for s in storages.values())
         assert freed <= dropped <= freed + 512 * count, (freed, dropped, count)
         actor.onload()
-        restored = [t.detach().reshape(-1).view(torch.uint8) for c in ("params", "optimizer")
-                    for t in actor_tensors(actor.model_chunks, actor.optimizer)[c] if t.is_cuda]
+        restored = [
+            t.detach().reshape(-1).view(torch.uint8)
+            for c in ("params", "optimizer")
+            for t in actor_tensors(actor.model_chunks, actor.optimizer)[c]
+            if t.is_cuda
+        ]
         assert len(restored) == len(snapshot)
         assert all(torch.equal(a, b) for a, b in zip(snapshot, restored))
         assert actor.train(samples, step=1)["update_skipped"] == 0
@@ -147,11 +185,17 @@ def _samples_with_rl_fields(hf_dir, *, num=8, seed=3):
         prompt = torch.randint(5, 300, (int(torch.randint(2, 9, (1,), generator=gen)),), generator=gen).tolist()
         response = torch.randint(5, 300, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
         with torch.no_grad():
-            logp = torch.log_softmax(hf(torch.tensor([prompt + response])).logits[0], -1)[len(prompt) - 1:-1]
+            logp = torch.log_softmax(hf(torch.tensor([prompt + response])).logits[0], -1)[len(prompt) - 1 : -1]
         lp = logp.gather(1, torch.tensor(response)[:, None])[:, 0]
-        samples.append(Sample(prompt_ids=prompt, response_ids=response, group_index=i // 2,
-                              advantage=[1.5, -1.0, 0.5, -1.5][i % 4],
-                              old_logprobs=(lp + 0.3 * torch.randn(lp.shape, generator=gen)).tolist()))
+        samples.append(
+            Sample(
+                prompt_ids=prompt,
+                response_ids=response,
+                group_index=i // 2,
+                advantage=[1.5, -1.0, 0.5, -1.5][i % 4],
+                old_logprobs=(lp + 0.3 * torch.randn(lp.shape, generator=gen)).tolist(),
+            )
+        )
     return samples
 
 
@@ -173,8 +217,14 @@ def test_fused_actor_equals_torch_actor_fp32(tmp_path):
     runs = {}
     for fused in (False, True):
         cfg = Config()
-        cfg.actor = ActorConfig(attention_backend="torch", precision="fp32", micro_batch_tokens=40,
-                                use_distributed_optimizer=False, fused_logprob=fused, fused_policy_loss=fused)
+        cfg.actor = ActorConfig(
+            attention_backend="torch",
+            precision="fp32",
+            micro_batch_tokens=40,
+            use_distributed_optimizer=False,
+            fused_logprob=fused,
+            fused_policy_loss=fused,
+        )
         cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-3, 0
         with model_parallel(tp=1, seed=7) as layout:
             actor = Actor(actor_settings(cfg), hf_dir, layout)
@@ -186,8 +236,17 @@ def test_fused_actor_equals_torch_actor_fp32(tmp_path):
     (ref, m_ref, w_ref), (got, m_got, w_got) = runs[False], runs[True]
     for a, b in zip(got.logprobs + got.entropies, ref.logprobs + ref.entropies):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-    for key in ("loss", "clipfrac_low", "clipfrac_high", "dualclip_frac", "approx_kl", "ratio_mean", "ratio_max",
-                "entropy", "num_tokens"):
+    for key in (
+        "loss",
+        "clipfrac_low",
+        "clipfrac_high",
+        "dualclip_frac",
+        "approx_kl",
+        "ratio_mean",
+        "ratio_max",
+        "entropy",
+        "num_tokens",
+    ):
         assert m_got[key] == pytest.approx(m_ref[key], rel=1e-5, abs=1e-6), key
     for name, w in w_ref.items():
         torch.testing.assert_close(w_got[name], w, atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
@@ -201,8 +260,9 @@ def test_check_parity_fused_logprob_on_gpu(tmp_path):
     from dapo_megatron.tools import parity
 
     _single_process_group()
-    hf_dir = save_tiny_hf(tmp_path / "llama", arch="llama", tied=True,
-                          shape=dict(vocab_size=301, num_attention_heads=8))
+    hf_dir = save_tiny_hf(
+        tmp_path / "llama", arch="llama", tied=True, shape=dict(vocab_size=301, num_attention_heads=8)
+    )
     numbers = parity.run_check(["--model", str(hf_dir), "--fused-logprob", "--seq-len", "32"])
     print(numbers)
     assert parity.failures(numbers, tolerance=1e-5, grad_tolerance=1e-4) == []

@@ -34,12 +34,12 @@ def test_cp_chunks_in_bf16_match_fp32_blocks(kernel):
     q, k, v = _qkv(4096, torch.float32)
     blocks = document_blocks(cu, 2048, cp_size=2, cp_rank=1)
     q_local = split_for_cp(q, cu, cp_size=2, cp_rank=1, dim=2)
-    ref = _run(lambda q, k, v: blockwise_attention(q, k, v, blocks, scale=128 ** -0.5), q_local, k, v)
+    ref = _run(lambda q, k, v: blockwise_attention(q, k, v, blocks, scale=128**-0.5), q_local, k, v)
     if kernel == "sdpa":
-        fn = lambda q, k, v: blockwise_attention(q, k, v, blocks, scale=128 ** -0.5)  # noqa: E731
+        fn = lambda q, k, v: blockwise_attention(q, k, v, blocks, scale=128**-0.5)  # noqa: E731
     else:
         mask = attention.document_block_mask(blocks, key_tokens=4096, device="cuda")
-        fn = lambda q, k, v: attention.flex_document_attention(q, k, v, mask, scale=128 ** -0.5)  # noqa: E731
+        fn = lambda q, k, v: attention.flex_document_attention(q, k, v, mask, scale=128**-0.5)  # noqa: E731
     got = _run(fn, *(x.bfloat16() for x in (q_local, k, v)))
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, ref):
         scale = b.abs().max().item()
@@ -59,7 +59,7 @@ def test_saved_bytes_are_linear_on_the_gpu():
             return t
 
         with saved_tensors_hooks(pack, lambda t: t):
-            blockwise_attention(q, k, v, blocks, scale=128 ** -0.5)
+            blockwise_attention(q, k, v, blocks, scale=128**-0.5)
         return sum(storages.values())
 
     assert saved(32768) / saved(4096) <= 8.5

@@ -36,8 +36,11 @@ def _fp32_reference(hidden, weight, targets, temperature):
 
 
 @pytest.mark.parametrize("logits", ["triton", "cublas"])
-@pytest.mark.parametrize("h,v,temperature", [(*QWEN_7B, 1.0), (*QWEN_32B, 0.7), (QWEN_7B[0], QWEN_7B[1] // 8, 1.0)],
-                         ids=["7b", "32b_T0.7", "7b_tp8_shard"])
+@pytest.mark.parametrize(
+    "h,v,temperature",
+    [(*QWEN_7B, 1.0), (*QWEN_32B, 0.7), (QWEN_7B[0], QWEN_7B[1] // 8, 1.0)],
+    ids=["7b", "32b_T0.7", "7b_tp8_shard"],
+)
 def test_forward_bf16_matches_fp32_reference(h, v, temperature, logits, recwarn):
     from dapo_kernels import linear_logprob_entropy
 
@@ -55,9 +58,11 @@ def test_forward_bf16_matches_fp32_reference(h, v, temperature, logits, recwarn)
     assert ((ent - ent_ref).abs() / ent_ref.abs().clamp(min=1e-6)).max().item() <= 1e-3
 
 
-@pytest.mark.parametrize("variant", [{}, {"backward": "row_chunked"}, {"logits": "cublas"},
-                                     {"logits": "cublas", "n": 8192 + 5}], ids=["blocked", "row_chunked", "cublas",
-                                                                           "cublas_4_row_blocks"])
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"backward": "row_chunked"}, {"logits": "cublas"}, {"logits": "cublas", "n": 8192 + 5}],
+    ids=["blocked", "row_chunked", "cublas", "cublas_4_row_blocks"],
+)
 def test_grads_bf16_match_fp32_reference(variant):
     """Through logprob AND entropy. bf16 gradients: relative Frobenius error <= 1e-2 (bf16 operands
     land between 1e-3 and 1e-2; the fused backward rounds dL/dlogits to bf16 like any bf16 GEMM, and
@@ -159,7 +164,8 @@ def test_no_n_by_v_allocation_and_bounded_workspace(backward, recwarn):
     slack = (32 << 20) + 16 * 24 * n  # cuBLAS workspace + per-token vectors (above)
     assert workspace <= formula + slack, (
         f"{backward}: workspace {workspace / 2**20:.1f} MiB > formula {formula / 2**20:.1f} MiB + "
-        f"slack {slack / 2**20:.1f} MiB")
+        f"slack {slack / 2**20:.1f} MiB"
+    )
 
 
 def test_policy_loss_matches_reference_and_is_deterministic():

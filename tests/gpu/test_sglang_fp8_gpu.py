@@ -41,17 +41,29 @@ def _model(root: Path) -> Path:
 
     torch.manual_seed(0)
     tok = build_tiny_tokenizer()
-    cfg = Qwen2Config(hidden_size=512, head_dim=128, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=1024, num_hidden_layers=2, vocab_size=len(tok), max_position_embeddings=256,
-                      tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"])
+    cfg = Qwen2Config(
+        hidden_size=512,
+        head_dim=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        vocab_size=len(tok),
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        architectures=["Qwen2ForCausalLM"],
+    )
     Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(root / "base")
     tok.save_pretrained(root / "base")
     return root / "base"
 
 
 async def _greedy(client) -> tuple[list[int], list[float]]:
-    out = await client.generate(input_ids=PROMPT, return_logprob=True,
-                                sampling_params={"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+    out = await client.generate(
+        input_ids=PROMPT,
+        return_logprob=True,
+        sampling_params={"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+    )
     return out["output_ids"], [x[0] for x in out["meta_info"]["output_token_logprobs"]]
 
 
@@ -80,8 +92,17 @@ def test_sglang_fp8_engine_starts_from_the_export_and_reloads_syncs(tmp_path):
     check_sglang_block_shapes(__import__("json").loads((base / "config.json").read_text()))
     export = export_fp8_checkpoint(base, tmp_path / "fp8")
     port = _free_port()
-    cmd = sglang_command(SGLangSettings(model_path=str(export), quantization="fp8", port=port, host="127.0.0.1",
-                                        mem_fraction_static=0.3, context_length=256, python=sys.executable))
+    cmd = sglang_command(
+        SGLangSettings(
+            model_path=str(export),
+            quantization="fp8",
+            port=port,
+            host="127.0.0.1",
+            mem_fraction_static=0.3,
+            context_length=256,
+            python=sys.executable,
+        )
+    )
     log = open(tmp_path / "sglang.log", "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -91,8 +112,9 @@ def test_sglang_fp8_engine_starts_from_the_export_and_reloads_syncs(tmp_path):
         start = {k: v.cuda() for k, v in load_file(str(export / "model.safetensors")).items()}
         state = {k: v.float().cuda() for k, v in load_file(str(base / "model.safetensors")).items()}
         gen = torch.Generator(device="cuda").manual_seed(1)
-        moved = {k: v + 0.05 * v.abs().mean() * torch.randn(v.shape, generator=gen, device="cuda")
-                 for k, v in state.items()}
+        moved = {
+            k: v + 0.05 * v.abs().mean() * torch.randn(v.shape, generator=gen, device="cuda") for k, v in state.items()
+        }
 
         async def scenario():
             async with EngineClient(url) as client:

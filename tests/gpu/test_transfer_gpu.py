@@ -134,9 +134,11 @@ def test_colocated_on_one_gpu_ipc_sync_release_resume(engine_on_gpu):
             return stats, first, second, free_before, free_released, free_resumed
 
     stats, first, second, free_before, free_released, free_resumed = asyncio.run(scenario())
-    print(f"weights {weight_bytes / 2**20:.1f} MiB; free before {free_before / 2**20:.0f} MiB, released "
-          f"{free_released / 2**20:.0f} MiB (+{(free_released - free_before) / 2**20:.1f}), resumed "
-          f"{free_resumed / 2**20:.0f} MiB; sync {stats.bytes / 2**20:.1f} MiB in {stats.seconds:.3f} s")
+    print(
+        f"weights {weight_bytes / 2**20:.1f} MiB; free before {free_before / 2**20:.0f} MiB, released "
+        f"{free_released / 2**20:.0f} MiB (+{(free_released - free_before) / 2**20:.1f}), resumed "
+        f"{free_resumed / 2**20:.0f} MiB; sync {stats.bytes / 2**20:.1f} MiB in {stats.seconds:.3f} s"
+    )
     assert stats.num_tensors == len(weights) and stats.bytes == weight_bytes
     assert first == [] and second == []
     # the engine's weights went back to the device and came back: at least 90% of their bytes each way
@@ -159,8 +161,11 @@ def test_distributed_sync_from_cuda_tensors_follows_the_engine_backend(engine_on
         async with EngineClient(engine_on_gpu["url"]) as client:
             sync = DistributedWeightSync(master_address="127.0.0.1", bucket_bytes=64 << 20)
             await sync.sync([client], iter(weights), weight_version="nccl_trainer_gloo_engine")
-            out = await client.generate(input_ids=prompt, return_logprob=True,
-                                        sampling_params={"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})
+            out = await client.generate(
+                input_ids=prompt,
+                return_logprob=True,
+                sampling_params={"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+            )
             await sync.close([client])
             return sync.backend, out
 
@@ -169,7 +174,9 @@ def test_distributed_sync_from_cuda_tensors_follows_the_engine_backend(engine_on
     ids = prompt + out["output_ids"]
     with torch.no_grad():
         logits = trainer(torch.tensor([ids], device="cuda")).logits[0].double()
-    want = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, torch.tensor(out["output_ids"], device="cuda")[:, None])
+    want = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(
+        1, torch.tensor(out["output_ids"], device="cuda")[:, None]
+    )
     got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]], dtype=torch.float64)
     # same weights, same device, same fp32 kernels up to batch shape: TF32 is off by default for matmuls
     torch.testing.assert_close(got, want[:, 0].cpu(), rtol=0, atol=1e-4)

@@ -32,8 +32,12 @@ def save_tiny_tokenizer(out_dir: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     corpus = [f"What is {a} + {b}? Answer: {a + b}\n" for a in range(40) for b in range(0, 40, 3)]
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus, trainer)
     assert tok.get_vocab_size() <= VOCAB_SIZE
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
@@ -49,17 +53,45 @@ def make_tiny_checkpoint(out_dir: Path, *, seed: int = 0, shape: dict | None = N
 class ServerProcess:
     """One `dapo-megatron serve-rollout` subprocess; url known once it has registered."""
 
-    def __init__(self, model_dir: Path, register_dir: Path, *, seed: int = 0, log_path: Path | None = None,
-                 port: int = 0, extra_args: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        model_dir: Path,
+        register_dir: Path,
+        *,
+        seed: int = 0,
+        log_path: Path | None = None,
+        port: int = 0,
+        extra_args: tuple[str, ...] = (),
+    ):
         self.register_dir = Path(register_dir)
         before = set(self.register_dir.glob("*.json")) if self.register_dir.exists() else set()
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
         self.log = open(log_path or os.devnull, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", str(model_dir),
-             "--host", "127.0.0.1", "--port", str(port), "--register-dir", str(register_dir), "--seed", str(seed),
-             "--threads", "1", *extra_args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+            [
+                sys.executable,
+                "-m",
+                "dapo_megatron.cli",
+                "serve-rollout",
+                "--model",
+                str(model_dir),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--register-dir",
+                str(register_dir),
+                "--seed",
+                str(seed),
+                "--threads",
+                "1",
+                *extra_args,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+        )
         try:
             self.record = self._wait_registered(before)
         except BaseException:
@@ -93,8 +125,9 @@ def get_json(url: str) -> dict:
         return json.loads(resp.read())
 
 
-def request_json(url: str, data: bytes | None = None, *, key: str | None = None,
-                 method: str = "POST") -> tuple[int, object]:
+def request_json(
+    url: str, data: bytes | None = None, *, key: str | None = None, method: str = "POST"
+) -> tuple[int, object]:
     """(status, body): a success's JSON body (None when empty), an error's JSON body or, when it is not
     JSON, its raw bytes. `key`: sent as `Authorization: Bearer <key>`."""
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
@@ -128,14 +161,15 @@ async def engine_weights(url: str, names: list[str]) -> dict[str, torch.Tensor]:
     client = EngineClient(url)
     try:
         # fp32 values through JSON floats: exact (every fp32 is a float64)
-        return {n: torch.tensor(await client.get_weights_by_name(n, truncate_size=1 << 30), dtype=torch.float32)
-                for n in names}
+        return {
+            n: torch.tensor(await client.get_weights_by_name(n, truncate_size=1 << 30), dtype=torch.float32)
+            for n in names
+        }
     finally:
         await client.close()
 
 
 PROMPT = [1, 17, 42, 99, 7, 250]
-
 
 
 def post(url: str, body) -> tuple[int, object]:
@@ -144,10 +178,11 @@ def post(url: str, body) -> tuple[int, object]:
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             raw = resp.read()
-            return resp.status, (json.loads(raw) if raw and resp.headers.get_content_type() == "application/json" else raw)
+            return resp.status, (
+                json.loads(raw) if raw and resp.headers.get_content_type() == "application/json" else raw
+            )
     except urllib.error.HTTPError as err:
         return err.code, json.loads(err.read())
-
 
 
 def reference_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
@@ -155,9 +190,8 @@ def reference_logprobs(model, prompt: list[int], response: list[int], temperatur
     ids = torch.tensor([prompt + response])
     with torch.no_grad():
         logits = model(ids).logits[0].double()
-    scaled = logits[len(prompt) - 1:-1] / temperature
+    scaled = logits[len(prompt) - 1 : -1] / temperature
     return torch.log_softmax(scaled, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
-
 
 
 def generate(url, **body):

@@ -55,11 +55,15 @@ def _wait_engines(register_dir: Path, count: int, timeout_s: float = 600.0) -> l
 
 
 def _generate(url: str, keys) -> list[int]:
-    body = json.dumps({"input_ids": [1, 5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 1.0,
-                                                                      "sampling_seed": 0}}).encode()
+    body = json.dumps(
+        {"input_ids": [1, 5, 6, 7], "sampling_params": {"max_new_tokens": 3, "temperature": 1.0, "sampling_seed": 0}}
+    ).encode()
     # the engines require the run's key (`slurm submit` wrote it; rollout/auth.py), as the real trainer sends it
-    req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json",
-                                                                        **keys.header_for("POST", "/generate")})
+    req = urllib.request.Request(
+        url + "/generate",
+        data=body,
+        headers={"Content-Type": "application/json", **keys.header_for("POST", "/generate")},
+    )
     with urllib.request.urlopen(req, timeout=60) as resp:
         return json.loads(resp.read())["output_ids"]
 
@@ -99,8 +103,13 @@ def main() -> int:
         value = torch.tensor([rank + 1])
         dist.all_reduce(value)
         if rank == 0:
-            record = {"step": step, "world_size": world, "rank_sum": int(value.item()),
-                      "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")), "engines": engines}
+            record = {
+                "step": step,
+                "world_size": world,
+                "rank_sum": int(value.item()),
+                "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")),
+                "engines": engines,
+            }
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
             final = checkpointing.step_dir(out, step)  # the trainer's layout: launch/progress.py reads it

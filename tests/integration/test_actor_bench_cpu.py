@@ -18,10 +18,29 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _bench(tmp_path, *extra, env_extra=None):
     env = dict(os.environ, MASTER_PORT=str(29500 + os.getpid() % 1000), **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "dapo_megatron.benchmarks.actor", "--shape", "tiny", "--steps", "1",
-                           "--micro-batches", "1", "--results-dir", str(tmp_path),
-                           "--checkpoint-dir", str(tmp_path / "ckpt"), *extra],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dapo_megatron.benchmarks.actor",
+            "--shape",
+            "tiny",
+            "--steps",
+            "1",
+            "--micro-batches",
+            "1",
+            "--results-dir",
+            str(tmp_path),
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
@@ -39,8 +58,11 @@ def test_actor_bench_on_cpu_writes_a_row_per_token_budget(tmp_path):
     proc = _bench(tmp_path, "--tokens", "256", "--attention-kernel", "flex")
     assert proc.returncode != 0 and "actor.attention_kernel=flex needs a CUDA GPU" in proc.stderr
     proc = _bench(tmp_path, "--tokens", "4096", "512", "--seqs-per-mb", "2", "--prompt-tokens", "256")
-    assert proc.returncode == 2 and "--prompt-tokens 256: must be at least 1 and below the sequence length 256 " \
-        "(--tokens 512 / --seqs-per-mb 2)" in proc.stderr
+    assert (
+        proc.returncode == 2
+        and "--prompt-tokens 256: must be at least 1 and below the sequence length 256 (--tokens 512 / --seqs-per-mb 2)"
+        in proc.stderr
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
@@ -50,14 +72,18 @@ def test_an_oom_row_is_recorded_and_the_rows_are_on_disk_as_they_come(tmp_path):
     dies of another error (a negative allocation: not an OOM, so it propagates) still leaves its first row."""
     from dapo_megatron.benchmarks.actor import EXTRA_ALLOC_ENV
 
-    proc = _bench(tmp_path, "--tokens", "256", "512", "1024", "--recompute", "full",
-                  env_extra={EXTRA_ALLOC_ENV: "512=1e6"})
+    proc = _bench(
+        tmp_path, "--tokens", "256", "512", "1024", "--recompute", "full", env_extra={EXTRA_ALLOC_ENV: "512=1e6"}
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tokens_per_micro_batch=512: out of memory" in proc.stdout
     with (tmp_path / "actor.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     assert [(int(r["tokens_per_micro_batch"]), r["status"], r["recompute"]) for r in rows] == [
-        (256, "ok", "full"), (512, "oom", "full"), (1024, "ok", "full")]
+        (256, "ok", "full"),
+        (512, "oom", "full"),
+        (1024, "ok", "full"),
+    ]
     assert rows[1]["tokens_per_s"] == "" and float(rows[1]["peak_mem_gib"]) > 0
     assert float(rows[2]["tokens_per_s"]) > 0
     # the weak references to each row's actor and model chunks are dead after the row, the oom row's too

@@ -15,8 +15,24 @@ from dapo_megatron.benchmarks import run as bench
 
 
 def test_bench_dataplane_small_step_meets_its_byte_and_export_targets(tmp_path, capsys):
-    assert bench.main(["dataplane", "--layouts", "2:tp2", "--prompts", "2", "--n", "4", "--bucket-mb", "8",
-                       "--results-dir", str(tmp_path)]) == 0
+    assert (
+        bench.main(
+            [
+                "dataplane",
+                "--layouts",
+                "2:tp2",
+                "--prompts",
+                "2",
+                "--n",
+                "4",
+                "--bucket-mb",
+                "8",
+                "--results-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     with (tmp_path / "dataplane.csv").open() as fh:
         rows = list(csv.DictReader(fh))
@@ -30,8 +46,11 @@ def test_bench_dataplane_small_step_meets_its_byte_and_export_targets(tmp_path, 
     # the exporter's largest tensor is the 19,008 x 640 bf16 embedding (23.2 MiB), alone in its bucket
     assert abs(float(driver["largest_tensor_mb"]) - 19008 * 640 * 2 / 2**20) < 1e-9
     line = out.strip().splitlines()[-1]
-    match = re.fullmatch(r"dataplane: batch_bytes_over_share=([\d.]+) python_objects_per_token=([\d.]+) "
-                         r"export_peak_over_bucket=([\d.]+)", line)
+    match = re.fullmatch(
+        r"dataplane: batch_bytes_over_share=([\d.]+) python_objects_per_token=([\d.]+) "
+        r"export_peak_over_bucket=([\d.]+)",
+        line,
+    )
     assert match, line
     x, _, z = (float(v) for v in match.groups())
     assert x <= 1.1 and z <= 2.0

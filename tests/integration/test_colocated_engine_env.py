@@ -22,13 +22,22 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _config(tmp_path: Path) -> Path:
     (tmp_path / "model").mkdir()
-    raw = {"rollout": {"n": 2, "max_prompt_length": 16, "max_response_length": 16, "engine": "cpu", "gen_batch_size": 2,
-                       "placement": "colocated", "num_engines": 1},
-           "algorithm": {"overlong_buffer_length": 4},
-           "actor": {"world_size": 1, "micro_batch_tokens": 64, "attention_backend": "torch", "precision": "fp32"},
-           "trainer": {"total_steps": 2, "train_batch_size": 2, "mini_batch_size": 2, "output_dir": str(tmp_path / "run")},
-           "slurm": {"nodes": 1, "gpus_per_node": 0, "cpus_per_task": 1, "time": "10:00"},
-           "model": {"path": str(tmp_path / "model")}}
+    raw = {
+        "rollout": {
+            "n": 2,
+            "max_prompt_length": 16,
+            "max_response_length": 16,
+            "engine": "cpu",
+            "gen_batch_size": 2,
+            "placement": "colocated",
+            "num_engines": 1,
+        },
+        "algorithm": {"overlong_buffer_length": 4},
+        "actor": {"world_size": 1, "micro_batch_tokens": 64, "attention_backend": "torch", "precision": "fp32"},
+        "trainer": {"total_steps": 2, "train_batch_size": 2, "mini_batch_size": 2, "output_dir": str(tmp_path / "run")},
+        "slurm": {"nodes": 1, "gpus_per_node": 0, "cpus_per_task": 1, "time": "10:00"},
+        "model": {"path": str(tmp_path / "model")},
+    }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -48,11 +57,20 @@ def _engine_environ(launcher: subprocess.Popen, timeout_s: float = 120.0) -> dic
 
 
 def test_colocated_engine_starts_without_the_trainers_cuda_device_max_connections(tmp_path):
-    trainer_env = {**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_SOCKET_IFNAME": "^lo,docker",
-                   "PYTHONPATH": str(REPO)}
-    launcher = subprocess.Popen([sys.executable, "-m", "dapo_megatron.launch.colocated", str(_config(tmp_path))],
-                                env=trainer_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    trainer_env = {
+        **os.environ,
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "NCCL_SOCKET_IFNAME": "^lo,docker",
+        "PYTHONPATH": str(REPO),
+    }
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "dapo_megatron.launch.colocated", str(_config(tmp_path))],
+        env=trainer_env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         launcher_env = psutil.Process(launcher.pid).environ()
         engine_env = _engine_environ(launcher)

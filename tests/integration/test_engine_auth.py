@@ -45,7 +45,9 @@ def engine(model_dir, tmp_path_factory):
     config = root / "keys.yaml"
     config.write_text(f'api-key: "{API}"\nadmin-api-key: "{ADMIN}"\n')
     config.chmod(0o600)
-    proc = ServerProcess(model_dir, root / "engines", log_path=root / "server.log", extra_args=("--config", str(config)))
+    proc = ServerProcess(
+        model_dir, root / "engines", log_path=root / "server.log", extra_args=("--config", str(config))
+    )
     yield proc.url
     proc.kill()
 
@@ -64,8 +66,10 @@ def test_without_the_admin_key_nothing_changes_weights_memory_or_requests(engine
             ("/begin_weight_update", {}),
             ("/update_weights_from_tensor", {"serialized_named_tensors": [serialize_for_engine_rank(new)]}),
             ("/update_weights_from_disk", {"model_path": str(model_dir)}),
-            ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
-                                            "world_size": 2, "backend": "gloo"}),
+            (
+                "/init_weights_update_group",
+                {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "gloo"},
+            ),
             ("/update_weight_version", {"new_version": "evil"}),
             ("/release_memory_occupation", {"tags": ["weights"]}),
             ("/pause_generation", {"mode": "abort"}),
@@ -83,8 +87,13 @@ def test_without_the_admin_key_nothing_changes_weights_memory_or_requests(engine
 def test_an_abort_without_the_key_does_not_reach_the_victims_request(engine):
     async def scenario():
         async with EngineClient(engine, keys=EngineKeys(API, ADMIN)) as victim:
-            task = asyncio.create_task(victim.generate(input_ids=[1, 2, 3], rid="victim", sampling_params={
-                "max_new_tokens": 120, "ignore_eos": True, "temperature": 0.0}))
+            task = asyncio.create_task(
+                victim.generate(
+                    input_ids=[1, 2, 3],
+                    rid="victim",
+                    sampling_params={"max_new_tokens": 120, "ignore_eos": True, "temperature": 0.0},
+                )
+            )
             while not (await victim.server_info())["cpu_engine"]["running"]:  # until it decodes
                 await asyncio.sleep(0.02)
             await victim.pause_generation("in_place")  # parked mid-way: an abort that passed would end it
@@ -134,13 +143,16 @@ def test_local_launcher_starts_engines_that_require_the_run_secret(model_dir, tm
     keys = ensure_secret_file(secret)
     assert keys.api_key == keys.admin_api_key and len(keys.api_key) == 64
     assert stat.S_IMODE(secret.stat().st_mode) == 0o600 and stat.S_IMODE(secret.parent.stat().st_mode) == 0o700
-    with LocalEngines(str(model_dir), num_engines=1, register_dir=str(tmp_path / "engines"), auth_file=secret) as engines:
+    with LocalEngines(
+        str(model_dir), num_engines=1, register_dir=str(tmp_path / "engines"), auth_file=secret
+    ) as engines:
         url = engines.urls[0]
         registration = next((tmp_path / "engines").glob("*.json"))
         assert stat.S_IMODE(registration.stat().st_mode) == 0o600
         assert keys.api_key not in " ".join(engines.procs[0].args)  # never on the command line (`ps`)
         assert call(url, "/generate", {"input_ids": [1]})[0] == 401
         assert call(url, "/release_memory_occupation", {}, key="nope")[0] == 401
-        status, out = call(url, "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}},
-                           key=keys.api_key)
+        status, out = call(
+            url, "/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1}}, key=keys.api_key
+        )
         assert status == 200 and len(out["output_ids"]) == 1

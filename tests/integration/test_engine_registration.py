@@ -26,8 +26,14 @@ from rollout_helpers import REPO, ServerProcess, make_tiny_checkpoint  # noqa: E
 
 
 def _record(port: int, pid: int) -> dict:
-    return {"host": "127.0.0.1", "port": port, "url": f"http://127.0.0.1:{port}", "tp_size": 1, "pid": pid,
-            "started_at": "2026-11-23T00:00:00+00:00"}
+    return {
+        "host": "127.0.0.1",
+        "port": port,
+        "url": f"http://127.0.0.1:{port}",
+        "tp_size": 1,
+        "pid": pid,
+        "started_at": "2026-11-23T00:00:00+00:00",
+    }
 
 
 def test_remove_registration_only_removes_its_own_record(tmp_path):
@@ -63,7 +69,7 @@ def test_cpu_server_removes_its_registration_on_sigterm(tiny_model, tmp_path):
 # STAND-IN for `python -m sglang.launch_server` (SGLang cannot run on a CPU machine): an HTTP server
 # answering /health with 200; with "exit" it ends on its own 1 s after the first /health, as a server
 # that finishes or crashes would.
-STAND_IN = textwrap.dedent('''
+STAND_IN = textwrap.dedent("""
     import sys, threading, time
     from http.server import BaseHTTPRequestHandler, HTTPServer
     port, mode = int(sys.argv[1]), sys.argv[2]
@@ -75,7 +81,7 @@ STAND_IN = textwrap.dedent('''
         def log_message(self, *args):
             pass
     HTTPServer(("127.0.0.1", port), Handler).serve_forever()
-''')
+""")
 
 
 def _free_port() -> int:
@@ -88,13 +94,32 @@ def _launcher(tmp_path: Path, mode: str) -> tuple[subprocess.Popen, Path]:
     stand_in = tmp_path / "sglang_stand_in.py"
     stand_in.write_text(STAND_IN)
     port = _free_port()
-    code = ("import sys; import dapo_megatron.rollout.sglang_launcher as launcher; "
-            f"launcher.sglang_command = lambda s: [sys.executable, {str(stand_in)!r}, str(s.port), {mode!r}]; "
-            "sys.exit(launcher.main(sys.argv[1:]))")
+    code = (
+        "import sys; import dapo_megatron.rollout.sglang_launcher as launcher; "
+        f"launcher.sglang_command = lambda s: [sys.executable, {str(stand_in)!r}, str(s.port), {mode!r}]; "
+        "sys.exit(launcher.main(sys.argv[1:]))"
+    )
     register_dir = tmp_path / "engines"
-    proc = subprocess.Popen([sys.executable, "-c", code, "--model", "unused", "--host", "127.0.0.1",
-                             "--port", str(port), "--register-dir", str(register_dir), "--health-timeout", "60"],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "--model",
+            "unused",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--register-dir",
+            str(register_dir),
+            "--health-timeout",
+            "60",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     path = register_dir / f"127.0.0.1_{port}.json"
     deadline = time.monotonic() + 60
     while not path.exists():
@@ -147,6 +172,7 @@ def test_a_dropped_engine_that_answers_again_is_pending_not_lost(tiny_model, tmp
 
     server = ServerProcess(tiny_model, tmp_path / "engines")
     try:
+
         async def scenario() -> tuple[list[str], list[str], list[str]]:
             pool = await EnginePool.from_registry(str(tmp_path / "engines"), min_engines=1, wait_s=60)
             url = server.url

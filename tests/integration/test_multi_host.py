@@ -40,10 +40,24 @@ SHORT = {
     "data": {"synthetic": {"num_train": 256, "num_eval": 16}},
     "rollout": {"gen_batch_size": 16, "placement": "disaggregated", "num_engines": 1},
     "actor": {"world_size": 2},
-    "trainer": {"total_steps": STEPS, "train_batch_size": 8, "mini_batch_size": 4, "eval_every": STEPS,
-                "save_every": 1, "keep_checkpoints": 2, "keep_best_checkpoint": False, "wandb_mode": "disabled"},
-    "slurm": {"nodes": 2, "gpus_per_node": 0, "cpus_per_task": 1, "time": "20:00", "signal_seconds": 60,
-              "extra_sbatch": ["--exclusive"]},
+    "trainer": {
+        "total_steps": STEPS,
+        "train_batch_size": 8,
+        "mini_batch_size": 4,
+        "eval_every": STEPS,
+        "save_every": 1,
+        "keep_checkpoints": 2,
+        "keep_best_checkpoint": False,
+        "wandb_mode": "disabled",
+    },
+    "slurm": {
+        "nodes": 2,
+        "gpus_per_node": 0,
+        "cpus_per_task": 1,
+        "time": "20:00",
+        "signal_seconds": 60,
+        "extra_sbatch": ["--exclusive"],
+    },
 }
 
 
@@ -81,8 +95,14 @@ def shared(tmp_path_factory):
     one-host reference run of the same layout."""
     root = tmp_path_factory.mktemp("mhshared")
     cfg = write_config(root / "prep.yaml", trainer={"output_dir": str(root / "prep")})
-    out = subprocess.run([sys.executable, "-m", "dapo_megatron.launch.prepare", str(cfg)], capture_output=True,
-                         text=True, timeout=600, cwd=REPO, env=_env())
+    out = subprocess.run(
+        [sys.executable, "-m", "dapo_megatron.launch.prepare", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env=_env(),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     model = Path(out.stdout.strip())
     # the engines' environment: its own directory (pyvenv.cfg, bin/python), the packages shared
@@ -93,20 +113,51 @@ def shared(tmp_path_factory):
     (engine_env / "lib").symlink_to(venv / "lib")
     (engine_env / "bin" / "python").symlink_to(Path(os.path.realpath(sys.executable)))
     one_host = root / "one_host"
-    run = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "train", str(cfg), f"trainer.output_dir={one_host}",
-                          f"model.path={model}", "tiny.enabled=false"], capture_output=True, text=True, timeout=900,
-                         cwd=REPO, env=_env())
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dapo_megatron.cli",
+            "train",
+            str(cfg),
+            f"trainer.output_dir={one_host}",
+            f"model.path={model}",
+            "tiny.enabled=false",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO,
+        env=_env(),
+    )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return {"root": root, "model": model, "engine_python": engine_env / "bin" / "python",
-            "one_host": metrics(one_host)}
+    return {"root": root, "model": model, "engine_python": engine_env / "bin" / "python", "one_host": metrics(one_host)}
 
 
 def submit(cluster, shared, run_dir: Path, *overrides: str, env_extra: dict | None = None) -> dict[str, str]:
     cfg = write_config(run_dir.parent / f"{run_dir.name}.yaml", trainer={"output_dir": str(run_dir)})
-    out = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "slurm", "submit", str(cfg), "--engines", "1",
-                          "--skip-data-check", f"model.path={shared['model']}", "tiny.enabled=false",
-                          f"slurm.engine_python={shared['engine_python']}", *overrides],
-                         capture_output=True, text=True, timeout=300, cwd=REPO, env={**_env(), **cluster.env, **(env_extra or {})})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dapo_megatron.cli",
+            "slurm",
+            "submit",
+            str(cfg),
+            "--engines",
+            "1",
+            "--skip-data-check",
+            f"model.path={shared['model']}",
+            "tiny.enabled=false",
+            f"slurm.engine_python={shared['engine_python']}",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**_env(), **cluster.env, **(env_extra or {})},
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     ids = dict(line.split(": ", 1) for line in out.stdout.splitlines() if line.startswith(("train: ", "engines: ")))
     assert set(ids) == {"train", "engines"}, out.stdout
@@ -144,8 +195,10 @@ def test_run_across_three_hosts_learns_as_on_one_host(cluster, shared, tmp_path)
     assert cluster.job_states([ids["train"]]) == {ids["train"]: "COMPLETED"}, logs(run_dir)
     hosts = {h.name for h in cluster.hosts}
     # the trainer's two ranks on two hosts, the engine on the third
-    assert len(trainer_nodes) == 2 and len(engine_nodes) == 1 and set(trainer_nodes + engine_nodes) == hosts, \
-        (trainer_nodes, engine_nodes)
+    assert len(trainer_nodes) == 2 and len(engine_nodes) == 1 and set(trainer_nodes + engine_nodes) == hosts, (
+        trainer_nodes,
+        engine_nodes,
+    )
     assert interpreters == {str(shared["engine_python"])}, interpreters  # not the trainer's sys.executable
     text = logs(run_dir, tail=10**6)
     # each rank chose its host's eth0 toward the other host, never 127.0.1.1
@@ -158,8 +211,10 @@ def test_run_across_three_hosts_learns_as_on_one_host(cluster, shared, tmp_path)
         for key in EXACT_KEYS + FLOAT_KEYS + ("eval/avg@k", "eval/pass@k"):
             assert mine.get(key) == ref.get(key), (mine["step"], key, mine.get(key), ref.get(key))
     assert ours[-1]["eval/avg@k"] is not None
-    print(f"\n[multi-host] three-host run: {time.monotonic() - started:.0f} s; trainer on {trainer_nodes}, "
-          f"engine on {engine_nodes}; step rewards {[r.get('reward/mean') for r in ours[1:]]}")
+    print(
+        f"\n[multi-host] three-host run: {time.monotonic() - started:.0f} s; trainer on {trainer_nodes}, "
+        f"engine on {engine_nodes}; step rewards {[r.get('reward/mean') for r in ours[1:]]}"
+    )
 
 
 # ------------------------------------------------------------------------------------------- faults
@@ -193,7 +248,9 @@ def _host_named(cluster, name: str):
 def _wait_for(what, check, *, timeout_s: float, poll_s: float = 0.2, logs_of: Path | None = None):
     deadline = time.monotonic() + timeout_s
     while (value := check()) in (None, False, [], {}):
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s\n" + (logs(logs_of) if logs_of else "")
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s\n" + (
+            logs(logs_of) if logs_of else ""
+        )
         time.sleep(poll_s)
     return value
 
@@ -231,8 +288,10 @@ def test_engine_host_cut_off_for_20_s_mid_rollout(cluster, shared, tmp_path):
     # engine and took it back once it answered (pool.discover), re-synced, and redid the rollout
     said = [line for line in _train_log(run_dir)[seen:].splitlines() if line.startswith("[engines]")]
     step2 = next(r for r in metrics(run_dir) if r["step"] == 2)
-    print(f"\n[multi-host] link cut 20 s: step 2 generation {step2.get('time/gen_s', float('nan')):.1f} s; "
-          f"engine events: {said or 'none (the requests waited)'}")
+    print(
+        f"\n[multi-host] link cut 20 s: step 2 generation {step2.get('time/gen_s', float('nan')):.1f} s; "
+        f"engine events: {said or 'none (the requests waited)'}"
+    )
 
 
 def _train_log(run_dir: Path) -> str:
@@ -255,17 +314,26 @@ def test_engine_host_lost_during_weight_sync_is_requeued_and_resynced(cluster, s
     ids = submit(cluster, shared, run_dir, env_extra={"DAPO_CPU_ENGINE_SESSION_HOLD_S": "1"})
     record = _wait_for("engine registered", lambda: _engine_record(run_dir), timeout_s=400, logs_of=run_dir)
     engine = _host_named(cluster, node_of(cluster, ids["engines"])[0])
-    _wait_for("a weight-update session open", lambda: (_server_info(record["url"], run_dir) or {}).get(
-        "cpu_engine", {}).get("weight_update_session_open"), timeout_s=400, poll_s=0.02, logs_of=run_dir)
+    _wait_for(
+        "a weight-update session open",
+        lambda: (_server_info(record["url"], run_dir) or {}).get("cpu_engine", {}).get("weight_update_session_open"),
+        timeout_s=400,
+        poll_s=0.02,
+        logs_of=run_dir,
+    )
     os.kill(int(record["pid"]), signal.SIGSTOP)
     seen = len(_train_log(run_dir))
     time.sleep(2)
     assert "[engines]" not in _train_log(run_dir)[seen:]  # frozen, not failed: the sync waits on it
     killed_at = time.monotonic()
     assert cluster.kill_host(engine)
-    noticed = _wait_for("the trainer gives up on the engine", lambda: [
-        line for line in _train_log(run_dir)[seen:].splitlines() if line.startswith("[engines]")],
-        timeout_s=120, poll_s=0.1, logs_of=run_dir)
+    noticed = _wait_for(
+        "the trainer gives up on the engine",
+        lambda: [line for line in _train_log(run_dir)[seen:].splitlines() if line.startswith("[engines]")],
+        timeout_s=120,
+        poll_s=0.1,
+        logs_of=run_dir,
+    )
     failed_after = time.monotonic() - killed_at
     time.sleep(max(0.0, 3 - failed_after))
     cluster.start_slurmd(engine)
@@ -274,8 +342,10 @@ def test_engine_host_lost_during_weight_sync_is_requeued_and_resynced(cluster, s
     assert "restart 1)" in text, text[-4000:]  # the engine's array task ran again (--requeue)
     assert "registered after" in text and "re-syncing the weights of step" in text, text[-4000:]
     _same_as_one_host(run_dir, shared)
-    print(f"\n[multi-host] engine host lost during a sync: the trainer gave up on it {failed_after:.1f} s after "
-          f"the kill ({noticed[0][:160]}); the run finished {time.monotonic() - killed_at:.0f} s after the kill")
+    print(
+        f"\n[multi-host] engine host lost during a sync: the trainer gave up on it {failed_after:.1f} s after "
+        f"the kill ({noticed[0][:160]}); the run finished {time.monotonic() - killed_at:.0f} s after the kill"
+    )
 
 
 def test_trainer_host_lost_requeues_and_resumes_from_the_newest_checkpoint(cluster, shared, tmp_path):
@@ -286,26 +356,39 @@ def test_trainer_host_lost_requeues_and_resumes_from_the_newest_checkpoint(clust
     checkpoint, logging the steps after it with the one-host run's data."""
     run_dir = tmp_path / "run"
     ids = submit(cluster, shared, run_dir)
-    _wait_for("checkpoint of step 1", lambda: (run_dir / "checkpoints" / "step_000001").is_dir(), timeout_s=400,
-              logs_of=run_dir)
+    _wait_for(
+        "checkpoint of step 1",
+        lambda: (run_dir / "checkpoints" / "step_000001").is_dir(),
+        timeout_s=400,
+        logs_of=run_dir,
+    )
     first, second = node_of(cluster, ids["train"])
     lost = _host_named(cluster, second)
     killed_at = time.monotonic()
     assert cluster.kill_host(lost)
-    _wait_for("the lost node marked down", lambda: cluster.node_state(lost).startswith("down"), timeout_s=180,
-              logs_of=run_dir)
-    _wait_for("the job requeued", lambda: "Restarts=1" in cluster.run(
-        ["scontrol", "-o", "show", "job", ids["train"]], check=False).stdout, timeout_s=120, logs_of=run_dir)
+    _wait_for(
+        "the lost node marked down", lambda: cluster.node_state(lost).startswith("down"), timeout_s=180, logs_of=run_dir
+    )
+    _wait_for(
+        "the job requeued",
+        lambda: "Restarts=1" in cluster.run(["scontrol", "-o", "show", "job", ids["train"]], check=False).stdout,
+        timeout_s=120,
+        logs_of=run_dir,
+    )
     requeued_after = time.monotonic() - killed_at
     cluster.start_slurmd(lost)  # back after a reboot: the requeued job gets its two nodes again
     _finish(cluster, ids, run_dir)
     text = logs(run_dir, tail=10**6)
     assert f"job {ids['train']} restart 1:" in text, text[-4000:]
     # the lost node's job kept its engines for the requeue (on 3eb0efe's script it cancelled them)
-    assert "Slurm requeues the job (--requeue)" in text and "cancelling the rollout engines" not in \
-        text.split(f"job {ids['train']} restart 1:")[0], text[-4000:]
+    assert (
+        "Slurm requeues the job (--requeue)" in text
+        and "cancelling the rollout engines" not in text.split(f"job {ids['train']} restart 1:")[0]
+    ), text[-4000:]
     (resumed,) = [line for line in text.splitlines() if line.startswith("[job] requeued (restart 1): resuming from")]
     assert resumed.endswith(("step_000001", "step_000002")), resumed  # the newest complete checkpoint
     _same_as_one_host(run_dir, shared)
-    print(f"\n[multi-host] trainer host lost: job requeued {requeued_after:.0f} s after the kill, finished "
-          f"{time.monotonic() - killed_at:.0f} s after it")
+    print(
+        f"\n[multi-host] trainer host lost: job requeued {requeued_after:.0f} s after the kill, finished "
+        f"{time.monotonic() - killed_at:.0f} s after it"
+    )

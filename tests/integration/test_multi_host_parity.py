@@ -38,13 +38,43 @@ def test_check_parity_tp2_one_rank_per_host(two_hosts, tmp_path):
     port = random.randint(21000, 29000)
     procs = []
     for node_rank, host in enumerate((first, second)):
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-                "--node-rank", str(node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{first.name}:{port}",
-                "--rdzv-id", "parity", "-m", "dapo_megatron.cli", "check-parity", "--model", str(model),
-                "--tp", "2", "--seqs", "2", "--seq-len", "16"]
+        argv = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--node-rank",
+            str(node_rank),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{first.name}:{port}",
+            "--rdzv-id",
+            "parity",
+            "-m",
+            "dapo_megatron.cli",
+            "check-parity",
+            "--model",
+            str(model),
+            "--tp",
+            "2",
+            "--seqs",
+            "2",
+            "--seq-len",
+            "16",
+        ]
         log = open(tmp_path / f"rank{node_rank}.log", "wb")
-        procs.append((subprocess.Popen(two_hosts.on_host(host, argv), stdout=log, stderr=subprocess.STDOUT,
-                                       env=env, cwd=tmp_path), log))
+        procs.append(
+            (
+                subprocess.Popen(
+                    two_hosts.on_host(host, argv), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path
+                ),
+                log,
+            )
+        )
     try:
         codes = _wait_all([proc for proc, _ in procs], timeout_s=400)
     finally:
@@ -60,8 +90,9 @@ def test_check_parity_tp2_one_rank_per_host(two_hosts, tmp_path):
     assert f"gloo/nccl interface eth0 ({first.address})" in out0, out0[-3000:]
     assert f"gloo/nccl interface eth0 ({second.address})" in out1, out1[-3000:]
     assert "check-parity: passed" in out0 + out1
-    diff = float([line for line in (out0 + out1).splitlines() if line.startswith("max_abs_logprob_diff=")][0]
-                 .split("=", 1)[1])
+    diff = float(
+        [line for line in (out0 + out1).splitlines() if line.startswith("max_abs_logprob_diff=")][0].split("=", 1)[1]
+    )
     assert diff <= 1e-5  # TP=2 across hosts agrees with transformers as TP=2 on one host does
 
 

@@ -25,8 +25,12 @@ def _tag_left(tag: str) -> list[str]:
 
 
 def _start_by_hand(root: Path) -> tuple[subprocess.Popen, str, list[str]]:
-    proc = subprocess.Popen([sys.executable, str(CLUSTER), "--hosts", "2", str(root)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(CLUSTER), "--hosts", "2", str(root)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines = []
     for line in proc.stdout:
         lines.append(line.rstrip("\n"))
@@ -42,12 +46,17 @@ def test_hosts_have_their_own_name_address_and_debian_hosts_file(tmp_path):
 
     with MultiHostSlurm(tmp_path / "c", hosts=2) as cluster:
         first, second = cluster.hosts
-        out = subprocess.run(cluster.on_host(first, ["sh", "-c", f"hostname; getent hosts $(hostname) {second.name}; "
-                                                                  "ip -4 -o addr show eth0"]),
-                             capture_output=True, text=True, timeout=60).stdout.splitlines()
+        out = subprocess.run(
+            cluster.on_host(
+                first, ["sh", "-c", f"hostname; getent hosts $(hostname) {second.name}; ip -4 -o addr show eth0"]
+            ),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout.splitlines()
         assert out[0] == first.name
-        assert out[1].split() == ["127.0.1.1", first.name]          # Debian: the host's own name
-        assert out[2].split() == [second.address, second.name]      # the others: their addresses
+        assert out[1].split() == ["127.0.1.1", first.name]  # Debian: the host's own name
+        assert out[2].split() == [second.address, second.name]  # the others: their addresses
         assert f"inet {first.address}/24" in out[3]
         # one Slurm across the hosts: a two-node step runs on both, each under its own hostname
         job = cluster.sbatch(["--nodes=2", f"--output={tmp_path}/o.txt", "--wrap", "srun hostname"])

@@ -19,8 +19,15 @@ def _cfg(tp: int):
     from dapo_megatron.config import ActorConfig, Config
 
     cfg = Config()
-    cfg.actor = ActorConfig(tp=tp, attention_backend="torch", precision="fp32", micro_batch_tokens=64,
-                            use_distributed_optimizer=True, fused_logprob=False, fused_policy_loss=False)
+    cfg.actor = ActorConfig(
+        tp=tp,
+        attention_backend="torch",
+        precision="fp32",
+        micro_batch_tokens=64,
+        use_distributed_optimizer=True,
+        fused_logprob=False,
+        fused_policy_loss=False,
+    )
     cfg.rollout.temperature = 1.0
     cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-3, 0
     return cfg
@@ -32,8 +39,7 @@ def _training_samples() -> list[Sample]:
     for i in range(8):
         prompt = [rng.randrange(5, 300) for _ in range(rng.randint(2, 8))]
         response = [rng.randrange(5, 300) for _ in range(rng.randint(2, 10))]
-        out.append(Sample(prompt_ids=prompt, response_ids=response, group_index=i // 2,
-                          advantage=[1.0, -1.0][i % 2]))
+        out.append(Sample(prompt_ids=prompt, response_ids=response, group_index=i // 2, advantage=[1.0, -1.0][i % 2]))
     return out
 
 
@@ -59,14 +65,17 @@ def _train_sync_score_rank(hf_dir: str, url: str):
 
         engine_out = None
         if rank == 0:
+
             async def push_and_sample():
                 async with EngineClient(url) as client:
                     sync = DistributedWeightSync(master_address="127.0.0.1", backend="gloo", bucket_bytes=100_000)
                     stats = await sync.sync([client], actor.iter_hf_weights(), weight_version="step_1")
                     await sync.close([client])
-                    outs = await client.generate(input_ids=PROMPTS, return_logprob=True,
-                                                 sampling_params={"max_new_tokens": 16, "sampling_seed": 21,
-                                                                  "ignore_eos": True})
+                    outs = await client.generate(
+                        input_ids=PROMPTS,
+                        return_logprob=True,
+                        sampling_params={"max_new_tokens": 16, "sampling_seed": 21, "ignore_eos": True},
+                    )
                     return stats, outs
 
             engine_out = asyncio.run(push_and_sample())
@@ -76,10 +85,14 @@ def _train_sync_score_rank(hf_dir: str, url: str):
         box = [engine_out]
         dist.broadcast_object_list(box, src=0)
         stats, outs = box[0]
-        scored = [Sample(prompt_ids=p, response_ids=o["output_ids"], group_index=i)
-                  for i, (p, o) in enumerate(zip(PROMPTS, outs))]
+        scored = [
+            Sample(prompt_ids=p, response_ids=o["output_ids"], group_index=i)
+            for i, (p, o) in enumerate(zip(PROMPTS, outs))
+        ]
         actor_lp = [t.double() for t in actor.logprobs(scored).logprobs]
-    engine_lp = [torch.tensor([x[0] for x in o["meta_info"]["output_token_logprobs"]], dtype=torch.float64) for o in outs]
+    engine_lp = [
+        torch.tensor([x[0] for x in o["meta_info"]["output_token_logprobs"]], dtype=torch.float64) for o in outs
+    ]
     return metrics, stats.num_tensors, stats.bytes, engine_lp, actor_lp, [o["output_ids"] for o in outs]
 
 
@@ -109,6 +122,6 @@ def test_engine_logprobs_match_tp2_actor_after_one_step_and_sync(rank_pool, engi
         assert torch.equal(a, a_rank1)  # both ranks computed the same actor log-probs
         with torch.no_grad():  # the step moved the policy: the pre-step weights score these tokens otherwise
             logits = original(torch.tensor([prompt + out_ids])).logits[0].double()
-        before = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(-1, torch.tensor(out_ids)[:, None])[:, 0]
+        before = torch.log_softmax(logits[len(prompt) - 1 : -1], -1).gather(-1, torch.tensor(out_ids)[:, None])[:, 0]
         moved = max(moved, float((before - e).abs().max()))
     assert moved > 1e-2  # 100x the tolerance: the engine really serves the updated weights

@@ -28,7 +28,9 @@ def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("cpu_engine_semantics")
     model_a = make_tiny_checkpoint(root / "model_a", seed=0)
     model_b = make_tiny_checkpoint(root / "model_b", seed=1)
-    server = ServerProcess(model_a, root / "engines", log_path=root / "server.log", extra_args=("--max-batch-size", "1"))
+    server = ServerProcess(
+        model_a, root / "engines", log_path=root / "server.log", extra_args=("--max-batch-size", "1")
+    )
     yield SimpleNamespace(root=root, model_a=model_a, model_b=model_b, url=server.url)
     server.kill()
 
@@ -43,7 +45,9 @@ def flush(url: str, query: str = "") -> int:
     import urllib.request
 
     try:
-        with urllib.request.urlopen(urllib.request.Request(url + "/flush_cache" + query, method="POST"), timeout=120) as r:
+        with urllib.request.urlopen(
+            urllib.request.Request(url + "/flush_cache" + query, method="POST"), timeout=120
+        ) as r:
             return r.status
     except urllib.error.HTTPError as err:
         return err.code
@@ -57,14 +61,20 @@ async def wait_for(predicate, what: str, timeout_s: float = 120.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def start_long(client: EngineClient, url: str, rid: str, *, items: int = 1, max_new_tokens: int = 240,
-                     min_tokens: int = 0) -> asyncio.Task:
+async def start_long(
+    client: EngineClient, url: str, rid: str, *, items: int = 1, max_new_tokens: int = 240, min_tokens: int = 0
+) -> asyncio.Task:
     """A request of `items` samples (rids rid-0., rid-1., ...; one runs at a time: --max-batch-size 1)
     that occupies the engine until aborted or done; returns once the first one runs with at least
     min_tokens tokens (bounded by the context length: 6 + 240 = 246 <= 256 tokens each)."""
-    task = asyncio.ensure_future(client.generate(
-        input_ids=[PROMPT] * items, rid=[f"{rid}-{i}." for i in range(items)], return_logprob=True,
-        sampling_params={**LONG, "max_new_tokens": max_new_tokens}))
+    task = asyncio.ensure_future(
+        client.generate(
+            input_ids=[PROMPT] * items,
+            rid=[f"{rid}-{i}." for i in range(items)],
+            return_logprob=True,
+            sampling_params={**LONG, "max_new_tokens": max_new_tokens},
+        )
+    )
 
     def running() -> bool:
         return any(r["rid"] == f"{rid}-0." and r["completion_tokens"] >= min_tokens for r in info(url)["running"])
@@ -131,18 +141,24 @@ def test_abort_names_samples_exactly_then_matches_by_prefix(env):
     have fresh uuids, so their parent's rid aborts nothing; so does a rid naming no sample, like
     "long" for long-0. ...); a known rid aborts every queued or running request whose rid starts with
     it ("s1" also aborts "s10", hence the sampler's terminated rids)."""
+
     async def scenario():
         async with EngineClient(env.url) as c:
             before = info(env.url)["num_requests"]
             long = await start_long(c, env.url, "long", items=8)  # keeps the others queued behind it
-            parent = asyncio.ensure_future(c.generate(input_ids=PROMPT, rid="parent",
-                                                      sampling_params={"n": 2, "max_new_tokens": 4}))
-            prefix = asyncio.ensure_future(c.generate(input_ids=[PROMPT] * 2, rid=["s1", "s10"],
-                                                      sampling_params={"max_new_tokens": 4}))
-            exact = asyncio.ensure_future(c.generate(input_ids=[PROMPT] * 2, rid=["q-0-1.", "q-0-10."],
-                                                     sampling_params={"max_new_tokens": 4}))
-            await wait_for(lambda: info(env.url)["num_requests"] == before + 4
-                           and info(env.url)["num_waiting_sequences"] >= 6, "6 queued samples")
+            parent = asyncio.ensure_future(
+                c.generate(input_ids=PROMPT, rid="parent", sampling_params={"n": 2, "max_new_tokens": 4})
+            )
+            prefix = asyncio.ensure_future(
+                c.generate(input_ids=[PROMPT] * 2, rid=["s1", "s10"], sampling_params={"max_new_tokens": 4})
+            )
+            exact = asyncio.ensure_future(
+                c.generate(input_ids=[PROMPT] * 2, rid=["q-0-1.", "q-0-10."], sampling_params={"max_new_tokens": 4})
+            )
+            await wait_for(
+                lambda: info(env.url)["num_requests"] == before + 4 and info(env.url)["num_waiting_sequences"] >= 6,
+                "6 queued samples",
+            )
             for rid in ("parent", "parent_0", "long", "s1", "q-0-1."):
                 await c.abort(rid)
             for i in range(8):  # the samples of "long", by their own rids
@@ -190,7 +206,9 @@ def test_weights_updated_during_a_pause_show_in_the_versions_of_the_tokens(env, 
 
     out, flushed, held = asyncio.run(scenario())
     spans = out["meta_info"]["weight_versions"]
-    assert [s["version"] for s in spans] == ["default", f"b-{mode}"] and out["meta_info"]["weight_version"] == f"b-{mode}"
+    assert [s["version"] for s in spans] == ["default", f"b-{mode}"] and out["meta_info"][
+        "weight_version"
+    ] == f"b-{mode}"
     k = spans[0]["end"]
     assert spans == [{"version": "default", "start": 0, "end": k}, {"version": f"b-{mode}", "start": k, "end": 240}]
     assert 5 <= k < 240 and not held
@@ -264,13 +282,26 @@ def test_stale_weight_version_is_counted_and_never_trained_on(env):
 
     tokenizer = AutoTokenizer.from_pretrained(env.model_a)
     records = [SimpleNamespace(prompt=f"What is {i} + 1?", ground_truth="2") for i in range(3)]
-    settings = RolloutSettings(n=2, max_new_tokens=4, gen_batch_size=3, dynamic_sampling=False, max_num_gen_batches=1,
-                               on_exhausted="train", overlong_shaping=False, progress=False)
+    settings = RolloutSettings(
+        n=2,
+        max_new_tokens=4,
+        gen_batch_size=3,
+        dynamic_sampling=False,
+        max_num_gen_batches=1,
+        on_exhausted="train",
+        overlong_shaping=False,
+        progress=False,
+    )
 
     async def scenario():
         pool = EnginePool(urls=[env.url])
-        sampler = RolloutSampler(pool, tokenizer, settings, rid_prefix="stale",
-                                 reward_fn=lambda text, gt: SimpleNamespace(score=1.0, acc=1.0, pred=None))
+        sampler = RolloutSampler(
+            pool,
+            tokenizer,
+            settings,
+            rid_prefix="stale",
+            reward_fn=lambda text, gt: SimpleNamespace(score=1.0, acc=1.0, pred=None),
+        )
         sampler.weight_version = "step_7"  # what the driver last synced; the engine still serves "default"
         result = await sampler.collect(iter(records), train_batch_size=3)
         await pool.close()

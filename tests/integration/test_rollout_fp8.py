@@ -21,7 +21,9 @@ import pytest
 import torch
 from rollout_helpers import ServerProcess, make_tiny_checkpoint
 
-pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt not installed (pip install -e '.[modelopt]')")
+pytest.importorskip(
+    "modelopt.torch.quantization", reason="nvidia-modelopt not installed (pip install -e '.[modelopt]')"
+)
 
 from dapo_megatron.dataplane.sample import Sample  # noqa: E402
 
@@ -33,8 +35,15 @@ def _cfg():
     from dapo_megatron.config import ActorConfig, Config
 
     cfg = Config()
-    cfg.actor = ActorConfig(tp=1, attention_backend="torch", precision="fp32", micro_batch_tokens=256,
-                            use_distributed_optimizer=False, fused_logprob=False, fused_policy_loss=False)
+    cfg.actor = ActorConfig(
+        tp=1,
+        attention_backend="torch",
+        precision="fp32",
+        micro_batch_tokens=256,
+        use_distributed_optimizer=False,
+        fused_logprob=False,
+        fused_policy_loss=False,
+    )
     cfg.rollout.temperature = 1.0
     cfg.algorithm.tis_cap = TIS_CAP
     cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-2, 0
@@ -91,11 +100,14 @@ def _rank(fp8_dir: str, hf_dir: str, fp8_url: str, plain_url: str):
         result["syncs"].append(sync(0))
         outs = None
         if rank == 0:
+
             async def sample():
                 params = {"max_new_tokens": 12, "sampling_seed": 5, "ignore_eos": True}
                 async with EngineClient(fp8_url) as fp8, EngineClient(plain_url) as plain:
-                    return (await fp8.generate(input_ids=PROMPTS, return_logprob=True, sampling_params=params),
-                            await plain.generate(input_ids=PROMPTS, return_logprob=True, sampling_params=params))
+                    return (
+                        await fp8.generate(input_ids=PROMPTS, return_logprob=True, sampling_params=params),
+                        await plain.generate(input_ids=PROMPTS, return_logprob=True, sampling_params=params),
+                    )
 
             outs = asyncio.run(sample())
         box = [outs]
@@ -105,20 +117,32 @@ def _rank(fp8_dir: str, hf_dir: str, fp8_url: str, plain_url: str):
         def lps(o):
             return [x[0] for x in o["meta_info"]["output_token_logprobs"]]
 
-        samples = [Sample(prompt_ids=p, response_ids=o["output_ids"], group_index=i // 2,
-                          advantage=[1.0, -1.0][i % 2], rollout_logprobs=lps(o))
-                   for i, (p, o) in enumerate(zip(PROMPTS, fp8_outs))]
-        plain_samples = [Sample(prompt_ids=p, response_ids=o["output_ids"], group_index=i)
-                         for i, (p, o) in enumerate(zip(PROMPTS, plain_outs))]
+        samples = [
+            Sample(
+                prompt_ids=p,
+                response_ids=o["output_ids"],
+                group_index=i // 2,
+                advantage=[1.0, -1.0][i % 2],
+                rollout_logprobs=lps(o),
+            )
+            for i, (p, o) in enumerate(zip(PROMPTS, fp8_outs))
+        ]
+        plain_samples = [
+            Sample(prompt_ids=p, response_ids=o["output_ids"], group_index=i)
+            for i, (p, o) in enumerate(zip(PROMPTS, plain_outs))
+        ]
         old = actor.logprobs(samples).logprobs
         plain_actor = actor.logprobs(plain_samples).logprobs
         for s, lp in zip(samples, old):
             s.old_logprobs = lp.tolist()
         metrics = actor.train(samples, step=0)
         result["syncs"].append(sync(1))
-        result.update(metrics=metrics, samples=samples,
-                      plain_engine=[torch.tensor(lps(o), dtype=torch.float64) for o in plain_outs],
-                      plain_actor=[t.double() for t in plain_actor])
+        result.update(
+            metrics=metrics,
+            samples=samples,
+            plain_engine=[torch.tensor(lps(o), dtype=torch.float64) for o in plain_outs],
+            plain_actor=[t.double() for t in plain_actor],
+        )
     return result
 
 
@@ -186,21 +210,38 @@ def test_engine_holds_float8_within_fp8_error_of_the_actor_after_every_sync(run)
     before, after = run["syncs"][0]["actor"], run["syncs"][1]["actor"]
     moved = max(float((after[n] - before[n]).abs().max()) for n in before)
     assert moved > 1e-3  # the second sync carried the trained weights
-    assert any(not torch.equal(run["syncs"][0]["sent"][n], run["syncs"][1]["sent"][n])
-               for n in run["syncs"][0]["sent"] if n.endswith("proj.weight"))
+    assert any(
+        not torch.equal(run["syncs"][0]["sent"][n], run["syncs"][1]["sent"][n])
+        for n in run["syncs"][0]["sent"]
+        if n.endswith("proj.weight")
+    )
 
 
 def test_fp8_mismatch_exceeds_fp32_engine_and_tis_bounds_the_update(run):
     samples, metrics = run["samples"], run["metrics"]
-    fp8_diff = torch.cat([(torch.tensor(s.old_logprobs, dtype=torch.float64)
-                           - torch.tensor(s.rollout_logprobs, dtype=torch.float64)).abs() for s in samples])
+    fp8_diff = torch.cat(
+        [
+            (
+                torch.tensor(s.old_logprobs, dtype=torch.float64)
+                - torch.tensor(s.rollout_logprobs, dtype=torch.float64)
+            ).abs()
+            for s in samples
+        ]
+    )
     plain_diff = torch.cat([(a - e).abs() for a, e in zip(run["plain_actor"], run["plain_engine"])])
     assert plain_diff.max() < 1e-4  # same fp32 weights: rounding only
     assert fp8_diff.mean() > 100 * plain_diff.mean() and fp8_diff.mean() > 1e-3
     # TIS per token: min(pi_old / pi_engine, cap); with cap 1 some tokens are clamped, some are not
-    tis = [torch.clamp(torch.exp(torch.tensor(s.old_logprobs, dtype=torch.float64)
-                                 - torch.tensor(s.rollout_logprobs, dtype=torch.float64)), max=TIS_CAP)
-           for s in samples]
+    tis = [
+        torch.clamp(
+            torch.exp(
+                torch.tensor(s.old_logprobs, dtype=torch.float64)
+                - torch.tensor(s.rollout_logprobs, dtype=torch.float64)
+            ),
+            max=TIS_CAP,
+        )
+        for s in samples
+    ]
     flat = torch.cat(tis)
     assert bool((flat <= TIS_CAP).all()) and (flat == TIS_CAP).any() and (flat < TIS_CAP).any()
     # the first update is on-policy (ratio 1, no clipping), so the token-mean loss is

@@ -26,7 +26,9 @@ from rollout_helpers import ServerProcess, save_tiny_tokenizer
 
 from helpers_tiny import save_tiny_hf
 
-pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt not installed (pip install -e '.[modelopt]')")
+pytest.importorskip(
+    "modelopt.torch.quantization", reason="nvidia-modelopt not installed (pip install -e '.[modelopt]')"
+)
 
 from dapo_megatron.dataplane.sample import Sample  # noqa: E402
 
@@ -39,9 +41,16 @@ def _cfg(output_dir: str, *, quantization_aware: bool):
     from dapo_megatron.config import ActorConfig, Config
 
     cfg = Config()
-    cfg.actor = ActorConfig(tp=2, attention_backend="torch", precision="fp32", micro_batch_tokens=256,
-                            use_distributed_optimizer=False, fused_logprob=False, fused_policy_loss=False,
-                            quantization_aware=quantization_aware)
+    cfg.actor = ActorConfig(
+        tp=2,
+        attention_backend="torch",
+        precision="fp32",
+        micro_batch_tokens=256,
+        use_distributed_optimizer=False,
+        fused_logprob=False,
+        fused_policy_loss=False,
+        quantization_aware=quantization_aware,
+    )
     cfg.rollout.quantization = "fp8"
     cfg.trainer.output_dir = output_dir  # <output_dir>/rollout_fp8: the engines' checkpoint
     cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-3, 0
@@ -64,6 +73,7 @@ def _rank(output_dir: str, hf_dir: str, fp8_url: str):
         named = list(qat.iter_hf_weights())  # collective; the master weights (fp32), not fake-quantized
         outs = None
         if dist.get_rank() == 0:
+
             async def sync_and_sample():
                 async with EngineClient(fp8_url) as fp8:
                     s = DistributedWeightSync(master_address="127.0.0.1", backend="gloo", bucket_bytes=50_000)
@@ -75,10 +85,16 @@ def _rank(output_dir: str, hf_dir: str, fp8_url: str):
             outs = asyncio.run(sync_and_sample())
         box = [outs]
         dist.broadcast_object_list(box, src=0)
-        samples = [Sample(prompt_ids=p, response_ids=o["output_ids"], group_index=i // 2,
-                          advantage=[1.0, -1.0][i % 2],
-                          rollout_logprobs=[x[0] for x in o["meta_info"]["output_token_logprobs"]])
-                   for i, (p, o) in enumerate(zip(PROMPTS, box[0]))]
+        samples = [
+            Sample(
+                prompt_ids=p,
+                response_ids=o["output_ids"],
+                group_index=i // 2,
+                advantage=[1.0, -1.0][i % 2],
+                rollout_logprobs=[x[0] for x in o["meta_info"]["output_token_logprobs"]],
+            )
+            for i, (p, o) in enumerate(zip(PROMPTS, box[0]))
+        ]
         with_qat = qat.logprobs(samples).logprobs
         without = plain.logprobs(samples).logprobs
         for s, lp in zip(samples, with_qat):
@@ -87,8 +103,14 @@ def _rank(output_dir: str, hf_dir: str, fp8_url: str):
         unchanged = all(torch.equal(a, b) for (_, a), (_, b) in zip(named, plain.iter_hf_weights()))
         moved = max(float((a - b).abs().max()) for (_, a), (_, b) in zip(qat.iter_hf_weights(), named))
     engine = [torch.tensor(s.rollout_logprobs, dtype=torch.float64) for s in samples]
-    return {"qat": [t.double() for t in with_qat], "plain": [t.double() for t in without], "engine": engine,
-            "metrics": metrics, "unchanged": unchanged, "moved": moved}
+    return {
+        "qat": [t.double() for t in with_qat],
+        "plain": [t.double() for t in without],
+        "engine": engine,
+        "metrics": metrics,
+        "unchanged": unchanged,
+        "moved": moved,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +120,15 @@ def run(rank_pool, tmp_path_factory):
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("rollout_fp8_qat")
     # whole 128-channel groups: the engine's GEMM quantizes activations per 128 input channels (SGLang's rule)
-    model_dir = save_tiny_hf(root / "model", arch="qwen2", tied=False, num_layers=2, seed=0, dtype=torch.float32,
-                             shape={"hidden_size": 128, "intermediate_size": 256})
+    model_dir = save_tiny_hf(
+        root / "model",
+        arch="qwen2",
+        tied=False,
+        num_layers=2,
+        seed=0,
+        dtype=torch.float32,
+        shape={"hidden_size": 128, "intermediate_size": 256},
+    )
     save_tiny_tokenizer(model_dir)
     fp8_dir = export_fp8_checkpoint(model_dir, root / "run" / "rollout_fp8", dtype=torch.bfloat16)
     fp8 = ServerProcess(fp8_dir, root / "engines", log_path=root / "fp8.log")
@@ -117,8 +146,10 @@ def _mismatch(trainer, engine):
 def test_quantization_aware_logprobs_match_the_fp8_engine(run):
     qat_mean, qat_max = _mismatch(run["qat"], run["engine"])
     plain_mean, plain_max = _mismatch(run["plain"], run["engine"])
-    print(f"mismatch without quantization_aware: mean {plain_mean:.2e} max {plain_max:.2e}; "
-          f"with: mean {qat_mean:.2e} max {qat_max:.2e}; ratio of means {plain_mean / qat_mean:.0f}")
+    print(
+        f"mismatch without quantization_aware: mean {plain_mean:.2e} max {plain_max:.2e}; "
+        f"with: mean {qat_mean:.2e} max {qat_max:.2e}; ratio of means {plain_mean / qat_mean:.0f}"
+    )
     assert plain_mean > 1e-3  # the FP8 weight error is there
     assert plain_mean > MIN_RATIO * qat_mean and plain_max > MIN_RATIO * qat_max
 

@@ -22,10 +22,15 @@ def env(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("rollout_pool")
     model_dir = make_tiny_checkpoint(root / "model", seed=0)
-    servers = [ServerProcess(model_dir, root / "engines", seed=i, log_path=root / f"s{i}.log",
-                             extra_args=("--max-batch-size", "1")) for i in range(2)]
-    yield SimpleNamespace(root=root, model_dir=model_dir, servers=servers,
-                          tokenizer=AutoTokenizer.from_pretrained(model_dir))
+    servers = [
+        ServerProcess(
+            model_dir, root / "engines", seed=i, log_path=root / f"s{i}.log", extra_args=("--max-batch-size", "1")
+        )
+        for i in range(2)
+    ]
+    yield SimpleNamespace(
+        root=root, model_dir=model_dir, servers=servers, tokenizer=AutoTokenizer.from_pretrained(model_dir)
+    )
     for s in servers:
         s.kill()
 
@@ -50,9 +55,18 @@ class ScriptedReward:
 def test_dynamic_sampling_stops_when_full_and_aborts_leftovers(env):
     url = env.servers[0].url
     source = iter(records(["mixed", "same", "mixed", "same"] + ["mixed"] * 16))
-    settings = RolloutSettings(n=2, max_new_tokens=32, gen_batch_size=4, dynamic_sampling=True,
-                               max_num_gen_batches=5, overlong_shaping=True, overlong_buffer_length=8,
-                               stop_token_ids=(), progress=False, seed=7)
+    settings = RolloutSettings(
+        n=2,
+        max_new_tokens=32,
+        gen_batch_size=4,
+        dynamic_sampling=True,
+        max_num_gen_batches=5,
+        overlong_shaping=True,
+        overlong_buffer_length=8,
+        stop_token_ids=(),
+        progress=False,
+        seed=7,
+    )
 
     def server_aborted() -> list[str]:
         return get_json(url + "/server_info")["cpu_engine"]["aborted_rids"]
@@ -97,8 +111,9 @@ def test_dynamic_sampling_stops_when_full_and_aborts_leftovers(env):
 
 def test_engine_killed_mid_round_loses_no_prompt_and_rejoins_after_resync(env):
     a, b = env.servers
-    settings = RolloutSettings(n=2, max_new_tokens=48, gen_batch_size=8, dynamic_sampling=False,
-                               overlong_shaping=False, progress=False, seed=3)
+    settings = RolloutSettings(
+        n=2, max_new_tokens=48, gen_batch_size=8, dynamic_sampling=False, overlong_shaping=False, progress=False, seed=3
+    )
     served_before = get_json(a.url + "/get_server_info")["cpu_engine"]["num_requests"]
 
     def reward_killing_b(response, ground_truth, _state={"killed": False}):
@@ -119,8 +134,14 @@ def test_engine_killed_mid_round_loses_no_prompt_and_rejoins_after_resync(env):
         state_after_kill = pool.load()
         after_kill = report.report(out=lines.append)
         # b comes back on the same host:port (a requeued array task): pending until synced
-        restarted = ServerProcess(env.model_dir, env.root / "engines", seed=5, port=b.record["port"],
-                                  log_path=env.root / "s1.log", extra_args=("--max-batch-size", "1"))
+        restarted = ServerProcess(
+            env.model_dir,
+            env.root / "engines",
+            seed=5,
+            port=b.record["port"],
+            log_path=env.root / "s1.log",
+            extra_args=("--max-batch-size", "1"),
+        )
         env.servers[1] = restarted
         pending = await pool.discover()
         live_before_admit = pool.live_urls()
@@ -156,24 +177,48 @@ def test_engine_killed_mid_round_loses_no_prompt_and_rejoins_after_resync(env):
     assert sorted(pool.live_urls()) == sorted([a.url, b.url])
     assert torch.equal(torch.tensor(row), trainer.state_dict()["lm_head.weight"][:2])
     assert [e.split(":")[0] for _, e, u in pool.events if u == b.url] == [
-        "pending", "admitted", "dropped", "pending", "admitted"]
+        "pending",
+        "admitted",
+        "dropped",
+        "pending",
+        "admitted",
+    ]
     # one console line per fault event (start-up admissions are not faults), running counts as metrics
     assert len(lines) == 3, lines
     assert lines[0].startswith(f"[engines] {b.url} dropped (") and lines[0].endswith("; 1 live")
     assert lines[1] == f"[engines] {b.url} answers again; it rejoins after the next weight sync"
     assert lines[2] == f"[engines] {b.url} rejoined with the current weights; 2 live"
     assert counts == [
-        {"engines/live": 1.0, "engines/dropped_total": 1.0, "engines/returned_total": 0.0, "engines/rejoined_total": 0.0},
-        {"engines/live": 1.0, "engines/dropped_total": 1.0, "engines/returned_total": 1.0, "engines/rejoined_total": 0.0},
-        {"engines/live": 2.0, "engines/dropped_total": 1.0, "engines/returned_total": 1.0, "engines/rejoined_total": 1.0}]
+        {
+            "engines/live": 1.0,
+            "engines/dropped_total": 1.0,
+            "engines/returned_total": 0.0,
+            "engines/rejoined_total": 0.0,
+        },
+        {
+            "engines/live": 1.0,
+            "engines/dropped_total": 1.0,
+            "engines/returned_total": 1.0,
+            "engines/rejoined_total": 0.0,
+        },
+        {
+            "engines/live": 2.0,
+            "engines/dropped_total": 1.0,
+            "engines/returned_total": 1.0,
+            "engines/rejoined_total": 1.0,
+        },
+    ]
 
 
 def test_pool_survives_one_event_loop_per_step(env):
     """The training loop may call asyncio.run once per step with the same pool (and sampler)."""
     pool = EnginePool(urls=[env.servers[0].url])
-    sampler = RolloutSampler(pool, env.tokenizer, RolloutSettings(n=2, max_new_tokens=4, gen_batch_size=2,
-                                                                  dynamic_sampling=False, progress=False),
-                             reward_fn=lambda text, gt: SimpleNamespace(score=1.0, acc=1.0, pred=None))
+    sampler = RolloutSampler(
+        pool,
+        env.tokenizer,
+        RolloutSettings(n=2, max_new_tokens=4, gen_batch_size=2, dynamic_sampling=False, progress=False),
+        reward_fn=lambda text, gt: SimpleNamespace(score=1.0, acc=1.0, pred=None),
+    )
     # the engine may hold a trainer's weights from an earlier test: expect the version it serves
     sampler.weight_version = get_json(env.servers[0].url + "/model_info")["weight_version"]
     source = iter(records(["x"] * 4))

@@ -25,8 +25,9 @@ NUM_LAYERS, TOPK = 3, 2  # tiny Qwen3-MoE: layers 0 and 2 sparse, layer 1 dense 
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    return save_tiny_hf(tmp_path_factory.mktemp("moe_engine") / "qwen3_moe", arch="qwen3_moe",
-                        num_layers=NUM_LAYERS, seed=3)
+    return save_tiny_hf(
+        tmp_path_factory.mktemp("moe_engine") / "qwen3_moe", arch="qwen3_moe", num_layers=NUM_LAYERS, seed=3
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +45,18 @@ def router_topk(moe_dir, ids: list[int]) -> torch.Tensor:
 
     model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
     out = torch.zeros(len(ids), NUM_LAYERS, TOPK, dtype=torch.long)
+
     def keep(layer):
         def hook(module, args, output):  # returns None: the router's output is left as is
             out[:, layer] = output[2].reshape(len(ids), TOPK)
+
         return hook
 
-    hooks = [layer.mlp.gate.register_forward_hook(keep(i)) for i, layer in enumerate(model.model.layers)
-             if hasattr(layer.mlp, "gate")]
+    hooks = [
+        layer.mlp.gate.register_forward_hook(keep(i))
+        for i, layer in enumerate(model.model.layers)
+        if hasattr(layer.mlp, "gate")
+    ]
     with torch.no_grad():
         model(torch.tensor([ids]))
     for h in hooks:
@@ -59,8 +65,13 @@ def router_topk(moe_dir, ids: list[int]) -> torch.Tensor:
 
 
 def test_engine_experts_are_transformers_routers_choice(server, moe_dir):
-    outs = generate(server.url, input_ids=[PROMPT, PROMPT[:3]], return_routed_experts=True, return_logprob=True,
-                    sampling_params={"n": 2, "max_new_tokens": 7, "temperature": 1.0, "sampling_seed": 5})
+    outs = generate(
+        server.url,
+        input_ids=[PROMPT, PROMPT[:3]],
+        return_routed_experts=True,
+        return_logprob=True,
+        sampling_params={"n": 2, "max_new_tokens": 7, "temperature": 1.0, "sampling_seed": 5},
+    )
     assert len(outs) == 4  # batched, padded (prompts of 6 and 3 tokens), two samples each
     used = set()
     for k, out in enumerate(outs):
@@ -77,15 +88,24 @@ def test_engine_experts_are_transformers_routers_choice(server, moe_dir):
 
 
 def test_start_len_and_absence(server):
-    full = generate(server.url, input_ids=PROMPT, return_routed_experts=True,
-                    sampling_params={"max_new_tokens": 4, "temperature": 0.0})
-    tail = generate(server.url, input_ids=PROMPT, return_routed_experts=True, routed_experts_start_len=len(PROMPT),
-                    sampling_params={"max_new_tokens": 4, "temperature": 0.0})
+    full = generate(
+        server.url,
+        input_ids=PROMPT,
+        return_routed_experts=True,
+        sampling_params={"max_new_tokens": 4, "temperature": 0.0},
+    )
+    tail = generate(
+        server.url,
+        input_ids=PROMPT,
+        return_routed_experts=True,
+        routed_experts_start_len=len(PROMPT),
+        sampling_params={"max_new_tokens": 4, "temperature": 0.0},
+    )
     assert full["output_ids"] == tail["output_ids"]
     num_out = len(full["output_ids"])
     rows = decode_routed_experts(full["meta_info"]["routed_experts"], num_rows=len(PROMPT) + num_out - 1, where="t")
     tail_rows = decode_routed_experts(tail["meta_info"]["routed_experts"], num_rows=num_out - 1, where="t")
-    assert torch.equal(rows[len(PROMPT):], tail_rows)
+    assert torch.equal(rows[len(PROMPT) :], tail_rows)
     plain = generate(server.url, input_ids=PROMPT, sampling_params={"max_new_tokens": 2})
     assert "routed_experts" not in plain["meta_info"]  # not asked: not sent (SGLang's behaviour)
 
@@ -93,13 +113,21 @@ def test_start_len_and_absence(server):
 def test_experts_survive_a_retract_pause(server, moe_dir):
     """A retract pause drops the KV cache; on continue the engine re-prefills prompt + output so far.
     The experts it reports must still be one row per processed token, the router's choice for it."""
+
     async def scenario():
         async with EngineClient(server.url) as c:
-            task = asyncio.ensure_future(c.generate(
-                input_ids=PROMPT, rid="moe-retract", return_routed_experts=True,
-                sampling_params={"max_new_tokens": 200, "ignore_eos": True, "temperature": 1.0}))
-            while not any(r["rid"] == "moe-retract" and r["completion_tokens"] >= 3
-                          for r in (await c.server_info())["cpu_engine"]["running"]):
+            task = asyncio.ensure_future(
+                c.generate(
+                    input_ids=PROMPT,
+                    rid="moe-retract",
+                    return_routed_experts=True,
+                    sampling_params={"max_new_tokens": 200, "ignore_eos": True, "temperature": 1.0},
+                )
+            )
+            while not any(
+                r["rid"] == "moe-retract" and r["completion_tokens"] >= 3
+                for r in (await c.server_info())["cpu_engine"]["running"]
+            ):
                 assert not task.done(), "finished before it was seen running"
                 await asyncio.sleep(0.02)
             await c.pause_generation("retract")
@@ -116,10 +144,16 @@ def test_experts_survive_a_retract_pause(server, moe_dir):
     assert torch.equal(engine.sort(-1).values, want.sort(-1).values)
 
 
-@pytest.mark.parametrize("body,field", [
-    ({"input_ids": PROMPT, "return_routed_experts": "yes"}, "return_routed_experts"),
-    ({"input_ids": PROMPT, "return_routed_experts": True, "routed_experts_start_len": -1}, "routed_experts_start_len"),
-])
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"input_ids": PROMPT, "return_routed_experts": "yes"}, "return_routed_experts"),
+        (
+            {"input_ids": PROMPT, "return_routed_experts": True, "routed_experts_start_len": -1},
+            "routed_experts_start_len",
+        ),
+    ],
+)
 def test_bad_routing_fields_are_400_naming_them(server, body, field):
     status, out = post(server.url + "/generate", body)
     assert status == 400 and out["error"]["field"] == field
@@ -131,14 +165,18 @@ def test_weights_are_named_per_expert_and_update_the_fused_parameters(server, mo
     assert params[name]["shape"] == [32, 64] and "model.layers.2.mlp.experts.gate_up_proj" not in params
     new = torch.full((32, 64), 0.5)
     assert post(server.url + "/begin_weight_update", {})[0] == 200  # SGLang: updates only inside a session
-    status, out = post(server.url + "/update_weights_from_tensor",
-                       {"serialized_named_tensors": [serialize_for_engine_rank([(name, new)])]})
+    status, out = post(
+        server.url + "/update_weights_from_tensor",
+        {"serialized_named_tensors": [serialize_for_engine_rank([(name, new)])]},
+    )
     assert status == 200, out
     assert post(server.url + "/end_weight_update", {})[0] == 200
     status, values = post(server.url + "/get_weights_by_name", {"name": name, "truncate_size": 2})
     assert status == 200 and values == [[0.5] * 64] * 2
-    status, gate = post(server.url + "/get_weights_by_name",
-                        {"name": "model.layers.2.mlp.experts.3.gate_proj.weight", "truncate_size": 1})
+    status, gate = post(
+        server.url + "/get_weights_by_name",
+        {"name": "model.layers.2.mlp.experts.3.gate_proj.weight", "truncate_size": 1},
+    )
     assert gate[0] != [0.5] * 64  # the gate half of the same fused row block is untouched
 
 
@@ -150,7 +188,10 @@ def test_wire_format_round_trip_and_size_check():
     assert decode_routed_experts(encode_routed_experts(wide), num_rows=2, where="r").dtype == torch.int16
     with pytest.raises(ValueError, match="request 7: meta_info.routed_experts holds 40 ids"):
         decode_routed_experts(encode_routed_experts(torch.zeros(5, 4, 2)), num_rows=3, where="request 7")
-    out = {"prompt_ids": [1, 2, 3], "output_ids": [4, 5], "meta_info": {"routed_experts": encode_routed_experts(
-        torch.ones(4, 3, 2))}}
+    out = {
+        "prompt_ids": [1, 2, 3],
+        "output_ids": [4, 5],
+        "meta_info": {"routed_experts": encode_routed_experts(torch.ones(4, 3, 2))},
+    }
     assert routed_experts_of(out, where="x").shape == (4, 6)
     assert routed_experts_of({"meta_info": {}}, where="x") is None

@@ -19,8 +19,11 @@ from dapo_megatron.transfer.tensor_payload import serialize_for_engine_rank
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("rollout_server")
-    return {"a": make_tiny_checkpoint(root / "model_a", seed=0), "b": make_tiny_checkpoint(root / "model_b", seed=1),
-            "root": root}
+    return {
+        "a": make_tiny_checkpoint(root / "model_a", seed=0),
+        "b": make_tiny_checkpoint(root / "model_b", seed=1),
+        "root": root,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +43,12 @@ def hf_models(ckpts):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logprobs_of_sampled_tokens_match_transformers(server, hf_models, temperature):
     sent = time.time()
-    out = generate(server.url, input_ids=PROMPT, return_logprob=True,
-                   sampling_params={"max_new_tokens": 24, "temperature": temperature, "sampling_seed": 3, "ignore_eos": True})
+    out = generate(
+        server.url,
+        input_ids=PROMPT,
+        return_logprob=True,
+        sampling_params={"max_new_tokens": 24, "temperature": temperature, "sampling_seed": 3, "ignore_eos": True},
+    )
     replied = time.time()
     # the engine's own stamps, as SGLang sends them (--enable-metrics): inside our send .. reply window
     meta = out["meta_info"]
@@ -58,8 +65,12 @@ def test_logprobs_of_sampled_tokens_match_transformers(server, hf_models, temper
 def test_batched_padded_requests_match_transformers(server, hf_models):
     """Prompts of different lengths share one left-padded decode; each row still matches its own forward."""
     prompts = [PROMPT, [1, 5], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
-    outs = generate(server.url, input_ids=prompts, return_logprob=True,
-                    sampling_params={"max_new_tokens": 12, "sampling_seed": 11, "ignore_eos": True})
+    outs = generate(
+        server.url,
+        input_ids=prompts,
+        return_logprob=True,
+        sampling_params={"max_new_tokens": 12, "sampling_seed": 11, "ignore_eos": True},
+    )
     assert len(outs) == 3
     for prompt, out in zip(prompts, outs):
         got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]], dtype=torch.float64)
@@ -74,30 +85,43 @@ def test_seeds_follow_sglang_deterministic_inference(server):
     shared = generate(server.url, input_ids=PROMPT, sampling_params={**params, "n": 3}, rid="parent")
     assert len(shared) == 3 and len({tuple(o["output_ids"]) for o in shared}) == 1
     assert len({o["meta_info"]["id"] for o in shared}) == 3 and "parent" not in {o["meta_info"]["id"] for o in shared}
-    items = generate(server.url, input_ids=[PROMPT] * 3, rid=["s-0.", "s-1.", "s-2."],
-                     sampling_params=[{**params, "sampling_seed": 100 + j} for j in range(3)])
+    items = generate(
+        server.url,
+        input_ids=[PROMPT] * 3,
+        rid=["s-0.", "s-1.", "s-2."],
+        sampling_params=[{**params, "sampling_seed": 100 + j} for j in range(3)],
+    )
     assert [o["meta_info"]["id"] for o in items] == ["s-0.", "s-1.", "s-2."]
     assert len({tuple(o["output_ids"]) for o in items}) == 3  # distinct samples
     assert items[0]["output_ids"] == shared[0]["output_ids"]  # seed 100 draws the same either way
-    again = generate(server.url, input_ids=[PROMPT] * 3, sampling_params=[{**params, "sampling_seed": 100 + j} for j in range(3)])
+    again = generate(
+        server.url, input_ids=[PROMPT] * 3, sampling_params=[{**params, "sampling_seed": 100 + j} for j in range(3)]
+    )
     assert [o["output_ids"] for o in again] == [o["output_ids"] for o in items]  # reproducible
 
 
 def test_batch_with_n_is_prompt_major(server):
-    outs = generate(server.url, input_ids=[PROMPT, [1, 9, 9]],
-                    sampling_params={"max_new_tokens": 4, "n": 2, "temperature": 0.0})
+    outs = generate(
+        server.url, input_ids=[PROMPT, [1, 9, 9]], sampling_params={"max_new_tokens": 4, "n": 2, "temperature": 0.0}
+    )
     assert [o["meta_info"]["prompt_tokens"] for o in outs] == [len(PROMPT), len(PROMPT), 3, 3]
 
 
 def test_greedy_and_top_k_1_agree_with_argmax(server, hf_models):
-    greedy = generate(server.url, input_ids=PROMPT, return_logprob=True,
-                      sampling_params={"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True})
-    topk1 = generate(server.url, input_ids=PROMPT, sampling_params={"max_new_tokens": 8, "top_k": 1, "ignore_eos": True})
+    greedy = generate(
+        server.url,
+        input_ids=PROMPT,
+        return_logprob=True,
+        sampling_params={"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+    )
+    topk1 = generate(
+        server.url, input_ids=PROMPT, sampling_params={"max_new_tokens": 8, "top_k": 1, "ignore_eos": True}
+    )
     ids = list(PROMPT)
     for _ in range(8):
         with torch.no_grad():
             ids.append(int(hf_models["a"](torch.tensor([ids])).logits[0, -1].argmax()))
-    assert greedy["output_ids"] == ids[len(PROMPT):] == topk1["output_ids"]
+    assert greedy["output_ids"] == ids[len(PROMPT) :] == topk1["output_ids"]
     # greedy reports the raw distribution's log-prob (T = 1), like SGLang
     want = reference_logprobs(hf_models["a"], PROMPT, greedy["output_ids"], 1.0)
     got = torch.tensor([lp for lp, _, _ in greedy["meta_info"]["output_token_logprobs"]], dtype=torch.float64)
@@ -105,12 +129,17 @@ def test_greedy_and_top_k_1_agree_with_argmax(server, hf_models):
 
 
 def test_stop_token_ids_and_eos(server):
-    base = generate(server.url, input_ids=PROMPT, sampling_params={"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True})
+    base = generate(
+        server.url, input_ids=PROMPT, sampling_params={"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+    )
     stop = base["output_ids"][3]
     first = base["output_ids"].index(stop)  # the first occurrence ends the generation
-    out = generate(server.url, input_ids=PROMPT,
-                   sampling_params={"max_new_tokens": 10, "temperature": 0.0, "stop_token_ids": [stop], "ignore_eos": True})
-    assert out["output_ids"] == base["output_ids"][:first + 1]
+    out = generate(
+        server.url,
+        input_ids=PROMPT,
+        sampling_params={"max_new_tokens": 10, "temperature": 0.0, "stop_token_ids": [stop], "ignore_eos": True},
+    )
+    assert out["output_ids"] == base["output_ids"][: first + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     # eos (id 2 in the tiny config) ends a sample unless ignore_eos: find seeds whose sample meets it
     # (p(eos) ~ 1/300 per token), then the same seed with ignore_eos continues past it
@@ -126,7 +155,7 @@ def test_stop_token_ids_and_eos(server):
             assert fr == {"type": "length", "length": 64} and 2 not in o["output_ids"]
     longer = generate(server.url, input_ids=[PROMPT] * 16, sampling_params=[{**p, "ignore_eos": True} for p in params])
     for o, l in zip(outs, longer):
-        assert l["output_ids"][:len(o["output_ids"])] == o["output_ids"] and len(l["output_ids"]) == 64
+        assert l["output_ids"][: len(o["output_ids"])] == o["output_ids"] and len(l["output_ids"]) == 64
 
 
 def test_text_prompt_is_tokenized(server, ckpts):
@@ -135,32 +164,46 @@ def test_text_prompt_is_tokenized(server, ckpts):
     tok = AutoTokenizer.from_pretrained(ckpts["a"])
     text = "What is 12 + 30?"
     a = generate(server.url, text=text, sampling_params={"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True})
-    b = generate(server.url, input_ids=tok(text, add_special_tokens=False)["input_ids"],
-                 sampling_params={"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True})
+    b = generate(
+        server.url,
+        input_ids=tok(text, add_special_tokens=False)["input_ids"],
+        sampling_params={"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True},
+    )
     assert a["output_ids"] == b["output_ids"]
     assert a["text"] == tok.decode(a["output_ids"], skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("body, field, status", [
-    (b"{not json", "body", 400),
-    ([1, 2], "body", 400),
-    ({"sampling_params": {}}, "text/input_ids", 400),
-    ({"input_ids": [1, 2], "text": "x"}, "text/input_ids", 400),
-    ({"input_ids": []}, "input_ids", 400),
-    ({"input_ids": [1, 300]}, "input_ids[1]", 400),
-    ({"input_ids": [1, "a"]}, "input_ids[1]", 400),
-    ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "sampling_params.temperature", 400),
-    ({"input_ids": [1], "sampling_params": {"top_p": 1.5}}, "sampling_params.top_p", 400),
-    ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "sampling_params.top_k", 400),
-    ({"input_ids": [1], "sampling_params": {"n": 0}}, "sampling_params.n", 400),
-    ({"input_ids": [1], "sampling_params": {"max_new_tokens": "many"}}, "sampling_params.max_new_tokens", 400),
-    ({"input_ids": [1], "sampling_params": {"stop_token_ids": [1, 9999]}}, "sampling_params.stop_token_ids[1]", 400),
-    ({"input_ids": [1], "sampling_params": {"temprature": 1.0}}, "sampling_params.temprature", 400),  # SGLang: 500 (CPU: a client error)
-    ({"input_ids": [1], "sampling_params": {"stop": ["\n"]}}, "sampling_params.stop", 400),
-    ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params", 400),
-    ({"input_ids": [1], "rid": 5}, "rid", 400),
-    ({"input_ids": [1], "sampling_params": {"max_new_tokens": 256}}, "input_ids", 400),  # beyond the context length
-])
+@pytest.mark.parametrize(
+    "body, field, status",
+    [
+        (b"{not json", "body", 400),
+        ([1, 2], "body", 400),
+        ({"sampling_params": {}}, "text/input_ids", 400),
+        ({"input_ids": [1, 2], "text": "x"}, "text/input_ids", 400),
+        ({"input_ids": []}, "input_ids", 400),
+        ({"input_ids": [1, 300]}, "input_ids[1]", 400),
+        ({"input_ids": [1, "a"]}, "input_ids[1]", 400),
+        ({"input_ids": [1], "sampling_params": {"temperature": -1}}, "sampling_params.temperature", 400),
+        ({"input_ids": [1], "sampling_params": {"top_p": 1.5}}, "sampling_params.top_p", 400),
+        ({"input_ids": [1], "sampling_params": {"top_k": 0}}, "sampling_params.top_k", 400),
+        ({"input_ids": [1], "sampling_params": {"n": 0}}, "sampling_params.n", 400),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": "many"}}, "sampling_params.max_new_tokens", 400),
+        (
+            {"input_ids": [1], "sampling_params": {"stop_token_ids": [1, 9999]}},
+            "sampling_params.stop_token_ids[1]",
+            400,
+        ),
+        (
+            {"input_ids": [1], "sampling_params": {"temprature": 1.0}},
+            "sampling_params.temprature",
+            400,
+        ),  # SGLang: 500 (CPU: a client error)
+        ({"input_ids": [1], "sampling_params": {"stop": ["\n"]}}, "sampling_params.stop", 400),
+        ({"input_ids": [[1], [2]], "sampling_params": [{}]}, "sampling_params", 400),
+        ({"input_ids": [1], "rid": 5}, "rid", 400),
+        ({"input_ids": [1], "sampling_params": {"max_new_tokens": 256}}, "input_ids", 400),  # beyond the context length
+    ],
+)
 def test_malformed_generate_is_refused_naming_the_field(server, body, field, status):
     got, out = post(server.url + "/generate", body)
     assert got == status
@@ -170,13 +213,25 @@ def test_malformed_generate_is_refused_naming_the_field(server, body, field, sta
 def test_malformed_admin_requests_are_400_and_server_lives(server):
     cases = [
         ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"]}, "shapes", "missing"),
-        ("/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]}, None,
-         "must run between begin_weight_update() and end_weight_update()"),
+        (
+            "/update_weights_from_distributed",
+            {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]]},
+            None,
+            "must run between begin_weight_update() and end_weight_update()",
+        ),
         ("/update_weights_from_tensor", {"serialized_named_tensors": ["%%%"]}, None, "must run between"),
-        ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0,
-                                        "world_size": 2, "backend": "gloo"}, "rank_offset", "rank_offset"),
-        ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
-                                        "world_size": 2, "backend": "nccl"}, "backend", "gloo"),
+        (
+            "/init_weights_update_group",
+            {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0, "world_size": 2, "backend": "gloo"},
+            "rank_offset",
+            "rank_offset",
+        ),
+        (
+            "/init_weights_update_group",
+            {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "nccl"},
+            "backend",
+            "gloo",
+        ),
         ("/update_weights_from_disk", {"model_path": "/nonexistent/dir"}, "model_path", "no such directory"),
         ("/abort_request", {"abort_all": "yes"}, "abort_all", "wrong type"),
         ("/get_weights_by_name", {"name": "no.such.weight"}, "name", "unknown parameter"),
@@ -201,10 +256,15 @@ def test_malformed_admin_requests_are_400_and_server_lives(server):
 def test_abort_running_request(server):
     async def scenario():
         async with EngineClient(server.url) as c:
-            task = asyncio.ensure_future(c.generate(input_ids=PROMPT, rid="long-one",
-                                                    sampling_params={"max_new_tokens": 240, "ignore_eos": True}))
-            while not any(r["rid"] == "long-one" and r["completion_tokens"] > 0
-                          for r in (await c.server_info())["cpu_engine"]["running"]):
+            task = asyncio.ensure_future(
+                c.generate(
+                    input_ids=PROMPT, rid="long-one", sampling_params={"max_new_tokens": 240, "ignore_eos": True}
+                )
+            )
+            while not any(
+                r["rid"] == "long-one" and r["completion_tokens"] > 0
+                for r in (await c.server_info())["cpu_engine"]["running"]
+            ):
                 assert not task.done(), "the request finished before it was seen running"
                 await asyncio.sleep(0.02)
             await c.pause_generation("in_place")  # holds it mid-generation: the abort cannot come too late
@@ -214,8 +274,12 @@ def test_abort_running_request(server):
             return out, await c.server_info()
 
     out, info = asyncio.run(scenario())
-    assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None,
-                                                 "err_type": None}  # SGLang's FINISH_ABORT of a running request
+    assert out["meta_info"]["finish_reason"] == {
+        "type": "abort",
+        "message": "Aborted",
+        "status_code": None,
+        "err_type": None,
+    }  # SGLang's FINISH_ABORT of a running request
     assert 0 < out["meta_info"]["completion_tokens"] < 240
     assert "long-one" in info["cpu_engine"]["aborted_rids"]
 
@@ -246,16 +310,25 @@ def test_release_resume_and_weight_updates(server, hf_models, ckpts):
     named = list(hf_models["a"].state_dict().items())
     bad = named[:3] + [(named[3][0], torch.zeros(7, 7))]
     assert post(server.url + "/begin_weight_update", {})[0] == 200
-    status, out = post(server.url + "/update_weights_from_tensor", {"serialized_named_tensors": [serialize_for_engine_rank(bad)]})
+    status, out = post(
+        server.url + "/update_weights_from_tensor", {"serialized_named_tensors": [serialize_for_engine_rank(bad)]}
+    )
     assert status == 400 and named[3][0] in out["error"]["message"] and "shape" in out["error"]["message"]
     # half the tensors: the rest still hold NaN, so generation stays refused
-    assert post(server.url + "/update_weights_from_tensor",
-                {"serialized_named_tensors": [serialize_for_engine_rank(named[:2])]})[0] == 200
+    assert (
+        post(
+            server.url + "/update_weights_from_tensor",
+            {"serialized_named_tensors": [serialize_for_engine_rank(named[:2])]},
+        )[0]
+        == 200
+    )
     status, out = post(server.url + "/generate", {"input_ids": PROMPT})
     left = len({t.data_ptr() for _, t in named}) - len({t.data_ptr() for _, t in named[:2]})  # tied: one region
     assert status == 409 and f"{left} parameter tensors" in out["error"]["message"], (left, out)
-    status, out = post(server.url + "/update_weights_from_tensor", {"serialized_named_tensors": [serialize_for_engine_rank(named)],
-                                                                   "weight_version": "refilled"})
+    status, out = post(
+        server.url + "/update_weights_from_tensor",
+        {"serialized_named_tensors": [serialize_for_engine_rank(named)], "weight_version": "refilled"},
+    )
     assert status == 200 and out["message"] == "Success Weight version updated to refilled.", out
     assert post(server.url + "/end_weight_update", {})[0] == 200
     assert status_of(server.url + "/health") == status_of(server.url + "/ready") == 200  # every tensor written
@@ -263,7 +336,9 @@ def test_release_resume_and_weight_updates(server, hf_models, ckpts):
     assert again["output_ids"] == before["output_ids"]
     assert again["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
     assert again["meta_info"]["weight_version"] == "refilled"
-    assert get_json(server.url + "/server_info")["cpu_engine"]["resident_memory_bytes"]["weights"] == resident["weights"]
+    assert (
+        get_json(server.url + "/server_info")["cpu_engine"]["resident_memory_bytes"]["weights"] == resident["weights"]
+    )
 
     # from disk (no session needed): model b, then logprobs follow model b
     status, out = post(server.url + "/update_weights_from_disk", {"model_path": str(ckpts["b"]), "weight_version": "b"})

@@ -40,8 +40,36 @@ from dapo_megatron.cpu_engine.protocol import SAMPLING_PARAM_NAMES
 
 NUM_BODIES = 300
 VALID = {"input_ids": [1, 17, 42, 99], "sampling_params": {"max_new_tokens": 3, "temperature": 1.0}}
-JUNK = [None, True, False, 0, -1, 1, 2, 7, 255, 10**9, -(10**12), 1.5, -0.5, float("nan"), "", "x", "17",
-        [], [1], [1, 2], ["a"], [[1]], [None], {}, {"a": 1}, {"max_new_tokens": "x"}, [{"x": 1}], "\u00e9\u4e2d"]
+JUNK = [
+    None,
+    True,
+    False,
+    0,
+    -1,
+    1,
+    2,
+    7,
+    255,
+    10**9,
+    -(10**12),
+    1.5,
+    -0.5,
+    float("nan"),
+    "",
+    "x",
+    "17",
+    [],
+    [1],
+    [1, 2],
+    ["a"],
+    [[1]],
+    [None],
+    {},
+    {"a": 1},
+    {"max_new_tokens": "x"},
+    [{"x": 1}],
+    "\u00e9\u4e2d",
+]
 
 
 def post(url: str, body: bytes) -> tuple[int, object]:
@@ -53,8 +81,19 @@ def mutate(rng: random.Random) -> tuple[bytes, str]:
     body = json.loads(json.dumps(VALID))
     kind = rng.randrange(7)
     if kind == 0:  # a top-level field of the wrong shape
-        key = rng.choice(["input_ids", "text", "rid", "return_logprob", "sampling_params", "logprob_start_len",
-                          "return_routed_experts", "routed_experts_start_len", "stream"])
+        key = rng.choice(
+            [
+                "input_ids",
+                "text",
+                "rid",
+                "return_logprob",
+                "sampling_params",
+                "logprob_start_len",
+                "return_routed_experts",
+                "routed_experts_start_len",
+                "stream",
+            ]
+        )
         body[key] = rng.choice(JUNK)
         what = f"{key}={body[key]!r}"
     elif kind == 1:  # a sampling parameter of the wrong type or range
@@ -77,8 +116,13 @@ def mutate(rng: random.Random) -> tuple[bytes, str]:
         raw = rng.choice([b"", b"{", b"[]", b"null", b"17", b'"text"', b"\xff\xfe", b'{"input_ids": [1,]}'])
         return raw, f"raw {raw!r}"
     else:  # required parts missing or doubled
-        rng.choice([lambda: body.pop("input_ids"), lambda: body.update(text="hi"),
-                    lambda: body["sampling_params"].update(n=rng.choice([0, -2, 1.5, "2"]))])()
+        rng.choice(
+            [
+                lambda: body.pop("input_ids"),
+                lambda: body.update(text="hi"),
+                lambda: body["sampling_params"].update(n=rng.choice([0, -2, 1.5, "2"])),
+            ]
+        )()
         what = f"structure {body!r}"
     return json.dumps(body).encode(), what
 
@@ -93,8 +137,10 @@ def server(tmp_path_factory):
 
 
 def greedy(url: str) -> list[int]:
-    body = {"input_ids": [1, 17, 42, 99, 7], "sampling_params": {"max_new_tokens": 5, "temperature": 0.0,
-                                                                 "ignore_eos": True}}
+    body = {
+        "input_ids": [1, 17, 42, 99, 7],
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True},
+    }
     status, out = post(url + "/generate", json.dumps(body).encode())
     assert status == 200, out
     return out["output_ids"]
@@ -137,16 +183,22 @@ ISSUE_BODIES = [
     ("nested objects", b'{"a":' * 100_000, "body"),
     ("text far beyond the context", json.dumps({"text": "a" * 2_000_000}).encode(), "text"),
     ("a million input_ids", json.dumps({"input_ids": [1] * 1_000_000}).encode(), "input_ids"),
-    ("unknown sampling parameter", json.dumps({"input_ids": [1], "sampling_params": {"temprature": 1.0}}).encode(),
-     "sampling_params.temprature"),
+    (
+        "unknown sampling parameter",
+        json.dumps({"input_ids": [1], "sampling_params": {"temprature": 1.0}}).encode(),
+        "sampling_params.temprature",
+    ),
     ("lone surrogate in text", b'{"text": "ab\\ud800"}', "text"),
     ("1e999 truncate_size", b'{"name": "model.norm.weight", "truncate_size": 1e999}', "truncate_size"),
     # above guard.INLINE_PARSE_BYTES (decoded on the parse thread): the same answers as small bodies
     ("1 MB of non-UTF-8", b"\xff\xfe\xfd" * 350_000, "body"),
     ("1 MB of JSON cut short", json.dumps({"input_ids": [1] * 300_000}).encode()[:-5], "body"),
     ("1 MB of JSON, not an object", json.dumps([1] * 300_000).encode(), "body"),
-    ("600 KB of input_ids, one outside the vocabulary",  # 200-token prompts: the tiny model's context is 256
-     json.dumps({"input_ids": [[1] * 200] * 999 + [[1] * 199 + [10**6]]}).encode(), "input_ids[999][199]"),
+    (
+        "600 KB of input_ids, one outside the vocabulary",  # 200-token prompts: the tiny model's context is 256
+        json.dumps({"input_ids": [[1] * 200] * 999 + [[1] * 199 + [10**6]]}).encode(),
+        "input_ids[999][199]",
+    ),
 ]
 
 
@@ -162,15 +214,23 @@ def test_large_and_small_bodies_get_the_same_errors(server):
     """The same malformation inline (small) and on the parse thread (large, padded with whitespace JSON
     ignores): the same status and message, positions shifted by the padding only."""
     pad = b" " * (INLINE_PARSE_BYTES + 1)
-    for small in (b'{"input_ids": [1,]}', b'[1, 2]', b'{"input_ids": [1], "rid": "\xff"}', b"[" * 5000,
-                  json.dumps({"input_ids": [1, 17, 10**6]}).encode(), json.dumps({"text": 5}).encode()):
+    for small in (
+        b'{"input_ids": [1,]}',
+        b"[1, 2]",
+        b'{"input_ids": [1], "rid": "\xff"}',
+        b"[" * 5000,
+        json.dumps({"input_ids": [1, 17, 10**6]}).encode(),
+        json.dumps({"text": 5}).encode(),
+    ):
         got = [post(server.url + "/generate", body) for body in (small, pad + small)]
         (s1, o1), (s2, o2) = got
         shift = str(len(pad))
         assert s1 == s2 == 400 and o1["error"]["field"] == o2["error"]["field"], (small, got)
         if "at char" in o1["error"]["message"]:  # json's position counts the padding
             pos = int(o1["error"]["message"].rsplit("at char ", 1)[1].rstrip(")"))
-            assert o2["error"]["message"] == o1["error"]["message"].replace(f"at char {pos}", f"at char {pos + int(shift)}")
+            assert o2["error"]["message"] == o1["error"]["message"].replace(
+                f"at char {pos}", f"at char {pos + int(shift)}"
+            )
         elif "byte " in o1["error"]["message"]:
             pos = int(o1["error"]["message"].split("byte ", 1)[1].split(":")[0])
             assert o2["error"]["message"] == o1["error"]["message"].replace(f"byte {pos}", f"byte {pos + int(shift)}")
@@ -186,8 +246,9 @@ def test_health_is_answered_while_a_large_body_is_checked(server):
     vocab = json.loads((Path(server.model_dir) / "config.json").read_text())["vocab_size"]
     prompt = [17] * 8
     count = 15_000_000 // (4 * len(prompt) + 2)
-    body = json.dumps({"input_ids": [prompt] * (count - 1) + [prompt[:-1] + [vocab]],
-                       "sampling_params": {"max_new_tokens": 1}}).encode()
+    body = json.dumps(
+        {"input_ids": [prompt] * (count - 1) + [prompt[:-1] + [vocab]], "sampling_params": {"max_new_tokens": 1}}
+    ).encode()
     assert INLINE_PARSE_BYTES < len(body) < DEFAULT_MAX_REQUEST_BYTES
     assert greedy(server.url)  # warm
     host, port = server.url.removeprefix("http://").split(":")
@@ -197,8 +258,11 @@ def test_health_is_answered_while_a_large_body_is_checked(server):
         answered.append(("health", send_request(server.url, "GET", "/health")))
 
     with socket.create_connection((host, int(port)), timeout=300) as sock:
-        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        sock.sendall(
+            f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
         # sendall returns once the kernel holds the rest (a few MB at most): the server reads it within
         # milliseconds and then decodes for seconds; /health goes out inside that window
         time.sleep(0.2)
@@ -232,8 +296,10 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port)), timeout=120) as sock:
         # headers only: a server that read the body first would wait for bytes that never come
-        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {DEFAULT_MAX_REQUEST_BYTES + 1}\r\n\r\n".encode())
+        sock.sendall(
+            f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {DEFAULT_MAX_REQUEST_BYTES + 1}\r\n\r\n".encode()
+        )
         reply = b""
         while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
             chunk = sock.recv(65536)

@@ -39,9 +39,14 @@ def updated_model(model_dir, seed: int):
 
 
 async def _engine_logprobs(client: EngineClient, max_new_tokens: int = 12):
-    out = await client.generate(input_ids=PROMPT, return_logprob=True,
-                                sampling_params={"max_new_tokens": max_new_tokens, "sampling_seed": 9, "ignore_eos": True})
-    return out["output_ids"], torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]], dtype=torch.float64)
+    out = await client.generate(
+        input_ids=PROMPT,
+        return_logprob=True,
+        sampling_params={"max_new_tokens": max_new_tokens, "sampling_seed": 9, "ignore_eos": True},
+    )
+    return out["output_ids"], torch.tensor(
+        [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]], dtype=torch.float64
+    )
 
 
 async def _sessions_open(clients: list[EngineClient]) -> list[bool]:
@@ -61,8 +66,10 @@ def test_distributed_sync_then_engine_logprobs_match_trainer(setup):
         assert sync.backend == "gloo"
         results = [await _engine_logprobs(c) for c in clients]
         row = await clients[1].get_weights_by_name("model.layers.1.mlp.down_proj.weight", truncate_size=3)
-        versions = [(await c.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1}))["meta_info"]["weight_version"]
-                    for c in clients]
+        versions = [
+            (await c.generate(input_ids=[1, 2], sampling_params={"max_new_tokens": 1}))["meta_info"]["weight_version"]
+            for c in clients
+        ]
         # a second sync re-uses the group (no re-forming) and records its own numbers
         stats2 = await sync.sync(clients, iter(weights), weight_version="step_2")
         sessions = await _sessions_open(clients)
@@ -127,6 +134,7 @@ def test_corrupted_tensor_is_refused_before_anything_is_written(setup, corruptio
 def test_session_refused_by_one_engine_is_closed_on_the_others(setup):
     """begin_weight_update refused by engine 1 (its session is already open): engine 0's session is
     closed again and the error names engine 1; nothing was sent."""
+
     async def scenario():
         clients = [EngineClient(url) for url in setup["urls"]]
         await clients[1].begin_weight_update()  # someone else's session
@@ -150,8 +158,9 @@ def test_tensor_sync_shared_memory_transport(setup):
 
     async def scenario():
         clients = [EngineClient(url) for url in setup["urls"]]
-        stats = await TensorWeightSync(bucket_bytes=100_000).sync(clients, iter(trainer.state_dict().items()),
-                                                                  weight_version="colocated_1")
+        stats = await TensorWeightSync(bucket_bytes=100_000).sync(
+            clients, iter(trainer.state_dict().items()), weight_version="colocated_1"
+        )
         out = [await _engine_logprobs(c) for c in clients]
         rows = [await c.get_weights_by_name("lm_head.weight", truncate_size=300) for c in clients]
         sessions = await _sessions_open(clients)

@@ -28,8 +28,11 @@ pytestmark = [
     pytest.mark.slurm,
     pytest.mark.slow,
     pytest.mark.timeout(2400),  # generous waits: the machine may be shared and loaded
-    pytest.mark.skipif(not TINY_CPU.exists(), reason="configs/runs/tiny_cpu.yaml (the training-loop issue) "
-                                                     "has not landed; test_slurm_jobs.py covers the launch path"),
+    pytest.mark.skipif(
+        not TINY_CPU.exists(),
+        reason="configs/runs/tiny_cpu.yaml (the training-loop issue) "
+        "has not landed; test_slurm_jobs.py covers the launch path",
+    ),
 ]
 
 # a step or two of the tiny run, small enough for a shared 2-core machine
@@ -40,10 +43,24 @@ SHORT = {
     "rollout": {"n": 2, "gen_batch_size": 4, "num_engines": 1, "placement": "colocated"},
     "algorithm": {"dynamic_sampling": False},  # every group kept: a step never waits on lucky samples
     "actor": {"world_size": 1},
-    "trainer": {"total_steps": 2, "train_batch_size": 2, "mini_batch_size": 2, "eval_every": 0, "save_every": 1,
-                "keep_checkpoints": 2, "keep_best_checkpoint": False, "wandb_mode": "disabled"},
-    "slurm": {"nodes": 1, "gpus_per_node": 0, "cpus_per_task": 1, "time": "15:00", "signal_seconds": 60,
-              "array_throttle": 2},
+    "trainer": {
+        "total_steps": 2,
+        "train_batch_size": 2,
+        "mini_batch_size": 2,
+        "eval_every": 0,
+        "save_every": 1,
+        "keep_checkpoints": 2,
+        "keep_best_checkpoint": False,
+        "wandb_mode": "disabled",
+    },
+    "slurm": {
+        "nodes": 1,
+        "gpus_per_node": 0,
+        "cpus_per_task": 1,
+        "time": "15:00",
+        "signal_seconds": 60,
+        "array_throttle": 2,
+    },
 }
 
 
@@ -76,15 +93,20 @@ def test_sweep_array_of_two_real_runs(slurm_cluster, tmp_path):
     assert steps_of(tmp_path / "runs/a") == [1]
     assert steps_of(tmp_path / "runs/b") == [1, 2]
     for run, last in (("a", 1), ("b", 2)):
-        (step, record), = [(m["step"], m) for m in metrics(tmp_path / "runs" / run) if m["step"] == last]
+        ((step, record),) = [(m["step"], m) for m in metrics(tmp_path / "runs" / run) if m["step"] == last]
         assert record  # the trainer's own metrics line for its last step
         assert (tmp_path / "runs" / run / "checkpoints" / f"step_{last:06d}").is_dir()
 
 
 def _prepared_model(tmp_path: Path) -> Path:
     cfg = write_config(tmp_path / "prep.yaml", tmp_path / "prep")
-    out = subprocess.run([sys.executable, "-m", "dapo_megatron.launch.prepare", str(cfg)], capture_output=True,
-                         text=True, timeout=300, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-m", "dapo_megatron.launch.prepare", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr
     return Path(out.stdout.strip())
 
@@ -92,13 +114,19 @@ def _prepared_model(tmp_path: Path) -> Path:
 def test_real_trainer_with_an_engine_array(slurm_cluster, tmp_path):
     model = _prepared_model(tmp_path)
     run_dir = tmp_path / "run"
-    cfg = load_config(write_config(tmp_path / "c.yaml", run_dir, trainer={"total_steps": 1}),
-                      [f"model.path={model}", "tiny.enabled=false"])
+    cfg = load_config(
+        write_config(tmp_path / "c.yaml", run_dir, trainer={"total_steps": 1}),
+        [f"model.path={model}", "tiny.enabled=false"],
+    )
     ids = submit.submit(submit.plan_train(cfg, engines=2), env=slurm_cluster.env)
     assert slurm_cluster.wait_done([ids["train"]], timeout_s=600) == {ids["train"]: "COMPLETED"}, logs(run_dir)
     assert steps_of(run_dir) == [1]
-    served = {line.rsplit(" at ", 1)[-1] for p in (run_dir / "slurm/logs").glob("engines-*.out")
-              for line in p.read_text(errors="replace").splitlines() if line.startswith("serve-rollout: serving ")}
+    served = {
+        line.rsplit(" at ", 1)[-1]
+        for p in (run_dir / "slurm/logs").glob("engines-*.out")
+        for line in p.read_text(errors="replace").splitlines()
+        if line.startswith("serve-rollout: serving ")
+    }
     assert len(served) == 2, logs(run_dir)
     engine_states = slurm_cluster.wait_done([ids["engines"]], timeout_s=60)
     assert set(engine_states.values()) == {"CANCELLED"}, engine_states  # the trainer stopped them
@@ -132,8 +160,9 @@ def test_real_trainer_requeued_by_usr1_resumes_then_eval_sweep(slurm_cluster, tm
     # then an eval sweep of the run's checkpoints: one real `dapo-megatron eval` per checkpoint, one table
     plan = submit.plan_eval(load_config(run_dir / "slurm/config.yaml", ["trainer.eval_n=2"]), run_dir)
     ids = submit.submit(plan, env=slurm_cluster.env)
-    assert slurm_cluster.wait_done([ids["eval_gather"]], timeout_s=600) == {ids["eval_gather"]: "COMPLETED"}, \
-        logs(run_dir)
+    assert slurm_cluster.wait_done([ids["eval_gather"]], timeout_s=600) == {ids["eval_gather"]: "COMPLETED"}, logs(
+        run_dir
+    )
     rows = (run_dir / "eval/results.csv").read_text().splitlines()
     header = rows[0].split(",")
     assert [r.split(",")[0] for r in rows[1:]] == ["step_000002", "step_000003"]  # keep_checkpoints = 2

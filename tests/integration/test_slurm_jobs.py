@@ -33,13 +33,25 @@ STAND_IN = [str(REPO / "tests/integration/slurm_counter_trainer.py")]
 # smallest config that validates; 1 CPU per job, no GPUs, ranks per node = actor.world_size
 TINY = {
     # the stand-in trainer talks to no engine: a fixed URL keeps train.sbatch from starting colocated ones
-    "rollout": {"n": 2, "max_prompt_length": 16, "max_response_length": 16, "engine": "cpu", "gen_batch_size": 2,
-                "engine_urls": ["http://127.0.0.1:9"]},
+    "rollout": {
+        "n": 2,
+        "max_prompt_length": 16,
+        "max_response_length": 16,
+        "engine": "cpu",
+        "gen_batch_size": 2,
+        "engine_urls": ["http://127.0.0.1:9"],
+    },
     "algorithm": {"overlong_buffer_length": 4},
     "actor": {"world_size": 1, "micro_batch_tokens": 64, "attention_backend": "torch", "precision": "fp32"},
     "trainer": {"total_steps": 2, "train_batch_size": 2, "mini_batch_size": 2},
-    "slurm": {"nodes": 1, "gpus_per_node": 0, "cpus_per_task": 1, "time": "10:00", "signal_seconds": 60,
-              "array_throttle": 1},
+    "slurm": {
+        "nodes": 1,
+        "gpus_per_node": 0,
+        "cpus_per_task": 1,
+        "time": "10:00",
+        "signal_seconds": 60,
+        "array_throttle": 1,
+    },
 }
 
 
@@ -55,8 +67,14 @@ def write_config(path: Path, output_dir: Path, **sections) -> Path:
 
 def cli(slurm, *args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = dict(slurm.env, **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "slurm", *args], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "dapo_megatron.cli", "slurm", *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def queue(slurm) -> list[str]:
@@ -76,8 +94,17 @@ def test_dry_run_prints_and_submits_nothing(slurm_cluster, tmp_path):
     # --skip-plan: the stand-in trainer has no model for the memory plan to read (tests/unit/test_memplan.py
     # covers the plan's own hook in `slurm submit`)
     # --skip-data-check: TINY has no prompts or model to check (test_one_run_per_directory... checks them)
-    out = cli(slurm_cluster, "submit", str(cfg), "--dry-run", "trainer.total_steps=3", "--engines", "2", "--skip-plan",
-              "--skip-data-check")
+    out = cli(
+        slurm_cluster,
+        "submit",
+        str(cfg),
+        "--dry-run",
+        "trainer.total_steps=3",
+        "--engines",
+        "2",
+        "--skip-plan",
+        "--skip-data-check",
+    )
     assert out.returncode == 0, out.stderr
     assert "#SBATCH --requeue" in out.stdout and "serve-rollout" in out.stdout
     assert f"#   sbatch --parsable --array=0-1 --output={tmp_path}/run/slurm/logs/engines-%A_%a.out" in out.stdout
@@ -137,10 +164,10 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     script requeues the job, and the restart (SLURM_RESTART_COUNT=1) runs with --resume from the
     checkpoint to the end."""
     run_dir = tmp_path / "run"
-    cfg = load_config(write_config(tmp_path / "c.yaml", run_dir, trainer={"total_steps": 6},
-                                   actor={"world_size": 2}))
-    job = submit.submit(submit.plan_train(cfg, entry=STAND_IN),
-                        env=dict(slurm_cluster.env, COUNTER_STEP_SECONDS="1"))["train"]
+    cfg = load_config(write_config(tmp_path / "c.yaml", run_dir, trainer={"total_steps": 6}, actor={"world_size": 2}))
+    job = submit.submit(submit.plan_train(cfg, entry=STAND_IN), env=dict(slurm_cluster.env, COUNTER_STEP_SECONDS="1"))[
+        "train"
+    ]
     deadline = time.monotonic() + 225
     while len(metrics(run_dir)) < 2:
         assert time.monotonic() < deadline, logs(run_dir)
@@ -160,20 +187,32 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm_cluster, tmp_path):
     assert f"checkpoint at step {k}, exiting" in text and f"at checkpoint {k}/6; requeueing {job}" in text
     assert f"resumed from step {k}" in text and f"[job] requeued (restart 1): resuming from step_{k:06d}" in text
     # the requeued incarnation took over its own run lock (not "a stale lock"), and the end emptied it
-    assert f"[job] {run_dir / '.run.lock'}: Slurm job {job} restart 1 takes over the lock of its previous " \
-           "incarnation (restart 0" in text and "stale lock" not in text
+    assert (
+        f"[job] {run_dir / '.run.lock'}: Slurm job {job} restart 1 takes over the lock of its previous "
+        "incarnation (restart 0"
+        in text
+        and "stale lock" not in text
+    )
     assert (run_dir / ".run.lock").read_text() == ""
     assert not (run_dir / "slurm" / f"preempt-{job}").exists()  # removed by the script
-    status = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "slurm", "status", str(run_dir)],
-                            env=slurm_cluster.env, capture_output=True, text=True, timeout=60)
+    status = subprocess.run(
+        [sys.executable, "-m", "dapo_megatron.cli", "slurm", "status", str(run_dir)],
+        env=slurm_cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert f"train        {job}" in status.stdout and "COMPLETED" in status.stdout
     assert '"step": 6' in status.stdout  # the last metrics line
 
 
 def _files(run_dir: Path) -> dict[str, bytes]:
     """Every file of a run directory with its bytes, but the Slurm logs (each job writes its own)."""
-    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
-            if p.is_file() and "logs" not in p.relative_to(run_dir).parts}
+    return {
+        str(p.relative_to(run_dir)): p.read_bytes()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file() and "logs" not in p.relative_to(run_dir).parts
+    }
 
 
 def test_one_run_per_directory_at_submission_and_in_the_job(slurm_cluster, tmp_path, monkeypatch):
@@ -189,13 +228,15 @@ def test_one_run_per_directory_at_submission_and_in_the_job(slurm_cluster, tmp_p
     build_tiny_tokenizer().save_pretrained(tmp_path / "tok")  # model.path: `slurm submit` reads its tokenizer
     run_dir = tmp_path / "run"
     data = {"synthetic": {"num_train": 16, "num_eval": 4, "style": "compact"}}  # "27+58=": 6 tokens at most
-    path = write_config(tmp_path / "c.yaml", run_dir, trainer={"total_steps": 3}, data=data,
-                        model={"path": str(tmp_path / "tok")})
+    path = write_config(
+        tmp_path / "c.yaml", run_dir, trainer={"total_steps": 3}, data=data, model={"path": str(tmp_path / "tok")}
+    )
     env = dict(slurm_cluster.env, COUNTER_STEP_SECONDS="0.1", COUNTER_HOLD_FILE=str(tmp_path / "release"))
     plan = submit.plan_train(load_config(path), entry=STAND_IN)
     (check,) = submit_guard.check_training_submission(plan, resume=False, overwrite=False, command="c")
-    assert check.data_line == ("[slurm submit] 16 train and 4 eval prompts checked (prompts within "
-                               "rollout.max_prompt_length=16 tokens)")
+    assert check.data_line == (
+        "[slurm submit] 16 train and 4 eval prompts checked (prompts within rollout.max_prompt_length=16 tokens)"
+    )
     first = submit.submit(plan, env=env)["train"]
     deadline = time.monotonic() + 225
     while len(metrics(run_dir)) < 2:  # steps 1 and 2 done; the stand-in holds before step 3
@@ -213,11 +254,17 @@ def test_one_run_per_directory_at_submission_and_in_the_job(slurm_cluster, tmp_p
 
     # by hand, past `slurm submit`: the job takes the lock first, is refused, writes nothing
     before = _files(run_dir)
-    by_hand = slurm_cluster.sbatch([f"--output={run_dir}/slurm/logs/by-hand-%j.out", str(run_dir / "slurm/train.sbatch")])
+    by_hand = slurm_cluster.sbatch(
+        [f"--output={run_dir}/slurm/logs/by-hand-%j.out", str(run_dir / "slurm/train.sbatch")]
+    )
     assert slurm_cluster.wait_done([by_hand], timeout_s=225) == {by_hand: "FAILED"}, logs(run_dir)
     text = (run_dir / f"slurm/logs/by-hand-{by_hand}.out").read_text()
-    assert f"[job] {by_hand}: refused, nothing written: trainer.output_dir {run_dir} is in use by another run: " \
-           f"Slurm job {first} (restart 0): pid {held['pid']}" in text and f"scancel {first}" in text
+    assert (
+        f"[job] {by_hand}: refused, nothing written: trainer.output_dir {run_dir} is in use by another run: "
+        f"Slurm job {first} (restart 0): pid {held['pid']}"
+        in text
+        and f"scancel {first}" in text
+    )
     assert _files(run_dir) == before  # the holder's record included
 
     (tmp_path / "release").touch()
@@ -229,8 +276,12 @@ def test_one_run_per_directory_at_submission_and_in_the_job(slurm_cluster, tmp_p
     late = slurm_cluster.sbatch([f"--output={run_dir}/slurm/logs/late-%j.out", str(run_dir / "slurm/train.sbatch")])
     assert slurm_cluster.wait_done([late], timeout_s=225) == {late: "FAILED"}, logs(run_dir)
     text = (run_dir / f"slurm/logs/late-{late}.out").read_text()
-    assert f"[job] {late}: refused, nothing written: trainer.output_dir {run_dir} already holds a run " \
-           "(checkpoints up to step 3)" in text and "(it was written after this job was submitted)" in text
+    assert (
+        f"[job] {late}: refused, nothing written: trainer.output_dir {run_dir} already holds a run "
+        "(checkpoints up to step 3)"
+        in text
+        and "(it was written after this job was submitted)" in text
+    )
     assert _files(run_dir) == before
     again = cli(slurm_cluster, "submit", str(path), "--skip-plan")
     assert again.returncode == 2 and "already holds a run (checkpoints up to step 3)" in again.stderr
@@ -253,11 +304,20 @@ def test_one_run_per_directory_at_submission_and_in_the_job(slurm_cluster, tmp_p
 
     # one bad prompt row: exit 2 naming file, row and key; no directory, no job
     bad = tmp_path / "bad.jsonl"
-    row = {"data_source": "x", "prompt": [{"role": "user", "content": "1+1?"}],
-           "reward_model": {"ground_truth": "2", "style": "rule"}}
+    row = {
+        "data_source": "x",
+        "prompt": [{"role": "user", "content": "1+1?"}],
+        "reward_model": {"ground_truth": "2", "style": "rule"},
+    }
     bad.write_text(json.dumps(row) + "\n" + json.dumps({**row, "prompt": []}) + "\n")
-    refused = cli(slurm_cluster, "submit", str(path), f"trainer.output_dir={tmp_path}/bad_run",
-                  f"data.train_path={bad}", "--skip-plan")
+    refused = cli(
+        slurm_cluster,
+        "submit",
+        str(path),
+        f"trainer.output_dir={tmp_path}/bad_run",
+        f"data.train_path={bad}",
+        "--skip-plan",
+    )
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert f"data.train_path: {bad}: 1 of 2 rows" in refused.stderr and "row 1 (0-based), line 2" in refused.stderr
     assert not (tmp_path / "bad_run").exists() and queue(slurm_cluster) == []
@@ -266,13 +326,15 @@ def test_one_run_per_directory_at_submission_and_in_the_job(slurm_cluster, tmp_p
 def test_malicious_values_are_rendered_inert(slurm_cluster, tmp_path):
     """Shell syntax in every free-text value that reaches a script: the run works in the literal
     directory and nothing of it executes."""
-    evil = (f"run; touch {tmp_path}/PWNED1 && $(touch {tmp_path}/PWNED2) `touch {tmp_path}/PWNED3` "
-            f"'q\" $HOME %j")
+    evil = f"run; touch {tmp_path}/PWNED1 && $(touch {tmp_path}/PWNED2) `touch {tmp_path}/PWNED3` 'q\" $HOME %j"
     run_dir = tmp_path / evil
-    cfg = load_config(write_config(tmp_path / "c.yaml", run_dir),
-                      [f"model.path=$(touch {tmp_path}/PWNED4); touch {tmp_path}/PWNED5", "rollout.engine_urls=[]"])
-    ids = submit.submit(submit.plan_train(cfg, engines=1, entry=STAND_IN),
-                        env=dict(slurm_cluster.env, COUNTER_STEP_SECONDS="0.1"))
+    cfg = load_config(
+        write_config(tmp_path / "c.yaml", run_dir),
+        [f"model.path=$(touch {tmp_path}/PWNED4); touch {tmp_path}/PWNED5", "rollout.engine_urls=[]"],
+    )
+    ids = submit.submit(
+        submit.plan_train(cfg, engines=1, entry=STAND_IN), env=dict(slurm_cluster.env, COUNTER_STEP_SECONDS="0.1")
+    )
     # the engine's model path does not exist: serve-rollout refuses it by name (and runs nothing)
     slurm_cluster.wait_done([ids["engines"]], timeout_s=225)
     slurm_cluster.run(["scancel", ids["train"]])
@@ -281,8 +343,9 @@ def test_malicious_values_are_rendered_inert(slurm_cluster, tmp_path):
     assert f"--model: no such directory '$(touch {tmp_path}/PWNED4); touch {tmp_path}/PWNED5'" in engine_log
     # the same directory name with a plain trainer run: it completes inside the literal directory
     cfg = load_config(write_config(tmp_path / "c2.yaml", run_dir))
-    job = submit.submit(submit.plan_train(cfg, entry=STAND_IN),
-                        env=dict(slurm_cluster.env, COUNTER_STEP_SECONDS="0.1"))["train"]
+    job = submit.submit(
+        submit.plan_train(cfg, entry=STAND_IN), env=dict(slurm_cluster.env, COUNTER_STEP_SECONDS="0.1")
+    )["train"]
     assert slurm_cluster.wait_done([job], timeout_s=225) == {job: "COMPLETED"}, logs(run_dir)
     assert [m["step"] for m in metrics(run_dir)] == [1, 2]
     # a `touch` that ran would have made tmp_path/PWNEDi; the only entries are ours (the run directory's
@@ -300,11 +363,14 @@ def test_engine_array_and_trainer_rendezvous_through_the_registry(slurm_cluster,
 
     model = make_tiny_checkpoint(tmp_path / "model")
     run_dir = tmp_path / "run"
-    cfg = load_config(write_config(tmp_path / "c.yaml", run_dir, trainer={"total_steps": 3}),
-                      [f"model.path={model}", "rollout.engine_urls=[]"])
+    cfg = load_config(
+        write_config(tmp_path / "c.yaml", run_dir, trainer={"total_steps": 3}),
+        [f"model.path={model}", "rollout.engine_urls=[]"],
+    )
     # the trainer holds its last step until the replaced engine is back (the test creates `release`)
-    env = dict(slurm_cluster.env, COUNTER_STEP_SECONDS="0.5", HF_HUB_OFFLINE="1",
-               COUNTER_HOLD_FILE=str(tmp_path / "release"))
+    env = dict(
+        slurm_cluster.env, COUNTER_STEP_SECONDS="0.5", HF_HUB_OFFLINE="1", COUNTER_HOLD_FILE=str(tmp_path / "release")
+    )
     plan = submit.plan_train(cfg, engines=2, entry=STAND_IN)
     ids = submit.submit(plan, env=env)
     registry = run_dir / "engines"
@@ -373,13 +439,15 @@ def test_eval_array_then_afterok_gather_builds_one_table(slurm_cluster, tmp_path
     ids = submit.submit(plan, env=slurm_cluster.env)
     shown = slurm_cluster.run(["scontrol", "-o", "show", "job", ids["eval_gather"]]).stdout
     assert f"Dependency=afterok:{ids['eval']}" in shown
-    assert slurm_cluster.wait_done([ids["eval_gather"]], timeout_s=300) == {ids["eval_gather"]: "COMPLETED"}, \
-        logs(run_dir)
+    assert slurm_cluster.wait_done([ids["eval_gather"]], timeout_s=300) == {ids["eval_gather"]: "COMPLETED"}, logs(
+        run_dir
+    )
     assert set(slurm_cluster.job_states([ids["eval"]]).values()) == {"COMPLETED"}
     assert (run_dir / "eval/results.md").read_text() == (
         "| checkpoint | step | avg@4 | pass@4 |\n"
         "|---|---|---|---|\n"
         "| step_000005 | 5 | 0.0500 | 0.1000 |\n"
         "| step_000010 | 10 | 0.1000 | 0.2000 |\n"
-        "| step_000020 | 20 | 0.2000 | 0.4000 |\n")
+        "| step_000020 | 20 | 0.2000 | 0.4000 |\n"
+    )
     assert (run_dir / "eval/results.csv").read_text().splitlines()[1] == "step_000005,5,0.05,0.1"

@@ -1,6 +1,6 @@
 """Rendering, planning, gathering and status parsing of the Slurm launcher (no cluster needed).
 
-    pytest tests/integration/test_slurm_render.py
+pytest tests/integration/test_slurm_render.py
 """
 
 from __future__ import annotations
@@ -16,8 +16,21 @@ from dapo_megatron.config import load_config
 from dapo_megatron.launch import gather, render, status, submit
 
 REPO = Path(__file__).resolve().parents[2]
-HOSTILE = ["; rm -rf /", "$(touch {d}/PWNED_subst)", "`touch {d}/PWNED_tick`", "a'b\"c\\d", "two\nlines",
-           "", "-n", "*", "~", "${HOME}", "$HOME", "it's; echo $(id)", "\t tab"]
+HOSTILE = [
+    "; rm -rf /",
+    "$(touch {d}/PWNED_subst)",
+    "`touch {d}/PWNED_tick`",
+    "a'b\"c\\d",
+    "two\nlines",
+    "",
+    "-n",
+    "*",
+    "~",
+    "${HOME}",
+    "$HOME",
+    "it's; echo $(id)",
+    "\t tab",
+]
 
 
 def _bash(script: str) -> subprocess.CompletedProcess:
@@ -43,10 +56,19 @@ def test_train_32b_render_has_the_multinode_launch():
     cfg = load_config(REPO / "configs/runs/qwen2.5-32b_dapo.yaml", ["slurm.partition=h100", "slurm.account=rl"])
     text = render.render_train(cfg, config_file="/runs/x/slurm/config.yaml")
     header = [line for line in text.splitlines() if line.startswith("#SBATCH")]
-    assert header == ["#SBATCH --nodes=16", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=96",
-                      "#SBATCH --gpus-per-node=8", "#SBATCH --partition=h100", "#SBATCH --account=rl",
-                      "#SBATCH --mem=0", "#SBATCH --time=48:00:00", "#SBATCH --signal=B:USR1@600",
-                      "#SBATCH --requeue", "#SBATCH --open-mode=append"]
+    assert header == [
+        "#SBATCH --nodes=16",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --cpus-per-task=96",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=h100",
+        "#SBATCH --account=rl",
+        "#SBATCH --mem=0",
+        "#SBATCH --time=48:00:00",
+        "#SBATCH --signal=B:USR1@600",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+    ]
     assert "NNODES=16\n" in text and "NPROC_PER_NODE=8\n" in text  # 16 x 8 = actor.world_size 128
     assert 'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)' in text
     assert '--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"' in text
@@ -70,11 +92,16 @@ def test_world_size_that_does_not_fill_the_nodes_is_a_config_error():
         render.render_train(cfg, config_file="/x.yaml")
 
 
-@pytest.mark.parametrize("override, key", [("slurm.partition=; rm -rf /", "slurm.partition"),
-                                           ("slurm.account=$(reboot)", "slurm.account"),
-                                           ("slurm.time=1:00 --wrap=x", "slurm.time"),
-                                           ("slurm.mem=`id`", "slurm.mem"),
-                                           ("slurm.constraint=a b", "slurm.constraint")])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("slurm.partition=; rm -rf /", "slurm.partition"),
+        ("slurm.account=$(reboot)", "slurm.account"),
+        ("slurm.time=1:00 --wrap=x", "slurm.time"),
+        ("slurm.mem=`id`", "slurm.mem"),
+        ("slurm.constraint=a b", "slurm.constraint"),
+    ],
+)
 def test_header_values_outside_slurm_syntax_are_refused(override, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         load_config(REPO / "configs/runs/qwen2.5-32b_dapo.yaml", [override])
@@ -107,8 +134,11 @@ def test_sweep_of_the_ablation_ladder(tmp_path):
     assert plan.run_dir == tmp_path / "abl"
     stems = [Path(rel).stem for rel in plan.files if rel.startswith("slurm/configs/")]
     assert stems == sorted(p.stem for p in (REPO / "configs/ablations").glob("*.yaml"))
-    outputs = [load_config_text(text).trainer.output_dir for rel, text in plan.files.items()
-               if rel.startswith("slurm/configs/")]
+    outputs = [
+        load_config_text(text).trainer.output_dir
+        for rel, text in plan.files.items()
+        if rel.startswith("slurm/configs/")
+    ]
     assert outputs == [f"{tmp_path}/abl/{stem}" for stem in stems]
     # without the override each rung keeps its own output_dir; the sweep lives beside them
     plan = submit.plan_sweep(REPO / "configs/ablations")
@@ -145,7 +175,8 @@ def test_eval_plan_lists_complete_checkpoints_in_step_order(tmp_path):
     (tmp_path / "checkpoints" / "step_000012").mkdir()  # no trainer_state.json: incomplete
     plan = submit.plan_eval(load_config(None), tmp_path)
     assert plan.files["slurm/eval_checkpoints.txt"].split() == [
-        str(tmp_path / "checkpoints" / f"step_{n:06d}") for n in (9, 10, 100)]
+        str(tmp_path / "checkpoints" / f"step_{n:06d}") for n in (9, 10, 100)
+    ]
     eval_job, gather_job = plan.jobs
     assert eval_job.sbatch_args[0] == "--array=0-2%2"
     assert gather_job.dependency == ("afterok", "eval")
@@ -162,18 +193,21 @@ def test_gather_writes_one_table_in_step_order(tmp_path):
         "| checkpoint | avg@32 | pass@32 | note | aime.n |\n"
         "|---|---|---|---|---|\n"
         "| step_5 | 0.2500 | 0.5000 | a\\|b |  |\n"
-        "| step_20 | 0.5000 | 0.8750 |  | 30 |\n")
-    assert csv_path.read_text() == ("checkpoint,avg@32,pass@32,note,aime.n\n"
-                                     "step_5,0.25,0.5,a|b,\n"
-                                     "step_20,0.5,0.875,,30\n")
+        "| step_20 | 0.5000 | 0.8750 |  | 30 |\n"
+    )
+    assert csv_path.read_text() == (
+        "checkpoint,avg@32,pass@32,note,aime.n\nstep_5,0.25,0.5,a|b,\nstep_20,0.5,0.875,,30\n"
+    )
     (tmp_path / "bad.json").write_text("[1]")
     with pytest.raises(ValueError, match="bad.json: expected a JSON object"):
         gather.gather(tmp_path)
 
 
 def test_status_falls_back_from_squeue_to_scontrol_to_gone():
-    scontrol_line = ("JobId=12 ArrayJobId=11 ArrayTaskId=1 JobName=dapo-sweep JobState=COMPLETED Reason=None "
-                     "Restarts=1 RunTime=00:00:09")
+    scontrol_line = (
+        "JobId=12 ArrayJobId=11 ArrayTaskId=1 JobName=dapo-sweep JobState=COMPLETED Reason=None "
+        "Restarts=1 RunTime=00:00:09"
+    )
     answers = {"squeue": "", "scontrol": scontrol_line + "\n", "sacct": None}
     rows = status.job_rows("11", lambda argv: answers[argv[0]])
     assert rows == [{"id": "11_1", "state": "COMPLETED", "elapsed": "00:00:09", "restarts": "1", "reason": "None"}]
@@ -192,8 +226,9 @@ def test_colocated_engines_split_per_node(monkeypatch):
     assert len(cmds) == 2  # 32 engines / 16 nodes; 2 x tp 4 = the node's 8 GPUs
     assert [c[c.index("--base-gpu-id") + 1] for c in cmds] == ["0", "4"]
     assert [c[c.index("--seed") + 1] for c in cmds] == ["48", "49"]  # seed 42 + node 3 * 2 + i
-    assert all("--colocate" in c and c[c.index("--register-dir") + 1] == "/shared/runs/qwen2.5-32b_dapo/engines"
-               for c in cmds)
+    assert all(
+        "--colocate" in c and c[c.index("--register-dir") + 1] == "/shared/runs/qwen2.5-32b_dapo/engines" for c in cmds
+    )
     with pytest.raises(ValueError, match="rollout.num_engines"):
         colocated.engines_per_node(load_config(REPO / "configs/runs/qwen2.5-32b_dapo.yaml", ["rollout.num_engines=33"]))
     with pytest.raises(ValueError, match="rollout.num_engines"):  # 4 per node x tp 4 > 8 GPUs
@@ -253,32 +288,68 @@ def yaml_dump(data) -> str:
 def test_dry_run_prints_the_sbatch_lines_and_scripts_before_the_config(tmp_path, capsys):
     from dapo_megatron.launch import slurm_cli as cli
 
-    assert cli.main(["submit", str(REPO / "configs/runs/qwen2.5-7b_dapo.yaml"), f"trainer.output_dir={tmp_path}/run",
-                     "slurm.partition=h100", "--engines", "2", "--dry-run", "--skip-data-check"]) == 0
+    assert (
+        cli.main(
+            [
+                "submit",
+                str(REPO / "configs/runs/qwen2.5-7b_dapo.yaml"),
+                f"trainer.output_dir={tmp_path}/run",
+                "slurm.partition=h100",
+                "--engines",
+                "2",
+                "--dry-run",
+                "--skip-data-check",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     lines = text.splitlines()
     assert lines[0].startswith("# dry run: nothing is written or submitted")
     # what `head` shows first: the two sbatch command lines, in submission order
-    assert lines[1] == (f"#   sbatch --parsable --array=0-1 --output={tmp_path}/run/slurm/logs/engines-%A_%a.out "
-                        f"--job-name=dapo-engines {tmp_path}/run/slurm/engines.sbatch")
-    assert lines[2].startswith("#   sbatch --parsable --output=") and "'--dependency=after:<engines job id>'" in lines[2]
-    order = [text.index(marker) for marker in (f"# ---- {tmp_path}/run/slurm/engines.sbatch",
-                                               f"# ---- {tmp_path}/run/slurm/train.sbatch",
-                                               f"# ---- {tmp_path}/run/slurm/config.yaml")]
+    assert lines[1] == (
+        f"#   sbatch --parsable --array=0-1 --output={tmp_path}/run/slurm/logs/engines-%A_%a.out "
+        f"--job-name=dapo-engines {tmp_path}/run/slurm/engines.sbatch"
+    )
+    assert (
+        lines[2].startswith("#   sbatch --parsable --output=") and "'--dependency=after:<engines job id>'" in lines[2]
+    )
+    order = [
+        text.index(marker)
+        for marker in (
+            f"# ---- {tmp_path}/run/slurm/engines.sbatch",
+            f"# ---- {tmp_path}/run/slurm/train.sbatch",
+            f"# ---- {tmp_path}/run/slurm/config.yaml",
+        )
+    ]
     assert order == sorted(order)
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
 
 
-@pytest.mark.parametrize("overrides, warned", [
-    ([], "slurm.partition and slurm.account are empty"),
-    (["slurm.partition=h100"], "slurm.account is empty"),
-    (["slurm.partition=h100", "slurm.account=rl"], None),
-])
+@pytest.mark.parametrize(
+    "overrides, warned",
+    [
+        ([], "slurm.partition and slurm.account are empty"),
+        (["slurm.partition=h100"], "slurm.account is empty"),
+        (["slurm.partition=h100", "slurm.account=rl"], None),
+    ],
+)
 def test_submit_warns_when_no_partition_or_account_is_named(tmp_path, capsys, overrides, warned):
     from dapo_megatron.launch import slurm_cli as cli
 
-    assert cli.main(["submit", str(REPO / "configs/runs/qwen2.5-7b_dapo.yaml"), f"trainer.output_dir={tmp_path}/run",
-                     *overrides, "--dry-run", "--skip-data-check"]) == 0
+    assert (
+        cli.main(
+            [
+                "submit",
+                str(REPO / "configs/runs/qwen2.5-7b_dapo.yaml"),
+                f"trainer.output_dir={tmp_path}/run",
+                *overrides,
+                "--dry-run",
+                "--skip-data-check",
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     if warned is None:
         assert "warning:" not in err
@@ -287,11 +358,14 @@ def test_submit_warns_when_no_partition_or_account_is_named(tmp_path, capsys, ov
         assert warned in line and "sbatch uses the cluster's default" in line
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (["slurm.setup=['source /shared/venvs/dapo/bin/activate']"], "python"),  # the venv's, after activation
-    (["slurm.setup=['module load python']", "slurm.python=/opt/py/bin/python3.12"], "/opt/py/bin/python3.12"),
-    ([], sys.executable),  # no setup lines: the submitter's own interpreter (same image, e.g. the test cluster)
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["slurm.setup=['source /shared/venvs/dapo/bin/activate']"], "python"),  # the venv's, after activation
+        (["slurm.setup=['module load python']", "slurm.python=/opt/py/bin/python3.12"], "/opt/py/bin/python3.12"),
+        ([], sys.executable),  # no setup lines: the submitter's own interpreter (same image, e.g. the test cluster)
+    ],
+)
 def test_jobs_run_the_interpreter_the_setup_lines_provide(overrides, expected, tmp_path):
     import shlex
 

@@ -26,9 +26,13 @@ def _scripts(tmp_path, *overrides: str) -> dict[str, str]:
 
 
 def test_engines_get_their_own_interpreter_and_setup_lines(tmp_path):
-    scripts = _scripts(tmp_path, "slurm.setup=['source /venvs/train/bin/activate']",
-                       "slurm.python=/venvs/train/bin/python", "slurm.engine_python=/venvs/sglang/bin/python",
-                       "slurm.engine_setup=['module load cuda/12.8', 'source /venvs/sglang/bin/activate']")
+    scripts = _scripts(
+        tmp_path,
+        "slurm.setup=['source /venvs/train/bin/activate']",
+        "slurm.python=/venvs/train/bin/python",
+        "slurm.engine_python=/venvs/sglang/bin/python",
+        "slurm.engine_setup=['module load cuda/12.8', 'source /venvs/sglang/bin/activate']",
+    )
     train, engines = scripts["train"], scripts["engines"]
     assert "PYTHON=/venvs/train/bin/python\n" in train and "source /venvs/train/bin/activate\n" in train
     assert "/venvs/sglang" not in train and "module load cuda/12.8" not in train
@@ -44,17 +48,23 @@ def test_engines_get_their_own_interpreter_and_setup_lines(tmp_path):
 
 
 def test_pyxis_options_reach_every_srun_line_per_role(tmp_path):
-    scripts = _scripts(tmp_path, "slurm.container_image=nvcr.io#nvidia/pytorch:25.09-py3",
-                       "slurm.container_mounts=/lustre:/lustre,/home/u/.cache:/root/.cache",
-                       "slurm.engine_container_image=lmsysorg/sglang:v0.5.21",
-                       "slurm.engine_container_mounts=/lustre:/lustre:ro")
+    scripts = _scripts(
+        tmp_path,
+        "slurm.container_image=nvcr.io#nvidia/pytorch:25.09-py3",
+        "slurm.container_mounts=/lustre:/lustre,/home/u/.cache:/root/.cache",
+        "slurm.engine_container_image=lmsysorg/sglang:v0.5.21",
+        "slurm.engine_container_mounts=/lustre:/lustre:ro",
+    )
     train, engines = scripts["train"], scripts["engines"]
-    assert ("CONTAINER_ARGS=('--container-image=nvcr.io#nvidia/pytorch:25.09-py3' "  # quoted: '#' starts a comment
-            "--container-mounts=/lustre:/lustre,/home/u/.cache:/root/.cache)") in train
+    assert (
+        "CONTAINER_ARGS=('--container-image=nvcr.io#nvidia/pytorch:25.09-py3' "  # quoted: '#' starts a comment
+        "--container-mounts=/lustre:/lustre,/home/u/.cache:/root/.cache)"
+    ) in train
     srun_lines = [line for line in train.splitlines() if line.lstrip().startswith("srun ")]
     assert len(srun_lines) == 2 and all('"${CONTAINER_ARGS[@]}"' in line for line in srun_lines)
-    assert ("ENGINE_SRUN=(srun --ntasks=1 --container-image=lmsysorg/sglang:v0.5.21 "
-            "--container-mounts=/lustre:/lustre:ro)") in engines
+    assert (
+        "ENGINE_SRUN=(srun --ntasks=1 --container-image=lmsysorg/sglang:v0.5.21 --container-mounts=/lustre:/lustre:ro)"
+    ) in engines
     assert engines.count('exec "${ENGINE_SRUN[@]}" "$PYTHON" -m ') == 2  # SGLang and the CPU engine
     # no container: the arrays are empty and the lines run as before
     plain = _scripts(tmp_path)
@@ -69,16 +79,40 @@ def test_pyxis_options_reach_every_srun_line_per_role(tmp_path):
 def test_dry_run_shows_the_container_lines(tmp_path, capsys):
     from dapo_megatron.launch import slurm_cli as cli
 
-    assert cli.main(["submit", str(SEVEN_B), f"trainer.output_dir={tmp_path}/run", "slurm.partition=h100",
-                     "slurm.container_image=img:1", "slurm.engine_python=/e/bin/python", "--engines", "1",
-                     "--dry-run", "--skip-data-check"]) == 0
+    assert (
+        cli.main(
+            [
+                "submit",
+                str(SEVEN_B),
+                f"trainer.output_dir={tmp_path}/run",
+                "slurm.partition=h100",
+                "slurm.container_image=img:1",
+                "slurm.engine_python=/e/bin/python",
+                "--engines",
+                "1",
+                "--dry-run",
+                "--skip-data-check",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    assert "CONTAINER_ARGS=(--container-image=img:1)" in out and "ENGINE_SRUN=(srun --ntasks=1 --container-image=img:1)" in out
+    assert (
+        "CONTAINER_ARGS=(--container-image=img:1)" in out
+        and "ENGINE_SRUN=(srun --ntasks=1 --container-image=img:1)" in out
+    )
     assert "PYTHON=/e/bin/python" in out
 
 
-@pytest.mark.parametrize("key, value", [("container_mounts", "/a:/a"), ("engine_python", "/x/python\nrm -rf /"),
-                                        ("engine_setup", ["a\nb"]), ("engine_container_image", "img:1 ")])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("container_mounts", "/a:/a"),
+        ("engine_python", "/x/python\nrm -rf /"),
+        ("engine_setup", ["a\nb"]),
+        ("engine_container_image", "img:1 "),
+    ],
+)
 def test_bad_role_settings_are_refused_naming_the_key(key, value):
     from dapo_megatron.config import validate
 
@@ -92,9 +126,14 @@ def _run_engine_port_lines(script: str, job_id: int, port_range: str) -> int:
     """The rendered engine script's port arithmetic, on a given ip_local_port_range."""
     lines = script.splitlines()
     start = next(i for i, line in enumerate(lines) if "read -r EPHEMERAL_LO" in line)
-    block = "\n".join(lines[start:start + 3]).replace("/proc/sys/net/ipv4/ip_local_port_range", "/dev/stdin")
-    out = subprocess.run(["bash", "-c", f"SLURM_JOB_ID={job_id}\n{block}\necho $ENGINE_PORT"], input=port_range,
-                         capture_output=True, text=True, timeout=30)
+    block = "\n".join(lines[start : start + 3]).replace("/proc/sys/net/ipv4/ip_local_port_range", "/dev/stdin")
+    out = subprocess.run(
+        ["bash", "-c", f"SLURM_JOB_ID={job_id}\n{block}\necho $ENGINE_PORT"],
+        input=port_range,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     return int(out.stdout)
 
 

@@ -24,19 +24,42 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-EXACT_KEYS = ("reward/mean", "acc/mean", "sampler/acc_all", "sampler/groups_seen", "sampler/groups_kept",
-              "sampler/rounds", "response_length/mean", "actor/num_tokens", "actor/loss", "actor/grad_norm",
-              "actor/entropy", "eval/avg@k")
+EXACT_KEYS = (
+    "reward/mean",
+    "acc/mean",
+    "sampler/acc_all",
+    "sampler/groups_seen",
+    "sampler/groups_kept",
+    "sampler/rounds",
+    "response_length/mean",
+    "actor/num_tokens",
+    "actor/loss",
+    "actor/grad_norm",
+    "actor/entropy",
+    "eval/avg@k",
+)
 NUM_TENSORS = 27  # the tiny Qwen2's HF tensors (2 layers x 12 + embed, final norm, lm_head)
 
 pytestmark = pytest.mark.slow
 
 
 def _train(config: str, out: Path, cache: Path, *extra: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs" / config),
-           f"trainer.output_dir={out}", f"tiny.cache_dir={cache}", "tiny.warm_start_steps=300",
-           "trainer.eval_every=4", "trainer.save_every=2", "trainer.keep_checkpoints=2", "trainer.wandb_mode=disabled",
-           "trainer.total_steps=4", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dapo_megatron.cli",
+        "train",
+        str(ROOT / "configs/runs" / config),
+        f"trainer.output_dir={out}",
+        f"tiny.cache_dir={cache}",
+        "tiny.warm_start_steps=300",
+        "trainer.eval_every=4",
+        "trainer.save_every=2",
+        "trainer.keep_checkpoints=2",
+        "trainer.wandb_mode=disabled",
+        "trainer.total_steps=4",
+        *extra,
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -46,9 +69,16 @@ def _train(config: str, out: Path, cache: Path, *extra: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tiny_run_a):
     root = tmp_path_factory.mktemp("colocated")
-    return {"a": _train("tiny_cpu_colocated.yaml", root / "a", tiny_run_a["cache"], "rollout.verify_weight_sync=true",
-                        "rollout.num_engines=2"),
-            "d": tiny_run_a["a"]}
+    return {
+        "a": _train(
+            "tiny_cpu_colocated.yaml",
+            root / "a",
+            tiny_run_a["cache"],
+            "rollout.verify_weight_sync=true",
+            "rollout.num_engines=2",
+        ),
+        "d": tiny_run_a["a"],
+    }
 
 
 def test_colocated_steps_equal_the_disaggregated_run(runs):
@@ -83,8 +113,10 @@ def test_memory_ledger_shows_the_phases_taking_turns(runs):
         params = r["memory/actor_params_gb_during_train"]
         assert r["memory/actor_grads_gb_during_train"] == params
         assert r["memory/actor_optimizer_gb_during_train"] >= 2 * params
-        assert r["memory/actor_gb_during_train"] == params + r["memory/actor_grads_gb_during_train"] + \
-            r["memory/actor_optimizer_gb_during_train"]
+        assert (
+            r["memory/actor_gb_during_train"]
+            == params + r["memory/actor_grads_gb_during_train"] + r["memory/actor_optimizer_gb_during_train"]
+        )
     # the host keeps what was offloaded: after the first update, parameters and Adam's moments
     for r in runs["a"][2:]:
         assert r["memory/host_backup_gb_during_rollout"] >= 3 * r["memory/actor_params_gb_during_train"]

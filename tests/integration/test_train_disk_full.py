@@ -29,11 +29,28 @@ def test_disk_full_checkpoint_stops_cleanly_and_keeps_the_previous(tmp_path, sma
     out = small_tmpfs / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "DAPO_TEST_RUN_DIR": str(out)}
     proc = subprocess.run(
-        [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu.yaml"),
-         f"trainer.output_dir={out}", f"tiny.cache_dir={tmp_path / 'cache'}", "tiny.warm_start_steps=0",
-         "algorithm.max_num_gen_batches=1", "trainer.total_steps=3", "trainer.eval_every=0", "trainer.save_every=1",
-         "trainer.keep_checkpoints=2", "trainer.wandb_mode=disabled"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            "-m",
+            "dapo_megatron.cli",
+            "train",
+            str(ROOT / "configs/runs/tiny_cpu.yaml"),
+            f"trainer.output_dir={out}",
+            f"tiny.cache_dir={tmp_path / 'cache'}",
+            "tiny.warm_start_steps=0",
+            "algorithm.max_num_gen_batches=1",
+            "trainer.total_steps=3",
+            "trainer.eval_every=0",
+            "trainer.save_every=1",
+            "trainer.keep_checkpoints=2",
+            "trainer.wandb_mode=disabled",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     text = proc.stdout + proc.stderr
     assert proc.returncode == 1, text[-4000:]
     tmp = out / "checkpoints" / "step_000002.tmp"

@@ -32,10 +32,17 @@ def runs(tmp_path_factory, tiny_run_a):
     root = tmp_path_factory.mktemp("faults")
     cache = tiny_run_a["cache"]
     killed = train_killing_engine(root / "k", cache, kills=(step_logged(1), holds_weights("step_4")))
-    no_budget = train_killing_engine(root / "z", cache, "rollout.engine_restarts=0", "rollout.engine_wait_s=60",
-                                      "trainer.total_steps=2", "trainer.eval_every=1", "trainer.save_every=0",
-                                      "trainer.keep_best_checkpoint=false",
-                                      kills=(holds_weights("step_1"),))
+    no_budget = train_killing_engine(
+        root / "z",
+        cache,
+        "rollout.engine_restarts=0",
+        "rollout.engine_wait_s=60",
+        "trainer.total_steps=2",
+        "trainer.eval_every=1",
+        "trainer.save_every=0",
+        "trainer.keep_best_checkpoint=false",
+        kills=(holds_weights("step_1"),),
+    )
     return {"root": root, "a": [r for r in tiny_run_a["a"] if r["step"] > 0], "k": killed, "z": no_budget}
 
 
@@ -50,26 +57,34 @@ def test_only_engine_killed_restarts_and_trains_every_step_as_if_uninterrupted(r
     # step 4's eval lost its engine, was retried once it was back: the same avg@k as the uninterrupted run
     assert "[engines] no engine left during the eval of step 4" in console, console[-6000:]
     assert "re-syncing the weights of step 4, then the eval starts over with the same prompts and seeds" in console
-    assert (k[3]["eval/retried"], k[3]["eval/avg@k"], k[3]["eval/pass@k"]) == \
-        (1.0, a[3]["eval/avg@k"], a[3]["eval/pass@k"])
+    assert (k[3]["eval/retried"], k[3]["eval/avg@k"], k[3]["eval/pass@k"]) == (
+        1.0,
+        a[3]["eval/avg@k"],
+        a[3]["eval/pass@k"],
+    )
     # the launcher's console line, and the driver's counters from step 2 on
-    assert f"[engines] engine_0 ({record['url']}, pid {record['pid']}) exited with code -9 (SIGKILL); restarting it" \
-        in console, console[-4000:]
+    assert (
+        f"[engines] engine_0 ({record['url']}, pid {record['pid']}) exited with code -9 (SIGKILL); restarting it"
+        in console
+    ), console[-4000:]
     assert "(restart 1 of rollout.engine_restarts=3)" in console
     assert [r["engines/restarted_total"] for r in k] == [0.0, 1.0, 1.0, 1.0]
     assert [r["engines/live"] for r in k] == [1.0, 1.0, 1.0, 1.0]
     assert k[1]["engines/dropped_total"] >= 1.0
     events = read_engine_events(runs["root"] / "k" / "logs" / "engine_restarts.jsonl")
-    assert [(e["engine"], e["action"], e["returncode"], e["pid"]) for e in events] == \
-        [("engine_0", "restarted", -9, record["pid"]), ("engine_0", "restarted", -9, second["pid"])]
+    assert [(e["engine"], e["action"], e["returncode"], e["pid"]) for e in events] == [
+        ("engine_0", "restarted", -9, record["pid"]),
+        ("engine_0", "restarted", -9, second["pid"]),
+    ]
 
 
 def test_only_engine_killed_without_restart_budget_checkpoints_and_names_the_engine(runs):
     rc, console, (record,) = runs["z"]
     assert rc != 0
     # it died during step 1's eval: the eval is missed, step 1 is logged and kept
-    assert "[eval] the eval of step 1 is missed (recorded as eval/missed=1): no rollout engine left" in console, \
+    assert "[eval] the eval of step 1 is missed (recorded as eval/missed=1): no rollout engine left" in console, (
         console[-6000:]
+    )
     assert "Training goes on from step 1, which is complete" in console
     assert step_rows(runs["root"] / "z")[0]["eval/missed"] == 1.0
     assert "not restarted: the restart budget is spent (0 of rollout.engine_restarts=0)" in console
@@ -96,8 +111,10 @@ def colocated_killed(tmp_path_factory, tiny_run_a):
 def test_colocated_engine_killed_restarts_and_trains_every_step_as_if_uninterrupted(colocated_killed, tiny_run_a):
     root, (rc, console, (record,)) = colocated_killed
     assert rc == 0, console[-6000:]
-    assert f"[engines] engine_0 ({record['url']}, pid {record['pid']}) exited with code -9 (SIGKILL); restarting it" \
-        in console, console[-4000:]
+    assert (
+        f"[engines] engine_0 ({record['url']}, pid {record['pid']}) exited with code -9 (SIGKILL); restarting it"
+        in console
+    ), console[-4000:]
     assert "re-syncing the weights of step 1, then step 2's rollout starts over" in console
     a, c = [r for r in tiny_run_a["a"] if r["step"] > 0], step_rows(root / "c")
     assert [r["step"] for r in c] == [1, 2, 3, 4]

@@ -21,10 +21,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_sigkill_rank0_leaves_no_process(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu.yaml"),
-           f"trainer.output_dir={out}", f"tiny.cache_dir={tmp_path / 'cache'}", "tiny.warm_start_steps=0",
-           "algorithm.max_num_gen_batches=1", "trainer.total_steps=6", "trainer.eval_every=0",
-           "trainer.save_every=1", "trainer.wandb_mode=disabled"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dapo_megatron.cli",
+        "train",
+        str(ROOT / "configs/runs/tiny_cpu.yaml"),
+        f"trainer.output_dir={out}",
+        f"tiny.cache_dir={tmp_path / 'cache'}",
+        "tiny.warm_start_steps=0",
+        "algorithm.max_num_gen_batches=1",
+        "trainer.total_steps=6",
+        "trainer.eval_every=0",
+        "trainer.save_every=1",
+        "trainer.wandb_mode=disabled",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "DAPO_TEST_RUN_DIR": str(out)}
     console = tmp_path / "console.txt"
     with open(console, "w") as log:
@@ -39,8 +50,13 @@ def test_sigkill_rank0_leaves_no_process(tmp_path):
         lines = [" ".join(p.cmdline()) for p in family]
         assert any("spawn_main" in line for line in lines), lines  # Megatron's Manager: the old orphan
         assert any("resource_tracker" in line for line in lines), lines
-        rank0 = [p for p in family if p.environ().get("RANK") == "0" and "dapo_megatron.cli" in " ".join(p.cmdline())
-                 and p.ppid() not in {q.pid for q in family if q.environ().get("RANK") == "0"}]
+        rank0 = [
+            p
+            for p in family
+            if p.environ().get("RANK") == "0"
+            and "dapo_megatron.cli" in " ".join(p.cmdline())
+            and p.ppid() not in {q.pid for q in family if q.environ().get("RANK") == "0"}
+        ]
         assert len(rank0) == 1, [(p.pid, p.ppid()) for p in rank0]
         t_kill = time.monotonic()
         rank0[0].send_signal(signal.SIGKILL)
@@ -48,7 +64,9 @@ def test_sigkill_rank0_leaves_no_process(tmp_path):
             for child in psutil.Process(launcher.pid).children(recursive=True) if process_alive(family[0]) else []:
                 if child.pid not in {p.pid for p in family}:
                     family.append(child)  # started after the snapshot (a checkpoint writer)
-            assert time.monotonic() - t_kill < 300, [(p.pid, " ".join(p.cmdline())[:100]) for p in family if process_alive(p)]
+            assert time.monotonic() - t_kill < 300, [
+                (p.pid, " ".join(p.cmdline())[:100]) for p in family if process_alive(p)
+            ]
             time.sleep(0.1)
         print(f"\n[no orphans] every process of the run ended {time.monotonic() - t_kill:.1f} s after rank 0's SIGKILL")
         assert launcher.wait(timeout=10) == 1

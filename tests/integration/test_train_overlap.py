@@ -18,14 +18,27 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_staleness_one_run(tmp_path, tiny_run_a):
     out = tmp_path / "run"  # the session's warm-started tiny model (conftest.py: tiny_run_a), not a new one
-    cmd = [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu.yaml"),
-           f"trainer.output_dir={out}", f"tiny.cache_dir={tiny_run_a['cache']}", "tiny.warm_start_steps=300",
-           "trainer.total_steps=4", "trainer.eval_every=0", "trainer.save_every=0",
-           "trainer.keep_best_checkpoint=false",
-           "trainer.wandb_mode=disabled", "rollout.placement=disaggregated", "rollout.max_staleness=1",
-           "algorithm.tis_cap=2.0"]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
-                          timeout=900)
+    cmd = [
+        sys.executable,
+        "-m",
+        "dapo_megatron.cli",
+        "train",
+        str(ROOT / "configs/runs/tiny_cpu.yaml"),
+        f"trainer.output_dir={out}",
+        f"tiny.cache_dir={tiny_run_a['cache']}",
+        "tiny.warm_start_steps=300",
+        "trainer.total_steps=4",
+        "trainer.eval_every=0",
+        "trainer.save_every=0",
+        "trainer.keep_best_checkpoint=false",
+        "trainer.wandb_mode=disabled",
+        "rollout.placement=disaggregated",
+        "rollout.max_staleness=1",
+        "algorithm.tis_cap=2.0",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=900
+    )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
@@ -60,10 +73,16 @@ def test_staleness_one_survives_its_only_engine_killed(tmp_path, tiny_run_a):
     from helpers_train import step_rows, step_logged, train_killing_engine
 
     out = tmp_path / "k"
-    rc, console, _ = train_killing_engine(out, tiny_run_a["cache"], "rollout.placement=disaggregated",
-                                           "rollout.max_staleness=1", "algorithm.tis_cap=2.0",
-                                           "trainer.eval_every=0", "trainer.save_every=0",
-                                           kills=(step_logged(1),))
+    rc, console, _ = train_killing_engine(
+        out,
+        tiny_run_a["cache"],
+        "rollout.placement=disaggregated",
+        "rollout.max_staleness=1",
+        "algorithm.tis_cap=2.0",
+        "trainer.eval_every=0",
+        "trainer.save_every=0",
+        kills=(step_logged(1),),
+    )
     assert rc == 0, console[-4000:]
     steps = step_rows(out)
     assert [r["step"] for r in steps] == [1, 2, 3, 4]

@@ -27,16 +27,31 @@ def _closed_port() -> int:
 
 
 def test_the_first_failing_ranks_whole_traceback_ends_the_output(tmp_path):
-    cmd = [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu.yaml"),
-           f"trainer.output_dir={tmp_path / 'run'}", f"tiny.cache_dir={tmp_path / 'cache'}",
-           "tiny.warm_start_steps=1", "trainer.total_steps=1", "trainer.wandb_mode=disabled",
-           f"rollout.engine_urls=[http://127.0.0.1:{_closed_port()}]"]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"},
-                          capture_output=True, text=True, timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "dapo_megatron.cli",
+        "train",
+        str(ROOT / "configs/runs/tiny_cpu.yaml"),
+        f"trainer.output_dir={tmp_path / 'run'}",
+        f"tiny.cache_dir={tmp_path / 'cache'}",
+        "tiny.warm_start_steps=1",
+        "trainer.total_steps=1",
+        "trainer.wandb_mode=disabled",
+        f"rollout.engine_urls=[http://127.0.0.1:{_closed_port()}]",
+    ]
+    proc = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 1, proc.stderr[-4000:]
     stderr = proc.stderr
     assert "[rank1]" in stderr and "Connection closed by peer" in stderr  # the symptom that buried the cause
-    root = stderr[stderr.rindex("Root Cause (first observed failure):"):]
+    root = stderr[stderr.rindex("Root Cause (first observed failure):") :]
     assert "rank      : 0 (local_rank: 0)" in root
     assert "To enable traceback see" not in root  # torchrun's text when the rank left no error file
     # the whole traceback: from the rank's entry (trainer/train.py) down to the raising frame and its message

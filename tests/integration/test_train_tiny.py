@@ -52,7 +52,10 @@ def test_metrics_are_written_and_sane(runs):
     # keep_checkpoints=2 (step 2 stays for test_resume_skips_a_damaged_checkpoint); the best eval's
     # (keep_best_checkpoint) is step 4's; nothing half-written left
     assert ckpts == ["best.json", "step_000002", "step_000004"]
-    assert json.loads((run_dir / "checkpoints" / "best.json").read_text()) == {"step": 4, "eval": steps[-1]["eval/avg@k"]}
+    assert json.loads((run_dir / "checkpoints" / "best.json").read_text()) == {
+        "step": 4,
+        "eval": steps[-1]["eval/avg@k"],
+    }
     assert (run_dir / "checkpoints" / "step_000004" / "hf" / "config.json").is_file()
     assert (run_dir / "curves.png").stat().st_size > 0
 
@@ -73,14 +76,31 @@ def test_console_output(runs):
     evals = [r for r in runs["a"] if "eval/avg@k" in r]
     assert f"[train] done. run directory: {run_dir}" in lines
     assert f"  curves:       {run_dir / 'curves.png'}" in lines
-    assert f"  final eval:   avg@8 {evals[-1]['eval/avg@k']:.1%} at step 4, pass@8 {evals[-1]['eval/pass@k']:.1%}" in lines
+    assert (
+        f"  final eval:   avg@8 {evals[-1]['eval/avg@k']:.1%} at step 4, pass@8 {evals[-1]['eval/pass@k']:.1%}" in lines
+    )
     assert f"  checkpoints:  step_000002, step_000004 in {run_dir / 'checkpoints'}" in lines
-    assert f"  best ckpt:    {run_dir / 'checkpoints' / 'step_000004'} (eval {evals[-1]['eval/avg@k']:.1%}, " \
+    assert (
+        f"  best ckpt:    {run_dir / 'checkpoints' / 'step_000004'} (eval {evals[-1]['eval/avg@k']:.1%}, "
         "kept by trainer.keep_best_checkpoint)" in lines
+    )
     # resuming the finished run: nothing to do, said at once
-    proc = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu.yaml"),
-                           f"trainer.output_dir={run_dir}", "trainer.total_steps=4", "--resume"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dapo_megatron.cli",
+            "train",
+            str(ROOT / "configs/runs/tiny_cpu.yaml"),
+            f"trainer.output_dir={run_dir}",
+            "trainer.total_steps=4",
+            "--resume",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0 and "already at step 4 of 4 (trainer.total_steps): nothing to do" in proc.stdout
 
 
@@ -139,8 +159,17 @@ def numerics_fingerprint() -> str:
     with tempfile.TemporaryDirectory() as tmp:
         prompts = [f"What is {i} + {2 * i + 1}?" for i in range(8)]
         answers = [str(3 * i + 1) for i in range(8)]
-        warm = warm_start(build_tiny_model(tmp, seed=0), tmp, prompts=prompts, answers=answers, steps=3,
-                          batch_size=4, lr=1e-3, seed=0, label_smoothing=0.1)
+        warm = warm_start(
+            build_tiny_model(tmp, seed=0),
+            tmp,
+            prompts=prompts,
+            answers=answers,
+            steps=3,
+            batch_size=4,
+            lr=1e-3,
+            seed=0,
+            label_smoothing=0.1,
+        )
         weights = load_file(str(warm / "model.safetensors"))
         for name in sorted(weights):
             h.update(weights[name].numpy().tobytes())
@@ -157,8 +186,10 @@ def test_golden_reward_curve(runs):
         goldens[fingerprint] = curve
         GOLDEN.write_text(json.dumps(goldens, indent=1) + "\n")
     if fingerprint not in goldens:
-        pytest.skip(f"no golden curve for this machine's floating point (fingerprint {fingerprint}; known: "
-                    f"{sorted(goldens)}): run with DAPO_UPDATE_GOLDEN=1 on it to record one")
+        pytest.skip(
+            f"no golden curve for this machine's floating point (fingerprint {fingerprint}; known: "
+            f"{sorted(goldens)}): run with DAPO_UPDATE_GOLDEN=1 on it to record one"
+        )
     assert curve == goldens[fingerprint]
 
 
@@ -179,8 +210,14 @@ def test_eval_files_agree_with_metrics(tiny_run_a):
         assert report["step"] == row["step"] and report["k"] == 8 and report["num_prompts"] == 100
         problems = report["problems"]
         assert [p["index"] for p in problems] == list(range(100))
-        assert all(p["n"] == 8 and sum(p["answers"].values()) == 8 and 0 <= p["truncated"] <= 8
-                   and 0 < p["mean_response_tokens"] <= 16 and p["data_source"] == "math_dapo" for p in problems)
+        assert all(
+            p["n"] == 8
+            and sum(p["answers"].values()) == 8
+            and 0 <= p["truncated"] <= 8
+            and 0 < p["mean_response_tokens"] <= 16
+            and p["data_source"] == "math_dapo"
+            for p in problems
+        )
         assert sum(p["correct"] for p in problems) / 800 == pytest.approx(report["avg@k"], abs=1e-12)
         correct = [[1.0] * p["correct"] + [0.0] * (8 - p["correct"]) for p in problems]
         for j in (1, 2, 4, 8):
@@ -189,8 +226,10 @@ def test_eval_files_agree_with_metrics(tiny_run_a):
         low, high = report["avg@k_ci95"]
         assert low < report["avg@k"] < high and report["interval"]["resamples"] == 2000
         assert 0 <= report["maj@k"] <= 1
-        print(f"step {row['step']}: avg@8 {report['avg@k']:.4f} [{low:.4f}, {high:.4f}] maj@8 {report['maj@k']:.4f} "
-              f"pass@8 {report['pass@8']:.4f}")
+        print(
+            f"step {row['step']}: avg@8 {report['avg@k']:.4f} [{low:.4f}, {high:.4f}] maj@8 {report['maj@k']:.4f} "
+            f"pass@8 {report['pass@8']:.4f}"
+        )
 
 
 def test_eval_command_reproduces_the_training_eval(tiny_run_a):
@@ -199,11 +238,21 @@ def test_eval_command_reproduces_the_training_eval(tiny_run_a):
     answers as the run's evals/step_000004.json, and `eval --compare` finds no difference between them."""
     run_dir = tiny_run_a["root"] / "a"
     out = run_dir / "eval_step4.json"
-    cmd = [sys.executable, "-m", "dapo_megatron.cli", "eval", str(ROOT / "configs/runs/tiny_cpu.yaml"),
-           f"trainer.output_dir={run_dir}", "--checkpoint", str(run_dir / "checkpoints" / "step_000004"),
-           "--output", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
-                          timeout=600)
+    cmd = [
+        sys.executable,
+        "-m",
+        "dapo_megatron.cli",
+        "eval",
+        str(ROOT / "configs/runs/tiny_cpu.yaml"),
+        f"trainer.output_dir={run_dir}",
+        "--checkpoint",
+        str(run_dir / "checkpoints" / "step_000004"),
+        "--output",
+        str(out),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(out.read_text())
     logged = tiny_run_a["a"][-1]
@@ -230,14 +279,21 @@ def test_eval_command_reproduces_the_training_eval(tiny_run_a):
         files[name] = run_dir / f"{name}.jsonl"
         files[name].write_text("".join(json.dumps(r.to_row()) + "\n" for r in part))
     two = run_dir / "eval_step4_two_sets.json"
-    proc = subprocess.run(cmd[:5] + [f"data.eval_sets={{first: {files['first']}, second: {files['second']}}}"]
-                          + cmd[5:-1] + [str(two)], cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        cmd[:5] + [f"data.eval_sets={{first: {files['first']}, second: {files['second']}}}"] + cmd[5:-1] + [str(two)],
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     sets = json.loads(two.read_text())["sets"]
     assert list(sets) == ["first", "second"] and [sets[n]["num_prompts"] for n in sets] == [50, 50]
     assert sets["first"]["problems"] == trained["problems"][:50]
-    assert [p["prompt_hash"] for p in sets["second"]["problems"]] == [p["prompt_hash"] for p in trained["problems"][50:]]
+    assert [p["prompt_hash"] for p in sets["second"]["problems"]] == [
+        p["prompt_hash"] for p in trained["problems"][50:]
+    ]
     proc = subprocess.run(compare + [str(out), str(two)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "none in common" in proc.stderr, proc.stderr[-2000:]
 
@@ -255,9 +311,20 @@ def test_sigterm_is_a_stop_request_then_resume_continues(runs):
     import psutil
 
     out = runs["root"] / "stopped"
-    cmd = [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu.yaml"),
-           f"trainer.output_dir={out}", f"tiny.cache_dir={runs['root'] / 'cache'}", "tiny.warm_start_steps=300",
-           "trainer.total_steps=1000", "trainer.eval_every=0", "trainer.save_every=0", "trainer.wandb_mode=disabled"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dapo_megatron.cli",
+        "train",
+        str(ROOT / "configs/runs/tiny_cpu.yaml"),
+        f"trainer.output_dir={out}",
+        f"tiny.cache_dir={runs['root'] / 'cache'}",
+        "tiny.warm_start_steps=300",
+        "trainer.total_steps=1000",
+        "trainer.eval_every=0",
+        "trainer.save_every=0",
+        "trainer.wandb_mode=disabled",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     console = runs["root"] / "stopped_console.txt"
     with open(console, "w") as log:
@@ -288,8 +355,14 @@ def test_sigterm_is_a_stop_request_then_resume_continues(runs):
     print(f"\n[stop request] SIGTERM after step 1 logged -> exit 143 in {seconds:.1f} s, checkpoint step {step}")
 
     # `train CONFIG --resume key=value ...`: the flag before the overrides (refused before issue 35)
-    resumed = subprocess.run([*cmd[:5], "--resume", *cmd[5:8], f"trainer.total_steps={step + 1}", *cmd[9:]],
-                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    resumed = subprocess.run(
+        [*cmd[:5], "--resume", *cmd[5:8], f"trainer.total_steps={step + 1}", *cmd[9:]],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, step + 2))
     assert (out / "checkpoints" / f"step_{step + 1:06d}").is_dir()

@@ -19,25 +19,44 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt not installed (pip install -e '.[modelopt]')")
+pytest.importorskip(
+    "modelopt.torch.quantization", reason="nvidia-modelopt not installed (pip install -e '.[modelopt]')"
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tiny_fp8_run_serves_modelopt_fp8_and_syncs_fp8(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu_fp8.yaml"),
-           f"trainer.output_dir={out}", f"tiny.cache_dir={tmp_path / 'cache'}", "tiny.warm_start_steps=20",
-           "trainer.total_steps=1", "trainer.eval_every=0", "trainer.save_every=0", "trainer.wandb_mode=disabled",
-           "algorithm.dynamic_sampling=false", "trainer.train_batch_size=8", "trainer.mini_batch_size=4",
-           "rollout.gen_batch_size=8"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dapo_megatron.cli",
+        "train",
+        str(ROOT / "configs/runs/tiny_cpu_fp8.yaml"),
+        f"trainer.output_dir={out}",
+        f"tiny.cache_dir={tmp_path / 'cache'}",
+        "tiny.warm_start_steps=20",
+        "trainer.total_steps=1",
+        "trainer.eval_every=0",
+        "trainer.save_every=0",
+        "trainer.wandb_mode=disabled",
+        "algorithm.dynamic_sampling=false",
+        "trainer.train_batch_size=8",
+        "trainer.mini_batch_size=4",
+        "rollout.gen_batch_size=8",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert "[train] fp8: block-FP8 checkpoint (modelopt) for the engines in" in proc.stdout
     quant = json.loads((out / "rollout_fp8" / "config.json").read_text())["quantization_config"]
-    assert quant == {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-                     "ignored_layers": ["lm_head", "model.embed_tokens"]}
+    assert quant == {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "ignored_layers": ["lm_head", "model.embed_tokens"],
+    }
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1]
     r = rows[0]

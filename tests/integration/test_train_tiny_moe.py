@@ -19,13 +19,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)  # the MoE warm start (1000 supervised steps) dominates: 80 s alone, 20+ min on a busy machine
+@pytest.mark.timeout(
+    3600
+)  # the MoE warm start (1000 supervised steps) dominates: 80 s alone, 20+ min on a busy machine
 def test_tiny_moe_run_learns_with_routing_replay(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "dapo_megatron.cli", "train", str(ROOT / "configs/runs/tiny_cpu_moe.yaml"),
-           f"trainer.output_dir={out}", "trainer.wandb_mode=disabled",
-           # evals (100 problems x 8 samples each) and checkpoints at 0, 30, 60 only: CI time
-           "trainer.eval_every=30", "trainer.save_every=30"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dapo_megatron.cli",
+        "train",
+        str(ROOT / "configs/runs/tiny_cpu_moe.yaml"),
+        f"trainer.output_dir={out}",
+        "trainer.wandb_mode=disabled",
+        # evals (100 problems x 8 samples each) and checkpoints at 0, 30, 60 only: CI time
+        "trainer.eval_every=30",
+        "trainer.save_every=30",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=5400)
     assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

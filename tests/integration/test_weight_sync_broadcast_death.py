@@ -32,7 +32,9 @@ BUCKET_BYTES = 16 << 20
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     # MLP weights of 256 x 4096 fp32 (4 MiB each, 25 MiB in all): the first bucket is ~16 MiB
-    with engine_pair(tmp_path_factory.mktemp("broadcast_death"), shape={"hidden_size": 256, "intermediate_size": 4096}) as pair:
+    with engine_pair(
+        tmp_path_factory.mktemp("broadcast_death"), shape={"hidden_size": 256, "intermediate_size": 4096}
+    ) as pair:
         yield pair
 
 
@@ -83,6 +85,8 @@ def test_engine_killed_inside_a_broadcast_the_other_finishes(setup):
     assert not redo2 and stats2.num_engines == 1 and stats2.missing == []
     for name, tensor in sent:
         assert torch.equal(out["a_after2"][name], tensor), name
-    print(f"\n[broadcast death] sync pass failed {out['failed_after_s']:.1f} s after B's SIGKILL; the next pass "
-          f"with A alone took {out['pass2_s']:.2f} s (group timeout 600 s)")
+    print(
+        f"\n[broadcast death] sync pass failed {out['failed_after_s']:.1f} s after B's SIGKILL; the next pass "
+        f"with A alone took {out['pass2_s']:.2f} s (group timeout 600 s)"
+    )
     assert out["failed_after_s"] + out["pass2_s"] < 600.0  # finished without waiting out the group's timeout

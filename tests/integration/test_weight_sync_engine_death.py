@@ -68,8 +68,13 @@ def test_engine_killed_during_sync_is_dropped_and_rejoins_after_restart(setup):
         lines = []
         out["report2"] = report.report(out=lines.append)
         # B comes back on its port: a new incarnation (newer started_at) that must be synced before use
-        restarted = ServerProcess(setup["model_dir"], setup["root"] / "engines", seed=1, port=int(b.record["port"]),
-                                  log_path=setup["root"] / "engine_1b.log")
+        restarted = ServerProcess(
+            setup["model_dir"],
+            setup["root"] / "engines",
+            seed=1,
+            port=int(b.record["port"]),
+            log_path=setup["root"] / "engine_1b.log",
+        )
         setup["engines"].append(restarted)
         assert restarted.url == b.url and restarted.record["started_at"] > b.record["started_at"]
         out["pending"] = await pool.discover()

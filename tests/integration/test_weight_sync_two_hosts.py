@@ -41,10 +41,30 @@ def test_weight_sync_between_two_network_namespaces(two_hosts, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
     log = open(tmp_path / "engine.log", "wb")
-    engine = subprocess.Popen(two_hosts.on_host(engine_host, [
-        sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", str(model), "--host", engine_addr,
-        "--port", "0", "--threads", "1", "--register-dir", str(register)]), stdout=log, stderr=subprocess.STDOUT,
-        env=env)
+    engine = subprocess.Popen(
+        two_hosts.on_host(
+            engine_host,
+            [
+                sys.executable,
+                "-m",
+                "dapo_megatron.cli",
+                "serve-rollout",
+                "--model",
+                str(model),
+                "--host",
+                engine_addr,
+                "--port",
+                "0",
+                "--threads",
+                "1",
+                "--register-dir",
+                str(register),
+            ],
+        ),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 300
         while not list(register.glob("*.json")):
@@ -53,9 +73,15 @@ def test_weight_sync_between_two_network_namespaces(two_hosts, tmp_path):
         url = json.loads(next(register.glob("*.json")).read_text())["url"]
         out = tmp_path / "trainer.json"
         # the trainer names its interface (the user's choice wins): both ways of choosing are exercised
-        trainer = subprocess.run(two_hosts.on_host(trainer_host, [sys.executable, str(HERE / "two_host_trainer.py"),
-                                                                  url, str(model), str(out)]),
-                                 capture_output=True, text=True, timeout=600, env={**env, "GLOO_SOCKET_IFNAME": "eth0"})
+        trainer = subprocess.run(
+            two_hosts.on_host(
+                trainer_host, [sys.executable, str(HERE / "two_host_trainer.py"), url, str(model), str(out)]
+            ),
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**env, "GLOO_SOCKET_IFNAME": "eth0"},
+        )
         assert trainer.returncode == 0, trainer.stderr[-4000:]
         result = json.loads(out.read_text())
     finally:

@@ -55,37 +55,66 @@ def _source_modules() -> set[str]:
 
 def test_every_subpackage_is_in_the_wheel_and_imports_from_a_fresh_venv(tmp_path):
     wheels = tmp_path / "wheels"
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(ROOT)],
-                           capture_output=True, text=True, timeout=600)
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = wheels.glob("dapo_megatron-*.whl")
-    in_wheel = {name.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
-                for name in zipfile.ZipFile(wheel).namelist() if name.endswith(".py")}
+    in_wheel = {
+        name.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+        for name in zipfile.ZipFile(wheel).namelist()
+        if name.endswith(".py")
+    }
     missing = sorted(_source_modules() - in_wheel)
     assert not missing, f"modules of the source tree missing from {wheel.name}: {missing}"
 
     venv = tmp_path / "fresh"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     py = venv / "bin" / "python"
-    fresh_site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                capture_output=True, text=True, check=True).stdout.strip()
+    fresh_site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     # the dependencies from this environment; a .pth line adds a folder without processing the .pth files
     # inside it, so this environment's editable install of the checkout does not come along
     deps = sysconfig.get_paths()["purelib"]
     Path(fresh_site, "_dependencies.pth").write_text(deps + "\n")
-    install = subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
-                             capture_output=True, text=True, timeout=300)
+    install = subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert install.returncode == 0, install.stderr[-3000:]
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     env["HF_HUB_OFFLINE"] = "1"
-    run = subprocess.run([str(py), "-c", IMPORT_ALL.replace("{root}", str(ROOT))], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [str(py), "-c", IMPORT_ALL.replace("{root}", str(ROOT))],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, f"imports from the installed wheel failed:\n{run.stdout[-4000:]}\n{run.stderr[-3000:]}"
-    assert f"imported {len(_source_modules())}" in run.stdout, run.stdout[-2000:]  # dapo_megatron's and dapo_kernels' modules
+    assert f"imported {len(_source_modules())}" in run.stdout, run.stdout[
+        -2000:
+    ]  # dapo_megatron's and dapo_kernels' modules
 
-    cli = subprocess.run([str(venv / "bin" / "dapo-megatron"), "--help"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=300)
+    cli = subprocess.run(
+        [str(venv / "bin" / "dapo-megatron"), "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert cli.returncode == 0, cli.stderr[-3000:]
     assert "train" in cli.stdout and "serve-rollout" in cli.stdout
 

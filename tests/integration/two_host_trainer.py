@@ -32,8 +32,10 @@ async def main(url: str, model_dir: str, out_path: str) -> None:
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
     weights = list(model.state_dict().items())
-    result: dict = {"routed_address": trainer_address(engine_urls=[url], backend="gloo", environ={}),
-                    "ifname_address": trainer_address(engine_urls=[url], backend="gloo")}
+    result: dict = {
+        "routed_address": trainer_address(engine_urls=[url], backend="gloo", environ={}),
+        "ifname_address": trainer_address(engine_urls=[url], backend="gloo"),
+    }
     async with EngineClient(url) as client:
         sync = DistributedWeightSync(backend="gloo", bucket_bytes=128 * 1024, timeout_s=120)
         stats = await sync.sync([client], iter(weights), weight_version="two_hosts")

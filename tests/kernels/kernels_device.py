@@ -9,5 +9,3 @@ from helpers_dispatch import AtenOps  # noqa: F401 - the kernel tests import it 
 
 DEVICE = "cpu" if dapo_kernels.INTERPRET else "cuda"
 RUNNABLE = dapo_kernels.INTERPRET or torch.cuda.is_available()
-
-

@@ -30,8 +30,10 @@ def test_csv_header_once_then_rows(tmp_path):
     rows = list(csv.DictReader(path.open()))
     assert list(rows[0]) == list(common.CSV_FIELDS)
     assert [(r["provider"], r["p50"], r["p20"], r["p80"]) for r in rows] == [
-        ("fused", "1.5", "1", "3"), ("torch", "oom", "oom", "oom"),
-        ("fused", "2.5", "1", "3"), ("torch", "oom", "oom", "oom"),
+        ("fused", "1.5", "1", "3"),
+        ("torch", "oom", "oom", "oom"),
+        ("fused", "2.5", "1", "3"),
+        ("torch", "oom", "oom", "oom"),
     ]
     assert rows[0]["kernel"] == "policy_loss" and rows[0]["device"] == common.device_name()
 
@@ -51,8 +53,13 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "dapo_kernels.bench.compile_check", "--quick"], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dapo_kernels.bench.compile_check", "--quick"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = {line.split("  ")[0].strip(): line.split() for line in proc.stdout.splitlines()[1:]}
     bf16_fwd = next(v for k, v in lines.items() if k.startswith("logprob fwd bf16"))
@@ -61,15 +68,35 @@ def test_kernels_compile_for_hopper_without_a_gpu():
     assert int(stages) >= 3 and wgmma == "True" and local == "False" and int(shared) <= 227
 
 
-@pytest.mark.skipif(not dapo_kernels.INTERPRET, reason="the CPU dry run needs the Triton interpreter (on a GPU, "
-                    "run_all.sh runs the real benchmark)")
+@pytest.mark.skipif(
+    not dapo_kernels.INTERPRET,
+    reason="the CPU dry run needs the Triton interpreter (on a GPU, run_all.sh runs the real benchmark)",
+)
 def test_benchmark_code_runs_on_cpu_dry_run(tmp_path):
     """The benchmark scripts themselves (not their timings) on CPU in the interpreter: a bug there
     should cost no GPU time. Every provider available here writes its rows for both modes."""
     path = tmp_path / "dry.csv"
-    code = run.main(["--cpu-dry-run", "--csv", str(path), "--models", "32x130", "--n", "20", "--tp", "2",
-                     "--tokens", "300", "--repeats", "1", "--providers", "fused,fused_cublas,fused_rowchunk,torch,chunked,liger",
-                     "--loss-providers", "fused,fused_two_launch,torch"])
+    code = run.main(
+        [
+            "--cpu-dry-run",
+            "--csv",
+            str(path),
+            "--models",
+            "32x130",
+            "--n",
+            "20",
+            "--tp",
+            "2",
+            "--tokens",
+            "300",
+            "--repeats",
+            "1",
+            "--providers",
+            "fused,fused_cublas,fused_rowchunk,torch,chunked,liger",
+            "--loss-providers",
+            "fused,fused_two_launch,torch",
+        ]
+    )
     assert code == 0
     rows = list(csv.DictReader(path.open()))
     logprob_rows = {(r["provider"], r["mode"], r["metric"]) for r in rows if r["kernel"] == "linear_logprob_entropy"}
@@ -80,8 +107,12 @@ def test_benchmark_code_runs_on_cpu_dry_run(tmp_path):
     assert {("fused", "fwd_bwd", "extra_mem_model"), ("fused_rowchunk", "fwd_bwd", "extra_mem_model")} <= logprob_rows
     assert all(r["x"] == "N=20,H=32,V=130,tp=2" and r["device"] == "cpu" for r in rows if r["kernel"] != "policy_loss")
     loss_rows = {(r["provider"], r["mode"], r["metric"]) for r in rows if r["kernel"] == "policy_loss"}
-    assert {("fused", "fwd", "bandwidth"), ("fused", "fwd_bwd", "ms"), ("torch", "fwd_bwd", "bandwidth"),
-            ("fused_two_launch", "fwd", "bandwidth")} <= loss_rows
+    assert {
+        ("fused", "fwd", "bandwidth"),
+        ("fused", "fwd_bwd", "ms"),
+        ("torch", "fwd_bwd", "bandwidth"),
+        ("fused_two_launch", "fwd", "bandwidth"),
+    } <= loss_rows
     with pytest.raises(ValueError, match="--csv"):
         run.main(["--cpu-dry-run"])
 
@@ -93,8 +124,14 @@ def test_memory_model_matches_liger_on_the_h100_and_ours_stays_below(monkeypatch
     from dapo_kernels.bench import memory_model
 
     monkeypatch.setattr(logprob_mod, "CHUNK_ROW_ALIGN", 128)  # as compiled
-    measured = {("7b", 1, 4096): 1.12, ("7b", 1, 16384): 1.42, ("7b", 8, 16384): 0.53, ("32b", 1, 65536): 4.40,
-                ("32b", 8, 16384): 0.63, ("32b", 8, 65536): 1.97}
+    measured = {
+        ("7b", 1, 4096): 1.12,
+        ("7b", 1, 16384): 1.42,
+        ("7b", 8, 16384): 0.53,
+        ("32b", 1, 65536): 4.40,
+        ("32b", 8, 16384): 0.63,
+        ("32b", 8, 65536): 1.97,
+    }
     for (model, tp, n), gib in measured.items():
         h, v = memory_model.MODELS[model]
         assert abs(memory_model.liger_bytes(n, h, v // tp) / 2**30 - gib) <= 0.011, (model, tp, n)

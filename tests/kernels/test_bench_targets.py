@@ -37,10 +37,14 @@ def _lm(provider, mode, x, tflops, mem=None):
 def _issue_run():
     """Two rows of issue 27's H100 table (fused, liger) and its policy-loss numbers."""
     return [
-        *_lm("fused", "fwd", X7_4K, 452), *_lm("liger", "fwd", X7_4K, 308),
-        *_lm("fused", "fwd_bwd", X7_4K, 413, 4.34), *_lm("liger", "fwd_bwd", X7_4K, 223, 1.12),
-        *_lm("fused", "fwd", X32_64K, 443), *_lm("liger", "fwd", X32_64K, 678),
-        *_lm("fused", "fwd_bwd", X32_64K, 470, 6.65), *_lm("liger", "fwd_bwd", X32_64K, 630, 4.40),
+        *_lm("fused", "fwd", X7_4K, 452),
+        *_lm("liger", "fwd", X7_4K, 308),
+        *_lm("fused", "fwd_bwd", X7_4K, 413, 4.34),
+        *_lm("liger", "fwd_bwd", X7_4K, 223, 1.12),
+        *_lm("fused", "fwd", X32_64K, 443),
+        *_lm("liger", "fwd", X32_64K, 678),
+        *_lm("fused", "fwd_bwd", X32_64K, 470, 6.65),
+        *_lm("liger", "fwd_bwd", X32_64K, 630, 4.40),
         ("policy_loss", "fused", "fwd", "pct_of_copy", "T=16777216", 30),
         ("policy_loss", "fused", "fwd", "ms", "T=65536", 0.32),
     ]
@@ -72,8 +76,10 @@ def test_a_run_meeting_the_targets_passes_and_names_the_winner(tmp_path):
         rows += _lm("liger", "fwd", x, 640) + _lm("liger", "fwd_bwd", x, 630, 4.40)
         rows += _lm("fused", "fwd", x, 600) + _lm("fused", "fwd_bwd", x, 610, 1.0)  # slower: not the winner
         rows += _lm("fused_cublas", "fwd", x, 700) + _lm("fused_cublas", "fwd_bwd", x, 660, 4.40)  # equal memory: ok
-    rows += [("policy_loss", "fused", "fwd", "pct_of_copy", "T=16777216", 70.0),
-             ("policy_loss", "fused", "fwd", "ms", "T=65536", 0.040)]
+    rows += [
+        ("policy_loss", "fused", "fwd", "pct_of_copy", "T=16777216", 70.0),
+        ("policy_loss", "fused", "fwd", "ms", "T=65536", 0.040),
+    ]
     _write(path, rows)
     text, ok = targets.report(path)
     assert ok, text
@@ -97,8 +103,12 @@ def test_the_newest_row_of_a_key_wins_and_devices_are_not_mixed(tmp_path):
     path = tmp_path / "kernels.csv"
     _write(path, _lm("liger", "fwd", X7_16K, 633) + _lm("fused", "fwd", X7_16K, 426))
     _write(path, _lm("fused", "fwd", X7_16K, 650))  # a later run of the same shape
-    _write(path, _lm("liger", "fwd", X7_16K, 900) + _lm("fused", "fwd", X7_16K, 100),
-           device="NVIDIA H200", date="2026-11-20")
+    _write(
+        path,
+        _lm("liger", "fwd", X7_16K, 900) + _lm("fused", "fwd", X7_16K, 100),
+        device="NVIDIA H200",
+        date="2026-11-20",
+    )
     text, _ = targets.report(path)
     assert f"({H100})" in text and "fused 650 vs liger 633" in text  # the newest date's device
     text, _ = targets.report(path, device="NVIDIA H200")

@@ -46,8 +46,9 @@ def make_inputs(n, h, v, *, dtype, seed, offset=0.0, scale=0.3, device=DEVICE, v
     return tuple(t.to(device) for t in (hidden.to(dtype), weight.to(dtype), targets, g_lp, g_ent))
 
 
-def run_fused(hidden, weight, targets, g_lp, g_ent, *, temperature=1.0, return_entropy=True,
-              impl=linear_logprob_entropy, **kw):
+def run_fused(
+    hidden, weight, targets, g_lp, g_ent, *, temperature=1.0, return_entropy=True, impl=linear_logprob_entropy, **kw
+):
     hidden = hidden.clone().requires_grad_()
     weight = weight.clone().requires_grad_()
     lp, ent = impl(hidden, weight, targets, temperature=temperature, return_entropy=return_entropy, **kw)
@@ -124,8 +125,9 @@ def test_forward_and_grads_match_float64(name, schedule, monkeypatch, device):
     if chunk_rows is not None:
         force_schedule_chunks(monkeypatch, schedule, rows=chunk_rows, v=v, dtype=dtype, h=h)
         if schedule != "row_chunked":  # the schedule these tests mean to exercise: several row AND vocab blocks
-            rows, cols = logprob_mod.blocked_plan(n, h, v, torch.tensor([], dtype=dtype).element_size(),
-                                                  cublas=schedule == "cublas")
+            rows, cols = logprob_mod.blocked_plan(
+                n, h, v, torch.tensor([], dtype=dtype).element_size(), cublas=schedule == "cublas"
+            )
             assert rows == chunk_rows < n and cols == 100 < v
     inputs = make_inputs(n, h, v, dtype=dtype, seed=sum(map(ord, name)))
     lp, ent, gh, gw = run_fused(*inputs, temperature=temperature, **SCHEDULES[schedule])
@@ -223,8 +225,11 @@ def test_target_range_check_only_in_debug_mode_and_no_host_read_without_it(impl,
     monkeypatch.setenv("DAPO_KERNELS_DEBUG", "1")
     bad = targets.clone()
     bad[7] = 70
-    with pytest.raises(ValueError, match=r"targets must be token ids in \[0, 70\); got min \d+, max 70 "
-                                         r"\(mask padding positions with the loss mask, not with -100\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"targets must be token ids in \[0, 70\); got min \d+, max 70 "
+        r"\(mask padding positions with the loss mask, not with -100\)",
+    ):
         op(hidden, weight, bad)
     bad[7] = -100
     with pytest.raises(ValueError, match=r"got min -100"):
@@ -239,6 +244,7 @@ def test_without_cuda_or_interpreter_the_fused_op_refuses(monkeypatch):
 
 # ---- Megatron's vocab padding -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("chunked", [False, True])
 def test_padded_vocab_rows_take_no_probability_and_no_gradient(chunked, schedule, monkeypatch, device):
@@ -249,15 +255,17 @@ def test_padded_vocab_rows_take_no_probability_and_no_gradient(chunked, schedule
         force_schedule_chunks(monkeypatch, schedule, rows=16, v=v, dtype=torch.float32, h=h)
     hidden, weight, targets, g_lp, g_ent = make_inputs(n, h, v, dtype=torch.float32, seed=21, vocab_size=real)
     targets[:2] = torch.tensor([0, real - 1])
-    lp, ent, gh, gw = run_fused(hidden, weight, targets, g_lp, g_ent, temperature=0.9, vocab_size=real,
-                                **SCHEDULES[schedule])
+    lp, ent, gh, gw = run_fused(
+        hidden, weight, targets, g_lp, g_ent, temperature=0.9, vocab_size=real, **SCHEDULES[schedule]
+    )
     lp64, ent64, gh64, gw64 = run_oracle(hidden, weight[:real], targets, g_lp, g_ent, temperature=0.9)
     assert (lp.double() - lp64).abs().max().item() < 2e-5
     assert (ent.double() - ent64).abs().max().item() < 2e-5
     assert rel_err(gh, gh64) < 1e-5 and rel_err(gw[:real], gw64) < 1e-5
     assert torch.equal(gw[real:], torch.zeros_like(gw[real:]))
-    ref = run_fused(hidden, weight, targets, g_lp, g_ent, temperature=0.9, vocab_size=real,
-                    impl=linear_logprob_entropy_reference)
+    ref = run_fused(
+        hidden, weight, targets, g_lp, g_ent, temperature=0.9, vocab_size=real, impl=linear_logprob_entropy_reference
+    )
     for got, want in zip((lp, ent, gh, gw), ref):  # the plain-torch head pads the same way
         assert (got - want).abs().max().item() < 1e-5
 
@@ -269,12 +277,13 @@ TP_N, TP_H, TP_V = 21, 32, 2 * 75  # V_local = 75: not a multiple of the vocab t
 
 def _tp_inputs(*, vocab_size=None, device=DEVICE):
     real = vocab_size or TP_V
-    hidden, weight, targets, g_lp, g_ent = make_inputs(TP_N, TP_H, TP_V, dtype=torch.float32, seed=5,
-                                                       vocab_size=real, device=device)
+    hidden, weight, targets, g_lp, g_ent = make_inputs(
+        TP_N, TP_H, TP_V, dtype=torch.float32, seed=5, vocab_size=real, device=device
+    )
     v_local = TP_V // 2
     # targets on both sides of the shard boundary and at the ends of the (real) vocab
     edges = [t for t in (0, v_local - 1, v_local, v_local + 1, real - 1, v_local - 2) if t < real]
-    targets[:len(edges)] = torch.tensor(edges, device=targets.device)
+    targets[: len(edges)] = torch.tensor(edges, device=targets.device)
     return hidden, weight, targets, g_lp, g_ent
 
 
@@ -288,8 +297,12 @@ def _tp_group(device: str):
 
 
 # blocked backward on the ranks: vocab blocks of 40 rows (2 per 75-row shard) x row blocks of 16 rows
-_TP_BLOCKED = {"VOCAB_BLOCK": 40, "BLOCKED_BUDGET_PER_NH": 1 << 30, "CHUNK_ROW_ALIGN": 16,
-               "BACKWARD_WORKSPACE_BYTES": 16 * (40 * 4 + 4 * TP_H)}
+_TP_BLOCKED = {
+    "VOCAB_BLOCK": 40,
+    "BLOCKED_BUDGET_PER_NH": 1 << 30,
+    "CHUNK_ROW_ALIGN": 16,
+    "BACKWARD_WORKSPACE_BYTES": 16 * (40 * 4 + 4 * TP_H),
+}
 
 
 def _tp_rank(impl: str, vocab_size, device: str):
@@ -317,16 +330,21 @@ def _tp_rank_body(impl: str, vocab_size, device: str):
     group = _tp_group(device)
     hidden, weight, targets, g_lp, g_ent = _tp_inputs(vocab_size=vocab_size, device=device if device == "cpu" else rank)
     v_local = TP_V // world
-    shard = weight[rank * v_local:(rank + 1) * v_local].clone().requires_grad_()
+    shard = weight[rank * v_local : (rank + 1) * v_local].clone().requires_grad_()
     hidden = hidden.clone().requires_grad_()
     if impl == "reference":
-        lp, ent = linear_logprob_entropy_reference(hidden, shard, targets, temperature=0.8, tp_group=group,
-                                                   vocab_size=vocab_size)
+        lp, ent = linear_logprob_entropy_reference(
+            hidden, shard, targets, temperature=0.8, tp_group=group, vocab_size=vocab_size
+        )
     else:
-        variant = {"fused": SCHEDULES["row_chunked"], "fused_blocked": SCHEDULES["blocked"],
-                   "fused_cublas": SCHEDULES["cublas"]}[impl]
-        lp, ent = linear_logprob_entropy(hidden, shard, targets, temperature=0.8, tp_group=group,
-                                         vocab_size=vocab_size, **variant)
+        variant = {
+            "fused": SCHEDULES["row_chunked"],
+            "fused_blocked": SCHEDULES["blocked"],
+            "fused_cublas": SCHEDULES["cublas"],
+        }[impl]
+        lp, ent = linear_logprob_entropy(
+            hidden, shard, targets, temperature=0.8, tp_group=group, vocab_size=vocab_size, **variant
+        )
     ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
     if group is not dist.group.WORLD:
         dist.destroy_process_group(group)
@@ -356,8 +374,8 @@ def test_vocab_parallel_tp2_equals_tp1(impl, vocab_size, rank_pool, device):
         start = rank * TP_V // 2
         real_rows = max(0, min(TP_V // 2, real - start))  # the weight gradient stays local
         if real_rows:
-            assert rel_err(gw_shard[:real_rows], gw1[start:start + real_rows].double()) < 1e-6
-            assert rel_err(gw_shard[:real_rows], gw64[start:start + real_rows]) < 1e-5
+            assert rel_err(gw_shard[:real_rows], gw1[start : start + real_rows].double()) < 1e-6
+            assert rel_err(gw_shard[:real_rows], gw64[start : start + real_rows]) < 1e-5
         assert torch.equal(gw_shard[real_rows:], torch.zeros_like(gw_shard[real_rows:]))
 
 
@@ -383,14 +401,16 @@ def _row_chunked_padded_rank(device: str):
     logprob_mod.CHUNK_ROW_ALIGN = 16
     logprob_mod.BACKWARD_WORKSPACE_BYTES = 16 * 75 * 4
     rank = dist.get_rank()
-    group = (dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60)) if device == "cpu"
-             else _tp_group(device))
+    group = (
+        dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=60)) if device == "cpu" else _tp_group(device)
+    )
     try:
         hidden, weight, targets, g_lp, g_ent = _tp_inputs(vocab_size=110, device=device if device == "cpu" else rank)
-        shard = weight[rank * 75:(rank + 1) * 75].clone().requires_grad_()
+        shard = weight[rank * 75 : (rank + 1) * 75].clone().requires_grad_()
         hidden = hidden.clone().requires_grad_()
-        lp, ent = linear_logprob_entropy(hidden, shard, targets, temperature=0.8, tp_group=group, vocab_size=110,
-                                         backward="row_chunked")
+        lp, ent = linear_logprob_entropy(
+            hidden, shard, targets, temperature=0.8, tp_group=group, vocab_size=110, backward="row_chunked"
+        )
         dist.all_reduce = counted_all_reduce
         try:
             ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()

@@ -89,8 +89,12 @@ def test_hand_computed_tokens(device):
     A=-1 r=4 -> l=3 (dual clip, grad 0);  A=-1 r=2 -> l=2, dl/dlogp = -A*r = 2;
     masked A=+1 r=1.1 -> nothing.  loss = (-1.28 + 0.8 + 3 + 2) / 5 = 0.904."""
     ratio = torch.tensor([1.5, 0.5, 4.0, 2.0, 1.1])
-    logprob, adv, mask, old = on_device(ratio.log(), torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0]),
-                                        torch.tensor([True, True, True, True, False]), torch.zeros(5))
+    logprob, adv, mask, old = on_device(
+        ratio.log(),
+        torch.tensor([1.0, -1.0, -1.0, -1.0, 1.0]),
+        torch.tensor([True, True, True, True, False]),
+        torch.zeros(5),
+    )
     loss, grad, stats = fused(logprob, old, adv, mask, **KW, loss_denominator=5)
     assert loss.item() == pytest.approx(0.904, abs=1e-6)
     assert grad.tolist() == pytest.approx([0.0, 0.0, 0.0, 2.0 / 5, 0.0], abs=1e-7)
@@ -102,10 +106,15 @@ def test_hand_computed_tokens(device):
 
 def test_log_ratio_clamp_stops_the_gradient(device):
     # |d| > 20: r = e^20 (A=+1: l1 < l2 anyway) or e^-20; the clamp passes no gradient.
-    logprob, old, adv, mask = on_device(torch.tensor([-1.0, -30.0, -1.0]), torch.tensor([-30.0, -1.0, -1.0]),
-                                        torch.tensor([-1.0, -1.0, 2.0]), torch.ones(3, dtype=torch.bool))
-    loss, grad, stats = fused(logprob, old, adv, mask, eps_low=0.2, eps_high=0.28,
-                              clip_ratio_c=None, loss_denominator=3)
+    logprob, old, adv, mask = on_device(
+        torch.tensor([-1.0, -30.0, -1.0]),
+        torch.tensor([-30.0, -1.0, -1.0]),
+        torch.tensor([-1.0, -1.0, 2.0]),
+        torch.ones(3, dtype=torch.bool),
+    )
+    loss, grad, stats = fused(
+        logprob, old, adv, mask, eps_low=0.2, eps_high=0.28, clip_ratio_c=None, loss_denominator=3
+    )
     # token 0: A<0, r=e^20: l = max(e^20, 1.28) with grad 0 from the clamp; token 1: r=e^-20 clipped
     # low (grad 0); token 2: r = 1 inside the range: dl/dlogp = -A * r = -2, over 3.
     assert grad.tolist() == pytest.approx([0.0, 0.0, -2.0 / 3], abs=1e-7)
@@ -128,7 +137,6 @@ def test_per_sequence_advantages_broadcast(device):
     assert torch.equal(loss, loss_t) and torch.equal(grad, grad_t)
     loss64, _, _ = oracle(policy_loss_reference, logprob, old, per_seq, mask, **KW, loss_denominator=99.0)
     assert abs(loss.item() - loss64.item()) < 1e-6
-
 
 
 def test_one_launch_no_sync_no_copies(monkeypatch, device):
@@ -158,8 +166,11 @@ def test_one_launch_no_sync_no_copies(monkeypatch, device):
             policy_loss(lp, old, per_seq, mask, **KW, loss_denominator=1000.0)
     assert launches == [("fused", True)]
     assert "_local_scalar_dense" not in forward_ops.ops
-    allocations = [op for op in forward_ops.ops if op.startswith(("empty", "zeros", "clone", "copy", "expand",
-                                                                  "_to_copy", "contiguous", "ones", "full"))]
+    allocations = [
+        op
+        for op in forward_ops.ops
+        if op.startswith(("empty", "zeros", "clone", "copy", "expand", "_to_copy", "contiguous", "ones", "full"))
+    ]
     assert allocations == ["empty_like", "empty"], forward_ops.ops
 
     lp = logprob.clone().requires_grad_()

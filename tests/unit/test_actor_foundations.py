@@ -11,14 +11,30 @@ from dapo_megatron.actor.parallel import _first_slurm_host, launch_env
 
 
 def test_launch_env_from_torchrun():
-    env = launch_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "node7", "MASTER_PORT": "2222",
-                      "SLURM_PROCID": "0", "SLURM_NTASKS": "1"})  # torchrun inside sbatch: torchrun wins
+    env = launch_env(
+        {
+            "RANK": "3",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "1",
+            "MASTER_ADDR": "node7",
+            "MASTER_PORT": "2222",
+            "SLURM_PROCID": "0",
+            "SLURM_NTASKS": "1",
+        }
+    )  # torchrun inside sbatch: torchrun wins
     assert (env.rank, env.world_size, env.local_rank, env.master_addr, env.master_port) == (3, 4, 1, "node7", 2222)
 
 
 def test_launch_env_from_srun_takes_the_first_node_and_a_job_port():
-    env = launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-                      "SLURM_JOB_NODELIST": "gpu[003-004,9],cpu1", "SLURM_JOB_ID": "123456"})
+    env = launch_env(
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "8",
+            "SLURM_LOCALID": "1",
+            "SLURM_JOB_NODELIST": "gpu[003-004,9],cpu1",
+            "SLURM_JOB_ID": "123456",
+        }
+    )
     assert (env.rank, env.world_size, env.local_rank) == (5, 8, 1)
     assert env.master_addr == "gpu003"
     assert env.master_port == 20000 + 123456 % 20000
@@ -70,8 +86,14 @@ def test_unsupported_configs_raise_value_errors():
 
     with pytest.raises(ValueError, match="model_type 'gpt2'"):
         model_mod.model_type_of(GPT2Config())
-    scaled = LlamaConfig(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                          "original_max_position_embeddings": 2048})
+    scaled = LlamaConfig(
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 2048,
+        }
+    )
     with pytest.raises(ValueError, match="rope_type 'yarn'"):
         model_mod.rope_theta_of(scaled)
 
@@ -79,6 +101,7 @@ def test_unsupported_configs_raise_value_errors():
 def test_te_backend_without_transformer_engine_names_the_config_key():
     try:
         import transformer_engine  # noqa: F401
+
         pytest.skip("Transformer Engine is installed here")
     except (ImportError, RuntimeError):
         pass
@@ -89,9 +112,18 @@ def test_te_backend_without_transformer_engine_names_the_config_key():
 def test_llama3_rope_settings_and_unsupported_constants():
     from transformers import LlamaConfig
 
-    params = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    assert model_mod.rope_settings_of(LlamaConfig(max_position_embeddings=131072, rope_parameters=params)) == (500000.0, 8.0)
+    params = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    assert model_mod.rope_settings_of(LlamaConfig(max_position_embeddings=131072, rope_parameters=params)) == (
+        500000.0,
+        8.0,
+    )
     odd = LlamaConfig(max_position_embeddings=131072, rope_parameters={**params, "high_freq_factor": 2.0})
     with pytest.raises(ValueError, match="high_freq_factor"):
         model_mod.rope_settings_of(odd)

@@ -57,7 +57,9 @@ def test_a_peer_reached_through_loopback_is_refused_naming_address_and_interface
     store = _store()
     store.add("dapo_socket_peer/count", 1)
     store.set("dapo_socket_peer/1", "127.0.1.1")  # a peer that published its loopback (broken /etc/hosts)
-    with pytest.raises(ValueError, match=r"127\.0\.1\.1 .*through loopback from .* \(address 127\.0\.0\.1, interface lo\)"):
+    with pytest.raises(
+        ValueError, match=r"127\.0\.1\.1 .*through loopback from .* \(address 127\.0\.0\.1, interface lo\)"
+    ):
         choose_socket_interfaces("127.0.0.1", spans_hosts=True, store=store, environ={})
 
 
@@ -66,11 +68,16 @@ def test_no_peer_ever_published_ends_with_the_stores_timeout():
         choose_socket_interfaces("127.0.0.1", spans_hosts=True, store=_store(), timeout_s=1, environ={})
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}, True),    # torchrun --nnodes 2 --nproc-per-node 1
-    ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, False),   # one node
-    ({"SLURM_STEP_NUM_NODES": "2"}, True), ({"SLURM_JOB_NUM_NODES": "1"}, False), ({}, False),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}, True),  # torchrun --nnodes 2 --nproc-per-node 1
+        ({"WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "4"}, False),  # one node
+        ({"SLURM_STEP_NUM_NODES": "2"}, True),
+        ({"SLURM_JOB_NUM_NODES": "1"}, False),
+        ({}, False),
+    ],
+)
 def test_spans_hosts(env, expected):
     assert spans_hosts(env) is expected
 

@@ -9,13 +9,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dapo_megatron.algo.aggregation import (count_loss_units, count_loss_units_packed, sequence_token_counts,
-                                            tokens_per_sequence)
+from dapo_megatron.algo.aggregation import (
+    count_loss_units,
+    count_loss_units_packed,
+    sequence_token_counts,
+    tokens_per_sequence,
+)
 from dapo_megatron.algo.policy_loss import policy_loss
 
 # three sequences: 2, 0 and 3 trained tokens; packed as 3 + 2 + 4 tokens and a padding tail of 2
-ROWS_MASK = torch.tensor([[1., 1., 0., 0.], [0., 0., 0., 0.], [1., 0., 1., 1.]])
-PACKED_MASK = torch.tensor([1., 1., 0., 0., 0., 1., 0., 1., 1., 0., 0.])
+ROWS_MASK = torch.tensor([[1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 1.0, 1.0]])
+PACKED_MASK = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0])
 SEQ_IDS = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, -1, -1])
 
 
@@ -37,7 +41,10 @@ def test_the_packed_weighted_sum_is_policy_loss_on_rows(mode):
     """The actor's form (token-mean policy_loss with weights w and the mode's D) equals policy_loss
     with agg_mode on the same tokens laid out one sequence a row."""
     g = torch.Generator().manual_seed(0)
-    rows_lp, rows_old = -torch.rand(3, 4, generator=g, dtype=torch.float64), -torch.rand(3, 4, generator=g, dtype=torch.float64)
+    rows_lp, rows_old = (
+        -torch.rand(3, 4, generator=g, dtype=torch.float64),
+        -torch.rand(3, 4, generator=g, dtype=torch.float64),
+    )
     adv = torch.tensor([[1.0], [0.5], [-2.0]], dtype=torch.float64)
     kw = dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0)
     want, _ = policy_loss(rows_lp, rows_old, adv, ROWS_MASK.double(), agg_mode=mode, **kw)

@@ -32,8 +32,9 @@ def test_fills_over_rounds_and_drops_surplus():
     assert sampler.is_full and sampler.done
     groups = sampler.take()
     assert groups == [MIXED, [0, 1], [1, 0, 0]]
-    assert sampler.stats() == dict(rounds=2, groups_seen=8, groups_kept=4, groups_filtered=4,
-                                   groups_surplus=1, groups_returned=3, exhausted=False)
+    assert sampler.stats() == dict(
+        rounds=2, groups_seen=8, groups_kept=4, groups_filtered=4, groups_surplus=1, groups_returned=3, exhausted=False
+    )
     with pytest.raises(ValueError, match="already"):
         sampler.add_round([MIXED])
 
@@ -51,8 +52,14 @@ def test_exhaustion_raises_with_advice():
     with pytest.raises(ValueError) as err:
         sampler.add_round([ALL_WRONG, ALL_WRONG])
     text = str(err.value)
-    for needle in ("1 of train_batch_size=4", "after 2 generation rounds", "max_num_gen_batches=2",
-                   "gen_batch_size", "difficulty", "on_gen_batches_exhausted=train"):
+    for needle in (
+        "1 of train_batch_size=4",
+        "after 2 generation rounds",
+        "max_num_gen_batches=2",
+        "gen_batch_size",
+        "difficulty",
+        "on_gen_batches_exhausted=train",
+    ):
         assert needle in text
 
 

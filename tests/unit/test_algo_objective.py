@@ -12,8 +12,15 @@ import pytest
 import torch
 
 from dapo_megatron import config as config_module
-from dapo_megatron.algo import (ADVANTAGES, POLICY_LOSSES, ClipSettings, LossTokens, ObjectiveSettings, PackedTokens,
-                                objective)
+from dapo_megatron.algo import (
+    ADVANTAGES,
+    POLICY_LOSSES,
+    ClipSettings,
+    LossTokens,
+    ObjectiveSettings,
+    PackedTokens,
+    objective,
+)
 from dapo_megatron.config import load_config
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "runs" / "tiny_cpu.yaml"
@@ -32,8 +39,16 @@ def _gspo_tokens():
     mask = torch.tensor(MASK, dtype=torch.float64)
     seq = torch.tensor(SEQ_IDS)
     n_seq = torch.tensor([2.0, 2.0, 3.0, 3.0, 3.0, 1.0, 1.0], dtype=torch.float64)  # trained tokens of t's sequence
-    tokens = LossTokens(logprob=logp, old_logprob=old, advantages=torch.tensor(ADV, dtype=torch.float64), mask=mask,
-                        weight=mask / n_seq, seq_ids=seq, num_sequences=3, loss_denominator=3.0)
+    tokens = LossTokens(
+        logprob=logp,
+        old_logprob=old,
+        advantages=torch.tensor(ADV, dtype=torch.float64),
+        mask=mask,
+        weight=mask / n_seq,
+        seq_ids=seq,
+        num_sequences=3,
+        loss_denominator=3.0,
+    )
     return tokens, logp
 
 
@@ -90,9 +105,16 @@ def test_grpo_is_dapos_arithmetic_with_one_symmetric_clip():
 def test_objective_with_gspo_under_seq_mean_token_mean_is_the_sequence_mean():
     """The actor's entry point: the aggregation weight m / n_seq makes GSPO's token form the mean of l_i."""
     tokens, logp = _gspo_tokens()
-    packed = PackedTokens(logprob=logp, entropy=torch.zeros(7, dtype=torch.float64), old_logprob=tokens.old_logprob,
-                          advantages=tokens.advantages, loss_mask=tokens.mask, seq_ids=tokens.seq_ids, num_sequences=3,
-                          sequence_tokens=torch.tensor([2.0, 2.0, 3.0, 3.0, 3.0, 1.0, 1.0], dtype=torch.float64))
+    packed = PackedTokens(
+        logprob=logp,
+        entropy=torch.zeros(7, dtype=torch.float64),
+        old_logprob=tokens.old_logprob,
+        advantages=tokens.advantages,
+        loss_mask=tokens.mask,
+        seq_ids=tokens.seq_ids,
+        num_sequences=3,
+        sequence_tokens=torch.tensor([2.0, 2.0, 3.0, 3.0, 3.0, 1.0, 1.0], dtype=torch.float64),
+    )
     settings = ObjectiveSettings(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean", clip=CLIP)
     loss, values = objective(packed, settings, loss_denominator=3.0)
     assert loss.item() == pytest.approx(-0.993801, abs=1e-6)
@@ -108,10 +130,15 @@ def test_drgrpo_advantages_center_without_the_std():
 
 
 def test_an_unknown_name_is_refused_naming_the_key_and_the_registered_names():
-    with pytest.raises(ValueError, match=r"algorithm.policy_loss='ppo' is not registered; registered: "
-                                         r"\['dapo', 'grpo', 'gspo'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"algorithm.policy_loss='ppo' is not registered; registered: "
+        r"\['dapo', 'grpo', 'gspo'\]",
+    ):
         POLICY_LOSSES.get("ppo")
-    with pytest.raises(ValueError, match=r"algorithm.advantage='rloo' is not registered; registered: \['drgrpo', 'grpo'\]"):
+    with pytest.raises(
+        ValueError, match=r"algorithm.advantage='rloo' is not registered; registered: \['drgrpo', 'grpo'\]"
+    ):
         ADVANTAGES.get("rloo")
     with pytest.raises(ValueError, match="algorithm.policy_loss='ppo'"):
         ObjectiveSettings(policy_loss="ppo")
@@ -126,20 +153,37 @@ def test_the_config_keys_allow_exactly_the_registered_names():
     assert "gspo" in str(err.value)  # the allowed values are named
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["algorithm.policy_loss=grpo", "algorithm.loss_agg_mode=seq-mean-token-mean"], "algorithm.eps_high"),
-    (["algorithm.policy_loss=grpo", "algorithm.eps_high=0.2"], "algorithm.loss_agg_mode"),
-    (["algorithm.policy_loss=gspo"], "algorithm.loss_agg_mode"),
-    (["algorithm.policy_loss=gspo", "algorithm.loss_agg_mode=seq-mean-token-mean"], "algorithm.clip_ratio_c"),
-    (["algorithm.policy_loss=gspo", "algorithm.loss_agg_mode=seq-mean-token-mean", "algorithm.clip_ratio_c=null",
-      "actor.fused_policy_loss=true"], "actor.fused_policy_loss"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["algorithm.policy_loss=grpo", "algorithm.loss_agg_mode=seq-mean-token-mean"], "algorithm.eps_high"),
+        (["algorithm.policy_loss=grpo", "algorithm.eps_high=0.2"], "algorithm.loss_agg_mode"),
+        (["algorithm.policy_loss=gspo"], "algorithm.loss_agg_mode"),
+        (["algorithm.policy_loss=gspo", "algorithm.loss_agg_mode=seq-mean-token-mean"], "algorithm.clip_ratio_c"),
+        (
+            [
+                "algorithm.policy_loss=gspo",
+                "algorithm.loss_agg_mode=seq-mean-token-mean",
+                "algorithm.clip_ratio_c=null",
+                "actor.fused_policy_loss=true",
+            ],
+            "actor.fused_policy_loss",
+        ),
+    ],
+)
 def test_each_loss_names_the_key_it_cannot_run_with(overrides, key):
     with pytest.raises(ValueError, match=f"config key '{key}'"):
         load_config(TINY, overrides)
 
 
 def test_gspo_config_loads_with_its_keys():
-    cfg = load_config(TINY, ["algorithm.policy_loss=gspo", "algorithm.loss_agg_mode=seq-mean-token-mean",
-                             "algorithm.clip_ratio_c=null", "algorithm.advantage=drgrpo"])
+    cfg = load_config(
+        TINY,
+        [
+            "algorithm.policy_loss=gspo",
+            "algorithm.loss_agg_mode=seq-mean-token-mean",
+            "algorithm.clip_ratio_c=null",
+            "algorithm.advantage=drgrpo",
+        ],
+    )
     assert (cfg.algorithm.policy_loss, cfg.algorithm.advantage) == ("gspo", "drgrpo")

@@ -91,8 +91,15 @@ def test_per_token_advantages_equal_broadcast_per_sequence_ones():
 
 def test_token_mean_accepts_flat_packed_tensors():
     logp, old, adv, mask = _inputs()
-    flat, _ = policy_loss(logp.reshape(-1), old.reshape(-1), adv.expand(2, 4).reshape(-1), mask.reshape(-1),
-                          eps_low=EPS_LOW, eps_high=EPS_HIGH, clip_ratio_c=C)
+    flat, _ = policy_loss(
+        logp.reshape(-1),
+        old.reshape(-1),
+        adv.expand(2, 4).reshape(-1),
+        mask.reshape(-1),
+        eps_low=EPS_LOW,
+        eps_high=EPS_HIGH,
+        clip_ratio_c=C,
+    )
     assert flat.item() == pytest.approx(4.12 / 7, abs=1e-12)
 
 
@@ -100,8 +107,9 @@ def test_log_ratio_is_clamped_at_20():
     old = torch.zeros(1, 2, dtype=torch.float64)
     logp = torch.tensor([[30.0, -30.0]], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([[-1.0]], dtype=torch.float64)
-    loss, stats = policy_loss(logp, old, adv, torch.ones(1, 2), eps_low=0.2, eps_high=0.2, clip_ratio_c=None,
-                              agg_mode="seq-mean-token-sum")
+    loss, stats = policy_loss(
+        logp, old, adv, torch.ones(1, 2), eps_low=0.2, eps_high=0.2, clip_ratio_c=None, agg_mode="seq-mean-token-sum"
+    )
     loss.backward()
     # r = e^20 (clamped) -> l = e^20; r = e^-20 -> clipped low -> l = 0.8; gradient 0 through the clamp
     assert loss.item() == pytest.approx(math.exp(20) + 0.8, rel=1e-12)

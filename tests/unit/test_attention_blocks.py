@@ -29,14 +29,26 @@ def _assert_matches(new, ref_fn, q, k, v, weight):
 
 def test_document_blocks_by_hand():
     # documents of 3, 1 and 2 tokens, then a 2-token tail not in the boundaries: its own block
-    assert document_blocks([0, 3, 4, 6], 8) == [QueryBlock(0, 3, 0, 3), QueryBlock(3, 4, 3, 4),
-                                                QueryBlock(4, 6, 4, 6), QueryBlock(6, 8, 6, 8)]
+    assert document_blocks([0, 3, 4, 6], 8) == [
+        QueryBlock(0, 3, 0, 3),
+        QueryBlock(3, 4, 3, 4),
+        QueryBlock(4, 6, 4, 6),
+        QueryBlock(6, 8, 6, 8),
+    ]
     # cp=2, documents of 8 and 4 tokens: rank 1 holds chunks 1 and 2 of each (lengths 2 and 1);
     # chunk c of a document starting at s sees keys [s, s + (c+1) n)
     assert document_blocks([0, 8, 12], 6, cp_size=2, cp_rank=1) == [
-        QueryBlock(0, 2, 0, 4), QueryBlock(2, 4, 0, 6), QueryBlock(4, 5, 8, 10), QueryBlock(5, 6, 8, 11)]
+        QueryBlock(0, 2, 0, 4),
+        QueryBlock(2, 4, 0, 6),
+        QueryBlock(4, 5, 8, 10),
+        QueryBlock(5, 6, 8, 11),
+    ]
     assert document_blocks([0, 8, 12], 6, cp_size=2, cp_rank=0) == [
-        QueryBlock(0, 2, 0, 2), QueryBlock(2, 4, 0, 8), QueryBlock(4, 5, 8, 9), QueryBlock(5, 6, 8, 12)]
+        QueryBlock(0, 2, 0, 2),
+        QueryBlock(2, 4, 0, 8),
+        QueryBlock(4, 5, 8, 9),
+        QueryBlock(5, 6, 8, 12),
+    ]
     with pytest.raises(ValueError, match="not a multiple of 2\\*cp = 4"):
         document_blocks([0, 6], 3, cp_size=2, cp_rank=0)
     with pytest.raises(ValueError, match="boundaries end at 12"):
@@ -69,8 +81,9 @@ def test_packed_blocks_equal_dense_mask_forward_and_gradients(heads, groups, dty
     scale = 0.3
     blocks = document_blocks(cu.tolist(), total)
     new = _grads(lambda q, k, v: blockwise_attention(q, k, v, blocks, scale=scale), q, k, v, weight)
-    _assert_matches(new, lambda q, k, v: dense_attention(q, k, v, block_causal_mask(cu, total), scale=scale),
-                    q, k, v, weight)
+    _assert_matches(
+        new, lambda q, k, v: dense_attention(q, k, v, block_causal_mask(cu, total), scale=scale), q, k, v, weight
+    )
     # not vacuous: one causal row over the whole micro-batch differs
     whole = dense_attention(q, k, v, torch.ones(total, total).tril().bool(), scale=scale)
     assert (whole - new[0]).abs().max() > 1e-2
@@ -84,12 +97,13 @@ def _cp_parity(cu, cp_size, *, heads=4, groups=2, lower_right_by_flash=None, mon
     cu = torch.tensor(cu)
     total = int(cu[-1])
     q, k, v, weight = _qkv(total, heads=heads, groups=groups, seed=cp_size, dtype=dtype)
+
     def cp_attention(q, k, v):
         parts = []
         for rank in range(cp_size):
             q_local = split_for_cp(q, cu, cp_size=cp_size, cp_rank=rank, dim=2)
             blocks = document_blocks(cu.tolist(), total // cp_size, cp_size=cp_size, cp_rank=rank)
-            parts.append(blockwise_attention(q_local, k, v, blocks, scale=8 ** -0.5))
+            parts.append(blockwise_attention(q_local, k, v, blocks, scale=8**-0.5))
         return merge_from_cp(parts, cu, dim=2)
 
     new = _grads(cp_attention, q, k, v, weight)
@@ -120,7 +134,7 @@ def test_cp_dense_reference_mask_rows_match_the_blocks():
         for b in document_blocks(cu, 12, cp_size=2, cp_rank=rank):
             for i in range(b.q_start, b.q_end):
                 position = b.k_end - (b.q_end - i)  # lower-right alignment
-                from_blocks[i, b.k_start:position + 1] = True
+                from_blocks[i, b.k_start : position + 1] = True
         assert torch.equal(mask, from_blocks)
 
 
@@ -136,13 +150,13 @@ def test_flex_document_mask_forward_equals_dense():
     assert 0 < bound < 1e-5
     blocks = document_blocks(cu.tolist(), 36)
     mask = attention.document_block_mask(blocks, key_tokens=36, device="cpu")
-    out = attention.flex_document_attention(q, k, v, mask, scale=8 ** -0.5, compiled=False)
+    out = attention.flex_document_attention(q, k, v, mask, scale=8**-0.5, compiled=False)
     assert (out.double() - exact).abs().max().item() <= bound
     # cp=2, rank 1: lower-right aligned chunks
     q_local = split_for_cp(q, cu, cp_size=2, cp_rank=1, dim=2)
     blocks = document_blocks(cu.tolist(), 18, cp_size=2, cp_rank=1)
     mask = attention.document_block_mask(blocks, key_tokens=36, device="cpu")
-    out = attention.flex_document_attention(q_local, k, v, mask, scale=8 ** -0.5, compiled=False)
+    out = attention.flex_document_attention(q_local, k, v, mask, scale=8**-0.5, compiled=False)
     assert (out.double() - split_for_cp(exact, cu, cp_size=2, cp_rank=1, dim=2)).abs().max().item() <= bound
 
 
@@ -156,6 +170,7 @@ def test_flex_kernel_is_refused_without_cuda_naming_the_config_key():
 
 # --- the flex BlockMask built from the blocks (no [T, T] grid) ----------------------------------------
 
+
 def _mask_pairs(mask) -> torch.Tensor:
     """The [Tq, Tk] attention a FlexAttention kernel computes with `mask`: full blocks attend everywhere,
     partial blocks where mask_mod says so, the others nowhere (the BlockMask's own to_dense() gives the
@@ -164,7 +179,7 @@ def _mask_pairs(mask) -> torch.Tensor:
     bq, bk = mask.BLOCK_SIZE
     partial = torch.zeros_like(mask.to_dense()[0, 0], dtype=torch.bool)
     for r in range(partial.size(0)):
-        partial[r, mask.kv_indices[0, 0, r, :mask.kv_num_blocks[0, 0, r]].long()] = True
+        partial[r, mask.kv_indices[0, 0, r, : mask.kv_num_blocks[0, 0, r]].long()] = True
     full = mask.to_dense()[0, 0].bool() & ~partial
     q = torch.arange(partial.size(0) * bq)
     k = torch.arange(partial.size(1) * bk)
@@ -176,8 +191,9 @@ def _mask_pairs(mask) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("block_size", [4, 8, 128])
-@pytest.mark.parametrize("cu,cp_size", [([0, 5, 6, 13, 14], 1), ([0, 3, 11, 40, 41, 64], 1),
-                                        ([0, 12, 16, 36], 2), ([0, 24, 36, 60], 3)])
+@pytest.mark.parametrize(
+    "cu,cp_size", [([0, 5, 6, 13, 14], 1), ([0, 3, 11, 40, 41, 64], 1), ([0, 12, 16, 36], 2), ([0, 24, 36, 60], 3)]
+)
 def test_flex_block_mask_equals_dense_document_mask(cu, cp_size, block_size):
     """Token level: what the kernel attends equals the dense document-causal mask (CP: each rank's
     load-balanced chunks against the gathered keys). Block level: the tables equal what torch's
@@ -188,14 +204,26 @@ def test_flex_block_mask_equals_dense_document_mask(cu, cp_size, block_size):
     for rank in range(cp_size):
         blocks = document_blocks(cu, total // cp_size, cp_size=cp_size, cp_rank=rank)
         mask = attention.document_block_mask(blocks, key_tokens=total, device="cpu", block_size=block_size)
-        dense = (cp_causal_mask(cu, cp_size=cp_size, cp_rank=rank) if cp_size > 1
-                 else block_causal_mask(torch.tensor(cu), total))
+        dense = (
+            cp_causal_mask(cu, cp_size=cp_size, cp_rank=rank)
+            if cp_size > 1
+            else block_causal_mask(torch.tensor(cu), total)
+        )
         assert mask.seq_lengths == tuple(dense.shape)
         assert torch.equal(_mask_pairs(mask), dense)
-        reference = create_block_mask(lambda b, h, q, k: dense[q, k], None, None, *dense.shape, device="cpu",
-                                      BLOCK_SIZE=block_size)
-        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
-                     "q_indices", "full_q_num_blocks", "full_q_indices"):
+        reference = create_block_mask(
+            lambda b, h, q, k: dense[q, k], None, None, *dense.shape, device="cpu", BLOCK_SIZE=block_size
+        )
+        for name in (
+            "kv_num_blocks",
+            "kv_indices",
+            "full_kv_num_blocks",
+            "full_kv_indices",
+            "q_num_blocks",
+            "q_indices",
+            "full_q_num_blocks",
+            "full_q_indices",
+        ):
             assert torch.equal(getattr(mask, name), getattr(reference, name)), name
     # not vacuous: documents of several small blocks give full blocks (mask_mod skipped) and partial ones
     if block_size == 4 and cu[-1] >= 36:
@@ -224,8 +252,9 @@ def test_flex_block_mask_of_65536_tokens_costs_under_half_a_gib():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _MASK_MEMORY_PROBE, "65536", "2048"], capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _MASK_MEMORY_PROBE, "65536", "2048"], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     extra, full, partial = (int(x) for x in out.stdout.split())
     assert extra <= 0.5 * 2**30, f"building the mask raised the peak RSS by {extra / 2**30:.2f} GiB"

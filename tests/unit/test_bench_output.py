@@ -29,8 +29,12 @@ def test_reward_bench_appends_to_the_named_results_dir(tmp_path):
     rows = _rows(out / "reward.csv")
     assert len(rows) == 2 and list(rows[0]) == reward_bench.CSV_FIELDS
     row = rows[0]
-    assert (row["kernel"], row["metric"], row["unit"], row["x"]) == ("reward_math_dapo", "seconds_per_12_responses",
-                                                                     "s", "300")
+    assert (row["kernel"], row["metric"], row["unit"], row["x"]) == (
+        "reward_math_dapo",
+        "seconds_per_12_responses",
+        "s",
+        "300",
+    )
     assert float(row["p20"]) <= float(row["p50"]) <= float(row["p80"])
     assert list(PACKAGE.rglob("*.csv")) == []  # nothing written next to the code
 

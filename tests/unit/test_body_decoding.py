@@ -14,14 +14,29 @@ from dapo_megatron.benchmarks.engine_abuse import ENDPOINTS, RAW, garbage
 from dapo_megatron.cpu_engine import guard
 from dapo_megatron.cpu_engine.protocol import RequestError
 
-SHAPES = [b'{"input_ids": [[1,2],[3, 4]], "sampling_params": [{"a": 1}, {"b": [1, {"c": []}]}]}', b"[[[]]]",
-          b'{"a": [[1] , [2] ] , "b": {"c": {"d": [[{}]]}}}', b"[ [ 1 ] ]", b'[{"a":1},{"a":2}]',
-          b' \n{"x": [ {"y": [[1, 2], [3]]} ]}\n ', b"[[1,2] [3,4]]", b'{"a": 1,}', b"[[1],]", b'[[1], "x"]',
-          b"[\t\n [1]]", b'{"a": [ ]}', b'{"a": 1, "a": [[2]]}', b'{"a": NaN, "b": [[Infinity]]}', b"  ", b"",
-          # flat arrays, cut into pieces of _FLAT_PIECE characters (8 in these tests)
-          b"[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]", b"[1,2,3,4,5,6,7,8,NaN,true,null,-1.5e3,false,-Infinity]",
-          b'{"input_ids": [10, 20, 30, 40, 50, 60, 70, 80, 90] , "x": [1, 2, "a,b]", 3, 4, 5, 6, 7]}',
-          b"[[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18]]"]
+SHAPES = [
+    b'{"input_ids": [[1,2],[3, 4]], "sampling_params": [{"a": 1}, {"b": [1, {"c": []}]}]}',
+    b"[[[]]]",
+    b'{"a": [[1] , [2] ] , "b": {"c": {"d": [[{}]]}}}',
+    b"[ [ 1 ] ]",
+    b'[{"a":1},{"a":2}]',
+    b' \n{"x": [ {"y": [[1, 2], [3]]} ]}\n ',
+    b"[[1,2] [3,4]]",
+    b'{"a": 1,}',
+    b"[[1],]",
+    b'[[1], "x"]',
+    b"[\t\n [1]]",
+    b'{"a": [ ]}',
+    b'{"a": 1, "a": [[2]]}',
+    b'{"a": NaN, "b": [[Infinity]]}',
+    b"  ",
+    b"",
+    # flat arrays, cut into pieces of _FLAT_PIECE characters (8 in these tests)
+    b"[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]",
+    b"[1,2,3,4,5,6,7,8,NaN,true,null,-1.5e3,false,-Infinity]",
+    b'{"input_ids": [10, 20, 30, 40, 50, 60, 70, 80, 90] , "x": [1, 2, "a,b]", 3, 4, 5, 6, 7]}',
+    b"[[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18]]",
+]
 
 
 def outcome(fn, raw: bytes):
@@ -37,17 +52,30 @@ def corpus() -> list[bytes]:
     for shape in SHAPES:  # every shape cut short, with a byte changed, with a byte inserted
         cases.append(shape)
         for cut in range(1, len(shape)):
-            cases += [shape[:cut], shape[:cut] + bytes([rng.choice(b'[]{},:" 1x\xff\t')]) + shape[cut + 1:],
-                      shape[:cut] + bytes([rng.choice(b'[]{},:" 1x\t')]) + shape[cut:]]
-    return cases + [b"[" * 5000, b'{"a":' * 3000, b"[" * 100 + b"]" * 100, b"\xef\xbb\xbf{}",
-                    b"\xef\xbb\xbf\xef\xbb\xbf{}", '{"a": "\u00e9"}'.encode("utf-16"), "[[1]]".encode("utf-32")]
+            cases += [
+                shape[:cut],
+                shape[:cut] + bytes([rng.choice(b'[]{},:" 1x\xff\t')]) + shape[cut + 1 :],
+                shape[:cut] + bytes([rng.choice(b'[]{},:" 1x\t')]) + shape[cut:],
+            ]
+    return cases + [
+        b"[" * 5000,
+        b'{"a":' * 3000,
+        b"[" * 100 + b"]" * 100,
+        b"\xef\xbb\xbf{}",
+        b"\xef\xbb\xbf\xef\xbb\xbf{}",
+        '{"a": "\u00e9"}'.encode("utf-16"),
+        "[[1]]".encode("utf-32"),
+    ]
 
 
 def test_loads_yielding_is_json_loads(monkeypatch):
     monkeypatch.setattr(guard, "_FLAT_PIECE", 8)  # every flat array above is decoded in several pieces
     cases = corpus()
-    differ = [(c[:60], outcome(json.loads, c), outcome(guard.loads_yielding, c)) for c in cases
-              if outcome(json.loads, c) != outcome(guard.loads_yielding, c)]
+    differ = [
+        (c[:60], outcome(json.loads, c), outcome(guard.loads_yielding, c))
+        for c in cases
+        if outcome(json.loads, c) != outcome(guard.loads_yielding, c)
+    ]
     assert not differ, differ[:5]
     kinds = {outcome(json.loads, c)[0] for c in cases}
     assert kinds == {"value", "JSONDecodeError", "UnicodeDecodeError", "RecursionError"}  # every path was taken

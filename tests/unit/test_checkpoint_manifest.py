@@ -43,11 +43,14 @@ def test_chunked_crc_equals_one_shot_crc(tmp_path):
     assert ckpt.file_crc32(tmp_path / "f", chunk_bytes=1000) == f"{zlib.crc32(blob):08x}"
 
 
-@pytest.mark.parametrize("damage, expect", [
-    (lambda p: p.write_bytes(b""), "0 bytes, the manifest says 7001"),          # truncated to 0
-    (lambda p: p.unlink(), "missing"),
-    (lambda p: p.write_bytes(b"X" + p.read_bytes()[1:]), "checksum"),           # same size, flipped byte
-])
+@pytest.mark.parametrize(
+    "damage, expect",
+    [
+        (lambda p: p.write_bytes(b""), "0 bytes, the manifest says 7001"),  # truncated to 0
+        (lambda p: p.unlink(), "missing"),
+        (lambda p: p.write_bytes(b"X" + p.read_bytes()[1:]), "checksum"),  # same size, flipped byte
+    ],
+)
 def test_damaged_newest_checkpoint_is_named_set_aside_and_the_previous_one_used(tmp_path, damage, expect):
     _fake_checkpoint(tmp_path, 2)
     newest = _fake_checkpoint(tmp_path, 4)
@@ -98,8 +101,11 @@ def _two_rank_verify(root: str) -> dict:
         (path / "actor" / "__3_0.distcp").write_bytes(b"")
     dist.barrier()
     damaged = ckpt.verify_checkpoint(path)
-    return {"intact": intact, "damaged": damaged,
-            "entries": sorted(json.loads((path / ckpt.MANIFEST_FILE).read_text())["files"])}
+    return {
+        "intact": intact,
+        "damaged": damaged,
+        "entries": sorted(json.loads((path / ckpt.MANIFEST_FILE).read_text())["files"]),
+    }
 
 
 def test_ranks_share_the_hashing_and_agree_on_the_verdict(rank_pool, tmp_path):

@@ -27,8 +27,10 @@ def test_full_tmpfs_named_with_errno_and_free_space(full_tmpfs):
         torch.save({"w": torch.zeros(1 << 20)}, target / "actor.pt")  # 4 MiB into 1 MiB
     assert errno_of(raised.value) is None  # what torch says carries no errno (the user's report)
     message = write_failure_message(target, raised.value, previous=previous)
-    assert message.startswith(f"checkpoint write to {target} failed: [Errno 28] No space left on device "
-                              "(ENOSPC; a 1.0 MiB test write there failed with it); ")
+    assert message.startswith(
+        f"checkpoint write to {target} failed: [Errno 28] No space left on device "
+        "(ENOSPC; a 1.0 MiB test write there failed with it); "
+    )
     assert " MiB free of 1.0 MiB on its file system; " in message
     assert f"the previous checkpoint {previous} is intact: continue from it with --resume" in message
     assert "The writer said: RuntimeError: " in message
@@ -51,8 +53,9 @@ except OSError as err:
 
 def test_file_size_limit_named_with_errno(tmp_path):
     out = subprocess.run([sys.executable, "-c", _LIMITED, str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert out.stdout.startswith(f"checkpoint write to {tmp_path} failed: [Errno 27] File too large "
-                                 "(EFBIG; from the error); "), out.stderr
+    assert out.stdout.startswith(
+        f"checkpoint write to {tmp_path} failed: [Errno 27] File too large (EFBIG; from the error); "
+    ), out.stderr
     assert "no earlier checkpoint exists" in out.stdout
 
 

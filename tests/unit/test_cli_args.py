@@ -13,12 +13,16 @@ from dapo_megatron import cli
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "runs" / "tiny_cpu.yaml")
 
 
-@pytest.mark.parametrize("argv", [
-    ["train", TINY, "--resume", "algorithm.eps_low=5"],
-    ["train", TINY, "trainer.total_steps=3", "--skip-plan", "algorithm.eps_low=5", "--overwrite"],
-    ["eval", TINY, "--checkpoint", "no/such/dir", "algorithm.eps_low=5"],
-    ["plan", TINY, "algorithm.eps_low=5"],
-], ids=["train-flag-first", "train-mixed", "eval-flag-first", "plan"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", TINY, "--resume", "algorithm.eps_low=5"],
+        ["train", TINY, "trainer.total_steps=3", "--skip-plan", "algorithm.eps_low=5", "--overwrite"],
+        ["eval", TINY, "--checkpoint", "no/such/dir", "algorithm.eps_low=5"],
+        ["plan", TINY, "algorithm.eps_low=5"],
+    ],
+    ids=["train-flag-first", "train-mixed", "eval-flag-first", "plan"],
+)
 def test_an_override_after_a_flag_reaches_the_config(argv, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)  # the local launcher's path, which fails at the config
     assert cli.main(argv) == 2

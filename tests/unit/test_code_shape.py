@@ -68,30 +68,34 @@ def own_imports_in_functions(packages: dict[str, Path] = PACKAGES, repo: Path = 
 
 def test_no_test_module_imports_another_test_module():
     found = _test_module_imports(REPO / "tests")
-    assert not found, ("move the shared code into a conftest.py or a tests/helpers_*.py module:\n"
-                       + "\n".join(found))
+    assert not found, "move the shared code into a conftest.py or a tests/helpers_*.py module:\n" + "\n".join(found)
 
 
 def test_the_rule_sees_an_import_of_a_test_module(tmp_path):
     suite = tmp_path / "suite"  # a test tree of its own (not named tests/: test_repo_references reads paths)
     (suite / "unit").mkdir(parents=True)
     (suite / "unit" / "test_a.py").write_text(
-        "import os\nfrom helpers_x import y\n\ndef f():\n    from test_b import helper\n    import tests.unit.test_c\n")
+        "import os\nfrom helpers_x import y\n\ndef f():\n    from test_b import helper\n    import tests.unit.test_c\n"
+    )
     (suite / "conftest.py").write_text("from .unit import test_a\n")
     assert _test_module_imports(suite) == [
-        "suite/conftest.py:1 imports .unit.test_a", "suite/unit/test_a.py:5 imports test_b",
-        "suite/unit/test_a.py:6 imports tests.unit.test_c"]
+        "suite/conftest.py:1 imports .unit.test_a",
+        "suite/unit/test_a.py:5 imports test_b",
+        "suite/unit/test_a.py:6 imports tests.unit.test_c",
+    ]
 
 
 def test_own_imports_inside_functions_stay_within_budget():
     found = own_imports_in_functions()
     total = sum(map(len, found.values()))
-    listing = "\n".join(f"{len(lines):3d} {f}: lines {lines}" for f, lines in
-                        sorted(found.items(), key=lambda kv: -len(kv[1])))
+    listing = "\n".join(
+        f"{len(lines):3d} {f}: lines {lines}" for f, lines in sorted(found.items(), key=lambda kv: -len(kv[1]))
+    )
     assert total <= MAX_OWN_IMPORTS_IN_FUNCTIONS, (
         f"{total} imports of dapo_megatron/dapo_kernels inside functions (at most {MAX_OWN_IMPORTS_IN_FUNCTIONS}): "
         f"import them at the top of the file; where that module pulls a heavy package at import time, make "
-        f"that import lazy at its use instead\n{listing}")
+        f"that import lazy at its use instead\n{listing}"
+    )
 
 
 def test_the_count_sees_nested_and_relative_imports(tmp_path):
@@ -99,5 +103,6 @@ def test_the_count_sees_nested_and_relative_imports(tmp_path):
     pkg.mkdir()
     (pkg / "m.py").write_text(
         "import os\nimport pkg.top\n\ndef f():\n    import json\n    from pkg import a\n    from . import b\n"
-        "    def g():\n        import pkg.c, os\n\nclass K:\n    def h(self):\n        from .d import e\n")
+        "    def g():\n        import pkg.c, os\n\nclass K:\n    def h(self):\n        from .d import e\n"
+    )
     assert own_imports_in_functions({"pkg": pkg}, tmp_path) == {"pkg/m.py": [6, 7, 9, 13]}

@@ -21,14 +21,45 @@ HELPER = PACKAGE / "dataplane" / "collectives.py"
 
 # torch.distributed functions that move tensors (or pickled objects in tensors) between ranks
 COLLECTIVES = {
-    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
-    "broadcast", "broadcast_object_list", "gather", "gather_object", "scatter", "scatter_object_list", "reduce",
-    "reduce_scatter", "reduce_scatter_tensor", "send", "recv", "isend", "irecv", "send_object_list",
-    "recv_object_list", "batch_isend_irecv", "all_reduce_coalesced", "all_gather_coalesced",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "send_object_list",
+    "recv_object_list",
+    "batch_isend_irecv",
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
 }
 # ProcessGroup methods (a weight group is a bare ProcessGroup: pg.broadcast(t, 0).wait())
-PG_METHODS = {"broadcast", "allreduce", "allgather", "allgather_into_tensor_coalesced", "reduce_scatter",
-              "send", "recv", "alltoall", "alltoall_base", "gather", "scatter"}
+PG_METHODS = {
+    "broadcast",
+    "allreduce",
+    "allgather",
+    "allgather_into_tensor_coalesced",
+    "reduce_scatter",
+    "send",
+    "recv",
+    "alltoall",
+    "alltoall_base",
+    "gather",
+    "scatter",
+}
 
 
 def _dist_aliases(tree: ast.AST) -> tuple[set[str], set[str]]:
@@ -39,7 +70,10 @@ def _dist_aliases(tree: ast.AST) -> tuple[set[str], set[str]]:
             for a in node.names:
                 if a.name == "torch.distributed":
                     modules.add(a.asname or a.name)
-        elif isinstance(node, ast.ImportFrom) and node.module in ("torch.distributed", "torch.distributed.distributed_c10d"):
+        elif isinstance(node, ast.ImportFrom) and node.module in (
+            "torch.distributed",
+            "torch.distributed.distributed_c10d",
+        ):
             for a in node.names:
                 if a.name in COLLECTIVES:
                     functions.add(a.asname or a.name)
@@ -73,8 +107,11 @@ def direct_collective_calls(source: str, filename: str = "<src>") -> list[str]:
             owner = _dotted(func.value)
             if owner in modules and func.attr in COLLECTIVES:
                 found.append(f"{filename}:{node.lineno} {owner}.{func.attr}")
-            elif owner and owner.split(".")[-1] in ("pg", "group", "process_group", "weight_pg") \
-                    and func.attr in PG_METHODS:
+            elif (
+                owner
+                and owner.split(".")[-1] in ("pg", "group", "process_group", "weight_pg")
+                and func.attr in PG_METHODS
+            ):
                 found.append(f"{filename}:{node.lineno} {owner}.{func.attr}")
     return found
 
@@ -85,28 +122,32 @@ def test_no_collective_bypasses_the_device_helper():
         if path == HELPER:
             continue
         offenders += direct_collective_calls(path.read_text(), str(path.relative_to(PACKAGE.parent)))
-    assert not offenders, ("collectives called directly (use dapo_megatron.dataplane.collectives, which puts "
-                           "the tensors on the device the group's backend needs):\n" + "\n".join(offenders))
+    assert not offenders, (
+        "collectives called directly (use dapo_megatron.dataplane.collectives, which puts "
+        "the tensors on the device the group's backend needs):\n" + "\n".join(offenders)
+    )
 
 
 def test_checker_finds_each_spelling():
     """The check itself: each way of reaching a collective is reported, with its line."""
-    src = "\n".join([
-        "import torch",
-        "import torch.distributed as dist",
-        "import torch.distributed",
-        "from torch.distributed import all_gather as ag",
-        "from torch import distributed as d2",
-        "def f(pg, group):",
-        "    mine = torch.tensor([1])",
-        "    dist.all_gather([mine], mine)",          # 8: actor/parallel.py:152's call, 2026-11-25
-        "    torch.distributed.all_reduce(mine)",     # 9
-        "    ag([mine], mine)",                       # 10
-        "    d2.broadcast_object_list([1], src=0)",   # 11
-        "    pg.broadcast(mine, 0).wait()",           # 12
-        "    dist.barrier()",                         # not a tensor collective
-        "    dist.get_rank()",
-    ])
+    src = "\n".join(
+        [
+            "import torch",
+            "import torch.distributed as dist",
+            "import torch.distributed",
+            "from torch.distributed import all_gather as ag",
+            "from torch import distributed as d2",
+            "def f(pg, group):",
+            "    mine = torch.tensor([1])",
+            "    dist.all_gather([mine], mine)",  # 8: actor/parallel.py:152's call, 2026-11-25
+            "    torch.distributed.all_reduce(mine)",  # 9
+            "    ag([mine], mine)",  # 10
+            "    d2.broadcast_object_list([1], src=0)",  # 11
+            "    pg.broadcast(mine, 0).wait()",  # 12
+            "    dist.barrier()",  # not a tensor collective
+            "    dist.get_rank()",
+        ]
+    )
     lines = [int(x.split(":")[1].split()[0]) for x in direct_collective_calls(src)]
     assert lines == [8, 9, 10, 11, 12]
 

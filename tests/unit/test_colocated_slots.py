@@ -14,13 +14,23 @@ def _engine(url: str, node: str, base: int, tp: int) -> dict:
 def test_two_nodes_two_engines_each_of_tp2():
     # 8 trainer ranks, 4 per node; engines of TP 2 on GPUs 0-1 and 2-3 of each node
     devices = [("n0", g) for g in range(4)] + [("n1", g) for g in range(4)]
-    records = [_engine("http://n1:2", "n1", 2, 2), _engine("http://n0:1", "n0", 0, 2),
-               _engine("http://n0:2", "n0", 2, 2), _engine("http://n1:1", "n1", 0, 2)]
+    records = [
+        _engine("http://n1:2", "n1", 2, 2),
+        _engine("http://n0:1", "n0", 0, 2),
+        _engine("http://n0:2", "n0", 2, 2),
+        _engine("http://n1:1", "n1", 0, 2),
+    ]
     slots = assign_engine_slots(records, devices)
-    assert slots == {0: [EngineSlot("http://n0:1", 0, 2)], 1: [EngineSlot("http://n0:1", 1, 2)],
-                     2: [EngineSlot("http://n0:2", 0, 2)], 3: [EngineSlot("http://n0:2", 1, 2)],
-                     4: [EngineSlot("http://n1:1", 0, 2)], 5: [EngineSlot("http://n1:1", 1, 2)],
-                     6: [EngineSlot("http://n1:2", 0, 2)], 7: [EngineSlot("http://n1:2", 1, 2)]}
+    assert slots == {
+        0: [EngineSlot("http://n0:1", 0, 2)],
+        1: [EngineSlot("http://n0:1", 1, 2)],
+        2: [EngineSlot("http://n0:2", 0, 2)],
+        3: [EngineSlot("http://n0:2", 1, 2)],
+        4: [EngineSlot("http://n1:1", 0, 2)],
+        5: [EngineSlot("http://n1:1", 1, 2)],
+        6: [EngineSlot("http://n1:2", 0, 2)],
+        7: [EngineSlot("http://n1:2", 1, 2)],
+    }
 
 
 def test_one_engine_on_fewer_gpus_than_the_trainer_and_two_engines_sharing_a_gpu():

@@ -37,8 +37,12 @@ def _error(overrides, path=DAPO_32B):
 
 def test_there_are_presets():
     names = {p.relative_to(CONFIGS).as_posix() for p in PRESETS}
-    assert {"runs/qwen2.5-32b_dapo.yaml", "runs/qwen2.5-7b_dapo.yaml", "ablations/0_naive_grpo.yaml",
-            "ablations/5_dynamic_sampling.yaml"} <= names
+    assert {
+        "runs/qwen2.5-32b_dapo.yaml",
+        "runs/qwen2.5-7b_dapo.yaml",
+        "ablations/0_naive_grpo.yaml",
+        "ablations/5_dynamic_sampling.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=[p.relative_to(CONFIGS).as_posix() for p in PRESETS])
@@ -52,12 +56,29 @@ def test_32b_preset_holds_the_paper_hyper_parameters():
     cfg = load_config(DAPO_32B)
     a, r, t = cfg.algorithm, cfg.rollout, cfg.trainer
     assert (a.eps_low, a.eps_high, a.clip_ratio_c, a.loss_agg_mode) == (0.2, 0.28, 10.0, "token-mean")
-    assert (a.dynamic_sampling, a.max_num_gen_batches, a.overlong_shaping, a.overlong_buffer_length) == (True, 10, True, 4096)
+    assert (a.dynamic_sampling, a.max_num_gen_batches, a.overlong_shaping, a.overlong_buffer_length) == (
+        True,
+        10,
+        True,
+        4096,
+    )
     assert (a.overlong_penalty_factor, a.use_kl) == (1.0, False)
     assert (r.n, r.temperature, r.top_p, r.max_prompt_length, r.max_response_length, r.gen_batch_size) == (
-        16, 1.0, 1.0, 2048, 20480, 1536)
+        16,
+        1.0,
+        1.0,
+        2048,
+        20480,
+        1536,
+    )
     assert (t.train_batch_size, t.mini_batch_size, t.lr, t.warmup_steps, t.weight_decay, t.grad_clip) == (
-        512, 32, 1e-6, 10, 0.1, 1.0)
+        512,
+        32,
+        1e-6,
+        10,
+        0.1,
+        1.0,
+    )
     assert (t.eval_n, t.eval_temperature, t.eval_top_p) == (32, 1.0, 0.7)
 
 
@@ -116,8 +137,16 @@ def test_last_rung_is_the_32b_dapo_recipe():
 
 
 def test_overrides_apply_with_types():
-    cfg = load_config(DAPO_32B, ["algorithm.eps_high=0.3", "actor.tp=4", "trainer.lr=2e-6",
-                                 "algorithm.clip_ratio_c=null", "rollout.engine_urls=[http://a:1, http://b:2]"])
+    cfg = load_config(
+        DAPO_32B,
+        [
+            "algorithm.eps_high=0.3",
+            "actor.tp=4",
+            "trainer.lr=2e-6",
+            "algorithm.clip_ratio_c=null",
+            "rollout.engine_urls=[http://a:1, http://b:2]",
+        ],
+    )
     assert cfg.algorithm.eps_high == 0.3 and cfg.actor.tp == 4
     assert cfg.trainer.lr == 2e-6  # YAML 1.1 reads "2e-6" as a string; the loader accepts it as a number
     assert cfg.algorithm.clip_ratio_c is None
@@ -146,12 +175,20 @@ def test_overrides_apply_with_types():
         (["algorithm.eps_low=-0.1"], ["algorithm.eps_low", "-0.1", "[0, 1)"]),
         (["algorithm.eps_high=-0.2"], ["algorithm.eps_high", "-0.2", ">= 0"]),
         (["algorithm.clip_ratio_c=0.5"], ["algorithm.clip_ratio_c", "0.5", "> 1"]),
-        (["trainer.mini_batch_size=33"], ["trainer.mini_batch_size", "33", "must divide trainer.train_batch_size (512)"]),
+        (
+            ["trainer.mini_batch_size=33"],
+            ["trainer.mini_batch_size", "33", "must divide trainer.train_batch_size (512)"],
+        ),
         (["rollout.n=1"], ["rollout.n", "1", "dynamic sampling needs n >= 2"]),
-        (["actor.cp=2", "actor.pp=1", "rollout.max_prompt_length=2049", "actor.micro_batch_tokens=22529"],
-         ["actor.micro_batch_tokens", "22529", "2*actor.cp = 4 (22532)"]),
+        (
+            ["actor.cp=2", "actor.pp=1", "rollout.max_prompt_length=2049", "actor.micro_batch_tokens=22529"],
+            ["actor.micro_batch_tokens", "22529", "2*actor.cp = 4 (22532)"],
+        ),
         (["actor.micro_batch_tokens=4096"], ["actor.micro_batch_tokens", "4096", "22528"]),
-        (["algorithm.overlong_buffer_length=20480"], ["algorithm.overlong_buffer_length", "20480", "< rollout.max_response_length"]),
+        (
+            ["algorithm.overlong_buffer_length=20480"],
+            ["algorithm.overlong_buffer_length", "20480", "< rollout.max_response_length"],
+        ),
         (["actor.world_size=100"], ["actor.world_size", "100", "tp*pp*cp = 16"]),
         (["rollout.top_p=0"], ["rollout.top_p", "0", "(0, 1]"]),
         (["rollout.engine_restarts=-1"], ["rollout.engine_restarts", "-1", ">= 0"]),

@@ -15,10 +15,23 @@ from dapo_megatron.trainer.console import LEGEND, STEP_COLUMNS, TABLE_WIDTH, Pha
 from dapo_megatron.trainer.run_log import run_summary
 
 # every column filled, with values as a 32B run makes them (512 of 1536 groups, 20K tokens)
-FULL = {"reward/mean": -1.234, "acc/mean": 0.5, "eval/avg@k": 0.713, "response_length/mean": 16384.5,
-        "actor/entropy": 1.441, "actor/clipfrac_high": 0.0012, "actor/approx_kl": 0.00123, "actor/grad_norm": 12.5,
-        "sampler/groups_kept": 512, "sampler/groups_seen": 1536, "mismatch/max": 4.9e-05, "time/gen_s": 812.3,
-        "time/train_s": 1204.7, "time/sync_s": 21.4, "time/step_s": 2047.9}
+FULL = {
+    "reward/mean": -1.234,
+    "acc/mean": 0.5,
+    "eval/avg@k": 0.713,
+    "response_length/mean": 16384.5,
+    "actor/entropy": 1.441,
+    "actor/clipfrac_high": 0.0012,
+    "actor/approx_kl": 0.00123,
+    "actor/grad_norm": 12.5,
+    "sampler/groups_kept": 512,
+    "sampler/groups_seen": 1536,
+    "mismatch/max": 4.9e-05,
+    "time/gen_s": 812.3,
+    "time/train_s": 1204.7,
+    "time/sync_s": 21.4,
+    "time/step_s": 2047.9,
+}
 
 
 def test_rows_keep_the_same_columns_and_fit_120_characters():
@@ -33,13 +46,29 @@ def test_rows_keep_the_same_columns_and_fit_120_characters():
     assert max(map(len, (header, row0, row1, row2))) <= TABLE_WIDTH
     # every row has a cell under every header: same number of fields, "-" where a value is missing
     assert row0.split() == ["0/400", "-", "-", "24.5%"] + ["-"] * (len(STEP_COLUMNS) - 3)
-    assert row1.split() == ["1/400", "-1.234", "50.0%", "71.3%", "16384.5", "1.441", "0.001", "1.2e-03", "12.50",
-                            "512/1536", "5e-05", "812.3", "1204.7", "21.4", "2047.9"]
+    assert row1.split() == [
+        "1/400",
+        "-1.234",
+        "50.0%",
+        "71.3%",
+        "16384.5",
+        "1.441",
+        "0.001",
+        "1.2e-03",
+        "12.50",
+        "512/1536",
+        "5e-05",
+        "812.3",
+        "1204.7",
+        "21.4",
+        "2047.9",
+    ]
     assert row2.split()[3] == "-" and len(row2.split()) == len(row1.split())
     # right-aligned cells end where their header ends
     for name in ("eval", "groups", "step_s"):
-        assert row1.index(row1.split()[header.split().index(name)]) + len(row1.split()[header.split().index(name)]) \
-            == header.index(name) + len(name)
+        assert row1.index(row1.split()[header.split().index(name)]) + len(
+            row1.split()[header.split().index(name)]
+        ) == header.index(name) + len(name)
 
 
 def test_header_repeats_every_20_rows_and_entropy_falls_back_to_the_old_policy_value():
@@ -74,18 +103,35 @@ def test_megatron_fallback_warnings_are_filtered_and_others_are_not():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         console.quiet_backend_warnings()
-        warnings.warn_explicit("Apex is not installed. Falling back to Torch Norm", UserWarning,
-                               "gpt_layer_specs.py", 70, module="megatron.core.models.gpt.gpt_layer_specs")
-        warnings.warn_explicit("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
-                               UserWarning, "__init__.py", 24, module="megatron.core.optimizer")
-        warnings.warn_explicit("full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.",
-                               UserWarning, "transformer_config.py", 1705,
-                               module="megatron.core.transformer.transformer_config")
-        warnings.warn_explicit("Apex is not installed. Falling back to Torch Norm", UserWarning, "x.py", 1,
-                               module="someone_else")  # the same words from another package still show
+        warnings.warn_explicit(
+            "Apex is not installed. Falling back to Torch Norm",
+            UserWarning,
+            "gpt_layer_specs.py",
+            70,
+            module="megatron.core.models.gpt.gpt_layer_specs",
+        )
+        warnings.warn_explicit(
+            "Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
+            UserWarning,
+            "__init__.py",
+            24,
+            module="megatron.core.optimizer",
+        )
+        warnings.warn_explicit(
+            "full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.",
+            UserWarning,
+            "transformer_config.py",
+            1705,
+            module="megatron.core.transformer.transformer_config",
+        )
+        warnings.warn_explicit(
+            "Apex is not installed. Falling back to Torch Norm", UserWarning, "x.py", 1, module="someone_else"
+        )  # the same words from another package still show
         warnings.warn_explicit("something megatron says that matters", UserWarning, "y.py", 2, module="megatron.core")
-    assert [str(w.message) for w in caught] == ["Apex is not installed. Falling back to Torch Norm",
-                                                "something megatron says that matters"]
+    assert [str(w.message) for w in caught] == [
+        "Apex is not installed. Falling back to Torch Norm",
+        "something megatron says that matters",
+    ]
     from transformers.utils import logging as hf_logging
 
     assert not hf_logging.is_progress_bar_enabled()
@@ -95,8 +141,16 @@ def test_megatron_fallback_warnings_are_filtered_and_others_are_not():
 def _run_dir(tmp_path):
     records = [{"step": 0, "eval/avg@k": 0.245, "eval/pass@k": 0.94, "eval/k": 8.0, "time/eval_s": 1.5}]
     for step in range(1, 5):
-        records.append({"step": step, "time/gen_s": 0.25 * step, "time/logprob_s": 0.1, "time/train_s": 0.2,
-                        "time/sync_s": 0.05, "time/step_s": 0.25 * step + 0.35})
+        records.append(
+            {
+                "step": step,
+                "time/gen_s": 0.25 * step,
+                "time/logprob_s": 0.1,
+                "time/train_s": 0.2,
+                "time/sync_s": 0.05,
+                "time/step_s": 0.25 * step + 0.35,
+            }
+        )
     records[2].update({"eval/avg@k": 0.80, "eval/pass@k": 0.99, "eval/k": 8.0, "time/eval_s": 1.0})
     records[4].update({"eval/avg@k": 0.78, "eval/pass@k": 0.97, "eval/k": 8.0, "time/eval_s": 1.25})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -121,8 +175,10 @@ def test_summary_says_where_things_are_and_how_the_run_went(tmp_path):
     # generate 0.25 * (1+2+3+4) = 2.5 s, log-probs 4 * 0.1, train 4 * 0.2, sync 4 * 0.05, eval 1.5+1+1.25 = 3.75;
     # other = 20 - (2.5 + 0.4 + 0.8 + 0.2 + 3.75) = 12.35
     assert "  time:         start-up: model 2.0 s, rollout 5.5 s" in lines
-    assert ("                ranks: generate 2.5 s, log-probs 0.4 s, train 0.8 s, weight sync 0.2 s, eval 3.8 s, "
-            "other 12.3 s") in lines
+    assert (
+        "                ranks: generate 2.5 s, log-probs 0.4 s, train 0.8 s, weight sync 0.2 s, eval 3.8 s, "
+        "other 12.3 s"
+    ) in lines
     assert max(map(len, lines[1:])) <= 120
     # step times 0.6, 0.85, 1.1, 1.35: 3.9 s in all, median (upper) 1.1
     assert "  steps:        4 in 3.9 s (median 1.10 s per step); whole command 1 min 15.0 s" in lines

@@ -40,6 +40,7 @@ def test_segment_not_a_multiple_of_2cp_is_a_value_error():
 
 # --- the dense reference of CP attention (tests/attention_reference.py; actor/attention.py is checked against it) ---
 
+
 def test_cp_causal_mask_of_rank_1_by_hand():
     from attention_reference import cp_causal_mask
 

@@ -20,9 +20,11 @@ from dapo_megatron.launch.local import check_cores, pinned
 def test_a_pinned_child_and_its_children_run_on_those_cores_only():
     core = min(os.sched_getaffinity(0))
     # the child starts a grandchild (as torchrun starts ranks): both report their affinity
-    code = ("import os, subprocess, sys; print(sorted(os.sched_getaffinity(0))); "
-            "print(subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'], "
-            "capture_output=True, text=True).stdout.strip())")
+    code = (
+        "import os, subprocess, sys; print(sorted(os.sched_getaffinity(0))); "
+        "print(subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'], "
+        "capture_output=True, text=True).stdout.strip())"
+    )
     out = subprocess.run(pinned([sys.executable, "-c", code], [core]), capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[:2] == [f"[{core}]", f"[{core}]"]
     assert pinned(["x", "--y"], []) == ["x", "--y"]  # no pinning: the command untouched

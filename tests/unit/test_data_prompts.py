@@ -29,7 +29,7 @@ def test_apply_template_is_the_dapo_text():
     assert apply_template("What is 1+1?") == (
         "Solve the following math problem step by step. The last line of your response should be of the form "
         "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\nWhat is 1+1?\n\n"
-        "Remember to put your answer on its own line after \"Answer:\"."
+        'Remember to put your answer on its own line after "Answer:".'
     )
 
 
@@ -45,8 +45,14 @@ def test_public_style_parquet_with_repeats_is_deduplicated(tmp_path, caplog):
     assert (records.num_rows, records.num_duplicates, len(records)) == (13, 9, 4)  # 12 rows of 3 problems: 9 repeats
     assert "dropped 9 duplicate rows of 13" in caplog.text
     first = records[0]
-    assert first == PromptRecord(prompt=apply_template("problem 0"), ground_truth="10", data_source="math_dapo",
-                                 index="id-0-0", ability="MATH", reward_style="rule-lighteval/MATH_v2")
+    assert first == PromptRecord(
+        prompt=apply_template("problem 0"),
+        ground_truth="10",
+        data_source="math_dapo",
+        index="id-0-0",
+        ability="MATH",
+        reward_style="rule-lighteval/MATH_v2",
+    )
     assert [r.ground_truth for r in records] == ["10", "11", "12", "999"]
     all_rows = load_prompts(path, dedup=False)
     assert len(all_rows) == 13 and all_rows.num_duplicates == 0
@@ -55,15 +61,22 @@ def test_public_style_parquet_with_repeats_is_deduplicated(tmp_path, caplog):
 @pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
 def test_save_then_load_round_trip(tmp_path, suffix):
     records = make_synthetic_task(20, difficulty=2, seed=3, style="raw")
-    records.append(PromptRecord(prompt="p", ground_truth="1", messages=[
-        {"role": "system", "content": "be brief"}, {"role": "user", "content": "p"}]))
+    records.append(
+        PromptRecord(
+            prompt="p",
+            ground_truth="1",
+            messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "p"}],
+        )
+    )
     path = save_prompts(records, tmp_path / f"sub/task{suffix}")
     loaded = load_prompts(path, dedup=False)
     assert list(loaded) == records
     templated = load_prompts(path, dedup=False, prompt_template="dapo")
     assert templated[0].prompt == apply_template(records[0].prompt)
-    assert templated[-1].chat() == [{"role": "system", "content": "be brief"},
-                                    {"role": "user", "content": apply_template("p")}]
+    assert templated[-1].chat() == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": apply_template("p")},
+    ]
 
 
 def _write_jsonl(path, rows):

@@ -23,8 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _row(prompt, truth="7") -> str:
-    return json.dumps({"data_source": "math_dapo", "prompt": prompt,
-                       "reward_model": {"ground_truth": truth, "style": "rule"}})
+    return json.dumps(
+        {"data_source": "math_dapo", "prompt": prompt, "reward_model": {"ground_truth": truth, "style": "rule"}}
+    )
 
 
 _CUT = '{"data_source": "math_dapo", "prompt": "4+4=", '
@@ -32,13 +33,18 @@ _CUT = '{"data_source": "math_dapo", "prompt": "4+4=", '
 
 def _bad_file(path: Path, *, num_long: int = 12) -> Path:
     """5 good rows, 4 bad rows of different kinds, then num_long prompts over 16 tokens."""
-    lines = [_row("1+1="), _row([{"role": "user", "content": "2+2="}]),
-             json.dumps({"data_source": "math_dapo", "reward_model": {"ground_truth": "3"}}),  # row 2: no prompt
-             _row(42),                                                                        # row 3: not text
-             _row("3+3=", truth=""),                                                          # row 4: empty answer
-             _CUT,                                                                            # row 5: cut short
-             _row("5+5="), _row("6+6="), _row("7+7=")]
-    lines += [_row("9" * (20 + k)) for k in range(num_long)]                                  # rows 9..: too long
+    lines = [
+        _row("1+1="),
+        _row([{"role": "user", "content": "2+2="}]),
+        json.dumps({"data_source": "math_dapo", "reward_model": {"ground_truth": "3"}}),  # row 2: no prompt
+        _row(42),  # row 3: not text
+        _row("3+3=", truth=""),  # row 4: empty answer
+        _CUT,  # row 5: cut short
+        _row("5+5="),
+        _row("6+6="),
+        _row("7+7="),
+    ]
+    lines += [_row("9" * (20 + k)) for k in range(num_long)]  # rows 9..: too long
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -51,18 +57,23 @@ def test_every_bad_row_listed_with_file_row_and_key(tmp_path):
     with pytest.raises(ValueError) as err:
         load_prompts(path, prompt_length=length, max_prompt_length=16)
     lines = str(err.value).splitlines()
-    assert lines[0] == (f"data.train_path: {path}: 16 of 21 rows cannot be trained on (fix them, or set "
-                        "data.skip_bad_rows=true to leave them out):")
+    assert lines[0] == (
+        f"data.train_path: {path}: 16 of 21 rows cannot be trained on (fix them, or set "
+        "data.skip_bad_rows=true to leave them out):"
+    )
     assert lines[1:5] == [
         f"  {path}: row 2 (0-based), line 3: column 'prompt' is missing or null",
         f"  {path}: row 3 (0-based), line 4: column 'prompt' must be a non-empty list of {{content, role}} "
         "messages, got 42",
         f"  {path}: row 4 (0-based), line 5: column 'reward_model.ground_truth' is empty",
         f"  {path}: row 5 (0-based), line 6: not valid JSON (Expecting property name enclosed in double quotes "
-        f"at column {len(_CUT) + 1})"]
+        f"at column {len(_CUT) + 1})",
+    ]
     # "<|user|>" + 20 nines + "<|assistant|>" = 22 tokens (one per byte between the two tags)
-    assert lines[5] == (f"  {path}: row 9 (0-based), line 10: the prompt is 22 tokens after the chat template and "
-                        "tokenizer, over rollout.max_prompt_length=16")
+    assert lines[5] == (
+        f"  {path}: row 9 (0-based), line 10: the prompt is 22 tokens after the chat template and "
+        "tokenizer, over rollout.max_prompt_length=16"
+    )
     assert len(lines) == 1 + MAX_LISTED + 1 and lines[-1] == "  ... and 6 more bad rows"
     # skipping: the 5 good rows, the count kept
     kept = load_prompts(path, prompt_length=length, max_prompt_length=16, skip_bad_rows=True)
@@ -74,16 +85,24 @@ def test_config_path_checks_train_and_eval_and_synthetic_lengths(tmp_path):
     train = _bad_file(tmp_path / "train.jsonl", num_long=0)
     evals = tmp_path / "eval.jsonl"
     evals.write_text(_row("1+2=") + "\n" + _row("1" * 30) + "\n")
-    cfg = load_config(str(REPO / "configs/runs/tiny_cpu.yaml"), [
-        "tiny.enabled=false", f"model.path={tmp_path}", f"data.train_path={train}", f"data.eval_path={evals}",
-        "data.skip_bad_rows=true"])
+    cfg = load_config(
+        str(REPO / "configs/runs/tiny_cpu.yaml"),
+        [
+            "tiny.enabled=false",
+            f"model.path={tmp_path}",
+            f"data.train_path={train}",
+            f"data.eval_path={evals}",
+            "data.skip_bad_rows=true",
+        ],
+    )
     got_train, got_eval = train_and_eval_records(cfg.data, tokenizer=tokenizer, max_prompt_length=16)
     assert (len(got_train), got_train.num_skipped) == (5, 4)
     assert ([r.prompt for r in got_eval], got_eval.num_skipped) == (["1+2="], 1)
     # the launcher's line before anything starts says how many were left out
     assert check_prompt_data(cfg, str(build_tiny_model(tmp_path / "m", seed=0))) == (
         "5 train and 1 eval prompts checked (prompts within rollout.max_prompt_length=16 tokens); "
-        "4 bad train rows left out (data.skip_bad_rows), 1 bad eval rows left out (data.skip_bad_rows)")
+        "4 bad train rows left out (data.skip_bad_rows), 1 bad eval rows left out (data.skip_bad_rows)"
+    )
     cfg.data.skip_bad_rows = False
     with pytest.raises(ValueError, match=r"data\.train_path: .*train\.jsonl: 4 of 9 rows"):
         train_and_eval_records(cfg.data, tokenizer=tokenizer, max_prompt_length=16)
@@ -105,10 +124,25 @@ def test_train_refuses_bad_data_before_any_process(tmp_path):
     model = build_tiny_model(tmp_path, seed=0)  # a HF directory (random init) with the tiny tokenizer
     out = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "train", str(REPO / "configs/runs/tiny_cpu.yaml"),
-                           f"trainer.output_dir={out}", "tiny.enabled=false", f"model.path={model}",
-                           f"data.train_path={train}", "--skip-plan"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dapo_megatron.cli",
+            "train",
+            str(REPO / "configs/runs/tiny_cpu.yaml"),
+            f"trainer.output_dir={out}",
+            "tiny.enabled=false",
+            f"model.path={model}",
+            f"data.train_path={train}",
+            "--skip-plan",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"data.train_path: {train}: 16 of 21 rows cannot be trained on" in proc.stderr
     assert f"{train}: row 4 (0-based), line 5: column 'reward_model.ground_truth' is empty" in proc.stderr

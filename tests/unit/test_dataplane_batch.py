@@ -11,8 +11,18 @@ from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.dataplane.batch import RolloutBatch, ranges_index
 from dapo_megatron.dataplane.share import BatchShare, PackSettings, plan_shares, share_of_samples
 
-MB_FIELDS = ("tokens", "position_ids", "seq_ids", "targets", "response_mask", "loss_mask", "advantages",
-             "old_logprobs", "rollout_logprobs", "ref_logprobs")
+MB_FIELDS = (
+    "tokens",
+    "position_ids",
+    "seq_ids",
+    "targets",
+    "response_mask",
+    "loss_mask",
+    "advantages",
+    "old_logprobs",
+    "rollout_logprobs",
+    "ref_logprobs",
+)
 
 
 def random_samples(n, *, seed, with_logprobs=True, masks=True):
@@ -22,20 +32,40 @@ def random_samples(n, *, seed, with_logprobs=True, masks=True):
         prompt = [rng.randrange(5, 300) for _ in range(rng.randint(1, 9))]
         response = [rng.randrange(5, 300) for _ in range(rng.randint(1, 14))]
         r = len(response)
-        out.append(Sample(
-            prompt_ids=prompt, response_ids=response, group_index=i // 4, reward=rng.choice([-1.0, 1.0]),
-            advantage=rng.uniform(-2, 2), truncated=rng.random() < 0.3,
-            rollout_logprobs=[-rng.random() * 5 for _ in range(r)] if with_logprobs else None,
-            old_logprobs=[-rng.random() * 5 for _ in range(r)] if with_logprobs else None,
-            loss_mask=[rng.choice([0, 1]) for _ in range(r)] if masks and i % 3 == 0 else None))
+        out.append(
+            Sample(
+                prompt_ids=prompt,
+                response_ids=response,
+                group_index=i // 4,
+                reward=rng.choice([-1.0, 1.0]),
+                advantage=rng.uniform(-2, 2),
+                truncated=rng.random() < 0.3,
+                rollout_logprobs=[-rng.random() * 5 for _ in range(r)] if with_logprobs else None,
+                old_logprobs=[-rng.random() * 5 for _ in range(r)] if with_logprobs else None,
+                loss_mask=[rng.choice([0, 1]) for _ in range(r)] if masks and i % 3 == 0 else None,
+            )
+        )
     return out
 
 
 def test_hand_built_batch_layout():
-    a = Sample(prompt_ids=[11, 12, 13], response_ids=[21, 22], group_index=0, advantage=0.5, reward=1.0,
-               rollout_logprobs=[-1.0, -2.0])
-    b = Sample(prompt_ids=[31, 32], response_ids=[41, 42, 43], group_index=0, advantage=-1.0, truncated=True,
-               rollout_logprobs=[-3.0, -4.0, -5.0], loss_mask=[1, 0, 1])
+    a = Sample(
+        prompt_ids=[11, 12, 13],
+        response_ids=[21, 22],
+        group_index=0,
+        advantage=0.5,
+        reward=1.0,
+        rollout_logprobs=[-1.0, -2.0],
+    )
+    b = Sample(
+        prompt_ids=[31, 32],
+        response_ids=[41, 42, 43],
+        group_index=0,
+        advantage=-1.0,
+        truncated=True,
+        rollout_logprobs=[-3.0, -4.0, -5.0],
+        loss_mask=[1, 0, 1],
+    )
     batch = RolloutBatch.from_groups([[a, b]])
     assert batch.tokens.tolist() == [11, 12, 13, 21, 22, 31, 32, 41, 42, 43] and batch.tokens.dtype == torch.int32
     assert batch.seq_offsets.tolist() == [0, 5, 10] and batch.response_offsets.tolist() == [0, 2, 5]
@@ -69,10 +99,12 @@ def test_tensor_packing_equals_sample_packing(seq_pad, mask_truncated):
     order = [7, 2, 5, 0]
     part = batch.select(torch.tensor(order))
     length = 4 * 32
-    want = pack_micro_batch(samples, order, length=length, seq_pad_multiple=seq_pad, pad_token_id=3,
-                            mask_truncated=mask_truncated)
-    got = pack_batch_micro_batch(part, 0, 4, length=length, seq_pad_multiple=seq_pad, pad_token_id=3,
-                                 mask_truncated=mask_truncated)
+    want = pack_micro_batch(
+        samples, order, length=length, seq_pad_multiple=seq_pad, pad_token_id=3, mask_truncated=mask_truncated
+    )
+    got = pack_batch_micro_batch(
+        part, 0, 4, length=length, seq_pad_multiple=seq_pad, pad_token_id=3, mask_truncated=mask_truncated
+    )
     for name in MB_FIELDS:
         a, b = getattr(want, name), getattr(got, name)
         assert (a is None and b is None and name == "ref_logprobs") or (a.dtype == b.dtype and torch.equal(a, b)), name
@@ -83,19 +115,29 @@ def test_tensor_packing_equals_sample_packing(seq_pad, mask_truncated):
     assert empty.position_ids.tolist() == list(range(8)) and empty.seq_ids.tolist() == [-1] * 8
 
 
-@pytest.mark.parametrize("settings,dp", [
-    (PackSettings(micro_batch_tokens=40), 2),
-    (PackSettings(micro_batch_tokens=48, seq_pad_multiple=4, pad_multiple=8), 3),  # CP=2 with TP=2 + SP
-    (PackSettings(micro_batch_tokens=30, uniform_length=True, min_micro_batches=2), 2),  # PP=2, VPP
-])
+@pytest.mark.parametrize(
+    "settings,dp",
+    [
+        (PackSettings(micro_batch_tokens=40), 2),
+        (PackSettings(micro_batch_tokens=48, seq_pad_multiple=4, pad_multiple=8), 3),  # CP=2 with TP=2 + SP
+        (PackSettings(micro_batch_tokens=30, uniform_length=True, min_micro_batches=2), 2),  # PP=2, VPP
+    ],
+)
 def test_each_rank_share_packs_as_pack_for_rank_did(settings, dp):
     """A one-mini-batch share is exactly what pack_for_rank built from the same Samples (the layout
     every actor test was written against), on every DP rank."""
     samples = random_samples(11, seed=dp)
     for rank in range(dp):
-        want = pack_for_rank(samples, micro_batch_tokens=settings.micro_batch_tokens, dp_size=dp, dp_rank=rank,
-                             pad_multiple=settings.pad_multiple, seq_pad_multiple=settings.seq_pad_multiple,
-                             uniform_length=settings.uniform_length, min_micro_batches=settings.min_micro_batches)
+        want = pack_for_rank(
+            samples,
+            micro_batch_tokens=settings.micro_batch_tokens,
+            dp_size=dp,
+            dp_rank=rank,
+            pad_multiple=settings.pad_multiple,
+            seq_pad_multiple=settings.seq_pad_multiple,
+            uniform_length=settings.uniform_length,
+            min_micro_batches=settings.min_micro_batches,
+        )
         share = share_of_samples(samples, settings=settings, dp_size=dp, dp_rank=rank)
         spans = share.micro_batch_spans(settings)
         assert len(spans) == want.num_micro_batches
@@ -124,13 +166,13 @@ def test_plan_splits_every_mini_batch_over_dp_and_shares_partition_the_step():
         for j, mini in enumerate(minis):  # mini-batch j holds sequences of [8j, 8j + 8) only
             assert all(8 * j <= i < 8 * j + 8 for i in mini.source_indices.tolist())
             # and is this rank's part of packing.py's plan of that mini-batch alone
-            alone = share_of_samples(samples[8 * j: 8 * j + 8], settings=settings, dp_size=2, dp_rank=rank)
+            alone = share_of_samples(samples[8 * j : 8 * j + 8], settings=settings, dp_size=2, dp_rank=rank)
             assert (alone.source_indices + 8 * j).tolist() == mini.source_indices.tolist()
             assert torch.equal(alone.batch.tokens, mini.batch.tokens)
     # token balance: the two shares of each mini-batch differ by at most one sequence
     for j in range(3):
         loads = [int(list(s.mini_batches())[j].batch.seq_lengths.sum()) for s in shares]
-        assert abs(loads[0] - loads[1]) <= max(s.num_tokens for s in samples[8 * j: 8 * j + 8])
+        assert abs(loads[0] - loads[1]) <= max(s.num_tokens for s in samples[8 * j : 8 * j + 8])
 
 
 def test_routed_experts_travel_as_a_token_field_and_pack_at_their_tokens():
@@ -149,8 +191,10 @@ def test_routed_experts_travel_as_a_token_field_and_pack_at_their_tokens():
     none = [[-1] * 4]
     assert field.dtype == torch.int16 and field.shape == (10, 4)
     assert field.tolist() == rows_a.tolist() + none + none * 3 + rows_c.tolist() + none
-    assert batch.select(torch.tensor([2, 0])).token_fields["routed_experts"].tolist() == \
-        rows_c.tolist() + none + rows_a.tolist() + none
+    assert (
+        batch.select(torch.tensor([2, 0])).token_fields["routed_experts"].tolist()
+        == rows_c.tolist() + none + rows_a.tolist() + none
+    )
 
     # sequences 0..2 padded to 4 tokens each (seq_pad_multiple 2), packed length 14
     experts, valid = pack_batch_routed_experts(batch, [0, 1, 2], [4, 4, 4], length=14, num_layers=2, topk=2)
@@ -171,5 +215,6 @@ def test_routed_experts_travel_as_a_token_field_and_pack_at_their_tokens():
         validate_batch_routed_experts(RolloutBatch.from_samples([b]), num_layers=2, topk=2)
     validate_batch_routed_experts(batch.select(torch.tensor([0, 2])), num_layers=2, topk=2)
     with pytest.raises(ValueError, match=r"sample 1: routed_experts has shape \(2, 4\), expected \(3, 4\)"):
-        RolloutBatch.from_samples([a, Sample(prompt_ids=[1, 2], response_ids=[3, 4], group_index=0,
-                                             routed_experts=rows_c)])
+        RolloutBatch.from_samples(
+            [a, Sample(prompt_ids=[1, 2], response_ids=[3, 4], group_index=0, routed_experts=rows_c)]
+        )

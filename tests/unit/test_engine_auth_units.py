@@ -14,29 +14,47 @@ import threading
 import pytest
 
 from dapo_megatron.config import load_config
-from dapo_megatron.rollout.auth import (EngineKeys, decide, ensure_secret_file, keys_from_config, read_secret_file,
-                                        run_secret_path)
+from dapo_megatron.rollout.auth import (
+    EngineKeys,
+    decide,
+    ensure_secret_file,
+    keys_from_config,
+    read_secret_file,
+    run_secret_path,
+)
 
 
-@pytest.mark.parametrize("method, path, header, api, admin, want", [
-    ("POST", "/generate", None, None, None, None),  # no keys: all open
-    ("POST", "/generate", None, "A", None, 401),
-    ("POST", "/generate", "Bearer A", "A", None, None),
-    ("POST", "/generate", "bearer A", "A", None, None),  # the scheme in any case
-    ("POST", "/generate", "Bearer  A", "A", None, 401),  # exactly one space
-    ("POST", "/generate", "A", "A", None, 401),  # no scheme
-    ("POST", "/generate", None, None, "B", None),  # admin key only: NORMAL endpoints stay open
-    ("POST", "/generate", "Bearer B", "A", "B", 401),  # the admin key is not the api key
-    ("POST", "/update_weights_from_tensor", "Bearer A", "A", "B", 401),  # ... nor the api key the admin key
-    ("POST", "/update_weights_from_tensor", "Bearer B", "A", "B", None),
-    ("POST", "/update_weights_from_tensor", "Bearer A", "A", None, None),  # no admin key: the api key
-    ("GET", "/release_memory_occupation", None, None, "B", 401),
-    ("GET", "/update_weights_from_tensor", None, None, "B", None),  # wrong method: NORMAL, then 405
-    ("GET", "/health", None, "A", "B", None), ("GET", "/health_generate", None, "A", "B", None),
-    ("GET", "/ready", None, "A", "B", None), ("OPTIONS", "/generate", None, "A", "B", None),
-    ("GET", "/nope", None, "A", None, 401),  # unknown path: NORMAL
-    ("POST", "/abort_request", "Bearer é", "A", "B", 401),  # non-ASCII (SGLang's compare_digest raises: a 500 there)
-])
+@pytest.mark.parametrize(
+    "method, path, header, api, admin, want",
+    [
+        ("POST", "/generate", None, None, None, None),  # no keys: all open
+        ("POST", "/generate", None, "A", None, 401),
+        ("POST", "/generate", "Bearer A", "A", None, None),
+        ("POST", "/generate", "bearer A", "A", None, None),  # the scheme in any case
+        ("POST", "/generate", "Bearer  A", "A", None, 401),  # exactly one space
+        ("POST", "/generate", "A", "A", None, 401),  # no scheme
+        ("POST", "/generate", None, None, "B", None),  # admin key only: NORMAL endpoints stay open
+        ("POST", "/generate", "Bearer B", "A", "B", 401),  # the admin key is not the api key
+        ("POST", "/update_weights_from_tensor", "Bearer A", "A", "B", 401),  # ... nor the api key the admin key
+        ("POST", "/update_weights_from_tensor", "Bearer B", "A", "B", None),
+        ("POST", "/update_weights_from_tensor", "Bearer A", "A", None, None),  # no admin key: the api key
+        ("GET", "/release_memory_occupation", None, None, "B", 401),
+        ("GET", "/update_weights_from_tensor", None, None, "B", None),  # wrong method: NORMAL, then 405
+        ("GET", "/health", None, "A", "B", None),
+        ("GET", "/health_generate", None, "A", "B", None),
+        ("GET", "/ready", None, "A", "B", None),
+        ("OPTIONS", "/generate", None, "A", "B", None),
+        ("GET", "/nope", None, "A", None, 401),  # unknown path: NORMAL
+        (
+            "POST",
+            "/abort_request",
+            "Bearer é",
+            "A",
+            "B",
+            401,
+        ),  # non-ASCII (SGLang's compare_digest raises: a 500 there)
+    ],
+)
 def test_decisions(method, path, header, api, admin, want):
     assert decide(method, path, header, api_key=api, admin_api_key=admin) == want
 
@@ -92,12 +110,15 @@ def test_user_keys_from_an_environment_variable_or_a_file(tmp_path, monkeypatch)
     assert keys_from_config(load_config(None, [url]).rollout) == EngineKeys()  # engines without keys
 
 
-@pytest.mark.parametrize("overrides, env, message", [
-    (["rollout.engine_api_key_env=UNSET_KEY_VAR"], {}, "rollout.engine_api_key_env.*UNSET_KEY_VAR is not set"),
-    (["rollout.engine_api_key_env=EMPTY_KEY_VAR"], {"EMPTY_KEY_VAR": ""}, "is not set or empty"),
-    (["rollout.engine_api_key_env=SPACE_KEY_VAR"], {"SPACE_KEY_VAR": "a b"}, "without spaces"),
-    (["rollout.engine_admin_api_key_file=/no/such/file"], {}, "rollout.engine_admin_api_key_file.*no such file"),
-])
+@pytest.mark.parametrize(
+    "overrides, env, message",
+    [
+        (["rollout.engine_api_key_env=UNSET_KEY_VAR"], {}, "rollout.engine_api_key_env.*UNSET_KEY_VAR is not set"),
+        (["rollout.engine_api_key_env=EMPTY_KEY_VAR"], {"EMPTY_KEY_VAR": ""}, "is not set or empty"),
+        (["rollout.engine_api_key_env=SPACE_KEY_VAR"], {"SPACE_KEY_VAR": "a b"}, "without spaces"),
+        (["rollout.engine_admin_api_key_file=/no/such/file"], {}, "rollout.engine_admin_api_key_file.*no such file"),
+    ],
+)
 def test_user_key_mistakes_name_the_config_key(overrides, env, message, monkeypatch):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
@@ -115,12 +136,21 @@ def test_readable_key_file_is_refused(tmp_path):
         keys_from_config(r)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["rollout.engine_urls=[http://h:1]", "rollout.engine_api_key_env=K", "rollout.engine_api_key_file=/k"], "not both"),
-    (["rollout.engine_urls=[http://h:1]", "rollout.engine_api_key_env=sk-abc-123"], "NAME of an environment variable"),
-    (["rollout.engine_api_key_env=K"], "only with rollout.engine_urls"),
-    (["rollout.engine_admin_api_key_file=/k"], "only with rollout.engine_urls"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["rollout.engine_urls=[http://h:1]", "rollout.engine_api_key_env=K", "rollout.engine_api_key_file=/k"],
+            "not both",
+        ),
+        (
+            ["rollout.engine_urls=[http://h:1]", "rollout.engine_api_key_env=sk-abc-123"],
+            "NAME of an environment variable",
+        ),
+        (["rollout.engine_api_key_env=K"], "only with rollout.engine_urls"),
+        (["rollout.engine_admin_api_key_file=/k"], "only with rollout.engine_urls"),
+    ],
+)
 def test_config_validation(overrides, message):
     with pytest.raises(ValueError, match=message):
         load_config(None, overrides)
@@ -136,8 +166,15 @@ def test_launchers_pass_the_secret_file_never_the_key(tmp_path):
     with pytest.raises(ValueError, match="second --config"):
         sglang_command(SGLangSettings(model_path="/m", auth_file=secret, extra_args=("--config", "x.yaml")))
     for engine in ("cpu", "sglang"):
-        cfg = load_config(None, [f"trainer.output_dir={tmp_path}", f"rollout.engine={engine}", "model.path=/m",
-                                 "rollout.placement=colocated"])
+        cfg = load_config(
+            None,
+            [
+                f"trainer.output_dir={tmp_path}",
+                f"rollout.engine={engine}",
+                "model.path=/m",
+                "rollout.placement=colocated",
+            ],
+        )
         cmd = colocated.engine_commands(cfg, host="n1")[0]
         flag = "--config" if engine == "cpu" else "--auth-file"
         assert cmd[cmd.index(flag) + 1] == secret, cmd

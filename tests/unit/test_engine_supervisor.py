@@ -16,8 +16,14 @@ from dapo_megatron.launch.supervise import EngineSupervisor, port_is_free, read_
 
 
 def _engine(procs: LocalProcesses, name: str, port: int) -> None:
-    procs.engines[name] = {"host": "127.0.0.1", "port": port, "url": f"http://127.0.0.1:{port}", "threads": 1,
-                           "register_dir": "", "argv": [sys.executable, "-c", "import time; time.sleep(120)"]}
+    procs.engines[name] = {
+        "host": "127.0.0.1",
+        "port": port,
+        "url": f"http://127.0.0.1:{port}",
+        "threads": 1,
+        "register_dir": "",
+        "argv": [sys.executable, "-c", "import time; time.sleep(120)"],
+    }
     procs.restart_engine(name, port=port)
 
 
@@ -39,8 +45,9 @@ def test_restarts_on_the_same_port_until_the_budget_is_spent(tmp_path):
     with LocalProcesses(tmp_path / "logs") as procs:
         _engine(procs, "engine_0", port)
         first = procs.children["engine_0"]
-        sup = EngineSupervisor(procs, budget=1, events_path=events_path, poll_s=3600,
-                               out=lambda line, flush=True: lines.append(line))
+        sup = EngineSupervisor(
+            procs, budget=1, events_path=events_path, poll_s=3600, out=lambda line, flush=True: lines.append(line)
+        )
         with sup:
             _kill(first)
             sup.check("engine_0")
@@ -53,13 +60,19 @@ def test_restarts_on_the_same_port_until_the_budget_is_spent(tmp_path):
             assert procs.children["engine_0"] is second
     events = read_engine_events(events_path)
     assert [(e["action"], e["pid"], e["returncode"], e["restarts"]) for e in events] == [
-        ("restarted", first.pid, -9, 1), ("budget_spent", second.pid, -9, 1)]
+        ("restarted", first.pid, -9, 1),
+        ("budget_spent", second.pid, -9, 1),
+    ]
     assert events[0]["new_pid"] == second.pid
-    assert lines[0] == (f"[engines] engine_0 (http://127.0.0.1:{port}, pid {first.pid}) exited with code -9 "
-                        f"(SIGKILL); restarting it on its port {port} (restart 1 of rollout.engine_restarts=1); "
-                        "the trainer re-syncs its weights before using it")
-    assert lines[1] == (f"[engines] engine_0 (http://127.0.0.1:{port}, pid {second.pid}) exited with code -9 "
-                        "(SIGKILL); not restarted: the restart budget is spent (1 of rollout.engine_restarts=1)")
+    assert lines[0] == (
+        f"[engines] engine_0 (http://127.0.0.1:{port}, pid {first.pid}) exited with code -9 "
+        f"(SIGKILL); restarting it on its port {port} (restart 1 of rollout.engine_restarts=1); "
+        "the trainer re-syncs its weights before using it"
+    )
+    assert lines[1] == (
+        f"[engines] engine_0 (http://127.0.0.1:{port}, pid {second.pid}) exited with code -9 "
+        "(SIGKILL); not restarted: the restart budget is spent (1 of rollout.engine_restarts=1)"
+    )
     assert len(lines) == 2
 
 
@@ -70,8 +83,9 @@ def test_a_taken_port_means_a_new_one_and_stop_means_no_restart(tmp_path):
         port = taken.getsockname()[1]
         assert not port_is_free("127.0.0.1", port)
         _engine(procs, "engine_0", port)
-        sup = EngineSupervisor(procs, budget=3, events_path=tmp_path / "ev.jsonl", poll_s=0.05,
-                               out=lambda line, flush=True: None)
+        sup = EngineSupervisor(
+            procs, budget=3, events_path=tmp_path / "ev.jsonl", poll_s=0.05, out=lambda line, flush=True: None
+        )
         with sup:
             first = procs.children["engine_0"]
             _kill(first)

@@ -15,8 +15,17 @@ from dapo_megatron.data.datasets import train_and_eval_sets
 from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.launch import gather
 from dapo_megatron.launch.commands import compare
-from dapo_megatron.trainer.eval_report import (compare_evals, eval_file_path, eval_report, headline_avg, load_eval_sets,
-                                               metric_prefix, read_eval_file, report_metrics, write_eval_file)
+from dapo_megatron.trainer.eval_report import (
+    compare_evals,
+    eval_file_path,
+    eval_report,
+    headline_avg,
+    load_eval_sets,
+    metric_prefix,
+    read_eval_file,
+    report_metrics,
+    write_eval_file,
+)
 from dapo_megatron.trainer.evaluate import EvalSamples
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,16 +35,22 @@ RECORDS = [PromptRecord(prompt="2+5=", ground_truth="7"), PromptRecord(prompt="4
 def _samples(rows: list[list[str]], truths=("7", "9"), tokens=None, truncated=None) -> EvalSamples:
     correct = torch.tensor([[float(a == t) for a in row] for row, t in zip(rows, truths)], dtype=torch.float64)
     n = len(rows[0])
-    return EvalSamples(correct=correct, answers=rows,
-                       response_tokens=torch.tensor(tokens or [[10] * n] * len(rows)),
-                       truncated=torch.tensor(truncated or [[False] * n] * len(rows)))
+    return EvalSamples(
+        correct=correct,
+        answers=rows,
+        response_tokens=torch.tensor(tokens or [[10] * n] * len(rows)),
+        truncated=torch.tensor(truncated or [[False] * n] * len(rows)),
+    )
 
 
 def test_report_by_hand():
     # problem 0: 2 of 4 right, a 2-2 tie between 7 (right) and 8 -> maj 1/2; problem 1: 1 of 4, 3 x "[INVALID]"
     # (no vote) and "9" -> maj 1
-    samples = _samples([["7", "8", "7", "8"], ["[INVALID]", "9", "[INVALID]", "[INVALID]"]],
-                       tokens=[[10, 12, 10, 12], [16, 8, 16, 16]], truncated=[[False] * 4, [True, False, True, True]])
+    samples = _samples(
+        [["7", "8", "7", "8"], ["[INVALID]", "9", "[INVALID]", "[INVALID]"]],
+        tokens=[[10, 12, 10, 12], [16, 8, 16, 16]],
+        truncated=[[False] * 4, [True, False, True, True]],
+    )
     report = eval_report(samples, RECORDS, step=3)
     assert report["avg@k"] == 0.375  # (2/4 + 1/4) / 2
     assert report["maj@k"] == 0.75  # (1/2 + 1) / 2
@@ -45,14 +60,31 @@ def test_report_by_hand():
     # two problems scored 1/2 and 1/4: resampled means 1/4, 3/8, 1/2 -> [0.25, 0.5]
     assert report["avg@k_ci95"] == [0.25, 0.5]
     assert (report["step"], report["set"], report["k"], report["num_prompts"]) == (3, "eval", 4, 2)
-    assert report["problems"][1] == {"index": 1, "data_source": "math_dapo", "prompt_hash": report["problems"][1]["prompt_hash"],
-                                     "ground_truth": "9", "n": 4, "correct": 1, "answers": {"[INVALID]": 3, "9": 1},
-                                     "mean_response_tokens": 14.0, "truncated": 3}
+    assert report["problems"][1] == {
+        "index": 1,
+        "data_source": "math_dapo",
+        "prompt_hash": report["problems"][1]["prompt_hash"],
+        "ground_truth": "9",
+        "n": 4,
+        "correct": 1,
+        "answers": {"[INVALID]": 3, "9": 1},
+        "mean_response_tokens": 14.0,
+        "truncated": 3,
+    }
     assert report["problems"][0]["answers"] == {"7": 2, "8": 2}
     metrics = report_metrics(report)
-    assert metrics == {"eval/k": 4.0, "eval/num_prompts": 2.0, "eval/avg@k": 0.375, "eval/avg@k_ci95_low": 0.25,
-                       "eval/avg@k_ci95_high": 0.5, "eval/maj@k": 0.75, "eval/pass@1": 0.375,
-                       "eval/pass@2": report["pass@2"], "eval/pass@4": 1.0, "eval/pass@k": 1.0}
+    assert metrics == {
+        "eval/k": 4.0,
+        "eval/num_prompts": 2.0,
+        "eval/avg@k": 0.375,
+        "eval/avg@k_ci95_low": 0.25,
+        "eval/avg@k_ci95_high": 0.5,
+        "eval/maj@k": 0.75,
+        "eval/pass@1": 0.375,
+        "eval/pass@2": report["pass@2"],
+        "eval/pass@4": 1.0,
+        "eval/pass@k": 1.0,
+    }
     assert set(report_metrics(report, prefix="eval/aime24/")) == {k.replace("eval/", "eval/aime24/") for k in metrics}
 
 
@@ -73,11 +105,18 @@ def test_files_round_trip_and_compare(tmp_path, capsys):
     assert path.name == "step_000010.json" and sets == {"eval": after}
     # per-problem accuracy 1/4 -> 3/4 and 0 -> 1/2: B - A = 1/2 on both problems, so on every resample
     (row,) = compare_evals({"eval": before}, sets)
-    assert (row["avg_a"], row["avg_b"], row["diff"], row["diff_ci95"], row["verdict"]) == \
-        (0.125, 0.625, 0.5, [0.5, 0.5], "B better")
+    assert (row["avg_a"], row["avg_b"], row["diff"], row["diff_ci95"], row["verdict"]) == (
+        0.125,
+        0.625,
+        0.5,
+        [0.5, 0.5],
+        "B better",
+    )
     assert compare(["--compare", str(eval_file_path(tmp_path / "run", 0)), str(tmp_path / "run")]) == 0
-    assert "eval: avg@k A 12.5%  B 62.5%  B-A +50.0% [+50.0%, +50.0%] (95% paired bootstrap, 2 problems): B better" \
+    assert (
+        "eval: avg@k A 12.5%  B 62.5%  B-A +50.0% [+50.0%, +50.0%] (95% paired bootstrap, 2 problems): B better"
         in capsys.readouterr().out
+    )
     # several sets: {"step", "sets": {...}}; read back by name
     write_eval_file(tmp_path / "two.json", {"aime24": before, "math500": after})
     data = json.loads((tmp_path / "two.json").read_text())
@@ -89,8 +128,11 @@ def test_compare_refuses_different_problems(tmp_path):
     a = eval_report(_samples([["7"], ["9"]]), RECORDS, step=0)
     other = [RECORDS[0], PromptRecord(prompt="4+6=", ground_truth="10")]
     b = eval_report(_samples([["7"], ["10"]], truths=("7", "10")), other, step=0)
-    with pytest.raises(ValueError, match=r"eval set 'eval': A and B were not evaluated on the same problems "
-                                         r"\(problem 1 differs \(prompt_hash \w+ vs \w+\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"eval set 'eval': A and B were not evaluated on the same problems "
+        r"\(problem 1 differs \(prompt_hash \w+ vs \w+\)\)",
+    ):
         compare_evals({"eval": a}, {"eval": b})
     c = eval_report(_samples([["7"]], truths=("7",)), RECORDS[:1], step=0)
     with pytest.raises(ValueError, match=r"2 problems in A, 1 in B"):
@@ -104,8 +146,12 @@ def test_compare_refuses_different_problems(tmp_path):
 
 
 def _dapo_rows(path: Path, problems: list[tuple[str, str]]) -> str:
-    path.write_text("".join(json.dumps({"data_source": "math_dapo", "prompt": p, "reward_model": {"ground_truth": t}}) + "\n"
-                            for p, t in problems))
+    path.write_text(
+        "".join(
+            json.dumps({"data_source": "math_dapo", "prompt": p, "reward_model": {"ground_truth": t}}) + "\n"
+            for p, t in problems
+        )
+    )
     return str(path)
 
 
@@ -130,15 +176,24 @@ def test_eval_sets_config_and_data(tmp_path):
 
 def test_gathered_table_says_whether_each_row_beats_the_previous(tmp_path):
     results = tmp_path / "eval"
-    reports = [eval_report(_samples(rows), RECORDS, step=step) for step, rows in
-               ((5, [["8", "8"], ["1", "2"]]), (10, [["7", "7"], ["9", "9"]]), (20, [["7", "8"], ["9", "1"]]))]
+    reports = [
+        eval_report(_samples(rows), RECORDS, step=step)
+        for step, rows in (
+            (5, [["8", "8"], ["1", "2"]]),
+            (10, [["7", "7"], ["9", "9"]]),
+            (20, [["7", "8"], ["9", "1"]]),
+        )
+    ]
     for report in reports:
         write_eval_file(results / f"step_{report['step']}.json", {"eval": report}, extra={"checkpoint": "/x"})
     md, csv_path = gather.gather(results)
     rows = {r["checkpoint"]: r for r in gather.load_rows(results)}
     assert "diff_vs_prev" not in rows["step_5"]
-    assert (rows["step_10"]["diff_vs_prev"], rows["step_10"]["diff_vs_prev_ci95"], rows["step_10"]["beats_prev"]) == \
-        (1.0, "[1.0000, 1.0000]", "yes")
+    assert (rows["step_10"]["diff_vs_prev"], rows["step_10"]["diff_vs_prev_ci95"], rows["step_10"]["beats_prev"]) == (
+        1.0,
+        "[1.0000, 1.0000]",
+        "yes",
+    )
     # per-problem 1 -> 1/2 on both: worse on every resample
     assert (rows["step_20"]["diff_vs_prev"], rows["step_20"]["beats_prev"]) == (-0.5, "no: worse")
     assert rows["step_10"]["avg@k_ci95"] == "[1.0000, 1.0000]" and "interval.method" not in rows["step_10"]
@@ -150,16 +205,22 @@ def test_ablation_ladder_summary(tmp_path):
     sweep = tmp_path / "sweep"
     (sweep / "slurm").mkdir(parents=True)
     runs = []
-    for rung, rows in (("0_naive_grpo", [["8", "8"], ["1", "9"]]), ("1_overlong_filtering", [["7", "7"], ["9", "9"]]),
-                       ("2_clip_higher", [["7", "7"], ["9", "9"]])):
+    for rung, rows in (
+        ("0_naive_grpo", [["8", "8"], ["1", "9"]]),
+        ("1_overlong_filtering", [["7", "7"], ["9", "9"]]),
+        ("2_clip_higher", [["7", "7"], ["9", "9"]]),
+    ):
         write_eval_file(eval_file_path(tmp_path / rung, 40), {"eval": eval_report(_samples(rows), RECORDS, step=40)})
         runs.append(f"{rung}\t{tmp_path / rung}")
     (sweep / "slurm" / "sweep_runs.tsv").write_text("\n".join(runs) + "\n")
     md, _ = gather.gather(sweep, ladder=True)
     assert md.name == "ablation_summary.md"
     rows = gather.ladder_rows(sweep)
-    assert [(r["rung"], r["avg@k"], r.get("beats_prev")) for r in rows] == \
-        [("0_naive_grpo", 0.25, None), ("1_overlong_filtering", 1.0, "yes"), ("2_clip_higher", 1.0, "unclear")]
+    assert [(r["rung"], r["avg@k"], r.get("beats_prev")) for r in rows] == [
+        ("0_naive_grpo", 0.25, None),
+        ("1_overlong_filtering", 1.0, "yes"),
+        ("2_clip_higher", 1.0, "unclear"),
+    ]
     # rung 1 vs 0: per-problem differences 1 and 1/2 -> mean 3/4, interval [1/2, 1]: above 0
     assert rows[1]["diff_vs_prev"] == 0.75 and rows[1]["diff_vs_prev_ci95"] == "[0.5000, 1.0000]"
 
@@ -167,10 +228,17 @@ def test_ablation_ladder_summary(tmp_path):
 def test_curves_draw_the_interval_as_a_band(tmp_path):
     from dapo_megatron.trainer.run_log import build_figure
 
-    records = [{"step": 0, "eval/avg@k": 0.25, "eval/avg@k_ci95_low": 0.2, "eval/avg@k_ci95_high": 0.3},
-               {"step": 1, "acc/mean": 0.5},
-               {"step": 2, "eval/avg@k": 0.5, "eval/avg@k_ci95_low": 0.4, "eval/avg@k_ci95_high": 0.6,
-                "eval/aime24/avg@k": 0.1}]
+    records = [
+        {"step": 0, "eval/avg@k": 0.25, "eval/avg@k_ci95_low": 0.2, "eval/avg@k_ci95_high": 0.3},
+        {"step": 1, "acc/mean": 0.5},
+        {
+            "step": 2,
+            "eval/avg@k": 0.5,
+            "eval/avg@k_ci95_low": 0.4,
+            "eval/avg@k_ci95_high": 0.6,
+            "eval/aime24/avg@k": 0.1,
+        },
+    ]
     panels = {ax.get_title(): ax for ax in build_figure(records).axes}
     acc = panels["accuracy"]
     (band,) = [c for c in acc.collections if c.get_label() == "eval avg@k 95% CI"]
@@ -183,10 +251,14 @@ def test_the_worked_example_of_docs_algorithm_md():
     """docs/algorithm.md section 10, every number computed there by hand."""
     records = [PromptRecord(prompt=f"p{i}", ground_truth=t) for i, t in enumerate(("7", "12", "5"))]
     truths = ("7", "12", "5")
-    a = eval_report(_samples([["7", "7", "8", "7"], ["12", "15", "12", "15"], ["[INVALID]", "4", "[INVALID]", "6"]],
-                             truths=truths), records, step=0)
-    b = eval_report(_samples([["7"] * 4, ["12", "12", "15", "15"], ["5", "4", "[INVALID]", "6"]], truths=truths),
-                    records, step=1)
+    a = eval_report(
+        _samples([["7", "7", "8", "7"], ["12", "15", "12", "15"], ["[INVALID]", "4", "[INVALID]", "6"]], truths=truths),
+        records,
+        step=0,
+    )
+    b = eval_report(
+        _samples([["7"] * 4, ["12", "12", "15", "15"], ["5", "4", "[INVALID]", "6"]], truths=truths), records, step=1
+    )
     assert a["avg@k"] == pytest.approx(5 / 12) and a["pass@1"] == pytest.approx(5 / 12)
     assert a["pass@2"] == pytest.approx(11 / 18) and a["pass@4"] == pytest.approx(2 / 3)
     assert a["maj@k"] == 0.5 and a["avg@k_ci95"] == [0.0, 0.75]
@@ -198,15 +270,33 @@ def test_the_worked_example_of_docs_algorithm_md():
 def test_run_summary_names_the_eval_file_and_uses_the_first_set(tmp_path):
     from dapo_megatron.trainer.run_log import run_summary
 
-    one = [{"step": 0, "eval/avg@k": 0.25, "eval/pass@k": 0.5, "eval/k": 8.0, "eval/avg@k_ci95_low": 0.2,
-            "eval/avg@k_ci95_high": 0.3, "eval/maj@k": 0.4}]
+    one = [
+        {
+            "step": 0,
+            "eval/avg@k": 0.25,
+            "eval/pass@k": 0.5,
+            "eval/k": 8.0,
+            "eval/avg@k_ci95_low": 0.2,
+            "eval/avg@k_ci95_high": 0.3,
+            "eval/maj@k": 0.4,
+        }
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in one))
     lines = run_summary(tmp_path).splitlines()
     assert "  final eval:   avg@8 25.0% at step 0, pass@8 50.0%" in lines
-    assert f"  eval file:    {tmp_path / 'evals' / 'step_000000.json'} (eval avg@8 25.0%, 95% CI [20.0%, 30.0%], " \
+    assert (
+        f"  eval file:    {tmp_path / 'evals' / 'step_000000.json'} (eval avg@8 25.0%, 95% CI [20.0%, 30.0%], "
         "maj@8 40.0%)" in lines
-    several = [{"step": 4, "eval/aime24/avg@k": 0.125, "eval/aime24/pass@k": 0.5, "eval/aime24/k": 32.0,
-                "eval/math500/avg@k": 0.75}]
+    )
+    several = [
+        {
+            "step": 4,
+            "eval/aime24/avg@k": 0.125,
+            "eval/aime24/pass@k": 0.5,
+            "eval/aime24/k": 32.0,
+            "eval/math500/avg@k": 0.75,
+        }
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in several))
     assert "  final eval:   avg@32 12.5% at step 4, pass@32 50.0%" in run_summary(tmp_path).splitlines()
 

@@ -9,17 +9,23 @@ from fractions import Fraction
 import pytest
 import torch
 
-from dapo_megatron.algo.eval_stats import (bootstrap_mean_ci, bootstrap_means, majority_correct,
-                                           paired_bootstrap_diff, pass_at_k, pass_ks)
+from dapo_megatron.algo.eval_stats import (
+    bootstrap_mean_ci,
+    bootstrap_means,
+    majority_correct,
+    paired_bootstrap_diff,
+    pass_at_k,
+    pass_ks,
+)
 
 
 def test_pass_at_j_small_n_by_hand():
     # n = 5 samples, c = 2 correct: pass@j = 1 - C(3, j) / C(5, j)
     row = [[1, 0, 1, 0, 0]]
-    assert float(pass_at_k(row, k=1)[0]) == pytest.approx(2 / 5, abs=1e-15)       # 1 - 3/5
+    assert float(pass_at_k(row, k=1)[0]) == pytest.approx(2 / 5, abs=1e-15)  # 1 - 3/5
     assert float(pass_at_k(row, k=2)[0]) == pytest.approx(1 - 3 / 10, abs=1e-15)  # C(3,2)=3, C(5,2)=10
     assert float(pass_at_k(row, k=3)[0]) == pytest.approx(1 - 1 / 10, abs=1e-15)  # C(3,3)=1, C(5,3)=10
-    assert float(pass_at_k(row, k=4)[0]) == 1.0                                   # n - c = 3 < 4
+    assert float(pass_at_k(row, k=4)[0]) == 1.0  # n - c = 3 < 4
     # n = 3, c = 0 and c = 3: never / always
     assert pass_at_k([[0, 0, 0], [1, 1, 1]], k=2).tolist() == [0.0, 1.0]
 
@@ -81,7 +87,8 @@ def test_bootstrap_interval_on_a_fixed_seed():
     # the numbers on seed 0 (means of four values from {0, 1/4, 1/2, 1} are multiples of 1/16)
     assert bootstrap_mean_ci(values, resamples=2000, seed=0) == (0.125, 0.8125)
     assert bootstrap_means(values, resamples=3, seed=0).tolist() == pytest.approx(
-        [sum(values[i] for i in row) / 4 for row in idx[:3]])
+        [sum(values[i] for i in row) / 4 for row in idx[:3]]
+    )
     assert bootstrap_means(values, seed=1).tolist() != bootstrap_means(values, seed=0).tolist()  # the seed is used
 
 
@@ -94,7 +101,11 @@ def test_paired_comparison():
     assert paired_bootstrap_diff(a, b) == {"diff": 0.25, "low": 0.25, "high": 0.25, "verdict": "B better"}
     assert paired_bootstrap_diff(b, a)["verdict"] == "B worse"
     # per-problem differences 1 and 0: a resample's mean difference is 0, 1/2 or 1 -> [0, 1], no verdict
-    assert paired_bootstrap_diff([0.0, 1.0], [1.0, 1.0]) == {"diff": 0.5, "low": 0.0, "high": 1.0,
-                                                             "verdict": "no clear difference"}
+    assert paired_bootstrap_diff([0.0, 1.0], [1.0, 1.0]) == {
+        "diff": 0.5,
+        "low": 0.0,
+        "high": 1.0,
+        "verdict": "no clear difference",
+    }
     with pytest.raises(ValueError, match="3 problems in A but 2 in B"):
         paired_bootstrap_diff([0, 0, 0], [1, 1])

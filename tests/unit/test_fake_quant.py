@@ -9,10 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt not installed (pip install -e '.[modelopt]')")
+pytest.importorskip(
+    "modelopt.torch.quantization", reason="nvidia-modelopt not installed (pip install -e '.[modelopt]')"
+)
 
-from dapo_megatron.actor.fake_quant import (local_block_amax, shard_blocks,  # noqa: E402
-                                            values_from_amax)
+from dapo_megatron.actor.fake_quant import (
+    local_block_amax,
+    shard_blocks,  # noqa: E402
+    values_from_amax,
+)
 from dapo_megatron.quant.fp8_format import BLOCK, dequantize_block_fp8  # noqa: E402
 from dapo_megatron.quant.fp8_sync import Fp8SyncConverter  # noqa: E402
 from dapo_megatron.weights.mapping import Dims, expected_hf_shapes, map_param, merge_shards, shard_for_rank  # noqa: E402
@@ -22,15 +27,27 @@ from dapo_megatron.weights.mapping import Dims, expected_hf_shapes, map_param, m
 # multiples of 128 (partial blocks, blocks cut by TP in rows and columns) and one where gate/up are one
 # block each too
 SHAPES = [(128, 256, 4, 2), (320, 384, 4, 2), (64, 128, 4, 2)]
-LINEARS = ("self_attention.linear_qkv.weight", "self_attention.linear_proj.weight", "mlp.linear_fc1.weight",
-           "mlp.linear_fc2.weight")
+LINEARS = (
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_proj.weight",
+    "mlp.linear_fc1.weight",
+    "mlp.linear_fc2.weight",
+)
 
 
 def _dims(hidden, inter, heads, kv):
     from transformers import Qwen2Config
 
-    return Dims.from_hf(Qwen2Config(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
-                                    num_key_value_heads=kv, num_hidden_layers=1, vocab_size=300))
+    return Dims.from_hf(
+        Qwen2Config(
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            num_hidden_layers=1,
+            vocab_size=300,
+        )
+    )
 
 
 def _hf_weights(dims, seed):
@@ -42,7 +59,7 @@ def _hf_weights(dims, seed):
             # (modelopt's export substitutes amax 448 there)
             w = torch.randn(*shape, generator=gen) * torch.logspace(-3, -1, shape[1])
             if "down_proj" in name and shape[1] > BLOCK:
-                w[:BLOCK, BLOCK:2 * BLOCK] = 0
+                w[:BLOCK, BLOCK : 2 * BLOCK] = 0
             weights[name] = w
     return weights
 
@@ -63,13 +80,16 @@ def _trainer_values(weights, dims, tp):
         pmap = map_param(f"decoder.layers.0.{suffix}", layer_offset=0, dims=dims)
         hf = [weights[n] for n in pmap.hf_names]
         shards = [shard_for_rank(pmap.kind, hf, tp_rank=r, tp_size=tp, dims=dims) for r in range(tp)]
-        blocks = [shard_blocks(pmap, [shapes[n] for n in pmap.hf_names], dims=dims, tp_rank=r, tp_size=tp,
-                               block=BLOCK) for r in range(tp)]
+        blocks = [
+            shard_blocks(pmap, [shapes[n] for n in pmap.hf_names], dims=dims, tp_rank=r, tp_size=tp, block=BLOCK)
+            for r in range(tp)
+        ]
         amax = torch.stack([local_block_amax(s.to(torch.bfloat16), b) for s, b in zip(shards, blocks)]).amax(0)
         fq = [values_from_amax(s.to(torch.bfloat16), b, amax) for s, b in zip(shards, blocks)]
         out.update(zip(pmap.hf_names, merge_shards(pmap.kind, fq, dims=dims)))
-        assert blocks[0].shared_amax == (pmap.kind in ("qkv", "fc1") and all(
-            shapes[n][0] <= BLOCK and shapes[n][1] <= BLOCK for n in pmap.hf_names))
+        assert blocks[0].shared_amax == (
+            pmap.kind in ("qkv", "fc1") and all(shapes[n][0] <= BLOCK and shapes[n][1] <= BLOCK for n in pmap.hf_names)
+        )
     return out
 
 
@@ -137,8 +157,9 @@ def test_quantization_aware_key_is_validated():
 
     with pytest.raises(ValueError, match=r"actor\.quantization_aware.*attention_backend=torch.*'te'"):
         config_from_dict({"rollout": {"quantization": "fp8"}, "actor": {"quantization_aware": True}})
-    cfg = config_from_dict({"rollout": {"quantization": "fp8"},
-                            "actor": {"quantization_aware": True, "attention_backend": "torch"}})
+    cfg = config_from_dict(
+        {"rollout": {"quantization": "fp8"}, "actor": {"quantization_aware": True, "attention_backend": "torch"}}
+    )
     assert cfg.actor.quantization_aware is True
     assert config_from_dict({}).actor.quantization_aware is False
     with pytest.raises(ValueError, match=r"actor\.quantization_aware.*rollout\.quantization=fp8.*'none'"):

@@ -8,8 +8,16 @@ import pytest
 import torch
 
 from dapo_megatron.dataplane.sample import Sample
-from helpers_fp32 import (SAFETY, adam_first_step, adam_weight_bounds, check_weights, hf_policy_step, hf_token_logprobs,
-                          step_bounds, token_bounds)
+from helpers_fp32 import (
+    SAFETY,
+    adam_first_step,
+    adam_weight_bounds,
+    check_weights,
+    hf_policy_step,
+    hf_token_logprobs,
+    step_bounds,
+    token_bounds,
+)
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +28,11 @@ def tiny(tmp_path_factory):
     rng = random.Random(5)
     samples = []
     for i in range(8):
-        s = Sample(prompt_ids=[rng.randrange(5, 300) for _ in range(rng.randint(2, 9))],
-                   response_ids=[rng.randrange(5, 300) for _ in range(rng.randint(2, 12))], group_index=i // 2)
+        s = Sample(
+            prompt_ids=[rng.randrange(5, 300) for _ in range(rng.randint(2, 9))],
+            response_ids=[rng.randrange(5, 300) for _ in range(rng.randint(2, 12))],
+            group_index=i // 2,
+        )
         samples.append(s)
     logps, _ = hf_token_logprobs(hf_dir, samples, dtype=torch.float64)
     gen = torch.Generator().manual_seed(2)

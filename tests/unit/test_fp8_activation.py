@@ -24,7 +24,7 @@ def test_per_token_group_quant_hand_computed():
     q, s = per_token_group_quant_fp8(x)
     assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape
     assert s.dtype == torch.float32 and s.shape == (2, 2)
-    assert s[0, 0].item() == 2.0 ** -7
+    assert s[0, 0].item() == 2.0**-7
     assert s[0, 1] == torch.tensor(1e-10, dtype=torch.float32) / 448
     assert s[1, 0] == torch.tensor(1.0) / 448 and s[1, 1] == torch.tensor(0.5) / 448
     # 3.5 * 128 = 448 (the largest e4m3); -1 * 128 = -128; 0.3 * 128 = 38.4 -> 40 (steps of 4 in [32, 64));
@@ -49,8 +49,11 @@ def test_fake_quant_keeps_dtype_and_passes_the_gradient_straight_through():
 
 
 def test_input_dims_not_a_multiple_of_the_group_are_refused():
-    with pytest.raises(ValueError, match=r"input dimension 320 is not a multiple of the group size 128 .*"
-                                         r"x.shape\[-1\] % group_size == 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"input dimension 320 is not a multiple of the group size 128 .*"
+        r"x.shape\[-1\] % group_size == 0",
+    ):
         per_token_group_quant_fp8(torch.ones(2, 320))
     with pytest.raises(ValueError, match=r"input dimension 160 is not a multiple of the group size 128"):
         fake_quant_activation_fp8(torch.ones(160))

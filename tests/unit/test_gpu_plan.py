@@ -40,8 +40,14 @@ def test_plan_call_1_is_what_the_first_gpu_run_left_unproven_within_540_s():
     # call 1: preflight, then the steps the first H100 run (2026-11-26) failed or ran out of budget on
     assert [s for c, s, _ in steps if c == 1] == ["preflight", "transfer_tests", "e2e_colocated", "kernel_tests"]
     # call 2: the steps it passed (regression), then the FP8 reload moved up into the time left
-    assert [s for c, s, _ in steps if c == 2] == ["actor_tests", "e2e_bf16", "attention_20k", "kernel_bench",
-                                                  "kernel_targets", "sglang_fp8"]
+    assert [s for c, s, _ in steps if c == 2] == [
+        "actor_tests",
+        "e2e_bf16",
+        "attention_20k",
+        "kernel_bench",
+        "kernel_targets",
+        "sglang_fp8",
+    ]
     for call in totals:  # each total is the sum of its steps and within the device command's share
         assert totals[call] == sum(b for c, _, b in steps if c == call) <= 540, call
     # every step of the plan is a function of the runner
@@ -75,17 +81,25 @@ def test_runner_kills_overruns_records_failures_skips_what_cannot_fit(tmp_path):
         ("sees_earlier_lines", 5, """test "$(wc -l < "$OUT/results.jsonl")" -eq 4"""),
     ]
     plan = tmp_path / "plan.tsv"
-    plan.write_text("# stand-in plan\n" + "".join(f"1\t{n}\t{b}\t-\t-\t-\t{c}\n" for n, b, c in steps)
-                    + "2\tother_call\t5\t-\t-\t-\texit 9\n")
+    plan.write_text(
+        "# stand-in plan\n"
+        + "".join(f"1\t{n}\t{b}\t-\t-\t-\t{c}\n" for n, b, c in steps)
+        + "2\tother_call\t5\t-\t-\t-\texit 9\n"
+    )
     start = time.monotonic()
-    proc = _run("--call", "1", str(out), env_extra={"GPU_PLAN": str(plan), "GPU_CALL_LIMIT_S": "20",
-                                                    "GPU_WORK": str(work)})
+    proc = _run(
+        "--call", "1", str(out), env_extra={"GPU_PLAN": str(plan), "GPU_CALL_LIMIT_S": "20", "GPU_WORK": str(work)}
+    )
     elapsed = time.monotonic() - start
     assert proc.returncode == 1, proc.stdout + proc.stderr  # not every step passed
     lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [(r["step"], r["status"]) for r in lines] == [
-        ("metrics", "ok"), ("overrun", "timeout"), ("fails", "failed"), ("too_long", "skipped"),
-        ("sees_earlier_lines", "ok")]
+        ("metrics", "ok"),
+        ("overrun", "timeout"),
+        ("fails", "failed"),
+        ("too_long", "skipped"),
+        ("sees_earlier_lines", "ok"),
+    ]
     by_step = {r["step"]: r for r in lines}
     assert by_step["metrics"]["metrics"] == {"tokens_per_s": 1234.5}
     assert by_step["overrun"]["rc"] == 124 and 1.0 <= by_step["overrun"]["seconds"] < 5
@@ -104,8 +118,13 @@ def test_runner_records_a_step_as_it_finishes_even_if_the_call_is_cut_off(tmp_pa
     plan = tmp_path / "plan.tsv"
     plan.write_text("1\tquick\t5\t-\t-\t-\ttrue\n1\tslow\t60\t-\t-\t-\tsleep 60\n")
     env = dict(os.environ, PYTHON=sys.executable, GPU_PLAN=str(plan), GPU_WORK=str(tmp_path / "work"))
-    proc = subprocess.Popen(["bash", str(RUN_ALL), "--call", "1", str(out)], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", str(RUN_ALL), "--call", "1", str(out)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 20
         results = out / "results.jsonl"
@@ -120,12 +139,16 @@ def test_runner_records_a_step_as_it_finishes_even_if_the_call_is_cut_off(tmp_pa
 
 def test_record_plan_replaces_estimates_with_measured_seconds(tmp_path):
     plan = tmp_path / "plan.tsv"
-    plan.write_text("# header kept\n1\tpreflight\t30\t-\t-\t-\t-\n1\tslow\t100\t-\t-\t-\t-\n"
-                    "1\tcut\t50\t-\t-\t-\t-\n2\tlater\t40\t-\t-\t-\t-\n")
-    results = [{"step": "preflight", "status": "ok", "seconds": 12.34, "metrics": {"gpu": "NVIDIA H100 80GB HBM3"}},
-               {"step": "slow", "status": "failed", "seconds": 200.0, "metrics": {}},
-               {"step": "cut", "status": "timeout", "seconds": 50.0, "metrics": {}},
-               {"step": "later", "status": "skipped", "seconds": 0, "metrics": {}}]
+    plan.write_text(
+        "# header kept\n1\tpreflight\t30\t-\t-\t-\t-\n1\tslow\t100\t-\t-\t-\t-\n"
+        "1\tcut\t50\t-\t-\t-\t-\n2\tlater\t40\t-\t-\t-\t-\n"
+    )
+    results = [
+        {"step": "preflight", "status": "ok", "seconds": 12.34, "metrics": {"gpu": "NVIDIA H100 80GB HBM3"}},
+        {"step": "slow", "status": "failed", "seconds": 200.0, "metrics": {}},
+        {"step": "cut", "status": "timeout", "seconds": 50.0, "metrics": {}},
+        {"step": "later", "status": "skipped", "seconds": 0, "metrics": {}},
+    ]
     lines = record_plan.record(plan, results, device=None, date="2026-11-26")
     rows = [line.split("\t") for line in plan.read_text().splitlines()]
     assert rows[0] == ["# header kept"]
@@ -147,28 +170,70 @@ def test_step_metrics_read_what_the_steps_write(tmp_path):
     import step_metrics
     from dapo_kernels.bench import common, targets
 
-    (tmp_path / "test_three.py").write_text("import pytest\ndef test_a(): pass\ndef test_b(): assert 0\n"
-                                            "@pytest.mark.skip\ndef test_c(): pass\n")
+    (tmp_path / "test_three.py").write_text(
+        "import pytest\ndef test_a(): pass\ndef test_b(): assert 0\n@pytest.mark.skip\ndef test_c(): pass\n"
+    )
     xml = tmp_path / "junit.xml"
-    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
-                    "-o", "addopts=", str(tmp_path / "test_three.py")], cwd=tmp_path, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={xml}",
+            "-o",
+            "addopts=",
+            str(tmp_path / "test_three.py"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        timeout=120,
+    )
     assert step_metrics.junit(str(xml)) == {"passed": 1, "failed": 1, "errors": 0, "skipped": 1}
 
     kernels = tmp_path / "kernels.csv"
     x = "N=4096,H=3584,V=152064,tp=1"
     rows = [("fused", "fwd", "tflops", 452), ("liger", "fwd", "tflops", 308)]
-    kernels.write_text(",".join(common.CSV_FIELDS) + "\n" + "".join(
-        f'linear_logprob_entropy,{p},{m},{k},,"{x}",{v},{v},{v},NVIDIA H100 80GB HBM3,2026-11-26\n' for p, m, k, v in rows))
+    kernels.write_text(
+        ",".join(common.CSV_FIELDS)
+        + "\n"
+        + "".join(
+            f'linear_logprob_entropy,{p},{m},{k},,"{x}",{v},{v},{v},NVIDIA H100 80GB HBM3,2026-11-26\n'
+            for p, m, k, v in rows
+        )
+    )
     text, _ = targets.report(kernels)
     (tmp_path / "targets.txt").write_text(text)
     assert step_metrics.targets(str(tmp_path / "targets.txt")) == {
-        "T1": "PASS", "T2": "NOT MEASURED", "T3": "NOT MEASURED", "T4": "NOT MEASURED", "T5": "NOT MEASURED"}
+        "T1": "PASS",
+        "T2": "NOT MEASURED",
+        "T3": "NOT MEASURED",
+        "T4": "NOT MEASURED",
+        "T5": "NOT MEASURED",
+    }
 
     bench = tmp_path / "actor.csv"
-    bench.write_text("tokens_per_micro_batch,attention_kernel,status,step_s_p50,tokens_per_s,mfu,peak_mem_gib,recompute\n"
-                     "4096,sdpa,ok,0.5,65536.0,0.41,30.2,full\n16384,sdpa,oom,,,,79.1,full\n4096,flex,ok,0.4,8e4,0.5,30,full\n")
+    bench.write_text(
+        "tokens_per_micro_batch,attention_kernel,status,step_s_p50,tokens_per_s,mfu,peak_mem_gib,recompute\n"
+        "4096,sdpa,ok,0.5,65536.0,0.41,30.2,full\n16384,sdpa,oom,,,,79.1,full\n4096,flex,ok,0.4,8e4,0.5,30,full\n"
+    )
     assert step_metrics.csv_rows(str(bench), "sdpa") == {
-        "4096": {"status": "ok", "step_s_p50": 0.5, "tokens_per_s": 65536.0, "mfu": 0.41, "peak_mem_gib": 30.2,
-                 "recompute": "full"},
-        "16384": {"status": "oom", "step_s_p50": "", "tokens_per_s": "", "mfu": "", "peak_mem_gib": 79.1,
-                  "recompute": "full"}}
+        "4096": {
+            "status": "ok",
+            "step_s_p50": 0.5,
+            "tokens_per_s": 65536.0,
+            "mfu": 0.41,
+            "peak_mem_gib": 30.2,
+            "recompute": "full",
+        },
+        "16384": {
+            "status": "oom",
+            "step_s_p50": "",
+            "tokens_per_s": "",
+            "mfu": "",
+            "peak_mem_gib": 79.1,
+            "recompute": "full",
+        },
+    }

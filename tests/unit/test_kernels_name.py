@@ -38,8 +38,9 @@ print(json.dumps({"found": spec.origin if spec else None, "available": is_kernel
 
 def _probe(mode: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-c", PROBE, mode], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

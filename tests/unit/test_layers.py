@@ -47,29 +47,48 @@ INDEPENDENT = (("pkg.mid", "pkg.side"),)
 
 
 def _check(tmp_path, files):
-    graph = layers.read_graph(_package(tmp_path, {"__init__.py": "", "top/__init__.py": "", "mid/__init__.py": "",
-                                                  "side/__init__.py": "", "low/__init__.py": "", **files}))
+    graph = layers.read_graph(
+        _package(
+            tmp_path,
+            {
+                "__init__.py": "",
+                "top/__init__.py": "",
+                "mid/__init__.py": "",
+                "side/__init__.py": "",
+                "low/__init__.py": "",
+                **files,
+            },
+        )
+    )
     return layers.check(graph, layers=LAYERS, independent=INDEPENDENT)
 
 
 def test_a_clean_synthetic_package_passes(tmp_path):
-    report = _check(tmp_path, {
-        "top/a.py": "from pkg.mid import b\n",
-        "mid/b.py": "from pkg.low.c import f\n",
-        "low/c.py": "def f():\n    return 1\n",
-    })
+    report = _check(
+        tmp_path,
+        {
+            "top/a.py": "from pkg.mid import b\n",
+            "mid/b.py": "from pkg.low.c import f\n",
+            "low/c.py": "def f():\n    return 1\n",
+        },
+    )
     assert report.violations == []
     assert (report.module_imports, report.function_imports) == (2, 0)
 
 
 def test_an_upward_import_is_flagged_at_module_level_and_inside_a_function(tmp_path):
-    report = _check(tmp_path, {
-        "top/a.py": "X = 1\n",
-        "mid/b.py": "def g():\n    from pkg.top.a import X  # deferred: still upward\n    return X\n",
-        "low/c.py": "from pkg.mid import b\n",
-    })
-    flagged = sorted((i.importer, layers.Graph.resolve(layers.read_graph({"pkg": tmp_path / "pkg"}), i.target),
-                      i.in_function) for i in report.upward)
+    report = _check(
+        tmp_path,
+        {
+            "top/a.py": "X = 1\n",
+            "mid/b.py": "def g():\n    from pkg.top.a import X  # deferred: still upward\n    return X\n",
+            "low/c.py": "from pkg.mid import b\n",
+        },
+    )
+    flagged = sorted(
+        (i.importer, layers.Graph.resolve(layers.read_graph({"pkg": tmp_path / "pkg"}), i.target), i.in_function)
+        for i in report.upward
+    )
     assert flagged == [("pkg.low.c", "pkg.mid.b", False), ("pkg.mid.b", "pkg.top.a", True)]
     assert len(report.violations) == 2 + len(report.package_cycles)
 
@@ -77,20 +96,26 @@ def test_an_upward_import_is_flagged_at_module_level_and_inside_a_function(tmp_p
 def test_a_cycle_is_flagged_for_packages_and_modules(tmp_path):
     """Two modules importing each other, one of them only inside a function (the console <-> metrics
     loop of the old layout): still a cycle."""
-    report = _check(tmp_path, {
-        "low/x.py": "from pkg.low import y\n",
-        "low/y.py": "def f():\n    from pkg.low import x\n    return x\n",
-    })
+    report = _check(
+        tmp_path,
+        {
+            "low/x.py": "from pkg.low import y\n",
+            "low/y.py": "def f():\n    from pkg.low import x\n    return x\n",
+        },
+    )
     assert report.module_cycles == [["pkg.low.x", "pkg.low.y"]]
     assert any("module import cycle" in v for v in report.violations)
 
 
 def test_siblings_of_one_layer_and_unmapped_packages_are_flagged(tmp_path):
-    report = _check(tmp_path, {
-        "mid/b.py": "from pkg.side import s\n",
-        "side/s.py": "",
-        "stray/__init__.py": "",
-    })
+    report = _check(
+        tmp_path,
+        {
+            "mid/b.py": "from pkg.side import s\n",
+            "side/s.py": "",
+            "stray/__init__.py": "",
+        },
+    )
     assert [(i.importer, i.target) for i in report.same_layer] == [("pkg.mid.b", "pkg.side.s")]
     assert report.unmapped == ["pkg.stray"]
 
@@ -101,7 +126,9 @@ def test_an_upward_import_injected_into_a_copy_of_the_repository_is_caught(tmp_p
     shutil.copytree(REPO / "dapo_megatron", copy / "dapo_megatron", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "kernels", copy / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
     kl = copy / "dapo_megatron" / "algo" / "kl.py"
-    kl.write_text(kl.read_text() + "\n\ndef _sneaky():\n    from dapo_megatron.trainer import train\n    return train\n")
+    kl.write_text(
+        kl.read_text() + "\n\ndef _sneaky():\n    from dapo_megatron.trainer import train\n    return train\n"
+    )
     bench = copy / "kernels" / "bench" / "common.py"
     bench.write_text(bench.read_text() + "\nimport dapo_megatron\n")
     report = layers.check(layers.read_graph(layers.repo_packages(copy)))
@@ -114,8 +141,14 @@ def test_an_upward_import_injected_into_a_copy_of_the_repository_is_caught(tmp_p
 def test_the_whole_config_stops_at_the_trainer_and_the_command_line():
     """Files with a function taking the whole Config (`cfg` or `Config`): only trainer/, launch/, the
     command line, the config itself and the harness (benchmarks/, tools/); layers below get sections."""
-    allowed = ("dapo_megatron/trainer/", "dapo_megatron/launch/", "dapo_megatron/benchmarks/", "dapo_megatron/tools/",
-               "dapo_megatron/config.py", "dapo_megatron/cli.py")
+    allowed = (
+        "dapo_megatron/trainer/",
+        "dapo_megatron/launch/",
+        "dapo_megatron/benchmarks/",
+        "dapo_megatron/tools/",
+        "dapo_megatron/config.py",
+        "dapo_megatron/cli.py",
+    )
     files = layers.whole_config_files(REPO / "dapo_megatron")
     below = [f for f in files if not f.startswith(allowed)]
     assert below == sorted(KNOWN_BELOW), f"files below the trainer that take the whole Config: {below}"
@@ -123,16 +156,20 @@ def test_the_whole_config_stops_at_the_trainer_and_the_command_line():
 
 # below the trainer and still taking the whole Config: the memory plan, which is the plan of a whole run
 # (every section shapes some phase's bytes: actor layout, engines, batch sizes, the model or tiny.*)
-KNOWN_BELOW = ["dapo_megatron/memplan/arch.py", "dapo_megatron/memplan/megatron_reference.py",
-               "dapo_megatron/memplan/plan.py", "dapo_megatron/memplan/report.py"]
+KNOWN_BELOW = [
+    "dapo_megatron/memplan/arch.py",
+    "dapo_megatron/memplan/megatron_reference.py",
+    "dapo_megatron/memplan/plan.py",
+    "dapo_megatron/memplan/report.py",
+]
 
 
 def test_the_architecture_page_lists_every_package():
     """docs/architecture.md "Layout": one entry per package of dapo_megatron, in the layers' order."""
     text = (REPO / "docs" / "architecture.md").read_text()
-    layout = text[text.index("## Layout"):]
-    layout = layout[layout.index("```") + 3:]
-    layout = layout[:layout.index("```")]
+    layout = text[text.index("## Layout") :]
+    layout = layout[layout.index("```") + 3 :]
+    layout = layout[: layout.index("```")]
     listed = [line.split()[0].rstrip("/") for line in layout.splitlines() if line.startswith("  ") and line[2] != " "]
     packages = sorted(p.parent.name for p in (REPO / "dapo_megatron").glob("*/__init__.py"))
     assert sorted(name for name in listed if not name.endswith(".py")) == packages

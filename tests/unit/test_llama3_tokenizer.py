@@ -12,8 +12,14 @@ import random
 
 import pytest
 
-LLAMA3_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
-                  "<|reserved_special_token_250|>"]
+LLAMA3_SPECIAL = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+    "<|reserved_special_token_250|>",
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,20 +41,31 @@ def llama3_style_dir(tmp_path_factory):
     corpus = ["".join(rng.choice(words) + rng.choice([" ", "", "\n"]) for _ in range(50)) for _ in range(300)]
     bpe = Tokenizer(models.BPE())
     converter = TrainedTikToken(bpe)
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([  # the same split for training as converted() sets
-        pre_tokenizers.Split(Regex(converter.pattern), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, show_progress=False,
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [  # the same split for training as converted() sets
+            pre_tokenizers.Split(Regex(converter.pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(vocab_size=400, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    )
     backend = converter.converted()
     backend.add_special_tokens(LLAMA3_SPECIAL)
     # Meta's tokenizer.json ends with this post-processor: <|begin_of_text|> before every text encoded
     # with special tokens (ByteLevel offsets, then TemplateProcessing "<|begin_of_text|> $A")
     bos_id = backend.token_to_id("<|begin_of_text|>")
-    backend.post_processor = processors.Sequence([
-        processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True),
-        processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
-                                      special_tokens=[("<|begin_of_text|>", bos_id)])])
+    backend.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(add_prefix_space=True, trim_offsets=False, use_regex=True),
+            processors.TemplateProcessing(
+                single="<|begin_of_text|> $A",
+                pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
+                special_tokens=[("<|begin_of_text|>", bos_id)],
+            ),
+        ]
+    )
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>")
     out = tmp_path_factory.mktemp("llama3_tok")
     tok.save_pretrained(out)
@@ -121,10 +138,12 @@ def test_a_tokenizer_adding_only_an_end_token_gets_none_before_the_prompt(llama3
     bos_id = backend.token_to_id("<|begin_of_text|>")
     for template, expected_prefix in (("$A <|end_of_text|>", []), ("<|begin_of_text|> $A <|end_of_text|>", [bos_id])):
         backend.post_processor = processors.TemplateProcessing(
-            single=template, special_tokens=[("<|begin_of_text|>", bos_id), ("<|end_of_text|>", eos_id)])
+            single=template, special_tokens=[("<|begin_of_text|>", bos_id), ("<|end_of_text|>", eos_id)]
+        )
         out = tmp_path / f"tok_{len(expected_prefix)}"
-        PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|begin_of_text|>",
-                                eos_token="<|end_of_text|>").save_pretrained(out)
+        PreTrainedTokenizerFast(
+            tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>"
+        ).save_pretrained(out)
         variant = AutoTokenizer.from_pretrained(out)
         text_ids = variant("6 x 7 =", add_special_tokens=False)["input_ids"]
         assert variant("6 x 7 =")["input_ids"][-1] == eos_id

@@ -26,7 +26,8 @@ def test_first_signal_requests_a_stop_the_second_stops_at_once(tmp_path, capsys)
         ranks_view = PreemptionSignal(signals=(), request_file=str(request))
         assert ranks_view.requested and ranks_view.launcher_signal == "SIGTERM"
         assert ranks_view.stop_line(7, tmp_path / "checkpoints" / "step_000007") == (
-            f"stopped at step 7 (SIGTERM): checkpoint {tmp_path}/checkpoints/step_000007; continue with --resume")
+            f"stopped at step 7 (SIGTERM): checkpoint {tmp_path}/checkpoints/step_000007; continue with --resume"
+        )
         with pytest.raises(StopNow) as second:
             os.kill(os.getpid(), signal.SIGINT)
         assert second.value.signum == signal.SIGINT
@@ -43,10 +44,15 @@ def test_slurms_empty_request_file_keeps_the_requeue_line(tmp_path):
 
 def test_a_stop_at_once_names_what_is_lost(tmp_path, capsys):
     assert stopped_at_once(StopNow(signal.SIGINT), tmp_path) == 130
-    assert capsys.readouterr().err == "stopped at once (SIGINT): no checkpoint was written, so nothing of this run is kept\n"
+    assert (
+        capsys.readouterr().err
+        == "stopped at once (SIGINT): no checkpoint was written, so nothing of this run is kept\n"
+    )
     (tmp_path / "checkpoints" / "step_000003").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step_000003" / "trainer_state.json").write_text('{"step": 3}')  # a finished one
     (tmp_path / "checkpoints" / "step_000004.tmp").mkdir()  # being written when the ranks were killed: not kept
     assert stopped_at_once(StopNow(signal.SIGTERM), tmp_path) == 143
-    assert capsys.readouterr().err == (f"stopped at once (SIGTERM): the steps after {tmp_path}/checkpoints/step_000003 "
-                                       "are lost; continue from it with --resume\n")
+    assert capsys.readouterr().err == (
+        f"stopped at once (SIGTERM): the steps after {tmp_path}/checkpoints/step_000003 "
+        "are lost; continue from it with --resume\n"
+    )

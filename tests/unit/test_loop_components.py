@@ -85,5 +85,7 @@ def test_the_guard_counts_nonfinite_updates_in_a_row_and_stops_with_the_same_mes
     guard.observe({"actor/nonfinite": 1.0})
     with pytest.raises(RuntimeError) as err:
         guard.stop_if_exceeded()
-    assert str(err.value) == ("3 updates in a row had a NaN/inf loss or grad norm (trainer.max_nonfinite_in_row=3); "
-                              f"stopping. Last good checkpoint: {tmp_path / 'step_000002'}")
+    assert str(err.value) == (
+        "3 updates in a row had a NaN/inf loss or grad norm (trainer.max_nonfinite_in_row=3); "
+        f"stopping. Last good checkpoint: {tmp_path / 'step_000002'}"
+    )

@@ -98,8 +98,9 @@ def test_te_selective_layer_bytes_by_hand():
     assert none.saved_per_layer(tokens=1000) == 41_730_000 + 1000 * 4 * 28 / 4  # + fp32 softmax lse per head
     # the unfused logits path keeps three fp32 [N, V/4] tensors; the fused kernel none
     unfused = ActivationModel(dims, tp=4, fused_logprob=False)
-    assert unfused.head_parts(response_tokens=10) == {"logits path (unfused, 3 x fp32 [N, V/4])":
-                                                      10 * (2 * 3584 + 12 * 152064 / 4 + 25)}
+    assert unfused.head_parts(response_tokens=10) == {
+        "logits path (unfused, 3 x fp32 [N, V/4])": 10 * (2 * 3584 + 12 * 152064 / 4 + 25)
+    }
 
 
 def test_interleaved_first_stage_holds_megatrons_layer_count():
@@ -159,7 +160,8 @@ def test_architecture_sources(tmp_path):
     (tmp_path / "Qwen2.5-32B").mkdir()
     (tmp_path / "Qwen2.5-32B" / "config.json").write_text(
         '{"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,'
-        ' "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300}')
+        ' "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300}'
+    )
     cfg.model.path = str(tmp_path / "Qwen2.5-32B")
     assert model_dims_for(cfg).hidden == 64
     cfg.model.path = str(tmp_path / "Unknown-7B")
@@ -187,8 +189,10 @@ def test_check_before_launch_skips_an_unmodelled_architecture_and_names_other_er
     cfg.model.path = str(tmp_path)
     lines = []
     assert check_before_launch(cfg, out=lines.append) is None
-    assert lines == [f"[plan] not checked: {tmp_path / 'config.json'}: model_type 'deepseek_v3' is not modelled by "
-                     "the memory plan (supported: qwen2, llama, qwen3, qwen3_moe)"]
+    assert lines == [
+        f"[plan] not checked: {tmp_path / 'config.json'}: model_type 'deepseek_v3' is not modelled by "
+        "the memory plan (supported: qwen2, llama, qwen3, qwen3_moe)"
+    ]
     cfg.model.path = str(tmp_path / "Missing-7B")
     with pytest.raises(ValueError, match="memory plan cannot run: model.path: .*Missing-7B.*--skip-plan"):
         check_before_launch(cfg, out=lines.append)
@@ -206,8 +210,19 @@ def test_train_runs_the_plan_first_and_skip_plan_skips_it(tmp_path, monkeypatch)
     monkeypatch.setattr(local, "tiny_model_dir", lambda cfg: started.append(cfg) or str(tmp_path))
     monkeypatch.setattr(local.LocalProcesses, "run_foreground", lambda self, name, argv, env=None: 0)
     monkeypatch.setattr(local, "check_prompt_data", lambda cfg, model_dir: "data check stubbed (no tokenizer here)")
-    assert main(["train", TINY, "slurm.gpu_memory_gb=1", f"trainer.output_dir={out}",
-                 "rollout.engine_urls=['http://127.0.0.1:1']", "--skip-plan"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                TINY,
+                "slurm.gpu_memory_gb=1",
+                f"trainer.output_dir={out}",
+                "rollout.engine_urls=['http://127.0.0.1:1']",
+                "--skip-plan",
+            ]
+        )
+        == 0
+    )
     assert started  # with --skip-plan the launcher went on (model preparation is stubbed here)
 
 
@@ -215,8 +230,13 @@ def test_slurm_submit_runs_the_plan_first(tmp_path, capsys):
     from dapo_megatron.cli import main
 
     out = str(tmp_path / "run")
-    cpu = ["slurm.gpus_per_node=0", "slurm.cpus_per_task=1", "slurm.gpu_memory_gb=1", f"trainer.output_dir={out}",
-           "rollout.placement=colocated"]  # tiny_cpu.yaml is disaggregated: its engine would need --engines
+    cpu = [
+        "slurm.gpus_per_node=0",
+        "slurm.cpus_per_task=1",
+        "slurm.gpu_memory_gb=1",
+        f"trainer.output_dir={out}",
+        "rollout.placement=colocated",
+    ]  # tiny_cpu.yaml is disaggregated: its engine would need --engines
     assert main(["slurm", "submit", TINY, *cpu, "--dry-run"]) == 2
     assert "does not fit" in capsys.readouterr().err
     assert main(["slurm", "submit", TINY, *cpu, "--dry-run", "--skip-plan"]) == 0
@@ -224,8 +244,20 @@ def test_slurm_submit_runs_the_plan_first(tmp_path, capsys):
     assert main(["slurm", "submit", Q7, f"trainer.output_dir={out}", "--dry-run", "--skip-data-check"]) == 0
     assert "[plan] config: colocated: peak" in capsys.readouterr().out
     # a sweep checks every rung
-    assert main(["slurm", "submit", "--sweep", str(REPO / "configs" / "ablations"),
-                 f"trainer.output_dir={out}", "--dry-run", "--skip-data-check"]) == 0
+    assert (
+        main(
+            [
+                "slurm",
+                "submit",
+                "--sweep",
+                str(REPO / "configs" / "ablations"),
+                f"trainer.output_dir={out}",
+                "--dry-run",
+                "--skip-data-check",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert all(f"[plan] {p.stem}: colocated" in printed for p in (REPO / "configs" / "ablations").glob("*.yaml"))
 
@@ -234,5 +266,7 @@ def test_format_lists_every_phase_and_placement():
     text = format_plan(build_plan(_load(Q32)))
     header = next(line for line in text.splitlines() if line.startswith("  GiB per GPU"))
     assert all(p in header for p in ("rollout", "log-prob", "train", "optimizer step", "transfer"))
-    assert "colocated: one GPU" in text and "disaggregated: trainer GPUs" in text and "disaggregated: engine GPUs" in text
+    assert (
+        "colocated: one GPU" in text and "disaggregated: trainer GPUs" in text and "disaggregated: engine GPUs" in text
+    )
     assert LAST_LINE.match(text.splitlines()[-1])

@@ -19,8 +19,9 @@ from dapo_megatron.memplan.engine import GIB, engine_memory
 from dapo_megatron.memplan.static import total_params
 
 RUNS = Path(__file__).resolve().parents[2] / "configs" / "runs"
-Q3_8B, Q3_32B, LLAMA = (str(RUNS / name) for name in ("qwen3-8b_dapo.yaml", "qwen3-32b_dapo.yaml",
-                                                      "llama3.1-8b_dapo.yaml"))
+Q3_8B, Q3_32B, LLAMA = (
+    str(RUNS / name) for name in ("qwen3-8b_dapo.yaml", "qwen3-32b_dapo.yaml", "llama3.1-8b_dapo.yaml")
+)
 
 
 def _load(path, overrides=()):
@@ -41,16 +42,55 @@ ARCHS = [
     # Qwen3-8B(-Base): 36 x (2*4096 + 4096*4096 + 2*1024*4096 + 4096*4096 + 3*12288*4096 + 2*128) = 36 x 192,946,432
     # = 6,946,071,552 ("non-embedding 6.95B") + embedding and untied head 2 x 151936*4096 + final norm 4096
     # = 8,190,735,360: "8.2B"
-    (Q3_8B, "Qwen3-8B-Base.json", "qwen3", 4096, 12288, 36, 32, 8, 128, 151936, True,
-     36 * _layer(4096, 4096, 1024, 12288, 128) + 2 * 151936 * 4096 + 4096, 8_190_735_360),
+    (
+        Q3_8B,
+        "Qwen3-8B-Base.json",
+        "qwen3",
+        4096,
+        12288,
+        36,
+        32,
+        8,
+        128,
+        151936,
+        True,
+        36 * _layer(4096, 4096, 1024, 12288, 128) + 2 * 151936 * 4096 + 4096,
+        8_190_735_360,
+    ),
     # Qwen3-32B: 64 x (2*5120 + 8192*5120 + 2*1024*5120 + 5120*8192 + 3*25600*5120 + 2*128) = 64 x 487,598,336
     # = 31,206,293,504 ("non-embedding 31.2B") + 2 x 151936*5120 + 5120 = 32,762,123,264: "32.8B"
-    (Q3_32B, "Qwen3-32B.json", "qwen3", 5120, 25600, 64, 64, 8, 128, 151936, True,
-     64 * _layer(5120, 8192, 1024, 25600, 128) + 2 * 151936 * 5120 + 5120, 32_762_123_264),
+    (
+        Q3_32B,
+        "Qwen3-32B.json",
+        "qwen3",
+        5120,
+        25600,
+        64,
+        64,
+        8,
+        128,
+        151936,
+        True,
+        64 * _layer(5120, 8192, 1024, 25600, 128) + 2 * 151936 * 5120 + 5120,
+        32_762_123_264,
+    ),
     # Llama-3.1-8B: 32 x (2*4096 + 4096*4096 + 2*1024*4096 + 4096*4096 + 3*14336*4096) = 32 x 218,112,000
     # = 6,979,584,000 + 2 x 128256*4096 + 4096 = 8,030,261,248: "8.03B"
-    (LLAMA, "Llama-3.1-8B.json", "llama", 4096, 14336, 32, 32, 8, 128, 128256, False,
-     32 * _layer(4096, 4096, 1024, 14336) + 2 * 128256 * 4096 + 4096, 8_030_261_248),
+    (
+        LLAMA,
+        "Llama-3.1-8B.json",
+        "llama",
+        4096,
+        14336,
+        32,
+        32,
+        8,
+        128,
+        128256,
+        False,
+        32 * _layer(4096, 4096, 1024, 14336) + 2 * 128256 * 4096 + 4096,
+        8_030_261_248,
+    ),
 ]
 
 
@@ -62,8 +102,16 @@ def test_preset_resolves_its_model_from_the_committed_copy(row):
     assert cfg.model.arch == model_type
     dims = model_dims_for(cfg)
     assert f"committed copy {copy}" in dims.source and "is not on this machine" in dims.source
-    assert (dims.model_type, dims.hidden, dims.ffn, dims.layers, dims.heads, dims.kv_heads, dims.head_dim,
-            dims.vocab) == (model_type, hidden, ffn, layers, heads, kv_heads, head_dim, vocab)
+    assert (
+        dims.model_type,
+        dims.hidden,
+        dims.ffn,
+        dims.layers,
+        dims.heads,
+        dims.kv_heads,
+        dims.head_dim,
+        dims.vocab,
+    ) == (model_type, hidden, ffn, layers, heads, kv_heads, head_dim, vocab)
     assert (dims.tied, dims.qkv_bias, dims.qk_norm, dims.is_moe, dims.dtype_bytes) == (False, False, qk_norm, False, 2)
     assert total_params(dims) == by_hand == published
 
@@ -94,7 +142,7 @@ def test_preset_plan_fits_80_gib_in_both_placements(path, peak, train, trainer, 
     cfg = _load(path)
     plan = build_plan(cfg)
     assert plan.fits and plan.placement == "colocated" and not plan.problems
-    colocated, = plan.tables["colocated"]
+    (colocated,) = plan.tables["colocated"]
     top, phase = colocated.peak()
     assert phase == "rollout" and top / GIB == pytest.approx(peak, abs=0.005)
     assert colocated.total("train") / GIB == pytest.approx(train, abs=0.005)
@@ -102,8 +150,12 @@ def test_preset_plan_fits_80_gib_in_both_placements(path, peak, train, trainer, 
     assert trainer_gpus.peak()[0] / GIB == pytest.approx(trainer, abs=0.005)
     assert engine_gpus.peak()[0] / GIB == pytest.approx(engine_gpu, abs=0.005)
     assert max(t.peak()[0] for tables in plan.tables.values() for t in tables) <= 80 * GIB
-    engine = engine_memory(model_dims_for(cfg), engine_tp=cfg.rollout.engine_tp,
-                           mem_fraction_static=cfg.rollout.mem_fraction_static, gpu_bytes=80 * GIB)
+    engine = engine_memory(
+        model_dims_for(cfg),
+        engine_tp=cfg.rollout.engine_tp,
+        mem_fraction_static=cfg.rollout.mem_fraction_static,
+        gpu_bytes=80 * GIB,
+    )
     # KV per token per GPU: layers x (K, V) x KV heads per engine TP rank x 128 x 2 B
     per_token = {Q3_8B: 36 * 2 * 4 * 128 * 2, Q3_32B: 64 * 2 * 2 * 128 * 2, LLAMA: 32 * 2 * 4 * 128 * 2}[path]
     assert engine.kv_bytes_per_token == per_token

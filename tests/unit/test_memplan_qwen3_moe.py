@@ -50,10 +50,15 @@ def test_30b_a3b_static_bytes_by_hand():
     assert (dense, experts) == (394_868_736, 3_623_878_656)
     owned = dense // 8 + experts // 4
     for r, e in ((0, 0), (7, 3)):
-        s = static_bytes(dims, layout, precision="bf16", distributed_optimizer=True, pp_rank=0, dp_rank=r,
-                         expert_dp_rank=e)
-        assert (s.weights, s.grads, s.main_params, s.adam) == (2 * (dense + experts), 4 * (dense + experts),
-                                                               4 * owned, 8 * owned)
+        s = static_bytes(
+            dims, layout, precision="bf16", distributed_optimizer=True, pp_rank=0, dp_rank=r, expert_dp_rank=e
+        )
+        assert (s.weights, s.grads, s.main_params, s.adam) == (
+            2 * (dense + experts),
+            4 * (dense + experts),
+            4 * owned,
+            8 * owned,
+        )
     plan = build_plan(_load(A3B))
     rows = plan.tables["colocated"][0].rows
     assert rows["actor weights (bf16)"]["train"] == 2 * (dense + experts)  # 7.49 GiB
@@ -98,8 +103,16 @@ def test_tiny_cpu_moe_verdict():
 
 def test_qwen3_dense_qk_norm_and_head_dim_from_config():
     """Qwen3 dense: head_dim from config.json (not hidden / heads), two d-wide norms per layer, no QKV bias."""
-    config = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24, "vocab_size": 300}
+    config = {
+        "model_type": "qwen3",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 24,
+        "vocab_size": 300,
+    }
     dims = dims_from_hf_config(config, name="tiny", source="test")
     assert (dims.head_dim, dims.q_width, dims.qk_norm, dims.qkv_bias, dims.is_moe) == (24, 96, True, False, False)
     per_layer = 64 + 64 * 96 + (96 + 2 * 48) * 64 + 2 * 24 + 64 + 2 * 128 * 64 + 64 * 128

@@ -11,8 +11,14 @@ from dapo_megatron.trainer.run_log import MetricsLogger, build_figure, plot_main
 def _steps():
     return [
         {"reward/mean": -0.5, "acc/mean": 0.25, "response_length/mean": 11.5, "actor/grad_norm": torch.tensor(0.75)},
-        {"reward/mean": 0.0, "acc/mean": 0.5, "response_length/mean": 11.0, "actor/grad_norm": 0.5,
-         "eval/avg@k": 0.625, "eval/pass@k": 0.875},
+        {
+            "reward/mean": 0.0,
+            "acc/mean": 0.5,
+            "response_length/mean": 11.0,
+            "actor/grad_norm": 0.5,
+            "eval/avg@k": 0.625,
+            "eval/pass@k": 0.875,
+        },
         {"reward/mean": 0.5, "acc/mean": 0.75, "response_length/mean": 10.5, "actor/grad_norm": float("nan")},
     ]
 
@@ -25,8 +31,13 @@ def test_jsonl_round_trip_and_console(tmp_path):
     logger.close(plot=False)
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3]
-    assert records[0] == {"step": 1, "reward/mean": -0.5, "acc/mean": 0.25, "response_length/mean": 11.5,
-                          "actor/grad_norm": 0.75}  # the 0-dim tensor became a float
+    assert records[0] == {
+        "step": 1,
+        "reward/mean": -0.5,
+        "acc/mean": 0.25,
+        "response_length/mean": 11.5,
+        "actor/grad_norm": 0.75,
+    }  # the 0-dim tensor became a float
     assert records[1]["eval/avg@k"] == 0.625
     assert records[2]["actor/grad_norm"] == "nan"  # JSON has no NaN: kept visible as a string
     lines = out.getvalue().splitlines()[1:]  # below the legend (tests/unit/test_console.py)
@@ -87,8 +98,9 @@ def test_resume_drops_a_partial_last_line_and_says_so(tmp_path):
 
 
 def test_wandb_offline_writes_run_files(tmp_path):
-    logger = MetricsLogger(tmp_path, wandb_mode="offline", wandb_project="test", config={"trainer": {"lr": 1e-3}},
-                           console=None)
+    logger = MetricsLogger(
+        tmp_path, wandb_mode="offline", wandb_project="test", config={"trainer": {"lr": 1e-3}}, console=None
+    )
     logger.log(1, {"acc/mean": 0.25})
     logger.log(2, {"acc/mean": 0.5})
     logger.close(plot=False)

@@ -16,9 +16,21 @@ from dapo_megatron.weights.mapping import Dims, expected_hf_shapes, map_param, m
 def _moe_config(**overrides):
     from transformers import Qwen3MoeConfig
 
-    values = dict(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=6,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=24, num_experts=8, num_experts_per_tok=2,
-                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    values = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
     values.update(overrides)
     return Qwen3MoeConfig(**values)
 
@@ -30,8 +42,9 @@ def test_sparse_layers_follow_transformers_rule():
     # (i + 1) % 2 == 0 -> 1, 3, 5; minus mlp_only_layers [3] -> 1, 5
     assert moe_layer_pattern(cfg) == [0, 1, 0, 0, 0, 1]
     model = AutoModelForCausalLM.from_config(cfg)
-    assert [int(hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")) for layer in model.model.layers] \
-        == moe_layer_pattern(cfg)
+    assert [
+        int(hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")) for layer in model.model.layers
+    ] == moe_layer_pattern(cfg)
     shape = moe_shape_of(cfg)
     assert (shape.num_experts, shape.topk, shape.ffn, shape.norm_topk_prob) == (8, 2, 32, True)
 
@@ -59,9 +72,13 @@ def test_expert_parallel_sizes_must_divide_the_experts():
 def test_expert_names_local_and_te_specs_map_to_global_experts():
     dims = Dims.from_hf(_moe_config())
     # EP rank 1 of 2 holds experts 4..7: local expert 2 of layer 1 in a chunk starting at layer 1
-    local = map_param("decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight", layer_offset=1, dims=dims,
-                      expert_offset=4)
-    assert local.hf_names == ("model.layers.1.mlp.experts.6.gate_proj.weight", "model.layers.1.mlp.experts.6.up_proj.weight")
+    local = map_param(
+        "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight", layer_offset=1, dims=dims, expert_offset=4
+    )
+    assert local.hf_names == (
+        "model.layers.1.mlp.experts.6.gate_proj.weight",
+        "model.layers.1.mlp.experts.6.up_proj.weight",
+    )
     assert (local.kind, local.local_expert, local.global_layer) == ("expert_fc1", 2, 1)
     te = map_param("decoder.layers.0.mlp.experts.linear_fc2.weight3", layer_offset=1, dims=dims, expert_offset=4)
     assert te.hf_names == ("model.layers.1.mlp.experts.7.down_proj.weight",) and te.kind == "expert_row"
@@ -115,9 +132,14 @@ def test_fused_and_public_expert_layouts(tmp_path):
     fused_gate_up = torch.arange(3 * 8 * 2.0).reshape(3, 8, 2)  # 3 experts, width 4: gate rows 0..3, up rows 4..7
     fused_down = torch.arange(3 * 2 * 4.0).reshape(3, 2, 4)
     assert fused_source("model.layers.5.mlp.experts.2.up_proj.weight") == (
-        "model.layers.5.mlp.experts.gate_up_proj", 2, "up_proj")
+        "model.layers.5.mlp.experts.gate_up_proj",
+        2,
+        "up_proj",
+    )
     assert fused_source("model.layers.5.mlp.gate.weight") is None
-    save_file({"a.mlp.experts.gate_up_proj": fused_gate_up, "a.mlp.experts.down_proj": fused_down}, str(tmp_path / "f.st"))
+    save_file(
+        {"a.mlp.experts.gate_up_proj": fused_gate_up, "a.mlp.experts.down_proj": fused_down}, str(tmp_path / "f.st")
+    )
     with safe_open(str(tmp_path / "f.st"), "pt") as handle:
         up_rows = read_fused_rows(handle.get_slice, (3, 8, 2), "a.mlp.experts.gate_up_proj", 2, "up_proj", 1, 3, 0)
         down_cols = read_fused_rows(handle.get_slice, (3, 2, 4), "a.mlp.experts.down_proj", 1, "down_proj", 2, 4, 1)
@@ -125,8 +147,9 @@ def test_fused_and_public_expert_layouts(tmp_path):
     assert torch.equal(down_cols, fused_down[1, :, 2:4])
     params = {"a.mlp.experts.gate_up_proj": fused_gate_up.clone(), "a.mlp.gate.weight": torch.zeros(3, 2)}
     views = public_expert_views(params)
-    assert set(views) == {"a.mlp.gate.weight"} | {f"a.mlp.experts.{e}.{p}.weight" for e in range(3)
-                                                 for p in ("gate_proj", "up_proj")}
+    assert set(views) == {"a.mlp.gate.weight"} | {
+        f"a.mlp.experts.{e}.{p}.weight" for e in range(3) for p in ("gate_proj", "up_proj")
+    }
     views["a.mlp.experts.1.up_proj.weight"].copy_(torch.full((4, 2), -1.0))  # writes the fused tensor
     assert (params["a.mlp.experts.gate_up_proj"][1, 4:] == -1).all()
     assert torch.equal(params["a.mlp.experts.gate_up_proj"][1, :4], fused_gate_up[1, :4])
@@ -135,21 +158,39 @@ def test_fused_and_public_expert_layouts(tmp_path):
 def test_a_non_owner_stage_expects_the_owners_ep_gathered_names_in_order():
     dims = Dims.from_hf(_moe_config())  # 8 experts: EP=2 -> 4 per rank; local expert 1 is global 1 and 5
     assert _names_owned_with("model.layers.3.mlp.experts.1.gate_proj.weight", dims, ep=2) == (
-        "model.layers.3.mlp.experts.1.gate_proj.weight", "model.layers.3.mlp.experts.1.up_proj.weight",
-        "model.layers.3.mlp.experts.5.gate_proj.weight", "model.layers.3.mlp.experts.5.up_proj.weight")
+        "model.layers.3.mlp.experts.1.gate_proj.weight",
+        "model.layers.3.mlp.experts.1.up_proj.weight",
+        "model.layers.3.mlp.experts.5.gate_proj.weight",
+        "model.layers.3.mlp.experts.5.up_proj.weight",
+    )
     assert _names_owned_with("model.layers.3.mlp.gate.weight", dims, ep=2) == ("model.layers.3.mlp.gate.weight",)
 
 
-@pytest.mark.parametrize("overrides,key,message", [
-    (["actor.ep=0"], "actor.ep", "must be >= 1"),
-    (["actor.etp=0"], "actor.etp", "null"),
-    (["actor.world_size=4", "actor.ep=8"], "actor.world_size", "etp*ep*pp = 1*8*1"),
-    (["actor.world_size=4", "actor.tp=2", "actor.ep=4", "actor.sequence_parallel=true"], "actor.world_size",
-     "etp*ep*pp = 2*4*1"),
-    (["actor.routing_replay=true"], "actor.routing_replay", "rollout.return_routed_experts=true"),
-    (["actor.routing_replay=true", "rollout.return_routed_experts=true", "actor.recompute=full", "actor.pp=2",
-      "actor.world_size=2"], "actor.routing_replay", "actor.pp=1"),
-])
+@pytest.mark.parametrize(
+    "overrides,key,message",
+    [
+        (["actor.ep=0"], "actor.ep", "must be >= 1"),
+        (["actor.etp=0"], "actor.etp", "null"),
+        (["actor.world_size=4", "actor.ep=8"], "actor.world_size", "etp*ep*pp = 1*8*1"),
+        (
+            ["actor.world_size=4", "actor.tp=2", "actor.ep=4", "actor.sequence_parallel=true"],
+            "actor.world_size",
+            "etp*ep*pp = 2*4*1",
+        ),
+        (["actor.routing_replay=true"], "actor.routing_replay", "rollout.return_routed_experts=true"),
+        (
+            [
+                "actor.routing_replay=true",
+                "rollout.return_routed_experts=true",
+                "actor.recompute=full",
+                "actor.pp=2",
+                "actor.world_size=2",
+            ],
+            "actor.routing_replay",
+            "actor.pp=1",
+        ),
+    ],
+)
 def test_config_errors_name_the_key(overrides, key, message):
     from dapo_megatron.config import load_config
 
@@ -161,9 +202,18 @@ def test_config_errors_name_the_key(overrides, key, message):
 def test_valid_expert_layouts_pass():
     from dapo_megatron.config import load_config
 
-    cfg = load_config(None, ["actor.world_size=8", "actor.tp=2", "actor.ep=4", "actor.etp=1",
-                             "actor.sequence_parallel=true", "actor.routing_replay=true",
-                             "rollout.return_routed_experts=true"])
+    cfg = load_config(
+        None,
+        [
+            "actor.world_size=8",
+            "actor.tp=2",
+            "actor.ep=4",
+            "actor.etp=1",
+            "actor.sequence_parallel=true",
+            "actor.routing_replay=true",
+            "rollout.return_routed_experts=true",
+        ],
+    )
     assert (cfg.actor.ep, cfg.actor.etp, cfg.actor.routing_replay) == (4, 1, True)
 
 
@@ -174,18 +224,35 @@ def test_tiny_moe_variant_builds_a_qwen3_moe_that_keeps_the_tokenizer(tmp_path):
 
     from dapo_megatron.data.tiny_model import TinyModelSpec, build_tiny_model, build_tiny_tokenizer, prompt_ids
 
-    spec = TinyModelSpec(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=64,
-                         max_position_embeddings=64, arch="qwen3_moe", num_experts=4, num_experts_per_tok=2,
-                         moe_intermediate_size=16)
+    spec = TinyModelSpec(
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        arch="qwen3_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+    )
     path = build_tiny_model(tmp_path / "moe", seed=0, spec=spec)
     cfg = AutoModelForCausalLM.from_pretrained(path).config
-    assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == ("qwen3_moe", 4, 2, 16)
+    assert (cfg.model_type, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (
+        "qwen3_moe",
+        4,
+        2,
+        16,
+    )
     assert cfg.head_dim == 16 and cfg.norm_topk_prob and moe_layer_pattern(cfg) == [1, 1]
     reloaded = AutoTokenizer.from_pretrained(path)
     assert prompt_ids(reloaded, "27+58=") == prompt_ids(build_tiny_tokenizer(), "27+58=")
     # the dense default's cache record is what it was before the MoE variant existed
-    dense = build_tiny_model(tmp_path / "dense", seed=0, spec=TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2,
-                                                                             num_kv_heads=2, intermediate_size=64))
+    dense = build_tiny_model(
+        tmp_path / "dense",
+        seed=0,
+        spec=TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64),
+    )
     assert "arch" not in json.loads((dense / "build.json").read_text())["spec"]
 
 
@@ -210,9 +277,19 @@ def test_qwen3_30b_a3b_layout_fits_its_arithmetic():
 
     cfg = load_config("configs/runs/qwen3-30b-a3b_dapo.yaml")
     ac = cfg.actor
-    hf = _moe_config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
-                     num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                     num_experts=128, num_experts_per_tok=8, tie_word_embeddings=False)
+    hf = _moe_config(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        tie_word_embeddings=False,
+    )
     check_expert_parallel(hf, ep=ac.ep, etp=ac.etp)
     assert hf.num_key_value_heads % ac.tp == 0 and padded_vocab_size(hf.vocab_size, tp=ac.tp, divisible_by=1) == 151936
     shapes = expected_hf_shapes(Dims.from_hf(hf))

@@ -48,8 +48,9 @@ def test_decoupled_loss_matches_float64_reference():
     mask = (torch.rand(n, generator=g) > 0.2).double()
     w = behaviour_weight(prox, mu, 2.0)
     assert (w == 2.0).any() and (w < 1).any()  # both the truncation and down-weighting are exercised
-    loss, _ = policy_loss(logp, prox, adv, mask * w, eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0,
-                          loss_denominator=mask.sum())
+    loss, _ = policy_loss(
+        logp, prox, adv, mask * w, eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0, loss_denominator=mask.sum()
+    )
     ref = _decoupled_loss_f64(logp.detach(), prox, mu, adv, mask, eps_low=0.2, eps_high=0.28, c=3.0, cap=2.0)
     assert loss.item() == pytest.approx(ref, rel=1e-12, abs=1e-14)
     # no gradient flows through the weight: only pi_theta is differentiated
@@ -98,9 +99,12 @@ def test_filter_never_passes_a_sample_staler_than_k():
 
 def test_hidden_fraction_by_hand():
     timeline = [
-        ("generate", 0, 0.0, 4.0), ("train", 0, 4.0, 6.0), ("sync", 0, 6.0, 6.5),
+        ("generate", 0, 0.0, 4.0),
+        ("train", 0, 4.0, 6.0),
+        ("sync", 0, 6.0, 6.5),
         ("generate", 1, 4.0, 8.0),  # under train 0 (2 s) and sync 0 (0.5 s)
-        ("train", 1, 8.0, 10.0), ("sync", 1, 10.0, 10.5),
+        ("train", 1, 8.0, 10.0),
+        ("sync", 1, 10.0, 10.5),
         ("generate", 2, 9.0, 12.0),  # under 1 s of train 1 and the 0.5 s sync; 8..9 idle
     ]
     h = hidden_fraction(timeline)
@@ -115,7 +119,10 @@ def test_engine_stamps_by_hand():
     from dapo_megatron.rollout.sampler import engine_span
 
     # request_received_ts + e2e_latency (SGLang with --enable-metrics, and the CPU engine) ...
-    assert engine_span({"meta_info": {"request_received_ts": 100.0, "e2e_latency": 2.5}}, received=103.0) == (100.0, 102.5)
+    assert engine_span({"meta_info": {"request_received_ts": 100.0, "e2e_latency": 2.5}}, received=103.0) == (
+        100.0,
+        102.5,
+    )
     # ... else the span ends when the reply arrived; no latency, no span
     assert engine_span({"meta_info": {"e2e_latency": 2.0}}, received=103.0) == (101.0, 103.0)
     assert engine_span({"meta_info": {}}, received=103.0) is None
@@ -147,8 +154,7 @@ def test_sampler_accepts_only_the_versions_it_is_given():
     sampler = RolloutSampler(pool=None, tokenizer=None, settings=settings, rid_prefix="s")
 
     def reply(*versions):
-        return [{"meta_info": {"weight_version": versions[-1],
-                               "weight_versions": [{"version": v} for v in versions]}}]
+        return [{"meta_info": {"weight_version": versions[-1], "weight_versions": [{"version": v} for v in versions]}}]
 
     sampler.weight_version = "step_3"
     assert not sampler.is_stale(reply("step_3")) and sampler.is_stale(reply("step_2", "step_3"))  # synchronous
@@ -161,8 +167,13 @@ def test_an_eval_between_steps_has_its_own_labelled_lane(tmp_path):
     """The held-out eval between steps 2 and 3 is an "eval" bar (step 3), not an unlabelled gap."""
     from dapo_megatron.trainer.timeline import plot_timeline, read_timeline, write_timeline
 
-    timeline = [("generate", 2, 0.0, 1.0), ("train", 2, 1.0, 2.0), ("sync", 2, 2.0, 2.1),
-                ("eval", 3, 2.1, 4.0), ("generate", 3, 4.0, 5.0)]
+    timeline = [
+        ("generate", 2, 0.0, 1.0),
+        ("train", 2, 1.0, 2.0),
+        ("sync", 2, 2.0, 2.1),
+        ("eval", 3, 2.1, 4.0),
+        ("generate", 3, 4.0, 5.0),
+    ]
     path = write_timeline(timeline, tmp_path)
     assert ("eval", 3, 2.1, 4.0) in read_timeline(path)
     rows = [{"phase": p, "step": s, "start": a, "end": b} for p, s, a, b in timeline]

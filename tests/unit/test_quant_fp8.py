@@ -12,15 +12,24 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("modelopt.torch.quantization", reason="nvidia-modelopt not installed (pip install -e '.[modelopt]')")
+pytest.importorskip(
+    "modelopt.torch.quantization", reason="nvidia-modelopt not installed (pip install -e '.[modelopt]')"
+)
 
 from dapo_megatron.quant.fp8_export import export_fp8_checkpoint  # noqa: E402
 from dapo_megatron.quant.fp8_format import BLOCK, check_sglang_block_shapes, dequantize_block_fp8  # noqa: E402
 from dapo_megatron.quant.fp8_sync import Fp8SyncConverter  # noqa: E402
 
 E4M3_MAX = 448.0  # largest finite float8_e4m3fn (1.75 * 2**8)
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 
 
 def _load_dir(path) -> dict[str, torch.Tensor]:
@@ -88,12 +97,21 @@ def test_export_layout_is_what_sglang_fp8_loads(tiny):
         assert sd[f"model.layers.{layer}.mlp.gate_proj.weight_scale_inv"].shape == (2, 1)  # 256 x 128: 2 blocks
         assert sd[f"model.layers.{layer}.mlp.down_proj.weight_scale_inv"].shape == (1, 2)
     # modelopt's disabled list: embeddings, norms, biases and lm_head stay bf16, unscaled
-    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.bias"):
+    for name in (
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+        "model.layers.0.self_attn.q_proj.bias",
+    ):
         assert sd[name].dtype == torch.bfloat16
     assert not any(k.startswith(("lm_head.", "model.embed_tokens.")) and "scale" in k for k in sd)
     qc = json.loads((export_dir / "config.json").read_text())["quantization_config"]
-    assert qc == {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-                  "ignored_layers": ["lm_head", "model.embed_tokens"]}
+    assert qc == {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "ignored_layers": ["lm_head", "model.embed_tokens"],
+    }
     assert not (export_dir / "hf_quant_config.json").exists()  # it would describe modelopt's own names
 
 
@@ -168,12 +186,13 @@ def test_sync_conversion_equals_modelopt_export_bit_for_bit(tiny, tmp_path):
     conv = Fp8SyncConverter.from_checkpoint(export_dir)
     assert _assert_conversion_equals_export(conv, model, expected) == 2 * len(LINEARS)
     # the step really changed the quantized bytes (the test would pass vacuously otherwise)
-    assert not torch.equal(_bits(expected["model.layers.0.mlp.up_proj.weight"]),
-                           _bits(base_sd["model.layers.0.mlp.up_proj.weight"]))
+    assert not torch.equal(
+        _bits(expected["model.layers.0.mlp.up_proj.weight"]), _bits(base_sd["model.layers.0.mlp.up_proj.weight"])
+    )
     # q/k/v arrive in any order and apart (a bucket boundary): the converter waits for the whole group
     named = list(model.state_dict().items())
     q = next(i for i, (n, _) in enumerate(named) if n == "model.layers.1.self_attn.q_proj.weight")
-    reordered = [named[q]] + named[:q] + named[q + 1:][::-1]
+    reordered = [named[q]] + named[:q] + named[q + 1 :][::-1]
     got = dict(conv.convert(reordered))
     for name in ("model.layers.1.self_attn.q_proj.weight_scale_inv", "model.layers.1.self_attn.v_proj.weight"):
         assert torch.equal(_bits(got[name]), _bits(expected[name]))
@@ -186,26 +205,44 @@ def test_sync_conversion_with_dims_not_divisible_by_the_block(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(5)
-    cfg = Qwen2Config(hidden_size=160, intermediate_size=200, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=64,
-                      architectures=["Qwen2ForCausalLM"])
+    cfg = Qwen2Config(
+        hidden_size=160,
+        intermediate_size=200,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=64,
+        architectures=["Qwen2ForCausalLM"],
+    )
     Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "base")
     conv = Fp8SyncConverter.from_checkpoint(export_fp8_checkpoint(tmp_path / "base", tmp_path / "base_fp8"))
     model = _stepped(tmp_path / "base", tmp_path / "stepped", seed=1)
     expected = _load_dir(export_fp8_checkpoint(tmp_path / "stepped", tmp_path / "stepped_fp8"))
     assert _assert_conversion_equals_export(conv, model, expected) == len(LINEARS)
     shapes = {lin: tuple(expected[f"model.layers.0.{lin}.weight_scale_inv"].shape) for lin in LINEARS}
-    assert shapes == {"self_attn.q_proj": (2, 2), "self_attn.k_proj": (1, 2), "self_attn.v_proj": (1, 2),
-                      "self_attn.o_proj": (2, 2), "mlp.gate_proj": (2, 2), "mlp.up_proj": (2, 2),
-                      "mlp.down_proj": (2, 2)}
+    assert shapes == {
+        "self_attn.q_proj": (2, 2),
+        "self_attn.k_proj": (1, 2),
+        "self_attn.v_proj": (1, 2),
+        "self_attn.o_proj": (2, 2),
+        "mlp.gate_proj": (2, 2),
+        "mlp.up_proj": (2, 2),
+        "mlp.down_proj": (2, 2),
+    }
     # each partial block's scale is that block's own max: the last column block of down_proj (72 columns)
     w = model.state_dict()["model.layers.0.mlp.down_proj.weight"].to(torch.bfloat16)
-    assert expected["model.layers.0.mlp.down_proj.weight_scale_inv"][1, 1] == w[128:, 128:].float().abs().max() / E4M3_MAX
+    assert (
+        expected["model.layers.0.mlp.down_proj.weight_scale_inv"][1, 1] == w[128:, 128:].float().abs().max() / E4M3_MAX
+    )
     # no engine serves it: SGLang's GEMM asserts K % 128 == 0 at the first forward, the CPU engine at load
     from dapo_megatron.cpu_engine.fp8 import load_fp8_model
 
-    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.down_proj' takes 200 input features, not a multiple "
-                                         r"of the FP8 block 128"):
+    with pytest.raises(
+        ValueError,
+        match=r"'model.layers.0.mlp.down_proj' takes 200 input features, not a multiple "
+        r"of the FP8 block 128",
+    ):
         load_fp8_model(tmp_path / "stepped_fp8", dtype=torch.float32)
 
 
@@ -247,8 +284,10 @@ def test_fp8_logprob_mismatch_nonzero_and_bounded(tiny):
         ref = _token_logprobs(fp32, ids)
         w_diff = (_token_logprobs(weights_only, ids) - ref).abs()
         wa_diff = (_token_logprobs(engine_model, ids) - ref).abs()
-    print(f"fp8 log-prob mismatch: weights only mean {w_diff.mean().item():.3e} max {w_diff.max().item():.3e}; "
-          f"weights + activations mean {wa_diff.mean().item():.3e} max {wa_diff.max().item():.3e}")
+    print(
+        f"fp8 log-prob mismatch: weights only mean {w_diff.mean().item():.3e} max {w_diff.max().item():.3e}; "
+        f"weights + activations mean {wa_diff.mean().item():.3e} max {wa_diff.max().item():.3e}"
+    )
     assert w_diff.mean().item() > 1e-5 and wa_diff.mean().item() > w_diff.mean().item()  # both really quantize
     # and stay small: the measured values with ~20% headroom for other machines' fp32 rounding
     assert w_diff.mean().item() < 0.0095 and w_diff.max().item() < 0.062
@@ -268,31 +307,66 @@ def test_rollout_quantization_key_is_validated():
 def test_sglang_block_shape_rule():
     """Fp8LinearMethod.validate_block_quant_shapes' rule per engine TP rank, on Qwen2.5-7B's shapes
     (hidden 3584 = 28 x 128, 4 KV heads of 128, intermediate 18944 = 148 x 128)."""
-    q7b = {"hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944,
-           "architectures": ["Qwen2ForCausalLM"]}
+    q7b = {
+        "hidden_size": 3584,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "intermediate_size": 18944,
+        "architectures": ["Qwen2ForCausalLM"],
+    }
     for tp in (1, 2, 4):
         check_sglang_block_shapes(q7b, tp_size=tp)
-    with pytest.raises(ValueError, match=r"q_proj has 448 output features per engine TP rank \(rollout.engine_tp=8; "
-                                         r"also o_proj's input\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"q_proj has 448 output features per engine TP rank \(rollout.engine_tp=8; "
+        r"also o_proj's input\)",
+    ):
         check_sglang_block_shapes(q7b, tp_size=8)  # 3584 / 8 = 448 = 3.5 blocks
-    tiny = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 256,
-            "architectures": ["Qwen2ForCausalLM"]}
+    tiny = {
+        "hidden_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 256,
+        "architectures": ["Qwen2ForCausalLM"],
+    }
     with pytest.raises(ValueError, match=r"k_proj has 64 output features"):
         check_sglang_block_shapes(tiny)  # the tiny model runs on CPU engines only
     with pytest.raises(ValueError, match=r"gate_proj has 320 output features"):
-        check_sglang_block_shapes({"hidden_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                   "head_dim": 128, "intermediate_size": 640, "architectures": ["Qwen3ForCausalLM"]},
-                                  tp_size=2)
-    with pytest.raises(ValueError, match=r"gate_proj has 192 output features .*engine_tp=4; intermediate_size 768 per "
-                                         r"rank, down_proj's input"):
+        check_sglang_block_shapes(
+            {
+                "hidden_size": 512,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 128,
+                "intermediate_size": 640,
+                "architectures": ["Qwen3ForCausalLM"],
+            },
+            tp_size=2,
+        )
+    with pytest.raises(
+        ValueError,
+        match=r"gate_proj has 192 output features .*engine_tp=4; intermediate_size 768 per "
+        r"rank, down_proj's input",
+    ):
         check_sglang_block_shapes({**q7b, "intermediate_size": 768}, tp_size=4)
     # the GEMM quantizes activations per 128 input channels (asserted at SGLang's first forward): hidden 320
     # (2.5 blocks) is refused even though every output shard is whole blocks
-    with pytest.raises(ValueError, match=r"hidden_size 320 \(the input of q/k/v/gate/up_proj on every engine TP rank, "
-                                         r"rollout.engine_tp=2\) is not a multiple of the FP8 block 128"):
-        check_sglang_block_shapes({"hidden_size": 320, "num_attention_heads": 4, "num_key_value_heads": 2,
-                                   "head_dim": 128, "intermediate_size": 512, "architectures": ["Qwen2ForCausalLM"]},
-                                  tp_size=2)
+    with pytest.raises(
+        ValueError,
+        match=r"hidden_size 320 \(the input of q/k/v/gate/up_proj on every engine TP rank, "
+        r"rollout.engine_tp=2\) is not a multiple of the FP8 block 128",
+    ):
+        check_sglang_block_shapes(
+            {
+                "hidden_size": 320,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 128,
+                "intermediate_size": 512,
+                "architectures": ["Qwen2ForCausalLM"],
+            },
+            tp_size=2,
+        )
     with pytest.raises(ValueError, match=r"architectures \['LlamaForCausalLM'\] not supported"):
         check_sglang_block_shapes({**q7b, "architectures": ["LlamaForCausalLM"]})
 
@@ -300,8 +374,9 @@ def test_sglang_block_shape_rule():
 def test_converter_refuses_a_checkpoint_without_block_fp8_config(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         Fp8SyncConverter.from_checkpoint(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "modelopt",
-                                                                              "quant_algo": "FP8"}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8"}})
+    )
     with pytest.raises(ValueError, match=r"config.json: quantization_config=.*is not block FP8"):
         Fp8SyncConverter.from_checkpoint(tmp_path)
 
@@ -375,8 +450,11 @@ def test_cpu_engine_serves_the_fp8_export_with_sglangs_gemm(tiny):
         module = name.removesuffix(".weight")
         parent, _, leaf = module.rpartition(".")
         bias = sd.get(f"{module}.bias")
-        setattr(ref.get_submodule(parent), leaf, _SglangLinearRef(sd[name], sd[f"{module}.weight_scale_inv"],
-                                                                  None if bias is None else bias.float()))
+        setattr(
+            ref.get_submodule(parent),
+            leaf,
+            _SglangLinearRef(sd[name], sd[f"{module}.weight_scale_inv"], None if bias is None else bias.float()),
+        )
     ids = torch.tensor([[1, 17, 42, 99, 7, 250, 3, 4]])
     with torch.no_grad():
         want = ref(ids).logits
@@ -411,20 +489,26 @@ def test_slurm_runs_start_fp8_engines_from_the_export(tmp_path):
     from dapo_megatron.launch import colocated, render, submit
 
     repo = Path(__file__).resolve().parents[2]
-    cfg = load_config(repo / "configs/runs/qwen2.5-7b_dapo.yaml", ["rollout.quantization=fp8",
-                                                                   f"trainer.output_dir={tmp_path / 'run'}"])
+    cfg = load_config(
+        repo / "configs/runs/qwen2.5-7b_dapo.yaml",
+        ["rollout.quantization=fp8", f"trainer.output_dir={tmp_path / 'run'}"],
+    )
     plan = submit.plan_train(cfg, engines=2)
     assert [(j.role, j.dependency) for j in plan.jobs] == [
-        ("fp8_export", None), ("engines", ("afterok", "fp8_export")), ("train", ("after", "engines"))]
+        ("fp8_export", None),
+        ("engines", ("afterok", "fp8_export")),
+        ("train", ("after", "engines")),
+    ]
     export, array, train = (j.script({"engines": "12"}) for j in plan.jobs)
     assert f"MODEL={tmp_path / 'run' / 'rollout_fp8'}\n" in array and "QUANTIZATION=fp8\n" in array
     assert '-m dapo_megatron.launch.fp8_export "$CONFIG"' in export and "--gpus-per-node" not in export
-    assert "dapo_megatron.launch.fp8_export \"$CONFIG\" \"${MODEL_ARGS[@]}\" --colocated-only" in train
+    assert 'dapo_megatron.launch.fp8_export "$CONFIG" "${MODEL_ARGS[@]}" --colocated-only' in train
     for text in (export, array, train):
         assert subprocess.run(["bash", "-n"], input=text.encode()).returncode == 0
     plain = render.render_rollout_array(load_config(repo / "configs/runs/qwen2.5-7b_dapo.yaml"), register_dir="/r")
     assert "QUANTIZATION=''" in plain and "rollout_fp8" not in plain
-    coloc = load_config(repo / "configs/runs/qwen2.5-7b_dapo.yaml", ["rollout.quantization=fp8",
-                                                                     "rollout.placement=colocated"])
+    coloc = load_config(
+        repo / "configs/runs/qwen2.5-7b_dapo.yaml", ["rollout.quantization=fp8", "rollout.placement=colocated"]
+    )
     cmd = colocated.engine_commands(coloc, host="h")[0]
     assert cmd[cmd.index("--model") + 1].endswith("/rollout_fp8") and cmd[cmd.index("--quantization") + 1] == "fp8"

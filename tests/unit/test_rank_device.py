@@ -33,7 +33,7 @@ def test_collectives_stage_on_the_rank_gpu_from_any_thread(monkeypatch):
     and a rollout-loop style thread see current device 0, yet stage NCCL tensors on cuda:1."""
     monkeypatch.setattr(coll, "_RANK_DEVICE", None)
     current = StandInCudaCurrentDevice()
-    current.set_device(1)                      # torch.cuda.set_device(1) in init_distributed ...
+    current.set_device(1)  # torch.cuda.set_device(1) in init_distributed ...
     coll.set_rank_device(torch.device("cuda", 1))  # ... and the record made right there
     seen = {}
 
@@ -72,8 +72,11 @@ def test_more_ranks_per_node_than_gpus_is_refused_naming_the_numbers(local_rank,
     """3eb0efe mapped local_rank % device_count: local ranks 1 and 5 of 8 on 4 GPUs both took GPU 1, and
     NCCL failed much later ("Duplicate GPU detected")."""
     shown = ranks if ranks is not None else local_rank + 1
-    with pytest.raises(ValueError, match=rf"{shown} ranks per node \(LOCAL_WORLD_SIZE\) but {gpus} GPU\(s\) "
-                                         rf"visible: LOCAL_RANK={local_rank} would share a GPU"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{shown} ranks per node \(LOCAL_WORLD_SIZE\) but {gpus} GPU\(s\) "
+        rf"visible: LOCAL_RANK={local_rank} would share a GPU",
+    ):
         gpu_for_local_rank(local_rank, ranks, gpus)
 
 

@@ -10,13 +10,27 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SKIP_DIRS = {".git", ".venv", "venv", "outputs", "runs", "results", "build", "dist", "__pycache__", ".pytest_cache",
-             "wandb", ".whl", ".gl"}
+SKIP_DIRS = {
+    ".git",
+    ".venv",
+    "venv",
+    "outputs",
+    "runs",
+    "results",
+    "build",
+    "dist",
+    "__pycache__",
+    ".pytest_cache",
+    "wandb",
+    ".whl",
+    ".gl",
+}
 TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".sh", ".sbatch", ".toml", ".txt", ".cfg"}
 ROOTS = ("docs", "configs", "slurm", "tests", "kernels", "dapo_megatron", ".ci")
 # a path under one of the repository's top-level folders, ending in a file suffix
-REPO_PATH = re.compile(r"(?<![\w/.<$-])((?:%s)/[\w./-]*\w\.(?:md|py|yaml|sh|sbatch|json|toml))\b" % "|".join(
-    re.escape(r) for r in ROOTS))
+REPO_PATH = re.compile(
+    r"(?<![\w/.<$-])((?:%s)/[\w./-]*\w\.(?:md|py|yaml|sh|sbatch|json|toml))\b" % "|".join(re.escape(r) for r in ROOTS)
+)
 MD_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 BARE_MD = re.compile(r"(?<![\w/.-])([A-Za-z_][\w-]*\.md)\b")
 # files a run or a job writes (relative to a run directory), named in code and docs: not repo files

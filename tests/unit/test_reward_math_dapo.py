@@ -116,8 +116,31 @@ def _reference_normalize(final_answer: str) -> str:
     return final_answer.strip()
 
 
-PIECES = ["$", "\\text{", "\\textbf{", "\\overline{", "\\boxed{", "}", "}", "{", "\n", "1", "2", ",", "=",
-          " ", "frac", "sqrt", "\\", "a", "x", "cm", ".", "\\$", "\r"]
+PIECES = [
+    "$",
+    "\\text{",
+    "\\textbf{",
+    "\\overline{",
+    "\\boxed{",
+    "}",
+    "}",
+    "{",
+    "\n",
+    "1",
+    "2",
+    ",",
+    "=",
+    " ",
+    "frac",
+    "sqrt",
+    "\\",
+    "a",
+    "x",
+    "cm",
+    ".",
+    "\\$",
+    "\r",
+]
 
 
 def test_linear_normalization_equals_the_reference_regexes():

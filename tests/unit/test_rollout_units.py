@@ -39,31 +39,39 @@ def test_parse_single_batch_and_n_expansion():
     assert len({s.rid for s in seqs}) == 4 and all(len(s.rid) == 32 and "_" not in s.rid for s in seqs)
     seqs, as_list = parse({"text": "ab", "sampling_params": {"n": 3}})
     assert as_list and len(seqs) == 3 and seqs[0].prompt_ids == [97 % V, 98 % V]
-    seqs, _ = parse({"input_ids": [[1], [2]], "sampling_params": [{"temperature": 0.5}, {"top_k": 4}],
-                     "return_logprob": [True, False]})
+    seqs, _ = parse(
+        {
+            "input_ids": [[1], [2]],
+            "sampling_params": [{"temperature": 0.5}, {"top_k": 4}],
+            "return_logprob": [True, False],
+        }
+    )
     assert (seqs[0].params.temperature, seqs[1].params.top_k) == (0.5, 4)
     assert (seqs[0].return_logprob, seqs[1].return_logprob) == (True, False)
 
 
-@pytest.mark.parametrize("body, field, status", [
-    ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "sampling_params.top_p", 400),
-    ({"input_ids": [1], "sampling_params": {"n": True}}, "sampling_params.n", 400),
-    ({"input_ids": [1], "sampling_params": {"ignore_eos": "yes"}}, "sampling_params.ignore_eos", 400),
-    ({"input_ids": [1], "sampling_params": {"sampling_seed": 2**70}}, "sampling_params.sampling_seed", 400),
-    ({"input_ids": [1], "sampling_params": {"temprature": 1}}, "sampling_params.temprature", 400),  # SGLang: 500
-    ({"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}, "sampling_params.frequency_penalty", 400),
-    ({"input_ids": [1], "stream": True}, "stream", 400),
-    ({"input_ids": [1], "top_logprobs_num": 5}, "top_logprobs_num", 400),
-    ({"input_ids": [1], "return_logprob": [True, True]}, "return_logprob", 400),
-    ({"input_ids": [[1], [2]], "return_logprob": [True, True], "sampling_params": {"n": 2}}, "return_logprob", 400),
-    ({"input_ids": [[1], [2]], "rid": ["a"]}, "rid", 400),
-    ({"input_ids": [[1], [2]], "rid": ["a", "a"]}, "rid", 400),
-    ({"input_ids": [[1], [2]], "sampling_params": [{"n": 1}, {"n": 2}]}, "sampling_params", 400),
-    ({"text": ""}, "text", 400),
-    ({"input_ids": []}, "input_ids", 400),
-    ({"input_ids": [1] * 10}, "input_ids", 400),  # prompt >= context length 10
-    ({"input_ids": [1] * 4, "sampling_params": {"max_new_tokens": 7}}, "input_ids", 400),  # 4 + 7 > 10
-])
+@pytest.mark.parametrize(
+    "body, field, status",
+    [
+        ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "sampling_params.top_p", 400),
+        ({"input_ids": [1], "sampling_params": {"n": True}}, "sampling_params.n", 400),
+        ({"input_ids": [1], "sampling_params": {"ignore_eos": "yes"}}, "sampling_params.ignore_eos", 400),
+        ({"input_ids": [1], "sampling_params": {"sampling_seed": 2**70}}, "sampling_params.sampling_seed", 400),
+        ({"input_ids": [1], "sampling_params": {"temprature": 1}}, "sampling_params.temprature", 400),  # SGLang: 500
+        ({"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}, "sampling_params.frequency_penalty", 400),
+        ({"input_ids": [1], "stream": True}, "stream", 400),
+        ({"input_ids": [1], "top_logprobs_num": 5}, "top_logprobs_num", 400),
+        ({"input_ids": [1], "return_logprob": [True, True]}, "return_logprob", 400),
+        ({"input_ids": [[1], [2]], "return_logprob": [True, True], "sampling_params": {"n": 2}}, "return_logprob", 400),
+        ({"input_ids": [[1], [2]], "rid": ["a"]}, "rid", 400),
+        ({"input_ids": [[1], [2]], "rid": ["a", "a"]}, "rid", 400),
+        ({"input_ids": [[1], [2]], "sampling_params": [{"n": 1}, {"n": 2}]}, "sampling_params", 400),
+        ({"text": ""}, "text", 400),
+        ({"input_ids": []}, "input_ids", 400),
+        ({"input_ids": [1] * 10}, "input_ids", 400),  # prompt >= context length 10
+        ({"input_ids": [1] * 4, "sampling_params": {"max_new_tokens": 7}}, "input_ids", 400),  # 4 + 7 > 10
+    ],
+)
 def test_parse_errors_name_the_field(body, field, status):
     with pytest.raises(RequestError) as info:
         parse(body, context_length=10)
@@ -83,17 +91,54 @@ def test_text_without_tokenizer_is_refused():
 
 
 def test_sglang_command_line():
-    cmd = sglang_command(SGLangSettings(model_path="/ckpt/q7b", tp_size=4, context_length=22528, mem_fraction_static=0.55,
-                                        colocate=True, seed=42, host="0.0.0.0", port=31000, python="python3",
-                                        extra_args=("--disable-radix-cache",)))
-    assert cmd == ["python3", "-m", "sglang.launch_server", "--model-path", "/ckpt/q7b", "--tp-size", "4",
-                   "--mem-fraction-static", "0.55", "--random-seed", "42", "--host", "0.0.0.0", "--port", "31000",
-                   "--dtype", "auto", "--base-gpu-id", "0", "--context-length", "22528", "--enable-memory-saver",
-                   "--disable-radix-cache"]
+    cmd = sglang_command(
+        SGLangSettings(
+            model_path="/ckpt/q7b",
+            tp_size=4,
+            context_length=22528,
+            mem_fraction_static=0.55,
+            colocate=True,
+            seed=42,
+            host="0.0.0.0",
+            port=31000,
+            python="python3",
+            extra_args=("--disable-radix-cache",),
+        )
+    )
+    assert cmd == [
+        "python3",
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        "/ckpt/q7b",
+        "--tp-size",
+        "4",
+        "--mem-fraction-static",
+        "0.55",
+        "--random-seed",
+        "42",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "31000",
+        "--dtype",
+        "auto",
+        "--base-gpu-id",
+        "0",
+        "--context-length",
+        "22528",
+        "--enable-memory-saver",
+        "--disable-radix-cache",
+    ]
     plain = sglang_command(SGLangSettings(model_path="/m", python="p"))
     assert "--enable-memory-saver" not in plain and "--context-length" not in plain
-    for bad in (dict(tp_size=0), dict(mem_fraction_static=1.0), dict(port=70000), dict(model_path=""),
-                dict(context_length=-1)):
+    for bad in (
+        dict(tp_size=0),
+        dict(mem_fraction_static=1.0),
+        dict(port=70000),
+        dict(model_path=""),
+        dict(context_length=-1),
+    ):
         with pytest.raises(ValueError):
             sglang_command(SGLangSettings(**{"model_path": "/m", **bad}))
 
@@ -127,7 +172,9 @@ def test_launch_paths_pass_the_context_length():
 
 
 def test_buckets_bound_bytes_and_keep_order():
-    named = [(f"t{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([10, 10, 30, 5, 1])]  # bytes 40 40 120 20 4
+    named = [
+        (f"t{i}", torch.zeros(n, dtype=torch.float32)) for i, n in enumerate([10, 10, 30, 5, 1])
+    ]  # bytes 40 40 120 20 4
     out = [[n for n, _ in b] for b in buckets(named, 80)]
     assert out == [["t0", "t1"], ["t2"], ["t3", "t4"]]  # 80 | 120 alone (over the bound) | 24
     with pytest.raises(ValueError):
@@ -166,18 +213,29 @@ def test_registry_roundtrip_and_bad_files(tmp_path):
 
 
 def test_score_group_overlong_shaping_truncation_and_logprobs():
-    settings = RolloutSettings(n=3, max_new_tokens=10, gen_batch_size=1, overlong_buffer_length=4,
-                               overlong_penalty_factor=0.5, progress=False)
-    rewards = {"a": SimpleNamespace(score=1.0, acc=True, pred="7"), "b": SimpleNamespace(score=-1.0, acc=False, pred="x")}
+    settings = RolloutSettings(
+        n=3, max_new_tokens=10, gen_batch_size=1, overlong_buffer_length=4, overlong_penalty_factor=0.5, progress=False
+    )
+    rewards = {
+        "a": SimpleNamespace(score=1.0, acc=True, pred="7"),
+        "b": SimpleNamespace(score=-1.0, acc=False, pred="x"),
+    }
     sampler = RolloutSampler(pool=None, tokenizer=None, settings=settings, reward_fn=lambda text, gt: rewards[text])
 
     def out(text, n_tokens, finish):
-        return {"text": text, "output_ids": list(range(n_tokens)), "prompt_ids": [1, 2],
-                "meta_info": {"finish_reason": {"type": finish},
-                              "output_token_logprobs": [[-0.5 * i, i, None] for i in range(n_tokens)]}}
+        return {
+            "text": text,
+            "output_ids": list(range(n_tokens)),
+            "prompt_ids": [1, 2],
+            "meta_info": {
+                "finish_reason": {"type": finish},
+                "output_token_logprobs": [[-0.5 * i, i, None] for i in range(n_tokens)],
+            },
+        }
 
-    group = sampler.score_group(SimpleNamespace(ground_truth="7"),
-                                [out("a", 5, "stop"), out("a", 8, "stop"), out("b", 10, "length")])
+    group = sampler.score_group(
+        SimpleNamespace(ground_truth="7"), [out("a", 5, "stop"), out("a", 8, "stop"), out("b", 10, "length")]
+    )
     # L_max 10, L_cache 4: no penalty up to 6 tokens, (6 - L) / 4 after, times 0.5
     assert [s.reward for s in group] == pytest.approx([1.0, 1.0 + 0.5 * (6 - 8) / 4, -1.0 + 0.5 * (6 - 10) / 4])
     assert [s.acc for s in group] == [1.0, 1.0, 0.0]
@@ -191,10 +249,16 @@ def test_settings_from_config():
 
     cfg = Config()
     s = RolloutSettings.from_sections(cfg.rollout, cfg.algorithm, seed=cfg.trainer.seed, progress=False)
-    assert (s.n, s.max_new_tokens, s.gen_batch_size) == (cfg.rollout.n, cfg.rollout.max_response_length,
-                                                         cfg.rollout.gen_batch_size)
+    assert (s.n, s.max_new_tokens, s.gen_batch_size) == (
+        cfg.rollout.n,
+        cfg.rollout.max_response_length,
+        cfg.rollout.gen_batch_size,
+    )
     assert (s.overlong_buffer_length, s.max_num_gen_batches, s.on_exhausted) == (
-        cfg.algorithm.overlong_buffer_length, cfg.algorithm.max_num_gen_batches, cfg.algorithm.on_gen_batches_exhausted)
+        cfg.algorithm.overlong_buffer_length,
+        cfg.algorithm.max_num_gen_batches,
+        cfg.algorithm.on_gen_batches_exhausted,
+    )
 
 
 def test_sample_rids_are_prefix_free_and_seeds_per_sample():
@@ -208,16 +272,24 @@ def test_sample_rids_are_prefix_free_and_seeds_per_sample():
     params = sampler.sampling_params(5)
     assert [p["sampling_seed"] for p in params] == [3 * 1_000_003 + 5 + j for j in range(16)]
     assert all(p["n"] == 1 for p in params)
-    unseeded = RolloutSampler(pool=None, tokenizer=None, rid_prefix="s",
-                              settings=RolloutSettings(n=2, max_new_tokens=4, gen_batch_size=1, per_sample_seeds=False))
+    unseeded = RolloutSampler(
+        pool=None,
+        tokenizer=None,
+        rid_prefix="s",
+        settings=RolloutSettings(n=2, max_new_tokens=4, gen_batch_size=1, per_sample_seeds=False),
+    )
     assert all("sampling_seed" not in p for p in unseeded.sampling_params(0))
     with pytest.raises(ValueError, match="must not contain"):
         RolloutSampler(pool=None, tokenizer=None, settings=settings, rid_prefix="a.b")
 
 
 def test_stale_weight_versions_are_detected():
-    sampler = RolloutSampler(pool=None, tokenizer=None, rid_prefix="s",
-                             settings=RolloutSettings(n=2, max_new_tokens=4, gen_batch_size=1, progress=False))
+    sampler = RolloutSampler(
+        pool=None,
+        tokenizer=None,
+        rid_prefix="s",
+        settings=RolloutSettings(n=2, max_new_tokens=4, gen_batch_size=1, progress=False),
+    )
     sampler.weight_version = "step_3"
 
     def out(version, spans=None):

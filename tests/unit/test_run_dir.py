@@ -88,8 +88,14 @@ def test_resume_reports_where_it_continues_or_that_nothing_is_left(tmp_path):
 
 def _train(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "train", str(REPO / "configs/runs/tiny_cpu.yaml"),
-                           *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "dapo_megatron.cli", "train", str(REPO / "configs/runs/tiny_cpu.yaml"), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_train_command_decides_before_starting_anything(tmp_path):
@@ -104,11 +110,18 @@ def test_train_command_decides_before_starting_anything(tmp_path):
     assert "already holds a run (checkpoints up to step 40)" in refused.stderr and "--overwrite" in refused.stderr
     resumed = _train(f"trainer.output_dir={run}", "trainer.total_steps=40", "--resume")
     assert resumed.returncode == 0, resumed.stderr
-    assert resumed.stdout.strip() == (f"[train] {run} is already at step 40 of 40 (trainer.total_steps): nothing to "
-                                      "do. Raise trainer.total_steps to train further.")
+    assert resumed.stdout.strip() == (
+        f"[train] {run} is already at step 40 of 40 (trainer.total_steps): nothing to "
+        "do. Raise trainer.total_steps to train further."
+    )
     # no engine registry, no logs, no new model stage: nothing was started
     # (.run.lock: the directory's lock, launch/run_lock.py, emptied when the command ended)
-    assert sorted(p.name for p in run.iterdir()) == [".run.lock", "checkpoints", "curves.png", "metrics.jsonl",
-                                                     "tiny_model"]
+    assert sorted(p.name for p in run.iterdir()) == [
+        ".run.lock",
+        "checkpoints",
+        "curves.png",
+        "metrics.jsonl",
+        "tiny_model",
+    ]
     assert (run / ".run.lock").read_text() == ""
     assert [p.name for p in (run / "tiny_model").iterdir()] == ["warm"]

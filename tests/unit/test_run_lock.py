@@ -45,9 +45,21 @@ def test_second_run_refused_then_stale_lock_taken_over(tmp_path):
         assert "`holder test`" in message and "trainer.output_dir=NEW_DIR" in message
         # the real command line: refused (exit 2) before the model, an engine or a rank; nothing written
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        second = subprocess.run([sys.executable, "-m", "dapo_megatron.cli", "train",
-                                 str(REPO / "configs/runs/tiny_cpu.yaml"), f"trainer.output_dir={run}"],
-                                cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        second = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dapo_megatron.cli",
+                "train",
+                str(REPO / "configs/runs/tiny_cpu.yaml"),
+                f"trainer.output_dir={run}",
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert second.returncode == 2, second.stderr
         assert f"is in use by another run: pid {holder.pid} on host {socket.gethostname()}" in second.stderr
         assert [p.name for p in run.iterdir()] == [LOCK_FILE]

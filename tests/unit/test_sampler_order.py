@@ -29,9 +29,18 @@ class ScriptedPool:
             finish = "abort"
         except asyncio.TimeoutError:
             finish = "stop"
-        return [{"text": f"Answer: {a}", "output_ids": [7, 7], "meta_info": {
-                    "finish_reason": {"type": finish}, "weight_version": "default",
-                    "output_token_logprobs": [[-0.5, 7, None]] * 2}} for a in self.answers[k]]
+        return [
+            {
+                "text": f"Answer: {a}",
+                "output_ids": [7, 7],
+                "meta_info": {
+                    "finish_reason": {"type": finish},
+                    "weight_version": "default",
+                    "output_token_logprobs": [[-0.5, 7, None]] * 2,
+                },
+            }
+            for a in self.answers[k]
+        ]
 
     async def abort(self, rids):
         self.aborted.extend(rids)
@@ -50,8 +59,9 @@ MIXED, ALL_RIGHT = ["3", "4"], ["3", "3"]  # ground truth "3": a mixed group is 
 
 def _collect(in_order, delays, answers, batch=2):
     pool = ScriptedPool(delays, answers)
-    settings = RolloutSettings(n=2, max_new_tokens=2, gen_batch_size=len(delays), overlong_shaping=False,
-                               progress=False, in_order=in_order)
+    settings = RolloutSettings(
+        n=2, max_new_tokens=2, gen_batch_size=len(delays), overlong_shaping=False, progress=False, in_order=in_order
+    )
     sampler = RolloutSampler(pool, Tok(), settings, rid_prefix="t")
     records = iter([PromptRecord(prompt=f"q{k}", ground_truth="3") for k in range(len(delays))])
     result = asyncio.run(sampler.collect(records, train_batch_size=batch))

@@ -9,17 +9,24 @@ from dapo_megatron.weights.mapping import Dims, merge_shards, merge_shards_into,
 from dapo_megatron.transfer.stage_export import ExportItem, bucket_layout, plan_buckets, views_of
 from dapo_megatron.transfer.stage_save import _write_tensor, plan_files, safetensors_header
 
-DIMS = Dims(hidden=12, num_heads=6, num_groups=2, head_dim=2, ffn=10, vocab=13, num_layers=1, qkv_bias=True,
-            tied=False)
+DIMS = Dims(hidden=12, num_heads=6, num_groups=2, head_dim=2, ffn=10, vocab=13, num_layers=1, qkv_bias=True, tied=False)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("kind,shapes", [
-    ("replicated", [(12,)]), ("vocab", [(13, 12)]), ("row", [(12, 10)]),
-    ("fc1", [(10, 12), (10, 12)]), ("qkv", [(12, 12), (4, 12), (4, 12)]), ("qkv", [(12,), (4,), (4,)]),
-    # one expert's weights (MoE at EP=1 exports them through this path: the first GPU plan's e2e_moe found it)
-    ("expert_row", [(12, 10)]), ("expert_fc1", [(10, 12), (10, 12)]),
-])
+@pytest.mark.parametrize(
+    "kind,shapes",
+    [
+        ("replicated", [(12,)]),
+        ("vocab", [(13, 12)]),
+        ("row", [(12, 10)]),
+        ("fc1", [(10, 12), (10, 12)]),
+        ("qkv", [(12, 12), (4, 12), (4, 12)]),
+        ("qkv", [(12,), (4,), (4,)]),
+        # one expert's weights (MoE at EP=1 exports them through this path: the first GPU plan's e2e_moe found it)
+        ("expert_row", [(12, 10)]),
+        ("expert_fc1", [(10, 12), (10, 12)]),
+    ],
+)
 def test_merge_into_views_equals_merge_shards(kind, shapes, tp):
     gen = torch.Generator().manual_seed(len(shapes) + tp)
     full = [torch.randn(s, generator=gen) for s in shapes]
@@ -33,8 +40,9 @@ def test_merge_into_views_equals_merge_shards(kind, shapes, tp):
 
 
 def _item(name, *shapes, dtype=torch.float32):
-    return ExportItem(key=name, names=tuple(f"{name}.{i}" for i in range(len(shapes))), shapes=tuple(shapes),
-                      dtype=dtype, kind="row")
+    return ExportItem(
+        key=name, names=tuple(f"{name}.{i}" for i in range(len(shapes))), shapes=tuple(shapes), dtype=dtype, kind="row"
+    )
 
 
 def test_bucket_plan_layout_and_views():
@@ -59,14 +67,17 @@ def test_bucket_plan_layout_and_views():
 def test_shard_files_group_buckets_and_the_header_reads_back(tmp_path):
     a, b = _item("a", (2, 3)), _item("b", (4,), (1,), dtype=torch.bfloat16)
     assert plan_files([[a], [b], [a]], 40) == [[0, 1], [2]]  # 24 + 10 <= 40; + 24 > 40
-    tensors = {"a.0": torch.arange(6, dtype=torch.float32).reshape(2, 3),
-               "b.0": torch.tensor([1.5, -2, 3, 4], dtype=torch.bfloat16),
-               "b.1": torch.tensor([7.0], dtype=torch.bfloat16)}
+    tensors = {
+        "a.0": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "b.0": torch.tensor([1.5, -2, 3, 4], dtype=torch.bfloat16),
+        "b.1": torch.tensor([7.0], dtype=torch.bfloat16),
+    }
     path = tmp_path / "x.safetensors"
     with open(path, "wb") as fh:
         fh.write(safetensors_header([a, b]))
         for t in tensors.values():
             _write_tensor(fh, t)
     back = load_file(path)
-    assert set(back) == set(tensors) and all(torch.equal(back[k], v) and back[k].dtype == v.dtype
-                                             for k, v in tensors.items())
+    assert set(back) == set(tensors) and all(
+        torch.equal(back[k], v) and back[k].dtype == v.dtype for k, v in tensors.items()
+    )

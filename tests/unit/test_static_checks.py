@@ -42,13 +42,12 @@ def test_ruff_lint_is_clean():
     proc = _run(_tool("ruff"), "check", "--output-format", "json", "--extend-ignore", "E501", *PACKAGE)
     findings = json.loads(proc.stdout or "[]")
     assert proc.returncode in (0, 1), proc.stderr
-    rows = [f"{Path(f['filename']).relative_to(REPO)}:{f['location']['row']}: {f['code']} {f['message']}"
-            for f in findings]
+    rows = [
+        f"{Path(f['filename']).relative_to(REPO)}:{f['location']['row']}: {f['code']} {f['message']}" for f in findings
+    ]
     assert not rows, "ruff check (fix them, or `ruff check --fix`):\n" + "\n".join(rows)
 
 
-@pytest.mark.xfail(strict=True, reason="the tree is formatted once by the lead after merging issue 35's branches "
-                                       "(ruff format dapo_megatron kernels); then remove this mark")
 def test_ruff_format_is_clean_and_no_line_is_too_long():
     proc = _run(_tool("ruff"), "format", "--check", *PACKAGE)
     assert proc.returncode == 0, "ruff format --check (run `ruff format dapo_megatron kernels`):\n" + proc.stdout
@@ -57,8 +56,9 @@ def test_ruff_format_is_clean_and_no_line_is_too_long():
 
 
 def test_mypy_is_clean():
-    proc = _run(sys.executable, "-m", "mypy", "--no-error-summary", "--cache-dir", str(REPO / ".mypy_cache"),
-                timeout=300)
+    proc = _run(
+        sys.executable, "-m", "mypy", "--no-error-summary", "--cache-dir", str(REPO / ".mypy_cache"), timeout=300
+    )
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr  # 2: mypy itself failed (config, crash)
     errors = [line for line in proc.stdout.splitlines() if re.match(r"^\S+\.py:\d+: error:", line)]
     assert not errors, "mypy:\n" + "\n".join(errors)

@@ -42,12 +42,19 @@ def _answer(stdout: str = "", stderr: str = "", rc: int = 0):
 def test_squeue_rows_match_jobs_array_jobs_and_single_tasks():
     rows = submit_guard.parse_squeue(SQUEUE + "garbage line\n")
     assert len(rows) == 5
-    records = [{"role": "train", "job_id": "4614"}, {"role": "engines", "job_id": "4615"},
-               {"role": "sweep", "job_id": "4615_1"}, {"role": "train", "job_id": "4617"},
-               {"role": "eval", "job_id": "4616"}]
+    records = [
+        {"role": "train", "job_id": "4614"},
+        {"role": "engines", "job_id": "4615"},
+        {"role": "sweep", "job_id": "4615_1"},
+        {"role": "train", "job_id": "4617"},
+        {"role": "eval", "job_id": "4616"},
+    ]
     assert submit_guard.live_jobs(records, rows, submit_guard.TRAINING_ROLES) == [
-        ("train", "4614", "4614", "PENDING"), ("engines", "4615", "4615_0", "RUNNING"),
-        ("engines", "4615", "4615_1", "PENDING"), ("sweep", "4615_1", "4615_1", "PENDING")]
+        ("train", "4614", "4614", "PENDING"),
+        ("engines", "4615", "4615_0", "RUNNING"),
+        ("engines", "4615", "4615_1", "PENDING"),
+        ("sweep", "4615_1", "4615_1", "PENDING"),
+    ]
     # eval jobs count only for --overwrite (they read the checkpoints); COMPLETED is no longer live
     assert submit_guard.live_jobs(records, rows, ("eval",)) == [("eval", "4616", "4616", "COMPLETING")]
 
@@ -73,8 +80,17 @@ def test_squeue_unknown_id_is_gone_other_failures_refuse(tmp_path):
 
 def test_recorded_live_job_refuses_naming_role_id_state_and_scancel(tmp_path):
     (tmp_path / "slurm").mkdir()
-    (tmp_path / "slurm/jobs.json").write_text(json.dumps({"jobs": [
-        {"role": "train", "job_id": "4617"}, {"role": "engines", "job_id": "4615"}, {"role": "eval", "job_id": "4616"}]}))
+    (tmp_path / "slurm/jobs.json").write_text(
+        json.dumps(
+            {
+                "jobs": [
+                    {"role": "train", "job_id": "4617"},
+                    {"role": "engines", "job_id": "4615"},
+                    {"role": "eval", "job_id": "4616"},
+                ]
+            }
+        )
+    )
     run, _ = _answer(SQUEUE)
     with pytest.raises(RunDirInUse) as err:
         submit_guard.check_queue([tmp_path], overwrite=False, run=run)
@@ -88,53 +104,72 @@ def test_recorded_live_job_refuses_naming_role_id_state_and_scancel(tmp_path):
 
 
 def _config(tmp_path: Path, run_dir: Path, *extra: str):
-    return load_config(REPO / "configs/runs/tiny_cpu.yaml", [f"trainer.output_dir={run_dir}", "trainer.total_steps=4",
-                                                             "rollout.placement=colocated", "slurm.gpus_per_node=0", *extra])
+    return load_config(
+        REPO / "configs/runs/tiny_cpu.yaml",
+        [
+            f"trainer.output_dir={run_dir}",
+            "trainer.total_steps=4",
+            "rollout.placement=colocated",
+            "slurm.gpus_per_node=0",
+            *extra,
+        ],
+    )
 
 
 def test_submission_refuses_a_directory_holding_a_run_resume_and_overwrite(tmp_path):
     run_dir = tmp_path / "run"
     cfg = _config(tmp_path, run_dir)
     no_queue, calls = _answer()
-    fresh = submit_guard.check_training_submission(submit.plan_train(cfg), resume=False, overwrite=False,
-                                                   command="dapo-megatron slurm submit C", run=no_queue)
+    fresh = submit_guard.check_training_submission(
+        submit.plan_train(cfg), resume=False, overwrite=False, command="dapo-megatron slurm submit C", run=no_queue
+    )
     assert fresh[0].message == "" and "prompts checked (prompts within rollout.max_prompt_length" in fresh[0].data_line
     assert calls == [] and not run_dir.exists()  # no jobs.json: squeue not asked; nothing written
     _checkpoint(run_dir, 2)
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     with pytest.raises(ValueError) as err:
-        submit_guard.check_training_submission(submit.plan_train(cfg), resume=False, overwrite=False,
-                                               command="dapo-megatron slurm submit C", run=no_queue)
+        submit_guard.check_training_submission(
+            submit.plan_train(cfg), resume=False, overwrite=False, command="dapo-megatron slurm submit C", run=no_queue
+        )
     assert "already holds a run (checkpoints up to step 2)" in str(err.value)
     assert "continue it: dapo-megatron slurm submit C ... --resume" in str(err.value)
     assert "start over: dapo-megatron slurm submit C ... --overwrite" in str(err.value)
-    (check,) = submit_guard.check_training_submission(submit.plan_train(cfg, resume=True), resume=True,
-                                                      overwrite=False, command="x", run=no_queue)
+    (check,) = submit_guard.check_training_submission(
+        submit.plan_train(cfg, resume=True), resume=True, overwrite=False, command="x", run=no_queue
+    )
     assert check.message == f"[slurm submit] the job resumes {run_dir} from step 2 of 4 (step_000002)"
     assert "RESUME_REQUESTED=1" in submit.plan_train(cfg, resume=True).jobs[-1].script()
     assert "RESUME_REQUESTED=0" in submit.plan_train(cfg).jobs[-1].script()
     finished = _config(tmp_path, run_dir, "trainer.total_steps=2")
-    (done,) = submit_guard.check_training_submission(submit.plan_train(finished, resume=True), resume=True,
-                                                     overwrite=False, command="x", run=no_queue)
+    (done,) = submit_guard.check_training_submission(
+        submit.plan_train(finished, resume=True), resume=True, overwrite=False, command="x", run=no_queue
+    )
     assert done.nothing_to_do and "already at step 2 of 2" in done.message and done.data_line == ""
     assert submit_guard.report([done], out=lambda line: None) == 0
     with pytest.raises(ValueError, match="choose one"):
         submit_guard.check_training_submission(submit.plan_train(cfg), resume=True, overwrite=True, command="x")
-    (over,) = submit_guard.check_training_submission(submit.plan_train(cfg), resume=False, overwrite=True,
-                                                     command="x", run=no_queue)
+    (over,) = submit_guard.check_training_submission(
+        submit.plan_train(cfg), resume=False, overwrite=True, command="x", run=no_queue
+    )
     assert over.to_remove == ("checkpoints", "metrics.jsonl") and (run_dir / "checkpoints").is_dir()  # not yet
     said = []
     submit_guard.clear_for_overwrite([over], dry_run=True, out=said.append)
     assert (run_dir / "checkpoints").is_dir() and said == [
-        f"[slurm submit] --overwrite would remove checkpoints, metrics.jsonl from {run_dir}"]
+        f"[slurm submit] --overwrite would remove checkpoints, metrics.jsonl from {run_dir}"
+    ]
     submit_guard.clear_for_overwrite([over], out=said.append)
-    assert sorted(p.name for p in run_dir.iterdir()) == [] and said[-1].endswith(f"removed checkpoints, metrics.jsonl from {run_dir}")
+    assert sorted(p.name for p in run_dir.iterdir()) == [] and said[-1].endswith(
+        f"removed checkpoints, metrics.jsonl from {run_dir}"
+    )
 
 
 def test_bad_row_and_missing_file_refuse_before_anything_is_written(tmp_path):
     bad = tmp_path / "train.jsonl"
-    good = {"data_source": "x", "prompt": [{"role": "user", "content": "1+1?"}],
-            "reward_model": {"ground_truth": "2", "style": "rule"}}
+    good = {
+        "data_source": "x",
+        "prompt": [{"role": "user", "content": "1+1?"}],
+        "reward_model": {"ground_truth": "2", "style": "rule"},
+    }
     bad.write_text(json.dumps(good) + "\n" + json.dumps({**good, "reward_model": {"ground_truth": ""}}) + "\n")
     from dapo_megatron.data.tiny_model import build_tiny_tokenizer
 
@@ -143,12 +178,17 @@ def test_bad_row_and_missing_file_refuse_before_anything_is_written(tmp_path):
     cfg = _config(tmp_path, tmp_path / "run", *files, f"data.train_path={bad}")
     with pytest.raises(ValueError) as err:
         submit_guard.check_training_submission(submit.plan_train(cfg), resume=False, overwrite=False, command="x")
-    assert str(bad) in str(err.value) and "row 1 (0-based), line 2: column 'reward_model.ground_truth' is empty" in str(err.value)
+    assert str(bad) in str(err.value) and "row 1 (0-based), line 2: column 'reward_model.ground_truth' is empty" in str(
+        err.value
+    )
     missing = _config(tmp_path, tmp_path / "run", *files, f"data.train_path={tmp_path}/nope.parquet")
-    with pytest.raises(ValueError, match=r"data.train_path.*nope.parquet is not a file on this machine.*--skip-data-check"):
+    with pytest.raises(
+        ValueError, match=r"data.train_path.*nope.parquet is not a file on this machine.*--skip-data-check"
+    ):
         submit_guard.check_training_submission(submit.plan_train(missing), resume=False, overwrite=False, command="x")
-    (skipped,) = submit_guard.check_training_submission(submit.plan_train(missing), resume=False, overwrite=False,
-                                                        command="x", skip_data_check=True)
+    (skipped,) = submit_guard.check_training_submission(
+        submit.plan_train(missing), resume=False, overwrite=False, command="x", skip_data_check=True
+    )
     assert "data not checked (--skip-data-check)" in skipped.data_line
     assert not (tmp_path / "run").exists()
 
@@ -159,7 +199,9 @@ def test_held_lock_refuses_submission_naming_the_job_and_probe_writes_nothing(tm
     fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT)  # as the batch shell's `exec 9<>`
     try:
         shell = os.getppid()  # stands for the batch shell that keeps the descriptor (recorded, not this process)
-        lock = RunLock(run_dir, command="dapo-megatron train C", fd=fd, job="4620", restart=0, holder_pid=shell).acquire()
+        lock = RunLock(
+            run_dir, command="dapo-megatron train C", fd=fd, job="4620", restart=0, holder_pid=shell
+        ).acquire()
         record = (run_dir / LOCK_FILE).read_text()
         assert json.loads(record)["job"] == "4620" and json.loads(record)["pid"] == shell
         live, by_flock = holder(run_dir)
@@ -172,8 +214,16 @@ def test_held_lock_refuses_submission_naming_the_job_and_probe_writes_nothing(tm
         # process's own duplicate is released: the flock belongs to the shell's open file description
         lock.release()
         assert (run_dir / LOCK_FILE).read_text() == ""
-        other = subprocess.run([sys.executable, "-c", "import sys; from dapo_megatron.launch.run_lock import RunLock;"
-                                " RunLock(sys.argv[1]).acquire()", str(run_dir)], capture_output=True, text=True)
+        other = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from dapo_megatron.launch.run_lock import RunLock; RunLock(sys.argv[1]).acquire()",
+                str(run_dir),
+            ],
+            capture_output=True,
+            text=True,
+        )
         assert other.returncode != 0 and "RunDirInUse" in other.stderr
     finally:
         os.close(fd)
@@ -187,8 +237,10 @@ def test_requeued_job_takes_over_its_own_lock_with_an_accurate_line(tmp_path):
     fd = os.open(run_dir / LOCK_FILE, os.O_RDWR)
     try:
         lock = RunLock(run_dir, fd=fd, job="4621", restart=1).acquire()
-        assert lock.stale_note == (f"[train] {run_dir / LOCK_FILE}: Slurm job 4621 restart 1 takes over the lock of "
-                                   "its previous incarnation (restart 0, pid 999999 on host node7), which Slurm ended")
+        assert lock.stale_note == (
+            f"[train] {run_dir / LOCK_FILE}: Slurm job 4621 restart 1 takes over the lock of "
+            "its previous incarnation (restart 0, pid 999999 on host node7), which Slurm ended"
+        )
         lock.release()
     finally:
         os.close(fd)
@@ -205,14 +257,23 @@ def test_job_start_decisions(tmp_path):
     (run_dir).mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     assert job_start_args(run_dir, resume_requested=False, restart=1, total_steps=4, command=command) == (
-        [], "[job] requeued (restart 1) before a complete checkpoint: starting from step 0", False)
+        [],
+        "[job] requeued (restart 1) before a complete checkpoint: starting from step 0",
+        False,
+    )
     # a first start finding a run written after the submission: refused, with the ways out
     with pytest.raises(ValueError, match="already holds a run .* written after this job was submitted"):
         job_start_args(run_dir, resume_requested=False, restart=0, total_steps=4, command=command)
     _checkpoint(run_dir, 3)
     assert job_start_args(run_dir, resume_requested=False, restart=2, total_steps=4, command=command) == (
-        ["--resume"], "[job] requeued (restart 2): resuming from step_000003", False)
+        ["--resume"],
+        "[job] requeued (restart 2): resuming from step_000003",
+        False,
+    )
     assert job_start_args(run_dir, resume_requested=True, restart=0, total_steps=4, command=command) == (
-        ["--resume"], f"[job] resuming {run_dir} from step 3 of 4 (step_000003)", False)
+        ["--resume"],
+        f"[job] resuming {run_dir} from step 3 of 4 (step_000003)",
+        False,
+    )
     extra, message, nothing = job_start_args(run_dir, resume_requested=True, restart=0, total_steps=3, command=command)
     assert nothing and "already at step 3 of 3" in message

@@ -16,6 +16,7 @@ from megatron.core.models.common.embeddings import rope_utils  # noqa: E402
 from megatron.core.optimizer import clip_grads  # noqa: E402
 from megatron.core.utils import local_multi_tensor_l2_norm  # noqa: E402
 
+
 def megatron_rope_thd():
     """megatron's _apply_rotary_pos_emb_thd as shipped (install() replaced the module's attribute)."""
     import importlib.util
@@ -67,8 +68,7 @@ def test_thd_rope_equals_megatron_bitwise_on_every_cp_rank(lengths, cp_size, int
             group = CpGroupStandIn(cp_size, rank)
             want = original(t, cu, freqs, rotary_interleaved=interleaved, cp_group=group)
             with AtenOps() as ours_ops:
-                got = sync_free.apply_rotary_pos_emb_thd(t, cu, freqs, rotary_interleaved=interleaved,
-                                                         cp_group=group)
+                got = sync_free.apply_rotary_pos_emb_thd(t, cu, freqs, rotary_interleaved=interleaved, cp_group=group)
             assert torch.equal(got, want), (lengths, cp_size, rank, table_rows)
             assert "_local_scalar_dense" not in ours_ops.ops
 
@@ -94,8 +94,10 @@ def test_thd_positions_by_hand():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grad_norm_equals_megatron_bitwise_without_host_reads(dtype):
     gen = torch.Generator().manual_seed(3)
-    grads = [torch.randn(shape, generator=gen).to(dtype) * scale
-             for shape, scale in [((64, 32), 1e-3), ((32,), 5.0), ((7, 3, 5), 0.2), ((1,), 40.0)]]
+    grads = [
+        torch.randn(shape, generator=gen).to(dtype) * scale
+        for shape, scale in [((64, 32), 1e-3), ((32,), 5.0), ((7, 3, 5), 0.2), ((1,), 40.0)]
+    ]
     want, _ = local_multi_tensor_l2_norm(2048 * 32, None, [grads], False)
     with AtenOps() as ops:
         got, _ = sync_free.multi_tensor_l2_norm(2048 * 32, None, [grads], False)

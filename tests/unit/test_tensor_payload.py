@@ -18,8 +18,14 @@ import pytest
 import torch
 
 from dapo_megatron.transfer.tensor_payload import (
-    PayloadError, deserialize_payload, flatten_bucket, flattened_size, serialize_for_engine_rank, split_for_alignment,
-    unflatten_bucket)
+    PayloadError,
+    deserialize_payload,
+    flatten_bucket,
+    flattened_size,
+    serialize_for_engine_rank,
+    split_for_alignment,
+    unflatten_bucket,
+)
 
 
 def test_flatten_is_the_tensors_bytes_in_order_and_views_back():
@@ -39,8 +45,13 @@ def test_flatten_is_the_tensors_bytes_in_order_and_views_back():
 
 def test_alignment_split_keeps_every_offset_a_multiple_of_the_element_size():
     # 3 bf16 = 6 bytes, then an fp32 would start at byte 6 (not a multiple of 4): new bucket there
-    named = [("h", torch.zeros(3, dtype=torch.bfloat16)), ("f", torch.zeros(2)), ("g", torch.zeros(1)),
-             ("i", torch.zeros(1, dtype=torch.int8)), ("j", torch.zeros(1, dtype=torch.float16))]
+    named = [
+        ("h", torch.zeros(3, dtype=torch.bfloat16)),
+        ("f", torch.zeros(2)),
+        ("g", torch.zeros(1)),
+        ("i", torch.zeros(1, dtype=torch.int8)),
+        ("j", torch.zeros(1, dtype=torch.float16)),
+    ]
     parts = split_for_alignment(named)
     assert [[n for n, _ in p] for p in parts] == [["h"], ["f", "g", "i"], ["j"]]  # j at byte 13: odd
     for part in parts:
@@ -56,8 +67,11 @@ def test_shared_memory_payload_read_by_an_unrelated_process(tmp_path):
     """The trainer serializes (ForkingPickler, file_system strategy); a separate Python process (not a
     child sharing our authkey) reads the tensors from shared memory, each TP rank's entry separately."""
     gen = torch.Generator().manual_seed(0)
-    named = [("w", torch.randn(64, 32, generator=gen)), ("b", torch.randn(32, generator=gen).to(torch.bfloat16)),
-             ("i", torch.arange(5))]
+    named = [
+        ("w", torch.randn(64, 32, generator=gen)),
+        ("b", torch.randn(32, generator=gen).to(torch.bfloat16)),
+        ("i", torch.arange(5)),
+    ]
     entries = [serialize_for_engine_rank(named) for _ in range(2)]  # one per engine TP rank
     assert all(len(e) < 2000 for e in entries)  # handles, not the 8 KB of data
     (tmp_path / "payload.json").write_text(json.dumps(entries))
@@ -71,8 +85,9 @@ def test_shared_memory_payload_read_by_an_unrelated_process(tmp_path):
             out.append({n: [str(t.dtype), list(t.shape), t.float().flatten().tolist()] for n, t in named})
         print(json.dumps(out))
     """)
-    proc = subprocess.run([sys.executable, "-c", reader, str(tmp_path / "payload.json")], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", reader, str(tmp_path / "payload.json")], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for got in json.loads(proc.stdout.strip().splitlines()[-1]):
         for name, tensor in named:
@@ -110,8 +125,23 @@ def _cuda_payload_of_cpu_tensor(t: torch.Tensor) -> str:
     from torch.multiprocessing import reductions
 
     storage = t._typed_storage()
-    args = (type(t), t.size(), t.stride(), 0, type(storage), t.dtype, 0, b"ipc-handle", storage.nbytes(), 0,
-            False, b"ref-counter", 0, b"event", False)
+    args = (
+        type(t),
+        t.size(),
+        t.stride(),
+        0,
+        type(storage),
+        t.dtype,
+        0,
+        b"ipc-handle",
+        storage.nbytes(),
+        0,
+        False,
+        b"ref-counter",
+        0,
+        b"event",
+        False,
+    )
     names = list(inspect.signature(reductions.rebuild_cuda_tensor).parameters)
     assert len(names) == len(args) and names[4] == "storage_cls" and names[6] == "storage_device"
 

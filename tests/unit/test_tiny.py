@@ -7,13 +7,19 @@ import torch
 
 from dapo_megatron.config import load_config
 from dapo_megatron.data.tiny_model import (
-    TinyModelSpec, build_tiny_model, sft_batch, smoothed_nll, synthetic_train_eval, warm_start,
+    TinyModelSpec,
+    build_tiny_model,
+    sft_batch,
+    smoothed_nll,
+    synthetic_train_eval,
+    warm_start,
 )
 from dapo_megatron.data.tiny_tokenizer import ASSISTANT, EOS, PAD, USER, build_tiny_tokenizer, prompt_ids
 from dapo_megatron.launch.prepare import tiny_model_dir
 
-SMALL = TinyModelSpec(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64,
-                      max_position_embeddings=64)
+SMALL = TinyModelSpec(
+    hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, intermediate_size=64, max_position_embeddings=64
+)
 
 
 def test_tokenizer_one_token_per_character_and_round_trip():
@@ -29,8 +35,9 @@ def test_tokenizer_one_token_per_character_and_round_trip():
     # chat template: <|user|> content <|assistant|>, and the EOS closes an assistant turn
     p = prompt_ids(tok, "27+58=")
     assert p == [3] + tok.encode("27+58=", add_special_tokens=False) + [4]
-    full = tok.apply_chat_template([{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "Answer: 2"}],
-                                   tokenize=False)
+    full = tok.apply_chat_template(
+        [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "Answer: 2"}], tokenize=False
+    )
     assert full == f"{USER}1+1={ASSISTANT}Answer: 2{EOS}"
 
 
@@ -93,8 +100,8 @@ def test_sft_batch_labels_only_the_response():
     p = prompt_ids(tok, "1+1=")
     resp = tok.encode("Answer: 2", add_special_tokens=False) + [tok.eos_token_id]
     assert row[: len(p)] == [-100] * len(p)
-    assert row[len(p): len(p) + len(resp)] == resp
-    assert row[len(p) + len(resp):] == [-100] * (len(row) - len(p) - len(resp))  # right padding
+    assert row[len(p) : len(p) + len(resp)] == resp
+    assert row[len(p) + len(resp) :] == [-100] * (len(row) - len(p) - len(resp))  # right padding
     assert batch["attention_mask"][0].sum() == len(p) + len(resp)
 
 
@@ -146,13 +153,26 @@ def test_train_eval_split_is_disjoint_and_deterministic():
 
 
 def test_prepare_tiny_model_from_config(tmp_path):
-    cfg = load_config(None, [
-        "tiny.enabled=true", "tiny.hidden_size=32", "tiny.num_layers=1", "tiny.num_heads=2",
-        "tiny.intermediate_size=64", "tiny.warm_start_steps=2", "tiny.warm_start_batch_size=4",
-        "data.synthetic.num_train=32", "data.synthetic.num_eval=4", "data.synthetic.style=compact",
-        "rollout.max_prompt_length=16", "rollout.max_response_length=16", "actor.micro_batch_tokens=64",
-        "algorithm.overlong_buffer_length=4", f"trainer.output_dir={tmp_path}",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "tiny.enabled=true",
+            "tiny.hidden_size=32",
+            "tiny.num_layers=1",
+            "tiny.num_heads=2",
+            "tiny.intermediate_size=64",
+            "tiny.warm_start_steps=2",
+            "tiny.warm_start_batch_size=4",
+            "data.synthetic.num_train=32",
+            "data.synthetic.num_eval=4",
+            "data.synthetic.style=compact",
+            "rollout.max_prompt_length=16",
+            "rollout.max_response_length=16",
+            "actor.micro_batch_tokens=64",
+            "algorithm.overlong_buffer_length=4",
+            f"trainer.output_dir={tmp_path}",
+        ],
+    )
     path = tiny_model_dir(cfg)
     assert path == str(tmp_path / "tiny_model" / "warm")
     from transformers import AutoConfig
@@ -167,11 +187,23 @@ def test_require_cached_uses_the_cache_or_names_why_it_cannot(tmp_path):
     """tiny.require_cached=true (the GPU check's e2e runs): the model prepared beforehand is used as is; an
     empty cache or one built with other settings stops with the key, the directory and what differs, and
     nothing is built or written."""
-    keys = ["tiny.enabled=true", "tiny.hidden_size=32", "tiny.num_layers=1", "tiny.num_heads=2",
-            "tiny.intermediate_size=64", "tiny.warm_start_steps=2", "tiny.warm_start_batch_size=4",
-            "data.synthetic.num_train=32", "data.synthetic.num_eval=4", "data.synthetic.style=compact",
-            "rollout.max_prompt_length=16", "rollout.max_response_length=16", "actor.micro_batch_tokens=64",
-            "algorithm.overlong_buffer_length=4", f"tiny.cache_dir={tmp_path / 'cache'}"]
+    keys = [
+        "tiny.enabled=true",
+        "tiny.hidden_size=32",
+        "tiny.num_layers=1",
+        "tiny.num_heads=2",
+        "tiny.intermediate_size=64",
+        "tiny.warm_start_steps=2",
+        "tiny.warm_start_batch_size=4",
+        "data.synthetic.num_train=32",
+        "data.synthetic.num_eval=4",
+        "data.synthetic.style=compact",
+        "rollout.max_prompt_length=16",
+        "rollout.max_response_length=16",
+        "actor.micro_batch_tokens=64",
+        "algorithm.overlong_buffer_length=4",
+        f"tiny.cache_dir={tmp_path / 'cache'}",
+    ]
     cached = [*keys, "tiny.require_cached=true"]
     with pytest.raises(ValueError, match=r"tiny.require_cached=true: .*cache/tiny_model/init: nothing is built there"):
         tiny_model_dir(load_config(None, cached))

@@ -50,12 +50,15 @@ def test_tiny_grpo_changes_only_the_algorithm():
     }
 
 
-@pytest.mark.parametrize("override, match", [
-    ("actor.tp=4", "tiny.num_kv_heads.*multiple of actor.tp"),
-    ("tiny.label_smoothing=1.0", "tiny.label_smoothing"),
-    ("data.train_path=/x.parquet", "data.train_path"),
-    ("tiny.warm_start_lr=0", "tiny.warm_start_lr"),
-])
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("actor.tp=4", "tiny.num_kv_heads.*multiple of actor.tp"),
+        ("tiny.label_smoothing=1.0", "tiny.label_smoothing"),
+        ("data.train_path=/x.parquet", "data.train_path"),
+        ("tiny.warm_start_lr=0", "tiny.warm_start_lr"),
+    ],
+)
 def test_tiny_validation_names_the_key(override, match):
     with pytest.raises(ValueError, match=match):
         load_config(RUNS / "tiny_cpu.yaml", [override, "actor.world_size=4"])

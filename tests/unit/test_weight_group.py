@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from dapo_megatron.transfer.weight_group import (
-    open_weight_group, route_source_address, socket_ifname_address, trainer_address)
+    open_weight_group,
+    route_source_address,
+    socket_ifname_address,
+    trainer_address,
+)
 
 
 def test_loopback_only_when_every_engine_is_local():
@@ -60,7 +64,11 @@ def test_group_members_exchange_a_broadcast():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     name = f"g_test_{uuid.uuid4().hex[:8]}"
-    engine = subprocess.Popen([sys.executable, "-c", f"""
+    engine = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""
 import torch
 from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.transfer.weight_group import open_weight_group
@@ -73,10 +81,21 @@ for i in range({rounds}):
     held.append(got._use_count())
 print(held)
 print(got.tolist())
-"""], stdout=subprocess.PIPE, text=True)
+""",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
-        pg = open_weight_group(backend="gloo", master_address="127.0.0.1", master_port=port, rank=0, world_size=2,
-                               group_name=name, timeout_s=120)
+        pg = open_weight_group(
+            backend="gloo",
+            master_address="127.0.0.1",
+            master_port=port,
+            rank=0,
+            world_size=2,
+            group_name=name,
+            timeout_s=120,
+        )
         sent_held = []
         for i in range(rounds):
             sent = torch.arange(5.0) + i
@@ -92,8 +111,9 @@ print(got.tolist())
     assert last == f"[{rounds - 1}.0, {rounds}.0, {rounds + 1}.0, {rounds + 2}.0, {rounds + 3}.0]"
     assert sent_held == [1] * rounds and held_line == str([1] * rounds)
     with pytest.raises(ValueError, match="gloo or nccl"):
-        open_weight_group(backend="mpi", master_address="127.0.0.1", master_port=port, rank=0, world_size=1,
-                          group_name="x")
+        open_weight_group(
+            backend="mpi", master_address="127.0.0.1", master_port=port, rank=0, world_size=1, group_name="x"
+        )
 
 
 # ------------------------------------------------------------------ the group's backend follows the engines

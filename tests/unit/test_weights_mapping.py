@@ -27,8 +27,13 @@ def test_qkv_interleaves_per_query_group_and_splits_groups_over_tp():
     assert full[:, 0].tolist() == [10, 11, 20, 30, 12, 13, 21, 31]
     rank1 = shard_for_rank("qkv", [q, k, v], tp_rank=1, tp_size=2, dims=DIMS)
     assert rank1[:, 0].tolist() == [12, 13, 21, 31]
-    bias = shard_for_rank("qkv", [torch.tensor([10., 11, 12, 13]), torch.tensor([20., 21]), torch.tensor([30., 31])],
-                          tp_rank=0, tp_size=2, dims=DIMS)
+    bias = shard_for_rank(
+        "qkv",
+        [torch.tensor([10.0, 11, 12, 13]), torch.tensor([20.0, 21]), torch.tensor([30.0, 31])],
+        tp_rank=0,
+        tp_size=2,
+        dims=DIMS,
+    )
     assert bias.tolist() == [10, 11, 20, 30]
 
 
@@ -55,8 +60,13 @@ def test_row_parallel_splits_columns():
 @pytest.mark.parametrize("kind", ["replicated", "vocab", "row", "qkv", "fc1"])
 def test_merge_inverts_shard_bit_for_bit(kind, tp):
     gen = torch.Generator().manual_seed(0)
-    shapes = {"replicated": [(3,)], "vocab": [(5, 3)], "row": [(3, 4)], "fc1": [(4, 3), (4, 3)],
-              "qkv": [(4, 3), (2, 3), (2, 3)]}[kind]
+    shapes = {
+        "replicated": [(3,)],
+        "vocab": [(5, 3)],
+        "row": [(3, 4)],
+        "fc1": [(4, 3), (4, 3)],
+        "qkv": [(4, 3), (2, 3), (2, 3)],
+    }[kind]
     full = [torch.randn(s, generator=gen) for s in shapes]
     shards = [shard_for_rank(kind, full, tp_rank=r, tp_size=tp, dims=DIMS) for r in range(tp)]
     merged = merge_shards(kind, shards, dims=DIMS)
@@ -65,14 +75,34 @@ def test_merge_inverts_shard_bit_for_bit(kind, tp):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kind,names,tps", [
-    ("replicated", ["norm"], [1, 2]), ("vocab", ["embed"], [1, 2, 4]), ("row", ["o_proj"], [1, 2]),
-    ("row", ["down_proj"], [1, 2, 4]), ("fc1", ["gate", "up"], [1, 2, 4]), ("qkv", ["q", "k", "v"], [1, 2]),
-    ("qkv", ["q_bias", "k_bias", "v_bias"], [1, 2])])
+@pytest.mark.parametrize(
+    "kind,names,tps",
+    [
+        ("replicated", ["norm"], [1, 2]),
+        ("vocab", ["embed"], [1, 2, 4]),
+        ("row", ["o_proj"], [1, 2]),
+        ("row", ["down_proj"], [1, 2, 4]),
+        ("fc1", ["gate", "up"], [1, 2, 4]),
+        ("qkv", ["q", "k", "v"], [1, 2]),
+        ("qkv", ["q_bias", "k_bias", "v_bias"], [1, 2]),
+    ],
+)
 def test_sliced_read_equals_full_read_then_shard(kind, names, tps):
     gen = torch.Generator().manual_seed(1)
-    shapes = {"norm": (3,), "embed": (5, 3), "o_proj": (3, 4), "down_proj": (3, 4), "gate": (4, 3), "up": (4, 3),
-              "q": (4, 3), "k": (2, 3), "v": (2, 3), "q_bias": (4,), "k_bias": (2,), "v_bias": (2,)}
+    shapes = {
+        "norm": (3,),
+        "embed": (5, 3),
+        "o_proj": (3, 4),
+        "down_proj": (3, 4),
+        "gate": (4, 3),
+        "up": (4, 3),
+        "q": (4, 3),
+        "k": (2, 3),
+        "v": (2, 3),
+        "q_bias": (4,),
+        "k_bias": (2,),
+        "v_bias": (2,),
+    }
     store = {n: torch.randn(shapes[n], generator=gen) for n in names}
     reads = []
 
@@ -81,10 +111,11 @@ def test_sliced_read_equals_full_read_then_shard(kind, names, tps):
         return store[name][start:stop] if dim == 0 else store[name][:, start:stop]
 
     for tp in tps:
-        for vocab_rows in ([None, 8] if kind == "vocab" else [None]):
+        for vocab_rows in [None, 8] if kind == "vocab" else [None]:
             for rank in range(tp):
-                expected = shard_for_rank(kind, [store[n] for n in names], tp_rank=rank, tp_size=tp, dims=DIMS,
-                                          vocab_rows=vocab_rows)
+                expected = shard_for_rank(
+                    kind, [store[n] for n in names], tp_rank=rank, tp_size=tp, dims=DIMS, vocab_rows=vocab_rows
+                )
                 got = read_shard(kind, names, read_rows, tp_rank=rank, tp_size=tp, dims=DIMS, vocab_rows=vocab_rows)
                 assert torch.equal(got, expected), (tp, rank, vocab_rows)
     if kind != "replicated" and max(tps) > 1:  # at tp > 1 a rank never reads a whole split tensor
@@ -93,8 +124,11 @@ def test_sliced_read_equals_full_read_then_shard(kind, names, tps):
 
 def test_map_param_names_layers_with_the_stage_offset_and_both_specs():
     local = map_param("decoder.layers.1.self_attention.linear_qkv.weight", layer_offset=2, dims=DIMS)
-    assert local.hf_names == ("model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
-                              "model.layers.3.self_attn.v_proj.weight")
+    assert local.hf_names == (
+        "model.layers.3.self_attn.q_proj.weight",
+        "model.layers.3.self_attn.k_proj.weight",
+        "model.layers.3.self_attn.v_proj.weight",
+    )
     te = map_param("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", layer_offset=0, dims=DIMS)
     assert te.hf_names == ("model.layers.0.post_attention_layernorm.weight",) and te.kind == "replicated"
     tied = Dims(**{**DIMS.__dict__, "tied": True})
