@@ -37,6 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# guarded_step is looked up at each call (actor_optimizer.guarded_step): tests replace it to read the gradients
+# just before the step (tests/helpers_actor.py grads_rank)
+import dapo_megatron.actor.optimizer as actor_optimizer
 from dapo_megatron.actor.attention import HOST_BOUNDS_ATTR
 from dapo_megatron.actor.checkpoint import load_checkpoint, restore_rng, rng_sharded_object, save_checkpoint
 from dapo_megatron.actor.context_parallel import merge_from_cp, split_for_cp
@@ -55,7 +58,6 @@ from dapo_megatron.actor.optimizer import (
     adam_step,
     build_lr_schedule,
     build_optimizer,
-    guarded_step,
     init_empty_optimizer_state,
     set_adam_step,
     set_lr_for_step,
@@ -609,7 +611,7 @@ class Actor:
             self.optimizer.zero_grad()
             updated, grad_norm = False, 0.0
         else:
-            updated, grad_norm = guarded_step(
+            updated, grad_norm = actor_optimizer.guarded_step(
                 self.optimizer, grad_clip=self.settings.optimizer.grad_clip, loss_is_finite=loss_is_finite
             )
         self.num_updates += int(updated)
