@@ -27,11 +27,15 @@ from dapo_megatron.rollout.auth import EngineKeys
 
 
 class EngineError(RuntimeError):
-    def __init__(self, message: str, status: int | None = None, url: str | None = None):
+    def __init__(
+        self, message: str, status: int | None = None, url: str | None = None, *, cut_urls: list[str] | None = None
+    ):
         super().__init__(message)
         self.status = status
         self.url = url
-        self.cut_urls: list[str] = []  # weight sync: engines whose begin_weight_update was cut (transfer/)
+        # weight sync: the engines whose begin_weight_update was cut (reset, refused, timed out), as opposed to
+        # refused by the engine (transfer/weight_sync.weight_update_session, engine_push.sync_dropping_dead)
+        self.cut_urls: list[str] = list(cut_urls or [])
 
 
 class EngineUnreachable(EngineError):

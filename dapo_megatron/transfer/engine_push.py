@@ -42,7 +42,7 @@ async def sync_dropping_dead(pool, weight_sync, named, *, weight_version: str, a
         dead = await _drop_unreachable(pool, targets, why=why)
         # an engine whose session call was cut mid-sync is lost even if its port answers one probe right
         # after (its host going down); it is taken back and re-synced once it answers /health again
-        cut = [url for url in getattr(err, "cut_urls", ()) if url not in dead]
+        cut = [url for url in err.cut_urls if url not in dead]
         for url in cut:
             pool.mark_dead(url, f"{why}: {err}")
         if not dead and not cut:

@@ -169,11 +169,12 @@ async def weight_update_session(clients: list[EngineClient], *, end_timeout_s: f
 
     if failures:
         await end_all()
-        err = EngineError(f"weight sync: {_name_failures('begin_weight_update', failures)}", url=next(iter(failures)))
-        # engines whose begin was cut (reset, refused, timed out), as opposed to refused by the engine:
-        # a host going down can still accept one TCP probe a moment later (engine_push.sync_dropping_dead)
-        err.cut_urls = [url for url, e in failures.items() if isinstance(e, EngineUnreachable)]
-        raise err
+        # cut_urls: a host going down can still accept one TCP probe a moment later (engine_push.sync_dropping_dead)
+        raise EngineError(
+            f"weight sync: {_name_failures('begin_weight_update', failures)}",
+            url=next(iter(failures)),
+            cut_urls=[url for url, e in failures.items() if isinstance(e, EngineUnreachable)],
+        )
     try:
         yield
     except BaseException:

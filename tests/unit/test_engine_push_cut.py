@@ -64,9 +64,8 @@ def listening_url():
 
 
 def _begin_failed(url, cause):
-    err = EngineError(f"weight sync: engine {url}: begin_weight_update failed: {cause}", url=url)
-    err.cut_urls = [url] if isinstance(cause, EngineUnreachable) else []
-    return err
+    cut = [url] if isinstance(cause, EngineUnreachable) else []
+    return EngineError(f"weight sync: engine {url}: begin_weight_update failed: {cause}", url=url, cut_urls=cut)
 
 
 def test_a_cut_session_call_drops_the_engine_although_its_port_answers(listening_url):
