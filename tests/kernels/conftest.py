@@ -26,7 +26,8 @@ def device() -> str:
 def _small_interpreter_tiles(monkeypatch):
     """In the interpreter, pin small tiles (16 x 64 x 32): the odd shapes below then span several
     vocab tiles per program (the online rescaling) and partial tiles on every edge. Compiled
-    launches autotune over the Hopper configurations as in production."""
+    launches autotune over the Hopper configurations as in production, or use the first of them under
+    DAPO_KERNELS_AUTOTUNE=0 (tests/gpu/run_all.sh's kernel_tests step)."""
     import dapo_kernels.logprob as logprob_mod
 
     if dapo_kernels.INTERPRET:
