@@ -5,6 +5,8 @@ pool can send them (tests/rank_pool.py)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import random
 
 import torch
@@ -75,41 +77,56 @@ def fill_rl_fields(samples, hf_logps, *, seed=1):
     return samples
 
 
-def grads_rank(hf_dir, samples, budget, algo=None, cp=1):
-    """One train step at TP=1 x DP=2 (or CP=2 x DP=1) without the distributed optimizer (grads
-    all-reduced over DP x CP, so every rank holds the full gradient); returns the gradient by HF
-    name, read just before the step."""
+class GradientCapture:
+    """What gradients_before_the_step records: set `actor` once built; `grads` fills at its step."""
+
+    def __init__(self) -> None:
+        self.actor = None
+        self.grads: dict = {}
+
+
+@contextlib.contextmanager
+def gradients_before_the_step():
+    """Inside: the optimizer step of the registered actor first records its gradient by HF name (each
+    main_grad copied into its parameter, read through iter_hf_weights, the parameters restored). FP32
+    optimizer without sharding: each main_grad holds the full reduced gradient."""
     import dapo_megatron.actor.optimizer as opt_module
-    from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
-    from dapo_megatron.actor.parallel import model_parallel
 
-    captured = {}
-    original = opt_module.guarded_step
+    capture, original = GradientCapture(), opt_module.guarded_step
 
-    def capture(optimizer, **kw):
-        params = [p for m in actor.model for p in m.module.parameters()]
+    def step(optimizer, **kw):
+        params = [p for m in capture.actor.model for p in m.module.parameters()]
         saved = [p.data.clone() for p in params]
         for p in params:
             p.data.copy_(p.main_grad)
-        captured.update({k: v.clone() for k, v in actor.iter_hf_weights()})
+        capture.grads.update({k: v.clone() for k, v in capture.actor.iter_hf_weights()})
         for p, s in zip(params, saved):
             p.data.copy_(s)
         return original(optimizer, **kw)
 
-    opt_module.guarded_step = capture
+    opt_module.guarded_step = step
     try:
-        with model_parallel(tp=1, cp=cp, seed=7) as layout:
-            cfg = make_cfg(cp=cp, micro_batch_tokens=budget, lr=1e-3, warmup_steps=0)
-            cfg.actor.use_distributed_optimizer = False
-            for key, value in (algo or {}).items():
-                setattr(cfg.algorithm, key, value)
-            actor = Actor(actor_settings(cfg), hf_dir, layout)
-            metrics = actor.train(samples, step=0)
-            num_micro = metrics["num_micro_batches"]
+        yield capture
     finally:
         opt_module.guarded_step = original
-    return metrics, num_micro, captured
+
+
+def grads_rank(hf_dir, samples, budget, algo=None, cp=1):
+    """One train step at TP=1 x DP=2 (or CP=2 x DP=1) without the distributed optimizer (grads
+    all-reduced over DP x CP, so every rank holds the full gradient); returns the gradient by HF
+    name, read just before the step."""
+    from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.trainer.settings import actor_settings
+    from dapo_megatron.actor.parallel import model_parallel
+
+    with gradients_before_the_step() as captured, model_parallel(tp=1, cp=cp, seed=7) as layout:
+        cfg = make_cfg(cp=cp, micro_batch_tokens=budget, lr=1e-3, warmup_steps=0)
+        cfg.actor.use_distributed_optimizer = False
+        for key, value in (algo or {}).items():
+            setattr(cfg.algorithm, key, value)
+        captured.actor = Actor(actor_settings(cfg), hf_dir, layout)
+        metrics = captured.actor.train(samples, step=0)
+    return metrics, metrics["num_micro_batches"], captured.grads
 
 
 def hf_seq_mean_step(hf_dir, samples, *, dtype, eps_low, eps_high, clip_ratio_c, tis_cap, kl_coef) -> PolicyStep:

@@ -35,7 +35,15 @@ from helpers_fp32 import (
     step_bounds,
     token_bounds,
 )
-from helpers_actor import STEP, fill_rl_fields, hf_logprobs, hf_seq_mean_step, make_cfg, make_samples
+from helpers_actor import (
+    STEP,
+    fill_rl_fields,
+    gradients_before_the_step,
+    hf_logprobs,
+    hf_seq_mean_step,
+    make_cfg,
+    make_samples,
+)
 
 STAT_KEYS = (
     "loss",
@@ -61,41 +69,23 @@ def _step_rank(hf_dir, samples, *, tp, sp, budget, fused_logprob, fused_policy_l
     """Every rank: Actor.logprobs, then one train step; returns (logprobs, entropies, metrics, the
     gradient and the updated weights by HF name). The gradient is read just before the optimizer
     step (FP32 optimizer without sharding: each main_grad holds the full reduced gradient)."""
-    import dapo_megatron.actor.optimizer as opt_module
     from dapo_megatron.actor.actor import Actor
     from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
 
-    captured = {}
-    original = opt_module.guarded_step
-
-    def capture(optimizer, **kw):
-        params = [p for m in actor.model for p in m.module.parameters()]
-        saved = [p.data.clone() for p in params]
-        for p in params:
-            p.data.copy_(p.main_grad)
-        captured.update({k: v.clone() for k, v in actor.iter_hf_weights()})
-        for p, s in zip(params, saved):
-            p.data.copy_(s)
-        return original(optimizer, **kw)
-
-    opt_module.guarded_step = capture
-    try:
-        with model_parallel(tp=tp, cp=cp, seed=7) as layout:
-            cfg = make_cfg(tp=tp, cp=cp, micro_batch_tokens=budget, sequence_parallel=sp, lr=1e-3, warmup_steps=0)
-            cfg.actor.use_distributed_optimizer = False
-            cfg.actor.fused_logprob, cfg.actor.fused_policy_loss = fused_logprob, fused_policy_loss
-            for key, value in (algo or {}).items():
-                setattr(cfg.algorithm, key, value)
-            actor = Actor(actor_settings(cfg), hf_dir, layout)
-            for group in actor.optimizer.param_groups:
-                group["eps"] = 1e-4  # bounds Adam's lr/eps slope at g ~ 0 (see test_actor_train.py)
-            out = actor.logprobs(samples)
-            metrics = actor.train(samples, step=0)
-            weights = {k: v.clone() for k, v in actor.iter_hf_weights()}
-    finally:
-        opt_module.guarded_step = original
-    return out.logprobs, out.entropies, metrics, captured, weights
+    with gradients_before_the_step() as captured, model_parallel(tp=tp, cp=cp, seed=7) as layout:
+        cfg = make_cfg(tp=tp, cp=cp, micro_batch_tokens=budget, sequence_parallel=sp, lr=1e-3, warmup_steps=0)
+        cfg.actor.use_distributed_optimizer = False
+        cfg.actor.fused_logprob, cfg.actor.fused_policy_loss = fused_logprob, fused_policy_loss
+        for key, value in (algo or {}).items():
+            setattr(cfg.algorithm, key, value)
+        actor = captured.actor = Actor(actor_settings(cfg), hf_dir, layout)
+        for group in actor.optimizer.param_groups:
+            group["eps"] = 1e-4  # bounds Adam's lr/eps slope at g ~ 0 (see test_actor_train.py)
+        out = actor.logprobs(samples)
+        metrics = actor.train(samples, step=0)
+        weights = {k: v.clone() for k, v in actor.iter_hf_weights()}
+    return out.logprobs, out.entropies, metrics, captured.grads, weights
 
 
 def _references(hf_dir, samples):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers_fp32 import reference_step
-from helpers_actor import make_samples, moe_cfg
+from helpers_actor import gradients_before_the_step, make_samples, moe_cfg
 
 NUM_LAYERS, TOPK, NUM_EXPERTS = 4, 2, 4
 SPARSE = (0, 2, 3)  # layer 1 is dense (mlp_only_layers)
@@ -149,34 +149,17 @@ def test_agreement_is_one_for_the_models_own_routing_and_the_overlap_otherwise(r
 
 
 def replayed_grads_on_rank(moe_dir, samples, ep):
-    import dapo_megatron.actor.optimizer as opt_module
     from dapo_megatron.actor.actor import Actor
     from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
 
-    captured, original = {}, opt_module.guarded_step
-
-    def capture(optimizer, **kw):  # the gradient by HF name, read just before the step
-        params = [p for m in actor.model for p in m.module.parameters()]
-        saved = [p.data.clone() for p in params]
-        for p in params:
-            p.data.copy_(p.main_grad)
-        captured.update({k: v.clone() for k, v in actor.iter_hf_weights()})
-        for p, s in zip(params, saved):
-            p.data.copy_(s)
-        return original(optimizer, **kw)
-
-    opt_module.guarded_step = capture
-    try:
-        with model_parallel(ep=ep, seed=7) as layout:
-            cfg = moe_cfg(ep=ep, micro_batch_tokens=40, lr=1e-3, warmup_steps=0)
-            cfg.actor.use_distributed_optimizer = False
-            cfg.actor.routing_replay = cfg.rollout.return_routed_experts = True
-            actor = Actor(actor_settings(cfg), moe_dir, layout)
-            metrics = actor.train(samples, step=0)
-    finally:
-        opt_module.guarded_step = original
-    return metrics, captured
+    with gradients_before_the_step() as captured, model_parallel(ep=ep, seed=7) as layout:
+        cfg = moe_cfg(ep=ep, micro_batch_tokens=40, lr=1e-3, warmup_steps=0)
+        cfg.actor.use_distributed_optimizer = False
+        cfg.actor.routing_replay = cfg.rollout.return_routed_experts = True
+        captured.actor = Actor(actor_settings(cfg), moe_dir, layout)
+        metrics = captured.actor.train(samples, step=0)
+    return metrics, captured.grads
 
 
 def test_replayed_train_step_has_the_forced_models_gradient(rank_pool, moe_dir):
