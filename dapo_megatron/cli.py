@@ -37,7 +37,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "bench": ("dapo_megatron.benchmarks.run", "main", "benchmarks: " + " | ".join(BENCHES)),
     "serve-rollout": ("dapo_megatron.cpu_engine.serve", "main", "CPU rollout server (SGLang HTTP API)"),
     "slurm": ("dapo_megatron.launch.slurm_cli", "main", "render / submit sbatch jobs, show their status"),
-    "plot": ("dapo_megatron.trainer.run_log", "plot_main", "PNG of a run's curves"),
+    "plot": ("dapo_megatron.trainer.metrics_log", "plot_main", "PNG of a run's curves"),
 }
 
 

@@ -51,7 +51,7 @@ class DataConfig:
     train_path: str = ""  # parquet / jsonl in the DAPO-Math-17K schema; "" = synthetic task
     eval_path: str = ""
     # several eval sets, name -> file (DAPO-Math schema), e.g. {aime24: ..., aime25: ..., math500: ...}: each
-    # logged as eval/<name>/avg@k, ... (trainer/eval_report.py); {} = the one set of eval_path (or the
+    # logged as eval/<name>/avg@k, ... (trainer/evaluation/report.py); {} = the one set of eval_path (or the
     # synthetic held-out split), logged as eval/avg@k. The first set picks the best checkpoint.
     eval_sets: dict[str, str] = field(default_factory=dict)
     dedup: bool = True  # the public DAPO-Math-17K file repeats every prompt ~100 times

@@ -15,7 +15,7 @@ export MASTER_ADDR MASTER_PORT
 #   NCCL_IB_GID_INDEX     RoCE networks need the GID index of the RoCEv2 address (often 3)
 #   NCCL_SOCKET_IFNAME    interface for NCCL's bootstrap / socket transport; GLOO_SOCKET_IFNAME the same
 #   GLOO_SOCKET_IFNAME    for gloo. Unset, each rank takes the interface whose address routes to the
-#                         other hosts (MASTER_ADDR; dapo_megatron/dataplane/addresses.py), never loopback
+#                         other hosts (MASTER_ADDR; dapo_megatron/distributed/addresses.py), never loopback
 #                         across hosts; set them only to force a fabric (e.g. NCCL_SOCKET_IFNAME==ib0)
 #   TORCH_NCCL_ASYNC_ERROR_HANDLING=1  a hung or failed collective aborts the job instead of hanging it
 #   CUDA_DEVICE_MAX_CONNECTIONS=1      one hardware queue, so Megatron's TP/SP communication overlaps

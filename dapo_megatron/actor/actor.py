@@ -2,7 +2,7 @@
 
     init_distributed()                                   # torchrun / srun environment
     with model_parallel(tp=cfg.actor.tp, pp=cfg.actor.pp, cp=cfg.actor.cp, vpp=cfg.actor.vpp,
-                        seed=cfg.trainer.seed) as layout:  # this rank's ParallelLayout (dataplane/layout.py)
+                        seed=cfg.trainer.seed) as layout:  # this rank's ParallelLayout (distributed/layout.py)
         actor = Actor(actor_settings(cfg), hf_dir, layout)  # on EVERY rank (trainer/settings.py)
         share, _ = scatter_batch(..., layout=layout)     # this DP rank's share (dataplane/scatter.py)
         old = actor.logprobs(share)                      # fp32 [response tokens of the share], last stage
@@ -72,11 +72,11 @@ from dapo_megatron.actor.settings import ActorSettings
 from dapo_megatron.actor.staging import to_device
 from dapo_megatron.algo.aggregation import count_loss_units_packed, sequence_token_counts
 from dapo_megatron.algo.objective import METRIC_SUMS, PackedTokens, objective, objective_metrics
-from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.dataplane.batch import RolloutBatch, exclusive_cumsum, ranges_index
-from dapo_megatron.dataplane.layout import ParallelLayout
 from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.dataplane.share import BatchShare, PackSettings, share_of_samples
+from dapo_megatron.distributed import collectives as coll
+from dapo_megatron.distributed.layout import ParallelLayout
 from dapo_megatron.quant.engine_checkpoint import fp8_converter
 from dapo_megatron.weights import iter_hf_weights, load_hf_into_model
 
@@ -119,7 +119,7 @@ class Actor:
     ) -> None:
         """Build the model for this rank's place in the (already initialized) parallel layout, load
         the HF checkpoint into it, wrap it in megatron DDP and build the optimizer. `layout`: what
-        model_parallel() yields (dataplane/layout.py); it must match the settings' actor.tp, pp, ...
+        model_parallel() yields (distributed/layout.py); it must match the settings' actor.tp, pp, ...
 
         frozen=True (the KL reference, reference.py): log-probs only; no DDP wrapper (so no
         param/grad buffers, no main_grad), no optimizer; train/save/load refuse."""

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.dataplane import collectives as coll
-from dapo_megatron.dataplane.layout import ParallelLayout
+from dapo_megatron.distributed import collectives as coll
+from dapo_megatron.distributed.layout import ParallelLayout
 
 META_FILE = "actor_state.json"
 

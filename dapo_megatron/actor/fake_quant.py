@@ -52,8 +52,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.dataplane import collectives as coll
-from dapo_megatron.dataplane.layout import ParallelLayout
+from dapo_megatron.distributed import collectives as coll
+from dapo_megatron.distributed.layout import ParallelLayout
 from dapo_megatron.quant.fp8_activation import quant_with_absmax
 from dapo_megatron.weights.load import chunk_layer_offset, unwrap_model
 from dapo_megatron.weights.mapping import Dims, ParamMap, expected_hf_shapes, map_param, shard_for_rank

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 
 from dapo_megatron.actor.attention import TorchSDPAttention, check_attention_kernel
 from dapo_megatron.actor.moe import moe_layer_pattern, moe_transformer_kwargs
-from dapo_megatron.dataplane.collectives import compute_device
+from dapo_megatron.distributed.collectives import compute_device
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel

@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.distributed import collectives as coll
 
 CATEGORIES = ("params", "grads", "optimizer")
 

@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.actor.compat import apply_megatron_compat
-from dapo_megatron.dataplane import collectives as coll
-from dapo_megatron.dataplane.addresses import choose_socket_interfaces
-from dapo_megatron.dataplane.layout import ParallelLayout
+from dapo_megatron.distributed import collectives as coll
+from dapo_megatron.distributed.addresses import choose_socket_interfaces
+from dapo_megatron.distributed.layout import ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ def init_distributed(*, timeout_minutes: int = 30) -> LaunchEnv:
         )
         return env
     # Several hosts: each rank's gloo/NCCL interface is the one that routes to the other hosts, chosen
-    # before any group exists (dataplane/addresses.py; a host name on 127.0.1.1 would be advertised
+    # before any group exists (distributed/addresses.py; a host name on 127.0.1.1 would be advertised
     # otherwise). The rendezvous store is made first so that ranks on the master's host can learn a
     # peer's address from it; the default group then uses the same store, as init_method would.
     store, _, _ = next(dist.rendezvous(init_method, env.rank, env.world_size, timeout=timeout))
@@ -279,7 +279,7 @@ def model_parallel(
     seed: int = 1234,
 ) -> Iterator[ParallelLayout]:
     """Megatron parallel state + RNG tracker for the body, which receives this rank's ParallelLayout
-    (dataplane/layout.py) to pass to the actor, the roles and the data plane; destroyed on exit (also
+    (distributed/layout.py) to pass to the actor, the roles and the data plane; destroyed on exit (also
     on errors), and with it the layout's groups.
 
     torch.distributed must already be initialized (init_distributed() or the test rank pool).

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dapo_megatron.actor.actor import Actor
 from dapo_megatron.actor.settings import ActorSettings
-from dapo_megatron.dataplane.layout import ParallelLayout
+from dapo_megatron.distributed.layout import ParallelLayout
 
 
 class ReferencePolicy:

@@ -38,9 +38,9 @@ import torch
 
 from dapo_megatron.actor.moe import moe_shape_of
 from dapo_megatron.actor.staging import to_device
-from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.dataplane.batch import RolloutBatch, exclusive_cumsum, ranges_index
-from dapo_megatron.dataplane.layout import ParallelLayout
+from dapo_megatron.distributed import collectives as coll
+from dapo_megatron.distributed.layout import ParallelLayout
 
 if TYPE_CHECKING:
     from megatron.core.models.gpt import GPTModel

@@ -55,8 +55,8 @@ from dapo_megatron.actor.actor import Actor
 from dapo_megatron.actor.parallel import init_distributed, model_parallel
 from dapo_megatron.benchmarks.run import add_output_args, append_rows, check_header, results_csv
 from dapo_megatron.config import ActorConfig, Config
-from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.dataplane.sample import Sample
+from dapo_megatron.distributed import collectives as coll
 from dapo_megatron.trainer.settings import actor_settings
 from dapo_megatron.weights.mapping import Dims, expected_hf_shapes
 

@@ -50,13 +50,13 @@ import torch
 from dapo_megatron.actor import parallel
 from dapo_megatron.actor.model import build_model_chunks
 from dapo_megatron.config import ActorConfig, Config
-from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.dataplane.batch import RolloutBatch
-from dapo_megatron.dataplane.roles import RankRoles
 from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.dataplane.scatter import scatter_batch
 from dapo_megatron.dataplane.share import PackSettings
-from dapo_megatron.dataplane.step_metrics import old_logprob_metrics
+from dapo_megatron.distributed import collectives as coll
+from dapo_megatron.distributed.roles import RankRoles
+from dapo_megatron.trainer.step_metrics import old_logprob_metrics
 from dapo_megatron.transfer.stage_export import StageExporter, gather_manifests, weights_for_driver
 
 DEFAULT_LAYOUTS = ("2:dp2", "2:tp2", "2:pp2", "4:dp4", "4:tp2,dp2", "4:pp2,dp2", "4:tp2,pp2", "4:cp2,dp2")
@@ -359,8 +359,8 @@ def _import_everything_measured() -> None:
         "dapo_megatron.weights",
         "dapo_megatron.actor.packing",
         "dapo_megatron.dataplane.scatter",
-        "dapo_megatron.dataplane.step_metrics",
-        "dapo_megatron.dataplane.roles",
+        "dapo_megatron.trainer.step_metrics",
+        "dapo_megatron.distributed.roles",
         "dapo_megatron.transfer.stage_export",
     ):
         try:

@@ -59,7 +59,7 @@ from dapo_megatron.cpu_engine.guard import (
 )
 from dapo_megatron.cpu_engine.protocol import RequestError, SamplingParams, SequenceRequest, parse_generate
 from dapo_megatron.cpu_engine.scheduler import Batcher, RWLock
-from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.distributed import collectives as coll
 from dapo_megatron.rollout.routing import encode_routed_experts
 from dapo_megatron.transfer.tensor_payload import PayloadError, deserialize_payload, flattened_size, unflatten_bucket
 from dapo_megatron.transfer.weight_group import open_weight_group

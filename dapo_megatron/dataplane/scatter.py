@@ -10,7 +10,7 @@ Collective over the world. Two levels, so that no rank receives more than its ow
      the step's sequence count), then each tensor at its exact size, nothing padded to the largest
      share. All sends are posted before any is waited on.
   2. each batch source broadcasts its share over its replica group (its tensor-, context- and
-     pipeline-parallel peers: layout.replica_group, dataplane/layout.py).
+     pipeline-parallel peers: layout.replica_group, distributed/layout.py).
 With NCCL the tensors travel on the current device and come back to the host (the packing works
 on the host); with gloo they stay on the CPU. The header is a pickled dict of a few names and
 integers (send_object_list), O(fields), never O(tokens).
@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.dataplane.batch import RolloutBatch
-from dapo_megatron.dataplane.layout import ParallelLayout
 from dapo_megatron.dataplane.share import BatchShare, PackSettings, SharePlan, plan_shares
+from dapo_megatron.distributed import collectives as coll
+from dapo_megatron.distributed.layout import ParallelLayout
 
 PLAN_FIELDS = ("micro_batch_sizes", "micro_batches_per_mini", "mini_batch_lengths")
 

@@ -26,7 +26,7 @@ TRAIN_HELP = """The DAPO training loop (docs/architecture.md, "One training step
 Run by hand, `train` is the launcher (launch/local.py): it prepares the model, starts the CPU rollout
 engines and the actor ranks under torchrun, and stops all of them on exit, error or Ctrl-C. Under
 torchrun/srun (RANK set) it is one rank of the loop below. What each rank does is named by its
-roles (dataplane/roles.py): the driver (global rank 0) talks to the engines and builds the batch;
+roles (distributed/roles.py): the driver (global rank 0) talks to the engines and builds the batch;
 every rank trains on its data-parallel share; trainer/placement.py says what moves between phases.
 """
 
@@ -49,7 +49,7 @@ def train(argv: list[str]) -> int:
 
         die_with_parent()  # a rank ends with torchrun, even when torchrun is SIGKILLed (launch/lifeline.py)
         os.register_at_fork(after_in_child=die_with_parent)  # so do its fork children (Megatron's checkpoint writers)
-        return loop.run_worker_recorded(cfg, resume=args.resume) or 0  # None: the worker exited with SystemExit(0)
+        return loop.train_rank_recorded(cfg, resume=args.resume) or 0  # None: the worker exited with SystemExit(0)
 
     try:
         return launch_training(
@@ -67,7 +67,7 @@ def evaluate(argv: list[str]) -> int:
     sampled k = trainer.eval_n times per problem with the eval sampling settings
     (trainer.eval_temperature / eval_top_p; DAPO: k=32, T=1.0, top_p=0.7); the JSON holds avg@k with
     its 95% bootstrap interval, maj@k, unbiased pass@1, 2, 4, ..., k and one record per problem
-    (trainer/eval_report.py; docs/algorithm.md, "Evaluation").
+    (trainer/evaluation/report.py; docs/algorithm.md, "Evaluation").
     rollout.engine=cpu starts CPU engines on the checkpoint; otherwise the engines of
     rollout.engine_urls or <output_dir>/engines load it with update_weights_from_disk.
     DIR is a run checkpoint (checkpoints/step_N), a HF model directory, or a run directory (its
@@ -81,8 +81,8 @@ def evaluate(argv: list[str]) -> int:
     import tempfile
     from pathlib import Path
 
-    from dapo_megatron.trainer.eval_report import eval_report, write_eval_file
-    from dapo_megatron.trainer.evaluate import resolve_checkpoint, sample_eval
+    from dapo_megatron.trainer.evaluation.report import eval_report, write_eval_file
+    from dapo_megatron.trainer.evaluation.sampling import resolve_checkpoint, sample_eval
 
     if "--compare" in argv:
         return compare(argv)
@@ -189,7 +189,7 @@ def _checkpoint_step(checkpoint: str) -> int:
     """The step of a run checkpoint (its trainer_state.json), -1 for a plain HF model."""
     from pathlib import Path
 
-    from dapo_megatron.trainer.run_checkpoint import read_state
+    from dapo_megatron.trainer.checkpoint.files import read_state
 
     try:
         return int(read_state(Path(checkpoint))["step"])
@@ -199,10 +199,10 @@ def _checkpoint_step(checkpoint: str) -> int:
 
 def compare(argv: list[str]) -> int:
     """`dapo-megatron eval --compare A B`: per eval set, avg@k of A and B and B - A with its
-    paired-bootstrap 95% interval (the same problems resampled for both; trainer/eval_report.py)."""
+    paired-bootstrap 95% interval (the same problems resampled for both; trainer/evaluation/report.py)."""
     import argparse
 
-    from dapo_megatron.trainer.eval_report import compare_evals, load_eval_sets
+    from dapo_megatron.trainer.evaluation.report import compare_evals, load_eval_sets
 
     parser = argparse.ArgumentParser(prog="dapo-megatron eval --compare", description=compare.__doc__)
     parser.add_argument(

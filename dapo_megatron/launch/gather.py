@@ -7,7 +7,7 @@ Each `<checkpoint>.json` becomes one row: `checkpoint` (the file name) then its 
 flattened with dots (`{"aime": {"avg@32": 0.5}}` -> column `aime.avg@32`). Rows are in step order
 (the first integer in the checkpoint name, e.g. step_000120 -> 120), columns in first-seen order;
 a field missing from a file is an empty cell. Writes results.md and results.csv next to the JSONs.
-Where a row and the one before it hold per-problem records of the same problems (trainer/eval_report.py),
+Where a row and the one before it hold per-problem records of the same problems (trainer/evaluation/report.py),
 the row also says whether it beats its predecessor: `diff_vs_prev` (avg@k difference), its paired-bootstrap
 95% interval `diff_vs_prev_ci95` and `beats_prev` (yes / no: worse / unclear), per eval set.
 
@@ -59,7 +59,7 @@ def _interval(value: list) -> str:
 def _vs_previous(prev: dict[str, Any] | None, data: dict[str, Any]) -> dict[str, Any]:
     """diff_vs_prev / diff_vs_prev_ci95 / beats_prev per eval set shared with the previous row's file
     (sets.<name>. in front with several sets); {} where either file has no per-problem records."""
-    from dapo_megatron.trainer.eval_report import compare_evals
+    from dapo_megatron.trainer.evaluation.report import compare_evals
 
     if prev is None or not isinstance(prev.get("problems", prev.get("sets")), (list, dict)):
         return {}
@@ -114,7 +114,7 @@ def load_rows(results_dir: Path) -> list[dict[str, Any]]:
 def ladder_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     """One row per run of the sweep, in slurm/sweep_runs.tsv order: its newest eval and the comparison
     with the previous rung."""
-    from dapo_megatron.trainer.eval_report import load_eval_sets
+    from dapo_megatron.trainer.evaluation.report import load_eval_sets
 
     runs_file = sweep_dir / "slurm" / "sweep_runs.tsv"
     if not runs_file.is_file():

@@ -43,7 +43,7 @@ def job_start_args(
     ValueError with the ways out, before anything is written.
     """
     from dapo_megatron.launch.run_dir import check_run_dir
-    from dapo_megatron.trainer.run_checkpoint import list_checkpoints
+    from dapo_megatron.trainer.checkpoint.files import list_checkpoints
 
     found = list_checkpoints(run_dir)
     if restart > 0:

@@ -34,7 +34,7 @@ from dapo_megatron.memplan.report import check_before_launch
 from dapo_megatron.quant.engine_checkpoint import fp8_rollout_dir, prepare_fp8_rollout
 from dapo_megatron.rollout.auth import ensure_secret_file, keys_from_config, run_secret_path
 from dapo_megatron.rollout.registry import read_registrations
-from dapo_megatron.trainer import console, run_log
+from dapo_megatron.trainer import console, metrics_log
 
 
 def check_cores(cores: list[int], key: str) -> None:
@@ -256,7 +256,7 @@ def launch_training(
 ) -> int:
     """This machine: take the run directory's lock (one run per directory, launch/run_lock.py), decide
     about the run directory, check the memory plan, prepare the model, start CPU engines, run the actor
-    ranks under torchrun, then print where everything is (run_log.run_summary)."""
+    ranks under torchrun, then print where everything is (metrics_log.run_summary)."""
     # before anything is written: a second `train` into this directory is refused, naming this one
     with RunLock(cfg.trainer.output_dir, command=f"dapo-megatron train {config_path}") as lock:
         if lock.stale_note:
@@ -390,7 +390,7 @@ def _launch_locked(
         return stop.exit_code  # the driver's "stopped at step N (...)" line is the last word
     if rc == 0:
         print(
-            run_log.run_summary(
+            metrics_log.run_summary(
                 run_dir, phase_seconds=phases.seconds, ranks_wall_s=ranks_wall_s, wall_s=time.perf_counter() - t_start
             ),
             flush=True,
@@ -400,7 +400,7 @@ def _launch_locked(
 
 def _stopped_early(cfg) -> bool:
     """A stop request ended the run before trainer.total_steps (one in the last step does not)."""
-    from dapo_megatron.trainer.run_checkpoint import list_checkpoints
+    from dapo_megatron.trainer.checkpoint.files import list_checkpoints
 
     done = list_checkpoints(cfg.trainer.output_dir)
     return not done or done[-1][0] < cfg.trainer.total_steps

@@ -72,7 +72,7 @@ class LocalStop:
 
 def stopped_at_once(stop: KeyboardInterrupt, run_dir: str | Path) -> int:
     """The one line for a stop that did not wait for a checkpoint, naming what is lost; the exit code."""
-    from dapo_megatron.trainer.run_checkpoint import latest_checkpoint
+    from dapo_megatron.trainer.checkpoint.files import latest_checkpoint
 
     signum = stop.signum if isinstance(stop, StopNow) else int(signal.SIGINT)
     name = signal.Signals(signum).name

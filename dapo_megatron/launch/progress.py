@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from dapo_megatron.config import load_config
-from dapo_megatron.trainer.run_checkpoint import list_checkpoints
+from dapo_megatron.trainer.checkpoint.files import list_checkpoints
 
 
 def checkpointed_step(output_dir: str) -> int:

@@ -18,7 +18,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from dapo_megatron.trainer import run_checkpoint as ckpt
+from dapo_megatron.trainer.checkpoint import files as ckpt
 
 # what one run writes into its directory (README, "run directory"); --overwrite removes exactly these
 RUN_FILES = ("checkpoints", "metrics.jsonl", "curves.png", "wandb", "logs", "engines", "eval")
@@ -78,7 +78,7 @@ def check_run_dir(
                 f"with {ckpt.STATE_FILE}); run without --resume to start this run from the beginning"
             )
         # a finished run is only finished if its last checkpoint is intact (its manifest verifies);
-        # otherwise the ranks set it aside and resume from an earlier one (trainer/run_checkpoint.py)
+        # otherwise the ranks set it aside and resume from an earlier one (trainer/checkpoint/files.py)
         problems = ckpt.verify_checkpoint(checkpoints[-1][1]) if latest_step >= total_steps else []
         if problems:
             return RunDirDecision(

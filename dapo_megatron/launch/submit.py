@@ -214,8 +214,8 @@ def plan_sweep(
 
 
 def find_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete run checkpoints, <run_dir>/checkpoints/step_<N>/ (dapo_megatron/trainer/run_checkpoint.py), by step."""
-    from dapo_megatron.trainer.run_checkpoint import list_checkpoints
+    """Complete run checkpoints, <run_dir>/checkpoints/step_<N>/ (trainer/checkpoint/files.py), by step."""
+    from dapo_megatron.trainer.checkpoint.files import list_checkpoints
 
     return [path for _, path in list_checkpoints(run_dir)]
 

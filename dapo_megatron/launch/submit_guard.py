@@ -228,7 +228,7 @@ def check_training_submission(
                 to_remove=tuple(n for n in RUN_FILES if (run_dir / n).exists() or (run_dir / n).is_symlink()),
             )
         else:
-            from dapo_megatron.trainer.run_checkpoint import list_checkpoints
+            from dapo_megatron.trainer.checkpoint.files import list_checkpoints
 
             if resume and len(runs) > 1 and not list_checkpoints(run_dir) and not (run_dir / "metrics.jsonl").exists():
                 # a sweep's run that never started: it starts from the beginning (the job says so too)

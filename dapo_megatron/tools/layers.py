@@ -45,6 +45,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dapo_megatron.actor",),
     ("dapo_megatron.weights",),
     ("dapo_megatron.dataplane", "dapo_megatron.memplan", "dapo_megatron.quant"),
+    ("dapo_megatron.distributed",),  # layout, collectives, driver_decides, roles, routed addresses
     ("dapo_megatron.algo", "dapo_megatron.reward", "dapo_megatron.data"),
     ("dapo_megatron.config",),
     ("dapo_kernels",),

@@ -66,7 +66,7 @@ from dapo_megatron.actor.lm_head import (
 from dapo_megatron.actor.model import build_model_chunks, packed_position_ids, packed_seq_params_from_lengths
 from dapo_megatron.actor.packing import round_up
 from dapo_megatron.actor.parallel import init_distributed, model_parallel
-from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.distributed import collectives as coll
 from dapo_megatron.weights.load import load_hf_into_model
 
 

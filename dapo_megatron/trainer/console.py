@@ -6,7 +6,7 @@ that fits 120 characters, and a closing summary. Everything else goes to metrics
     with phases.phase("model", slow_note="building ...") as note:   # [train] model: ... (12.3 s)
         note["detail"] = "tiny Qwen2 warm-started"
     table = StepTable(total_steps=40)             # MetricsLogger prints one row per logged step
-    print(run_log.run_summary(run_dir, phase_seconds=phases.seconds, wall_s=...))   # trainer/run_log.py
+    print(metrics_log.run_summary(run_dir, phase_seconds=phases.seconds, wall_s=...))   # trainer/metrics_log.py
 
     [train] model: tiny Qwen2 (0.4M parameters), warm start cached (0.3 s)
     [train] rollout: 1 CPU engine serving at http://127.0.0.1:41871 (6.1 s)

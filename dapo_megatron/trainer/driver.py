@@ -31,14 +31,14 @@ from dapo_megatron.rollout.client import EngineError
 from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
 from dapo_megatron.rollout.registry import engine_events_path
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
-from dapo_megatron.trainer.eval_report import (
+from dapo_megatron.trainer.evaluation.report import (
     eval_file_path,
     eval_report,
     metric_prefix,
     report_metrics,
     write_eval_file,
 )
-from dapo_megatron.trainer.evaluate import sample_eval
+from dapo_megatron.trainer.evaluation.sampling import sample_eval
 from dapo_megatron.trainer.recovery import EngineFaults, Verdict
 from dapo_megatron.trainer.timeline import write_timeline
 from dapo_megatron.transfer.engine_push import sync_dropping_dead
@@ -250,7 +250,7 @@ class Driver:
     def evaluate(self, *, step: int) -> dict[str, float]:
         """Every eval set with the eval sampling settings (trainer.eval_n/eval_temperature/eval_top_p) on
         the weights after `step` updates, written to <run_dir>/evals/step_<step>.json; the metrics
-        returned are that file's numbers (trainer/eval_report.py: eval/avg@k, or eval/<set>/avg@k with
+        returned are that file's numbers (trainer/evaluation/report.py: eval/avg@k, or eval/<set>/avg@k with
         several sets)."""
         if not self.eval_sets:
             return {}

@@ -40,9 +40,9 @@ from typing import Any, Protocol
 
 from dapo_megatron.actor.offload import trainer_memory_gb
 from dapo_megatron.config import Config
-from dapo_megatron.dataplane import collectives as coll
-from dapo_megatron.dataplane.driver_decides import driver_decides
-from dapo_megatron.dataplane.roles import RankRoles
+from dapo_megatron.distributed import collectives as coll
+from dapo_megatron.distributed.driver_decides import driver_decides
+from dapo_megatron.distributed.roles import RankRoles
 from dapo_megatron.quant.engine_checkpoint import fp8_converter, fp8_rollout_dir
 from dapo_megatron.transfer import engine_release as engine_memory
 from dapo_megatron.transfer.colocated_sync import ColocatedTransfer, assign_engine_slots, trainer_device

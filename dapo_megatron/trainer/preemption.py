@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.distributed import collectives as coll
 
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 PREEMPT_FILE_ENV = "DAPO_PREEMPT_FILE"  # set by slurm/_trainer_launch.sh

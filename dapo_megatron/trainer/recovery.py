@@ -9,7 +9,7 @@
 The loop holds the FaultPolicy (every rank, collectives); the driver holds its EngineFaults (what it
 knows of the engines) and answers the policy through Driver.try_phase and the EngineFaults fields
 (sync_redo, lost_reason): no function here reaches into the Driver's attributes. Every decision is
-the driver's, learned by every rank through dataplane/driver_decides.py: a Verdict, or the driver's
+the driver's, learned by every rank through distributed/driver_decides.py: a Verdict, or the driver's
 exception (EnginesLost with the driver's message, raised on every rank alike).
 
 The only engine dying during a rollout: the driver puts its prompt stream and request counter back
@@ -45,7 +45,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from dapo_megatron.dataplane.driver_decides import driver_decides
+from dapo_megatron.distributed.driver_decides import driver_decides
 from dapo_megatron.rollout.pool import NoLiveEngine
 from dapo_megatron.rollout.registry import engine_events_path, read_engine_events
 
@@ -153,7 +153,7 @@ class FaultPolicy:
     """What every rank does around the phases that talk to the engines: the driver's rollout and eval
     (redone after a re-sync when every engine died: one retry-with-resync path; EnginesLost when none
     came back) and the weight transfer (as many export passes as it takes). The driver decides each
-    time; every rank learns its verdict (dataplane/driver_decides.py)."""
+    time; every rank learns its verdict (distributed/driver_decides.py)."""
 
     def __init__(self, *, roles, placement, actor, driver, engine_restarts: int) -> None:
         self.roles, self.placement, self.actor, self.driver = roles, placement, actor, driver

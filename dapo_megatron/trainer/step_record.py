@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dapo_megatron.dataplane.step_metrics import Clock, reduce_updates
+from dapo_megatron.trainer.step_metrics import Clock, reduce_updates
 
 
 class StepRecord:

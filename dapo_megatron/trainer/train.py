@@ -1,5 +1,5 @@
 """One rank of the DAPO training loop (docs/architecture.md, "One training step"): `dapo-megatron train`
-under torchrun/srun runs run_worker_recorded (launch/commands.py, whose TRAIN_HELP is the command's
+under torchrun/srun runs train_rank_recorded (launch/commands.py, whose TRAIN_HELP is the command's
 --help: how the command starts the launcher or a rank)."""
 
 from __future__ import annotations
@@ -16,29 +16,29 @@ from dapo_megatron.actor.ref_policy import ReferencePolicy
 from dapo_megatron.algo import ADVANTAGES
 from dapo_megatron.config import Config
 from dapo_megatron.dataplane.batch import RolloutBatch
-from dapo_megatron.dataplane.layout import ParallelLayout
-from dapo_megatron.dataplane.roles import RankRoles
 from dapo_megatron.dataplane.scatter import scatter_batch
-from dapo_megatron.dataplane.step_metrics import old_logprob_metrics
+from dapo_megatron.distributed.layout import ParallelLayout
+from dapo_megatron.distributed.roles import RankRoles
 from dapo_megatron.trainer import console
-from dapo_megatron.trainer.checkpointer import Checkpointer
+from dapo_megatron.trainer.checkpoint.checkpointer import Checkpointer
+from dapo_megatron.trainer.checkpoint.files import TrainerState
 from dapo_megatron.trainer.driver import Driver
-from dapo_megatron.trainer.eval_report import headline_avg
-from dapo_megatron.trainer.evaluator import Evaluator
+from dapo_megatron.trainer.evaluation.evaluator import Evaluator
+from dapo_megatron.trainer.evaluation.report import headline_avg
+from dapo_megatron.trainer.metrics_log import MetricsLogger
 from dapo_megatron.trainer.nonfinite import NonFiniteGuard
 from dapo_megatron.trainer.placement import make_placement
 from dapo_megatron.trainer.preemption import PreemptionSignal
 from dapo_megatron.trainer.recovery import EnginesLost, FaultPolicy
-from dapo_megatron.trainer.run_checkpoint import TrainerState
-from dapo_megatron.trainer.run_log import MetricsLogger
 from dapo_megatron.trainer.settings import actor_settings
+from dapo_megatron.trainer.step_metrics import old_logprob_metrics
 from dapo_megatron.trainer.step_record import StepRecord
 
 
 @dataclass
-class Run:
+class Components:
     """What every rank's step works with. Which rank does what is said once, by `roles`
-    (dataplane/roles.py): `driver` is the Driver exactly where roles.driver, None elsewhere."""
+    (distributed/roles.py): `driver` is the Driver exactly where roles.driver, None elsewhere."""
 
     roles: Any
     actor: Any
@@ -51,7 +51,7 @@ class Run:
     sequences_per_mini_batch: int  # rollout.n * trainer.mini_batch_size
 
 
-def dapo_step(step: int, run: Run) -> dict[str, float]:
+def dapo_step(step: int, run: Components) -> dict[str, float]:
     """One DAPO step on every rank (docs/algorithm.md); the step's metrics, complete on the driver."""
     roles, actor, ref, placement = run.roles, run.actor, run.ref, run.placement
     record = StepRecord()  # every lap and metric of the step
@@ -120,7 +120,7 @@ def old_logprobs(share, actor, ref, *, reports: bool) -> dict[str, float]:
     return {**old_logprob_metrics(share.batch, old.logprobs, old.entropies, reports=reports), **old.routing}
 
 
-def run_worker(cfg: Config, *, resume: bool) -> int:
+def train_rank(cfg: Config, *, resume: bool) -> int:
     """One rank of the run: the components below each decide their own timing, so the loop reads as
     the algorithm's outer loop."""
     console.quiet_backend_warnings()  # before megatron-core is imported (trainer/console.py: which, and why)
@@ -136,7 +136,7 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
         etp=cfg.actor.etp,
         seed=tr.seed,
     ) as layout:
-        run = build_run(cfg, layout)
+        run = build_components(cfg, layout)
         checkpointer = Checkpointer(cfg, actor=run.actor, driver=run.driver, roles=run.roles, placement=run.placement)
         resumed = checkpointer.resume() if resume else None  # verified against its manifest
         if resumed is not None:
@@ -195,7 +195,7 @@ def run_worker(cfg: Config, *, resume: bool) -> int:
     return 0
 
 
-def build_run(cfg: Config, layout: ParallelLayout) -> Run:
+def build_components(cfg: Config, layout: ParallelLayout) -> Components:
     """Every rank's actor (and KL reference), the driver on global rank 0, the placement and the fault
     policy, in this rank's parallel layout (model_parallel's)."""
     roles = RankRoles.current(layout)
@@ -210,7 +210,7 @@ def build_run(cfg: Config, layout: ParallelLayout) -> Run:
     faults = FaultPolicy(
         roles=roles, placement=placement, actor=actor, driver=driver, engine_restarts=cfg.rollout.engine_restarts
     )
-    return Run(
+    return Components(
         roles=roles,
         actor=actor,
         ref=ref,
@@ -223,11 +223,11 @@ def build_run(cfg: Config, layout: ParallelLayout) -> Run:
     )
 
 
-def run_worker_recorded(cfg, *, resume: bool) -> int | None:
-    """run_worker, with an exception written to the error file torchrun gives each rank
+def train_rank_recorded(cfg, *, resume: bool) -> int | None:
+    """train_rank, with an exception written to the error file torchrun gives each rank
     (TORCHELASTIC_ERROR_FILE), so torchrun's closing "Root Cause" block shows the first failing rank's
     whole traceback, after the other ranks' errors, rather than "To enable traceback see: ..."
     (torch/distributed/elastic/multiprocessing/errors/__init__.py, `record`)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(run_worker)(cfg, resume=resume)
+    return record(train_rank)(cfg, resume=resume)

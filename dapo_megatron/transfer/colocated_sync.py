@@ -45,8 +45,8 @@ from typing import Any
 import torch
 
 from dapo_megatron.actor.parallel import launch_env
-from dapo_megatron.dataplane import collectives as coll
-from dapo_megatron.dataplane.driver_decides import driver_decides
+from dapo_megatron.distributed import collectives as coll
+from dapo_megatron.distributed.driver_decides import driver_decides
 from dapo_megatron.rollout.client import EngineError
 from dapo_megatron.transfer.tensor_payload import serialize_for_engine_rank
 from dapo_megatron.transfer.weight_sync import SyncStats, check_against, engine_shapes
@@ -140,7 +140,7 @@ class ColocatedTransfer:
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], *, weight_version: str) -> SyncStats:
         """Every tensor to every engine inside one weight-update session. Raises on every rank alike
-        (the driver's error, dataplane/driver_decides.py) so no rank is left inside a collective."""
+        (the driver's error, distributed/driver_decides.py) so no rank is left inside a collective."""
         stats = SyncStats(num_engines=len(self.tp_sizes), weight_version=weight_version)
         tic = time.perf_counter()
         seen: set[str] = set()

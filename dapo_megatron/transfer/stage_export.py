@@ -46,8 +46,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.dataplane import collectives as coll
-from dapo_megatron.dataplane.layout import ParallelLayout
+from dapo_megatron.distributed import collectives as coll
+from dapo_megatron.distributed.layout import ParallelLayout
 from dapo_megatron.weights.export import _local_maps
 from dapo_megatron.weights.mapping import Dims, expected_hf_shapes, merge_shards_into
 

@@ -16,7 +16,7 @@ host that every engine can reach. Loopback only when every engine is on this hos
 order: an explicit address (config key rollout.weight_sync_address), the address of the interface
 NCCL_SOCKET_IFNAME (nccl) or GLOO_SOCKET_IFNAME (gloo) names (the fabric the collective itself will
 use), else the source address the kernel's routing table picks for the engines' hosts. A variable
-that dataplane/addresses.py set for the trainer's own groups is not the user's and does not count.
+that distributed/addresses.py set for the trainer's own groups is not the user's and does not count.
 open_weight_group creates a gloo group on the interface that routes to master_address (the host
 name may resolve to 127.0.1.1 on Debian-style nodes), unless the user set GLOO_SOCKET_IFNAME.
 """
@@ -31,8 +31,8 @@ from urllib.parse import urlparse
 
 import torch
 
-from dapo_megatron.dataplane import addresses
-from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.distributed import addresses
+from dapo_megatron.distributed import collectives as coll
 
 
 def open_weight_group(
@@ -58,7 +58,7 @@ def open_weight_group(
         master_address, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
     )
     # gloo advertises the interface that routes to master_address (the trainer's own address on
-    # rank 0): the host name may resolve to 127.0.1.1 (dataplane/addresses.py)
+    # rank 0): the host name may resolve to 127.0.1.1 (distributed/addresses.py)
     with addresses.gloo_interface_for(master_address) if backend == "gloo" else contextlib.nullcontext():
         pg, _ = _new_process_group_helper(
             world_size,
@@ -137,7 +137,7 @@ def socket_ifname_address(spec: str) -> str | None:
     return None
 
 
-route_source_address = addresses.route_source_address  # the one routing-table query (dataplane/addresses.py)
+route_source_address = addresses.route_source_address  # the one routing-table query (distributed/addresses.py)
 
 
 def engine_hosts(urls: list[str]) -> list[str]:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.distributed import collectives as coll
 from dapo_megatron.weights.load import chunk_param_maps, expert_offset, unwrap_model
 from dapo_megatron.weights.mapping import Dims, ParamMap, expected_hf_shapes, merge_shards
 

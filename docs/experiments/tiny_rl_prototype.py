@@ -8,7 +8,7 @@ It exists to choose the embedded default's settings (task difficulty, model size
 lr, response length, steps) before the real loop (trainer/train.py: Megatron actor + CPU rollout server)
 exists, from the same config file, and it uses the same pieces that loop uses: dapo_megatron.data.tiny_model (tokenizer, model, warm
 start), dapo_megatron.algo (advantages, policy loss, dynamic sampling, overlong shaping, KL),
-dapo_megatron.trainer.evaluate (avg@k / pass@k), the synthetic task and the math_dapo reward. What it
+dapo_megatron.trainer.evaluation.sampling (avg@k / pass@k), the synthetic task and the math_dapo reward. What it
 leaves out: Megatron, the HTTP rollout server, weight sync, checkpoints (trainer/train.py's overheads).
 Results go to docs/LOG.md.
 """
@@ -24,7 +24,7 @@ import torch
 
 from dapo_megatron import algo
 from dapo_megatron.reward import math_dapo
-from dapo_megatron.trainer.evaluate import avg_at_k, pass_at_k
+from dapo_megatron.trainer.evaluation.sampling import avg_at_k, pass_at_k
 from dapo_megatron.config import load_config
 from dapo_megatron.data.tiny_model import prompt_ids, synthetic_train_eval
 from dapo_megatron.launch.prepare import tiny_model_dir

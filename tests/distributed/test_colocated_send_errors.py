@@ -1,5 +1,5 @@
 """transfer/colocated_sync.py's ColocatedTransfer.send on 2 gloo ranks when the driver's side fails:
-every rank raises the driver's EngineError with the same message (dataplane/driver_decides.py), the
+every rank raises the driver's EngineError with the same message (distributed/driver_decides.py), the
 weight-update session is closed on the way out, and the ranks are in step afterwards (a collective
 right after the failure completes). The driver is a stand-in whose pool no longer holds the engine
 (what a dead engine leaves), the one thing the CPU run cannot arrange on demand."""
@@ -11,7 +11,7 @@ def _send_to_a_dead_engine():
     import torch
     import torch.distributed as dist
 
-    from dapo_megatron.dataplane import collectives as coll
+    from dapo_megatron.distributed import collectives as coll
     from dapo_megatron.rollout.client import EngineError
     from dapo_megatron.transfer.colocated_sync import ColocatedTransfer, EngineSlot
 

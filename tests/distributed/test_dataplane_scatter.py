@@ -120,12 +120,12 @@ def _share_vs_list_rank(hf_dir, samples, tp, pp, per_mini, budget):
 
     from dapo_megatron.actor import parallel
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.dataplane.batch import RolloutBatch
-    from dapo_megatron.dataplane.step_metrics import old_logprob_metrics
-    from dapo_megatron.dataplane.roles import RankRoles
     from dapo_megatron.dataplane.scatter import scatter_batch
     from dapo_megatron.dataplane.share import plan_shares
+    from dapo_megatron.distributed.roles import RankRoles
+    from dapo_megatron.trainer.settings import actor_settings
+    from dapo_megatron.trainer.step_metrics import old_logprob_metrics
 
     cfg = make_cfg(tp=tp, pp=pp, micro_batch_tokens=budget, lr=1e-3, warmup_steps=0)
     with parallel.model_parallel(tp=tp, pp=pp, seed=7) as layout:
@@ -218,7 +218,7 @@ def _roles_rank(tp, pp, cp):
     import torch.distributed as dist
 
     from dapo_megatron.actor import parallel
-    from dapo_megatron.dataplane.roles import RankRoles
+    from dapo_megatron.distributed.roles import RankRoles
 
     with parallel.model_parallel(tp=tp, pp=pp, cp=cp) as layout:
         r = RankRoles.current(layout)

@@ -1,4 +1,4 @@
-"""dataplane/driver_decides.py on 2 and 3 gloo ranks: the driver's result on every rank, the driver's
+"""distributed/driver_decides.py on 2 and 3 gloo ranks: the driver's result on every rank, the driver's
 exception raised on every rank (type and message), and a non-driver rank never calls the function."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ class _TwoArgError(Exception):
 def _decide(case: str):
     import torch.distributed as dist
 
-    from dapo_megatron.dataplane.driver_decides import driver_decides
+    from dapo_megatron.distributed.driver_decides import driver_decides
 
     rank = dist.get_rank()
     calls = []
@@ -72,7 +72,7 @@ def test_a_result_that_cannot_be_sent_is_an_error_on_every_rank(rank_pool):
 
 
 def test_a_single_process_is_the_driver():
-    from dapo_megatron.dataplane.driver_decides import driver_decides
+    from dapo_megatron.distributed.driver_decides import driver_decides
 
     assert driver_decides(lambda: 42) == 42
     with pytest.raises(KeyError, match="missing"):

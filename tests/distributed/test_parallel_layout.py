@@ -1,4 +1,4 @@
-"""The frozen parallel layout (dataplane/layout.py) that model_parallel() yields equals megatron's
+"""The frozen parallel layout (distributed/layout.py) that model_parallel() yields equals megatron's
 parallel_state field by field, on real gloo ranks, for the layouts two ranks can hold; and the values
 are the hand-computed ones of megatron's "tp-cp-ep-dp-pp" order (so a field read from the wrong
 getter, or two fields swapped, fails even where megatron would agree with itself)."""

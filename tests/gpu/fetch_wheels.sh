@@ -9,7 +9,7 @@
 # matplotlib, pytest, packaging) covers every dependency of pyproject.toml except these two:
 #   megatron-core 0.16.1   the actor (pure Python; its own requirements torch, numpy, packaging are there)
 #   liger-kernel           the kernel benchmark's peer column (pure Python; torch and triton are there)
-# wandb is not carried: every GPU step runs with WANDB_MODE=disabled (trainer/run_log.py imports it only then).
+# wandb is not carried: every GPU step runs with WANDB_MODE=disabled (trainer/metrics_log.py imports it only then).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 WHEELS=(megatron-core==0.16.1 liger-kernel==0.8.5)

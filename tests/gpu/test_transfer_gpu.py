@@ -1,7 +1,7 @@
 """What broke between a GPU trainer and its engines on the first H100 (2026-11-25), run for real on one GPU:
 
 - collectives: a CPU tensor handed to an NCCL group fails in torch itself; through
-  dataplane/collectives.py the same tensor is staged to the GPU, and a CUDA tensor crosses a gloo group
+  distributed/collectives.py the same tensor is staged to the GPU, and a CUDA tensor crosses a gloo group
   (a GPU trainer's weight group with CPU engines) through host memory; results come back to the
   caller's tensor.
 - the colocated path on one GPU: the CPU stand-in engine holds its model on the same GPU
@@ -51,7 +51,7 @@ def _nccl_world():
 
 
 def test_collectives_put_tensors_where_each_backend_needs_them():
-    from dapo_megatron.dataplane import collectives as coll
+    from dapo_megatron.distributed import collectives as coll
 
     dist = _nccl_world()
     cpu = torch.tensor([3.0, 4.0])

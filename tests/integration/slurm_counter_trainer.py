@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.trainer import run_checkpoint as checkpointing
 from dapo_megatron.config import load_config
-from dapo_megatron.trainer.preemption import PreemptionSignal
 from dapo_megatron.rollout.auth import engine_keys
 from dapo_megatron.rollout.registry import read_registrations
+from dapo_megatron.trainer.checkpoint import files as checkpointing
+from dapo_megatron.trainer.preemption import PreemptionSignal
 
 
 def _wait_engines(register_dir: Path, count: int, timeout_s: float = 600.0) -> list[dict]:

@@ -2,7 +2,7 @@
 own address, own hostname, Debian-style /etc/hosts mapping the host's own name to 127.0.1.1), launched
 as a user launches it (torchrun --nnodes 2, rendezvous at the first host's name) and with no
 GLOO_SOCKET_IFNAME set by hand. The product picks each rank's interface from the route to the peer
-(actor/parallel.py -> dataplane/addresses.py). On 3eb0efe the first gloo group failed:
+(actor/parallel.py -> distributed/addresses.py). On 3eb0efe the first gloo group failed:
 "Gloo connectFullMesh failed ... remote=[127.0.1.1]" (the rank on the first host advertised the
 address its own name resolves to).
 """
@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+
 from rollout_helpers import REPO, make_tiny_checkpoint
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]

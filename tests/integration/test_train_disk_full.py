@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers_train import run_processes
 
-from dapo_megatron.trainer import run_checkpoint as ckpt
+from dapo_megatron.trainer.checkpoint import files as ckpt
+from helpers_train import run_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers_train import EXACT_KEYS, holds_weights, step_logged, step_rows, train_killing_engine
 
 from dapo_megatron.rollout.registry import read_engine_events
+from helpers_train import EXACT_KEYS, holds_weights, step_logged, step_rows, train_killing_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,7 +92,7 @@ def test_only_engine_killed_without_restart_budget_checkpoints_and_names_the_eng
     assert "the launcher's engine_0 exited with code -9 and was not restarted" in console
     out = runs["root"] / "z"
     assert f"checkpoint of step 1 written ({out / 'checkpoints' / 'step_000001'})" in console
-    from dapo_megatron.trainer.run_checkpoint import newest_valid_checkpoint, read_state
+    from dapo_megatron.trainer.checkpoint.files import newest_valid_checkpoint, read_state
 
     latest = newest_valid_checkpoint(out)  # complete: its manifest verifies
     assert latest == out / "checkpoints" / "step_000001"

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from helpers_train import EXACT_KEYS, FLOAT_KEYS, train_tiny
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -197,7 +198,7 @@ def test_eval_files_agree_with_metrics(tiny_run_a):
     """Every eval of the run (steps 0 and 4) wrote <run_dir>/evals/step_N.json, and metrics.jsonl's eval/*
     values are that file's numbers; the file's per-problem records add up to its summary."""
     from dapo_megatron.algo.eval_stats import pass_at_k
-    from dapo_megatron.trainer.eval_report import read_eval_file, report_metrics
+    from dapo_megatron.trainer.evaluation.report import read_eval_file, report_metrics
 
     run_dir = tiny_run_a["root"] / "a"
     rows = [r for r in tiny_run_a["a"] if "eval/avg@k" in r]

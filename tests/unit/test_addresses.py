@@ -1,4 +1,4 @@
-"""dataplane/addresses.py: the interface a group spanning hosts uses is the one that routes to the peer
+"""distributed/addresses.py: the interface a group spanning hosts uses is the one that routes to the peer
 (tests/integration/test_multi_host_parity.py runs it across two network-namespace hosts)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch.distributed as dist
 
 from dapo_megatron.actor.parallel import spans_hosts
-from dapo_megatron.dataplane import addresses
-from dapo_megatron.dataplane.addresses import choose_socket_interfaces, interface_of, route_source_address
+from dapo_megatron.distributed import addresses
+from dapo_megatron.distributed.addresses import choose_socket_interfaces, interface_of, route_source_address
 
 REMOTE = "192.0.2.10"  # TEST-NET-1: routed like any outside address, never this host's
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dapo_megatron.trainer import run_checkpoint as ckpt
+from dapo_megatron.trainer.checkpoint import files as ckpt
 
 
 def _fake_checkpoint(run_dir: Path, step: int, *, payload: bytes = b"weights") -> Path:

@@ -1,4 +1,4 @@
-"""A failed checkpoint write names the path, the errno and the free space (trainer/write_failure.py),
+"""A failed checkpoint write names the path, the errno and the free space (trainer/checkpoint/write_failure.py),
 on real file systems: a 1 MiB tmpfs filled by torch.save (whose own error carries no errno: the probe
 finds ENOSPC), and, without root, a file-size limit (RLIMIT_FSIZE: the kernel fails the write with EFBIG)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dapo_megatron.trainer.write_failure import errno_of, write_failure_message
+from dapo_megatron.trainer.checkpoint.write_failure import errno_of, write_failure_message
 
 
 @pytest.fixture
@@ -39,7 +39,7 @@ def test_full_tmpfs_named_with_errno_and_free_space(full_tmpfs):
 _LIMITED = """
 import resource, signal, sys
 from pathlib import Path
-from dapo_megatron.trainer.write_failure import write_failure_message
+from dapo_megatron.trainer.checkpoint.write_failure import write_failure_message
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with EFBIG instead of killing us
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 target = Path(sys.argv[1])

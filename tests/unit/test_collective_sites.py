@@ -1,4 +1,4 @@
-"""Every torch.distributed collective of dapo_megatron goes through dataplane/collectives.py, the one
+"""Every torch.distributed collective of dapo_megatron goes through distributed/collectives.py, the one
 place that puts a collective's tensors on the device the group's backend needs.
 
 The class of bug this catches: a tensor made on the default device (CPU) handed to a collective over
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 PACKAGE = Path(__file__).resolve().parents[2] / "dapo_megatron"
-HELPER = PACKAGE / "dataplane" / "collectives.py"
+HELPER = PACKAGE / "distributed" / "collectives.py"
 
 # torch.distributed functions that move tensors (or pickled objects in tensors) between ranks
 COLLECTIVES = {
@@ -123,7 +123,7 @@ def test_no_collective_bypasses_the_device_helper():
             continue
         offenders += direct_collective_calls(path.read_text(), str(path.relative_to(PACKAGE.parent)))
     assert not offenders, (
-        "collectives called directly (use dapo_megatron.dataplane.collectives, which puts "
+        "collectives called directly (use dapo_megatron.distributed.collectives, which puts "
         "the tensors on the device the group's backend needs):\n" + "\n".join(offenders)
     )
 
@@ -154,7 +154,7 @@ def test_checker_finds_each_spelling():
 
 # --------------------------------------------------------------------------- the helper's decisions
 def test_backend_device_follows_the_group(monkeypatch):
-    from dapo_megatron.dataplane import collectives as coll
+    from dapo_megatron.distributed import collectives as coll
 
     monkeypatch.setattr(coll.dist, "get_backend", lambda group=None: {"w": "gloo", "n": "nccl"}[group])
     monkeypatch.setattr(coll.torch.cuda, "current_device", lambda: 3)
@@ -163,7 +163,7 @@ def test_backend_device_follows_the_group(monkeypatch):
 
 
 def test_a_tensor_already_on_the_backend_device_moves_nothing():
-    from dapo_megatron.dataplane import collectives as coll
+    from dapo_megatron.distributed import collectives as coll
 
     x = torch.tensor([1.0, 2.0])
     assert coll._staged(x, torch.device("cpu")) is x  # in place, no copy (the staging itself runs in

@@ -12,7 +12,7 @@ import warnings
 
 from dapo_megatron.trainer import console
 from dapo_megatron.trainer.console import LEGEND, STEP_COLUMNS, TABLE_WIDTH, Phases, StepTable
-from dapo_megatron.trainer.run_log import run_summary
+from dapo_megatron.trainer.metrics_log import run_summary
 
 # every column filled, with values as a 32B run makes them (512 of 1536 groups, 20K tokens)
 FULL = {

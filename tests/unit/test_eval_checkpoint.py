@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from dapo_megatron.trainer.evaluate import resolve_checkpoint
+from dapo_megatron.trainer.evaluation.sampling import resolve_checkpoint
 
 
 def _checkpoint(run, step: int, *, complete: bool = True, hf: bool = True):

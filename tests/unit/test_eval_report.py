@@ -1,4 +1,4 @@
-"""One eval's JSON (trainer/eval_report.py): the summary and per-problem records from hand-made samples,
+"""One eval's JSON (trainer/evaluation/report.py): the summary and per-problem records from hand-made samples,
 the metrics logged from it, several eval sets (config, data, names), the paired comparison and its
 refusal, the gathered tables (each row vs the one before, the ablation ladder) and the curves' band."""
 
@@ -15,7 +15,7 @@ from dapo_megatron.data.datasets import train_and_eval_sets
 from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.launch import gather
 from dapo_megatron.launch.commands import compare
-from dapo_megatron.trainer.eval_report import (
+from dapo_megatron.trainer.evaluation.report import (
     compare_evals,
     eval_file_path,
     eval_report,
@@ -26,7 +26,7 @@ from dapo_megatron.trainer.eval_report import (
     report_metrics,
     write_eval_file,
 )
-from dapo_megatron.trainer.evaluate import EvalSamples
+from dapo_megatron.trainer.evaluation.sampling import EvalSamples
 
 REPO = Path(__file__).resolve().parents[2]
 RECORDS = [PromptRecord(prompt="2+5=", ground_truth="7"), PromptRecord(prompt="4+5=", ground_truth="9")]
@@ -226,7 +226,7 @@ def test_ablation_ladder_summary(tmp_path):
 
 
 def test_curves_draw_the_interval_as_a_band(tmp_path):
-    from dapo_megatron.trainer.run_log import build_figure
+    from dapo_megatron.trainer.metrics_log import build_figure
 
     records = [
         {"step": 0, "eval/avg@k": 0.25, "eval/avg@k_ci95_low": 0.2, "eval/avg@k_ci95_high": 0.3},
@@ -268,7 +268,7 @@ def test_the_worked_example_of_docs_algorithm_md():
 
 
 def test_run_summary_names_the_eval_file_and_uses_the_first_set(tmp_path):
-    from dapo_megatron.trainer.run_log import run_summary
+    from dapo_megatron.trainer.metrics_log import run_summary
 
     one = [
         {

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from dapo_megatron.trainer.evaluate import avg_at_k, pass_at_k, summarize
+from dapo_megatron.trainer.evaluation.sampling import avg_at_k, pass_at_k, summarize
 
 
 def test_avg_at_k_hand_computed():

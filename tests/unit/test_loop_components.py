@@ -1,4 +1,4 @@
-"""The outer loop's components (trainer/train.py run_worker): each decides its own timing.
+"""The outer loop's components (trainer/train.py train_rank): each decides its own timing.
 
 TrainerState keeps trainer_state.json as every checkpoint so far wrote it (the dict of main at 736cec1,
 written here by hand); the Checkpointer saves every save_every steps, at the last step and on a stop
@@ -12,11 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from dapo_megatron.trainer import run_checkpoint as ckpt
-from dapo_megatron.trainer.checkpointer import Checkpointer
-from dapo_megatron.trainer.evaluator import Evaluator
+from dapo_megatron.trainer.checkpoint import files as ckpt
+from dapo_megatron.trainer.checkpoint.checkpointer import Checkpointer
+from dapo_megatron.trainer.checkpoint.files import TrainerState
+from dapo_megatron.trainer.evaluation.evaluator import Evaluator
 from dapo_megatron.trainer.nonfinite import NonFiniteGuard
-from dapo_megatron.trainer.run_checkpoint import TrainerState
 
 DRIVER_STATE = {"prompts": {"epoch": 1, "index": 7, "seed": 3}, "num_requests": 96}
 

@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from dapo_megatron.trainer import run_checkpoint as ckpt
 from dapo_megatron.actor.optimizer import build_lr_schedule, set_lr_for_step
 from dapo_megatron.config import load_config
+from dapo_megatron.trainer.checkpoint import files as ckpt
 
 
 def _lrs(**kw) -> list[float]:

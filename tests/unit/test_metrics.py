@@ -1,11 +1,11 @@
-"""trainer/run_log.py: JSONL round trip, console table, resume truncation, wandb offline files, PNG curves."""
+"""trainer/metrics_log.py: JSONL round trip, console table, resume truncation, wandb offline files, PNG curves."""
 
 import io
 
 import pytest
 import torch
 
-from dapo_megatron.trainer.run_log import MetricsLogger, build_figure, plot_main, plot_run, read_jsonl
+from dapo_megatron.trainer.metrics_log import MetricsLogger, build_figure, plot_main, plot_run, read_jsonl
 
 
 def _steps():

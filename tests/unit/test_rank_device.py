@@ -1,5 +1,5 @@
 """Which GPU a rank drives, decided once at start-up (actor/parallel.py) and used by every collective
-whatever thread calls it (dataplane/collectives.py). No GPU here: the decisions are pure functions of
+whatever thread calls it (distributed/collectives.py). No GPU here: the decisions are pure functions of
 numbers, and CUDA's per-thread current device is played by a STAND-IN selector (named so below)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dapo_megatron.actor.parallel import gpu_for_local_rank, local_world_size
-from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.distributed import collectives as coll
 
 
 class StandInCudaCurrentDevice:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from dapo_megatron.trainer import run_checkpoint as ckpt
 from dapo_megatron.launch.run_dir import RUN_FILES, check_run_dir
+from dapo_megatron.trainer.checkpoint import files as ckpt
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from dapo_megatron.config import load_config
 from dapo_megatron.launch import submit, submit_guard
 from dapo_megatron.launch.job_start import job_start_args
 from dapo_megatron.launch.run_lock import LOCK_FILE, RunDirInUse, RunLock, holder
-from dapo_megatron.trainer import run_checkpoint as ckpt
+from dapo_megatron.trainer.checkpoint import files as ckpt
 
 REPO = Path(__file__).resolve().parents[2]
 SQUEUE = "4614|4614|PENDING\n4615_0|4615|RUNNING\n4615_1|4615|PENDING\n4616|4616|COMPLETING\n4617|4617|COMPLETED\n"

@@ -2,7 +2,7 @@
 (The mini-batch split: tests/unit/test_dataplane_batch.py; the DP-reduced entropy and mismatch:
 tests/distributed/test_dataplane_scatter.py.)"""
 
-from dapo_megatron.dataplane.step_metrics import Clock, reduce_updates
+from dapo_megatron.trainer.step_metrics import Clock, reduce_updates
 
 
 def test_reduce_updates_means_sums_and_maxima():

@@ -70,7 +70,7 @@ def test_group_members_exchange_a_broadcast():
             "-c",
             f"""
 import torch
-from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.distributed import collectives as coll
 from dapo_megatron.transfer.weight_group import open_weight_group
 pg = open_weight_group(backend="gloo", master_address="127.0.0.1", master_port={port}, rank=1, world_size=2,
                        group_name="{name}", timeout_s=120)

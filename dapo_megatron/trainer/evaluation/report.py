@@ -1,7 +1,7 @@
 """One eval as a file a researcher can check: the summary with its interval, one record per problem,
 the metrics logged from it, and the paired comparison of two evals on the same problems.
 
-    report  = eval_report(samples, records, step=120, name="aime24")   # one set (trainer/evaluate.py samples)
+    report  = eval_report(samples, records, step=120, name="aime24")  # one set (evaluation/sampling.py samples)
     metrics = report_metrics(report, prefix="eval/aime24/")            # what metrics.jsonl logs: the same numbers
     write_eval_file(path, {"aime24": report, "math500": other})        # <run_dir>/evals/step_000120.json
     sets    = load_eval_sets("RUN_DIR or FILE.json")                   # name -> report (a run: its newest eval)

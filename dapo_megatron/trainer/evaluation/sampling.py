@@ -2,7 +2,7 @@
 
     samples = await sample_eval(pool, prompt_ids, records, n=32, ...)   # EvalSamples: [P, n] correct,
                                                                          # answers, tokens, truncated
-    report  = eval_report(samples, records, step=120)                   # trainer/eval_report.py
+    report  = eval_report(samples, records, step=120)                   # trainer/evaluation/report.py
 
 The maths (avg@k, unbiased pass@k, maj@k, bootstrap intervals) is dapo_megatron/algo/eval_stats.py;
 avg_at_k / pass_at_k / summarize are re-exported here for the callers that knew them here.
@@ -17,7 +17,7 @@ import torch
 
 from dapo_megatron.algo.eval_stats import avg_at_k, pass_at_k, summarize
 from dapo_megatron.reward import scorer_for_data_source
-from dapo_megatron.trainer.run_checkpoint import checkpoint_root, latest_checkpoint
+from dapo_megatron.trainer.checkpoint.files import checkpoint_root, latest_checkpoint
 
 __all__ = ["EvalSamples", "avg_at_k", "pass_at_k", "sample_eval", "summarize"]
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from dapo_megatron.dataplane import collectives as coll
-from dapo_megatron.dataplane.driver_decides import driver_decides
-from dapo_megatron.trainer.write_failure import CheckpointWriteError, remove_partial, write_failure_message
+from dapo_megatron.distributed import collectives as coll
+from dapo_megatron.distributed.driver_decides import driver_decides
+from dapo_megatron.trainer.checkpoint.write_failure import CheckpointWriteError, remove_partial, write_failure_message
 from dapo_megatron.transfer.stage_export import actor_exporter, covers_layout
 from dapo_megatron.transfer.stage_save import save_hf_by_stage
 from dapo_megatron.weights import save_hf_checkpoint

@@ -220,7 +220,7 @@ def build_figure(records: Sequence[Mapping[str, Any]], *, title: str = ""):
         for key, label, xs, ys in series:
             (line,) = ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
             band = _ci_band(records, key)
-            if band is not None:  # the eval's 95% bootstrap interval over problems (trainer/eval_report.py)
+            if band is not None:  # the eval's 95% bootstrap interval over problems (trainer/evaluation/report.py)
                 ax.fill_between(band[0], band[1], band[2], color=line.get_color(), alpha=0.2, label=f"{label} 95% CI")
         ax.set_title(panel_title)
         ax.set_xlabel("step")
@@ -303,7 +303,7 @@ def run_summary(
     checkpoints on disk, and time per phase (start-up phases as measured by the launcher; the
     ranks' phases summed from metrics.jsonl; `other` = the rest of the ranks' wall time: their
     start-up, checkpoints, logging)."""
-    from dapo_megatron.trainer.run_checkpoint import best_checkpoint, list_checkpoints
+    from dapo_megatron.trainer.checkpoint.files import best_checkpoint, list_checkpoints
 
     run_dir = Path(run_dir)
     records = read_jsonl(run_dir / METRICS_FILE) if (run_dir / METRICS_FILE).is_file() else []
@@ -326,7 +326,7 @@ def run_summary(
         extra = f", pass@{int(k)} {float(pass_k):.1%}" if isinstance(pass_k, (int, float)) and k else ""
         lines.append(f"  final eval:   {name} {value:.1%} at step {step}{extra}")
         last = next(r for r in reversed(records) if isinstance(r.get(f"{pre}avg@k"), (int, float)))
-        if f"{pre}avg@k_ci95_low" in last:  # the eval file (trainer/eval_report.py) holds every problem's record
+        if f"{pre}avg@k_ci95_low" in last:  # the eval file (trainer/evaluation/report.py) holds every problem's record
             lines.append(
                 f"  eval file:    {run_dir / 'evals' / f'step_{step:06d}.json'} ({pre.strip('/')} {name} "
                 f"{value:.1%}, 95% CI [{last[f'{pre}avg@k_ci95_low']:.1%}, {last[f'{pre}avg@k_ci95_high']:.1%}]"

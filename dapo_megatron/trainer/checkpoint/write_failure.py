@@ -11,7 +11,7 @@ neither "No space", ENOSPC nor the path appeared. So the errno is taken from the
 one carries it, and otherwise found by writing a 1 MiB probe file where the checkpoint was going (the
 same file system answers the same way, ENOSPC or EDQUOT or EROFS or EIO); the free space is read from
 the file system. The previous checkpoint is untouched by construction (a checkpoint is written under
-step_<N>.tmp and renamed only when whole: trainer/run_checkpoint.py).
+step_<N>.tmp and renamed only when whole: trainer/checkpoint/files.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     slots = driver_decides(lambda: assign_engine_slots(driver.pool.registrations(), devices))
     files = driver_decides(lambda: checkpoint_files(ckpt_dir))   # one listing of a shared directory
 
-The driver (global rank 0, dataplane/roles.py) calls `decide()`; every other rank waits in one
+The driver (global rank 0, distributed/roles.py) calls `decide()`; every other rank waits in one
 object broadcast and returns the driver's result. When `decide()` raises, every rank raises the same
 exception (its type and message; the driver re-raises its own, traceback and all), so no rank is left
 waiting inside a collective the driver never reaches. A non-driver rank never calls `decide`: it may
@@ -22,10 +22,10 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from dapo_megatron.dataplane import collectives as coll
+from dapo_megatron.distributed import collectives as coll
 
 T = TypeVar("T")
-DRIVER_RANK = 0  # global rank 0 drives (dataplane/roles.py: RankRoles.driver)
+DRIVER_RANK = 0  # global rank 0 drives (distributed/roles.py: RankRoles.driver)
 
 
 def _world_size() -> int:

@@ -8,7 +8,7 @@ one made on the default device (CPU) for a handful of counters, or a CUDA bucket
 that gloo carries (a GPU trainer feeding CPU rollout engines). A tensor already on the right device
 moves nothing.
 
-    from dapo_megatron.dataplane import collectives as coll
+    from dapo_megatron.distributed import collectives as coll
     coll.all_reduce(counts, group=dp_group)                  # in place, like torch.distributed
     coll.broadcast_object_list(box, src=0)                   # the device NCCL needs for the pickle
     coll.pg_broadcast(weight_pg, flat_bucket, src=0)         # a weight group's own ProcessGroup

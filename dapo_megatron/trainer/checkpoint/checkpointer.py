@@ -1,4 +1,4 @@
-"""When the loop checkpoints, and what it resumes from (the files: trainer/run_checkpoint.py).
+"""When the loop checkpoints, and what it resumes from (the files: trainer/checkpoint/files.py).
 
     checkpointer = Checkpointer(cfg, actor=actor, driver=driver, roles=roles, placement=placement)
     state = checkpointer.resume()          # --resume: the newest checkpoint that verifies, loaded; its TrainerState
@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from dapo_megatron.config import Config
-from dapo_megatron.dataplane.driver_decides import driver_decides
-from dapo_megatron.trainer import run_checkpoint as ckpt
-from dapo_megatron.trainer.run_checkpoint import TrainerState
+from dapo_megatron.distributed.driver_decides import driver_decides
+from dapo_megatron.trainer.checkpoint import files as ckpt
+from dapo_megatron.trainer.checkpoint.files import TrainerState
 
 
 class Checkpointer:

@@ -17,8 +17,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.dataplane import collectives as coll
 from dapo_megatron.dataplane.batch import RolloutBatch
+from dapo_megatron.distributed import collectives as coll
 
 
 def old_logprob_metrics(

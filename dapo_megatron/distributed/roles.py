@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from dapo_megatron.dataplane.layout import ParallelLayout
+from dapo_megatron.distributed.layout import ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class RankRoles:
 
     @classmethod
     def current(cls, layout: ParallelLayout) -> RankRoles:
-        """This rank's roles in the actor's parallel layout (dataplane/layout.py)."""
+        """This rank's roles in the actor's parallel layout (distributed/layout.py)."""
         tp0, cp0 = layout.tp_rank == 0, layout.cp_rank == 0
         stage, stages = layout.pp_rank, layout.pp_size
         last = stage == stages - 1
