@@ -244,6 +244,11 @@ class SlurmConfig:
     gpu_memory_gb: float = (
         80.0  # memory of one GPU in GiB (H100 80GB); `dapo-megatron plan` checks every phase against it
     )
+    # link bandwidths `dapo-megatron plan` predicts the weight sync's seconds from (memplan/sync_time.py):
+    # one sender's NIC to the engines (400: one NDR InfiniBand NIC per GPU) and the NVLink all-gather bus
+    # bandwidth per GPU (2880 = 360 GB/s on 8 x H100 SXM); `plan --links preflight.json` uses measured ones
+    network_gbps: float = 400.0
+    intra_node_gbps: float = 2880.0
 
 
 @dataclass
@@ -615,6 +620,8 @@ def validate(cfg: Config) -> None:
     _require(s.signal_seconds >= 0, "slurm.signal_seconds", s.signal_seconds, "must be >= 0")
     _require(s.array_throttle >= 1, "slurm.array_throttle", s.array_throttle, "must be >= 1")
     _require(s.gpu_memory_gb > 0, "slurm.gpu_memory_gb", s.gpu_memory_gb, "GiB of one GPU, > 0 (80 for an H100 80GB)")
+    _require(s.network_gbps > 0, "slurm.network_gbps", s.network_gbps, "Gbit/s of one sender's link, > 0")
+    _require(s.intra_node_gbps > 0, "slurm.intra_node_gbps", s.intra_node_gbps, "Gbit/s of NVLink per GPU, > 0")
     # `#SBATCH` lines are parsed by sbatch, not a shell, but a newline or a space would end the option and
     # start a script line: only the characters Slurm's own syntax uses are allowed.
     for key, pattern, allowed in _SLURM_SYNTAX:

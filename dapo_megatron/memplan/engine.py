@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dapo_megatron.memplan.arch import ModelDims
-from dapo_megatron.memplan.static import total_params
+from dapo_megatron.memplan.static import fp8_bytes, linear_params, total_params
 
 GIB = 1 << 30
 ENGINE_CONTEXT_BYTES = GIB // 2  # CUDA context of a released engine process (allowance, not measured here)
@@ -48,15 +48,18 @@ def sglang_runtime_reserve(*, gpu_bytes: int, engine_tp: int) -> int:
     return int(reserved_mb * (1 << 20))
 
 
-def engine_weight_bytes(dims: ModelDims, *, engine_tp: int) -> int:
+def engine_weight_bytes(dims: ModelDims, *, engine_tp: int, fp8: bool = False) -> int:
     """One TP rank's weights: everything split over TP except what SGLang replicates: the norms (QK-norms
     too) and, for Qwen3-MoE, each sparse layer's router (srt/models/qwen3_moe.py: the gate is a
-    ReplicatedLinear; the experts are split over the engine's TP ranks by its fused-MoE layer)."""
+    ReplicatedLinear; the experts are split over the engine's TP ranks by its fused-MoE layer). With fp8
+    (rollout.quantization=fp8) every transformer Linear is held in block FP8 (static.linear_params)."""
     replicated = (2 * dims.layers + 1) * dims.hidden
     if dims.qk_norm:
         replicated += 2 * dims.layers * dims.head_dim
     replicated += dims.num_sparse_layers * dims.num_experts * dims.hidden
-    return int(((total_params(dims) - replicated) / engine_tp + replicated) * dims.dtype_bytes)
+    linear = linear_params(dims) if fp8 else 0
+    split = (total_params(dims) - replicated - linear) * dims.dtype_bytes + fp8_bytes(linear) * fp8
+    return int(split / engine_tp + replicated * dims.dtype_bytes)
 
 
 def kv_bytes_per_token(dims: ModelDims, *, engine_tp: int) -> int:
@@ -64,8 +67,10 @@ def kv_bytes_per_token(dims: ModelDims, *, engine_tp: int) -> int:
     return 2 * dims.layers * heads_per_rank * dims.head_dim * dims.dtype_bytes
 
 
-def engine_memory(dims: ModelDims, *, engine_tp: int, mem_fraction_static: float, gpu_bytes: int) -> EngineMemory:
-    weights = engine_weight_bytes(dims, engine_tp=engine_tp)
+def engine_memory(
+    dims: ModelDims, *, engine_tp: int, mem_fraction_static: float, gpu_bytes: int, fp8: bool = False
+) -> EngineMemory:
+    weights = engine_weight_bytes(dims, engine_tp=engine_tp, fp8=fp8)
     pool = int(mem_fraction_static * gpu_bytes)
     kv = max(0, pool - weights)
     per_token = kv_bytes_per_token(dims, engine_tp=engine_tp)

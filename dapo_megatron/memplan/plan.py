@@ -40,6 +40,7 @@ from dapo_megatron.memplan.static import (
     total_params,
     worst_static,
 )
+from dapo_megatron.memplan.sync_time import Engines, Links, SyncTime, sync_time
 
 PHASES = ("rollout", "log-prob", "train", "optimizer step", "transfer")
 # CUDA context (~0.5 GiB) + NCCL communicator buffers of the trainer's TP/PP/DP/CP groups: an allowance,
@@ -112,6 +113,7 @@ class MemoryPlan:
     placement: str
     limit: int
     problems: list[str]
+    sync: dict[str, SyncTime] = field(default_factory=dict)  # placement -> predicted seconds of one weight sync
 
     @property
     def peak(self) -> float:
@@ -169,6 +171,7 @@ def _inputs(cfg, dims: ModelDims) -> _Inputs:
             engine_tp=ro.engine_tp,
             mem_fraction_static=ro.mem_fraction_static,
             gpu_bytes=int(cfg.slurm.gpu_memory_gb * GIB),
+            fp8=ro.quantization == "fp8",
         )
         per_gpu = max(1, math.ceil(ro.num_engines * ro.engine_tp / ac.world_size))
     return _Inputs(
@@ -348,7 +351,7 @@ def _what_if(x: _Inputs) -> list[str]:
     ]
 
 
-def build_plan(cfg) -> MemoryPlan:
+def build_plan(cfg, *, links: Links | None = None) -> MemoryPlan:
     dims = model_dims_for(cfg)
     x = _inputs(cfg, dims)
     limit = int(cfg.slurm.gpu_memory_gb * GIB)
@@ -420,4 +423,23 @@ def build_plan(cfg) -> MemoryPlan:
                     f"{ro.placement} / {phase}{where} ({table.title.split(': ', 1)[-1]}): "
                     f"{total / GIB:.{digits}f} GiB > {limit / GIB:g} GiB; largest: {top} GiB"
                 )
-    return MemoryPlan(header=header, tables=tables, placement=ro.placement, limit=limit, problems=problems)
+    links = links or Links(cfg.slurm.network_gbps, cfg.slurm.intra_node_gbps)
+    sync = {
+        placement: sync_time(
+            dims,
+            x.layout,
+            placement=placement,
+            engines=Engines(ro.num_engines, ro.engine_tp),
+            links=links,
+            gpus_per_node=max(1, cfg.slurm.gpus_per_node),
+            bucket_bytes=ro.weight_bucket_mb << 20,
+            fp8=ro.quantization == "fp8",
+            backend="nccl" if ro.engine == "sglang" else "gloo",
+        )
+        for placement in ("colocated", "disaggregated")
+    }
+    header.append(
+        f"weight sync links: network {links.network_gbps:g} Gbit/s, intra-node {links.intra_node_gbps:g} Gbit/s"
+        f" ({links.source})"
+    )
+    return MemoryPlan(header=header, tables=tables, placement=ro.placement, limit=limit, problems=problems, sync=sync)

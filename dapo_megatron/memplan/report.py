@@ -18,6 +18,7 @@ from dapo_megatron.config import load_config
 from dapo_megatron.memplan.arch import UnsupportedModel
 from dapo_megatron.memplan.engine import GIB
 from dapo_megatron.memplan.plan import PHASES, GpuTable, MemoryPlan, build_plan
+from dapo_megatron.memplan.sync_time import links_from_preflight
 
 
 def _cell(value: float | None) -> str:
@@ -42,6 +43,9 @@ def format_plan(plan: MemoryPlan) -> str:
     for placement in ("colocated", "disaggregated"):
         for table in plan.tables[placement]:
             lines += ["", *format_table(table, configured=placement == plan.placement)]
+    lines.append("")
+    for placement, sync in plan.sync.items():
+        lines += [line + ("   [configured]" if placement == plan.placement else "") for line in sync.lines()]
     lines.append("")
     if plan.problems:
         lines.append("does not fit:")
@@ -89,8 +93,12 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("config")
     parser.add_argument("overrides", nargs="*", help="section.key=value")
+    parser.add_argument(
+        "--links", metavar="PREFLIGHT_JSON", help="predict the weight sync from a preflight.json's measured links"
+    )
     args = parser.parse_intermixed_args(argv)  # flags and key=value overrides in any order
-    plan = build_plan(load_config(args.config, args.overrides))
+    cfg = load_config(args.config, args.overrides)
+    plan = build_plan(cfg, links=links_from_preflight(args.links) if args.links else None)
     print(f"dapo-megatron plan {args.config}" + "".join(f" {o}" for o in args.overrides))
     print(format_plan(plan))
     return 0 if plan.fits else 1

@@ -374,3 +374,17 @@ def total_params(dims: ModelDims) -> int:
 def expert_params(dims: ModelDims) -> int:
     """Parameters of all experts of all sparse layers (one copy): what expert parallelism shards."""
     return dims.num_sparse_layers * dims.num_experts * 3 * dims.moe_ffn * dims.hidden
+
+
+def linear_params(dims: ModelDims) -> int:
+    """Parameters of every transformer Linear (attention QKV and output, dense MLPs, experts): what modelopt's
+    block FP8 export quantizes (the embeddings, LM head, norms and MoE routers stay in the checkpoint dtype)."""
+    h = dims.hidden
+    attention = h * (dims.q_width + 2 * dims.kv_width) + dims.q_width * h
+    dense_mlp = 3 * dims.ffn * h
+    return dims.layers * attention + expert_params(dims) + (dims.layers - dims.num_sparse_layers) * dense_mlp
+
+
+def fp8_bytes(numel: int) -> int:
+    """One byte per weight plus an fp32 scale per 128 x 128 block (modelopt's block FP8, docs/fp8.md)."""
+    return numel + (numel * 4) // (128 * 128)

@@ -1,0 +1,178 @@
+"""How long one weight sync takes: the plan's prediction from link bandwidths, per placement.
+
+    t = sync_time(dims, layout, placement="disaggregated", engines=Engines(16, 2), links=Links(400, 2880), ...)
+    t.total_s, t.lines()          # seconds, and the terms it adds up
+
+What moves (transfer/weight_sync.py, transfer/colocated_sync.py, docs/architecture.md "weight sync"):
+  export   every rank iterates the actor's weights as full HF tensors: each tensor is all-gathered over its
+           tensor-parallel group (and an expert tensor over the expert-parallel group), so a rank receives
+           (tp-1)/tp of its stage's dense bytes on NVLink and (ep-1)/ep of its stage's expert bytes (on the
+           network when ep x etp ranks span more than a node);
+  stages   with pp > 1 the other stages' tensors reach the sender (disaggregated: global rank 0) or every
+           engine GPU (colocated) by broadcast over the network when the stages sit on different nodes;
+  send     disaggregated: ONE sender (global rank 0) broadcasts each flattened bucket to every engine TP
+           rank over one weight group. NCCL pipelines a broadcast along a chain, so its time is about
+           bytes / (the sender's link) whatever the number of receivers (one NIC per sender assumed);
+           gloo's broadcast (the CPU path) sends the whole buffer once per step of a binomial tree, so the
+           root's link carries it ceil(log2(world)) times. colocated: each engine TP rank copies its shard
+           (bytes / engine_tp) out of the CUDA-IPC handles into its own weights on the same GPU: a device
+           copy (read + write) at the GPU's copy bandwidth;
+  buckets  a fixed cost per bucket: the HTTP request, the engine's load_weights call, the flatten or the
+           IPC-handle serialization (an allowance, SYNC_BUCKET_OVERHEAD_S, not measured on a GPU here).
+Today these run one after another (SEQUENTIAL_EXPORT_AND_SEND: the export of bucket k+1 starts after
+bucket k is sent); total = export + stages + send + buckets.
+
+Bandwidths: Links from config (slurm.network_gbps: one sender's NIC, default 400 Gbit/s = one NDR
+InfiniBand NIC per GPU as on DGX H100; slurm.intra_node_gbps: the NVLink all-gather bus bandwidth per GPU,
+default 2880 Gbit/s = 360 GB/s, what nccl-tests' all_gather_perf reaches on 8 x H100 SXM) or from a
+preflight.json (`dapo-megatron plan CONFIG --links RUN_DIR/preflight.json`: the slowest measured link).
+
+Anchors (published, not ours): verl, Qwen2.5-32B disaggregated over NCCL on H100 nodes, 14.2 s per sync;
+MoonshotAI's checkpoint-engine, Qwen3-235B-A22B, 6.2 s; SkyRL, a 14B model colocated on 8 H100s, 1.6 s.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from dapo_megatron.memplan.arch import ModelDims
+from dapo_megatron.memplan.static import Layout, expert_params, fp8_bytes, linear_params, total_params
+
+DEFAULT_NETWORK_GBPS = 400.0
+DEFAULT_INTRA_NODE_GBPS = 2880.0
+H100_COPY_BYTES_PER_S = 2.97e12  # device-to-device copy, read + write counted (docs/benchmarks.md, H100 80GB)
+SYNC_BUCKET_OVERHEAD_S = 0.005
+SEQUENTIAL_EXPORT_AND_SEND = True  # transfer/weight_sync.py: bucket k+1's export waits for bucket k's send
+
+
+@dataclass(frozen=True)
+class Links:
+    network_gbps: float  # one sender's link to the engines (Gbit/s)
+    intra_node_gbps: float  # NVLink all-gather bus bandwidth per GPU (Gbit/s)
+    source: str = "config: slurm.network_gbps, slurm.intra_node_gbps"
+
+    @property
+    def network_bytes_per_s(self) -> float:
+        return self.network_gbps * 1e9 / 8
+
+    @property
+    def intra_node_bytes_per_s(self) -> float:
+        return self.intra_node_gbps * 1e9 / 8
+
+
+def links_from_preflight(path: str | Path) -> Links:
+    """The slowest measured link of a preflight.json (launch/preflight.py writes it): the sync is as fast as
+    its slowest sender-to-engine path."""
+    data = json.loads(Path(path).read_text())
+    links = data.get("links")
+    if not isinstance(links, dict):
+        raise ValueError(f"{path}: no 'links' object (is it a preflight.json from `dapo-megatron preflight`?)")
+    try:
+        network, intra = float(links["network_gbps"]), float(links["intra_node_gbps"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"{path}: links.network_gbps and links.intra_node_gbps must be numbers ({err})") from None
+    return Links(network, intra, source=f"measured: {path}")
+
+
+@dataclass(frozen=True)
+class Engines:
+    count: int  # rollout.num_engines
+    tp: int  # rollout.engine_tp
+
+
+@dataclass(frozen=True)
+class SyncTime:
+    placement: str
+    bytes_per_engine: int
+    senders: int
+    buckets: int
+    export_s: float
+    stages_s: float
+    send_s: float
+    buckets_s: float
+    send_how: str
+
+    @property
+    def total_s(self) -> float:
+        return self.export_s + self.stages_s + self.send_s + self.buckets_s
+
+    def lines(self) -> list[str]:
+        terms = (
+            f"export {_s(self.export_s)} + stages {_s(self.stages_s)} + send {_s(self.send_s)} ({self.send_how}) "
+            f"+ buckets {_s(self.buckets_s)}"
+        )
+        return [
+            f"weight sync ({self.placement}): {_bytes(self.bytes_per_engine)} per engine, {self.senders} sender, "
+            f"{self.buckets} bucket{'s' if self.buckets > 1 else ''}: {terms} = {_s(self.total_s)} "
+            f"({_bytes(self.bytes_per_engine / self.total_s)}/s)"
+        ]
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 0.1 else f"{seconds * 1e3:.1f} ms"
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def sync_bytes(dims: ModelDims, *, fp8: bool) -> int:
+    """Bytes of one full copy of the weights as the engines receive them: the checkpoint dtype, or with
+    rollout.quantization=fp8 one byte per weight of every transformer Linear (modelopt's block FP8; the
+    fp32 128x128 block scales add 4 bytes per 16384 weights) and the rest (embeddings, LM head, norms,
+    routers) in the checkpoint dtype."""
+    params = total_params(dims)
+    if not fp8:
+        return params * dims.dtype_bytes
+    linear = linear_params(dims)
+    return fp8_bytes(linear) + (params - linear) * dims.dtype_bytes
+
+
+def sync_time(
+    dims: ModelDims,
+    layout: Layout,
+    *,
+    placement: str,
+    engines: Engines,
+    links: Links,
+    gpus_per_node: int,
+    bucket_bytes: int,
+    fp8: bool = False,
+    backend: str = "nccl",
+) -> SyncTime:
+    """The predicted seconds of one sync of the whole model into every engine (module docstring)."""
+    total = sync_bytes(dims, fp8=fp8)
+    experts = expert_params(dims) * (1 if fp8 else dims.dtype_bytes)
+    dense = total - experts
+    per_stage_dense, per_stage_experts = dense / layout.pp, experts / layout.pp
+    intra, network = links.intra_node_bytes_per_s, links.network_bytes_per_s
+    # an expert group wider than a node all-gathers over the network (megatron's order: etp-ep-edp-pp)
+    expert_link = network if layout.ep * layout.expert_tp > gpus_per_node else intra
+    export = per_stage_dense * (layout.tp - 1) / layout.tp / intra
+    export += per_stage_experts * (layout.ep - 1) / layout.ep / expert_link
+    ranks_per_stage = layout.tp * layout.cp * layout.dp
+    stage_link = network if ranks_per_stage >= gpus_per_node else intra  # megatron's order puts pp outermost
+    stages = total * (layout.pp - 1) / layout.pp / stage_link
+    buckets = max(1, math.ceil(total / bucket_bytes))
+    if placement == "colocated":
+        shard = total / engines.tp
+        send, how = 2 * shard / H100_COPY_BYTES_PER_S, f"IPC copy of {_bytes(shard)} per engine TP rank"
+    else:
+        receivers = engines.count * engines.tp
+        hops = 1 if backend == "nccl" else math.ceil(math.log2(receivers + 1))
+        send = hops * total / network
+        how = f"{backend} broadcast to {receivers} engine ranks" + (f", {hops} tree steps" if hops > 1 else "")
+    return SyncTime(
+        placement=placement,
+        bytes_per_engine=total,
+        senders=1,
+        buckets=buckets,
+        export_s=export,
+        stages_s=stages,
+        send_s=send,
+        buckets_s=buckets * SYNC_BUCKET_OVERHEAD_S,
+        send_how=how,
+    )

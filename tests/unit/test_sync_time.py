@@ -1,0 +1,141 @@
+"""The weight-sync time `dapo-megatron plan` predicts (memplan/sync_time.py): every term by hand on a
+small dense model, the FP8 byte count, the gloo tree, the preflight links, and a line per placement for
+every shipped preset."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from dapo_megatron.memplan.arch import dims_from_hf_config
+from dapo_megatron.memplan.static import Layout, total_params
+from dapo_megatron.memplan.sync_time import (
+    H100_COPY_BYTES_PER_S,
+    SYNC_BUCKET_OVERHEAD_S,
+    Engines,
+    Links,
+    links_from_preflight,
+    sync_bytes,
+    sync_time,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+# hidden 1024, 8 heads of 128 (2 KV heads), FFN 4096, 10 layers, vocabulary 10000, untied, bf16
+DIMS = dims_from_hf_config(
+    {
+        "model_type": "llama",
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_hidden_layers": 10,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "vocab_size": 10000,
+        "torch_dtype": "bfloat16",
+    },
+    name="hand",
+    source="test",
+)
+# per layer: q 1024x1024 + k, v 2 x 256x1024 + o 1024x1024 = 2,621,440; MLP 3 x 4096 x 1024 = 12,582,912;
+# two norms 2,048 -> 15,206,400; x 10 layers = 152,064,000; embedding + head 2 x 10000 x 1024 = 20,480,000;
+# final norm 1,024 -> 172,545,024 parameters, 345,090,048 bytes in bf16
+PARAMS, BYTES = 172_545_024, 345_090_048
+LINKS = Links(network_gbps=8.0, intra_node_gbps=80.0)  # 1e9 and 1e10 bytes per second
+LAYOUT = Layout(tp=2, pp=2, dp=2)  # 8 ranks, 4 per stage: with 4 GPUs per node the stages sit on two nodes
+
+
+def _time(placement, *, engines=Engines(2, 2), backend="nccl", fp8=False, gpus_per_node=4):
+    return sync_time(
+        DIMS,
+        LAYOUT,
+        placement=placement,
+        engines=engines,
+        links=LINKS,
+        gpus_per_node=gpus_per_node,
+        bucket_bytes=100 << 20,
+        fp8=fp8,
+        backend=backend,
+    )
+
+
+def test_the_hand_model_has_the_hand_counted_parameters():
+    assert total_params(DIMS) == PARAMS
+    assert sync_bytes(DIMS, fp8=False) == BYTES
+
+
+def test_disaggregated_terms_by_hand():
+    t = _time("disaggregated")
+    assert t.bytes_per_engine == BYTES and t.senders == 1
+    assert t.buckets == 4  # 345,090,048 / 104,857,600 = 3.29 -> 4
+    assert t.export_s == pytest.approx(BYTES / 2 * (1 / 2) / 1e10, rel=1e-12)  # half a stage over NVLink
+    assert t.stages_s == pytest.approx(BYTES / 2 / 1e9, rel=1e-12)  # the other stage, across nodes
+    assert t.send_s == pytest.approx(BYTES / 1e9, rel=1e-12)  # NCCL pipelines: once over the sender's link
+    assert t.buckets_s == pytest.approx(4 * SYNC_BUCKET_OVERHEAD_S)
+    assert t.total_s == pytest.approx(0.0086272512 + 0.172545024 + 0.345090048 + 0.02, rel=1e-9)
+
+
+def test_stages_on_one_node_use_nvlink():
+    assert _time("disaggregated", gpus_per_node=8).stages_s == pytest.approx(BYTES / 2 / 1e10, rel=1e-12)
+
+
+def test_colocated_sends_by_a_device_copy_of_each_engine_ranks_shard():
+    t = _time("colocated")
+    assert t.send_s == pytest.approx(2 * (BYTES / 2) / H100_COPY_BYTES_PER_S, rel=1e-12)
+    assert t.export_s == _time("disaggregated").export_s and t.stages_s == _time("disaggregated").stages_s
+
+
+def test_gloo_broadcast_costs_one_pass_per_tree_step():
+    # 2 engines x tp 1 + the trainer = 3 ranks: a binomial tree of ceil(log2 3) = 2 steps from the root
+    t = _time("disaggregated", engines=Engines(2, 1), backend="gloo")
+    assert t.send_s == pytest.approx(2 * BYTES / 1e9, rel=1e-12)
+    assert _time("disaggregated", engines=Engines(1, 1), backend="gloo").send_s == pytest.approx(BYTES / 1e9)
+
+
+def test_fp8_sends_one_byte_per_linear_weight_plus_block_scales():
+    linear = 10 * (2_621_440 + 12_582_912)  # 152,043,520 weights in Linears
+    scales = linear * 4 // (128 * 128)  # 37,120 bytes of fp32 block scales
+    assert sync_bytes(DIMS, fp8=True) == linear + scales + (PARAMS - linear) * 2 == 193_083_648
+
+
+def test_links_from_a_preflight_file(tmp_path):
+    path = tmp_path / "preflight.json"
+    path.write_text(json.dumps({"links": {"network_gbps": 12.5, "intra_node_gbps": 100}}))
+    links = links_from_preflight(path)
+    assert (links.network_gbps, links.intra_node_gbps) == (12.5, 100.0) and str(path) in links.source
+    path.write_text(json.dumps({"checks": []}))
+    with pytest.raises(ValueError, match=r"preflight\.json: no 'links' object"):
+        links_from_preflight(path)
+    path.write_text(json.dumps({"links": {"network_gbps": "fast"}}))
+    with pytest.raises(ValueError, match=r"links\.network_gbps and links\.intra_node_gbps must be numbers"):
+        links_from_preflight(path)
+
+
+@pytest.mark.parametrize("preset", sorted((REPO / "configs" / "runs").glob("*.yaml")), ids=lambda p: p.name)
+def test_plan_prints_the_sync_time_of_both_placements(preset, capsys):
+    from dapo_megatron.memplan.report import main
+
+    main([str(preset)])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("weight sync (")]
+    assert [line.split(")")[0] for line in lines] == ["weight sync (colocated", "weight sync (disaggregated"]
+    assert sum("[configured]" in line for line in lines) == 1
+    for line in lines:
+        seconds = float(line.rsplit(" = ", 1)[1].split()[0])
+        assert math.isfinite(seconds) and seconds > 0
+
+
+def test_plan_reads_measured_links(tmp_path, capsys):
+    from dapo_megatron.memplan.report import main
+
+    path = tmp_path / "preflight.json"
+    path.write_text(json.dumps({"links": {"network_gbps": 200, "intra_node_gbps": 2880}}))
+    main([str(REPO / "configs" / "runs" / "qwen2.5-7b_dapo.yaml"), "--links", str(path)])
+    out = capsys.readouterr().out
+    assert f"network 200 Gbit/s, intra-node 2880 Gbit/s (measured: {path})" in out
+
+
+@pytest.mark.parametrize("key", ["slurm.network_gbps", "slurm.intra_node_gbps"])
+def test_a_link_rate_must_be_positive(key):
+    from dapo_megatron.config import load_config
+
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        load_config(str(REPO / "configs" / "runs" / "tiny_cpu.yaml"), [f"{key}=0"])
