@@ -19,8 +19,12 @@ What moves (transfer/weight_sync.py, transfer/colocated_sync.py, docs/architectu
            copy (read + write) at the GPU's copy bandwidth;
   buckets  a fixed cost per bucket: the HTTP request, the engine's load_weights call, the flatten or the
            IPC-handle serialization (an allowance, SYNC_BUCKET_OVERHEAD_S, not measured on a GPU here).
-Today these run one after another (SEQUENTIAL_EXPORT_AND_SEND: the export of bucket k+1 starts after
-bucket k is sent); total = export + stages + send + buckets.
+How the terms add up follows the code path. The disaggregated sync of a layout without expert
+parallelism runs through the stage exporters (transfer/stage_export.py, covers_layout): bucket k+1's
+shards travel to the exporter, and a later stage's buckets to the driver, while bucket k is broadcast,
+so total = max(export + stages, send) + one bucket's fill (its gather and stage transfer) + buckets.
+Colocated syncs and expert-parallel layouts walk iter_hf_weights on every rank, whose all-gathers run
+between the sends: total = export + stages + send + buckets.
 
 Bandwidths: Links from config (slurm.network_gbps: one sender's NIC, default 400 Gbit/s = one NDR
 InfiniBand NIC per GPU as on DGX H100; slurm.intra_node_gbps: the NVLink all-gather bus bandwidth per GPU,
@@ -45,7 +49,6 @@ DEFAULT_NETWORK_GBPS = 400.0
 DEFAULT_INTRA_NODE_GBPS = 2880.0
 H100_COPY_BYTES_PER_S = 2.97e12  # device-to-device copy, read + write counted (docs/benchmarks.md, H100 80GB)
 SYNC_BUCKET_OVERHEAD_S = 0.005
-SEQUENTIAL_EXPORT_AND_SEND = True  # transfer/weight_sync.py: bucket k+1's export waits for bucket k's send
 
 
 @dataclass(frozen=True)
@@ -94,16 +97,22 @@ class SyncTime:
     send_s: float
     buckets_s: float
     send_how: str
+    fill_s: float = 0.0  # overlapped: the first bucket's export and stage transfer, before any send
+    overlapped: bool = False  # the export and stage transfers run while the previous bucket is sent
 
     @property
     def total_s(self) -> float:
+        if self.overlapped:
+            return max(self.export_s + self.stages_s, self.send_s) + self.fill_s + self.buckets_s
         return self.export_s + self.stages_s + self.send_s + self.buckets_s
 
     def lines(self) -> list[str]:
-        terms = (
-            f"export {_s(self.export_s)} + stages {_s(self.stages_s)} + send {_s(self.send_s)} ({self.send_how}) "
-            f"+ buckets {_s(self.buckets_s)}"
-        )
+        moved = f"export {_s(self.export_s)} + stages {_s(self.stages_s)}"
+        send = f"send {_s(self.send_s)} ({self.send_how})"
+        if self.overlapped:
+            terms = f"max({moved}, {send}) + fill {_s(self.fill_s)} + buckets {_s(self.buckets_s)}"
+        else:
+            terms = f"{moved} + {send} + buckets {_s(self.buckets_s)}"
         return [
             f"weight sync ({self.placement}): {_bytes(self.bytes_per_engine)} per engine, {self.senders} sender, "
             f"{self.buckets} bucket{'s' if self.buckets > 1 else ''}: {terms} = {_s(self.total_s)} "
@@ -157,6 +166,9 @@ def sync_time(
     stage_link = network if ranks_per_stage >= gpus_per_node else intra  # megatron's order puts pp outermost
     stages = total * (layout.pp - 1) / layout.pp / stage_link
     buckets = max(1, math.ceil(total / bucket_bytes))
+    bucket = min(bucket_bytes, total)
+    stage_exporters = placement == "disaggregated" and layout.ep == 1 and layout.expert_tp == layout.tp
+    fill = bucket * (layout.tp - 1) / layout.tp / intra + (bucket / stage_link if layout.pp > 1 else 0.0)
     if placement == "colocated":
         shard = total / engines.tp
         send, how = 2 * shard / H100_COPY_BYTES_PER_S, f"IPC copy of {_bytes(shard)} per engine TP rank"
@@ -175,4 +187,6 @@ def sync_time(
         send_s=send,
         buckets_s=buckets * SYNC_BUCKET_OVERHEAD_S,
         send_how=how,
+        fill_s=fill if stage_exporters else 0.0,
+        overlapped=stage_exporters,
     )
