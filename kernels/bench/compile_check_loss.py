@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
@@ -116,12 +117,16 @@ def variants():
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.parse_args(argv)
+    parser.add_argument("--json", default=None, help="also write the rows to this file (the SASS test reads it)")
+    args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter decorates kernels that cannot be compiled")
         return 2
     rows = [{"kernel": label, **report(build())} for label, build in variants()]
     print_table(rows, list(rows[0]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
     return 0
 
 
