@@ -149,7 +149,9 @@ def test_bitwise_the_same_for_every_grid_size_and_rerun(device):
     assert num_groups > 3 and group_tiles > 1
     first = run(policy_loss_persistent, *inputs, **KW, loss_denominator=2500)
     for programs in (1, 2, 3, num_groups, None):
-        assert_bitwise_equal(first, run(policy_loss_persistent, *inputs, **KW, loss_denominator=2500, programs=programs))
+        assert_bitwise_equal(
+            first, run(policy_loss_persistent, *inputs, **KW, loss_denominator=2500, programs=programs)
+        )
     assert_close_to_float64(first, float64(*inputs, **KW, loss_denominator=2500))
 
 
@@ -220,3 +222,29 @@ def test_bad_inputs_raise_value_error(device):
     with pytest.raises(ValueError, match="programs=0"):
         policy_loss_persistent(logprob, old, adv, mask, **KW, loss_denominator=1, programs=0)
     assert dapo_kernels.INTERPRET == (DEVICE == "cpu")
+
+
+@pytest.mark.skipif(not dapo_kernels.INTERPRET, reason="the CPU dry run (on a GPU, run_all.sh runs the real one)")
+def test_variants_script_dry_run_writes_every_row(tmp_path):
+    """kernels/bench/variants_policy_loss.py's code (not its timings) in the interpreter: the copy row, and
+    for each candidate asked host_us, ms, GB/s and % of copy in both modes, in the benchmark CSV's schema."""
+    import csv
+
+    from dapo_kernels.bench import variants_policy_loss
+    from dapo_kernels.bench.common import CSV_FIELDS
+
+    path = tmp_path / "kernels.csv"
+    names = "fused,persistent,persistent_jit"
+    assert variants_policy_loss.main(["--dry-run", "--loss-candidates", names, "--csv", str(path)]) == 0
+    with path.open() as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == CSV_FIELDS
+        rows = list(reader)
+    assert [r["provider"] for r in rows if r["metric"] == "bandwidth" and r["mode"] == "copy"] == ["device_copy"]
+    for name in names.split(","):
+        metrics = {(r["mode"], r["metric"]) for r in rows if r["provider"] == name and r["x"] == "T=700"}
+        assert metrics == {("fwd", "host_us")} | {
+            (m, k) for m in ("fwd", "fwd_bwd") for k in ("ms", "bandwidth", "pct_of_copy")
+        }
+    with pytest.raises(SystemExit):
+        variants_policy_loss.main(["--dry-run", "--loss-candidates", "fused,nope"])
