@@ -4,7 +4,8 @@
 
 Providers: fused (dapo_kernels.policy_loss: ONE launch writes the gradient and, in its last-arriving
 program, the loss and stats), fused_two_launch (the first design: a second launch reduces the
-partials, one_pass=False; kept until a GPU run has measured both), torch (kernels/reference.py,
+partials, one_pass=False; kept until a GPU run has measured both), persistent
+(kernels/policy_loss_persistent.py: persistent grid, group partials), torch (kernels/reference.py,
 eager fp32; dapo_megatron.algo.policy_loss runs the same formula, and dapo_kernels imports nothing
 from dapo_megatron). Modes: fwd (the loss call: for fused that is the whole one-kernel job, gradient
 included) and fwd_bwd (plus loss.backward(): for fused one extra multiply by the upstream grad). Effective bandwidth
@@ -22,8 +23,9 @@ import torch
 
 from dapo_kernels import policy_loss, policy_loss_reference
 from dapo_kernels.bench.common import CsvWriter, copy_bandwidth_gbs, is_oom, print_table, time_calls
+from dapo_kernels.policy_loss_persistent import policy_loss_persistent
 
-PROVIDERS = ("fused", "fused_two_launch", "torch")
+PROVIDERS = ("fused", "fused_two_launch", "persistent", "torch")
 BYTES_PER_TOKEN = 4 * 3 + 1 + 4
 KW = dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0)
 
@@ -33,6 +35,8 @@ def _provider(name):
         return policy_loss
     if name == "fused_two_launch":
         return lambda *a, **kw: policy_loss(*a, one_pass=False, **kw)
+    if name == "persistent":  # kernels/policy_loss_persistent.py (kernels/bench/variants_policy_loss.py: its schedules)
+        return policy_loss_persistent
     if name == "torch":
         return policy_loss_reference
     return None

@@ -194,6 +194,12 @@ step_kernel_bench() {
     --providers fused,fused_cublas,fused_rowchunk,liger --repeats 3 --csv "$csv"
 }
 
+# issue 41 items 4-5: every candidate policy-loss kernel (and the LM head's, when kernels/bench/variants_logprob.py
+# is present) timed in one run beside the device copy: kernels/bench/variants.py; rows in OUT/kernel_variants.csv
+step_kernel_variants() {
+  $PY -m dapo_kernels.bench.variants --csv "$OUT/kernel_variants.csv"
+}
+
 step_kernel_targets() {  # the five targets judged from kernel_bench's rows: exit 0 only when all hold
   local rc
   $PY -m dapo_kernels.bench.targets "$OUT/kernels.csv" | tee "$WORK/kernel_targets.txt"
