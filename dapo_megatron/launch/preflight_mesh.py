@@ -138,8 +138,11 @@ class Mesh:
             self.checks += link_checks
             self.facts.update(link_facts)
         finally:
-            self.barrier("done")
-            if self.rank == 0:
+            self.store.set(f"done/{self.rank}", "1")
+            if self.rank == 0:  # the store lives in this process: it stays until every rank is done with it
+                deadline = time.monotonic() + self.args.timeout_s
+                for r in self.roster:
+                    self._wait([f"done/{r}"], deadline - time.monotonic())
                 if self._lock is not None:
                     self._lock.release()
                 shutil.rmtree(self.probe, ignore_errors=True)

@@ -20,6 +20,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import warnings
 
 from dapo_megatron.distributed import addresses
 from dapo_megatron.launch import preflight_mesh
@@ -61,7 +62,9 @@ def check_imports(host: str, role: str, modules, where: str, python: str = "") -
     missing = []
     for name, required, dist in modules:
         try:
-            module = importlib.import_module(name)
+            with warnings.catch_warnings():  # megatron warns about TE/apex at import: the report says it
+                warnings.simplefilter("ignore")
+                module = importlib.import_module(name)
         except Exception as err:  # noqa: BLE001 - an ImportError, or whatever a broken install raises
             found[name] = None
             if required:
