@@ -72,6 +72,10 @@ def measure(mesh) -> tuple[list[Check], list[dict], dict]:
             except Exception as err:  # noqa: BLE001 - gloo/nccl errors name the peer
                 checks.append(Check("link", mesh.host, False, f"trainer group: {type(err).__name__}: {err}", LINK_FIX))
     backend = "nccl" if gpu and args.engine_kind == "sglang" else "gloo"
+    for engine in range(args.trainer_nodes, len(mesh.hosts)):
+        if mesh.rank == 0 and engine not in mesh.roster:
+            detail = "weight group not measured: this engine node's worker never joined (its imports check says why)"
+            checks.append(Check("link", mesh.hosts[engine], False, detail, LINK_FIX))
     for engine in (r for r in mesh.roster if r >= args.trainer_nodes):
         if mesh.rank not in (0, engine):
             continue

@@ -76,12 +76,10 @@ def check_imports(host: str, role: str, modules, where: str, python: str = "") -
     shown = ", ".join(f"{k} {v}" if v else f"{k}: no" for k, v in found.items())
     if missing:
         fix = (
-            f"install {', '.join(m.split(' ')[0] for m in missing)} into the {role} environment ({python}; "
-            f"{where} choose it)"
+            f"install {', '.join(m.split(' ')[0] for m in missing)} into the {role} environment ({python}, "
+            f"chosen by {where})"
         )
-        return Check(
-            "imports", host, False, f"{role} python {sys.executable}: missing {'; '.join(missing)}", fix
-        ), found
+        return Check("imports", host, False, f"{role} python {python}: missing {'; '.join(missing)}", fix), found
     return Check("imports", host, True, f"{role} python {python}: {shown}"), found
 
 

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 import yaml
 
 from dapo_megatron.config import load_config
-from dapo_megatron.launch import preflight, preflight_mesh
+from dapo_megatron.launch import preflight, preflight_mesh, preflight_node
 from dapo_megatron.launch.preflight_report import Check, link_record, merge, table
 
 REPO = Path(__file__).resolve().parents[2]
@@ -113,3 +114,53 @@ def test_the_clock_stand_in_names_hosts(monkeypatch):
     assert preflight_mesh.wall_clock("any") == 1002.0
     monkeypatch.delenv(preflight_mesh.CLOCK_OFFSET_VAR)
     assert preflight_mesh.wall_clock("any") == 1000.0
+
+
+def _fake_nvidia_smi(tmp_path, monkeypatch, rows: list[str]) -> None:
+    """A FAKE nvidia-smi (no GPU here): prints `name, MiB` rows as `--query-gpu=name,memory.total
+    --format=csv,noheader,nounits` does; torch sees no CUDA on this machine, so check_gpus reads it."""
+    bin_dir = tmp_path / "fake_bin"
+    bin_dir.mkdir()
+    script = bin_dir / "nvidia-smi"
+    script.write_text("#!/bin/sh\n" + "".join(f"echo '{row}'\n" for row in rows))
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+
+
+def test_gpus_against_the_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no nvidia-smi, no CUDA: a CPU node
+    check, _ = preflight_node.check_gpus("n0", expected=0, memory_gb=80)
+    assert check.ok and check.detail.startswith("no GPU")
+    check, _ = preflight_node.check_gpus("n0", expected=8, memory_gb=80)
+    assert not check.ok and "slurm.gpus_per_node=8" in check.detail and "gpus_per_node=0" in check.fix
+    # an "80 GB" H100 reports 81559 MiB = 79.65 GiB: within 2% of the plan's 80 GiB
+    _fake_nvidia_smi(tmp_path, monkeypatch, ["NVIDIA H100 80GB HBM3, 81559"] * 8)
+    check, gpus = preflight_node.check_gpus("n0", expected=8, memory_gb=80)
+    assert check.ok and len(gpus) == 8 and "8 x NVIDIA H100 80GB HBM3, 79.6 GiB each" in check.detail
+    check, _ = preflight_node.check_gpus("n0", expected=8, memory_gb=141)  # the plan assumed H200s
+    assert not check.ok and check.fix.startswith("slurm.gpu_memory_gb=80")
+
+
+def test_fewer_gpus_than_asked(tmp_path, monkeypatch):
+    _fake_nvidia_smi(tmp_path, monkeypatch, ["NVIDIA A100-SXM4-40GB, 40960"] * 4)
+    check, _ = preflight_node.check_gpus("n3", expected=8, memory_gb=40)
+    assert not check.ok and check.detail.startswith("4 x NVIDIA A100-SXM4-40GB, 40.0 GiB each")
+
+
+def test_imports_name_what_is_missing():
+    modules = (("json", True, "no-such-dist"), ("no_such_module_x", True, "x"), ("no_such_optional", False, "y"))
+    check, found = preflight_node.check_imports("n2", "engine", modules, "slurm.engine_python", "/opt/py")
+    assert not check.ok and found["no_such_optional"] is None
+    assert "engine python /opt/py: missing no_such_module_x (ModuleNotFoundError" in check.detail
+    assert check.fix == "install no_such_module_x into the engine environment (/opt/py, chosen by slurm.engine_python)"
+    check, _ = preflight_node.check_imports("n2", "engine", modules[:1] + modules[2:], "", "/opt/py")
+    assert check.ok and "no_such_optional: no" in check.detail
+
+
+def test_a_port_with_a_listener_is_taken():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        assert preflight_node.port_taken(port) == "Address already in use"
+        (check,) = preflight_node.check_ports("n0", [(port, "trainer rendezvous of job 7")])
+        assert not check.ok and f"ss -ltnp 'sport = :{port}'" in check.fix
+    assert preflight_node.port_taken(port) == ""
