@@ -164,3 +164,49 @@ def test_a_port_with_a_listener_is_taken():
         (check,) = preflight_node.check_ports("n0", [(port, "trainer rendezvous of job 7")])
         assert not check.ok and f"ss -ltnp 'sport = :{port}'" in check.fix
     assert preflight_node.port_taken(port) == ""
+
+
+def test_each_role_runs_in_its_own_environment():
+    cfg = load_config(
+        TINY,
+        [
+            "slurm.nodes=2",
+            "slurm.python=/opt/train/bin/python",
+            "slurm.engine_python=/opt/engine/bin/python",
+            "slurm.engine_setup=['module load cuda/12.8']",
+            "slurm.container_image=train.sqsh",
+            "slurm.engine_container_image=engine.sqsh",
+        ],
+    )
+    ports = [{"port": 21234, "what": "trainer rendezvous of job 1234", "role": "trainer"}]
+    trainer = preflight.step_argv(cfg, "trainer", first=0, count=2, common=["--job=7"], ports=ports)
+    assert trainer[:6] == [
+        "srun",
+        "--nodes=2",
+        "--ntasks=2",
+        "--ntasks-per-node=1",
+        "--relative=0",
+        "--kill-on-bad-exit=0",
+    ]
+    assert trainer[6:10] == [
+        "--container-image=train.sqsh",
+        "/opt/train/bin/python",
+        "-m",
+        "dapo_megatron.launch.preflight_node",
+    ]
+    assert "--check-port=21234:trainer rendezvous of job 1234" in trainer and trainer[-1] == "--job=7"
+    engine = preflight.step_argv(cfg, "engine", first=2, count=1, common=["--job=7"], ports=ports)
+    # the engines' setup lines run first (bash -c), then their srun step in their container and python
+    assert engine[:3] == ["bash", "-c", 'module load cuda/12.8\nexec "$@"']
+    step = engine[4:]
+    assert step[:6] == [
+        "srun",
+        "--nodes=1",
+        "--ntasks=1",
+        "--ntasks-per-node=1",
+        "--relative=2",
+        "--kill-on-bad-exit=0",
+    ]
+    assert step[6:8] == ["--container-image=engine.sqsh", "/opt/engine/bin/python"]
+    assert "--rank-offset" in step and step[step.index("--rank-offset") + 1] == "2"
+    assert not any(arg.startswith("--check-port") for arg in step)  # CPU engines bind port 0
