@@ -9,6 +9,7 @@
     dapo-megatron bench kernels | reward | rollout | actor | dataplane | rollout-quant | overlap [--results-dir DIR]
     dapo-megatron serve-rollout --model DIR --port P
     dapo-megatron slurm submit | status ...
+    dapo-megatron preflight CONFIG                               (inside an allocation; `slurm submit --preflight`)
     dapo-megatron plot RUN_DIR
 
 Each sub-command module exposes `main(argv: list[str]) -> int`; this file only dispatches, so the
@@ -37,6 +38,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "bench": ("dapo_megatron.benchmarks.run", "main", "benchmarks: " + " | ".join(BENCHES)),
     "serve-rollout": ("dapo_megatron.cpu_engine.serve", "main", "CPU rollout server (SGLang HTTP API)"),
     "slurm": ("dapo_megatron.launch.slurm_cli", "main", "render / submit sbatch jobs, show their status"),
+    "preflight": (
+        "dapo_megatron.launch.preflight",
+        "main",
+        "check the allocation before a run: GPUs, imports, shared run dir, clocks, ports, routes, links",
+    ),
     "plot": ("dapo_megatron.trainer.metrics_log", "plot_main", "PNG of a run's curves"),
 }
 

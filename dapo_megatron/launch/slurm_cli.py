@@ -5,6 +5,7 @@
     dapo-megatron slurm submit --sweep configs/ablations slurm.partition=h100      # the ablation ladder
     dapo-megatron slurm submit configs/runs/qwen2.5-32b_dapo.yaml --eval /shared/runs/qwen2.5-32b_dapo
     dapo-megatron slurm submit configs/runs/qwen2.5-32b_dapo.yaml --bench-kernels
+    dapo-megatron slurm submit configs/runs/qwen2.5-7b_dapo.yaml --engines 8 --preflight   # checks first
     dapo-megatron slurm submit CONFIG --resume    # continue the run in trainer.output_dir (--overwrite: clear it)
     # run the checks, print the scripts and sbatch commands; submit nothing
     dapo-megatron slurm submit ... --dry-run
@@ -61,6 +62,12 @@ def _submit(argv: list[str]) -> int:
         metavar="K",
         help="K disaggregated rollout engines (an array job) for the trainer",
     )
+    ap.add_argument(
+        "--preflight",
+        action="store_true",
+        help="a short preflight job first (`dapo-megatron preflight`); the run's jobs wait for it: afterok",
+    )
+    ap.add_argument("--preflight-mb", type=int, default=64, metavar="MB", help="MiB per measured collective")
     ap.add_argument("--dry-run", action="store_true", help="print the scripts and sbatch commands only")
     ap.add_argument("--skip-plan", action="store_true", help="submit training runs without checking the memory plan")
     ap.add_argument(
@@ -88,6 +95,8 @@ def _submit(argv: list[str]) -> int:
             "--resume, --overwrite and --skip-data-check go with a training run or --sweep, "
             "not with --eval or --bench-kernels (which neither write the run nor take its lock)"
         )
+    if args.preflight and (args.sweep or args.eval or args.bench_kernels):
+        raise ValueError("--preflight goes with a training run, not with --sweep, --eval or --bench-kernels")
     checks = None
     if args.sweep:
         if configs:
@@ -102,6 +111,8 @@ def _submit(argv: list[str]) -> int:
             plan = submit.plan_bench_kernels(cfg)
         else:
             plan = submit.plan_train(cfg, engines=args.engines, resume=args.resume)
+            if args.preflight:
+                submit.add_preflight(plan, engines=args.engines, nbytes=args.preflight_mb << 20)
         command = f"dapo-megatron slurm submit {configs[0]}"
     if not (args.eval or args.bench_kernels):
         if not args.skip_plan:

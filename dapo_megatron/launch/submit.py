@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from dapo_megatron.config import Config, config_from_dict, load_config
-from dapo_megatron.launch import render
+from dapo_megatron.launch import preflight, render
 from dapo_megatron.memplan.report import check_before_launch
 from dapo_megatron.rollout.auth import ensure_secret_file, run_secret_path
 
@@ -40,6 +40,7 @@ class JobSpec:
     render: Callable[[dict[str, str]], str]  # job ids submitted so far (role -> id) -> sbatch text
     sbatch_args: list[str]  # run-specific options passed to sbatch (job name, log path, array)
     dependency: tuple[str, str] | None = None  # (type, role): e.g. ("afterok", "eval")
+    also_after: tuple[tuple[str, str], ...] = ()  # more (type, role) it waits for: ("afterok", "preflight")
 
     def script(self, job_ids: dict[str, str] | None = None) -> str:
         return self.render(job_ids or {})
@@ -140,6 +141,21 @@ def plan_train(
         train.dependency = ("after", "engines")
     jobs.append(train)
     return Plan(run_dir, jobs, {"slurm/config.yaml": dump_config(cfg)})
+
+
+def add_preflight(plan: Plan, *, engines: int, nbytes: int = preflight.DEFAULT_BYTES) -> None:
+    """`slurm submit --preflight`: the preflight job (launch/preflight.py) on the run's partition and node
+    count goes first; every job of the run waits for it to succeed (afterok): a failed check starts nothing."""
+    (_, cfg), *_ = training_configs(plan)
+    text = preflight.render_preflight(
+        cfg,
+        config_file=str(plan.run_dir / "slurm" / "config.yaml"),
+        engine_node_count=preflight.engine_nodes(cfg, engines),
+        nbytes=nbytes,
+    )
+    for job in plan.jobs:
+        job.also_after = (*job.also_after, ("afterok", "preflight"))
+    plan.jobs.insert(0, JobSpec("preflight", _fixed(text), _log_args(plan.run_dir, "preflight", array=False)))
 
 
 def _require_engines(cfg: Config, where: str) -> None:
@@ -291,9 +307,11 @@ def check_memory(plan: Plan, *, out: Callable[[str], None] = print) -> None:
 
 def sbatch_argv(plan: Plan, job: JobSpec, job_ids: dict[str, str]) -> list[str]:
     argv = ["sbatch", "--parsable", *job.sbatch_args]
-    if job.dependency:
-        kind, role = job.dependency
-        argv.append(f"--dependency={kind}:{job_ids.get(role, '<' + role + ' job id>')}")
+    waits = ([job.dependency] if job.dependency else []) + list(job.also_after)
+    if waits:  # a comma: every one of them must hold
+        argv.append(
+            "--dependency=" + ",".join(f"{kind}:{job_ids.get(role, '<' + role + ' job id>')}" for kind, role in waits)
+        )
     return [*argv, str(plan.script_path(job))]
 
 
