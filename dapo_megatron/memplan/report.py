@@ -98,7 +98,8 @@ def main(argv: list[str]) -> int:
     )
     args = parser.parse_intermixed_args(argv)  # flags and key=value overrides in any order
     cfg = load_config(args.config, args.overrides)
-    plan = build_plan(cfg, links=links_from_preflight(args.links) if args.links else None)
+    links = links_from_preflight(args.links, intra_node_gbps=cfg.slurm.intra_node_gbps) if args.links else None
+    plan = build_plan(cfg, links=links)
     print(f"dapo-megatron plan {args.config}" + "".join(f" {o}" for o in args.overrides))
     print(format_plan(plan))
     return 0 if plan.fits else 1

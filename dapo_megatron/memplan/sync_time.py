@@ -29,7 +29,7 @@ between the sends: total = export + stages + send + buckets.
 Bandwidths: Links from config (slurm.network_gbps: one sender's NIC, default 400 Gbit/s = one NDR
 InfiniBand NIC per GPU as on DGX H100; slurm.intra_node_gbps: the NVLink all-gather bus bandwidth per GPU,
 default 2880 Gbit/s = 360 GB/s, what nccl-tests' all_gather_perf reaches on 8 x H100 SXM) or from a
-preflight.json (`dapo-megatron plan CONFIG --links RUN_DIR/preflight.json`: the slowest measured link).
+preflight.json (`dapo-megatron plan CONFIG --links RUN_DIR/preflight.json`: the slowest measured broadcast).
 
 Anchors (published, not ours): verl, Qwen2.5-32B disaggregated over NCCL on H100 nodes, 14.2 s per sync;
 MoonshotAI's checkpoint-engine, Qwen3-235B-A22B, 6.2 s; SkyRL, a 14B model colocated on 8 H100s, 1.6 s.
@@ -66,18 +66,36 @@ class Links:
         return self.intra_node_gbps * 1e9 / 8
 
 
-def links_from_preflight(path: str | Path) -> Links:
-    """The slowest measured link of a preflight.json (launch/preflight.py writes it): the sync is as fast as
-    its slowest sender-to-engine path."""
-    data = json.loads(Path(path).read_text())
-    links = data.get("links")
-    if not isinstance(links, dict):
-        raise ValueError(f"{path}: no 'links' object (is it a preflight.json from `dapo-megatron preflight`?)")
+def links_from_preflight(path: str | Path, *, intra_node_gbps: float) -> Links:
+    """The links a preflight measured (launch/preflight.py writes <run_dir>/preflight.json, schema version 1):
+    the slowest weight_group broadcast (a trainer rank to an engine node: the sync's own path), else the
+    slowest trainer-pair broadcast; the intra-node rate where the preflight measured one (a GPU-to-GPU
+    copy on the first node), else `intra_node_gbps` (the config's)."""
     try:
-        network, intra = float(links["network_gbps"]), float(links["intra_node_gbps"])
-    except (KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"{path}: links.network_gbps and links.intra_node_gbps must be numbers ({err})") from None
-    return Links(network, intra, source=f"measured: {path}")
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: cannot read it as a preflight.json ({err})") from None
+    links = data.get("links") if isinstance(data, dict) else None
+    if not isinstance(links, list):
+        raise ValueError(f"{path}: no 'links' list (is it a preflight.json from `dapo-megatron preflight`?)")
+    rates: dict[str, list[float]] = {"weight_group": [], "trainer": []}
+    for link in links:
+        if isinstance(link, dict) and link.get("kind") == "broadcast" and link.get("path") in rates:
+            rate = link.get("gbit_per_s")
+            if not isinstance(rate, (int, float)) or rate <= 0:
+                raise ValueError(f"{path}: a {link['path']} broadcast between {link.get('nodes')} has no rate")
+            rates[link["path"]].append(float(rate))
+    measured = rates["weight_group"] or rates["trainer"]
+    if not measured:
+        raise ValueError(f"{path}: no broadcast was measured (a one-node preflight measures no link)")
+    which = "weight_group" if rates["weight_group"] else "trainer"
+    intra = data.get("intra_node_gbit_per_s")
+    intra_source = "measured" if isinstance(intra, (int, float)) and intra > 0 else "config"
+    return Links(
+        min(measured),
+        float(intra) if intra_source == "measured" else intra_node_gbps,
+        source=f"{path}: slowest {which} broadcast of {len(measured)}; intra-node from the {intra_source}",
+    )
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,10 @@ LINKS = Links(network_gbps=8.0, intra_node_gbps=80.0)  # 1e9 and 1e10 bytes per 
 LAYOUT = Layout(tp=2, pp=2, dp=2)  # 8 ranks, 4 per stage: with 4 GPUs per node the stages sit on two nodes
 
 
-def _time(placement, *, engines=Engines(2, 2), backend="nccl", fp8=False, gpus_per_node=4):
+TWO_ENGINES = Engines(2, 2)
+
+
+def _time(placement, *, engines=TWO_ENGINES, backend="nccl", fp8=False, gpus_per_node=4):
     return sync_time(
         DIMS,
         LAYOUT,
@@ -103,17 +106,54 @@ def test_fp8_sends_one_byte_per_linear_weight_plus_block_scales():
     assert sync_bytes(DIMS, fp8=True) == linear + scales + (PARAMS - linear) * 2 == 193_083_648
 
 
+def _preflight(path, links, intra=None):
+    path.write_text(json.dumps({"version": 1, "links": links, "intra_node_gbit_per_s": intra}))
+    return path
+
+
+def _broadcast(path, rate, nodes=("h1", "h2")):
+    return {"kind": "broadcast", "path": path, "backend": "gloo", "nodes": list(nodes), "gbit_per_s": rate}
+
+
 def test_links_from_a_preflight_file(tmp_path):
+    """The slowest weight-group broadcast sets the network rate (the sync's own path), else the slowest
+    trainer pair; an all-reduce is no broadcast; the intra-node rate is the measured copy or the config's."""
     path = tmp_path / "preflight.json"
-    path.write_text(json.dumps({"links": {"network_gbps": 12.5, "intra_node_gbps": 100}}))
-    links = links_from_preflight(path)
-    assert (links.network_gbps, links.intra_node_gbps) == (12.5, 100.0) and str(path) in links.source
+    all_reduce = {"kind": "all_reduce", "path": "trainer", "nodes": ["h1", "h2"], "gbit_per_s": 0.1}
+    _preflight(
+        path,
+        [
+            all_reduce,
+            _broadcast("trainer", 0.25),
+            _broadcast("weight_group", 0.29),
+            _broadcast("weight_group", 0.27, ("h1", "h3")),
+        ],
+    )
+    links = links_from_preflight(path, intra_node_gbps=2880)
+    assert (links.network_gbps, links.intra_node_gbps) == (0.27, 2880.0)
+    assert (
+        str(path) in links.source
+        and "weight_group broadcast of 2" in links.source
+        and "from the config" in links.source
+    )
+    _preflight(path, [_broadcast("trainer", 0.25), _broadcast("trainer", 0.31)], intra=1200.0)
+    links = links_from_preflight(path, intra_node_gbps=2880)
+    assert (links.network_gbps, links.intra_node_gbps) == (0.25, 1200.0) and "from the measured" in links.source
+
+
+def test_a_preflight_without_links_is_named(tmp_path):
+    path = tmp_path / "preflight.json"
+    with pytest.raises(ValueError, match=r"preflight\.json: cannot read it"):
+        links_from_preflight(path, intra_node_gbps=1)
     path.write_text(json.dumps({"checks": []}))
-    with pytest.raises(ValueError, match=r"preflight\.json: no 'links' object"):
-        links_from_preflight(path)
-    path.write_text(json.dumps({"links": {"network_gbps": "fast"}}))
-    with pytest.raises(ValueError, match=r"links\.network_gbps and links\.intra_node_gbps must be numbers"):
-        links_from_preflight(path)
+    with pytest.raises(ValueError, match=r"preflight\.json: no 'links' list"):
+        links_from_preflight(path, intra_node_gbps=1)
+    _preflight(path, [{"kind": "all_reduce", "path": "trainer", "gbit_per_s": 1.0}])
+    with pytest.raises(ValueError, match=r"no broadcast was measured"):
+        links_from_preflight(path, intra_node_gbps=1)
+    _preflight(path, [_broadcast("weight_group", None)])
+    with pytest.raises(ValueError, match=r"a weight_group broadcast between \['h1', 'h2'\] has no rate"):
+        links_from_preflight(path, intra_node_gbps=1)
 
 
 @pytest.mark.parametrize("preset", sorted((REPO / "configs" / "runs").glob("*.yaml")), ids=lambda p: p.name)
@@ -133,10 +173,12 @@ def test_plan_reads_measured_links(tmp_path, capsys):
     from dapo_megatron.memplan.report import main
 
     path = tmp_path / "preflight.json"
-    path.write_text(json.dumps({"links": {"network_gbps": 200, "intra_node_gbps": 2880}}))
+    _preflight(path, [_broadcast("weight_group", 200.0)])
     main([str(REPO / "configs" / "runs" / "qwen2.5-7b_dapo.yaml"), "--links", str(path)])
     out = capsys.readouterr().out
-    assert f"network 200 Gbit/s, intra-node 2880 Gbit/s (measured: {path})" in out
+    assert f"network 200 Gbit/s, intra-node 2880 Gbit/s ({path}: slowest weight_group broadcast of 1;" in out
+    # 15.23 GB at 25 GB/s: 0.61 s of broadcast instead of the default 400 Gbit/s's 0.30 s
+    assert "send 0.61 s (nccl broadcast to 32 engine ranks)" in out
 
 
 @pytest.mark.parametrize("key", ["slurm.network_gbps", "slurm.intra_node_gbps"])
