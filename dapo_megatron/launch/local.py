@@ -296,6 +296,10 @@ def _launch_locked(
         return 0
     check_cores(cfg.rollout.cpu_engine_cores, "rollout.cpu_engine_cores")
     check_cores(cfg.actor.cpu_cores, "actor.cpu_cores")
+    if cfg.actor.attention_backend == "torch":  # varlen / flex need CUDA: refused before any rank starts
+        from dapo_megatron.actor.attention import check_attention_kernel
+
+        check_attention_kernel(cfg.actor.attention_kernel)
     if not skip_plan:
         check_before_launch(cfg)  # ValueError naming the phase and component that do not fit
     console.quiet_backend_warnings()
