@@ -41,7 +41,13 @@ from typing import Any
 import torch
 
 from dapo_megatron.benchmarks.actor import SHAPES, write_random_checkpoint
+from dapo_megatron.benchmarks.engine_abuse import served_engine
 from dapo_megatron.benchmarks.run import add_output_args, append_rows, check_header, results_csv
+from dapo_megatron.data.tiny_model import build_tiny_tokenizer
+from dapo_megatron.rollout.client import EngineClient
+from dapo_megatron.transfer.tensor_payload import serialize_for_engine_rank
+from dapo_megatron.transfer.weight_sync import TensorWeightSync
+from dapo_megatron.weights.export import bucketize
 
 FIELDS = [
     "bench",
@@ -88,8 +94,6 @@ def _sync(device: str) -> None:
 
 async def phased_sync(client, weights, *, bucket_bytes: int, device: str, version: str) -> dict[str, Any]:
     """One sync with each phase on its own clock (module docstring)."""
-    from dapo_megatron.transfer.tensor_payload import serialize_for_engine_rank
-    from dapo_megatron.weights.export import bucketize
 
     times = dict.fromkeys(("export_s", "ipc_s", "engine_s", "session_s"), 0.0)
     _sync(device)
@@ -130,8 +134,6 @@ async def read_back_differences(client, weights) -> list[str]:
 
 async def measure(url: str, weights, *, bucket_bytes: int, repeats: int, device: str) -> dict[str, Any]:
     """Warm-up, `repeats` product-path syncs, one phased sync, the read-back; the row's measured fields."""
-    from dapo_megatron.rollout.client import EngineClient
-    from dapo_megatron.transfer.weight_sync import TensorWeightSync
 
     async with EngineClient(url) as client:
         sync = TensorWeightSync(bucket_bytes=bucket_bytes)
@@ -162,7 +164,9 @@ async def measure(url: str, weights, *, bucket_bytes: int, repeats: int, device:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dapo_megatron.benchmarks.colocated_sync", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m dapo_megatron.benchmarks.colocated_sync", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
     parser.add_argument("--bucket-mb", type=int, default=512, help="rollout.weight_bucket_mb (the presets' 512)")
     parser.add_argument("--repeats", type=int, default=3, help="measured syncs after one warm-up")
@@ -183,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_tokenizer(ckpt)
     weights = trainer_tensors(ckpt, device=device, dtype=dtype)
     engine_args = ["--device", device, "--dtype", "bfloat16" if on_gpu else "float32"]
-    with tempfile.TemporaryDirectory() as tmp, _served_engine(str(ckpt), Path(tmp), engine_args) as (url, _):
+    with tempfile.TemporaryDirectory() as tmp, served_engine(str(ckpt), Path(tmp), engine_args) as (url, _):
         row = asyncio.run(measure(url, weights, bucket_bytes=args.bucket_mb << 20, repeats=args.repeats, device=device))
     row.update(
         bench="colocated_sync",
@@ -198,17 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if row["read_back"] == "equal" else 1
 
 
-def _served_engine(model: str, register_dir: Path, extra_args):
-    from dapo_megatron.benchmarks.engine_abuse import served_engine
-
-    return served_engine(model, register_dir, extra_args)
-
-
 def _add_tokenizer(model_dir: Path) -> None:
     """The engine loads a tokenizer with its model: the tiny one (the bench sends no text)."""
     if (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file():
         return
-    from dapo_megatron.data.tiny_model import build_tiny_tokenizer
 
     build_tiny_tokenizer().save_pretrained(model_dir)
 

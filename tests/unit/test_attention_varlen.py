@@ -177,6 +177,12 @@ def test_varlen_is_refused_without_cuda_naming_the_key():
     with pytest.raises(ValueError, match="actor.attention_kernel=varlen needs a CUDA GPU"):
         attention.check_attention_kernel("varlen")
     from dapo_megatron.config import load_config
+    from dapo_megatron.launch.local import check_attention_kernel_device
+
+    with pytest.raises(ValueError, match="actor.attention_kernel=varlen needs a CUDA GPU and this machine has none"):
+        check_attention_kernel_device(
+            load_config(None, ["actor.attention_kernel=varlen", "actor.attention_backend=torch"]).actor
+        )
 
     with pytest.raises(ValueError, match="actor.attention_kernel.*varlen only with actor.attention_backend=torch"):
         load_config(None, ["actor.attention_kernel=varlen", "actor.attention_backend=te"])
