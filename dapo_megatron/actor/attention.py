@@ -460,3 +460,19 @@ def _host_bounds(packed_seq_params) -> list[int]:
     if bounds is None:
         bounds = packed_seq_params.cu_seqlens_q
     return bounds.tolist()
+
+
+def set_attention_kernel(modules, kernel: str) -> int:
+    """Switch every TorchSDPAttention among `modules` (model chunks) to `kernel`; returns how many. The
+    kernels share every parameter and the layer's maths, so the actor benchmark compares them on ONE built
+    model (its layouts are cached per kernel). The same checks as at model build."""
+    check_attention_kernel(kernel)
+    count = 0
+    for chunk in modules:
+        for module in chunk.modules():
+            if isinstance(module, TorchSDPAttention):
+                if kernel in ("flex", "varlen") and module.dropout_p:
+                    raise ValueError(f"actor.attention_kernel={kernel}: the kernel has no attention dropout")
+                module.kernel = kernel
+                count += 1
+    return count
