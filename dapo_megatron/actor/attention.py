@@ -370,6 +370,7 @@ class TorchSDPAttention(torch.nn.Module):
         """query [Tq, h, d] local; key, value [T, g, d] local (gathered over CP here) -> [Tq, h, d]."""
         if self.cp_group is not None:
             # the all-gather's reordering IS the blocks' key layout: one index_select, then no key_index
+            assert layout.key_index is not None  # cp > 1: a document's two chunks' key runs overlap
             key = gather_for_cp(key, token_order=layout.key_index, cp_group=self.cp_group)
             value = gather_for_cp(value, token_order=layout.key_index, cp_group=self.cp_group)
             layout = dataclasses.replace(layout, key_index=None)

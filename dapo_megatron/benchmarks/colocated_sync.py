@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = SHAPES[args.shape]
     ckpt = Path(args.checkpoint_dir or Path(tempfile.gettempdir()) / f"dapo_sync_bench_{args.shape}")
     if not (ckpt / "model.safetensors").is_file():
-        write_random_checkpoint(ckpt, num_layers=shape["num_hidden_layers"], shape=shape)
+        write_random_checkpoint(ckpt, num_layers=int(shape["num_hidden_layers"]), shape=shape)
     _add_tokenizer(ckpt)
     weights = trainer_tensors(ckpt, device=device, dtype=dtype)
     engine_args = ["--device", device, "--dtype", "bfloat16" if on_gpu else "float32"]
