@@ -72,7 +72,9 @@ def varlen_attn_twin(
             raise NotImplementedError(f"sequence {i}: {n} queries against {m} keys under the causal mask")
         scores = torch.einsum("nhd,mhd->hnm", q64[q0:q1], k64[k0:k1]) * scale
         if causal:
-            visible = torch.arange(m, device=query.device)[None, :] <= torch.arange(n, device=query.device)[:, None] + (m - n)
+            visible = torch.arange(m, device=query.device)[None, :] <= torch.arange(n, device=query.device)[:, None] + (
+                m - n
+            )
             scores = scores.masked_fill(~visible, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)  # [h, n]
         probs = torch.exp(scores - lse[..., None])

@@ -75,7 +75,9 @@ def _varlen_rank_calls(q, k, v, bounds, *, cp_size, fn, return_lse=False):
     from dapo_megatron.actor.context_parallel import gathered_to_token_order
 
     order = gathered_to_token_order(bounds, cp_size=cp_size) if cp_size > 1 else None
-    gathered = [torch.cat([split_for_cp(x, bounds, cp_size=cp_size, cp_rank=r) for r in range(cp_size)]) for x in (k, v)]
+    gathered = [
+        torch.cat([split_for_cp(x, bounds, cp_size=cp_size, cp_rank=r) for r in range(cp_size)]) for x in (k, v)
+    ]
     results = []
     for rank in range(cp_size):
         blocks = document_blocks(bounds, q.size(0) // cp_size, cp_size=cp_size, cp_rank=rank)
