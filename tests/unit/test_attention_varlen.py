@@ -186,3 +186,18 @@ def test_varlen_is_refused_without_cuda_naming_the_key():
 
     with pytest.raises(ValueError, match="actor.attention_kernel.*varlen only with actor.attention_backend=torch"):
         load_config(None, ["actor.attention_kernel=varlen", "actor.attention_backend=te"])
+
+
+def test_set_attention_kernel_switches_every_layer_and_keeps_the_checks(monkeypatch):
+    """The actor bench measures several kernels on one built model (attention.set_attention_kernel)."""
+    config = _StandInConfig(kv_channels=8, context_parallel_size=1, attention_dropout=0.0)
+    chunk = torch.nn.ModuleList([attention.TorchSDPAttention(config, i, None, "self") for i in (1, 2)])
+    with pytest.raises(ValueError, match="actor.attention_kernel=varlen needs a CUDA GPU"):
+        attention.set_attention_kernel([chunk], "varlen")
+    assert [m.kernel for m in chunk] == ["sdpa", "sdpa"]  # refused before any layer changed
+    monkeypatch.setattr(attention.torch.cuda, "is_available", lambda: True)
+    assert attention.set_attention_kernel([chunk], "varlen") == 2
+    assert [m.kernel for m in chunk] == ["varlen", "varlen"]
+    chunk[0].dropout_p = 0.1
+    with pytest.raises(ValueError, match="actor.attention_kernel=flex: the kernel has no attention dropout"):
+        attention.set_attention_kernel([chunk], "flex")
