@@ -154,8 +154,9 @@ class ActorConfig:
     micro_batch_tokens: int = 24576  # token budget of one packed micro-batch (>= one full sequence)
     attention_backend: Literal["torch", "te"] = "te"
     # torch backend only: "sdpa" = per-document causal SDPA (CPU and GPU), "flex" = FlexAttention with a
-    # document BlockMask (CUDA only; refused at model build without CUDA). actor/attention.py
-    attention_kernel: Literal["sdpa", "flex"] = "sdpa"
+    # document BlockMask, "varlen" = torch's flash varlen_attn, one launch for every document (both CUDA only;
+    # refused by the local launcher and at model build without CUDA). actor/attention.py
+    attention_kernel: Literal["sdpa", "flex", "varlen"] = "sdpa"
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     recompute: Literal["none", "selective", "full"] = "none"
     use_distributed_optimizer: bool = True
@@ -499,6 +500,12 @@ def validate(cfg: Config) -> None:
         f"true only with actor.attention_backend=torch (it is "
         f"{cfg.actor.attention_backend!r}): TE's fused LayerNorm + Linear hides the normalized input that the "
         "engines quantize to FP8 (docs/fp8.md)",
+    )
+    _require(
+        ac.attention_kernel != "varlen" or ac.attention_backend == "torch",
+        "actor.attention_kernel",
+        ac.attention_kernel,
+        f"varlen only with actor.attention_backend=torch (it is {ac.attention_backend!r}): te runs its own kernels",
     )
     _require(
         r.cpu_engine_device in ("cpu", "cuda"),

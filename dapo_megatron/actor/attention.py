@@ -12,7 +12,7 @@ query rows that belong to one document, each with the contiguous key range it ma
                [s, s + (c+1) n) of the all-gathered K/V: causal aligned at the LOWER RIGHT (the last query
                sees every key), square only for c = 0
 
-Two kernels (actor.attention_kernel):
+Three kernels (actor.attention_kernel):
   sdpa  (default) one torch scaled_dot_product_attention call per query block, GQA through enable_gqa (no
         repeat_interleave copies of K/V). Square blocks use is_causal=True: the flash kernels on GPUs, the
         flash-for-CPU kernel on CPU; both keep q, k, v, out and the fp32 logsumexp for the backward (O(T)).
@@ -30,12 +30,16 @@ Two kernels (actor.attention_kernel):
         torch 2.13 its backward raises on CPU), refused at model build on a machine without CUDA. The
         BlockMask is built from the query blocks' key ranges (`document_block_mask`), never by evaluating
         the mask over a [T, T] grid as create_block_mask does (32 GiB at 65,536 tokens).
+  varlen torch's varlen_attn (flash varlen): the query blocks as the sequences of ONE flash call per layer
+        and direction, cu_seqlens and max lengths built on the host once per micro-batch: CUDA only,
+        refused at model build without CUDA; no dropout. actor/attention_varlen.py.
 
 The dense-mask formulation survives only as the tests' reference (tests/attention_reference.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,9 +47,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dapo_megatron.actor.attention_varlen import (
+    VarlenLayout,
+    torch_varlen_attn,
+    varlen_document_attention,
+    varlen_layout,
+)
 from dapo_megatron.actor.context_parallel import gather_for_cp, gathered_to_token_order
+from dapo_megatron.actor.staging import to_device
 
-ATTENTION_KERNELS = ("sdpa", "flex")
+ATTENTION_KERNELS = ("sdpa", "flex", "varlen")
+CUDA_ONLY_KERNELS = {
+    "flex": "FlexAttention's backward is not implemented on CPU (torch 2.13)",
+    "varlen": "torch's varlen_attn runs the CUDA flash kernel only",
+}
 
 
 @dataclass(frozen=True)
@@ -250,11 +265,13 @@ def check_attention_kernel(kernel: str) -> None:
     """The clear error for actor.attention_kernel, at model build (before any forward)."""
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"actor.attention_kernel={kernel!r}: allowed {', '.join(ATTENTION_KERNELS)}")
-    if kernel == "flex" and not torch.cuda.is_available():
+    if kernel in CUDA_ONLY_KERNELS and not torch.cuda.is_available():
         raise ValueError(
-            "actor.attention_kernel=flex needs a CUDA GPU: FlexAttention's backward is not "
-            "implemented on CPU (torch 2.13); use actor.attention_kernel=sdpa"
+            f"actor.attention_kernel={kernel} needs a CUDA GPU: {CUDA_ONLY_KERNELS[kernel]}; "
+            "use actor.attention_kernel=sdpa"
         )
+    if kernel == "varlen":
+        torch_varlen_attn()  # the clear error where this torch has no varlen_attn
 
 
 # One layout per distinct micro-batch shape, shared by every layer (and by the next micro-batch of the
@@ -271,12 +288,15 @@ def _attention_layout(bounds: tuple, local_tokens: int, cp_size: int, cp_rank: i
         _LAYOUT_CACHE.move_to_end(key)
         return hit
     blocks = document_blocks(bounds, local_tokens, cp_size=cp_size, cp_rank=cp_rank)
-    order = None
+    order = host_order = None
     if cp_size > 1:
-        order = gathered_to_token_order(list(bounds), cp_size=cp_size).to(device)
-    mask = None
+        host_order = gathered_to_token_order(list(bounds), cp_size=cp_size)
+        order = to_device(host_order, device)  # pinned, non-blocking: no host sync
+    mask: object = None
     if kernel == "flex":
         mask = document_block_mask(blocks, key_tokens=local_tokens * cp_size, device=device)
+    elif kernel == "varlen":  # its key_index replaces `order` (the token order composed in)
+        mask = varlen_layout(blocks, device=device, gather_order=host_order)
     layout = (order, blocks, mask)
     _LAYOUT_CACHE[key] = layout
     while len(_LAYOUT_CACHE) > _LAYOUT_CACHE_SIZE:
@@ -317,9 +337,9 @@ class TorchSDPAttention(torch.nn.Module):
         self.kernel = kernel
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels**-0.5
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        if kernel == "flex" and self.dropout_p:
+        if kernel in ("flex", "varlen") and self.dropout_p:
             raise ValueError(
-                "actor.attention_kernel=flex: FlexAttention has no attention dropout "
+                f"actor.attention_kernel={kernel}: the kernel has no attention dropout "
                 f"(config.json attention_dropout={self.dropout_p})"
             )
         self.cp_group = None
@@ -346,6 +366,16 @@ class TorchSDPAttention(torch.nn.Module):
             gather_for_cp(value, token_order=order, cp_group=self.cp_group),
         )
 
+    def _attend_varlen(self, query, key, value, layout: VarlenLayout):
+        """query [Tq, h, d] local; key, value [T, g, d] local (gathered over CP here) -> [Tq, h, d]."""
+        if self.cp_group is not None:
+            # the all-gather's reordering IS the blocks' key layout: one index_select, then no key_index
+            assert layout.key_index is not None  # cp > 1: a document's two chunks' key runs overlap
+            key = gather_for_cp(key, token_order=layout.key_index, cp_group=self.cp_group)
+            value = gather_for_cp(value, token_order=layout.key_index, cp_group=self.cp_group)
+            layout = dataclasses.replace(layout, key_index=None)
+        return varlen_document_attention(query, key, value, layout, scale=self.softmax_scale)
+
     def _attend(self, q, k, v, blocks, mask):
         """q [B, h, Tq, d]; k, v [B, g, Tk, d] -> [B, h, Tq, d]."""
         if self.kernel == "flex":
@@ -370,8 +400,8 @@ class TorchSDPAttention(torch.nn.Module):
                     "an explicit attention_mask with context parallelism: the torch backend "
                     "supports causal (attention_mask=None) or packed THD batches"
                 )
-            if self.kernel == "flex":
-                raise ValueError("actor.attention_kernel=flex: an explicit attention_mask is not supported")
+            if self.kernel != "sdpa":
+                raise ValueError(f"actor.attention_kernel={self.kernel}: an explicit attention_mask is not supported")
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
             dropout_p = self.dropout_p if self.training else 0.0
             # megatron: True = masked out; SDPA: True = attend
@@ -388,6 +418,11 @@ class TorchSDPAttention(torch.nn.Module):
         # the row is split like megatron's get_batch_on_this_cp_rank: one segment of seq*cp tokens
         cp_size = 1 if self.cp_group is None else self.cp_group.size()
         order, blocks, mask = self._layout([0, seq * cp_size], seq, query.device)
+        if self.kernel == "varlen":  # one row at a time: each row is one packed sequence of its own
+            rows = [
+                self._attend_varlen(*(x[:, b].contiguous() for x in (query, key, value)), mask) for b in range(batch)
+            ]
+            return torch.stack(rows, dim=1).reshape(seq, batch, -1)
         if order is not None:
             key, value = self._gather_kv(key, value, order)
         out = self._attend(*(x.permute(1, 2, 0, 3) for x in (query, key, value)), blocks, mask)
@@ -404,6 +439,8 @@ class TorchSDPAttention(torch.nn.Module):
             cached = (key_, self._layout(_host_bounds(packed_seq_params), total, query.device))
             packed_seq_params._dapo_attention_layout = cached
         order, blocks, mask = cached[1]
+        if self.kernel == "varlen":  # [T, np, hn] is varlen_attn's own layout
+            return self._attend_varlen(query, key, value, mask).reshape(total, -1)
         if order is not None:
             key, value = self._gather_kv(key, value, order)
         out = self._attend(*(x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value)), blocks, mask)
@@ -424,3 +461,19 @@ def _host_bounds(packed_seq_params) -> list[int]:
     if bounds is None:
         bounds = packed_seq_params.cu_seqlens_q
     return bounds.tolist()
+
+
+def set_attention_kernel(modules, kernel: str) -> int:
+    """Switch every TorchSDPAttention among `modules` (model chunks) to `kernel`; returns how many. The
+    kernels share every parameter and the layer's maths, so the actor benchmark compares them on ONE built
+    model (its layouts are cached per kernel). The same checks as at model build."""
+    check_attention_kernel(kernel)
+    count = 0
+    for chunk in modules:
+        for module in chunk.modules():
+            if isinstance(module, TorchSDPAttention):
+                if kernel in ("flex", "varlen") and module.dropout_p:
+                    raise ValueError(f"actor.attention_kernel={kernel}: the kernel has no attention dropout")
+                module.kernel = kernel
+                count += 1
+    return count

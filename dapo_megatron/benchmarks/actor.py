@@ -52,6 +52,7 @@ from typing import Any, Literal
 import torch
 
 from dapo_megatron.actor.actor import Actor
+from dapo_megatron.actor.attention import set_attention_kernel
 from dapo_megatron.actor.parallel import init_distributed, model_parallel
 from dapo_megatron.benchmarks.run import add_output_args, append_rows, check_header, results_csv
 from dapo_megatron.config import ActorConfig, Config
@@ -84,6 +85,20 @@ TINY = dict(
     vocab_size=512,
 )
 SHAPES = {"qwen2.5-1.5b": QWEN25_15B, "tiny": TINY}
+# --packing dapo: a DAPO-like micro-batch of 24,576 tokens, 14 sequences (prompt + response) of mixed length
+# from 256 to 8,192 (the long tail of a DAPO batch: a few long responses, many short ones); other --tokens
+# scale it (rounded, the last sequence takes the remainder)
+DAPO_PACKING_24K = (8192, 4096, 2304, 1792, 1536, 1280, 1024, 1024, 768, 768, 512, 512, 512, 256)
+
+
+def dapo_packing(tokens: int) -> list[int]:
+    """The sequence lengths of one --packing dapo micro-batch of `tokens` tokens (DAPO_PACKING_24K scaled)."""
+    total = sum(DAPO_PACKING_24K)
+    lengths = [max(2, round(n * tokens / total)) for n in DAPO_PACKING_24K[:-1]]
+    last = tokens - sum(lengths)
+    if last < 2:
+        raise ValueError(f"--packing dapo: {tokens} tokens are too few for {len(DAPO_PACKING_24K)} sequences")
+    return [*lengths, last]
 
 
 def write_random_checkpoint(out_dir: Path, *, num_layers: int, seed: int = 0, shape: dict = QWEN25_15B) -> Path:
@@ -116,19 +131,22 @@ def make_mini_batch(
     vocab: int,
     seed: int,
     prompt_tokens: int | None = None,
+    lengths: list[int] | None = None,
 ):
     """Samples that fill num_mb micro-batches of tokens_per_mb tokens on each of dp ranks exactly; each sequence
-    is a prompt of prompt_tokens (default min(256, half the sequence)) and a response of the rest."""
+    is a prompt of prompt_tokens (default min(256, half the sequence)) and a response of the rest. lengths:
+    the sequences of one micro-batch (sum tokens_per_mb; --packing dapo) instead of seqs_per_mb equal ones."""
     gen = torch.Generator().manual_seed(seed)
-    length = tokens_per_mb // seqs_per_mb
-    prompt = min(256, length // 2) if prompt_tokens is None else prompt_tokens
-    if not 1 <= prompt < length:
-        raise ValueError(
-            f"--prompt-tokens {prompt}: must be at least 1 and below the sequence length {length} "
-            f"(--tokens {tokens_per_mb} / --seqs-per-mb {seqs_per_mb})"
-        )
+    per_mb = lengths if lengths is not None else [tokens_per_mb // seqs_per_mb] * seqs_per_mb
     samples = []
-    for i in range(seqs_per_mb * num_mb * dp):
+    for i in range(len(per_mb) * num_mb * dp):
+        length = per_mb[i % len(per_mb)]
+        prompt = min(256, length // 2) if prompt_tokens is None else prompt_tokens
+        if not 1 <= prompt < length:
+            raise ValueError(
+                f"--prompt-tokens {prompt}: must be at least 1 and below the sequence length {length} "
+                f"(--tokens {tokens_per_mb} / --seqs-per-mb {seqs_per_mb})"
+            )
         ids = torch.randint(5, vocab, (length,), generator=gen).tolist()
         response = ids[prompt:]
         samples.append(
@@ -173,6 +191,7 @@ FIELDS = [
     "host_syncs",
     "model_freed",
     "attention_kernel",
+    "packing",
     "loss",
     "num_params",
     "device",
@@ -197,9 +216,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
     parser.add_argument(
         "--attention-kernel",
-        choices=["sdpa", "flex"],
-        default="sdpa",
-        help="actor.attention_kernel of the torch backend (flex: CUDA only)",
+        nargs="+",
+        choices=["sdpa", "flex", "varlen"],
+        default=["sdpa"],
+        help="actor.attention_kernel of the torch backend (flex, varlen: CUDA only); several: one row each, "
+        "measured on the same built model one after the other",
+    )
+    parser.add_argument(
+        "--packing",
+        choices=["equal", "dapo"],
+        default="equal",
+        help="equal: --seqs-per-mb sequences of equal length; dapo: 14 sequences of 256 to 8,192 tokens at "
+        "24,576 (DAPO_PACKING_24K, scaled to --tokens)",
     )
     parser.add_argument(
         "--peak-tflops",
@@ -236,6 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     add_output_args(parser, name="actor")
     args = parser.parse_args(argv)
     for tokens in args.tokens:  # before any model is built
+        if args.packing == "dapo":
+            try:
+                dapo_packing(tokens)
+            except ValueError as err:
+                parser.error(str(err))
+            continue
         length = tokens // args.seqs_per_mb
         if args.prompt_tokens is not None and not 1 <= args.prompt_tokens < length:
             parser.error(
@@ -259,11 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name() if on_gpu else f"CPU ({os.cpu_count()} cores)"
     rows = []
     for tokens_per_mb in args.tokens:
-        row = _row(args, shape=shape, ckpt=ckpt, tokens_per_mb=tokens_per_mb, on_gpu=on_gpu, device=device)
-        rows.append(row)
-        if rank0:  # on disk before the next row starts: a later row that kills the process loses nothing
-            append_rows(csv_path, [row], fields=FIELDS)
-            _print_row(row, header=len(rows) == 1)
+        for row in _rows(args, shape=shape, ckpt=ckpt, tokens_per_mb=tokens_per_mb, on_gpu=on_gpu, device=device):
+            rows.append(row)
+            if rank0:  # on disk before the next row starts: a later row that kills the process loses nothing
+                append_rows(csv_path, [row], fields=FIELDS)
+                _print_row(row, header=len(rows) == 1)
     if rank0:
         print(json.dumps({"device": device, "num_params": rows[0]["num_params"], "num_gpus": rows[0]["num_gpus"]}))
     if owns_group:
@@ -271,13 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _row(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool, device: str) -> dict:
-    """One row: the measurement, or status `oom` with the peak reached; either way the model is freed after
+def _rows(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool, device: str) -> list[dict]:
+    """One row per attention kernel, all measured on one built model: the measurement, or status `oom` with
+    the peak reached (for the kernel that ran out and those after it); either way the model is freed after
     (Actor.close, then garbage collection, then the allocator's cache: `del actor` alone left the model alive,
     reachable through the chunk config's callbacks) and model_freed says whether it was."""
     precision: Literal["bf16", "fp32"] = "bf16" if on_gpu else "fp32"
-    row: dict[str, Any] = dict.fromkeys(FIELDS, "")
-    row.update(
+    lengths = dapo_packing(tokens_per_mb) if args.packing == "dapo" else None
+    base: dict[str, Any] = dict.fromkeys(FIELDS, "")
+    base.update(
         {
             "bench": "actor_train",
             "model": f"{args.shape}-shape-l{args.layers}",
@@ -288,42 +324,55 @@ def _row(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool, dev
             "tokens_per_micro_batch": tokens_per_mb,
             "prompt_tokens": args.prompt_tokens if args.prompt_tokens is not None else "",
             "micro_batches": args.micro_batches,
-            "seqs_per_micro_batch": args.seqs_per_mb,
+            "seqs_per_micro_batch": len(lengths) if lengths else args.seqs_per_mb,
             "recompute": args.recompute,
-            "attention_kernel": args.attention_kernel,
+            "packing": args.packing,
             "device": device,
             "num_gpus": torch.distributed.get_world_size(),
             "date": datetime.date.today().isoformat(),
         }
     )
     actor_ref: list = []  # a weak reference to the row's actor, once built
+    measured: list[dict] = []  # one per kernel, appended as each is measured
     try:
-        row.update(
-            _measure(
-                args,
-                shape=shape,
-                ckpt=ckpt,
-                tokens_per_mb=tokens_per_mb,
-                on_gpu=on_gpu,
-                precision=precision,
-                actor_ref=actor_ref,
-            )
-        )
-        row["status"] = "ok"
+        _measure(args, shape=shape, ckpt=ckpt, tokens_per_mb=tokens_per_mb, lengths=lengths, on_gpu=on_gpu,
+                 precision=precision, actor_ref=actor_ref, results=measured)  # fmt: skip
     except (torch.OutOfMemoryError, RuntimeError) as err:
         if not is_out_of_memory(err):
             raise
-        row["status"] = "oom"
         print(f"tokens_per_micro_batch={tokens_per_mb}: out of memory ({str(err).splitlines()[0][:200]}); next row")
-    if row["status"] == "oom":
-        row["peak_mem_gib"] = round(_peak_memory_gib(on_gpu), 2)  # how far it got
+    rows = [{**base, **m, "status": "ok"} for m in measured]
+    peak = round(_peak_memory_gib(on_gpu), 2)  # how far an oom row got
+    rows += [
+        {**base, "attention_kernel": k, "status": "oom", "peak_mem_gib": peak}
+        for k in args.attention_kernel[len(measured) :]
+    ]
     gc.collect()  # the cycles first: empty_cache can only return blocks nothing references any more
     if on_gpu:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    if actor_ref:
-        row["model_freed"] = "yes" if all(ref() is None for ref in actor_ref) else "no"
-    return row
+    for row in rows:
+        if actor_ref:
+            row["model_freed"] = "yes" if all(ref() is None for ref in actor_ref) else "no"
+    return rows
+
+
+def _timed_steps(actor, samples, *, args, on_gpu: bool, first_step: int) -> tuple[list[float], int | None, dict]:
+    """One warm-up step, then args.steps measured ones: (seconds, host syncs or None, last metrics)."""
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    times, syncs, metrics = [], None, {}
+    for i in range(args.steps + 1):
+        counting = args.count_syncs and on_gpu and i > 0
+        sync()
+        start = time.perf_counter()
+        with _SyncCounter(counting) as counter:  # Actor.train's own syncs only, not the timer's
+            metrics = actor.train(samples, step=first_step + i)
+        sync()
+        if i > 0:  # the first step warms up kernels (and, for the first kernel, allocates optimizer state)
+            times.append(time.perf_counter() - start)
+            if counting:
+                syncs = (syncs or 0) + counter.count
+    return times, syncs, metrics
 
 
 def _measure(
@@ -332,12 +381,13 @@ def _measure(
     shape: dict,
     ckpt: Path,
     tokens_per_mb: int,
+    lengths: list[int] | None,
     on_gpu: bool,
     precision: Literal["bf16", "fp32"],
     actor_ref: list,
-) -> dict:
+    results: list[dict],
+) -> None:
     peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else (PEAK_FLOPS["bf16"] if on_gpu else None)
-    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     cfg = Config()
     cfg.actor = ActorConfig(
         tp=args.tp,
@@ -348,11 +398,12 @@ def _measure(
         recompute=args.recompute,
         use_distributed_optimizer=True,
         world_size=torch.distributed.get_world_size(),
-        attention_kernel=args.attention_kernel,
+        attention_kernel=args.attention_kernel[0],
         fused_logprob=on_gpu,
         fused_policy_loss=on_gpu,
     )
     cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-6, 0
+    num_gpus = torch.distributed.get_world_size()
     with model_parallel(tp=args.tp, pp=args.pp, seed=1) as layout:
         actor = Actor(actor_settings(cfg), ckpt, layout)
         # the actor and its model chunks (these hold the device memory): both must be gone after the row
@@ -372,38 +423,36 @@ def _measure(
                 vocab=actor.hf_config.vocab_size,
                 seed=tokens_per_mb,
                 prompt_tokens=args.prompt_tokens,
+                lengths=lengths,
             )
-            times, syncs = [], None
-            for step in range(args.steps + 1):
-                counting = args.count_syncs and on_gpu and step > 0
-                sync()
-                start = time.perf_counter()
-                with _SyncCounter(counting) as counter:  # Actor.train's own syncs only, not the timer's
-                    metrics = actor.train(samples, step=step)
-                sync()
-                if step > 0:  # step 0 warms up kernels and allocates optimizer state
-                    times.append(time.perf_counter() - start)
-                    if counting:
-                        syncs = (syncs or 0) + counter.count
-            peak_mem = _peak_memory_gib(on_gpu)
+            flops = flops_per_step(samples, num_params=num_params, hidden=shape["hidden_size"], layers=args.layers)
+            for kernel in args.attention_kernel:
+                if args.attention == "torch":
+                    set_attention_kernel(actor.model_chunks, kernel)
+                if on_gpu:
+                    torch.cuda.reset_peak_memory_stats()
+                times, syncs, metrics = _timed_steps(
+                    actor, samples, args=args, on_gpu=on_gpu, first_step=len(results) * (args.steps + 1)
+                )
+                step_s = statistics.median(times)
+                results.append(
+                    {
+                        "attention_kernel": kernel,
+                        "dp": dp,
+                        "step_s_p50": round(step_s, 4),
+                        "step_s_min": round(min(times), 4),
+                        "tokens_per_s": round(sum(s.num_tokens for s in samples) / step_s, 1),
+                        "tflops_per_gpu": round(flops / step_s / num_gpus / 1e12, 1),
+                        "mfu": round(flops / step_s / num_gpus / peak_flops, 4) if peak_flops else "",
+                        "peak_mem_gib": round(_peak_memory_gib(on_gpu), 2),
+                        "host_syncs": syncs if syncs is not None else "",
+                        "loss": round(metrics["loss"], 5),
+                        "num_params": num_params,
+                    }
+                )
         finally:  # an OOM row too: its model must go before the next row
             actor.close()
             del actor
-    step_s = statistics.median(times)
-    flops = flops_per_step(samples, num_params=num_params, hidden=shape["hidden_size"], layers=args.layers)
-    num_gpus = torch.distributed.get_world_size()
-    return {
-        "dp": dp,
-        "step_s_p50": round(step_s, 4),
-        "step_s_min": round(min(times), 4),
-        "tokens_per_s": round(sum(s.num_tokens for s in samples) / step_s, 1),
-        "tflops_per_gpu": round(flops / step_s / num_gpus / 1e12, 1),
-        "mfu": round(flops / step_s / num_gpus / peak_flops, 4) if peak_flops else "",
-        "peak_mem_gib": round(peak_mem, 2),
-        "host_syncs": syncs if syncs is not None else "",
-        "loss": round(metrics["loss"], 5),
-        "num_params": num_params,
-    }
 
 
 def _extra_allocation(tokens_per_mb: int, on_gpu: bool) -> torch.Tensor | None:

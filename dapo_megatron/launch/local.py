@@ -52,6 +52,20 @@ def check_cores(cores: list[int], key: str) -> None:
         raise ValueError(f"config key '{key}': pinning to cores {cores} needs `taskset` (util-linux) on PATH")
 
 
+def check_attention_kernel_device(actor_cfg) -> None:
+    """actor.attention_kernel flex / varlen run CUDA kernels only (actor/attention.py): refused here, on the
+    machine that starts the ranks, rather than by every rank after its model is built."""
+    if actor_cfg.attention_backend != "torch" or actor_cfg.attention_kernel not in ("flex", "varlen"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"actor.attention_kernel={actor_cfg.attention_kernel} needs a CUDA GPU and this machine has none: "
+            "use actor.attention_kernel=sdpa"
+        )
+
+
 def pinned(argv: list[str], cores: list[int]) -> list[str]:
     """argv run on `cores` only. taskset sets the affinity before exec, so the process and every thread
     and child it starts (torchrun's ranks, torch's intra-op threads) inherit it from the first instruction."""
@@ -296,6 +310,7 @@ def _launch_locked(
         return 0
     check_cores(cfg.rollout.cpu_engine_cores, "rollout.cpu_engine_cores")
     check_cores(cfg.actor.cpu_cores, "actor.cpu_cores")
+    check_attention_kernel_device(cfg.actor)  # before any rank starts (the ranks refuse it again at model build)
     if not skip_plan:
         check_before_launch(cfg)  # ValueError naming the phase and component that do not fit
     console.quiet_backend_warnings()

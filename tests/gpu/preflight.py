@@ -75,6 +75,18 @@ def check_imports() -> list[str]:
     return failures
 
 
+def _varlen_signature() -> str:
+    """The keyword parameters of this torch's varlen_attn (actor/attention_varlen.py decides by them), or why none."""
+    import inspect
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as err:
+        return f"absent ({err})"
+    params = inspect.signature(varlen_attn).parameters.values()
+    return ",".join(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
 def check_gpu() -> tuple[dict, list[str]]:
     import torch
     import torch.distributed as dist
@@ -88,6 +100,7 @@ def check_gpu() -> tuple[dict, list[str]]:
         "gpu_mem_gib": round(props.total_memory / 2**30, 1),
         "num_gpus": torch.cuda.device_count(),
         "cuda": torch.version.cuda,
+        "varlen_attn": _varlen_signature(),
     }
     x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
     problems = [] if float(x.sum()) == (1 << 20) * ((1 << 20) - 1) / 2 else ["a CUDA sum came out wrong"]

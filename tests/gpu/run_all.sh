@@ -9,7 +9,10 @@
 # .gpu/ (git-ignored) the wheels the GPU image lacks and the warm-started tiny models, which the device
 # tool carries: run(command="bash tests/gpu/run_all.sh --call 1 $OUT", carry=[".gpu"], timeout_s=600).
 # At the start of every session with a GPU, run call 1 and, if time remains, call 2 (docs/benchmarks.md,
-# "GPU check plan").
+# "GPU check plan"). Call 1 (issue 41): what no GPU has proven yet and the measurements the next kernel
+# decisions need: preflight, transfer_tests, e2e_colocated, sync_bench, the varlen attention tests and rows
+# (sdpa vs varlen), the LM-head kernel variants vs Liger, the loss rows. Call 2: the regression checks
+# (actor tests, e2e_bf16, the full kernel quick table + 32B row, targets, SGLang FP8).
 #
 # The plan is tests/gpu/plan.tsv (GPU_PLAN=FILE for another): rows of call, step and budget_s, run top to
 # bottom. --call N runs each step of call N under `timeout budget_s` and appends one JSON line to
@@ -179,6 +182,57 @@ step_attention_20k() {
     tokens_per_micro_batch step_s_p50 tokens_per_s tflops_per_gpu mfu peak_mem_gib host_syncs status > "$STEP_METRICS"
 }
 
+# The colocated weight sync at a real shape (issue 41 item 1): the Qwen2.5-1.5B shape's 3.1 GB of bf16
+# into the project's CPU engine server on the same GPU (serve-rollout --device cuda:0: the e2e_colocated
+# step's engine), CUDA IPC payloads; seconds, GB/s and the phases (export, IPC handles, engine copy).
+step_sync_bench() {
+  local csv="$OUT/colocated_sync.csv"
+  $PY -m dapo_megatron.benchmarks.colocated_sync --repeats 3 --csv "$csv" \
+    --checkpoint-dir "$WORK/qwen25_1.5b_sync" || return $?
+  $PY tests/gpu/step_metrics.py csv "$csv" sync_s_p50 sync_s_min gb_per_s export_s ipc_s engine_s session_s \
+    bytes buckets read_back > "$STEP_METRICS"
+}
+
+step_attention_varlen_tests() {  # torch's varlen_attn against the CPU tests' float64 twin and the sdpa blocks
+  pytest_step -m gpu tests/gpu/test_attention_gpu.py -k varlen
+}
+
+# The attention rows (issue 41 item 2): the 22,528-token document of attention_20k and a DAPO-like packing
+# (24,576 tokens, 14 sequences of 256 to 8,192: benchmarks/actor.DAPO_PACKING_24K), each kernel measured on
+# ONE built model (one warm-up + one measured step each, full recompute, host syncs counted). Both layouts
+# always run; the step fails if either did. attention_rows_flex (call 3) adds flex, whose compile is long.
+attention_rows() {  # attention_rows CSV KERNEL...
+  local csv=$1 rc=0; shift
+  local common=(--micro-batches 1 --steps 1 --recompute full --count-syncs --attention-kernel "$@"
+                --csv "$csv" --checkpoint-dir "$WORK/qwen25_1.5b_random")
+  rm -f "$csv"
+  $PY -m dapo_megatron.benchmarks.actor --tokens 22528 --prompt-tokens 2048 --seqs-per-mb 1 "${common[@]}" || rc=$?
+  $PY -m dapo_megatron.benchmarks.actor --tokens 24576 --packing dapo "${common[@]}" || rc=$?
+  [ -f "$csv" ] && cp "$csv" "$OUT/" && $PY tests/gpu/step_metrics.py attention-rows "$csv" > "$STEP_METRICS"
+  return $rc
+}
+step_attention_rows() { attention_rows "$WORK/attention_rows.csv" sdpa varlen; }
+
+# Kernel variants (issue 41 items 3-4; their modules come from the kernel work, kernels/bench/): each times
+# every candidate design of its kernel at the quick shapes, Liger beside them, in one process. Contract:
+# `python -m dapo_kernels.bench.<module> --quick --csv FILE`. A module not in this checkout is recorded as
+# absent (ok, metrics {"present": false}) so the plan runs before and after the merge alike.
+kernel_variants() {  # kernel_variants MODULE
+  if [ ! -f "$ROOT/kernels/bench/$1.py" ]; then
+    echo "kernels/bench/$1.py is not in this checkout: nothing to run"
+    echo '{"present": false}' > "$STEP_METRICS"
+    return 0
+  fi
+  $PY -m "dapo_kernels.bench.$1" --quick --csv "$OUT/$1.csv" || return $?
+  echo '{"present": true}' > "$STEP_METRICS"
+}
+step_kernel_variants_logprob() { kernel_variants variants_logprob; }
+# the loss rows: the policy-loss variants where present, else today's kernels' loss rows of the quick table
+step_loss_rows() {
+  if [ -f "$ROOT/kernels/bench/variants_policy_loss.py" ]; then kernel_variants variants_policy_loss; return $?; fi
+  $PY -m dapo_kernels.bench.run --kernels policy_loss --quick --csv "$OUT/loss_rows.csv"
+}
+
 # ---- steps: call 2 ------------------------------------------------------------------------------------
 step_kernel_tests() {  # tests/gpu kernel tests + the CPU suite's kernel tests on CUDA tensors, compiled
   # one tile configuration: tuning four per shape made it 11 tests in 120 s on the first H100 run
@@ -192,12 +246,6 @@ step_kernel_bench() {
   $PY -m dapo_kernels.bench.run --quick --csv "$csv" || return $?
   $PY -m dapo_kernels.bench.run --kernels logprob --models 32b --tp 1 --n 65536 \
     --providers fused,fused_cublas,fused_rowchunk,liger --repeats 3 --csv "$csv"
-}
-
-# issue 41 items 4-5: every candidate policy-loss kernel (and the LM head's, when kernels/bench/variants_logprob.py
-# is present) timed in one run beside the device copy: kernels/bench/variants.py; rows in OUT/kernel_variants.csv
-step_kernel_variants() {
-  $PY -m dapo_kernels.bench.variants --csv "$OUT/kernel_variants.csv"
 }
 
 step_kernel_targets() {  # the five targets judged from kernel_bench's rows: exit 0 only when all hold
@@ -215,9 +263,10 @@ step_transfer_tests() {  # collectives on NCCL and gloo, CUDA IPC payloads, rele
 step_e2e_colocated() { e2e_run e2e_colocated; }
 
 # ---- steps: calls 3 and later -------------------------------------------------------------------------
-step_attention_tests() {  # the O(T) torch attention on CUDA: lower-right chunks, FlexAttention, linear bytes
+step_attention_tests() {  # the O(T) torch attention on CUDA: lower-right chunks, FlexAttention, varlen, linear bytes
   pytest_step -m gpu tests/gpu/test_attention_gpu.py
 }
+step_attention_rows_flex() { attention_rows "$WORK/attention_rows_flex.csv" flex; }
 
 # the actor MFU table: Qwen2.5-1.5B shape, 4K / 16K / 32K tokens per micro-batch, full recompute (what the
 # presets use at these sizes: selective keeps 58 GiB at 16K, issue 33); an OOM row is written as `oom`
@@ -228,6 +277,7 @@ actor_bench() {
 }
 step_actor_bench_sdpa() { actor_bench sdpa; }
 step_actor_bench_flex() { actor_bench flex; }
+step_actor_bench_varlen() { actor_bench varlen; }
 
 step_actor_tests_rest() {  # the 2-layer bench smoke test and check-parity --fused-logprob
   pytest_step -m gpu tests/gpu/test_actor_gpu.py -k "bench_reports_throughput or check_parity_fused_logprob"

@@ -5,6 +5,7 @@
     python tests/gpu/step_metrics.py junit FILE.xml               # {"passed", "failed", "errors", "skipped"}
     python tests/gpu/step_metrics.py csv FILE COLUMN...           # those columns of the CSV's last row
     python tests/gpu/step_metrics.py csv-rows FILE KERNEL         # the actor bench rows of one attention kernel
+    python tests/gpu/step_metrics.py attention-rows FILE          # the actor bench rows by packing, tokens, kernel
     python tests/gpu/step_metrics.py targets TEXT                 # dapo_kernels.bench.targets' verdicts
 
 Standard library only: it runs before the carried wheels are installed, and in the CPU tests of the runner.
@@ -92,6 +93,20 @@ def csv_rows(path: str, kernel: str) -> dict:
     return {r["tokens_per_micro_batch"]: {k: _number(r.get(k, "")) for k in keys} for r in rows}
 
 
+def attention_rows(path: str) -> dict:
+    """{"<packing>_<tokens>_<kernel>": {status, step_s_p50, tokens_per_s, tflops_per_gpu, mfu, host_syncs,
+    peak_mem_gib}}: the attention rows (sdpa / flex / varlen side by side on one layout)."""
+    with open(path, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    keys = ("status", "step_s_p50", "tokens_per_s", "tflops_per_gpu", "mfu", "host_syncs", "peak_mem_gib")
+    return {
+        f"{r.get('packing') or 'equal'}_{r['tokens_per_micro_batch']}_{r['attention_kernel']}": {
+            k: _number(r.get(k, "")) for k in keys
+        }
+        for r in rows
+    }
+
+
 def targets(path: str) -> dict:
     """{"T1": "PASS", ...} from the text of `python -m dapo_kernels.bench.targets`."""
     out = {}
@@ -125,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "junit": lambda: junit(rest[0]),
         "csv": lambda: csv_last_row(rest[0], rest[1:]),
         "csv-rows": lambda: csv_rows(rest[0], rest[1]),
+        "attention-rows": lambda: attention_rows(rest[0]),
         "targets": lambda: targets(rest[0]),
     }
     if command not in handlers or not rest:

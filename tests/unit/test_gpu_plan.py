@@ -33,21 +33,39 @@ def _plan_lines(stdout: str):
     return [(int(c), s, int(b)) for c, s, b in steps], totals
 
 
-def test_plan_call_1_is_what_the_first_gpu_run_left_unproven_within_540_s():
+def test_plan_call_1_is_issue_41s_unproven_and_measured_steps_within_540_s():
     proc = _run("--plan")
     assert proc.returncode == 0, proc.stderr
     steps, totals = _plan_lines(proc.stdout)
-    # call 1: preflight, then the steps the first H100 run (2026-11-26) failed or ran out of budget on
-    assert [s for c, s, _ in steps if c == 1] == ["preflight", "transfer_tests", "e2e_colocated", "kernel_tests"]
-    # call 2: the steps it passed (regression), then the FP8 reload moved up into the time left
+    # call 1 (issue 41): preflight, the colocated path end to end and its sync speed at the 1.5B shape, the
+    # varlen attention (its tests, then its rows beside sdpa), the LM-head variants vs Liger, the loss rows
+    assert [s for c, s, _ in steps if c == 1] == [
+        "preflight",
+        "transfer_tests",
+        "e2e_colocated",
+        "sync_bench",
+        "attention_varlen_tests",
+        "attention_rows",
+        "kernel_variants_logprob",
+        "loss_rows",
+    ]
+    # call 2: the steps the first H100 run (2026-11-26) passed (regression), the full quick kernel table with
+    # the 32B row, the targets, the FP8 reload
     assert [s for c, s, _ in steps if c == 2] == [
         "actor_tests",
         "e2e_bf16",
-        "attention_20k",
         "kernel_bench",
         "kernel_targets",
         "sglang_fp8",
     ]
+    # calls 3-4: never run on a GPU (kernel and attention tests, flex rows; fp32, overlapped, MoE e2e)
+    assert [s for c, s, _ in steps if c == 3] == [
+        "kernel_tests",
+        "attention_tests",
+        "attention_rows_flex",
+        "actor_tests_rest",
+    ]
+    assert [s for c, s, _ in steps if c == 4] == ["e2e_fp32", "e2e_overlapped", "e2e_moe"]
     for call in totals:  # each total is the sum of its steps and within the device command's share
         assert totals[call] == sum(b for c, _, b in steps if c == call) <= 540, call
     # every step of the plan is a function of the runner
@@ -213,6 +231,19 @@ def test_step_metrics_read_what_the_steps_write(tmp_path):
         "T4": "NOT MEASURED",
         "T5": "NOT MEASURED",
     }
+
+    rows_csv = tmp_path / "attention_rows.csv"
+    rows_csv.write_text(
+        "tokens_per_micro_batch,attention_kernel,packing,status,step_s_p50,tokens_per_s,tflops_per_gpu,mfu,"
+        "host_syncs,peak_mem_gib\n"
+        "22528,sdpa,equal,ok,1.078,20898.0,315.2,0.3187,0,31.77\n24576,varlen,dapo,ok,0.7,35108.6,250.0,0.2528,0,30\n"
+    )
+    assert step_metrics.attention_rows(str(rows_csv)) == {
+        "equal_22528_sdpa": {"status": "ok", "step_s_p50": 1.078, "tokens_per_s": 20898.0, "tflops_per_gpu": 315.2,
+                             "mfu": 0.3187, "host_syncs": 0, "peak_mem_gib": 31.77},
+        "dapo_24576_varlen": {"status": "ok", "step_s_p50": 0.7, "tokens_per_s": 35108.6, "tflops_per_gpu": 250.0,
+                              "mfu": 0.2528, "host_syncs": 0, "peak_mem_gib": 30},
+    }  # fmt: skip
 
     bench = tmp_path / "actor.csv"
     bench.write_text(

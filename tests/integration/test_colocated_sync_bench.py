@@ -1,0 +1,40 @@
+"""The colocated-sync benchmark (dapo_megatron/benchmarks/colocated_sync.py) on CPU at the tiny shape: the
+trainer process feeds the project's CPU engine server through shared-memory payloads (the colocated
+transport's CPU form). Checks the row's arithmetic and fields, never its speed: the bytes are the shape's
+parameters (counted here from the shape by hand), GB/s is bytes / sync_s_p50, the phases add up to their
+total, one 512 MB bucket holds the whole tiny model, and the engine's tensors equal the trainer's."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path (shared memory)")
+def test_colocated_sync_bench_row_on_cpu(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "dapo_megatron.benchmarks.colocated_sync", "--shape", "tiny", "--repeats", "2",
+         "--csv", str(tmp_path / "sync.csv"), "--checkpoint-dir", str(tmp_path / "ckpt")],
+        cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with (tmp_path / "sync.csv").open() as fh:
+        (row,) = list(csv.DictReader(fh))
+    # tiny shape (benchmarks/actor.TINY): hidden 64, intermediate 128, 2 layers, 4 heads / 2 KV heads of 16,
+    # vocab 512, tied embeddings. Per layer: q 64x64 + 64, k and v 32x64 + 32 each, o 64x64, gate / up / down
+    # 3 x 128x64, two norms of 64; plus the embedding 512x64 and the final norm
+    layer = (64 * 64 + 64) + 2 * (32 * 64 + 32) + 64 * 64 + 3 * 128 * 64 + 2 * 64
+    params = 2 * layer + 512 * 64 + 64
+    assert int(row["bytes"]) == 4 * params  # float32 on the CPU engine
+    assert int(row["tensors"]) == 2 * 12 + 2 and int(row["buckets"]) == 1 and int(row["repeats"]) == 2
+    assert float(row["gb_per_s"]) == round(int(row["bytes"]) / 1e9 / float(row["sync_s_p50"]), 4)
+    phases = [float(row[k]) for k in ("export_s", "ipc_s", "engine_s", "session_s")]
+    assert abs(sum(phases) - float(row["phases_total_s"])) <= 2e-4  # each rounded to 1e-4
+    assert float(row["sync_s_min"]) <= float(row["sync_s_p50"])
+    assert row["read_back"] == "equal" and row["dtype"] == "float32" and row["device"].startswith("CPU")
