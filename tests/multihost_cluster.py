@@ -190,19 +190,18 @@ class MultiHostSlurm(LocalSlurm):
 
     def start_slurmd(self, host: Host) -> None:
         """(Re)start the host's slurmd inside its namespaces (a lost host that comes back)."""
-        log = open(self.root / "log" / f"slurmd-{host.name}.out", "ab")
-        self.slurmd[host.name] = subprocess.Popen(
-            self.on_host(host, ["slurmd", "-D", "-N", host.name, "-f", str(self.conf)]),
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        log.close()
+        with open(self.root / "log" / f"slurmd-{host.name}.out", "ab") as log:  # slurmd keeps its own copy
+            self.slurmd[host.name] = subprocess.Popen(
+                self.on_host(host, ["slurmd", "-D", "-N", host.name, "-f", str(self.conf)]),
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     # ---------------------------------------------------------------- lifecycle
-    def start(self, timeout_s: float = 60.0) -> "MultiHostSlurm":
+    def start(self, timeout_s: float = 60.0) -> MultiHostSlurm:
         from slurm_cluster import missing_binaries
 
         missing = missing_binaries() + (

@@ -25,8 +25,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from helpers_runs import logs as run_logs
+from helpers_runs import metrics
 from helpers_train import EXACT_KEYS, FLOAT_KEYS
-from helpers_runs import logs as run_logs, metrics
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_CPU = REPO / "configs/runs/tiny_cpu.yaml"

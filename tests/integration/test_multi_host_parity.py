@@ -67,7 +67,7 @@ def test_check_parity_tp2_one_rank_per_host(two_hosts, tmp_path):
             "--seq-len",
             "16",
         ]
-        log = open(tmp_path / f"rank{node_rank}.log", "wb")
+        log = open(tmp_path / f"rank{node_rank}.log", "wb")  # noqa: SIM115 (closed in the finally below)
         procs.append(
             (
                 subprocess.Popen(

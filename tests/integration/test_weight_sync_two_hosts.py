@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from rollout_helpers import REPO, make_tiny_checkpoint
 
 HERE = Path(__file__).resolve().parent
@@ -40,7 +41,7 @@ def test_weight_sync_between_two_network_namespaces(two_hosts, tmp_path):
     register = tmp_path / "engines"
     env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
-    log = open(tmp_path / "engine.log", "wb")
+    log = open(tmp_path / "engine.log", "wb")  # noqa: SIM115 (closed in the finally below)
     engine = subprocess.Popen(
         two_hosts.on_host(
             engine_host,
