@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
+# these tests build their own clusters (they test starting and stopping one): skip as the shared one does
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300), pytest.mark.usefixtures("multihost_binaries")]
 CLUSTER = Path(__file__).resolve().parents[1] / "multihost_cluster.py"
 
 
