@@ -6,7 +6,6 @@ pool can send them (tests/rank_pool.py)."""
 from __future__ import annotations
 
 import contextlib
-
 import random
 
 import torch
@@ -116,8 +115,8 @@ def grads_rank(hf_dir, samples, budget, algo=None, cp=1):
     all-reduced over DP x CP, so every rank holds the full gradient); returns the gradient by HF
     name, read just before the step."""
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.trainer.settings import actor_settings
 
     with gradients_before_the_step() as captured, model_parallel(tp=1, cp=cp, seed=7) as layout:
         cfg = make_cfg(cp=cp, micro_batch_tokens=budget, lr=1e-3, warmup_steps=0)
@@ -144,13 +143,13 @@ def hf_seq_mean_step(hf_dir, samples, *, dtype, eps_low, eps_high, clip_ratio_c,
             continue
         adv = s.advantage
         ratio = torch.exp(torch.clamp(lp - old, -20, 20))
-        l = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - eps_low, 1 + eps_high))
+        loss = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - eps_low, 1 + eps_high))
         if adv < 0:
-            l = torch.minimum(l, torch.full_like(l, -adv * clip_ratio_c))
+            loss = torch.minimum(loss, torch.full_like(loss, -adv * clip_ratio_c))
         tis = torch.clamp(torch.exp(old - rollout), max=tis_cap)
         x = torch.clamp(ref - lp, -20, 20)
         k3 = torch.clamp(torch.exp(x) - x - 1, -10, 10)
-        per_seq.append((mask * (tis * l + kl_coef * k3)).sum() / mask.sum())
+        per_seq.append((mask * (tis * loss + kl_coef * k3)).sum() / mask.sum())
     loss = torch.stack(per_seq).mean()
     return policy_step_of(model, lp_all, loss)
 

@@ -142,10 +142,12 @@ def holds_weights(version: str):
 
 
 def train_killing_engine(
-    out: Path, cache: Path, *extra: str, kills=(step_logged(1),), config: str = "tiny_cpu.yaml"
+    out: Path, cache: Path, *extra: str, kills=None, config: str = "tiny_cpu.yaml"
 ) -> tuple[int, str, list]:
     """Run train; SIGKILL its live engine at each of `kills` in turn (each returns the engine's
-    registration once it is time). Returns (exit code, console text, the killed engines' registrations)."""
+    registration once it is time; default: once step 1 is logged). Returns (exit code, console text, the
+    killed engines' registrations)."""
+    kills = (step_logged(1),) if kills is None else kills
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     log = out.parent / f"{out.name}.console.txt"
     killed = []

@@ -10,6 +10,7 @@ the shared filesystem, as NFS/Lustre is on a cluster.
         cluster.cut_link(cluster.hosts[2]); cluster.restore_link(cluster.hosts[2])
         cluster.kill_host(cluster.hosts[1])                # SIGKILL every process of the host (slurmd too)
         cluster.start_slurmd(cluster.hosts[1])             # ... and back, as after a reboot
+        cluster.heal()                                     # no job, every link up, every node idle again
 
     python tests/multihost_cluster.py --hosts 3 /tmp/dapo-mh   # by hand: prints how to reach it; Ctrl-C stops it
 
@@ -37,6 +38,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -80,6 +82,19 @@ def _free_subnet() -> str:
         if f"{net}." not in routes:
             return net
     raise RuntimeError("no free 10.x.y.0/24 subnet")
+
+
+def missing_binaries() -> list[str]:
+    """Names of what a multi-host cluster needs that is not installed (empty: all there): Slurm's and
+    munge's binaries (slurm_cluster.missing_binaries) and iproute2's `ip`, util-linux's unshare and nsenter."""
+    from slurm_cluster import missing_binaries as missing_slurm
+
+    tools = [
+        name
+        for name in ("ip", "unshare", "nsenter")
+        if shutil.which(name) is None and not Path("/usr/sbin", name).exists()
+    ]
+    return missing_slurm() + tools
 
 
 def debian_hosts_file(own: Host, hosts: list[Host]) -> str:
@@ -190,26 +205,19 @@ class MultiHostSlurm(LocalSlurm):
 
     def start_slurmd(self, host: Host) -> None:
         """(Re)start the host's slurmd inside its namespaces (a lost host that comes back)."""
-        log = open(self.root / "log" / f"slurmd-{host.name}.out", "ab")
-        self.slurmd[host.name] = subprocess.Popen(
-            self.on_host(host, ["slurmd", "-D", "-N", host.name, "-f", str(self.conf)]),
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        log.close()
+        with open(self.root / "log" / f"slurmd-{host.name}.out", "ab") as log:  # slurmd keeps its own copy
+            self.slurmd[host.name] = subprocess.Popen(
+                self.on_host(host, ["slurmd", "-D", "-N", host.name, "-f", str(self.conf)]),
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
 
     # ---------------------------------------------------------------- lifecycle
-    def start(self, timeout_s: float = 60.0) -> "MultiHostSlurm":
-        from slurm_cluster import missing_binaries
-
-        missing = missing_binaries() + (
-            ["ip", "unshare"]
-            if subprocess.run(["sh", "-c", "command -v ip && command -v unshare"], capture_output=True).returncode
-            else []
-        )
+    def start(self, timeout_s: float = 60.0) -> MultiHostSlurm:
+        missing = missing_binaries()
         if missing:
             raise RuntimeError(f"binaries missing: {', '.join(missing)} (run .ci/system_deps.sh)")
         for sub in ("munge", "run", "log", "state", "spool", *(f"spool/{h.name}" for h in self.hosts)):
@@ -245,6 +253,35 @@ class MultiHostSlurm(LocalSlurm):
         # this long: longer than the 20 s link cut of the tests (Slurm's default is 300 s)
         text += "SlurmdTimeout=30\nMessageTimeout=5\n"
         self.conf.write_text(text)
+
+    def heal(self, timeout_s: float = 180.0) -> None:
+        """Back to what start() left, after a test that cut links, lost hosts or failed half-way: our jobs
+        cancelled, every link up, every host's slurmd running, every node idle (a node Slurm set DOWN or
+        DRAIN is resumed). Quick when nothing is amiss (one scancel, one sinfo)."""
+        self.run(["scancel", "--user", str(os.getuid())], check=False)
+        for host in self.hosts:
+            self.restore_link(host)
+            proc = self.slurmd.get(host.name)
+            if proc is None or proc.poll() is not None:
+                self.start_slurmd(host)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            states = dict(
+                line.split()[:2]
+                for line in self.run(["sinfo", "-h", "-N", "-o", "%N %t"], check=False).stdout.splitlines()
+            )
+            if len(states) == len(self.hosts) and all(state.startswith("idle") for state in states.values()):
+                return
+            for name, state in states.items():
+                # "down*": not answering yet (ReturnToService=2 brings it back when its slurmd registers);
+                # "down"/"drain" without the star: answering but held, which only a resume clears
+                if state.startswith(("down", "drain")) and not state.endswith("*"):
+                    self.run(["scontrol", "update", f"nodename={name}", "state=resume"], check=False)
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"nodes not idle {timeout_s:.0f} s after heal(): {states}\n{self._log_tail('slurmctld')}"
+                )
+            time.sleep(0.5)
 
     def _wait_nodes_idle(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

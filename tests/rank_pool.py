@@ -18,7 +18,8 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -80,7 +80,7 @@ class LocalSlurm:
         self.first_job_id = random.randrange(1, 9000)
 
     # ---------------------------------------------------------------- lifecycle
-    def start(self, timeout_s: float = 30.0) -> "LocalSlurm":
+    def start(self, timeout_s: float = 30.0) -> LocalSlurm:
         missing = missing_binaries()
         if missing:
             raise RuntimeError(f"Slurm binaries missing: {', '.join(missing)} (run .ci/system_deps.sh)")
@@ -242,7 +242,7 @@ PartitionName={self.partition} Nodes=localhost Default=YES MaxTime=INFINITE Stat
         left.update({f"job process {pid}": pid for pid in self.job_processes()})
         return left
 
-    def __enter__(self) -> "LocalSlurm":
+    def __enter__(self) -> LocalSlurm:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

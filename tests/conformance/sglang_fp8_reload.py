@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import sys
 import types
@@ -150,12 +151,12 @@ def build_manager(model, tp_rank: int, model_dir: str):
     around its recording model, sglang_oracle.build_rank)."""
     from types import MethodType, SimpleNamespace
 
+    import torch.distributed as dist
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
     from sglang.srt.managers.tp_worker import TpModelWorker
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
     from sglang.srt.utils.torch_memory_saver_adapter import TorchMemorySaverAdapter
-    import torch.distributed as dist
 
     runner = SimpleNamespace(tp_rank=tp_rank, model=model)
     runner.weight_updater = WeightUpdater(
@@ -308,8 +309,8 @@ def main() -> None:
         rank = {"info": info, "phases": {}}
         for phase, run in (
             ("start", None),
-            ("sync1", lambda: sync_distributed(manager, runner, syncs[0])),
-            ("sync2", lambda: sync_tensor(manager, payload)),
+            ("sync1", functools.partial(sync_distributed, manager, runner, syncs[0])),
+            ("sync2", functools.partial(sync_tensor, manager, payload)),
         ):
             result = run() if run else {}
             tensors, facts = _snapshot(model)

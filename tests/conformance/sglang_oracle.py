@@ -109,7 +109,7 @@ def build_recording_model(model_dir: str):
             for fname in sorted(os.listdir(model_dir)):
                 if fname.endswith(".safetensors"):
                     with safe_open(os.path.join(model_dir, fname), "pt") as f:
-                        for key in f.keys():
+                        for key in f.keys():  # noqa: SIM118 (safe_open has keys(), no __iter__)
                             self.params[key] = f.get_tensor(key).clone()
             self.loads: list[list[tuple[str, str, list[int]]]] = []
 
@@ -134,7 +134,6 @@ def build_recording_model(model_dir: str):
 def build_rank(*, tp_rank: int, model_dir: str, world_group, log: list):
     """One engine TP rank: SGLang's WeightUpdater and SchedulerWeightUpdaterManager around a
     RecordingModel (each rank joins a weight group as rank_offset + tp_rank, as in SGLang)."""
-    import torch
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
     from sglang.srt.managers.tp_worker import TpModelWorker
@@ -219,7 +218,8 @@ def build_tokenizer_manager(*, ranks: list, server_args, context_length: int, vo
             self.allow_auto_truncate = False
             self.enable_metrics = False
             self.vocab_size = vocab_size
-            hf = json.load(open(os.path.join(server_args.model_path, "config.json")))
+            with open(os.path.join(server_args.model_path, "config.json")) as config_file:
+                hf = json.load(config_file)
             self.model_config = SimpleNamespace(
                 vocab_size=vocab_size,
                 is_image_understandable_model=False,

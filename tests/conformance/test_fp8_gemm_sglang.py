@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dapo_megatron.quant.fp8_activation import per_token_group_quant_fp8
 from dapo_megatron.cpu_engine.fp8_gemm import block_fp8_linear
+from dapo_megatron.quant.fp8_activation import per_token_group_quant_fp8
 
 SCRIPT = Path(__file__).with_name("sglang_fp8_gemm.py")
 U = 2.0**-24

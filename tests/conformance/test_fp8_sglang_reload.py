@@ -6,7 +6,8 @@ TP rank: Fp8LinearMethod.validate_block_quant_shapes; the hidden size a multiple
 GEMM quantizes activations per 128 channels and asserts it at the first forward: check_sglang_block_shapes).
 Under those rules no weight of a dense Qwen2 / Qwen3 has a partial block (every in/out dim is a hidden,
 q/k/v or gate/up size), so none is tested here; partial blocks are the converter's and the CPU engine's
-concern (tests/unit/test_quant_fp8.py, tests/conformance/test_fp8_gemm_sglang.py). The sync tensors are our converter's output after the weights moved. For each
+concern (tests/unit/test_quant_fp8.py, tests/conformance/test_fp8_gemm_sglang.py). The sync tensors are our
+converter's output after the weights moved. For each
 engine TP rank and each phase (start-up load, sync 1 over update_weights_from_distributed with a
 flattened bucket, sync 2 over update_weights_from_tensor), every byte of every fp8 weight and every
 block scale must be where SGLang reads it (the TP rank's slice of the fused parameter), the parameters

@@ -18,8 +18,8 @@ def _resume_rank(hf_dir, batches, ckpt_dir):
     # torchrun / srun ranks are not daemonic: lift the flag for this rank.
     multiprocessing.current_process()._config["daemon"] = False
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.trainer.settings import actor_settings
 
     def weights(actor):
         return {k: v.clone() for k, v in actor.iter_hf_weights()}

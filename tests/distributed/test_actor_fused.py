@@ -20,9 +20,17 @@ And bf16 at TP=2 with SP (the GPU configuration) through the interpreter.
 
 import pytest
 import torch
-
 from safetensors.torch import load_file
 
+from helpers_actor import (
+    STEP,
+    fill_rl_fields,
+    gradients_before_the_step,
+    hf_logprobs,
+    hf_seq_mean_step,
+    make_cfg,
+    make_samples,
+)
 from helpers_fp32 import (
     U32,
     StepBounds,
@@ -34,15 +42,6 @@ from helpers_fp32 import (
     reference_step,
     step_bounds,
     token_bounds,
-)
-from helpers_actor import (
-    STEP,
-    fill_rl_fields,
-    gradients_before_the_step,
-    hf_logprobs,
-    hf_seq_mean_step,
-    make_cfg,
-    make_samples,
 )
 
 STAT_KEYS = (
@@ -70,8 +69,8 @@ def _step_rank(hf_dir, samples, *, tp, sp, budget, fused_logprob, fused_policy_l
     gradient and the updated weights by HF name). The gradient is read just before the optimizer
     step (FP32 optimizer without sharding: each main_grad holds the full reduced gradient)."""
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.trainer.settings import actor_settings
 
     with gradients_before_the_step() as captured, model_parallel(tp=tp, cp=cp, seed=7) as layout:
         cfg = make_cfg(tp=tp, cp=cp, micro_batch_tokens=budget, sequence_parallel=sp, lr=1e-3, warmup_steps=0)
@@ -250,14 +249,15 @@ def test_fused_policy_loss_equals_torch_in_the_actor(rank_pool, tiny_dirs):
         label="fused policy loss",
     )
     print(
-        f"\n[fused policy loss] worst error / fp32 bound {worst:.2f}, loss {fused[2]['loss']:.6f} vs {ref[2]['loss']:.6f}"
+        f"\n[fused policy loss] worst error / fp32 bound {worst:.2f}, "
+        f"loss {fused[2]['loss']:.6f} vs {ref[2]['loss']:.6f}"
     )
 
 
 def _bf16_rank(hf_dir, samples, fused):
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.trainer.settings import actor_settings
 
     cfg = make_cfg(tp=2, micro_batch_tokens=64, sequence_parallel=True, fused=fused, lr=1e-3, warmup_steps=0)
     cfg.actor.precision = "bf16"

@@ -5,14 +5,14 @@ parallel, CP=2 x PP=2) equals CP=1; every rank returns the same values."""
 import pytest
 import torch
 
-from helpers_fp32 import token_bounds
 from helpers_actor import hf_logprobs, make_cfg, make_samples
+from helpers_fp32 import token_bounds
 
 
 def _logprobs_rank(hf_dir, samples, tp, pp, micro_batch_tokens, sp=False, cp=1):
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.trainer.settings import actor_settings
 
     with model_parallel(tp=tp, pp=pp, cp=cp, seed=7) as layout:
         actor = Actor(
@@ -103,8 +103,8 @@ def test_context_parallel_logprobs_equal_cp1(rank_pool, tiny_dirs, world, tp, pp
 
 def _bf16_rank(hf_dir, samples):
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.trainer.settings import actor_settings
 
     cfg = make_cfg(tp=2, micro_batch_tokens=64, lr=1e-3, warmup_steps=0)
     cfg.actor.precision = "bf16"

@@ -82,8 +82,8 @@ def _optimizer_numel(actor):
 
 def _roundtrip_rank(hf_dir, samples, tp, dist_opt, precision):
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.trainer.settings import actor_settings
 
     with model_parallel(tp=tp, seed=7) as layout:
         actor = Actor(actor_settings(_cfg(tp=tp, dist_opt=dist_opt, precision=precision)), hf_dir, layout)
@@ -172,8 +172,8 @@ def test_offload_frees_every_storage_and_onload_restores_every_byte(
 
 def _two_steps_rank(hf_dir, batches, tp, dist_opt, cycle):
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.trainer.settings import actor_settings
 
     with model_parallel(tp=tp, seed=7) as layout:
         actor = Actor(actor_settings(_cfg(tp=tp, dist_opt=dist_opt)), hf_dir, layout)
@@ -192,7 +192,7 @@ def _two_steps_rank(hf_dir, batches, tp, dist_opt, cycle):
 def test_train_step_after_offload_and_onload_equals_one_without(rank_pool, tiny_dir, batches, tp, dist_opt):
     plain = rank_pool(2).run(_two_steps_rank, tiny_dir, batches, tp, dist_opt, False)
     cycled = rank_pool(2).run(_two_steps_rank, tiny_dir, batches, tp, dist_opt, True)
-    for (f0, s0, w0, st0), (f1, s1, w1, st1) in zip(plain, cycled):
+    for (_, s0, w0, st0), (_, s1, w1, st1) in zip(plain, cycled):
         assert s0["update_skipped"] == 0 and s0["grad_norm"] > 0
         assert s1["loss"] == s0["loss"] and s1["grad_norm"] == s0["grad_norm"]
         assert s1 == s0
@@ -215,9 +215,9 @@ def _live_storage_bytes():
 
 def _reference_rank(hf_dir, samples, tp):
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.actor.ref_policy import ReferencePolicy
+    from dapo_megatron.trainer.settings import actor_settings
 
     with model_parallel(tp=tp, seed=7) as layout:
         cfg = _cfg(tp=tp, dist_opt=True)

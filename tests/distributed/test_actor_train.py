@@ -9,6 +9,7 @@ import functools
 import pytest
 import torch
 
+from helpers_actor import STEP, fill_rl_fields, grads_rank, hf_logprobs, hf_seq_mean_step, make_cfg, make_samples
 from helpers_fp32 import (
     PolicyStep,
     adam_first_step,
@@ -19,7 +20,6 @@ from helpers_fp32 import (
     reference_step,
     step_bounds,
 )
-from helpers_actor import STEP, fill_rl_fields, grads_rank, hf_logprobs, hf_seq_mean_step, make_cfg, make_samples
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,8 @@ def test_three_micro_batches_times_two_dp_ranks_give_the_big_batch_gradient(rank
 
 def _updated_weights_rank(hf_dir, samples, tp, pp=1, cp=1, sp=False):
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.trainer.settings import actor_settings
 
     with model_parallel(tp=tp, pp=pp, cp=cp, seed=7) as layout:
         actor = Actor(
@@ -73,7 +73,7 @@ def _updated_weights_rank(hf_dir, samples, tp, pp=1, cp=1, sp=False):
     return metrics, weights
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _layout_step_reference(tiny_dir):
     """The samples of the TP/PP/CP step tests, the float64 step on them and its fp32 bounds, and the
     float64 weights after one Adam update with their per-entry bounds."""

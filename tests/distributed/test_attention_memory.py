@@ -11,7 +11,6 @@ The memory plan's attention terms (memplan/activations.py, ActivationModel.layer
 measurement exactly.
 """
 
-import pytest
 import torch
 
 LENGTHS_T = (512, 1024, 2048, 4096)

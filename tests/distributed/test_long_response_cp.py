@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from dapo_megatron.dataplane.sample import Sample
-from helpers_fp32 import reference_step
 from helpers_actor import grads_rank
+from helpers_fp32 import reference_step
 
 PROMPT, RESPONSE = 16, 20_480
 

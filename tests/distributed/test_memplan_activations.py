@@ -21,10 +21,10 @@ def _measure_rank(hf_dir, tp, sp, precision, recompute, budget, num_samples, fp8
     from torch.autograd.graph import saved_tensors_hooks
 
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.memplan.activations import ActivationModel
     from dapo_megatron.memplan.arch import model_dims_for
+    from dapo_megatron.trainer.settings import actor_settings
 
     with model_parallel(tp=tp, seed=3) as layout:
         cfg = make_cfg(tp=tp, micro_batch_tokens=budget, sequence_parallel=sp, lr=1e-3, warmup_steps=0)
@@ -122,9 +122,8 @@ def test_activations_match_cpu_measurement(rank_pool, tiny_dir, tp, sp, precisio
 @pytest.fixture(scope="module")
 def fp8_tiny(tmp_path_factory):
     """A tiny Qwen2 with whole 128-channel groups (the FP8 engines' rule) and its block-FP8 export."""
-    from helpers_tiny import save_tiny_hf
-
     from dapo_megatron.quant.fp8_export import export_fp8_checkpoint
+    from helpers_tiny import save_tiny_hf
 
     root = tmp_path_factory.mktemp("qat_mem")
     hf_dir = save_tiny_hf(root / "qwen", arch="qwen2", shape={"hidden_size": 128, "intermediate_size": 256})

@@ -14,13 +14,13 @@ from helpers_actor import make_samples, measure_actor_static, moe_cfg
 
 
 def _rank(hf_dir, tp, ep, etp, precision, distributed):
+    from megatron.core import parallel_state
+
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.memplan.arch import model_dims_for
     from dapo_megatron.memplan.static import Layout, static_bytes
-
-    from megatron.core import parallel_state
+    from dapo_megatron.trainer.settings import actor_settings
 
     with model_parallel(tp=tp, ep=ep, etp=etp, seed=3) as ranks:
         cfg = moe_cfg(tp=tp, ep=ep, etp=etp, micro_batch_tokens=64, lr=1e-3, warmup_steps=0)
@@ -151,10 +151,10 @@ def _measure_activations(hf_dir, tp, ep, precision, recompute):
     from torch.autograd.graph import saved_tensors_hooks
 
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.memplan.activations import ActivationModel
     from dapo_megatron.memplan.arch import model_dims_for
+    from dapo_megatron.trainer.settings import actor_settings
     from helpers_actor import memplan_samples
 
     etp = 1 if tp > 1 else None

@@ -14,10 +14,10 @@ from helpers_actor import make_cfg, make_samples, measure_actor_static
 
 def _rank(hf_dir, tp, pp, vpp, precision, distributed):
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.memplan.arch import model_dims_for
     from dapo_megatron.memplan.static import Layout, static_bytes
+    from dapo_megatron.trainer.settings import actor_settings
 
     with model_parallel(tp=tp, pp=pp, vpp=vpp, seed=3) as ranks:
         cfg = make_cfg(tp=tp, pp=pp, micro_batch_tokens=64, lr=1e-3, warmup_steps=0)

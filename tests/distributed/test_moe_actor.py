@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers_fp32 import adam_first_step, adam_weight_bounds, check_weights, reference_step
 from helpers_actor import STEP, fill_rl_fields, hf_logprobs, make_samples, moe_cfg
+from helpers_fp32 import adam_first_step, adam_weight_bounds, check_weights, reference_step
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +21,8 @@ def moe_dir(tmp_path_factory):
 
 def logprobs_on_rank(hf_dir, samples, tp, ep, etp):
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.trainer.settings import actor_settings
 
     with model_parallel(tp=tp, ep=ep, etp=etp, seed=7) as layout:
         actor = Actor(actor_settings(moe_cfg(tp=tp, ep=ep, etp=etp)), hf_dir, layout)
@@ -40,8 +40,8 @@ def test_moe_actor_logprobs_match_transformers(rank_pool, moe_dir, tp, ep, etp):
 
 def updated_weights_on_rank(hf_dir, samples, tp, ep, etp):
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.trainer.settings import actor_settings
 
     with model_parallel(tp=tp, ep=ep, etp=etp, seed=7) as layout:
         actor = Actor(

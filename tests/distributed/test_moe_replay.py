@@ -11,8 +11,8 @@ import contextlib
 import pytest
 import torch
 
-from helpers_fp32 import reference_step
 from helpers_actor import gradients_before_the_step, make_samples, moe_cfg
+from helpers_fp32 import reference_step
 
 NUM_LAYERS, TOPK, NUM_EXPERTS = 4, 2, 4
 SPARSE = (0, 2, 3)  # layer 1 is dense (mlp_only_layers)
@@ -92,8 +92,8 @@ def hf_logprobs(moe_dir, samples, *, forced: bool):
 
 def replayed_logprobs_on_rank(moe_dir, samples, tp, pp, ep, replay):
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.trainer.settings import actor_settings
 
     with model_parallel(tp=tp, pp=pp, ep=ep, seed=7) as layout:
         cfg = moe_cfg(tp=tp, ep=ep)
@@ -150,8 +150,8 @@ def test_agreement_is_one_for_the_models_own_routing_and_the_overlap_otherwise(r
 
 def replayed_grads_on_rank(moe_dir, samples, ep):
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.trainer.settings import actor_settings
 
     with gradients_before_the_step() as captured, model_parallel(ep=ep, seed=7) as layout:
         cfg = moe_cfg(ep=ep, micro_batch_tokens=40, lr=1e-3, warmup_steps=0)

@@ -126,7 +126,7 @@ def test_layout_equals_megatrons_parallel_state_on_two_gloo_ranks(rank_pool, cas
     sizes, varying, groups = CASES[case]
     for rank, got in enumerate(rank_pool(2).run(_layout_beside_megatron, sizes)):
         assert got["values"] == got["megatron"], case  # every rank / size / stage field
-        assert got["same_groups"] == {name: True for name in GROUPS}, case  # megatron's own group objects
+        assert got["same_groups"] == dict.fromkeys(GROUPS, True), case  # megatron's own group objects
         expected = {**ALONE, "rank": rank, "world_size": 2}
         expected.update({k: v[rank] if isinstance(v, list) else v for k, v in varying.items()})
         assert got["values"] == expected, case

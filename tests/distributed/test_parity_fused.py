@@ -85,7 +85,7 @@ def _assert_passes(numbers, label):
     # of the largest log-prob (2^-23 relative)
     ulps = 4 * numbers["max_abs_logprob"] * 2.0**-23
     assert numbers["fused_vs_torch_logprob"] <= ulps and numbers["fused_vs_torch_entropy"] <= ulps
-    assert 0 < numbers["grad_rel"] and 0 < numbers["fused_vs_torch_logprob"]  # two different computations
+    assert numbers["grad_rel"] > 0 and numbers["fused_vs_torch_logprob"] > 0  # two different computations
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 
 def _passes(redo_after: tuple[int, ...]):
+    from types import SimpleNamespace
+
     import torch
     import torch.distributed as dist
-
-    from types import SimpleNamespace
 
     from dapo_megatron.trainer.recovery import EngineFaults, FaultPolicy
 

@@ -37,9 +37,9 @@ def _export_on_rank(hf_dir, tp, pp, bucket_bytes, save_to, vpp=None):
 
     from dapo_megatron.actor import parallel
     from dapo_megatron.actor.model import build_model_chunks
-    from dapo_megatron.weights import load_hf_into_model
     from dapo_megatron.transfer.stage_export import StageExporter, gather_manifests, weights_for_driver
     from dapo_megatron.transfer.stage_save import save_hf_by_stage
+    from dapo_megatron.weights import load_hf_into_model
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     precision = "bf16" if hf_config.dtype == torch.bfloat16 else "fp32"
@@ -114,7 +114,7 @@ def test_driver_receives_every_tensor_and_only_exporters_materialise(
             assert r["largest"] == 0 and r["peak_held"] == 0  # TP peers only send their shards
     # buckets follow the greedy rule: each but the last of a stage could not take the next parameter
     for r in (r for r in results if r["exporter"]):
-        flat = [b for b in r["plan"]]
+        flat = list(r["plan"])
         for this, nxt in zip(flat, flat[1:]):
             assert sum(this) + nxt[0] > bucket or len(this) == 0
     # the checkpoint the stages wrote: every stage's shards, one index, bit-identical tensors

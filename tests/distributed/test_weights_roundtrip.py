@@ -168,9 +168,9 @@ def _actor_checkpoint_to_hf_on_rank(hf_dir, batch, ckpt_dir, out_dir):
     import multiprocessing
 
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.tools.convert import main
+    from dapo_megatron.trainer.settings import actor_settings
     from helpers_actor import make_cfg
 
     me = multiprocessing.current_process()  # see _convert_on_rank
@@ -191,8 +191,7 @@ def _actor_checkpoint_to_hf_on_rank(hf_dir, batch, ckpt_dir, out_dir):
 
 
 def test_trained_actor_checkpoint_exports_to_hf(rank_pool, hf_dirs, tmp_path):
-    from helpers_actor import hf_logprobs, make_samples
-    from helpers_actor import fill_rl_fields
+    from helpers_actor import fill_rl_fields, hf_logprobs, make_samples
 
     hf_dir = str(hf_dirs["qwen2"])
     samples = make_samples(6, seed=3)

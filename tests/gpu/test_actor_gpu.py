@@ -3,7 +3,8 @@ bf16 tolerance, a train step runs the fused kernels and moves the weights, the c
 and loss equal the plain-torch ones in fp32, `check-parity --fused-logprob` passes, and the
 Qwen2.5-1.5B benchmark (dapo_megatron/benchmarks/actor.py) produces sane numbers.
 
-    tests/gpu/run_all.sh --call 1 OUT   (step actor_tests; call 3: actor_tests_rest), or: pytest -m gpu tests/gpu/test_actor_gpu.py
+    tests/gpu/run_all.sh --call 1 OUT   (step actor_tests; call 3: actor_tests_rest)
+    pytest -m gpu tests/gpu/test_actor_gpu.py
 """
 
 import os
@@ -33,14 +34,14 @@ def _single_process_group():
 
 
 def test_bf16_logprobs_match_transformers_and_a_step_trains(tmp_path):
-    from helpers_tiny import save_tiny_hf
     from transformers import AutoModelForCausalLM
 
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
-    from dapo_megatron.dataplane.sample import Sample
     from dapo_megatron.config import ActorConfig, Config
+    from dapo_megatron.dataplane.sample import Sample
+    from dapo_megatron.trainer.settings import actor_settings
+    from helpers_tiny import save_tiny_hf
 
     _single_process_group()
     hf_dir = save_tiny_hf(tmp_path / "qwen", arch="qwen2")
@@ -114,14 +115,13 @@ def test_offload_frees_cuda_memory_and_onload_restores_bit_for_bit(tmp_path):
     """actor/offload.py on CUDA (bf16 + distributed optimizer): torch's allocated memory drops by what
     the ledger says was freed (up to the caching allocator's 512-byte rounding per block), and
     onload brings every parameter, fp32 master shard and Adam moment back bit for bit."""
-    from helpers_tiny import save_tiny_hf
-
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.offload import actor_tensors, storages_by_category
     from dapo_megatron.actor.parallel import model_parallel
-    from dapo_megatron.dataplane.sample import Sample
     from dapo_megatron.config import ActorConfig, Config
+    from dapo_megatron.dataplane.sample import Sample
+    from dapo_megatron.trainer.settings import actor_settings
+    from helpers_tiny import save_tiny_hf
 
     _single_process_group()
     hf_dir = save_tiny_hf(tmp_path / "qwen", arch="qwen2")
@@ -204,12 +204,11 @@ def test_fused_actor_equals_torch_actor_fp32(tmp_path):
     plain-torch ones in fp32 at TP=1: log-probs and entropies within 1e-5, every stat, and the
     weights after one step within 1e-6 (the CPU suite checks TP=2 and sequence parallelism in the
     interpreter: tests/distributed/test_actor_fused.py)."""
-    from helpers_tiny import save_tiny_hf
-
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.config import ActorConfig, Config
+    from dapo_megatron.trainer.settings import actor_settings
+    from helpers_tiny import save_tiny_hf
 
     _single_process_group()
     hf_dir = save_tiny_hf(tmp_path / "llama", arch="llama", tied=True, shape=dict(vocab_size=301))
@@ -249,15 +248,14 @@ def test_fused_actor_equals_torch_actor_fp32(tmp_path):
     ):
         assert m_got[key] == pytest.approx(m_ref[key], rel=1e-5, abs=1e-6), key
     for name, w in w_ref.items():
-        torch.testing.assert_close(w_got[name], w, atol=1e-6, rtol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(w_got[name], w, atol=1e-6, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_check_parity_fused_logprob_on_gpu(tmp_path):
     """`check-parity --fused-logprob` with the compiled kernels (one process, NCCL) on an
     odd-vocabulary tied Llama: log-probs and entropies vs transformers within the defaults."""
-    from helpers_tiny import save_tiny_hf
-
     from dapo_megatron.tools import parity
+    from helpers_tiny import save_tiny_hf
 
     _single_process_group()
     hf_dir = save_tiny_hf(

@@ -103,7 +103,7 @@ def test_sglang_fp8_engine_starts_from_the_export_and_reloads_syncs(tmp_path):
             python=sys.executable,
         )
     )
-    log = open(tmp_path / "sglang.log", "wb")
+    log = open(tmp_path / "sglang.log", "wb")  # noqa: SIM115 (the engine writes it until the finally closes it)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -15,9 +15,9 @@ import urllib.request
 from pathlib import Path
 
 import torch
-from helpers_tiny import VOCAB_SIZE, save_tiny_hf
 
 from dapo_megatron.rollout.client import EngineClient
+from helpers_tiny import VOCAB_SIZE, save_tiny_hf
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,7 +66,7 @@ class ServerProcess:
         self.register_dir = Path(register_dir)
         before = set(self.register_dir.glob("*.json")) if self.register_dir.exists() else set()
         env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-        self.log = open(log_path or os.devnull, "ab")
+        self.log = open(log_path or os.devnull, "ab")  # noqa: SIM115 (the server writes it until close())
         self.proc = subprocess.Popen(
             [
                 sys.executable,

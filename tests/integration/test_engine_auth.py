@@ -19,11 +19,11 @@ import stat
 
 import pytest
 import torch
-from rollout_helpers import ServerProcess, make_tiny_checkpoint, request_json
 
 from dapo_megatron.rollout.auth import EngineKeys, ensure_secret_file, run_secret_path
 from dapo_megatron.rollout.client import EngineClient, EngineError
 from dapo_megatron.transfer.tensor_payload import serialize_for_engine_rank
+from rollout_helpers import ServerProcess, make_tiny_checkpoint, request_json
 
 API, ADMIN = "api-key-for-generate", "admin-key-for-weights"
 PARAM = "model.layers.0.mlp.up_proj.weight"

@@ -24,114 +24,29 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
-from helpers_train import EXACT_KEYS, FLOAT_KEYS
-from helpers_runs import logs as run_logs, metrics
 
-REPO = Path(__file__).resolve().parents[2]
-TINY_CPU = REPO / "configs/runs/tiny_cpu.yaml"
-STEPS = 2
+from helpers_multihost import REPO, STEPS, run_env, write_config
+from helpers_runs import logs as run_logs
+from helpers_runs import metrics
+from helpers_train import EXACT_KEYS, FLOAT_KEYS
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
-
-# the tiny run cut to two short steps: 8 prompts x 8 samples per step, 16 held-out prompts at steps 0 and 2
-SHORT = {
-    "tiny": {"warm_start_steps": 300},
-    "data": {"synthetic": {"num_train": 256, "num_eval": 16}},
-    "rollout": {"gen_batch_size": 16, "placement": "disaggregated", "num_engines": 1},
-    "actor": {"world_size": 2},
-    "trainer": {
-        "total_steps": STEPS,
-        "train_batch_size": 8,
-        "mini_batch_size": 4,
-        "eval_every": STEPS,
-        "save_every": 1,
-        "keep_checkpoints": 2,
-        "keep_best_checkpoint": False,
-        "wandb_mode": "disabled",
-    },
-    "slurm": {
-        "nodes": 2,
-        "gpus_per_node": 0,
-        "cpus_per_task": 1,
-        "time": "20:00",
-        "signal_seconds": 60,
-        "extra_sbatch": ["--exclusive"],
-    },
-}
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
-    env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    return env
-
-
-def write_config(path: Path, **sections) -> Path:
-    raw = {"base": str(TINY_CPU), **json.loads(json.dumps(SHORT))}
-    for section, values in sections.items():
-        raw.setdefault(section, {}).update(values)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(raw))
-    return path
 
 
 def logs(run_dir: Path, *, tail: int = 5000) -> str:
     return run_logs(run_dir, named=True, tail=tail)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    from multihost_cluster import MultiHostSlurm
-
-    # stop() on exit raises naming any namespace, link, daemon or /etc/netns entry left behind
-    with MultiHostSlurm(tmp_path_factory.mktemp("mh3"), hosts=3) as cluster:
-        yield cluster
+@pytest.fixture
+def cluster(multihost_cluster):
+    """The session's three-host cluster (conftest.py), healed after each test: these tests cut links and
+    lose hosts, and heal() brings every host and node back for the next."""
+    return multihost_cluster
 
 
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    """The warm-started tiny model (built once), a second interpreter path for the engines, and the
-    one-host reference run of the same layout."""
-    root = tmp_path_factory.mktemp("mhshared")
-    cfg = write_config(root / "prep.yaml", trainer={"output_dir": str(root / "prep")})
-    out = subprocess.run(
-        [sys.executable, "-m", "dapo_megatron.launch.prepare", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-        env=_env(),
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    model = Path(out.stdout.strip())
-    # the engines' environment: its own directory (pyvenv.cfg, bin/python), the packages shared
-    venv = Path(sys.prefix)
-    engine_env = root / "engine-venv"
-    (engine_env / "bin").mkdir(parents=True)
-    (engine_env / "pyvenv.cfg").write_text((venv / "pyvenv.cfg").read_text())
-    (engine_env / "lib").symlink_to(venv / "lib")
-    (engine_env / "bin" / "python").symlink_to(Path(os.path.realpath(sys.executable)))
-    one_host = root / "one_host"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dapo_megatron.cli",
-            "train",
-            str(cfg),
-            f"trainer.output_dir={one_host}",
-            f"model.path={model}",
-            "tiny.enabled=false",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=REPO,
-        env=_env(),
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return {"root": root, "model": model, "engine_python": engine_env / "bin" / "python", "one_host": metrics(one_host)}
+@pytest.fixture
+def shared(multihost_tiny):
+    return multihost_tiny
 
 
 def submit(cluster, shared, run_dir: Path, *overrides: str, env_extra: dict | None = None) -> dict[str, str]:
@@ -156,7 +71,7 @@ def submit(cluster, shared, run_dir: Path, *overrides: str, env_extra: dict | No
         text=True,
         timeout=300,
         cwd=REPO,
-        env={**_env(), **cluster.env, **(env_extra or {})},
+        env={**run_env(), **cluster.env, **(env_extra or {})},
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     ids = dict(line.split(": ", 1) for line in out.stdout.splitlines() if line.startswith(("train: ", "engines: ")))

@@ -22,18 +22,9 @@ from rollout_helpers import REPO, make_tiny_checkpoint
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 
 
-@pytest.fixture(scope="module")
-def two_hosts(tmp_path_factory):
-    from multihost_cluster import MultiHostSlurm
-
-    # stop() on exit raises naming any namespace, link, daemon or /etc/netns entry left behind
-    with MultiHostSlurm(tmp_path_factory.mktemp("mh2"), hosts=2) as cluster:
-        yield cluster
-
-
-def test_check_parity_tp2_one_rank_per_host(two_hosts, tmp_path):
+def test_check_parity_tp2_one_rank_per_host(multihost_cluster, tmp_path):
     model = make_tiny_checkpoint(tmp_path / "model", seed=0)
-    first, second = two_hosts.hosts
+    first, second = multihost_cluster.hosts[:2]
     env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     port = random.randint(21000, 29000)
@@ -67,11 +58,11 @@ def test_check_parity_tp2_one_rank_per_host(two_hosts, tmp_path):
             "--seq-len",
             "16",
         ]
-        log = open(tmp_path / f"rank{node_rank}.log", "wb")
+        log = open(tmp_path / f"rank{node_rank}.log", "wb")  # noqa: SIM115 (closed in the finally below)
         procs.append(
             (
                 subprocess.Popen(
-                    two_hosts.on_host(host, argv), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path
+                    multihost_cluster.on_host(host, argv), stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path
                 ),
                 log,
             )

@@ -8,9 +8,9 @@ import random
 
 import pytest
 import torch
-from rollout_helpers import ServerProcess, make_tiny_checkpoint
 
 from dapo_megatron.dataplane.sample import Sample
+from rollout_helpers import ServerProcess, make_tiny_checkpoint
 
 PROMPTS = [[1, 17, 42, 99, 7, 250], [1, 5, 6], [1, 200, 201, 202, 203, 204, 205, 9]]
 
@@ -49,9 +49,9 @@ def _train_sync_score_rank(hf_dir: str, url: str):
     import torch.distributed as dist
 
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.rollout.client import EngineClient
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
     rank = dist.get_rank()

@@ -15,10 +15,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from rollout_helpers import PROMPT, get_json, make_tiny_checkpoint, post, reference_logprobs, ServerProcess
 
 from dapo_megatron.rollout.client import EngineClient
 from dapo_megatron.transfer.tensor_payload import serialize_for_engine_rank
+from rollout_helpers import PROMPT, ServerProcess, get_json, make_tiny_checkpoint, post, reference_logprobs
 
 LONG = {"ignore_eos": True, "sampling_seed": 1}
 

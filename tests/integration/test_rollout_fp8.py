@@ -19,6 +19,7 @@ import asyncio
 
 import pytest
 import torch
+
 from rollout_helpers import ServerProcess, make_tiny_checkpoint
 
 pytest.importorskip(
@@ -65,10 +66,10 @@ def _rank(fp8_dir: str, hf_dir: str, fp8_url: str, plain_url: str):
     import torch.distributed as dist
 
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.quant.fp8_sync import Fp8SyncConverter
     from dapo_megatron.rollout.client import EngineClient
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
     rank = dist.get_rank()

@@ -22,9 +22,9 @@ import asyncio
 
 import pytest
 import torch
-from rollout_helpers import ServerProcess, save_tiny_tokenizer
 
 from helpers_tiny import save_tiny_hf
+from rollout_helpers import ServerProcess, save_tiny_tokenizer
 
 pytest.importorskip(
     "modelopt.torch.quantization", reason="nvidia-modelopt not installed (pip install -e '.[modelopt]')"
@@ -61,10 +61,10 @@ def _rank(output_dir: str, hf_dir: str, fp8_url: str):
     import torch.distributed as dist
 
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.quant.engine_checkpoint import fp8_converter
     from dapo_megatron.rollout.client import EngineClient
+    from dapo_megatron.trainer.settings import actor_settings
     from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
     with model_parallel(tp=2, seed=7) as layout:

@@ -4,16 +4,15 @@ a time, --max-batch-size 1, so a round keeps requests queued long enough to kill
 from __future__ import annotations
 
 import asyncio
-import itertools
 from types import SimpleNamespace
 
 import pytest
 import torch
-from rollout_helpers import ServerProcess, get_json, make_tiny_checkpoint
 
 from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
 from dapo_megatron.transfer.weight_sync import DistributedWeightSync
+from rollout_helpers import ServerProcess, get_json, make_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -116,9 +115,11 @@ def test_engine_killed_mid_round_loses_no_prompt_and_rejoins_after_resync(env):
     )
     served_before = get_json(a.url + "/get_server_info")["cpu_engine"]["num_requests"]
 
-    def reward_killing_b(response, ground_truth, _state={"killed": False}):
-        if not _state["killed"]:  # the first finished group: b still holds queued requests
-            _state["killed"] = True
+    killed = {"b": False}
+
+    def reward_killing_b(response, ground_truth):
+        if not killed["b"]:  # the first finished group: b still holds queued requests
+            killed["b"] = True
             b.kill()
         return SimpleNamespace(score=1.0, acc=1.0, pred=None)
 

@@ -12,12 +12,12 @@ import base64
 import numpy as np
 import pytest
 import torch
-from rollout_helpers import generate, get_json, post, ServerProcess
 
 from dapo_megatron.rollout.client import EngineClient
 from dapo_megatron.rollout.routing import decode_routed_experts, encode_routed_experts, routed_experts_of
 from dapo_megatron.transfer.tensor_payload import serialize_for_engine_rank
 from helpers_tiny import save_tiny_hf
+from rollout_helpers import ServerProcess, generate, get_json, post
 
 PROMPT = [1, 17, 42, 99, 7, 250]
 NUM_LAYERS, TOPK = 3, 2  # tiny Qwen3-MoE: layers 0 and 2 sparse, layer 1 dense (mlp_only_layers)

@@ -10,10 +10,10 @@ import urllib.request
 
 import pytest
 import torch
-from rollout_helpers import PROMPT, generate, get_json, make_tiny_checkpoint, post, reference_logprobs, ServerProcess
 
 from dapo_megatron.rollout.client import EngineClient, EngineError
 from dapo_megatron.transfer.tensor_payload import serialize_for_engine_rank
+from rollout_helpers import PROMPT, ServerProcess, generate, get_json, make_tiny_checkpoint, post, reference_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -154,8 +154,8 @@ def test_stop_token_ids_and_eos(server):
         else:
             assert fr == {"type": "length", "length": 64} and 2 not in o["output_ids"]
     longer = generate(server.url, input_ids=[PROMPT] * 16, sampling_params=[{**p, "ignore_eos": True} for p in params])
-    for o, l in zip(outs, longer):
-        assert l["output_ids"][: len(o["output_ids"])] == o["output_ids"] and len(l["output_ids"]) == 64
+    for o, long in zip(outs, longer):
+        assert long["output_ids"][: len(o["output_ids"])] == o["output_ids"] and len(long["output_ids"]) == 64
 
 
 def test_text_prompt_is_tokenized(server, ckpts):

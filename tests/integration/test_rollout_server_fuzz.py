@@ -32,11 +32,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from rollout_helpers import ServerProcess, make_tiny_checkpoint, request_json
 
 from dapo_megatron.benchmarks.engine_abuse import garbage_run, post_streamed
 from dapo_megatron.cpu_engine.guard import DEFAULT_MAX_REQUEST_BYTES, INLINE_PARSE_BYTES
 from dapo_megatron.cpu_engine.protocol import SAMPLING_PARAM_NAMES
+from rollout_helpers import ServerProcess, make_tiny_checkpoint, request_json
 
 NUM_BODIES = 300
 VALID = {"input_ids": [1, 17, 42, 99], "sampling_params": {"max_new_tokens": 3, "temperature": 1.0}}

@@ -9,12 +9,12 @@ import asyncio
 
 import pytest
 import torch
-from rollout_helpers import PROMPT, make_tiny_checkpoint, reference_logprobs
 
-from dapo_megatron.transfer import weight_sync as ws
-from dapo_megatron.rollout.client import EngineClient, EngineError
 from dapo_megatron.launch.engines import LocalEngines
+from dapo_megatron.rollout.client import EngineClient, EngineError
+from dapo_megatron.transfer import weight_sync as ws
 from dapo_megatron.transfer.weight_sync import DistributedWeightSync, TensorWeightSync, weight_update_session
+from rollout_helpers import PROMPT, make_tiny_checkpoint, reference_logprobs
 
 
 @pytest.fixture(scope="module")

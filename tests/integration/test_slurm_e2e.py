@@ -19,7 +19,8 @@ import yaml
 
 from dapo_megatron.config import load_config
 from dapo_megatron.launch import submit
-from helpers_runs import logs as run_logs, metrics
+from helpers_runs import logs as run_logs
+from helpers_runs import metrics
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_CPU = REPO / "configs/runs/tiny_cpu.yaml"

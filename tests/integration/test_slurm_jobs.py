@@ -11,7 +11,6 @@ preemption handler), so the launch path is tested in seconds; the rollout engine
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time

@@ -10,7 +10,8 @@ reach the driver by gather and its engine through the driver's POST, as on a GPU
   D  the same 4 steps disaggregated (tiny_cpu.yaml: one engine, weights broadcast over gloo): the
      session's tiny_run_a (conftest.py), from the same warm-start cache
 A's per-step metrics equal D's to the bit: the weights reach the engines bit for bit through shared
-memory, and per-sample seeds make the sampled tokens independent of which engine serves a request. The memory ledger in metrics.jsonl is asserted phase by phase.
+memory, and per-sample seeds make the sampled tokens independent of which engine serves a request. The memory
+ledger in metrics.jsonl is asserted phase by phase.
 """
 
 from __future__ import annotations

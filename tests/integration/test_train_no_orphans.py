@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import psutil
+
 from helpers_train import process_alive, run_processes
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -70,7 +70,7 @@ def test_staleness_one_survives_its_only_engine_killed(tmp_path, tiny_run_a):
     NoLiveEngine, the driver re-syncs the returned engine and a new producer starts at that batch; or,
     when the kill lands in a push, the sync's own recovery), still never training on a sample staler
     than 1, every step's samples all counted."""
-    from helpers_train import step_rows, step_logged, train_killing_engine
+    from helpers_train import step_logged, step_rows, train_killing_engine
 
     out = tmp_path / "k"
     rc, console, _ = train_killing_engine(

@@ -20,11 +20,11 @@ import time
 
 import pytest
 import torch
-from rollout_helpers import engine_pair, engine_weights
 
 from dapo_megatron.rollout.pool import EnginePool
 from dapo_megatron.transfer.engine_push import sync_dropping_dead
 from dapo_megatron.transfer.weight_sync import DistributedWeightSync
+from rollout_helpers import engine_pair, engine_weights
 
 BUCKET_BYTES = 16 << 20
 

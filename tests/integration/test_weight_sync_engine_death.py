@@ -16,11 +16,11 @@ import signal
 
 import pytest
 import torch
-from rollout_helpers import engine_pair, engine_weights, ServerProcess
 
-from dapo_megatron.transfer.engine_push import sync_dropping_dead
 from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
+from dapo_megatron.transfer.engine_push import sync_dropping_dead
 from dapo_megatron.transfer.weight_sync import DistributedWeightSync
+from rollout_helpers import ServerProcess, engine_pair, engine_weights
 
 
 @pytest.fixture(scope="module")

@@ -17,32 +17,21 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from rollout_helpers import REPO, make_tiny_checkpoint
 
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.fixture
-def two_hosts(tmp_path_factory):
-    """The two-host cluster (a real Slurm is started too, unused here: ~2 s)."""
-    from multihost_cluster import MultiHostSlurm
-
-    # stop() on exit raises naming any namespace, link, daemon or /etc/netns entry left behind
-    with MultiHostSlurm(tmp_path_factory.mktemp("wsync2"), hosts=2) as cluster:
-        yield cluster
-
-
-def test_weight_sync_between_two_network_namespaces(two_hosts, tmp_path):
-    engine_host, trainer_host = two_hosts.hosts
+def test_weight_sync_between_two_network_namespaces(multihost_cluster, tmp_path):
+    engine_host, trainer_host = multihost_cluster.hosts[:2]
     engine_addr, trainer_addr = engine_host.address, trainer_host.address
     model = make_tiny_checkpoint(tmp_path / "model", seed=0)
     register = tmp_path / "engines"
     env = {k: v for k, v in os.environ.items() if not k.endswith("_SOCKET_IFNAME")}
     env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(REPO))
-    log = open(tmp_path / "engine.log", "wb")
+    log = open(tmp_path / "engine.log", "wb")  # noqa: SIM115 (closed in the finally below)
     engine = subprocess.Popen(
-        two_hosts.on_host(
+        multihost_cluster.on_host(
             engine_host,
             [
                 sys.executable,
@@ -74,7 +63,7 @@ def test_weight_sync_between_two_network_namespaces(two_hosts, tmp_path):
         out = tmp_path / "trainer.json"
         # the trainer names its interface (the user's choice wins): both ways of choosing are exercised
         trainer = subprocess.run(
-            two_hosts.on_host(
+            multihost_cluster.on_host(
                 trainer_host, [sys.executable, str(HERE / "two_host_trainer.py"), url, str(model), str(out)]
             ),
             capture_output=True,

@@ -13,14 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from kernels_device import DEVICE, AtenOps
 
 import dapo_kernels
 import dapo_kernels._runtime as runtime
 import dapo_kernels.logprob as logprob_mod
 import dapo_kernels.logprob_cublas as logprob_cublas
 from dapo_kernels import linear_logprob_entropy, linear_logprob_entropy_reference
-
-from kernels_device import DEVICE, AtenOps
 
 
 def make_inputs(n, h, v, *, dtype, seed, offset=0.0, scale=0.3, device=DEVICE, vocab_size=None):

@@ -14,13 +14,12 @@ import weakref
 
 import pytest
 import torch
+from kernels_device import DEVICE
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import dapo_kernels.logprob as logprob_mod
 from dapo_kernels import linear_logprob_entropy
-
-from kernels_device import DEVICE
 
 
 class LiveBytes(TorchDispatchMode):

@@ -11,12 +11,12 @@ import sys
 
 import pytest
 import torch
+from kernels_device import DEVICE
+from kernels_device import AtenOps as _AtenOps
 
 import dapo_kernels._runtime as runtime
 from dapo_kernels import policy_loss, policy_loss_reference
 from dapo_kernels.reference import POLICY_LOSS_STAT_KEYS
-
-from kernels_device import DEVICE, AtenOps as _AtenOps
 
 KW = dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0)
 

@@ -50,7 +50,10 @@ def test_the_packed_weighted_sum_is_policy_loss_on_rows(mode):
     want, _ = policy_loss(rows_lp, rows_old, adv, ROWS_MASK.double(), agg_mode=mode, **kw)
     # the same tokens packed: row r's first len_r tokens (3, 2, 4), then padding
     lengths = [3, 2, 4]
-    take = lambda x: torch.cat([x[r, :n] for r, n in enumerate(lengths)] + [torch.zeros(2, dtype=x.dtype)])
+
+    def take(x):
+        return torch.cat([x[r, :n] for r, n in enumerate(lengths)] + [torch.zeros(2, dtype=x.dtype)])
+
     lp, old = take(rows_lp), take(rows_old)
     a = torch.cat([adv[r].expand(n) for r, n in enumerate(lengths)] + [torch.zeros(2, dtype=torch.float64)])
     mask = take(ROWS_MASK.double())

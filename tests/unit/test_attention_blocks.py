@@ -212,7 +212,7 @@ def test_flex_block_mask_equals_dense_document_mask(cu, cp_size, block_size):
         assert mask.seq_lengths == tuple(dense.shape)
         assert torch.equal(_mask_pairs(mask), dense)
         reference = create_block_mask(
-            lambda b, h, q, k: dense[q, k], None, None, *dense.shape, device="cpu", BLOCK_SIZE=block_size
+            lambda b, h, q, k, dense=dense: dense[q, k], None, None, *dense.shape, device="cpu", BLOCK_SIZE=block_size
         )
         for name in (
             "kv_num_blocks",

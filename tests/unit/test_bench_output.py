@@ -11,8 +11,8 @@ import importlib
 from pathlib import Path
 
 import dapo_megatron
-from dapo_megatron.benchmarks import run as bench
 from dapo_megatron.benchmarks import reward as reward_bench
+from dapo_megatron.benchmarks import run as bench
 
 PACKAGE = Path(dapo_megatron.__file__).resolve().parent
 

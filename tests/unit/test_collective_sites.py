@@ -105,12 +105,14 @@ def direct_collective_calls(source: str, filename: str = "<src>") -> list[str]:
             found.append(f"{filename}:{node.lineno} {func.id}")
         elif isinstance(func, ast.Attribute):
             owner = _dotted(func.value)
-            if owner in modules and func.attr in COLLECTIVES:
-                found.append(f"{filename}:{node.lineno} {owner}.{func.attr}")
-            elif (
-                owner
-                and owner.split(".")[-1] in ("pg", "group", "process_group", "weight_pg")
-                and func.attr in PG_METHODS
+            if (
+                owner in modules
+                and func.attr in COLLECTIVES
+                or (
+                    owner
+                    and owner.split(".")[-1] in ("pg", "group", "process_group", "weight_pg")
+                    and func.attr in PG_METHODS
+                )
             ):
                 found.append(f"{filename}:{node.lineno} {owner}.{func.attr}")
     return found

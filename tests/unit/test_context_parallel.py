@@ -84,8 +84,7 @@ def test_per_rank_attention_rows_equal_whole_sequence_attention(cp_size):
     block-diagonal causal attention over the packed micro-batch (fp64)."""
     import torch.nn.functional as F
 
-    from attention_reference import cp_causal_mask
-    from attention_reference import block_causal_mask
+    from attention_reference import block_causal_mask, cp_causal_mask
 
     m = 2 * cp_size
     cu = torch.tensor([0, 3 * m, 4 * m, 7 * m], dtype=torch.int32)  # 3 segments

@@ -6,9 +6,9 @@ import random
 import pytest
 import torch
 
-from dapo_megatron.actor.packing import pack_for_rank, pack_micro_batch, pack_batch_micro_batch
-from dapo_megatron.dataplane.sample import Sample
+from dapo_megatron.actor.packing import pack_batch_micro_batch, pack_for_rank, pack_micro_batch
 from dapo_megatron.dataplane.batch import RolloutBatch, ranges_index
+from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.dataplane.share import BatchShare, PackSettings, plan_shares, share_of_samples
 
 MB_FIELDS = (

@@ -205,11 +205,11 @@ def test_token_lower_bound_never_exceeds_the_true_count(tmp_path):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-    from rollout_helpers import save_tiny_tokenizer
     from transformers import AutoTokenizer
 
     from dapo_megatron.cpu_engine.token_bound import max_chars_per_token
     from dapo_megatron.data.tiny_model import build_tiny_tokenizer
+    from rollout_helpers import save_tiny_tokenizer
 
     save_tiny_tokenizer(tmp_path)
     rng = random.Random(0)

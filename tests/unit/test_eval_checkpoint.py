@@ -15,7 +15,7 @@ def _checkpoint(run, step: int, *, complete: bool = True, hf: bool = True):
     path = run / "checkpoints" / f"step_{step:06d}"
     path.mkdir(parents=True)
     if complete:
-        (path / "trainer_state.json").write_text('{"step": %d}' % step)
+        (path / "trainer_state.json").write_text(f'{{"step": {step}}}')
     if hf:
         (path / "hf").mkdir()
         (path / "hf" / "config.json").write_text("{}")

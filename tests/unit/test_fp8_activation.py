@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dapo_megatron.quant.fp8_activation import fake_quant_activation_fp8, per_token_group_quant_fp8
 from dapo_megatron.cpu_engine.fp8_gemm import block_fp8_linear
+from dapo_megatron.quant.fp8_activation import fake_quant_activation_fp8, per_token_group_quant_fp8
 
 
 def test_per_token_group_quant_hand_computed():

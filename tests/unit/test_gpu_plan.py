@@ -186,6 +186,7 @@ def test_step_metrics_read_what_the_steps_write(tmp_path):
     """The key numbers of a results line: pytest's own junit file (1 pass, 1 failure, 1 skip), the verdicts
     that dapo_kernels.bench.targets prints, and the actor bench's rows by attention kernel."""
     import step_metrics
+
     from dapo_kernels.bench import common, targets
 
     (tmp_path / "test_three.py").write_text(

@@ -31,7 +31,7 @@ def _as_written_before(tmp_path, state: dict):
 
 
 def test_a_checkpoint_written_before_reads_into_the_typed_state_and_writes_back_byte_identical(tmp_path):
-    old = {"step": 4, "driver": DRIVER_STATE, **{"nonfinite_in_row": 1, "eval": 0.3125}}
+    old = {"step": 4, "driver": DRIVER_STATE, "nonfinite_in_row": 1, "eval": 0.3125}
     path = _as_written_before(tmp_path, old)
     state = ckpt.read_trainer_state(path)
     assert state == TrainerState(step=4, nonfinite_in_row=1, eval=0.3125, driver=DRIVER_STATE)
@@ -69,8 +69,8 @@ def test_the_checkpointer_saves_every_save_every_steps_the_last_step_and_on_a_st
 
 
 def test_the_evaluator_evaluates_at_step_zero_and_every_eval_every_steps():
-    assert [u for u in range(0, 11) if Evaluator(None, None, eval_every=4).should_evaluate(u)] == [0, 4, 8]
-    assert not any(Evaluator(None, None, eval_every=0).should_evaluate(u) for u in range(0, 11))
+    assert [u for u in range(11) if Evaluator(None, None, eval_every=4).should_evaluate(u)] == [0, 4, 8]
+    assert not any(Evaluator(None, None, eval_every=0).should_evaluate(u) for u in range(11))
 
 
 def test_the_guard_counts_nonfinite_updates_in_a_row_and_stops_with_the_same_message(tmp_path):

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from dapo_megatron.config import load_config, validate
-from dapo_megatron.memplan.plan import build_plan
 from dapo_megatron.memplan.arch import KNOWN_MODELS_DIR, dims_from_hf_config, model_dims_for
 from dapo_megatron.memplan.engine import GIB, engine_memory
+from dapo_megatron.memplan.plan import build_plan
 from dapo_megatron.memplan.static import total_params
 
 RUNS = Path(__file__).resolve().parents[2] / "configs" / "runs"

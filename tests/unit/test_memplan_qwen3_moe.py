@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from dapo_megatron.config import load_config
-from dapo_megatron.memplan.plan import build_plan
 from dapo_megatron.memplan.arch import dims_from_hf_config, model_dims_for
 from dapo_megatron.memplan.engine import GIB, engine_weight_bytes
+from dapo_megatron.memplan.plan import build_plan
 from dapo_megatron.memplan.static import Layout, expert_params, static_bytes, total_params
 
 REPO = Path(__file__).resolve().parents[2]

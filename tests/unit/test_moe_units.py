@@ -101,7 +101,7 @@ def test_expected_shapes_of_a_mixed_dense_and_sparse_checkpoint():
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         with safe_open(f"{tmp}/model.safetensors", "pt") as handle:
-            saved = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}
+            saved = {k: tuple(handle.get_slice(k).get_shape()) for k in handle.keys()}  # noqa: SIM118 (safe_open has keys(), no __iter__)
     assert shapes == saved  # exactly what save_pretrained writes, names and shapes
     assert shapes["model.layers.0.self_attn.q_norm.weight"] == (24,)
     assert shapes["model.layers.0.self_attn.q_proj.weight"] == (96, 64)  # 4 heads x head_dim 24 != hidden

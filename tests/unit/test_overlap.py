@@ -11,10 +11,10 @@ import torch
 
 from dapo_megatron.algo import policy_loss
 from dapo_megatron.algo.off_policy import behaviour_weight, staleness_histogram
-from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.config import load_config
-from dapo_megatron.trainer.timeline import hidden_fraction, step_wall_times
+from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.rollout.async_rollout import accepted_versions, filter_stale, sample_staleness, version_number
+from dapo_megatron.trainer.timeline import hidden_fraction, step_wall_times
 
 
 def test_behaviour_weight_by_hand():

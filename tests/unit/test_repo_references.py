@@ -29,7 +29,9 @@ TEXT_SUFFIXES = {".py", ".md", ".yaml", ".yml", ".sh", ".sbatch", ".toml", ".txt
 ROOTS = ("docs", "configs", "slurm", "tests", "kernels", "dapo_megatron", ".ci")
 # a path under one of the repository's top-level folders, ending in a file suffix
 REPO_PATH = re.compile(
-    r"(?<![\w/.<$-])((?:%s)/[\w./-]*\w\.(?:md|py|yaml|sh|sbatch|json|toml))\b" % "|".join(re.escape(r) for r in ROOTS)
+    r"(?<![\w/.<$-])((?:"
+    + "|".join(re.escape(r) for r in ROOTS)
+    + r")/[\w./-]*\w\.(?:md|py|yaml|sh|sbatch|json|toml))\b"
 )
 MD_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 BARE_MD = re.compile(r"(?<![\w/.-])([A-Za-z_][\w-]*\.md)\b")

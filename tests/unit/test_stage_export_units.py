@@ -5,9 +5,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dapo_megatron.weights.mapping import Dims, merge_shards, merge_shards_into, shard_for_rank
 from dapo_megatron.transfer.stage_export import ExportItem, bucket_layout, plan_buckets, views_of
 from dapo_megatron.transfer.stage_save import _write_tensor, plan_files, safetensors_header
+from dapo_megatron.weights.mapping import Dims, merge_shards, merge_shards_into, shard_for_rank
 
 DIMS = Dims(hidden=12, num_heads=6, num_groups=2, head_dim=2, ffn=10, vocab=13, num_layers=1, qkv_bias=True, tied=False)
 

@@ -1,7 +1,8 @@
-"""The package is clean under ruff (lint and format) and mypy, configured in pyproject.toml.
+"""The package, the kernels and the tests are clean under ruff (lint and format), the package and kernels
+under mypy, all configured in pyproject.toml.
 
-    ruff check dapo_megatron kernels
-    ruff format --check dapo_megatron kernels
+    ruff check dapo_megatron kernels tests
+    ruff format --check dapo_megatron kernels tests
     mypy                      (files and options: pyproject.toml [tool.mypy])
 
 Each check runs as the command a developer types, so a failure here reads the same as there. Together
@@ -20,7 +21,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PACKAGE = ["dapo_megatron", "kernels"]
+# everything ruff checks: the tests too (issue 42 item 1), so a test file is held to the same rules as the code
+LINTED = ["dapo_megatron", "kernels", "tests"]
 
 
 def _tool(name: str) -> str:
@@ -39,7 +41,7 @@ def _run(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:
 def test_ruff_lint_is_clean():
     # E501 (line length) is checked with the format below: ruff format wraps the code lines, and what it
     # cannot wrap (strings, comments) must be short already
-    proc = _run(_tool("ruff"), "check", "--output-format", "json", "--extend-ignore", "E501", *PACKAGE)
+    proc = _run(_tool("ruff"), "check", "--output-format", "json", "--extend-ignore", "E501", *LINTED)
     findings = json.loads(proc.stdout or "[]")
     assert proc.returncode in (0, 1), proc.stderr
     rows = [
@@ -49,9 +51,9 @@ def test_ruff_lint_is_clean():
 
 
 def test_ruff_format_is_clean_and_no_line_is_too_long():
-    proc = _run(_tool("ruff"), "format", "--check", *PACKAGE)
-    assert proc.returncode == 0, "ruff format --check (run `ruff format dapo_megatron kernels`):\n" + proc.stdout
-    proc = _run(_tool("ruff"), "check", "--select", "E501", "--output-format", "concise", *PACKAGE)
+    proc = _run(_tool("ruff"), "format", "--check", *LINTED)
+    assert proc.returncode == 0, "ruff format --check (run `ruff format dapo_megatron kernels tests`):\n" + proc.stdout
+    proc = _run(_tool("ruff"), "check", "--select", "E501", "--output-format", "concise", *LINTED)
     assert proc.returncode == 0, proc.stdout
 
 
