@@ -101,9 +101,8 @@ def test_varlen_attn_matches_the_twin_forward_lse_and_backward(bounds, cp_size):
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from varlen_twin import varlen_attn_twin
-
     from dapo_megatron.actor.attention_varlen import torch_varlen_attn
+    from varlen_twin import varlen_attn_twin
 
     total = bounds[-1]
     q, k, v = (x[0].transpose(0, 1).contiguous().bfloat16() for x in _qkv(total, torch.float32))

@@ -16,13 +16,13 @@ import sys
 
 import pytest
 import torch
+from kernels_device import DEVICE
+from kernels_device import AtenOps as _AtenOps
 
 import dapo_kernels
 from dapo_kernels import policy_loss, policy_loss_reference
 from dapo_kernels.policy_loss_persistent import DEFAULT_CONFIG, launch_key, policy_loss_persistent, schedule
 from dapo_kernels.reference import POLICY_LOSS_STAT_KEYS
-
-from kernels_device import DEVICE, AtenOps as _AtenOps
 
 KW = dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0)
 
@@ -221,7 +221,7 @@ def test_bad_inputs_raise_value_error(device):
         policy_loss_persistent(logprob, old, adv, mask, **KW, loss_denominator=0)
     with pytest.raises(ValueError, match="programs=0"):
         policy_loss_persistent(logprob, old, adv, mask, **KW, loss_denominator=1, programs=0)
-    assert dapo_kernels.INTERPRET == (DEVICE == "cpu")
+    assert (DEVICE == "cpu") == dapo_kernels.INTERPRET
 
 
 @pytest.mark.skipif(not dapo_kernels.INTERPRET, reason="the CPU dry run (on a GPU, run_all.sh runs the real one)")

@@ -11,13 +11,13 @@ import types
 
 import pytest
 import torch
-from varlen_twin import varlen_attn_twin, varlen_attn_twin_early
 
 from attention_reference import block_causal_mask, dense_attention
 from dapo_megatron.actor import attention, attention_varlen
 from dapo_megatron.actor.attention import blockwise_attention, document_blocks
 from dapo_megatron.actor.attention_varlen import varlen_document_attention, varlen_kwargs, varlen_layout
 from dapo_megatron.actor.context_parallel import gathered_to_token_order, merge_from_cp, split_for_cp
+from varlen_twin import varlen_attn_twin, varlen_attn_twin_early
 
 TOL64 = dict(atol=1e-12, rtol=0)
 # twin, softmax scale: the first releases take no scale, so the model's must be their default 1/sqrt(d)
@@ -61,7 +61,7 @@ def test_layout_by_hand():
     assert layout.cu_seq_q.tolist() == [0, 2, 4, 5, 6]
     assert layout.cu_seq_k.tolist() == [0, 4, 10, 12, 15]
     assert (layout.max_q, layout.max_k) == (2, 6)
-    runs = [*range(0, 4), *range(0, 6), 8, 9, 8, 9, 10]
+    runs = [*range(4), *range(6), 8, 9, 8, 9, 10]
     assert layout.key_index.tolist() == order[runs].tolist()
     # gather order: rank 0 holds tokens 0 1 6 7 8 11, rank 1 holds 2 3 4 5 9 10
     assert order.tolist() == [0, 1, 6, 7, 8, 9, 2, 3, 4, 10, 11, 5]
