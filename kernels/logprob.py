@@ -50,7 +50,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from . import logprob_cublas
+from . import logprob_cublas, logprob_persistent
 from ._runtime import INTERPRET, autotune_every_config, cast_dot_inputs_to_fp32, require_runnable
 from ._softmax_tiles import dz_tile, empty_stats, online_update, split_columns, store_stats
 from .reference import check_logprob_args, check_targets_in_vocab, check_vocab_size, vocab_shard
@@ -64,9 +64,10 @@ BACKWARD_WORKSPACE_BYTES = 256 << 20
 VOCAB_BLOCK = 4096
 BLOCKED_BUDGET_PER_NH = 3
 BACKWARDS = ("blocked", "row_chunked")
-# Where the logit tiles come from: "triton" (tl.dot inside the fused kernels) or "cublas" (an fp32
-# chunk from torch's matmul read by an epilogue kernel: logprob_cublas.py; blocked backward only).
-LOGITS = ("triton", "cublas")
+# Where the logit tiles come from: "triton" (tl.dot inside the fused kernels), "cublas" (an fp32
+# chunk from torch's matmul read by an epilogue kernel: logprob_cublas.py; blocked backward only) or
+# "tma" (persistent TMA-fed kernels: logprob_persistent.py; "triton" where TMA's alignment rules fail).
+LOGITS = ("triton", "cublas", "tma")
 # Vocab splits per row block in the forward: enough programs to fill the GPU even at small N, and
 # with GROUP_N row blocks x NUM_SPLITS programs in flight the hidden rows stay in L2 while each
 # weight tile is read once per GROUP_N * BLOCK_N rows.
@@ -289,6 +290,8 @@ def _forward_stats(hidden, weight, targets_local, inv_temp: float, logits: str =
         return stats
     if logits == "cublas":
         return merge_stats(logprob_cublas.forward_split_stats(hidden, weight, targets_local, inv_temp))
+    if logits == "tma" and logprob_persistent.tma_ok(hidden, weight):
+        return merge_stats(logprob_persistent.forward_split_stats(hidden, weight, targets_local, inv_temp))
     splits = NUM_SPLITS_INTERPRET if INTERPRET else NUM_SPLITS_GPU
     splits = max(1, min(splits, triton.cdiv(v, 64)))
     stats = torch.empty((splits, 4, n), device=hidden.device, dtype=torch.float32)
@@ -419,6 +422,13 @@ class _BackwardJob:
                 has_ent=self.has_ent,
                 inv_temp=self.inv_temp,
                 col0=v0,
+            )
+            return
+        h_rows, w_rows = self.hidden[r0:r1], self.weight[v0:v1]
+        if self.logits == "tma" and logprob_persistent.tma_ok(h_rows, w_rows):
+            per_row = (self.targets_local, self.big_m, self.log_s, self.mean_c, self.g_lp, self.g_ent)
+            logprob_persistent.dlogits_into(
+                dz, h_rows, w_rows, *(t[r0:r1] for t in per_row), has_ent=self.has_ent, inv_temp=self.inv_temp, col0=v0
             )
             return
         flags = {"CAST_F32": cast_dot_inputs_to_fp32(self.hidden.dtype), "IEEE": self.hidden.dtype == torch.float32}
@@ -655,7 +665,8 @@ def linear_logprob_entropy(
     backward: "blocked" (row blocks x vocab blocks, see _backward_blocked) or "row_chunked" (the first
     schedule: full-vocab row chunks into an fp32 [V, H] accumulator), kept until a GPU run compares them.
     logits: "triton" (tl.dot inside the fused kernels) or "cublas" (fp32 logit chunks from torch's matmul,
-    read by Triton epilogues: logprob_cublas.py; needs backward="blocked").
+    read by Triton epilogues: logprob_cublas.py; needs backward="blocked") or "tma" (persistent, TMA-fed
+    Triton kernels: logprob_persistent.py; the tl.dot kernels where TMA's 16-byte alignment fails).
     Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1; anything else raises
     RuntimeError (use linear_logprob_entropy_reference there).
     """
