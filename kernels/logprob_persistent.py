@@ -227,16 +227,31 @@ def _flags(dtype: torch.dtype) -> dict:
     return {"CAST_F32": cast_dot_inputs_to_fp32(dtype), "IEEE": dtype == torch.float32}
 
 
+def num_splits(v: int) -> int:
+    """Vocab splits of the forward (one [4, N] partial each) for a shard of v rows."""
+    splits = NUM_SPLITS_INTERPRET if INTERPRET else NUM_SPLITS_GPU
+    return max(1, min(splits, triton.cdiv(v, TILES["BLOCK_V"])))
+
+
 def forward_split_stats(
-    hidden: torch.Tensor, weight: torch.Tensor, targets_local: torch.Tensor, inv_temp: float
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets_local: torch.Tensor,
+    inv_temp: float,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[splits, 4, N] partial statistics of softmax(hidden @ weight.T * inv_temp) (logprob.merge_stats)."""
+    """[splits, 4, N] partial statistics of softmax(hidden @ weight.T * inv_temp) (logprob.merge_stats).
+    out: the fp32 [num_splits(V), 4, N] buffer to fill (tests pass one full of NaN: every entry is written)."""
     n, h = hidden.shape
     v = weight.shape[0]
     tiles, launch = _tiles()
-    splits = NUM_SPLITS_INTERPRET if INTERPRET else NUM_SPLITS_GPU
-    splits = max(1, min(splits, triton.cdiv(v, tiles["BLOCK_V"])))
-    stats = torch.empty((splits, 4, n), device=hidden.device, dtype=torch.float32)
+    splits = num_splits(v)
+    stats = torch.empty((splits, 4, n), device=hidden.device, dtype=torch.float32) if out is None else out
+    if stats.shape != (splits, 4, n) or stats.dtype != torch.float32 or not stats.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous fp32 [{splits}, 4, {n}] tensor; got {stats.dtype} {list(stats.shape)}"
+        )
     h_desc, w_desc = _descriptors(hidden, weight, tiles)
     items = triton.cdiv(n, tiles["BLOCK_N"]) * splits
     grid = (_programs(hidden.device, items),)

@@ -93,6 +93,7 @@ SCHEDULES = {
     "blocked": dict(backward="blocked"),
     "row_chunked": dict(backward="row_chunked"),
     "cublas": dict(backward="blocked", logits="cublas"),
+    "tma": dict(backward="blocked", logits="tma"),  # persistent TMA-fed kernels (logprob_persistent.py)
 }
 
 
@@ -311,7 +312,7 @@ def _tp_rank(impl: str, vocab_size, device: str):
     saved_cublas = (logprob_cublas.ROW_ALIGN, logprob_cublas.FORWARD_LOGITS_BYTES)
     if dapo_kernels.INTERPRET:  # the same small tiles as the single-process tests (restored below)
         logprob_mod.INTERPRET_TILE_CAPS = {"BLOCK_N": 16, "BLOCK_V": 64, "BLOCK_K": 32}
-    if impl in ("fused_blocked", "fused_cublas"):
+    if impl in ("fused_blocked", "fused_cublas", "fused_tma"):
         for key, value in _TP_BLOCKED.items():
             setattr(logprob_mod, key, value)
         if impl == "fused_cublas":  # fp32 logits block on top; forward logit chunks of 16 rows
@@ -341,6 +342,7 @@ def _tp_rank_body(impl: str, vocab_size, device: str):
             "fused": SCHEDULES["row_chunked"],
             "fused_blocked": SCHEDULES["blocked"],
             "fused_cublas": SCHEDULES["cublas"],
+            "fused_tma": SCHEDULES["tma"],
         }[impl]
         lp, ent = linear_logprob_entropy(
             hidden, shard, targets, temperature=0.8, tp_group=group, vocab_size=vocab_size, **variant
@@ -354,7 +356,7 @@ def _tp_rank_body(impl: str, vocab_size, device: str):
 # vocab_size None: no padding; 110: rank 1 holds 35 real rows and 40 of padding; 60: rank 0 holds
 # 60 real rows and 15 of padding, rank 1 only padding (it must still join every collective).
 @pytest.mark.parametrize("vocab_size", [None, 110, 60])
-@pytest.mark.parametrize("impl", ["fused", "fused_blocked", "fused_cublas", "reference"])
+@pytest.mark.parametrize("impl", ["fused", "fused_blocked", "fused_cublas", "fused_tma", "reference"])
 def test_vocab_parallel_tp2_equals_tp1(impl, vocab_size, rank_pool, device):
     if device == "cuda" and torch.cuda.device_count() < 2:
         pytest.skip("vocab-parallel on GPUs needs two of them (NCCL: one rank per device)")
