@@ -192,14 +192,19 @@ def hopper_configs(*, every: bool = True) -> list[dict]:
     ]
 
 
-# The tiles every launch uses (the variants script and the tests swap them): the first Hopper config
-# until a GPU run ranks them (autotune would rebuild the descriptors per config).
+# The tiles every 16-bit launch uses (the variants script and the tests swap them): the first Hopper
+# config until a GPU run ranks them (autotune would rebuild the descriptors per config).
 TILES = INTERPRET_TILES if INTERPRET else hopper_configs()[0]
+# fp32 inputs (exact IEEE dot, a test path, not a speed path): the 16-bit tiles' 2 stages of fp32 boxes
+# take 256 KiB of shared memory (> 227 KiB: no launch) and ptxas spills ~20K instructions' worth; 64x64x32
+# with 4 warps still spills (376 LDL/STL), with 8 none (kernels/bench/NOTES.md).
+FP32_HOPPER_TILES = dict(BLOCK_N=64, BLOCK_V=64, BLOCK_K=32, SPLIT_EPILOGUE=False, num_warps=8, num_stages=2)
+TILES_FP32 = INTERPRET_TILES if INTERPRET else FP32_HOPPER_TILES
 
 
-def _tiles() -> tuple[dict, dict]:
-    """(kernel meta-parameters, launch options) of TILES."""
-    tiles = dict(TILES)
+def _tiles(dtype: torch.dtype) -> tuple[dict, dict]:
+    """(kernel meta-parameters, launch options) for inputs of this dtype."""
+    tiles = dict(TILES_FP32 if dtype == torch.float32 else TILES)
     launch = {"num_warps": tiles.pop("num_warps", 4), "num_stages": tiles.pop("num_stages", 1)}
     return tiles, launch
 
@@ -227,10 +232,10 @@ def _flags(dtype: torch.dtype) -> dict:
     return {"CAST_F32": cast_dot_inputs_to_fp32(dtype), "IEEE": dtype == torch.float32}
 
 
-def num_splits(v: int) -> int:
+def num_splits(v: int, dtype: torch.dtype) -> int:
     """Vocab splits of the forward (one [4, N] partial each) for a shard of v rows."""
     splits = NUM_SPLITS_INTERPRET if INTERPRET else NUM_SPLITS_GPU
-    return max(1, min(splits, triton.cdiv(v, TILES["BLOCK_V"])))
+    return max(1, min(splits, triton.cdiv(v, _tiles(dtype)[0]["BLOCK_V"])))
 
 
 def forward_split_stats(
@@ -245,8 +250,8 @@ def forward_split_stats(
     out: the fp32 [num_splits(V), 4, N] buffer to fill (tests pass one full of NaN: every entry is written)."""
     n, h = hidden.shape
     v = weight.shape[0]
-    tiles, launch = _tiles()
-    splits = num_splits(v)
+    tiles, launch = _tiles(hidden.dtype)
+    splits = num_splits(v, hidden.dtype)
     stats = torch.empty((splits, 4, n), device=hidden.device, dtype=torch.float32) if out is None else out
     if stats.shape != (splits, 4, n) or stats.dtype != torch.float32 or not stats.is_contiguous():
         raise ValueError(
@@ -291,7 +296,7 @@ def dlogits_into(
     """dz [R, Vc] = dL/dlogits of hidden_rows @ weight_rows.T (weight_rows: the shard's rows from col0 on;
     tgt and the per-row tensors: the R rows' own)."""
     rows, cols = dz.shape
-    tiles, launch = _tiles()
+    tiles, launch = _tiles(hidden_rows.dtype)
     h_desc, w_desc = _descriptors(hidden_rows, weight_rows, tiles)
     items = triton.cdiv(rows, tiles["BLOCK_N"]) * triton.cdiv(cols, tiles["BLOCK_V"])
     grid = (_programs(dz.device, items),)

@@ -16,12 +16,11 @@ import random
 
 import pytest
 import torch
+from test_logprob import grad_tol, make_inputs, rel_err, run_fused, run_oracle
 
 import dapo_kernels.logprob as logprob_mod
 import dapo_kernels.logprob_persistent as persistent
 from dapo_kernels import linear_logprob_entropy
-
-from test_logprob import grad_tol, make_inputs, rel_err, run_fused, run_oracle
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -45,11 +44,12 @@ def test_forward_stats_fill_every_entry_of_a_poisoned_buffer(dtype, split, monke
     """Stats buffer pre-filled with NaN; 45 rows = 3 row blocks (the last partial) x 2 vocab splits of
     Vs 64-column tiles over V = 301 (a partial last tile): 6 work items on 3 programs. Merged, the
     statistics equal float64's; targets at 0 and V - 1."""
-    monkeypatch.setattr(persistent, "TILES", {**persistent.TILES, "SPLIT_EPILOGUE": split})
+    key = "TILES_FP32" if dtype == "fp32" else "TILES"
+    monkeypatch.setattr(persistent, key, {**getattr(persistent, key), "SPLIT_EPILOGUE": split})
     n, h, v, seed = 45, 32, 301, _fresh_seed()
     hidden, weight, targets, _, _ = make_inputs(n, h, v, dtype=DTYPES[dtype], seed=seed, device=device)
     targets[:2] = torch.tensor([0, v - 1])
-    out = torch.full((persistent.num_splits(v), 4, n), float("nan"), device=device)
+    out = torch.full((persistent.num_splits(v, DTYPES[dtype]), 4, n), float("nan"), device=device)
     stats = logprob_mod.merge_stats(persistent.forward_split_stats(hidden, weight, targets, 1 / 0.7, out=out))
     assert torch.isfinite(out).all(), f"seed {seed}: unwritten stats"
     big_m, log_s, mean_c, z_t, _ = _oracle_stats(hidden.cpu(), weight.cpu(), targets.cpu(), 1 / 0.7)
@@ -65,7 +65,8 @@ def test_dlogits_fill_every_entry_of_a_poisoned_block(dtype, split, has_ent, mon
     """dL/dlogits of a [40, 150] block (columns from col0 = 60 of the shard: targets are shard ids)
     into a NaN-filled buffer with a row stride of 157 elements (not 16-byte aligned: the store is
     a masked one), against float64 from the exact statistics."""
-    monkeypatch.setattr(persistent, "TILES", {**persistent.TILES, "SPLIT_EPILOGUE": split})
+    key = "TILES_FP32" if dtype == "fp32" else "TILES"
+    monkeypatch.setattr(persistent, key, {**getattr(persistent, key), "SPLIT_EPILOGUE": split})
     n, h, v, col0, seed = 40, 32, 210, 60, _fresh_seed()
     hidden, weight, targets, g_lp, g_ent = make_inputs(n, h, v, dtype=DTYPES[dtype], seed=seed, device=device)
     targets[:3] = torch.tensor([col0, v - 1, col0 - 1])  # first column of the block, last, just before it
