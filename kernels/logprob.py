@@ -52,7 +52,7 @@ import triton.language as tl
 
 from . import logprob_cublas, logprob_persistent
 from ._runtime import INTERPRET, autotune_every_config, cast_dot_inputs_to_fp32, require_runnable
-from ._softmax_tiles import dz_tile, empty_stats, online_update, split_columns, store_stats
+from ._softmax_tiles import dz_tile, split_columns, split_stats, store_stats
 from .reference import check_logprob_args, check_targets_in_vocab, check_vocab_size, vocab_shard
 
 # dL/dlogits chunk size bound for the backward (bytes): C = this // (V_local * element size).
@@ -115,6 +115,26 @@ def _logits_tile(
 
 
 @triton.jit
+def _dot_logits(
+    src,
+    rows,
+    v0,
+    cols,
+    col_ok,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """split_stats's tile producer for _fwd_kernel: _logits_tile with the kernel's arguments in src."""
+    h_ptr, w_ptr, row_ok, H, stride_hn, stride_wv = src
+    return _logits_tile(
+        h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_hn, stride_wv, BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE
+    )
+
+
+@triton.jit
 def _fwd_kernel(
     h_ptr,
     w_ptr,
@@ -147,30 +167,10 @@ def _fwd_kernel(
     row_ok = rows < N
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
     v_begin, v_end = split_columns(pid_s, V, num_splits, BLOCK_V)
-    m, s, t, zt = empty_stats(BLOCK_N)
-    for v0 in range(v_begin, v_end, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        col_ok = cols < v_end
-        z = (
-            _logits_tile(
-                h_ptr,
-                w_ptr,
-                rows,
-                row_ok,
-                cols,
-                col_ok,
-                H,
-                stride_hn,
-                stride_wv,
-                BLOCK_N,
-                BLOCK_V,
-                BLOCK_K,
-                CAST_F32,
-                IEEE,
-            )
-            * inv_temp
-        )
-        m, s, t, zt = online_update(m, s, t, zt, z, cols, col_ok, tgt)
+    src = (h_ptr, w_ptr, row_ok, H, stride_hn, stride_wv)
+    m, s, t, zt = split_stats(
+        _dot_logits, src, rows, tgt, v_begin, v_end, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE
+    )
     store_stats(stats_ptr, pid_s, N, rows, row_ok, m, s, t, zt)
 
 

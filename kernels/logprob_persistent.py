@@ -30,7 +30,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._runtime import INTERPRET, cast_dot_inputs_to_fp32, num_sms
-from ._softmax_tiles import dz_tile, empty_stats, online_update, split_columns, store_stats
+from ._softmax_tiles import dz_tile, split_columns, split_stats, store_stats
 
 # Programs per SM of the persistent grid (one 128x256 tile with 3 stages of TMA buffers fills an SM's
 # shared memory); the interpreter runs 3 programs so that each walks several work items.
@@ -71,6 +71,24 @@ def _logits_tile_tma(
 
 
 @triton.jit
+def _tma_logits(
+    src,
+    rows,
+    v0,
+    cols,
+    col_ok,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """split_stats's tile producer for _fwd_persistent_kernel (src: the descriptors, the first row, H)."""
+    h_desc, w_desc, row0, H = src
+    return _logits_tile_tma(h_desc, w_desc, row0, v0, H, BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE)
+
+
+@triton.jit
 def _fwd_persistent_kernel(
     h_desc,
     w_desc,
@@ -101,21 +119,22 @@ def _fwd_persistent_kernel(
         row_ok = rows < N
         tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
         v_begin, v_end = split_columns(pid_s, V, num_splits, BLOCK_V)
-        m, s, t, zt = empty_stats(BLOCK_N)
-        for v0 in range(v_begin, v_end, BLOCK_V):
-            z = (
-                _logits_tile_tma(h_desc, w_desc, pid_n * BLOCK_N, v0, H, BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE)
-                * inv_temp
-            )
-            if SPLIT_EPILOGUE:  # two [BLOCK_N, BLOCK_V / 2] halves: half the epilogue's temporaries live
-                z_lo, z_hi = tl.split(tl.permute(tl.reshape(z, [BLOCK_N, 2, BLOCK_V // 2]), [0, 2, 1]))
-                cols = v0 + tl.arange(0, BLOCK_V // 2)
-                m, s, t, zt = online_update(m, s, t, zt, z_lo, cols, cols < v_end, tgt)
-                cols += BLOCK_V // 2
-                m, s, t, zt = online_update(m, s, t, zt, z_hi, cols, cols < v_end, tgt)
-            else:
-                cols = v0 + tl.arange(0, BLOCK_V)
-                m, s, t, zt = online_update(m, s, t, zt, z, cols, cols < v_end, tgt)
+        src = (h_desc, w_desc, pid_n * BLOCK_N, H)
+        m, s, t, zt = split_stats(
+            _tma_logits,
+            src,
+            rows,
+            tgt,
+            v_begin,
+            v_end,
+            inv_temp,
+            BLOCK_N,
+            BLOCK_V,
+            BLOCK_K,
+            CAST_F32,
+            IEEE,
+            SPLIT_EPILOGUE,
+        )
         store_stats(stats_ptr, pid_s, N, rows, row_ok, m, s, t, zt)
 
 
