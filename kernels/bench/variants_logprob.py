@@ -103,6 +103,7 @@ def run_variants(*, n: int, h: int, v: int, tp: int, variants: list[str], repeat
     table = [{"variant": "cublas_matmul", "mode": "fwd", "tflops": f"{matmul:.0f}"}]
     inputs = _inputs(n, h, v_local, device)
     reference = _logprob("fused", *inputs)
+    assert reference is not None  # only liger has no log-probs to compare
     saved_tiles = persistent.TILES
     tiles = tma_variants()
     try:

@@ -16,7 +16,7 @@ import random
 
 import pytest
 import torch
-from test_logprob import grad_tol, make_inputs, rel_err, run_fused, run_oracle
+from logprob_cases import grad_tol, make_inputs, rel_err, run_fused, run_oracle
 
 import dapo_kernels.logprob as logprob_mod
 import dapo_kernels.logprob_persistent as persistent
