@@ -43,7 +43,6 @@ from torch's matmul (fp32 chunks) instead of tl.dot; the softmax maths are the s
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -51,6 +50,7 @@ import triton
 import triton.language as tl
 
 from . import logprob_cublas, logprob_persistent
+from ._fp32_gemm import addmm_fp32_, mm_fp32
 from ._runtime import INTERPRET, autotune_every_config, cast_dot_inputs_to_fp32, require_runnable
 from ._softmax_tiles import dz_tile, split_columns, split_stats, store_stats
 from .reference import check_logprob_args, check_targets_in_vocab, check_vocab_size, vocab_shard
@@ -324,55 +324,6 @@ def _gather_merge(local: torch.Tensor, tp_group) -> torch.Tensor:
     return merge_stats(torch.stack(parts))
 
 
-_OUT_DTYPE_MM = True  # torch.mm/addmm(..., out_dtype=float32) on CUDA (torch >= 2.9); probed on first use
-
-
-def _out_dtype_mm_failed(err: Exception) -> None:
-    global _OUT_DTYPE_MM
-    _OUT_DTYPE_MM = False
-    warnings.warn(
-        f"torch.mm(out_dtype=float32) is unavailable ({err}); falling back to 16-bit products "
-        "added in fp32 (one extra rounding per chunk)",
-        stacklevel=3,
-    )
-
-
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with an fp32 result (cuBLAS accumulates in fp32 either way; this skips the rounding)."""
-    if a.dtype == torch.float32:
-        return a @ b
-    if not a.is_cuda:
-        return a.float() @ b.float()
-    if _OUT_DTYPE_MM:
-        try:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        except torch.OutOfMemoryError:
-            raise
-        except (TypeError, RuntimeError, NotImplementedError) as err:
-            _out_dtype_mm_failed(err)
-    return (a @ b).float()
-
-
-def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc(fp32) += a @ b for 16-bit a, b without an fp32 copy of the inputs."""
-    if a.dtype == torch.float32:
-        acc.addmm_(a, b)
-    elif not a.is_cuda:
-        acc.addmm_(a.float(), b.float())
-    else:
-        if _OUT_DTYPE_MM:
-            try:
-                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-                return
-            except torch.OutOfMemoryError:
-                raise
-            except (TypeError, RuntimeError, NotImplementedError) as err:
-                _out_dtype_mm_failed(err)
-        rows = max(1, (64 << 20) // (acc.shape[1] * a.element_size()))  # 16-bit temporaries <= 64 MiB
-        for r0 in range(0, acc.shape[0], rows):
-            acc[r0 : r0 + rows].add_(a[r0 : r0 + rows] @ b)
-
-
 def _chunk_rows(n: int, v: int, element_size: int) -> int:
     rows = BACKWARD_WORKSPACE_BYTES // max(1, v * element_size)
     align = CHUNK_ROW_ALIGN
@@ -489,14 +440,14 @@ def _backward_row_chunked(job: _BackwardJob) -> None:
             if job.tp_group is None:
                 torch.mm(dz, weight, out=job.grad_h[r0:r1])
             else:  # each rank holds its vocab shard's share of dL/dhidden: sum them in fp32
-                part = _mm_fp32(dz, weight)
+                part = mm_fp32(dz, weight)
                 dist.all_reduce(part, group=job.tp_group)
                 job.grad_h[r0:r1].copy_(part)
         if job.grad_w is not None:
             if acc_w is None:
                 torch.mm(dz.t(), hidden[r0:r1], out=job.grad_w)
             else:
-                _addmm_fp32_(acc_w, dz.t(), hidden[r0:r1])
+                addmm_fp32_(acc_w, dz.t(), hidden[r0:r1])
     if acc_w is not None:
         assert job.grad_w is not None  # acc_w exists only for a weight gradient
         # copy_ converts in place: `grad_w[:] = acc_w.to(dtype)` held a third [V, H] (1039.5 MiB at
@@ -568,7 +519,7 @@ def _backward_blocked(job: _BackwardJob) -> None:
                 if acc_h is None:  # one vocab block, no TP: K = V, written once
                     torch.mm(dz, weight[v0:v1], out=job.grad_h[r0:r1])
                 else:
-                    _addmm_fp32_(acc_h[: r1 - r0], dz, weight[v0:v1])
+                    addmm_fp32_(acc_h[: r1 - r0], dz, weight[v0:v1])
             if job.grad_w is not None and v1 > v0:
                 if r0 == 0:
                     torch.mm(dz.t(), h_rows, out=job.grad_w[v0:v1])
