@@ -38,7 +38,7 @@ PROGRAMS_PER_SM = 1
 INTERPRET_PROGRAMS = 3
 NUM_SPLITS_GPU = 16
 NUM_SPLITS_INTERPRET = 2
-# Interpreter tiles (tests pin them small to cross every edge): see logprob.INTERPRET_TILE_CAPS.
+# Interpreter tiles: small, so that the tiny test shapes cross every tile edge and run several tiles.
 INTERPRET_TILES = {"BLOCK_N": 16, "BLOCK_V": 64, "BLOCK_K": 32, "SPLIT_EPILOGUE": True}
 
 
