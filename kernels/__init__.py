@@ -2,7 +2,7 @@
 
     linear_logprob_entropy(hidden[N,H], weight[V_local,H], targets[N], *, temperature=1.0,
                            tp_group=None, return_entropy=True, vocab_size=None,
-                           backward="blocked" | "row_chunked", logits="triton" | "cublas")
+                           backward="blocked" | "row_chunked", logits="triton" | "cublas" | "tma")
         -> (logprob[N], entropy[N] | None)        (vocab_size: rows past it are padding)
     policy_loss(logprob, old_logprob, advantages, mask, *, eps_low, eps_high, clip_ratio_c,
                 loss_denominator, one_pass=True) -> (loss, stats)

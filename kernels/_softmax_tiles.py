@@ -1,6 +1,8 @@
 """Per-tile softmax maths shared by the fused-GEMM kernels (logprob.py: the logit tile comes from
-tl.dot) and the epilogue kernels (logprob_cublas.py: the logit tile is read from an fp32 chunk that
-cuBLAS wrote). One copy of the formulas; @triton.jit helpers are inlined where they are called."""
+tl.dot; logprob_persistent.py: from a TMA-fed tl.dot) and the epilogue kernels (logprob_cublas.py: the
+logit tile is read from an fp32 chunk that cuBLAS wrote). One copy of the formulas and of the forward's
+online-softmax loop (`split_stats`, which takes the tile producer as a function argument);
+@triton.jit helpers are inlined where they are called."""
 
 from __future__ import annotations
 
@@ -56,6 +58,45 @@ def online_update(m, s, t, zt, z, cols, col_ok, tgt):
     # col_ok: a target owned by another rank may fall on this tile's padding columns
     zt += tl.sum(tl.where((cols[None, :] == tgt[:, None]) & col_ok[None, :], z, 0.0), axis=1)
     return m_new, s, t, zt
+
+
+@triton.jit
+def split_stats(
+    logits_tile: tl.constexpr,
+    src,
+    rows,
+    tgt,
+    v_begin,
+    v_end,
+    inv_temp,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr = 0,
+    CAST_F32: tl.constexpr = False,
+    IEEE: tl.constexpr = False,
+    SPLIT_EPILOGUE: tl.constexpr = False,
+):
+    """(m, s, t, zt) of `rows` over vocab columns [v_begin, v_end): the online-softmax loop of every
+    forward kernel. logits_tile(src, rows, v0, cols, col_ok, BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE)
+    -> the fp32 [BLOCK_N, BLOCK_V] logits of columns cols = v0 + arange(BLOCK_V) before the temperature.
+    src: the producer's runtime arguments, a tuple; the constexprs travel one by one (a tuple element
+    loses its constexpr-ness in compiled Triton 3.7); a producer ignores those it does not use.
+    SPLIT_EPILOGUE: fold the tile as two [BLOCK_N, BLOCK_V / 2] halves (fewer live temporaries: without
+    it ptxas spills the 128x256 epilogue of the TMA kernel, kernels/bench/NOTES.md)."""
+    m, s, t, zt = empty_stats(BLOCK_N)
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        cols = v0 + tl.arange(0, BLOCK_V)
+        col_ok = cols < v_end
+        z = logits_tile(src, rows, v0, cols, col_ok, BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE) * inv_temp
+        if SPLIT_EPILOGUE:
+            z_lo, z_hi = tl.split(tl.permute(tl.reshape(z, [BLOCK_N, 2, BLOCK_V // 2]), [0, 2, 1]))
+            half = v0 + tl.arange(0, BLOCK_V // 2)
+            m, s, t, zt = online_update(m, s, t, zt, z_lo, half, half < v_end, tgt)
+            half += BLOCK_V // 2
+            m, s, t, zt = online_update(m, s, t, zt, z_hi, half, half < v_end, tgt)
+        else:
+            m, s, t, zt = online_update(m, s, t, zt, z, cols, col_ok, tgt)
+    return m, s, t, zt
 
 
 @triton.jit

@@ -43,16 +43,16 @@ from torch's matmul (fp32 chunks) instead of tl.dot; the softmax maths are the s
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from . import logprob_cublas
+from . import logprob_cublas, logprob_persistent
+from ._fp32_gemm import addmm_fp32_, mm_fp32
 from ._runtime import INTERPRET, autotune_every_config, cast_dot_inputs_to_fp32, require_runnable
-from ._softmax_tiles import dz_tile, empty_stats, online_update, split_columns, store_stats
+from ._softmax_tiles import dz_tile, split_columns, split_stats, store_stats
 from .reference import check_logprob_args, check_targets_in_vocab, check_vocab_size, vocab_shard
 
 # dL/dlogits chunk size bound for the backward (bytes): C = this // (V_local * element size).
@@ -64,9 +64,10 @@ BACKWARD_WORKSPACE_BYTES = 256 << 20
 VOCAB_BLOCK = 4096
 BLOCKED_BUDGET_PER_NH = 3
 BACKWARDS = ("blocked", "row_chunked")
-# Where the logit tiles come from: "triton" (tl.dot inside the fused kernels) or "cublas" (an fp32
-# chunk from torch's matmul read by an epilogue kernel: logprob_cublas.py; blocked backward only).
-LOGITS = ("triton", "cublas")
+# Where the logit tiles come from: "triton" (tl.dot inside the fused kernels), "cublas" (an fp32
+# chunk from torch's matmul read by an epilogue kernel: logprob_cublas.py; blocked backward only) or
+# "tma" (persistent TMA-fed kernels: logprob_persistent.py; "triton" where TMA's alignment rules fail).
+LOGITS = ("triton", "cublas", "tma")
 # Vocab splits per row block in the forward: enough programs to fill the GPU even at small N, and
 # with GROUP_N row blocks x NUM_SPLITS programs in flight the hidden rows stay in L2 while each
 # weight tile is read once per GROUP_N * BLOCK_N rows.
@@ -114,6 +115,26 @@ def _logits_tile(
 
 
 @triton.jit
+def _dot_logits(
+    src,
+    rows,
+    v0,
+    cols,
+    col_ok,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    CAST_F32: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """split_stats's tile producer for _fwd_kernel: _logits_tile with the kernel's arguments in src."""
+    h_ptr, w_ptr, row_ok, H, stride_hn, stride_wv = src
+    return _logits_tile(
+        h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_hn, stride_wv, BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE
+    )
+
+
+@triton.jit
 def _fwd_kernel(
     h_ptr,
     w_ptr,
@@ -146,30 +167,10 @@ def _fwd_kernel(
     row_ok = rows < N
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
     v_begin, v_end = split_columns(pid_s, V, num_splits, BLOCK_V)
-    m, s, t, zt = empty_stats(BLOCK_N)
-    for v0 in range(v_begin, v_end, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        col_ok = cols < v_end
-        z = (
-            _logits_tile(
-                h_ptr,
-                w_ptr,
-                rows,
-                row_ok,
-                cols,
-                col_ok,
-                H,
-                stride_hn,
-                stride_wv,
-                BLOCK_N,
-                BLOCK_V,
-                BLOCK_K,
-                CAST_F32,
-                IEEE,
-            )
-            * inv_temp
-        )
-        m, s, t, zt = online_update(m, s, t, zt, z, cols, col_ok, tgt)
+    src = (h_ptr, w_ptr, row_ok, H, stride_hn, stride_wv)
+    m, s, t, zt = split_stats(
+        _dot_logits, src, rows, tgt, v_begin, v_end, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE
+    )
     store_stats(stats_ptr, pid_s, N, rows, row_ok, m, s, t, zt)
 
 
@@ -289,6 +290,8 @@ def _forward_stats(hidden, weight, targets_local, inv_temp: float, logits: str =
         return stats
     if logits == "cublas":
         return merge_stats(logprob_cublas.forward_split_stats(hidden, weight, targets_local, inv_temp))
+    if logits == "tma" and logprob_persistent.tma_ok(hidden, weight):
+        return merge_stats(logprob_persistent.forward_split_stats(hidden, weight, targets_local, inv_temp))
     splits = NUM_SPLITS_INTERPRET if INTERPRET else NUM_SPLITS_GPU
     splits = max(1, min(splits, triton.cdiv(v, 64)))
     stats = torch.empty((splits, 4, n), device=hidden.device, dtype=torch.float32)
@@ -319,55 +322,6 @@ def _gather_merge(local: torch.Tensor, tp_group) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(parts, local.contiguous(), group=tp_group)
     return merge_stats(torch.stack(parts))
-
-
-_OUT_DTYPE_MM = True  # torch.mm/addmm(..., out_dtype=float32) on CUDA (torch >= 2.9); probed on first use
-
-
-def _out_dtype_mm_failed(err: Exception) -> None:
-    global _OUT_DTYPE_MM
-    _OUT_DTYPE_MM = False
-    warnings.warn(
-        f"torch.mm(out_dtype=float32) is unavailable ({err}); falling back to 16-bit products "
-        "added in fp32 (one extra rounding per chunk)",
-        stacklevel=3,
-    )
-
-
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b with an fp32 result (cuBLAS accumulates in fp32 either way; this skips the rounding)."""
-    if a.dtype == torch.float32:
-        return a @ b
-    if not a.is_cuda:
-        return a.float() @ b.float()
-    if _OUT_DTYPE_MM:
-        try:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        except torch.OutOfMemoryError:
-            raise
-        except (TypeError, RuntimeError, NotImplementedError) as err:
-            _out_dtype_mm_failed(err)
-    return (a @ b).float()
-
-
-def _addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """acc(fp32) += a @ b for 16-bit a, b without an fp32 copy of the inputs."""
-    if a.dtype == torch.float32:
-        acc.addmm_(a, b)
-    elif not a.is_cuda:
-        acc.addmm_(a.float(), b.float())
-    else:
-        if _OUT_DTYPE_MM:
-            try:
-                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-                return
-            except torch.OutOfMemoryError:
-                raise
-            except (TypeError, RuntimeError, NotImplementedError) as err:
-                _out_dtype_mm_failed(err)
-        rows = max(1, (64 << 20) // (acc.shape[1] * a.element_size()))  # 16-bit temporaries <= 64 MiB
-        for r0 in range(0, acc.shape[0], rows):
-            acc[r0 : r0 + rows].add_(a[r0 : r0 + rows] @ b)
 
 
 def _chunk_rows(n: int, v: int, element_size: int) -> int:
@@ -419,6 +373,13 @@ class _BackwardJob:
                 has_ent=self.has_ent,
                 inv_temp=self.inv_temp,
                 col0=v0,
+            )
+            return
+        h_rows, w_rows = self.hidden[r0:r1], self.weight[v0:v1]
+        if self.logits == "tma" and logprob_persistent.tma_ok(h_rows, w_rows):
+            per_row = (self.targets_local, self.big_m, self.log_s, self.mean_c, self.g_lp, self.g_ent)
+            logprob_persistent.dlogits_into(
+                dz, h_rows, w_rows, *(t[r0:r1] for t in per_row), has_ent=self.has_ent, inv_temp=self.inv_temp, col0=v0
             )
             return
         flags = {"CAST_F32": cast_dot_inputs_to_fp32(self.hidden.dtype), "IEEE": self.hidden.dtype == torch.float32}
@@ -479,14 +440,14 @@ def _backward_row_chunked(job: _BackwardJob) -> None:
             if job.tp_group is None:
                 torch.mm(dz, weight, out=job.grad_h[r0:r1])
             else:  # each rank holds its vocab shard's share of dL/dhidden: sum them in fp32
-                part = _mm_fp32(dz, weight)
+                part = mm_fp32(dz, weight)
                 dist.all_reduce(part, group=job.tp_group)
                 job.grad_h[r0:r1].copy_(part)
         if job.grad_w is not None:
             if acc_w is None:
                 torch.mm(dz.t(), hidden[r0:r1], out=job.grad_w)
             else:
-                _addmm_fp32_(acc_w, dz.t(), hidden[r0:r1])
+                addmm_fp32_(acc_w, dz.t(), hidden[r0:r1])
     if acc_w is not None:
         assert job.grad_w is not None  # acc_w exists only for a weight gradient
         # copy_ converts in place: `grad_w[:] = acc_w.to(dtype)` held a third [V, H] (1039.5 MiB at
@@ -558,7 +519,7 @@ def _backward_blocked(job: _BackwardJob) -> None:
                 if acc_h is None:  # one vocab block, no TP: K = V, written once
                     torch.mm(dz, weight[v0:v1], out=job.grad_h[r0:r1])
                 else:
-                    _addmm_fp32_(acc_h[: r1 - r0], dz, weight[v0:v1])
+                    addmm_fp32_(acc_h[: r1 - r0], dz, weight[v0:v1])
             if job.grad_w is not None and v1 > v0:
                 if r0 == 0:
                     torch.mm(dz.t(), h_rows, out=job.grad_w[v0:v1])
@@ -655,7 +616,8 @@ def linear_logprob_entropy(
     backward: "blocked" (row blocks x vocab blocks, see _backward_blocked) or "row_chunked" (the first
     schedule: full-vocab row chunks into an fp32 [V, H] accumulator), kept until a GPU run compares them.
     logits: "triton" (tl.dot inside the fused kernels) or "cublas" (fp32 logit chunks from torch's matmul,
-    read by Triton epilogues: logprob_cublas.py; needs backward="blocked").
+    read by Triton epilogues: logprob_cublas.py; needs backward="blocked") or "tma" (persistent, TMA-fed
+    Triton kernels: logprob_persistent.py; the tl.dot kernels where TMA's 16-byte alignment fails).
     Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1; anything else raises
     RuntimeError (use linear_logprob_entropy_reference there).
     """

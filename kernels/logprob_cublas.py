@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ._runtime import INTERPRET
-from ._softmax_tiles import dz_tile, empty_stats, online_update, split_columns, store_stats
+from ._softmax_tiles import dz_tile, split_columns, split_stats, store_stats
 
 # fp32 logits chunk of the forward (bytes): at most 256 MiB (441 rows at V = 152064, rounded to 128:
 # 384) and at most BUDGET_PER_NH * N * H, as the blocked backward's workspace (small batches, small chunk)
@@ -32,6 +32,13 @@ EPILOGUE_BLOCK_N = 16 if INTERPRET else 32
 EPILOGUE_BLOCK_V = 64 if INTERPRET else 1024
 NUM_SPLITS = 2 if INTERPRET else 8
 ROW_ALIGN = 16 if INTERPRET else 128
+
+
+@triton.jit
+def _read_logits(src, rows, v0, cols, col_ok, BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE):
+    """split_stats's tile producer for _stats_epilogue_kernel: the chunk's fp32 logits (src: row pointers, row_ok)."""
+    row_base, row_ok = src
+    return tl.load(row_base + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -56,13 +63,8 @@ def _stats_epilogue_kernel(
     row_ok = rows < N
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
     v_begin, v_end = split_columns(pid_s, V, num_splits, BLOCK_V)
-    m, s, t, zt = empty_stats(BLOCK_N)
-    row_base = z_ptr + rows.to(tl.int64)[:, None] * stride_zn
-    for v0 in range(v_begin, v_end, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        col_ok = cols < v_end
-        z = tl.load(row_base + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0) * inv_temp
-        m, s, t, zt = online_update(m, s, t, zt, z, cols, col_ok, tgt)
+    src = (z_ptr + rows.to(tl.int64)[:, None] * stride_zn, row_ok)
+    m, s, t, zt = split_stats(_read_logits, src, rows, tgt, v_begin, v_end, inv_temp, BLOCK_N, BLOCK_V)
     store_stats(stats_ptr, pid_s, stats_stride, rows, row_ok, m, s, t, zt)
 
 

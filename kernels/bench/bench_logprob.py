@@ -6,7 +6,8 @@
 Providers: fused (dapo_kernels.linear_logprob_entropy, blocked backward: the default), fused_rowchunk
 (the same forward, the first backward schedule: backward="row_chunked"; kept until a GPU run has
 measured both), fused_cublas (logits="cublas": fp32 logit chunks from cuBLAS read by Triton
-epilogues, blocked backward), torch (eager on materialized fp32 logits:
+epilogues, blocked backward), fused_tma (logits="tma": the persistent TMA-fed Triton kernels of
+logprob_persistent.py, blocked backward), torch (eager on materialized fp32 logits:
 the reference), chunked (the reference over row chunks under activation checkpointing: bounded
 memory, plain torch), liger (LigerFusedLinearCrossEntropyLoss, reduction="none", when importable:
 cross entropy = -logprob, NO entropy, and it computes its gradient inside the forward call, so its
@@ -33,11 +34,12 @@ from dapo_kernels.bench import memory_model
 from dapo_kernels.bench.common import CsvWriter, PeakMemory, bf16_matmul_tflops, is_oom, print_table, time_calls
 
 MODELS = memory_model.MODELS  # Qwen2.5: (hidden, vocab)
-PROVIDERS = ("fused", "fused_cublas", "fused_rowchunk", "torch", "chunked", "liger")
+PROVIDERS = ("fused", "fused_cublas", "fused_tma", "fused_rowchunk", "torch", "chunked", "liger")
 MEMORY_MODEL = {
     "fused": memory_model.fused_blocked_bytes,
     "fused_rowchunk": memory_model.fused_row_chunked_bytes,
     "fused_cublas": memory_model.fused_cublas_bytes,
+    "fused_tma": memory_model.fused_blocked_bytes,  # the blocked backward's workspace, the same plan
     "liger": memory_model.liger_bytes,
 }
 CHUNK_ROWS = 4096
@@ -85,6 +87,7 @@ def make_call(provider: str, hidden, weight, targets, *, backward: bool):
         "chunked": _chunked_torch,
         "fused_rowchunk": lambda *a: linear_logprob_entropy(*a, backward="row_chunked"),
         "fused_cublas": lambda *a: linear_logprob_entropy(*a, logits="cublas"),
+        "fused_tma": lambda *a: linear_logprob_entropy(*a, logits="tma"),
     }[provider]
 
     def run():

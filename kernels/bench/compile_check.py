@@ -36,16 +36,73 @@ def _compile(fn, signature: dict, constexprs: dict, divisible: set, *, num_warps
     )
 
 
+# SASS instructions counted per kernel (cuobjdump -sass of the cubin): HGMMA = wgmma, UTMALDG = a TMA
+# tensor load, LDGSTS = cp.async, LDL/STL = local-memory loads/stores (register spills: ptxas spills
+# show up only here, never in the PTX, whose `.local` the first version of this check read).
+SASS_OPS = ("HGMMA", "UTMALDG", "LDGSTS", "LDL", "STL")
+
+
+def sass_facts(cubin: bytes) -> dict:
+    """{op: count} for SASS_OPS, plus registers and stack bytes per thread, from triton's bundled cuobjdump."""
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+
+    tool = knobs.nvidia.cuobjdump.path
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    facts = {op: len(re.findall(rf"\b{op}\b", sass)) for op in SASS_OPS}
+    regs = re.search(r"REG:(\d+)", usage)
+    stack = re.search(r"STACK:(\d+)", usage)
+    facts["regs"] = int(regs.group(1)) if regs else -1
+    facts["stack"] = int(stack.group(1)) if stack else -1
+    return facts
+
+
 def _report(kernel) -> dict:
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     buffers = [int(s) for s in re.findall(r"memdesc<(\d+)x\d+x\d+x(?:bf16|f16|f32)", ttgir)]
+    facts = sass_facts(kernel.asm["cubin"])
     return {
         "shared_KiB": kernel.metadata.shared // 1024,
         "stages": max(buffers) if buffers else 1,
         "wgmma": "wgmma.mma_async" in ptx,
         "cp_async": len(re.findall(r"cp\.async", ptx)),
-        "local_mem": ".local" in ptx,
+        **facts,
     }
+
+
+def _persistent_jobs(quick: bool) -> list:
+    """The TMA-fed persistent kernels (logprob_persistent.py): every Hopper config in bf16, the first in
+    fp16, FP32_HOPPER_TILES in fp32. Descriptors are `tensordesc<dtype[box]>` arguments (host TensorDescriptor)."""
+    from dapo_kernels import logprob_persistent as persistent
+
+    per_row = ("tgt_ptr", "max_ptr", "logs_ptr", "meanc_ptr", "glp_ptr", "gent_ptr")
+    div = {"tgt_ptr", "stats_ptr", "dz_ptr", "V", "H", "stride_dzn", *per_row}
+    configs = persistent.hopper_configs()[: 1 if quick else None]
+    jobs = []
+    for dtype in ("bf16", "fp16", "fp32"):
+        for cfg in {"bf16": configs, "fp16": configs[:1], "fp32": [persistent.FP32_HOPPER_TILES]}[dtype]:
+            bn, bv, bk = cfg["BLOCK_N"], cfg["BLOCK_V"], cfg["BLOCK_K"]
+            descs = {"h_desc": f"tensordesc<{dtype}[{bn},{bk}]>", "w_desc": f"tensordesc<{dtype}[{bv},{bk}]>"}
+            meta = {"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk, "SPLIT_EPILOGUE": cfg["SPLIT_EPILOGUE"]}
+            meta |= {"CAST_F32": False, "IEEE": dtype == "fp32"}
+            fwd_sig = {**descs, "tgt_ptr": "*i64", "stats_ptr": "*fp32", **dict.fromkeys(("N", "V", "H"), "i32")}
+            fwd_sig |= {"num_splits": "i32", "inv_temp": "fp32"}
+            bwd_sig = {**descs, "tgt_ptr": "*i64", **dict.fromkeys(per_row[1:], "*fp32"), "dz_ptr": f"*{dtype}"}
+            bwd_sig |= {**dict.fromkeys(("N", "V", "H", "stride_dzn"), "i32"), "inv_temp": "fp32", "col0": "i32"}
+            split = "halves" if cfg["SPLIT_EPILOGUE"] else "whole"
+            name = f"{dtype} {bn}x{bv}x{bk} w{cfg['num_warps']} s{cfg['num_stages']} {split}"
+            launch = (cfg["num_warps"], cfg["num_stages"])
+            fwd_meta = {**meta, "GROUP_N": 8}
+            jobs.append((f"tma fwd {name}", persistent._fwd_persistent_kernel, fwd_sig, fwd_meta, div, *launch))
+            bwd_meta = {**meta, "HAS_ENT": True}
+            jobs.append((f"tma dlogits {name}", persistent._dlogits_persistent_kernel, bwd_sig, bwd_meta, div, *launch))
+    return jobs
 
 
 def main(argv=None) -> int:
@@ -254,6 +311,7 @@ def main(argv=None) -> int:
             3,
         )
     )
+    jobs += _persistent_jobs(args.quick)
     for label, fn, sig, consts, div, warps, stages in jobs:
         start = time.time()
         try:
@@ -265,7 +323,8 @@ def main(argv=None) -> int:
         rows.append({"kernel": label, **info, "compile_s": f"{time.time() - start:.1f}"})
     from dapo_kernels.bench.common import print_table
 
-    print_table(rows, ["kernel", "shared_KiB", "stages", "wgmma", "cp_async", "local_mem", "compile_s", "error"])
+    columns = ["kernel", "shared_KiB", "stages", "wgmma", "cp_async", *SASS_OPS, "regs", "stack", "compile_s", "error"]
+    print_table(rows, columns)
     return 1 if failed else 0
 
 

@@ -27,7 +27,7 @@ QUICK = {
     "n": "4096,16384",
     "models": "7b",
     "tp": "1,8",
-    "providers": "fused,fused_cublas,fused_rowchunk,liger",
+    "providers": "fused,fused_cublas,fused_tma,fused_rowchunk,liger",
     "tokens": "65536,16777216",
     "loss_providers": "fused,fused_two_launch,torch",
     "repeats": 3,

@@ -24,7 +24,7 @@ import csv
 from dataclasses import dataclass, field
 from pathlib import Path
 
-OURS = ("fused", "fused_cublas", "fused_rowchunk")
+OURS = ("fused", "fused_cublas", "fused_tma", "fused_rowchunk")
 TFLOPS_32B_TP1_64K = 650.0
 COPY_FRACTION = 0.70
 LOSS_TOKENS_BANDWIDTH = 16777216

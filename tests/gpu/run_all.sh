@@ -245,7 +245,7 @@ step_kernel_bench() {
   local csv="$OUT/kernels.csv"
   $PY -m dapo_kernels.bench.run --quick --csv "$csv" || return $?
   $PY -m dapo_kernels.bench.run --kernels logprob --models 32b --tp 1 --n 65536 \
-    --providers fused,fused_cublas,fused_rowchunk,liger --repeats 3 --csv "$csv"
+    --providers fused,fused_cublas,fused_rowchunk,fused_tma,liger --repeats 3 --csv "$csv"
 }
 
 step_kernel_targets() {  # the five targets judged from kernel_bench's rows: exit 0 only when all hold

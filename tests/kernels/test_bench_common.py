@@ -47,7 +47,10 @@ def test_bench_without_gpu_runs_the_correctness_pass(capsys):
 
 def test_kernels_compile_for_hopper_without_a_gpu():
     """Compile mode is stricter than the interpreter: build every kernel for sm_90 with triton's
-    bundled ptxas (no GPU needed) and check the K loop is pipelined with wgmma and nothing spills."""
+    bundled ptxas (no GPU needed) and read the SASS (cuobjdump): the tl.dot forward's K loop is
+    pipelined with wgmma; the persistent TMA kernels (logprob_persistent.py) do what their design
+    claims: HGMMA (wgmma) in the 16-bit matrix loops, UTMALDG (TMA tensor loads) and no cp.async for the
+    operands, no local-memory spill (LDL/STL), shared memory within the H100's 227 KiB."""
     import os
     import subprocess
     import sys
@@ -58,14 +61,21 @@ def test_kernels_compile_for_hopper_without_a_gpu():
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    lines = {line.split("  ")[0].strip(): line.split() for line in proc.stdout.splitlines()[1:]}
-    bf16_fwd = next(v for k, v in lines.items() if k.startswith("logprob fwd bf16"))
-    # the last six columns: shared_KiB stages wgmma cp_async local_mem compile_s (no error column)
-    shared, stages, wgmma, _, local, _ = bf16_fwd[-6:]
-    assert int(stages) >= 3 and wgmma == "True" and local == "False" and int(shared) <= 227
+    header, *lines = proc.stdout.splitlines()
+    columns = header.split()[1:-1]  # between "kernel" (a name with spaces) and "error" (empty on success)
+    rows = {line.split("  ")[0].strip(): dict(zip(columns, line.split()[-len(columns) :])) for line in lines}
+    bf16_fwd = next(v for k, v in rows.items() if k.startswith("logprob fwd bf16"))
+    assert int(bf16_fwd["stages"]) >= 3 and bf16_fwd["wgmma"] == "True" and int(bf16_fwd["shared_KiB"]) <= 227
+    tma = {k: v for k, v in rows.items() if k.startswith("tma ")}
+    assert {k.split()[1] for k in tma} == {"fwd", "dlogits"} and {k.split()[2] for k in tma} == {"bf16", "fp16", "fp32"}
+    for name, row in tma.items():
+        assert int(row["UTMALDG"]) > 0 and int(row["LDGSTS"]) == 0, name
+        assert int(row["LDL"]) == 0 and int(row["STL"]) == 0 and int(row["stack"]) == 0, name
+        assert int(row["shared_KiB"]) <= 227, name
+        assert (int(row["HGMMA"]) > 0) == ("fp32" not in name), name  # fp32: exact FMA dot, no wgmma
 
 
 @pytest.mark.skipif(
@@ -92,7 +102,7 @@ def test_benchmark_code_runs_on_cpu_dry_run(tmp_path):
             "--repeats",
             "1",
             "--providers",
-            "fused,fused_cublas,fused_rowchunk,torch,chunked,liger",
+            "fused,fused_cublas,fused_tma,fused_rowchunk,torch,chunked,liger",
             "--loss-providers",
             "fused,fused_two_launch,torch",
         ]
@@ -100,7 +110,7 @@ def test_benchmark_code_runs_on_cpu_dry_run(tmp_path):
     assert code == 0
     rows = list(csv.DictReader(path.open()))
     logprob_rows = {(r["provider"], r["mode"], r["metric"]) for r in rows if r["kernel"] == "linear_logprob_entropy"}
-    for provider in ("fused", "fused_cublas", "fused_rowchunk", "torch", "chunked"):
+    for provider in ("fused", "fused_cublas", "fused_tma", "fused_rowchunk", "torch", "chunked"):
         for mode in ("fwd", "fwd_bwd"):
             assert {(provider, mode, m) for m in ("ms", "tflops", "pct_of_matmul")} <= logprob_rows
     # the memory formula is written next to every fwd_bwd row of the providers it models
@@ -139,3 +149,24 @@ def test_memory_model_matches_liger_on_the_h100_and_ours_stays_below(monkeypatch
     assert len(rows) == 24
     for row in rows:
         assert row["blocked_GiB"] <= row["liger_GiB"] and row["cublas_GiB"] <= row["liger_GiB"], row
+
+
+@pytest.mark.skipif(not dapo_kernels.INTERPRET, reason="the CPU dry run needs the Triton interpreter")
+def test_variants_script_times_every_chosen_variant_of_one_shape(tmp_path, capsys):
+    """kernels/bench/variants_logprob.py on CPU (its code, not its timings): the matmul ceiling and every
+    chosen variant in both modes land in the CSV, each of ours checked against `fused`; a name it does
+    not know is refused with the list of those it does."""
+    from dapo_kernels.bench import variants_logprob
+
+    path = tmp_path / "variants.csv"
+    tma = next(iter(variants_logprob.tma_variants()))
+    assert variants_logprob.main(["--cpu-dry-run", "--csv", str(path), "--variants", f"fused,{tma},liger"]) == 0
+    rows = list(csv.DictReader(path.open()))
+    timed = {(r["provider"], r["mode"]) for r in rows if r["metric"] == "ms"}
+    assert {("fused", "fwd"), ("fused", "fwd_bwd"), (tma, "fwd"), (tma, "fwd_bwd")} <= timed
+    assert any(r["provider"] == "cublas_bf16_matmul" for r in rows)
+    assert all(r["x"] == "N=20,H=32,V=260,tp=2" and r["device"] == "cpu" for r in rows)
+    printed = capsys.readouterr().out
+    assert "MISMATCH" not in printed and f"{tma}  " in printed
+    with pytest.raises(ValueError, match=r"--variants: unknown \['nope'\]"):
+        variants_logprob.main(["--cpu-dry-run", "--csv", str(path), "--variants", "fused,nope"])
