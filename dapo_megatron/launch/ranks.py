@@ -16,7 +16,6 @@ left out. Under Slurm the ranks run under torchrun itself, whose Root Cause bloc
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from pathlib import Path
@@ -41,8 +40,8 @@ def write_cause(failure: Any, cause_file: Path) -> None:
     message = data.get("message") if isinstance(data, dict) else None
     if isinstance(message, dict):
         text = f"{message.get('message', '')}\n\n{message.get('extraInfo', {}).get('py_callstack', '')}"
-    else:
-        text = json.dumps(data, indent=1) if data else str(failure.message)
+    else:  # no error file (a rank killed by a signal): what torchrun says of it
+        text = f"{failure.message}\n(exit code {failure.exitcode}; no traceback: the rank recorded no error)"
     cause_file.parent.mkdir(parents=True, exist_ok=True)
     cause_file.write_text(text)
 

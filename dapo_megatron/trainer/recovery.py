@@ -43,16 +43,16 @@ import time
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from dapo_megatron.distributed.driver_decides import driver_decides
 from dapo_megatron.distributed.roles import RankRoles
 from dapo_megatron.rollout.pool import NoLiveEngine
 from dapo_megatron.rollout.registry import engine_events_path, read_engine_events
 
-if TYPE_CHECKING:  # the policy's seams; imported at run time they would bring megatron (and a cycle with the driver)
+if TYPE_CHECKING:  # the policy's seams; imported at run time they would bring megatron
     from dapo_megatron.actor.actor import Actor
-    from dapo_megatron.trainer.driver import Driver
+    from dapo_megatron.dataplane.sample import Sample
     from dapo_megatron.trainer.placement import Placement
 
 
@@ -155,7 +155,32 @@ class EngineFaults:
 
 
 # ----------------------------------------------------------------------------- every rank's policy
-def on_the_driver(driver: Driver | None) -> Driver:
+class DriverSide(Protocol):
+    """What the policy asks of the driver (trainer/driver.py Driver; a Protocol, since the Driver itself
+    imports this module for EngineFaults and Verdict)."""
+
+    engine_faults: EngineFaults
+
+    def rollout(self) -> tuple[list[list[Sample]], dict[str, float]]: ...
+
+    def evaluate(self, *, step: int) -> dict[str, float]: ...
+
+    def try_phase(
+        self,
+        phase: Callable[[], Any],
+        *,
+        restore_prompts: bool = False,
+        during: str,
+        then: str,
+        updates: int,
+        step: int,
+    ) -> tuple[Verdict, Any]: ...
+
+
+D = TypeVar("D")
+
+
+def on_the_driver(driver: D | None) -> D:
     """`driver` where the code runs on the driver rank only (driver_decides' `decide`, a roles.driver
     branch); None there is a bug in the caller, not a state of the run."""
     if driver is None:
@@ -170,13 +195,13 @@ class FaultPolicy:
     time; every rank learns its verdict (distributed/driver_decides.py)."""
 
     def __init__(
-        self, *, roles: RankRoles, placement: Placement, actor: Actor, driver: Driver | None, engine_restarts: int
+        self, *, roles: RankRoles, placement: Placement, actor: Actor, driver: DriverSide | None, engine_restarts: int
     ) -> None:
         self.roles, self.placement, self.actor, self.driver = roles, placement, actor, driver
         self.engine_restarts = engine_restarts
 
     @property
-    def _driver(self) -> Driver:
+    def _driver(self) -> DriverSide:
         """The Driver, in what only the driver rank runs (driver_decides' `decide`, roles.driver branches)."""
         return on_the_driver(self.driver)
 

@@ -19,6 +19,7 @@ from dapo_megatron.algo import ADVANTAGES
 from dapo_megatron.config import Config
 from dapo_megatron.dataplane.batch import RolloutBatch
 from dapo_megatron.dataplane.scatter import scatter_batch
+from dapo_megatron.dataplane.share import BatchShare
 from dapo_megatron.distributed.layout import ParallelLayout
 from dapo_megatron.distributed.roles import RankRoles
 from dapo_megatron.trainer import console
@@ -104,7 +105,7 @@ def with_group_advantages(groups: list[list], *, eps: float, estimator: str = "g
     return RolloutBatch.from_groups(groups)
 
 
-def scatter(batch: RolloutBatch | None, actor, *, sequences_per_mini_batch: int):
+def scatter(batch: RolloutBatch | None, actor: Actor, *, sequences_per_mini_batch: int) -> BatchShare:
     """Each data-parallel rank's token-balanced share of the driver's batch (dataplane/scatter.py)."""
     share, _ = scatter_batch(
         batch, layout=actor.layout, settings=actor.pack_settings, sequences_per_mini_batch=sequences_per_mini_batch
@@ -112,7 +113,7 @@ def scatter(batch: RolloutBatch | None, actor, *, sequences_per_mini_batch: int)
     return share
 
 
-def old_logprobs(share, actor, ref, *, reports: bool) -> dict[str, float]:
+def old_logprobs(share: BatchShare, actor: Actor, ref: ReferencePolicy | None, *, reports: bool) -> dict[str, float]:
     """pi_old (and pi_ref with the KL penalty) into the share's batch; their metrics: entropy,
     trainer/engine mismatch and, for MoE models, routing agreement with the engine."""
     old = actor.logprobs(share)

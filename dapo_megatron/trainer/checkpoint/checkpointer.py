@@ -17,6 +17,7 @@ from dapo_megatron.config import Config
 from dapo_megatron.distributed.driver_decides import driver_decides
 from dapo_megatron.trainer.checkpoint import files as ckpt
 from dapo_megatron.trainer.checkpoint.files import TrainerState
+from dapo_megatron.trainer.recovery import on_the_driver
 
 if TYPE_CHECKING:  # the loop's components; imported at run time they would bring megatron into every reader of this
     from dapo_megatron.actor.actor import Actor
@@ -40,7 +41,9 @@ class Checkpointer:
         state = ckpt.read_trainer_state(latest)
         self.actor.load(latest / "actor")
         if self.roles.driver:
-            self.driver.load_state_dict(state.driver)
+            if state.driver is None:
+                raise ValueError(f"{latest}: {ckpt.STATE_FILE} has no driver state (prompt order, request counter)")
+            on_the_driver(self.driver).load_state_dict(state.driver)
         return state
 
     def should_save(self, step: int, *, last_step: bool, stop: bool) -> bool:
