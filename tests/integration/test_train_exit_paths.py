@@ -27,31 +27,37 @@ from helpers_train import run_processes, step_logged, step_rows, train_failing, 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+# each run is its own fixture, so that one test's time limit covers one run (the first also pays for
+# tiny_run_a, whose warm-start cache they share)
+pytestmark = pytest.mark.timeout(1200)  # generous: the machine may be shared and loaded
+SHORT = ("trainer.total_steps=3", "trainer.eval_every=0", "trainer.save_every=0")
+
+
+def _stopped(tmp_path_factory, cache: Path, name: str, *extra: str, kills=()) -> tuple[Path, int, str]:
+    out = tmp_path_factory.mktemp("exits") / name
+    return (out, *train_failing(out, cache, *SHORT, *extra, kills=kills))
+
+
 @pytest.fixture(scope="module")
-def stopped(tmp_path_factory, tiny_run_a):
-    root, cache = tmp_path_factory.mktemp("exits"), tiny_run_a["cache"]
-    short = ("trainer.total_steps=3", "trainer.eval_every=0", "trainer.save_every=0")
-    return {
-        "n": (
-            root / "n",
-            *train_failing(root / "n", cache, *short, "trainer.lr=1e38", "trainer.max_nonfinite_in_row=1"),
-        ),
-        "l": (
-            root / "l",
-            *train_failing(
-                root / "l",
-                cache,
-                *short,
-                "rollout.engine_restarts=0",
-                "rollout.engine_wait_s=60",
-                kills=(step_logged(1),),
-            ),
-        ),
-        "x": (
-            root / "x",
-            *train_failing(root / "x", cache, *short, "trainer.lr=1e38", "trainer.max_nonfinite_in_row=3"),
-        ),
-    }
+def non_finite(tmp_path_factory, tiny_run_a):
+    return _stopped(tmp_path_factory, tiny_run_a["cache"], "n", "trainer.lr=1e38", "trainer.max_nonfinite_in_row=1")
+
+
+@pytest.fixture(scope="module")
+def engines_lost(tmp_path_factory, tiny_run_a):
+    return _stopped(
+        tmp_path_factory,
+        tiny_run_a["cache"],
+        "l",
+        "rollout.engine_restarts=0",
+        "rollout.engine_wait_s=60",
+        kills=(step_logged(1),),
+    )
+
+
+@pytest.fixture(scope="module")
+def exception_in_a_step(tmp_path_factory, tiny_run_a):
+    return _stopped(tmp_path_factory, tiny_run_a["cache"], "x", "trainer.lr=1e38", "trainer.max_nonfinite_in_row=3")
 
 
 def _finished_what_it_started(out: Path, rc: int, console: str, *, cause: str, steps: list[int]) -> None:
@@ -71,21 +77,21 @@ def _finished_what_it_started(out: Path, rc: int, console: str, *, cause: str, s
     assert "Traceback (most recent call last):" in (out / "logs" / "ranks_error.txt").read_text()
 
 
-def test_a_non_finite_stop_finishes_what_it_started(stopped):
-    out, rc, console = stopped["n"]
+def test_a_non_finite_stop_finishes_what_it_started(non_finite):
+    out, rc, console = non_finite
     _finished_what_it_started(
         out, rc, console, cause="RuntimeError: 1 updates in a row had a NaN/inf loss or grad norm", steps=[1]
     )
     assert step_rows(out)[0]["actor/nonfinite"] > 0
 
 
-def test_engines_lost_finishes_what_it_started(stopped):
-    out, rc, console = stopped["l"]
+def test_engines_lost_finishes_what_it_started(engines_lost):
+    out, rc, console = engines_lost
     _finished_what_it_started(out, rc, console, cause="EnginesLost: no rollout engine left at step 2", steps=[1])
     assert f"checkpoint of step 1 written ({out / 'checkpoints' / 'step_000001'})" in console
 
 
-def test_an_exception_in_a_step_finishes_what_it_started(stopped):
-    out, rc, console = stopped["x"]
+def test_an_exception_in_a_step_finishes_what_it_started(exception_in_a_step):
+    out, rc, console = exception_in_a_step
     _finished_what_it_started(out, rc, console, cause="EngineError: ", steps=[1])
     assert "probability tensor contains either `inf`, `nan` or element < 0" in console
