@@ -7,7 +7,8 @@ A failing rank prints nothing and records its exception (type, message, tracebac
 file torchrun gives it (trainer/train.py: first_cause_recorded), before its clean-up. torchrun itself
 would then print, for a run that stopped on NaN updates, six tracebacks: each rank's, its own
 ChildFailedError with every rank's again, and the Root Cause block. Here the rank that recorded first
-is the cause (torchrun's rule: `ChildFailedError.get_first_failure`); its message is the one line,
+is the cause (torchrun's rule, `ChildFailedError.get_first_failure`, ties to the lower rank); its
+message is the one line,
 `[train] the run failed on rank R: <Type>: <message> (traceback: <cause file>)`, its whole traceback
 goes to the cause file, and the exit code is 1. torchrun's own log lines (the agent's "failed
 (exitcode: 1)", "Sending process N closing signal SIGTERM") are consequences of that failure and are
@@ -60,7 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         run(parse_args(torchrun_args))
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
+        # the first recorded, as torchrun's get_first_failure, with the lower rank first within a second (the
+        # error files' timestamps are whole seconds): an error every rank raises (driver_decides) is the driver's
+        failures = err.failures
+        rank = min(failures, key=lambda r: (failures[r].timestamp, r))
+        failure = failures[rank]
         write_cause(failure, cause_file)
         print(cause_line(rank, failure, cause_file), file=sys.stderr, flush=True)
         return 1
