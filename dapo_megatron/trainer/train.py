@@ -113,7 +113,7 @@ def scatter(batch: RolloutBatch | None, actor: Actor, *, sequences_per_mini_batc
     return share
 
 
-def old_logprobs(share: BatchShare, actor: Actor, ref: ReferencePolicy | None, *, reports: bool) -> dict[str, float]:
+def old_logprobs(share, actor, ref, *, reports: bool) -> dict[str, float]:
     """pi_old (and pi_ref with the KL penalty) into the share's batch; their metrics: entropy,
     trainer/engine mismatch and, for MoE models, routing agreement with the engine."""
     old = actor.logprobs(share)
