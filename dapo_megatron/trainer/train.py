@@ -152,16 +152,18 @@ def train_rank(cfg: Config, *, resume: bool) -> int:
         if resumed is not None:
             run.faults.transfer(resumed.step)  # the engines start from the base model
         metrics = finish.enter_context(open_metrics(cfg, resumed)) if run.roles.driver else None
-        train_steps(cfg, run, checkpointer, metrics, state=resumed or TrainerState(), fresh=resumed is None)
+        train_steps(
+            cfg, run, checkpointer=checkpointer, metrics=metrics, state=resumed or TrainerState(), fresh=resumed is None
+        )
     return 0
 
 
 def train_steps(
     cfg: Config,
     run: Components,
+    *,
     checkpointer: Checkpointer,
     metrics: MetricsLogger | None,
-    *,
     state: TrainerState,
     fresh: bool,
 ) -> None:
