@@ -47,6 +47,12 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# The commands that import megatron-core or transformers: their backends' warnings that cannot matter are
+# filtered before the command starts (trainer/console.py: which, and why), as `train` always did. Not the
+# others: `config show` or `slurm status` would pay transformers' import for it.
+BACKEND_COMMANDS = frozenset({"train", "eval", "plan", "convert", "check-parity", "bench", "serve-rollout"})
+
+
 def _usage() -> str:
     width = max(map(len, COMMANDS))
     rows = "\n".join(f"  {name:<{width}}  {help_}" for name, (_, _, help_) in COMMANDS.items())
@@ -67,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dapo-megatron: unknown command '{name}'{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
     module_name, func_name, _ = COMMANDS[name]
+    if name in BACKEND_COMMANDS:
+        from dapo_megatron.trainer import console
+
+        console.quiet_backend_warnings()  # before the command's module imports megatron-core
     func = getattr(importlib.import_module(module_name), func_name)
     try:
         return int(func(rest) or 0)

@@ -188,3 +188,23 @@ def run_processes(out: Path) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return found
+
+
+def train_failing(out: Path, cache: Path, *extra: str, kills=()) -> tuple[int, str]:
+    """A tiny run expected to stop on an error (wandb offline, so that its finish can be read): (exit
+    code, console text). `kills`: as train_killing_engine's."""
+    rc, console, _ = train_killing_engine(out, cache, "trainer.wandb_mode=offline", *extra, kills=kills)
+    return rc, console
+
+
+def wandb_exit_code(out: Path) -> int | None:
+    """The exit code wandb.finish recorded for the run's offline wandb run, from wandb's own log
+    (wandb/offline-run-*/logs/debug.log: "finishing run ..." then "got exitcode: N"); None when it was
+    never finished (a process torn down with its run open leaves `HandleAbandonedError` there instead)."""
+    import re
+
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+    text = (runs[0] / "logs" / "debug.log").read_text()
+    found = re.search(r"got exitcode: (-?\d+)", text[text.find("finishing run") :]) if "finishing run" in text else None
+    return int(found.group(1)) if found else None

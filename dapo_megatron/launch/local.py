@@ -28,6 +28,7 @@ from dapo_megatron.data.datasets import train_and_eval_records
 from dapo_megatron.launch.lifeline import become_subreaper, descendants, kill_survivors, reap_descendants, with_lifeline
 from dapo_megatron.launch.local_stop import STOP_FILE, LocalStop, StopNow
 from dapo_megatron.launch.prepare import tiny_model_dir
+from dapo_megatron.launch.ranks import RANKS_ERROR_FILE
 from dapo_megatron.launch.run_lock import RunLock
 from dapo_megatron.launch.supervise import EngineSupervisor, engine_events_path
 from dapo_megatron.memplan.report import check_before_launch
@@ -366,10 +367,15 @@ def _launch_locked(
                 f"--auth-file {secret} --register-dir {run_dir / 'engines'} ...`)",
                 flush=True,
             )
+        cause_file = run_dir / "logs" / RANKS_ERROR_FILE
+        cause_file.unlink(missing_ok=True)  # an earlier launch's
         cmd = [
             sys.executable,
             "-m",
-            "torch.distributed.run",
+            "dapo_megatron.launch.ranks",  # torchrun, saying a rank's failure in one line (launch/ranks.py)
+            "--cause-file",
+            str(cause_file),
+            "--",
             "--standalone",
             f"--nproc-per-node={cfg.actor.world_size}",
             "-m",
@@ -387,20 +393,12 @@ def _launch_locked(
             EngineSupervisor(procs, budget=cfg.rollout.engine_restarts, events_path=engine_events_path(run_dir)),
             LocalStop(run_dir / STOP_FILE) as stop,
         ):
-            rc = procs.run_foreground(
-                "actor", pinned(cmd, cfg.actor.cpu_cores), env={"OMP_NUM_THREADS": "1", **stop.rank_env()}
-            )
+            rc = procs.run_foreground("actor", pinned(cmd, cfg.actor.cpu_cores), env=rank_env(stop))
         ranks_wall_s = time.perf_counter() - t_ranks
-    if rc != 0:
-        # the ranks' own output went to this terminal; torchrun's closing "Root Cause" block carries the
-        # first failing rank's whole traceback (trainer/train.py records it with torch elastic's error file),
-        # which a rank killed by its peer's failure (gloo "Connection closed by peer") would bury
-        print(
-            f"[train] the actor ranks failed (torchrun exit code {rc}): the first failing rank's error is the "
-            f'"Root Cause" block above; engine logs in {run_dir / "logs"}',
-            file=sys.stderr,
-            flush=True,
-        )
+    if rc != 0 and not cause_file.is_file():
+        # a failing rank's cause is one line already (launch/ranks.py: "the run failed on rank R: ..."), the
+        # clean-up below this function included; this is for torchrun failing on its own
+        print(f"[train] the actor ranks failed (torchrun exit code {rc}); logs in {run_dir / 'logs'}", file=sys.stderr)
     if rc == 0 and stop.received is not None and _stopped_early(cfg):
         return stop.exit_code  # the driver's "stopped at step N (...)" line is the last word
     if rc == 0:
@@ -411,6 +409,17 @@ def _launch_locked(
             flush=True,
         )
     return rc
+
+
+def rank_env(stop: LocalStop) -> dict[str, str]:
+    """What the actor ranks get on top of this environment: one intra-op thread each (the ranks share
+    the cores), the stop request's file, and CUDA_DEVICE_MAX_CONNECTIONS=1 as slurm/_trainer_launch.sh
+    sets it (one hardware queue, so Megatron's TP communication overlaps; also what stops its warning)."""
+    return {
+        "OMP_NUM_THREADS": "1",
+        "CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1"),
+        **stop.rank_env(),
+    }
 
 
 def _stopped_early(cfg) -> bool:

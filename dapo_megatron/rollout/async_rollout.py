@@ -33,7 +33,8 @@ import asyncio
 import queue
 import threading
 import time
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import torch
 
@@ -90,6 +91,14 @@ def filter_stale(groups: list[list[Any]], step: int, max_staleness: int) -> tupl
     return kept, stats
 
 
+class Stamps(Protocol):
+    """Where the phase stamps (phase, step, start, end) go: a list, or the driver's Timeline."""
+
+    def append(self, stamp: tuple[str, int, float, float], /) -> None: ...
+
+    def extend(self, stamps: Iterable[tuple[str, int, float, float]], /) -> None: ...
+
+
 class AsyncRollout:
     def __init__(
         self,
@@ -100,14 +109,15 @@ class AsyncRollout:
         max_staleness: int,
         train_batch_size: int,
         total_steps: int,
-        timeline: list | None = None,
+        timeline: Stamps | None = None,
     ) -> None:
         if max_staleness < 1:
             raise ValueError(f"AsyncRollout: max_staleness must be >= 1, got {max_staleness}")
         self.loop, self.sampler, self.prompts = loop, sampler, prompts
         self.k, self.train_batch_size, self.total_steps = max_staleness, train_batch_size, total_steps
-        # (phase, step, start, end) in time.time(); list.append is atomic across the two threads
-        self.timeline: list[tuple[str, int, float, float]] = [] if timeline is None else timeline
+        # (phase, step, start, end) in time.time(): a list (list.append is atomic across the two threads) or
+        # the driver's trainer/timeline.py Timeline, which streams them to disk
+        self.timeline: Stamps = [] if timeline is None else timeline
         self.ready: queue.Queue = queue.Queue()  # (batch step, RolloutResult | BaseException)
         self._started = -1  # the newest step the trainer has started (set on the loop thread)
         self._wake: asyncio.Event | None = None
@@ -155,7 +165,8 @@ class AsyncRollout:
         tic = time.time()
         self.loop.call_soon_threadsafe(self._start_step, step)
         j, result = self.ready.get()
-        self.timeline.append(("wait", step, tic, time.time()))
+        waited = time.time()
+        self.timeline.append(("wait", step, tic, waited))
         if isinstance(result, BaseException):
             # the producer has stopped; the next next_batch starts a new one at its step (after the
             # recovery's re-sync when the engines were lost: trainer/recovery.py). The prompts the failed batch
@@ -168,7 +179,7 @@ class AsyncRollout:
             raise RuntimeError(f"overlapped rollout: batch {j} arrived for step {step}")
         groups, stats = filter_stale(result.groups, step, self.k)
         result.groups = groups
-        stats["overlap/wait_s"] = self.timeline[-1][3] - tic
+        stats["overlap/wait_s"] = waited - tic
         return result, stats
 
     async def paused_sync(self, clients: list, sync) -> Any:

@@ -47,6 +47,15 @@ _QUIET_WARNINGS: tuple[tuple[str, str, str], ...] = (
         "megatron-core 0.16.1's own TransformerConfig default (cuda_graph_scope='full') trips its deprecation "
         "warning in __post_init__ (transformer_config.py:1705) once per rank; CUDA graphs are not used",
     ),
+    (
+        r"When using (async grad allreduce|sequence parallelism) it is recommended to set the environment variable "
+        r"CUDA_DEVICE_MAX_CONNECTIONS",
+        r"megatron\.core",
+        "a speed hint of megatron-core's tensor-parallel linear layers (tensor_parallel/layers.py:728), printed by "
+        "every rank with TP > 1 in its first backward: the training launchers set the variable (slurm/"
+        "_trainer_launch.sh, launch/local.py rank_env); check-parity and convert run one pass whose speed does not "
+        "matter, and on CPU (gloo) there is no CUDA queue to configure",
+    ),
 )
 
 

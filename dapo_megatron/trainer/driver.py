@@ -12,6 +12,7 @@ engine side of the weight transfer. Every other rank only runs the actor (traine
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import time
 from collections.abc import Callable, Iterable
@@ -40,7 +41,7 @@ from dapo_megatron.trainer.evaluation.report import (
 )
 from dapo_megatron.trainer.evaluation.sampling import sample_eval
 from dapo_megatron.trainer.recovery import EngineFaults, Verdict
-from dapo_megatron.trainer.timeline import write_timeline
+from dapo_megatron.trainer.timeline import Timeline
 from dapo_megatron.transfer.engine_push import sync_dropping_dead
 from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
@@ -105,9 +106,10 @@ class Driver:
         self.fp8 = None
         if r.quantization == "fp8":
             self.fp8 = fp8_converter(fp8_rollout_dir(cfg.trainer.output_dir))
-        # phase stamps (phase, step, start, end) for trainer/timeline.py; rollout.max_staleness >= 1 runs this loop on
-        # a thread that generates the next k batches while the trainer trains (rollout/async_rollout.py)
-        self.timeline: list[tuple[str, int, float, float]] = []
+        # phase stamps (phase, step, start, end), streamed to <run_dir>/timeline.jsonl (trainer/timeline.py);
+        # rollout.max_staleness >= 1 runs this loop on a thread that generates the next k batches while the
+        # trainer trains (rollout/async_rollout.py)
+        self.timeline = Timeline(self.run_dir)
         self.next_step, self._rollout_end = 0, 0.0
         self.overlap = None
         if r.max_staleness >= 1:
@@ -288,13 +290,25 @@ class Driver:
         return {**metrics, "time/eval_s": time.perf_counter() - start}
 
     def close(self) -> None:
-        async def run():
-            await self.weight_sync.close(self.pool.live_clients())
-            await self.pool.close()
+        """Every way the run ends (trainer/train.py: `finish`): the producer stopped, the timeline and its
+        PNG written, the weight group and the engine connections closed, the loop closed; each step is
+        tried even when one before it fails (an engine already gone, say), and the first failure is raised."""
 
-        if self.overlap is not None:
-            self.overlap.close()  # the producer's requests aborted; the loop stopped, back on this thread
-        if self.timeline:
-            write_timeline(self.timeline, self.run_dir)
-        self.loop.run_until_complete(run())
-        self.loop.close()
+        async def disconnect() -> None:
+            try:
+                await self.weight_sync.close(self.pool.live_clients())
+            finally:
+                await self.pool.close()
+
+        with contextlib.ExitStack() as steps:  # run in reverse order of the callbacks below
+            steps.callback(self.loop.close)
+            steps.callback(lambda: self.loop.run_until_complete(disconnect()))
+            steps.callback(self.timeline.close)
+            if self.overlap is not None:
+                steps.callback(self.overlap.close)  # the producer's requests aborted; the loop stopped, back here
+
+    def __enter__(self) -> Driver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

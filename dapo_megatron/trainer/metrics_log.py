@@ -134,14 +134,15 @@ class MetricsLogger:
             )
         return record
 
-    def close(self, *, plot: bool = True) -> Path | None:
-        """Flush, finish wandb and (by default) write `<run_dir>/curves.png`; returns the PNG path."""
+    def close(self, *, plot: bool = True, exit_code: int = 0) -> Path | None:
+        """Flush, finish wandb (with `exit_code`: non-zero marks the run failed) and (by default) write
+        `<run_dir>/curves.png` from metrics.jsonl (no history is kept in memory); returns the PNG path."""
         if not self._file.closed:
             self._file.close()
         if self._wandb is not None:
             offline = self._wandb.settings.mode == "offline"
             sync_dir = self._wandb.settings.sync_dir
-            self._wandb.finish()
+            self._wandb.finish(exit_code=exit_code)
             self._wandb = None
             if offline and self._console is not None:
                 print(f"wandb: offline run; upload it with `wandb sync {sync_dir}`", file=self._console, flush=True)
@@ -152,8 +153,9 @@ class MetricsLogger:
     def __enter__(self) -> MetricsLogger:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        """Whichever way the run ends: a run left by an exception is finished in wandb as failed (exit code 1)."""
+        self.close(exit_code=0 if exc_type is None else 1)
 
 
 def read_jsonl(

@@ -1,9 +1,9 @@
 """What the trainer does when rollout engines fail mid-run (docs/architecture.md, "Faults a long run meets").
 
     faults = FaultPolicy(roles=roles, placement=placement, actor=actor, driver=driver, engine_restarts=...)
-    groups, stats = faults.around_rollout(lambda: driver.rollout(), step=step)   # (None, {}) off the driver
+    groups, stats = faults.around_rollout(step=step)   # the driver's rollout; (None, {}) off the driver
     stats = faults.transfer(step + 1)               # every rank: the weights after step + 1 updates, to every engine
-    scores = faults.around_eval(lambda: driver.evaluate(step=step + 1), updates=step + 1)   # retried or missed
+    scores = faults.around_eval(updates=step + 1)   # the driver's eval, retried or missed; {} off the driver
     driver.engine_faults                            # EngineFaults: the driver's side (its pool, its run directory)
 
 The loop holds the FaultPolicy (every rank, collectives); the driver holds its EngineFaults (what it
@@ -43,11 +43,17 @@ import time
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from dapo_megatron.distributed.driver_decides import driver_decides
+from dapo_megatron.distributed.roles import RankRoles
 from dapo_megatron.rollout.pool import NoLiveEngine
 from dapo_megatron.rollout.registry import engine_events_path, read_engine_events
+
+if TYPE_CHECKING:  # the policy's seams; imported at run time they would bring megatron
+    from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.dataplane.sample import Sample
+    from dapo_megatron.trainer.placement import Placement
 
 
 class Verdict(Enum):
@@ -149,34 +155,74 @@ class EngineFaults:
 
 
 # ----------------------------------------------------------------------------- every rank's policy
+class DriverSide(Protocol):
+    """What the policy asks of the driver (trainer/driver.py Driver; a Protocol, since the Driver itself
+    imports this module for EngineFaults and Verdict)."""
+
+    engine_faults: EngineFaults
+
+    def rollout(self) -> tuple[list[list[Sample]], dict[str, float]]: ...
+
+    def evaluate(self, *, step: int) -> dict[str, float]: ...
+
+    def try_phase(
+        self,
+        phase: Callable[[], Any],
+        *,
+        restore_prompts: bool = False,
+        during: str,
+        then: str,
+        updates: int,
+        step: int,
+    ) -> tuple[Verdict, Any]: ...
+
+
+D = TypeVar("D")
+
+
+def on_the_driver(driver: D | None) -> D:
+    """`driver` where the code runs on the driver rank only (driver_decides' `decide`, a roles.driver
+    branch); None there is a bug in the caller, not a state of the run."""
+    if driver is None:
+        raise AssertionError("a driver-only call on a rank without the driver (roles.driver is False)")
+    return driver
+
+
 class FaultPolicy:
     """What every rank does around the phases that talk to the engines: the driver's rollout and eval
     (redone after a re-sync when every engine died: one retry-with-resync path; EnginesLost when none
     came back) and the weight transfer (as many export passes as it takes). The driver decides each
     time; every rank learns its verdict (distributed/driver_decides.py)."""
 
-    def __init__(self, *, roles, placement, actor, driver, engine_restarts: int) -> None:
+    def __init__(
+        self, *, roles: RankRoles, placement: Placement, actor: Actor, driver: DriverSide | None, engine_restarts: int
+    ) -> None:
         self.roles, self.placement, self.actor, self.driver = roles, placement, actor, driver
         self.engine_restarts = engine_restarts
+
+    @property
+    def _driver(self) -> DriverSide:
+        """The Driver, in what only the driver rank runs (driver_decides' `decide`, roles.driver branches)."""
+        return on_the_driver(self.driver)
 
     def transfer(self, step: int, *, max_passes: int = 0) -> dict[str, float]:
         """placement.transfer_weights of the weights after `step` updates, as many export passes as it
         takes for every surviving engine to get the whole sync (every rank runs the same number)."""
-        passes = driver_decides(lambda: max_passes or self.driver.engine_faults.max_sync_passes())
+        passes = driver_decides(lambda: max_passes or self._driver.engine_faults.max_sync_passes())
         for attempt in range(1, passes + 1):
             stats = self.placement.transfer_weights(self.actor, step=step)
-            if not driver_decides(lambda: self.driver.engine_faults.sync_redo):
+            if not driver_decides(lambda: self._driver.engine_faults.sync_redo):
                 return {**stats, "sync/passes": float(attempt)} if self.roles.driver else stats
         raise RuntimeError(f"weight sync step_{step}: engines kept dying during the sync ({passes} passes)")
 
-    def around_rollout(self, rollout: Callable[[], Any], *, step: int) -> tuple[list | None, dict[str, float]]:
-        """The driver's `rollout()` ((groups, stats); (None, {}) elsewhere), redone after a re-sync when
+    def around_rollout(self, *, step: int) -> tuple[list | None, dict[str, float]]:
+        """The driver's rollout ((groups, stats); (None, {}) elsewhere), redone after a re-sync when
         every engine died; EnginesLost on every rank, with the driver's message, when none came back (at
         most rollout.engine_restarts + 1 redone rollouts per step)."""
 
         def attempt() -> tuple[Verdict, Any]:
-            verdict, result = self.driver.try_phase(
-                rollout,
+            verdict, result = self._driver.try_phase(
+                self._driver.rollout,
                 restore_prompts=True,
                 during=f"step {step + 1}'s rollout",
                 then=f"step {step + 1}'s rollout starts over",
@@ -184,7 +230,7 @@ class FaultPolicy:
                 step=step + 1,
             )
             if verdict is Verdict.LOST:  # raised on every rank (torchrun's "Root Cause" may be any rank's)
-                raise EnginesLost(self.driver.engine_faults.lost_reason)
+                raise EnginesLost(self._driver.engine_faults.lost_reason)
             return verdict, result
 
         verdict, result, _ = self._with_resync(attempt, updates=step, attempts=self.engine_restarts + 2)
@@ -195,8 +241,8 @@ class FaultPolicy:
             )
         return result if self.roles.driver else (None, {})
 
-    def around_eval(self, evaluate: Callable[[], dict[str, float]], *, updates: int) -> dict[str, float]:
-        """The driver's `evaluate()` of the weights after `updates` updates ({} on the other ranks). The
+    def around_eval(self, *, updates: int) -> dict[str, float]:
+        """The driver's evaluate() of the weights after `updates` updates ({} on the other ranks). The
         only engine dying during it: wait for it, re-sync those weights and evaluate once more with the
         same prompts and seeds ("eval/retried": 1). Not back in time, or dying again: the eval is
         recorded as missed ("eval/missed": 1) with a line saying why, and training goes on: the step it
@@ -204,8 +250,8 @@ class FaultPolicy:
         this step and stops)."""
 
         def attempt() -> tuple[Verdict, Any]:
-            return self.driver.try_phase(
-                evaluate,
+            return self._driver.try_phase(
+                lambda: self._driver.evaluate(step=updates),
                 during=f"the eval of step {updates}",
                 then="the eval starts over with the same prompts and seeds",
                 updates=updates,
@@ -217,7 +263,7 @@ class FaultPolicy:
             return {}
         if verdict is Verdict.OK:
             return {**scores, **({"eval/retried": 1.0} if attempts > 1 else {})}
-        faults = self.driver.engine_faults
+        faults = self._driver.engine_faults
         why = faults.lost_reason or "the engines died again during the retried eval"
         print(
             f"[eval] the eval of step {updates} is missed (recorded as eval/missed=1): {why}. Training goes on "

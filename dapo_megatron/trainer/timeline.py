@@ -1,7 +1,10 @@
 """The step timeline of a run (phase start/end stamps from the driver); `dapo-megatron bench overlap`
 (benchmarks/overlap.py) runs the embedded task at two staleness values and reads it.
 
-    write_timeline(driver.timeline, run_dir)       # <run_dir>/timeline.jsonl and timeline.png
+    timeline = Timeline(run_dir)                   # the driver's: each stamp appended to timeline.jsonl as it comes
+    timeline.append(("train", 3, start, end))      # O(1) memory however long the run (nothing kept but the file)
+    timeline.close()                               # timeline.jsonl in seconds from the first stamp, and timeline.png
+    write_timeline(stamps, run_dir)                # the same two files from a list of stamps
     hidden_fraction(timeline)                      # share of the shorter of generation / training hidden
 
 Phases (trainer/driver.py, rollout/async_rollout.py): "generate" (the engines' work on a step's batch: the
@@ -18,7 +21,10 @@ engine_span), in their epoch clock (the same host's on one machine; NTP-synchron
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Iterable
 from pathlib import Path
+from typing import IO
 
 from dapo_megatron.rollout.async_rollout import _union, engine_phases  # noqa: F401 (re-exported)
 
@@ -94,6 +100,51 @@ def write_timeline(timeline: list[tuple[str, int, float, float]], run_dir: str |
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     plot_timeline(rows, run_dir / "timeline.png")
     return path
+
+
+Stamp = tuple[str, int, float, float]  # (phase, step, start, end), time.time() of the driver (or the engines)
+
+
+class Timeline:
+    """The run's phase stamps, streamed to <run_dir>/timeline.jsonl as they come (epoch seconds while the
+    run lives), so that the driver's memory does not grow with the run's length; close() rewrites the
+    file in seconds from the first stamp (write_timeline's format) and draws timeline.png from it.
+    append/extend are called from the driver's thread and the overlapped rollout's (rollout/async_rollout.py)."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / "timeline.jsonl"
+        self.count = 0  # stamps written
+        self._closed = False
+        self._file: IO[str] | None = None  # opened with the first stamp: a run that stamps nothing writes nothing
+        self._lock = threading.Lock()
+
+    def append(self, stamp: Stamp) -> None:
+        self.extend((stamp,))
+
+    def extend(self, stamps: Iterable[Stamp]) -> None:
+        stamps = list(stamps)
+        if not stamps:
+            return
+        with self._lock:
+            if self._closed:
+                return  # a stamp of the producer thread after close: the file is final
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = self.path.open("w")  # this process's stamps (a resumed run starts a new file)
+            for phase, step, start, end in stamps:
+                self._file.write(json.dumps({"phase": phase, "step": step, "start": start, "end": end}) + "\n")
+            self._file.flush()  # a run that dies keeps what it stamped
+            self.count += len(stamps)
+
+    def close(self) -> Path | None:
+        """timeline.jsonl in seconds from the first stamp, and timeline.png; None when nothing was stamped."""
+        with self._lock:
+            self._closed = True
+            if self._file is None:
+                return None
+            self._file.close()
+            self._file = None
+        return write_timeline(read_timeline(self.path), self.path.parent)
 
 
 def read_timeline(path: str | Path) -> list[tuple[str, int, float, float]]:

@@ -182,6 +182,14 @@ def test_check_parity_cli_under_torchrun(hf_dirs, tmp_path):
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("max_abs_logprob_diff="), proc.stdout
     assert float(last.split("=", 1)[1]) <= TOLERANCE
+    # quiet by default, as `train` (cli.BACKEND_COMMANDS; trainer/console.py: the backend warnings that cannot matter)
+    for noise in (
+        "Apex is not installed",
+        "Transformer Engine and Apex",
+        "cuda_graph_scope",
+        "CUDA_DEVICE_MAX_CONNECTIONS",
+    ):
+        assert noise not in proc.stdout + proc.stderr, (noise, proc.stderr[-3000:])
 
 
 def test_llama3_rope_scaling_matches_transformers(rank_pool, hf_dirs):

@@ -189,3 +189,27 @@ def test_summary_of_a_run_without_evals_or_checkpoints(tmp_path):
     text = run_summary(tmp_path)
     assert "  eval:         none logged (trainer.eval_every=0?)" in text
     assert "  checkpoints:  none" in text and "  curves:       (not written)" in text
+
+
+def test_megatrons_cuda_device_max_connections_hint_is_filtered_as_megatron_words_it():
+    """The exact messages of megatron-core's tensor-parallel layers (read from its source, so a changed
+    wording fails here rather than printing again on every rank of `check-parity --tp 2`)."""
+    import re
+
+    from megatron.core.tensor_parallel import layers
+
+    source = open(layers.__file__).read()
+    messages = [
+        "".join(re.findall(r'"([^"]*)"', block))
+        for block in re.findall(r"warnings\.warn\(\s*((?:\"[^\"]*\"\s*)+)\)", source)
+        if "CUDA_DEVICE_MAX_CONNECTIONS" in block
+    ]
+    assert len(messages) == 2, messages  # sequence parallelism, async grad allreduce
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        console.quiet_backend_warnings()
+        for message in messages:
+            warnings.warn_explicit(
+                message, UserWarning, "layers.py", 730, module="megatron.core.tensor_parallel.layers"
+            )
+    assert caught == []

@@ -69,8 +69,8 @@ def test_the_checkpointer_saves_every_save_every_steps_the_last_step_and_on_a_st
 
 
 def test_the_evaluator_evaluates_at_step_zero_and_every_eval_every_steps():
-    assert [u for u in range(11) if Evaluator(None, None, eval_every=4).should_evaluate(u)] == [0, 4, 8]
-    assert not any(Evaluator(None, None, eval_every=0).should_evaluate(u) for u in range(11))
+    assert [u for u in range(11) if Evaluator(None, eval_every=4).should_evaluate(u)] == [0, 4, 8]
+    assert not any(Evaluator(None, eval_every=0).should_evaluate(u) for u in range(11))
 
 
 def test_the_guard_counts_nonfinite_updates_in_a_row_and_stops_with_the_same_message(tmp_path):

@@ -11,15 +11,25 @@ Every method is a collective (every rank calls it at the same step), as the chec
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dapo_megatron.config import Config
 from dapo_megatron.distributed.driver_decides import driver_decides
 from dapo_megatron.trainer.checkpoint import files as ckpt
 from dapo_megatron.trainer.checkpoint.files import TrainerState
+from dapo_megatron.trainer.recovery import on_the_driver
+
+if TYPE_CHECKING:  # the loop's components; imported at run time they would bring megatron into every reader of this
+    from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.distributed.roles import RankRoles
+    from dapo_megatron.trainer.driver import Driver
+    from dapo_megatron.trainer.placement import Placement
 
 
 class Checkpointer:
-    def __init__(self, cfg: Config, *, actor, driver, roles, placement) -> None:
+    def __init__(
+        self, cfg: Config, *, actor: Actor, driver: Driver | None, roles: RankRoles, placement: Placement
+    ) -> None:
         self.cfg, self.actor, self.driver, self.roles, self.placement = cfg, actor, driver, roles, placement
         self.run_dir = Path(cfg.trainer.output_dir)
         self.save_every = cfg.trainer.save_every  # 0 = only the last step and a stop request
@@ -31,7 +41,9 @@ class Checkpointer:
         state = ckpt.read_trainer_state(latest)
         self.actor.load(latest / "actor")
         if self.roles.driver:
-            self.driver.load_state_dict(state.driver)
+            if state.driver is None:
+                raise ValueError(f"{latest}: {ckpt.STATE_FILE} has no driver state (prompt order, request counter)")
+            on_the_driver(self.driver).load_state_dict(state.driver)
         return state
 
     def should_save(self, step: int, *, last_step: bool, stop: bool) -> bool:

@@ -2,7 +2,7 @@
 trainer.eval_every updates; the driver's eval with the fault policy around it (an engine lost during
 an eval costs the eval, never the step: trainer/recovery.py).
 
-    evaluator = Evaluator(faults, driver, eval_every=cfg.trainer.eval_every)
+    evaluator = Evaluator(faults, eval_every=cfg.trainer.eval_every)
     if evaluator.should_evaluate(step + 1):
         log.update(evaluator.evaluate(step + 1))   # every rank (a re-sync may be needed); scores on the driver
 """
@@ -13,8 +13,8 @@ from dapo_megatron.trainer.recovery import FaultPolicy
 
 
 class Evaluator:
-    def __init__(self, faults: FaultPolicy, driver, *, eval_every: int) -> None:
-        self.faults, self.driver = faults, driver
+    def __init__(self, faults: FaultPolicy, *, eval_every: int) -> None:
+        self.faults = faults
         self.eval_every = eval_every  # 0 = never
 
     def should_evaluate(self, updates: int) -> bool:
@@ -22,4 +22,4 @@ class Evaluator:
 
     def evaluate(self, updates: int) -> dict[str, float]:
         """The eval of the weights after `updates` updates: its scores on the driver, {} elsewhere."""
-        return self.faults.around_eval(lambda: self.driver.evaluate(step=updates), updates=updates)
+        return self.faults.around_eval(updates=updates)
