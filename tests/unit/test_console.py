@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import warnings
+from pathlib import Path
 
 from dapo_megatron.trainer import console
 from dapo_megatron.trainer.console import LEGEND, STEP_COLUMNS, TABLE_WIDTH, Phases, StepTable
@@ -198,7 +199,7 @@ def test_megatrons_cuda_device_max_connections_hint_is_filtered_as_megatron_word
 
     from megatron.core.tensor_parallel import layers
 
-    source = open(layers.__file__).read()
+    source = Path(layers.__file__).read_text()
     messages = [
         "".join(re.findall(r'"([^"]*)"', block))
         for block in re.findall(r"warnings\.warn\(\s*((?:\"[^\"]*\"\s*)+)\)", source)
