@@ -12,8 +12,13 @@ runs under SGLang's model_update_lock, so the engine is idle and the flush succe
     to every engine while the trainer opens its side (weight_group.open_weight_group, master address
     from weight_group.trainer_address: reachable by every engine). Per bucket: POST
     /update_weights_from_distributed {names, dtypes, shapes, load_format: "flattened_bucket"} to every
-    engine and ONE broadcast of the bucket's bytes (tensor_payload.flatten_bucket), or one broadcast
-    per tensor with flattened=False. The group's backend follows the engines, not the trainer
+    engine and ONE broadcast of the bucket's bytes (flat_payload: a view when the bucket is already one
+    flat buffer, as the stage exporters' are, else tensor_payload.flatten_bucket's copy), or one
+    broadcast per tensor with flattened=False. Bucket k+1 is taken from the iterator (on the driver:
+    the exporter's merge, the stage funnel) and made ready in a worker thread while bucket k is
+    broadcast and loaded. The engines take one update at a time whatever the number of groups (SGLang's
+    model_update_lock; docs/architecture.md "one sender"), so one sender per engine pool it is.
+    The group's backend follows the engines, not the trainer
     (engine_group_backend): SGLang engines receive into GPU memory over nccl; the CPU engine joins gloo
     groups only, so a GPU trainer feeding it stages each CUDA bucket through host memory
     (collectives.pg_broadcast). A pool mixing both kinds is refused, naming the engines.
