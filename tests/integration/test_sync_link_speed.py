@@ -61,12 +61,11 @@ def _tx_bytes(host) -> int:
 def _start_engines(cluster, host, model: Path, register: Path, logs: Path, env: dict) -> list[subprocess.Popen]:
     argv = [sys.executable, "-m", "dapo_megatron.cli", "serve-rollout", "--model", str(model), "--host"]
     argv += [host.address, "--port", "0", "--threads", "1", "--register-dir", str(register)]
-    return [
-        subprocess.Popen(
-            cluster.on_host(host, argv), stdout=open(logs / f"engine{i}.log", "wb"), stderr=subprocess.STDOUT, env=env
-        )
-        for i in range(2)
-    ]
+    engines = []
+    for i in range(2):
+        with open(logs / f"engine{i}.log", "wb") as log:  # the child keeps its own descriptor
+            engines.append(subprocess.Popen(cluster.on_host(host, argv), stdout=log, stderr=subprocess.STDOUT, env=env))
+    return engines
 
 
 def _wait_registered(engines: list[subprocess.Popen], register: Path, logs: Path) -> list[str]:
