@@ -531,6 +531,10 @@ class DistributedWeightSync:
             return time.perf_counter() - tic
 
         send = asyncio.get_running_loop().run_in_executor(None, send_all)
+        ended: dict[str, float] = {}  # when the broadcast returned, when the last engine answered
+        send.add_done_callback(lambda _: ended.setdefault("send", time.perf_counter()))
+        for p in posts:
+            p.add_done_callback(lambda _: ended.__setitem__("answers", time.perf_counter()))
         # an engine that refuses the bucket never joins the broadcasts: fail at its answer instead of
         # waiting out the group timeout (the blocked broadcast thread ends at timeout_s)
         done, pending = await asyncio.wait([send, *posts], return_when=asyncio.FIRST_EXCEPTION)
@@ -541,12 +545,11 @@ class DistributedWeightSync:
         if send.done() and send.exception() is not None:
             failures["trainer"] = send.exception()
         if not failures:
-            if not send.done():
-                await send
-            sent = time.perf_counter()
             await asyncio.gather(send, *posts)
             stats.broadcast_seconds += send.result()
-            stats.answer_seconds += time.perf_counter() - sent  # the engines load the bucket, then answer
+            # the engines load the bucket after receiving it, then answer (an answer can precede our
+            # return from the broadcast: gloo returns once the bytes are in the socket buffers)
+            stats.answer_seconds += max(0.0, ended.get("answers", 0.0) - ended.get("send", 0.0))
             stats.num_buckets += 1
             stats.num_collectives += len(payloads)
             stats.num_tensors += len(names)
