@@ -14,7 +14,9 @@ What moves (transfer/weight_sync.py, transfer/colocated_sync.py, docs/architectu
            rank over one weight group. NCCL pipelines a broadcast along a chain, so its time is about
            bytes / (the sender's link) whatever the number of receivers (one NIC per sender assumed);
            gloo's broadcast (the CPU path) sends the whole buffer once per step of a binomial tree, so the
-           root's link carries it ceil(log2(world)) times. colocated: each engine TP rank copies its shard
+           root's link carries it ceil(log2(world)) times, and over TCP a configured line rate carries
+           payload at 1448/1514 of it (TCP_PAYLOAD_FRACTION; NCCL over InfiniBand's 4 KB MTU loses
+           under 1%, not modelled). colocated: each engine TP rank copies its shard
            (bytes / engine_tp) out of the CUDA-IPC handles into its own weights on the same GPU: a device
            copy (read + write) at the GPU's copy bandwidth;
   buckets  a fixed cost per bucket: the HTTP request, the engine's load_weights call, the flatten or the
@@ -49,6 +51,10 @@ DEFAULT_NETWORK_GBPS = 400.0
 DEFAULT_INTRA_NODE_GBPS = 2880.0
 H100_COPY_BYTES_PER_S = 2.97e12  # device-to-device copy, read + write counted (docs/benchmarks.md, H100 80GB)
 SYNC_BUCKET_OVERHEAD_S = 0.005
+# gloo sends over TCP: of each 1514-byte Ethernet frame (MTU 1500) 1448 bytes are payload (20 IPv4 + 32
+# TCP with timestamps + 14 Ethernet). A configured network_gbps is a line rate; measured on the shaped
+# twin (docs/benchmarks.md "Weight sync at link speed"): the sender's eth0 carried 1.045 x the payload.
+TCP_PAYLOAD_FRACTION = 1448 / 1514
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class Links:
     network_gbps: float  # one sender's link to the engines (Gbit/s)
     intra_node_gbps: float  # NVLink all-gather bus bandwidth per GPU (Gbit/s)
     source: str = "config: slurm.network_gbps, slurm.intra_node_gbps"
+    measured: bool = False  # a preflight's rates are payload bytes per second already (no header share)
 
     @property
     def network_bytes_per_s(self) -> float:
@@ -95,6 +102,7 @@ def links_from_preflight(path: str | Path, *, intra_node_gbps: float) -> Links:
         min(measured),
         float(intra) if intra_source == "measured" else intra_node_gbps,
         source=f"{path}: slowest {which} broadcast of {len(measured)}; intra-node from the {intra_source}",
+        measured=True,
     )
 
 
@@ -193,7 +201,9 @@ def sync_time(
     else:
         receivers = engines.count * engines.tp
         hops = 1 if backend == "nccl" else math.ceil(math.log2(receivers + 1))
-        send = hops * total / network
+        # a configured line rate over TCP (gloo): the TCP/IP and Ethernet headers take their share
+        payload_rate = network * (TCP_PAYLOAD_FRACTION if backend == "gloo" and not links.measured else 1.0)
+        send = hops * total / payload_rate
         how = f"{backend} broadcast to {receivers} engine ranks" + (f", {hops} tree steps" if hops > 1 else "")
     return SyncTime(
         placement=placement,

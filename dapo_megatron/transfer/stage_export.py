@@ -24,11 +24,11 @@ config (`stage_manifest`), and buckets are consecutive greedy groups of at most 
 larger parameter alone). `gather_manifests` hands every stage's manifest to the driver (one small
 exchange of names and shapes over the exporters' pipeline group).
 
-Next step, once the SGLang weight-update session lands (transfer/weight_sync.py): each exporter
-joins its own weight group with the engines (slime's "slime-pp_{pp_rank}") and broadcasts its
-buckets' flat buffers itself inside the session, while the driver, which holds every stage's
-manifest, posts each bucket's names, dtypes and shapes (plan_buckets over manifests[stage]) to the
-engines; the loop in weights_for_driver that funnels later stages through the driver then goes.
+Per-stage senders (each exporter in its own weight group with the engines, slime's
+"slime-pp_{pp_rank}") were weighed against SGLang 0.5.21's source and not built: an engine takes one
+update at a time whatever the number of groups (its model_update_lock, the scheduler's loop: receive,
+load, answer), so a second stage's broadcast into the same engines would wait for the first's; the
+funnel's hop to the driver already runs while the driver broadcasts (docs/architecture.md, "one sender").
 
 slime (THUDM/slime, slime/backends/megatron_utils/update_weight/update_weight_from_distributed.py,
 commit 02a644a): every PP stage's DP=TP=0 rank forms its own NCCL group "slime-pp_{pp_rank}" with
@@ -309,9 +309,8 @@ def weights_for_driver(
     stages' exporters send their buckets; their TP peers take part in the gathers; every other
     rank yields nothing. Consumers drop each bucket before asking for the next (at most two live).
 
-    This is the funnel the engines need until each stage sends its own buckets to them (one
-    weight group per stage inside the SGLang session; the manifests already tell the driver the
-    names, dtypes and shapes of every stage's buckets for its update requests).
+    The funnel stays: per-stage senders would gain nothing, an engine taking one update at a time
+    (module docstring); a later stage's buckets reach the driver while it broadcasts earlier ones.
     """
     layout = exporter.layout
     if dist.get_rank() == 0:

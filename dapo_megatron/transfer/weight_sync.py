@@ -12,8 +12,13 @@ runs under SGLang's model_update_lock, so the engine is idle and the flush succe
     to every engine while the trainer opens its side (weight_group.open_weight_group, master address
     from weight_group.trainer_address: reachable by every engine). Per bucket: POST
     /update_weights_from_distributed {names, dtypes, shapes, load_format: "flattened_bucket"} to every
-    engine and ONE broadcast of the bucket's bytes (tensor_payload.flatten_bucket), or one broadcast
-    per tensor with flattened=False. The group's backend follows the engines, not the trainer
+    engine and ONE broadcast of the bucket's bytes (flat_payload: a view when the bucket is already one
+    flat buffer, as the stage exporters' are, else tensor_payload.flatten_bucket's copy), or one
+    broadcast per tensor with flattened=False. Bucket k+1 is taken from the iterator (on the driver:
+    the exporter's merge, the stage funnel) and made ready in a worker thread while bucket k is
+    broadcast and loaded. The engines take one update at a time whatever the number of groups (SGLang's
+    model_update_lock; docs/architecture.md "one sender"), so one sender per engine pool it is.
+    The group's backend follows the engines, not the trainer
     (engine_group_backend): SGLang engines receive into GPU memory over nccl; the CPU engine joins gloo
     groups only, so a GPU trainer feeding it stages each CUDA bucket through host memory
     (collectives.pg_broadcast). A pool mixing both kinds is refused, naming the engines.
@@ -68,6 +73,10 @@ class SyncStats:
     num_collectives: int = 0  # broadcast calls by the trainer (distributed transport)
     bytes: int = 0  # bytes sent to ONE engine
     seconds: float = 0.0
+    broadcast_seconds: float = 0.0  # the trainer's broadcast calls (the plan's send term), summed over buckets
+    answer_seconds: float = 0.0  # from a bucket's broadcast end to every engine's answer (its load), summed
+    export_seconds: float = 0.0  # producing buckets (the iterator: gathers, stage funnel), beside the previous send
+    payload_seconds: float = 0.0  # checking and flattening buckets, beside the previous send
     num_engines: int = 0
     weight_version: str = ""
     missing: list[str] = field(default_factory=list)  # engine tensors the trainer did not send
@@ -83,6 +92,8 @@ class SyncStats:
             "weight_sync/collectives": self.num_collectives,
             "weight_sync/bytes": self.bytes,
             "weight_sync/seconds": self.seconds,
+            "weight_sync/broadcast_seconds": self.broadcast_seconds,
+            "weight_sync/answer_seconds": self.answer_seconds,
             "weight_sync/gb_per_s": self.gb_per_s,
             "weight_sync/engines": self.num_engines,
         }
@@ -190,6 +201,32 @@ async def weight_update_session(clients: list[EngineClient], *, end_timeout_s: f
         raise EngineError(
             f"weight sync: {_name_failures('end_weight_update', end_failures)}", url=next(iter(end_failures))
         )
+
+
+@dataclass
+class _Prepared:
+    """One bucket ready to leave: what the update request names, and the broadcast payloads."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    payloads: list[torch.Tensor]
+    nbytes: int
+
+
+def flat_payload(bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """The bucket's bytes as one uint8 tensor (what SGLang's FlattenedTensorBucket holds): a view, no
+    copy, where its tensors already lie back to back in one buffer (the stage exporters' flat buckets,
+    transfer/stage_export.py), else a copy (tensor_payload.flatten_bucket)."""
+    first = bucket[0][1]
+    storage, start = first.untyped_storage(), first.storage_offset() * first.element_size()
+    end = start
+    for _, t in bucket:
+        same = t.untyped_storage().data_ptr() == storage.data_ptr() and t.device == first.device
+        if not (same and t.is_contiguous() and t.storage_offset() * t.element_size() == end):
+            return flatten_bucket(bucket)
+        end += t.numel() * t.element_size()
+    return torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage, int(start), (int(end - start),), (1,))
 
 
 def _buckets(
@@ -383,13 +420,31 @@ class DistributedWeightSync:
         if manifest is not None:
             _check_manifest(self._shapes, manifest)
         stats, seen = SyncStats(num_engines=len(clients), weight_version=weight_version), set[str]()
+        buckets = _buckets(named_tensors, self.bucket_bytes, flattened=self.flattened)
+        device = torch.cuda.current_device() if torch.cuda.is_available() else None  # per thread in CUDA
+
+        def prepare_next() -> _Prepared | None:
+            tic = time.perf_counter()
+            bucket = next(buckets, None)  # the export: on the driver, its stage's gathers and the stage funnel
+            stats.export_seconds += time.perf_counter() - tic
+            return self._prepare(bucket, clients, stats, device=device)
+
+        loop = asyncio.get_running_loop()
         tic = time.perf_counter()
         async with weight_update_session(clients):
-            for bucket in _buckets(named_tensors, self.bucket_bytes, flattened=self.flattened):
-                for c in clients:
-                    check_against(self._shapes[c.url], bucket, engine=c.url)
-                await self._send_bucket(clients, bucket, stats, weight_version=weight_version, flush_cache=flush_cache)
-                seen.update(n for n, _ in bucket)
+            pending = loop.run_in_executor(None, prepare_next)
+            try:
+                while (ready := await pending) is not None:
+                    # bucket k+1's export (gathers, stage transfers, merge) and payload run while bucket k is sent
+                    pending = loop.run_in_executor(None, prepare_next)
+                    await self._send_bucket(
+                        clients, ready, stats, weight_version=weight_version, flush_cache=flush_cache
+                    )
+                    seen.update(ready.names)
+            finally:  # never leave the iterator running in a thread: the caller drains it after a failure
+                await asyncio.wait([pending])
+                if not pending.cancelled():
+                    pending.exception()  # retrieved: the error that matters is the one raised above
         stats.seconds = time.perf_counter() - tic
         stats.missing = sorted(set(self._shapes[clients[0].url]) - seen)
         self.history.append(stats)
@@ -405,10 +460,38 @@ class DistributedWeightSync:
         )
         return stats
 
+    def _prepare(
+        self,
+        bucket: list[tuple[str, torch.Tensor]] | None,
+        clients: list[EngineClient],
+        stats: SyncStats,
+        *,
+        device: int | None,
+    ) -> _Prepared | None:
+        """One bucket checked against every engine and its payload made (a worker thread, while the
+        previous bucket is broadcast)."""
+        if bucket is None:
+            return None
+        tic = time.perf_counter()
+        if device is not None:
+            torch.cuda.set_device(device)
+        for c in clients:
+            check_against(self._shapes[c.url], bucket, engine=c.url)
+        tensors = [t.detach() for _, t in bucket]
+        payloads = [flat_payload(bucket)] if self.flattened else [t.contiguous() for t in tensors]
+        stats.payload_seconds += time.perf_counter() - tic
+        return _Prepared(
+            names=[n for n, _ in bucket],
+            dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors],
+            shapes=[list(t.shape) for t in tensors],
+            payloads=payloads,
+            nbytes=sum(t.numel() * t.element_size() for t in tensors),
+        )
+
     async def _send_bucket(
         self,
         clients: list[EngineClient],
-        bucket: list[tuple[str, torch.Tensor]],
+        bucket: _Prepared,
         stats: SyncStats,
         *,
         weight_version: str,
@@ -424,15 +507,13 @@ class DistributedWeightSync:
                 f"weight sync {weight_version}: bucket {stats.num_buckets}: {_name_failures('connecting', down)}",
                 url=next(iter(down)),
             )
-        names = [n for n, _ in bucket]
-        tensors = [t.detach().contiguous() for _, t in bucket]
-        payloads = [flatten_bucket(bucket)] if self.flattened else tensors
+        names, payloads = bucket.names, bucket.payloads
         posts = [
             asyncio.ensure_future(
                 c.update_weights_from_distributed(
                     names=names,
-                    dtypes=[str(t.dtype).removeprefix("torch.") for t in tensors],
-                    shapes=[list(t.shape) for t in tensors],
+                    dtypes=bucket.dtypes,
+                    shapes=bucket.shapes,
                     group_name=self._group_name,
                     flush_cache=flush_cache,
                     load_format=FLATTENED if self.flattened else None,
@@ -443,11 +524,17 @@ class DistributedWeightSync:
         ]
         pg = self._pg
 
-        def send_all() -> None:
+        def send_all() -> float:
+            tic = time.perf_counter()
             for payload in payloads:
                 broadcast_from_trainer(pg, payload)
+            return time.perf_counter() - tic
 
         send = asyncio.get_running_loop().run_in_executor(None, send_all)
+        ended: dict[str, float] = {}  # when the broadcast returned, when the last engine answered
+        send.add_done_callback(lambda _: ended.setdefault("send", time.perf_counter()))
+        for p in posts:
+            p.add_done_callback(lambda _: ended.__setitem__("answers", time.perf_counter()))
         # an engine that refuses the bucket never joins the broadcasts: fail at its answer instead of
         # waiting out the group timeout (the blocked broadcast thread ends at timeout_s)
         done, pending = await asyncio.wait([send, *posts], return_when=asyncio.FIRST_EXCEPTION)
@@ -459,10 +546,14 @@ class DistributedWeightSync:
             failures["trainer"] = send.exception()
         if not failures:
             await asyncio.gather(send, *posts)
+            stats.broadcast_seconds += send.result()
+            # the engines load the bucket after receiving it, then answer (an answer can precede our
+            # return from the broadcast: gloo returns once the bytes are in the socket buffers)
+            stats.answer_seconds += max(0.0, ended.get("answers", 0.0) - ended.get("send", 0.0))
             stats.num_buckets += 1
             stats.num_collectives += len(payloads)
-            stats.num_tensors += len(bucket)
-            stats.bytes += sum(t.numel() * t.element_size() for t in tensors)
+            stats.num_tensors += len(names)
+            stats.bytes += bucket.nbytes
             return
         self._abandon_group()  # the group's state is unknown now: re-form it next time
         for p in posts:

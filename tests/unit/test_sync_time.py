@@ -95,9 +95,18 @@ def test_colocated_sends_by_a_device_copy_of_each_engine_ranks_shard():
 
 def test_gloo_broadcast_costs_one_pass_per_tree_step():
     # 2 engines x tp 1 + the trainer = 3 ranks: a binomial tree of ceil(log2 3) = 2 steps from the root
+    # over TCP a configured line rate of 1e9 bytes/s carries 1448 payload bytes per 1514-byte frame
     t = _time("disaggregated", engines=Engines(2, 1), backend="gloo")
+    assert t.send_s == pytest.approx(2 * BYTES / (1e9 * 1448 / 1514), rel=1e-12)
+    one = _time("disaggregated", engines=Engines(1, 1), backend="gloo")
+    assert one.send_s == pytest.approx(BYTES / (1e9 * 1448 / 1514), rel=1e-12)
+
+
+def test_measured_links_are_payload_rates_already():
+    measured = Links(network_gbps=8.0, intra_node_gbps=80.0, measured=True)
+    t = sync_time(DIMS, LAYOUT, placement="disaggregated", engines=Engines(2, 1), links=measured,
+                  gpus_per_node=4, bucket_bytes=100 << 20, backend="gloo")  # fmt: skip
     assert t.send_s == pytest.approx(2 * BYTES / 1e9, rel=1e-12)
-    assert _time("disaggregated", engines=Engines(1, 1), backend="gloo").send_s == pytest.approx(BYTES / 1e9)
 
 
 def test_fp8_sends_one_byte_per_linear_weight_plus_block_scales():
@@ -139,6 +148,7 @@ def test_links_from_a_preflight_file(tmp_path):
     _preflight(path, [_broadcast("trainer", 0.25), _broadcast("trainer", 0.31)], intra=1200.0)
     links = links_from_preflight(path, intra_node_gbps=2880)
     assert (links.network_gbps, links.intra_node_gbps) == (0.25, 1200.0) and "from the measured" in links.source
+    assert links.measured  # payload rates: no header share applied
 
 
 def test_a_preflight_without_links_is_named(tmp_path):
