@@ -168,7 +168,7 @@ class Actor:
             vocab_divisible_by=1,
             attention_kernel=ac.attention_kernel,
         )
-        load_hf_into_model(chunks, self.hf_dir)
+        load_hf_into_model(chunks, self.hf_dir, layout=layout)
         self._engine_dtype: torch.dtype | None = None
         if ac.quantization_aware:  # every forward multiplies by the FP8 engines' weights (actor/fake_quant.py)
             # which modules are fp8, block and dtype: the engines' checkpoint says
@@ -299,7 +299,7 @@ class Actor:
         """Every full HF-named tensor on EVERY rank (collective; the weights layer's iter_hf_weights):
         for tests and tools that compare weights; the training loop uses transfer/stage_export.py."""
         self._require("params", action="iter_hf_weights")
-        return iter_hf_weights(self._chunks, self.hf_config)
+        return iter_hf_weights(self._chunks, self.hf_config, layout=self.layout)
 
     # --- packing and the forward ---------------------------------------------------------------------
 

@@ -67,24 +67,25 @@ from dapo_megatron.actor.model import build_model_chunks, packed_position_ids, p
 from dapo_megatron.actor.packing import round_up
 from dapo_megatron.actor.parallel import init_distributed, model_parallel
 from dapo_megatron.distributed import collectives as coll
+from dapo_megatron.distributed.layout import ParallelLayout
 from dapo_megatron.weights.load import load_hf_into_model
 
 
 def vocab_parallel_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, temperature: float = 1.0
+    logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, tp_rank: int, temperature: float = 1.0
 ) -> torch.Tensor:
     """log softmax(logits / temperature)[target] over the full vocabulary, from vocab-parallel logits.
 
-    logits [..., V_pad/tp] is this TP rank's slice of the padded vocabulary; rows >= vocab_size
+    logits [..., V_pad/tp] is TP rank tp_rank's slice of the padded vocabulary; rows >= vocab_size
     are Megatron's padding and are excluded (set to -inf) so they take no probability mass.
     Returns fp32 [...], identical on all TP ranks, differentiable (megatron's
     vocab_parallel_cross_entropy: max and sum-exp all-reduced over TP).
     """
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import tensor_parallel
 
     logits = logits.float() / temperature  # a new tensor: megatron's CE edits its input in place
     v_local = logits.size(-1)
-    start = parallel_state.get_tensor_model_parallel_rank() * v_local
+    start = tp_rank * v_local
     padding = torch.arange(start, start + v_local, device=logits.device) >= vocab_size
     if bool(padding.any()):
         logits = logits.masked_fill(padding, float("-inf"))
@@ -92,7 +93,12 @@ def vocab_parallel_logprobs(
 
 
 def megatron_logprobs(
-    model_chunks: Sequence[Any], micro_batches: Sequence[dict], *, vocab_size: int, temperature: float = 1.0
+    model_chunks: Sequence[Any],
+    micro_batches: Sequence[dict],
+    *,
+    layout: ParallelLayout,
+    vocab_size: int,
+    temperature: float = 1.0,
 ) -> list[torch.Tensor] | None:
     """Per-token log-probs of each micro-batch through Megatron's pipeline schedule (forward only).
 
@@ -105,11 +111,9 @@ def megatron_logprobs(
     every packed segment (of the row for [B, S]; lengths must be multiples of 2*cp) and the
     log-probs are all-gathered back over the CP group only.
     """
-    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    cp_size = parallel_state.get_context_parallel_world_size()
-    cp_rank = parallel_state.get_context_parallel_rank()
+    cp_size, cp_rank = layout.cp_size, layout.cp_rank
 
     def local(batch, key):
         return split_for_cp(batch[key], _cp_bounds(batch), cp_size=cp_size, cp_rank=cp_rank, dim=1)
@@ -121,7 +125,9 @@ def megatron_logprobs(
 
     def loss_func(labels, output_tensor):
         # output_tensor: logits [B, S, V_pad/tp] (vocab-parallel)
-        logprobs = vocab_parallel_logprobs(output_tensor, labels, vocab_size=vocab_size, temperature=temperature)
+        logprobs = vocab_parallel_logprobs(
+            output_tensor, labels, vocab_size=vocab_size, tp_rank=layout.tp_rank, temperature=temperature
+        )
         return logprobs.sum() * 0.0, {"logprobs": logprobs.detach()}
 
     def forward_step(data_iterator, model):
@@ -147,7 +153,7 @@ def megatron_logprobs(
             micro_batch_size=batches[0]["input_ids"].size(0),
             forward_only=True,
         )
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+    if not layout.is_last_stage:
         return None
     logprobs = [r["logprobs"] for r in results]
     if cp_size == 1:
@@ -155,7 +161,7 @@ def megatron_logprobs(
     merged = []
     for batch, mine in zip(batches, logprobs):
         parts = [torch.empty_like(mine) for _ in range(cp_size)]
-        coll.all_gather(parts, mine.contiguous(), group=parallel_state.get_context_parallel_group())
+        coll.all_gather(parts, mine.contiguous(), group=layout.cp_group)
         merged.append(merge_from_cp(parts, _cp_bounds(batch), dim=1))
     return merged
 
@@ -207,6 +213,7 @@ def head_logprobs(
     model_chunks: Sequence[Any],
     micro_batches: Sequence[dict],
     *,
+    layout: ParallelLayout,
     vocab_size: int,
     sequence_parallel: bool,
     seed: int = 0,
@@ -219,11 +226,9 @@ def head_logprobs(
     "grad_rel_diff" (see _head_grad_rel_diff, max over the TP and CP groups); None on the other
     stages. Context parallelism as in megatron_logprobs: each CP rank scores its chunks, merged here.
     """
-    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    cp_size = parallel_state.get_context_parallel_world_size()
-    cp_rank = parallel_state.get_context_parallel_rank()
+    cp_size, cp_rank = layout.cp_size, layout.cp_rank
 
     def local(batch, key):
         return split_for_cp(batch[key], _cp_bounds(batch), cp_size=cp_size, cp_rank=cp_rank, dim=1)
@@ -232,7 +237,7 @@ def head_logprobs(
     for chunk in chunks:
         chunk.eval()
         return_hidden_states(_unwrap(chunk))
-    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_group = layout.tp_group
     step = iter(range(len(micro_batches)))
 
     def loss_func(labels, gpt, output_tensor):
@@ -247,7 +252,7 @@ def head_logprobs(
             seed=seed + next(step),
         )
         if cp_size > 1:
-            coll.all_reduce(rel, op=dist.ReduceOp.MAX, group=parallel_state.get_context_parallel_group())
+            coll.all_reduce(rel, op=dist.ReduceOp.MAX, group=layout.cp_group)
         out = {"logprobs": lp, "entropies": ent, "ref_logprobs": lp_ref, "ref_entropies": ent_ref}
         return lp.sum() * 0.0, {**{k: v.view(b, s) for k, v in out.items()}, "grad_rel_diff": rel}
 
@@ -274,7 +279,7 @@ def head_logprobs(
             micro_batch_size=batches[0]["input_ids"].size(0),
             forward_only=True,
         )
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+    if not layout.is_last_stage:
         return None
     if cp_size == 1:
         return list(results)
@@ -283,7 +288,7 @@ def head_logprobs(
         entry = {"grad_rel_diff": mine["grad_rel_diff"]}
         for key in ("logprobs", "entropies", "ref_logprobs", "ref_entropies"):
             parts = [torch.empty_like(mine[key]) for _ in range(cp_size)]
-            coll.all_gather(parts, mine[key].contiguous(), group=parallel_state.get_context_parallel_group())
+            coll.all_gather(parts, mine[key].contiguous(), group=layout.cp_group)
             entry[key] = merge_from_cp(parts, _cp_bounds(batch), dim=1)
         merged.append(entry)
     return merged
@@ -496,7 +501,6 @@ def run_check(argv: Sequence[str]) -> dict[str, float]:
     (head gradients, fused vs torch) and fused_vs_torch_logprob / _entropy (same hidden states);
     max_abs_logprob (the scale); fp32_floor_* (transformers fp32 vs float64, when the reference is
     float64 and --precision fp32; else 0). failures() turns them into the verdict."""
-    from megatron.core import parallel_state
     from transformers import AutoConfig
 
     args = _parse(argv)
@@ -508,7 +512,9 @@ def run_check(argv: Sequence[str]) -> dict[str, float]:
     # CP: every sequence padded to a multiple of 2*cp; SP: rows (and the packed total) to a multiple of tp too
     seq_multiple = 2 * args.cp if args.cp > 1 else 1
     row_multiple = seq_multiple * (args.tp if args.sequence_parallel else 1)
-    with model_parallel(tp=args.tp, pp=args.pp, cp=args.cp, vpp=args.vpp, ep=args.ep, etp=args.etp, seed=args.seed):
+    with model_parallel(
+        tp=args.tp, pp=args.pp, cp=args.cp, vpp=args.vpp, ep=args.ep, etp=args.etp, seed=args.seed
+    ) as layout:
         chunks = build_model_chunks(
             hf_config,
             attention_backend=args.attention_backend,
@@ -516,7 +522,7 @@ def run_check(argv: Sequence[str]) -> dict[str, float]:
             sequence_parallel=args.sequence_parallel,
             vocab_divisible_by=args.vocab_divisible_by,
         )
-        load_hf_into_model(chunks, args.model, hf_config=hf_config)
+        load_hf_into_model(chunks, args.model, layout=layout, hf_config=hf_config)
         tokens, lengths, batches = _parity_batches(
             num_seqs=args.seqs,
             seq_len=args.seq_len,
@@ -532,7 +538,12 @@ def run_check(argv: Sequence[str]) -> dict[str, float]:
         extra = torch.zeros(3, dtype=torch.float64, device=device)  # grad_rel, fused-vs-torch logprob, entropy
         if args.fused_logprob:
             out = head_logprobs(
-                chunks, batches, vocab_size=vocab, sequence_parallel=args.sequence_parallel, seed=args.seed
+                chunks,
+                batches,
+                layout=layout,
+                vocab_size=vocab,
+                sequence_parallel=args.sequence_parallel,
+                seed=args.seed,
             )
             if out is not None:
                 for kind, key in enumerate(("logprobs", "entropies")):
@@ -541,11 +552,11 @@ def run_check(argv: Sequence[str]) -> dict[str, float]:
                     extra[1 + kind] = _max_abs((result[kind].double() - ref.double()).abs(), compared)
                 extra[0] = torch.cat([o["grad_rel_diff"] for o in out]).max()  # NaN propagates
         else:
-            logprobs = megatron_logprobs(chunks, batches, vocab_size=vocab)
+            logprobs = megatron_logprobs(chunks, batches, layout=layout, vocab_size=vocab)
             if logprobs is not None:
                 result[0] = comparable(logprobs)
         if args.pp > 1:  # last stage -> driver (global rank 0 is PP stage 0 of its own PP group)
-            pp_group = parallel_state.get_pipeline_model_parallel_group()
+            pp_group = layout.pp_group
             last = dist.get_process_group_ranks(pp_group)[-1]
             coll.broadcast(result, src=last, group=pp_group)
             coll.broadcast(extra, src=last, group=pp_group)
