@@ -50,7 +50,7 @@ import functools
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,10 @@ from dapo_megatron.actor.parallel import init_distributed, model_parallel
 from dapo_megatron.distributed import collectives as coll
 from dapo_megatron.distributed.layout import ParallelLayout
 from dapo_megatron.weights.load import load_hf_into_model
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from transformers import PretrainedConfig, PreTrainedModel
 
 
 def vocab_parallel_logprobs(
@@ -93,7 +97,7 @@ def vocab_parallel_logprobs(
 
 
 def megatron_logprobs(
-    model_chunks: Sequence[Any],
+    model_chunks: Sequence[GPTModel],
     micro_batches: Sequence[dict],
     *,
     layout: ParallelLayout,
@@ -210,7 +214,7 @@ def _head_grad_rel_diff(hidden_NH, weight, targets, *, tp_group, vocab_size: int
 
 
 def head_logprobs(
-    model_chunks: Sequence[Any],
+    model_chunks: Sequence[GPTModel],
     micro_batches: Sequence[dict],
     *,
     layout: ParallelLayout,
@@ -303,7 +307,7 @@ def _parity_batches(
     seq_len: int,
     vocab_size: int,
     seed: int,
-    device: Any,
+    device: torch.device | str,
     seq_multiple: int = 1,
     row_multiple: int = 1,
 ) -> tuple[torch.Tensor, list[int], list[dict]]:
@@ -345,13 +349,13 @@ def _parity_batches(
     return tokens, lengths, [unpacked, packed]
 
 
-def hf_logprobs(hf_model: Any, tokens: torch.Tensor) -> torch.Tensor:
+def hf_logprobs(hf_model: PreTrainedModel, tokens: torch.Tensor) -> torch.Tensor:
     """[K, L-1] log-probs of tokens[:, 1:] under a transformers causal LM (fp32, or fp64 for an
     fp64 model)."""
     return hf_logprobs_entropies(hf_model, tokens)[0]
 
 
-def hf_logprobs_entropies(hf_model: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def hf_logprobs_entropies(hf_model: PreTrainedModel, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """([K, L-1] log-probs of tokens[:, 1:], [K, L-1] entropies of the predicting distributions)."""
     with torch.no_grad():
         logits = hf_model(input_ids=tokens).logits
@@ -431,7 +435,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def _check_model_fits_layout(hf_config: Any, *, tp: int, model: str) -> None:
+def _check_model_fits_layout(hf_config: PretrainedConfig, *, tp: int, model: str) -> None:
     """Megatron shards attention heads and KV groups over TP: say so before megatron asserts."""
     heads = hf_config.num_attention_heads
     groups = getattr(hf_config, "num_key_value_heads", None) or heads
