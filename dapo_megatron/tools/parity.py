@@ -115,13 +115,6 @@ def megatron_logprobs(
     every packed segment (of the row for [B, S]; lengths must be multiples of 2*cp) and the
     log-probs are all-gathered back over the CP group only.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    cp_size, cp_rank = layout.cp_size, layout.cp_rank
-
-    def local(batch, key):
-        return split_for_cp(batch[key], _cp_bounds(batch), cp_size=cp_size, cp_rank=cp_rank, dim=1)
-
     chunks = list(model_chunks)
     batches = list(micro_batches)
     for chunk in chunks:
@@ -134,6 +127,23 @@ def megatron_logprobs(
         )
         return logprobs.sum() * 0.0, {"logprobs": logprobs.detach()}
 
+    results = _forward_only(
+        chunks, batches, layout=layout, loss_for=lambda labels, model: functools.partial(loss_func, labels)
+    )
+    if not layout.is_last_stage:
+        return None
+    return [_gathered_over_cp(r["logprobs"], batch, layout) for batch, r in zip(batches, results)]
+
+
+def _forward_only(chunks: list[GPTModel], batches: list[dict], *, layout: ParallelLayout, loss_for) -> list:
+    """megatron's pipeline schedule, forward only, over the micro-batches: each CP rank feeds its chunks of
+    every segment (_cp_bounds); loss_for(labels, model) is one micro-batch's loss function (its local labels).
+    Returns the loss functions' outputs, on the last pipeline stage."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def local(batch, key):
+        return split_for_cp(batch[key], _cp_bounds(batch), cp_size=layout.cp_size, cp_rank=layout.cp_rank, dim=1)
+
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         output = model(
@@ -142,32 +152,30 @@ def megatron_logprobs(
             None,
             packed_seq_params=batch.get("packed_seq_params"),
         )
-        return output, functools.partial(loss_func, local(batch, "labels"))
+        return output, loss_for(local(batch, "labels"), model)
 
     vpp = len(chunks)
     iterators = [iter(batches) for _ in range(vpp)] if vpp > 1 else iter(batches)
-    seq_length = max(b["input_ids"].size(1) for b in batches)
     with torch.no_grad():
-        results = get_forward_backward_func()(
+        return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iterators,
             model=chunks if vpp > 1 else chunks[0],
             num_microbatches=len(batches),
-            seq_length=seq_length,
+            seq_length=max(b["input_ids"].size(1) for b in batches),
             micro_batch_size=batches[0]["input_ids"].size(0),
             forward_only=True,
         )
-    if not layout.is_last_stage:
-        return None
-    logprobs = [r["logprobs"] for r in results]
-    if cp_size == 1:
-        return logprobs
-    merged = []
-    for batch, mine in zip(batches, logprobs):
-        parts = [torch.empty_like(mine) for _ in range(cp_size)]
-        coll.all_gather(parts, mine.contiguous(), group=layout.cp_group)
-        merged.append(merge_from_cp(parts, _cp_bounds(batch), dim=1))
-    return merged
+
+
+def _gathered_over_cp(mine: torch.Tensor, batch: dict, layout: ParallelLayout) -> torch.Tensor:
+    """This CP rank's [B, S/cp] values of a micro-batch -> the whole [B, S] (all-gather over the CP group
+    only); identity without CP."""
+    if layout.cp_size == 1:
+        return mine
+    parts = [torch.empty_like(mine) for _ in range(layout.cp_size)]
+    coll.all_gather(parts, mine.contiguous(), group=layout.cp_group)
+    return merge_from_cp(parts, _cp_bounds(batch), dim=1)
 
 
 def _cp_bounds(batch: dict) -> list[int]:
@@ -230,13 +238,6 @@ def head_logprobs(
     "grad_rel_diff" (see _head_grad_rel_diff, max over the TP and CP groups); None on the other
     stages. Context parallelism as in megatron_logprobs: each CP rank scores its chunks, merged here.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    cp_size, cp_rank = layout.cp_size, layout.cp_rank
-
-    def local(batch, key):
-        return split_for_cp(batch[key], _cp_bounds(batch), cp_size=cp_size, cp_rank=cp_rank, dim=1)
-
     chunks = list(model_chunks)
     for chunk in chunks:
         chunk.eval()
@@ -255,47 +256,27 @@ def head_logprobs(
             vocab_size=vocab_size,
             seed=seed + next(step),
         )
-        if cp_size > 1:
+        if layout.cp_size > 1:
             coll.all_reduce(rel, op=dist.ReduceOp.MAX, group=layout.cp_group)
         out = {"logprobs": lp, "entropies": ent, "ref_logprobs": lp_ref, "ref_entropies": ent_ref}
         return lp.sum() * 0.0, {**{k: v.view(b, s) for k, v in out.items()}, "grad_rel_diff": rel}
 
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        output = model(
-            local(batch, "input_ids"),
-            local(batch, "position_ids"),
-            None,
-            packed_seq_params=batch.get("packed_seq_params"),
-        )
-        return output, functools.partial(loss_func, local(batch, "labels"), _unwrap(model))
-
     batches = list(micro_batches)
-    vpp = len(chunks)
-    iterators = [iter(batches) for _ in range(vpp)] if vpp > 1 else iter(batches)
-    with torch.no_grad():
-        results = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators,
-            model=chunks if vpp > 1 else chunks[0],
-            num_microbatches=len(batches),
-            seq_length=max(b["input_ids"].size(1) for b in batches),
-            micro_batch_size=batches[0]["input_ids"].size(0),
-            forward_only=True,
-        )
+    results = _forward_only(
+        chunks,
+        batches,
+        layout=layout,
+        loss_for=lambda labels, model: functools.partial(loss_func, labels, _unwrap(model)),
+    )
     if not layout.is_last_stage:
         return None
-    if cp_size == 1:
+    if layout.cp_size == 1:
         return list(results)
-    merged = []
-    for batch, mine in zip(batches, results):
-        entry = {"grad_rel_diff": mine["grad_rel_diff"]}
-        for key in ("logprobs", "entropies", "ref_logprobs", "ref_entropies"):
-            parts = [torch.empty_like(mine[key]) for _ in range(cp_size)]
-            coll.all_gather(parts, mine[key].contiguous(), group=layout.cp_group)
-            entry[key] = merge_from_cp(parts, _cp_bounds(batch), dim=1)
-        merged.append(entry)
-    return merged
+    keys = ("logprobs", "entropies", "ref_logprobs", "ref_entropies")
+    return [
+        {"grad_rel_diff": mine["grad_rel_diff"], **{k: _gathered_over_cp(mine[k], batch, layout) for k in keys}}
+        for batch, mine in zip(batches, results)
+    ]
 
 
 # --- the CLI --------------------------------------------------------------------------------------
