@@ -62,6 +62,24 @@ class DataConfig:
     shuffle: bool = True
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
 
+    def validate(self) -> None:
+        """data.eval_sets: names that can sit in a metric name (eval/<name>/avg@k), one file each (whether
+        each file exists and its rows are sound is checked where it is read: data/prompts.py load_prompts)."""
+        _require(
+            not (self.eval_sets and self.eval_path),
+            "data.eval_path",
+            self.eval_path,
+            "empty when data.eval_sets is set (name the file as one of the sets instead)",
+        )
+        for name, path in self.eval_sets.items():
+            _require(
+                re.fullmatch(r"[A-Za-z0-9_.-]+", name) is not None,
+                f"data.eval_sets.{name}",
+                path,
+                "set names are letters, digits, _ . - (they become metric names: eval/<name>/avg@k)",
+            )
+            _require(bool(path.strip()), f"data.eval_sets.{name}", path, "must name a prompt file (parquet or jsonl)")
+
 
 @dataclass
 class RolloutConfig:
@@ -119,6 +137,74 @@ class RolloutConfig:
     # trainer and opened by the engine, release/resume of real device memory)
     cpu_engine_device: str = "cpu"
 
+    def validate(self) -> None:
+        """This section's own rules (what depends on another section: _validate_across_sections)."""
+        _require(self.n >= 1, "rollout.n", self.n, "need at least 1 response per prompt")
+        _require(self.temperature > 0, "rollout.temperature", self.temperature, "must be > 0")
+        _require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "must be in (0, 1]")
+        _require(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", self.top_k, "-1 (off) or >= 1")
+        for key in ("max_prompt_length", "max_response_length", "gen_batch_size", "num_engines", "engine_tp"):
+            _require(getattr(self, key) >= 1, f"rollout.{key}", getattr(self, key), "must be >= 1")
+        _require(0 < self.mem_fraction_static < 1, "rollout.mem_fraction_static", self.mem_fraction_static, "in (0, 1)")
+        _require(self.weight_bucket_mb >= 1, "rollout.weight_bucket_mb", self.weight_bucket_mb, "must be >= 1")
+        _require(self.request_timeout_s > 0, "rollout.request_timeout_s", self.request_timeout_s, "must be > 0")
+        _require(self.max_retries >= 0, "rollout.max_retries", self.max_retries, "must be >= 0")
+        _require(
+            isinstance(self.engine_restarts, int) and self.engine_restarts >= 0,
+            "rollout.engine_restarts",
+            self.engine_restarts,
+            "an integer >= 0 (restarts of exited CPU engines per run; 0 = none)",
+        )
+        _require(
+            self.engine_wait_s >= 0,
+            "rollout.engine_wait_s",
+            self.engine_wait_s,
+            "must be >= 0 (seconds to wait for an engine when none is left; 0 = stop at once)",
+        )
+        _require(self.max_staleness >= 0, "rollout.max_staleness", self.max_staleness, "0 (synchronous) or >= 1")
+        _require(
+            self.max_staleness == 0 or self.placement == "disaggregated",
+            "rollout.max_staleness",
+            self.max_staleness,
+            f"0 with rollout.placement={self.placement!r}: colocated engines share the trainer's GPUs, so "
+            "generation cannot overlap training (set rollout.placement=disaggregated)",
+        )
+        _require(self.quantization in ("none", "fp8"), "rollout.quantization", self.quantization, "one of: none, fp8")
+        _require(
+            self.cpu_engine_device in ("cpu", "cuda"),
+            "rollout.cpu_engine_device",
+            self.cpu_engine_device,
+            "cpu or cuda (CPU engine i holds its model on GPU i)",
+        )
+        _require_core_list("rollout.cpu_engine_cores", self.cpu_engine_cores)
+        for url in self.engine_urls:
+            _require(url.startswith(("http://", "https://")), "rollout.engine_urls", url, "URLs start with http://")
+        self._validate_engine_keys()
+
+    def _validate_engine_keys(self) -> None:
+        """Where the keys of user-started engines come from (read at start-up by rollout/auth.py)."""
+        for kind in ("api_key", "admin_api_key"):
+            env, path = getattr(self, f"engine_{kind}_env"), getattr(self, f"engine_{kind}_file")
+            _require(
+                not (env and path),
+                f"rollout.engine_{kind}_env",
+                env,
+                f"set rollout.engine_{kind}_env or rollout.engine_{kind}_file, not both",
+            )
+            _require(
+                not env or env.isidentifier(),
+                f"rollout.engine_{kind}_env",
+                env,
+                "the NAME of an environment variable that holds the key (e.g. SGLANG_API_KEY), never the key itself",
+            )
+            _require(
+                not (env or path) or bool(self.engine_urls),
+                f"rollout.engine_{kind}_{'env' if env else 'file'}",
+                env or path,
+                "only with rollout.engine_urls: engines the run starts itself get the run's own secret "
+                "(<run_dir>/secrets/engine_auth.yaml)",
+            )
+
 
 @dataclass
 class AlgorithmConfig:
@@ -142,6 +228,60 @@ class AlgorithmConfig:
     kl_kind: Literal["k1", "k2", "k3"] = "k3"
     tis_cap: float | None = None  # truncated importance sampling vs engine log-probs; null = off
     advantage_eps: float = 1e-6
+
+    def validate(self) -> None:
+        """This section's own rules, with what each policy_loss needs of them (algo/policy_loss.py, gspo.py)."""
+        _require(0 <= self.eps_low < 1, "algorithm.eps_low", self.eps_low, "must be in [0, 1)")
+        _require(self.eps_high >= 0, "algorithm.eps_high", self.eps_high, "must be >= 0")
+        _require(
+            self.clip_ratio_c is None or self.clip_ratio_c > 1,
+            "algorithm.clip_ratio_c",
+            self.clip_ratio_c,
+            "null (off) or > 1 (it bounds -A * ratio for A < 0; 3.0 default, 10.0 in the 32B recipe)",
+        )
+        _require(
+            self.max_num_gen_batches >= 0,
+            "algorithm.max_num_gen_batches",
+            self.max_num_gen_batches,
+            "0 = unlimited, else >= 1",
+        )
+        for key in ("overlong_buffer_length", "overlong_penalty_factor", "kl_coef"):
+            _require(getattr(self, key) >= 0, f"algorithm.{key}", getattr(self, key), "must be >= 0")
+        _require(self.tis_cap is None or self.tis_cap >= 1, "algorithm.tis_cap", self.tis_cap, "null (off) or >= 1")
+        _require(self.advantage_eps > 0, "algorithm.advantage_eps", self.advantage_eps, "must be > 0")
+        self._validate_policy_loss()
+
+    def _validate_policy_loss(self) -> None:
+        name = self.policy_loss
+        if name == "grpo":
+            _require(
+                self.eps_high == self.eps_low,
+                "algorithm.eps_high",
+                self.eps_high,
+                f"equal to algorithm.eps_low ({self.eps_low}) with algorithm.policy_loss=grpo: naive GRPO clips "
+                "symmetrically (clip-higher is algorithm.policy_loss=dapo)",
+            )
+        if name in ("grpo", "gspo"):
+            _require(
+                self.loss_agg_mode == "seq-mean-token-mean",
+                "algorithm.loss_agg_mode",
+                self.loss_agg_mode,
+                f"seq-mean-token-mean with algorithm.policy_loss={name}: its loss is a mean over sequences",
+            )
+        if name == "gspo":
+            _require(
+                self.clip_ratio_c is None,
+                "algorithm.clip_ratio_c",
+                self.clip_ratio_c,
+                "null with algorithm.policy_loss=gspo (GSPO has no dual clip)",
+            )
+            _require(
+                self.tis_cap is None,
+                "algorithm.tis_cap",
+                self.tis_cap,
+                "null with algorithm.policy_loss=gspo (the truncated importance weight is per token; GSPO's "
+                "ratio is per sequence)",
+            )
 
 
 @dataclass
@@ -178,6 +318,60 @@ class ActorConfig:
     # rollout.cpu_engine_cores
     cpu_cores: list[int] = field(default_factory=list)
 
+    def validate(self) -> None:
+        """This section's own rules (what needs the model's config.json, such as num_experts % ep, is
+        checked when the model is built: actor/moe.py check_expert_parallel)."""
+        for key in ("tp", "pp", "cp", "world_size"):
+            _require(getattr(self, key) >= 1, f"actor.{key}", getattr(self, key), "must be >= 1")
+        _require(self.vpp is None or self.vpp >= 1, "actor.vpp", self.vpp, "null or >= 1")
+        _require(self.vpp is None or self.pp > 1, "actor.vpp", self.vpp, "virtual pipeline stages need actor.pp > 1")
+        _require(self.micro_batch_tokens >= 1, "actor.micro_batch_tokens", self.micro_batch_tokens, "must be >= 1")
+        model_parallel = self.tp * self.pp * self.cp
+        _require(
+            self.world_size % model_parallel == 0,
+            "actor.world_size",
+            self.world_size,
+            f"must be a multiple of tp*pp*cp = {model_parallel}",
+        )
+        _require(self.ep >= 1, "actor.ep", self.ep, "must be >= 1")
+        _require(self.etp is None or self.etp >= 1, "actor.etp", self.etp, "null (= actor.tp) or >= 1")
+        expert_parallel = self.expert_tp * self.ep * self.pp
+        _require(
+            self.world_size % expert_parallel == 0,
+            "actor.world_size",
+            self.world_size,
+            f"must be a multiple of etp*ep*pp = {self.expert_tp}*{self.ep}*{self.pp} = {expert_parallel} "
+            "(actor.etp, actor.ep, actor.pp: every pipeline stage holds etp x ep expert shards)",
+        )
+        _require(
+            not (self.routing_replay and self.recompute == "full" and self.pp > 1),
+            "actor.routing_replay",
+            self.routing_replay,
+            "with actor.recompute=full needs actor.pp=1: the recomputed forward of a "
+            "pipelined schedule would replay another micro-batch's experts",
+        )
+        _require(
+            not self.quantization_aware or self.attention_backend == "torch",
+            "actor.quantization_aware",
+            self.quantization_aware,
+            f"true only with actor.attention_backend=torch (it is "
+            f"{self.attention_backend!r}): TE's fused LayerNorm + Linear hides the normalized input that the "
+            "engines quantize to FP8 (docs/fp8.md)",
+        )
+        _require(
+            self.attention_kernel != "varlen" or self.attention_backend == "torch",
+            "actor.attention_kernel",
+            self.attention_kernel,
+            f"varlen only with actor.attention_backend=torch (it is {self.attention_backend!r}): te runs its own "
+            "kernels",
+        )
+        _require_core_list("actor.cpu_cores", self.cpu_cores)
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor parallel size: actor.etp, or actor.tp when it is null (megatron's default)."""
+        return self.tp if self.etp is None else self.etp
+
 
 LrDecayStyle = Literal["constant", "linear", "cosine"]  # the lr after warm-up (actor/optimizer.py)
 
@@ -210,6 +404,38 @@ class TrainerConfig:
     save_hf: bool = True  # also write each checkpoint as a HF model (checkpoints/step_N/hf) for eval / engines
     wandb_project: str = "dapo-megatron"
     wandb_mode: Literal["offline", "online", "disabled"] = "offline"
+
+    def validate(self) -> None:
+        _require(self.train_batch_size >= 1, "trainer.train_batch_size", self.train_batch_size, "must be >= 1")
+        _require(self.mini_batch_size >= 1, "trainer.mini_batch_size", self.mini_batch_size, "must be >= 1")
+        _require(
+            self.train_batch_size % self.mini_batch_size == 0,
+            "trainer.mini_batch_size",
+            self.mini_batch_size,
+            f"must divide trainer.train_batch_size ({self.train_batch_size})",
+        )
+        _require(self.lr > 0, "trainer.lr", self.lr, "must be > 0")
+        _require(0 <= self.min_lr <= self.lr, "trainer.min_lr", self.min_lr, f"must be in [0, trainer.lr = {self.lr}]")
+        for key in ("warmup_steps", "total_steps", "eval_every", "save_every", "keep_checkpoints", "weight_decay"):
+            _require(getattr(self, key) >= 0, f"trainer.{key}", getattr(self, key), "must be >= 0")
+        _require(self.grad_clip >= 0, "trainer.grad_clip", self.grad_clip, "must be >= 0 (0 = off)")
+        for key in ("adam_beta1", "adam_beta2"):
+            _require(0 <= getattr(self, key) < 1, f"trainer.{key}", getattr(self, key), "must be in [0, 1)")
+        _require(self.eval_n >= 1, "trainer.eval_n", self.eval_n, "must be >= 1")
+        _require(self.eval_temperature > 0, "trainer.eval_temperature", self.eval_temperature, "must be > 0")
+        _require(0 < self.eval_top_p <= 1, "trainer.eval_top_p", self.eval_top_p, "must be in (0, 1]")
+        # (with trainer.eval_every=0 there is no eval, hence no best, and the option does nothing)
+        every, save = self.eval_every, self.save_every
+        _require(
+            not self.keep_best_checkpoint or every == 0 or (save > 0 and every % save == 0),
+            "trainer.keep_best_checkpoint",
+            self.keep_best_checkpoint,
+            f"needs a checkpoint at every eval: trainer.save_every ({save}) must divide trainer.eval_every ({every})",
+        )
+        _require(
+            self.max_nonfinite_in_row >= 1, "trainer.max_nonfinite_in_row", self.max_nonfinite_in_row, "must be >= 1"
+        )
+        _require(bool(self.output_dir), "trainer.output_dir", self.output_dir, "must be a directory path")
 
 
 @dataclass
@@ -251,6 +477,57 @@ class SlurmConfig:
     network_gbps: float = 400.0
     intra_node_gbps: float = 2880.0
 
+    def validate(self) -> None:
+        _require(self.nodes >= 1, "slurm.nodes", self.nodes, "must be >= 1")
+        _require(self.gpus_per_node >= 0, "slurm.gpus_per_node", self.gpus_per_node, "must be >= 0")
+        _require(self.signal_seconds >= 0, "slurm.signal_seconds", self.signal_seconds, "must be >= 0")
+        _require(self.array_throttle >= 1, "slurm.array_throttle", self.array_throttle, "must be >= 1")
+        _require(
+            self.gpu_memory_gb > 0,
+            "slurm.gpu_memory_gb",
+            self.gpu_memory_gb,
+            "GiB of one GPU, > 0 (80 for an H100 80GB)",
+        )
+        _require(self.network_gbps > 0, "slurm.network_gbps", self.network_gbps, "Gbit/s of one sender's link, > 0")
+        _require(
+            self.intra_node_gbps > 0, "slurm.intra_node_gbps", self.intra_node_gbps, "Gbit/s of NVLink per GPU, > 0"
+        )
+        # `#SBATCH` lines are parsed by sbatch, not a shell, but a newline or a space would end the option and
+        # start a script line: only the characters Slurm's own syntax uses are allowed.
+        for key, pattern, allowed in _SLURM_SYNTAX:
+            val = getattr(self, key)
+            _require(val == "" or re.fullmatch(pattern, val) is not None, f"slurm.{key}", val, allowed)
+        for i, opt in enumerate(self.extra_sbatch):
+            _require(
+                opt.startswith("-") and not any(c in opt for c in "\n\r\0"),
+                f"slurm.extra_sbatch[{i}]",
+                opt,
+                "one sbatch option per item, starting with '-' and without line breaks",
+            )
+        for key in ("setup", "engine_setup"):
+            for i, line in enumerate(getattr(self, key)):
+                _require(not any(c in line for c in "\n\r\0"), f"slurm.{key}[{i}]", line, "one shell line per item")
+        for key in _SLURM_ONE_LINE:
+            val = getattr(self, key)
+            _require(
+                not any(c in val for c in "\n\r\0") and val == val.strip(),
+                f"slurm.{key}",
+                val,
+                "one value without line breaks or surrounding spaces",
+            )
+        _require(
+            not (self.container_mounts and not self.container_image),
+            "slurm.container_mounts",
+            self.container_mounts,
+            "needs slurm.container_image (pyxis mounts into a container)",
+        )
+        _require(
+            not (self.engine_container_mounts and not (self.engine_container_image or self.container_image)),
+            "slurm.engine_container_mounts",
+            self.engine_container_mounts,
+            "needs slurm.engine_container_image or slurm.container_image",
+        )
+
 
 @dataclass
 class TinyConfig:
@@ -275,6 +552,43 @@ class TinyConfig:
     # true: use the model cached under cache_dir or stop with an error, never build or warm-start it (the GPU
     # check carries the model built on the CPU machine: tests/gpu/prepare.sh)
     require_cached: bool = False
+
+    def validate(self) -> None:
+        """This section's own rules when enabled (how the tiny model fits actor.tp / ep and data.train_path:
+        _validate_across_sections)."""
+        if not self.enabled:
+            return
+        for key in (
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "intermediate_size",
+            "warm_start_batch_size",
+        ):
+            _require(getattr(self, key) >= 1, f"tiny.{key}", getattr(self, key), "must be >= 1")
+        _require(
+            self.hidden_size % self.num_heads == 0,
+            "tiny.hidden_size",
+            self.hidden_size,
+            f"must be a multiple of tiny.num_heads ({self.num_heads})",
+        )
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            "tiny.num_heads",
+            self.num_heads,
+            f"must be a multiple of tiny.num_kv_heads ({self.num_kv_heads})",
+        )
+        if self.arch == "qwen3_moe":
+            _require(
+                1 <= self.num_experts_per_tok <= self.num_experts,
+                "tiny.num_experts_per_tok",
+                self.num_experts_per_tok,
+                f"must be in [1, tiny.num_experts={self.num_experts}]",
+            )
+        _require(self.warm_start_steps >= 0, "tiny.warm_start_steps", self.warm_start_steps, "must be >= 0")
+        _require(self.warm_start_lr > 0, "tiny.warm_start_lr", self.warm_start_lr, "must be > 0")
+        _require(0 <= self.label_smoothing < 1, "tiny.label_smoothing", self.label_smoothing, "must be in [0, 1)")
 
 
 @dataclass
@@ -435,7 +749,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
-# Validation: values that type-check but cannot work
+# Validation: values that type-check but cannot work. Each section checks its own keys (its validate()
+# beside its fields); the rules that tie two sections together are _validate_across_sections'.
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -443,94 +758,37 @@ def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ValueError(f"config key '{key}': {value!r} is not allowed; {allowed}")
 
 
+def _require_core_list(key: str, cores: list[int]) -> None:
+    _require(
+        all(c >= 0 for c in cores) and len(set(cores)) == len(cores),
+        key,
+        cores,
+        "distinct CPU core numbers >= 0 ([] = no pinning)",
+    )
+
+
 def validate(cfg: Config) -> None:
-    r, a, ac, t, s = cfg.rollout, cfg.algorithm, cfg.actor, cfg.trainer, cfg.slurm
-    _require(r.n >= 1, "rollout.n", r.n, "need at least 1 response per prompt")
-    _require(r.temperature > 0, "rollout.temperature", r.temperature, "must be > 0")
-    _require(0 < r.top_p <= 1, "rollout.top_p", r.top_p, "must be in (0, 1]")
-    _require(r.top_k == -1 or r.top_k >= 1, "rollout.top_k", r.top_k, "-1 (off) or >= 1")
-    _require(r.max_prompt_length >= 1, "rollout.max_prompt_length", r.max_prompt_length, "must be >= 1")
-    _require(r.max_response_length >= 1, "rollout.max_response_length", r.max_response_length, "must be >= 1")
-    _require(r.gen_batch_size >= 1, "rollout.gen_batch_size", r.gen_batch_size, "must be >= 1")
-    _require(r.num_engines >= 1, "rollout.num_engines", r.num_engines, "must be >= 1")
-    _require(r.engine_tp >= 1, "rollout.engine_tp", r.engine_tp, "must be >= 1")
-    _require(0 < r.mem_fraction_static < 1, "rollout.mem_fraction_static", r.mem_fraction_static, "in (0, 1)")
-    _require(r.weight_bucket_mb >= 1, "rollout.weight_bucket_mb", r.weight_bucket_mb, "must be >= 1")
-    _require(r.request_timeout_s > 0, "rollout.request_timeout_s", r.request_timeout_s, "must be > 0")
-    _require(r.max_retries >= 0, "rollout.max_retries", r.max_retries, "must be >= 0")
+    for section in (cfg.rollout, cfg.algorithm, cfg.actor, cfg.trainer, cfg.tiny, cfg.data, cfg.slurm):
+        section.validate()
+    _validate_across_sections(cfg)
+
+
+def _validate_across_sections(cfg: Config) -> None:
+    """The rules that tie one section's keys to another's."""
+    r, a, ac, tn = cfg.rollout, cfg.algorithm, cfg.actor, cfg.tiny
     _require(
-        isinstance(r.engine_restarts, int) and r.engine_restarts >= 0,
-        "rollout.engine_restarts",
-        r.engine_restarts,
-        "an integer >= 0 (restarts of exited CPU engines per run; 0 = none)",
-    )
-    _require(
-        r.engine_wait_s >= 0,
-        "rollout.engine_wait_s",
-        r.engine_wait_s,
-        "must be >= 0 (seconds to wait for an engine when none is left; 0 = stop at once)",
-    )
-    _require(r.max_staleness >= 0, "rollout.max_staleness", r.max_staleness, "0 (synchronous) or >= 1")
-    _require(
-        r.max_staleness == 0 or r.placement == "disaggregated",
-        "rollout.max_staleness",
-        r.max_staleness,
-        f"0 with rollout.placement={r.placement!r}: colocated engines share the trainer's GPUs, so generation "
-        "cannot overlap training (set rollout.placement=disaggregated)",
-    )
-    _require(
-        r.max_staleness == 0 or cfg.algorithm.tis_cap is not None,
+        r.max_staleness == 0 or a.tis_cap is not None,
         "rollout.max_staleness",
         r.max_staleness,
         "0 unless algorithm.tis_cap is set: off-policy samples need the truncated behaviour-policy weight "
         "(docs/architecture.md, 'Overlapped steps')",
     )
-    _require(r.quantization in ("none", "fp8"), "rollout.quantization", r.quantization, "one of: none, fp8")
     _require(
-        not cfg.actor.quantization_aware or r.quantization == "fp8",
+        not ac.quantization_aware or r.quantization == "fp8",
         "actor.quantization_aware",
-        cfg.actor.quantization_aware,
+        ac.quantization_aware,
         f"true only with rollout.quantization=fp8 (it is {r.quantization!r}): the "
         "trainer's forward reproduces the FP8 engines' weights, and these engines hold none",
-    )
-    _require(
-        not cfg.actor.quantization_aware or cfg.actor.attention_backend == "torch",
-        "actor.quantization_aware",
-        cfg.actor.quantization_aware,
-        f"true only with actor.attention_backend=torch (it is "
-        f"{cfg.actor.attention_backend!r}): TE's fused LayerNorm + Linear hides the normalized input that the "
-        "engines quantize to FP8 (docs/fp8.md)",
-    )
-    _require(
-        ac.attention_kernel != "varlen" or ac.attention_backend == "torch",
-        "actor.attention_kernel",
-        ac.attention_kernel,
-        f"varlen only with actor.attention_backend=torch (it is {ac.attention_backend!r}): te runs its own kernels",
-    )
-    _require(
-        r.cpu_engine_device in ("cpu", "cuda"),
-        "rollout.cpu_engine_device",
-        r.cpu_engine_device,
-        "cpu or cuda (CPU engine i holds its model on GPU i)",
-    )
-    for key, cores in (("rollout.cpu_engine_cores", r.cpu_engine_cores), ("actor.cpu_cores", cfg.actor.cpu_cores)):
-        _require(
-            all(c >= 0 for c in cores) and len(set(cores)) == len(cores),
-            key,
-            cores,
-            "distinct CPU core numbers >= 0 ([] = no pinning)",
-        )
-    for url in r.engine_urls:
-        _require(url.startswith(("http://", "https://")), "rollout.engine_urls", url, "URLs start with http://")
-    _validate_engine_keys(r)
-
-    _require(0 <= a.eps_low < 1, "algorithm.eps_low", a.eps_low, "must be in [0, 1)")
-    _require(a.eps_high >= 0, "algorithm.eps_high", a.eps_high, "must be >= 0")
-    _require(
-        a.clip_ratio_c is None or a.clip_ratio_c > 1,
-        "algorithm.clip_ratio_c",
-        a.clip_ratio_c,
-        "null (off) or > 1 (it bounds -A * ratio for A < 0; 3.0 default, 10.0 in the 32B recipe)",
     )
     _require(
         not a.dynamic_sampling or r.n >= 2,
@@ -539,35 +797,41 @@ def validate(cfg: Config) -> None:
         "dynamic sampling needs n >= 2 (a group of one is always all-correct or all-wrong)",
     )
     _require(
-        a.max_num_gen_batches >= 0, "algorithm.max_num_gen_batches", a.max_num_gen_batches, "0 = unlimited, else >= 1"
+        not a.overlong_shaping or a.overlong_buffer_length < r.max_response_length,
+        "algorithm.overlong_buffer_length",
+        a.overlong_buffer_length,
+        f"must be < rollout.max_response_length ({r.max_response_length})",
     )
+    if a.policy_loss == "gspo":
+        _require(ac.cp == 1, "actor.cp", ac.cp, _GSPO_NEEDS["actor.cp"])
+        _require(not ac.fused_policy_loss, "actor.fused_policy_loss", ac.fused_policy_loss, _GSPO_NEEDS["fused"])
+    _require_sequence_fits(r, ac)
     _require(
-        a.overlong_buffer_length >= 0, "algorithm.overlong_buffer_length", a.overlong_buffer_length, "must be >= 0"
+        not ac.routing_replay or r.return_routed_experts,
+        "actor.routing_replay",
+        ac.routing_replay,
+        "needs rollout.return_routed_experts=true (the engines must say which experts they used)",
     )
-    if a.overlong_shaping:
+    if tn.enabled:
+        # model.path may be set: `train` builds the tiny model, then hands its directory to the actor
+        # ranks as model.path (with tiny.enabled still true)
+        _require(not cfg.data.train_path, "data.train_path", cfg.data.train_path, _TINY_NEEDS["train_path"])
+        _require(tn.num_kv_heads % ac.tp == 0, "tiny.num_kv_heads", tn.num_kv_heads, _TINY_NEEDS["kv"].format(ac.tp))
+    if tn.enabled and tn.arch == "qwen3_moe":
+        experts, width = tn.num_experts, tn.moe_intermediate_size
+        _require(experts >= 1 and experts % ac.ep == 0, "tiny.num_experts", experts, _TINY_NEEDS["ep"].format(ac.ep))
         _require(
-            a.overlong_buffer_length < r.max_response_length,
-            "algorithm.overlong_buffer_length",
-            a.overlong_buffer_length,
-            f"must be < rollout.max_response_length ({r.max_response_length})",
+            width >= 1 and width % ac.expert_tp == 0,
+            "tiny.moe_intermediate_size",
+            width,
+            _TINY_NEEDS["etp"].format(ac.expert_tp),
         )
-    _require(
-        a.overlong_penalty_factor >= 0, "algorithm.overlong_penalty_factor", a.overlong_penalty_factor, "must be >= 0"
-    )
-    _require(a.kl_coef >= 0, "algorithm.kl_coef", a.kl_coef, "must be >= 0")
-    _require(a.tis_cap is None or a.tis_cap >= 1, "algorithm.tis_cap", a.tis_cap, "null (off) or >= 1")
-    _require(a.advantage_eps > 0, "algorithm.advantage_eps", a.advantage_eps, "must be > 0")
-    _validate_policy_loss(cfg)
 
-    for key in ("tp", "pp", "cp", "world_size"):
-        val = getattr(ac, key)
-        _require(val >= 1, f"actor.{key}", val, "must be >= 1")
-    _require(ac.vpp is None or ac.vpp >= 1, "actor.vpp", ac.vpp, "null or >= 1")
-    _require(ac.vpp is None or ac.pp > 1, "actor.vpp", ac.vpp, "virtual pipeline stages need actor.pp > 1")
-    # Context parallelism runs on both attention backends (te: TE's kernels; torch: K/V all-gather,
-    # actor/context_parallel.py). What it does constrain is lengths: every sequence is padded to a
-    # multiple of 2*cp tokens (the load-balanced split), so the budget must hold a padded one.
-    _require(ac.micro_batch_tokens >= 1, "actor.micro_batch_tokens", ac.micro_batch_tokens, "must be >= 1")
+
+def _require_sequence_fits(r: RolloutConfig, ac: ActorConfig) -> None:
+    """Context parallelism runs on both attention backends (te: TE's kernels; torch: K/V all-gather,
+    actor/context_parallel.py). What it does constrain is lengths: every sequence is padded to a
+    multiple of 2*cp tokens (the load-balanced split), so the budget must hold a padded one."""
     longest = r.max_prompt_length + r.max_response_length
     seq_multiple = 2 * ac.cp if ac.cp > 1 else 1
     longest_padded = -(-longest // seq_multiple) * seq_multiple
@@ -579,98 +843,27 @@ def validate(cfg: Config) -> None:
         f"rollout.max_response_length ({longest})"
         + (f", padded to a multiple of 2*actor.cp = {seq_multiple} ({longest_padded})" if ac.cp > 1 else ""),
     )
-    model_parallel = ac.tp * ac.pp * ac.cp
-    _require(
-        ac.world_size % model_parallel == 0,
-        "actor.world_size",
-        ac.world_size,
-        f"must be a multiple of tp*pp*cp = {model_parallel}",
-    )
-    _validate_experts(cfg)
 
-    _require(t.train_batch_size >= 1, "trainer.train_batch_size", t.train_batch_size, "must be >= 1")
-    _require(t.mini_batch_size >= 1, "trainer.mini_batch_size", t.mini_batch_size, "must be >= 1")
-    _require(
-        t.train_batch_size % t.mini_batch_size == 0,
-        "trainer.mini_batch_size",
-        t.mini_batch_size,
-        f"must divide trainer.train_batch_size ({t.train_batch_size})",
-    )
-    _require(t.lr > 0, "trainer.lr", t.lr, "must be > 0")
-    _require(0 <= t.min_lr <= t.lr, "trainer.min_lr", t.min_lr, f"must be in [0, trainer.lr = {t.lr}]")
-    for key in ("warmup_steps", "total_steps", "eval_every", "save_every", "keep_checkpoints"):
-        val = getattr(t, key)
-        _require(val >= 0, f"trainer.{key}", val, "must be >= 0")
-    _require(t.weight_decay >= 0, "trainer.weight_decay", t.weight_decay, "must be >= 0")
-    _require(t.grad_clip >= 0, "trainer.grad_clip", t.grad_clip, "must be >= 0 (0 = off)")
-    _require(0 <= t.adam_beta1 < 1, "trainer.adam_beta1", t.adam_beta1, "must be in [0, 1)")
-    _require(0 <= t.adam_beta2 < 1, "trainer.adam_beta2", t.adam_beta2, "must be in [0, 1)")
-    _require(t.eval_n >= 1, "trainer.eval_n", t.eval_n, "must be >= 1")
-    _require(t.eval_temperature > 0, "trainer.eval_temperature", t.eval_temperature, "must be > 0")
-    _require(0 < t.eval_top_p <= 1, "trainer.eval_top_p", t.eval_top_p, "must be in (0, 1]")
-    # (with trainer.eval_every=0 there is no eval, hence no best, and the option does nothing)
-    _require(
-        not t.keep_best_checkpoint or t.eval_every == 0 or (t.save_every > 0 and t.eval_every % t.save_every == 0),
-        "trainer.keep_best_checkpoint",
-        t.keep_best_checkpoint,
-        f"needs a checkpoint at every eval: trainer.save_every ({t.save_every}) must divide trainer.eval_every "
-        f"({t.eval_every})",
-    )
-    _require(t.max_nonfinite_in_row >= 1, "trainer.max_nonfinite_in_row", t.max_nonfinite_in_row, "must be >= 1")
-    _require(bool(t.output_dir), "trainer.output_dir", t.output_dir, "must be a directory path")
 
-    _validate_tiny(cfg)
-    _validate_eval_sets(cfg)
-
-    _require(s.nodes >= 1, "slurm.nodes", s.nodes, "must be >= 1")
-    _require(s.gpus_per_node >= 0, "slurm.gpus_per_node", s.gpus_per_node, "must be >= 0")
-    _require(s.signal_seconds >= 0, "slurm.signal_seconds", s.signal_seconds, "must be >= 0")
-    _require(s.array_throttle >= 1, "slurm.array_throttle", s.array_throttle, "must be >= 1")
-    _require(s.gpu_memory_gb > 0, "slurm.gpu_memory_gb", s.gpu_memory_gb, "GiB of one GPU, > 0 (80 for an H100 80GB)")
-    _require(s.network_gbps > 0, "slurm.network_gbps", s.network_gbps, "Gbit/s of one sender's link, > 0")
-    _require(s.intra_node_gbps > 0, "slurm.intra_node_gbps", s.intra_node_gbps, "Gbit/s of NVLink per GPU, > 0")
-    # `#SBATCH` lines are parsed by sbatch, not a shell, but a newline or a space would end the option and
-    # start a script line: only the characters Slurm's own syntax uses are allowed.
-    for key, pattern, allowed in _SLURM_SYNTAX:
-        val = getattr(s, key)
-        _require(val == "" or re.fullmatch(pattern, val) is not None, f"slurm.{key}", val, allowed)
-    for i, opt in enumerate(s.extra_sbatch):
-        _require(
-            opt.startswith("-") and not any(c in opt for c in "\n\r\0"),
-            f"slurm.extra_sbatch[{i}]",
-            opt,
-            "one sbatch option per item, starting with '-' and without line breaks",
-        )
-    for key in ("setup", "engine_setup"):
-        for i, line in enumerate(getattr(s, key)):
-            _require(not any(c in line for c in "\n\r\0"), f"slurm.{key}[{i}]", line, "one shell line per item")
-    for key in (
-        "python",
-        "engine_python",
-        "container_image",
-        "container_mounts",
-        "engine_container_image",
-        "engine_container_mounts",
-    ):
-        val = getattr(s, key)
-        _require(
-            not any(c in val for c in "\n\r\0") and val == val.strip(),
-            f"slurm.{key}",
-            val,
-            "one value without line breaks or surrounding spaces",
-        )
-    _require(
-        not (s.container_mounts and not s.container_image),
-        "slurm.container_mounts",
-        s.container_mounts,
-        "needs slurm.container_image (pyxis mounts into a container)",
-    )
-    _require(
-        not (s.engine_container_mounts and not (s.engine_container_image or s.container_image)),
-        "slurm.engine_container_mounts",
-        s.engine_container_mounts,
-        "needs slurm.engine_container_image or slurm.container_image",
-    )
+_GSPO_NEEDS = {  # what algorithm.policy_loss=gspo needs of the actor
+    "actor.cp": "1 with algorithm.policy_loss=gspo (its ratio averages a sequence's tokens, which context "
+    "parallelism splits over ranks)",
+    "fused": "false with algorithm.policy_loss=gspo (the fused kernel computes the token-level losses dapo and grpo)",
+}
+_TINY_NEEDS = {  # what tiny.enabled needs of the other sections
+    "train_path": "leave it empty with tiny.enabled=true (the tiny model warm-starts on the synthetic task)",
+    "kv": "must be a multiple of actor.tp ({}): tensor parallelism splits the KV heads",
+    "ep": "must be a positive multiple of actor.ep ({})",
+    "etp": "must be a positive multiple of the expert tensor parallel size ({})",
+}
+_SLURM_ONE_LINE = (
+    "python",
+    "engine_python",
+    "container_image",
+    "container_mounts",
+    "engine_container_image",
+    "engine_container_mounts",
+)
 
 
 _SLURM_SYNTAX = (  # (key, regex, message)
@@ -687,185 +880,6 @@ _SLURM_SYNTAX = (  # (key, regex, message)
         'a Slurm time like "48:00:00" or "2-00:00:00" (quote it in YAML: unquoted 48:00:00 reads as a number)',
     ),
 )
-
-
-def _validate_engine_keys(r: RolloutConfig) -> None:
-    """Where the keys of user-started engines come from (read at start-up by rollout/auth.py)."""
-    for kind in ("api_key", "admin_api_key"):
-        env, path = getattr(r, f"engine_{kind}_env"), getattr(r, f"engine_{kind}_file")
-        _require(
-            not (env and path),
-            f"rollout.engine_{kind}_env",
-            env,
-            f"set rollout.engine_{kind}_env or rollout.engine_{kind}_file, not both",
-        )
-        _require(
-            not env or env.isidentifier(),
-            f"rollout.engine_{kind}_env",
-            env,
-            "the NAME of an environment variable that holds the key (e.g. SGLANG_API_KEY), never the key itself",
-        )
-        _require(
-            not (env or path) or bool(r.engine_urls),
-            f"rollout.engine_{kind}_{'env' if env else 'file'}",
-            env or path,
-            "only with rollout.engine_urls: engines the run starts itself get the run's own secret "
-            "(<run_dir>/secrets/engine_auth.yaml)",
-        )
-
-
-def _validate_experts(cfg: Config) -> None:
-    """actor.ep / actor.etp / actor.routing_replay (what needs the model's config.json, such as
-    num_experts % ep, is checked when the model is built: actor/moe.py check_expert_parallel)."""
-    ac, r = cfg.actor, cfg.rollout
-    _require(ac.ep >= 1, "actor.ep", ac.ep, "must be >= 1")
-    _require(ac.etp is None or ac.etp >= 1, "actor.etp", ac.etp, "null (= actor.tp) or >= 1")
-    etp = ac.tp if ac.etp is None else ac.etp
-    expert_parallel = etp * ac.ep * ac.pp
-    _require(
-        ac.world_size % expert_parallel == 0,
-        "actor.world_size",
-        ac.world_size,
-        f"must be a multiple of etp*ep*pp = {etp}*{ac.ep}*{ac.pp} = {expert_parallel} "
-        "(actor.etp, actor.ep, actor.pp: every pipeline stage holds etp x ep expert shards)",
-    )
-    _require(
-        not ac.routing_replay or r.return_routed_experts,
-        "actor.routing_replay",
-        ac.routing_replay,
-        "needs rollout.return_routed_experts=true (the engines must say which experts they used)",
-    )
-    _require(
-        not (ac.routing_replay and ac.recompute == "full" and ac.pp > 1),
-        "actor.routing_replay",
-        ac.routing_replay,
-        "with actor.recompute=full needs actor.pp=1: the recomputed forward of a "
-        "pipelined schedule would replay another micro-batch's experts",
-    )
-
-
-def _validate_eval_sets(cfg: Config) -> None:
-    """data.eval_sets: names that can sit in a metric name (eval/<name>/avg@k), one file each (whether
-    each file exists and its rows are sound is checked where it is read: data/prompts.py load_prompts)."""
-    d = cfg.data
-    _require(
-        not (d.eval_sets and d.eval_path),
-        "data.eval_path",
-        d.eval_path,
-        "empty when data.eval_sets is set (name the file as one of the sets instead)",
-    )
-    for name, path in d.eval_sets.items():
-        _require(
-            re.fullmatch(r"[A-Za-z0-9_.-]+", name) is not None,
-            f"data.eval_sets.{name}",
-            path,
-            "set names are letters, digits, _ . - (they become metric names: eval/<name>/avg@k)",
-        )
-        _require(bool(path.strip()), f"data.eval_sets.{name}", path, "must name a prompt file (parquet or jsonl)")
-
-
-def _validate_tiny(cfg: Config) -> None:
-    tn = cfg.tiny
-    if not tn.enabled:
-        return
-    # model.path may be set: `train` builds the tiny model, then hands its directory to the actor ranks
-    # as model.path (with tiny.enabled still true)
-    _require(
-        not cfg.data.train_path,
-        "data.train_path",
-        cfg.data.train_path,
-        "leave it empty with tiny.enabled=true (the tiny model warm-starts on the synthetic task)",
-    )
-    for key in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "warm_start_batch_size"):
-        _require(getattr(tn, key) >= 1, f"tiny.{key}", getattr(tn, key), "must be >= 1")
-    _require(
-        tn.hidden_size % tn.num_heads == 0,
-        "tiny.hidden_size",
-        tn.hidden_size,
-        f"must be a multiple of tiny.num_heads ({tn.num_heads})",
-    )
-    _require(
-        tn.num_heads % tn.num_kv_heads == 0,
-        "tiny.num_heads",
-        tn.num_heads,
-        f"must be a multiple of tiny.num_kv_heads ({tn.num_kv_heads})",
-    )
-    _require(
-        tn.num_kv_heads % cfg.actor.tp == 0,
-        "tiny.num_kv_heads",
-        tn.num_kv_heads,
-        f"must be a multiple of actor.tp ({cfg.actor.tp}): tensor parallelism splits the KV heads",
-    )
-    if tn.arch == "qwen3_moe":
-        _require(
-            tn.num_experts >= 1 and tn.num_experts % cfg.actor.ep == 0,
-            "tiny.num_experts",
-            tn.num_experts,
-            f"must be a positive multiple of actor.ep ({cfg.actor.ep})",
-        )
-        _require(
-            1 <= tn.num_experts_per_tok <= tn.num_experts,
-            "tiny.num_experts_per_tok",
-            tn.num_experts_per_tok,
-            f"must be in [1, tiny.num_experts={tn.num_experts}]",
-        )
-        etp = cfg.actor.tp if cfg.actor.etp is None else cfg.actor.etp
-        _require(
-            tn.moe_intermediate_size >= 1 and tn.moe_intermediate_size % etp == 0,
-            "tiny.moe_intermediate_size",
-            tn.moe_intermediate_size,
-            f"must be a positive multiple of the expert tensor parallel size ({etp})",
-        )
-    _require(tn.warm_start_steps >= 0, "tiny.warm_start_steps", tn.warm_start_steps, "must be >= 0")
-    _require(tn.warm_start_lr > 0, "tiny.warm_start_lr", tn.warm_start_lr, "must be > 0")
-    _require(0 <= tn.label_smoothing < 1, "tiny.label_smoothing", tn.label_smoothing, "must be in [0, 1)")
-
-
-def _validate_policy_loss(cfg: Config) -> None:
-    """What each algorithm.policy_loss needs of the other keys (algo/policy_loss.py, algo/gspo.py)."""
-    a, name = cfg.algorithm, cfg.algorithm.policy_loss
-    if name == "grpo":
-        _require(
-            a.eps_high == a.eps_low,
-            "algorithm.eps_high",
-            a.eps_high,
-            f"equal to algorithm.eps_low ({a.eps_low}) with algorithm.policy_loss=grpo: naive GRPO clips "
-            "symmetrically (clip-higher is algorithm.policy_loss=dapo)",
-        )
-    if name in ("grpo", "gspo"):
-        _require(
-            a.loss_agg_mode == "seq-mean-token-mean",
-            "algorithm.loss_agg_mode",
-            a.loss_agg_mode,
-            f"seq-mean-token-mean with algorithm.policy_loss={name}: its loss is a mean over sequences",
-        )
-    if name == "gspo":
-        _require(
-            a.clip_ratio_c is None,
-            "algorithm.clip_ratio_c",
-            a.clip_ratio_c,
-            "null with algorithm.policy_loss=gspo (GSPO has no dual clip)",
-        )
-        _require(
-            a.tis_cap is None,
-            "algorithm.tis_cap",
-            a.tis_cap,
-            "null with algorithm.policy_loss=gspo (the truncated importance weight is per token; GSPO's "
-            "ratio is per sequence)",
-        )
-        _require(
-            cfg.actor.cp == 1,
-            "actor.cp",
-            cfg.actor.cp,
-            "1 with algorithm.policy_loss=gspo (its ratio averages a sequence's tokens, which context "
-            "parallelism splits over ranks)",
-        )
-        _require(
-            not cfg.actor.fused_policy_loss,
-            "actor.fused_policy_loss",
-            cfg.actor.fused_policy_loss,
-            "false with algorithm.policy_loss=gspo (the fused kernel computes the token-level losses dapo and grpo)",
-        )
 
 
 # --------------------------------------------------------------------------------------------

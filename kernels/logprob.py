@@ -582,7 +582,7 @@ class _LinearLogprobEntropy(torch.autograd.Function):
             ctx.inv_temp,
             ctx.tp_group,
             grad_h,
-            grad_shard[:v] if need_w else None,
+            grad_shard[:v] if grad_shard is not None else None,  # allocated exactly when need_w
             weight_shard.shape[0],
             ctx.logits,
         )

@@ -420,12 +420,14 @@ class TorchSDPAttention(torch.nn.Module):
         order, blocks, mask = self._layout([0, seq * cp_size], seq, query.device)
         if self.kernel == "varlen":  # one row at a time: each row is one packed sequence of its own
             rows = [
-                self._attend_varlen(*(x[:, b].contiguous() for x in (query, key, value)), mask) for b in range(batch)
+                self._attend_varlen(query[:, b].contiguous(), key[:, b].contiguous(), value[:, b].contiguous(), mask)
+                for b in range(batch)
             ]
             return torch.stack(rows, dim=1).reshape(seq, batch, -1)
         if order is not None:
             key, value = self._gather_kv(key, value, order)
-        out = self._attend(*(x.permute(1, 2, 0, 3) for x in (query, key, value)), blocks, mask)
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        out = self._attend(q, k, v, blocks, mask)
         return out.permute(2, 0, 1, 3).reshape(seq, batch, -1)  # [s, b, np*hn]
 
     def _forward_thd(self, query, key, value, packed_seq_params):
@@ -443,7 +445,8 @@ class TorchSDPAttention(torch.nn.Module):
             return self._attend_varlen(query, key, value, mask).reshape(total, -1)
         if order is not None:
             key, value = self._gather_kv(key, value, order)
-        out = self._attend(*(x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value)), blocks, mask)
+        q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
+        out = self._attend(q, k, v, blocks, mask)
         return out.squeeze(0).permute(1, 0, 2).reshape(total, -1)  # [T, np*hn]
 
 

@@ -5,7 +5,7 @@ trains on and how they are grouped into micro-batches: the driver plans the whol
 (dataplane/share.py: plan_shares) and sends every DP rank only its share; tests may instead pass
 the same list of Samples to every rank, which then plans and keeps its share without talking.
 `pack_batch_micro_batch` builds one micro-batch from a tensor RolloutBatch with tensor ops only
-(no per-token Python object); `pack_micro_batch` is the same layout from Samples. Megatron's
+(no per-token Python object); `pack_micro_batch` packs Samples through it (tests and tools). Megatron's
 schedules need the same number of micro-batches on every DP rank, so the plan gives every rank exactly
 `num_micro_batches` of them (a rank with fewer samples than that
 gets empty micro-batches: padding only, loss mask 0).
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dapo_megatron.dataplane.batch import exclusive_cumsum, ranges_index
+from dapo_megatron.dataplane.batch import RolloutBatch, exclusive_cumsum, ranges_index
 from dapo_megatron.dataplane.micro_batches import plan_micro_batches, round_up  # noqa: F401 (re-exported)
 from dapo_megatron.dataplane.sample import Sample, validate_samples  # noqa: F401 (re-exported)
 
@@ -101,73 +101,28 @@ def pack_micro_batch(
     pad_token_id: int = 0,
     mask_truncated: bool = False,
 ) -> MicroBatch:
-    """Pack samples[indices] into flat tensors of `length` tokens (layout in the module docstring).
+    """Pack samples[indices] into flat tensors of `length` tokens (layout in the module docstring), in
+    that order: pack_batch_micro_batch on their RolloutBatch (the one builder of a MicroBatch), with
+    sample_indices naming positions in `samples`.
 
     mask_truncated: loss mask 0 on samples that hit the generation cap (DAPO's "overlong filtering").
     """
-    chosen = [samples[i] for i in indices]
-    seq_lengths = [s.num_tokens for s in chosen]
-    seq_padded = [round_up(n, seq_pad_multiple) for n in seq_lengths]
-    if sum(seq_padded) > length:
-        raise ValueError(f"micro-batch of {sum(seq_padded)} tokens does not fit the packed length {length}")
-
-    tokens = torch.full((length,), pad_token_id, dtype=torch.int64)
-    targets = torch.zeros(length, dtype=torch.int64)
-    seq_ids = torch.full((length,), -1, dtype=torch.int64)
-    position_ids = torch.zeros(length, dtype=torch.int64)
-    response_mask = torch.zeros(length, dtype=torch.bool)
-    loss_mask = torch.zeros(length, dtype=torch.float32)
-    advantages = torch.zeros(length, dtype=torch.float32)
-    per_token = {
-        name: torch.zeros(length, dtype=torch.float32)
-        if all(getattr(s, name) is not None for s in chosen) and chosen
-        else None
-        for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs")
-    }
-
-    offset = 0
-    for k, (s, n, n_pad) in enumerate(zip(chosen, seq_lengths, seq_padded)):
-        ids = torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.int64)
-        num_prompt, num_resp = len(s.prompt_ids), len(s.response_ids)
-        tokens[offset : offset + n] = ids
-        targets[offset : offset + n - 1] = ids[1:]
-        seq_ids[offset : offset + n_pad] = k
-        # Padding inside a padded sequence continues its positions (it never feeds a real token).
-        position_ids[offset : offset + n_pad] = torch.arange(n_pad)
-        first = offset + num_prompt - 1  # position predicting response token 0
-        span = slice(first, first + num_resp)
-        response_mask[span] = True
-        mask = torch.tensor(s.response_mask(), dtype=torch.float32)
-        if mask_truncated and s.truncated:
-            mask.zero_()
-        loss_mask[span] = mask
-        advantages[span] = float(s.advantage)
-        for name, buf in per_token.items():
-            if buf is not None:
-                buf[span] = torch.tensor(getattr(s, name), dtype=torch.float32)
-        offset += n_pad
-    tail = length - offset
-    position_ids[offset:] = torch.arange(tail)
-
-    return MicroBatch(
-        sample_indices=list(indices),
-        seq_lengths=seq_lengths,
-        seq_lengths_padded=seq_padded,
-        tokens=tokens,
-        position_ids=position_ids,
-        seq_ids=seq_ids,
-        targets=targets,
-        response_mask=response_mask,
-        loss_mask=loss_mask,
-        advantages=advantages,
-        old_logprobs=per_token["old_logprobs"],
-        rollout_logprobs=per_token["rollout_logprobs"],
-        ref_logprobs=per_token["ref_logprobs"],
+    chosen = RolloutBatch.from_samples([samples[i] for i in indices])
+    mb = pack_batch_micro_batch(
+        chosen,
+        0,
+        len(indices),
+        length=length,
+        seq_pad_multiple=seq_pad_multiple,
+        pad_token_id=pad_token_id,
+        mask_truncated=mask_truncated,
     )
+    mb.sample_indices = list(indices)
+    return mb
 
 
 def pack_batch_micro_batch(
-    batch,
+    batch: RolloutBatch,
     start: int,
     stop: int,
     *,
@@ -176,9 +131,9 @@ def pack_batch_micro_batch(
     pad_token_id: int = 0,
     mask_truncated: bool = False,
 ) -> MicroBatch:
-    """pack_micro_batch for sequences start..stop-1 of a RolloutBatch (dataplane/batch.py), with
-    tensor ops only: the same tensors, bit for bit, as pack_micro_batch on the equivalent Samples
-    (tests/unit/test_dataplane_batch.py). An empty range gives a padding-only micro-batch."""
+    """The micro-batch of sequences start..stop-1 of a RolloutBatch (dataplane/batch.py), `length` tokens
+    (layout in the module docstring), with tensor ops only. An empty range gives a padding-only
+    micro-batch."""
     part = batch.narrow(start, stop - start)
     n = part.num_sequences
     lens = part.seq_lengths.to(torch.int64)
@@ -203,26 +158,9 @@ def pack_batch_micro_batch(
     position_ids[:fill] = ranges_index(torch.zeros(n, dtype=torch.int64), padded)
     position_ids[fill:] = torch.arange(length - fill)
 
-    response_lengths = part.response_lengths
-    response_dst = ranges_index(starts + part.prompt_lengths.to(torch.int64) - 1, response_lengths)
-    response_mask = torch.zeros(length, dtype=torch.bool)
-    response_mask[response_dst] = True
-    mask = part.loss_mask.to(torch.float32) if part.loss_mask is not None else torch.ones(response_dst.numel())
-    if mask_truncated:
-        mask = mask.masked_fill(torch.repeat_interleave(part.truncated, response_lengths), 0.0)
-    loss_mask = torch.zeros(length, dtype=torch.float32)
-    loss_mask[response_dst] = mask
-    advantages = torch.zeros(length, dtype=torch.float32)
-    advantages[response_dst] = torch.repeat_interleave(part.advantages, response_lengths)
-    per_token: dict[str, torch.Tensor | None] = {}
-    for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs"):
-        values = getattr(part, name)
-        if values is None or n == 0:
-            per_token[name] = None
-            continue
-        buf = torch.zeros(length, dtype=torch.float32)
-        buf[response_dst] = values
-        per_token[name] = buf
+    response_mask, loss_mask, advantages, per_token = _response_tensors(
+        part, starts, length=length, mask_truncated=mask_truncated
+    )
     return MicroBatch(
         sample_indices=list(range(start, stop)),
         seq_lengths=lens.tolist(),
@@ -237,6 +175,34 @@ def pack_batch_micro_batch(
         old_logprobs=per_token["old_logprobs"],
         rollout_logprobs=per_token["rollout_logprobs"],
         ref_logprobs=per_token["ref_logprobs"],
+    )
+
+
+def _response_tensors(
+    part: RolloutBatch, starts: torch.Tensor, *, length: int, mask_truncated: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, torch.Tensor | None]]:
+    """(response_mask, loss_mask, advantages, {log-prob field: values or None}) of a micro-batch, each
+    [length], at the prediction positions o + P - 1 + j of the sequences that begin at `starts`."""
+    response_lengths = part.response_lengths
+    response_dst = ranges_index(starts + part.prompt_lengths.to(torch.int64) - 1, response_lengths)
+
+    def scattered(values: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        out = torch.zeros(length, dtype=dtype)
+        out[response_dst] = values
+        return out
+
+    mask = part.loss_mask.to(torch.float32) if part.loss_mask is not None else torch.ones(response_dst.numel())
+    if mask_truncated:
+        mask = mask.masked_fill(torch.repeat_interleave(part.truncated, response_lengths), 0.0)
+    per_token: dict[str, torch.Tensor | None] = {}
+    for name in ("old_logprobs", "rollout_logprobs", "ref_logprobs"):
+        values = getattr(part, name)
+        per_token[name] = None if values is None or part.num_sequences == 0 else scattered(values)
+    return (
+        scattered(torch.ones(response_dst.numel(), dtype=torch.bool), torch.bool),
+        scattered(mask),
+        scattered(torch.repeat_interleave(part.advantages, response_lengths)),
+        per_token,
     )
 
 

@@ -1,23 +1,25 @@
 """Pure tensor maths of DAPO: no config objects, no torch.distributed (docs/architecture.md, "Layout").
 
-The objective's variants are registered by name (algo/registry.py): POLICY_LOSSES ("dapo", "grpo",
-"gspo"; algorithm.policy_loss) and ADVANTAGES ("grpo", "drgrpo"; algorithm.advantage). Importing this
+The objective's variants are registered by name (algo/registry.py's Registry, typed by their Protocol):
+POLICY_LOSSES ("dapo", "grpo", "gspo"; algorithm.policy_loss; PolicyLossFn) and ADVANTAGES ("grpo",
+"drgrpo"; algorithm.advantage; AdvantageFn). Importing this
 package registers all of them.
 """
 
 from dapo_megatron.algo import gspo as _gspo  # noqa: F401  (registers "gspo")
-from dapo_megatron.algo.advantages import group_advantages, group_mean_advantages
+from dapo_megatron.algo.advantages import ADVANTAGES, AdvantageFn, group_advantages, group_mean_advantages
 from dapo_megatron.algo.aggregation import AGG_MODES, count_loss_units
 from dapo_megatron.algo.dynamic_sampling import DynamicSampler, SamplerStats, group_accuracies, keep_group
 from dapo_megatron.algo.kl import KL_KINDS, kl_penalty
 from dapo_megatron.algo.objective import METRIC_SUMS, ObjectiveSettings, PackedTokens, objective, objective_metrics
 from dapo_megatron.algo.overlong import overlong_filter_mask, overlong_penalty
-from dapo_megatron.algo.policy_loss import STAT_KEYS, ClipSettings, LossTokens, policy_loss
-from dapo_megatron.algo.registry import ADVANTAGES, POLICY_LOSSES, Registry
+from dapo_megatron.algo.policy_loss import POLICY_LOSSES, STAT_KEYS, ClipSettings, LossTokens, PolicyLossFn, policy_loss
+from dapo_megatron.algo.registry import Registry
 
 __all__ = [
     "ADVANTAGES",
     "AGG_MODES",
+    "AdvantageFn",
     "KL_KINDS",
     "METRIC_SUMS",
     "POLICY_LOSSES",
@@ -27,6 +29,7 @@ __all__ = [
     "LossTokens",
     "ObjectiveSettings",
     "PackedTokens",
+    "PolicyLossFn",
     "Registry",
     "SamplerStats",
     "count_loss_units",

@@ -1,5 +1,5 @@
-"""Group-relative advantages (GRPO, docs/algorithm.md section 4), registered in ADVANTAGES
-(algo/registry.py; algorithm.advantage selects one; each takes rewards [N], group ids [N] and eps):
+"""Group-relative advantages (GRPO, docs/algorithm.md section 4), registered in ADVANTAGES (a
+Registry[AdvantageFn]; algorithm.advantage selects one; each takes rewards [N], group ids [N] and eps):
 
     "grpo"    A_i = (R_i - mean_g R) / (std_g R + eps)   unbiased (n - 1) std; a group of one: mean 0, std 1
               (DAPO, naive GRPO and GSPO all use it)
@@ -15,12 +15,25 @@ Example, rewards [1, -1, -1, 1, -2] in groups [7, 7, 7, 3, 3]:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
-from dapo_megatron.algo.registry import ADVANTAGES
+from dapo_megatron.algo.registry import Registry
 
-__all__ = ["group_advantages", "group_mean_advantages"]
+__all__ = ["ADVANTAGES", "AdvantageFn", "group_advantages", "group_mean_advantages"]
+
+
+class AdvantageFn(Protocol):
+    """The signature of every registered advantage estimator: rewards [N], group ids [N] -> advantages [N]."""
+
+    def __call__(
+        self, rewards: torch.Tensor | Sequence[float], group_index: torch.Tensor | Sequence[int], *, eps: float
+    ) -> torch.Tensor: ...
+
+
+# algorithm.advantage -> the estimator; mypy checks each registered function against AdvantageFn
+ADVANTAGES: Registry[AdvantageFn] = Registry("algorithm.advantage")
 
 
 @ADVANTAGES.register("grpo")

@@ -25,8 +25,7 @@ from __future__ import annotations
 import torch
 
 from dapo_kernels.reference import policy_loss_stats
-from dapo_megatron.algo.policy_loss import ClipSettings, LossTokens
-from dapo_megatron.algo.registry import POLICY_LOSSES
+from dapo_megatron.algo.policy_loss import POLICY_LOSSES, ClipSettings, LossTokens
 
 
 @POLICY_LOSSES.register("gspo")

@@ -21,8 +21,7 @@ import torch
 from dapo_megatron.algo.aggregation import check_agg_mode
 from dapo_megatron.algo.kl import kl_penalty
 from dapo_megatron.algo.off_policy import behaviour_weight
-from dapo_megatron.algo.policy_loss import ClipSettings, LossTokens
-from dapo_megatron.algo.registry import POLICY_LOSSES
+from dapo_megatron.algo.policy_loss import POLICY_LOSSES, ClipSettings, LossTokens
 
 # what objective() returns to be summed over micro-batches and ranks, in this order (ratio_max: a max)
 METRIC_SUMS = (

@@ -20,9 +20,9 @@ Aggregation (mask = response tokens that train):
     seq-mean-token-mean sum_seq(sum_t mask*l / sum_t mask) / loss_denominator   (default: sequences
                         with at least one masked token)
     seq-mean-token-sum  sum_seq(sum_t mask*l) / loss_denominator               (same default)
-The registered losses (algo/registry.py POLICY_LOSSES, selected by algorithm.policy_loss) take the actor's
-packed form of one micro-batch (LossTokens: flat tensors of this rank's trained positions, each
-token's aggregation weight w and the global D) and return sum_t w_t * l_t / D with its stats:
+The registered losses (POLICY_LOSSES below, a Registry[PolicyLossFn]; algorithm.policy_loss selects one)
+take the actor's packed form of one micro-batch (LossTokens: flat tensors of this rank's trained
+positions, each token's aggregation weight w and the global D) and return sum_t w_t * l_t / D with its stats:
     "dapo"  the formula above (clip-higher eps_low/eps_high, dual clip); the fused Triton kernel when
             ClipSettings.fused (actor.fused_policy_loss): same value, gradient and stats
     "grpo"  the naive-GRPO baseline of the DAPO paper (Table 1, rung 0): the same PPO surrogate with ONE
@@ -37,6 +37,7 @@ to the loss of one big batch, and so do their gradients.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -46,9 +47,18 @@ from dapo_kernels import policy_loss as fused_policy_loss
 # module adds the aggregation modes and the argument checks of the trainer's configuration
 from dapo_kernels.reference import POLICY_LOSS_STAT_KEYS, policy_loss_stats, policy_loss_terms
 from dapo_megatron.algo.aggregation import AGG_MODES, check_agg_mode, count_loss_units
-from dapo_megatron.algo.registry import POLICY_LOSSES
+from dapo_megatron.algo.registry import Registry
 
-__all__ = ["policy_loss", "count_loss_units", "AGG_MODES", "STAT_KEYS", "LossTokens", "ClipSettings"]
+__all__ = [
+    "policy_loss",
+    "count_loss_units",
+    "AGG_MODES",
+    "STAT_KEYS",
+    "LossTokens",
+    "ClipSettings",
+    "PolicyLossFn",
+    "POLICY_LOSSES",
+]
 
 # The stats every policy-loss implementation returns (kernels/policy_loss.py returns the same keys).
 STAT_KEYS = POLICY_LOSS_STAT_KEYS
@@ -161,6 +171,17 @@ class LossTokens:
     seq_ids: torch.Tensor
     num_sequences: int
     loss_denominator: float
+
+
+class PolicyLossFn(Protocol):
+    """The signature of every registered policy loss: (sum_t w_t * l_t / D, its stats keyed STAT_KEYS)."""
+
+    def __call__(self, tokens: LossTokens, clip: ClipSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+
+# algorithm.policy_loss -> the loss (this module registers "dapo" and "grpo", algo/gspo.py "gspo"); mypy
+# checks each registered function against PolicyLossFn
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("algorithm.policy_loss")
 
 
 @POLICY_LOSSES.register("dapo")

@@ -1,6 +1,11 @@
 """Named variants of the objective (verl's core_algos registers its losses and advantage estimators the
 same way): one decorator puts a function under a key, every function of one registry has the same
-signature, and the trainer looks the key of its config up here.
+signature, and the trainer looks the key of its config up here. A registry is typed by the Protocol of
+its functions (Registry[PolicyLossFn], Registry[AdvantageFn]), so mypy checks every registration
+against it and every call of a looked-up function.
+
+The two registries of the objective live beside their Protocol: POLICY_LOSSES in algo/policy_loss.py
+(filled there and by algo/gspo.py), ADVANTAGES in algo/advantages.py.
 
     @POLICY_LOSSES.register("gspo")
     def gspo_policy_loss(tokens: LossTokens, clip: ClipSettings) -> tuple[Tensor, dict[str, Tensor]]: ...
@@ -19,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-F = TypeVar("F", bound=Callable)
+F = TypeVar("F", bound=Callable[..., object])  # the registered functions' Protocol
 
 
 class Registry(Generic[F]):
@@ -51,8 +56,3 @@ class Registry(Generic[F]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._functions
-
-
-# the two registries of the objective (algo/policy_loss.py, algo/gspo.py, algo/advantages.py fill them)
-POLICY_LOSSES: Registry = Registry("algorithm.policy_loss")
-ADVANTAGES: Registry = Registry("algorithm.advantage")

@@ -210,7 +210,7 @@ def is_out_of_memory(err: BaseException) -> bool:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dapo-megatron bench actor", description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768], help="tokens per micro-batch")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
@@ -262,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--checkpoint-dir", default="", help="reuse / write the random HF checkpoint here")
     add_output_args(parser, name="actor")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     for tokens in args.tokens:  # before any model is built
         if args.packing == "dapo":

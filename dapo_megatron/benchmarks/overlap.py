@@ -75,9 +75,7 @@ def _run(config: str, out: Path, staleness: int, steps: int, eval_every: int, ex
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    import platform
-
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dapo-megatron bench overlap", description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/runs/tiny_cpu.yaml")
     ap.add_argument("--steps", type=int, default=12)
@@ -98,7 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="run directories (default: a temporary one)")
     ap.add_argument("overrides", nargs="*", help="section.key=value for every run")
     add_output_args(ap, name="overlap")
-    args = ap.parse_intermixed_args(argv)  # flags and key=value overrides in any order
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    import platform
+
+    args = _parser().parse_intermixed_args(argv)  # flags and key=value overrides in any order
     check_header(results_csv(args, name="overlap"), FIELDS)  # before minutes of runs, not after
     root = Path(args.out or tempfile.mkdtemp(prefix="bench_overlap_"))
     date, machine = time.strftime("%Y-%m-%d", time.gmtime()), f"{platform.machine()} {os.cpu_count()} cores"

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -131,6 +133,44 @@ async def _run(url: str, model_dir: str, *, new_tokens: int, concurrency: list[i
     return rows
 
 
+@contextlib.contextmanager
+def serve_rollout(model_dir: str, register_dir: str, *extra_args: str) -> Iterator[str]:
+    """One `serve-rollout` process for a benchmark (its output discarded): yields its URL once it has
+    registered in register_dir, and kills it on leaving. extra_args: more serve-rollout flags
+    (--dtype, --threads). The trainer's engines start through launch/engines.py instead (logs, restarts,
+    auth); a benchmark wants one bare process and nothing else on the cores."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "dapo_megatron.cli",
+            "serve-rollout",
+            "--model",
+            model_dir,
+            "--port",
+            "0",
+            "--register-dir",
+            register_dir,
+            *extra_args,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        while not (os.path.isdir(register_dir) and _registered(register_dir, proc.pid)):
+            if proc.poll() is not None:
+                raise RuntimeError(f"serve-rollout --model {model_dir} exited with {proc.returncode}")
+            time.sleep(0.2)
+        yield _registered(register_dir, proc.pid)[0]["url"]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _registered(register_dir: str, pid: int) -> list[dict]:
+    return [r for r in read_registrations(register_dir) if r.get("pid") == pid]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dapo-megatron bench rollout", description=__doc__.split("\n")[0])
     ap.add_argument("--hidden", type=int, default=512)
@@ -147,29 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             f"random Qwen2: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}: {n / 1e6:.1f} M params, "
             f"fp32, torch threads {torch.get_num_threads()}\n"
         )
-        reg = os.path.join(tmp, "engines")
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "dapo_megatron.cli",
-                "serve-rollout",
-                "--model",
-                model_dir,
-                "--port",
-                "0",
-                "--register-dir",
-                reg,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            while not (os.path.isdir(reg) and read_registrations(reg)):
-                if proc.poll() is not None:
-                    raise RuntimeError("serve-rollout exited")
-                time.sleep(0.2)
-            url = read_registrations(reg)[0]["url"]
+        with serve_rollout(model_dir, os.path.join(tmp, "engines")) as url:
             rows = asyncio.run(
                 _run(
                     url,
@@ -178,9 +196,6 @@ def main(argv: list[str] | None = None) -> int:
                     concurrency=[int(x) for x in args.concurrency.split(",")],
                 )
             )
-        finally:
-            proc.kill()
-            proc.wait()
     append_rows(results_csv(args, name="rollout"), rows, fields=CSV_FIELDS)
     return 0
 

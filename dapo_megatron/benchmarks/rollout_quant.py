@@ -24,20 +24,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
-from dapo_megatron.benchmarks.rollout import CSV_FIELDS, _row
+from dapo_megatron.benchmarks.rollout import CSV_FIELDS, _row, serve_rollout
 from dapo_megatron.benchmarks.run import add_output_args, append_rows, results_csv
 from dapo_megatron.data.synthetic import synthetic_train_eval
 from dapo_megatron.data.tiny_model import build_tiny_tokenizer
 from dapo_megatron.quant.fp8_export import export_fp8_checkpoint
 from dapo_megatron.rollout.client import EngineClient
-from dapo_megatron.rollout.registry import read_registrations
 
 
 def _random_model(out_dir: str, *, hidden: int, layers: int, vocab: int, seed: int) -> None:
@@ -77,34 +74,6 @@ def _prompts(model_dir: str, num: int, seed: int) -> tuple[list[str], list[list[
         for r in train
     ]
     return texts, ids
-
-
-def _serve(model_dir: str, reg: str, *, dtype: str):
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "dapo_megatron.cli",
-            "serve-rollout",
-            "--model",
-            model_dir,
-            "--port",
-            "0",
-            "--register-dir",
-            reg,
-            "--dtype",
-            dtype,
-            "--threads",
-            str(torch.get_num_threads()),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    while not (os.path.isdir(reg) and [r for r in read_registrations(reg) if r.get("pid") == proc.pid]):
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve-rollout --model {model_dir} exited with {proc.returncode}")
-        time.sleep(0.2)
-    return proc, next(r["url"] for r in read_registrations(reg) if r.get("pid") == proc.pid)
 
 
 async def _measure(url: str, prompts: list[list[int]], new_tokens: int) -> tuple[dict, list]:
@@ -149,12 +118,11 @@ def run(model_dir: str, *, num_prompts: int, new_tokens: int, seed: int, tmp: st
     fp8_dir = str(export_fp8_checkpoint(model_dir, os.path.join(tmp, "fp8")))
     results = {}
     for label, path in (("bf16", model_dir), ("fp8", fp8_dir)):
-        proc, url = _serve(path, os.path.join(tmp, f"engines_{label}"), dtype="bfloat16")
-        try:
+        threads = str(torch.get_num_threads())
+        with serve_rollout(
+            path, os.path.join(tmp, f"engines_{label}"), "--dtype", "bfloat16", "--threads", threads
+        ) as url:
             stats, outs = asyncio.run(_measure(url, prompts, new_tokens))
-        finally:
-            proc.kill()
-            proc.wait()
         stats["mismatch_mean"], stats["mismatch_max"] = _mismatch(model_dir, prompts, outs)
         results[label] = stats
     print(f"{'engine':>8} {'weights MB':>11} {'tokens/s':>9} {'mismatch mean':>14} {'mismatch max':>13}")

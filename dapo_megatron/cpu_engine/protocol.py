@@ -258,82 +258,24 @@ def parse_generate(
     `tokenize(text) -> list[int]`, or None when the server has no tokenizer; `min_tokens(text) -> int`, a
     lower bound of len(tokenize(text)) known without tokenizing (token_bound.py), or None. `pause()` is
     called between two prompts' checks (the engine's parse thread hands the GIL over there: guard.Pauser).
+    The checks run in SGLang's order, so that a body with two faults gets SGLang's error.
     """
     if not isinstance(body, dict):
         raise RequestError("body", "must be a JSON object")
     _check_unsupported(body)
-    has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
-    if has_text == has_ids:
-        raise RequestError("text/input_ids", "give exactly one of text or input_ids")
-    if has_text:
-        text = body["text"]
-        if tokenize is None:
-            raise RequestError("text", "this server has no tokenizer; send input_ids")
-        is_batch = isinstance(text, list)
-        texts = text if is_batch else [text]
-        if not texts or not all(isinstance(t, str) and t for t in texts):
-            raise RequestError("text", "must be a non-empty string or a list of non-empty strings")
-        num = len(texts)
-    else:
-        ids = body["input_ids"]
-        is_batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
-
-        def checked(i: int, p: Any) -> list[int]:
-            if pause is not None:
-                pause()
-            return _token_list(p, f"input_ids[{i}]", vocab_size=vocab_size, context_length=context_length)
-
-        prompts = (
-            [checked(i, p) for i, p in enumerate(ids)]
-            if is_batch
-            else [_token_list(ids, "input_ids", vocab_size=vocab_size, context_length=context_length)]
-        )
-        num = len(prompts)
-
-    raw_params = body.get("sampling_params")
-    if isinstance(raw_params, list):
-        if not is_batch or len(raw_params) != num:
-            raise RequestError("sampling_params", f"a list needs one entry per prompt ({num}), got {len(raw_params)}")
-        params = [
-            parse_sampling_params(r, f"sampling_params[{i}]", vocab_size=vocab_size) for i, r in enumerate(raw_params)
-        ]
-        if len({p.n for p in params}) > 1:
-            raise RequestError(
-                "sampling_params", "The parallel_sample_num should be the same for all samples in sample params."
-            )
-    else:
-        params = [parse_sampling_params(raw_params, "sampling_params", vocab_size=vocab_size)] * num
+    texts, prompts, is_batch = _prompt_inputs(
+        body, tokenize=tokenize, vocab_size=vocab_size, context_length=context_length, pause=pause
+    )
+    num = len(texts) if texts is not None else len(prompts)
+    params = _per_prompt_sampling_params(body.get("sampling_params"), num=num, is_batch=is_batch, vocab_size=vocab_size)
     n = params[0].n
-
-    raw_logprob = body.get("return_logprob", False)
-    if isinstance(raw_logprob, list):
-        if n > 1:
-            raise RequestError("return_logprob", "Cannot use list return_logprob with parallel_sample_num > 1")
-        flags = raw_logprob
-    else:
-        flags = [raw_logprob] * num
-    if len(flags) != num or not all(isinstance(f, bool) or f is None for f in flags):
-        raise RequestError("return_logprob", "must be true/false or a list of them, one per prompt")
-
+    flags = _logprob_flags(body.get("return_logprob", False), num=num, n=n)
     batch = is_batch or n > 1  # n > 1 turns a single prompt into a batch of one (_handle_parallel_sampling)
     rids = _rids(body.get("rid"), num_prompts=num, is_batch=batch)
-    if has_text:  # tokenized last, and only prompts that may fit (SGLang tokenizes first: same 400 either way)
-        prompts = []
-        for i, (t, p) in enumerate(zip(texts, params)):
-            name = f"text[{i}]" if is_batch else "text"
-            lower = min_tokens(t) if min_tokens is not None else 0
-            if lower >= context_length or lower + p.max_new_tokens > context_length:
-                raise RequestError(
-                    name,
-                    f"The input ({len(t)} characters, at least {lower} tokens) is longer than "
-                    f"the model's context length ({context_length} tokens) allows with "
-                    f"max_new_tokens={p.max_new_tokens}.",
-                )
-            try:  # JSON can carry lone surrogates ("\ud800"), which no tokenizer takes (TypeError in `tokenizers`)
-                t.encode("utf-8")
-            except UnicodeEncodeError as err:
-                raise RequestError(name, f"not valid Unicode text (lone surrogate at character {err.start})") from None
-            prompts.append(tokenize(t))
+    if texts is not None:  # tokenized last, and only prompts that may fit (SGLang tokenizes first: same 400 either way)
+        prompts = _tokenized(
+            texts, params, is_batch=is_batch, tokenize=tokenize, min_tokens=min_tokens, context_length=context_length
+        )
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         check_context_length(
             len(prompt),
@@ -341,13 +283,8 @@ def parse_generate(
             context_length=context_length,
             name=f"input_ids[{i}]" if is_batch else "input_ids",
         )
-    routed = body.get("return_routed_experts", False)
-    if not isinstance(routed, bool):
-        raise RequestError("return_routed_experts", f"must be true or false, got {routed!r}")
-    routed_start = body.get("routed_experts_start_len", 0)
-    if isinstance(routed_start, bool) or not isinstance(routed_start, int) or routed_start < 0:
-        raise RequestError("routed_experts_start_len", f"must be an integer >= 0, got {routed_start!r}")
-    seqs = [
+    routed, routed_start = _routed_experts_options(body)
+    return [
         # n > 1: every sample gets a fresh uuid rid (regenerate_rid), none of the client's
         SequenceRequest(
             list(prompts[i]),
@@ -360,5 +297,97 @@ def parse_generate(
         )
         for i in range(num)
         for j in range(n)
+    ], batch
+
+
+def _prompt_inputs(
+    body: dict, *, tokenize, vocab_size: int, context_length: int, pause
+) -> tuple[list[str] | None, list[list[int]], bool]:
+    """(texts, [], is_batch) for text prompts (tokenized later: _tokenized), or (None, checked token
+    lists, is_batch) for input_ids. Exactly one of text / input_ids."""
+    has_text, has_ids = body.get("text") is not None, body.get("input_ids") is not None
+    if has_text == has_ids:
+        raise RequestError("text/input_ids", "give exactly one of text or input_ids")
+    if has_text:
+        text = body["text"]
+        if tokenize is None:
+            raise RequestError("text", "this server has no tokenizer; send input_ids")
+        is_batch = isinstance(text, list)
+        texts = text if is_batch else [text]
+        if not texts or not all(isinstance(t, str) and t for t in texts):
+            raise RequestError("text", "must be a non-empty string or a list of non-empty strings")
+        return texts, [], is_batch
+    ids = body["input_ids"]
+    is_batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+
+    def checked(i: int, p: Any) -> list[int]:
+        if pause is not None:
+            pause()
+        return _token_list(p, f"input_ids[{i}]", vocab_size=vocab_size, context_length=context_length)
+
+    if is_batch:
+        return None, [checked(i, p) for i, p in enumerate(ids)], True
+    return None, [_token_list(ids, "input_ids", vocab_size=vocab_size, context_length=context_length)], False
+
+
+def _per_prompt_sampling_params(raw_params: Any, *, num: int, is_batch: bool, vocab_size: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt: a list (one entry each, the same n) or one dict for all."""
+    if not isinstance(raw_params, list):
+        return [parse_sampling_params(raw_params, "sampling_params", vocab_size=vocab_size)] * num
+    if not is_batch or len(raw_params) != num:
+        raise RequestError("sampling_params", f"a list needs one entry per prompt ({num}), got {len(raw_params)}")
+    params = [
+        parse_sampling_params(r, f"sampling_params[{i}]", vocab_size=vocab_size) for i, r in enumerate(raw_params)
     ]
-    return seqs, batch
+    if len({p.n for p in params}) > 1:
+        raise RequestError(
+            "sampling_params", "The parallel_sample_num should be the same for all samples in sample params."
+        )
+    return params
+
+
+def _logprob_flags(raw_logprob: Any, *, num: int, n: int) -> list:
+    """return_logprob per prompt (one flag for all, or a list: not with n > 1, as SGLang)."""
+    if isinstance(raw_logprob, list):
+        if n > 1:
+            raise RequestError("return_logprob", "Cannot use list return_logprob with parallel_sample_num > 1")
+        flags = raw_logprob
+    else:
+        flags = [raw_logprob] * num
+    if len(flags) != num or not all(isinstance(f, bool) or f is None for f in flags):
+        raise RequestError("return_logprob", "must be true/false or a list of them, one per prompt")
+    return flags
+
+
+def _tokenized(
+    texts: list[str], params: list[SamplingParams], *, is_batch: bool, tokenize, min_tokens, context_length: int
+) -> list[list[int]]:
+    """The text prompts' token ids; a text that cannot fit the context (by a lower bound of its tokens,
+    known without tokenizing) or that is not valid Unicode is refused before the tokenizer sees it."""
+    prompts = []
+    for i, (t, p) in enumerate(zip(texts, params)):
+        name = f"text[{i}]" if is_batch else "text"
+        lower = min_tokens(t) if min_tokens is not None else 0
+        if lower >= context_length or lower + p.max_new_tokens > context_length:
+            raise RequestError(
+                name,
+                f"The input ({len(t)} characters, at least {lower} tokens) is longer than "
+                f"the model's context length ({context_length} tokens) allows with "
+                f"max_new_tokens={p.max_new_tokens}.",
+            )
+        try:  # JSON can carry lone surrogates ("\ud800"), which no tokenizer takes (TypeError in `tokenizers`)
+            t.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise RequestError(name, f"not valid Unicode text (lone surrogate at character {err.start})") from None
+        prompts.append(tokenize(t))
+    return prompts
+
+
+def _routed_experts_options(body: dict) -> tuple[bool, int]:
+    routed = body.get("return_routed_experts", False)
+    if not isinstance(routed, bool):
+        raise RequestError("return_routed_experts", f"must be true or false, got {routed!r}")
+    routed_start = body.get("routed_experts_start_len", 0)
+    if isinstance(routed_start, bool) or not isinstance(routed_start, int) or routed_start < 0:
+        raise RequestError("routed_experts_start_len", f"must be an integer >= 0, got {routed_start!r}")
+    return routed, routed_start

@@ -104,7 +104,7 @@ def _with_config_file(ap: argparse.ArgumentParser, argv: list[str]) -> list[str]
     return merged + argv[:at] + argv[at + 2 :]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dapo-megatron serve-rollout", description=server_module.__doc__.split("\n")[0])
     ap.add_argument("--model", required=True, help="HF checkpoint directory (config + safetensors [+ tokenizer])")
     ap.add_argument("--host", default="127.0.0.1")
@@ -163,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_MAX_REQUEST_BYTES,
         help="bodies above this many bytes are refused (413) before they are read",
     )
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(_with_config_file(ap, argv))
     if args.max_request_bytes < 1:

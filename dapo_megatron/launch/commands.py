@@ -74,18 +74,42 @@ def evaluate(argv: list[str]) -> int:
     newest complete checkpoint); without --checkpoint, the config's trainer.output_dir.
     --compare: B's avg@k minus A's on the same problems, with a paired-bootstrap 95% interval.
     """
-    import argparse
-    import asyncio
     import json
-    import os
-    import tempfile
     from pathlib import Path
 
     from dapo_megatron.trainer.evaluation.report import eval_report, write_eval_file
-    from dapo_megatron.trainer.evaluation.sampling import resolve_checkpoint, sample_eval
+    from dapo_megatron.trainer.evaluation.sampling import resolve_checkpoint
 
     if "--compare" in argv:
         return compare(argv)
+    args = _eval_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    checkpoint, hf_dir = resolve_checkpoint(args.checkpoint or cfg.trainer.output_dir)
+    if checkpoint != args.checkpoint:
+        print(f"[eval] checkpoint: {checkpoint}", flush=True)
+    output = Path(args.output or Path(checkpoint) / "eval.json")
+    _, sets = train_and_eval_sets(cfg.data)
+    if not sets or not all(sets.values()):
+        raise ValueError("an eval set is empty: set data.eval_sets, data.eval_path (or data.synthetic.num_eval)")
+    samples = _sample_eval_sets(cfg, hf_dir, sets)
+    step = _checkpoint_step(checkpoint)
+    reports = {name: eval_report(samples[name], records, step=step, name=name) for name, records in sets.items()}
+    t = cfg.trainer
+    write_eval_file(
+        output,
+        reports,
+        extra={"checkpoint": checkpoint, "model": hf_dir, "temperature": t.eval_temperature, "top_p": t.eval_top_p},
+    )
+    for report in reports.values():
+        print(json.dumps({k: v for k, v in report.items() if k not in ("problems", "interval", "maj_tie_rule")}))
+    print(f"[eval] wrote {output}")
+    return 0
+
+
+def _eval_args(argv: list[str]) -> argparse.Namespace:
+    """`eval`'s command line; a run directory given as the config is refused with the command that works."""
+    from pathlib import Path
+
     parser = argparse.ArgumentParser(
         prog="dapo-megatron eval", description=evaluate.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -105,59 +129,19 @@ def evaluate(argv: list[str]) -> int:
             f"{args.config} is a directory, not a config file; a run directory goes to --checkpoint: "
             f"dapo-megatron eval {config_hint} --checkpoint {args.config}"
         )
-    cfg = load_config(args.config, args.overrides)
-    checkpoint, hf_dir = resolve_checkpoint(args.checkpoint or cfg.trainer.output_dir)
-    if checkpoint != args.checkpoint:
-        print(f"[eval] checkpoint: {checkpoint}", flush=True)
-    output = Path(args.output or Path(checkpoint) / "eval.json")
+    return args
+
+
+def _sample_eval_sets(cfg, hf_dir: str, sets: dict) -> dict:
+    """name -> EvalSamples of every eval set, on CPU engines started here on hf_dir (rollout.engine=cpu
+    without rollout.engine_urls), else on the configured engines, which load hf_dir from disk."""
+    import asyncio
+    import tempfile
 
     from transformers import AutoTokenizer
 
-    from dapo_megatron.rollout.pool import EnginePool
-    from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
-
-    _, sets = train_and_eval_sets(cfg.data)
-    if not sets or not all(sets.values()):
-        raise ValueError("an eval set is empty: set data.eval_sets, data.eval_path (or data.synthetic.num_eval)")
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    t, r = cfg.trainer, cfg.rollout
-
-    async def run(urls: list[str] | None, keys):  # -> name -> EvalSamples
-        if urls:
-            pool = EnginePool(urls, timeout_s=r.request_timeout_s, max_retries=r.max_retries, keys=keys)
-        else:
-            pool = await EnginePool.from_registry(
-                str(Path(t.output_dir) / "engines"),
-                min_engines=1,
-                timeout_s=r.request_timeout_s,
-                max_retries=r.max_retries,
-                keys=keys,
-            )
-            await asyncio.gather(*(c.update_weights_from_disk(hf_dir) for c in pool.live_clients()))
-        try:
-            sampler = RolloutSampler(
-                pool, tokenizer, RolloutSettings.from_sections(r, cfg.algorithm, seed=t.seed, progress=False)
-            )
-            eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-            seeded = await pool.seeds_honoured()
-            out = {}
-            for name, records in sets.items():
-                out[name] = await sample_eval(
-                    pool,
-                    [sampler.prompt_ids(rec) for rec in records],
-                    records,
-                    n=t.eval_n,
-                    temperature=t.eval_temperature,
-                    top_p=t.eval_top_p,
-                    max_new_tokens=r.max_response_length,
-                    seed=t.seed,
-                    stop_token_ids=eos,
-                    per_sample_seeds=seeded,
-                )
-            return out
-        finally:
-            await pool.close()
-
+    r, t = cfg.rollout, cfg.trainer
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)  # before any engine starts: a bad model fails here
     if r.engine == "cpu" and not r.engine_urls:
         with tempfile.TemporaryDirectory() as tmp:
             secret = run_secret_path(tmp)  # these engines' own key, gone with them
@@ -169,20 +153,58 @@ def evaluate(argv: list[str]) -> int:
                 seed=t.seed,
                 auth_file=secret,
             ) as engines:
-                samples = asyncio.run(run(engines.urls, keys))
-    else:  # the user's keys for engine_urls, else the run's secret (its SGLang engines registered)
-        samples = asyncio.run(run(list(r.engine_urls) or None, engine_keys(r, t.output_dir)))
-    step = _checkpoint_step(checkpoint)
-    reports = {name: eval_report(samples[name], records, step=step, name=name) for name, records in sets.items()}
-    write_eval_file(
-        output,
-        reports,
-        extra={"checkpoint": checkpoint, "model": hf_dir, "temperature": t.eval_temperature, "top_p": t.eval_top_p},
-    )
-    for report in reports.values():
-        print(json.dumps({k: v for k, v in report.items() if k not in ("problems", "interval", "maj_tie_rule")}))
-    print(f"[eval] wrote {output}")
-    return 0
+                return asyncio.run(_sample_on_engines(cfg, hf_dir, tokenizer, sets, engines.urls, keys))
+    # the user's keys for engine_urls, else the run's secret (its SGLang engines registered)
+    urls = list(r.engine_urls) or None
+    return asyncio.run(_sample_on_engines(cfg, hf_dir, tokenizer, sets, urls, engine_keys(r, t.output_dir)))
+
+
+async def _sample_on_engines(cfg, hf_dir: str, tokenizer, sets: dict, urls: list[str] | None, keys) -> dict:
+    """The eval sampling itself (k = trainer.eval_n samples per problem at the eval temperature and
+    top_p), on the engines at urls, or on those registered under <output_dir>/engines after they
+    loaded hf_dir."""
+    import asyncio
+    from pathlib import Path
+
+    from dapo_megatron.rollout.pool import EnginePool
+    from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
+    from dapo_megatron.trainer.evaluation.sampling import sample_eval
+
+    r, t = cfg.rollout, cfg.trainer
+    if urls:
+        pool = EnginePool(urls, timeout_s=r.request_timeout_s, max_retries=r.max_retries, keys=keys)
+    else:
+        pool = await EnginePool.from_registry(
+            str(Path(t.output_dir) / "engines"),
+            min_engines=1,
+            timeout_s=r.request_timeout_s,
+            max_retries=r.max_retries,
+            keys=keys,
+        )
+        await asyncio.gather(*(c.update_weights_from_disk(hf_dir) for c in pool.live_clients()))
+    try:
+        sampler = RolloutSampler(
+            pool, tokenizer, RolloutSettings.from_sections(r, cfg.algorithm, seed=t.seed, progress=False)
+        )
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        seeded = await pool.seeds_honoured()
+        out = {}
+        for name, records in sets.items():
+            out[name] = await sample_eval(
+                pool,
+                [sampler.prompt_ids(rec) for rec in records],
+                records,
+                n=t.eval_n,
+                temperature=t.eval_temperature,
+                top_p=t.eval_top_p,
+                max_new_tokens=r.max_response_length,
+                seed=t.seed,
+                stop_token_ids=eos,
+                per_sample_seeds=seeded,
+            )
+        return out
+    finally:
+        await pool.close()
 
 
 def _checkpoint_step(checkpoint: str) -> int:

@@ -43,10 +43,7 @@ def _one_config(configs: list[str], what: str) -> str:
     return configs[0]
 
 
-def _submit(argv: list[str]) -> int:
-    # per sub-command, as cli.py dispatches: `slurm status` does not load the plans, checks and renderers
-    from dapo_megatron.launch import submit, submit_guard
-
+def _submit_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="dapo-megatron slurm submit", description="render the sbatch files of a run and submit them"
     )
@@ -85,7 +82,14 @@ def _submit(argv: list[str]) -> int:
         action="store_true",
         help="do not read the prompt files here (they exist only where the jobs run; the job checks them)",
     )
-    args = ap.parse_intermixed_args(argv)
+    return ap
+
+
+def _submit(argv: list[str]) -> int:
+    # per sub-command, as cli.py dispatches: `slurm status` does not load the plans, checks and renderers
+    from dapo_megatron.launch import submit, submit_guard
+
+    args = _submit_parser().parse_intermixed_args(argv)
     configs, overrides = _split(args.args)
     plan_lines: list[str] = []  # the memory plan's verdicts; a plan that does not fit raises before any submission
     if args.engines and (args.sweep or args.eval or args.bench_kernels):

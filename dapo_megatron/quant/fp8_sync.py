@@ -1,7 +1,7 @@
 """Per-sync FP8 conversion: the actor's HF-named weights -> the block-FP8 weights + scales the engines load.
 
     conv = Fp8SyncConverter.from_checkpoint("out/run/rollout_fp8")    # the engines' export (fp8_export.py)
-    for name, tensor in conv.convert(iter_hf_weights(chunks, hf_config)):
+    for name, tensor in conv.convert(iter_hf_weights(chunks, hf_config, layout=layout)):
         ...   # "<m>.weight" fp8 [out, in], "<m>.weight_scale_inv" fp32 [ceil(out/128), ceil(in/128)], others in dtype
 
 Which tensors are quantized is read from the engines' checkpoint, not decided here: a module is FP8 iff

@@ -33,14 +33,16 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
 
 from dapo_megatron.algo.off_policy import staleness_histogram
+from dapo_megatron.data.prompts import PromptRecord
+from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.rollout.client import EngineError
-from dapo_megatron.rollout.sampler import INITIAL_WEIGHT_VERSION
+from dapo_megatron.rollout.sampler import INITIAL_WEIGHT_VERSION, RolloutResult, RolloutSampler
 
 
 def version_number(version: str) -> int:
@@ -63,12 +65,14 @@ def accepted_versions(batch_step: int, max_staleness: int) -> set[str]:
     return versions | {INITIAL_WEIGHT_VERSION} if low == 0 else versions
 
 
-def sample_staleness(sample: Any, step: int) -> int:
+def sample_staleness(sample: Sample, step: int) -> int:
     """Updates between the oldest weights that made the sample and the step it is trained at."""
     return step - min(version_number(v) for v in sample.extra["weight_versions"])
 
 
-def filter_stale(groups: list[list[Any]], step: int, max_staleness: int) -> tuple[list[list[Any]], dict[str, float]]:
+def filter_stale(
+    groups: list[list[Sample]], step: int, max_staleness: int
+) -> tuple[list[list[Sample]], dict[str, float]]:
     """Groups whose every sample is within max_staleness of `step`; the staleness histogram of the
     samples offered (bins 0..k and '>k', the refused ones) and the mean of those kept."""
     kept, staleness = [], []
@@ -103,8 +107,8 @@ class AsyncRollout:
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
-        sampler: Any,
-        prompts: Any,
+        sampler: RolloutSampler,
+        prompts: Iterator[PromptRecord],
         *,
         max_staleness: int,
         train_batch_size: int,
@@ -160,7 +164,7 @@ class AsyncRollout:
         except BaseException as err:  # noqa: BLE001 - handed to the trainer, which raises it
             self.ready.put((j, err))
 
-    def next_batch(self, step: int) -> tuple[Any, dict[str, float]]:
+    def next_batch(self, step: int) -> tuple[RolloutResult, dict[str, float]]:
         """Batch `step` (blocking) and the overlap statistics; lets the producer run k steps ahead."""
         tic = time.time()
         self.loop.call_soon_threadsafe(self._start_step, step)

@@ -38,14 +38,15 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dapo_megatron.algo import DynamicSampler, keep_group, overlong_penalty
-from dapo_megatron.data.prompts import prompt_token_ids
+from dapo_megatron.config import AlgorithmConfig, RolloutConfig
+from dapo_megatron.data.prompts import PromptRecord, prompt_token_ids
 from dapo_megatron.dataplane.sample import Sample
-from dapo_megatron.reward import scorer_for_data_source
+from dapo_megatron.reward import Scorer, scorer_for_data_source
 from dapo_megatron.rollout.pool import EnginePool
 from dapo_megatron.rollout.routing import routed_experts_of
 
@@ -77,10 +78,12 @@ class RolloutSettings:
     per_sample_seeds: bool = True  # send sampling_seed (only where the engines honour it: pool.seeds_honoured)
 
     @classmethod
-    def from_sections(cls, rollout: Any, algorithm: Any, *, seed: int, **overrides: Any) -> RolloutSettings:
+    def from_sections(
+        cls, rollout: RolloutConfig, algorithm: AlgorithmConfig, *, seed: int, **overrides: Any
+    ) -> RolloutSettings:
         """From the config's rollout and algorithm sections (dapo_megatron/config.py) and trainer.seed."""
         r, a = rollout, algorithm
-        values = dict(
+        settings = cls(
             n=r.n,
             max_new_tokens=r.max_response_length,
             gen_batch_size=r.gen_batch_size,
@@ -98,8 +101,7 @@ class RolloutSettings:
             in_order=r.in_order,
             return_routed_experts=r.return_routed_experts,
         )
-        values.update(overrides)
-        return cls(**values)
+        return replace(settings, **overrides)
 
 
 @dataclass
@@ -112,7 +114,7 @@ class RolloutResult:
         return [s for g in self.groups for s in g]
 
 
-def _reward_for(record: Any) -> Callable[[str, str], Any]:
+def _reward_for(record: PromptRecord) -> Scorer:
     """The record's scorer (reward.scorer_for_data_source of its data_source; math_dapo if none)."""
     return scorer_for_data_source(getattr(record, "data_source", "") or "math_dapo")
 
@@ -144,7 +146,7 @@ class RolloutSampler:
         tokenizer: Any,
         settings: RolloutSettings,
         *,
-        reward_fn: Callable[[str, str], Any] | None = None,
+        reward_fn: Scorer | None = None,
         rid_prefix: str | None = None,
     ):
         if settings.n < 1 or settings.gen_batch_size < 1 or settings.max_new_tokens < 1:
@@ -166,7 +168,7 @@ class RolloutSampler:
         self.accepted_versions: set[str] | None = None
 
     # ------------------------------------------------------------------ one group
-    def prompt_ids(self, record: Any) -> list[int]:
+    def prompt_ids(self, record: PromptRecord) -> list[int]:
         ids = prompt_token_ids(self.tokenizer, record)  # the same function the start-up check uses (data/prompts.py)
         limit = self.settings.max_prompt_length
         if limit and len(ids) > limit:
@@ -197,7 +199,7 @@ class RolloutSampler:
     def rids(self, k: int) -> list[str]:
         return [self.sample_rid(k, j) for j in range(self.settings.n)]
 
-    async def _generate_group(self, record: Any, k: int) -> tuple[Any, list[dict]]:
+    async def _generate_group(self, record: PromptRecord, k: int) -> tuple[PromptRecord, list[dict]]:
         ids = self.prompt_ids(record)
         routed = {"return_routed_experts": True} if self.settings.return_routed_experts else {}
         outs = await self.pool.generate(
@@ -221,7 +223,7 @@ class RolloutSampler:
                 return True
         return False
 
-    def score_group(self, record: Any, outputs: list[dict]) -> list[Sample]:
+    def score_group(self, record: PromptRecord, outputs: list[dict]) -> list[Sample]:
         s = self.settings
         lengths = [len(o["output_ids"]) for o in outputs]
         if s.overlong_shaping:
@@ -266,7 +268,7 @@ class RolloutSampler:
         return samples
 
     # ------------------------------------------------------------------ dynamic sampling
-    async def collect(self, prompts: Iterator[Any], *, train_batch_size: int) -> RolloutResult:
+    async def collect(self, prompts: Iterator[PromptRecord], *, train_batch_size: int) -> RolloutResult:
         s = self.settings
         acc = DynamicSampler(
             train_batch_size=train_batch_size,
@@ -324,7 +326,7 @@ class RolloutSampler:
         }
         return RolloutResult(groups=groups, stats=stats)
 
-    async def _round(self, records: list[Any], kept_before: int, target: int, bar) -> tuple[list, dict]:
+    async def _round(self, records: list[PromptRecord], kept_before: int, target: int, bar) -> tuple[list, dict]:
         """One generation round; returns (scored groups, counters). The round stops at the group that
         fills the batch: finished groups after it are dropped unscored, unfinished ones aborted.
 

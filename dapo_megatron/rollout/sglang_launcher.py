@@ -210,7 +210,7 @@ def wait_healthy(url: str, *, proc: subprocess.Popen | None = None, timeout_s: f
     raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:.0f} s")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="launch an SGLang rollout engine and register it")
     ap.add_argument("--model", required=True)
     ap.add_argument("--tp", type=int, default=1)
@@ -251,7 +251,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=f"run an sglang other than {VERIFIED_SGLANG.rsplit('.', 1)[0]}.x (also {ALLOW_ENV}=1)",
     )
-    args, extra = ap.parse_known_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = _parser().parse_known_args(argv)
     check_sglang_version(
         installed_sglang_version(), allow_other=args.allow_sglang_version or os.environ.get(ALLOW_ENV) == "1"
     )
@@ -287,21 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout_s=args.health_timeout,
         )
         if args.register_dir:
-            registration = write_registration(
-                args.register_dir,
-                {
-                    "host": host,
-                    "port": args.port,
-                    "url": url,
-                    "tp_size": args.tp,
-                    "model": args.model,
-                    "pid": proc.pid,
-                    "engine": "sglang",
-                    "node": socket.gethostname(),
-                    "base_gpu_id": args.base_gpu_id,
-                    "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                },
-            )
+            registration = write_registration(args.register_dir, _registration(args, host=host, url=url, pid=proc.pid))
         print(f"sglang engine ready at {url}", flush=True)
         return proc.wait()
     finally:
@@ -312,6 +302,22 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(60)
         if pump is not None:  # the server's last lines (its shutdown) reach the log; its children may hold the pipe
             pump.join(timeout=5)
+
+
+def _registration(args: argparse.Namespace, *, host: str, url: str, pid: int) -> dict:
+    """The engine's record in the registry the trainer reads (rollout/registry.py)."""
+    return {
+        "host": host,
+        "port": args.port,
+        "url": url,
+        "tp_size": args.tp,
+        "model": args.model,
+        "pid": pid,
+        "engine": "sglang",
+        "node": socket.gethostname(),
+        "base_gpu_id": args.base_gpu_id,
+        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+    }
 
 
 if __name__ == "__main__":

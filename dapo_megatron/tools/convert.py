@@ -76,14 +76,14 @@ def hf_to_mcore(
     hf_config = AutoConfig.from_pretrained(hf_dir)
     final = Path(out_dir).absolute()
     tmp = final.with_name(final.name + ".tmp")
-    with model_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp):
+    with model_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp) as layout:
         chunks = build_model_chunks(
             hf_config,
             attention_backend="torch",
             precision=_precision_of(hf_config, precision),
             vocab_divisible_by=vocab_divisible_by,
         )
-        load_hf_into_model(chunks, hf_dir, hf_config=hf_config)
+        load_hf_into_model(chunks, hf_dir, layout=layout, hf_config=hf_config)
         if dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
@@ -150,7 +150,7 @@ def mcore_to_hf(
     # rebuild the checkpoint's own vocabulary padding and dtype (Actor checkpoints use no padding)
     rows, dtype = _checkpoint_vocab_and_dtype(mcore_dir)
     divisible_by = _vocab_divisible_by_for(rows, hf_config.vocab_size, tp, mcore_dir)
-    with model_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp):
+    with model_parallel(tp=tp, pp=pp, vpp=vpp, ep=ep, etp=etp) as layout:
         chunks = build_model_chunks(
             hf_config,
             attention_backend="torch",
@@ -161,7 +161,7 @@ def mcore_to_hf(
         loaded = dist_checkpointing.load(state, mcore_dir)
         for i, chunk in enumerate(chunks):
             chunk.load_state_dict(loaded[_state_key(i, len(chunks))], strict=False)
-        tensors = iter_hf_weights(chunks, hf_config)
+        tensors = iter_hf_weights(chunks, hf_config, layout=layout)
         if dist.get_rank() == 0:
             save_hf_checkpoint(tensors, hf_config, out_dir, copy_from=hf_config_dir)
         else:

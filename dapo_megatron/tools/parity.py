@@ -50,7 +50,7 @@ import functools
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -67,24 +67,29 @@ from dapo_megatron.actor.model import build_model_chunks, packed_position_ids, p
 from dapo_megatron.actor.packing import round_up
 from dapo_megatron.actor.parallel import init_distributed, model_parallel
 from dapo_megatron.distributed import collectives as coll
+from dapo_megatron.distributed.layout import ParallelLayout
 from dapo_megatron.weights.load import load_hf_into_model
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+    from transformers import PretrainedConfig, PreTrainedModel
 
 
 def vocab_parallel_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, temperature: float = 1.0
+    logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int, tp_rank: int, temperature: float = 1.0
 ) -> torch.Tensor:
     """log softmax(logits / temperature)[target] over the full vocabulary, from vocab-parallel logits.
 
-    logits [..., V_pad/tp] is this TP rank's slice of the padded vocabulary; rows >= vocab_size
+    logits [..., V_pad/tp] is TP rank tp_rank's slice of the padded vocabulary; rows >= vocab_size
     are Megatron's padding and are excluded (set to -inf) so they take no probability mass.
     Returns fp32 [...], identical on all TP ranks, differentiable (megatron's
     vocab_parallel_cross_entropy: max and sum-exp all-reduced over TP).
     """
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import tensor_parallel
 
     logits = logits.float() / temperature  # a new tensor: megatron's CE edits its input in place
     v_local = logits.size(-1)
-    start = parallel_state.get_tensor_model_parallel_rank() * v_local
+    start = tp_rank * v_local
     padding = torch.arange(start, start + v_local, device=logits.device) >= vocab_size
     if bool(padding.any()):
         logits = logits.masked_fill(padding, float("-inf"))
@@ -92,7 +97,12 @@ def vocab_parallel_logprobs(
 
 
 def megatron_logprobs(
-    model_chunks: Sequence[Any], micro_batches: Sequence[dict], *, vocab_size: int, temperature: float = 1.0
+    model_chunks: Sequence[GPTModel],
+    micro_batches: Sequence[dict],
+    *,
+    layout: ParallelLayout,
+    vocab_size: int,
+    temperature: float = 1.0,
 ) -> list[torch.Tensor] | None:
     """Per-token log-probs of each micro-batch through Megatron's pipeline schedule (forward only).
 
@@ -105,15 +115,6 @@ def megatron_logprobs(
     every packed segment (of the row for [B, S]; lengths must be multiples of 2*cp) and the
     log-probs are all-gathered back over the CP group only.
     """
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    cp_size = parallel_state.get_context_parallel_world_size()
-    cp_rank = parallel_state.get_context_parallel_rank()
-
-    def local(batch, key):
-        return split_for_cp(batch[key], _cp_bounds(batch), cp_size=cp_size, cp_rank=cp_rank, dim=1)
-
     chunks = list(model_chunks)
     batches = list(micro_batches)
     for chunk in chunks:
@@ -121,8 +122,27 @@ def megatron_logprobs(
 
     def loss_func(labels, output_tensor):
         # output_tensor: logits [B, S, V_pad/tp] (vocab-parallel)
-        logprobs = vocab_parallel_logprobs(output_tensor, labels, vocab_size=vocab_size, temperature=temperature)
+        logprobs = vocab_parallel_logprobs(
+            output_tensor, labels, vocab_size=vocab_size, tp_rank=layout.tp_rank, temperature=temperature
+        )
         return logprobs.sum() * 0.0, {"logprobs": logprobs.detach()}
+
+    results = _forward_only(
+        chunks, batches, layout=layout, loss_for=lambda labels, model: functools.partial(loss_func, labels)
+    )
+    if not layout.is_last_stage:
+        return None
+    return [_gathered_over_cp(r["logprobs"], batch, layout) for batch, r in zip(batches, results)]
+
+
+def _forward_only(chunks: list[GPTModel], batches: list[dict], *, layout: ParallelLayout, loss_for) -> list:
+    """megatron's pipeline schedule, forward only, over the micro-batches: each CP rank feeds its chunks of
+    every segment (_cp_bounds); loss_for(labels, model) is one micro-batch's loss function (its local labels).
+    Returns the loss functions' outputs, on the last pipeline stage."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def local(batch, key):
+        return split_for_cp(batch[key], _cp_bounds(batch), cp_size=layout.cp_size, cp_rank=layout.cp_rank, dim=1)
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
@@ -132,32 +152,30 @@ def megatron_logprobs(
             None,
             packed_seq_params=batch.get("packed_seq_params"),
         )
-        return output, functools.partial(loss_func, local(batch, "labels"))
+        return output, loss_for(local(batch, "labels"), model)
 
     vpp = len(chunks)
     iterators = [iter(batches) for _ in range(vpp)] if vpp > 1 else iter(batches)
-    seq_length = max(b["input_ids"].size(1) for b in batches)
     with torch.no_grad():
-        results = get_forward_backward_func()(
+        return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iterators,
             model=chunks if vpp > 1 else chunks[0],
             num_microbatches=len(batches),
-            seq_length=seq_length,
+            seq_length=max(b["input_ids"].size(1) for b in batches),
             micro_batch_size=batches[0]["input_ids"].size(0),
             forward_only=True,
         )
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        return None
-    logprobs = [r["logprobs"] for r in results]
-    if cp_size == 1:
-        return logprobs
-    merged = []
-    for batch, mine in zip(batches, logprobs):
-        parts = [torch.empty_like(mine) for _ in range(cp_size)]
-        coll.all_gather(parts, mine.contiguous(), group=parallel_state.get_context_parallel_group())
-        merged.append(merge_from_cp(parts, _cp_bounds(batch), dim=1))
-    return merged
+
+
+def _gathered_over_cp(mine: torch.Tensor, batch: dict, layout: ParallelLayout) -> torch.Tensor:
+    """This CP rank's [B, S/cp] values of a micro-batch -> the whole [B, S] (all-gather over the CP group
+    only); identity without CP."""
+    if layout.cp_size == 1:
+        return mine
+    parts = [torch.empty_like(mine) for _ in range(layout.cp_size)]
+    coll.all_gather(parts, mine.contiguous(), group=layout.cp_group)
+    return merge_from_cp(parts, _cp_bounds(batch), dim=1)
 
 
 def _cp_bounds(batch: dict) -> list[int]:
@@ -204,9 +222,10 @@ def _head_grad_rel_diff(hidden_NH, weight, targets, *, tp_group, vocab_size: int
 
 
 def head_logprobs(
-    model_chunks: Sequence[Any],
+    model_chunks: Sequence[GPTModel],
     micro_batches: Sequence[dict],
     *,
+    layout: ParallelLayout,
     vocab_size: int,
     sequence_parallel: bool,
     seed: int = 0,
@@ -219,20 +238,11 @@ def head_logprobs(
     "grad_rel_diff" (see _head_grad_rel_diff, max over the TP and CP groups); None on the other
     stages. Context parallelism as in megatron_logprobs: each CP rank scores its chunks, merged here.
     """
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    cp_size = parallel_state.get_context_parallel_world_size()
-    cp_rank = parallel_state.get_context_parallel_rank()
-
-    def local(batch, key):
-        return split_for_cp(batch[key], _cp_bounds(batch), cp_size=cp_size, cp_rank=cp_rank, dim=1)
-
     chunks = list(model_chunks)
     for chunk in chunks:
         chunk.eval()
         return_hidden_states(_unwrap(chunk))
-    tp_group = parallel_state.get_tensor_model_parallel_group()
+    tp_group = layout.tp_group
     step = iter(range(len(micro_batches)))
 
     def loss_func(labels, gpt, output_tensor):
@@ -246,47 +256,27 @@ def head_logprobs(
             vocab_size=vocab_size,
             seed=seed + next(step),
         )
-        if cp_size > 1:
-            coll.all_reduce(rel, op=dist.ReduceOp.MAX, group=parallel_state.get_context_parallel_group())
+        if layout.cp_size > 1:
+            coll.all_reduce(rel, op=dist.ReduceOp.MAX, group=layout.cp_group)
         out = {"logprobs": lp, "entropies": ent, "ref_logprobs": lp_ref, "ref_entropies": ent_ref}
         return lp.sum() * 0.0, {**{k: v.view(b, s) for k, v in out.items()}, "grad_rel_diff": rel}
 
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        output = model(
-            local(batch, "input_ids"),
-            local(batch, "position_ids"),
-            None,
-            packed_seq_params=batch.get("packed_seq_params"),
-        )
-        return output, functools.partial(loss_func, local(batch, "labels"), _unwrap(model))
-
     batches = list(micro_batches)
-    vpp = len(chunks)
-    iterators = [iter(batches) for _ in range(vpp)] if vpp > 1 else iter(batches)
-    with torch.no_grad():
-        results = get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iterators,
-            model=chunks if vpp > 1 else chunks[0],
-            num_microbatches=len(batches),
-            seq_length=max(b["input_ids"].size(1) for b in batches),
-            micro_batch_size=batches[0]["input_ids"].size(0),
-            forward_only=True,
-        )
-    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+    results = _forward_only(
+        chunks,
+        batches,
+        layout=layout,
+        loss_for=lambda labels, model: functools.partial(loss_func, labels, _unwrap(model)),
+    )
+    if not layout.is_last_stage:
         return None
-    if cp_size == 1:
+    if layout.cp_size == 1:
         return list(results)
-    merged = []
-    for batch, mine in zip(batches, results):
-        entry = {"grad_rel_diff": mine["grad_rel_diff"]}
-        for key in ("logprobs", "entropies", "ref_logprobs", "ref_entropies"):
-            parts = [torch.empty_like(mine[key]) for _ in range(cp_size)]
-            coll.all_gather(parts, mine[key].contiguous(), group=parallel_state.get_context_parallel_group())
-            entry[key] = merge_from_cp(parts, _cp_bounds(batch), dim=1)
-        merged.append(entry)
-    return merged
+    keys = ("logprobs", "entropies", "ref_logprobs", "ref_entropies")
+    return [
+        {"grad_rel_diff": mine["grad_rel_diff"], **{k: _gathered_over_cp(mine[k], batch, layout) for k in keys}}
+        for batch, mine in zip(batches, results)
+    ]
 
 
 # --- the CLI --------------------------------------------------------------------------------------
@@ -298,7 +288,7 @@ def _parity_batches(
     seq_len: int,
     vocab_size: int,
     seed: int,
-    device: Any,
+    device: torch.device | str,
     seq_multiple: int = 1,
     row_multiple: int = 1,
 ) -> tuple[torch.Tensor, list[int], list[dict]]:
@@ -340,13 +330,13 @@ def _parity_batches(
     return tokens, lengths, [unpacked, packed]
 
 
-def hf_logprobs(hf_model: Any, tokens: torch.Tensor) -> torch.Tensor:
+def hf_logprobs(hf_model: PreTrainedModel, tokens: torch.Tensor) -> torch.Tensor:
     """[K, L-1] log-probs of tokens[:, 1:] under a transformers causal LM (fp32, or fp64 for an
     fp64 model)."""
     return hf_logprobs_entropies(hf_model, tokens)[0]
 
 
-def hf_logprobs_entropies(hf_model: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def hf_logprobs_entropies(hf_model: PreTrainedModel, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """([K, L-1] log-probs of tokens[:, 1:], [K, L-1] entropies of the predicting distributions)."""
     with torch.no_grad():
         logits = hf_model(input_ids=tokens).logits
@@ -426,7 +416,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def _check_model_fits_layout(hf_config: Any, *, tp: int, model: str) -> None:
+def _check_model_fits_layout(hf_config: PretrainedConfig, *, tp: int, model: str) -> None:
     """Megatron shards attention heads and KV groups over TP: say so before megatron asserts."""
     heads = hf_config.num_attention_heads
     groups = getattr(hf_config, "num_key_value_heads", None) or heads
@@ -496,7 +486,6 @@ def run_check(argv: Sequence[str]) -> dict[str, float]:
     (head gradients, fused vs torch) and fused_vs_torch_logprob / _entropy (same hidden states);
     max_abs_logprob (the scale); fp32_floor_* (transformers fp32 vs float64, when the reference is
     float64 and --precision fp32; else 0). failures() turns them into the verdict."""
-    from megatron.core import parallel_state
     from transformers import AutoConfig
 
     args = _parse(argv)
@@ -508,7 +497,9 @@ def run_check(argv: Sequence[str]) -> dict[str, float]:
     # CP: every sequence padded to a multiple of 2*cp; SP: rows (and the packed total) to a multiple of tp too
     seq_multiple = 2 * args.cp if args.cp > 1 else 1
     row_multiple = seq_multiple * (args.tp if args.sequence_parallel else 1)
-    with model_parallel(tp=args.tp, pp=args.pp, cp=args.cp, vpp=args.vpp, ep=args.ep, etp=args.etp, seed=args.seed):
+    with model_parallel(
+        tp=args.tp, pp=args.pp, cp=args.cp, vpp=args.vpp, ep=args.ep, etp=args.etp, seed=args.seed
+    ) as layout:
         chunks = build_model_chunks(
             hf_config,
             attention_backend=args.attention_backend,
@@ -516,7 +507,7 @@ def run_check(argv: Sequence[str]) -> dict[str, float]:
             sequence_parallel=args.sequence_parallel,
             vocab_divisible_by=args.vocab_divisible_by,
         )
-        load_hf_into_model(chunks, args.model, hf_config=hf_config)
+        load_hf_into_model(chunks, args.model, layout=layout, hf_config=hf_config)
         tokens, lengths, batches = _parity_batches(
             num_seqs=args.seqs,
             seq_len=args.seq_len,
@@ -532,7 +523,12 @@ def run_check(argv: Sequence[str]) -> dict[str, float]:
         extra = torch.zeros(3, dtype=torch.float64, device=device)  # grad_rel, fused-vs-torch logprob, entropy
         if args.fused_logprob:
             out = head_logprobs(
-                chunks, batches, vocab_size=vocab, sequence_parallel=args.sequence_parallel, seed=args.seed
+                chunks,
+                batches,
+                layout=layout,
+                vocab_size=vocab,
+                sequence_parallel=args.sequence_parallel,
+                seed=args.seed,
             )
             if out is not None:
                 for kind, key in enumerate(("logprobs", "entropies")):
@@ -541,11 +537,11 @@ def run_check(argv: Sequence[str]) -> dict[str, float]:
                     extra[1 + kind] = _max_abs((result[kind].double() - ref.double()).abs(), compared)
                 extra[0] = torch.cat([o["grad_rel_diff"] for o in out]).max()  # NaN propagates
         else:
-            logprobs = megatron_logprobs(chunks, batches, vocab_size=vocab)
+            logprobs = megatron_logprobs(chunks, batches, layout=layout, vocab_size=vocab)
             if logprobs is not None:
                 result[0] = comparable(logprobs)
         if args.pp > 1:  # last stage -> driver (global rank 0 is PP stage 0 of its own PP group)
-            pp_group = parallel_state.get_pipeline_model_parallel_group()
+            pp_group = layout.pp_group
             last = dist.get_process_group_ranks(pp_group)[-1]
             coll.broadcast(result, src=last, group=pp_group)
             coll.broadcast(extra, src=last, group=pp_group)

@@ -1,6 +1,6 @@
 """Stream full, HF-named tensors out of a TP x PP (x VPP) sharded Megatron model, and bucket them.
 
-    for bucket in bucketize(iter_hf_weights(chunks, hf_config), max_bytes=512 << 20):
+    for bucket in bucketize(iter_hf_weights(chunks, hf_config, layout=layout), max_bytes=512 << 20):
         engine.update_weights(bucket)          # list of (hf_name, tensor)
 
 iter_hf_weights is a COLLECTIVE: every rank of the job must iterate it to the end, in step. For
@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.distributed import collectives as coll
+from dapo_megatron.distributed.layout import ParallelLayout
 from dapo_megatron.weights.load import chunk_param_maps, expert_offset, unwrap_model
 from dapo_megatron.weights.mapping import Dims, ParamMap, expected_hf_shapes, merge_shards
 
@@ -47,19 +48,11 @@ def _all_gather(tensor: torch.Tensor, group, size: int) -> list[torch.Tensor]:
     return out
 
 
-def _shard_all_gather(shard: torch.Tensor, pmap: ParamMap) -> list[torch.Tensor]:
+def _shard_all_gather(shard: torch.Tensor, pmap: ParamMap, layout: ParallelLayout) -> list[torch.Tensor]:
     """All ranks' shards of a split parameter: over the expert TP group for experts, TP otherwise."""
-    from megatron.core import parallel_state
-
     if pmap.is_expert:
-        return _all_gather(
-            shard,
-            parallel_state.get_expert_tensor_parallel_group(),
-            parallel_state.get_expert_tensor_parallel_world_size(),
-        )
-    return _all_gather(
-        shard, parallel_state.get_tensor_model_parallel_group(), parallel_state.get_tensor_model_parallel_world_size()
-    )
+        return _all_gather(shard, layout.etp_group, layout.etp_size)
+    return _all_gather(shard, layout.tp_group, layout.tp_size)
 
 
 def _with_expert(names: Sequence[str], expert: int) -> tuple[str, ...]:
@@ -83,23 +76,24 @@ def _local_maps(model_chunks: Sequence[torch.nn.Module], dims: Dims) -> dict[str
     return local
 
 
-def _full_tensors(pmap: ParamMap, param: torch.Tensor, dims: Dims) -> list[tuple[str, torch.Tensor]]:
+def _full_tensors(
+    pmap: ParamMap, param: torch.Tensor, dims: Dims, layout: ParallelLayout
+) -> list[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) of one local parameter; for an expert, of the same local expert on
     every EP rank (collective over the TP / expert-TP and EP groups)."""
-    from megatron.core import parallel_state
-
-    tensors = merge_shards(pmap.kind, _shard_all_gather(param.detach(), pmap), dims=dims)
-    ep = parallel_state.get_expert_model_parallel_world_size() if pmap.is_expert else 1
+    tensors = merge_shards(pmap.kind, _shard_all_gather(param.detach(), pmap, layout), dims=dims)
+    ep = layout.ep_size if pmap.is_expert else 1
     local_expert = pmap.local_expert or 0  # set on every expert parameter (is_expert)
     if ep == 1:
         return list(
             zip(
-                _with_expert(pmap.hf_names, expert_offset(dims) + local_expert) if pmap.is_expert else pmap.hf_names,
+                _with_expert(pmap.hf_names, expert_offset(dims, layout=layout) + local_expert)
+                if pmap.is_expert
+                else pmap.hf_names,
                 tensors,
             )
         )
-    group = parallel_state.get_expert_model_parallel_group()
-    per_rank = [_all_gather(t, group, ep) for t in tensors]  # [tensor k][ep rank q]
+    per_rank = [_all_gather(t, layout.ep_group, ep) for t in tensors]  # [tensor k][ep rank q]
     num_local = dims.experts.num_experts // ep
     out: list = []
     for q in range(ep):
@@ -109,18 +103,16 @@ def _full_tensors(pmap: ParamMap, param: torch.Tensor, dims: Dims) -> list[tuple
 
 
 def iter_hf_weights(
-    model_chunks: Iterable[torch.nn.Module], hf_config: PretrainedConfig
+    model_chunks: Iterable[torch.nn.Module], hf_config: PretrainedConfig, *, layout: ParallelLayout
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for every tensor of the HF checkpoint, on every rank (see top)."""
-    from megatron.core import parallel_state
-
     chunks = list(model_chunks)
     dims = Dims.from_hf(hf_config)
     shapes = expected_hf_shapes(dims)
     local = _local_maps(chunks, dims)
-    ep = parallel_state.get_expert_model_parallel_world_size()
-    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    pp_group = parallel_state.get_pipeline_model_parallel_group() if pp_size > 1 else None
+    ep = layout.ep_size
+    pp_size = layout.pp_size
+    pp_group = layout.pp_group if pp_size > 1 else None
     # owner PP stage of every parameter (keyed by its first HF name): one small exchange up front
     owners: dict[str, int] = dict.fromkeys(local, 0)
     if pp_size > 1:
@@ -128,12 +120,12 @@ def iter_hf_weights(
         coll.all_gather_object(gathered, sorted(local), group=pp_group)
         owners = {name: stage for stage, names in enumerate(gathered) for name in names}
         pp_ranks = dist.get_process_group_ranks(pp_group)
-    my_stage = parallel_state.get_pipeline_model_parallel_rank()
+    my_stage = layout.pp_rank
     reference = next(iter(local.values()))[1]  # any local parameter: dtype and device to use
     for first_name in [n for n in shapes if n in owners]:
         if first_name in local:
             pmap, param = local[first_name]
-            names, tensors = zip(*_full_tensors(pmap, param, dims))
+            names, tensors = zip(*_full_tensors(pmap, param, dims, layout))
         else:
             names, tensors = _names_owned_with(first_name, dims, ep=ep), None
         for j, name in enumerate(names):

@@ -1,8 +1,8 @@
 """Load a Hugging Face safetensors checkpoint straight into this rank's Megatron shards.
 
-    with model_parallel(tp=2, pp=2):
+    with model_parallel(tp=2, pp=2) as layout:
         chunks = build_model_chunks(hf_config, attention_backend="torch", precision="fp32")
-        load_hf_into_model(chunks, "/ckpt/Qwen2.5-7B")
+        load_hf_into_model(chunks, "/ckpt/Qwen2.5-7B", layout=layout)
 
 Every rank reads only the tensors its own parameters need (a PP stage never opens the others'
 layers, an EP rank only its own experts) and of those only its TP slice (safetensors get_slice: a
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dapo_megatron.distributed.layout import ParallelLayout
 from dapo_megatron.weights.hf_layout import fused_source, public_shape, read_fused_rows
 from dapo_megatron.weights.mapping import Dims, ParamMap, expected_hf_shapes, map_param, read_shard
 
@@ -49,34 +50,26 @@ def chunk_layer_offset(model: GPTModel) -> int:
     return get_transformer_layer_offset(model.config, vp_stage=getattr(model, "vp_stage", None))
 
 
-def expert_offset(dims: Dims) -> int:
+def expert_offset(dims: Dims, *, layout: ParallelLayout) -> int:
     """Global index of this EP rank's first expert (0 for dense models)."""
-    from megatron.core import parallel_state
-
     if dims.moe is None:
         return 0
-    ep = parallel_state.get_expert_model_parallel_world_size()
-    return parallel_state.get_expert_model_parallel_rank() * dims.moe.num_experts // ep
+    return layout.ep_rank * dims.moe.num_experts // layout.ep_size
 
 
-def shard_group_of(pmap: ParamMap) -> tuple[int, int]:
+def shard_group_of(pmap: ParamMap, *, layout: ParallelLayout) -> tuple[int, int]:
     """(rank, size) of the group a parameter is split over: the expert TP group for experts, TP otherwise."""
-    from megatron.core import parallel_state
-
     if pmap.is_expert:
-        return parallel_state.get_expert_tensor_parallel_rank(), parallel_state.get_expert_tensor_parallel_world_size()
-    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+        return layout.etp_rank, layout.etp_size
+    return layout.tp_rank, layout.tp_size
 
 
-def chunk_param_maps(
-    model: GPTModel, dims: Dims, *, first_expert: int | None = None
-) -> list[tuple[ParamMap, torch.nn.Parameter]]:
+def chunk_param_maps(model: GPTModel, dims: Dims, *, first_expert: int) -> list[tuple[ParamMap, torch.nn.Parameter]]:
     """(mapping, parameter) for every parameter of one unwrapped chunk, in named_parameters order.
-    first_expert: global index of local expert 0 (default: this EP rank's)."""
+    first_expert: global index of local expert 0 (expert_offset(dims, layout=layout) for this EP rank's)."""
     offset = chunk_layer_offset(model)
-    first = expert_offset(dims) if first_expert is None else first_expert
     return [
-        (map_param(name, layer_offset=offset, dims=dims, expert_offset=first), param)
+        (map_param(name, layer_offset=offset, dims=dims, expert_offset=first_expert), param)
         for name, param in model.named_parameters()
     ]
 
@@ -146,9 +139,14 @@ class SafetensorsCheckpoint:
 
 
 def load_hf_into_model(
-    model_chunks: Iterable[torch.nn.Module], hf_dir: str | os.PathLike, *, hf_config: PretrainedConfig | None = None
+    model_chunks: Iterable[torch.nn.Module],
+    hf_dir: str | os.PathLike,
+    *,
+    layout: ParallelLayout,
+    hf_config: PretrainedConfig | None = None,
 ) -> None:
-    """Copy the HF checkpoint at hf_dir into every local parameter of model_chunks (this rank's).
+    """Copy the HF checkpoint at hf_dir into every local parameter of model_chunks (this rank's
+    shards: its TP / expert-TP slice and its EP rank's experts, read off `layout`).
 
     hf_config defaults to transformers.AutoConfig.from_pretrained(hf_dir). Raises ValueError naming
     the tensor for a missing tensor or a tensor of the wrong shape, and naming the parameter for a
@@ -163,7 +161,7 @@ def load_hf_into_model(
     ckpt = SafetensorsCheckpoint(hf_dir)
     for chunk in model_chunks:
         model = unwrap_model(chunk)
-        for pmap, param in chunk_param_maps(model, dims):
+        for pmap, param in chunk_param_maps(model, dims, first_expert=expert_offset(dims, layout=layout)):
             for hf_name in pmap.hf_names:
                 shape = ckpt.shape(hf_name)
                 if shape != shapes[hf_name]:
@@ -171,7 +169,7 @@ def load_hf_into_model(
                         f"HF checkpoint {ckpt.hf_dir}: tensor {hf_name!r} has shape "
                         f"{shape}, the config implies {shapes[hf_name]}"
                     )
-            rank, size = shard_group_of(pmap)
+            rank, size = shard_group_of(pmap, layout=layout)
             shard = read_shard(
                 pmap.kind,
                 pmap.hf_names,

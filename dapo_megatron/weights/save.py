@@ -2,7 +2,7 @@
 config.json), atomically: everything goes to a temporary sibling directory that is renamed into
 place at the end, so an interrupted save never leaves a half-written checkpoint under out_dir.
 
-    save_hf_checkpoint(iter_hf_weights(chunks, hf_config), hf_config, "/ckpt/step_100_hf")
+    save_hf_checkpoint(iter_hf_weights(chunks, hf_config, layout=layout), hf_config, "/ckpt/step_100_hf")
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def _build(hf_dir, layout, sequence_parallel, quantize_inputs=False):
     chunks = build_model_chunks(
         hf_config, attention_backend="torch", precision="fp32", sequence_parallel=sequence_parallel
     )
-    load_hf_into_model(chunks, hf_dir, hf_config=hf_config)
+    load_hf_into_model(chunks, hf_dir, layout=layout, hf_config=hf_config)
     apply_weight_fake_quant(
         chunks,
         hf_config,
@@ -128,7 +128,7 @@ def _values_on_rank(hf_dir, tp, sequence_parallel):
         conv = Fp8SyncConverter(
             quantized_modules=_fp8_modules(hf_config), dtype=torch.bfloat16, block=128, ignored_layers=[]
         )
-        sent = dict(conv.convert(iter_hf_weights(chunks, hf_config)))
+        sent = dict(conv.convert(iter_hf_weights(chunks, hf_config, layout=layout)))
         engine = {
             n: dequantize_block_fp8(sent[n], sent[n.removesuffix("weight") + "weight_scale_inv"])
             for n in sent
@@ -230,7 +230,9 @@ def _grads_on_rank(hf_dir, tp, coef):
         hf_config, chunks = _build(hf_dir, layout, False)
         tokens = _tokens(hf_config.vocab_size)
         logits = chunks[0](tokens, torch.arange(SEQ)[None], None)  # [1, S, V_pad / tp]
-        logprobs = vocab_parallel_logprobs(logits[0, :-1], tokens[0, 1:], vocab_size=hf_config.vocab_size)
+        logprobs = vocab_parallel_logprobs(
+            logits[0, :-1], tokens[0, 1:], vocab_size=hf_config.vocab_size, tp_rank=layout.tp_rank
+        )
         (logprobs * coef).sum().backward()
         grads = {}
         linears = quantized_linears(

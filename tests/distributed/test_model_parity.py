@@ -42,11 +42,11 @@ def _megatron_on_rank(hf_dir, tp, pp, vpp, sequence_parallel=False, cp=1, seq_le
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     seq_multiple = 2 * cp if cp > 1 else 1
-    with model_parallel(tp=tp, pp=pp, cp=cp, vpp=vpp, seed=0):
+    with model_parallel(tp=tp, pp=pp, cp=cp, vpp=vpp, seed=0) as layout:
         chunks = build_model_chunks(
             hf_config, attention_backend="torch", precision="fp32", sequence_parallel=sequence_parallel
         )
-        load_hf_into_model(chunks, hf_dir, hf_config=hf_config)
+        load_hf_into_model(chunks, hf_dir, layout=layout, hf_config=hf_config)
         tokens, lengths, batches = _parity_batches(
             num_seqs=NUM_SEQS,
             seq_len=seq_len,
@@ -56,7 +56,7 @@ def _megatron_on_rank(hf_dir, tp, pp, vpp, sequence_parallel=False, cp=1, seq_le
             seq_multiple=seq_multiple,
             row_multiple=seq_multiple * (tp if sequence_parallel else 1),
         )
-        out = megatron_logprobs(chunks, batches, vocab_size=hf_config.vocab_size)
+        out = megatron_logprobs(chunks, batches, layout=layout, vocab_size=hf_config.vocab_size)
         return None if out is None else (tokens, lengths, _comparable(out, lengths, seq_multiple=seq_multiple))
 
 

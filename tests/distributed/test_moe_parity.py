@@ -41,9 +41,9 @@ def megatron_logprobs_on_rank(hf_dir, tp, pp, ep, etp=None):
     from dapo_megatron.weights.load import load_hf_into_model
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
-    with model_parallel(tp=tp, pp=pp, ep=ep, etp=etp, seed=0):
+    with model_parallel(tp=tp, pp=pp, ep=ep, etp=etp, seed=0) as layout:
         chunks = build_model_chunks(hf_config, attention_backend="torch", precision="fp32")
-        load_hf_into_model(chunks, hf_dir, hf_config=hf_config)
+        load_hf_into_model(chunks, hf_dir, layout=layout, hf_config=hf_config)
         # (local experts per layer, rows of one expert's fc1) on this rank
         fc1 = {n: p for n, p in chunks[0].named_parameters() if ".experts." in n and "linear_fc1" in n}
         layers = {n.split(".mlp.")[0] for n in fc1}
@@ -51,7 +51,7 @@ def megatron_logprobs_on_rank(hf_dir, tp, pp, ep, etp=None):
         tokens, lengths, batches = _parity_batches(
             num_seqs=NUM_SEQS, seq_len=SEQ_LEN, vocab_size=hf_config.vocab_size, seed=0, device="cpu"
         )
-        out = megatron_logprobs(chunks, batches, vocab_size=hf_config.vocab_size)
+        out = megatron_logprobs(chunks, batches, layout=layout, vocab_size=hf_config.vocab_size)
         return experts, (None if out is None else (tokens, lengths, _comparable(out, lengths)))
 
 

@@ -46,10 +46,10 @@ def roundtrip_on_rank(hf_dir, tp, pp, ep, etp):
     from dapo_megatron.weights import iter_hf_weights, load_hf_into_model
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
-    with model_parallel(tp=tp, pp=pp, ep=ep, etp=etp):
+    with model_parallel(tp=tp, pp=pp, ep=ep, etp=etp) as layout:
         chunks = build_model_chunks(hf_config, attention_backend="torch", precision="fp32")
-        load_hf_into_model(chunks, hf_dir, hf_config=hf_config)
-        return [(name, tensor.clone()) for name, tensor in iter_hf_weights(chunks, hf_config)]
+        load_hf_into_model(chunks, hf_dir, layout=layout, hf_config=hf_config)
+        return [(name, tensor.clone()) for name, tensor in iter_hf_weights(chunks, hf_config, layout=layout)]
 
 
 ROUNDTRIPS = [  # (checkpoint, world, tp, pp, ep, etp)
@@ -97,10 +97,10 @@ def load_error_on_rank(hf_dir, ep):
     from dapo_megatron.weights import load_hf_into_model
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
-    with model_parallel(ep=ep):
+    with model_parallel(ep=ep) as layout:
         chunks = build_model_chunks(hf_config, attention_backend="torch", precision="fp32")
         try:
-            load_hf_into_model(chunks, hf_dir, hf_config=hf_config)
+            load_hf_into_model(chunks, hf_dir, layout=layout, hf_config=hf_config)
         except ValueError as err:
             return str(err)
     return None

@@ -47,7 +47,7 @@ def _export_on_rank(hf_dir, tp, pp, bucket_bytes, save_to, vpp=None):
         # as the Actor builds it: no vocabulary padding beyond a multiple of tp (a padded vocabulary's
         # gathered shards would be larger than the full tensor the bucket plan counts)
         chunks = build_model_chunks(hf_config, attention_backend="torch", precision=precision, vocab_divisible_by=1)
-        load_hf_into_model(chunks, hf_dir, hf_config=hf_config)
+        load_hf_into_model(chunks, hf_dir, layout=layout, hf_config=hf_config)
         exporter = StageExporter(chunks, hf_config, layout, bucket_bytes=bucket_bytes)
         manifests = gather_manifests(exporter)
         received, sizes = [], []

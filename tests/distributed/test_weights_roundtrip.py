@@ -43,10 +43,10 @@ def _roundtrip_on_rank(hf_dir, tp, pp, vpp):
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
     precision = "bf16" if hf_config.dtype == torch.bfloat16 else "fp32"
-    with model_parallel(tp=tp, pp=pp, vpp=vpp):
+    with model_parallel(tp=tp, pp=pp, vpp=vpp) as layout:
         chunks = build_model_chunks(hf_config, attention_backend="torch", precision=precision)
-        load_hf_into_model(chunks, hf_dir, hf_config=hf_config)
-        return [(name, tensor.clone()) for name, tensor in iter_hf_weights(chunks, hf_config)]
+        load_hf_into_model(chunks, hf_dir, layout=layout, hf_config=hf_config)
+        return [(name, tensor.clone()) for name, tensor in iter_hf_weights(chunks, hf_config, layout=layout)]
 
 
 ROUNDTRIPS = [  # (checkpoint, world, tp, pp, vpp)
@@ -86,10 +86,10 @@ def _load_expecting_error(hf_dir, tp):
     from dapo_megatron.weights import load_hf_into_model
 
     hf_config = AutoConfig.from_pretrained(hf_dir)
-    with model_parallel(tp=tp):
+    with model_parallel(tp=tp) as layout:
         chunks = build_model_chunks(hf_config, attention_backend="torch", precision="fp32")
         try:
-            load_hf_into_model(chunks, hf_dir, hf_config=hf_config)
+            load_hf_into_model(chunks, hf_dir, layout=layout, hf_config=hf_config)
         except ValueError as err:
             return str(err)
     return None

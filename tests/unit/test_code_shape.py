@@ -7,7 +7,11 @@
   dependency (and an import cycle) from the reader and from tests/unit/test_layers.py. Inside functions
   only heavy third-party imports belong (megatron, transformers, modelopt, sglang: seconds of start-up
   the CLI must not pay for a command that does not use them), plus a small budget of own imports that
-  must stay lazy (a module that pulls one of those packages in at import time).
+  must stay lazy (a module that pulls one of those packages in at import time);
+- a function of the package reads as one responsibility: at most MAX_FUNCTION_LINES lines (def to last
+  line, nested functions included), the longer ones named in LONG_FUNCTIONS with their length today, a
+  list that can only shrink (a function may get shorter, never longer; one split below the limit must
+  leave the list), and none over MAX_ANY_FUNCTION_LINES but the local launcher's (issue 42 item 4).
 
     pytest tests/unit/test_code_shape.py
 """
@@ -22,6 +26,40 @@ PACKAGES = {"dapo_megatron": REPO / "dapo_megatron", "dapo_kernels": REPO / "ker
 
 # issue 35 item 5: at most 40 own imports inside functions in the whole package.
 MAX_OWN_IMPORTS_IN_FUNCTIONS = 40
+
+# issue 42 item 4: functions by responsibility. Target: at most 10 functions over 60 lines, none over 100.
+MAX_FUNCTION_LINES = 60
+MAX_ANY_FUNCTION_LINES = 100
+# (file, qualified name) -> its length when the rule came (2026-11-27; 38 over 60 and 6 over 100 before
+# issue 42). Shrink only. launch/local.py's two are helper E's (exit paths) and stay until that lands.
+LONG_FUNCTIONS = {
+    ("dapo_megatron/launch/local.py", "_launch_locked"): 121,
+    ("dapo_megatron/launch/local.py", "LocalProcesses.start_cpu_engines"): 94,
+    ("dapo_megatron/trainer/metrics_log.py", "run_summary"): 86,
+    ("dapo_megatron/cpu_engine/engine.py", "CpuEngine.__init__"): 81,
+    ("dapo_megatron/actor/model.py", "transformer_config_from_hf"): 80,
+    ("dapo_megatron/algo/policy_loss.py", "policy_loss"): 79,
+    ("dapo_megatron/launch/colocated.py", "engine_commands"): 78,
+    ("dapo_megatron/benchmarks/actor.py", "_measure"): 78,
+    ("dapo_megatron/data/prompts.py", "load_prompts"): 76,
+    ("dapo_megatron/trainer/driver.py", "Driver.__init__"): 74,
+    ("dapo_megatron/trainer/train.py", "train_rank"): 73,
+    ("dapo_megatron/memplan/plan.py", "build_plan"): 73,
+    ("dapo_megatron/transfer/weight_sync.py", "DistributedWeightSync.connect"): 72,
+    ("dapo_megatron/tools/parity.py", "run_check"): 72,
+    ("dapo_megatron/memplan/plan.py", "_trainer_phases"): 72,
+    ("dapo_megatron/cpu_engine/fp8.py", "load_fp8_model"): 71,
+    ("dapo_megatron/transfer/weight_sync.py", "DistributedWeightSync._send_bucket"): 67,
+    ("dapo_megatron/rollout/sampler.py", "RolloutSampler._round"): 67,
+    ("dapo_megatron/actor/actor.py", "Actor.train"): 67,
+    ("dapo_megatron/launch/run_dir.py", "check_run_dir"): 66,
+    ("dapo_megatron/data/tiny_model.py", "warm_start"): 66,
+    ("dapo_megatron/benchmarks/rollout.py", "_run"): 65,
+    ("dapo_megatron/benchmarks/dataplane.py", "_rank_step"): 65,
+    ("dapo_megatron/cpu_engine/engine.py", "CpuEngine.generate"): 63,
+    ("dapo_megatron/data/tiny_model.py", "build_tiny_model"): 61,
+}
+OVER_100_ALLOWED = {("dapo_megatron/launch/local.py", "_launch_locked")}  # the launch sequence, see above
 
 
 def _test_module_imports(tests_root: Path) -> list[str]:
@@ -106,3 +144,64 @@ def test_the_count_sees_nested_and_relative_imports(tmp_path):
         "    def g():\n        import pkg.c, os\n\nclass K:\n    def h(self):\n        from .d import e\n"
     )
     assert own_imports_in_functions({"pkg": pkg}, tmp_path) == {"pkg/m.py": [6, 7, 9, 13]}
+
+
+def function_lengths(root: Path = PACKAGES["dapo_megatron"], repo: Path = REPO) -> dict[tuple[str, str], int]:
+    """(file relative to the repo, Class.method / outer.inner name) -> lines from `def` to its last line."""
+    found: dict[tuple[str, str], int] = {}
+
+    def walk(node: ast.AST, prefix: str, path: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                name = prefix + child.name
+                found[(path, name)] = (child.end_lineno or child.lineno) - child.lineno + 1
+                walk(child, name + ".", path)
+            elif isinstance(child, ast.ClassDef):
+                walk(child, prefix + child.name + ".", path)
+
+    for path in sorted(root.rglob("*.py")):
+        walk(ast.parse(path.read_text(), filename=str(path)), "", str(path.relative_to(repo)))
+    return found
+
+
+def long_function_findings(lengths: dict[tuple[str, str], int]) -> list[str]:
+    """What breaks the rule: a long function not in LONG_FUNCTIONS, one that grew, an entry that is
+    gone or no longer long (take it out of the list), one over MAX_ANY_FUNCTION_LINES not allowed."""
+    out = []
+    for key, n in sorted(lengths.items()):
+        if n > MAX_ANY_FUNCTION_LINES and key not in OVER_100_ALLOWED:
+            out.append(f"{key[0]} {key[1]}: {n} lines (over {MAX_ANY_FUNCTION_LINES}): split it")
+        elif n > MAX_FUNCTION_LINES and key not in LONG_FUNCTIONS:
+            out.append(f"{key[0]} {key[1]}: {n} lines (over {MAX_FUNCTION_LINES}): split it by responsibility")
+        elif key in LONG_FUNCTIONS and n > LONG_FUNCTIONS[key]:
+            out.append(f"{key[0]} {key[1]}: {n} lines, {LONG_FUNCTIONS[key]} allowed: it may only get shorter")
+    for key in sorted(LONG_FUNCTIONS):
+        if lengths.get(key, 0) <= MAX_FUNCTION_LINES:
+            out.append(
+                f"{key[0]} {key[1]}: no longer over {MAX_FUNCTION_LINES} lines (or gone): drop it from LONG_FUNCTIONS"
+            )
+    return out
+
+
+def test_functions_stay_within_their_length():
+    findings = long_function_findings(function_lengths())
+    assert not findings, "\n".join(findings)
+
+
+def test_the_length_rule_sees_growth_new_long_functions_and_stale_entries():
+    (key, allowed), *_ = LONG_FUNCTIONS.items()
+    lengths = {key: allowed + 1, ("dapo_megatron/x.py", "C.f"): 61, ("dapo_megatron/y.py", "g"): 101}
+    assert long_function_findings(lengths)[:3] == [
+        f"{key[0]} {key[1]}: {allowed + 1} lines, {allowed} allowed: it may only get shorter",
+        "dapo_megatron/x.py C.f: 61 lines (over 60): split it by responsibility",
+        "dapo_megatron/y.py g: 101 lines (over 100): split it",
+    ]
+    # every other entry is missing from `lengths`: each is reported as one to drop
+    assert len(long_function_findings(lengths)) == 3 + len(LONG_FUNCTIONS) - 1
+
+
+def test_the_length_counts_methods_and_nested_functions(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "m.py").write_text("class K:\n    def f(self):\n        def g():\n            pass\n        return g\n")
+    assert function_lengths(pkg, tmp_path) == {("pkg/m.py", "K.f"): 4, ("pkg/m.py", "K.f.g"): 2}
