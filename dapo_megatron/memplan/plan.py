@@ -144,6 +144,21 @@ class _Inputs:
     engines_per_gpu: int
 
 
+def _engines_per_gpu(cfg, dims: ModelDims) -> tuple[EngineMemory | None, int]:
+    """SGLang engine memory of one TP rank, and how many engine TP ranks share a trainer GPU when colocated."""
+    ro = cfg.rollout
+    if ro.engine != "sglang":
+        return None, 0
+    engine = engine_memory(
+        dims,
+        engine_tp=ro.engine_tp,
+        mem_fraction_static=ro.mem_fraction_static,
+        gpu_bytes=int(cfg.slurm.gpu_memory_gb * GIB),
+        fp8=ro.quantization == "fp8",
+    )
+    return engine, max(1, math.ceil(ro.num_engines * ro.engine_tp / cfg.actor.world_size))
+
+
 def _inputs(cfg, dims: ModelDims) -> _Inputs:
     ac, ro, tr = cfg.actor, cfg.rollout, cfg.trainer
     mp = ac.tp * ac.pp * ac.cp
@@ -164,16 +179,7 @@ def _inputs(cfg, dims: ModelDims) -> _Inputs:
     share_tokens = -(-responses * max_sequence // layout.dp)  # every CP rank of a DP rank holds full-length rows
     # the yielded full HF tensors: embedding / LM head [V, h], fc1 halves [F, h], QKV pieces
     largest_full = max(dims.vocab, dims.ffn, dims.q_width) * dims.hidden * PARAM_BYTES[ac.precision]
-    engine, per_gpu = None, 0
-    if ro.engine == "sglang":
-        engine = engine_memory(
-            dims,
-            engine_tp=ro.engine_tp,
-            mem_fraction_static=ro.mem_fraction_static,
-            gpu_bytes=int(cfg.slurm.gpu_memory_gb * GIB),
-            fp8=ro.quantization == "fp8",
-        )
-        per_gpu = max(1, math.ceil(ro.num_engines * ro.engine_tp / ac.world_size))
+    engine, per_gpu = _engines_per_gpu(cfg, dims)
     return _Inputs(
         dims=dims,
         layout=layout,
@@ -351,6 +357,68 @@ def _what_if(x: _Inputs) -> list[str]:
     ]
 
 
+def _engine_header(cfg, x: _Inputs) -> tuple[str, list[str]]:
+    """The engines' line of the header, and what cannot fit in their static pool."""
+    ro, e, seq = cfg.rollout, x.engine, x.max_sequence
+    if e is None:
+        return "engines: rollout.engine=cpu: the engines run on the host CPU (no GPU memory)", []
+    line = (
+        f"engines: {ro.num_engines} x sglang tp {ro.engine_tp}; static pool {ro.mem_fraction_static:g} x "
+        f"{cfg.slurm.gpu_memory_gb:g} GiB = {e.static_pool / GIB:.2f} GiB per GPU: weights "
+        f"{e.weights / GIB:.2f} + KV cache {e.kv_cache / GIB:.2f} GiB = {e.kv_tokens} tokens "
+        f"({e.kv_tokens // seq} full {seq}-token sequences)"
+    )
+    if e.weights >= e.static_pool:
+        return line, [
+            f"rollout / engine weights: {e.weights / GIB:.2f} GiB per GPU do not fit in the static pool "
+            f"rollout.mem_fraction_static x slurm.gpu_memory_gb = {e.static_pool / GIB:.2f} GiB "
+            "(no room for a KV cache): raise rollout.engine_tp or rollout.mem_fraction_static"
+        ]
+    if e.kv_tokens < seq:
+        return line, [
+            f"rollout / engine KV cache: {e.kv_tokens} tokens per engine, less than one sequence "
+            f"(rollout.max_prompt_length + rollout.max_response_length = {seq}): raise "
+            "rollout.mem_fraction_static or rollout.engine_tp"
+        ]
+    return line, []
+
+
+def _over_limit(tables: list[GpuTable], *, placement: str, limit: int, pp: int) -> list[str]:
+    """Each phase of the configured placement's tables that exceeds the GPU, with its largest rows."""
+    problems = []
+    for table in tables:
+        for phase in PHASES:
+            total = table.total(phase)
+            if total > limit:
+                where = f" on pipeline stage {table.stages[phase]}" if phase in table.stages and pp > 1 else ""
+                top = ", ".join(f"{name} {value / GIB:.2f}" for name, value in table.largest(phase))
+                digits = 2 if f"{total / GIB:.2f}" != f"{limit / GIB:.2f}" else 4  # never "2.00 GiB > 2 GiB"
+                problems.append(
+                    f"{placement} / {phase}{where} ({table.title.split(': ', 1)[-1]}): "
+                    f"{total / GIB:.{digits}f} GiB > {limit / GIB:g} GiB; largest: {top} GiB"
+                )
+    return problems
+
+
+def _sync_times(cfg, dims, x: _Inputs, links: Links) -> dict[str, SyncTime]:
+    """One weight sync's predicted seconds in each placement (memplan/sync_time.py)."""
+    ro = cfg.rollout
+    return {
+        placement: sync_time(
+            dims,
+            x.layout,
+            placement=placement,
+            engines=Engines(ro.num_engines, ro.engine_tp),
+            links=links,
+            gpus_per_node=max(1, cfg.slurm.gpus_per_node),
+            bucket_bytes=ro.weight_bucket_mb << 20,
+            fp8=ro.quantization == "fp8",
+            backend="nccl" if ro.engine == "sglang" else "gloo",
+        )
+        for placement in ("colocated", "disaggregated")
+    }
+
+
 def build_plan(cfg, *, links: Links | None = None) -> MemoryPlan:
     dims = model_dims_for(cfg)
     x = _inputs(cfg, dims)
@@ -372,30 +440,8 @@ def build_plan(cfg, *, links: Links | None = None) -> MemoryPlan:
         f"{ac.attention_backend} attention; logits {'fused kernel' if ac.fused_logprob else 'unfused fp32'}",
         f"  micro-batch {x.tokens} tokens; reference model {'yes (algorithm.use_kl)' if x.use_kl else 'no'}",
     ]
-    problems: list[str] = []
-    if x.engine is not None:
-        e = x.engine
-        seq = x.max_sequence
-        header.append(
-            f"engines: {ro.num_engines} x sglang tp {ro.engine_tp}; static pool {ro.mem_fraction_static:g} x "
-            f"{cfg.slurm.gpu_memory_gb:g} GiB = {e.static_pool / GIB:.2f} GiB per GPU: weights "
-            f"{e.weights / GIB:.2f} + KV cache {e.kv_cache / GIB:.2f} GiB = {e.kv_tokens} tokens "
-            f"({e.kv_tokens // seq} full {seq}-token sequences)"
-        )
-        if e.weights >= e.static_pool:
-            problems.append(
-                f"rollout / engine weights: {e.weights / GIB:.2f} GiB per GPU do not fit in the static pool "
-                f"rollout.mem_fraction_static x slurm.gpu_memory_gb = {e.static_pool / GIB:.2f} GiB "
-                "(no room for a KV cache): raise rollout.engine_tp or rollout.mem_fraction_static"
-            )
-        elif e.kv_tokens < seq:
-            problems.append(
-                f"rollout / engine KV cache: {e.kv_tokens} tokens per engine, less than one sequence "
-                f"(rollout.max_prompt_length + rollout.max_response_length = {seq}): raise "
-                "rollout.mem_fraction_static or rollout.engine_tp"
-            )
-    else:
-        header.append("engines: rollout.engine=cpu: the engines run on the host CPU (no GPU memory)")
+    engine_line, problems = _engine_header(cfg, x)
+    header.append(engine_line)
     header += _what_if(dataclasses.replace(x, use_kl=False))
     colocated = _trainer_table(
         x, "colocated: one GPU = one trainer rank + its engine TP rank", colocated=True, with_engine=True
@@ -412,34 +458,11 @@ def build_plan(cfg, *, links: Links | None = None) -> MemoryPlan:
             f"rollout.engine_tp > actor.world_size)"
         )
     tables = {"colocated": [colocated], "disaggregated": disagg}
-    for table in tables[ro.placement]:
-        for phase in PHASES:
-            total = table.total(phase)
-            if total > limit:
-                where = f" on pipeline stage {table.stages[phase]}" if phase in table.stages and ac.pp > 1 else ""
-                top = ", ".join(f"{name} {value / GIB:.2f}" for name, value in table.largest(phase))
-                digits = 2 if f"{total / GIB:.2f}" != f"{limit / GIB:.2f}" else 4  # never "2.00 GiB > 2 GiB"
-                problems.append(
-                    f"{ro.placement} / {phase}{where} ({table.title.split(': ', 1)[-1]}): "
-                    f"{total / GIB:.{digits}f} GiB > {limit / GIB:g} GiB; largest: {top} GiB"
-                )
+    problems += _over_limit(tables[ro.placement], placement=ro.placement, limit=limit, pp=ac.pp)
     links = links or Links(cfg.slurm.network_gbps, cfg.slurm.intra_node_gbps)
-    sync = {
-        placement: sync_time(
-            dims,
-            x.layout,
-            placement=placement,
-            engines=Engines(ro.num_engines, ro.engine_tp),
-            links=links,
-            gpus_per_node=max(1, cfg.slurm.gpus_per_node),
-            bucket_bytes=ro.weight_bucket_mb << 20,
-            fp8=ro.quantization == "fp8",
-            backend="nccl" if ro.engine == "sglang" else "gloo",
-        )
-        for placement in ("colocated", "disaggregated")
-    }
     header.append(
         f"weight sync links: network {links.network_gbps:g} Gbit/s, intra-node {links.intra_node_gbps:g} Gbit/s"
         f" ({links.source})"
     )
+    sync = _sync_times(cfg, dims, x, links)
     return MemoryPlan(header=header, tables=tables, placement=ro.placement, limit=limit, problems=problems, sync=sync)

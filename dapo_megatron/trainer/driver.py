@@ -103,9 +103,7 @@ class Driver:
             bucket_bytes=r.weight_bucket_mb << 20, master_address=r.weight_sync_address
         )
         # rollout.quantization=fp8: every sync sends modelopt's fp8 weights + scales (quant/engine_checkpoint.py)
-        self.fp8 = None
-        if r.quantization == "fp8":
-            self.fp8 = fp8_converter(fp8_rollout_dir(cfg.trainer.output_dir))
+        self.fp8 = fp8_converter(fp8_rollout_dir(cfg.trainer.output_dir)) if r.quantization == "fp8" else None
         # phase stamps (phase, step, start, end), streamed to <run_dir>/timeline.jsonl (trainer/timeline.py);
         # rollout.max_staleness >= 1 runs this loop on a thread that generates the next k batches while the
         # trainer trains (rollout/async_rollout.py)

@@ -488,30 +488,23 @@ class DistributedWeightSync:
             nbytes=sum(t.numel() * t.element_size() for t in tensors),
         )
 
-    async def _send_bucket(
-        self,
-        clients: list[EngineClient],
-        bucket: _Prepared,
-        stats: SyncStats,
-        *,
-        weight_version: str,
-        flush_cache: bool,
-    ) -> None:
-        # an engine that died since the last bucket: fail before the broadcast, which the others would
-        # otherwise wait in until the group's timeout (see _abandon_group); a refused connection says it
+    async def _fail_if_unreachable(self, clients: list[EngineClient], *, where: str) -> None:
+        """An engine that died since the last bucket: fail before the broadcast, which the others would
+        otherwise wait in until the group's timeout (see _abandon_group); a refused connection says it."""
         errors = await asyncio.gather(*(engine_unreachable(c.url) for c in clients))
         down = {c.url: err for c, err in zip(clients, errors) if err is not None}
         if down:
             self._abandon_group()
-            raise EngineError(
-                f"weight sync {weight_version}: bucket {stats.num_buckets}: {_name_failures('connecting', down)}",
-                url=next(iter(down)),
-            )
-        names, payloads = bucket.names, bucket.payloads
-        posts = [
+            raise EngineError(f"{where}: {_name_failures('connecting', down)}", url=next(iter(down)))
+
+    def _post_updates(
+        self, clients: list[EngineClient], bucket: _Prepared, *, weight_version: str, flush_cache: bool
+    ) -> list[asyncio.Future]:
+        """Every engine's /update_weights_from_distributed for this bucket (it then joins the broadcasts)."""
+        return [
             asyncio.ensure_future(
                 c.update_weights_from_distributed(
-                    names=names,
+                    names=bucket.names,
                     dtypes=bucket.dtypes,
                     shapes=bucket.shapes,
                     group_name=self._group_name,
@@ -522,6 +515,19 @@ class DistributedWeightSync:
             )
             for c in clients
         ]
+
+    async def _send_bucket(
+        self,
+        clients: list[EngineClient],
+        bucket: _Prepared,
+        stats: SyncStats,
+        *,
+        weight_version: str,
+        flush_cache: bool,
+    ) -> None:
+        await self._fail_if_unreachable(clients, where=f"weight sync {weight_version}: bucket {stats.num_buckets}")
+        names, payloads = bucket.names, bucket.payloads
+        posts = self._post_updates(clients, bucket, weight_version=weight_version, flush_cache=flush_cache)
         pg = self._pg
 
         def send_all() -> float:

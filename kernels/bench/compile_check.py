@@ -20,6 +20,12 @@ import re
 import sys
 import time
 
+# dapo_kernels is imported (its kernels decorated) before this module runs anyway: it is this module's
+# package; main() refuses to compile under TRITON_INTERPRET
+from dapo_kernels import logprob, logprob_cublas
+from dapo_kernels import logprob_persistent as persistent
+from dapo_kernels.bench.common import print_table
+
 
 def _compile(fn, signature: dict, constexprs: dict, divisible: set, *, num_warps: int, num_stages: int):
     from triton import compile as triton_compile
@@ -79,8 +85,6 @@ def _report(kernel) -> dict:
 def _persistent_jobs(quick: bool) -> list:
     """The TMA-fed persistent kernels (logprob_persistent.py): every Hopper config in bf16, the first in
     fp16, FP32_HOPPER_TILES in fp32. Descriptors are `tensordesc<dtype[box]>` arguments (host TensorDescriptor)."""
-    from dapo_kernels import logprob_persistent as persistent
-
     per_row = ("tgt_ptr", "max_ptr", "logs_ptr", "meanc_ptr", "glp_ptr", "gent_ptr")
     div = {"tgt_ptr", "stats_ptr", "dz_ptr", "V", "H", "stride_dzn", *per_row}
     configs = persistent.hopper_configs()[: 1 if quick else None]
@@ -112,8 +116,6 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter decorates kernels that cannot be compiled")
         return 2
-    from dapo_kernels import logprob, logprob_cublas
-
     policy_loss = sys.modules["dapo_kernels.policy_loss"]  # the package attribute is the function
 
     logprob_div = {
@@ -321,8 +323,6 @@ def main(argv=None) -> int:
             rows.append({"kernel": label, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"})
             continue
         rows.append({"kernel": label, **info, "compile_s": f"{time.time() - start:.1f}"})
-    from dapo_kernels.bench.common import print_table
-
     columns = ["kernel", "shared_KiB", "stages", "wgmma", "cp_async", *SASS_OPS, "regs", "stack", "compile_s", "error"]
     print_table(rows, columns)
     return 1 if failed else 0

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 
+from dapo_kernels import policy_loss_persistent as mod
 from dapo_kernels.bench.common import print_table
 from dapo_kernels.bench.compile_check import _compile
 
@@ -69,8 +70,6 @@ def resource_usage(cubin: bytes) -> dict:
 def compile_persistent(
     *, adv_per_row: bool = False, mask_dtype: str = "u8", logprob_dtype: str = "fp32", tile=None, num_warps=None
 ):
-    from dapo_kernels import policy_loss_persistent as mod
-
     tile, num_warps = tile or 512, num_warps or 4
     consts = {"HAS_DUAL": True, "ADV_PER_ROW": adv_per_row, "TILE": tile, "ROW": max(1, tile // (32 * num_warps))}
     consts["REDUCE_BLOCK"] = 256
