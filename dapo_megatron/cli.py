@@ -10,6 +10,7 @@
     dapo-megatron serve-rollout --model DIR --port P
     dapo-megatron slurm submit | status ...
     dapo-megatron plot RUN_DIR
+    dapo-megatron ladder configs/ablations_tiny --seeds 3        (an ablation ladder's rungs x seeds, here)
 
 Each sub-command module exposes `main(argv: list[str]) -> int`; this file only dispatches, so the
 start-up of one command never pays for the imports of another (megatron-core alone takes seconds).
@@ -38,6 +39,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "serve-rollout": ("dapo_megatron.cpu_engine.serve", "main", "CPU rollout server (SGLang HTTP API)"),
     "slurm": ("dapo_megatron.launch.slurm_cli", "main", "render / submit sbatch jobs, show their status"),
     "plot": ("dapo_megatron.trainer.run_log", "plot_main", "PNG of a run's curves"),
+    "ladder": (
+        "dapo_megatron.launch.ladder",
+        "main",
+        "run an ablation ladder's rungs over seeds here; summary with paired intervals",
+    ),
 }
 
 
