@@ -16,7 +16,8 @@ The numbers, per rung (every run's final eval: <run_dir>/evals/step_N.json, with
   (response_length/clip_ratio), generation rounds and the kept fraction of generated groups
   (sampler/rounds, sampler/groups_kept / sampler/groups_seen), the shares of all-correct and all-wrong
   groups generated (sampler/groups_all_correct, _all_wrong: counted with the filter off too) and the
-  training time of the run (the sum of time/step_s).
+  training time of the run (the sum of time/step_s); and from the final evals' records, the share of
+  responses truncated at the budget and the mean response length.
 """
 
 from __future__ import annotations
@@ -105,6 +106,16 @@ def _mechanism(run_dir: Path) -> dict[str, float]:
     return out
 
 
+def _eval_lengths(reports: list[dict[str, Any]]) -> dict[str, float]:
+    """The final evals' truncated share (responses cut at the budget / responses) and mean response
+    tokens (per-problem means averaged), over the rung's seeds."""
+    problems = [p for report in reports for p in report["problems"]]
+    return {
+        "eval_truncated_frac": sum(p["truncated"] for p in problems) / sum(p["n"] for p in problems),
+        "eval_response_tokens": sum(p["mean_response_tokens"] for p in problems) / len(problems),
+    }
+
+
 def ladder_summary(runs: Runs) -> list[dict[str, Any]]:
     """One row per rung with at least one finished run (see the module docstring for each number)."""
     rows: list[dict[str, Any]] = []
@@ -141,6 +152,7 @@ def ladder_summary(runs: Runs) -> list[dict[str, Any]]:
                 )
         for seed, report in reports.items():
             row[f"avg@k_seed{seed}"] = report["avg@k"]
+        row.update(_eval_lengths(list(reports.values())))
         mech = [_mechanism(seed_dirs[s]) for s in reports]
         for column in [*MECHANISM, *GROUP_SHARES, "train_s"]:
             values = [m[column] for m in mech if column in m]

@@ -44,10 +44,14 @@ def ladder(tmp_path_factory):
     return out, done.stdout
 
 
-def _scores(run_dir: Path) -> list[float]:
+def _problems(run_dir: Path) -> list[dict]:
     report = json.loads((run_dir / "evals" / "step_000002.json").read_text())
     assert report["step"] == 2 and report["k"] == 4 and len(report["problems"]) == 16
-    return [p["correct"] / p["n"] for p in report["problems"]]
+    return report["problems"]
+
+
+def _scores(run_dir: Path) -> list[float]:
+    return [p["correct"] / p["n"] for p in _problems(run_dir)]
 
 
 def test_the_ladder_writes_its_runs_summary_and_plot(ladder):
@@ -86,6 +90,11 @@ def test_the_summary_numbers_are_the_runs_per_problem_records(ladder):
     assert min(deltas) <= low <= high <= max(deltas)
     assert second["beats_prev"] == ("yes" if low > 0 else "no: worse" if high < 0 else "unclear")
     assert rows[0]["diff_vs_prev"] == "" and second["paired_seeds"] == "1"
+    for row, rung in zip(rows, RUNGS):  # 16 problems x 4 responses
+        problems = _problems(out / "runs" / rung / "seed_1")
+        assert float(row["eval_truncated_frac"]) == pytest.approx(sum(p["truncated"] for p in problems) / 64)
+        tokens = sum(p["mean_response_tokens"] for p in problems) / 16
+        assert float(row["eval_response_tokens"]) == pytest.approx(tokens, rel=1e-12)
 
 
 def test_the_mechanism_columns_average_the_logged_metrics(ladder):
