@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dapo_megatron.launch.ladder_summary import ladder_summary, write_summary  # torch (eval maths), not megatron
+from dapo_megatron.launch.lifeline import with_lifeline
 
 MANIFEST = "ladder.json"
 DONE = "ladder_done.json"
@@ -100,7 +101,8 @@ def run_rung(config: Path, run_dir: Path, *, seed: int, overrides: list[str], ca
     with open(log, "w") as out:
         out.write(" ".join(cmd) + "\n")
         out.flush()
-        code = subprocess.call(cmd, stdout=out, stderr=subprocess.STDOUT)
+        # with_lifeline: the run gets SIGTERM (and stops at the end of its step) if the ladder dies
+        code = subprocess.call(with_lifeline(cmd), stdout=out, stderr=subprocess.STDOUT)
     wall = time.monotonic() - tic
     if code != 0:
         raise RuntimeError(f"{config.stem}, seed {seed}: `dapo-megatron train` exited with {code}; see {log}")
