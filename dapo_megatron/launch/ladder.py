@@ -12,18 +12,23 @@ seeds). A seed's tiny model is built once and shared by its rungs (tiny.cache_di
 After every run, OUT/ablation_summary.md / .csv / .png are rewritten from the finished runs.
 
 Rerunning the same command skips the runs that finished (OUT/runs/.../seed_<S>/ladder_done.json) and
-redoes the others from scratch. OUT/ladder.json records what the ladder is (the rung files' text and
+redoes the others from scratch. Each run holds a lock (OUT/runs/<rung>/seed_<S>.lock) while it runs, so
+a second `ladder` process on the same OUT takes the next free run instead (more cores: more processes).
+OUT/ladder.json records what the ladder is (the rung files' text and
 the overrides): an OUT holding another ladder's runs, or anything that is not a ladder, is refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,27 +87,40 @@ def claim_out_dir(out: Path, manifest: dict[str, Any]) -> None:
     path.write_text(json.dumps(manifest, indent=1))
 
 
-def run_rung(config: Path, run_dir: Path, *, seed: int, overrides: list[str], cache: Path) -> float:
-    """One `dapo-megatron train` run (from scratch); returns its wall time. RuntimeError names the log."""
-    log = run_dir.with_suffix(".log")
-    cmd = [
-        sys.executable,
-        "-m",
-        "dapo_megatron.cli",
-        "train",
-        str(config),
-        *overrides,
-        f"trainer.output_dir={run_dir}",
-        f"trainer.seed={seed}",
-        f"tiny.cache_dir={cache}",
-        "--overwrite",
-    ]
-    tic = time.monotonic()
-    with open(log, "w") as out:
+@contextlib.contextmanager
+def _flock(path: Path, *, wait: bool) -> Iterator[bool]:
+    """An exclusive lock on `path` for the block (False: another process holds it and wait=False). The
+    kernel drops it when the holder dies, so a killed ladder leaves no stale lock."""
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+
+
+def _run_command(cmd: list[str], log: Path, *, mode: str) -> int:
+    with open(log, mode) as out:
         out.write(" ".join(cmd) + "\n")
         out.flush()
         # with_lifeline: the run gets SIGTERM (and stops at the end of its step) if the ladder dies
-        code = subprocess.call(with_lifeline(cmd), stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.call(with_lifeline(cmd), stdout=out, stderr=subprocess.STDOUT)
+
+
+def run_rung(config: Path, run_dir: Path, *, seed: int, overrides: list[str], cache: Path) -> float:
+    """One `dapo-megatron train` run (from scratch); returns its wall time. RuntimeError names the log.
+    The seed's tiny model is built first under a lock, so that two ladder processes never build it at once."""
+    log = run_dir.with_suffix(".log")
+    settings = [*overrides, f"trainer.output_dir={run_dir}", f"trainer.seed={seed}", f"tiny.cache_dir={cache}"]
+    tic = time.monotonic()
+    with _flock(cache.with_suffix(".lock"), wait=True):
+        built = (cache / "tiny_model" / "warm" / "build.json").is_file()  # train checks it matches its config
+        prepare = [sys.executable, "-m", "dapo_megatron.launch.prepare", str(config), *settings]
+        code = 0 if built else _run_command(prepare, log, mode="w")
+    if code == 0:
+        cmd = [sys.executable, "-m", "dapo_megatron.cli", "train", str(config), *settings, "--overwrite"]
+        code = _run_command(cmd, log, mode="a" if not built else "w")
     wall = time.monotonic() - tic
     if code != 0:
         raise RuntimeError(f"{config.stem}, seed {seed}: `dapo-megatron train` exited with {code}; see {log}")
@@ -124,17 +142,21 @@ def summarise(out: Path, rungs: list[Path], seeds: list[int]) -> list[Path]:
 
 
 def run_ladder(out: Path, rungs: list[Path], seeds: list[int], overrides: list[str]) -> list[Path]:
-    """Every (seed, rung) run not finished before, seed-major; the summary rewritten after each."""
+    """Every (seed, rung) run not finished before, seed-major; the summary rewritten after each. A run
+    another ladder process is running (its lock is held) is left to it: two processes on one OUT share
+    the work (a machine with cores to spare)."""
     for seed in seeds:
         for config in rungs:
             run_dir = out / "runs" / config.stem / f"seed_{seed}"
-            if (run_dir / DONE).is_file():
-                print(f"[ladder] {config.stem} seed {seed}: done before, skipped", flush=True)
-                continue
             run_dir.parent.mkdir(parents=True, exist_ok=True)
-            print(f"[ladder] {config.stem} seed {seed}: running (log {run_dir.with_suffix('.log')})", flush=True)
-            cache = out / f"tiny_model_seed_{seed}"
-            wall = run_rung(config, run_dir, seed=seed, overrides=overrides, cache=cache)
+            with _flock(run_dir.parent / f"seed_{seed}.lock", wait=False) as mine:
+                if (run_dir / DONE).is_file() or not mine:
+                    why = "done before" if (run_dir / DONE).is_file() else "running in another ladder process"
+                    print(f"[ladder] {config.stem} seed {seed}: {why}, skipped", flush=True)
+                    continue
+                print(f"[ladder] {config.stem} seed {seed}: running (log {run_dir.with_suffix('.log')})", flush=True)
+                cache = out / f"tiny_model_seed_{seed}"
+                wall = run_rung(config, run_dir, seed=seed, overrides=overrides, cache=cache)
             print(f"[ladder] {config.stem} seed {seed}: {wall:.0f} s", flush=True)
             summarise(out, rungs, seeds)
     return summarise(out, rungs, seeds)

@@ -103,3 +103,17 @@ def test_rung_files_orders_by_number_and_refuses_an_empty_or_ambiguous_directory
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no rung configs"):
         rung_files(tmp_path / "empty")
+
+
+def test_a_run_lock_held_elsewhere_is_refused_and_freed_with_its_holder(tmp_path):
+    """Two ladder processes on one OUT: the second skips the run the first holds (flock, dropped by the
+    kernel when the holder's file closes or its process dies)."""
+    from dapo_megatron.launch.ladder import _flock
+
+    lock = tmp_path / "seed_1.lock"
+    with _flock(lock, wait=False) as first:
+        assert first
+        with _flock(lock, wait=False) as second:  # another open file description: as another process would
+            assert not second
+    with _flock(lock, wait=False) as again:
+        assert again
