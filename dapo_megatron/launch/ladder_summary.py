@@ -10,7 +10,8 @@ The numbers, per rung (every run's final eval: <run_dir>/evals/step_N.json, with
 * diff_vs_prev: the same mean of s_i(rung) - s_i(previous rung), over the seeds both rungs finished
   (a seed shares its warm start and sampling seed across rungs), with the paired-bootstrap interval
   over problems; beats_prev: yes when the interval is above 0, "no: worse" below, else unclear.
-  The interval resamples problems, not seeds: seed-to-seed spread shows in the per-seed columns.
+  The interval resamples problems, not seeds: seed-to-seed spread shows in the per-seed columns
+  (avg@k_seed<S>, and diff_seed<S>: that seed's avg@k minus the previous rung's with the same seed).
 * the mechanism, averaged over the steps of each run and then over seeds (metrics.jsonl): entropy
   (actor/entropy, also over the last 10 steps), response length, truncated fraction
   (response_length/clip_ratio), generation rounds and the kept fraction of generated groups
@@ -150,6 +151,8 @@ def ladder_summary(runs: Runs) -> list[dict[str, Any]]:
                     beats_prev={"B better": "yes", "B worse": "no: worse"}.get(str(diff["verdict"]), "unclear"),
                     paired_seeds=len(common),
                 )
+                for seed in common:  # the same seed (warm start, sampling) on both rungs: the spread over seeds
+                    row[f"diff_seed{seed}"] = reports[seed]["avg@k"] - prev[1][seed]["avg@k"]
         for seed, report in reports.items():
             row[f"avg@k_seed{seed}"] = report["avg@k"]
         row.update(_eval_lengths(list(reports.values())))
@@ -218,8 +221,11 @@ def plot_summary(path: Path, rows: list[dict[str, Any]], runs: Runs) -> Path:
         lo = [v - r["diff_ci95_low"] for v, (_, r) in zip(d, with_diff)]
         hi = [r["diff_ci95_high"] - v for v, (_, r) in zip(d, with_diff)]
         ax.errorbar([xi for xi, _ in with_diff], d, yerr=[lo, hi], fmt="o", capsize=4, color="C1")
+        for xi, r in with_diff:
+            seeds = [v for k, v in r.items() if k.startswith("diff_seed")]
+            ax.plot([xi] * len(seeds), seeds, "x", color="grey")
     ax.axhline(0.0, color="black", linewidth=0.8)
-    ax.set_title("paired difference to the previous rung, 95% CI")
+    ax.set_title("paired difference to the previous rung, 95% CI (x: single seeds)")
     ax.set_xticks(x, names, rotation=20, fontsize=7)
     ax.grid(alpha=0.3)
     for i, (key, title) in enumerate(CURVES):

@@ -90,6 +90,7 @@ def test_the_summary_numbers_are_the_runs_per_problem_records(ladder):
     assert min(deltas) <= low <= high <= max(deltas)
     assert second["beats_prev"] == ("yes" if low > 0 else "no: worse" if high < 0 else "unclear")
     assert rows[0]["diff_vs_prev"] == "" and second["paired_seeds"] == "1"
+    assert float(second["diff_seed1"]) == pytest.approx(diff, abs=1e-12)  # one seed: its own difference
     for row, rung in zip(rows, RUNGS):  # 16 problems x 4 responses
         problems = _problems(out / "runs" / rung / "seed_1")
         assert float(row["eval_truncated_frac"]) == pytest.approx(sum(p["truncated"] for p in problems) / 64)
