@@ -38,7 +38,7 @@ MECHANISM = {  # column -> (metrics.jsonl key, steps averaged: None = all, N = t
     "response_length": ("response_length/mean", None),
     "truncated_frac": ("response_length/clip_ratio", None),
     "gen_rounds": ("sampler/rounds", None),
-    "train_acc": ("acc/mean", None),
+    "rollout_acc": ("sampler/acc_all", None),  # every scored response (acc/mean: the kept groups only)
 }
 GROUP_SHARES = {  # column -> metrics.jsonl count, summed over steps and divided by the groups generated
     "kept_group_frac": "sampler/groups_kept",
@@ -60,7 +60,13 @@ LEADING = (  # the columns a reader wants first; the per-seed and mechanism colu
     "beats_prev",
     "paired_seeds",
 )
-CURVES = (("actor/entropy", "entropy (actor/entropy)"), ("response_length/mean", "response length (tokens)"))
+CURVES = (  # metrics.jsonl key, panel title: the curves per rung, mean over seeds, SMOOTH-step moving mean
+    ("sampler/acc_all", "rollout accuracy, every scored response (sampler/acc_all)"),
+    ("actor/entropy", "entropy (actor/entropy)"),
+    ("response_length/mean", "response length (tokens)"),
+    ("response_length/clip_ratio", "truncated share (response_length/clip_ratio)"),
+)
+SMOOTH = 5
 
 Runs = list[tuple[str, dict[int, Path]]]
 
@@ -193,17 +199,18 @@ def _mean_curve(run_dirs: list[Path], key: str) -> tuple[list[int], list[float]]
 
 
 def plot_summary(path: Path, rows: list[dict[str, Any]], runs: Runs) -> Path:
-    """Four panels: avg@k per rung (95% interval, seeds as dots), the paired difference to the previous
-    rung (95% interval), and the entropy and response-length curves per rung (mean over seeds)."""
+    """Six panels: avg@k per rung (95% interval, seeds as crosses), the paired difference to the previous
+    rung (95% interval), and per rung the CURVES (train accuracy, entropy, response length, truncated
+    share; mean over seeds, smoothed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(12, 8), layout="constrained")
+    fig = Figure(figsize=(18, 8), layout="constrained")
     names = [str(r["rung"]) for r in rows]
     x = list(range(len(rows)))
-    ax = fig.add_subplot(2, 2, 1)
+    ax = fig.add_subplot(2, 3, 1)
     avg = [r["avg@k"] for r in rows]
     err = [[a - r["avg@k_ci95_low"] for a, r in zip(avg, rows)], [r["avg@k_ci95_high"] - a for a, r in zip(avg, rows)]]
     ax.errorbar(x, avg, yerr=err, fmt="o", capsize=4, label="avg@k over seeds, 95% CI")
@@ -214,7 +221,7 @@ def plot_summary(path: Path, rows: list[dict[str, Any]], runs: Runs) -> Path:
     ax.set_xticks(x, names, rotation=20, fontsize=7)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    ax = fig.add_subplot(2, 2, 2)
+    ax = fig.add_subplot(2, 3, 2)
     with_diff = [(xi, r) for xi, r in zip(x, rows) if "diff_vs_prev" in r]
     if with_diff:
         d = [r["diff_vs_prev"] for _, r in with_diff]
@@ -229,12 +236,16 @@ def plot_summary(path: Path, rows: list[dict[str, Any]], runs: Runs) -> Path:
     ax.set_xticks(x, names, rotation=20, fontsize=7)
     ax.grid(alpha=0.3)
     for i, (key, title) in enumerate(CURVES):
-        ax = fig.add_subplot(2, 2, 3 + i)
+        ax = fig.add_subplot(2, 3, 3 + i)
         for rung, seed_dirs in runs:
             steps, values = _mean_curve(list(seed_dirs.values()), key)
             if steps:
-                ax.plot(steps, values, label=rung)
-        ax.set_title(f"{title}, mean over seeds")
+                smooth = [
+                    sum(values[max(0, i - SMOOTH + 1) : i + 1]) / len(values[max(0, i - SMOOTH + 1) : i + 1])
+                    for i in range(len(values))
+                ]
+                ax.plot(steps, smooth, label=rung)
+        ax.set_title(f"{title}\nmean over seeds, {SMOOTH}-step moving mean", fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
