@@ -110,6 +110,7 @@ def test_the_mechanism_columns_average_the_logged_metrics(ladder):
             ("response_length", "response_length/mean"),
             ("truncated_frac", "response_length/clip_ratio"),
             ("gen_rounds", "sampler/rounds"),
+            ("rollout_acc", "sampler/acc_all"),
         ):
             assert float(rows[rung][column]) == pytest.approx((steps[0][key] + steps[1][key]) / 2, rel=1e-12)
         seen = sum(r["sampler/groups_seen"] for r in steps)
