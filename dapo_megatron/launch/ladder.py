@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from dapo_megatron.config import load_config
 from dapo_megatron.launch.ladder_summary import ladder_summary, write_summary  # torch (eval maths), not megatron
 from dapo_megatron.launch.lifeline import with_lifeline
 
@@ -180,6 +181,8 @@ def main(argv: list[str]) -> int:
     ladder_dir = Path(args.ladder_dir)
     rungs = rung_files(ladder_dir)[: args.rungs or None]
     out = Path(args.out or f"outputs/ladder_{ladder_dir.resolve().name}")
+    for config in rungs:  # a bad key or value stops here, naming it, before any directory or run is made
+        load_config(config, list(args.overrides))
     claim_out_dir(out, _manifest(rungs, list(args.overrides)))
     seeds = list(range(1, args.seeds + 1))
     tic = time.monotonic()

@@ -117,3 +117,14 @@ def test_a_run_lock_held_elsewhere_is_refused_and_freed_with_its_holder(tmp_path
             assert not second
     with _flock(lock, wait=False) as again:
         assert again
+
+
+def test_a_bad_override_stops_the_ladder_before_it_makes_anything(tmp_path):
+    from dapo_megatron.launch.ladder import main
+
+    out = tmp_path / "ladder"
+    with pytest.raises(ValueError, match="unknown config key 'trainer.total_stepz'"):
+        main([str(TINY), "trainer.total_stepz=3", "--out", str(out)])
+    with pytest.raises(ValueError, match="the ladder sets|other than trainer.output_dir"):
+        main([str(TINY), "trainer.seed=3", "--out", str(out)])
+    assert not out.exists()
