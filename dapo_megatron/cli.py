@@ -11,6 +11,7 @@
     dapo-megatron slurm submit | status ...
     dapo-megatron preflight CONFIG                               (inside an allocation; `slurm submit --preflight`)
     dapo-megatron plot RUN_DIR
+    dapo-megatron ladder configs/ablations_tiny --seeds 3        (an ablation ladder's rungs x seeds, here)
 
 Each sub-command module exposes `main(argv: list[str]) -> int`; this file only dispatches, so the
 start-up of one command never pays for the imports of another (megatron-core alone takes seconds).
@@ -44,6 +45,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "check the allocation before a run: GPUs, imports, shared run dir, clocks, ports, routes, links",
     ),
     "plot": ("dapo_megatron.trainer.metrics_log", "plot_main", "PNG of a run's curves"),
+    "ladder": (
+        "dapo_megatron.launch.ladder",
+        "main",
+        "run an ablation ladder's rungs over seeds here; summary with paired intervals",
+    ),
 }
 
 

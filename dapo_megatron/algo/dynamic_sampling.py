@@ -40,6 +40,10 @@ class SamplerStats:
     groups_seen: int = 0
     groups_kept: int = 0  # informative groups kept (may exceed train_batch_size)
     groups_filtered: int = 0  # all-correct / all-wrong groups dropped by the filter
+    # every all-correct / all-wrong group generated, filtered or (dynamic sampling off) trained on: what
+    # the filter acts on, logged in every run so that runs with and without it compare (the tiny ladder)
+    groups_all_correct: int = 0
+    groups_all_wrong: int = 0
     groups_surplus: int = 0  # kept groups beyond train_batch_size, dropped by take()
     groups_returned: int = 0
     exhausted: bool = False  # stopped by max_num_gen_batches before the batch was full
@@ -109,6 +113,10 @@ class DynamicSampler:
         kept_now = 0
         for group in groups:
             st.groups_seen += 1
+            values = group_accuracies(group)
+            if len(values) >= 2 and min(values) == max(values):
+                st.groups_all_correct += int(bool(values[0]))
+                st.groups_all_wrong += int(not values[0])
             if not self.enabled or keep_group(group):
                 self._kept.append(group)
                 kept_now += 1

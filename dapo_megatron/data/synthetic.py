@@ -10,6 +10,8 @@ Difficulty levels (operands drawn uniformly; answers are integers, possibly nega
     3  a + b + c  or a * b a, b, c in 0..9 / a, b in 2..9     ("3+8+1", "7*6"), half each
     4  a * b               a in 10..99, b in 2..9             ("34*7")
     5  a * b - c           a, b in 10..99, c in 10..999       ("34*27-512")
+    6  a1 + ... + ak       k in 2..6, each in 1..9            ("3+8+1+9+4"): chain sums, the tiny
+                           ablation ladder's task (data/chain_task.py: worked responses of 11-23 tokens)
 Styles of the user turn:
     "dapo"     the DAPO template around "What is 27 + 58?" (what the 7B/32B runs see)
     "raw"      just "What is 27 + 58?" (for data.prompt_template=dapo to wrap later)
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import random
 
+from dapo_megatron.data.chain_task import CHAIN_LEVEL, chain_problem
 from dapo_megatron.data.prompts import PromptRecord, apply_template
 
 __all__ = ["make_synthetic_task", "synthetic_train_eval", "DIFFICULTY_LEVELS", "SYNTHETIC_STYLES"]
@@ -33,6 +36,7 @@ DIFFICULTY_LEVELS = {
     3: "a + b + c with a, b, c in 0..9, or a * b with a, b in 2..9",
     4: "a * b, a in 10..99, b in 2..9",
     5: "a * b - c, a and b in 10..99, c in 10..999",
+    CHAIN_LEVEL: "a1 + ... + ak, k in 2..6 terms in 1..9 (chain sums: data/chain_task.py)",
 }
 SYNTHETIC_STYLES = ("dapo", "raw", "compact")
 
@@ -51,6 +55,8 @@ def _problem(rng: random.Random, difficulty: int) -> tuple[list[int | str], int]
             return [a, "+", b, "+", c], a + b + c
         a, b = rng.randint(2, 9), rng.randint(2, 9)
         return [a, "*", b], a * b
+    if difficulty == CHAIN_LEVEL:
+        return chain_problem(rng)
     if difficulty == 4:
         a, b = rng.randint(10, 99), rng.randint(2, 9)
         return [a, "*", b], a * b

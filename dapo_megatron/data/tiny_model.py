@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from dapo_megatron.data.chain_task import CHAIN_LEVEL, warm_start_responses
 from dapo_megatron.data.synthetic import synthetic_train_eval  # the warm start trains on its train split
 from dapo_megatron.data.tiny_tokenizer import SPECIAL_TOKENS, build_tiny_tokenizer, padded_vocab_size, prompt_ids
 
@@ -181,12 +182,16 @@ def answer_text(answer: str) -> str:
     return f"Answer: {answer}"
 
 
-def sft_batch(tokenizer, prompts: Sequence[str], answers: Sequence[str]) -> dict[str, torch.Tensor]:
-    """Right-padded input_ids / labels: loss only on the response tokens and the closing EOS."""
+def sft_batch(
+    tokenizer, prompts: Sequence[str], answers: Sequence[str], *, responses: Sequence[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids / labels: loss only on the response tokens and the closing EOS.
+    The response is `Answer: N` for answer N, or responses[i] verbatim where given (data/chain_task.py)."""
     rows, labels = [], []
-    for p, a in zip(prompts, answers):
+    texts = list(responses) if responses is not None else [answer_text(a) for a in answers]
+    for p, text in zip(prompts, texts):
         p_ids = prompt_ids(tokenizer, p)
-        r_ids = tokenizer.encode(answer_text(a), add_special_tokens=False) + [tokenizer.eos_token_id]
+        r_ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
         rows.append(p_ids + r_ids)
         labels.append([-100] * len(p_ids) + r_ids)
     width = max(map(len, rows))
@@ -195,6 +200,18 @@ def sft_batch(tokenizer, prompts: Sequence[str], answers: Sequence[str]) -> dict
     lab = torch.tensor([r + [-100] * (width - len(r)) for r in labels])
     mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
     return {"input_ids": ids, "labels": lab, "attention_mask": mask}
+
+
+def _check_warm_start(prompts, answers, responses, *, steps: int, batch_size: int, lr: float, eps: float) -> None:
+    if len(prompts) != len(answers) or not prompts:
+        raise ValueError(f"warm start: need equally many prompts and answers (got {len(prompts)} and {len(answers)})")
+    if steps < 0 or batch_size < 1 or lr <= 0 or not 0 <= eps < 1:
+        raise ValueError(
+            f"warm start: steps={steps} (>= 0), batch_size={batch_size} (>= 1), lr={lr} (> 0), "
+            f"label_smoothing={eps} (in [0, 1))"
+        )
+    if responses is not None and len(responses) != len(prompts):
+        raise ValueError(f"warm start: {len(responses)} responses for {len(prompts)} prompts")
 
 
 def warm_start(
@@ -209,6 +226,7 @@ def warm_start(
     seed: int,
     label_smoothing: float = 0.0,
     cached_only: bool = False,
+    responses: Sequence[str] | None = None,
 ) -> Path:
     """Supervised pass: `steps` AdamW updates on random batches of (prompt, "Answer: N"), cached
     (cached_only: the cached pass or ValueError, no training).
@@ -222,16 +240,11 @@ def warm_start(
     RL's job is to make the model sure of what it knows (and every error it samples is a plain
     token slip, never an unknown id: the padded vocabulary rows get no smoothing mass).
     """
-    if len(prompts) != len(answers) or not prompts:
-        raise ValueError(f"warm start: need equally many prompts and answers (got {len(prompts)} and {len(answers)})")
-    if steps < 0 or batch_size < 1 or lr <= 0 or not 0 <= label_smoothing < 1:
-        raise ValueError(
-            f"warm start: steps={steps} (>= 0), batch_size={batch_size} (>= 1), lr={lr} (> 0), "
-            f"label_smoothing={label_smoothing} (in [0, 1))"
-        )
+    _check_warm_start(prompts, answers, responses, steps=steps, batch_size=batch_size, lr=lr, eps=label_smoothing)
     init_dir = Path(init_dir)
     path = Path(out_dir) / "tiny_model" / "warm"
-    digest = _digest(list(prompts), list(answers))
+    # the targets it trains on name the cache: `Answer: N` (the default, digest as before) or the responses
+    digest = _digest(list(prompts), list(answers) if responses is None else list(responses))
     init_record = json.loads((init_dir / "build.json").read_text()) if (init_dir / "build.json").is_file() else {}
     record = {
         "stage": "warm",
@@ -260,6 +273,7 @@ def warm_start(
             lr=lr,
             seed=seed,
             label_smoothing=label_smoothing,
+            responses=responses,
         )
     finally:
         torch.set_num_threads(threads)
@@ -277,6 +291,7 @@ def _warm_start(
     lr: float,
     seed: int,
     label_smoothing: float,
+    responses: Sequence[str] | None,
 ) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -299,7 +314,12 @@ def _warm_start(
             )
             g["lr"] = lr * min(1.0, frac)
         idx = [rng.randrange(len(prompts)) for _ in range(batch_size)]
-        batch = sft_batch(tok, [prompts[i] for i in idx], [answers[i] for i in idx])
+        batch = sft_batch(
+            tok,
+            [prompts[i] for i in idx],
+            [answers[i] for i in idx],
+            responses=None if responses is None else [responses[i] for i in idx],
+        )
         loss = smoothed_nll(
             model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits,
             batch["labels"],
@@ -384,6 +404,9 @@ def prepare_tiny_model(tiny, synthetic, *, out_dir: str | Path, seed: int, max_p
     train, _ = synthetic_train_eval(
         num_train=syn.num_train, num_eval=syn.num_eval, difficulty=syn.difficulty, seed=syn.seed, style=syn.style
     )
+    responses = None
+    if syn.difficulty == CHAIN_LEVEL:  # chain sums: worked or direct responses (data/chain_task.py)
+        responses = warm_start_responses([r.prompt for r in train], seed=syn.seed)
     warm = warm_start(
         init,
         cache,
@@ -395,5 +418,6 @@ def prepare_tiny_model(tiny, synthetic, *, out_dir: str | Path, seed: int, max_p
         seed=seed,
         label_smoothing=tn.label_smoothing,
         cached_only=tn.require_cached,
+        responses=responses,
     )
     return str(warm)

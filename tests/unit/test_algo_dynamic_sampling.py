@@ -33,7 +33,15 @@ def test_fills_over_rounds_and_drops_surplus():
     groups = sampler.take()
     assert groups == [MIXED, [0, 1], [1, 0, 0]]
     assert sampler.stats() == dict(
-        rounds=2, groups_seen=8, groups_kept=4, groups_filtered=4, groups_surplus=1, groups_returned=3, exhausted=False
+        rounds=2,
+        groups_seen=8,
+        groups_kept=4,
+        groups_filtered=4,
+        groups_all_correct=2,  # the two ALL_RIGHT of round 1
+        groups_all_wrong=2,  # ALL_WRONG in each round
+        groups_surplus=1,
+        groups_returned=3,
+        exhausted=False,
     )
     with pytest.raises(ValueError, match="already"):
         sampler.add_round([MIXED])
@@ -44,6 +52,8 @@ def test_disabled_keeps_every_group():
     sampler.add_round([ALL_RIGHT, ALL_WRONG, MIXED])
     assert sampler.take() == [ALL_RIGHT, ALL_WRONG]
     assert sampler.stats()["groups_filtered"] == 0 and sampler.stats()["groups_surplus"] == 1
+    # what the filter would act on is counted with the filter off too (the tiny ladder compares rungs by it)
+    assert (sampler.stats()["groups_all_correct"], sampler.stats()["groups_all_wrong"]) == (1, 1)
 
 
 def test_exhaustion_raises_with_advice():

@@ -187,11 +187,11 @@ def test_functions_stay_within_their_length():
 
 def test_the_length_rule_sees_growth_new_long_functions_and_stale_entries():
     (key, allowed), *_ = LONG_FUNCTIONS.items()
-    lengths = {key: allowed + 1, ("dapo_megatron/x.py", "C.f"): 61, ("dapo_megatron/y.py", "g"): 101}
+    lengths = {key: allowed + 1, ("suite/x.py", "C.f"): 61, ("suite/y.py", "g"): 101}
     assert long_function_findings(lengths)[:3] == [
         f"{key[0]} {key[1]}: {allowed + 1} lines, {allowed} allowed: it may only get shorter",
-        "dapo_megatron/x.py C.f: 61 lines (over 60): split it by responsibility",
-        "dapo_megatron/y.py g: 101 lines (over 100): split it",
+        "suite/x.py C.f: 61 lines (over 60): split it by responsibility",
+        "suite/y.py g: 101 lines (over 100): split it",
     ]
     # every other entry is missing from `lengths`: each is reported as one to drop
     assert len(long_function_findings(lengths)) == 3 + len(LONG_FUNCTIONS) - 1
