@@ -41,6 +41,38 @@ _REDUCE_BLOCK = 64 if INTERPRET else 512
 
 
 @triton.jit
+def _clipped_token_loss(
+    lp, old, adv, mk, eps_low, eps_high, clip_c, inv_denom, HAS_DUAL: tl.constexpr, SIZE: tl.constexpr
+):
+    """The per-token maths both loss kernels share (this one and policy_loss_persistent.py): the clipped
+    loss, its gradient in logprob (mask and denominator applied), and what the statistics count.
+    torch's conventions: max/min split ties in half, clamp passes its closed range; the ratio's exponent is
+    clamped to [-20, 20] and its gradient is 0 outside. Returns (loss, grad, d, r, low, high, dual)."""
+    d = lp - old
+    in_clamp = (d >= -20.0) & (d <= 20.0)
+    r = tl.exp(tl.minimum(tl.maximum(d, -20.0), 20.0))
+    lo = 1.0 - eps_low
+    hi = 1.0 + eps_high
+    in_range = (r >= lo) & (r <= hi)
+    l1 = -adv * r
+    l2 = -adv * tl.minimum(tl.maximum(r, lo), hi)
+    loss = tl.maximum(l1, l2)
+    g_r = tl.where(l1 > l2, -adv, tl.where(l1 == l2, -0.5 * adv * (1.0 + in_range.to(tl.float32)), 0.0))
+    neg = adv < 0.0
+    if HAS_DUAL:
+        l3 = -adv * clip_c
+        g_r = g_r * tl.where(neg, tl.where(loss < l3, 1.0, tl.where(loss == l3, 0.5, 0.0)), 1.0)
+        loss = tl.where(neg, tl.minimum(loss, l3), loss)
+        dual = (neg & (r > clip_c)).to(tl.float32)
+    else:
+        dual = tl.zeros([SIZE], dtype=tl.float32)
+    grad = mk * g_r * tl.where(in_clamp, r, 0.0) * inv_denom
+    low = (neg & (r < lo)).to(tl.float32)
+    high = ((adv > 0.0) & (r > hi)).to(tl.float32)
+    return loss, grad, d, r, low, high, dual
+
+
+@triton.jit
 def _fused_kernel(
     lp_ptr,
     old_ptr,
@@ -75,29 +107,11 @@ def _fused_kernel(
         adv = tl.load(adv_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     mk = tl.load(mask_ptr + offs, mask=ok, other=0).to(tl.float32)
 
-    d = lp - old
-    in_clamp = (d >= -20.0) & (d <= 20.0)
-    r = tl.exp(tl.minimum(tl.maximum(d, -20.0), 20.0))
-    lo = 1.0 - eps_low
-    hi = 1.0 + eps_high
-    in_range = (r >= lo) & (r <= hi)
-    l1 = -adv * r
-    l2 = -adv * tl.minimum(tl.maximum(r, lo), hi)
-    loss = tl.maximum(l1, l2)
-    g_r = tl.where(l1 > l2, -adv, tl.where(l1 == l2, -0.5 * adv * (1.0 + in_range.to(tl.float32)), 0.0))
-    neg = adv < 0.0
-    if HAS_DUAL:
-        l3 = -adv * clip_c
-        g_r = g_r * tl.where(neg, tl.where(loss < l3, 1.0, tl.where(loss == l3, 0.5, 0.0)), 1.0)
-        loss = tl.where(neg, tl.minimum(loss, l3), loss)
-        dual = (neg & (r > clip_c)).to(tl.float32)
-    else:
-        dual = tl.zeros([BLOCK], dtype=tl.float32)
-    grad = mk * g_r * tl.where(in_clamp, r, 0.0) * inv_denom
+    loss, grad, d, r, low, high, dual = _clipped_token_loss(
+        lp, old, adv, mk, eps_low, eps_high, clip_c, inv_denom, HAS_DUAL, BLOCK
+    )
     tl.store(grad_ptr + offs, grad.to(grad_ptr.dtype.element_ty), mask=ok)
 
-    low = (neg & (r < lo)).to(tl.float32)
-    high = ((adv > 0.0) & (r > hi)).to(tl.float32)
     out = part_ptr + pid
     tl.store(out, tl.sum(mk * loss, axis=0))
     tl.store(out + num_blocks, tl.sum(mk, axis=0))

@@ -33,7 +33,7 @@ import triton.language as tl
 from triton import knobs
 
 from ._runtime import INTERPRET, num_sms, require_runnable
-from .policy_loss import _finish
+from .policy_loss import _clipped_token_loss, _finish
 from .reference import POLICY_LOSS_STAT_KEYS, check_policy_loss_args
 
 
@@ -95,32 +95,13 @@ def _tile(
         mk = tl.load(mask_ptr + offs).to(tl.float32)
         adv = tl.load(adv_ptr + (offs // adv_cols if ADV_PER_ROW else offs)).to(tl.float32)
 
-    d = lp - old
-    in_clamp = (d >= -20.0) & (d <= 20.0)
-    r = tl.exp(tl.minimum(tl.maximum(d, -20.0), 20.0))
-    lo = 1.0 - eps_low
-    hi = 1.0 + eps_high
-    in_range = (r >= lo) & (r <= hi)
-    l1 = -adv * r
-    l2 = -adv * tl.minimum(tl.maximum(r, lo), hi)
-    loss = tl.maximum(l1, l2)
-    # torch's conventions: max/min split ties in half, clamp passes its closed range (see policy_loss.py)
-    g_r = tl.where(l1 > l2, -adv, tl.where(l1 == l2, -0.5 * adv * (1.0 + in_range.to(tl.float32)), 0.0))
-    neg = adv < 0.0
-    if HAS_DUAL:
-        l3 = -adv * clip_c
-        g_r = g_r * tl.where(neg, tl.where(loss < l3, 1.0, tl.where(loss == l3, 0.5, 0.0)), 1.0)
-        loss = tl.where(neg, tl.minimum(loss, l3), loss)
-        dual = (neg & (r > clip_c)).to(tl.float32)
-    else:
-        dual = tl.zeros([TILE], dtype=tl.float32)
-    grad = mk * g_r * tl.where(in_clamp, r, 0.0) * inv_denom
+    loss, grad, d, r, low, high, dual = _clipped_token_loss(
+        lp, old, adv, mk, eps_low, eps_high, clip_c, inv_denom, HAS_DUAL, TILE
+    )
     if MASKED:
         tl.store(grad_ptr + offs, grad.to(grad_ptr.dtype.element_ty), mask=ok)
     else:
         tl.store(grad_ptr + offs, grad.to(grad_ptr.dtype.element_ty))
-    low = (neg & (r < lo)).to(tl.float32)
-    high = ((adv > 0.0) & (r > hi)).to(tl.float32)
     # each thread's ROW consecutive tokens summed in registers (no shuffle, no barrier): [TILE // ROW] vectors
     return (
         _row_sum(mk * loss, TILE, ROW), _row_sum(mk, TILE, ROW), _row_sum(mk * low, TILE, ROW),
