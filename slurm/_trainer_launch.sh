@@ -137,13 +137,24 @@ if [ "$REQUEUE_ASKED" = 1 ]; then
 fi
 echo "[$(date -u +%FT%TZ)] trainer exited with $rc"
 # A node of this job lost (srun: "Node failure on X"): Slurm marks it DOWN and requeues this job
-# (--requeue), but its SIGTERM may reach this shell only after the step has ended, i.e. after this
-# line. Slurm already shows the node down here; the requeued job needs its engines, so they stay.
+# (--requeue), but its verdict can trail the step's end: srun returned, the node not yet shown down
+# and the requeue's SIGTERM arriving a moment after this line (seen on the three-host twin under load,
+# 2026-11-27: the engines were cancelled and the requeued job waited for them). So a failed step waits
+# up to VERDICT_S for Slurm's word on its nodes (down, draining, failed or not responding); the
+# requeued job needs its engines, so they stay (as after any SIGTERM).
 NODE_LOST=0
-if [ "$rc" != 0 ] && sinfo -h -N -n "$SLURM_JOB_NODELIST" -o %t 9>&- | grep -qE '^(down|drain|fail)'; then
-    NODE_LOST=1
-    echo "[$(date -u +%FT%TZ)] a node of this job failed ($(sinfo -h -N -n "$SLURM_JOB_NODELIST" -o '%N %t' 9>&- \
-         | tr '\n' ' ')): Slurm requeues the job (--requeue); it resumes from the newest checkpoint"
+VERDICT_S=15
+node_lost() { sinfo -h -N -n "$SLURM_JOB_NODELIST" -o %t 9>&- | grep -qE '^(down|drain|fail)|[*]$'; }
+if [ "$rc" != 0 ]; then
+    for _ in $(seq $((VERDICT_S * 2))); do
+        if node_lost; then
+            NODE_LOST=1
+            echo "[$(date -u +%FT%TZ)] a node of this job failed ($(sinfo -h -N -n "$SLURM_JOB_NODELIST" -o '%N %t' \
+                 9>&- | tr '\n' ' ')): Slurm requeues the job (--requeue); it resumes from the newest checkpoint"
+            break
+        fi
+        sleep 0.5
+    done
 fi
 # Done for good (finished or failed): the engine array would otherwise hold its GPUs until its time
 # limit. Not after a SIGTERM or a lost node: Slurm may be requeueing this job, which then needs its
