@@ -107,6 +107,8 @@ def _trainer_group(mesh, backend: str, device) -> list[dict]:
     import torch
     import torch.distributed as dist
 
+    from dapo_megatron.distributed import collectives as coll  # every collective through the device helper
+
     args = mesh.args
     world = args.trainer_nodes
     # the interface each rank picks, as the run's ranks do (trainer/train.py before init_process_group)
@@ -125,11 +127,11 @@ def _trainer_group(mesh, backend: str, device) -> list[dict]:
     tiny = torch.zeros(1, device=device)
 
     def barrier(group=None) -> Callable[[], object]:
-        return lambda: (dist.all_reduce(tiny, group=group), sync())
+        return lambda: (coll.all_reduce(tiny, group=group), sync())
 
     hosts = mesh.hosts[:world]
     records = []
-    seconds = _timed(lambda: dist.all_reduce(tensor), sync, barrier(), args.reps)
+    seconds = _timed(lambda: coll.all_reduce(tensor), sync, barrier(), args.reps)
     records.append(
         link_record(
             kind="all_reduce",
@@ -141,14 +143,14 @@ def _trainer_group(mesh, backend: str, device) -> list[dict]:
             bus_factor=2 * (world - 1) / world,
         )
     )
-    seconds = _timed(lambda: dist.broadcast(tensor, src=0), sync, barrier(), args.reps)
+    seconds = _timed(lambda: coll.broadcast(tensor, src=0), sync, barrier(), args.reps)
     records.append(
         link_record(kind="broadcast", path="trainer", backend=backend, nodes=hosts, nbytes=args.bytes, seconds=seconds)
     )
     for peer in range(1, world if world > 2 else 1):  # two nodes: the group's broadcast is the pair's
         pair = dist.new_group([0, peer])  # every rank creates every group, in the same order
         if mesh.rank in (0, peer):
-            seconds = _timed(partial(dist.broadcast, tensor, src=0, group=pair), sync, barrier(pair), args.reps)
+            seconds = _timed(partial(coll.broadcast, tensor, src=0, group=pair), sync, barrier(pair), args.reps)
             records.append(
                 link_record(
                     kind="broadcast",
@@ -166,6 +168,7 @@ def _trainer_group(mesh, backend: str, device) -> list[dict]:
 def _weight_group(mesh, engine: int, backend: str, device) -> dict | None:
     import torch
 
+    from dapo_megatron.distributed import collectives as coll
     from dapo_megatron.transfer import weight_group  # torch at import: after the node's import check
 
     args = mesh.args
@@ -197,7 +200,9 @@ def _weight_group(mesh, engine: int, backend: str, device) -> dict | None:
     seconds = _timed(
         lambda: weight_group.broadcast_from_trainer(pg, tensor),
         sync,
-        lambda: (pg.allreduce([tiny]).wait(), sync()),
+        # the closing barrier: a tiny broadcast FROM the engine side, which it sends only after it received
+        # the whole buffer (a sender's broadcast can return while its bytes are still buffered)
+        lambda: (coll.pg_broadcast(pg, tiny, src=1), sync()),
         args.reps,
     )
     if mesh.rank != 0:

@@ -21,6 +21,10 @@ import sys
 
 import torch
 
+# the package (its kernels decorated) is imported before this module runs anyway: it is this module's package;
+# --cpu-check re-executes in a fresh process with TRITON_INTERPRET=1
+from dapo_kernels.bench import bench_logprob, bench_policy_loss
+
 # --quick: the side-by-side of issue 27 (new kernels, the first ones, Liger) at the shapes of its
 # profile, and the policy loss at one micro-batch (64K: host cost) and 16M tokens (bandwidth)
 QUICK = {
@@ -35,8 +39,6 @@ QUICK = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    from dapo_kernels.bench import bench_logprob, bench_policy_loss
-
     parser = argparse.ArgumentParser(
         prog="dapo-megatron bench kernels", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -151,8 +153,6 @@ def main(argv: list[str] | None = None) -> int:
     unknown = kernels - {"logprob", "policy_loss"}
     if unknown:
         raise ValueError(f"--kernels: unknown {sorted(unknown)}; choose from logprob, policy_loss")
-    from dapo_kernels.bench import bench_logprob, bench_policy_loss
-
     if "logprob" in kernels:
         bench_logprob.run(args)
     if "policy_loss" in kernels:

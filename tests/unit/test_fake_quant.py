@@ -162,7 +162,8 @@ def test_quantization_aware_key_is_validated():
     )
     assert cfg.actor.quantization_aware is True
     assert config_from_dict({}).actor.quantization_aware is False
+    # the cross-section rule alone (the actor section's own rules run first: attention_backend=torch here)
     with pytest.raises(ValueError, match=r"actor\.quantization_aware.*rollout\.quantization=fp8.*'none'"):
-        config_from_dict({"actor": {"quantization_aware": True}})
+        config_from_dict({"actor": {"quantization_aware": True, "attention_backend": "torch"}})
     with pytest.raises(ValueError, match=r"actor\.quantization_aware.*expected true or false"):
         config_from_dict({"rollout": {"quantization": "fp8"}, "actor": {"quantization_aware": "yes"}})
