@@ -43,6 +43,18 @@ def _config(tmp_path: Path) -> Path:
     return path
 
 
+def _launcher_environ(launcher: subprocess.Popen, timeout_s: float = 60.0) -> dict[str, str]:
+    """The launcher's environment once it runs the launcher: read right after Popen, /proc can still show
+    the forked child before its exec (the parent's environment; seen once on a loaded machine)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and launcher.poll() is None:
+        process = psutil.Process(launcher.pid)
+        if "dapo_megatron.launch.colocated" in process.cmdline():
+            return process.environ()
+        time.sleep(0.01)
+    raise AssertionError("the colocated launcher did not start")
+
+
 def _engine_environ(launcher: subprocess.Popen, timeout_s: float = 120.0) -> dict[str, str]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and launcher.poll() is None:
@@ -72,7 +84,7 @@ def test_colocated_engine_starts_without_the_trainers_cuda_device_max_connection
         start_new_session=True,
     )
     try:
-        launcher_env = psutil.Process(launcher.pid).environ()
+        launcher_env = _launcher_environ(launcher)
         engine_env = _engine_environ(launcher)
     finally:
         out, _ = launcher.communicate(timeout=120)
