@@ -40,6 +40,7 @@ from dapo_megatron.cpu_engine.fp8 import is_fp8_checkpoint, load_fp8_model
 from dapo_megatron.cpu_engine.protocol import SequenceRequest
 from dapo_megatron.cpu_engine.token_bound import max_chars_per_token
 from dapo_megatron.rollout.routing import RoutedExpertsRecorder
+from dapo_megatron.rollout.sglang_api import FinishReason
 from dapo_megatron.weights.hf_layout import public_expert_views
 
 UNSEEDED_DETERMINISTIC_SEED = 42  # SGLang's seed for requests without one under deterministic inference
@@ -316,7 +317,7 @@ class CpuEngine:
 
         prefill_lengths, width = [0] * len(seqs), 0
 
-        def finish(b: int, reason: dict) -> None:
+        def finish(b: int, reason: FinishReason) -> None:
             done[b], seqs[b].finish_reason = True, reason
             self.routing.take(seqs[b], row=b, prefill_length=prefill_lengths[b], width=width)
             hooks.finished(seqs[b])

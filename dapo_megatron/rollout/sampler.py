@@ -39,8 +39,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
 
 from dapo_megatron.algo import DynamicSampler, keep_group, overlong_penalty
 from dapo_megatron.config import AlgorithmConfig, RolloutConfig
@@ -49,6 +48,7 @@ from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.reward import Scorer, scorer_for_data_source
 from dapo_megatron.rollout.pool import EnginePool
 from dapo_megatron.rollout.routing import routed_experts_of
+from dapo_megatron.rollout.sglang_api import GenerateOutput, MetaInfo
 
 log = logging.getLogger(__name__)
 RID_END = "."  # terminates every rid: no rid is a prefix of another (SGLang aborts by prefix)
@@ -79,11 +79,19 @@ class RolloutSettings:
 
     @classmethod
     def from_sections(
-        cls, rollout: RolloutConfig, algorithm: AlgorithmConfig, *, seed: int, **overrides: Any
+        cls,
+        rollout: RolloutConfig,
+        algorithm: AlgorithmConfig,
+        *,
+        seed: int,
+        stop_token_ids: tuple[int, ...] = (),
+        per_sample_seeds: bool = True,
+        progress: bool = True,
     ) -> RolloutSettings:
-        """From the config's rollout and algorithm sections (dapo_megatron/config.py) and trainer.seed."""
+        """From the config's rollout and algorithm sections (dapo_megatron/config.py) and trainer.seed; the
+        rest from the run (the tokenizer's EOS ids, whether the engines honour seeds, a terminal)."""
         r, a = rollout, algorithm
-        settings = cls(
+        return cls(
             n=r.n,
             max_new_tokens=r.max_response_length,
             gen_batch_size=r.gen_batch_size,
@@ -100,14 +108,16 @@ class RolloutSettings:
             seed=seed,
             in_order=r.in_order,
             return_routed_experts=r.return_routed_experts,
+            stop_token_ids=stop_token_ids,
+            per_sample_seeds=per_sample_seeds,
+            progress=progress,
         )
-        return replace(settings, **overrides)
 
 
 @dataclass
 class RolloutResult:
     groups: list[list[Sample]]
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)  # counts, seconds, rates
 
     @property
     def samples(self) -> list[Sample]:
@@ -124,13 +134,13 @@ def _consume_outcome(task: asyncio.Task) -> None:
         task.exception()
 
 
-def engine_span(output: dict, received: float) -> tuple[float, float] | None:
+def engine_span(output: GenerateOutput, received: float) -> tuple[float, float] | None:
     """When the engine worked on one reply, by its own clock: SGLang's meta_info carries e2e_latency
     (finished_time - created_time of the request, TokenizerManager) and, with --enable-metrics,
     request_received_ts (created_time as epoch seconds; srt/observability/req_time_stats.py:
     convert_to_output_meta_info); the CPU engine sends both. Without request_received_ts the span ends
     when the reply reached us (`received`). None when the engine reports no latency."""
-    meta = output.get("meta_info") or {}
+    meta: MetaInfo = output.get("meta_info") or {}
     latency = meta.get("e2e_latency")
     if not isinstance(latency, (int, float)):
         return None
@@ -143,7 +153,7 @@ class RolloutSampler:
     def __init__(
         self,
         pool: EnginePool,
-        tokenizer: Any,
+        tokenizer: object,  # passed through to data.prompts.prompt_token_ids
         settings: RolloutSettings,
         *,
         reward_fn: Scorer | None = None,
@@ -270,7 +280,7 @@ class RolloutSampler:
     # ------------------------------------------------------------------ dynamic sampling
     async def collect(self, prompts: Iterator[PromptRecord], *, train_batch_size: int) -> RolloutResult:
         s = self.settings
-        acc = DynamicSampler(
+        acc: DynamicSampler[list[Sample]] = DynamicSampler(
             train_batch_size=train_batch_size,
             enabled=s.dynamic_sampling,
             max_num_gen_batches=s.max_num_gen_batches,
