@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,8 @@ from dapo_megatron.distributed.layout import ParallelLayout
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 __all__ = ["Actor", "LogProbs", "TokenLogProbs"]
 
@@ -136,9 +138,9 @@ def install_schedule_hooks(chunks: list[GPTModel], model: list[DistributedDataPa
 
 
 class Actor(Policy):
-    # megatron-core's optimizer and scheduler (untyped: Any to mypy)
-    optimizer: Any
-    lr_schedule: Any
+    # megatron-core's optimizer and scheduler (megatron is not analysed by mypy: these names are unchecked)
+    optimizer: MegatronOptimizer
+    lr_schedule: OptimizerParamScheduler
 
     def __init__(self, settings: ActorSettings, hf_dir: str | Path, layout: ParallelLayout) -> None:
         """The Policy (policy.py: built for this rank's place in the layout, loaded from hf_dir), wrapped

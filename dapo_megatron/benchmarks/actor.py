@@ -47,7 +47,7 @@ import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -317,7 +317,7 @@ def _rows(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool, de
     reachable through the chunk config's callbacks) and model_freed says whether it was."""
     precision: Literal["bf16", "fp32"] = "bf16" if on_gpu else "fp32"
     lengths = dapo_packing(tokens_per_mb) if args.packing == "dapo" else None
-    base: dict[str, Any] = dict.fromkeys(FIELDS, "")
+    base: dict[str, object] = dict.fromkeys(FIELDS, "")  # one CSV row
     base.update(
         {
             "bench": "actor_train",

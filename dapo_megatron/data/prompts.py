@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Protocol, TypedDict
 
 __all__ = [
     "PromptRecord",
@@ -52,6 +52,37 @@ def apply_template(problem: str) -> str:
     return DAPO_TEMPLATE.format(problem=problem)
 
 
+class ChatMessage(TypedDict):
+    content: str
+    role: str  # system | user | assistant
+
+
+class RewardModelColumn(TypedDict):
+    ground_truth: str
+    style: str
+
+
+class ExtraInfoColumn(TypedDict):
+    index: str
+
+
+class PromptRow(TypedDict):
+    """One row of a prompt file (the DAPO-Math-17k schema, _arrow_schema) as save_prompts writes it."""
+
+    data_source: str
+    prompt: list[ChatMessage]
+    ability: str
+    reward_model: RewardModelColumn
+    extra_info: ExtraInfoColumn
+
+
+class HasPrompt(Protocol):
+    """What prompt_token_ids reads: a PromptRecord, or any record with a `prompt` text (and optionally
+    `prompt_ids`, ready token ids, or `chat()`, the conversation)."""
+
+    prompt: str
+
+
 @dataclass
 class PromptRecord:
     prompt: str  # the user turn's content (what the chat template wraps)
@@ -65,7 +96,7 @@ class PromptRecord:
     def chat(self) -> list[dict[str, str]]:
         return [dict(m) for m in self.messages] if self.messages else [{"role": "user", "content": self.prompt}]
 
-    def to_row(self) -> dict[str, Any]:
+    def to_row(self) -> PromptRow:
         return {
             "data_source": self.data_source,
             "prompt": [{"content": m["content"], "role": m["role"]} for m in self.chat()],
@@ -194,7 +225,7 @@ def _plain_text_ids(tokenizer, text: str) -> list[int]:
     return plain
 
 
-def prompt_token_ids(tokenizer, record: Any) -> list[int]:
+def prompt_token_ids(tokenizer, record: HasPrompt) -> list[int]:
     """The prompt's token ids as the engines get them: a PromptRecord's chat through the tokenizer's chat
     template (ready for the answer), or where there is no template the plain text after the special tokens
     the tokenizer itself puts first (Llama 3's <|begin_of_text|>). What
@@ -246,7 +277,7 @@ def _arrow_schema():
     )
 
 
-def _iter_rows(path: Path) -> Iterator[tuple[int, str, Any]]:
+def _iter_rows(path: Path) -> Iterator[tuple[int, str, object]]:
     """(0-based data row, "file, row N (0-based)[, line L]" for messages, row) for every row."""
     if path.suffix in _PARQUET_SUFFIXES:
         import pyarrow.parquet as pq
@@ -288,7 +319,7 @@ class _Unreadable(str):
     """A row that could not be read at all (its reason)."""
 
 
-def _parse_row(row: Any, row_number: int, where: str) -> PromptRecord:
+def _parse_row(row: object, row_number: int, where: str) -> PromptRecord:
     if isinstance(row, _Unreadable):
         raise ValueError(f"{where}: {row}")
     if not isinstance(row, dict):
@@ -339,7 +370,7 @@ def _parse_row(row: Any, row_number: int, where: str) -> PromptRecord:
     )
 
 
-def _parse_messages(prompt: Any, where: str) -> list[dict[str, str]]:
+def _parse_messages(prompt: object, where: str) -> list[dict[str, str]]:
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     if not isinstance(prompt, list) or not prompt:
