@@ -38,7 +38,6 @@ LONG_FUNCTIONS = {
     ("dapo_megatron/trainer/metrics_log.py", "run_summary"): 86,
     ("dapo_megatron/cpu_engine/engine.py", "CpuEngine.__init__"): 81,
     ("dapo_megatron/actor/model.py", "transformer_config_from_hf"): 80,
-    ("dapo_megatron/algo/policy_loss.py", "policy_loss"): 79,
     ("dapo_megatron/launch/colocated.py", "engine_commands"): 78,
     ("dapo_megatron/benchmarks/actor.py", "_measure"): 78,
     ("dapo_megatron/data/prompts.py", "load_prompts"): 76,
