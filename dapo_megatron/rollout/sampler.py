@@ -40,6 +40,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dapo_megatron.algo import DynamicSampler, keep_group, overlong_penalty
 from dapo_megatron.config import AlgorithmConfig, RolloutConfig
@@ -49,6 +50,9 @@ from dapo_megatron.reward import Scorer, scorer_for_data_source
 from dapo_megatron.rollout.pool import EnginePool
 from dapo_megatron.rollout.routing import routed_experts_of
 from dapo_megatron.rollout.sglang_api import GenerateOutput, MetaInfo
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 RID_END = "."  # terminates every rid: no rid is a prefix of another (SGLang aborts by prefix)
@@ -370,27 +374,7 @@ class RolloutSampler:
                     if kept_before + kept >= target:
                         unscored = ready[i:]
                         break
-                    record, outputs = task.result()
-                    counts["tokens"] += sum(len(o["output_ids"]) for o in outputs)
-                    if self.is_stale(outputs):
-                        counts["stale_groups"] += 1
-                        counts["stale_samples"] += len(outputs)
-                        log.warning(
-                            "rollout: request %d was answered by weights %s, expected %s: group dropped",
-                            tasks[task],
-                            sorted({o["meta_info"].get("weight_version") for o in outputs}),
-                            self.weight_version,
-                        )
-                        continue
-                    group = self.score_group(record, outputs)
-                    groups.append(group)
-                    counts["correct"] += sum(int(x.acc > 0) for x in group)
-                    counts["scored"] += len(group)
-                    informative = (not self.settings.dynamic_sampling) or keep_group(group)
-                    kept += int(informative)
-                    if bar is not None:
-                        bar.update(int(informative))
-                        bar.set_postfix(seen=len(groups), refresh=False)
+                    kept += int(self._take_group(task, tasks[task], groups, counts, bar))
             unscored = [*unscored, *finished.values()]
             # generated all the same: their tokens count towards throughput
             counts["tokens"] += sum(len(o["output_ids"]) for t in unscored for o in t.result()[1])
@@ -403,6 +387,38 @@ class RolloutSampler:
             counts[key] = counts.get(key, 0) + value
         counts["unscored"] = len(unscored)
         return groups, counts
+
+    def _take_group(
+        self,
+        task: asyncio.Task[tuple[PromptRecord, list[dict]]],
+        k: int,
+        groups: list[list[Sample]],
+        counts: dict[str, int],
+        bar: tqdm | None,
+    ) -> bool:
+        """Score the group of finished request k into `groups`, or drop it when stale (made by other
+        weights); returns whether it fills the batch (informative, or any group without dynamic sampling)."""
+        record, outputs = task.result()
+        counts["tokens"] += sum(len(o["output_ids"]) for o in outputs)
+        if self.is_stale(outputs):
+            counts["stale_groups"] += 1
+            counts["stale_samples"] += len(outputs)
+            log.warning(
+                "rollout: request %d was answered by weights %s, expected %s: group dropped",
+                k,
+                sorted({o["meta_info"].get("weight_version") for o in outputs}),
+                self.weight_version,
+            )
+            return False
+        group = self.score_group(record, outputs)
+        groups.append(group)
+        counts["correct"] += sum(int(x.acc > 0) for x in group)
+        counts["scored"] += len(group)
+        informative = (not self.settings.dynamic_sampling) or keep_group(group)
+        if bar is not None:
+            bar.update(int(informative))
+            bar.set_postfix(seen=len(groups), refresh=False)
+        return informative
 
     async def _abort(self, pending: set, tasks: dict, *, wait: bool) -> dict[str, int]:
         """Abort every sample of the pending requests; with wait, collect the engines' replies and count
