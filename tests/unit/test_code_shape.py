@@ -36,7 +36,6 @@ LONG_FUNCTIONS = {
     ("dapo_megatron/launch/local.py", "_launch_locked"): 121,
     ("dapo_megatron/launch/local.py", "LocalProcesses.start_cpu_engines"): 94,
     ("dapo_megatron/trainer/metrics_log.py", "run_summary"): 86,
-    ("dapo_megatron/actor/model.py", "transformer_config_from_hf"): 80,
     ("dapo_megatron/launch/colocated.py", "engine_commands"): 78,
     ("dapo_megatron/benchmarks/actor.py", "_measure"): 78,
     ("dapo_megatron/data/prompts.py", "load_prompts"): 76,
