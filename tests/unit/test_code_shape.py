@@ -43,7 +43,6 @@ LONG_FUNCTIONS = {
     ("dapo_megatron/transfer/weight_sync.py", "DistributedWeightSync.connect"): 72,
     ("dapo_megatron/tools/parity.py", "run_check"): 72,
     ("dapo_megatron/memplan/plan.py", "_trainer_phases"): 72,
-    ("dapo_megatron/actor/actor.py", "Actor.train"): 67,
     ("dapo_megatron/launch/run_dir.py", "check_run_dir"): 66,
     ("dapo_megatron/data/tiny_model.py", "warm_start"): 66,
     ("dapo_megatron/benchmarks/rollout.py", "_run"): 65,
