@@ -154,6 +154,45 @@ def load_prompts(
         )
     if not path.is_file():
         raise ValueError(f"{key}: prompt file not found: {path}")
+    records, problems, num_rows, num_duplicates = _read_records(
+        path,
+        dedup=dedup,
+        prompt_template=prompt_template,
+        prompt_length=prompt_length,
+        max_prompt_length=max_prompt_length,
+    )
+    if problems and not skip_bad_rows:
+        raise ValueError(bad_rows_message(key, path, problems, num_rows))
+    if problems:
+        log.warning(
+            "%s %s: skipped %d bad rows of %d (data.skip_bad_rows=true); the first: %s",
+            key,
+            path,
+            len(problems),
+            num_rows,
+            problems[0],
+        )
+    if not records:
+        raise ValueError(f"{key}: {path} has no usable rows ({num_rows} rows, {len(problems)} bad)")
+    if num_duplicates:
+        log.warning(
+            "%s: dropped %d duplicate rows of %d (%d unique prompts kept)", path, num_duplicates, num_rows, len(records)
+        )
+    return PromptList(
+        records, path=str(path), num_rows=num_rows, num_duplicates=num_duplicates, num_skipped=len(problems)
+    )
+
+
+def _read_records(
+    path: Path,
+    *,
+    dedup: bool,
+    prompt_template: str,
+    prompt_length: Callable[[PromptRecord], int] | None,
+    max_prompt_length: int,
+) -> tuple[list[PromptRecord], list[str], int, int]:
+    """(records kept, one problem per bad row, rows read, duplicates dropped) of one prompt file
+    (load_prompts's reading: every row parsed, de-duplicated, templated and length-checked)."""
     seen: set[tuple] = set()
     records: list[PromptRecord] = []
     problems: list[str] = []
@@ -181,26 +220,7 @@ def load_prompts(
             problems.append(str(err))
             continue
         records.append(record)
-    if problems and not skip_bad_rows:
-        raise ValueError(bad_rows_message(key, path, problems, num_rows))
-    if problems:
-        log.warning(
-            "%s %s: skipped %d bad rows of %d (data.skip_bad_rows=true); the first: %s",
-            key,
-            path,
-            len(problems),
-            num_rows,
-            problems[0],
-        )
-    if not records:
-        raise ValueError(f"{key}: {path} has no usable rows ({num_rows} rows, {len(problems)} bad)")
-    if num_duplicates:
-        log.warning(
-            "%s: dropped %d duplicate rows of %d (%d unique prompts kept)", path, num_duplicates, num_rows, len(records)
-        )
-    return PromptList(
-        records, path=str(path), num_rows=num_rows, num_duplicates=num_duplicates, num_skipped=len(problems)
-    )
+    return records, problems, num_rows, num_duplicates
 
 
 def bad_rows_message(key: str, path: str | Path, problems: list[str], num_rows: int) -> str:

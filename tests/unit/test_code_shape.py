@@ -38,7 +38,6 @@ LONG_FUNCTIONS = {
     ("dapo_megatron/trainer/metrics_log.py", "run_summary"): 86,
     ("dapo_megatron/launch/colocated.py", "engine_commands"): 78,
     ("dapo_megatron/benchmarks/actor.py", "_measure"): 78,
-    ("dapo_megatron/data/prompts.py", "load_prompts"): 76,
     ("dapo_megatron/trainer/driver.py", "Driver.__init__"): 74,
     ("dapo_megatron/transfer/weight_sync.py", "DistributedWeightSync.connect"): 72,
     ("dapo_megatron/tools/parity.py", "run_check"): 72,
