@@ -37,7 +37,6 @@ LONG_FUNCTIONS = {
     ("dapo_megatron/launch/local.py", "LocalProcesses.start_cpu_engines"): 94,
     ("dapo_megatron/trainer/metrics_log.py", "run_summary"): 86,
     ("dapo_megatron/launch/colocated.py", "engine_commands"): 78,
-    ("dapo_megatron/benchmarks/actor.py", "_measure"): 78,
     ("dapo_megatron/trainer/driver.py", "Driver.__init__"): 74,
     ("dapo_megatron/transfer/weight_sync.py", "DistributedWeightSync.connect"): 72,
     ("dapo_megatron/launch/run_dir.py", "check_run_dir"): 66,
