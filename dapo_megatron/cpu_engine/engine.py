@@ -407,9 +407,9 @@ def _load_model(model_path: str, *, dtype: torch.dtype, device: torch.device, fp
     return model
 
 
-def _context_length(cfg: PretrainedConfig, *, requested: int) -> int:
+def _context_length(hf_config: PretrainedConfig, *, requested: int) -> int:
     """--context-length (0: the model's max_position_embeddings), refused above the model's as SGLang does."""
-    model_len = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+    model_len = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
     allow_longer = os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "").lower() in ("1", "true")
     if requested and model_len and requested > model_len and not allow_longer:
         # as SGLang's ModelConfig._derive_context_length refuses to start
