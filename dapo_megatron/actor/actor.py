@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,8 @@ from dapo_megatron.distributed.layout import ParallelLayout
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 __all__ = ["Actor", "LogProbs", "TokenLogProbs"]
 
@@ -136,9 +138,9 @@ def install_schedule_hooks(chunks: list[GPTModel], model: list[DistributedDataPa
 
 
 class Actor(Policy):
-    # megatron-core's optimizer and scheduler (untyped: Any to mypy)
-    optimizer: Any
-    lr_schedule: Any
+    # megatron-core's optimizer and scheduler (megatron is not analysed by mypy: these names are unchecked)
+    optimizer: MegatronOptimizer
+    lr_schedule: OptimizerParamScheduler
 
     def __init__(self, settings: ActorSettings, hf_dir: str | Path, layout: ParallelLayout) -> None:
         """The Policy (policy.py: built for this rank's place in the layout, loaded from hf_dir), wrapped
@@ -188,20 +190,12 @@ class Actor(Policy):
         identical metrics on every rank; an update whose loss or grad norm is NaN/inf is skipped
         (nonfinite=1), and so is one with no trained token (update_skipped=1).
         """
-        al = self.settings.algorithm
-        self._require("params", "grads", "optimizer", action="train")
-        mini = self._share_of(mini_batch)
-        if mini.num_mini_batches != 1:
-            raise ValueError(
-                f"Actor.train: one mini-batch per update, got {mini.num_mini_batches} "
-                "(iterate BatchShare.mini_batches())"
-            )
-        self._check_train_inputs(mini.batch)
+        mini = self._train_share(mini_batch)
         for m in self.model:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        share = self._pack(mini, mask_truncated=al.overlong_filter)
+        share = self._pack(mini, mask_truncated=self.settings.algorithm.overlong_filter)
         denom = self._global_denominator(share.micro_batches)
         device = coll.compute_device()
         sums = torch.zeros(len(METRIC_SUMS), dtype=torch.float64, device=device)
@@ -226,14 +220,7 @@ class Actor(Policy):
         coll.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
         m = dict(zip(METRIC_SUMS, sums.tolist()))
         lr = set_lr_for_step(self.lr_schedule, step=step)
-        loss_is_finite = bool(torch.isfinite(sums[0]))
-        if denom == 0:
-            self.optimizer.zero_grad()
-            updated, grad_norm = False, 0.0
-        else:
-            updated, grad_norm = actor_optimizer.guarded_step(
-                self.optimizer, grad_clip=self.settings.optimizer.grad_clip, loss_is_finite=loss_is_finite
-            )
+        updated, grad_norm = self._optimizer_step(denom=denom, loss_is_finite=bool(torch.isfinite(sums[0])))
         self.num_updates += int(updated)
         self.last_step = step
         return {
@@ -245,6 +232,29 @@ class Actor(Policy):
             "nonfinite": float(denom > 0 and not updated),
             "update_skipped": float(not updated),
         }
+
+    def _train_share(self, mini_batch: BatchShare | list[Sample]) -> BatchShare:
+        """This rank's share of one mini-batch, checked: an actor that can train, one mini-batch, the
+        per-token inputs the loss reads."""
+        self._require("params", "grads", "optimizer", action="train")
+        mini = self._share_of(mini_batch)
+        if mini.num_mini_batches != 1:
+            raise ValueError(
+                f"Actor.train: one mini-batch per update, got {mini.num_mini_batches} "
+                "(iterate BatchShare.mini_batches())"
+            )
+        self._check_train_inputs(mini.batch)
+        return mini
+
+    def _optimizer_step(self, *, denom: float, loss_is_finite: bool) -> tuple[bool, float]:
+        """(updated, grad norm): no trained token (denom 0) clears the gradients and skips the update;
+        otherwise the optimizer steps unless the loss or the grad norm is not finite (guarded_step)."""
+        if denom == 0:
+            self.optimizer.zero_grad()
+            return False, 0.0
+        return actor_optimizer.guarded_step(
+            self.optimizer, grad_clip=self.settings.optimizer.grad_clip, loss_is_finite=loss_is_finite
+        )
 
     def _check_train_inputs(self, batch: RolloutBatch) -> None:
         """The loss runs on the last pipeline stage: the per-token inputs it reads must be there."""

@@ -117,18 +117,8 @@ def rope_theta_of(hf_config: PretrainedConfig) -> float:
     return rope_settings_of(hf_config)[0]
 
 
-def transformer_config_from_hf(
-    hf_config: PretrainedConfig,
-    *,
-    precision: Precision = "bf16",
-    sequence_parallel: bool = False,
-    recompute: Literal["none", "selective", "full"] = "none",
-    attention_backend: AttentionBackend = "torch",
-):
-    """TransformerConfig for the current parallel_state layout (call inside model_parallel())."""
-    from megatron.core import parallel_state
-    from megatron.core.transformer import TransformerConfig
-
+def _check_supported_architecture(hf_config: PretrainedConfig) -> None:
+    """A model type this actor builds, with SwiGLU, no MLP bias and full attention: ValueError otherwise."""
     model_type_of(hf_config)
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"config.json hidden_act {hf_config.hidden_act!r}: only silu (SwiGLU) is supported")
@@ -136,7 +126,12 @@ def transformer_config_from_hf(
         raise ValueError("config.json mlp_bias=True is not supported")
     if getattr(hf_config, "use_sliding_window", False):
         raise ValueError("config.json use_sliding_window=true is not supported (full attention only)")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+
+
+def _parallel_sizes(hf_config: PretrainedConfig, *, sequence_parallel: bool) -> tuple[int, int, int, int | None]:
+    """(tp, pp, cp, vpp) of the current parallel_state, checked against the model's layers and sequence_parallel."""
+    from megatron.core import parallel_state
+
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     cp = parallel_state.get_context_parallel_world_size()
@@ -147,15 +142,37 @@ def transformer_config_from_hf(
         raise ValueError(
             f"num_hidden_layers={hf_config.num_hidden_layers} is not divisible by pp*vpp = {pp}*{vpp or 1}"
         )
+    return tp, pp, cp, vpp
+
+
+def _recompute_kwargs(recompute: str) -> dict[str, str | int]:
+    """TransformerConfig's activation recomputation fields for actor.recompute (none, selective, full)."""
+    if recompute == "selective":
+        return dict(recompute_granularity="selective")
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if recompute != "none":
+        raise ValueError(f"actor.recompute={recompute!r}: allowed none, selective, full")
+    return {}
+
+
+def transformer_config_from_hf(
+    hf_config: PretrainedConfig,
+    *,
+    precision: Precision = "bf16",
+    sequence_parallel: bool = False,
+    recompute: Literal["none", "selective", "full"] = "none",
+    attention_backend: AttentionBackend = "torch",
+):
+    """TransformerConfig for the current parallel_state layout (call inside model_parallel())."""
+    from megatron.core.transformer import TransformerConfig
+
+    _check_supported_architecture(hf_config)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    tp, pp, cp, vpp = _parallel_sizes(hf_config, sequence_parallel=sequence_parallel)
     on_gpu = torch.cuda.is_available()
     fuse = on_gpu and attention_backend == "te"  # fused kernels need TE / CUDA
-    recompute_kwargs: dict[str, str | int] = {}
-    if recompute == "selective":
-        recompute_kwargs = dict(recompute_granularity="selective")
-    elif recompute == "full":
-        recompute_kwargs = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    elif recompute != "none":
-        raise ValueError(f"actor.recompute={recompute!r}: allowed none, selective, full")
+    recompute_kwargs = _recompute_kwargs(recompute)
     return TransformerConfig(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,

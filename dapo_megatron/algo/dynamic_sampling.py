@@ -15,17 +15,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Generic, SupportsFloat, TypeVar, cast
 
 __all__ = ["keep_group", "DynamicSampler", "SamplerStats", "group_accuracies"]
 
 
-def group_accuracies(group: Sequence[Any]) -> list[float]:
+# one group of G scored responses: Sample records (anything with a float `.acc`) or numbers / bools
+GroupT = TypeVar("GroupT", bound=Sequence[object])
+
+
+def group_accuracies(group: Sequence[object]) -> list[float]:
     """The accuracies of one group: a list of Sample (their `.acc`) or of numbers / bools."""
-    return [float(getattr(item, "acc", item)) for item in group]
+    return [float(cast(SupportsFloat, getattr(item, "acc", item))) for item in group]
 
 
-def keep_group(acc: Sequence[Any]) -> bool:
+def keep_group(acc: Sequence[object]) -> bool:
     """True when the group is informative: 0 < number correct < G (its accuracies are not all equal).
 
     `acc` is the group's accuracies (1.0 correct / 0.0 wrong, or bools) or its Sample records. A group
@@ -49,7 +53,7 @@ class SamplerStats:
     exhausted: bool = False  # stopped by max_num_gen_batches before the batch was full
 
 
-class DynamicSampler:
+class DynamicSampler(Generic[GroupT]):
     """Accumulates scored groups over generation rounds until `train_batch_size` groups are kept.
 
     enabled=False (no dynamic sampling) keeps every group. max_num_gen_batches=0 means unlimited.
@@ -76,7 +80,7 @@ class DynamicSampler:
         self.enabled = enabled
         self.max_num_gen_batches = max_num_gen_batches
         self.on_exhausted = on_exhausted
-        self._kept: list[Any] = []
+        self._kept: list[GroupT] = []
         self._stats = SamplerStats()
         self._taken = False
 
@@ -97,7 +101,7 @@ class DynamicSampler:
     def num_kept(self) -> int:
         return len(self._kept)
 
-    def add_round(self, groups: Sequence[Any]) -> int:
+    def add_round(self, groups: Sequence[GroupT]) -> int:
         """Add one generation round's scored groups; returns how many of them were kept."""
         if self._taken:
             raise ValueError(
@@ -130,7 +134,7 @@ class DynamicSampler:
                 raise ValueError(self._exhausted_message())
         return kept_now
 
-    def take(self) -> list[Any]:
+    def take(self) -> list[GroupT]:
         """The training groups, in arrival order: exactly train_batch_size of them, or with
         on_exhausted="train" after exhaustion all that were kept. Surplus kept groups are dropped
         and counted in stats().groups_surplus."""
@@ -148,7 +152,7 @@ class DynamicSampler:
         self._kept = []
         return batch
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> dict[str, int]:  # counts and the exhausted flag (a bool)
         return asdict(self._stats)
 
     def _exhausted_message(self) -> str:

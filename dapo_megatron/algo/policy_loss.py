@@ -84,6 +84,50 @@ def policy_loss(
     clipfrac_high = frac of (A > 0) & (r > 1 + eps_high), dualclip_frac = frac of (A < 0) & (r > c),
     approx_kl = mean 0.5 * (logp - logp_old)^2, ratio_mean, ratio_max, num_tokens = sum(mask).
     """
+    _check_policy_loss_inputs(
+        logprob,
+        old_logprob,
+        advantages,
+        mask,
+        eps_low=eps_low,
+        eps_high=eps_high,
+        clip_ratio_c=clip_ratio_c,
+        agg_mode=agg_mode,
+    )
+    adv = advantages.to(logprob.dtype).expand_as(logprob)
+    weight = mask.to(logprob.dtype)
+    per_token, ratio, log_ratio = policy_loss_terms(
+        logprob, old_logprob, adv, eps_low=eps_low, eps_high=eps_high, clip_ratio_c=clip_ratio_c
+    )
+
+    total = _aggregate(per_token, weight, agg_mode=agg_mode)
+    denom = _loss_denominator(mask, agg_mode=agg_mode, loss_denominator=loss_denominator)
+    loss = total / denom
+
+    stats = policy_loss_stats(
+        log_ratio.detach(),
+        ratio.detach(),
+        adv.detach(),
+        weight.detach(),
+        eps_low=eps_low,
+        eps_high=eps_high,
+        clip_ratio_c=clip_ratio_c,
+    )
+    return loss, {key: value.float() for key, value in stats.items()}
+
+
+def _check_policy_loss_inputs(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float,
+    eps_high: float,
+    clip_ratio_c: float | None,
+    agg_mode: str,
+) -> None:
+    """policy_loss's arguments: clip bounds in range, shapes that agree, an aggregation that fits them."""
     check_agg_mode(agg_mode)
     if eps_low < 0 or eps_high < 0:
         raise ValueError(f"policy_loss: eps_low={eps_low}, eps_high={eps_high} must be >= 0")
@@ -110,39 +154,28 @@ def policy_loss(
     if agg_mode != "token-mean" and logprob.dim() != 2:
         raise ValueError(f"policy_loss: agg_mode={agg_mode} needs [B, T] tensors, got {tuple(logprob.shape)}")
 
-    adv = advantages.to(logprob.dtype).expand_as(logprob)
-    weight = mask.to(logprob.dtype)
-    per_token, ratio, log_ratio = policy_loss_terms(
-        logprob, old_logprob, adv, eps_low=eps_low, eps_high=eps_high, clip_ratio_c=clip_ratio_c
-    )
 
+def _aggregate(per_token: torch.Tensor, weight: torch.Tensor, *, agg_mode: str) -> torch.Tensor:
+    """The masked per-token losses summed as agg_mode says (token sum, or per-sequence sums/means summed)."""
     masked = per_token * weight
     if agg_mode == "token-mean":
-        total = masked.sum()
-    else:
-        per_seq = masked.sum(dim=-1)
-        if agg_mode == "seq-mean-token-mean":
-            per_seq = per_seq / weight.sum(dim=-1).clamp(min=1.0)  # an empty sequence contributes 0
-        total = per_seq.sum()
-    if loss_denominator is None:
-        denom: float | torch.Tensor = float(max(count_loss_units(mask, agg_mode=agg_mode), 1))
-    else:
-        denom = loss_denominator
-        # a tensor (e.g. all-reduced on the GPU) is not checked: reading it would synchronize
-        if not isinstance(denom, torch.Tensor) and denom <= 0:
-            raise ValueError(f"policy_loss: loss_denominator={denom} must be > 0")
-    loss = total / denom
+        return masked.sum()
+    per_seq = masked.sum(dim=-1)
+    if agg_mode == "seq-mean-token-mean":
+        per_seq = per_seq / weight.sum(dim=-1).clamp(min=1.0)  # an empty sequence contributes 0
+    return per_seq.sum()
 
-    stats = policy_loss_stats(
-        log_ratio.detach(),
-        ratio.detach(),
-        adv.detach(),
-        weight.detach(),
-        eps_low=eps_low,
-        eps_high=eps_high,
-        clip_ratio_c=clip_ratio_c,
-    )
-    return loss, {key: value.float() for key, value in stats.items()}
+
+def _loss_denominator(
+    mask: torch.Tensor, *, agg_mode: str, loss_denominator: float | int | torch.Tensor | None
+) -> float | torch.Tensor:
+    """What the aggregated loss is divided by: the given denominator, or this call's own loss units."""
+    if loss_denominator is None:
+        return float(max(count_loss_units(mask, agg_mode=agg_mode), 1))
+    # a tensor (e.g. all-reduced on the GPU) is not checked: reading it would synchronize
+    if not isinstance(loss_denominator, torch.Tensor) and loss_denominator <= 0:
+        raise ValueError(f"policy_loss: loss_denominator={loss_denominator} must be > 0")
+    return loss_denominator
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ import time
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -317,7 +317,7 @@ def _rows(args, *, shape: dict, ckpt: Path, tokens_per_mb: int, on_gpu: bool, de
     reachable through the chunk config's callbacks) and model_freed says whether it was."""
     precision: Literal["bf16", "fp32"] = "bf16" if on_gpu else "fp32"
     lengths = dapo_packing(tokens_per_mb) if args.packing == "dapo" else None
-    base: dict[str, Any] = dict.fromkeys(FIELDS, "")
+    base: dict[str, object] = dict.fromkeys(FIELDS, "")  # one CSV row
     base.update(
         {
             "bench": "actor_train",
@@ -380,19 +380,8 @@ def _timed_steps(actor, samples, *, args, on_gpu: bool, first_step: int) -> tupl
     return times, syncs, metrics
 
 
-def _measure(
-    args,
-    *,
-    shape: dict,
-    ckpt: Path,
-    tokens_per_mb: int,
-    lengths: list[int] | None,
-    on_gpu: bool,
-    precision: Literal["bf16", "fp32"],
-    actor_ref: list,
-    results: list[dict],
-) -> None:
-    peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else (PEAK_FLOPS["bf16"] if on_gpu else None)
+def _bench_config(args, *, tokens_per_mb: int, on_gpu: bool, precision: Literal["bf16", "fp32"]) -> Config:
+    """The run config of one measured row: the actor section from the command line, a tiny constant lr."""
     cfg = Config()
     cfg.actor = ActorConfig(
         tp=args.tp,
@@ -408,6 +397,45 @@ def _measure(
         fused_policy_loss=on_gpu,
     )
     cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-6, 0
+    return cfg
+
+
+def _model_params(actor: Actor, *, dp: int) -> int:
+    """The model's parameter count (collective): TP/PP shards add up over all ranks, DP replicas repeat."""
+    counts = torch.tensor([sum(p.numel() for chunk in actor.model_chunks for p in chunk.parameters())])
+    coll.all_reduce(counts)
+    return int(counts.item()) // dp
+
+
+def _timing_row(
+    times: list[float], samples: list, *, flops: float, num_gpus: int, peak_flops: float | None, on_gpu: bool
+) -> dict[str, float | str]:
+    """One row's speed fields from its step times: p50 and min step, tokens/s, TFLOP/s per GPU, MFU, peak memory."""
+    step_s = statistics.median(times)
+    return {
+        "step_s_p50": round(step_s, 4),
+        "step_s_min": round(min(times), 4),
+        "tokens_per_s": round(sum(s.num_tokens for s in samples) / step_s, 1),
+        "tflops_per_gpu": round(flops / step_s / num_gpus / 1e12, 1),
+        "mfu": round(flops / step_s / num_gpus / peak_flops, 4) if peak_flops else "",
+        "peak_mem_gib": round(_peak_memory_gib(on_gpu), 2),
+    }
+
+
+def _measure(
+    args,
+    *,
+    shape: dict,
+    ckpt: Path,
+    tokens_per_mb: int,
+    lengths: list[int] | None,
+    on_gpu: bool,
+    precision: Literal["bf16", "fp32"],
+    actor_ref: list,
+    results: list[dict],
+) -> None:
+    peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else (PEAK_FLOPS["bf16"] if on_gpu else None)
+    cfg = _bench_config(args, tokens_per_mb=tokens_per_mb, on_gpu=on_gpu, precision=precision)
     num_gpus = torch.distributed.get_world_size()
     with model_parallel(tp=args.tp, pp=args.pp, seed=1) as layout:
         actor = Actor(actor_settings(cfg), ckpt, layout)
@@ -415,11 +443,8 @@ def _measure(
         actor_ref.extend(weakref.ref(obj) for obj in (actor, *actor.model_chunks))
         try:
             ballast = _extra_allocation(tokens_per_mb, on_gpu)  # noqa: F841 - held for the row, freed with it
-            num_params = sum(p.numel() for chunk in actor.model_chunks for p in chunk.parameters())
-            counts = torch.tensor([num_params])
-            coll.all_reduce(counts)  # over all ranks: TP/PP shards add up, DP replicas repeat
             dp = layout.dp_size  # read inside the block: the groups are gone after it
-            num_params = int(counts.item()) // dp
+            num_params = _model_params(actor, dp=dp)
             samples = make_mini_batch(
                 tokens_per_mb=tokens_per_mb,
                 seqs_per_mb=args.seqs_per_mb,
@@ -439,17 +464,12 @@ def _measure(
                 times, syncs, metrics = _timed_steps(
                     actor, samples, args=args, on_gpu=on_gpu, first_step=len(results) * (args.steps + 1)
                 )
-                step_s = statistics.median(times)
+                row = _timing_row(times, samples, flops=flops, num_gpus=num_gpus, peak_flops=peak_flops, on_gpu=on_gpu)
                 results.append(
                     {
                         "attention_kernel": kernel,
                         "dp": dp,
-                        "step_s_p50": round(step_s, 4),
-                        "step_s_min": round(min(times), 4),
-                        "tokens_per_s": round(sum(s.num_tokens for s in samples) / step_s, 1),
-                        "tflops_per_gpu": round(flops / step_s / num_gpus / 1e12, 1),
-                        "mfu": round(flops / step_s / num_gpus / peak_flops, 4) if peak_flops else "",
-                        "peak_mem_gib": round(_peak_memory_gib(on_gpu), 2),
+                        **row,
                         "host_syncs": syncs if syncs is not None else "",
                         "loss": round(metrics["loss"], 5),
                         "num_params": num_params,

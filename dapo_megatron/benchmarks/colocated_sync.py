@@ -36,7 +36,6 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -92,7 +91,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-async def phased_sync(client, weights, *, bucket_bytes: int, device: str, version: str) -> dict[str, Any]:
+async def phased_sync(client, weights, *, bucket_bytes: int, device: str, version: str) -> dict[str, float]:
     """One sync with each phase on its own clock (module docstring)."""
 
     times = dict.fromkeys(("export_s", "ipc_s", "engine_s", "session_s"), 0.0)
@@ -132,7 +131,7 @@ async def read_back_differences(client, weights) -> list[str]:
     return wrong
 
 
-async def measure(url: str, weights, *, bucket_bytes: int, repeats: int, device: str) -> dict[str, Any]:
+async def measure(url: str, weights, *, bucket_bytes: int, repeats: int, device: str) -> dict[str, float | str]:
     """Warm-up, `repeats` product-path syncs, one phased sync, the read-back; the row's measured fields."""
 
     async with EngineClient(url) as client:

@@ -44,6 +44,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -275,9 +276,53 @@ def _rank_main(rank: int, layout: dict, args, port: int, queue) -> None:
         queue.put((rank, {"error": f"{exc!r}\n{traceback.format_exc()}"}))
 
 
-def _rank_step(layout: dict, args) -> dict:
+class _DataStep(NamedTuple):
+    recv: dict
+    reduce: dict
+    distribute_s: float
+    bookkeep_s: float
+    objects: int  # Python objects (allocated blocks) the step left alive
+    peak_rss_bytes: int
+
+
+def _step_samples(args) -> tuple[list[Sample] | None, int]:
+    """The step's samples (on rank 0, None elsewhere) and their token count (on every rank)."""
+    import torch.distributed as dist
+
+    samples = synthetic_samples(prompts=args.prompts, n=args.n, seed=args.seed) if dist.get_rank() == 0 else None
+    tokens = torch.tensor([sum(s.num_tokens for s in samples) if samples else 0])
+    coll.broadcast(tokens, src=0)
+    return samples, int(tokens)
+
+
+def _measure_data_step(samples: list[Sample] | None, *, cfg: Config, groups, step_tokens: int) -> _DataStep:
+    """One step's data plane timed (distribute, then bookkeep; barriers between), with the objects it left
+    and the peak RSS it reached; the collector off while it runs, the step's data freed after."""
     import gc
 
+    import torch.distributed as dist
+
+    gc.collect()
+    gc.disable()  # object counts without collector noise
+    dist.barrier()
+    reset_peak_rss()
+    blocks0 = sys.getallocatedblocks()
+    t0 = time.perf_counter()
+    held, recv = distribute(samples, cfg=cfg, layout=groups, step_tokens=step_tokens)
+    dist.barrier()
+    t1 = time.perf_counter()
+    held, reduce = bookkeep(held, cfg=cfg, layout=groups)
+    dist.barrier()
+    t2 = time.perf_counter()
+    objects = sys.getallocatedblocks() - blocks0
+    step_peak = peak_rss_bytes()
+    gc.enable()
+    del held
+    gc.collect()
+    return _DataStep(recv, reduce, t1 - t0, t2 - t1, objects, step_peak)
+
+
+def _rank_step(layout: dict, args) -> dict:
     import torch.distributed as dist
     from transformers import Qwen2Config
 
@@ -293,27 +338,8 @@ def _rank_step(layout: dict, args) -> dict:
             sequence_parallel=cfg.actor.sequence_parallel,
             vocab_divisible_by=1,
         )
-        samples = synthetic_samples(prompts=args.prompts, n=args.n, seed=args.seed) if dist.get_rank() == 0 else None
-        tokens = torch.tensor([sum(s.num_tokens for s in samples) if samples else 0])
-        coll.broadcast(tokens, src=0)
-        step_tokens = int(tokens)
-        gc.collect()
-        gc.disable()  # object counts without collector noise
-        dist.barrier()
-        reset_peak_rss()
-        blocks0 = sys.getallocatedblocks()
-        t0 = time.perf_counter()
-        held, recv = distribute(samples, cfg=cfg, layout=groups, step_tokens=step_tokens)
-        dist.barrier()
-        t1 = time.perf_counter()
-        held, reduce = bookkeep(held, cfg=cfg, layout=groups)
-        dist.barrier()
-        t2 = time.perf_counter()
-        objects = sys.getallocatedblocks() - blocks0
-        step_peak = peak_rss_bytes()
-        gc.enable()
-        del held
-        gc.collect()
+        samples, step_tokens = _step_samples(args)
+        step = _measure_data_step(samples, cfg=cfg, groups=groups, step_tokens=step_tokens)
         dist.barrier()
         reset_peak_rss()
         rss0 = rss_bytes()
@@ -322,19 +348,19 @@ def _rank_step(layout: dict, args) -> dict:
         dist.barrier()
         t4 = time.perf_counter()
         export_peak = peak_rss_bytes() - rss0
-        step_peak = max(step_peak, peak_rss_bytes())
+        step_peak = max(step.peak_rss_bytes, peak_rss_bytes())
         largest_bucket = torch.tensor([exported["largest_bucket_bytes"]])
         coll.all_reduce(largest_bucket, op=dist.ReduceOp.MAX)
         role = _role(groups)
     return {
-        **recv,
-        **reduce,
+        **step.recv,
+        **step.reduce,
         "tokens": step_tokens,
-        "distribute_s": t1 - t0,
-        "bookkeep_s": t2 - t1,
+        "distribute_s": step.distribute_s,
+        "bookkeep_s": step.bookkeep_s,
         "export_s": t4 - t3,
         "peak_rss_mb": step_peak / 2**20,
-        "py_objects_per_token": objects / max(step_tokens, 1),
+        "py_objects_per_token": step.objects / max(step_tokens, 1),
         "export_peak_mb": max(export_peak, 0) / 2**20,
         "largest_tensor_mb": exported["largest_tensor_bytes"] / 2**20,
         "largest_bucket_mb": max(int(largest_bucket), args.bucket_mb << 20) / 2**20,

@@ -28,7 +28,6 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from dapo_megatron.benchmarks.run import add_output_args, append_rows, results_csv
 from dapo_megatron.data.tiny_model import build_tiny_tokenizer
@@ -93,7 +92,7 @@ GET_QUERIES = [
     "?name=%ff%fe",
     "?truncate_size=1",
 ]
-JUNK: list[Any] = [
+JUNK: list[object] = [  # any JSON value, and some that no JSON holds
     None,
     True,
     False,

@@ -67,69 +67,83 @@ def _row(kernel: str, provider: str, mode: str, metric: str, unit: str, x: objec
 
 
 async def _run(url: str, model_dir: str, *, new_tokens: int, concurrency: list[int]) -> list[dict]:
+    async with EngineClient(url) as c:
+        return [
+            *await _generate_rows(c, new_tokens=new_tokens, concurrency=concurrency),
+            *await _weight_sync_rows(c, model_dir),
+        ]
+
+
+async def _generate_rows(c: EngineClient, *, new_tokens: int, concurrency: list[int]) -> list[dict]:
+    """/generate throughput: `conc` concurrent requests of new_tokens tokens each, for each conc."""
+    rows: list[dict] = []
+    print(f"{'concurrent requests':>20} {'tokens':>8} {'seconds':>8} {'tokens/s':>9}")
+    for conc in concurrency:
+        tic = time.perf_counter()
+        outs = await asyncio.gather(
+            *(
+                c.generate(
+                    input_ids=[1, 5 + i, 9],
+                    sampling_params={"max_new_tokens": new_tokens, "ignore_eos": True, "sampling_seed": i},
+                )
+                for i in range(conc)
+            )
+        )
+        dt = time.perf_counter() - tic
+        tokens = sum(len(o["output_ids"]) for o in outs)
+        print(f"{conc:>20} {tokens:>8} {dt:>8.2f} {tokens / dt:>9.1f}")
+        rows.append(
+            _row(
+                "rollout_generate",
+                "cpu_server",
+                f"new_tokens={new_tokens}",
+                "tokens_per_s",
+                "tok/s",
+                conc,
+                tokens / dt,
+            )
+        )
+    return rows
+
+
+async def _weight_sync_rows(c: EngineClient, model_dir: str) -> list[dict]:
+    """Weight-sync bandwidth of the model's weights: gloo broadcasts (the first forms the group), then shared memory."""
     from transformers import AutoModelForCausalLM
 
     rows: list[dict] = []
-    async with EngineClient(url) as c:
-        print(f"{'concurrent requests':>20} {'tokens':>8} {'seconds':>8} {'tokens/s':>9}")
-        for conc in concurrency:
-            tic = time.perf_counter()
-            outs = await asyncio.gather(
-                *(
-                    c.generate(
-                        input_ids=[1, 5 + i, 9],
-                        sampling_params={"max_new_tokens": new_tokens, "ignore_eos": True, "sampling_seed": i},
-                    )
-                    for i in range(conc)
-                )
-            )
-            dt = time.perf_counter() - tic
-            tokens = sum(len(o["output_ids"]) for o in outs)
-            print(f"{conc:>20} {tokens:>8} {dt:>8.2f} {tokens / dt:>9.1f}")
-            rows.append(
-                _row(
-                    "rollout_generate",
-                    "cpu_server",
-                    f"new_tokens={new_tokens}",
-                    "tokens_per_s",
-                    "tok/s",
-                    conc,
-                    tokens / dt,
-                )
-            )
-        weights = list(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict().items())
-        print(f"\n{'weight sync':>20} {'MB':>8} {'seconds':>8} {'GB/s':>9}")
-        sync = DistributedWeightSync(backend="gloo", bucket_bytes=64 << 20)  # flattened buckets
-        for step, label in enumerate(("gloo (1st, +group)", "gloo"), start=1):  # the first also forms the group
-            tic = time.perf_counter()
-            st = await sync.sync([c], iter(weights), weight_version=f"bench_{step}")
-            st.seconds = time.perf_counter() - tic
-            print(f"{label:>20} {st.bytes / 1e6:>8.1f} {st.seconds:>8.2f} {st.gb_per_s:>9.3f}")
-            rows.append(
-                _row(
-                    "weight_sync",
-                    "gloo_broadcast",
-                    "first" if "1st" in label else "repeat",
-                    "gb_per_s",
-                    "GB/s",
-                    round(st.bytes / 1e6, 1),
-                    st.gb_per_s,
-                )
-            )
-        await sync.close([c])
-        st = await TensorWeightSync(bucket_bytes=64 << 20).sync([c], iter(weights), weight_version="bench_tensor")
-        print(f"{'shared memory':>20} {st.bytes / 1e6:>8.1f} {st.seconds:>8.2f} {st.gb_per_s:>9.3f}")
+    weights = list(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict().items())
+    print(f"\n{'weight sync':>20} {'MB':>8} {'seconds':>8} {'GB/s':>9}")
+    sync = DistributedWeightSync(backend="gloo", bucket_bytes=64 << 20)  # flattened buckets
+    for step, label in enumerate(("gloo (1st, +group)", "gloo"), start=1):  # the first also forms the group
+        tic = time.perf_counter()
+        st = await sync.sync([c], iter(weights), weight_version=f"bench_{step}")
+        st.seconds = time.perf_counter() - tic
+        print(f"{label:>20} {st.bytes / 1e6:>8.1f} {st.seconds:>8.2f} {st.gb_per_s:>9.3f}")
         rows.append(
             _row(
                 "weight_sync",
-                "tensor_shared_memory",
-                "repeat",
+                "gloo_broadcast",
+                "first" if "1st" in label else "repeat",
                 "gb_per_s",
                 "GB/s",
                 round(st.bytes / 1e6, 1),
                 st.gb_per_s,
             )
         )
+    await sync.close([c])
+    st = await TensorWeightSync(bucket_bytes=64 << 20).sync([c], iter(weights), weight_version="bench_tensor")
+    print(f"{'shared memory':>20} {st.bytes / 1e6:>8.1f} {st.seconds:>8.2f} {st.gb_per_s:>9.3f}")
+    rows.append(
+        _row(
+            "weight_sync",
+            "tensor_shared_memory",
+            "repeat",
+            "gb_per_s",
+            "GB/s",
+            round(st.bytes / 1e6, 1),
+            st.gb_per_s,
+        )
+    )
     return rows
 
 

@@ -31,8 +31,8 @@ from __future__ import annotations
 import glob
 import os
 import threading
-from collections.abc import Iterable
-from typing import Protocol
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -40,7 +40,11 @@ from dapo_megatron.cpu_engine.fp8 import is_fp8_checkpoint, load_fp8_model
 from dapo_megatron.cpu_engine.protocol import SequenceRequest
 from dapo_megatron.cpu_engine.token_bound import max_chars_per_token
 from dapo_megatron.rollout.routing import RoutedExpertsRecorder
+from dapo_megatron.rollout.sglang_api import FinishReason
 from dapo_megatron.weights.hf_layout import public_expert_views
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 UNSEEDED_DETERMINISTIC_SEED = 42  # SGLang's seed for requests without one under deterministic inference
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # sglang/srt/constants.py GPU_MEMORY_ALL_TYPES
@@ -72,40 +76,21 @@ class CpuEngine:
         context_length: int = 0,
         device: str = "cpu",
     ):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.model_path = model_path
         self.dtype = getattr(torch, dtype)
         # where the weights and the KV cache live: "cpu", or a CUDA device so that on one GPU the
         # colocated path runs for real (CUDA IPC payloads, release/resume of real device memory);
         # sampling stays on the host with the same generators, so draws do not depend on the device
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not (
-            torch.cuda.is_available() and (self.device.index or 0) < torch.cuda.device_count()
-        ):
-            raise ValueError(
-                f"--device {device}: no such CUDA device here "
-                f"({torch.cuda.device_count() if torch.cuda.is_available() else 0} visible)"
-            )
-        if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}")
+        self.device = _serving_device(device)
         self.fp8 = is_fp8_checkpoint(model_path)
         if self.fp8 and self.device.type != "cpu":
             raise ValueError(
                 f"--device {device}: the block-FP8 engine computes SGLang's FP8 GEMM on the CPU only "
                 "(cpu_engine/fp8_gemm.py); serve an FP8 checkpoint with --device cpu"
             )
-        if self.fp8:  # block-FP8 export: fp8 weights + block scales, SGLang's w8a8 GEMM (cpu_engine/fp8.py)
-            self.model = load_fp8_model(model_path, dtype=self.dtype)
-        else:
-            self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).eval()
-        for p in self.model.parameters():
-            # each parameter in storage of its own, as after a resume: CPU GEMV kernels pick their path by
-            # memory alignment (~1e-6 log-prob differences), so release/resume must not change it; this
-            # also detaches the weights from the checkpoint's memory-mapped file
-            p.data = p.data.to(self.device).clone(memory_format=torch.contiguous_format)
-        for b in self.model.buffers():  # rotary inverse frequencies
-            b.data = b.data.to(self.device)
+        self.model = _load_model(model_path, dtype=self.dtype, device=self.device, fp8=self.fp8)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         except (OSError, ValueError):  # a weights-only directory: input_ids requests only
@@ -115,18 +100,8 @@ class CpuEngine:
         self.max_chars_per_token = max_chars_per_token(self.tokenizer) if self.tokenizer is not None else None
         cfg = self.model.config
         self.vocab_size = int(cfg.vocab_size)
-        model_len = int(getattr(cfg, "max_position_embeddings", 0) or 0)
-        allow_longer = os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "").lower() in ("1", "true")
-        if context_length and model_len and context_length > model_len and not allow_longer:
-            # as SGLang's ModelConfig._derive_context_length refuses to start
-            raise ValueError(
-                f"--context-length {context_length} is greater than the model's max_position_embeddings "
-                f"{model_len}; to allow it, set SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1"
-            )
-        self.context_length = context_length or model_len or (1 << 20)
-        eos = self.model.generation_config.eos_token_id if self.model.generation_config else None
-        eos = eos if eos is not None else cfg.eos_token_id
-        self.eos_token_ids = set(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+        self.context_length = _context_length(cfg, requested=context_length)
+        self.eos_token_ids = _eos_token_ids(self.model)
         self.pad_token_id = next(iter(self.eos_token_ids), 0)
         self.max_batch_size = max_batch_size
         self.deterministic = deterministic
@@ -316,7 +291,7 @@ class CpuEngine:
 
         prefill_lengths, width = [0] * len(seqs), 0
 
-        def finish(b: int, reason: dict) -> None:
+        def finish(b: int, reason: FinishReason) -> None:
             done[b], seqs[b].finish_reason = True, reason
             self.routing.take(seqs[b], row=b, prefill_length=prefill_lengths[b], width=width)
             hooks.finished(seqs[b])
@@ -351,21 +326,33 @@ class CpuEngine:
                     logits, cache, mask, positions = self._forward(
                         [s.prompt_ids + s.output_ids for s in seqs], cache, mask, positions
                     )
-                for b, s in enumerate(seqs):
-                    if done[b]:
-                        continue
-                    token, logprob = self._sample(logits[b], s, gens[b])
-                    s.output_ids.append(token)
-                    s.output_versions.append(self.weight_version)
-                    if s.return_logprob:
-                        s.output_logprobs.append(logprob)
-                    if token in s.params.stop_token_ids or (token in self.eos_token_ids and not s.params.ignore_eos):
-                        finish(b, {"type": "stop", "matched": token})
-                    elif len(s.output_ids) >= s.params.max_new_tokens:
-                        finish(b, {"type": "length", "length": s.params.max_new_tokens})
+                self._append_sampled_tokens(seqs, done, logits, gens, finish)
         finally:
             self.kv_cache_bytes = 0
             self.routing.stop()
+
+    def _append_sampled_tokens(
+        self,
+        seqs: list[SequenceRequest],
+        done: list[bool],
+        logits: torch.Tensor,
+        gens: list[torch.Generator],
+        finish: Callable[[int, FinishReason], None],
+    ) -> None:
+        """One decode step's sampling: a token (and its log-prob) for every unfinished row, and the
+        rows that stop (a stop or EOS token, or max_new_tokens reached) finished."""
+        for b, s in enumerate(seqs):
+            if done[b]:
+                continue
+            token, logprob = self._sample(logits[b], s, gens[b])
+            s.output_ids.append(token)
+            s.output_versions.append(self.weight_version)
+            if s.return_logprob:
+                s.output_logprobs.append(logprob)
+            if token in s.params.stop_token_ids or (token in self.eos_token_ids and not s.params.ignore_eos):
+                finish(b, {"type": "stop", "matched": token})
+            elif len(s.output_ids) >= s.params.max_new_tokens:
+                finish(b, {"type": "length", "length": s.params.max_new_tokens})
 
     @staticmethod
     def _sample(logits_V: torch.Tensor, s: SequenceRequest, gen: torch.Generator) -> tuple[int, float]:
@@ -387,6 +374,57 @@ class CpuEngine:
             probs = torch.zeros_like(probs).scatter(0, order, sorted_p)
         token = int(torch.multinomial(probs, 1, generator=gen))
         return token, float(logprobs[token])
+
+
+def _serving_device(device: str) -> torch.device:
+    """--device as a torch device: the CPU, or a CUDA device that exists here."""
+    where = torch.device(device)
+    if where.type == "cuda" and not (torch.cuda.is_available() and (where.index or 0) < torch.cuda.device_count()):
+        raise ValueError(
+            f"--device {device}: no such CUDA device here "
+            f"({torch.cuda.device_count() if torch.cuda.is_available() else 0} visible)"
+        )
+    if where.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}")
+    return where
+
+
+def _load_model(model_path: str, *, dtype: torch.dtype, device: torch.device, fp8: bool) -> PreTrainedModel:
+    """The checkpoint's transformers model in eval mode, its parameters and buffers on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    if fp8:  # block-FP8 export: fp8 weights + block scales, SGLang's w8a8 GEMM (cpu_engine/fp8.py)
+        model = load_fp8_model(model_path, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).eval()
+    for p in model.parameters():
+        # each parameter in storage of its own, as after a resume: CPU GEMV kernels pick their path by
+        # memory alignment (~1e-6 log-prob differences), so release/resume must not change it; this
+        # also detaches the weights from the checkpoint's memory-mapped file
+        p.data = p.data.to(device).clone(memory_format=torch.contiguous_format)
+    for b in model.buffers():  # rotary inverse frequencies
+        b.data = b.data.to(device)
+    return model
+
+
+def _context_length(hf_config: PretrainedConfig, *, requested: int) -> int:
+    """--context-length (0: the model's max_position_embeddings), refused above the model's as SGLang does."""
+    model_len = int(getattr(hf_config, "max_position_embeddings", 0) or 0)
+    allow_longer = os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "").lower() in ("1", "true")
+    if requested and model_len and requested > model_len and not allow_longer:
+        # as SGLang's ModelConfig._derive_context_length refuses to start
+        raise ValueError(
+            f"--context-length {requested} is greater than the model's max_position_embeddings "
+            f"{model_len}; to allow it, set SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1"
+        )
+    return requested or model_len or (1 << 20)
+
+
+def _eos_token_ids(model: PreTrainedModel) -> set[int]:
+    """The ids that end a sample: the generation config's eos_token_id, else the model config's."""
+    eos = model.generation_config.eos_token_id if model.generation_config else None
+    eos = eos if eos is not None else model.config.eos_token_id
+    return set(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
 
 
 def _cache_tensors(cache) -> list[torch.Tensor]:

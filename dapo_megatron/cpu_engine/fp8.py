@@ -73,6 +73,53 @@ def _quantized_modules(state: dict[str, torch.Tensor]) -> set[str]:
     return {k.removesuffix(".weight_scale_inv") for k in state if k.endswith(".weight_scale_inv")}
 
 
+def _swap_in_fp8_linears(
+    model: nn.Module, state: dict[str, torch.Tensor], *, block: int, dtype: torch.dtype, where: Path
+) -> None:
+    """Every nn.Linear the checkpoint quantized (it holds `<m>.weight_scale_inv`) replaced by an Fp8Linear."""
+    for name in sorted(_quantized_modules(state)):
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        linear = getattr(parent, leaf, None)
+        if not isinstance(linear, nn.Linear):
+            raise ValueError(f"{where}: '{name}.weight_scale_inv' names {type(linear).__name__}, not an nn.Linear")
+        if linear.in_features % block:
+            raise ValueError(
+                f"{where}: '{name}' takes {linear.in_features} input features, not a multiple of "
+                f"the FP8 block {block}: SGLang's block-FP8 GEMM quantizes activations per {block} "
+                "channels and asserts it (per_token_group_quant_fp8); so does this engine"
+            )
+        if state[f"{name}.weight"].dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{where}: '{name}.weight' is {state[f'{name}.weight'].dtype}, expected float8_e4m3fn")
+        setattr(
+            parent,
+            leaf,
+            Fp8Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, dtype=dtype, block=block),
+        )
+
+
+def _copy_checkpoint_tensors(model: nn.Module, state: dict[str, torch.Tensor], *, tied: bool, where: Path) -> None:
+    """The checkpoint's tensors copied into the model: each must have a place of its shape there, and every
+    model tensor must come from the checkpoint (a tied lm_head aside)."""
+    ours = model.state_dict()
+    unknown = sorted(set(state) - set(ours))
+    if unknown:
+        raise ValueError(
+            f"{where}: checkpoint tensor '{unknown[0]}' has no place in the model ({len(unknown)} such tensors)"
+        )
+    with torch.no_grad():
+        for name, tensor in state.items():
+            if list(ours[name].shape) != list(tensor.shape):
+                raise ValueError(
+                    f"{where}: '{name}' has shape {list(tensor.shape)}, the model {list(ours[name].shape)}"
+                )
+            ours[name].copy_(tensor.to(ours[name].dtype))
+    missing = sorted(set(ours) - set(state))
+    missing = [m for m in missing if not (tied and m == "lm_head.weight")]
+    if missing:
+        raise ValueError(f"{where}: model tensor '{missing[0]}' is not in the checkpoint ({len(missing)} missing)")
+
+
 def load_fp8_model(model_dir: str | Path, *, dtype: torch.dtype):
     """The HF causal LM of a block-FP8 export with its quantized Linears as Fp8Linear, the other tensors
     (embeddings, norms, biases, lm_head: bf16 in the export) in `dtype`. Every tensor of the checkpoint
@@ -100,43 +147,9 @@ def load_fp8_model(model_dir: str | Path, *, dtype: torch.dtype):
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    for name in sorted(_quantized_modules(state)):
-        parent_name, _, leaf = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        linear = getattr(parent, leaf, None)
-        if not isinstance(linear, nn.Linear):
-            raise ValueError(f"{model_dir}: '{name}.weight_scale_inv' names {type(linear).__name__}, not an nn.Linear")
-        if linear.in_features % block:
-            raise ValueError(
-                f"{model_dir}: '{name}' takes {linear.in_features} input features, not a multiple of "
-                f"the FP8 block {block}: SGLang's block-FP8 GEMM quantizes activations per {block} "
-                "channels and asserts it (per_token_group_quant_fp8); so does this engine"
-            )
-        if state[f"{name}.weight"].dtype != torch.float8_e4m3fn:
-            raise ValueError(f"{model_dir}: '{name}.weight' is {state[f'{name}.weight'].dtype}, expected float8_e4m3fn")
-        setattr(
-            parent,
-            leaf,
-            Fp8Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, dtype=dtype, block=block),
-        )
-    ours = model.state_dict()
-    unknown = sorted(set(state) - set(ours))
-    if unknown:
-        raise ValueError(
-            f"{model_dir}: checkpoint tensor '{unknown[0]}' has no place in the model ({len(unknown)} such tensors)"
-        )
-    with torch.no_grad():
-        for name, tensor in state.items():
-            if list(ours[name].shape) != list(tensor.shape):
-                raise ValueError(
-                    f"{model_dir}: '{name}' has shape {list(tensor.shape)}, the model {list(ours[name].shape)}"
-                )
-            ours[name].copy_(tensor.to(ours[name].dtype))
-    missing = sorted(set(ours) - set(state))
+    _swap_in_fp8_linears(model, state, block=block, dtype=dtype, where=model_dir)
     tied = config.tie_word_embeddings if hasattr(config, "tie_word_embeddings") else False
-    missing = [m for m in missing if not (tied and m == "lm_head.weight")]
-    if missing:
-        raise ValueError(f"{model_dir}: model tensor '{missing[0]}' is not in the checkpoint ({len(missing)} missing)")
+    _copy_checkpoint_tensors(model, state, tied=tied, where=model_dir)
     if tied:
         model.tie_weights()
     try:

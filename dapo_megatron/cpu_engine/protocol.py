@@ -29,11 +29,18 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
+
+from dapo_megatron.rollout.sglang_api import FinishReason
+
+if TYPE_CHECKING:
+    import torch
+
+N = TypeVar("N", int, float)
 
 # SGLang GenerateReqInput fields that change the result and that the CPU engine does not implement:
 # refused when set to anything but their default.
-_UNSUPPORTED_FIELDS: dict[str, Any] = {
+_UNSUPPORTED_FIELDS: dict[str, object] = {
     "input_embeds": None,
     "image_data": None,
     "video_data": None,
@@ -120,15 +127,15 @@ class SequenceRequest:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_versions: list[str] = field(default_factory=list)  # weight version that made each token
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
-    routed_experts: Any = None  # [rows, layers, topk] once generated (rollout/routing.py)
+    routed_experts: torch.Tensor | None = None  # [rows, layers, topk] once generated (rollout/routing.py)
 
 
 def _number(
-    value: Any, name: str, *, kind: type, lo: float | None = None, hi: float | None = None, lo_open: bool = False
-) -> Any:
+    value: object, name: str, *, kind: type[N], lo: float | None = None, hi: float | None = None, lo_open: bool = False
+) -> N:
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         raise RequestError(name, f"must be {'a number' if kind is float else 'an integer'}, got {value!r}")
     if (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi):
@@ -136,7 +143,7 @@ def _number(
     return kind(value)
 
 
-def parse_sampling_params(raw: Any, name: str, *, vocab_size: int) -> SamplingParams:
+def parse_sampling_params(raw: object, name: str, *, vocab_size: int) -> SamplingParams:
     if raw is None:
         return SamplingParams()
     if not isinstance(raw, dict):
@@ -183,7 +190,7 @@ def parse_sampling_params(raw: Any, name: str, *, vocab_size: int) -> SamplingPa
     return p
 
 
-def _token_list(value: Any, name: str, *, vocab_size: int, context_length: int) -> list[int]:
+def _token_list(value: object, name: str, *, vocab_size: int, context_length: int) -> list[int]:
     if not isinstance(value, list) or not value:
         raise RequestError(
             name, "input_ids cannot be empty" if value == [] else "must be a non-empty list of token ids"
@@ -228,7 +235,7 @@ def check_context_length(prompt_len: int, max_new_tokens: int, *, context_length
         )
 
 
-def _rids(rid: Any, *, num_prompts: int, is_batch: bool) -> list[str]:
+def _rids(rid: object, *, num_prompts: int, is_batch: bool) -> list[str]:
     """One rid per prompt, as GenerateReqInput._normalize_rid leaves them (before n > 1 expansion)."""
     if not is_batch:
         if rid is None:
@@ -251,7 +258,7 @@ def _rids(rid: Any, *, num_prompts: int, is_batch: bool) -> list[str]:
 
 
 def parse_generate(
-    body: Any, *, vocab_size: int, tokenize, context_length: int, min_tokens=None, pause=None
+    body: object, *, vocab_size: int, tokenize, context_length: int, min_tokens=None, pause=None
 ) -> tuple[list[SequenceRequest], bool]:
     """Body of POST /generate -> (sequences in SGLang's output order, whether the reply is a list).
 
@@ -320,7 +327,7 @@ def _prompt_inputs(
     ids = body["input_ids"]
     is_batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
 
-    def checked(i: int, p: Any) -> list[int]:
+    def checked(i: int, p: object) -> list[int]:
         if pause is not None:
             pause()
         return _token_list(p, f"input_ids[{i}]", vocab_size=vocab_size, context_length=context_length)
@@ -330,7 +337,9 @@ def _prompt_inputs(
     return None, [_token_list(ids, "input_ids", vocab_size=vocab_size, context_length=context_length)], False
 
 
-def _per_prompt_sampling_params(raw_params: Any, *, num: int, is_batch: bool, vocab_size: int) -> list[SamplingParams]:
+def _per_prompt_sampling_params(
+    raw_params: object, *, num: int, is_batch: bool, vocab_size: int
+) -> list[SamplingParams]:
     """One SamplingParams per prompt: a list (one entry each, the same n) or one dict for all."""
     if not isinstance(raw_params, list):
         return [parse_sampling_params(raw_params, "sampling_params", vocab_size=vocab_size)] * num
@@ -346,7 +355,7 @@ def _per_prompt_sampling_params(raw_params: Any, *, num: int, is_batch: bool, vo
     return params
 
 
-def _logprob_flags(raw_logprob: Any, *, num: int, n: int) -> list:
+def _logprob_flags(raw_logprob: object, *, num: int, n: int) -> list[bool | None]:
     """return_logprob per prompt (one flag for all, or a list: not with n > 1, as SGLang)."""
     if isinstance(raw_logprob, list):
         if n > 1:

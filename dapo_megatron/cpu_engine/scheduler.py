@@ -24,8 +24,9 @@ from collections import deque
 
 from dapo_megatron.cpu_engine.engine import CpuEngine
 from dapo_megatron.cpu_engine.protocol import SequenceRequest
+from dapo_megatron.rollout.sglang_api import FinishReason
 
-ABORT_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
+ABORT_WAITING: FinishReason = {"type": "abort", "message": "Abort in waiting queue"}
 
 
 class RWLock:
@@ -135,7 +136,7 @@ class Batcher:
             for item in self.waiting:
                 if abort_all or item.seq.rid.startswith(rid):
                     item.seq.aborted = True
-                    item.seq.finish_reason = dict(ABORT_WAITING)
+                    item.seq.finish_reason = ABORT_WAITING.copy()
                     self._resolve(item)
                     hit.append(item.seq.rid)
                 else:

@@ -42,7 +42,7 @@ import functools
 import math
 import os
 import time
-from typing import Any
+from typing import TypedDict
 
 import torch
 from aiohttp import web
@@ -93,6 +93,16 @@ def _field(body: dict, name: str, kind: type | tuple, *, default=..., nullable: 
     return value
 
 
+class ServerStats(TypedDict):
+    """The counters /server_info reports (beside SGLang's own fields)."""
+
+    num_requests: int
+    num_sequences: int
+    num_aborted: int
+    aborted_rids: list[str]  # the last 10,000
+    num_weight_updates: int
+
+
 class RolloutServer:
     def __init__(self, engine: CpuEngine, *, model_name: str, seed: int = 0, limits: Limits | None = None):
         self.engine = engine
@@ -110,7 +120,7 @@ class RolloutServer:
         # it begins, so that a test can act while a sync is in flight (a tiny model's session lasts ~0.1 s)
         self.session_hold_s = float(os.environ.get("DAPO_CPU_ENGINE_SESSION_HOLD_S") or 0)
         self.groups: dict[str, object] = {}  # group_name -> ProcessGroup
-        self.stats: dict[str, Any] = {
+        self.stats: ServerStats = {
             "num_requests": 0,
             "num_sequences": 0,
             "num_aborted": 0,

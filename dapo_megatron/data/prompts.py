@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Protocol, TypedDict
 
 __all__ = [
     "PromptRecord",
@@ -52,6 +52,37 @@ def apply_template(problem: str) -> str:
     return DAPO_TEMPLATE.format(problem=problem)
 
 
+class ChatMessage(TypedDict):
+    content: str
+    role: str  # system | user | assistant
+
+
+class RewardModelColumn(TypedDict):
+    ground_truth: str
+    style: str
+
+
+class ExtraInfoColumn(TypedDict):
+    index: str
+
+
+class PromptRow(TypedDict):
+    """One row of a prompt file (the DAPO-Math-17k schema, _arrow_schema) as save_prompts writes it."""
+
+    data_source: str
+    prompt: list[ChatMessage]
+    ability: str
+    reward_model: RewardModelColumn
+    extra_info: ExtraInfoColumn
+
+
+class HasPrompt(Protocol):
+    """What prompt_token_ids reads: a PromptRecord, or any record with a `prompt` text (and optionally
+    `prompt_ids`, ready token ids, or `chat()`, the conversation)."""
+
+    prompt: str
+
+
 @dataclass
 class PromptRecord:
     prompt: str  # the user turn's content (what the chat template wraps)
@@ -65,7 +96,7 @@ class PromptRecord:
     def chat(self) -> list[dict[str, str]]:
         return [dict(m) for m in self.messages] if self.messages else [{"role": "user", "content": self.prompt}]
 
-    def to_row(self) -> dict[str, Any]:
+    def to_row(self) -> PromptRow:
         return {
             "data_source": self.data_source,
             "prompt": [{"content": m["content"], "role": m["role"]} for m in self.chat()],
@@ -123,6 +154,45 @@ def load_prompts(
         )
     if not path.is_file():
         raise ValueError(f"{key}: prompt file not found: {path}")
+    records, problems, num_rows, num_duplicates = _read_records(
+        path,
+        dedup=dedup,
+        prompt_template=prompt_template,
+        prompt_length=prompt_length,
+        max_prompt_length=max_prompt_length,
+    )
+    if problems and not skip_bad_rows:
+        raise ValueError(bad_rows_message(key, path, problems, num_rows))
+    if problems:
+        log.warning(
+            "%s %s: skipped %d bad rows of %d (data.skip_bad_rows=true); the first: %s",
+            key,
+            path,
+            len(problems),
+            num_rows,
+            problems[0],
+        )
+    if not records:
+        raise ValueError(f"{key}: {path} has no usable rows ({num_rows} rows, {len(problems)} bad)")
+    if num_duplicates:
+        log.warning(
+            "%s: dropped %d duplicate rows of %d (%d unique prompts kept)", path, num_duplicates, num_rows, len(records)
+        )
+    return PromptList(
+        records, path=str(path), num_rows=num_rows, num_duplicates=num_duplicates, num_skipped=len(problems)
+    )
+
+
+def _read_records(
+    path: Path,
+    *,
+    dedup: bool,
+    prompt_template: str,
+    prompt_length: Callable[[PromptRecord], int] | None,
+    max_prompt_length: int,
+) -> tuple[list[PromptRecord], list[str], int, int]:
+    """(records kept, one problem per bad row, rows read, duplicates dropped) of one prompt file
+    (load_prompts's reading: every row parsed, de-duplicated, templated and length-checked)."""
     seen: set[tuple] = set()
     records: list[PromptRecord] = []
     problems: list[str] = []
@@ -150,26 +220,7 @@ def load_prompts(
             problems.append(str(err))
             continue
         records.append(record)
-    if problems and not skip_bad_rows:
-        raise ValueError(bad_rows_message(key, path, problems, num_rows))
-    if problems:
-        log.warning(
-            "%s %s: skipped %d bad rows of %d (data.skip_bad_rows=true); the first: %s",
-            key,
-            path,
-            len(problems),
-            num_rows,
-            problems[0],
-        )
-    if not records:
-        raise ValueError(f"{key}: {path} has no usable rows ({num_rows} rows, {len(problems)} bad)")
-    if num_duplicates:
-        log.warning(
-            "%s: dropped %d duplicate rows of %d (%d unique prompts kept)", path, num_duplicates, num_rows, len(records)
-        )
-    return PromptList(
-        records, path=str(path), num_rows=num_rows, num_duplicates=num_duplicates, num_skipped=len(problems)
-    )
+    return records, problems, num_rows, num_duplicates
 
 
 def bad_rows_message(key: str, path: str | Path, problems: list[str], num_rows: int) -> str:
@@ -194,7 +245,7 @@ def _plain_text_ids(tokenizer, text: str) -> list[int]:
     return plain
 
 
-def prompt_token_ids(tokenizer, record: Any) -> list[int]:
+def prompt_token_ids(tokenizer, record: HasPrompt) -> list[int]:
     """The prompt's token ids as the engines get them: a PromptRecord's chat through the tokenizer's chat
     template (ready for the answer), or where there is no template the plain text after the special tokens
     the tokenizer itself puts first (Llama 3's <|begin_of_text|>). What
@@ -246,7 +297,7 @@ def _arrow_schema():
     )
 
 
-def _iter_rows(path: Path) -> Iterator[tuple[int, str, Any]]:
+def _iter_rows(path: Path) -> Iterator[tuple[int, str, object]]:
     """(0-based data row, "file, row N (0-based)[, line L]" for messages, row) for every row."""
     if path.suffix in _PARQUET_SUFFIXES:
         import pyarrow.parquet as pq
@@ -288,7 +339,7 @@ class _Unreadable(str):
     """A row that could not be read at all (its reason)."""
 
 
-def _parse_row(row: Any, row_number: int, where: str) -> PromptRecord:
+def _parse_row(row: object, row_number: int, where: str) -> PromptRecord:
     if isinstance(row, _Unreadable):
         raise ValueError(f"{where}: {row}")
     if not isinstance(row, dict):
@@ -339,7 +390,7 @@ def _parse_row(row: Any, row_number: int, where: str) -> PromptRecord:
     )
 
 
-def _parse_messages(prompt: Any, where: str) -> list[dict[str, str]]:
+def _parse_messages(prompt: object, where: str) -> list[dict[str, str]]:
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     if not isinstance(prompt, list) or not prompt:

@@ -28,12 +28,16 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from dapo_megatron.data.chain_task import CHAIN_LEVEL, warm_start_responses
 from dapo_megatron.data.synthetic import synthetic_train_eval  # the warm start trains on its train split
 from dapo_megatron.data.tiny_tokenizer import SPECIAL_TOKENS, build_tiny_tokenizer, padded_vocab_size, prompt_ids
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -105,6 +109,40 @@ def _write_atomically(path: Path, record: dict, save) -> Path:
     return path
 
 
+def _tiny_hf_config(spec: TinyModelSpec, *, eos_token_id: int, pad_token_id: int, vocab: int) -> PretrainedConfig:
+    """The transformers config of the tiny model: Qwen2 (dense) or Qwen3-MoE, as `spec` says."""
+    from transformers import Qwen2Config, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=padded_vocab_size(vocab),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=False,  # like Qwen2.5-7B/32B and Qwen3-30B-A3B: a separate LM head
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        torch_dtype="float32",
+    )
+    if spec.arch == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **common,
+            head_dim=spec.hidden_size // spec.num_heads,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            norm_topk_prob=True,
+            moe_intermediate_size=spec.moe_intermediate_size,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )  # Qwen3-30B-A3B's routing: every layer sparse, normalised top-k
+    return Qwen2Config(**common)
+
+
 def build_tiny_model(
     out_dir: str | Path, *, seed: int, spec: TinyModelSpec = TinyModelSpec(), cached_only: bool = False
 ) -> Path:
@@ -113,7 +151,7 @@ def build_tiny_model(
     Idempotent: an existing directory built with the same seed and spec is reused (cached_only: or
     ValueError, nothing is built).
     """
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     spec.validate()
     path = Path(out_dir) / "tiny_model" / "init"
@@ -125,39 +163,14 @@ def build_tiny_model(
     if _cache_ok(path, record, cached_only=cached_only):
         return path
     tok = build_tiny_tokenizer()
-    common = dict(
-        vocab_size=padded_vocab_size(len(tok)),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads,
-        num_key_value_heads=spec.num_kv_heads,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=False,  # like Qwen2.5-7B/32B and Qwen3-30B-A3B: a separate LM head
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        bos_token_id=None,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        torch_dtype="float32",
-    )
+    config = _tiny_hf_config(spec, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, vocab=len(tok))
     torch.manual_seed(seed)
     if spec.arch == "qwen3_moe":
-        from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+        from transformers import AutoModelForCausalLM
 
-        config = Qwen3MoeConfig(
-            **common,
-            head_dim=spec.hidden_size // spec.num_heads,
-            num_experts=spec.num_experts,
-            num_experts_per_tok=spec.num_experts_per_tok,
-            norm_topk_prob=True,
-            moe_intermediate_size=spec.moe_intermediate_size,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-        )  # Qwen3-30B-A3B's routing: every layer sparse, normalised top-k
         model = AutoModelForCausalLM.from_config(config).float()
     else:
-        model = Qwen2ForCausalLM(Qwen2Config(**common)).float()
+        model = Qwen2ForCausalLM(config).float()
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
 
@@ -214,6 +227,24 @@ def _check_warm_start(prompts, answers, responses, *, steps: int, batch_size: in
         raise ValueError(f"warm start: {len(responses)} responses for {len(prompts)} prompts")
 
 
+def _warm_start_record(
+    init_dir: Path, digest: str, *, steps: int, batch_size: int, lr: float, seed: int, label_smoothing: float
+) -> dict:
+    """What names a warm-start pass in its cache (build.json): the init model's record, the data, the knobs."""
+    init_record = json.loads((init_dir / "build.json").read_text()) if (init_dir / "build.json").is_file() else {}
+    return {
+        "stage": "warm",
+        "init": init_record,
+        "data": digest,
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "seed": seed,
+        "label_smoothing": label_smoothing,
+        "torch_threads": WARM_START_THREADS,
+    }
+
+
 def warm_start(
     init_dir: str | Path,
     out_dir: str | Path,
@@ -245,18 +276,9 @@ def warm_start(
     path = Path(out_dir) / "tiny_model" / "warm"
     # the targets it trains on name the cache: `Answer: N` (the default, digest as before) or the responses
     digest = _digest(list(prompts), list(answers) if responses is None else list(responses))
-    init_record = json.loads((init_dir / "build.json").read_text()) if (init_dir / "build.json").is_file() else {}
-    record = {
-        "stage": "warm",
-        "init": init_record,
-        "data": digest,
-        "steps": steps,
-        "batch_size": batch_size,
-        "lr": lr,
-        "seed": seed,
-        "label_smoothing": label_smoothing,
-        "torch_threads": WARM_START_THREADS,
-    }
+    record = _warm_start_record(
+        init_dir, digest, steps=steps, batch_size=batch_size, lr=lr, seed=seed, label_smoothing=label_smoothing
+    )
     if _cache_ok(path, record, cached_only=cached_only):
         return path
     threads = torch.get_num_threads()

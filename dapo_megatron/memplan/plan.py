@@ -233,10 +233,44 @@ def _split_head(parts: dict[str, float]) -> tuple[float, dict[str, float]]:
     return sum(parts.values()) - sum(head.values()), head
 
 
+def _train_rows(
+    x: _Inputs, stage: int, *, largest_param_numel: int, working: str
+) -> tuple[dict[str, float], dict[str, float]]:
+    """(rows of the train phase's activations, its LM-head rows) for pipeline stage `stage`: the layers'
+    saved activations times the micro-batches in flight, the ends (embedding, head), the backward's working set."""
+    lay, act = x.layout, x.act
+    first, last = stage == 0, stage == lay.pp - 1
+    layers = layers_per_chunk(x.dims, lay)
+    chunk = act.saved(
+        tokens=x.tokens,
+        response_tokens=x.tokens,
+        layers=layers,
+        first=False,
+        last=False,
+        max_sequence=x.max_sequence,
+        sparse_layers=_sparse_per_chunk(x.dims, lay),
+    )
+    saved = sum(chunk.values()) * _in_flight(lay, stage)
+    ends = act.saved(tokens=x.tokens, response_tokens=x.tokens, layers=0, first=first, last=last)
+    ends_body, head = _split_head(ends)
+    if first:
+        ends_body += act.local_tokens(x.tokens) * 8 * (min(_in_flight(lay, stage), lay.pp) - 1)  # ids in flight
+    train = {
+        "activations saved for backward": saved + ends_body,
+        **head,
+        working: sum(
+            act.backward_working_set(
+                tokens=x.tokens, response_tokens=x.tokens, last=last, largest_param_numel=largest_param_numel
+            ).values()
+        ),
+    }
+    return train, head
+
+
 def _trainer_phases(x: _Inputs, stage: int, *, colocated: bool) -> dict[str, dict[str, float]]:
     """Rows of every phase for the worst DP rank of pipeline stage `stage` (trainer side only)."""
     lay, act = x.layout, x.act
-    first, last = stage == 0, stage == lay.pp - 1
+    last = stage == lay.pp - 1
     st = worst_static(x.dims, lay, precision=x.precision, distributed_optimizer=x.distributed, pp_rank=stage)
     weights = {f"actor weights ({x.precision})": st.weights}
     state = {
@@ -253,31 +287,8 @@ def _trainer_phases(x: _Inputs, stage: int, *, colocated: bool) -> dict[str, dic
         "trainer runtime (CUDA context, NCCL; allowance)": TRAINER_RUNTIME_BYTES,
         "RoPE table cache (megatron lru_cache)": act.rope_cache(max_sequence=min(x.max_sequence, x.tokens)),
     }
-    layers = layers_per_chunk(x.dims, lay)
-    chunk = act.saved(
-        tokens=x.tokens,
-        response_tokens=x.tokens,
-        layers=layers,
-        first=False,
-        last=False,
-        max_sequence=x.max_sequence,
-        sparse_layers=_sparse_per_chunk(x.dims, lay),
-    )
-    saved = sum(chunk.values()) * _in_flight(lay, stage)
-    ends = act.saved(tokens=x.tokens, response_tokens=x.tokens, layers=0, first=first, last=last)
-    ends_body, head = _split_head(ends)
-    if first:
-        ends_body += act.local_tokens(x.tokens) * 8 * (min(_in_flight(lay, stage), lay.pp) - 1)  # ids in flight
     working = "working set (estimate)"
-    train = {
-        "activations saved for backward": saved + ends_body,
-        **head,
-        working: sum(
-            act.backward_working_set(
-                tokens=x.tokens, response_tokens=x.tokens, last=last, largest_param_numel=st.largest_param_numel
-            ).values()
-        ),
-    }
+    train, head = _train_rows(x, stage, largest_param_numel=st.largest_param_numel, working=working)
     fwd = act.forward_only_working_set(tokens=x.tokens, response_tokens=x.tokens, last=last)
     logprob = {
         working: sum(v for k, v in fwd.items() if k != "logits path"),

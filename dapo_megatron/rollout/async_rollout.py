@@ -33,16 +33,18 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from typing import Any, Protocol
+from collections.abc import Awaitable, Coroutine, Iterable, Iterator, Sequence
+from typing import Protocol, TypeVar
 
 import torch
 
 from dapo_megatron.algo.off_policy import staleness_histogram
 from dapo_megatron.data.prompts import PromptRecord
 from dapo_megatron.dataplane.sample import Sample
-from dapo_megatron.rollout.client import EngineError
+from dapo_megatron.rollout.client import EngineClient, EngineError
 from dapo_megatron.rollout.sampler import INITIAL_WEIGHT_VERSION, RolloutResult, RolloutSampler
+
+T = TypeVar("T")
 
 
 def version_number(version: str) -> int:
@@ -129,7 +131,7 @@ class AsyncRollout:
         self._thread = threading.Thread(target=loop.run_forever, name="rollout-loop", daemon=True)
         self._thread.start()
 
-    def run(self, coro) -> Any:
+    def run(self, coro: Coroutine[object, object, T]) -> T:
         """Run a coroutine on the loop thread and wait for it (the driver's engine calls)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
@@ -186,7 +188,7 @@ class AsyncRollout:
         stats["overlap/wait_s"] = waited - tic
         return result, stats
 
-    async def paused_sync(self, clients: list, sync) -> Any:
+    async def paused_sync(self, clients: Sequence[EngineClient], sync: Awaitable[T]) -> T:
         """Run the weight sync `sync` (a coroutine) with generation paused in "retract" mode on every
         engine, then continue: the requests in flight keep their tokens and finish under the new
         weights (a partial rollout; their weight_versions spans name both). SGLang 0.5.21:

@@ -19,11 +19,13 @@ treats as "drop the engine and retry elsewhere".
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Mapping
+from typing import cast, overload
 
 import aiohttp
 
 from dapo_megatron.rollout.auth import EngineKeys
+from dapo_megatron.rollout.sglang_api import GenerateOutput, GenerateRequest, JsonValue, SamplingParamsArg
 
 
 class EngineError(RuntimeError):
@@ -70,6 +72,28 @@ class SessionHolder:
         self._session = None
 
 
+def generate_request(
+    *,
+    input_ids: list[int] | list[list[int]] | None = None,
+    text: str | list[str] | None = None,
+    sampling_params: SamplingParamsArg | None = None,
+    return_logprob: bool = False,
+    rid: str | list[str] | None = None,
+    return_routed_experts: bool = False,
+) -> GenerateRequest:
+    """The /generate body: a prompt's ids or text (or a list of them), its sampling params, its rid(s)."""
+    payload: GenerateRequest = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
+    if return_routed_experts:  # MoE: meta_info.routed_experts (rollout/routing.py)
+        payload["return_routed_experts"] = True
+    if input_ids is not None:
+        payload["input_ids"] = input_ids
+    if text is not None:
+        payload["text"] = text
+    if rid is not None:
+        payload["rid"] = rid
+    return payload
+
+
 class EngineClient:
     def __init__(
         self,
@@ -99,8 +123,9 @@ class EngineClient:
         return self._sessions.get()
 
     async def _request(
-        self, method: str, path: str, payload: dict | None = None, *, timeout_s: float | None = None
-    ) -> Any:
+        self, method: str, path: str, payload: Mapping[str, object] | None = None, *, timeout_s: float | None = None
+    ) -> JsonValue:
+        """The answer's JSON (None for an empty body, the text for a non-JSON one)."""
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s else self.timeout
         try:
             async with self._sess().request(
@@ -131,36 +156,76 @@ class EngineClient:
             ) from err
 
     # ------------------------------------------------------------------ generation
+    # a batch (a list of prompts) answers one output per prompt x sample, a single prompt one output
+    @overload
     async def generate(
         self,
         *,
-        input_ids: list | None = None,
-        text: str | list | None = None,
-        sampling_params: dict | list | None = None,
+        input_ids: list[list[int]],
+        sampling_params: SamplingParamsArg | None = None,
         return_logprob: bool = False,
-        rid: str | list | None = None,
+        rid: list[str] | None = None,
         return_routed_experts: bool = False,
-    ) -> Any:
-        payload: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob}
-        if return_routed_experts:  # MoE: meta_info.routed_experts (rollout/routing.py)
-            payload["return_routed_experts"] = True
-        if input_ids is not None:
-            payload["input_ids"] = input_ids
-        if text is not None:
-            payload["text"] = text
-        if rid is not None:
-            payload["rid"] = rid
-        return await self._request("POST", "/generate", payload)
+    ) -> list[GenerateOutput]: ...
+
+    @overload
+    async def generate(
+        self,
+        *,
+        text: list[str],
+        sampling_params: SamplingParamsArg | None = None,
+        return_logprob: bool = False,
+        rid: list[str] | None = None,
+        return_routed_experts: bool = False,
+    ) -> list[GenerateOutput]: ...
+
+    @overload
+    async def generate(
+        self,
+        *,
+        input_ids: list[int] | None = None,
+        text: str | None = None,
+        sampling_params: SamplingParamsArg | None = None,
+        return_logprob: bool = False,
+        rid: str | None = None,
+        return_routed_experts: bool = False,
+    ) -> GenerateOutput: ...
+
+    async def generate(
+        self,
+        *,
+        input_ids: list[int] | list[list[int]] | None = None,
+        text: str | list[str] | None = None,
+        sampling_params: SamplingParamsArg | None = None,
+        return_logprob: bool = False,
+        rid: str | list[str] | None = None,
+        return_routed_experts: bool = False,
+    ) -> GenerateOutput | list[GenerateOutput]:
+        return await self.send_generate(
+            generate_request(
+                input_ids=input_ids,
+                text=text,
+                sampling_params=sampling_params,
+                return_logprob=return_logprob,
+                rid=rid,
+                return_routed_experts=return_routed_experts,
+            )
+        )
+
+    async def send_generate(self, payload: GenerateRequest) -> GenerateOutput | list[GenerateOutput]:
+        """POST /generate with a body built by generate_request (EnginePool's retries resend it)."""
+        # the reply's shape is SGLang's contract (sglang_api.py), not checked here
+        return cast("GenerateOutput | list[GenerateOutput]", await self._request("POST", "/generate", payload))
 
     async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
         """POST /abort_request. SGLang answers 200 with no body whether or not anything matched: the
         aborted request's own reply (finish_reason "abort") is the only confirmation."""
-        payload: dict[str, Any] = {"abort_all": abort_all}
+        payload: dict[str, object] = {"abort_all": abort_all}
         if rid is not None:
             payload["rid"] = rid
         await self._request("POST", "/abort_request", payload, timeout_s=30)
 
-    async def pause_generation(self, mode: str = "abort") -> Any:
+    async def pause_generation(self, mode: str = "abort") -> JsonValue:
         """POST /pause_generation: "abort" (abort everything in flight, answer once it has returned),
         "retract" (running requests go back to the queue, their KV cache freed, recomputed on continue)
         or "in_place" (requests keep their KV cache and resume where they stopped). New requests wait
@@ -169,20 +234,20 @@ class EngineClient:
             raise ValueError(f"pause_generation: mode must be abort, retract or in_place, got {mode!r}")
         return await self._request("POST", "/pause_generation", {"mode": mode})
 
-    async def continue_generation(self) -> Any:
+    async def continue_generation(self) -> JsonValue:
         return await self._request("POST", "/continue_generation", {})
 
     # ------------------------------------------------------------------ weights
-    async def flush_cache(self) -> Any:
+    async def flush_cache(self) -> JsonValue:
         """POST /flush_cache; SGLang refuses (400) while any request runs or waits."""
         return await self._request("POST", "/flush_cache")
 
-    async def begin_weight_update(self) -> Any:
+    async def begin_weight_update(self) -> JsonValue:
         """Opens the weight-update session: SGLang refuses update_weights_from_distributed/_tensor (400)
         outside one. One session at a time per engine."""
         return await self._request("POST", "/begin_weight_update", {})
 
-    async def end_weight_update(self) -> Any:
+    async def end_weight_update(self) -> JsonValue:
         """Closes the session (the engine runs its post-load processing)."""
         return await self._request("POST", "/end_weight_update", {})
 
@@ -195,7 +260,7 @@ class EngineClient:
         world_size: int,
         group_name: str = "weight_update_group",
         backend: str = "nccl",
-    ) -> Any:
+    ) -> JsonValue:
         return await self._request(
             "POST",
             "/init_weights_update_group",
@@ -209,7 +274,7 @@ class EngineClient:
             },
         )
 
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> Any:
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> JsonValue:
         return await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
     async def update_weights_from_distributed(
@@ -222,7 +287,7 @@ class EngineClient:
         flush_cache: bool = True,
         load_format: str | None = None,
         weight_version: str | None = None,
-    ) -> Any:
+    ) -> JsonValue:
         """One bucket; the tensors follow as broadcasts from rank 0 of the group: one per tensor, or
         one for the whole bucket with load_format "flattened_bucket". Needs an open session."""
         return await self._request(
@@ -246,7 +311,7 @@ class EngineClient:
         load_format: str | None = None,
         flush_cache: bool = True,
         weight_version: str | None = None,
-    ) -> Any:
+    ) -> JsonValue:
         """One bucket as one payload per engine TP rank (tensor_payload.serialize_for_engine_rank).
         Needs an open session."""
         return await self._request(
@@ -260,20 +325,20 @@ class EngineClient:
             },
         )
 
-    async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> Any:
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None) -> JsonValue:
         return await self._request(
             "POST", "/update_weights_from_disk", {"model_path": model_path, "weight_version": weight_version}
         )
 
-    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> JsonValue:
         return await self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 
-    async def release_memory(self, tags: list[str] | None = None) -> Any:
+    async def release_memory(self, tags: list[str] | None = None) -> JsonValue:
         """POST /release_memory_occupation {tags}: "weights", "kv_cache" (None: all). The engine must
         be idle. Without a CPU backup the weights' content is gone: resume, then sync them again."""
         return await self._request("POST", "/release_memory_occupation", {"tags": tags})
 
-    async def resume_memory(self, tags: list[str] | None = None) -> Any:
+    async def resume_memory(self, tags: list[str] | None = None) -> JsonValue:
         return await self._request("POST", "/resume_memory_occupation", {"tags": tags})
 
     # ------------------------------------------------------------------ info
@@ -286,7 +351,7 @@ class EngineClient:
             return False
 
     async def model_info(self) -> dict:
-        return await self._request("GET", "/model_info")
+        return cast(dict, await self._request("GET", "/model_info"))  # a JSON object (SGLang's /model_info)
 
     async def server_info(self) -> dict:
-        return await self._request("GET", "/server_info")
+        return cast(dict, await self._request("GET", "/server_info"))  # a JSON object (SGLang's /server_info)

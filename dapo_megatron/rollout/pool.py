@@ -29,11 +29,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import overload
 
 from dapo_megatron.rollout.auth import EngineKeys
-from dapo_megatron.rollout.client import EngineClient, EngineError, EngineUnreachable, SessionHolder
+from dapo_megatron.rollout.client import EngineClient, EngineError, EngineUnreachable, SessionHolder, generate_request
 from dapo_megatron.rollout.registry import read_engine_events, read_registrations
+from dapo_megatron.rollout.sglang_api import GenerateOutput, SamplingParamsArg
 
 
 class NoLiveEngine(EngineError):
@@ -184,9 +185,46 @@ class EnginePool:
             raise NoLiveEngine("EnginePool: no live engine left (all dropped); restart engines and discover()")
         return min(live, key=lambda e: e.in_flight)
 
-    async def generate(self, *, rid: str | list[str] | None = None, **kwargs: Any) -> Any:
+    @overload
+    async def generate(
+        self,
+        *,
+        input_ids: list[list[int]],
+        sampling_params: SamplingParamsArg | None = None,
+        return_logprob: bool = False,
+        rid: list[str] | None = None,
+        return_routed_experts: bool = False,
+    ) -> list[GenerateOutput]: ...
+
+    @overload
+    async def generate(
+        self,
+        *,
+        input_ids: list[int],
+        sampling_params: SamplingParamsArg | None = None,
+        return_logprob: bool = False,
+        rid: str | None = None,
+        return_routed_experts: bool = False,
+    ) -> GenerateOutput: ...
+
+    async def generate(
+        self,
+        *,
+        input_ids: list[int] | list[list[int]],
+        sampling_params: SamplingParamsArg | None = None,
+        return_logprob: bool = False,
+        rid: str | list[str] | None = None,
+        return_routed_experts: bool = False,
+    ) -> GenerateOutput | list[GenerateOutput]:
         """EngineClient.generate on the least-loaded engine, retried elsewhere if that engine dies
         (unless the request was aborted meanwhile: then the EngineUnreachable is raised)."""
+        payload = generate_request(
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            return_logprob=return_logprob,
+            rid=rid,
+            return_routed_experts=return_routed_experts,
+        )
         rids = [rid] if isinstance(rid, str) else list(rid or [])
         last: Exception | None = None
         try:
@@ -196,7 +234,7 @@ class EnginePool:
                 for r in rids:
                     self._where[r] = engine.client.url
                 try:
-                    out = await engine.client.generate(rid=rid, **kwargs)
+                    out = await engine.client.send_generate(payload)
                     engine.served += 1
                     return out
                 except EngineUnreachable as err:

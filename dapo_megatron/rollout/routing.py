@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import base64
 import re
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -79,12 +79,22 @@ def routed_experts_of(output: dict, *, where: str) -> torch.Tensor | None:
     return decode_routed_experts(encoded, num_rows=num_rows, where=where)
 
 
+class RoutedSequence(Protocol):
+    """What take() reads and writes of a sequence (the CPU engine's cpu_engine/protocol.SequenceRequest)."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    return_routed_experts: bool
+    routed_experts_start_len: int
+    routed_experts: torch.Tensor | None
+
+
 class RoutedExpertsRecorder:
     """Hooks on a transformers MoE model that collect, for each forward of a decode loop, the top-k
     expert indices of every token in every sparse layer. A dense model gets no hooks (`enabled` is
     False). Usage (cpu_engine.py): start() before the loop, finish() after it."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any) -> None:  # a transformers causal LM (untyped foreign API)
         config = model.config
         self.num_layers = int(config.num_hidden_layers)
         self.topk = int(getattr(config, "num_experts_per_tok", 0) or 0)
@@ -103,12 +113,12 @@ class RoutedExpertsRecorder:
             module.register_forward_hook(self._recorder(layer))
         self.layers = sorted(routers)
 
-    def _new_forward(self, module: Any, args: Any) -> None:
+    def _new_forward(self, module: torch.nn.Module, args: tuple[object, ...]) -> None:
         if self._calls is not None:
             self._calls.append({})
 
     def _recorder(self, layer: int):
-        def record(module: Any, args: Any, output: Any) -> None:
+        def record(module: torch.nn.Module, args: tuple[object, ...], output: tuple[torch.Tensor, ...]) -> None:
             if self._calls is not None:
                 indices = output[2]  # Qwen3MoeTopKRouter: (router_logits, router_scores, router_indices)
                 self._calls[-1][layer] = indices.reshape(self._batch, -1, indices.shape[-1]).to(torch.int16)
@@ -125,7 +135,7 @@ class RoutedExpertsRecorder:
     def stop(self) -> None:
         self._calls = None
 
-    def take(self, seq: Any, *, row: int, prefill_length: int, width: int) -> None:
+    def take(self, seq: RoutedSequence, *, row: int, prefill_length: int, width: int) -> None:
         """Give `seq` (row `row` of the batch, which asked for them) its `routed_experts` [rows, layers,
         topk] int16, rows = P + n - 1 - start (P its prompt, n its output tokens so far: SGLang's
         seqlen - 1 - start_len). prefill_length: the row's tokens in the last prefill (left padded to

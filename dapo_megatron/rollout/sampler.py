@@ -39,8 +39,8 @@ import logging
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dapo_megatron.algo import DynamicSampler, keep_group, overlong_penalty
 from dapo_megatron.config import AlgorithmConfig, RolloutConfig
@@ -49,6 +49,10 @@ from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.reward import Scorer, scorer_for_data_source
 from dapo_megatron.rollout.pool import EnginePool
 from dapo_megatron.rollout.routing import routed_experts_of
+from dapo_megatron.rollout.sglang_api import GenerateOutput, MetaInfo
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 RID_END = "."  # terminates every rid: no rid is a prefix of another (SGLang aborts by prefix)
@@ -79,11 +83,19 @@ class RolloutSettings:
 
     @classmethod
     def from_sections(
-        cls, rollout: RolloutConfig, algorithm: AlgorithmConfig, *, seed: int, **overrides: Any
+        cls,
+        rollout: RolloutConfig,
+        algorithm: AlgorithmConfig,
+        *,
+        seed: int,
+        stop_token_ids: tuple[int, ...] = (),
+        per_sample_seeds: bool = True,
+        progress: bool = True,
     ) -> RolloutSettings:
-        """From the config's rollout and algorithm sections (dapo_megatron/config.py) and trainer.seed."""
+        """From the config's rollout and algorithm sections (dapo_megatron/config.py) and trainer.seed; the
+        rest from the run (the tokenizer's EOS ids, whether the engines honour seeds, a terminal)."""
         r, a = rollout, algorithm
-        settings = cls(
+        return cls(
             n=r.n,
             max_new_tokens=r.max_response_length,
             gen_batch_size=r.gen_batch_size,
@@ -100,14 +112,16 @@ class RolloutSettings:
             seed=seed,
             in_order=r.in_order,
             return_routed_experts=r.return_routed_experts,
+            stop_token_ids=stop_token_ids,
+            per_sample_seeds=per_sample_seeds,
+            progress=progress,
         )
-        return replace(settings, **overrides)
 
 
 @dataclass
 class RolloutResult:
     groups: list[list[Sample]]
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)  # counts, seconds, rates
 
     @property
     def samples(self) -> list[Sample]:
@@ -124,13 +138,13 @@ def _consume_outcome(task: asyncio.Task) -> None:
         task.exception()
 
 
-def engine_span(output: dict, received: float) -> tuple[float, float] | None:
+def engine_span(output: GenerateOutput, received: float) -> tuple[float, float] | None:
     """When the engine worked on one reply, by its own clock: SGLang's meta_info carries e2e_latency
     (finished_time - created_time of the request, TokenizerManager) and, with --enable-metrics,
     request_received_ts (created_time as epoch seconds; srt/observability/req_time_stats.py:
     convert_to_output_meta_info); the CPU engine sends both. Without request_received_ts the span ends
     when the reply reached us (`received`). None when the engine reports no latency."""
-    meta = output.get("meta_info") or {}
+    meta: MetaInfo = output.get("meta_info") or {}
     latency = meta.get("e2e_latency")
     if not isinstance(latency, (int, float)):
         return None
@@ -143,7 +157,7 @@ class RolloutSampler:
     def __init__(
         self,
         pool: EnginePool,
-        tokenizer: Any,
+        tokenizer: object,  # passed through to data.prompts.prompt_token_ids
         settings: RolloutSettings,
         *,
         reward_fn: Scorer | None = None,
@@ -270,7 +284,7 @@ class RolloutSampler:
     # ------------------------------------------------------------------ dynamic sampling
     async def collect(self, prompts: Iterator[PromptRecord], *, train_batch_size: int) -> RolloutResult:
         s = self.settings
-        acc = DynamicSampler(
+        acc: DynamicSampler[list[Sample]] = DynamicSampler(
             train_batch_size=train_batch_size,
             enabled=s.dynamic_sampling,
             max_num_gen_batches=s.max_num_gen_batches,
@@ -360,27 +374,7 @@ class RolloutSampler:
                     if kept_before + kept >= target:
                         unscored = ready[i:]
                         break
-                    record, outputs = task.result()
-                    counts["tokens"] += sum(len(o["output_ids"]) for o in outputs)
-                    if self.is_stale(outputs):
-                        counts["stale_groups"] += 1
-                        counts["stale_samples"] += len(outputs)
-                        log.warning(
-                            "rollout: request %d was answered by weights %s, expected %s: group dropped",
-                            tasks[task],
-                            sorted({o["meta_info"].get("weight_version") for o in outputs}),
-                            self.weight_version,
-                        )
-                        continue
-                    group = self.score_group(record, outputs)
-                    groups.append(group)
-                    counts["correct"] += sum(int(x.acc > 0) for x in group)
-                    counts["scored"] += len(group)
-                    informative = (not self.settings.dynamic_sampling) or keep_group(group)
-                    kept += int(informative)
-                    if bar is not None:
-                        bar.update(int(informative))
-                        bar.set_postfix(seen=len(groups), refresh=False)
+                    kept += int(self._take_group(task, tasks[task], groups, counts, bar))
             unscored = [*unscored, *finished.values()]
             # generated all the same: their tokens count towards throughput
             counts["tokens"] += sum(len(o["output_ids"]) for t in unscored for o in t.result()[1])
@@ -393,6 +387,38 @@ class RolloutSampler:
             counts[key] = counts.get(key, 0) + value
         counts["unscored"] = len(unscored)
         return groups, counts
+
+    def _take_group(
+        self,
+        task: asyncio.Task[tuple[PromptRecord, list[dict]]],
+        k: int,
+        groups: list[list[Sample]],
+        counts: dict[str, int],
+        bar: tqdm | None,
+    ) -> bool:
+        """Score the group of finished request k into `groups`, or drop it when stale (made by other
+        weights); returns whether it fills the batch (informative, or any group without dynamic sampling)."""
+        record, outputs = task.result()
+        counts["tokens"] += sum(len(o["output_ids"]) for o in outputs)
+        if self.is_stale(outputs):
+            counts["stale_groups"] += 1
+            counts["stale_samples"] += len(outputs)
+            log.warning(
+                "rollout: request %d was answered by weights %s, expected %s: group dropped",
+                k,
+                sorted({o["meta_info"].get("weight_version") for o in outputs}),
+                self.weight_version,
+            )
+            return False
+        group = self.score_group(record, outputs)
+        groups.append(group)
+        counts["correct"] += sum(int(x.acc > 0) for x in group)
+        counts["scored"] += len(group)
+        informative = (not self.settings.dynamic_sampling) or keep_group(group)
+        if bar is not None:
+            bar.update(int(informative))
+            bar.set_postfix(seen=len(groups), refresh=False)
+        return informative
 
     async def _abort(self, pending: set, tasks: dict, *, wait: bool) -> dict[str, int]:
         """Abort every sample of the pending requests; with wait, collect the engines' replies and count

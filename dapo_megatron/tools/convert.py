@@ -27,7 +27,6 @@ import json
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,7 +40,7 @@ from dapo_megatron.weights.save import save_hf_checkpoint
 _DTYPE_TO_PRECISION = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
-def _precision_of(hf_config: Any, requested: str | None) -> str:
+def _precision_of(hf_config: object, requested: str | None) -> str:
     if requested:
         return requested
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32

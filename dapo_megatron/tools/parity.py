@@ -49,7 +49,7 @@ import argparse
 import functools
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -479,6 +479,67 @@ NUMBER_KEYS = (
 FP32_FLOOR_FACTOR = 2.0
 
 
+def _fill_megatron_results(
+    args: argparse.Namespace,
+    chunks: Sequence[GPTModel],
+    batches: Sequence[dict],
+    *,
+    layout: ParallelLayout,
+    vocab: int,
+    comparable: Callable[[list[torch.Tensor]], torch.Tensor],
+    compared: torch.Tensor,
+    result: torch.Tensor,
+    extra: torch.Tensor,
+) -> None:
+    """Megatron's side on this rank (the last pipeline stage holds it): its log-probs into result[0]; with
+    --fused-logprob the fused head's log-probs and entropies, and extra = (grad_rel, fused-vs-torch
+    log-prob and entropy differences)."""
+    if args.fused_logprob:
+        out = head_logprobs(
+            chunks,
+            batches,
+            layout=layout,
+            vocab_size=vocab,
+            sequence_parallel=args.sequence_parallel,
+            seed=args.seed,
+        )
+        if out is not None:
+            for kind, key in enumerate(("logprobs", "entropies")):
+                result[kind] = comparable([o[key] for o in out])
+                ref = comparable([o[f"ref_{key}"] for o in out])
+                extra[1 + kind] = _max_abs((result[kind].double() - ref.double()).abs(), compared)
+            extra[0] = torch.cat([o["grad_rel_diff"] for o in out]).max()  # NaN propagates
+    else:
+        logprobs = megatron_logprobs(chunks, batches, layout=layout, vocab_size=vocab)
+        if logprobs is not None:
+            result[0] = comparable(logprobs)
+
+
+def _verdict(
+    args: argparse.Namespace,
+    tokens: torch.Tensor,
+    result: torch.Tensor,
+    extra: torch.Tensor,
+    *,
+    compared: torch.Tensor,
+    layout: ParallelLayout,
+    device: torch.device,
+) -> torch.Tensor:
+    """NUMBER_KEYS's numbers on every rank: megatron's results brought from the last pipeline stage to
+    global rank 0, compared there with transformers, the numbers broadcast back."""
+    if args.pp > 1:  # last stage -> driver (global rank 0 is PP stage 0 of its own PP group)
+        pp_group = layout.pp_group
+        last = dist.get_process_group_ranks(pp_group)[-1]
+        coll.broadcast(result, src=last, group=pp_group)
+        coll.broadcast(extra, src=last, group=pp_group)
+    verdict = torch.zeros(len(NUMBER_KEYS), dtype=torch.float64, device=device)
+    if dist.get_rank() == 0:
+        numbers = _compare_with_transformers(args, tokens.to(device), result, extra, compared=compared)
+        verdict[:] = torch.tensor([numbers[k] for k in NUMBER_KEYS], dtype=torch.float64)
+    coll.broadcast(verdict, src=0)
+    return verdict
+
+
 def run_check(argv: Sequence[str]) -> dict[str, float]:
     """The check itself, on every rank of an initialized process group (main() sets that up; tests
     call this on their rank pool). Returns the same numbers on every rank, keyed NUMBER_KEYS:
@@ -521,35 +582,18 @@ def run_check(argv: Sequence[str]) -> dict[str, float]:
         compared = _compared(lengths, args.seq_len)
         result = torch.full((kinds, 2, args.seqs, args.seq_len - 1), float("nan"), dtype=torch.float32, device=device)
         extra = torch.zeros(3, dtype=torch.float64, device=device)  # grad_rel, fused-vs-torch logprob, entropy
-        if args.fused_logprob:
-            out = head_logprobs(
-                chunks,
-                batches,
-                layout=layout,
-                vocab_size=vocab,
-                sequence_parallel=args.sequence_parallel,
-                seed=args.seed,
-            )
-            if out is not None:
-                for kind, key in enumerate(("logprobs", "entropies")):
-                    result[kind] = comparable([o[key] for o in out])
-                    ref = comparable([o[f"ref_{key}"] for o in out])
-                    extra[1 + kind] = _max_abs((result[kind].double() - ref.double()).abs(), compared)
-                extra[0] = torch.cat([o["grad_rel_diff"] for o in out]).max()  # NaN propagates
-        else:
-            logprobs = megatron_logprobs(chunks, batches, layout=layout, vocab_size=vocab)
-            if logprobs is not None:
-                result[0] = comparable(logprobs)
-        if args.pp > 1:  # last stage -> driver (global rank 0 is PP stage 0 of its own PP group)
-            pp_group = layout.pp_group
-            last = dist.get_process_group_ranks(pp_group)[-1]
-            coll.broadcast(result, src=last, group=pp_group)
-            coll.broadcast(extra, src=last, group=pp_group)
-        verdict = torch.zeros(len(NUMBER_KEYS), dtype=torch.float64, device=device)
-        if dist.get_rank() == 0:
-            numbers = _compare_with_transformers(args, tokens.to(device), result, extra, compared=compared)
-            verdict[:] = torch.tensor([numbers[k] for k in NUMBER_KEYS], dtype=torch.float64)
-        coll.broadcast(verdict, src=0)
+        _fill_megatron_results(
+            args,
+            chunks,
+            batches,
+            layout=layout,
+            vocab=vocab,
+            comparable=comparable,
+            compared=compared,
+            result=result,
+            extra=extra,
+        )
+        verdict = _verdict(args, tokens, result, extra, compared=compared, layout=layout, device=device)
     return dict(zip(NUMBER_KEYS, verdict.tolist()))
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -116,7 +116,7 @@ def iter_hf_weights(
     # owner PP stage of every parameter (keyed by its first HF name): one small exchange up front
     owners: dict[str, int] = dict.fromkeys(local, 0)
     if pp_size > 1:
-        gathered: list[Any] = [None] * pp_size
+        gathered: list[list[str]] = [[] for _ in range(pp_size)]  # every stage's parameter names
         coll.all_gather_object(gathered, sorted(local), group=pp_group)
         owners = {name: stage for stage, names in enumerate(gathered) for name in names}
         pp_ranks = dist.get_process_group_ranks(pp_group)
