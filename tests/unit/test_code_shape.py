@@ -35,7 +35,6 @@ MAX_ANY_FUNCTION_LINES = 100
 LONG_FUNCTIONS = {
     ("dapo_megatron/launch/local.py", "_launch_locked"): 121,
     ("dapo_megatron/launch/local.py", "LocalProcesses.start_cpu_engines"): 94,
-    ("dapo_megatron/trainer/metrics_log.py", "run_summary"): 86,
     ("dapo_megatron/cpu_engine/engine.py", "CpuEngine.__init__"): 81,
     ("dapo_megatron/actor/model.py", "transformer_config_from_hf"): 80,
     ("dapo_megatron/algo/policy_loss.py", "policy_loss"): 79,
