@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from dapo_megatron.config import Config
+from dapo_megatron.config import Config, RolloutConfig
 from dapo_megatron.data.datasets import train_and_eval_sets
 from dapo_megatron.data.stream import PromptStream
 from dapo_megatron.dataplane.sample import Sample
@@ -54,21 +54,7 @@ class Driver:
         self.run_dir = Path(run_dir)
         self.loop = asyncio.new_event_loop()
         r = cfg.rollout
-        keys = engine_keys(r, self.run_dir)  # the user's keys for engine_urls, else the run's secret
-        if r.engine_urls:
-            self.pool = EnginePool(
-                list(r.engine_urls), timeout_s=r.request_timeout_s, max_retries=r.max_retries, keys=keys
-            )
-        else:
-            self.pool = self.loop.run_until_complete(
-                EnginePool.from_registry(
-                    str(self.run_dir / "engines"),
-                    min_engines=r.num_engines,
-                    timeout_s=r.request_timeout_s,
-                    max_retries=r.max_retries,
-                    keys=keys,
-                )
-            )
+        self.pool = self._connect_engines(r)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         # start-up admissions are not faults; restarts are the local launcher's (launch/supervise.py)
         self.engine_report = EngineEventReport(self.pool, restart_events=engine_events_path(self.run_dir))
@@ -81,17 +67,7 @@ class Driver:
             num_engines=r.num_engines,
             engine_wait_s=r.engine_wait_s,
         )
-        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        # sampling_seed only where every engine honours it (SGLang: --enable-deterministic-inference)
-        seeded = self.loop.run_until_complete(self.pool.seeds_honoured())
-        self.sampler = RolloutSampler(
-            self.pool,
-            self.tokenizer,
-            RolloutSettings.from_sections(
-                r, cfg.algorithm, seed=cfg.trainer.seed, stop_token_ids=tuple(eos), per_sample_seeds=seeded
-            ),
-            rid_prefix="train",
-        )
+        self.sampler = self._rollout_sampler(cfg)
         # checked like the launcher checked them before start (data.skip_bad_rows leaves out the same rows)
         train, self.eval_sets = train_and_eval_sets(
             cfg.data, tokenizer=self.tokenizer, max_prompt_length=r.max_prompt_length
@@ -120,6 +96,38 @@ class Driver:
                 total_steps=cfg.trainer.total_steps,
                 timeline=self.timeline,
             )
+
+    def _connect_engines(self, r: RolloutConfig) -> EnginePool:
+        """The pool over rollout.engine_urls (the user's engines, their keys), else over the engines that
+        register in the run directory (at least rollout.num_engines, the run's secret)."""
+        keys = engine_keys(r, self.run_dir)  # the user's keys for engine_urls, else the run's secret
+        if r.engine_urls:
+            return EnginePool(list(r.engine_urls), timeout_s=r.request_timeout_s, max_retries=r.max_retries, keys=keys)
+        return self.loop.run_until_complete(
+            EnginePool.from_registry(
+                str(self.run_dir / "engines"),
+                min_engines=r.num_engines,
+                timeout_s=r.request_timeout_s,
+                max_retries=r.max_retries,
+                keys=keys,
+            )
+        )
+
+    def _rollout_sampler(self, cfg: Config) -> RolloutSampler:
+        """The training rollouts' sampler: stop at the tokenizer's EOS, per-sample seeds where every engine
+        honours them."""
+        r = cfg.rollout
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        # sampling_seed only where every engine honours it (SGLang: --enable-deterministic-inference)
+        seeded = self.loop.run_until_complete(self.pool.seeds_honoured())
+        return RolloutSampler(
+            self.pool,
+            self.tokenizer,
+            RolloutSettings.from_sections(
+                r, cfg.algorithm, seed=cfg.trainer.seed, stop_token_ids=tuple(eos), per_sample_seeds=seeded
+            ),
+            rid_prefix="train",
+        )
 
     def run(self, coro):
         """A coroutine on the driver's loop: here, or on its thread while steps overlap (every caller of
