@@ -17,7 +17,7 @@ import copy
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import torch
 
@@ -32,6 +32,7 @@ from dapo_megatron.rollout.client import EngineError
 from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
 from dapo_megatron.rollout.registry import engine_events_path
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
+from dapo_megatron.trainer.checkpoint.files import DriverState
 from dapo_megatron.trainer.evaluation.report import (
     eval_file_path,
     eval_report,
@@ -44,6 +45,8 @@ from dapo_megatron.trainer.recovery import EngineFaults, Verdict
 from dapo_megatron.trainer.timeline import Timeline
 from dapo_megatron.transfer.engine_push import sync_dropping_dead
 from dapo_megatron.transfer.weight_sync import DistributedWeightSync
+
+T = TypeVar("T")  # what a phase returns (try_phase)
 
 
 class Driver:
@@ -135,10 +138,10 @@ class Driver:
         return self.overlap.run(coro) if self.overlap is not None else self.loop.run_until_complete(coro)
 
     # --- state carried by checkpoints ---------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> DriverState:
         return {"prompts": self.prompts.state_dict(), "num_requests": self.sampler.num_requests}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: DriverState) -> None:
         self.prompts.load_state_dict(state["prompts"])
         self.sampler.num_requests = int(state["num_requests"])
 
@@ -180,14 +183,14 @@ class Driver:
 
     def try_phase(
         self,
-        phase: Callable[[], Any],
+        phase: Callable[[], T],
         *,
         restore_prompts: bool = False,
         during: str,
         then: str,
         updates: int,
         step: int,
-    ) -> tuple[Verdict, Any]:
+    ) -> tuple[Verdict, T | None]:
         """(Verdict.OK, phase()) or, when every engine was lost during it, (Verdict.RESYNC | LOST, None) from
         EngineFaults.after_loss (trainer/recovery.py: FaultPolicy). restore_prompts (the rollout): the
         prompt stream and request counter are put back where the phase began, so that the redone
