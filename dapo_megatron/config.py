@@ -18,9 +18,12 @@ import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, TypeVar
 
 import yaml
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 # the names registered in algo/registry.py (config sits below algo/; tests/unit/test_algo_objective.py
@@ -602,17 +605,23 @@ class Config:
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
     tiny: TinyConfig = field(default_factory=TinyConfig)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> RawJson:
         return dataclasses.asdict(self)
 
 
 # --------------------------------------------------------------------------------------------
 # Loading
 
+# Parsed YAML or JSON whose shape is not fixed by a schema here: a config file before _build checks it
+# against the dataclasses, a run's config.yaml as wandb and the run directory keep it, a results file of
+# whatever a bench wrote. Records whose schema the project fixes get their own TypedDict instead.
+RawJson: TypeAlias = dict[str, Any]
+_Section = TypeVar("_Section", bound="DataclassInstance")
+
 
 def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """YAML file (with `base:` chains) + dotted `key=value` overrides -> validated Config."""
-    raw: dict[str, Any] = _load_yaml_chain(Path(path), seen=()) if path else {}
+    raw: RawJson = _load_yaml_chain(Path(path), seen=()) if path else {}
     for item in overrides:
         _apply_override(raw, item)
     cfg = _build(Config, raw, prefix="")
@@ -621,7 +630,7 @@ def load_config(path: str | Path | None = None, overrides: typing.Sequence[str] 
     return cfg
 
 
-def config_from_dict(raw: dict[str, Any]) -> Config:
+def config_from_dict(raw: RawJson) -> Config:
     cfg = _build(Config, raw, prefix="")
     _derive(cfg)
     validate(cfg)
@@ -638,7 +647,7 @@ def _derive(cfg: Config) -> None:
         cfg.actor.sequence_parallel = False
 
 
-def _load_yaml_chain(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+def _load_yaml_chain(path: Path, seen: tuple[Path, ...]) -> RawJson:
     path = path.resolve()
     if path in seen:
         raise ValueError(f"config {path}: `base:` chain loops back to itself")
@@ -658,7 +667,7 @@ def _load_yaml_chain(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     return merged
 
 
-def _deep_merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
+def _deep_merge(dst: RawJson, src: RawJson) -> None:
     for key, value in src.items():
         if isinstance(value, dict) and isinstance(dst.get(key), dict):
             _deep_merge(dst[key], value)
@@ -666,7 +675,7 @@ def _deep_merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
             dst[key] = value
 
 
-def _apply_override(raw: dict[str, Any], item: str) -> None:
+def _apply_override(raw: RawJson, item: str) -> None:
     key, sep, text = item.partition("=")
     if not sep or not key.strip():
         raise ValueError(f"override '{item}': expected key=value, e.g. algorithm.eps_high=0.28")
@@ -683,7 +692,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     node[parts[-1]] = value
 
 
-def _build(cls: type, raw: Any, prefix: str) -> Any:
+def _build(cls: type[_Section], raw: object, prefix: str) -> _Section:
     where = prefix.rstrip(".") or "<top level>"
     if not isinstance(raw, dict):
         raise ValueError(f"config key '{where}': expected a section (mapping), got {raw!r}")
@@ -700,7 +709,7 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     return cls(**kwargs)
 
 
-def _coerce(tp: Any, value: Any, key: str) -> Any:
+def _coerce(tp: object, value: object, key: str) -> object:
     origin = typing.get_origin(tp)
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a section's class (hints hold classes)
         return _build(tp, value, key + ".")
@@ -753,7 +762,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
 # beside its fields); the rules that tie two sections together are _validate_across_sections'.
 
 
-def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
+def _require(ok: bool, key: str, value: object, allowed: str) -> None:
     if not ok:
         raise ValueError(f"config key '{key}': {value!r} is not allowed; {allowed}")
 

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from dapo_megatron.config import Config, load_config
+from dapo_megatron.config import Config, RolloutConfig, load_config
 from dapo_megatron.launch.script_entry import run_as_script
 from dapo_megatron.quant.engine_checkpoint import fp8_rollout_dir
 from dapo_megatron.rollout.auth import ensure_secret_file, run_secret_path
@@ -88,67 +88,123 @@ def engine_commands(cfg: Config, *, host: str, python: str = sys.executable) -> 
         seed = str(cfg.trainer.seed + node_id * per_node + i)
         if r.engine == "sglang":
             cmds.append(
-                [
-                    python,
-                    "-m",
-                    "dapo_megatron.rollout.sglang_launcher",
-                    "--model",
-                    model,
-                    *quant,
-                    "--tp",
-                    str(r.engine_tp),
-                    "--context-length",
-                    str(context_length),
-                    "--mem-fraction",
-                    str(r.mem_fraction_static),
-                    "--colocate",
-                    "--seed",
-                    seed,
-                    "--host",
-                    "0.0.0.0",
-                    "--advertise-host",
-                    host,
-                    "--port",
-                    str(_free_port()),
-                    "--base-gpu-id",
-                    str(i * r.engine_tp),
-                    "--register-dir",
-                    register_dir,
-                    "--auth-file",
-                    secret,
-                    *sglang_routing_args(return_routed_experts=r.return_routed_experts),
-                ]
+                _sglang_argv(
+                    r,
+                    python=python,
+                    model=model,
+                    quant=quant,
+                    seed=seed,
+                    slot=i,
+                    host=host,
+                    context_length=context_length,
+                    register_dir=register_dir,
+                    secret=secret,
+                )
             )
         else:
             threads = max(1, cfg.slurm.cpus_per_task // max(per_node, 1) // 2)  # the actor needs CPUs too
             cmds.append(
-                [
-                    python,
-                    "-m",
-                    "dapo_megatron.cli",
-                    "serve-rollout",
-                    "--model",
-                    model,
-                    "--host",
-                    host,
-                    "--port",
-                    "0",
-                    "--seed",
-                    seed,
-                    "--threads",
-                    str(threads),
-                    "--context-length",
-                    str(context_length),
-                    "--base-gpu-id",
-                    str(i * r.engine_tp),
-                    *(["--device", f"cuda:{i * r.engine_tp}"] if r.cpu_engine_device == "cuda" else []),
-                    "--register-dir",
-                    register_dir,
-                    "--config",
-                    secret,
-                ]
+                _cpu_engine_argv(
+                    r,
+                    python=python,
+                    model=model,
+                    threads=threads,
+                    seed=seed,
+                    slot=i,
+                    host=host,
+                    context_length=context_length,
+                    register_dir=register_dir,
+                    secret=secret,
+                )
             )
     return cmds
+
+
+def _sglang_argv(
+    r: RolloutConfig,
+    *,
+    python: str,
+    model: str,
+    quant: list[str],
+    seed: str,
+    slot: int,
+    host: str,
+    context_length: int,
+    register_dir: str,
+    secret: str,
+) -> list[str]:
+    """SGLang engine `slot` of this node (rollout/sglang_launcher.py): colocated, on GPUs from slot * engine_tp."""
+    return [
+        python,
+        "-m",
+        "dapo_megatron.rollout.sglang_launcher",
+        "--model",
+        model,
+        *quant,
+        "--tp",
+        str(r.engine_tp),
+        "--context-length",
+        str(context_length),
+        "--mem-fraction",
+        str(r.mem_fraction_static),
+        "--colocate",
+        "--seed",
+        seed,
+        "--host",
+        "0.0.0.0",
+        "--advertise-host",
+        host,
+        "--port",
+        str(_free_port()),
+        "--base-gpu-id",
+        str(slot * r.engine_tp),
+        "--register-dir",
+        register_dir,
+        "--auth-file",
+        secret,
+        *sglang_routing_args(return_routed_experts=r.return_routed_experts),
+    ]
+
+
+def _cpu_engine_argv(
+    r: RolloutConfig,
+    *,
+    python: str,
+    model: str,
+    threads: int,
+    seed: str,
+    slot: int,
+    host: str,
+    context_length: int,
+    register_dir: str,
+    secret: str,
+) -> list[str]:
+    """CPU engine `slot` of this node (serve-rollout), on a free port it registers."""
+    return [
+        python,
+        "-m",
+        "dapo_megatron.cli",
+        "serve-rollout",
+        "--model",
+        model,
+        "--host",
+        host,
+        "--port",
+        "0",
+        "--seed",
+        seed,
+        "--threads",
+        str(threads),
+        "--context-length",
+        str(context_length),
+        "--base-gpu-id",
+        str(slot * r.engine_tp),
+        *(["--device", f"cuda:{slot * r.engine_tp}"] if r.cpu_engine_device == "cuda" else []),
+        "--register-dir",
+        register_dir,
+        "--config",
+        secret,
+    ]
 
 
 # Set for the trainer's ranks by the batch script (slurm/_trainer_launch.sh exports them before it starts

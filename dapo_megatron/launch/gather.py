@@ -23,16 +23,27 @@ import io
 import json
 import re
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
+
+from dapo_megatron.config import RawJson
+
+if TYPE_CHECKING:  # imported where used at run time (it brings torch)
+    from dapo_megatron.trainer.evaluation.report import EvalReport
 
 TABLE_STEM = "results"
 LADDER_STEM = "ablation_summary"
 SKIPPED = ("interval", "maj_tie_rule")  # how the numbers were made: in the JSON, not a column
 
+# a table cell: a JSON scalar of a result file (flattened), a formatted interval or a verdict
+Cell: TypeAlias = str | int | float | bool | None
+Row: TypeAlias = dict[str, Cell]  # column -> cell, one results file or sweep run
 
-def _flatten(obj: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
+
+def _flatten(obj: RawJson, prefix: str = "") -> Row:
+    """A result file's scalars as columns: nested keys joined with '.', intervals formatted, lists left out."""
+    flat: Row = {}
     for key, value in obj.items():
         name = f"{prefix}{key}"
         if key in SKIPPED:
@@ -56,7 +67,7 @@ def _interval(value: list) -> str:
     return f"[{float(value[0]):.4f}, {float(value[1]):.4f}]"
 
 
-def _vs_previous(prev: dict[str, Any] | None, data: dict[str, Any]) -> dict[str, Any]:
+def _vs_previous(prev: RawJson | None, data: RawJson) -> Row:
     """diff_vs_prev / diff_vs_prev_ci95 / beats_prev per eval set shared with the previous row's file
     (sets.<name>. in front with several sets); {} where either file has no per-problem records."""
     from dapo_megatron.trainer.evaluation.report import compare_evals
@@ -68,7 +79,7 @@ def _vs_previous(prev: dict[str, Any] | None, data: dict[str, Any]) -> dict[str,
         rows = compare_evals(sets_prev, sets_now, where_a="the previous row", where_b="this row")
     except (ValueError, KeyError, TypeError) as err:
         return {"beats_prev": f"not comparable: {err}"}
-    out = {}
+    out: Row = {}
     for row in rows:
         prefix = "" if "sets" not in data else f"sets.{row['set']}."
         out[f"{prefix}diff_vs_prev"] = row["diff"]
@@ -77,7 +88,7 @@ def _vs_previous(prev: dict[str, Any] | None, data: dict[str, Any]) -> dict[str,
     return out
 
 
-def _sets_of(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _sets_of(data: RawJson) -> dict[str, EvalReport]:
     if isinstance(data.get("sets"), dict):
         return data["sets"]
     if not isinstance(data.get("problems"), list):
@@ -85,7 +96,7 @@ def _sets_of(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {str(data.get("set", "eval")): data}
 
 
-def _read_object(path: Path) -> dict[str, Any]:
+def _read_object(path: Path) -> RawJson:
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
@@ -95,8 +106,9 @@ def _read_object(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_rows(results_dir: Path) -> list[dict[str, Any]]:
-    rows, prev = [], None
+def load_rows(results_dir: Path) -> list[Row]:
+    rows: list[Row] = []
+    prev: RawJson | None = None
     for path in sorted(results_dir.glob("*.json"), key=lambda p: _step_key(p.stem)):
         data = _read_object(path)
         # the file name names the row; a "checkpoint" field inside (eval writes the full path) is dropped
@@ -111,7 +123,7 @@ def load_rows(results_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def ladder_rows(sweep_dir: Path) -> list[dict[str, Any]]:
+def ladder_rows(sweep_dir: Path) -> list[Row]:
     """One row per run of the sweep, in slurm/sweep_runs.tsv order: its newest eval and the comparison
     with the previous rung."""
     from dapo_megatron.trainer.evaluation.report import load_eval_sets
@@ -121,7 +133,8 @@ def ladder_rows(sweep_dir: Path) -> list[dict[str, Any]]:
         raise ValueError(
             f"{runs_file}: no sweep runs list (is {sweep_dir} a sweep directory of `slurm submit --sweep`?)"
         )
-    rows, prev = [], None
+    rows: list[Row] = []
+    prev: RawJson | None = None
     for number, line in enumerate(runs_file.read_text().splitlines(), start=1):
         if not line.strip():
             continue
@@ -141,7 +154,7 @@ def ladder_rows(sweep_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Cell) -> str:
     if value is None:
         return ""
     if isinstance(value, float):  # counts stored as floats read as counts: 8.0 -> 8, 0.25 -> 0.2500
@@ -149,14 +162,14 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def to_markdown(rows: list[dict[str, Any]], columns: list[str]) -> str:
+def to_markdown(rows: Sequence[Mapping[str, Cell]], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     for row in rows:
         lines.append("| " + " | ".join(_cell(row.get(c)).replace("|", "\\|") for c in columns) + " |")
     return "\n".join(lines) + "\n"
 
 
-def to_csv(rows: list[dict[str, Any]], columns: list[str]) -> str:
+def to_csv(rows: Sequence[Mapping[str, Cell]], columns: list[str]) -> str:
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n")
     writer.writeheader()

@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from dapo_megatron.config import load_config
 from dapo_megatron.launch.ladder_summary import ladder_summary, write_summary  # torch (eval maths), not megatron
@@ -55,14 +55,21 @@ def rung_files(ladder_dir: Path) -> list[Path]:
     return [p for _, p in found]
 
 
-def _manifest(rungs: list[Path], overrides: list[str]) -> dict[str, Any]:
+class LadderManifest(TypedDict):
+    """OUT/ladder.json: what a ladder directory holds, so that a second ladder never mixes with it."""
+
+    rungs: dict[str, str]  # config stem -> the rung config's text
+    overrides: list[str]  # key=value overrides given to every rung
+
+
+def _manifest(rungs: list[Path], overrides: list[str]) -> LadderManifest:
     return {
         "rungs": {p.stem: p.read_text() for p in rungs},
         "overrides": overrides,
     }
 
 
-def claim_out_dir(out: Path, manifest: dict[str, Any]) -> None:
+def claim_out_dir(out: Path, manifest: LadderManifest) -> None:
     """Create OUT for this ladder, or accept it when it holds the same ladder; refuse anything else."""
     path = out / MANIFEST
     if path.is_file():

@@ -24,11 +24,11 @@ The numbers, per rung (every run's final eval: <run_dir>/evals/step_N.json, with
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TypeAlias
 
 from dapo_megatron.algo.eval_stats import bootstrap_mean_ci, paired_bootstrap_diff
 from dapo_megatron.launch.gather import LADDER_STEM, to_csv, to_markdown
-from dapo_megatron.trainer.evaluation.report import load_eval_sets
+from dapo_megatron.trainer.evaluation.report import EvalReport, load_eval_sets
 from dapo_megatron.trainer.metrics_log import read_jsonl
 
 PLOT_FILE = "ablation_summary.png"
@@ -69,9 +69,12 @@ CURVES = (  # metrics.jsonl key, panel title: the curves per rung, mean over see
 SMOOTH = 5
 
 Runs = list[tuple[str, dict[int, Path]]]
+# one rung's row: the LEADING columns, per-seed columns (avg@k_seed<S>, diff_seed<S>) and the mechanism's;
+# numbers, and text for the rung's name and the verdict
+LadderRow: TypeAlias = dict[str, float | int | str]
 
 
-def final_eval(run_dir: Path) -> dict[str, Any]:
+def final_eval(run_dir: Path) -> EvalReport:
     """The newest eval of a run (its single default set): the report with per-problem records."""
     path, sets = load_eval_sets(run_dir)
     if len(sets) != 1:
@@ -80,7 +83,7 @@ def final_eval(run_dir: Path) -> dict[str, Any]:
     return {**report, "path": str(path)}
 
 
-def problem_scores(reports: list[dict[str, Any]], *, where: str) -> list[float]:
+def problem_scores(reports: list[EvalReport], *, where: str) -> list[float]:
     """s_i: problem i's accuracy c_i / n averaged over the given runs' reports (all on the same problems)."""
     hashes = [p["prompt_hash"] for p in reports[0]["problems"]]
     for report in reports[1:]:
@@ -113,7 +116,7 @@ def _mechanism(run_dir: Path) -> dict[str, float]:
     return out
 
 
-def _eval_lengths(reports: list[dict[str, Any]]) -> dict[str, float]:
+def _eval_lengths(reports: list[EvalReport]) -> dict[str, float]:
     """The final evals' truncated share (responses cut at the budget / responses) and mean response
     tokens (per-problem means averaged), over the rung's seeds."""
     problems = [p for report in reports for p in report["problems"]]
@@ -123,17 +126,17 @@ def _eval_lengths(reports: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def ladder_summary(runs: Runs) -> list[dict[str, Any]]:
+def ladder_summary(runs: Runs) -> list[LadderRow]:
     """One row per rung with at least one finished run (see the module docstring for each number)."""
-    rows: list[dict[str, Any]] = []
-    prev: tuple[str, dict[int, dict[str, Any]]] | None = None
+    rows: list[LadderRow] = []
+    prev: tuple[str, dict[int, EvalReport]] | None = None
     for rung, seed_dirs in runs:
         reports = {seed: final_eval(d) for seed, d in sorted(seed_dirs.items())}
         if not reports:
             continue
         scores = problem_scores(list(reports.values()), where=f"rung {rung}")
         low, high = bootstrap_mean_ci(scores)
-        row: dict[str, Any] = {
+        row: LadderRow = {
             "rung": rung,
             "seeds": len(reports),
             "step": min(int(r["step"]) for r in reports.values()),
@@ -172,7 +175,7 @@ def ladder_summary(runs: Runs) -> list[dict[str, Any]]:
     return rows
 
 
-def write_summary(out_dir: Path, rows: list[dict[str, Any]], runs: Runs, *, note: str = "") -> list[Path]:
+def write_summary(out_dir: Path, rows: list[LadderRow], runs: Runs, *, note: str = "") -> list[Path]:
     """ablation_summary.md (note + table), .csv and .png under out_dir; returns the paths written."""
     columns: list[str] = [c for c in LEADING if any(c in row for row in rows)]
     for row in rows:
@@ -198,7 +201,7 @@ def _mean_curve(run_dirs: list[Path], key: str) -> tuple[list[int], list[float]]
     return steps, [sum(by_step[s]) / len(by_step[s]) for s in steps]
 
 
-def plot_summary(path: Path, rows: list[dict[str, Any]], runs: Runs) -> Path:
+def plot_summary(path: Path, rows: list[LadderRow], runs: Runs) -> Path:
     """Six panels: avg@k per rung (95% interval, seeds as crosses), the paired difference to the previous
     rung (95% interval), and per rung the CURVES (train accuracy, entropy, response length, truncated
     share; mean over seeds, smoothed)."""
@@ -211,8 +214,11 @@ def plot_summary(path: Path, rows: list[dict[str, Any]], runs: Runs) -> Path:
     names = [str(r["rung"]) for r in rows]
     x = list(range(len(rows)))
     ax = fig.add_subplot(2, 3, 1)
-    avg = [r["avg@k"] for r in rows]
-    err = [[a - r["avg@k_ci95_low"] for a, r in zip(avg, rows)], [r["avg@k_ci95_high"] - a for a, r in zip(avg, rows)]]
+    avg = [float(r["avg@k"]) for r in rows]  # the row's numbers are floats (ladder_summary)
+    err = [
+        [a - float(r["avg@k_ci95_low"]) for a, r in zip(avg, rows)],
+        [float(r["avg@k_ci95_high"]) - a for a, r in zip(avg, rows)],
+    ]
     ax.errorbar(x, avg, yerr=err, fmt="o", capsize=4, label="avg@k over seeds, 95% CI")
     for xi, r in zip(x, rows):
         seeds = [v for k, v in r.items() if k.startswith("avg@k_seed")]
@@ -224,9 +230,9 @@ def plot_summary(path: Path, rows: list[dict[str, Any]], runs: Runs) -> Path:
     ax = fig.add_subplot(2, 3, 2)
     with_diff = [(xi, r) for xi, r in zip(x, rows) if "diff_vs_prev" in r]
     if with_diff:
-        d = [r["diff_vs_prev"] for _, r in with_diff]
-        lo = [v - r["diff_ci95_low"] for v, (_, r) in zip(d, with_diff)]
-        hi = [r["diff_ci95_high"] - v for v, (_, r) in zip(d, with_diff)]
+        d = [float(r["diff_vs_prev"]) for _, r in with_diff]
+        lo = [v - float(r["diff_ci95_low"]) for v, (_, r) in zip(d, with_diff)]
+        hi = [float(r["diff_ci95_high"]) - v for v, (_, r) in zip(d, with_diff)]
         ax.errorbar([xi for xi, _ in with_diff], d, yerr=[lo, hi], fmt="o", capsize=4, color="C1")
         for xi, r in with_diff:
             seeds = [v for k, v in r.items() if k.startswith("diff_seed")]

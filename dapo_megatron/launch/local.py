@@ -22,11 +22,11 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
+from dapo_megatron.config import Config
 from dapo_megatron.data.datasets import train_and_eval_records
 from dapo_megatron.launch.lifeline import become_subreaper, descendants, kill_survivors, reap_descendants, with_lifeline
-from dapo_megatron.launch.local_stop import STOP_FILE, LocalStop, StopNow
+from dapo_megatron.launch.local_stop import STOP_FILE, LocalStop, SignalHandler, StopNow
 from dapo_megatron.launch.prepare import tiny_model_dir
 from dapo_megatron.launch.ranks import RANKS_ERROR_FILE
 from dapo_megatron.launch.run_lock import RunLock
@@ -81,7 +81,7 @@ class LocalProcesses:
         # CPU engines by name: argv with the port left out, host, port and url once registered
         # (what launch/supervise.py needs to start one again)
         self.engines: dict[str, dict] = {}
-        self._old_sigterm: Any = None  # signal.signal's previous handler
+        self._old_sigterm: SignalHandler = None  # signal.signal's previous handler
 
     def __enter__(self) -> LocalProcesses:
         def on_sigterm(signum, frame):  # same clean-up path as Ctrl-C (while the ranks run: LocalStop)
@@ -159,14 +159,7 @@ class LocalProcesses:
         if not Path(model_dir).is_dir():
             raise ValueError(f"model.path: no such directory '{model_dir}'")
         if device == "cuda":
-            import torch
-
-            visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if visible < num:
-                raise ValueError(
-                    f"rollout.cpu_engine_device=cuda puts engine i on GPU i: {num} engines need {num} "
-                    f"GPUs, {visible} visible (set rollout.num_engines or rollout.cpu_engine_device=cpu)"
-                )
+            _check_engine_gpus(num)
         register_dir = Path(register_dir)
         register_dir.mkdir(parents=True, exist_ok=True)
         procs = []
@@ -179,31 +172,28 @@ class LocalProcesses:
                 "register_dir": str(register_dir),
                 "threads": threads,
                 "cores": list(cores),
-                "argv": [
-                    sys.executable,
-                    "-m",
-                    "dapo_megatron.cli",
-                    "serve-rollout",
-                    "--model",
-                    str(model_dir),
-                    "--host",
-                    host,
-                    "--seed",
-                    str(seed + index),
-                    "--threads",
-                    str(threads),
-                    "--max-batch-size",
-                    str(max_batch_size),
-                    "--register-dir",
-                    str(register_dir),
-                    "--base-gpu-id",
-                    str(index),  # engine i on slot i: the colocated placement's map
-                    *(["--device", f"cuda:{index}"] if device == "cuda" else []),
-                    *(["--context-length", str(context_length)] if context_length else []),
-                    *(["--config", str(auth_file)] if auth_file else []),
-                ],
+                "argv": _cpu_engine_argv(
+                    model_dir,
+                    index=index,
+                    host=host,
+                    seed=seed,
+                    threads=threads,
+                    max_batch_size=max_batch_size,
+                    register_dir=register_dir,
+                    device=device,
+                    context_length=context_length,
+                    auth_file=auth_file,
+                ),
             }
             procs.append((name, self.restart_engine(name, port=0)))
+        return self._wait_for_registrations(procs, register_dir=register_dir, timeout_s=timeout_s)
+
+    def _wait_for_registrations(
+        self, procs: list[tuple[str, subprocess.Popen]], *, register_dir: Path, timeout_s: float
+    ) -> list[str]:
+        """The engines' URLs in start order once every one of `procs` has registered in register_dir
+        (their records found by pid); an engine that exits first, or the deadline, raises."""
+        num = len(procs)
         order = [proc.pid for _, proc in procs]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -266,6 +256,57 @@ class LocalProcesses:
         self.children.clear()
 
 
+def _check_engine_gpus(num: int) -> None:
+    """rollout.cpu_engine_device=cuda: engine i on GPU i, so `num` engines need `num` visible GPUs."""
+    import torch
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible < num:
+        raise ValueError(
+            f"rollout.cpu_engine_device=cuda puts engine i on GPU i: {num} engines need {num} "
+            f"GPUs, {visible} visible (set rollout.num_engines or rollout.cpu_engine_device=cpu)"
+        )
+
+
+def _cpu_engine_argv(
+    model_dir: str | Path,
+    *,
+    index: int,
+    host: str,
+    seed: int,
+    threads: int,
+    max_batch_size: int,
+    register_dir: Path,
+    device: str,
+    context_length: int,
+    auth_file: str | os.PathLike | None,
+) -> list[str]:
+    """serve-rollout's command line for CPU engine `index`, the port left out (restart_engine adds it)."""
+    return [
+        sys.executable,
+        "-m",
+        "dapo_megatron.cli",
+        "serve-rollout",
+        "--model",
+        str(model_dir),
+        "--host",
+        host,
+        "--seed",
+        str(seed + index),
+        "--threads",
+        str(threads),
+        "--max-batch-size",
+        str(max_batch_size),
+        "--register-dir",
+        str(register_dir),
+        "--base-gpu-id",
+        str(index),  # engine i on slot i: the colocated placement's map
+        *(["--device", f"cuda:{index}"] if device == "cuda" else []),
+        *(["--context-length", str(context_length)] if context_length else []),
+        *(["--config", str(auth_file)] if auth_file else []),
+    ]
+
+
 def launch_training(
     cfg, config_path: str, overrides: list[str], *, resume: bool, overwrite: bool = False, skip_plan: bool = False
 ) -> int:
@@ -291,8 +332,11 @@ def launch_training(
 
 
 def _launch_locked(
-    cfg, config_path: str, overrides: list[str], *, resume: bool, overwrite: bool, skip_plan: bool
+    cfg: Config, config_path: str, overrides: list[str], *, resume: bool, overwrite: bool, skip_plan: bool
 ) -> int:
+    """The launch sequence, the run directory's lock held: decide about the run directory, check what
+    can be checked before anything starts, prepare the model and data, start the engines, run the ranks,
+    then say how the run ended."""
     from dapo_megatron.launch.run_dir import check_run_dir
 
     t_start = time.perf_counter()
@@ -309,11 +353,7 @@ def _launch_locked(
         print(decision.message, flush=True)
     if decision.nothing_to_do:
         return 0
-    check_cores(cfg.rollout.cpu_engine_cores, "rollout.cpu_engine_cores")
-    check_cores(cfg.actor.cpu_cores, "actor.cpu_cores")
-    check_attention_kernel_device(cfg.actor)  # before any rank starts (the ranks refuse it again at model build)
-    if not skip_plan:
-        check_before_launch(cfg)  # ValueError naming the phase and component that do not fit
+    _check_before_start(cfg, skip_plan=skip_plan)
     console.quiet_backend_warnings()
     run_dir.mkdir(parents=True, exist_ok=True)
     # the run's engine key (created once, reused by --resume); the user's keys of rollout.engine_urls are
@@ -322,6 +362,47 @@ def _launch_locked(
     if cfg.rollout.engine_urls:
         keys_from_config(cfg.rollout)
     phases = console.Phases()
+    model_dir, engine_model_dir = _prepare_model_and_data(cfg, phases, secret=secret)
+    overrides = [*overrides, f"model.path={model_dir}"]
+    with LocalProcesses(run_dir / "logs") as procs:
+        _start_engines(cfg, procs, phases, engine_model_dir=engine_model_dir, secret=secret)
+        cause_file = run_dir / "logs" / RANKS_ERROR_FILE
+        cause_file.unlink(missing_ok=True)  # an earlier launch's
+        cmd = _ranks_command(cfg, config_path, overrides, cause_file=cause_file, resume=resume)
+        t_ranks = time.perf_counter()
+        # engines that exit while the ranks run are restarted (rollout.engine_restarts); the supervisor
+        # stops before the clean-up below stops the engines
+        # Ctrl-C / SIGTERM from here on: the ranks finish the step, checkpoint it and stop (launch/local_stop.py)
+        with (
+            EngineSupervisor(procs, budget=cfg.rollout.engine_restarts, events_path=engine_events_path(run_dir)),
+            LocalStop(run_dir / STOP_FILE) as stop,
+        ):
+            rc = procs.run_foreground("actor", pinned(cmd, cfg.actor.cpu_cores), env=rank_env(stop))
+        ranks_wall_s = time.perf_counter() - t_ranks
+    return _report_end(
+        cfg,
+        rc,
+        stop=stop,
+        cause_file=cause_file,
+        phase_seconds=phases.seconds,
+        ranks_wall_s=ranks_wall_s,
+        t_start=t_start,
+    )
+
+
+def _check_before_start(cfg: Config, *, skip_plan: bool) -> None:
+    """What refuses the run before any process starts: core lists, the attention kernel's device, the
+    memory plan (a ValueError naming the phase and component that do not fit)."""
+    check_cores(cfg.rollout.cpu_engine_cores, "rollout.cpu_engine_cores")
+    check_cores(cfg.actor.cpu_cores, "actor.cpu_cores")
+    check_attention_kernel_device(cfg.actor)  # before any rank starts (the ranks refuse it again at model build)
+    if not skip_plan:
+        check_before_launch(cfg)  # ValueError naming the phase and component that do not fit
+
+
+def _prepare_model_and_data(cfg: Config, phases: console.Phases, *, secret: Path) -> tuple[str, str]:
+    """(the actor's model directory, the engines'): the model prepared, every prompt row checked, the
+    run's engine key written, and with rollout.quantization=fp8 the engines' block-FP8 export."""
     with phases.phase("model", slow_note="building and warm-starting the tiny model (once: it is cached)") as note:
         model_dir = _prepare_model(cfg)
         note["detail"] = _model_line(cfg, model_dir)
@@ -329,7 +410,6 @@ def _launch_locked(
         note["detail"] = check_prompt_data(cfg, model_dir)  # ValueError listing bad rows, before any process starts
     if not cfg.rollout.engine_urls:
         ensure_secret_file(secret)  # after the data check: refused data leaves only the run lock behind
-    overrides = [*overrides, f"model.path={model_dir}"]
     engine_model_dir = model_dir
     if cfg.rollout.quantization == "fp8":  # the engines serve modelopt's block-FP8 export of the base model
         with phases.phase("fp8", slow_note="exporting the base model with modelopt block FP8 for the engines") as note:
@@ -342,59 +422,74 @@ def _launch_locked(
                 )
             )
             note["detail"] = f"block-FP8 checkpoint (modelopt) for the engines in {engine_model_dir}"
-    with LocalProcesses(run_dir / "logs") as procs:
-        if cfg.rollout.engine == "cpu" and not cfg.rollout.engine_urls:
-            with phases.phase("rollout", slow_note=f"starting {cfg.rollout.num_engines} CPU engine(s)") as note:
-                urls = procs.start_cpu_engines(
-                    engine_model_dir,
-                    num=cfg.rollout.num_engines,
-                    register_dir=run_dir / "engines",
-                    seed=cfg.trainer.seed,
-                    cores=cfg.rollout.cpu_engine_cores,
-                    device=cfg.rollout.cpu_engine_device,
-                    auth_file=secret,
-                    context_length=cfg.rollout.max_prompt_length + cfg.rollout.max_response_length,
-                )
-                note["detail"] = (
-                    f"{len(urls)} CPU engine{'s' if len(urls) > 1 else ''} serving at {', '.join(urls)} "
-                    f"(logs in {procs.log_dir})"
-                )
-        elif cfg.rollout.engine == "sglang" and not cfg.rollout.engine_urls:
-            fp8_args = f" --model {engine_model_dir} --quantization fp8" if cfg.rollout.quantization == "fp8" else ""
-            print(
-                f"[train] waiting for SGLang engines to register in {run_dir / 'engines'} "
-                f"(slurm/rollout_array.sbatch or `python -m dapo_megatron.rollout.sglang_launcher{fp8_args} "
-                f"--auth-file {secret} --register-dir {run_dir / 'engines'} ...`)",
-                flush=True,
+    return model_dir, engine_model_dir
+
+
+def _start_engines(
+    cfg: Config, procs: LocalProcesses, phases: console.Phases, *, engine_model_dir: str, secret: Path
+) -> None:
+    """The run's own CPU engines, started and registered; for SGLang engines of its own, a line saying
+    where the run waits for them (rollout.engine_urls: the user's engines, nothing to start)."""
+    run_dir = Path(cfg.trainer.output_dir)
+    if cfg.rollout.engine == "cpu" and not cfg.rollout.engine_urls:
+        with phases.phase("rollout", slow_note=f"starting {cfg.rollout.num_engines} CPU engine(s)") as note:
+            urls = procs.start_cpu_engines(
+                engine_model_dir,
+                num=cfg.rollout.num_engines,
+                register_dir=run_dir / "engines",
+                seed=cfg.trainer.seed,
+                cores=cfg.rollout.cpu_engine_cores,
+                device=cfg.rollout.cpu_engine_device,
+                auth_file=secret,
+                context_length=cfg.rollout.max_prompt_length + cfg.rollout.max_response_length,
             )
-        cause_file = run_dir / "logs" / RANKS_ERROR_FILE
-        cause_file.unlink(missing_ok=True)  # an earlier launch's
-        cmd = [
-            sys.executable,
-            "-m",
-            "dapo_megatron.launch.ranks",  # torchrun, saying a rank's failure in one line (launch/ranks.py)
-            "--cause-file",
-            str(cause_file),
-            "--",
-            "--standalone",
-            f"--nproc-per-node={cfg.actor.world_size}",
-            "-m",
-            "dapo_megatron.cli",
-            "train",
-            config_path,
-            *overrides,
-            *(["--resume"] if resume else []),
-        ]
-        t_ranks = time.perf_counter()
-        # engines that exit while the ranks run are restarted (rollout.engine_restarts); the supervisor
-        # stops before the clean-up below stops the engines
-        # Ctrl-C / SIGTERM from here on: the ranks finish the step, checkpoint it and stop (launch/local_stop.py)
-        with (
-            EngineSupervisor(procs, budget=cfg.rollout.engine_restarts, events_path=engine_events_path(run_dir)),
-            LocalStop(run_dir / STOP_FILE) as stop,
-        ):
-            rc = procs.run_foreground("actor", pinned(cmd, cfg.actor.cpu_cores), env=rank_env(stop))
-        ranks_wall_s = time.perf_counter() - t_ranks
+            note["detail"] = (
+                f"{len(urls)} CPU engine{'s' if len(urls) > 1 else ''} serving at {', '.join(urls)} "
+                f"(logs in {procs.log_dir})"
+            )
+    elif cfg.rollout.engine == "sglang" and not cfg.rollout.engine_urls:
+        fp8_args = f" --model {engine_model_dir} --quantization fp8" if cfg.rollout.quantization == "fp8" else ""
+        print(
+            f"[train] waiting for SGLang engines to register in {run_dir / 'engines'} "
+            f"(slurm/rollout_array.sbatch or `python -m dapo_megatron.rollout.sglang_launcher{fp8_args} "
+            f"--auth-file {secret} --register-dir {run_dir / 'engines'} ...`)",
+            flush=True,
+        )
+
+
+def _ranks_command(cfg: Config, config_path: str, overrides: list[str], *, cause_file: Path, resume: bool) -> list[str]:
+    """torchrun over the actor ranks, through launch/ranks.py (a rank's failure said in one line)."""
+    return [
+        sys.executable,
+        "-m",
+        "dapo_megatron.launch.ranks",  # torchrun, saying a rank's failure in one line (launch/ranks.py)
+        "--cause-file",
+        str(cause_file),
+        "--",
+        "--standalone",
+        f"--nproc-per-node={cfg.actor.world_size}",
+        "-m",
+        "dapo_megatron.cli",
+        "train",
+        config_path,
+        *overrides,
+        *(["--resume"] if resume else []),
+    ]
+
+
+def _report_end(
+    cfg: Config,
+    rc: int,
+    *,
+    stop: LocalStop,
+    cause_file: Path,
+    phase_seconds: dict[str, float],
+    ranks_wall_s: float,
+    t_start: float,
+) -> int:
+    """The launcher's exit code and last words: torchrun's own failure in one line (a rank's is written
+    already), nothing more after a stop request ended the run early, else the run's summary."""
+    run_dir = Path(cfg.trainer.output_dir)
     if rc != 0 and not cause_file.is_file():
         # a failing rank's cause is one line already (launch/ranks.py: "the run failed on rank R: ..."), the
         # clean-up below this function included; this is for torchrun failing on its own
@@ -404,7 +499,7 @@ def _launch_locked(
     if rc == 0:
         print(
             metrics_log.run_summary(
-                run_dir, phase_seconds=phases.seconds, ranks_wall_s=ranks_wall_s, wall_s=time.perf_counter() - t_start
+                run_dir, phase_seconds=phase_seconds, ranks_wall_s=ranks_wall_s, wall_s=time.perf_counter() - t_start
             ),
             flush=True,
         )

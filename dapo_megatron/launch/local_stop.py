@@ -17,8 +17,13 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TypeAlias
+
+# what signal.signal takes and returns: a function, SIG_DFL / SIG_IGN, or None (a handler not set from Python)
+SignalHandler: TypeAlias = Callable[[int, FrameType | None], object] | int | None
 
 STOP_FILE = "stop_request"  # in the run directory: the ranks' $DAPO_PREEMPT_FILE
 
@@ -35,7 +40,7 @@ class LocalStop:
     def __init__(self, request_file: str | Path) -> None:
         self.request_file = Path(request_file)
         self.received: signal.Signals | None = None
-        self._previous: dict[int, Any] = {}  # signal.signal's handlers (functions, SIG_DFL, SIG_IGN)
+        self._previous: dict[int, SignalHandler] = {}  # signal.signal's handlers
 
     def __enter__(self) -> LocalStop:
         self.request_file.unlink(missing_ok=True)  # an earlier run's request must not stop this one
@@ -53,7 +58,7 @@ class LocalStop:
 
         return {PREEMPT_FILE_ENV: str(self.request_file)}
 
-    def _handle(self, signum: int, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
             raise StopNow(signum)
         self.received = signal.Signals(signum)

@@ -20,13 +20,16 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch at run time only where torchrun runs (main): local.py imports this module's names
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 PREFIX = "[train]"
 RANKS_ERROR_FILE = "ranks_error.txt"  # in <run_dir>/logs: the first failing rank's traceback
 
 
-def cause_line(rank: int, failure: Any, cause_file: Path) -> str:
+def cause_line(rank: int, failure: ProcessFailure, cause_file: Path) -> str:
     """The one line for torchrun's ProcessFailure `failure` of global rank `rank`."""
     message = failure.message
     if isinstance(message, dict):  # the error file's {"message": "Type: text", "extraInfo": {...}}
@@ -35,7 +38,7 @@ def cause_line(rank: int, failure: Any, cause_file: Path) -> str:
     return f"{PREFIX} the run failed on rank {rank}: {text} (traceback: {cause_file})"
 
 
-def write_cause(failure: Any, cause_file: Path) -> None:
+def write_cause(failure: ProcessFailure, cause_file: Path) -> None:
     """The first failing rank's whole traceback as it recorded it (or what torchrun knows of it)."""
     data = failure.error_file_data
     message = data.get("message") if isinstance(data, dict) else None

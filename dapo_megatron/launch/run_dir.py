@@ -72,48 +72,60 @@ def check_run_dir(
         message = f"{prefix} --overwrite: removed {', '.join(removed)} from {run_dir}" if removed else ""
         return RunDirDecision(start_step=0, message=message)
     if resume:
-        if latest_step is None:  # as the ranks would (checkpointing.newest_valid_checkpoint), but before they start
-            raise ValueError(
-                f"--resume: no checkpoint in {ckpt.checkpoint_root(run_dir)} (a complete step_<N>/ "
-                f"with {ckpt.STATE_FILE}); run without --resume to start this run from the beginning"
-            )
-        # a finished run is only finished if its last checkpoint is intact (its manifest verifies);
-        # otherwise the ranks set it aside and resume from an earlier one (trainer/checkpoint/files.py)
-        problems = ckpt.verify_checkpoint(checkpoints[-1][1]) if latest_step >= total_steps else []
-        if problems:
-            return RunDirDecision(
-                start_step=latest_step,
-                message=(
-                    f"{prefix} {checkpoints[-1][1].name} does not verify ({problems[0]}): resuming from an earlier "
-                    "checkpoint"
-                ),
-            )
-        if latest_step >= total_steps:
-            return RunDirDecision(
-                start_step=latest_step,
-                nothing_to_do=True,
-                message=(
-                    f"{prefix} {run_dir} is already at step {latest_step} of {total_steps} "
-                    f"(trainer.total_steps): nothing to do. Raise trainer.total_steps to train further."
-                ),
-            )
+        return _resume_decision(run_dir, checkpoints, total_steps=total_steps, prefix=prefix)
+    if latest_step is not None or _has_metrics(run_dir):
+        _refuse_mixing(run_dir, latest_step, command=command)
+    return RunDirDecision(start_step=0)
+
+
+def _resume_decision(
+    run_dir: Path, checkpoints: list[tuple[int, Path]], *, total_steps: int, prefix: str
+) -> RunDirDecision:
+    """--resume: from the newest checkpoint, nothing to do when it is at total_steps and verifies, an
+    earlier one when it does not; no checkpoint at all is an error."""
+    latest_step = checkpoints[-1][0] if checkpoints else None
+    if latest_step is None:  # as the ranks would (checkpointing.newest_valid_checkpoint), but before they start
+        raise ValueError(
+            f"--resume: no checkpoint in {ckpt.checkpoint_root(run_dir)} (a complete step_<N>/ "
+            f"with {ckpt.STATE_FILE}); run without --resume to start this run from the beginning"
+        )
+    # a finished run is only finished if its last checkpoint is intact (its manifest verifies);
+    # otherwise the ranks set it aside and resume from an earlier one (trainer/checkpoint/files.py)
+    problems = ckpt.verify_checkpoint(checkpoints[-1][1]) if latest_step >= total_steps else []
+    if problems:
         return RunDirDecision(
             start_step=latest_step,
             message=(
-                f"{prefix} resuming {run_dir} from step {latest_step} of {total_steps} ({checkpoints[-1][1].name})"
+                f"{prefix} {checkpoints[-1][1].name} does not verify ({problems[0]}): resuming from an earlier "
+                "checkpoint"
             ),
         )
-    if latest_step is not None or _has_metrics(run_dir):
-        held = (
-            f"checkpoints up to step {latest_step}"
-            if latest_step is not None
-            else "metrics.jsonl of an earlier run (no complete checkpoint)"
+    if latest_step >= total_steps:
+        return RunDirDecision(
+            start_step=latest_step,
+            nothing_to_do=True,
+            message=(
+                f"{prefix} {run_dir} is already at step {latest_step} of {total_steps} "
+                f"(trainer.total_steps): nothing to do. Raise trainer.total_steps to train further."
+            ),
         )
-        ways = [f"continue it: {command} ... --resume"] if latest_step is not None else []
-        ways.append(f"start over: {command} ... --overwrite (deletes {', '.join(RUN_FILES)} there)")
-        ways.append("or write elsewhere: trainer.output_dir=NEW_DIR")
-        raise ValueError(
-            f"trainer.output_dir {run_dir} already holds a run ({held}); a new run there would mix "
-            "with it. " + "; ".join(ways)
-        )
-    return RunDirDecision(start_step=0)
+    return RunDirDecision(
+        start_step=latest_step,
+        message=(f"{prefix} resuming {run_dir} from step {latest_step} of {total_steps} ({checkpoints[-1][1].name})"),
+    )
+
+
+def _refuse_mixing(run_dir: Path, latest_step: int | None, *, command: str) -> None:
+    """A new run into a directory holding one: a ValueError naming what is there and the ways out."""
+    held = (
+        f"checkpoints up to step {latest_step}"
+        if latest_step is not None
+        else "metrics.jsonl of an earlier run (no complete checkpoint)"
+    )
+    ways = [f"continue it: {command} ... --resume"] if latest_step is not None else []
+    ways.append(f"start over: {command} ... --overwrite (deletes {', '.join(RUN_FILES)} there)")
+    ways.append("or write elsewhere: trainer.output_dir=NEW_DIR")
+    raise ValueError(
+        f"trainer.output_dir {run_dir} already holds a run ({held}); a new run there would mix "
+        "with it. " + "; ".join(ways)
+    )

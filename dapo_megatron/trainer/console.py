@@ -23,8 +23,10 @@ import math
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Mapping
-from typing import Any, TextIO
+from collections.abc import Callable, Iterator, Mapping
+from typing import TextIO
+
+from dapo_megatron.config import Config
 
 PREFIX = "[train]"
 TABLE_WIDTH = 120
@@ -111,7 +113,7 @@ class Phases:
         print(f"{self.prefix} {name}: {note['detail']} ({self.seconds[name]:.1f} s)", file=out, flush=True)
 
 
-def actor_ready(cfg: Any, *, out: TextIO | None = None) -> None:
+def actor_ready(cfg: Config, *, out: TextIO | None = None) -> None:
     """Rank 0's start-up line: the actor's layout and the time since this process started."""
     import psutil
     import torch.distributed as dist
@@ -134,14 +136,20 @@ def actor_ready(cfg: Any, *, out: TextIO | None = None) -> None:
 # The step table: fixed columns (a missing value prints "-"), <= TABLE_WIDTH characters
 
 
-def _num(fmt: str):
-    def cell(metrics: Mapping[str, Any], key: str) -> str | None:
+# a column's formatter: the cell's text from a step's metrics and the column's key, None for "-"
+CellFormat = Callable[[Mapping[str, object], str], "str | None"]
+
+
+def _num(fmt: str) -> CellFormat:
+    def cell(metrics: Mapping[str, object], key: str) -> str | None:
         value = _get(metrics, key)
         if value is None or isinstance(value, bool):
             return None
+        if not isinstance(value, (int, float, str)):  # what float() would refuse with a TypeError
+            return str(value)
         try:
             number = float(value)
-        except (TypeError, ValueError):
+        except ValueError:
             return str(value)
         if math.isnan(number) or math.isinf(number):
             return str(number)
@@ -150,10 +158,12 @@ def _num(fmt: str):
     return cell
 
 
-def _groups(metrics: Mapping[str, Any], key: str) -> str | None:
+def _groups(metrics: Mapping[str, object], key: str) -> str | None:
     kept, seen = metrics.get("sampler/groups_kept"), metrics.get("sampler/groups_seen")
     if kept is None or seen is None:
         return None
+    if not isinstance(kept, (int, float, str)) or not isinstance(seen, (int, float, str)):
+        raise TypeError(f"sampler/groups_kept={kept!r}, sampler/groups_seen={seen!r}: not numbers")
     return f"{float(kept):.0f}/{float(seen):.0f}"
 
 
@@ -162,7 +172,7 @@ def _groups(metrics: Mapping[str, Any], key: str) -> str | None:
 ALIASES: dict[str, tuple[str, ...]] = {"actor/entropy": ("actor/entropy", "actor/entropy_old")}
 
 
-def _get(metrics: Mapping[str, Any], key: str) -> Any:
+def _get(metrics: Mapping[str, object], key: str) -> object:
     for name in ALIASES.get(key, (key,)):
         if name in metrics:
             return metrics[name]
@@ -171,7 +181,7 @@ def _get(metrics: Mapping[str, Any], key: str) -> Any:
 
 # (metric key, header, width, formatter). The set never changes from row to row; every other metric
 # is in metrics.jsonl (and wandb). "groups" = kept / generated groups of the dynamic sampler.
-STEP_COLUMNS: tuple[tuple[str, str, int, Any], ...] = (
+STEP_COLUMNS: tuple[tuple[str, str, int, CellFormat], ...] = (
     ("reward/mean", "reward", 7, _num("{:+.3f}")),
     ("acc/mean", "acc", 6, _num("{:.1%}")),
     ("eval/avg@k", "eval", 6, _num("{:.1%}")),
@@ -209,7 +219,7 @@ class StepTable:
     def header(self) -> str:
         return f"{'step':>{self.step_width}}" + "".join(f" {h:>{w}}" for _, h, w, _ in STEP_COLUMNS)
 
-    def format_row(self, step: int, metrics: Mapping[str, Any]) -> str:
+    def format_row(self, step: int, metrics: Mapping[str, object]) -> str:
         label = f"{step}/{self.total_steps}" if self.total_steps else str(step)
         if "eval/avg@k" not in metrics:  # several eval sets (data.eval_sets): the column shows the first set's
             first = next((k for k in metrics if k.startswith("eval/") and k.endswith("/avg@k")), None)
@@ -220,7 +230,7 @@ class StepTable:
             cells.append(f" {'-' if text is None else text:>{width}}")
         return f"{label:>{self.step_width}}" + "".join(cells)
 
-    def print_row(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def print_row(self, step: int, metrics: Mapping[str, object]) -> None:
         out = self.out or sys.stdout
         if self.rows == 0:
             print(LEGEND, file=out)

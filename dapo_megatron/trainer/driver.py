@@ -17,11 +17,11 @@ import copy
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import torch
 
-from dapo_megatron.config import Config
+from dapo_megatron.config import Config, RolloutConfig
 from dapo_megatron.data.datasets import train_and_eval_sets
 from dapo_megatron.data.stream import PromptStream
 from dapo_megatron.dataplane.sample import Sample
@@ -32,6 +32,7 @@ from dapo_megatron.rollout.client import EngineError
 from dapo_megatron.rollout.pool import EngineEventReport, EnginePool
 from dapo_megatron.rollout.registry import engine_events_path
 from dapo_megatron.rollout.sampler import RolloutSampler, RolloutSettings
+from dapo_megatron.trainer.checkpoint.files import DriverState
 from dapo_megatron.trainer.evaluation.report import (
     eval_file_path,
     eval_report,
@@ -45,6 +46,8 @@ from dapo_megatron.trainer.timeline import Timeline
 from dapo_megatron.transfer.engine_push import sync_dropping_dead
 from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
+T = TypeVar("T")  # what a phase returns (try_phase)
+
 
 class Driver:
     def __init__(self, cfg: Config, *, model_dir: str | Path, run_dir: str | Path) -> None:
@@ -54,21 +57,7 @@ class Driver:
         self.run_dir = Path(run_dir)
         self.loop = asyncio.new_event_loop()
         r = cfg.rollout
-        keys = engine_keys(r, self.run_dir)  # the user's keys for engine_urls, else the run's secret
-        if r.engine_urls:
-            self.pool = EnginePool(
-                list(r.engine_urls), timeout_s=r.request_timeout_s, max_retries=r.max_retries, keys=keys
-            )
-        else:
-            self.pool = self.loop.run_until_complete(
-                EnginePool.from_registry(
-                    str(self.run_dir / "engines"),
-                    min_engines=r.num_engines,
-                    timeout_s=r.request_timeout_s,
-                    max_retries=r.max_retries,
-                    keys=keys,
-                )
-            )
+        self.pool = self._connect_engines(r)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         # start-up admissions are not faults; restarts are the local launcher's (launch/supervise.py)
         self.engine_report = EngineEventReport(self.pool, restart_events=engine_events_path(self.run_dir))
@@ -81,17 +70,7 @@ class Driver:
             num_engines=r.num_engines,
             engine_wait_s=r.engine_wait_s,
         )
-        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        # sampling_seed only where every engine honours it (SGLang: --enable-deterministic-inference)
-        seeded = self.loop.run_until_complete(self.pool.seeds_honoured())
-        self.sampler = RolloutSampler(
-            self.pool,
-            self.tokenizer,
-            RolloutSettings.from_sections(
-                r, cfg.algorithm, seed=cfg.trainer.seed, stop_token_ids=tuple(eos), per_sample_seeds=seeded
-            ),
-            rid_prefix="train",
-        )
+        self.sampler = self._rollout_sampler(cfg)
         # checked like the launcher checked them before start (data.skip_bad_rows leaves out the same rows)
         train, self.eval_sets = train_and_eval_sets(
             cfg.data, tokenizer=self.tokenizer, max_prompt_length=r.max_prompt_length
@@ -121,16 +100,48 @@ class Driver:
                 timeline=self.timeline,
             )
 
+    def _connect_engines(self, r: RolloutConfig) -> EnginePool:
+        """The pool over rollout.engine_urls (the user's engines, their keys), else over the engines that
+        register in the run directory (at least rollout.num_engines, the run's secret)."""
+        keys = engine_keys(r, self.run_dir)  # the user's keys for engine_urls, else the run's secret
+        if r.engine_urls:
+            return EnginePool(list(r.engine_urls), timeout_s=r.request_timeout_s, max_retries=r.max_retries, keys=keys)
+        return self.loop.run_until_complete(
+            EnginePool.from_registry(
+                str(self.run_dir / "engines"),
+                min_engines=r.num_engines,
+                timeout_s=r.request_timeout_s,
+                max_retries=r.max_retries,
+                keys=keys,
+            )
+        )
+
+    def _rollout_sampler(self, cfg: Config) -> RolloutSampler:
+        """The training rollouts' sampler: stop at the tokenizer's EOS, per-sample seeds where every engine
+        honours them."""
+        r = cfg.rollout
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        # sampling_seed only where every engine honours it (SGLang: --enable-deterministic-inference)
+        seeded = self.loop.run_until_complete(self.pool.seeds_honoured())
+        return RolloutSampler(
+            self.pool,
+            self.tokenizer,
+            RolloutSettings.from_sections(
+                r, cfg.algorithm, seed=cfg.trainer.seed, stop_token_ids=tuple(eos), per_sample_seeds=seeded
+            ),
+            rid_prefix="train",
+        )
+
     def run(self, coro):
         """A coroutine on the driver's loop: here, or on its thread while steps overlap (every caller of
         the engines goes through this, never through self.loop directly)."""
         return self.overlap.run(coro) if self.overlap is not None else self.loop.run_until_complete(coro)
 
     # --- state carried by checkpoints ---------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> DriverState:
         return {"prompts": self.prompts.state_dict(), "num_requests": self.sampler.num_requests}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: DriverState) -> None:
         self.prompts.load_state_dict(state["prompts"])
         self.sampler.num_requests = int(state["num_requests"])
 
@@ -172,14 +183,14 @@ class Driver:
 
     def try_phase(
         self,
-        phase: Callable[[], Any],
+        phase: Callable[[], T],
         *,
         restore_prompts: bool = False,
         during: str,
         then: str,
         updates: int,
         step: int,
-    ) -> tuple[Verdict, Any]:
+    ) -> tuple[Verdict, T | None]:
         """(Verdict.OK, phase()) or, when every engine was lost during it, (Verdict.RESYNC | LOST, None) from
         EngineFaults.after_loss (trainer/recovery.py: FaultPolicy). restore_prompts (the rollout): the
         prompt stream and request counter are put back where the phase began, so that the redone

@@ -20,8 +20,9 @@ import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from typing import Literal, TextIO, TypeAlias
 
+from dapo_megatron.config import RawJson
 from dapo_megatron.trainer import console as _console
 
 __all__ = [
@@ -36,6 +37,10 @@ __all__ = [
 
 METRICS_FILE = "metrics.jsonl"
 CURVES_FILE = "curves.png"
+
+# one value of a metrics.jsonl record: a number, or the text of a non-finite one ("nan", "inf": _jsonable)
+MetricValue: TypeAlias = float | int | str
+MetricsRecord: TypeAlias = dict[str, MetricValue]  # "step" and every metric logged at that step
 
 # A column or curve shows the first of these keys a step has (console.ALIASES: the old-policy
 # entropy comes for free with the pi_old forward; the actor's updates may report their own).
@@ -62,9 +67,10 @@ PLOT_PANELS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
 )
 
 
-def _jsonable(value: Any) -> Any:
-    if hasattr(value, "item") and callable(value.item):  # 0-dim tensors / numpy scalars
-        value = value.item()
+def _jsonable(value: object) -> object:
+    item = getattr(value, "item", None)
+    if callable(item):  # 0-dim tensors / numpy scalars
+        value = item()
     if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
         return str(value)  # JSON has no NaN; "nan" / "inf" keep the fact visible
     return value
@@ -80,7 +86,7 @@ class MetricsLogger:
         wandb_mode: Literal["offline", "online", "disabled"] = "offline",
         wandb_project: str = "dapo-megatron",
         run_name: str | None = None,
-        config: Mapping[str, Any] | None = None,
+        config: RawJson | None = None,
         resume_step: int | None = None,
         console: TextIO | None = sys.stdout,
         header_every: int = 20,
@@ -122,7 +128,7 @@ class MetricsLogger:
                 settings=wandb.Settings(quiet=True),
             )
 
-    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    def log(self, step: int, metrics: Mapping[str, object]) -> dict[str, object]:
         record = {"step": int(step), **{k: _jsonable(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
@@ -160,7 +166,7 @@ class MetricsLogger:
 
 def read_jsonl(
     path: str | Path, *, drop_partial_last: bool = False, on_drop: Callable[[str], None] | None = None
-) -> list[dict[str, Any]]:
+) -> list[MetricsRecord]:
     """Records of a metrics.jsonl; a broken line raises ValueError naming the file and line.
 
     drop_partial_last: a last line with no newline that is not valid JSON (what a process killed in the
@@ -189,7 +195,7 @@ def read_jsonl(
     return records
 
 
-def _series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float]]:
+def _series(records: Sequence[Mapping[str, MetricValue]], key: str) -> tuple[list[int], list[float]]:
     xs, ys = [], []
     for r in records:
         value = _get(r, key)
@@ -199,7 +205,7 @@ def _series(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], 
     return xs, ys
 
 
-def build_figure(records: Sequence[Mapping[str, Any]], *, title: str = ""):
+def build_figure(records: Sequence[Mapping[str, MetricValue]], *, title: str = ""):
     """A matplotlib Figure with one panel per PLOT_PANELS entry that has data (Agg backend)."""
     import matplotlib
 
@@ -233,7 +239,7 @@ def build_figure(records: Sequence[Mapping[str, Any]], *, title: str = ""):
     return fig
 
 
-def _eval_set_keys(records: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, str], ...]:
+def _eval_set_keys(records: Sequence[Mapping[str, MetricValue]]) -> tuple[tuple[str, str], ...]:
     """(eval/<set>/avg@k, label) of every eval set of a run with several (data.eval_sets), first-seen order."""
     names: list[str] = []
     for r in records:
@@ -244,7 +250,9 @@ def _eval_set_keys(records: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, str
     return tuple((f"eval/{name}/avg@k", f"eval {name} avg@k") for name in names)
 
 
-def _ci_band(records: Sequence[Mapping[str, Any]], key: str) -> tuple[list[int], list[float], list[float]] | None:
+def _ci_band(
+    records: Sequence[Mapping[str, MetricValue]], key: str
+) -> tuple[list[int], list[float], list[float]] | None:
     """(steps, low, high) of `key`'s interval (<key>_ci95_low / _high), or None where it has none."""
     xs_low, low = _series(records, f"{key}_ci95_low")
     xs_high, high = _series(records, f"{key}_ci95_high")
@@ -305,14 +313,22 @@ def run_summary(
     checkpoints on disk, and time per phase (start-up phases as measured by the launcher; the
     ranks' phases summed from metrics.jsonl; `other` = the rest of the ranks' wall time: their
     start-up, checkpoints, logging)."""
-    from dapo_megatron.trainer.checkpoint.files import best_checkpoint, list_checkpoints
-
     run_dir = Path(run_dir)
     records = read_jsonl(run_dir / METRICS_FILE) if (run_dir / METRICS_FILE).is_file() else []
     lines = [f"{_console.PREFIX} done. run directory: {run_dir}"]
     curves = run_dir / CURVES_FILE
     lines.append(f"  curves:       {curves if curves.is_file() else '(not written)'}")
     lines.append(f"  metrics:      {run_dir / METRICS_FILE} ({len(records)} records)")
+    lines += _eval_lines(run_dir, records)
+    lines += _checkpoint_lines(run_dir)
+    lines += _time_lines(records, phase_seconds=phase_seconds, ranks_wall_s=ranks_wall_s, wall_s=wall_s)
+    return "\n".join(lines)
+
+
+def _eval_lines(run_dir: Path, records: list[MetricsRecord]) -> list[str]:
+    """The final and the best eval of the run (its first set's numbers with several: the one that picks
+    the best checkpoint), and the final eval's file with its interval."""
+    lines = []
     # a run with several eval sets (data.eval_sets): the first set's numbers (the one that picks the best checkpoint)
     sets = _eval_set_keys(records)
     pre = "eval/" if any("eval/avg@k" in r for r in records) or not sets else sets[0][0].removesuffix("avg@k")
@@ -343,6 +359,14 @@ def run_summary(
         )
     else:
         lines.append("  eval:         none logged (trainer.eval_every=0?)")
+    return lines
+
+
+def _checkpoint_lines(run_dir: Path) -> list[str]:
+    """The checkpoints on disk and the best one kept aside."""
+    from dapo_megatron.trainer.checkpoint.files import best_checkpoint, list_checkpoints
+
+    lines = []
     checkpoints = list_checkpoints(run_dir)
     if checkpoints:
         names = ", ".join(path.name for _, path in checkpoints)
@@ -352,6 +376,19 @@ def run_summary(
     best_ckpt = best_checkpoint(run_dir)
     if best_ckpt is not None:
         lines.append(f"  best ckpt:    {best_ckpt[2]} (eval {best_ckpt[1]:.1%}, kept by trainer.keep_best_checkpoint)")
+    return lines
+
+
+def _time_lines(
+    records: list[MetricsRecord],
+    *,
+    phase_seconds: Mapping[str, float] | None,
+    ranks_wall_s: float | None,
+    wall_s: float | None,
+) -> list[str]:
+    """Time per phase (the launcher's start-up phases, the ranks' phases summed from metrics.jsonl, the
+    rest of the ranks' wall time as `other`) and the steps' total and median."""
+    lines = []
     steps = [r for r in records if int(r.get("step", 0)) > 0 and "time/step_s" in r]
     sums = {
         key: sum(float(r.get(key, 0.0)) for r in records)
@@ -379,4 +416,4 @@ def run_summary(
             f"(median {sorted(float(r['time/step_s']) for r in steps)[len(steps) // 2]:.2f} s per step)"
             + (f"; whole command {_fmt_s(wall_s)}" if wall_s is not None else "")
         )
-    return "\n".join(lines)
+    return lines

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Protocol, cast
 
 from dapo_megatron.actor.offload import trainer_memory_gb
 from dapo_megatron.config import Config
@@ -170,10 +170,11 @@ class ColocatedPlacement:
         self.roles = roles
         self.driver = driver
         self.engines = _EngineSide(driver)
-        devices: list[Any] = [trainer_device()]  # (node, gpu) of every rank, all_gather_object fills it
+        devices = [trainer_device()]  # (node, gpu) of every rank
         if dist.is_initialized() and dist.get_world_size() > 1:
-            devices = [None] * dist.get_world_size()
-            coll.all_gather_object(devices, trainer_device())
+            gathered: list[object] = [None] * dist.get_world_size()
+            coll.all_gather_object(gathered, trainer_device())
+            devices = cast(list[tuple[str, int]], gathered)  # all_gather_object put a rank's device in every slot
         self.slots = driver_decides(lambda: assign_engine_slots(driver.pool.registrations(), devices))
         self.transfer = ColocatedTransfer(
             self.slots,

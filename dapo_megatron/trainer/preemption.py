@@ -34,7 +34,7 @@ import os
 import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from types import FrameType
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ class PreemptionSignal:
         self.signals = tuple(signals)
         self.request_file = os.environ.get(PREEMPT_FILE_ENV, "") if request_file is None else request_file
         self.received: signal.Signals | None = None  # the first signal that arrived
-        self._previous: dict[signal.Signals, Callable[..., Any] | int | None] = {}
+        self._previous: dict[signal.Signals, Callable[[int, FrameType | None], object] | int | None] = {}
 
     def install(self) -> PreemptionSignal:
         """Register the handlers (main thread only, as Python requires). Returns self."""
@@ -63,7 +63,7 @@ class PreemptionSignal:
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
             self.received = signal.Signals(signum)
             print(

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeAlias, TypeVar
 
 from dapo_megatron.distributed.driver_decides import driver_decides
 from dapo_megatron.distributed.roles import RankRoles
@@ -54,6 +54,10 @@ if TYPE_CHECKING:  # the policy's seams; imported at run time they would bring m
     from dapo_megatron.actor.actor import Actor
     from dapo_megatron.dataplane.sample import Sample
     from dapo_megatron.trainer.placement import Placement
+
+T = TypeVar("T")  # what a phase returns (DriverSide.try_phase)
+# the driver's rollout: train_batch_size groups of scored samples and their statistics (Driver.rollout)
+Rollout: TypeAlias = "tuple[list[list[Sample]], dict[str, float]]"
 
 
 class Verdict(Enum):
@@ -161,20 +165,20 @@ class DriverSide(Protocol):
 
     engine_faults: EngineFaults
 
-    def rollout(self) -> tuple[list[list[Sample]], dict[str, float]]: ...
+    def rollout(self) -> Rollout: ...
 
     def evaluate(self, *, step: int) -> dict[str, float]: ...
 
     def try_phase(
         self,
-        phase: Callable[[], Any],
+        phase: Callable[[], T],
         *,
         restore_prompts: bool = False,
         during: str,
         then: str,
         updates: int,
         step: int,
-    ) -> tuple[Verdict, Any]: ...
+    ) -> tuple[Verdict, T | None]: ...
 
 
 D = TypeVar("D")
@@ -215,12 +219,12 @@ class FaultPolicy:
                 return {**stats, "sync/passes": float(attempt)} if self.roles.driver else stats
         raise RuntimeError(f"weight sync step_{step}: engines kept dying during the sync ({passes} passes)")
 
-    def around_rollout(self, *, step: int) -> tuple[list | None, dict[str, float]]:
+    def around_rollout(self, *, step: int) -> tuple[list[list[Sample]] | None, dict[str, float]]:
         """The driver's rollout ((groups, stats); (None, {}) elsewhere), redone after a re-sync when
         every engine died; EnginesLost on every rank, with the driver's message, when none came back (at
         most rollout.engine_restarts + 1 redone rollouts per step)."""
 
-        def attempt() -> tuple[Verdict, Any]:
+        def attempt() -> tuple[Verdict, Rollout | None]:
             verdict, result = self._driver.try_phase(
                 self._driver.rollout,
                 restore_prompts=True,
@@ -239,7 +243,11 @@ class FaultPolicy:
                 f"step {step + 1}'s rollout was redone {self.engine_restarts + 1} times: the engines "
                 f"keep dying (rollout.engine_restarts={self.engine_restarts})"
             )
-        return result if self.roles.driver else (None, {})
+        if not self.roles.driver:
+            return None, {}
+        if result is None:
+            raise AssertionError("an OK verdict on the driver carries its rollout")
+        return result
 
     def around_eval(self, *, updates: int) -> dict[str, float]:
         """The driver's evaluate() of the weights after `updates` updates ({} on the other ranks). The
@@ -249,7 +257,7 @@ class FaultPolicy:
         followed is complete and is never lost (the next rollout waits for an engine, or checkpoints
         this step and stops)."""
 
-        def attempt() -> tuple[Verdict, Any]:
+        def attempt() -> tuple[Verdict, dict[str, float] | None]:
             return self._driver.try_phase(
                 lambda: self._driver.evaluate(step=updates),
                 during=f"the eval of step {updates}",
@@ -262,6 +270,8 @@ class FaultPolicy:
         if not self.roles.driver:
             return {}
         if verdict is Verdict.OK:
+            if scores is None:
+                raise AssertionError("an OK verdict on the driver carries its eval's scores")
             return {**scores, **({"eval/retried": 1.0} if attempts > 1 else {})}
         faults = self._driver.engine_faults
         why = faults.lost_reason or "the engines died again during the retried eval"
@@ -274,16 +284,16 @@ class FaultPolicy:
         return {"eval/missed": 1.0}
 
     def _with_resync(
-        self, attempt: Callable[[], tuple[Verdict, Any]], *, updates: int, attempts: int
-    ) -> tuple[Verdict, Any, int]:
+        self, attempt: Callable[[], tuple[Verdict, T | None]], *, updates: int, attempts: int
+    ) -> tuple[Verdict, T | None, int]:
         """The one retry-with-resync path: the driver's `attempt()` -> (verdict, result); every rank
         learns the verdict (the result stays on the driver); after RESYNC every rank re-syncs the
         weights after `updates` updates and the driver attempts again, `attempts` times at most.
         Returns the last verdict, the driver's result (None elsewhere) and the attempts made."""
         for made in range(1, attempts + 1):
-            kept: list[Any] = [None]
+            kept: list[T | None] = [None]
 
-            def decide(kept: list[Any] = kept) -> Verdict:  # this attempt's list (B023), called at once below
+            def decide(kept: list[T | None] = kept) -> Verdict:  # this attempt's list (B023), called at once below
                 verdict, kept[0] = attempt()
                 return verdict
 

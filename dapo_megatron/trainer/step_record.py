@@ -9,7 +9,6 @@ step goes through one StepRecord, so that the step itself reads as the algorithm
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from dapo_megatron.trainer.step_metrics import Clock, reduce_updates
 
@@ -19,7 +18,7 @@ class StepRecord:
         self.clock = Clock()
         self.log: dict[str, float] = {}
 
-    def add(self, metrics: Mapping[str, Any] | None) -> StepRecord:
+    def add(self, metrics: Mapping[str, float] | None) -> StepRecord:
         if metrics:
             self.log.update(metrics)
         return self

@@ -40,7 +40,7 @@ import socket
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar, cast
 
 import torch
 
@@ -51,6 +51,8 @@ from dapo_megatron.rollout.client import EngineError
 from dapo_megatron.transfer.tensor_payload import serialize_for_engine_rank
 from dapo_megatron.transfer.weight_sync import SyncStats, check_against, engine_shapes
 from dapo_megatron.weights.export import bucketize
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -252,14 +254,15 @@ def _tied_alias(name: str, seen: set[str]) -> bool:
     return name == "lm_head.weight" and "model.embed_tokens.weight" in seen
 
 
-def _gather_to_driver(payloads: list) -> list[list]:
+def _gather_to_driver(payloads: list[T]) -> list[list[T]]:
+    """Every rank's payloads on rank 0, in rank order ([] on the other ranks)."""
     import torch.distributed as dist
 
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [payloads]
-    out: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None  # gather fills it
+    out: list[object] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None  # gather fills it
     coll.gather_object(payloads, out, dst=0)
-    return out or []
+    return cast(list[list[T]], out or [])  # gather_object put a rank's payloads in every slot
 
 
 async def _each(clients, calls) -> dict[str, BaseException]:

@@ -20,7 +20,7 @@ import shutil
 import struct
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -63,7 +63,7 @@ def plan_files(buckets: Sequence[Sequence[ExportItem]], max_bytes: int) -> list[
 def safetensors_header(items: Sequence[ExportItem]) -> bytes:
     """The 8-byte length + JSON header of a file holding these items' tensors back to back (the
     safetensors format: offsets relative to the data section, no holes, header padded to 8 bytes)."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    header: dict[str, dict[str, object]] = {"__metadata__": {"format": "pt"}}  # name -> dtype, shape, offsets
     offset = 0
     for item in items:
         for name, shape, size in zip(item.names, item.shapes, item.sizes()):

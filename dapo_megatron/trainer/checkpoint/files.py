@@ -27,8 +27,9 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, TypeVar, cast
 
+from dapo_megatron.config import RawJson
 from dapo_megatron.distributed import collectives as coll
 from dapo_megatron.distributed.driver_decides import driver_decides
 from dapo_megatron.trainer.checkpoint.write_failure import CheckpointWriteError, remove_partial, write_failure_message
@@ -41,6 +42,30 @@ MANIFEST_FILE = "manifest.json"
 CORRUPT_SUFFIX = ".corrupt"
 BEST_FILE = "best.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+T = TypeVar("T")
+
+
+class DriverState(TypedDict):
+    """The driver's part of trainer_state.json (Driver.state_dict): its data order and request counter."""
+
+    prompts: dict[str, int]  # data/stream.py PromptStream.state_dict: epoch, cursor
+    num_requests: int  # the sampler's request counter (request ids and per-sample seeds go on from it)
+
+
+class TrainerStateJson(TypedDict):
+    """trainer_state.json as written (TrainerState.to_json)."""
+
+    step: int
+    driver: DriverState | None
+    nonfinite_in_row: int
+    eval: float | None
+
+
+class FileEntry(TypedDict):
+    """One file of manifest.json: its size and CRC-32 (8 hex digits)."""
+
+    bytes: int
+    crc32: str
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -76,13 +101,13 @@ class TrainerState:
     step: int = 0  # updates done: the loop continues with step + 1
     nonfinite_in_row: int = 0  # NaN/inf updates in a row up to `step` (trainer/nonfinite.py)
     eval: float | None = None  # the headline avg@k logged at `step`, if it evaluated (keep_best_checkpoint)
-    driver: dict[str, Any] | None = None  # the driver's data order and request counter (Driver.state_dict)
+    driver: DriverState | None = None  # the driver's data order and request counter (Driver.state_dict)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> TrainerStateJson:
         return {"step": self.step, "driver": self.driver, "nonfinite_in_row": self.nonfinite_in_row, "eval": self.eval}
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any], *, source: str | Path) -> TrainerState:
+    def from_json(cls, raw: RawJson, *, source: str | Path) -> TrainerState:
         """A checkpoint's state; ValueError naming the file and key when one is missing or not a number."""
         try:
             score = raw.get("eval")
@@ -96,7 +121,7 @@ class TrainerState:
             raise ValueError(f"{source}: not a trainer state ({type(err).__name__}: {err})") from None
 
 
-def write_state(tmp_dir: Path, state: dict[str, Any]) -> None:
+def write_state(tmp_dir: Path, state: TrainerStateJson) -> None:
     (tmp_dir / STATE_FILE).write_text(json.dumps(state, indent=1, sort_keys=True))
 
 
@@ -104,7 +129,8 @@ def read_trainer_state(ckpt_dir: str | Path) -> TrainerState:
     return TrainerState.from_json(read_state(ckpt_dir), source=Path(ckpt_dir) / STATE_FILE)
 
 
-def read_state(ckpt_dir: str | Path) -> dict[str, Any]:
+def read_state(ckpt_dir: str | Path) -> RawJson:
+    """trainer_state.json as parsed, before TrainerState.from_json checks it."""
     path = Path(ckpt_dir) / STATE_FILE
     try:
         return json.loads(path.read_text())
@@ -172,11 +198,11 @@ def checkpoint_files(ckpt_dir: Path) -> list[str]:
     return sorted(str(p.relative_to(ckpt_dir)) for p in ckpt_dir.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
 
 
-def describe_files(ckpt_dir: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+def describe_files(ckpt_dir: Path, names: list[str]) -> dict[str, FileEntry]:
     return {name: {"bytes": (ckpt_dir / name).stat().st_size, "crc32": file_crc32(ckpt_dir / name)} for name in names}
 
 
-def check_files(ckpt_dir: Path, expected: dict[str, dict[str, Any]]) -> list[str]:
+def check_files(ckpt_dir: Path, expected: dict[str, FileEntry]) -> list[str]:
     """Problems of these manifest entries, cheapest test first: missing, wrong size, wrong checksum."""
     problems = []
     for name, want in expected.items():
@@ -198,12 +224,13 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _gather(value: Any) -> list[Any]:
+def _gather(value: T) -> list[T]:
+    """Every rank's `value`, in rank order."""
     if _world()[1] == 1:
         return [value]
-    out: list[Any] = [None] * _world()[1]
+    out: list[object] = [None] * _world()[1]
     coll.all_gather_object(out, value)
-    return out
+    return cast(list[T], out)  # all_gather_object put a rank's `value` in every slot
 
 
 def write_manifest(ckpt_dir: Path) -> None:
@@ -211,7 +238,7 @@ def write_manifest(ckpt_dir: Path) -> None:
     r, r + world, ...; rank 0 writes manifest.json with all of them."""
     rank, world = _world()
     names = driver_decides(lambda: checkpoint_files(ckpt_dir))  # one listing of the shared directory
-    entries: dict[str, dict[str, Any]] = {}
+    entries: dict[str, FileEntry] = {}
     for part in _gather(describe_files(ckpt_dir, names[rank::world])):
         entries.update(part)
     if rank == 0:
@@ -220,7 +247,7 @@ def write_manifest(ckpt_dir: Path) -> None:
         tmp.rename(ckpt_dir / MANIFEST_FILE)
 
 
-def _read_manifest(ckpt_dir: Path) -> dict[str, dict[str, Any]] | str:
+def _read_manifest(ckpt_dir: Path) -> dict[str, FileEntry] | str:
     """The manifest's entries, "absent", or the reason it cannot be read."""
     try:
         return json.loads((ckpt_dir / MANIFEST_FILE).read_text())["files"]

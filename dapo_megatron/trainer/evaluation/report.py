@@ -20,9 +20,9 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypeAlias, TypedDict
 
 import torch
 
@@ -36,6 +36,7 @@ from dapo_megatron.algo.eval_stats import (
     pass_at_k,
     pass_ks,
 )
+from dapo_megatron.config import RawJson
 from dapo_megatron.data.datasets import DEFAULT_EVAL_SET as DEFAULT_SET
 from dapo_megatron.reward.math_dapo import INVALID
 
@@ -53,6 +54,40 @@ __all__ = [
 
 METHOD = "percentile bootstrap over problems"
 SUMMARY_KEYS = ("k", "num_prompts", "avg@k", "avg@k_ci95", "maj@k")  # and every pass@j
+
+
+class ProblemRecord(TypedDict):
+    """One problem of an eval set: what it was, and how its n samples did."""
+
+    index: int
+    data_source: str
+    prompt_hash: str  # prompt_hash(): two evals compare only on equal problems
+    ground_truth: str
+    n: int
+    correct: int  # of the n samples
+    answers: dict[str, int]  # extracted answer -> how many samples gave it, most common first
+    mean_response_tokens: float
+    truncated: int  # samples cut at rollout.max_response_length
+
+
+class CompareRow(TypedDict):
+    """compare_evals' verdict on one eval set present in both evals."""
+
+    set: str
+    num_prompts: int
+    k_a: int
+    k_b: int
+    avg_a: float
+    avg_b: float
+    diff: float  # avg_b - avg_a
+    diff_ci95: list[float]  # [low, high], paired bootstrap over problems
+    verdict: str  # algo/eval_stats.py paired_bootstrap_diff: "B better", "B worse", "no clear difference"
+
+
+# One eval set's report as the file holds it (the module's docstring lists its keys): parsed JSON, since
+# its pass@j keys follow from k (a TypedDict names fixed keys only); `problems` holds ProblemRecords.
+EvalReport: TypeAlias = RawJson
+
 TIE_RULE = "a tie scores the fraction of the tied answers that are correct; [INVALID] (no answer) does not vote"
 
 
@@ -73,7 +108,7 @@ def eval_report(
     name: str = DEFAULT_SET,
     resamples: int = BOOTSTRAP_RESAMPLES,
     seed: int = BOOTSTRAP_SEED,
-) -> dict[str, Any]:
+) -> EvalReport:
     """The report of one eval set from its EvalSamples (row i = records[i])."""
     correct = samples.correct
     num_problems, n = correct.shape
@@ -81,7 +116,7 @@ def eval_report(
         raise ValueError(f"eval report: {num_problems} rows of samples for {len(records)} problems")
     per_problem = correct.mean(dim=1)
     low, high = bootstrap_mean_ci(per_problem, resamples=resamples, seed=seed)
-    report: dict[str, Any] = {
+    report: EvalReport = {
         "step": int(step),
         "set": name,
         "k": int(n),
@@ -99,23 +134,23 @@ def eval_report(
     report["maj_tie_rule"] = TIE_RULE
     tokens = samples.response_tokens.to(torch.float64)
     report["problems"] = [
-        {
-            "index": i,
-            "data_source": str(getattr(r, "data_source", "")),
-            "prompt_hash": prompt_hash(r),
-            "ground_truth": str(getattr(r, "ground_truth", "")),
-            "n": int(n),
-            "correct": int(round(float(correct[i].sum()))),
-            "answers": dict(Counter(samples.answers[i]).most_common()),
-            "mean_response_tokens": float(tokens[i].mean()),
-            "truncated": int(samples.truncated[i].sum()),
-        }
+        ProblemRecord(
+            index=i,
+            data_source=str(getattr(r, "data_source", "")),
+            prompt_hash=prompt_hash(r),
+            ground_truth=str(getattr(r, "ground_truth", "")),
+            n=int(n),
+            correct=int(round(float(correct[i].sum()))),
+            answers=dict(Counter(samples.answers[i]).most_common()),
+            mean_response_tokens=float(tokens[i].mean()),
+            truncated=int(samples.truncated[i].sum()),
+        )
         for i, r in enumerate(records)
     ]
     return report
 
 
-def report_metrics(report: dict[str, Any], *, prefix: str = "eval/") -> dict[str, float]:
+def report_metrics(report: EvalReport, *, prefix: str = "eval/") -> dict[str, float]:
     """Every scalar of the report's summary under `prefix` (eval/avg@k, eval/pass@k, eval/maj@k, ...),
     the interval as <prefix>avg@k_ci95_low / _high: metrics.jsonl and the file carry the same numbers."""
     out = {}
@@ -134,7 +169,7 @@ def metric_prefix(name: str, *, num_sets: int) -> str:
     return "eval/" if num_sets == 1 else f"eval/{name}/"
 
 
-def headline_avg(metrics: dict[str, Any], set_names: Sequence[str] = ()) -> float | None:
+def headline_avg(metrics: Mapping[str, float], set_names: Sequence[str] = ()) -> float | None:
     """The one avg@k that picks the best checkpoint: eval/avg@k, else the first set's eval/<name>/avg@k."""
     if "eval/avg@k" in metrics:
         return metrics["eval/avg@k"]
@@ -148,7 +183,7 @@ def eval_file_path(run_dir: str | Path, step: int) -> Path:
     return Path(run_dir) / "evals" / f"step_{step:06d}.json"
 
 
-def write_eval_file(path: str | Path, reports: dict[str, dict[str, Any]], extra: dict[str, Any] | None = None) -> Path:
+def write_eval_file(path: str | Path, reports: dict[str, EvalReport], extra: RawJson | None = None) -> Path:
     """Write one eval's reports atomically (a half-written file never looks finished); extra fields
     (checkpoint, sampling settings) go at the top level."""
     path = Path(path)
@@ -164,7 +199,7 @@ def write_eval_file(path: str | Path, reports: dict[str, dict[str, Any]], extra:
     return path
 
 
-def read_eval_file(path: str | Path) -> dict[str, dict[str, Any]]:
+def read_eval_file(path: str | Path) -> dict[str, EvalReport]:
     """name -> report of an eval file (either layout)."""
     path = Path(path)
     try:
@@ -183,7 +218,7 @@ def read_eval_file(path: str | Path) -> dict[str, dict[str, Any]]:
     return sets
 
 
-def load_eval_sets(where: str | Path) -> tuple[Path, dict[str, dict[str, Any]]]:
+def load_eval_sets(where: str | Path) -> tuple[Path, dict[str, EvalReport]]:
     """(file, name -> report) of an eval file, or of a run directory's newest evals/step_N.json."""
     path = Path(where)
     if path.is_dir():
@@ -200,8 +235,8 @@ def load_eval_sets(where: str | Path) -> tuple[Path, dict[str, dict[str, Any]]]:
 
 
 def compare_evals(
-    a: dict[str, dict[str, Any]], b: dict[str, dict[str, Any]], *, where_a: str = "A", where_b: str = "B"
-) -> list[dict[str, Any]]:
+    a: dict[str, EvalReport], b: dict[str, EvalReport], *, where_a: str = "A", where_b: str = "B"
+) -> list[CompareRow]:
     """Per eval set present in both: avg@k of A and of B, B - A with its paired-bootstrap interval and
     verdict. Refuses (ValueError) when a set's problems differ (count, order or content)."""
     common = [name for name in a if name in b]
@@ -225,16 +260,16 @@ def compare_evals(
         acc_b = [p["correct"] / p["n"] for p in pb]
         diff = paired_bootstrap_diff(acc_a, acc_b)
         rows.append(
-            {
-                "set": name,
-                "num_prompts": len(pa),
-                "k_a": a[name]["k"],
-                "k_b": b[name]["k"],
-                "avg_a": sum(acc_a) / len(acc_a),
-                "avg_b": sum(acc_b) / len(acc_b),
-                "diff": diff["diff"],
-                "diff_ci95": [diff["low"], diff["high"]],
-                "verdict": diff["verdict"],
-            }
+            CompareRow(
+                set=name,
+                num_prompts=len(pa),
+                k_a=a[name]["k"],
+                k_b=b[name]["k"],
+                avg_a=sum(acc_a) / len(acc_a),
+                avg_b=sum(acc_b) / len(acc_b),
+                diff=float(diff["diff"]),  # paired_bootstrap_diff's numbers are floats, its verdict a str
+                diff_ci95=[float(diff["low"]), float(diff["high"])],
+                verdict=str(diff["verdict"]),
+            )
         )
     return rows
