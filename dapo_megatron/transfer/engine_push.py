@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from dapo_megatron.rollout.client import EngineClient, EngineError
-from dapo_megatron.transfer.sync_protocol import WeightSync
-from dapo_megatron.transfer.weight_sync import SyncStats, engine_unreachable
+from dapo_megatron.transfer.sync_protocol import SyncStats, WeightSync
+from dapo_megatron.transfer.weight_sync import engine_unreachable
 
 if TYPE_CHECKING:
     from dapo_megatron.rollout.pool import EnginePool

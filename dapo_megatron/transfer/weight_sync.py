@@ -51,13 +51,13 @@ import struct
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlparse
 
 import torch
 
 from dapo_megatron.rollout.client import EngineClient, EngineError, EngineUnreachable
-from dapo_megatron.transfer.sync_protocol import SyncHistory
+from dapo_megatron.transfer.sync_protocol import SyncHistory, SyncStats
 from dapo_megatron.transfer.tensor_payload import flatten_bucket, serialize_for_engine_rank, split_for_alignment
 from dapo_megatron.transfer.weight_group import broadcast_from_trainer, open_weight_group, trainer_address
 from dapo_megatron.weights.export import bucketize  # the one bucketizer (size-bounded, order kept)
@@ -65,39 +65,6 @@ from dapo_megatron.weights.export import bucketize  # the one bucketizer (size-b
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 FLATTENED = "flattened_bucket"
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SyncStats:
-    num_tensors: int = 0
-    num_buckets: int = 0  # update requests per engine
-    num_collectives: int = 0  # broadcast calls by the trainer (distributed transport)
-    bytes: int = 0  # bytes sent to ONE engine
-    seconds: float = 0.0
-    broadcast_seconds: float = 0.0  # the trainer's broadcast calls (the plan's send term), summed over buckets
-    answer_seconds: float = 0.0  # from a bucket's broadcast end to every engine's answer (its load), summed
-    export_seconds: float = 0.0  # producing buckets (the iterator: gathers, stage funnel), beside the previous send
-    payload_seconds: float = 0.0  # checking and flattening buckets, beside the previous send
-    num_engines: int = 0
-    weight_version: str = ""
-    missing: list[str] = field(default_factory=list)  # engine tensors the trainer did not send
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / 1e9 / self.seconds if self.seconds > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        return {
-            "weight_sync/tensors": self.num_tensors,
-            "weight_sync/buckets": self.num_buckets,
-            "weight_sync/collectives": self.num_collectives,
-            "weight_sync/bytes": self.bytes,
-            "weight_sync/seconds": self.seconds,
-            "weight_sync/broadcast_seconds": self.broadcast_seconds,
-            "weight_sync/answer_seconds": self.answer_seconds,
-            "weight_sync/gb_per_s": self.gb_per_s,
-            "weight_sync/engines": self.num_engines,
-        }
 
 
 # ---------------------------------------------------------------------------------------- checks

@@ -43,7 +43,6 @@ LONG_FUNCTIONS = {
     ("dapo_megatron/benchmarks/actor.py", "_measure"): 78,
     ("dapo_megatron/data/prompts.py", "load_prompts"): 76,
     ("dapo_megatron/trainer/driver.py", "Driver.__init__"): 74,
-    ("dapo_megatron/transfer/weight_sync.py", "DistributedWeightSync.connect"): 72,
     ("dapo_megatron/tools/parity.py", "run_check"): 72,
     ("dapo_megatron/memplan/plan.py", "_trainer_phases"): 72,
     ("dapo_megatron/cpu_engine/fp8.py", "load_fp8_model"): 71,
