@@ -57,7 +57,7 @@ from urllib.parse import urlparse
 import torch
 
 from dapo_megatron.rollout.client import EngineClient, EngineError, EngineUnreachable
-from dapo_megatron.transfer.sync_protocol import SyncHistory, SyncStats
+from dapo_megatron.transfer.sync_protocol import SyncHistory, SyncStats, WeightSync
 from dapo_megatron.transfer.tensor_payload import flatten_bucket, serialize_for_engine_rank, split_for_alignment
 from dapo_megatron.transfer.weight_group import broadcast_from_trainer, open_weight_group, trainer_address
 from dapo_megatron.weights.export import bucketize  # the one bucketizer (size-bounded, order kept)
@@ -637,3 +637,7 @@ class TensorWeightSync:
             stats.num_engines,
         )
         return stats
+
+
+# both transports are WeightSyncs (sync_protocol.py): mypy checks each class against the Protocol here
+TRANSPORTS: tuple[type[WeightSync], ...] = (DistributedWeightSync, TensorWeightSync)
