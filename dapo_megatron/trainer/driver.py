@@ -44,6 +44,7 @@ from dapo_megatron.trainer.evaluation.sampling import sample_eval
 from dapo_megatron.trainer.recovery import EngineFaults, Verdict
 from dapo_megatron.trainer.timeline import Timeline
 from dapo_megatron.transfer.engine_push import sync_dropping_dead
+from dapo_megatron.transfer.sync_protocol import WeightSync
 from dapo_megatron.transfer.weight_sync import DistributedWeightSync
 
 T = TypeVar("T")  # what a phase returns (try_phase)
@@ -78,7 +79,7 @@ class Driver:
         self.prompts = PromptStream(train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         # master_address "" = the trainer address every engine reaches (weight_group.trainer_address)
         # the group's backend follows the engines (gloo for CPU engines, nccl for SGLang), not the trainer
-        self.weight_sync = DistributedWeightSync(
+        self.weight_sync: WeightSync = DistributedWeightSync(
             bucket_bytes=r.weight_bucket_mb << 20, master_address=r.weight_sync_address
         )
         # rollout.quantization=fp8: every sync sends modelopt's fp8 weights + scales (quant/engine_checkpoint.py)

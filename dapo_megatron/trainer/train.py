@@ -22,7 +22,7 @@ from dapo_megatron.dataplane.scatter import scatter_batch
 from dapo_megatron.dataplane.share import BatchShare
 from dapo_megatron.distributed.layout import ParallelLayout
 from dapo_megatron.distributed.roles import RankRoles
-from dapo_megatron.trainer import console
+from dapo_megatron.trainer import console, heap
 from dapo_megatron.trainer.checkpoint.checkpointer import Checkpointer
 from dapo_megatron.trainer.checkpoint.files import TrainerState
 from dapo_megatron.trainer.driver import Driver
@@ -199,6 +199,7 @@ def train_steps(
             last_step=last_step,
             stop=stop,
         )
+        heap.release_free_heap()  # the step's freed C heap back to the OS: RSS flat over a long run (trainer/heap.py)
         if stop and not last_step:
             if run.roles.driver:
                 print(preempt.stop_line(step + 1, checkpointer.step_dir(step + 1)), flush=True)

@@ -9,9 +9,20 @@ every rank for another pass while `redo` is true (trainer/recovery.py: FaultPoli
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING
 
-from dapo_megatron.rollout.client import EngineError
+import torch
+
+from dapo_megatron.rollout.client import EngineClient, EngineError
+from dapo_megatron.transfer.sync_protocol import SyncStats, WeightSync
 from dapo_megatron.transfer.weight_sync import engine_unreachable
+
+if TYPE_CHECKING:
+    from dapo_megatron.rollout.pool import EnginePool
+
+# around(targets, sync): runs the sync coroutine, e.g. with the engines paused (rollout/async_rollout.py)
+AroundSync = Callable[[list[EngineClient], Awaitable[SyncStats]], Awaitable[SyncStats]]
 
 
 async def _drop_unreachable(pool, clients, *, why: str) -> list[str]:
@@ -23,7 +34,14 @@ async def _drop_unreachable(pool, clients, *, why: str) -> list[str]:
     return dead
 
 
-async def sync_dropping_dead(pool, weight_sync, named, *, weight_version: str, around=None):
+async def sync_dropping_dead(
+    pool: EnginePool,
+    weight_sync: WeightSync,
+    named: Iterator[tuple[str, torch.Tensor]],
+    *,
+    weight_version: str,
+    around: AroundSync | None = None,
+) -> tuple[SyncStats | None, bool]:
     """One export pass into the live + pending engines (driver). Returns (stats or None, redo): redo is
     True when an engine died during the pass (dropped; the survivors need the whole sync again). The
     iterator `named` is always consumed to its end: the other ranks run its collectives."""

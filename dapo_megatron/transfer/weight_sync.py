@@ -50,13 +50,14 @@ import socket
 import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from urllib.parse import urlparse
 
 import torch
 
 from dapo_megatron.rollout.client import EngineClient, EngineError, EngineUnreachable
+from dapo_megatron.transfer.sync_protocol import SyncHistory, SyncStats, WeightSync
 from dapo_megatron.transfer.tensor_payload import flatten_bucket, serialize_for_engine_rank, split_for_alignment
 from dapo_megatron.transfer.weight_group import broadcast_from_trainer, open_weight_group, trainer_address
 from dapo_megatron.weights.export import bucketize  # the one bucketizer (size-bounded, order kept)
@@ -64,39 +65,6 @@ from dapo_megatron.weights.export import bucketize  # the one bucketizer (size-b
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 FLATTENED = "flattened_bucket"
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SyncStats:
-    num_tensors: int = 0
-    num_buckets: int = 0  # update requests per engine
-    num_collectives: int = 0  # broadcast calls by the trainer (distributed transport)
-    bytes: int = 0  # bytes sent to ONE engine
-    seconds: float = 0.0
-    broadcast_seconds: float = 0.0  # the trainer's broadcast calls (the plan's send term), summed over buckets
-    answer_seconds: float = 0.0  # from a bucket's broadcast end to every engine's answer (its load), summed
-    export_seconds: float = 0.0  # producing buckets (the iterator: gathers, stage funnel), beside the previous send
-    payload_seconds: float = 0.0  # checking and flattening buckets, beside the previous send
-    num_engines: int = 0
-    weight_version: str = ""
-    missing: list[str] = field(default_factory=list)  # engine tensors the trainer did not send
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / 1e9 / self.seconds if self.seconds > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        return {
-            "weight_sync/tensors": self.num_tensors,
-            "weight_sync/buckets": self.num_buckets,
-            "weight_sync/collectives": self.num_collectives,
-            "weight_sync/bytes": self.bytes,
-            "weight_sync/seconds": self.seconds,
-            "weight_sync/broadcast_seconds": self.broadcast_seconds,
-            "weight_sync/answer_seconds": self.answer_seconds,
-            "weight_sync/gb_per_s": self.gb_per_s,
-            "weight_sync/engines": self.num_engines,
-        }
 
 
 # ---------------------------------------------------------------------------------------- checks
@@ -280,6 +248,16 @@ def _check_trainer_can_join(backend: str) -> None:
         )
 
 
+@dataclass
+class _GroupPlan:
+    """Where and how large the next weight group is: engine i's TP rank t joins as rank_offsets[i] + t."""
+
+    address: str
+    port: int
+    world_size: int
+    rank_offsets: list[int]
+
+
 class DistributedWeightSync:
     """Trainer side of update_weights_from_distributed. Re-forms the group whenever the set of engines
     changes (an engine dropped, a restarted one re-admitted): a process group's membership is fixed."""
@@ -311,30 +289,53 @@ class DistributedWeightSync:
         self._generation = 0
         self._shapes: dict[str, dict[str, list[int]]] = {}
         self.address = ""  # the master address of the current group
-        self.history: list[SyncStats] = []
+        self.history = SyncHistory()  # bounded: counts, totals, the last few
 
     async def connect(self, clients: list[EngineClient]) -> None:
+        """Form a new weight group with exactly these engines (the old one destroyed first)."""
         await self.close(clients)
+        plan = await self._plan_group(clients)
+        self._pg = await self._form_group(clients, plan)
+        self.address = plan.address
+        self._members = tuple(c.url for c in clients)
+        self._shapes = dict(zip(self._members, await asyncio.gather(*(engine_shapes(c) for c in clients))))
+        log.info(
+            "weight sync: group %s formed at %s:%d with %d engines (world size %d)",
+            self._group_name,
+            plan.address,
+            plan.port,
+            len(clients),
+            plan.world_size,
+        )
+
+    async def _plan_group(self, clients: list[EngineClient]) -> _GroupPlan:
+        """The group's backend (from the engines), name, address and port, and each engine's first rank."""
         infos = await asyncio.gather(*(c.server_info() for c in clients))
         self.backend = self.requested_backend or engine_group_backend(dict(zip((c.url for c in clients), infos)))
         _check_trainer_can_join(self.backend)
         tp_sizes = [int(i.get("tp_size", 1)) for i in infos]
-        world_size = 1 + sum(tp_sizes)
         self._generation += 1
         # unique per trainer and membership: engines may still hold an older group of ours
         self._group_name = f"{self.base_group_name}_{uuid.uuid4().hex[:8]}_{self._generation}"
         address = self.master_address or trainer_address(engine_urls=[c.url for c in clients], backend=self.backend)
-        port = self.master_port or _free_port(address)
-        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(clients))]  # engine TP rank t joins as offset + t
-        loop = asyncio.get_running_loop()
-        own = loop.run_in_executor(
+        return _GroupPlan(
+            address=address,
+            port=self.master_port or _free_port(address),
+            world_size=1 + sum(tp_sizes),
+            rank_offsets=[1 + sum(tp_sizes[:i]) for i in range(len(clients))],  # engine TP rank t: offset + t
+        )
+
+    async def _form_group(self, clients: list[EngineClient], plan: _GroupPlan):
+        """The trainer opens its side (rank 0, a worker thread) while every engine joins; the first
+        failure on either side ends the rendezvous at once, naming the engines (_join_failures)."""
+        own = asyncio.get_running_loop().run_in_executor(
             None,
             lambda: open_weight_group(
                 backend=self.backend,
-                master_address=address,
-                master_port=port,
+                master_address=plan.address,
+                master_port=plan.port,
                 rank=0,
-                world_size=world_size,
+                world_size=plan.world_size,
                 group_name=self._group_name,
                 timeout_s=self.timeout_s,
             ),
@@ -342,49 +343,50 @@ class DistributedWeightSync:
         joins = [
             asyncio.ensure_future(
                 c.init_weights_update_group(
-                    master_address=address,
-                    master_port=port,
+                    master_address=plan.address,
+                    master_port=plan.port,
                     rank_offset=off,
-                    world_size=world_size,
+                    world_size=plan.world_size,
                     group_name=self._group_name,
                     backend=self.backend,
                 )
             )
-            for c, off in zip(clients, offsets)
+            for c, off in zip(clients, plan.rank_offsets)
         ]
         # an engine that refuses to join leaves our rendezvous waiting (until timeout_s): fail fast
         done, _ = await asyncio.wait([own, *joins], return_when=asyncio.FIRST_EXCEPTION)
+        failures = self._join_failures(clients, own, joins, done, plan)
+        if failures:
+            for j in joins:
+                j.cancel()
+            raise EngineError(
+                f"weight sync: forming the group {self._group_name} at {plan.address}:{plan.port} failed: "
+                f"{_name_failures('init_weights_update_group', failures)}",
+                url=next(iter(failures)),
+            )
+        await asyncio.gather(*joins)
+        return own.result()
+
+    def _join_failures(
+        self,
+        clients: list[EngineClient],
+        own: asyncio.Future,
+        joins: Sequence[asyncio.Future],
+        done: set,
+        plan: _GroupPlan,
+    ) -> dict[str, BaseException | None]:
+        """url (or "trainer") -> why it failed to form the group; empty when every side is still fine."""
         failures = {c.url: j.exception() for c, j in zip(clients, joins) if j in done and j.exception() is not None}
         if own in done and own.exception() is not None:
             # our side timed out: the engines whose join has not returned never reached our store
             for c, j in zip(clients, joins):
                 if not j.done():
                     failures[c.url] = TimeoutError(
-                        f"did not join within {self.timeout_s:.0f} s; it must reach {address}:{port} (set "
+                        f"did not join within {self.timeout_s:.0f} s; it must reach {plan.address}:{plan.port} (set "
                         f"rollout.weight_sync_address, or NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME)"
                     )
             failures = failures or {"trainer": own.exception()}
-        if failures:
-            for j in joins:
-                j.cancel()
-            raise EngineError(
-                f"weight sync: forming the group {self._group_name} at {address}:{port} failed: "
-                f"{_name_failures('init_weights_update_group', failures)}",
-                url=next(iter(failures)),
-            )
-        await asyncio.gather(*joins)
-        self._pg = own.result()
-        self.address = address
-        self._members = tuple(c.url for c in clients)
-        self._shapes = dict(zip(self._members, await asyncio.gather(*(engine_shapes(c) for c in clients))))
-        log.info(
-            "weight sync: group %s formed at %s:%d with %d engines (world size %d)",
-            self._group_name,
-            address,
-            port,
-            len(clients),
-            world_size,
-        )
+        return failures
 
     def _abandon_group(self) -> None:
         """Forget the trainer's side of a failed or closed group (re-formed at the next sync). Measured
@@ -447,7 +449,7 @@ class DistributedWeightSync:
                     pending.exception()  # retrieved: the error that matters is the one raised above
         stats.seconds = time.perf_counter() - tic
         stats.missing = sorted(set(self._shapes[clients[0].url]) - seen)
-        self.history.append(stats)
+        self.history.record(stats)
         log.info(
             "weight sync %s: %d tensors in %d buckets, %d collective calls, %.1f MB in %.2f s to %d engines",
             weight_version,
@@ -577,7 +579,10 @@ class TensorWeightSync:
 
     def __init__(self, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.bucket_bytes = bucket_bytes
-        self.history: list[SyncStats] = []
+        self.history = SyncHistory()  # bounded: counts, totals, the last few
+
+    async def close(self, clients: list[EngineClient]) -> None:
+        """Nothing to drop: each update_weights_from_tensor call stands alone (no group, no session left)."""
 
     async def sync(
         self,
@@ -621,7 +626,7 @@ class TensorWeightSync:
                 seen.update(n for n, _ in bucket)
         stats.seconds = time.perf_counter() - tic
         stats.missing = sorted(set(shapes[clients[0].url]) - seen)
-        self.history.append(stats)
+        self.history.record(stats)
         log.info(
             "weight sync %s: %d tensors in %d buckets by tensor, %.1f MB in %.2f s to %d engines",
             weight_version,
@@ -632,3 +637,7 @@ class TensorWeightSync:
             stats.num_engines,
         )
         return stats
+
+
+# both transports are WeightSyncs (sync_protocol.py): mypy checks each class against the Protocol here
+TRANSPORTS: tuple[type[WeightSync], ...] = (DistributedWeightSync, TensorWeightSync)

@@ -20,4 +20,4 @@ def test_sync_refuses_no_engines_and_an_empty_version(sync):
         asyncio.run(sync.sync([], [], weight_version="step_1"))
     with pytest.raises(ValueError, match="weight_version must be a non-empty string"):
         asyncio.run(sync.sync([UNREACHABLE], [], weight_version=""))
-    assert sync.history == []
+    assert len(sync.history) == 0 and sync.history.last is None
