@@ -19,10 +19,11 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_CPU = REPO / "configs/runs/tiny_cpu.yaml"
 STEPS = 2
 
-# the tiny run cut to two short steps: 8 prompts x 8 samples per step, 16 held-out prompts at steps 0 and 2
+# the tiny run cut to two short steps: 8 prompts x 8 samples per step, 16 held-out prompts at steps 0 and 2;
+# the warm start (300 steps on tiny_cpu.yaml's 2000 train prompts) is the session's tiny_cache entry
 SHORT = {
     "tiny": {"warm_start_steps": 300},
-    "data": {"synthetic": {"num_train": 256, "num_eval": 16}},
+    "data": {"synthetic": {"num_train": 2000, "num_eval": 16}},
     "rollout": {"gen_batch_size": 16, "placement": "disaggregated", "num_engines": 1},
     "actor": {"world_size": 2},
     "trainer": {
@@ -63,12 +64,13 @@ def write_config(path: Path, **sections) -> Path:
     return path
 
 
-def prepare_multihost_tiny(root: Path) -> dict:
+def prepare_multihost_tiny(root: Path, *, cache: Path) -> dict:
     """The warm-started tiny model (built once), a second interpreter path for the engines (its own
     directory with pyvenv.cfg and bin/python, the packages shared) and the one-host reference run of
     SHORT's layout (`dapo-megatron train`: torchrun with 2 ranks and one engine on this machine).
-    Returns {"root", "model", "engine_python", "one_host": the reference run's metrics records}."""
-    cfg = write_config(root / "prep.yaml", trainer={"output_dir": str(root / "prep")})
+    Returns {"root", "model", "engine_python", "one_host": the reference run's metrics records}.
+    cache: tiny.cache_dir of the session's tiny_cache fixture (the same warm start: a cache hit)."""
+    cfg = write_config(root / "prep.yaml", tiny={"cache_dir": str(cache)}, trainer={"output_dir": str(root / "prep")})
     out = subprocess.run(
         [sys.executable, "-m", "dapo_megatron.launch.prepare", str(cfg)],
         capture_output=True,

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import io
+import os
 import pickle
 from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
@@ -98,9 +100,30 @@ def _cpu_shared_memory() -> Iterator[None]:
     previous = torch.multiprocessing.get_sharing_strategy()
     torch.multiprocessing.set_sharing_strategy("file_system")
     try:
+        _start_shm_manager_off_our_stdio()
         yield
     finally:
         torch.multiprocessing.set_sharing_strategy(previous)
+
+
+@functools.cache
+def _start_shm_manager_off_our_stdio() -> None:
+    """Start torch_shm_manager (libshm forks it at this process's first file_system share) with its stdin
+    and stderr on /dev/null instead of ours; its stdout is its own pipe to us. It outlives this process
+    while the engine still maps our segments, and under srun our stdio is the job step's: slurmstepd
+    waited 60 s for that IO at every end of a colocated Slurm run, requeue included (slurmd.log:
+    "Abandoning IO 60 secs after job shutdown initiated", 2026-11-27)."""
+    null = os.open(os.devnull, os.O_RDWR)
+    saved = {fd: os.dup(fd) for fd in (0, 2)}
+    try:
+        for fd in saved:
+            os.dup2(null, fd)
+        torch.empty(1).share_memory_()  # the manager's start; the segment is freed with the tensor
+    finally:
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(null)
 
 
 def _forking_pickle_b64(obj: object) -> str:

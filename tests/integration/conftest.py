@@ -4,8 +4,9 @@ a test may do with it.
 
     slurm_cluster       one-node Slurm on localhost                     ~3 s      session
     multihost_cluster   three network-namespace hosts under one Slurm   ~3-10 s   session, healed per test
-    multihost_tiny      model + engine interpreter + one-host reference ~50 s     session
-    tiny_run_a          the 4-step tiny run and its warm-start cache    ~40 s     session
+    tiny_cache          tiny_cpu.yaml's model, warm-started 300 steps   ~15 s     session
+    multihost_tiny      engine interpreter + one-host reference run     ~35 s     session
+    tiny_run_a          the 4-step tiny run (from tiny_cache)           ~25 s     session
     multihost_binaries  skips the test where the multi-host binaries are missing
 """
 
@@ -37,9 +38,41 @@ def slurm_cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_run_a(tmp_path_factory):
+def tiny_cache(tmp_path_factory):
+    """tiny.cache_dir holding tiny_cpu.yaml's tiny model warm-started 300 steps on its 2000 train
+    prompts (`python -m dapo_megatron.launch.prepare`), built once for the session: the tiny runs
+    (tiny_run_a and the tests comparing with it) and the multi-host tests' model (helpers_multihost:
+    same data, steps and seed, hence the same cache entry) all read it. Read-only for every test."""
+    import subprocess
+    import sys
+
+    from helpers_train import ROOT
+
+    root = tmp_path_factory.mktemp("tiny_cache")
+    cache = root / "cache"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dapo_megatron.launch.prepare",
+            str(ROOT / "configs/runs/tiny_cpu.yaml"),
+            f"trainer.output_dir={root / 'prep'}",
+            f"tiny.cache_dir={cache}",
+            "tiny.warm_start_steps=300",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return cache
+
+
+@pytest.fixture(scope="session")
+def tiny_run_a(tmp_path_factory, tiny_cache):
     """The uninterrupted 4-step tiny run (tiny_cpu.yaml, disaggregated; test_train_tiny.py's settings)
-    and its warm-start cache, made once for the session (~40 s on 2 idle cores): test_train_tiny.py
+    and its warm-start cache (tiny_cache), made once for the session (~40 s on 2 idle cores): test_train_tiny.py
     checks it, and the colocated, overlap and fault tests compare their runs with it (same cache, so
     the same model). Returns {"root", "cache", "a": helpers_train.train_tiny's result for root/"a"}.
     A test may read everything and start its own runs in new folders under "root" with "cache" as
@@ -48,8 +81,7 @@ def tiny_run_a(tmp_path_factory):
     from helpers_train import train_tiny
 
     root = tmp_path_factory.mktemp("train")
-    cache = root / "cache"
-    return {"root": root, "cache": cache, "a": train_tiny(root / "a", cache, "trainer.total_steps=4")}
+    return {"root": root, "cache": tiny_cache, "a": train_tiny(root / "a", tiny_cache, "trainer.total_steps=4")}
 
 
 @pytest.fixture(scope="session")
@@ -88,7 +120,7 @@ def multihost_cluster(_multihost_session):
 
 
 @pytest.fixture(scope="session")
-def multihost_tiny(tmp_path_factory):
+def multihost_tiny(tmp_path_factory, tiny_cache):
     """The multi-host tests' tiny run, prepared once for the session (helpers_multihost.prepare_multihost_tiny,
     ~50 s on 2 idle cores): {"root", "model": the warm-started model's directory, "engine_python": a
     second interpreter path for the engines, "one_host": the metrics records of the one-host reference
@@ -97,4 +129,4 @@ def multihost_tiny(tmp_path_factory):
     "root"."""
     from helpers_multihost import prepare_multihost_tiny
 
-    return prepare_multihost_tiny(tmp_path_factory.mktemp("mhshared"))
+    return prepare_multihost_tiny(tmp_path_factory.mktemp("mhshared"), cache=tiny_cache)

@@ -65,8 +65,29 @@ SHORT = {
 }
 
 
-def write_config(path: Path, output_dir: Path, **sections) -> Path:
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory) -> dict:
+    """SHORT's tiny model built and warm-started once for the module (`python -m
+    dapo_megatron.launch.prepare`, tiny.cache_dir): every run below reads it from the cache instead of
+    building its own (the sweep's two tasks, the requeued run, the engine-array run's model.path).
+    Returns {"cache": the cache directory, "model": the warm-started model's directory}."""
+    root = tmp_path_factory.mktemp("slurm_e2e_tiny")
+    cfg = write_config(root / "prep.yaml", root / "prep", cache=root / "cache")
+    out = subprocess.run(
+        [sys.executable, "-m", "dapo_megatron.launch.prepare", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert out.returncode == 0, out.stderr
+    return {"cache": root / "cache", "model": Path(out.stdout.strip())}
+
+
+def write_config(path: Path, output_dir: Path, *, cache: Path, **sections) -> Path:
+    """SHORT over tiny_cpu.yaml, its tiny model read from (or built into) `cache` (tiny.cache_dir)."""
     raw = {"base": str(TINY_CPU), **json.loads(json.dumps(SHORT))}
+    raw["tiny"]["cache_dir"] = str(cache)
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)
     raw["trainer"]["output_dir"] = str(output_dir)
@@ -83,10 +104,10 @@ def steps_of(run_dir: Path) -> list[int]:
     return [int(m["step"]) for m in metrics(run_dir) if int(m["step"]) > 0]
 
 
-def test_sweep_array_of_two_real_runs(slurm_cluster, tmp_path):
-    sweep = tmp_path / "sweep"
-    write_config(sweep / "a_one_step.yaml", tmp_path / "runs/a", trainer={"total_steps": 1})
-    write_config(sweep / "b_two_steps.yaml", tmp_path / "runs/b", trainer={"total_steps": 2})
+def test_sweep_array_of_two_real_runs(slurm_cluster, tiny_cache, tmp_path):
+    sweep, cache = tmp_path / "sweep", tiny_cache["cache"]
+    write_config(sweep / "a_one_step.yaml", tmp_path / "runs/a", cache=cache, trainer={"total_steps": 1})
+    write_config(sweep / "b_two_steps.yaml", tmp_path / "runs/b", cache=cache, trainer={"total_steps": 2})
     plan = submit.plan_sweep(sweep)
     job = submit.submit(plan, env=slurm_cluster.env)["sweep"]
     states = slurm_cluster.wait_done([job], timeout_s=600)
@@ -99,24 +120,11 @@ def test_sweep_array_of_two_real_runs(slurm_cluster, tmp_path):
         assert (tmp_path / "runs" / run / "checkpoints" / f"step_{last:06d}").is_dir()
 
 
-def _prepared_model(tmp_path: Path) -> Path:
-    cfg = write_config(tmp_path / "prep.yaml", tmp_path / "prep")
-    out = subprocess.run(
-        [sys.executable, "-m", "dapo_megatron.launch.prepare", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
-    assert out.returncode == 0, out.stderr
-    return Path(out.stdout.strip())
-
-
-def test_real_trainer_with_an_engine_array(slurm_cluster, tmp_path):
-    model = _prepared_model(tmp_path)
+def test_real_trainer_with_an_engine_array(slurm_cluster, tiny_cache, tmp_path):
+    model = tiny_cache["model"]
     run_dir = tmp_path / "run"
     cfg = load_config(
-        write_config(tmp_path / "c.yaml", run_dir, trainer={"total_steps": 1}),
+        write_config(tmp_path / "c.yaml", run_dir, cache=tiny_cache["cache"], trainer={"total_steps": 1}),
         [f"model.path={model}", "tiny.enabled=false"],
     )
     ids = submit.submit(submit.plan_train(cfg, engines=2), env=slurm_cluster.env)
@@ -138,9 +146,9 @@ def test_real_trainer_with_an_engine_array(slurm_cluster, tmp_path):
     assert list((run_dir / "engines").glob("*.json")) == [], logs(run_dir)
 
 
-def test_real_trainer_requeued_by_usr1_resumes_then_eval_sweep(slurm_cluster, tmp_path):
+def test_real_trainer_requeued_by_usr1_resumes_then_eval_sweep(slurm_cluster, tiny_cache, tmp_path):
     run_dir = tmp_path / "run"
-    cfg = load_config(write_config(tmp_path / "c.yaml", run_dir, trainer={"total_steps": 3}))
+    cfg = load_config(write_config(tmp_path / "c.yaml", run_dir, cache=tiny_cache["cache"], trainer={"total_steps": 3}))
     job = submit.submit(submit.plan_train(cfg), env=slurm_cluster.env)["train"]
     deadline = time.monotonic() + 500
     while not steps_of(run_dir):

@@ -28,7 +28,7 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 # each run is its own fixture, so that one test's time limit covers one run (the first also pays for
-# tiny_run_a, whose warm-start cache they share)
+# the session's warm-start cache, conftest.py: tiny_cache)
 pytestmark = pytest.mark.timeout(1200)  # generous: the machine may be shared and loaded
 SHORT = ("trainer.total_steps=3", "trainer.eval_every=0", "trainer.save_every=0")
 
@@ -39,15 +39,15 @@ def _stopped(tmp_path_factory, cache: Path, name: str, *extra: str, kills=()) ->
 
 
 @pytest.fixture(scope="module")
-def non_finite(tmp_path_factory, tiny_run_a):
-    return _stopped(tmp_path_factory, tiny_run_a["cache"], "n", "trainer.lr=1e38", "trainer.max_nonfinite_in_row=1")
+def non_finite(tmp_path_factory, tiny_cache):
+    return _stopped(tmp_path_factory, tiny_cache, "n", "trainer.lr=1e38", "trainer.max_nonfinite_in_row=1")
 
 
 @pytest.fixture(scope="module")
-def engines_lost(tmp_path_factory, tiny_run_a):
+def engines_lost(tmp_path_factory, tiny_cache):
     return _stopped(
         tmp_path_factory,
-        tiny_run_a["cache"],
+        tiny_cache,
         "l",
         "rollout.engine_restarts=0",
         "rollout.engine_wait_s=60",
@@ -56,8 +56,8 @@ def engines_lost(tmp_path_factory, tiny_run_a):
 
 
 @pytest.fixture(scope="module")
-def exception_in_a_step(tmp_path_factory, tiny_run_a):
-    return _stopped(tmp_path_factory, tiny_run_a["cache"], "x", "trainer.lr=1e38", "trainer.max_nonfinite_in_row=3")
+def exception_in_a_step(tmp_path_factory, tiny_cache):
+    return _stopped(tmp_path_factory, tiny_cache, "x", "trainer.lr=1e38", "trainer.max_nonfinite_in_row=3")
 
 
 def _finished_what_it_started(out: Path, rc: int, console: str, *, cause: str, steps: list[int]) -> None:

@@ -16,8 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_staleness_one_run(tmp_path, tiny_run_a):
-    out = tmp_path / "run"  # the session's warm-started tiny model (conftest.py: tiny_run_a), not a new one
+def test_staleness_one_run(tmp_path, tiny_cache):
+    out = tmp_path / "run"  # the session's warm-started tiny model (conftest.py: tiny_cache), not a new one
     cmd = [
         sys.executable,
         "-m",
@@ -25,7 +25,7 @@ def test_staleness_one_run(tmp_path, tiny_run_a):
         "train",
         str(ROOT / "configs/runs/tiny_cpu.yaml"),
         f"trainer.output_dir={out}",
-        f"tiny.cache_dir={tiny_run_a['cache']}",
+        f"tiny.cache_dir={tiny_cache}",
         "tiny.warm_start_steps=300",
         "trainer.total_steps=4",
         "trainer.eval_every=0",
@@ -64,7 +64,7 @@ def test_staleness_one_run(tmp_path, tiny_run_a):
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_staleness_one_survives_its_only_engine_killed(tmp_path, tiny_run_a):
+def test_staleness_one_survives_its_only_engine_killed(tmp_path, tiny_cache):
     """The only engine SIGKILLed once step 1 is logged, while batches are generated ahead: the launcher
     restarts it and the run ends all its steps (trainer/recovery.py: the producer's batch fails with
     NoLiveEngine, the driver re-syncs the returned engine and a new producer starts at that batch; or,
@@ -75,7 +75,7 @@ def test_staleness_one_survives_its_only_engine_killed(tmp_path, tiny_run_a):
     out = tmp_path / "k"
     rc, console, _ = train_killing_engine(
         out,
-        tiny_run_a["cache"],
+        tiny_cache,
         "rollout.placement=disaggregated",
         "rollout.max_staleness=1",
         "algorithm.tis_cap=2.0",

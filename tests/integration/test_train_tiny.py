@@ -27,10 +27,75 @@ GOLDEN = ROOT / "tests" / "assets" / "tiny_golden.json"
 
 @pytest.fixture(scope="module")
 def runs(tiny_run_a):
+    """A (conftest.py's tiny_run_a) and B: A's run stopped by SIGTERM after its first step (the stop
+    request finishes the step in flight, checkpoints it and exits 143), then `--resume`d to step 4.
+    One stopped-and-resumed run serves both the resume test (B's steps equal A's) and the SIGTERM
+    test, which reads what the stop left in runs["stop"] (issue 42 item 9: one run, not two)."""
     root, cache, uninterrupted = tiny_run_a["root"], tiny_run_a["cache"], tiny_run_a["a"]  # conftest.py
-    first = train_tiny(root / "b", cache, "trainer.total_steps=2")
-    resumed = train_tiny(root / "b", cache, "trainer.total_steps=4", "--resume")
-    return {"root": root, "a": uninterrupted, "b_first": first, "b": resumed}
+    stop = stop_by_sigterm_then_resume(root / "b", cache)
+    return {"root": root, "a": uninterrupted, "b_first": stop["first"], "b": stop["resumed"], "stop": stop}
+
+
+def stop_by_sigterm_then_resume(out: Path, cache: Path) -> dict:
+    """helpers_train.train_tiny's run with trainer.total_steps=4, sent SIGTERM once step 1 is in
+    metrics.jsonl; its console, exit code, process family and survivors recorded; then resumed with
+    `train CONFIG --resume key=value ...` (the flag before the overrides: issue 35 item 7) to step 4."""
+    import signal
+    import time
+
+    import psutil
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "dapo_megatron.cli",
+        "train",
+        str(ROOT / "configs/runs/tiny_cpu.yaml"),
+        f"trainer.output_dir={out}",
+        f"tiny.cache_dir={cache}",
+        "tiny.warm_start_steps=300",
+        "trainer.eval_every=4",
+        "trainer.save_every=2",
+        "trainer.keep_checkpoints=2",
+        "trainer.wandb_mode=disabled",
+        "trainer.total_steps=4",
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    console = out.parent / f"{out.name}_stopped_console.txt"
+    with open(console, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    metrics = out / "metrics.jsonl"
+
+    def first_step_logged() -> bool:
+        return metrics.is_file() and any(json.loads(line)["step"] >= 1 for line in metrics.read_text().splitlines())
+
+    deadline = time.monotonic() + 300
+    while not first_step_logged() and time.monotonic() < deadline:
+        assert proc.poll() is None, f"train exited before its first step:\n{console.read_text()[-3000:]}"
+        time.sleep(0.2)
+    assert first_step_logged(), "no step finished within 300 s"
+    family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    t_signal = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(timeout=300)
+    seconds = time.monotonic() - t_signal
+    survivors = [p for p in family[1:] if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    first = [json.loads(line) for line in metrics.read_text().splitlines()]
+    resumed = subprocess.run(
+        [*cmd[:5], "--resume", *cmd[5:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+    )
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    return {
+        "out": out,
+        "family": family,
+        "rc": rc,
+        "seconds": seconds,
+        "console": console.read_text(),
+        "survivors": [(p.pid, p.cmdline()[:4]) for p in survivors],
+        "first": first,
+        "resumed": [json.loads(line) for line in metrics.read_text().splitlines()],
+        "resumed_output": resumed.stdout + resumed.stderr,
+    }
 
 
 def test_metrics_are_written_and_sane(runs):
@@ -107,7 +172,9 @@ def test_console_output(runs):
 
 def test_resume_continues_as_if_never_stopped(runs):
     a, b = runs["a"], runs["b"]
-    assert [r["step"] for r in runs["b_first"]] == [0, 1, 2]
+    # B stopped by SIGTERM after step 1 was logged: the step in flight finished (test_sigterm_... below)
+    stopped_at = runs["b_first"][-1]["step"]
+    assert 1 <= stopped_at < 4 and [r["step"] for r in runs["b_first"]] == list(range(stopped_at + 1))
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]  # the resumed run's file reads as one run
     for ra, rb in zip(a, b):
         for key in EXACT_KEYS + ("eval/avg@k",):
@@ -304,67 +371,28 @@ def test_sigterm_is_a_stop_request_then_resume_continues(runs):
     preemption (launch/local_stop.py): the step in flight finishes and is checkpointed, one line says
     so, the command exits 143 with no traceback, and no process of the run is left (engine, torchrun,
     ranks, Megatron's checkpoint helpers). Then `--resume` (a flag before an override: issue 35 item 7)
-    continues from that checkpoint, with no FutureWarning from megatron's checkpoint loading."""
+    continues from that checkpoint, with no FutureWarning from megatron's checkpoint loading.
+    The run is B of the `runs` fixture (stopped after step 1 was logged, resumed to step 4), whose
+    resumed steps test_resume_continues_as_if_never_stopped compares with A's."""
     import re
-    import signal
-    import time
 
-    import psutil
-
-    out = runs["root"] / "stopped"
-    cmd = [
-        sys.executable,
-        "-m",
-        "dapo_megatron.cli",
-        "train",
-        str(ROOT / "configs/runs/tiny_cpu.yaml"),
-        f"trainer.output_dir={out}",
-        f"tiny.cache_dir={runs['root'] / 'cache'}",
-        "tiny.warm_start_steps=300",
-        "trainer.total_steps=1000",
-        "trainer.eval_every=0",
-        "trainer.save_every=0",
-        "trainer.wandb_mode=disabled",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    console = runs["root"] / "stopped_console.txt"
-    with open(console, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.is_file() and metrics.read_text().strip()) and time.monotonic() < deadline:
-        assert proc.poll() is None, f"train exited before its first step:\n{console.read_text()[-3000:]}"
-        time.sleep(0.2)
-    assert metrics.is_file(), "no step finished within 300 s"
-    family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    assert len(family) >= 5  # launcher, engine, torchrun and 2 ranks
-    t_signal = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    rc = proc.wait(timeout=300)
-    seconds = time.monotonic() - t_signal
-    text = console.read_text()
-    assert rc == 143, text[-4000:]
+    stop = runs["stop"]
+    out, text = stop["out"], stop["console"]
+    assert len(stop["family"]) >= 5  # launcher, engine, torchrun and 2 ranks
+    assert stop["rc"] == 143, text[-4000:]
     stops = re.findall(r"^stopped at step (\d+) \(SIGTERM\): checkpoint (\S+); continue with --resume$", text, re.M)
     assert len(stops) == 1, text[-4000:]
     step, checkpoint = int(stops[0][0]), Path(stops[0][1])
     assert "Traceback" not in text, text[-6000:]
     # the step in flight was finished, not dropped: the signal came after step 1 had logged
     assert step >= 1 and checkpoint == out / "checkpoints" / f"step_{step:06d}" and (checkpoint / "actor").is_dir()
-    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, step + 1))
-    survivors = [p for p in family[1:] if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not survivors, [(p.pid, p.cmdline()[:4]) for p in survivors]
+    # steps 1..step after the step-0 eval (eval_every=4 evaluates the warm start first)
+    assert [r["step"] for r in stop["first"]] == list(range(step + 1))
+    assert not stop["survivors"], stop["survivors"]
+    seconds = stop["seconds"]
     print(f"\n[stop request] SIGTERM after step 1 logged -> exit 143 in {seconds:.1f} s, checkpoint step {step}")
 
     # `train CONFIG --resume key=value ...`: the flag before the overrides (refused before issue 35)
-    resumed = subprocess.run(
-        [*cmd[:5], "--resume", *cmd[5:8], f"trainer.total_steps={step + 1}", *cmd[9:]],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == list(range(1, step + 2))
-    assert (out / "checkpoints" / f"step_{step + 1:06d}").is_dir()
-    assert "FutureWarning" not in resumed.stdout + resumed.stderr, (resumed.stdout + resumed.stderr)[-6000:]
+    assert [r["step"] for r in runs["b"]] == list(range(5))  # continued from step+1 to step 4
+    assert (out / "checkpoints" / "step_000004").is_dir()  # the resumed run's own checkpoint
+    assert "FutureWarning" not in stop["resumed_output"], stop["resumed_output"][-6000:]
