@@ -90,6 +90,7 @@ def client_calls() -> list[tuple[str, dict]]:
     """Every public request method of EngineClient, with arguments."""
     calls = [
         ("generate", {"input_ids": [1, 2]}),
+        ("send_generate", {"payload": {"input_ids": [1, 2]}}),
         ("abort", {"rid": "r"}),
         ("pause_generation", {}),
         ("continue_generation", {}),
