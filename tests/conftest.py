@@ -21,7 +21,32 @@ os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# The longest modules (their tests' seconds summed, 2026-11-27, 2-core AMD EPYC), run first: under
+# pytest-xdist (README's test command, --dist loadscope: a module stays on one worker) the longest
+# work starts first and the short modules fill the workers' ends. The MoE run and the tiny run (which
+# builds the shared tiny model) lead, so no worker starts by waiting for the other's build.
+LONGEST_FIRST = (
+    "integration/test_train_tiny_moe.py",  # 288 s
+    "integration/test_train_tiny.py",  # 172 s, builds tiny_cache and tiny_run_a
+    "integration/test_multi_host.py",  # 283 s
+    "integration/test_slurm_e2e.py",  # 138 s
+    "integration/test_slurm_jobs.py",  # 133 s
+    "integration/test_train_engine_faults.py",  # 120 s
+    "integration/test_train_colocated.py",  # 80 s
+    "integration/test_train_exit_paths.py",  # 77 s
+    "integration/test_ladder_tiny.py",  # 69 s
+    "integration/test_train_overlap.py",  # 68 s
+    "distributed/test_long_response_cp.py",  # 50 s
+)
+
+
+def _run_order(item) -> int:
+    path = item.nodeid.split("::", 1)[0].removeprefix("tests/")
+    return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_run_order)  # stable: every other test keeps its collection order
     if _HAS_CUDA:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (tests/gpu/run_all.sh runs these where one is lent)")

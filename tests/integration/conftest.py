@@ -1,5 +1,6 @@
 """Fixtures of the integration tests. The costly ones are built once per session and shared by every
-test that names them (issue 42 item 9): ask for them by name, and read each one's docstring for what
+test that names them (issue 42 item 9), also across pytest-xdist's workers where built_once
+(tests/helpers_shared.py) shares them: ask for them by name, and read each one's docstring for what
 a test may do with it.
 
     slurm_cluster       one-node Slurm on localhost                     ~3 s      session
@@ -46,27 +47,30 @@ def tiny_cache(tmp_path_factory):
     import subprocess
     import sys
 
+    from helpers_shared import built_once
     from helpers_train import ROOT
 
-    root = tmp_path_factory.mktemp("tiny_cache")
-    cache = root / "cache"
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dapo_megatron.launch.prepare",
-            str(ROOT / "configs/runs/tiny_cpu.yaml"),
-            f"trainer.output_dir={root / 'prep'}",
-            f"tiny.cache_dir={cache}",
-            "tiny.warm_start_steps=300",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=ROOT,
-    )
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return cache
+    def build(root):
+        cache = root / "cache"
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "dapo_megatron.launch.prepare",
+                str(ROOT / "configs/runs/tiny_cpu.yaml"),
+                f"trainer.output_dir={root / 'prep'}",
+                f"tiny.cache_dir={cache}",
+                "tiny.warm_start_steps=300",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=ROOT,
+        )
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return cache
+
+    return built_once(tmp_path_factory, "tiny_cache", build)
 
 
 @pytest.fixture(scope="session")
@@ -78,10 +82,13 @@ def tiny_run_a(tmp_path_factory, tiny_cache):
     A test may read everything and start its own runs in new folders under "root" with "cache" as
     their tiny.cache_dir (the warm start is then a cache hit); it must not write, move or delete
     anything under root/"a" or in the cache (later tests read them)."""
+    from helpers_shared import built_once
     from helpers_train import train_tiny
 
-    root = tmp_path_factory.mktemp("train")
-    return {"root": root, "cache": tiny_cache, "a": train_tiny(root / "a", tiny_cache, "trainer.total_steps=4")}
+    def build(root):
+        return {"root": root, "cache": tiny_cache, "a": train_tiny(root / "a", tiny_cache, "trainer.total_steps=4")}
+
+    return built_once(tmp_path_factory, "train", build)
 
 
 @pytest.fixture(scope="session")
@@ -128,5 +135,6 @@ def multihost_tiny(tmp_path_factory, tiny_cache):
     tiny.enabled=false) into its own tmp_path and compares with "one_host"; it must not write under
     "root"."""
     from helpers_multihost import prepare_multihost_tiny
+    from helpers_shared import built_once
 
-    return prepare_multihost_tiny(tmp_path_factory.mktemp("mhshared"), cache=tiny_cache)
+    return built_once(tmp_path_factory, "mhshared", lambda root: prepare_multihost_tiny(root, cache=tiny_cache))
