@@ -160,8 +160,7 @@ def test_check_parity_cli_under_torchrun(hf_dirs, tmp_path):
         "torch.distributed.run",
         "--nproc-per-node",
         "2",
-        "--master-port",
-        "29533",
+        "--standalone",  # a free port: another test may run torchrun beside it (pytest -n 2)
         "-m",
         "dapo_megatron.cli",
         "check-parity",

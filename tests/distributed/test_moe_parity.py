@@ -124,8 +124,7 @@ def test_check_parity_cli_with_expert_parallel(hf_dirs, tmp_path):
         "torch.distributed.run",
         "--nproc-per-node",
         "2",
-        "--master-port",
-        "29537",
+        "--standalone",  # a free port: another test may run torchrun beside it (pytest -n 2)
         "-m",
         "dapo_megatron.cli",
         "check-parity",

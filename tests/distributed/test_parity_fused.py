@@ -139,8 +139,7 @@ def test_check_parity_fused_cli_under_torchrun(model_dirs, tmp_path):
         "torch.distributed.run",
         "--nproc-per-node",
         "2",
-        "--master-port",
-        "29547",
+        "--standalone",  # a free port: another test may run torchrun beside it (pytest -n 2)
         "-m",
         "dapo_megatron.cli",
         "check-parity",

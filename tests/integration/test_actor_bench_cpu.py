@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from rank_pool import _free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench(tmp_path, *extra, env_extra=None):
-    env = dict(os.environ, MASTER_PORT=str(29500 + os.getpid() % 1000), **(env_extra or {}))
+    env = dict(os.environ, MASTER_PORT=str(_free_port()), **(env_extra or {}))
     return subprocess.run(
         [
             sys.executable,
