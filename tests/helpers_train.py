@@ -131,10 +131,33 @@ def step_logged(step: int):
     return lambda out: live_engine(out) if any(r["step"] == step for r in step_rows(out)) else None
 
 
+def _sync_stamped(out: Path, step: int) -> bool:
+    """The driver has finished the weight push that follows step `step`'s updates: its "sync" stamp is in
+    timeline.jsonl (streamed as it comes, trainer/timeline.py; a partial last line is skipped)."""
+    try:
+        lines = (out / "timeline.jsonl").read_text().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        try:
+            stamp = json.loads(line)
+        except ValueError:
+            continue
+        if stamp["phase"] == "sync" and stamp["step"] == step:
+            return True
+    return False
+
+
 def holds_weights(version: str):
-    """Once the live engine reports `version`: right after that step's sync, i.e. during its eval."""
+    """Once the live engine reports `version` ("step_N") and the driver's push of it is over: during step
+    N's eval. The engine reports the version before the push's last reply reaches the driver, so the
+    version alone would let the kill land in the push (the engine dropped there, not in the eval:
+    seen under pytest -n 2)."""
+    pushed_after = int(version.removeprefix("step_")) - 1  # the stamp is labelled with the step trained
 
     def ready(out: Path) -> dict | None:
+        if not _sync_stamped(out, pushed_after):
+            return None
         record = live_engine(out)
         return record if record and _weight_version(record["url"], out) == version else None
 
