@@ -133,19 +133,13 @@ def step_logged(step: int):
 
 def _sync_stamped(out: Path, step: int) -> bool:
     """The driver has finished the weight push that follows step `step`'s updates: its "sync" stamp is in
-    timeline.jsonl (streamed as it comes, trainer/timeline.py; a partial last line is skipped)."""
+    timeline.jsonl (streamed as it comes, trainer/timeline.py)."""
+    from dapo_megatron.trainer.timeline import read_timeline
+
     try:
-        lines = (out / "timeline.jsonl").read_text().splitlines()
-    except OSError:
+        return any(phase == "sync" and s == step for phase, s, _, _ in read_timeline(out / "timeline.jsonl"))
+    except (OSError, ValueError):  # not written yet, or a stamp half-written: the caller polls again
         return False
-    for line in lines:
-        try:
-            stamp = json.loads(line)
-        except ValueError:
-            continue
-        if stamp["phase"] == "sync" and stamp["step"] == step:
-            return True
-    return False
 
 
 def holds_weights(version: str):
