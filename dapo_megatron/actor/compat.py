@@ -38,10 +38,12 @@ so a megatron-core upgrade cannot silently bring a CUDA call back.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import re
-from collections.abc import Iterable
+import sys
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -266,10 +268,54 @@ def bind_missing_te_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+def _deferred_compile(compile_now: Callable[..., Any]) -> Callable[..., Any]:
+    """torch.compile's signature (`compile(fn, **options)` or `compile(**options)(fn)`), compiling with
+    `compile_now` at a function's first call instead of when it is decorated."""
+
+    def deferred(model: Callable[..., Any] | None = None, **options: Any) -> Any:
+        if model is None:
+            return lambda fn: deferred(fn, **options)
+        compiled: Callable[..., Any] | None = None
+
+        @functools.wraps(model)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_now(model, **options)
+            return compiled(*args, **kwargs)
+
+        return call
+
+    return deferred
+
+
+def import_megatron_core() -> None:
+    """Import megatron.core; on CPU without importing torch's compiler. megatron decorates its fusions
+    with torch.compile at import time (megatron/core/jit.py: jit_fuser), and the first decoration imports
+    torch._dynamo and inductor's compile_fx, for functions the CPU path never calls: 6.3 -> 3.7 s of CPU
+    for `import megatron.core`; a train rank, which imports torch._dynamo anyway at its first optimizer
+    (torch.optim's _disable_dynamo), still saves inductor: 1.3 s of a tiny run's ~6-7.5 s per rank
+    (2026-11-27). Every test that starts ranks pays this, so it is the suite's time too. While megatron.core imports,
+    torch.compile is a deferred one (jit_fuser keeps it for the life of the process): a decorated
+    function is compiled by the real torch.compile at its first call, as torch.compile itself compiles
+    at the first call, so one that does run behaves as before. GPUs: the plain import."""
+    if "megatron.core" in sys.modules or torch.cuda.is_available():
+        importlib.import_module("megatron.core")
+        return
+    torch_module: Any = torch  # torch.compile replaced for the import only
+    compile_now = torch_module.compile
+    torch_module.compile = _deferred_compile(compile_now)
+    try:
+        importlib.import_module("megatron.core")
+    finally:
+        torch_module.compile = compile_now
+
+
 def apply_megatron_compat() -> None:
     """Start-up patches for every machine: what a missing Transformer Engine leaves unbound, megatron's
     host-syncing RoPE (packed sequences) and gradient-norm fallbacks (actor/sync_free.py), then the CPU
     patches (a no-op on GPUs)."""
+    import_megatron_core()  # first: the import itself is cheaper on CPU (import_megatron_core)
     bind_missing_te_gemm()
     sync_free.install()
     apply_cpu_compat()
@@ -280,6 +326,7 @@ def apply_cpu_compat() -> None:
     global _APPLIED, _MODE
     if _APPLIED or torch.cuda.is_available():
         return
+    import_megatron_core()
     cuda: Any = torch.cuda  # patched on purpose (CPU stand-ins; current_device returns the CPU device)
     cuda.current_device = _current_device
     torch.cuda.get_rng_state = _get_rng_state

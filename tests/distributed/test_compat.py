@@ -146,3 +146,45 @@ def test_moe_router_runs_without_transformer_engine_and_matches_float64(monkeypa
     torch.testing.assert_close(out.double(), ref, rtol=1e-6, atol=1e-6)
     for got, want in ((x.grad, x64.grad), (w.grad, w64.grad), (b.grad, b64.grad)):
         torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_deferred_compile_compiles_at_the_first_call_with_the_decorators_options():
+    calls = []
+
+    def compile_now(fn, **options):
+        calls.append((fn.__name__, options))
+        return lambda x: fn(x) * 10  # "compiled": tells its results apart from the plain function's
+
+    deferred = compat._deferred_compile(compile_now)
+
+    def double(x):
+        return 2 * x
+
+    plain = deferred(double)
+    with_options = deferred(dynamic=True, fullgraph=False)(double)
+    assert calls == [] and plain.__name__ == "double" and plain.__wrapped__ is double
+    assert plain(3) == 60 and plain(4) == 80  # compiled once, at the first call, then reused
+    assert with_options(1) == 20
+    assert calls == [("double", {}), ("double", {"dynamic": True, "fullgraph": False})]
+
+
+def test_megatron_imports_on_cpu_without_torchs_compiler():
+    """In a fresh process (the pytest process may have imported megatron already): megatron.core and
+    its fused functions import without torch._dynamo / inductor, jit_fuser stays the deferred compile,
+    and torch.compile is torch's own again after the import."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, torch\n"
+        "real = torch.compile\n"
+        "from dapo_megatron.actor.compat import apply_megatron_compat\n"
+        "apply_megatron_compat()\n"
+        "from megatron.core import jit\n"
+        "from megatron.core.fusions.fused_bias_swiglu import bias_swiglu\n"
+        "print('torch._dynamo' in sys.modules, 'torch._inductor' in sys.modules,\n"
+        "      jit.jit_fuser.__qualname__, torch.compile is real, bias_swiglu.__wrapped__.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False", "False", "_deferred_compile.<locals>.deferred", "True", "bias_swiglu"]
