@@ -33,7 +33,14 @@ def runs(tiny_run_a):
     test, which reads what the stop left in runs["stop"] (issue 42 item 9: one run, not two)."""
     root, cache, uninterrupted = tiny_run_a["root"], tiny_run_a["cache"], tiny_run_a["a"]  # conftest.py
     stop = stop_by_sigterm_then_resume(root / "b", cache)
-    return {"root": root, "a": uninterrupted, "b_first": stop["first"], "b": stop["resumed"], "stop": stop}
+    return {
+        "root": root,
+        "cache": cache,
+        "a": uninterrupted,
+        "b_first": stop["first"],
+        "b": stop["resumed"],
+        "stop": stop,
+    }
 
 
 def stop_by_sigterm_then_resume(out: Path, cache: Path) -> dict:
@@ -196,7 +203,7 @@ def test_resume_skips_a_damaged_checkpoint_and_names_the_file(runs):
     biggest = max(shards, key=lambda p: p.stat().st_size)
     biggest.write_bytes(b"")
     log = dst / "resume.log"
-    rows = train_tiny(dst, runs["root"] / "cache", "trainer.total_steps=4", "--resume", log=log)
+    rows = train_tiny(dst, runs["cache"], "trainer.total_steps=4", "--resume", log=log)  # A's warm start: a cache hit
     said = log.read_text()
     assert f"{biggest}: 0 bytes" in said and "resuming from step_000002" in said, said[-3000:]
     assert (dst / "checkpoints" / "step_000004.corrupt").is_dir()
