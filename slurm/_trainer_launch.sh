@@ -103,6 +103,15 @@ ENGINES_STEP=$!
 
 echo "[$(date -u +%FT%TZ)] job $JOB_REF restart ${SLURM_RESTART_COUNT:-0}: $NNODES node(s) x $NPROC_PER_NODE rank(s)," \
      "rendezvous $MASTER_ADDR:$MASTER_PORT, config $CONFIG"
+# Step ids start again at 0 in a requeued job, and Slurm signals a step by its id. A node lost mid-step:
+# srun --kill-on-bad-exit cancels step J.1 while that node cannot hear it, and the cancel reached the node
+# once it was back, 60 s later, where the requeued incarnation's trainer was step J.1 again: cancelled,
+# the job FAILED (three-host twin under load, 2026-11-27; slurmd logs: restart 0's J.1 ended 16:44:22,
+# restart 1's J.1 "CANCELLED AT 16:45:26" on both nodes, no scancel). So restart N first runs N empty
+# steps: the trainer's step id is one that no earlier incarnation of the job had.
+for _ in $(seq "${SLURM_RESTART_COUNT:-0}"); do
+    srun --overlap --nodes=1 --ntasks=1 true 9>&- || true
+done
 # torchrun waits SHUTDOWN_S after forwarding a signal (SIGTERM from Slurm) before it kills the
 # ranks: the time they have to finish the step and write the checkpoint.
 SHUTDOWN_S=$(( SIGNAL_SECONDS > 30 ? SIGNAL_SECONDS : 30 ))
