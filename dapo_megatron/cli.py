@@ -12,6 +12,11 @@
     dapo-megatron preflight CONFIG                               (inside an allocation; `slurm submit --preflight`)
     dapo-megatron plot RUN_DIR
     dapo-megatron ladder configs/ablations_tiny --seeds 3        (an ablation ladder's rungs x seeds, here)
+    dapo-megatron status RUN_DIR                                 (a local or Slurm run: step, tokens/s, ETA)
+    dapo-megatron --version
+
+`COMMAND --help` prints the command's options before the command imports torch, megatron-core or
+transformers (tests/unit/test_cli_help.py runs every one).
 
 Each sub-command module exposes `main(argv: list[str]) -> int`; this file only dispatches, so the
 start-up of one command never pays for the imports of another (megatron-core alone takes seconds).
@@ -22,6 +27,7 @@ from __future__ import annotations
 import importlib
 import sys
 
+from dapo_megatron import __version__
 from dapo_megatron.benchmarks.run import BENCHES  # standard library only: the help lists every benchmark
 
 # sub-command -> (module, function, one-line help)
@@ -53,6 +59,14 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+# The commands whose module imports torch at its top: their parser lives in a module of its own, which
+# `--help` reaches without the command's module (the help text is the parser's; nothing is copied).
+HELP_PARSERS: dict[str, tuple[str, str]] = {
+    "convert": ("dapo_megatron.tools.convert_args", "parse"),
+    "check-parity": ("dapo_megatron.tools.parity_args", "parse"),
+    "serve-rollout": ("dapo_megatron.cpu_engine.serve_args", "parse_help"),
+}
+
 # The commands that import megatron-core or transformers: their backends' warnings that cannot matter are
 # filtered before the command starts (trainer/console.py: which, and why), as `train` always did. Not the
 # others: `config show` or `slurm status` would pay transformers' import for it.
@@ -62,13 +76,22 @@ BACKEND_COMMANDS = frozenset({"train", "eval", "plan", "convert", "check-parity"
 def _usage() -> str:
     width = max(map(len, COMMANDS))
     rows = "\n".join(f"  {name:<{width}}  {help_}" for name, (_, _, help_) in COMMANDS.items())
-    return f"usage: dapo-megatron COMMAND [args]\n\ncommands:\n{rows}\n"
+    return f"usage: dapo-megatron [--version] COMMAND [args]   (COMMAND --help: its options)\n\ncommands:\n{rows}\n"
+
+
+def wants_help(args: list[str]) -> bool:
+    """`-h` / `--help` anywhere before a `--`: the command only prints its options."""
+    head = args[: args.index("--")] if "--" in args else args
+    return "-h" in head or "--help" in head
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"dapo-megatron {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
@@ -79,7 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dapo-megatron: unknown command '{name}'{hint}\n\n{_usage()}", file=sys.stderr)
         return 2
     module_name, func_name, _ = COMMANDS[name]
-    if name in BACKEND_COMMANDS:
+    if name in HELP_PARSERS and wants_help(rest):
+        help_module, help_func = HELP_PARSERS[name]
+        try:
+            getattr(importlib.import_module(help_module), help_func)(rest)  # prints the help, exits 0
+        except SystemExit as done:
+            return int(done.code or 0)
+    if name in BACKEND_COMMANDS and not wants_help(rest):  # help imports no backend: nothing to quiet
         from dapo_megatron.trainer import console
 
         console.quiet_backend_warnings()  # before the command's module imports megatron-core

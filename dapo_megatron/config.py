@@ -896,9 +896,15 @@ _SLURM_SYNTAX = (  # (key, regex, message)
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 2 or argv[0] != "show":
-        print("usage: dapo-megatron config show CONFIG.yaml [section.key=value ...]")
-        return 2
-    cfg = load_config(argv[1], argv[2:])
+    """`dapo-megatron config show CONFIG.yaml [section.key=value ...]`: the resolved config as YAML."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="dapo-megatron config", description="the resolved config of a run")
+    sub = parser.add_subparsers(dest="action", required=True, metavar="show")
+    show = sub.add_parser("show", help="print the resolved config as YAML (base: files, overrides, defaults)")
+    show.add_argument("config", help="CONFIG.yaml")
+    show.add_argument("overrides", nargs="*", help="section.key=value")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     return 0

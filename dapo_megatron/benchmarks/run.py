@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -86,7 +87,11 @@ def append_rows(path: str | Path, rows: Sequence[Mapping[str, object]], *, field
 
 
 def main(argv: list[str]) -> int:
+    usage = f"usage: dapo-megatron bench {{{' | '.join(BENCHES)}}} [--results-dir DIR | --csv FILE] [args]"
+    if argv and argv[0] in ("-h", "--help"):  # `bench NAME --help`: that benchmark's options
+        print(f"{usage}\n\n{__doc__}")
+        return 0
     if not argv or argv[0] not in BENCHES:
-        print(f"usage: dapo-megatron bench {{{' | '.join(BENCHES)}}} [--results-dir DIR | --csv FILE] [args]")
+        print(usage, file=sys.stderr)
         return 2
     return int(importlib.import_module(BENCHES[argv[0]]).main(argv[1:]) or 0)

@@ -10,7 +10,6 @@ option of this command may be in it too, the command line wins).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import datetime
 import os
@@ -21,9 +20,10 @@ import sys
 import torch
 from aiohttp import web
 
-from dapo_megatron.cpu_engine import server as server_module
 from dapo_megatron.cpu_engine.engine import CpuEngine
-from dapo_megatron.cpu_engine.guard import DEFAULT_MAX_REQUEST_BYTES, Limits
+from dapo_megatron.cpu_engine.guard import Limits
+from dapo_megatron.cpu_engine.serve_args import parser as _parser
+from dapo_megatron.cpu_engine.serve_args import with_config_file as _with_config_file
 from dapo_megatron.cpu_engine.server import RolloutServer
 from dapo_megatron.rollout.auth import check_key
 from dapo_megatron.rollout.registry import remove_registration, write_registration
@@ -74,96 +74,6 @@ async def _serve(
         if registration:
             remove_registration(registration, pid=os.getpid())
         await runner.cleanup()
-
-
-def _with_config_file(ap: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """argv with the options of `--config FILE.yaml` put first (SGLang's ConfigArgumentMerger: the command
-    line wins); an option this server does not have is an error naming it."""
-    if "--config" not in argv:
-        return argv
-    import yaml
-
-    at = argv.index("--config")
-    if at + 1 >= len(argv):
-        raise ValueError("--config needs a YAML file")
-    path = argv[at + 1]
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {path}: expected a mapping of option names to values")
-    known = {opt for action in ap._actions for opt in action.option_strings}
-    merged: list[str] = []
-    for key, value in data.items():
-        flag = f"--{str(key).replace('_', '-')}"
-        if flag not in known or flag == "--config":
-            raise ValueError(f"--config {path}: serve-rollout has no option {flag}")
-        if isinstance(value, bool):
-            merged += [flag] if value else ([f"--no-{flag[2:]}"] if f"--no-{flag[2:]}" in known else [])
-        else:
-            merged += [flag, str(value)]
-    return merged + argv[:at] + argv[at + 2 :]
-
-
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dapo-megatron serve-rollout", description=server_module.__doc__.split("\n")[0])
-    ap.add_argument("--model", required=True, help="HF checkpoint directory (config + safetensors [+ tokenizer])")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0, help="0 = pick a free port (written to the registry)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--seed", type=int, default=0, help="draws of requests when seeds are not honoured")
-    ap.add_argument(
-        "--context-length",
-        type=int,
-        default=0,
-        help="prompt + max_new_tokens limit (SGLang's flag; 0 = the model's max_position_embeddings)",
-    )
-    ap.add_argument(
-        "--enable-deterministic-inference",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="honour sampling_seed as SGLang does with this flag (default on: the CPU engine is "
-        "deterministic); off: ignore it, as SGLang does by default",
-    )
-    ap.add_argument("--max-batch-size", type=int, default=64, help="sequences decoded together")
-    ap.add_argument("--register-dir", default="", help="write <host>_<port>.json here once serving")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
-    ap.add_argument(
-        "--base-gpu-id",
-        type=int,
-        default=None,
-        help="the device slot this engine occupies on its node, as SGLang's flag (the CPU twin of a "
-        "colocated engine's GPU: the trainer rank with this local rank feeds it its weights)",
-    )
-    ap.add_argument(
-        "--device",
-        default="cpu",
-        help="cpu, or cuda[:N]: hold the model and KV cache on that GPU (a colocated engine on one "
-        "real GPU: CUDA IPC weight payloads, release/resume of device memory)",
-    )
-    ap.add_argument(
-        "--api-key",
-        default=None,
-        help="SGLang's --api-key: every endpoint but /health*, /ready needs `Authorization: Bearer KEY` "
-        "(the admin endpoints need --admin-api-key instead when that is set); rollout/auth.py",
-    )
-    ap.add_argument(
-        "--admin-api-key",
-        default=None,
-        help="SGLang's --admin-api-key: the weight, memory, cache, pause and abort endpoints need it",
-    )
-    ap.add_argument(
-        "--config",
-        default=None,
-        help="SGLang's --config: a YAML file of these options (api-key, admin-api-key, ...), so keys stay "
-        "off the command line; options given on the command line win",
-    )
-    ap.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        help="bodies above this many bytes are refused (413) before they are read",
-    )
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:

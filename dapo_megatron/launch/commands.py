@@ -77,14 +77,14 @@ def evaluate(argv: list[str]) -> int:
     import json
     from pathlib import Path
 
-    from dapo_megatron.trainer.evaluation.report import eval_report, write_eval_file
-    from dapo_megatron.trainer.evaluation.sampling import resolve_checkpoint
-
     if "--compare" in argv:
         return compare(argv)
-    args = _eval_args(argv)
+    args = _eval_args(argv)  # before the imports of torch: `eval --help` answers at once
+
+    from dapo_megatron.trainer.evaluation import report, sampling
+
     cfg = load_config(args.config, args.overrides)
-    checkpoint, hf_dir = resolve_checkpoint(args.checkpoint or cfg.trainer.output_dir)
+    checkpoint, hf_dir = sampling.resolve_checkpoint(args.checkpoint or cfg.trainer.output_dir)
     if checkpoint != args.checkpoint:
         print(f"[eval] checkpoint: {checkpoint}", flush=True)
     output = Path(args.output or Path(checkpoint) / "eval.json")
@@ -93,15 +93,15 @@ def evaluate(argv: list[str]) -> int:
         raise ValueError("an eval set is empty: set data.eval_sets, data.eval_path (or data.synthetic.num_eval)")
     samples = _sample_eval_sets(cfg, hf_dir, sets)
     step = _checkpoint_step(checkpoint)
-    reports = {name: eval_report(samples[name], records, step=step, name=name) for name, records in sets.items()}
+    reports = {name: report.eval_report(samples[name], records, step=step, name=name) for name, records in sets.items()}
     t = cfg.trainer
-    write_eval_file(
+    report.write_eval_file(
         output,
         reports,
         extra={"checkpoint": checkpoint, "model": hf_dir, "temperature": t.eval_temperature, "top_p": t.eval_top_p},
     )
-    for report in reports.values():
-        print(json.dumps({k: v for k, v in report.items() if k not in ("problems", "interval", "maj_tie_rule")}))
+    for one in reports.values():
+        print(json.dumps({k: v for k, v in one.items() if k not in ("problems", "interval", "maj_tie_rule")}))
     print(f"[eval] wrote {output}")
     return 0
 
@@ -222,10 +222,6 @@ def _checkpoint_step(checkpoint: str) -> int:
 def compare(argv: list[str]) -> int:
     """`dapo-megatron eval --compare A B`: per eval set, avg@k of A and B and B - A with its
     paired-bootstrap 95% interval (the same problems resampled for both; trainer/evaluation/report.py)."""
-    import argparse
-
-    from dapo_megatron.trainer.evaluation.report import compare_evals, load_eval_sets
-
     parser = argparse.ArgumentParser(prog="dapo-megatron eval --compare", description=compare.__doc__)
     parser.add_argument(
         "--compare",
@@ -235,6 +231,8 @@ def compare(argv: list[str]) -> int:
         help="eval JSON files or run directories (their newest evals/step_N.json)",
     )
     args = parser.parse_args(argv)
+    from dapo_megatron.trainer.evaluation.report import compare_evals, load_eval_sets
+
     (path_a, sets_a), (path_b, sets_b) = (load_eval_sets(x) for x in args.compare)
     print(f"A: {path_a}\nB: {path_b}")
     for row in compare_evals(sets_a, sets_b, where_a=str(path_a), where_b=str(path_b)):

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import TypedDict
 
 from dapo_megatron.config import load_config
-from dapo_megatron.launch.ladder_summary import ladder_summary, write_summary  # torch (eval maths), not megatron
 from dapo_megatron.launch.lifeline import with_lifeline
 
 MANIFEST = "ladder.json"
@@ -143,6 +142,9 @@ def finished_runs(out: Path, rungs: list[Path], seeds: list[int]) -> list[tuple[
 
 
 def summarise(out: Path, rungs: list[Path], seeds: list[int]) -> list[Path]:
+    # torch (the eval maths), not megatron; here, so that `ladder --help` imports none of it
+    from dapo_megatron.launch.ladder_summary import ladder_summary, write_summary
+
     runs = finished_runs(out, rungs, seeds)
     done = sum(len(d) for _, d in runs)
     note = "" if done == len(rungs) * len(seeds) else f"PARTIAL: {done} of {len(rungs) * len(seeds)} runs finished."

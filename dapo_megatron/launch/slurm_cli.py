@@ -189,21 +189,23 @@ def _render(argv: list[str]) -> int:
 
 
 def _status(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: dapo-megatron slurm status RUN_DIR", file=sys.stderr)
-        return 2
-    print(status.summarize(argv[0]))
+    ap = argparse.ArgumentParser(
+        prog="dapo-megatron slurm status",
+        description="the jobs of a submitted run (slurm/jobs.json) and their states; "
+        "`dapo-megatron status RUN_DIR`: the run's step, tokens/s and ETA too",
+    )
+    ap.add_argument("run_dir", metavar="RUN_DIR")
+    print(status.summarize(ap.parse_args(argv).run_dir))
     return 0
 
 
 def main(argv: list[str]) -> int:
     commands = {"submit": _submit, "status": _status, "render": _render}
+    usage = "usage: dapo-megatron slurm {submit|status|render} ...  (see --help of each)"
+    if argv and argv[0] in ("-h", "--help"):  # the usage and the examples, on stdout: asked for
+        print(f"{usage}\n\n{__doc__}")
+        return 0
     if not argv or argv[0] not in commands:
-        print(
-            __doc__.split("\n\n")[1]
-            if argv and argv[0] in ("-h", "--help")
-            else "usage: dapo-megatron slurm {submit|status|render} ...  (see --help of each)",
-            file=sys.stderr,
-        )
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        print(usage, file=sys.stderr)
+        return 2
     return commands[argv[0]](argv[1:])
