@@ -30,6 +30,8 @@ LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 # checks that these lists and the registries agree)
 PolicyLossName = Literal["dapo", "grpo", "gspo"]
 AdvantageName = Literal["grpo", "drgrpo"]
+# algorithm.rejection: the masks of algo/rollout_correction.py ("token" -> "token_reject", ...; "icepop")
+RejectionLevel = Literal["token", "sequence", "geometric", "icepop"]
 
 
 @dataclass
@@ -230,6 +232,12 @@ class AlgorithmConfig:
     kl_coef: float = 0.001
     kl_kind: Literal["k1", "k2", "k3"] = "k3"
     tis_cap: float | None = None  # truncated importance sampling vs engine log-probs; null = off
+    # the other rollout corrections (algo/rollout_correction.py, docs/algorithm.md 10); null = off
+    seq_is_cap: float | None = None  # truncated sequence-level weight min(prod_t pi_old / pi_rollout, cap)
+    rejection: RejectionLevel | None = None  # mask tokens / responses whose ratio leaves [lower, upper]
+    rejection_upper: float | None = None
+    rejection_lower: float | None = None  # null: 1 / rejection_upper
+    veto_threshold: float | None = None  # drop a response holding a token with pi_old / pi_rollout below it
     advantage_eps: float = 1e-6
 
     def validate(self) -> None:
@@ -253,6 +261,7 @@ class AlgorithmConfig:
         _require(self.tis_cap is None or self.tis_cap >= 1, "algorithm.tis_cap", self.tis_cap, "null (off) or >= 1")
         _require(self.advantage_eps > 0, "algorithm.advantage_eps", self.advantage_eps, "must be > 0")
         self._validate_policy_loss()
+        _validate_rollout_correction(self)
 
     def _validate_policy_loss(self) -> None:
         name = self.policy_loss
@@ -285,6 +294,55 @@ class AlgorithmConfig:
                 "null with algorithm.policy_loss=gspo (the truncated importance weight is per token; GSPO's "
                 "ratio is per sequence)",
             )
+
+
+def _validate_rollout_correction(a: AlgorithmConfig) -> None:
+    """The rollout corrections' keys and the combinations that make sense (algo/rollout_correction.py)."""
+    _require(a.seq_is_cap is None or a.seq_is_cap >= 1, "algorithm.seq_is_cap", a.seq_is_cap, "null (off) or >= 1")
+    _require(
+        a.seq_is_cap is None or a.tis_cap is None,
+        "algorithm.seq_is_cap",
+        a.seq_is_cap,
+        f"null with algorithm.tis_cap={a.tis_cap}: one importance weight, token level (tis_cap) or sequence "
+        "level (seq_is_cap)",
+    )
+    if a.rejection is None:
+        for key in ("rejection_upper", "rejection_lower"):
+            _require(getattr(a, key) is None, f"algorithm.{key}", getattr(a, key), "null without algorithm.rejection")
+    else:
+        upper, lower = a.rejection_upper, a.rejection_lower
+        _require(
+            upper is not None and upper > 1,
+            "algorithm.rejection_upper",
+            upper,
+            f"a number > 1 with algorithm.rejection={a.rejection} (the ratio band [lower, upper] holds 1)",
+        )
+        _require(
+            lower is None or 0 < lower < 1,
+            "algorithm.rejection_lower",
+            lower,
+            "null (1 / rejection_upper) or in (0, 1)",
+        )
+    _require(
+        a.rejection != "icepop" or (a.tis_cap is None and a.seq_is_cap is None),
+        "algorithm.rejection",
+        a.rejection,
+        f"not icepop with algorithm.tis_cap={a.tis_cap} / seq_is_cap={a.seq_is_cap}: IcePop weights each token "
+        "by its ratio itself (a second importance weight would count it twice)",
+    )
+    _require(
+        a.policy_loss != "gspo" or a.rejection not in ("token", "icepop"),
+        "algorithm.rejection",
+        a.rejection,
+        "sequence, geometric or null with algorithm.policy_loss=gspo (a token-level mask breaks GSPO's "
+        "per-sequence ratio)",
+    )
+    _require(
+        a.veto_threshold is None or 0 < a.veto_threshold < 1,
+        "algorithm.veto_threshold",
+        a.veto_threshold,
+        "null (off) or in (0, 1), e.g. 1e-4: a token the trainer finds 10^4 times less likely than the engine",
+    )
 
 
 @dataclass

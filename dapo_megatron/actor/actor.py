@@ -263,8 +263,12 @@ class Actor(Policy):
             return
         if batch.old_logprobs is None:
             raise ValueError("Actor.train: old_logprobs missing (fill them from Actor.logprobs before train)")
-        if al.tis_cap is not None and batch.rollout_logprobs is None:
-            raise ValueError(f"Actor.train: rollout_logprobs missing but algorithm.tis_cap={al.tis_cap} needs them")
+        if self.objective.reads_rollout_logprobs and batch.rollout_logprobs is None:
+            raise ValueError(
+                "Actor.train: rollout_logprobs missing but the rollout correction needs them "
+                f"(algorithm.tis_cap={al.tis_cap}, seq_is_cap={al.seq_is_cap}, rejection={al.rejection}, "
+                f"veto_threshold={al.veto_threshold})"
+            )
         if al.use_kl and batch.ref_logprobs is None:
             raise ValueError("Actor.train: ref_logprobs missing but algorithm.use_kl=true needs them")
 
@@ -299,6 +303,17 @@ class Actor(Policy):
         sequence_tokens = (
             sequence_token_counts(mb.loss_mask, mb.seq_ids, mb.num_sequences) if wants.reads_sequence_tokens else None
         )
+        # c_t of the rollout corrections, likewise over the whole micro-batch: a sequence-level ratio is the
+        # whole response's (a micro-batch holds whole sequences; algo/rollout_correction.py)
+        correction = None
+        if wants.reads_rollout_logprobs:
+            correction = wants.correction_factor(
+                old_logprobs=mb.old_logprobs,
+                rollout_logprobs=mb.rollout_logprobs,
+                loss_mask=mb.loss_mask,
+                seq_ids=mb.seq_ids,
+                num_sequences=mb.num_sequences,
+            )
         tokens = PackedTokens(
             logprob=logprob,
             entropy=entropy,
@@ -310,6 +325,7 @@ class Actor(Policy):
             sequence_tokens=take_optional(sequence_tokens),
             rollout_logprobs=take_optional(mb.rollout_logprobs) if wants.reads_rollout_logprobs else None,
             ref_logprobs=take_optional(mb.ref_logprobs) if wants.reads_ref_logprobs else None,
+            correction=take_optional(correction),
         )
         return objective(tokens, self.objective, loss_denominator=denom)
 

@@ -2,11 +2,13 @@
 policy loss (algorithm.policy_loss) with the aggregation weights, the truncated importance weight and
 the KL term around it, and the metric sums of the step.
 
-    loss = sum_t w_t * (tis_t * l_t + kl_coef * kl_t) / D        (kl only with algorithm.use_kl)
+    loss = sum_t w_t * (c_t * l_t + kl_coef * kl_t) / D        (kl only with algorithm.use_kl)
 
 w_t is the aggregation weight of algo/aggregation.py (m_t, or m_t / n_seq(t) for seq-mean-token-mean),
 l_t the policy loss's per-token term (GSPO's: its sequence's), tis_t = min(pi_old / pi_rollout, cap)
-(algo/off_policy.py), kl_t the k1/k2/k3 estimate to the reference (algo/kl.py) and D the GLOBAL count
+(algo/off_policy.py), or more generally c_t the product of the rollout corrections
+(algo/rollout_correction.py: truncated weights, rejection masks, the veto; 1 when none is set; a masked
+token keeps its place in D), kl_t the k1/k2/k3 estimate to the reference (algo/kl.py) and D the GLOBAL count
 of the mini-batch, so that micro-batches, context-parallel shards and data-parallel ranks add up to the
 loss of one big batch. The actor sums `values` over micro-batches and ranks (METRIC_SUMS, plus the max
 of ratio_max) and objective_metrics turns the sums into the step's means.
@@ -20,8 +22,8 @@ import torch
 
 from dapo_megatron.algo.aggregation import check_agg_mode
 from dapo_megatron.algo.kl import kl_penalty
-from dapo_megatron.algo.off_policy import behaviour_weight
 from dapo_megatron.algo.policy_loss import POLICY_LOSSES, ClipSettings, LossTokens
+from dapo_megatron.algo.rollout_correction import MismatchTokens, RolloutCorrection
 
 # what objective() returns to be summed over micro-batches and ranks, in this order (ratio_max: a max)
 METRIC_SUMS = (
@@ -36,6 +38,7 @@ METRIC_SUMS = (
     "entropy",
     "kl",
     "tis_weight",
+    "masked_tokens",
     "num_tokens",
     "num_weight",
 )
@@ -49,7 +52,13 @@ class ObjectiveSettings:
     policy_loss: str = "dapo"
     loss_agg_mode: str = "token-mean"
     clip: ClipSettings = ClipSettings(eps_low=0.2, eps_high=0.28, clip_ratio_c=10.0)
-    tis_cap: float | None = None
+    tis_cap: float | None = None  # the token-level truncated weight ("token_is")
+    # the other rollout corrections (algo/rollout_correction.py; config.py checks their combinations)
+    seq_is_cap: float | None = None
+    rejection: str | None = None  # "token", "sequence", "geometric", "icepop"
+    rejection_upper: float | None = None
+    rejection_lower: float | None = None  # None: 1 / rejection_upper
+    veto_threshold: float | None = None
     use_kl: bool = False
     kl_coef: float = 0.001
     kl_kind: str = "k3"
@@ -57,6 +66,18 @@ class ObjectiveSettings:
     def __post_init__(self) -> None:
         POLICY_LOSSES.get(self.policy_loss)  # an unknown name fails here, naming the registered ones
         check_agg_mode(self.loss_agg_mode)
+        _ = self.rollout_correction  # an unknown rejection, or one without its bound, fails here
+
+    @property
+    def rollout_correction(self) -> RolloutCorrection:
+        return RolloutCorrection.from_keys(
+            tis_cap=self.tis_cap,
+            seq_is_cap=self.seq_is_cap,
+            rejection=self.rejection,
+            rejection_upper=self.rejection_upper,
+            rejection_lower=self.rejection_lower,
+            veto_threshold=self.veto_threshold,
+        )
 
     # which optional inputs objective() reads (the caller gathers and moves only those)
     @property
@@ -65,11 +86,33 @@ class ObjectiveSettings:
 
     @property
     def reads_rollout_logprobs(self) -> bool:
-        return self.tis_cap is not None
+        return self.rollout_correction.active
 
     @property
     def reads_ref_logprobs(self) -> bool:
         return self.use_kl
+
+    def correction_factor(
+        self,
+        *,
+        old_logprobs: torch.Tensor,
+        rollout_logprobs: torch.Tensor | None,
+        loss_mask: torch.Tensor,
+        seq_ids: torch.Tensor,
+        num_sequences: int,
+    ) -> torch.Tensor:
+        """c_t of the rollout corrections on flat tokens that hold whole responses (the actor's
+        micro-batch before its context-parallel split), for PackedTokens.correction."""
+        if rollout_logprobs is None:
+            raise ValueError("the rollout correction (algorithm.tis_cap, ...) reads the engine's rollout_logprobs")
+        tokens = MismatchTokens.of(
+            old_logprobs=old_logprobs,
+            rollout_logprobs=rollout_logprobs,
+            mask=loss_mask,
+            seq_ids=seq_ids,
+            num_sequences=num_sequences,
+        )
+        return self.rollout_correction.factor(tokens)
 
 
 @dataclass(frozen=True)
@@ -84,7 +127,10 @@ class PackedTokens:
     seq_ids: torch.Tensor  # each token's sequence in the micro-batch
     num_sequences: int
     sequence_tokens: torch.Tensor | None = None  # n_seq(t): trained tokens of t's whole sequence (all CP shards)
-    rollout_logprobs: torch.Tensor | None = None  # the engine's (with tis_cap)
+    rollout_logprobs: torch.Tensor | None = None  # the engine's (with a rollout correction)
+    # c_t of the rollout corrections, computed by the caller over whole responses (before a
+    # context-parallel split); None: objective() computes it from the tokens here (whole responses)
+    correction: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None  # the reference policy's (with use_kl)
 
 
@@ -100,9 +146,8 @@ def objective(
         weight = mask / t.sequence_tokens.clamp(min=1.0)
     pg_weight = weight
     tis = torch.ones_like(mask)
-    if s.tis_cap is not None:
-        assert t.rollout_logprobs is not None, "tis_cap reads rollout_logprobs"
-        tis = behaviour_weight(t.old_logprob, t.rollout_logprobs, s.tis_cap)
+    if s.reads_rollout_logprobs:
+        tis = _correction_of(t, s)
         pg_weight = weight * tis
     pg_loss, stats = POLICY_LOSSES.get(s.policy_loss)(
         LossTokens(
@@ -134,6 +179,7 @@ def objective(
         "entropy": (t.entropy.detach() * trained).sum(),
         "kl": (kl.detach() * trained).sum(),
         "tis_weight": (tis * trained).sum(),
+        "masked_tokens": ((tis == 0).float() * trained).sum(),
         "num_tokens": trained.sum(),
         "num_weight": num_weight,
         "ratio_max": stats["ratio_max"].float(),
@@ -141,10 +187,25 @@ def objective(
     return loss, values
 
 
+def _correction_of(t: PackedTokens, s: ObjectiveSettings) -> torch.Tensor:
+    """c_t: the caller's (whole responses, before a CP split), else from the call's own tokens (right when
+    they hold whole responses)."""
+    if t.correction is not None:
+        return t.correction
+    return s.correction_factor(
+        old_logprobs=t.old_logprob,
+        rollout_logprobs=t.rollout_logprobs,
+        loss_mask=t.loss_mask,
+        seq_ids=t.seq_ids,
+        num_sequences=t.num_sequences,
+    )
+
+
 def objective_metrics(sums: dict[str, float], ratio_max: float) -> dict[str, float]:
     """The step's metrics from METRIC_SUMS summed over every micro-batch and rank: the loss terms as
     they are (each already divided by the global D), the clip stats as pg-weight means, entropy, KL and
-    the TIS weight as means over trained tokens."""
+    the correction's factor c_t (tis_weight) as means over trained tokens, and the fraction of trained
+    tokens the corrections masked (c_t = 0)."""
     weight = max(sums["num_weight"], 1e-30)
     tokens = max(sums["num_tokens"], 1.0)
     return {
@@ -156,5 +217,6 @@ def objective_metrics(sums: dict[str, float], ratio_max: float) -> dict[str, flo
         "entropy": sums["entropy"] / tokens,
         "kl": sums["kl"] / tokens,
         "tis_weight": sums["tis_weight"] / tokens,
+        "correction_masked_frac": sums["masked_tokens"] / tokens,
         "num_tokens": sums["num_tokens"],
     }

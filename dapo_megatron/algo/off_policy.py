@@ -11,17 +11,27 @@ algorithm.tis_cap (truncated IS: the weight is a constant, no gradient flows thr
     loss_t = w_t * clip_loss(r_t, A_t),  w_t = min(exp(logp_prox_t - logp_mu_t), cap)
 
 With staleness 0 (pi_prox == mu up to engine/trainer numerics) the same weight is plain TIS against
-the engine's numerics, which is what the actor applies (actor.py, `behaviour_weight`).
+the engine's numerics, which is what the actor applies (algo/rollout_correction.py's "token_is", which
+the other rollout corrections can join).
 """
 
 from __future__ import annotations
 
 import torch
 
+# log ratios are clamped here before exp (peers do the same): exp(20) = 4.9e8 is finite even squared in fp32
+LOG_RATIO_CLAMP = 20.0
+
+
+def clamped_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """exp(clamp(log_ratio, -20, 20)): a ratio that neither overflows nor underflows to 0."""
+    return torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
 
 def behaviour_weight(prox_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
-    """min(pi_prox / mu, cap) per token: the truncated importance weight of the behaviour policy."""
-    return torch.clamp(torch.exp(prox_logprobs - behaviour_logprobs), max=cap)
+    """min(pi_prox / mu, cap) per token: the truncated importance weight of the behaviour policy
+    (algo/rollout_correction.py's "token_is", which the objective applies)."""
+    return torch.clamp(clamped_ratio(prox_logprobs - behaviour_logprobs), max=cap)
 
 
 def staleness_histogram(staleness: torch.Tensor, max_staleness: int) -> torch.Tensor:

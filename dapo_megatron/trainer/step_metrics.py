@@ -5,9 +5,10 @@ the mini-batch updates summarised; phase times.
     metrics = reduce_updates([actor.train(mini, step=s) for mini in share.mini_batches()])
 
 Each DP replica's reporting rank (last pipeline stage, TP and CP rank 0: it holds its share's
-log-probs) sums over its own tokens; one all-reduce of five float64 numbers (and one of a maximum)
-over the world adds the replicas (every other rank contributes zeros), so every rank, the driver
-included, gets the step's values without any per-token list or per-token loop.
+log-probs) sums over its own tokens (whole responses: a share never splits one); one all-reduce
+of float64 sums (and one of maxima) over the world adds the replicas (every other rank contributes
+zeros), so every rank, the driver included, gets the step's values without any per-token list or
+per-token loop.
 """
 
 from __future__ import annotations
@@ -17,20 +18,31 @@ import time
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.algo.mismatch import MISMATCH_EXTREMES, MISMATCH_SUMS, mismatch_metrics, mismatch_sums
+from dapo_megatron.algo.rollout_correction import MismatchTokens, RolloutCorrection
 from dapo_megatron.dataplane.batch import RolloutBatch
 from dapo_megatron.distributed import collectives as coll
 
 
 def old_logprob_metrics(
-    batch: RolloutBatch, logprobs: torch.Tensor | None, entropies: torch.Tensor | None, *, reports: bool
+    batch: RolloutBatch,
+    logprobs: torch.Tensor | None,
+    entropies: torch.Tensor | None,
+    *,
+    reports: bool,
+    correction: RolloutCorrection | None = None,
 ) -> dict[str, float]:
     """actor/entropy_old: mean entropy of pi_old over the step's response tokens; mismatch/mean and
     mismatch/max: |log pi_trainer - log pi_engine| on the sampled tokens (kernels, precision and
     attention differences between trainer and engine show up here before they show up as
-    instability), when the engines returned log-probs."""
+    instability), when the engines returned log-probs, with the KLs, chi-square, effective sample size
+    and what the rollout correction (algorithm.tis_cap, rejection, ...) masked (algo/mismatch.py)."""
+    correction = correction or RolloutCorrection()
     device = coll.backend_device()  # filled from the actor's tensors, then reduced: no extra copies
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # entropy sum, tokens, |diff| sum, compared tokens
-    largest = torch.zeros(1, dtype=torch.float64, device=device)
+    # entropy sum, tokens, |diff| sum, compared tokens, then MISMATCH_SUMS
+    sums = torch.zeros(4 + len(MISMATCH_SUMS), dtype=torch.float64, device=device)
+    largest = torch.zeros(1 + len(MISMATCH_EXTREMES), dtype=torch.float64, device=device)
+    largest[1:] = -torch.inf
     if reports and logprobs is not None and logprobs.numel():
         assert entropies is not None, "the actor returns entropies with its log-probs"
         sums[0] = entropies.double().sum()
@@ -39,12 +51,22 @@ def old_logprob_metrics(
             diff = (logprobs.double() - batch.rollout_logprobs.double()).abs()
             sums[2], sums[3] = diff.sum(), diff.numel()
             largest[0] = diff.max()
+            tokens = MismatchTokens.of(
+                old_logprobs=logprobs.double(),
+                rollout_logprobs=batch.rollout_logprobs.double(),
+                mask=batch.loss_mask if batch.loss_mask is not None else torch.ones(logprobs.numel()),
+                seq_ids=batch.response_sequence_index(),
+                num_sequences=batch.num_sequences,
+            )
+            more, extremes = mismatch_sums(tokens, correction)
+            sums[4:], largest[1:] = more.to(device), extremes.to(device)
     coll.all_reduce(sums)
     coll.all_reduce(largest, op=dist.ReduceOp.MAX)
-    entropy_sum, tokens, diff_sum, compared = sums.tolist()
+    entropy_sum, tokens, diff_sum, compared = sums[:4].tolist()
     out = {"actor/entropy_old": entropy_sum / tokens if tokens else 0.0}
     if compared:
         out.update({"mismatch/mean": diff_sum / compared, "mismatch/max": float(largest[0])})
+        out.update(mismatch_metrics(sums[4:].tolist(), largest[1:].tolist(), correction))
     return out
 
 

@@ -120,7 +120,10 @@ def old_logprobs(share, actor, ref, *, reports: bool) -> dict[str, float]:
     share.batch.old_logprobs = old.logprobs
     if ref is not None:
         share.batch.ref_logprobs = ref.logprobs(share).logprobs
-    return {**old_logprob_metrics(share.batch, old.logprobs, old.entropies, reports=reports), **old.routing}
+    metrics = old_logprob_metrics(
+        share.batch, old.logprobs, old.entropies, reports=reports, correction=actor.objective.rollout_correction
+    )
+    return {**metrics, **old.routing}
 
 
 def train_rank(cfg: Config, *, resume: bool) -> int:
