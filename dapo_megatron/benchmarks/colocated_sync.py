@@ -23,7 +23,9 @@ tensors, random, on the same device. Each measured sync is timed twice over:
 One warm-up sync (the engine's first opening of each handle, allocator growth), then --repeats measured
 syncs: the median and the best. The engine's tensors are compared with the trainer's after the last sync
 (first rows of every tensor, /get_weights_by_name): a sync that moved nothing fast is not a result. Rows
-to <--results-dir>/colocated_sync.csv or --csv FILE; the row's date and device.
+to <--results-dir>/colocated_sync.csv or --csv FILE; the row's date and device. The row is written while
+the engine still runs (its stop, up to 40 s for a hung one, cannot cost the row: issue 49); the engine's
+output goes to --engine-log (default: beside the checkpoint), whose last lines a failed start reports.
 """
 
 from __future__ import annotations
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-mb", type=int, default=512, help="rollout.weight_bucket_mb (the presets' 512)")
     parser.add_argument("--repeats", type=int, default=3, help="measured syncs after one warm-up")
     parser.add_argument("--checkpoint-dir", default="", help="reuse / write the engine's random checkpoint here")
+    parser.add_argument("--engine-log", default="", help="the engine's stdout + stderr (default: <ckpt>.engine.log)")
     add_output_args(parser, name="colocated_sync")
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.bucket_mb < 1:
@@ -186,18 +189,21 @@ def main(argv: list[str] | None = None) -> int:
     _add_tokenizer(ckpt)
     weights = trainer_tensors(ckpt, device=device, dtype=dtype)
     engine_args = ["--device", device, "--dtype", "bfloat16" if on_gpu else "float32"]
-    with tempfile.TemporaryDirectory() as tmp, served_engine(str(ckpt), Path(tmp), engine_args) as (url, _):
+    log_path = Path(args.engine_log or f"{ckpt}.engine.log")
+    print(f"engine log: {log_path}")
+    tmp = tempfile.TemporaryDirectory()
+    with tmp, served_engine(str(ckpt), Path(tmp.name), engine_args, log_path=log_path) as (url, _):
         row = asyncio.run(measure(url, weights, bucket_bytes=args.bucket_mb << 20, repeats=args.repeats, device=device))
-    row.update(
-        bench="colocated_sync",
-        shape=args.shape,
-        device=torch.cuda.get_device_name() if on_gpu else f"CPU ({os.cpu_count()} cores)",
-        dtype=str(dtype).removeprefix("torch."),
-        bucket_mb=args.bucket_mb,
-        date=datetime.date.today().isoformat(),
-    )
-    append_rows(csv_path, [row], fields=FIELDS)
-    print(" | ".join(f"{k}={row[k]}" for k in FIELDS if k not in ("bench", "date")))
+        row.update(
+            bench="colocated_sync",
+            shape=args.shape,
+            device=torch.cuda.get_device_name() if on_gpu else f"CPU ({os.cpu_count()} cores)",
+            dtype=str(dtype).removeprefix("torch."),
+            bucket_mb=args.bucket_mb,
+            date=datetime.date.today().isoformat(),
+        )
+        append_rows(csv_path, [row], fields=FIELDS)  # before the engine is stopped
+        print(" | ".join(f"{k}={row[k]}" for k in FIELDS if k not in ("bench", "date")), flush=True)
     return 0 if row["read_back"] == "equal" else 1
 
 

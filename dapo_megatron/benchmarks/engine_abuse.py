@@ -335,11 +335,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @contextlib.contextmanager
-def served_engine(model: str, register_dir: Path, extra_args: Sequence[str] = ()):
-    """(url, process) of a one-thread `serve-rollout` of model, once it has registered; terminated on exit."""
+def served_engine(model: str, register_dir: Path, extra_args: Sequence[str] = (), *, log_path: Path | None = None):
+    """(url, process) of a one-thread `serve-rollout` of model, once it has registered; terminated on exit.
+    log_path: the engine's stdout and stderr go there (else nowhere), and a start that fails says why with
+    the log's last lines."""
     import subprocess
     import sys
 
+    log = open(log_path, "ab") if log_path else None  # noqa: SIM115 - closed in the finally below
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -354,19 +357,33 @@ def served_engine(model: str, register_dir: Path, extra_args: Sequence[str] = ()
             "1",
             *extra_args,
         ],
-        stdout=subprocess.DEVNULL,
+        stdout=log or subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
     )
     try:
         deadline = time.monotonic() + 300
         while not (recs := [r for r in _records(read_registrations, register_dir) if r["pid"] == proc.pid]):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("serve-rollout did not start")
+                why = f"exited with {proc.returncode}" if proc.poll() is not None else "not registered in 300 s"
+                raise RuntimeError(f"serve-rollout did not start ({why}){_log_tail(log_path)}")
             time.sleep(0.2)
         yield recs[0]["url"], proc
     finally:
         proc.terminate()
-        proc.wait(60)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:  # a hung engine must not hold the caller past its budget
+            proc.kill()
+            proc.wait(10)
+        if log:
+            log.close()
+
+
+def _log_tail(path: Path | None, lines: int = 20) -> str:
+    if path is None or not Path(path).is_file():
+        return ""
+    tail = Path(path).read_text(errors="replace").splitlines()[-lines:]
+    return f"; the last {len(tail)} lines of {path}:\n" + "\n".join(tail)
 
 
 def _records(read, path):

@@ -2,25 +2,32 @@
 # The GPU checks, in device calls that fit a lent GPU's budget (15 minutes in all, at most 10 per command).
 #
 #   tests/gpu/run_all.sh --plan                 # every call's steps and budgets (call=N step=NAME budget_s=S)
+#   tests/gpu/run_all.sh --plan --left 780      # with 780 device seconds left: per call, the steps that fit
 #   tests/gpu/run_all.sh --call 1 OUT           # run call 1's steps, in priority order, into OUT
 #   tests/gpu/run_all.sh --step e2e_bf16 OUT    # one step, no budget (by hand, while debugging)
 #
 # Before the first call, on the CPU machine (PyPI reachable): `bash tests/gpu/prepare.sh` puts into
 # .gpu/ (git-ignored) the wheels the GPU image lacks and the warm-started tiny models, which the device
 # tool carries: run(command="bash tests/gpu/run_all.sh --call 1 $OUT", carry=[".gpu"], timeout_s=600).
-# At the start of every session with a GPU, run call 1 and, if time remains, call 2 (docs/benchmarks.md,
-# "GPU check plan"). Call 1 (issue 41): what no GPU has proven yet and the measurements the next kernel
+# At the start of every session with a GPU, run call 1, then what `--plan --left S` says fits of the next
+# calls in the device seconds S left (docs/benchmarks.md, "GPU check plan"; issue 49). Call 1 (issue 41): what no GPU has proven yet and the measurements the next kernel
 # decisions need: preflight, transfer_tests, e2e_colocated, sync_bench, the varlen attention tests and rows
 # (sdpa vs varlen), the LM-head kernel variants vs Liger, the loss rows. Call 2: the regression checks
 # (actor tests, e2e_bf16, the full kernel quick table + 32B row, targets, SGLang FP8).
 #
-# The plan is tests/gpu/plan.tsv (GPU_PLAN=FILE for another): rows of call, step and budget_s, run top to
-# bottom. --call N runs each step of call N under `timeout budget_s` and appends one JSON line to
+# The plan is tests/gpu/plan.tsv (GPU_PLAN=FILE for another): rows of call, step, budget_s and needs, run top
+# to bottom. --call N runs each step of call N under `timeout budget_s` and appends one JSON line to
 # OUT/results.jsonl the moment it finishes ({"call", "step", "status": ok | failed | timeout | skipped,
 # "seconds", "rc", "budget_s", "metrics": the step's key numbers}), so whatever ran comes back even when
 # the device command is cut off. A step whose budget would end past the call's limit (GPU_CALL_LIMIT_S,
 # default 540 s, counted from the call's start) is not started: it is recorded as skipped and the next,
-# shorter one may still run. A failed or timed-out step does not stop the later ones. All step output goes
+# shorter one may still run. A failed or timed-out step does not stop the later ones. A step whose `needs`
+# (plan column: STEP = that step ended ok earlier in this call, STEP.METRIC = its metrics say METRIC true;
+# comma-separated) is not met is recorded as skipped with one note naming what it needed and what it got:
+# e2e_colocated and sync_bench need transfer_tests.cuda_ipc, so a refused CUDA IPC costs no more minutes.
+# --plan --left S: for S device seconds left (a fresh machine's start, GPU_START_S default 120, taken off
+# first; 0 when one is warm), each call in order with the steps that would run in the seconds that remain
+# (min(GPU_CALL_LIMIT_S, what is left less the call's overhead)), and the command that launches it. All step output goes
 # to OUT/call<N>.log; big artefacts stay under GPU_WORK (default /tmp/dapo_gpu): the device tool returns at
 # most 8 files from OUT, so a call writes at most results.jsonl, its log and a few CSV / metrics files.
 # After a run, `python tests/gpu/record_plan.py OUT/results.jsonl` writes the measured seconds into
@@ -41,32 +48,41 @@ SELF=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}
 ROOT=$(cd "$(dirname "$SELF")/../.." && pwd)
 PLAN=${GPU_PLAN:-$ROOT/tests/gpu/plan.tsv}
 LIMIT=${GPU_CALL_LIMIT_S:-540}
+# Of the device command's 600 s: LIMIT for the steps (from the call's start, the wheels' install included),
+# the rest for Python's start-up and the tool's copies. A plan keeps each call's budgets + SETUP_S (the
+# wheels' install, ~5-10 s) + MARGIN_S (issue 49: a call must not end on its last second) within LIMIT.
+SETUP_S=15
+MARGIN_S=30
+COMMAND_S=600      # the device tool's limit per command (timeout_s)
+START_S=${GPU_START_S:-120}   # a fresh machine's start (1-2 min, device README); 0 when one is warm
 PY=${PYTHON:-python3}
 WORK=${GPU_WORK:-/tmp/dapo_gpu}
 CARRY=$ROOT/.gpu   # tests/gpu/prepare.sh's output: whl/ (wheels), tiny/ and tiny_moe/ (warm-started models)
 
 usage() {
-  echo "usage: $0 --plan | --call N OUT_DIR | --step NAME OUT_DIR" >&2
+  echo "usage: $0 --plan [--left SECONDS] | --call N OUT_DIR | --step NAME OUT_DIR" >&2
   exit 2
 }
 
 # ---- the plan ----------------------------------------------------------------------------------------
-# plan_rows: "call<TAB>step<TAB>budget_s<TAB>source<TAB>command" per step, in file order; a malformed row
-# stops with its file and line.
+# plan_rows: "call<TAB>step<TAB>budget_s<TAB>source<TAB>needs<TAB>command" per step, in file order; a
+# malformed row stops with its file and line.
 plan_rows() {
   [ -f "$PLAN" ] || { echo "$PLAN: no such plan file" >&2; return 2; }
-  local lineno=0 call step budget measured on date command
-  while IFS=$'\t' read -r call step budget measured on date command || [ -n "$call" ]; do
+  local lineno=0 call step budget measured on date needs command
+  while IFS=$'\t' read -r call step budget measured on date needs command || [ -n "$call" ]; do
     lineno=$((lineno + 1))
     case "$call" in ''|'#'*) continue ;; esac
-    if ! [[ "$call" =~ ^[0-9]+$ && "$budget" =~ ^[0-9]+$ && "$step" =~ ^[A-Za-z0-9_]+$ ]]; then
-      echo "$PLAN:$lineno: want call<TAB>step<TAB>budget_s<TAB>measured_s<TAB>measured_on<TAB>date<TAB>command" \
-           "(integers, a step name of letters, digits and _), got: $call $step $budget" >&2
+    if ! [[ "$call" =~ ^[0-9]+$ && "$budget" =~ ^[0-9]+$ && "$step" =~ ^[A-Za-z0-9_]+$ \
+            && "${needs:--}" =~ ^(-|[A-Za-z0-9_.,]+)$ ]]; then
+      echo "$PLAN:$lineno: want call<TAB>step<TAB>budget_s<TAB>measured_s<TAB>measured_on<TAB>date<TAB>needs" \
+           "<TAB>command (integers, a step name of letters, digits and _, needs '-' or STEP[.METRIC],...)," \
+           "got: $call $step $budget ${needs:-}" >&2
       return 2
     fi
     local source=estimate
     [ "${measured:--}" != "-" ] && source="measured(${on// /_},$date)"
-    printf '%s\t%s\t%s\t%s\t%s\n' "$call" "$step" "$budget" "$source" "${command:--}"
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$call" "$step" "$budget" "$source" "${needs:--}" "${command:--}"
   done < "$PLAN"
 }
 
@@ -74,18 +90,56 @@ print_plan() {
   local rows status=0 call
   rows=$(plan_rows) || exit 2
   for call in $(cut -f1 <<< "$rows" | sort -un); do
-    local total=0 step budget source
-    while IFS=$'\t' read -r _ step budget source _; do
-      echo "call=$call step=$step budget_s=$budget source=$source"
+    local total=0 step budget source needs
+    while IFS=$'\t' read -r _ step budget source needs _; do
+      local extra=""
+      [ "$needs" = - ] || extra=" needs=$needs"
+      echo "call=$call step=$step budget_s=$budget source=$source$extra"
       total=$((total + budget))
     done < <(awk -F'\t' -v c="$call" '$1 == c' <<< "$rows")
     echo "call=$call total_s=$total"
-    if [ "$total" -gt "$LIMIT" ]; then
-      echo "call=$call: total_s=$total is over the call limit of $LIMIT s: move a step to another call" >&2
+    if [ $((total + SETUP_S + MARGIN_S)) -gt "$LIMIT" ]; then
+      echo "call=$call: total_s=$total + ${SETUP_S} s setup + ${MARGIN_S} s margin is over the call limit of" \
+           "$LIMIT s: move a step to another call" >&2
       status=1
     fi
   done
   return $status
+}
+
+# print_left S: what to launch with S device seconds left (usage above); the steps each call would run are
+# chosen as run_call chooses them (a step that would end past the call's limit is passed over, a later
+# shorter one may still run; needs are assumed met).
+print_left() {
+  local left=$1 rows call
+  rows=$(plan_rows) || exit 2
+  echo "left_s=$left start_s=$START_S (a fresh machine; GPU_START_S=0 when one is warm)"
+  if [ "$START_S" -gt 0 ] && [ "$left" -lt 240 ]; then
+    echo "no call: under 240 s left, no machine starts (device README)"
+    return 0
+  fi
+  left=$((left - START_S))
+  for call in $(cut -f1 <<< "$rows" | sort -un); do
+    local overhead=$((COMMAND_S - LIMIT)) limit at=$SETUP_S any=0 step budget lines=""
+    limit=$(( left - overhead < LIMIT ? left - overhead : LIMIT ))
+    while IFS=$'\t' read -r _ step budget _; do
+      if [ $((at + budget)) -le "$limit" ]; then
+        lines+="call=$call run step=$step budget_s=$budget at_s=$at"$'\n'
+        at=$((at + budget)); any=1
+      else
+        lines+="call=$call pass step=$step budget_s=$budget (would end at $((at + budget)) s > $limit s)"$'\n'
+      fi
+    done < <(awk -F'\t' -v c="$call" '$1 == c' <<< "$rows")
+    if [ $any = 0 ]; then
+      echo "call=$call: nothing fits in the $((left > 0 ? left : 0)) s left"
+      continue
+    fi
+    printf '%s' "$lines"
+    echo "call=$call launch: run(command=\"GPU_CALL_LIMIT_S=$limit bash tests/gpu/run_all.sh --call $call \$OUT\"," \
+         "carry=[\".gpu\"], timeout_s=$((limit + overhead))) uses_s<=$((at + overhead))"
+    left=$((left - at - overhead))
+  done
+  echo "left_after_s=$((left > 0 ? left : 0))"
 }
 
 # ---- environment (once per call, before its first real step) ----------------------------------------
@@ -114,11 +168,14 @@ step_preflight() {  # every import the later steps need, versions, the GPU, the 
   $PY tests/gpu/preflight.py --carry "$CARRY" --metrics "$STEP_METRICS"
 }
 
-pytest_step() {  # pytest_step ARGS...: pytest with a junit file; metrics = its counts
-  local xml="$WORK/junit_${STEP_NAME}.xml" rc
+# pytest_step ARGS...: pytest with a junit file; metrics = its counts, plus a flag per PYTEST_FLAGS entry
+# "NAME=SUBSTRING" (NAME: true when tests whose names hold SUBSTRING ran and all passed)
+pytest_step() {
+  local xml="$WORK/junit_${STEP_NAME}.xml" rc flags=() f
+  for f in ${PYTEST_FLAGS:-}; do flags+=(--flag "$f"); done
   $PY -m pytest -q -p no:cacheprovider -o addopts="" --junitxml="$xml" "$@"
   rc=$?
-  $PY tests/gpu/step_metrics.py junit "$xml" > "$STEP_METRICS"
+  $PY tests/gpu/step_metrics.py junit "$xml" "${flags[@]}" > "$STEP_METRICS"
   return $rc
 }
 
@@ -140,8 +197,10 @@ MOE_MIN_GAIN=0.25
 e2e_spec() {
   case $1 in
     e2e_bf16)       echo "configs/runs/tiny_cpu.yaml tiny 0.30 $FUSED actor.precision=bf16" ;;
-    # trainer rank and engine on the one GPU: CUDA IPC weight payloads, engine release/resume of device memory
-    e2e_colocated)  echo "configs/runs/tiny_cpu_colocated.yaml tiny 0.30 $FUSED rollout.cpu_engine_device=cuda" ;;
+    # trainer rank and engine on the one GPU: CUDA IPC weight payloads, engine release/resume of device memory;
+    # bf16 as e2e_bf16 (the threshold's run; the float32 engine casts the bf16 payloads as it loads them,
+    # cpu_engine/engine.py load_weights, as the disaggregated e2e_bf16 does)
+    e2e_colocated)  echo "configs/runs/tiny_cpu_colocated.yaml tiny 0.30 $FUSED actor.precision=bf16 rollout.cpu_engine_device=cuda" ;;
     e2e_fp32)       echo "configs/runs/tiny_cpu.yaml tiny 0.30 $FUSED" ;;
     e2e_overlapped) echo "configs/runs/tiny_cpu.yaml tiny 0.30 $FUSED rollout.max_staleness=1 algorithm.tis_cap=2" ;;
     e2e_moe)        echo "configs/runs/tiny_cpu_moe.yaml tiny_moe $MOE_MIN_GAIN actor.ep=1" ;;
@@ -156,8 +215,10 @@ e2e_args() {  # e2e_args STEP: the config and overrides of its train command, le
 e2e_run() {
   local step=$1 run_dir="$WORK/e2e/$1" config tiny gain overrides
   read -r config tiny gain overrides <<< "$(e2e_spec "$step")"
+  # A learning check needs no tuned tiles: DAPO_KERNELS_AUTOTUNE=0 compiles each fused kernel once (its first
+  # config) instead of 4 forward + 4 dL/dlogits configs (82 s of compiles on the CPU machine; issue 49)
   # shellcheck disable=SC2046  # the overrides are words
-  $PY -m dapo_megatron.cli train $(e2e_args "$step") tiny.require_cached=true trainer.output_dir="$run_dir" \
+  DAPO_KERNELS_AUTOTUNE=0 $PY -m dapo_megatron.cli train $(e2e_args "$step") tiny.require_cached=true trainer.output_dir="$run_dir" \
     --overwrite || return $?
   cp "$run_dir/metrics.jsonl" "$OUT/${step}_metrics.jsonl" 2>/dev/null
   $PY tests/gpu/e2e_learning.py "$run_dir" --min-gain "$gain" --json "$STEP_METRICS"
@@ -185,12 +246,18 @@ step_attention_20k() {
 # The colocated weight sync at a real shape (issue 41 item 1): the Qwen2.5-1.5B shape's 3.1 GB of bf16
 # into the project's CPU engine server on the same GPU (serve-rollout --device cuda:0: the e2e_colocated
 # step's engine), CUDA IPC payloads; seconds, GB/s and the phases (export, IPC handles, engine copy).
+# The engine's checkpoint is attention_rows' (the same write_random_checkpoint call: Qwen2.5-1.5B shape, 28
+# layers, seed 0, bf16): whichever step runs first writes it, the other reuses it. The row is in the CSV
+# before the engine is stopped; the engine's output goes to $WORK/sync_bench_engine.log, its tail printed
+# when the bench fails.
 step_sync_bench() {
-  local csv="$OUT/colocated_sync.csv"
-  $PY -m dapo_megatron.benchmarks.colocated_sync --repeats 3 --csv "$csv" \
-    --checkpoint-dir "$WORK/qwen25_1.5b_sync" || return $?
-  $PY tests/gpu/step_metrics.py csv "$csv" sync_s_p50 sync_s_min gb_per_s export_s ipc_s engine_s session_s \
-    bytes buckets read_back > "$STEP_METRICS"
+  local csv="$OUT/colocated_sync.csv" log="$WORK/sync_bench_engine.log" rc=0
+  $PY -m dapo_megatron.benchmarks.colocated_sync --repeats 3 --csv "$csv" --engine-log "$log" \
+    --checkpoint-dir "$WORK/qwen25_1.5b_random" || rc=$?
+  if [ $rc -ne 0 ] && [ -f "$log" ]; then echo "---- the engine's log ($log), last 40 lines:"; tail -n 40 "$log"; fi
+  [ -f "$csv" ] && $PY tests/gpu/step_metrics.py csv "$csv" sync_s_p50 sync_s_min gb_per_s export_s ipc_s engine_s \
+    session_s bytes buckets read_back > "$STEP_METRICS"
+  return $rc
 }
 
 step_attention_varlen_tests() {  # torch's varlen_attn against the CPU tests' float64 twin and the sdpa blocks
@@ -201,29 +268,34 @@ step_attention_varlen_tests() {  # torch's varlen_attn against the CPU tests' fl
 # (24,576 tokens, 14 sequences of 256 to 8,192: benchmarks/actor.DAPO_PACKING_24K), each kernel measured on
 # ONE built model (one warm-up + one measured step each, full recompute, host syncs counted). Both layouts
 # always run; the step fails if either did. attention_rows_flex (call 3) adds flex, whose compile is long.
+# The CSV is written in OUT itself (the bench appends each row the moment it is measured) and the metrics
+# after each layout: a budget kill in the second layout keeps the first one's rows and metrics (issue 49).
 attention_rows() {  # attention_rows CSV KERNEL...
   local csv=$1 rc=0; shift
   local common=(--micro-batches 1 --steps 1 --recompute full --count-syncs --attention-kernel "$@"
                 --csv "$csv" --checkpoint-dir "$WORK/qwen25_1.5b_random")
   rm -f "$csv"
   $PY -m dapo_megatron.benchmarks.actor --tokens 22528 --prompt-tokens 2048 --seqs-per-mb 1 "${common[@]}" || rc=$?
+  [ -f "$csv" ] && $PY tests/gpu/step_metrics.py attention-rows "$csv" > "$STEP_METRICS"
   $PY -m dapo_megatron.benchmarks.actor --tokens 24576 --packing dapo "${common[@]}" || rc=$?
-  [ -f "$csv" ] && cp "$csv" "$OUT/" && $PY tests/gpu/step_metrics.py attention-rows "$csv" > "$STEP_METRICS"
+  [ -f "$csv" ] && $PY tests/gpu/step_metrics.py attention-rows "$csv" > "$STEP_METRICS"
   return $rc
 }
-step_attention_rows() { attention_rows "$WORK/attention_rows.csv" sdpa varlen; }
+step_attention_rows() { attention_rows "$OUT/attention_rows.csv" sdpa varlen; }
 
 # Kernel variants (issue 41 items 3-4; their modules come from the kernel work, kernels/bench/): each times
 # every candidate design of its kernel at the quick shapes, Liger beside them, in one process. Contract:
 # `python -m dapo_kernels.bench.<module> --quick --csv FILE`. A module not in this checkout is recorded as
-# absent (ok, metrics {"present": false}) so the plan runs before and after the merge alike.
+# absent (ok, metrics {"present": false}) so the plan runs before and after the merge alike. No autotuning
+# (DAPO_KERNELS_AUTOTUNE=0: one tile config per kernel, each variant's own compile only): the variants
+# scripts time designs against each other, and append each one's rows to the CSV as it finishes.
 kernel_variants() {  # kernel_variants MODULE
   if [ ! -f "$ROOT/kernels/bench/$1.py" ]; then
     echo "kernels/bench/$1.py is not in this checkout: nothing to run"
     echo '{"present": false}' > "$STEP_METRICS"
     return 0
   fi
-  $PY -m "dapo_kernels.bench.$1" --quick --csv "$OUT/$1.csv" || return $?
+  DAPO_KERNELS_AUTOTUNE=0 $PY -m "dapo_kernels.bench.$1" --quick --csv "$OUT/$1.csv" || return $?
   echo '{"present": true}' > "$STEP_METRICS"
 }
 step_kernel_variants_logprob() { kernel_variants variants_logprob; }
@@ -256,8 +328,10 @@ step_kernel_targets() {  # the five targets judged from kernel_bench's rows: exi
   return $rc
 }
 
-step_transfer_tests() {  # collectives on NCCL and gloo, CUDA IPC payloads, release/resume of device memory
-  pytest_step -m gpu -s tests/gpu/test_transfer_gpu.py
+# collectives on NCCL and gloo, CUDA IPC payloads, release/resume of device memory; metrics.cuda_ipc is true
+# when every test with "ipc" in its name passed (e2e_colocated and sync_bench need it: plan.tsv)
+step_transfer_tests() {
+  PYTEST_FLAGS="cuda_ipc=ipc" pytest_step -m gpu -s tests/gpu/test_transfer_gpu.py
 }
 
 step_e2e_colocated() { e2e_run e2e_colocated; }
@@ -266,7 +340,7 @@ step_e2e_colocated() { e2e_run e2e_colocated; }
 step_attention_tests() {  # the O(T) torch attention on CUDA: lower-right chunks, FlexAttention, varlen, linear bytes
   pytest_step -m gpu tests/gpu/test_attention_gpu.py
 }
-step_attention_rows_flex() { attention_rows "$WORK/attention_rows_flex.csv" flex; }
+step_attention_rows_flex() { attention_rows "$OUT/attention_rows_flex.csv" flex; }
 
 # the actor MFU table: Qwen2.5-1.5B shape, 4K / 16K / 32K tokens per micro-batch, full recompute (what the
 # presets use at these sizes: selective keeps 58 GiB at 16K, issue 33); an OOM row is written as `oom`
@@ -309,7 +383,7 @@ record() {
 }
 
 run_call() {
-  local rows start failed=0 call step budget source command
+  local rows start failed=0 call step budget source needs command
   rows=$(plan_rows) || exit 2
   rows=$(awk -F'\t' -v c="$CALL" '$1 == c' <<< "$rows")
   [ -n "$rows" ] || { echo "$PLAN: no steps in call $CALL" >&2; exit 2; }
@@ -317,7 +391,7 @@ run_call() {
   local log="$OUT/call$CALL.log"
   mkdir -p "$WORK/metrics"
   start=$(now_ms)
-  while IFS=$'\t' read -r call step budget source command; do
+  while IFS=$'\t' read -r call step budget source needs command; do
     STEP_NAME=$step
     export STEP_METRICS="$WORK/metrics/$step.json" STEP_NAME OUT WORK
     rm -f "$STEP_METRICS"
@@ -327,7 +401,13 @@ run_call() {
       setup_env  # the first real step installs the wheels: counted in the call's time, not the step's
       cmd=(bash "$SELF" --step "$step" "$OUT")
     fi
-    local at=$(( $(now_ms) - start ))
+    local at=$(( $(now_ms) - start )) unmet
+    if [ "$needs" != "-" ] && ! unmet=$($PY "$ROOT/tests/gpu/step_metrics.py" needs "$RESULTS" "$needs"); then
+      echo "==== $step: skipped ($unmet)"
+      record skipped 0 -1 "$budget" "$at" "$unmet"
+      failed=1
+      continue
+    fi
     if [ $((at + budget * 1000)) -gt $((LIMIT * 1000)) ]; then
       echo "==== $step: skipped (starting at ${at} ms, its ${budget} s budget would end past the ${LIMIT} s call limit)"
       record skipped 0 -1 "$budget" "$at" "budget would end at $(( at / 1000 + budget )) s > limit ${LIMIT} s"
@@ -353,11 +433,19 @@ run_call() {
   done <<< "$rows"
   echo "results: $RESULTS"
   cat "$RESULTS"
+  # issue 49's H200 targets, judged from whatever this call wrote into OUT (standard library: seconds)
+  $PY "$ROOT/tests/gpu/step_metrics.py" h200-targets "$OUT" 2>&1 | tee -a "$log"
   return $failed
 }
 
 case "${1:-}" in
-  --plan) print_plan ;;
+  --plan)
+    if [ "${2:-}" = "--left" ]; then
+      [[ "${3:-}" =~ ^[0-9]+$ ]] || usage
+      print_left "$3"
+    else
+      print_plan
+    fi ;;
   --call)
     [[ "${2:-}" =~ ^[0-9]+$ ]] && [ -n "${3:-}" ] || usage
     CALL=$2; mkdir -p "$3" && OUT=$(cd "$3" && pwd)

@@ -2,11 +2,14 @@
 
     python tests/gpu/step_metrics.py record RESULTS --call N --step NAME --status ok --seconds 12.3 --rc 0 \
         --budget 30 --started-at 1500 [--note TEXT] [--metrics STEP.json]   # appends one line, flushed
-    python tests/gpu/step_metrics.py junit FILE.xml               # {"passed", "failed", "errors", "skipped"}
+    python tests/gpu/step_metrics.py junit FILE.xml [--flag NAME=SUBSTRING]...
+                                          # {"passed", "failed", "errors", "skipped"[, NAME: bool]}
     python tests/gpu/step_metrics.py csv FILE COLUMN...           # those columns of the CSV's last row
     python tests/gpu/step_metrics.py csv-rows FILE KERNEL         # the actor bench rows of one attention kernel
     python tests/gpu/step_metrics.py attention-rows FILE          # the actor bench rows by packing, tokens, kernel
     python tests/gpu/step_metrics.py targets TEXT                 # dapo_kernels.bench.targets' verdicts
+    python tests/gpu/step_metrics.py needs RESULTS STEP[.METRIC],...  # exit 0 if met, else 1 and why
+    python tests/gpu/step_metrics.py h200-targets OUT             # issue 49's targets from a call's OUT
 
 Standard library only: it runs before the carried wheels are installed, and in the CPU tests of the runner.
 """
@@ -20,6 +23,8 @@ import os
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from h200_targets import judge_out_dir
 
 
 def _number(text: str):
@@ -63,18 +68,47 @@ def record(args: argparse.Namespace) -> int:
     return 0
 
 
-def junit(path: str) -> dict:
+def junit(path: str, flags: dict[str, str] | None = None) -> dict:
+    """pytest's counts; per flag NAME -> SUBSTRING, NAME: true when at least one test whose name holds
+    SUBSTRING ran and every such test passed (a step's later steps can need it: plan.tsv's needs)."""
+    flags = flags or {}
     if not Path(path).is_file():
-        return {"junit": "missing"}
+        return {"junit": "missing", **dict.fromkeys(flags, False)}
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
     total = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
-    return {
+    out: dict = {
         "passed": total["tests"] - total["failures"] - total["errors"] - total["skipped"],
         "failed": total["failures"],
         "errors": total["errors"],
         "skipped": total["skipped"],
     }
+    cases = list(root.iter("testcase"))
+    for name, part in flags.items():
+        chosen = [c for c in cases if part in c.get("name", "")]
+        bad = ("failure", "error", "skipped")
+        out[name] = bool(chosen) and not any(c.find(tag) is not None for c in chosen for tag in bad)
+    return out
+
+
+def needs(results: str, spec: str) -> tuple[bool, str]:
+    """(met, why not): each comma-separated STEP (ended ok earlier in this call) or STEP.METRIC (its metrics
+    hold METRIC = true) against the call's results.jsonl; the last line of a step counts."""
+    lines = []
+    if Path(results).is_file():
+        lines = [json.loads(line) for line in Path(results).read_text().splitlines() if line.strip()]
+    last = {r.get("step"): r for r in lines}
+    for need in (n for n in spec.split(",") if n):
+        step, _, metric = need.partition(".")
+        row = last.get(step)
+        if row is None:
+            return False, f"needs {need}: {step} has not run earlier in this call"
+        if not metric and row.get("status") != "ok":
+            return False, f"needs {need}: {step} ended {row.get('status')}"
+        if metric and row.get("metrics", {}).get(metric) is not True:
+            got = row.get("metrics", {}).get(metric, "absent")
+            return False, f"needs {need}: {step} ended {row.get('status')} with {metric}={json.dumps(got)}"
+    return True, ""
 
 
 def csv_last_row(path: str, columns: list[str]) -> dict:
@@ -123,6 +157,22 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     command, rest = argv[0], argv[1:]
+    if command == "needs" and len(rest) == 2:
+        met, why = needs(rest[0], rest[1])
+        print(why or f"needs {rest[1]}: met")
+        return 0 if met else 1
+    if command == "h200-targets" and len(rest) == 1:
+        text, _ = judge_out_dir(Path(rest[0]))
+        print(text)
+        return 0
+    if command == "junit" and rest:
+        ap = argparse.ArgumentParser(prog="step_metrics.py junit")
+        ap.add_argument("xml")
+        ap.add_argument("--flag", action="append", default=[], help="NAME=SUBSTRING")
+        args = ap.parse_args(rest)
+        flags = dict(f.split("=", 1) for f in args.flag)
+        print(json.dumps(junit(args.xml, flags)))
+        return 0
     if command == "record":
         ap = argparse.ArgumentParser(prog="step_metrics.py record")
         ap.add_argument("results")
@@ -137,7 +187,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--metrics", default="")
         return record(ap.parse_args(rest))
     handlers = {
-        "junit": lambda: junit(rest[0]),
         "csv": lambda: csv_last_row(rest[0], rest[1:]),
         "csv-rows": lambda: csv_rows(rest[0], rest[1]),
         "attention-rows": lambda: attention_rows(rest[0]),

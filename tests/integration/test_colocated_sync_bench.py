@@ -2,7 +2,8 @@
 trainer process feeds the project's CPU engine server through shared-memory payloads (the colocated
 transport's CPU form). Checks the row's arithmetic and fields, never its speed: the bytes are the shape's
 parameters (counted here from the shape by hand), GB/s is bytes / sync_s_p50, the phases add up to their
-total, one 512 MB bucket holds the whole tiny model, and the engine's tensors equal the trainer's."""
+total, one 512 MB bucket holds the whole tiny model, and the engine's tensors equal the trainer's. The
+engine's output goes to --engine-log, and an engine that does not start says why (issue 49)."""
 
 import csv
 import os
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dapo_megatron.benchmarks.engine_abuse import served_engine
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -20,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_colocated_sync_bench_row_on_cpu(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "dapo_megatron.benchmarks.colocated_sync", "--shape", "tiny", "--repeats", "2",
-         "--csv", str(tmp_path / "sync.csv"), "--checkpoint-dir", str(tmp_path / "ckpt")],
+         "--csv", str(tmp_path / "sync.csv"), "--checkpoint-dir", str(tmp_path / "ckpt"),
+         "--engine-log", str(tmp_path / "engine.log")],
         cwd=ROOT, env=dict(os.environ, HF_HUB_OFFLINE="1"), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -40,3 +44,16 @@ def test_colocated_sync_bench_row_on_cpu(tmp_path):
     assert abs(sum(phases) - float(row["phases_total_s"])) <= 2e-4  # each rounded to 1e-4
     assert float(row["sync_s_min"]) <= float(row["sync_s_p50"])
     assert row["read_back"] == "equal" and row["dtype"] == "float32" and row["device"].startswith("CPU")
+    assert (tmp_path / "engine.log").stat().st_size > 0  # the engine's output, not DEVNULL
+
+
+def test_an_engine_that_does_not_start_says_why_from_its_log(tmp_path):
+    missing = tmp_path / "no_such_model"
+    log = tmp_path / "engine.log"
+    with pytest.raises(RuntimeError) as err, served_engine(str(missing), tmp_path / "engines", log_path=log):
+        pass
+    text = str(err.value)
+    assert text.startswith("serve-rollout did not start (exited with ")
+    assert "the last " in text and str(log) in text
+    # the engine's own words about the model it could not load reach the error
+    assert "no_such_model" in text.split(str(log), 1)[1], text

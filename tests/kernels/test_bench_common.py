@@ -170,3 +170,52 @@ def test_variants_script_times_every_chosen_variant_of_one_shape(tmp_path, capsy
     assert "MISMATCH" not in printed and f"{tma}  " in printed
     with pytest.raises(ValueError, match=r"--variants: unknown \['nope'\]"):
         variants_logprob.main(["--cpu-dry-run", "--csv", str(path), "--variants", "fused,nope"])
+
+
+@pytest.mark.skipif(not dapo_kernels.INTERPRET, reason="the CPU dry run needs the Triton interpreter")
+def test_variants_script_runs_fused_tma_and_liger_first_and_keeps_each_variants_rows(tmp_path, monkeypatch):
+    """Issue 49: the comparison the GPU call is for (fused_tma's default tiles vs Liger) comes first, and a
+    variant that dies (a budget kill, a crash) leaves the rows of every variant before it in the CSV."""
+    from dapo_kernels import logprob_persistent
+    from dapo_kernels.bench import variants_logprob
+
+    tma = list(variants_logprob.tma_variants())
+    order = variants_logprob.default_variants()
+    assert order == [tma[0], "liger", *tma[1:], "fused", "fused_cublas", "fused_rowchunk"]
+    assert variants_logprob.tma_variants()[tma[0]] == logprob_persistent.hopper_configs()[0]  # fused_tma's TILES
+
+    real = variants_logprob._time_variant
+
+    def dies_at_fused(variant, *args, **kwargs):
+        if variant == "fused":
+            raise KeyboardInterrupt("the budget's kill")
+        return real(variant, *args, **kwargs)
+
+    monkeypatch.setattr(variants_logprob, "_time_variant", dies_at_fused)
+    path = tmp_path / "variants.csv"
+    with pytest.raises(KeyboardInterrupt):
+        variants_logprob.main(["--cpu-dry-run", "--csv", str(path), "--variants", f"{tma[0]},{tma[1]},fused"])
+    rows = list(csv.DictReader(path.open()))
+    timed = [(r["provider"], r["mode"]) for r in rows if r["metric"] == "ms"]
+    assert timed == [(tma[0], "fwd"), (tma[0], "fwd_bwd"), (tma[1], "fwd"), (tma[1], "fwd_bwd")]
+
+
+def test_variants_reference_is_float32_log_softmax_in_row_chunks():
+    """The log-probs every variant is checked against, by hand on a tiny case: chunking changes nothing."""
+    from dapo_kernels.bench import variants_logprob
+
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(7, 5, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(11, 5, generator=gen).to(torch.bfloat16)
+    targets = torch.randint(0, 11, (7,), generator=gen)
+    logits = hidden.double() @ weight.double().T
+    want = logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+    full = variants_logprob.reference_logprob(hidden, weight, targets)
+    old = variants_logprob.REFERENCE_CHUNK_ROWS
+    try:
+        variants_logprob.REFERENCE_CHUNK_ROWS = 3
+        chunked = variants_logprob.reference_logprob(hidden, weight, targets)
+    finally:
+        variants_logprob.REFERENCE_CHUNK_ROWS = old
+    assert full.dtype == torch.float32 and torch.equal(full, chunked)
+    assert torch.allclose(full.double(), want, rtol=0, atol=1e-5)
