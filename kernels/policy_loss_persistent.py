@@ -188,6 +188,21 @@ def launch_key(tensors, constexprs: tuple, num_warps: int) -> tuple:
     return (*((t.dtype, t.data_ptr() % 16 == 0) for t in tensors), *constexprs, num_warps)
 
 
+def launch_hooks_installed() -> bool:
+    """Whether a Triton launch hook is set. Since triton 3.6 knobs.runtime.launch_enter_hook / _exit_hook are
+    HookChain objects, never None (triton/knobs.py: `launch_enter_hook: HookChain[LaunchHook] = HookChain()`),
+    so `is not None` was always true and the direct launch never ran (issue 49): a chain is installed when
+    its `calls` list is not empty (proton's HookManager adds to it); a plain callable assigned by hand (or an
+    older triton's hook slot) counts as installed."""
+    for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+        if hook is None:
+            continue
+        calls = getattr(hook, "calls", None)
+        if calls is None or len(calls) > 0:
+            return True
+    return False
+
+
 class _Launcher:
     """Launches `_persistent_kernel`. In the interpreter, or with a Triton launch hook installed (a
     profiler), through the JIT every time; on a GPU the first call of each launch_key compiles through
@@ -198,9 +213,13 @@ class _Launcher:
         self.compiled: dict = {}
         self.direct = not INTERPRET
 
+    def goes_direct(self) -> bool:
+        """True when a call may skip the JIT: not the interpreter, not switched off (`persistent_jit`), and no
+        launch hook installed (the direct call passes none, so a profiler's hook would miss the launch)."""
+        return self.direct and not launch_hooks_installed()
+
     def __call__(self, grid: int, tensors: tuple, scalars: tuple, constexprs: dict, num_warps: int) -> None:
-        hooks = knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
-        if not self.direct or hooks:
+        if not self.goes_direct():
             _persistent_kernel[(grid,)](*tensors, *scalars, **constexprs, num_warps=num_warps)
             return
         device = tensors[0].device

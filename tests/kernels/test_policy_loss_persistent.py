@@ -248,3 +248,34 @@ def test_variants_script_dry_run_writes_every_row(tmp_path):
         }
     with pytest.raises(SystemExit):
         variants_policy_loss.main(["--dry-run", "--loss-candidates", "fused,nope"])
+
+
+def test_direct_launch_unless_a_launch_hook_is_installed(monkeypatch):
+    """Issue 49: on triton >= 3.6 the hook slots are HookChain objects, never None, so the old test
+    (`launch_enter_hook is not None`) sent every call through the JIT and `persistent` timed the same code
+    as `persistent_jit`. An empty chain is no hook; a chain with a hook, or a plain callable, is one."""
+    from triton import knobs
+
+    from dapo_kernels.policy_loss_persistent import _Launcher, launch_hooks_installed
+
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    assert enter is not None and leave is not None  # why `is not None` could not tell
+    launcher = _Launcher()
+    launcher.direct = True  # as on a GPU (the interpreter sets False)
+    assert not launch_hooks_installed() and launcher.goes_direct()
+
+    def hook(metadata):
+        return None
+
+    enter.add(hook)
+    try:
+        assert launch_hooks_installed() and not launcher.goes_direct()
+    finally:
+        enter.remove(hook)
+    assert launcher.goes_direct()
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", hook)  # a hook assigned by hand
+    assert launch_hooks_installed() and not launcher.goes_direct()
+    monkeypatch.setattr(knobs.runtime, "launch_exit_hook", None)  # an older triton's empty slot
+    assert not launch_hooks_installed()
+    launcher.direct = False  # persistent_jit (kernels/bench/variants_policy_loss.py)
+    assert not launcher.goes_direct()
