@@ -40,7 +40,7 @@ from dapo_megatron.memplan.static import (
     total_params,
     worst_static,
 )
-from dapo_megatron.memplan.sync_time import Engines, Links, SyncTime, sync_time
+from dapo_megatron.memplan.sync_time import Engines, Links, SyncTime, copy_device_for, sync_time
 
 PHASES = ("rollout", "log-prob", "train", "optimizer step", "transfer")
 # CUDA context (~0.5 GiB) + NCCL communicator buffers of the trainer's TP/PP/DP/CP groups: an allowance,
@@ -425,6 +425,7 @@ def _sync_times(cfg, dims, x: _Inputs, links: Links) -> dict[str, SyncTime]:
             bucket_bytes=ro.weight_bucket_mb << 20,
             fp8=ro.quantization == "fp8",
             backend="nccl" if ro.engine == "sglang" else "gloo",
+            copy_source=copy_device_for(cfg.slurm.gpu_memory_gb),
         )
         for placement in ("colocated", "disaggregated")
     }

@@ -18,7 +18,8 @@ What moves (transfer/weight_sync.py, transfer/colocated_sync.py, docs/architectu
            payload at 1448/1514 of it (TCP_PAYLOAD_FRACTION; NCCL over InfiniBand's 4 KB MTU loses
            under 1%, not modelled). colocated: each engine TP rank copies its shard
            (bytes / engine_tp) out of the CUDA-IPC handles into its own weights on the same GPU: a device
-           copy (read + write) at the GPU's copy bandwidth;
+           copy (read + write) at the GPU's copy bandwidth (DEVICE_COPY_BYTES_PER_S: the GPU a config's
+           slurm.gpu_memory_gb stands for, or a rate measured on the device, copy_bytes_per_s=);
   buckets  a fixed cost per bucket: the HTTP request, the engine's load_weights call, the flatten or the
            IPC-handle serialization (an allowance, SYNC_BUCKET_OVERHEAD_S, not measured on a GPU here).
 How the terms add up follows the code path. The disaggregated sync of a layout without expert
@@ -49,7 +50,16 @@ from dapo_megatron.memplan.static import Layout, expert_params, fp8_bytes, linea
 
 DEFAULT_NETWORK_GBPS = 400.0
 DEFAULT_INTRA_NODE_GBPS = 2880.0
-H100_COPY_BYTES_PER_S = 2.97e12  # device-to-device copy, read + write counted (docs/benchmarks.md, H100 80GB)
+# One GPU's device-to-device copy, bytes read + written per second: what a colocated engine's copy out of the
+# CUDA-IPC handles runs at. Defaults where nothing was measured on the device (`plan` on a cluster); each is
+# a measurement of that GPU, named with its source. A rate measured on the device in the same run (the GPU
+# check's preflight) replaces them: sync_time(copy_bytes_per_s=..., copy_source=...).
+DEVICE_COPY_BYTES_PER_S = {
+    "H100": 2.97e12,  # H100 80GB HBM3 (SXM), a 2 GiB torch copy_, docs/benchmarks.md (first H100 run)
+    "H200": 4.3e12,  # NVIDIA H200 (SXM, 141 GB), 8.6 GB moved in 2.0 ms by torch, device tool KINDS.md (2026-11-04)
+}
+DEFAULT_COPY_DEVICE = "H100"  # the presets' cluster (the network defaults above are DGX H100's too)
+H200_MIN_MEMORY_GB = 130.0  # slurm.gpu_memory_gb at or above this is an H200 (141 GB; an H100 has 80 or 94)
 SYNC_BUCKET_OVERHEAD_S = 0.005
 # gloo sends over TCP: of each 1514-byte Ethernet frame (MTU 1500) 1448 bytes are payload (20 IPv4 + 32
 # TCP with timestamps + 14 Ethernet). A configured network_gbps is a line rate; measured on the shaped
@@ -154,6 +164,12 @@ def _bytes(n: float) -> str:
     return f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
 
 
+def copy_device_for(gpu_memory_gb: float) -> str:
+    """The GPU whose copy rate `plan` assumes for a config: slurm.gpu_memory_gb is the one GPU fact a config
+    holds (141 -> "H200"; 80 or 94 -> "H100")."""
+    return "H200" if gpu_memory_gb >= H200_MIN_MEMORY_GB else DEFAULT_COPY_DEVICE
+
+
 def sync_bytes(dims: ModelDims, *, fp8: bool) -> int:
     """Bytes of one full copy of the weights as the engines receive them: the checkpoint dtype, or with
     rollout.quantization=fp8 one byte per weight of every transformer Linear (modelopt's block FP8; the
@@ -177,8 +193,19 @@ def sync_time(
     bucket_bytes: int,
     fp8: bool = False,
     backend: str = "nccl",
+    copy_bytes_per_s: float | None = None,
+    copy_source: str = DEFAULT_COPY_DEVICE,
 ) -> SyncTime:
-    """The predicted seconds of one sync of the whole model into every engine (module docstring)."""
+    """The predicted seconds of one sync of the whole model into every engine (module docstring).
+    copy_bytes_per_s: the device copy rate of a colocated sync; None = DEVICE_COPY_BYTES_PER_S[copy_source]."""
+    if copy_bytes_per_s is None:
+        if copy_source not in DEVICE_COPY_BYTES_PER_S:
+            raise ValueError(
+                f"copy_source {copy_source!r}: no default copy rate; known {sorted(DEVICE_COPY_BYTES_PER_S)}"
+            )
+        copy_bytes_per_s = DEVICE_COPY_BYTES_PER_S[copy_source]
+    if copy_bytes_per_s <= 0:
+        raise ValueError(f"copy_bytes_per_s must be > 0, got {copy_bytes_per_s}")
     total = sync_bytes(dims, fp8=fp8)
     experts = expert_params(dims) * (1 if fp8 else dims.dtype_bytes)
     dense = total - experts
@@ -197,7 +224,8 @@ def sync_time(
     fill = bucket * (layout.tp - 1) / layout.tp / intra + (bucket / stage_link if layout.pp > 1 else 0.0)
     if placement == "colocated":
         shard = total / engines.tp
-        send, how = 2 * shard / H100_COPY_BYTES_PER_S, f"IPC copy of {_bytes(shard)} per engine TP rank"
+        send = 2 * shard / copy_bytes_per_s
+        how = f"IPC copy of {_bytes(shard)} per engine TP rank at {copy_bytes_per_s / 1e12:.2f} TB/s ({copy_source})"
     else:
         receivers = engines.count * engines.tp
         hops = 1 if backend == "nccl" else math.ceil(math.log2(receivers + 1))

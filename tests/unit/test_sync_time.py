@@ -11,7 +11,7 @@ import pytest
 from dapo_megatron.memplan.arch import dims_from_hf_config
 from dapo_megatron.memplan.static import Layout, total_params
 from dapo_megatron.memplan.sync_time import (
-    H100_COPY_BYTES_PER_S,
+    DEVICE_COPY_BYTES_PER_S,
     SYNC_BUCKET_OVERHEAD_S,
     Engines,
     Links,
@@ -47,7 +47,7 @@ LAYOUT = Layout(tp=2, pp=2, dp=2)  # 8 ranks, 4 per stage: with 4 GPUs per node 
 TWO_ENGINES = Engines(2, 2)
 
 
-def _time(placement, *, engines=TWO_ENGINES, backend="nccl", fp8=False, gpus_per_node=4):
+def _time(placement, *, engines=TWO_ENGINES, backend="nccl", fp8=False, gpus_per_node=4, **copy):
     return sync_time(
         DIMS,
         LAYOUT,
@@ -58,6 +58,7 @@ def _time(placement, *, engines=TWO_ENGINES, backend="nccl", fp8=False, gpus_per
         bucket_bytes=100 << 20,
         fp8=fp8,
         backend=backend,
+        **copy,
     )
 
 
@@ -87,7 +88,8 @@ def test_stages_on_one_node_use_nvlink():
 
 def test_colocated_sends_by_a_device_copy_of_each_engine_ranks_shard():
     t = _time("colocated")
-    assert t.send_s == pytest.approx(2 * (BYTES / 2) / H100_COPY_BYTES_PER_S, rel=1e-12)
+    assert t.send_s == pytest.approx(2 * (BYTES / 2) / 2.97e12, rel=1e-12)  # the H100's copy, by default
+    assert "per engine TP rank at 2.97 TB/s (H100)" in t.send_how
     assert t.export_s == _time("disaggregated").export_s and t.stages_s == _time("disaggregated").stages_s
     # every rank walks iter_hf_weights: its all-gathers run between the sends, so the terms add up
     assert not t.overlapped and t.total_s == pytest.approx(t.export_s + t.stages_s + t.send_s + 0.02, rel=1e-12)
@@ -197,3 +199,21 @@ def test_a_link_rate_must_be_positive(key):
 
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         load_config(str(REPO / "configs" / "runs" / "tiny_cpu.yaml"), [f"{key}=0"])
+
+
+def test_colocated_copy_rate_is_the_devices_own_or_a_measured_one():
+    """Issue 49: no H100-only constant. An H200 (slurm.gpu_memory_gb 141) copies at its own 4.3 TB/s; a rate
+    measured on the device replaces either; an unknown device or a rate <= 0 is refused."""
+    from dapo_megatron.memplan.sync_time import copy_device_for
+
+    assert DEVICE_COPY_BYTES_PER_S == {"H100": 2.97e12, "H200": 4.3e12}
+    assert [copy_device_for(gb) for gb in (80, 94, 141)] == ["H100", "H100", "H200"]
+    h200 = _time("colocated", copy_source="H200")
+    assert h200.send_s == pytest.approx(BYTES / 4.3e12, rel=1e-12) and "at 4.30 TB/s (H200)" in h200.send_how
+    measured = _time("colocated", copy_bytes_per_s=4.0e12, copy_source="measured on NVIDIA H200")
+    assert measured.send_s == pytest.approx(BYTES / 4.0e12, rel=1e-12)
+    assert measured.send_how.endswith("at 4.00 TB/s (measured on NVIDIA H200)")
+    with pytest.raises(ValueError, match="copy_source 'B200': no default copy rate"):
+        _time("colocated", copy_source="B200")
+    with pytest.raises(ValueError, match="copy_bytes_per_s must be > 0"):
+        _time("colocated", copy_bytes_per_s=0.0)
