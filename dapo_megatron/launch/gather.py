@@ -13,7 +13,8 @@ the row also says whether it beats its predecessor: `diff_vs_prev` (avg@k differ
 
 --ladder SWEEP_DIR: the runs of a sweep (slurm/sweep_runs.tsv, in rung order: configs/ablations/0..5),
 each run's newest eval (<run>/evals/step_N.json), one row per rung with avg@k, its interval and the same
-comparison with the previous rung; written to SWEEP_DIR/ablation_summary.md and .csv.
+comparison with the previous rung (a `note` where the score is not the run's last step's: the warm start);
+written to SWEEP_DIR/ablation_summary.md and .csv.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeAlias
 
 from dapo_megatron.config import RawJson
+from dapo_megatron.trainer.evaluation.scored_step import last_trained_step, score_note
+from dapo_megatron.trainer.metrics_log import METRICS_FILE, read_jsonl
 
 if TYPE_CHECKING:  # imported where used at run time (it brings torch)
     from dapo_megatron.trainer.evaluation.report import EvalReport
@@ -149,9 +152,22 @@ def ladder_rows(sweep_dir: Path) -> list[Row]:
         data = _read_object(path)
         summary = {k: v for k, v in _flatten(data).items() if k != "checkpoint"}
         keep = [k for k in summary if k == "step" or k.endswith(("avg@k", "avg@k_ci95", "maj@k", "pass@k"))]
-        rows.append({"rung": rung, "eval": str(path), **{k: summary[k] for k in keep}, **_vs_previous(prev, data)})
+        note = _score_note(Path(run_dir), summary.get("step"))
+        rows.append(
+            {"rung": rung, "eval": str(path), **{k: summary[k] for k in keep}, **note, **_vs_previous(prev, data)}
+        )
         prev = data
     return rows
+
+
+def _score_note(run_dir: Path, step: Cell) -> Row:
+    """{"note": ...} when a run's newest eval is not its trained policy's (trainer/evaluation/scored_step.py)."""
+    if not isinstance(step, (int, float)):
+        return {}
+    metrics = run_dir / METRICS_FILE
+    records = read_jsonl(metrics, drop_partial_last=True) if metrics.is_file() else []
+    note = score_note(eval_step=int(step), trained_step=last_trained_step(records))
+    return {"note": note} if note else {}
 
 
 def _cell(value: Cell) -> str:

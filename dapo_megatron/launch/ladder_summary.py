@@ -29,6 +29,7 @@ from typing import TypeAlias
 from dapo_megatron.algo.eval_stats import bootstrap_mean_ci, paired_bootstrap_diff
 from dapo_megatron.launch.gather import LADDER_STEM, to_csv, to_markdown
 from dapo_megatron.trainer.evaluation.report import EvalReport, load_eval_sets
+from dapo_megatron.trainer.evaluation.scored_step import last_trained_step, score_note
 from dapo_megatron.trainer.metrics_log import read_jsonl
 
 PLOT_FILE = "ablation_summary.png"
@@ -49,6 +50,7 @@ LEADING = (  # the columns a reader wants first; the per-seed and mechanism colu
     "rung",
     "seeds",
     "step",
+    "note",  # a score that is not the trained policy's says so (trainer/evaluation/scored_step.py)
     "k",
     "num_prompts",
     "avg@k",
@@ -96,6 +98,18 @@ def problem_scores(reports: list[EvalReport], *, where: str) -> list[float]:
     return [sum(col) / len(col) for col in zip(*per_run)]
 
 
+def _score_notes(reports: dict[int, EvalReport], seed_dirs: dict[int, Path]) -> dict[str, str]:
+    """{"note": ...} when a seed's score is not its trained policy's (the warm start, an older step); else {}."""
+    notes = []
+    for seed, report in reports.items():
+        path = seed_dirs[seed] / "metrics.jsonl"
+        records = read_jsonl(path, drop_partial_last=True) if path.is_file() else []
+        note = score_note(eval_step=int(report["step"]), trained_step=last_trained_step(records))
+        if note:
+            notes.append(f"seed {seed}: {note}")
+    return {"note": "; ".join(notes)} if notes else {}
+
+
 def _mechanism(run_dir: Path) -> dict[str, float]:
     path = run_dir / "metrics.jsonl"
     records = read_jsonl(path, drop_partial_last=True) if path.is_file() else []
@@ -140,6 +154,7 @@ def ladder_summary(runs: Runs) -> list[LadderRow]:
             "rung": rung,
             "seeds": len(reports),
             "step": min(int(r["step"]) for r in reports.values()),
+            **_score_notes(reports, seed_dirs),
             "k": reports[next(iter(reports))]["k"],
             "num_prompts": len(scores),
             "avg@k": sum(scores) / len(scores),
@@ -181,6 +196,12 @@ def write_summary(out_dir: Path, rows: list[LadderRow], runs: Runs, *, note: str
     for row in rows:
         columns.extend(c for c in row if c not in columns)
     md, csv_path = out_dir / f"{LADDER_STEM}.md", out_dir / f"{LADDER_STEM}.csv"
+    flagged = [str(row["rung"]) for row in rows if row.get("note")]
+    if flagged:  # said above the table too: a rung compared on its warm start compares nothing trained
+        note = (note + "\n\n" if note else "") + (
+            f"NOT THE TRAINED POLICY: the score of {', '.join(flagged)} is not from its run's last step "
+            "(see the note column)."
+        )
     md.write_text((note + "\n\n" if note else "") + to_markdown(rows, columns))
     csv_path.write_text(to_csv(rows, columns))
     paths = [md, csv_path]

@@ -24,6 +24,7 @@ from typing import Literal, TextIO, TypeAlias
 
 from dapo_megatron.config import RawJson
 from dapo_megatron.trainer import console as _console
+from dapo_megatron.trainer.evaluation.scored_step import last_trained_step, score_note
 
 __all__ = [
     "PLOT_PANELS",
@@ -342,7 +343,8 @@ def _eval_lines(run_dir: Path, records: list[MetricsRecord]) -> list[str]:
         name = f"avg@{int(k)}" if isinstance(k, (int, float)) else "avg@k"
         step, value, pass_k, _ = evals[-1]
         extra = f", pass@{int(k)} {float(pass_k):.1%}" if isinstance(pass_k, (int, float)) and k else ""
-        lines.append(f"  final eval:   {name} {value:.1%} at step {step}{extra}")
+        note = score_note(eval_step=step, trained_step=last_trained_step(records))
+        lines.append(f"  final eval:   {name} {value:.1%} at step {step}{extra}" + (f" ({note})" if note else ""))
         last = next(r for r in reversed(records) if isinstance(r.get(f"{pre}avg@k"), (int, float)))
         if f"{pre}avg@k_ci95_low" in last:  # the eval file (trainer/evaluation/report.py) holds every problem's record
             lines.append(

@@ -189,12 +189,13 @@ def train_steps(
             saved = checkpointer.save_before_stopping(TrainerState(step=step, nonfinite_in_row=guard.in_row))
             raise EnginesLost(f"{err}; {saved}") from None
         guard.observe(log)
-        if evaluator.should_evaluate(step + 1):  # an engine lost here costs the eval, never the step
+        last_step = step + 1 == tr.total_steps  # evaluated whatever eval_every: the summary is the trained policy's
+        if evaluator.should_evaluate(step + 1, last=last_step):  # an engine lost here costs the eval, never the step
             log.update(evaluator.evaluate(step + 1))
         if metrics is not None:
             metrics.log(step + 1, log)
         guard.stop_if_exceeded()
-        last_step, stop = step + 1 == tr.total_steps, preempt.should_stop()  # collective: every rank, the same step
+        stop = preempt.should_stop()  # collective: every rank, the same step
         checkpointer.save(
             TrainerState(
                 step=step + 1, nonfinite_in_row=guard.in_row, eval=headline_avg(log, list(cfg.data.eval_sets))

@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = [
     "trainer.total_steps=2",
-    "trainer.eval_every=2",
+    "trainer.eval_every=60",  # > total_steps, as the ladder help's example: the run's last step is evaluated anyway
     "trainer.save_every=2",
     "tiny.warm_start_steps=30",
     "data.synthetic.num_eval=16",
@@ -71,6 +71,8 @@ def test_the_summary_numbers_are_the_runs_per_problem_records(ladder):
     out, _ = ladder
     rows = list(csv.DictReader((out / "ablation_summary.csv").open()))
     assert [r["rung"] for r in rows] == RUNGS
+    # the score of every rung is its step-2 eval (the last step), not the warm start's step 0, and says so
+    assert [(r["step"], r.get("note", "")) for r in rows] == [("2", "")] * 2
     before, after = (_scores(out / "runs" / rung / "seed_1") for rung in RUNGS)
     for row, scores in zip(rows, (before, after)):
         mean = sum(scores) / 16

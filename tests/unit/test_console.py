@@ -163,6 +163,23 @@ def _run_dir(tmp_path):
     return tmp_path
 
 
+def test_a_summary_whose_last_eval_is_older_than_the_last_step_says_so(tmp_path):
+    """A run's final eval is its last step's (trainer/evaluation/evaluator.py); one that is not (a run from
+    before that rule, a missed eval) is named as an older step's, the warm start as not trained."""
+    run = _run_dir(tmp_path)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for key in ("eval/avg@k", "eval/pass@k", "eval/k"):
+        del records[4][key]  # step 4 trained, its eval missed: step 2's is the newest
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = run_summary(run).splitlines()
+    assert "  final eval:   avg@8 80.0% at step 2, pass@8 99.0% (step 2, not the last trained step 4)" in lines
+    for record in records[1:]:
+        record.pop("eval/avg@k", None)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert "at step 0, pass@8 " in (line := next(x for x in run_summary(run).splitlines() if "final eval" in x))
+    assert line.endswith("(warm start (step 0): not the trained policy)")
+
+
 def test_summary_says_where_things_are_and_how_the_run_went(tmp_path):
     run = _run_dir(tmp_path)
     text = run_summary(run, phase_seconds={"model": 2.0, "rollout": 5.5}, ranks_wall_s=20.0, wall_s=75.0)

@@ -225,6 +225,39 @@ def test_ablation_ladder_summary(tmp_path):
     assert rows[1]["diff_vs_prev"] == 0.75 and rows[1]["diff_vs_prev_ci95"] == "[0.5000, 1.0000]"
 
 
+def test_a_summary_row_whose_score_is_not_the_trained_policys_says_so(tmp_path):
+    """gather --ladder and `ladder`'s summary: a run whose newest eval is the warm start's (step 0) or older
+    than its last trained step (metrics.jsonl) gets a note; a run evaluated at its last step gets none."""
+    from dapo_megatron.launch.ladder_summary import ladder_summary, write_summary
+
+    sweep = tmp_path / "sweep"
+    (sweep / "slurm").mkdir(parents=True)
+    trained = {"0_warm": (0, 2), "1_older": (40, 60), "2_last": (60, 60)}  # rung -> (eval step, last trained step)
+    for rung, (eval_step, last) in trained.items():
+        write_eval_file(
+            eval_file_path(tmp_path / rung, eval_step),
+            {"eval": eval_report(_samples([["7"], ["9"]]), RECORDS, step=eval_step)},
+        )
+        steps = [{"step": s, "time/step_s": 1.0} for s in range(1, last + 1)]
+        (tmp_path / rung / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+    (sweep / "slurm" / "sweep_runs.tsv").write_text("".join(f"{r}\t{tmp_path / r}\n" for r in trained))
+    notes = [(r["rung"], r["step"], r.get("note")) for r in gather.ladder_rows(sweep)]
+    assert notes == [
+        ("0_warm", 0, "warm start (step 0): not the trained policy"),
+        ("1_older", 40, "step 40, not the last trained step 60"),
+        ("2_last", 60, None),
+    ]
+    rows = ladder_summary([(rung, {1: tmp_path / rung}) for rung in trained])
+    assert [(r["rung"], r["step"], r.get("note")) for r in rows] == [
+        ("0_warm", 0, "seed 1: warm start (step 0): not the trained policy"),
+        ("1_older", 40, "seed 1: step 40, not the last trained step 60"),
+        ("2_last", 60, None),
+    ]
+    md = write_summary(tmp_path, rows[:1], [], note="")[0].read_text()
+    assert md.startswith("NOT THE TRAINED POLICY: the score of 0_warm is not from its run's last step")
+    assert md.splitlines()[2].startswith("| rung | seeds | step | note |")
+
+
 def test_curves_draw_the_interval_as_a_band(tmp_path):
     from dapo_megatron.trainer.metrics_log import build_figure
 
@@ -283,7 +316,7 @@ def test_run_summary_names_the_eval_file_and_uses_the_first_set(tmp_path):
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in one))
     lines = run_summary(tmp_path).splitlines()
-    assert "  final eval:   avg@8 25.0% at step 0, pass@8 50.0%" in lines
+    assert "  final eval:   avg@8 25.0% at step 0, pass@8 50.0% (warm start (step 0): not the trained policy)" in lines
     assert (
         f"  eval file:    {tmp_path / 'evals' / 'step_000000.json'} (eval avg@8 25.0%, 95% CI [20.0%, 30.0%], "
         "maj@8 40.0%)" in lines

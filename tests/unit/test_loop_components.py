@@ -73,6 +73,14 @@ def test_the_evaluator_evaluates_at_step_zero_and_every_eval_every_steps():
     assert not any(Evaluator(None, eval_every=0).should_evaluate(u) for u in range(11))
 
 
+def test_the_evaluator_evaluates_the_last_step_whatever_eval_every_unless_evals_are_off():
+    # the ladder help's example: 40 steps of a config with eval_every 60 (its summary was the warm start's)
+    assert [u for u in range(41) if Evaluator(None, eval_every=60).should_evaluate(u, last=u == 40)] == [0, 40]
+    assert [u for u in range(11) if Evaluator(None, eval_every=4).should_evaluate(u, last=u == 10)] == [0, 4, 8, 10]
+    assert [u for u in range(9) if Evaluator(None, eval_every=4).should_evaluate(u, last=u == 8)] == [0, 4, 8]
+    assert not Evaluator(None, eval_every=0).should_evaluate(10, last=True)
+
+
 def test_the_guard_counts_nonfinite_updates_in_a_row_and_stops_with_the_same_message(tmp_path):
     guard = NonFiniteGuard(max_in_row=3, in_row=1, last_good=lambda: tmp_path / "step_000002")  # resumed with 1
     counts = []
