@@ -16,7 +16,9 @@ call's, or cut off), so the same judge serves every call and a re-run on a fetch
                  >= 80% of the copy bandwidth measured in the same run at 16M tokens fwd_bwd, and at 65,536
                  tokens <= 20 us fwd and <= 40 us fwd_bwd (CUDA events around the Python call).
 The memory-bound target (loss) is a fraction of the copy measured on the device in the same run, never a
-datasheet constant. Standard library only: it runs on the GPU machine before any wheel is installed.
+datasheet constant; the first line names the ceilings preflight measured in this call (copy, bf16 matmul),
+and the sync's line its floor at that copy (the engine reads and writes every byte once).
+Standard library only: it runs on the GPU machine before any wheel is installed.
 """
 
 from __future__ import annotations
@@ -55,17 +57,27 @@ def _verdict(name: str, oks: list[bool], lines: list[str], not_run: str = "") ->
     return "\n".join([head, *(f"    {line}" for line in lines)])
 
 
-def _e2e(out: Path) -> str:
+def _results(out: Path) -> list[dict]:
     results = out / "results.jsonl"
-    lines = [json.loads(x) for x in results.read_text().splitlines() if x.strip()] if results.is_file() else []
-    row = next((r for r in reversed(lines) if r.get("step") == "e2e_colocated"), None)
+    return [json.loads(x) for x in results.read_text().splitlines() if x.strip()] if results.is_file() else []
+
+
+def ceilings(out: Path) -> dict:
+    """{"gpu", "copy_gb_per_s", "matmul_bf16_tflops"} as preflight measured them in this call (those present)."""
+    row = next((r for r in reversed(_results(out)) if r.get("step") == "preflight"), {})
+    keys = ("gpu", "copy_gb_per_s", "matmul_bf16_tflops")
+    return {k: row["metrics"][k] for k in keys if k in row.get("metrics", {})}
+
+
+def _e2e(out: Path) -> str:
+    row = next((r for r in reversed(_results(out)) if r.get("step") == "e2e_colocated"), None)
     if row is None or row.get("status") == "skipped":
         return _verdict("e2e_colocated learns", [], [], (row or {}).get("note", "not in this call"))
     gain = row.get("metrics", {})
     return _verdict("e2e_colocated learns", [row["status"] == "ok"], [f"{row['status']}, metrics {json.dumps(gain)}"])
 
 
-def _sync(out: Path) -> str:
+def _sync(out: Path, copy_gb_per_s: float | None) -> str:
     path = out / "colocated_sync.csv"
     rows = [r for r in _rows(path) if not r.get("device", "").startswith("CPU")] if path.is_file() else []
     if not rows:
@@ -76,6 +88,9 @@ def _sync(out: Path) -> str:
     ok = ok and r.get("read_back") == "equal"
     phases = ", ".join(f"{k} {r.get(k)}" for k in ("export_s", "ipc_s", "engine_s", "session_s"))
     line = f"{r.get('bytes')} bytes: p50 {p50} s, {gbs} GB/s, read-back {r.get('read_back')} ({phases})"
+    size = _num(r.get("bytes"))
+    if copy_gb_per_s and size:
+        line += f"; floor {2 * size / (copy_gb_per_s * 1e9) * 1e3:.1f} ms at this call's {copy_gb_per_s:.0f} GB/s copy"
     return _verdict(f"sync <= {SYNC_MAX_S} s and >= {SYNC_MIN_GB_PER_S:.0f} GB/s", [ok], [line])
 
 
@@ -168,6 +183,8 @@ def _loss(rows: list[dict]) -> str:
 def judge_out_dir(out: Path) -> tuple[str, list[str]]:
     """(the report, one status word per target in order)."""
     rows = _kernel_rows(out)
-    verdicts = [_e2e(out), _sync(out), _attention(out), *_lm_head(rows), _loss(rows)]
+    measured = ceilings(out)
+    verdicts = [_e2e(out), _sync(out, measured.get("copy_gb_per_s")), _attention(out), *_lm_head(rows), _loss(rows)]
     statuses = [v.split()[0] + (" RUN" if v.startswith("NOT") else "") for v in verdicts]
-    return "\n".join([f"issue 49 targets (H200) from {out}", *verdicts]), statuses
+    head = f"issue 49 targets (H200) from {out}; ceilings measured by preflight: {json.dumps(measured) or 'none'}"
+    return "\n".join([head, *verdicts]), statuses

@@ -5,7 +5,11 @@
 Imports every module the GPU steps import (each failure named, not only the first), prints the versions, the
 GPU (name, capability, memory) and that a CUDA tensor and an NCCL process group work, and checks that the
 warm-started tiny models prepared on the CPU machine travelled (.gpu/tiny, .gpu/tiny_moe: tests/gpu/prepare.sh).
-Exit 1 if anything is missing. --metrics writes the versions and the device as one JSON object.
+Then the two ceilings of THIS device, measured (issue 49: targets are fractions of what the call measures,
+never a datasheet or another GPU's constant): a 2 GiB device-to-device copy (copy_gb_per_s, bytes read +
+written) and an 8192^3 bf16 matrix product on random data (matmul_bf16_tflops), each the median of 10
+CUDA-event-timed runs after 3 warm-ups (about a second in all). Exit 1 if anything is missing. --metrics
+writes the versions, the device and the ceilings as one JSON object.
 """
 
 from __future__ import annotations
@@ -116,6 +120,54 @@ def check_gpu() -> tuple[dict, list[str]]:
     return info, problems
 
 
+def ceilings_from(*, copy_bytes: int, copy_s: float, matmul_n: int, matmul_s: float) -> dict[str, float]:
+    """The two ceilings from measured seconds: a copy of copy_bytes reads and writes them (2x bytes); an
+    n x n x n matrix product is 2 n^3 FLOPs."""
+    return {
+        "copy_gb_per_s": round(2 * copy_bytes / copy_s / 1e9, 1),
+        "matmul_bf16_tflops": round(2 * matmul_n**3 / matmul_s / 1e12, 1),
+    }
+
+
+def measure_ceilings(*, copy_bytes: int = 2 << 30, matmul_n: int = 8192, device: str = "cuda") -> dict[str, float]:
+    """The device copy and the bf16 matmul rate of this device (module docstring)."""
+    import statistics
+
+    import torch
+
+    def median_s(fn) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(10):
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def copy_s() -> float:  # its buffers freed on return, before the matmul's
+        src = torch.rand(copy_bytes // 4, device=device, generator=gen)  # random, never zeros (METHOD.md)
+        dst = torch.empty_like(src)
+        return median_s(lambda: dst.copy_(src))
+
+    def matmul_s() -> float:
+        a = torch.randn(matmul_n, matmul_n, device=device, generator=gen).to(torch.bfloat16)
+        b = torch.randn(matmul_n, matmul_n, device=device, generator=gen).to(torch.bfloat16)
+        return median_s(lambda: a @ b)
+
+    return ceilings_from(copy_bytes=copy_bytes, copy_s=copy_s(), matmul_n=matmul_n, matmul_s=matmul_s())
+
+
 def check_carry(carry: Path) -> list[str]:
     missing = [
         f"{carry / d}/tiny_model/warm: not carried (run tests/gpu/prepare.sh on the CPU machine and pass "
@@ -143,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
             info, gpu_problems = check_gpu()
         except Exception as err:  # noqa: BLE001 - a CUDA or NCCL failure is the finding: name it, go on
             gpu_problems = [f"GPU / NCCL check: {type(err).__name__}: {err}"]
+    if info:
+        try:
+            info.update(measure_ceilings())
+        except Exception as err:  # noqa: BLE001 - the steps can run without it; the targets then say so
+            gpu_problems.append(f"ceilings (copy, matmul): {type(err).__name__}: {err}")
     print(f"device: {json.dumps(info)}")
     problems += gpu_problems + check_carry(Path(args.carry))
     if args.metrics:

@@ -187,8 +187,12 @@ KERNEL_HEADER = "kernel,provider,mode,metric,unit,x,p50,p20,p80,device,date"
 def test_h200_targets_judged_from_a_calls_out_folder(tmp_path):
     """Hand-made outputs of one call: each target's verdict and the numbers it names."""
     out = tmp_path
+    preflight = {"gpu": "NVIDIA H200", "copy_gb_per_s": 4300.0, "matmul_bf16_tflops": 790.0}
     (out / "results.jsonl").write_text(
-        json.dumps({"step": "e2e_colocated", "status": "ok", "metrics": {"gain": 0.41}}) + "\n"
+        json.dumps({"step": "preflight", "status": "ok", "metrics": preflight})
+        + "\n"
+        + json.dumps({"step": "e2e_colocated", "status": "ok", "metrics": {"gain": 0.41}})
+        + "\n"
     )
     sync_header = "bench,bytes,sync_s_p50,gb_per_s,export_s,ipc_s,engine_s,session_s,read_back,device"
     _csv(out / "colocated_sync.csv", sync_header,
@@ -223,5 +227,16 @@ def test_h200_targets_judged_from_a_calls_out_folder(tmp_path):
     # torch's 1 us is not a candidate; 52 us fwd_bwd misses 40
     assert "65536 tokens fwd: persistent 18.0 us (<= 20)" in text and "persistent 52.0 us (<= 40)" in text
     assert "p50 0.25 s, 12.3 GB/s, read-back equal" in text
+    # 2 x 3,087,007,744 bytes at 4,300 GB/s = 1.44 ms
+    assert "floor 1.4 ms at this call's 4300 GB/s copy" in text
+    assert text.splitlines()[0].endswith(f"ceilings measured by preflight: {json.dumps(preflight)}")
     _, statuses = h200_targets.judge_out_dir(tmp_path / "nothing")  # an empty call: nothing judged
     assert statuses == ["NOT RUN"] * 6
+
+
+def test_preflight_ceilings_count_a_copy_twice_and_a_matmul_as_2_n_cubed():
+    import preflight
+
+    # 1 GiB copied in 0.5 ms: 2 x 1,073,741,824 B / 0.5 ms = 4,294.97 GB/s; 8192^3 x 2 in 1.4 ms = 785.4 TFLOP/s
+    got = preflight.ceilings_from(copy_bytes=1 << 30, copy_s=0.5e-3, matmul_n=8192, matmul_s=1.4e-3)
+    assert got == {"copy_gb_per_s": 4295.0, "matmul_bf16_tflops": 785.4}
