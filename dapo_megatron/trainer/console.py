@@ -11,9 +11,9 @@ that fits 120 characters, and a closing summary. Everything else goes to metrics
     [train] model: tiny Qwen2 (0.4M parameters), warm start cached (0.3 s)
     [train] rollout: 1 CPU engine serving at http://127.0.0.1:41871 (6.1 s)
     [train] actor: 2 Megatron ranks (TP 1 x PP 1 x DP 2, fp32, gloo), ready 11.8 s after launch
-       step  reward    acc   eval    len entropy clip_hi      kl  gnorm   groups    mism gen_s train_s sync_s step_s
-       0/40       -      -  24.5%      -       -       -       -      -        -       -     -       -      -      -
-       1/40  -0.607  25.0%      -   11.2   1.441   0.000 1.2e-03   0.81    16/22 4.9e-05   0.3     0.2    0.0    0.6
+      step  reward    acc   eval     len ...      kl  gnorm   groups    mism mis_kl gen_s train_s sync_s step_s
+      0/40       -      -  24.5%       - ...       -      -        -       -      -     -       -      -      -
+      1/40  -0.607  25.0%      -    11.2 ... 1.2e-03   0.81    16/22   5e-05  1e-10   0.3     0.2    0.0    0.6
 """
 
 from __future__ import annotations
@@ -192,6 +192,7 @@ STEP_COLUMNS: tuple[tuple[str, str, int, CellFormat], ...] = (
     ("actor/grad_norm", "gnorm", 6, _num("{:.2f}")),
     ("sampler/groups_kept", "groups", 8, _groups),
     ("mismatch/max", "mism", 7, _num("{:.0e}")),
+    ("mismatch/k3", "mis_kl", 6, _num("{:.0e}")),  # KL(engine || trainer), k3 (algo/mismatch.py)
     ("time/gen_s", "gen_s", 5, _num("{:.1f}")),
     ("time/train_s", "train_s", 7, _num("{:.1f}")),
     ("time/sync_s", "sync_s", 6, _num("{:.1f}")),
@@ -202,7 +203,7 @@ STEP_COLUMNS: tuple[tuple[str, str, int, CellFormat], ...] = (
 # printed once above the first header: the columns whose names do not say it
 LEGEND = (
     "groups: prompt groups kept / generated (dynamic sampling); "
-    "mism: max |log p trainer - log p engine| on sampled tokens"
+    "mism: max |logp trainer - logp engine|; mis_kl: their KL (k3)"
 )
 
 

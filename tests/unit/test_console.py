@@ -28,6 +28,7 @@ FULL = {
     "sampler/groups_kept": 512,
     "sampler/groups_seen": 1536,
     "mismatch/max": 4.9e-05,
+    "mismatch/k3": 1.1e-10,
     "time/gen_s": 812.3,
     "time/train_s": 1204.7,
     "time/sync_s": 21.4,
@@ -42,7 +43,7 @@ def test_rows_keep_the_same_columns_and_fit_120_characters():
     table.print_row(1, FULL)
     table.print_row(2, {k: v for k, v in FULL.items() if not k.startswith("eval/")})
     legend, header, row0, row1, row2 = out.getvalue().splitlines()
-    assert legend == LEGEND and len(LEGEND) <= TABLE_WIDTH  # says what "groups" and "mism" are
+    assert legend == LEGEND and len(LEGEND) <= TABLE_WIDTH  # says what "groups", "mism" and "mis_kl" are
     assert header.split() == ["step"] + [h for _, h, _, _ in STEP_COLUMNS]
     assert max(map(len, (header, row0, row1, row2))) <= TABLE_WIDTH
     # every row has a cell under every header: same number of fields, "-" where a value is missing
@@ -59,6 +60,7 @@ def test_rows_keep_the_same_columns_and_fit_120_characters():
         "12.50",
         "512/1536",
         "5e-05",
+        "1e-10",
         "812.3",
         "1204.7",
         "21.4",
