@@ -720,6 +720,11 @@ def _load_yaml_chain(path: Path, seen: tuple[Path, ...]) -> RawJson:
     base = data.pop("base", None)
     if base is None:
         return data
+    if not (path.parent / str(base)).resolve().is_file():  # the file that names it is the one to fix
+        raise ValueError(
+            f"config {path}: `base: {base}` names {(path.parent / str(base)).resolve()}, which does not exist "
+            "(a base is relative to the file that names it)"
+        )
     merged = _load_yaml_chain(path.parent / str(base), seen + (path,))
     _deep_merge(merged, data)
     return merged
@@ -962,7 +967,10 @@ def main(argv: list[str]) -> int:
     show = sub.add_parser("show", help="print the resolved config as YAML (base: files, overrides, defaults)")
     show.add_argument("config", help="CONFIG.yaml")
     show.add_argument("overrides", nargs="*", help="section.key=value")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as done:  # --help: 0; a usage mistake: 2, argparse has said what
+        return int(done.code or 0)
     cfg = load_config(args.config, args.overrides)
     print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
     return 0

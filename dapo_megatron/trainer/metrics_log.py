@@ -10,7 +10,8 @@ Metric names are "group/name" (wandb groups panels by the prefix). The console s
 columns of console.STEP_COLUMNS (a table that fits 120 characters); every key goes to the JSONL and wandb. On resume
 from step k,
 `MetricsLogger(..., resume_step=k)` drops the JSONL lines of steps after k (written after the last
-checkpoint) so the file reads as if the run had never stopped.
+checkpoint) so the file reads as if the run had never stopped, and continues the run's wandb run (its id
+in <run_dir>/run.json: trainer/run_record.py), saying in one line when the lr schedule changed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Literal, TextIO, TypeAlias
 from dapo_megatron.config import RawJson
 from dapo_megatron.trainer import console as _console
 from dapo_megatron.trainer.evaluation.scored_step import last_trained_step, score_note
+from dapo_megatron.trainer.run_record import RunRecord
 
 __all__ = [
     "PLOT_PANELS",
@@ -113,6 +115,10 @@ class MetricsLogger:
         self._console = console
         total_steps = (config or {}).get("trainer", {}).get("total_steps") if isinstance(config, Mapping) else None
         self._table = _console.StepTable(total_steps=total_steps, header_every=header_every, out=console)
+        # run.json: one wandb run per training run (its id kept across --resume and requeues), the lr schedule
+        self.record = RunRecord.open(self.run_dir, resume=resume_step is not None, config=dict(config or {}))
+        if resume_step is not None and (change := self.record.schedule_change(step=resume_step)):
+            print(change, file=console or sys.stdout, flush=True)
         self._wandb = None
         if wandb_mode != "disabled":
             import wandb
@@ -123,6 +129,7 @@ class MetricsLogger:
                 dir=str(self.run_dir),
                 mode=wandb_mode,
                 config=dict(config or {}),
+                id=self.record.wandb_id,
                 resume="allow" if resume_step is not None else None,
                 # quiet: no closing history/summary block on stderr (the run's own summary says it);
                 # close() names the offline run's sync command in one line instead

@@ -220,6 +220,13 @@ def test_n_of_one_is_fine_without_dynamic_sampling():
 def test_file_mistakes(tmp_path):
     missing = tmp_path / "nope.yaml"
     assert f"config file not found: {missing}" in _error([], path=missing)
+    (tmp_path / "sub").mkdir()
+    child = tmp_path / "sub" / "run.yaml"
+    child.write_text("base: ../presets/base.yaml\n")  # the file that names a missing base is the one to fix
+    assert _error([], path=child) == (
+        f"config {child}: `base: ../presets/base.yaml` names {tmp_path / 'presets' / 'base.yaml'}, which does "
+        "not exist (a base is relative to the file that names it)"
+    )
 
     a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
     a.write_text("base: b.yaml\ntrainer:\n  lr: 1.0e-6\n")
