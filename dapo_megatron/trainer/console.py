@@ -158,6 +158,17 @@ def _num(fmt: str) -> CellFormat:
     return cell
 
 
+def _per_second(metrics: Mapping[str, object], key: str) -> str | None:
+    """A throughput in 5 characters: 812, 3.5K, 11.2K, 123K, 1.2M."""
+    value = metrics.get(key)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return None if value is None else str(value)
+    for scale, suffix in ((1e6, "M"), (1e3, "K")):
+        if value >= scale:
+            return f"{value / scale:.1f}{suffix}" if value < 100 * scale else f"{value / scale:.0f}{suffix}"
+    return f"{value:.0f}"
+
+
 def _groups(metrics: Mapping[str, object], key: str) -> str | None:
     kept, seen = metrics.get("sampler/groups_kept"), metrics.get("sampler/groups_seen")
     if kept is None or seen is None:
@@ -182,7 +193,7 @@ def _get(metrics: Mapping[str, object], key: str) -> object:
 # (metric key, header, width, formatter). The set never changes from row to row; every other metric
 # is in metrics.jsonl (and wandb). "groups" = kept / generated groups of the dynamic sampler.
 STEP_COLUMNS: tuple[tuple[str, str, int, CellFormat], ...] = (
-    ("reward/mean", "reward", 7, _num("{:+.3f}")),
+    ("reward/mean", "reward", 6, _num("{:+.3f}")),
     ("acc/mean", "acc", 6, _num("{:.1%}")),
     ("eval/avg@k", "eval", 6, _num("{:.1%}")),
     ("response_length/mean", "len", 7, _num("{:.1f}")),
@@ -191,19 +202,21 @@ STEP_COLUMNS: tuple[tuple[str, str, int, CellFormat], ...] = (
     ("actor/approx_kl", "kl", 7, _num("{:.1e}")),
     ("actor/grad_norm", "gnorm", 6, _num("{:.2f}")),
     ("sampler/groups_kept", "groups", 8, _groups),
-    ("mismatch/max", "mism", 7, _num("{:.0e}")),
+    ("mismatch/max", "mism", 5, _num("{:.0e}")),
     ("mismatch/k3", "mis_kl", 6, _num("{:.0e}")),  # KL(engine || trainer), k3 (algo/mismatch.py)
+    # rollout tokens generated per second; the weight sync's seconds (time/sync_s) are in metrics.jsonl,
+    # the timeline and the closing summary
+    ("throughput/rollout_tok_s", "tok/s", 5, _per_second),
     ("time/gen_s", "gen_s", 5, _num("{:.1f}")),
     ("time/train_s", "train_s", 7, _num("{:.1f}")),
-    ("time/sync_s", "sync_s", 6, _num("{:.1f}")),
     ("time/step_s", "step_s", 6, _num("{:.1f}")),
 )
 
 
 # printed once above the first header: the columns whose names do not say it
 LEGEND = (
-    "groups: prompt groups kept / generated (dynamic sampling); "
-    "mism: max |logp trainer - logp engine|; mis_kl: their KL (k3)"
+    "groups: kept/generated prompt groups; mism: max |logp trainer - logp engine|, mis_kl: their KL (k3); "
+    "tok/s: rollout's"
 )
 
 

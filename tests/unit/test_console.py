@@ -29,6 +29,7 @@ FULL = {
     "sampler/groups_seen": 1536,
     "mismatch/max": 4.9e-05,
     "mismatch/k3": 1.1e-10,
+    "throughput/rollout_tok_s": 11234.5,
     "time/gen_s": 812.3,
     "time/train_s": 1204.7,
     "time/sync_s": 21.4,
@@ -43,7 +44,7 @@ def test_rows_keep_the_same_columns_and_fit_120_characters():
     table.print_row(1, FULL)
     table.print_row(2, {k: v for k, v in FULL.items() if not k.startswith("eval/")})
     legend, header, row0, row1, row2 = out.getvalue().splitlines()
-    assert legend == LEGEND and len(LEGEND) <= TABLE_WIDTH  # says what "groups", "mism" and "mis_kl" are
+    assert legend == LEGEND and len(LEGEND) <= TABLE_WIDTH  # says what "groups", "mism", "mis_kl", "tok/s" are
     assert header.split() == ["step"] + [h for _, h, _, _ in STEP_COLUMNS]
     assert max(map(len, (header, row0, row1, row2))) <= TABLE_WIDTH
     # every row has a cell under every header: same number of fields, "-" where a value is missing
@@ -61,14 +62,14 @@ def test_rows_keep_the_same_columns_and_fit_120_characters():
         "512/1536",
         "5e-05",
         "1e-10",
+        "11.2K",  # rollout tokens per second (time/sync_s: in metrics.jsonl, not a column)
         "812.3",
         "1204.7",
-        "21.4",
         "2047.9",
     ]
     assert row2.split()[3] == "-" and len(row2.split()) == len(row1.split())
     # right-aligned cells end where their header ends
-    for name in ("eval", "groups", "step_s"):
+    for name in ("eval", "groups", "tok/s", "step_s"):
         assert row1.index(row1.split()[header.split().index(name)]) + len(
             row1.split()[header.split().index(name)]
         ) == header.index(name) + len(name)

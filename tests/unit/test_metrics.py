@@ -44,7 +44,8 @@ def test_jsonl_round_trip_and_console(tmp_path):
     # one header, then one row per step with the same columns whether or not the step evaluated
     # (the table itself: tests/unit/test_console.py)
     assert len(lines) == 4 and lines[0].split()[:4] == ["step", "reward", "acc", "eval"]
-    dash = ["-"] * 6  # groups, mism and the four times: not logged by this test (entropy, clip_hi, kl neither)
+    # groups, mism, mis_kl, tok/s and the three times: not logged by this test (entropy, clip_hi, kl neither)
+    dash = ["-"] * 7
     assert lines[1].split() == ["1", "-0.500", "25.0%", "-", "11.5", "-", "-", "-", "0.75"] + dash
     assert lines[2].split() == ["2", "+0.000", "50.0%", "62.5%", "11.0", "-", "-", "-", "0.50"] + dash
     assert lines[3].split() == ["3", "+0.500", "75.0%", "-", "10.5", "-", "-", "-", "nan"] + dash
