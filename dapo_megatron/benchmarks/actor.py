@@ -103,7 +103,10 @@ def dapo_packing(tokens: int) -> list[int]:
 
 def write_random_checkpoint(out_dir: Path, *, num_layers: int, seed: int = 0, shape: dict = QWEN25_15B) -> Path:
     """config.json + random bf16 safetensors of a Qwen2.5-1.5B-shaped model (or `shape`; std 0.02, norms 1),
-    generated tensor by tensor (on the GPU when there is one): no transformers model is instantiated."""
+    generated tensor by tensor (on the GPU when there is one): no transformers model is instantiated.
+    model.safetensors appears whole or not at all (written beside, then renamed): the GPU plan's steps share
+    one checkpoint directory and reuse it when that file exists, so a step killed mid-write must not leave
+    a truncated one behind."""
     from safetensors.torch import save_file
     from transformers import Qwen2Config
 
@@ -118,7 +121,9 @@ def write_random_checkpoint(out_dir: Path, *, num_layers: int, seed: int = 0, sh
             tensors[name] = torch.ones(hf_shape, dtype=torch.bfloat16)
         else:
             tensors[name] = (0.02 * torch.randn(hf_shape, generator=gen, device=device)).to(torch.bfloat16).cpu()
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    partial = out_dir / f"model.safetensors.partial.{os.getpid()}"
+    save_file(tensors, str(partial), metadata={"format": "pt"})
+    os.replace(partial, out_dir / "model.safetensors")
     return out_dir
 
 

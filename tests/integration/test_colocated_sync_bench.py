@@ -57,3 +57,28 @@ def test_an_engine_that_does_not_start_says_why_from_its_log(tmp_path):
     assert "the last " in text and str(log) in text
     # the engine's own words about the model it could not load reach the error
     assert "no_such_model" in text.split(str(log), 1)[1], text
+
+
+def test_a_checkpoint_cut_off_mid_write_is_not_left_for_the_next_step(tmp_path, monkeypatch):
+    """sync_bench and attention_rows share one random checkpoint and reuse it when model.safetensors exists
+    (issue 49): a write that dies part-way leaves no model.safetensors; a whole one has every tensor."""
+    import safetensors.torch
+    from safetensors import safe_open
+
+    from dapo_megatron.benchmarks.actor import TINY, write_random_checkpoint
+
+    real_save = safetensors.torch.save_file
+
+    def dies_after_writing(tensors, path, metadata=None):
+        real_save(dict(list(tensors.items())[:2]), path, metadata=metadata)  # part of it on disk
+        raise KeyboardInterrupt("the step's budget ran out")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", dies_after_writing)
+    with pytest.raises(KeyboardInterrupt):
+        write_random_checkpoint(tmp_path / "cut", num_layers=2, shape=TINY)
+    assert not (tmp_path / "cut" / "model.safetensors").exists()
+    monkeypatch.setattr(safetensors.torch, "save_file", real_save)
+    out = write_random_checkpoint(tmp_path / "whole", num_layers=2, shape=TINY)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert len(list(f.keys())) == 2 * 12 + 2  # 12 per layer, the embedding and the final norm (tied head)
