@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import time
+import traceback
 
 import torch
 
@@ -117,16 +118,27 @@ def run(*, names, tokens, repeats: int, csv, device: str) -> list[dict]:
             fn = CANDIDATES[name][0]
             if name == "torch" and num > TORCH_MAX_TOKENS:
                 continue
-            if num == min(tokens):
-                us = host_us(fn, args, calls=200 if device == "cuda" else 1, device=device)
-                out.add(name, "fwd", "host_us", "us", x, us)
+            try:
+                if num == min(tokens):
+                    us = host_us(fn, args, calls=200 if device == "cuda" else 1, device=device)
+                    out.add(name, "fwd", "host_us", "us", x, us)
+            except Exception:  # noqa: BLE001 - a candidate's bug: named, and the others still run (below)
+                traceback.print_exc()
+                out.add(name, "fwd", "ms", "ms", x, "error")
+                table.append({"candidate": name, "mode": "fwd", "tokens": num, "us": "error"})
+                out.flush()
+                continue
             for mode in ("fwd", "fwd_bwd"):
                 try:
                     p50, p20, p80 = _time_one(fn, args, num, mode, repeats=repeats, device=device)
                 except Exception as err:  # noqa: BLE001 - an OOM row is a result; anything else is a bug
+                    # a bug: its traceback printed, an "error" row, and the other candidates still timed (one
+                    # GPU call: a wrong launcher must not cost the rows of every other candidate; issue 49)
                     if not is_oom(err):
-                        raise
-                    out.add(name, mode, "ms", "ms", x, "oom")
+                        traceback.print_exc()
+                    value = "oom" if is_oom(err) else "error"
+                    out.add(name, mode, "ms", "ms", x, value)
+                    table.append({"candidate": name, "mode": mode, "tokens": num, "us": value})
                     continue
                 gbs = BYTES_PER_TOKEN[mode] * num / (p50 * 1e-3) / 1e9
                 out.add(name, mode, "ms", "ms", x, p50, p20, p80)
@@ -137,8 +149,8 @@ def run(*, names, tokens, repeats: int, csv, device: str) -> list[dict]:
                 if num == min(tokens) and mode == "fwd":
                     row["host_us"] = f"{us:.1f}"
                 table.append(row)
+            out.flush()  # this candidate's rows on disk before the next one compiles
         del args
-        out.flush()
     print_table(table, ["candidate", "mode", "tokens", "us", "GB/s", "%copy", "host_us"])
     return table
 
@@ -161,14 +173,14 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown --loss-candidates {unknown}; choose from {list(CANDIDATES)}")
     if args.dry_run:
-        run(names=names, tokens=(700,), repeats=1, csv=args.csv, device="cpu")
-        return 0
+        table = run(names=names, tokens=(700,), repeats=1, csv=args.csv, device="cpu")
+        return 1 if any(r.get("us") == "error" for r in table) else 0
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to time (--dry-run runs the code in the interpreter)")
         return 1
     tokens = QUICK_TOKENS if args.quick else tuple(int(t) for t in args.loss_tokens.split(","))
-    run(names=names, tokens=tokens, repeats=args.loss_repeats, csv=args.csv, device="cuda")
-    return 0
+    table = run(names=names, tokens=tokens, repeats=args.loss_repeats, csv=args.csv, device="cuda")
+    return 1 if any(r.get("us") == "error" for r in table) else 0  # the step fails, its rows kept
 
 
 if __name__ == "__main__":

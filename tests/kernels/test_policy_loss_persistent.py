@@ -250,6 +250,28 @@ def test_variants_script_dry_run_writes_every_row(tmp_path):
         variants_policy_loss.main(["--dry-run", "--loss-candidates", "fused,nope"])
 
 
+@pytest.mark.skipif(not dapo_kernels.INTERPRET, reason="the CPU dry run (on a GPU, run_all.sh runs the real one)")
+def test_variants_script_keeps_the_other_candidates_when_one_raises(tmp_path, monkeypatch):
+    """Issue 49: a candidate with a bug (the direct launcher now really runs on a GPU, for the first time)
+    gets "error" rows and its traceback; the candidates after it are still timed; the script exits 1."""
+    import csv
+
+    from dapo_kernels.bench import variants_policy_loss
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a launcher that does not match this triton")
+
+    monkeypatch.setitem(variants_policy_loss.CANDIDATES, "persistent", (broken, "broken"))
+    path = tmp_path / "kernels.csv"
+    assert variants_policy_loss.main(["--dry-run", "--loss-candidates", "persistent,fused", "--csv", str(path)]) == 1
+    rows = list(csv.DictReader(path.open()))
+    assert [(r["mode"], r["metric"], r["p50"]) for r in rows if r["provider"] == "persistent"] == [
+        ("fwd", "ms", "error")
+    ]
+    fused = {(r["mode"], r["metric"]) for r in rows if r["provider"] == "fused"}
+    assert ("fwd_bwd", "pct_of_copy") in fused and ("fwd", "host_us") in fused
+
+
 def test_direct_launch_unless_a_launch_hook_is_installed(monkeypatch):
     """Issue 49: on triton >= 3.6 the hook slots are HookChain objects, never None, so the old test
     (`launch_enter_hook is not None`) sent every call through the JIT and `persistent` timed the same code
