@@ -17,7 +17,8 @@ kernel is not a candidate), so no Triton kernel is compiled before the first var
 Order (issue 49): the comparison the GPU call is for comes first, fused_tma's default tiles then Liger,
 then the other TMA tiles, then the older schedules, and each variant's rows are appended to the CSV
 (kernel linear_logprob_entropy_variants, with device and date, as bench_logprob's) the moment it
-finishes: a call cut off at its budget keeps every variant that ran. The GPU plan runs it with
+finishes: a call cut off at its budget keeps every variant that ran, and a variant that raises gets an
+`error` row and its traceback while the others still run (exit 1). The GPU plan runs it with
 DAPO_KERNELS_AUTOTUNE=0 (fused / fused_cublas / fused_rowchunk on their first tile config, one compile
 each instead of four; the tma variants pin their tiles anyway).
 """
@@ -25,6 +26,7 @@ each instead of four; the tma variants pin their tiles anyway).
 from __future__ import annotations
 
 import argparse
+import traceback
 
 import torch
 
@@ -135,12 +137,17 @@ def run_variants(*, n: int, h: int, v: int, tp: int, variants: list[str], repeat
     try:
         for variant in variants:
             persistent.TILES = tiles.get(variant, saved_tiles)
-            lp = _logprob(variant, *inputs)
-            agree = "" if lp is None else f"{(lp - reference).abs().max().item():.1e}"
-            if lp is not None and not (lp - reference).abs().max().item() <= AGREEMENT:
-                agree += " MISMATCH"
-            for mode in ("fwd", "fwd_bwd"):
-                _add_row(out, table, variant, mode, x, agree, matmul, inputs, repeats=repeats, device=device)
+            try:
+                lp = _logprob(variant, *inputs)
+                agree = "" if lp is None else f"{(lp - reference).abs().max().item():.1e}"
+                if lp is not None and not (lp - reference).abs().max().item() <= AGREEMENT:
+                    agree += " MISMATCH"
+                for mode in ("fwd", "fwd_bwd"):
+                    _add_row(out, table, variant, mode, x, agree, matmul, inputs, repeats=repeats, device=device)
+            except Exception:  # noqa: BLE001 - a variant's bug: named, and the others still run (one GPU call)
+                traceback.print_exc()
+                out.add(variant, "fwd", "ms", "ms", x, "error")
+                table.append({"variant": variant, "mode": "fwd", "ms": "error"})
             out.flush()  # this variant's rows are on disk before the next one compiles
     finally:
         persistent.TILES = saved_tiles
@@ -193,14 +200,16 @@ def main(argv=None) -> int:
     if args.cpu_dry_run:
         if not args.csv:
             raise ValueError("--cpu-dry-run needs --csv: the default results/kernels.csv keeps GPU measurements only")
-        run_variants(n=20, h=32, v=260, tp=2, variants=variants, repeats=1, csv=args.csv, device="cpu")
-        return 0
+        table = run_variants(n=20, h=32, v=260, tp=2, variants=variants, repeats=1, csv=args.csv, device="cpu")
+        return 1 if any(r.get("ms") == "error" for r in table) else 0
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to time (use --cpu-dry-run to run the code in the interpreter)")
         return 1
     h, v = model_shape(args.model)
-    run_variants(n=args.n, h=h, v=v, tp=args.tp, variants=variants, repeats=args.repeats, csv=args.csv, device="cuda")
-    return 0
+    table = run_variants(
+        n=args.n, h=h, v=v, tp=args.tp, variants=variants, repeats=args.repeats, csv=args.csv, device="cuda"
+    )
+    return 1 if any(r.get("ms") == "error" for r in table) else 0  # the step fails, every variant's rows kept
 
 
 if __name__ == "__main__":

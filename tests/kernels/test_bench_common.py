@@ -200,6 +200,30 @@ def test_variants_script_runs_fused_tma_and_liger_first_and_keeps_each_variants_
     assert timed == [(tma[0], "fwd"), (tma[0], "fwd_bwd"), (tma[1], "fwd"), (tma[1], "fwd_bwd")]
 
 
+@pytest.mark.skipif(not dapo_kernels.INTERPRET, reason="the CPU dry run needs the Triton interpreter")
+def test_variants_script_keeps_the_other_variants_when_one_raises(tmp_path, monkeypatch):
+    """A variant with a bug (fused_tma has never run on a GPU) gets an error row; Liger after it still runs."""
+    from dapo_kernels.bench import variants_logprob
+
+    tma = next(iter(variants_logprob.tma_variants()))
+    real = variants_logprob._time_variant
+
+    def tma_breaks(variant, *args, **kwargs):
+        if variant == tma:
+            raise RuntimeError("a TMA descriptor this triton refuses")
+        return real(variant, *args, **kwargs)
+
+    monkeypatch.setattr(variants_logprob, "_time_variant", tma_breaks)
+    path = tmp_path / "variants.csv"
+    assert variants_logprob.main(["--cpu-dry-run", "--csv", str(path), "--variants", f"{tma},fused"]) == 1
+    rows = list(csv.DictReader(path.open()))
+    assert [(r["mode"], r["p50"]) for r in rows if r["provider"] == tma] == [("fwd", "error")]
+    assert {(r["mode"], r["metric"]) for r in rows if r["provider"] == "fused"} >= {
+        ("fwd", "ms"),
+        ("fwd_bwd", "tflops"),
+    }
+
+
 def test_variants_reference_is_float32_log_softmax_in_row_chunks():
     """The log-probs every variant is checked against, by hand on a tiny case: chunking changes nothing."""
     from dapo_kernels.bench import variants_logprob
