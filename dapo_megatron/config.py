@@ -238,6 +238,7 @@ class AlgorithmConfig:
     rejection_upper: float | None = None
     rejection_lower: float | None = None  # null: 1 / rejection_upper
     veto_threshold: float | None = None  # drop a response holding a token with pi_old / pi_rollout below it
+    bypass_old_logprobs: bool = False  # pi_old := the engine's log-probs: the trainer's old-log-prob pass is skipped
     advantage_eps: float = 1e-6
 
     def validate(self) -> None:
@@ -343,6 +344,16 @@ def _validate_rollout_correction(a: AlgorithmConfig) -> None:
         a.veto_threshold,
         "null (off) or in (0, 1), e.g. 1e-4: a token the trainer finds 10^4 times less likely than the engine",
     )
+    if a.bypass_old_logprobs:
+        keys = ("tis_cap", "seq_is_cap", "rejection", "veto_threshold")
+        for key in keys:
+            _require(
+                getattr(a, key) is None,
+                f"algorithm.{key}",
+                getattr(a, key),
+                "null with algorithm.bypass_old_logprobs=true: pi_old is then the engine's pi_rollout, so "
+                "pi_old / pi_rollout = 1 and there is nothing to correct (the clip acts on pi_theta / pi_rollout)",
+            )
 
 
 @dataclass
@@ -848,6 +859,13 @@ def validate(cfg: Config) -> None:
 def _validate_across_sections(cfg: Config) -> None:
     """The rules that tie one section's keys to another's."""
     r, a, ac, tn = cfg.rollout, cfg.algorithm, cfg.actor, cfg.tiny
+    _require(
+        r.max_staleness == 0 or not a.bypass_old_logprobs,
+        "algorithm.bypass_old_logprobs",
+        a.bypass_old_logprobs,
+        f"false with rollout.max_staleness={r.max_staleness}: the decoupled objective of overlapped steps "
+        "needs pi_prox, the trainer's log-probs under its current weights, which the bypass skips",
+    )
     _require(
         r.max_staleness == 0 or a.tis_cap is not None,
         "rollout.max_staleness",

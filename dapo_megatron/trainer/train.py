@@ -116,6 +116,8 @@ def scatter(batch: RolloutBatch | None, actor: Actor, *, sequences_per_mini_batc
 def old_logprobs(share, actor, ref, *, reports: bool) -> dict[str, float]:
     """pi_old (and pi_ref with the KL penalty) into the share's batch; their metrics: entropy,
     trainer/engine mismatch and, for MoE models, routing agreement with the engine."""
+    if actor.settings.algorithm.bypass_old_logprobs:
+        return bypass_old_logprobs(share, ref)
     old = actor.logprobs(share)
     share.batch.old_logprobs = old.logprobs
     if ref is not None:
@@ -124,6 +126,18 @@ def old_logprobs(share, actor, ref, *, reports: bool) -> dict[str, float]:
         share.batch, old.logprobs, old.entropies, reports=reports, correction=actor.objective.rollout_correction
     )
     return {**metrics, **old.routing}
+
+
+def bypass_old_logprobs(share, ref) -> dict[str, float]:
+    """algorithm.bypass_old_logprobs: the engine's log-probs stand in for pi_old, so the trainer's forward
+    over every token of the step is skipped (the PPO ratio and its clip are then taken against the
+    engine's policy; nothing is measured against it: docs/algorithm.md 11)."""
+    if share.batch.num_sequences and share.batch.rollout_logprobs is None:
+        raise ValueError("algorithm.bypass_old_logprobs=true needs the engines' log-probs (the batch has none)")
+    share.batch.old_logprobs = share.batch.rollout_logprobs
+    if ref is not None:
+        share.batch.ref_logprobs = ref.logprobs(share).logprobs
+    return {}
 
 
 def train_rank(cfg: Config, *, resume: bool) -> int:

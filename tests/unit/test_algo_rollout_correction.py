@@ -368,3 +368,38 @@ def test_sensible_combinations_load():
         None,
         1e-4,
     )
+
+
+# --- the bypass: the engine's log-probs as pi_old -----------------------------------------------------
+
+
+def test_the_bypass_is_refused_where_it_cannot_be_right_naming_the_keys():
+    assert load_config(TINY, ["algorithm.bypass_old_logprobs=true"]).algorithm.bypass_old_logprobs
+    with pytest.raises(ValueError, match="config key 'algorithm.tis_cap'.*bypass_old_logprobs"):
+        load_config(TINY, ["algorithm.bypass_old_logprobs=true", "algorithm.tis_cap=2"])
+    with pytest.raises(ValueError, match="config key 'algorithm.veto_threshold'.*bypass_old_logprobs"):
+        load_config(TINY, ["algorithm.bypass_old_logprobs=true", "algorithm.veto_threshold=1e-4"])
+    with pytest.raises(ValueError, match="config key 'algorithm.bypass_old_logprobs'.*rollout.max_staleness=1"):
+        load_config(TINY, ["algorithm.bypass_old_logprobs=true", "rollout.max_staleness=1"])
+
+
+def test_the_bypass_puts_the_engines_logprobs_in_place_of_pi_old():
+    from dapo_megatron.dataplane.sample import Sample
+    from dapo_megatron.dataplane.share import PackSettings, share_of_samples
+    from dapo_megatron.trainer.train import bypass_old_logprobs
+
+    samples = [
+        Sample(prompt_ids=[5, 6], response_ids=[7, 8, 9], group_index=0, rollout_logprobs=[-0.5, -1.25, -2.0]),
+        Sample(prompt_ids=[5], response_ids=[10], group_index=0, rollout_logprobs=[-0.125]),
+    ]
+    pack = PackSettings(micro_batch_tokens=64)
+    share = share_of_samples(samples, settings=pack, dp_size=1, dp_rank=0)
+    assert bypass_old_logprobs(share, None) == {}  # nothing measured: no trainer log-probs
+    assert share.batch.old_logprobs is not None and share.batch.rollout_logprobs is not None
+    assert torch.equal(share.batch.old_logprobs, share.batch.rollout_logprobs)
+    assert sorted(share.batch.old_logprobs.tolist()) == [-2.0, -1.25, -0.5, -0.125]
+    bare = share_of_samples(
+        [Sample(prompt_ids=[5], response_ids=[7], group_index=0)], settings=pack, dp_size=1, dp_rank=0
+    )
+    with pytest.raises(ValueError, match="algorithm.bypass_old_logprobs=true needs the engines' log-probs"):
+        bypass_old_logprobs(bare, None)
