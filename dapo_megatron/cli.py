@@ -51,6 +51,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "check the allocation before a run: GPUs, imports, shared run dir, clocks, ports, routes, links",
     ),
     "plot": ("dapo_megatron.trainer.metrics_log", "plot_main", "PNG of a run's curves"),
+    "status": (
+        "dapo_megatron.launch.run_status",
+        "main",
+        "where a run stands (local or Slurm): live, step, tokens/s, time per step, ETA, last eval, engines, errors",
+    ),
     "ladder": (
         "dapo_megatron.launch.ladder",
         "main",

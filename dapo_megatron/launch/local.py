@@ -35,7 +35,7 @@ from dapo_megatron.memplan.report import check_before_launch
 from dapo_megatron.quant.engine_checkpoint import fp8_rollout_dir, prepare_fp8_rollout
 from dapo_megatron.rollout.auth import ensure_secret_file, keys_from_config, run_secret_path
 from dapo_megatron.rollout.registry import read_registrations
-from dapo_megatron.trainer import console, metrics_log
+from dapo_megatron.trainer import console, console_log, metrics_log
 
 
 def check_cores(cores: list[int], key: str) -> None:
@@ -349,6 +349,9 @@ def _launch_locked(
         total_steps=cfg.trainer.total_steps,
         command=f"dapo-megatron train {config_path}",
     )
+    # the console from here on also goes to logs/train.log (appended; after --overwrite cleared the old run's)
+    flags = (" --resume" if resume else "") + (" --overwrite" if overwrite else "")
+    console_log.start(run_dir, header=f"dapo-megatron train {config_path}{flags} {' '.join(overrides)}".rstrip())
     if decision.message:
         print(decision.message, flush=True)
     if decision.nothing_to_do:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +23,7 @@ from dapo_megatron.dataplane.scatter import scatter_batch
 from dapo_megatron.dataplane.share import BatchShare
 from dapo_megatron.distributed.layout import ParallelLayout
 from dapo_megatron.distributed.roles import RankRoles
-from dapo_megatron.trainer import console, heap
+from dapo_megatron.trainer import console, console_log, heap
 from dapo_megatron.trainer.checkpoint.checkpointer import Checkpointer
 from dapo_megatron.trainer.checkpoint.files import TrainerState
 from dapo_megatron.trainer.driver import Driver
@@ -149,6 +150,8 @@ def train_rank(cfg: Config, *, resume: bool) -> int:
     console.quiet_backend_warnings()  # before megatron-core is imported (trainer/console.py: which, and why)
 
     parallel.init_distributed()
+    if torch.distributed.get_rank() == 0:  # the driver: its console (the step table) also to logs/train.log
+        console_log.start(cfg.trainer.output_dir)
     tr = cfg.trainer
     with (
         parallel.model_parallel(
@@ -234,6 +237,7 @@ def open_metrics(cfg: Config, resumed: TrainerState | None) -> MetricsLogger:
         wandb_project=tr.wandb_project,
         config=cfg.to_dict(),
         resume_step=None if resumed is None else resumed.step,
+        console=sys.stdout,  # this process's stdout now (console_log's copy to logs/train.log), not at import
     )
 
 

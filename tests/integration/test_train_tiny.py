@@ -82,6 +82,8 @@ def stop_by_sigterm_then_resume(out: Path, cache: Path) -> dict:
         time.sleep(0.2)
     assert first_step_logged(), "no step finished within 300 s"
     family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    status = [sys.executable, "-m", "dapo_megatron.cli", "status", str(out)]
+    live = subprocess.run(status, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)  # while it runs
     t_signal = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     rc = proc.wait(timeout=300)
@@ -102,7 +104,37 @@ def stop_by_sigterm_then_resume(out: Path, cache: Path) -> dict:
         "first": first,
         "resumed": [json.loads(line) for line in metrics.read_text().splitlines()],
         "resumed_output": resumed.stdout + resumed.stderr,
+        "pid": proc.pid,
+        "status_live": live.stdout + live.stderr,
+        "status_done": subprocess.run(status, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60).stdout,
     }
+
+
+def test_status_while_it_runs_and_the_log_across_a_resume(runs):
+    """`dapo-megatron status` on the stopped-and-resumed run B: live (its launcher holds the lock) with its
+    step and that step's tokens/s while it ran; finished after the resume. logs/train.log holds both
+    starts' consoles, the second's header naming --resume."""
+    stop, out = runs["stop"], runs["root"] / "b"
+    live = stop["status_live"].splitlines()
+    assert live[0].startswith(f"run {out}: live (local: pid {stop['pid']} on "), stop["status_live"]
+    step = int(live[1].split()[1])
+    assert live[1] == f"  step:        {step} of 4" and 1 <= step <= 4
+    record = next(r for r in stop["first"] if r["step"] == step)
+
+    def rate(value: float) -> str:  # as the status prints it: 812, 3.5K
+        return f"{value / 1e3:.1f}K" if value >= 1e3 else f"{value:.0f}"
+
+    keys = (("rollout", "throughput/rollout_tok_s"), ("train", "throughput/train_tok_s"))
+    rates = [f"{name} {rate(record[key])} tok/s" for name, key in keys]
+    assert live[2].endswith("; " + ", ".join(rates)), live[2]
+    assert stop["status_done"].splitlines()[:2] == [f"run {out}: finished", "  step:        4 of 4"]
+    log = (out / "logs" / "train.log").read_text().splitlines()
+    headers = [line for line in log if line.startswith("===== ")]
+    assert len(headers) == 2 and " --resume " in headers[1] and " --resume " not in headers[0]
+    second = log[log.index(headers[1]) :]
+    assert f"[train] resuming {out} from step 2 of 4 (step_000002)" in second
+    assert any(line.lstrip().startswith("1/4 ") for line in log[: log.index(headers[1])])  # the first start's table
+    assert any(line.lstrip().startswith("4/4 ") for line in second) and "[train] done." in "\n".join(second)
 
 
 def test_metrics_are_written_and_sane(runs):
