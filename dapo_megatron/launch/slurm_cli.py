@@ -26,6 +26,7 @@ import sys
 
 from dapo_megatron.config import load_config
 from dapo_megatron.launch import status
+from dapo_megatron.launch.render import python_of
 
 _RENDERERS = ("train", "engines", "bench_kernels")
 
@@ -92,15 +93,7 @@ def _submit(argv: list[str]) -> int:
     args = _submit_parser().parse_intermixed_args(argv)
     configs, overrides = _split(args.args)
     plan_lines: list[str] = []  # the memory plan's verdicts; a plan that does not fit raises before any submission
-    if args.engines and (args.sweep or args.eval or args.bench_kernels):
-        raise ValueError("--engines goes with a training run, not with --sweep, --eval or --bench-kernels")
-    if (args.resume or args.overwrite or args.skip_data_check) and (args.eval or args.bench_kernels):
-        raise ValueError(
-            "--resume, --overwrite and --skip-data-check go with a training run or --sweep, "
-            "not with --eval or --bench-kernels (which neither write the run nor take its lock)"
-        )
-    if args.preflight and (args.sweep or args.eval or args.bench_kernels):
-        raise ValueError("--preflight goes with a training run, not with --sweep, --eval or --bench-kernels")
+    _check_flags(args)
     checks = None
     if args.sweep:
         if configs:
@@ -123,8 +116,15 @@ def _submit(argv: list[str]) -> int:
             _check_memory(plan, plan_lines)
         # in use, run directory, data: refused here (exit 2) before anything is written or submitted
         checks = submit_guard.check_training_submission(
-            plan, resume=args.resume, overwrite=args.overwrite, command=command, skip_data_check=args.skip_data_check
+            plan,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            command=command,
+            skip_data_check=args.skip_data_check,
+            dry_run=args.dry_run,
         )
+    if args.dry_run and not args.sweep:
+        plan_lines.append(_interpreter_line(cfg))
     if checks is not None and submit_guard.report(checks, out=plan_lines.append) == 0:
         print("\n".join([*plan_lines, "[slurm submit] nothing to submit"]))  # --resume of finished runs
         return 0
@@ -139,6 +139,34 @@ def _submit(argv: list[str]) -> int:
     if not args.dry_run:
         print(f"run directory: {plan.run_dir}   (dapo-megatron slurm status {plan.run_dir})")
     return 0
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """The flags that go with a training run only: a ValueError naming them, before any plan is made."""
+    if args.engines and (args.sweep or args.eval or args.bench_kernels):
+        raise ValueError("--engines goes with a training run, not with --sweep, --eval or --bench-kernels")
+    if (args.resume or args.overwrite or args.skip_data_check) and (args.eval or args.bench_kernels):
+        raise ValueError(
+            "--resume, --overwrite and --skip-data-check go with a training run or --sweep, "
+            "not with --eval or --bench-kernels (which neither write the run nor take its lock)"
+        )
+    if args.preflight and (args.sweep or args.eval or args.bench_kernels):
+        raise ValueError("--preflight goes with a training run, not with --sweep, --eval or --bench-kernels")
+
+
+def _interpreter_line(cfg) -> str:
+    """Which Python the rendered jobs run (render.python_of) and how to name another."""
+    s, python = cfg.slurm, python_of(cfg)
+    if s.python:
+        why = "slurm.python"
+    elif s.setup:
+        why = "`python` on the PATH once the slurm.setup lines ran"
+    else:
+        why = "the interpreter of this `slurm submit` (no slurm.setup, no slurm.python): it must exist on the nodes"
+    return (
+        f"[slurm submit] the jobs run {python} ({why}); another: slurm.python=/path/to/python or "
+        "\"slurm.setup=['source /path/to/venv/bin/activate']\""
+    )
 
 
 def _warn_cluster_defaults(plan) -> None:

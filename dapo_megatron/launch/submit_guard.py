@@ -165,12 +165,18 @@ def check_lock(run_dir: Path, *, run: Squeue = _squeue) -> None:
     raise refusal(run_dir, live)
 
 
-def check_data(cfg: Config, *, skip: bool) -> str:
-    """Every train/eval row of cfg (ValueError naming file, row and key); returns the line to print."""
+def check_data(cfg: Config, *, skip: bool, dry_run: bool = False) -> str:
+    """Every train/eval row of cfg (ValueError naming file, row and key); returns the line to print.
+    dry_run: a data file missing here is a warning (a dry run only looks; a real submit refuses it)."""
     if skip:
         return "data not checked (--skip-data-check): the job checks every row before training starts"
     files = [(f"data.{key}", getattr(cfg.data, key)) for key in ("train_path", "eval_path")]
     for key, path in files + [(f"data.eval_sets.{name}", path) for name, path in cfg.data.eval_sets.items()]:
+        if path and not Path(path).is_file() and dry_run:
+            return (
+                f"warning: data not checked: config key '{key}': {path} is not a file on this machine; "
+                "a real submit refuses this unless --skip-data-check (then the job checks every row)"
+            )
         if path and not Path(path).is_file():
             raise ValueError(
                 f"config key '{key}': {path} is not a file on this machine; if it exists only "
@@ -205,7 +211,14 @@ class RunCheck:
 
 
 def check_training_submission(
-    plan, *, resume: bool, overwrite: bool, command: str, skip_data_check: bool = False, run: Squeue = _squeue
+    plan,
+    *,
+    resume: bool,
+    overwrite: bool,
+    command: str,
+    skip_data_check: bool = False,
+    dry_run: bool = False,
+    run: Squeue = _squeue,
 ) -> list[RunCheck]:
     """Every check of a training plan (plan_train / plan_sweep), in the order a user fixes them: in use,
     then the run directory, then the data. Raises (RunDirInUse, QueueUnavailable, ValueError) before
@@ -254,12 +267,17 @@ def check_training_submission(
                     message = message.replace(" resuming ", " the job resumes ", 1)
                 check = RunCheck(label, run_dir, nothing_to_do=decision.nothing_to_do, message=message)
         if not check.nothing_to_do:
-            try:
-                check.data_line = f"[slurm submit] {where}{check_data(cfg, skip=skip_data_check)}"
-            except ValueError as err:
-                raise ValueError(f"{where}{err}") from None
+            check.data_line = _data_line(cfg, where, skip=skip_data_check, dry_run=dry_run)
         checks.append(check)
     return checks
+
+
+def _data_line(cfg: Config, where: str, *, skip: bool, dry_run: bool) -> str:
+    """check_data's line for one run of the plan (a sweep's named); its ValueError names the run too."""
+    try:
+        return f"[slurm submit] {where}{check_data(cfg, skip=skip, dry_run=dry_run)}"
+    except ValueError as err:
+        raise ValueError(f"{where}{err}") from None
 
 
 def clear_for_overwrite(checks: list[RunCheck], *, dry_run: bool = False, out: Callable[[str], None] = print) -> None:
