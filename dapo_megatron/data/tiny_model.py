@@ -25,7 +25,7 @@ import json
 import math
 import random
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -258,9 +258,10 @@ def warm_start(
     label_smoothing: float = 0.0,
     cached_only: bool = False,
     responses: Sequence[str] | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> Path:
     """Supervised pass: `steps` AdamW updates on random batches of (prompt, "Answer: N"), cached
-    (cached_only: the cached pass or ValueError, no training).
+    (cached_only: the cached pass or ValueError, no training). on_step(n): n updates done (progress).
 
     Returns `<out_dir>/tiny_model/warm`. `label_smoothing` (eps) is the knob that sets the starting
     accuracy, not `steps`: stopping the supervised pass early lands anywhere between 4% and 66%
@@ -296,9 +297,21 @@ def warm_start(
             seed=seed,
             label_smoothing=label_smoothing,
             responses=responses,
+            on_step=on_step,
         )
     finally:
         torch.set_num_threads(threads)
+
+
+def _warm_start_lr(step: int, *, steps: int, lr: float) -> float:
+    """Linear warm-up over the first tenth of the steps, then cosine down to 10% of lr."""
+    warmup = max(1, steps // 10)
+    frac = (
+        (step + 1) / warmup
+        if step < warmup
+        else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+    )
+    return lr * min(1.0, frac)
 
 
 def _warm_start(
@@ -314,6 +327,7 @@ def _warm_start(
     seed: int,
     label_smoothing: float,
     responses: Sequence[str] | None,
+    on_step: Callable[[int], None] | None = None,
 ) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -326,15 +340,9 @@ def _warm_start(
     smooth_ids = torch.tensor([i for i in range(len(tok)) if i == tok.eos_token_id or i >= len(SPECIAL_TOKENS)])
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    warmup = max(1, steps // 10)
     for step in range(steps):
-        for g in opt.param_groups:  # linear warm-up, then cosine to 10% of lr
-            frac = (
-                (step + 1) / warmup
-                if step < warmup
-                else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-            )
-            g["lr"] = lr * min(1.0, frac)
+        for g in opt.param_groups:
+            g["lr"] = _warm_start_lr(step, steps=steps, lr=lr)
         idx = [rng.randrange(len(prompts)) for _ in range(batch_size)]
         batch = sft_batch(
             tok,
@@ -352,6 +360,8 @@ def _warm_start(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if on_step is not None:
+            on_step(step + 1)
     model.eval()
 
     def save(tmp: Path) -> None:
@@ -402,7 +412,9 @@ def _moe_spec_fields(tn) -> dict:
     )
 
 
-def prepare_tiny_model(tiny, synthetic, *, out_dir: str | Path, seed: int, max_positions: int) -> str:
+def prepare_tiny_model(
+    tiny, synthetic, *, out_dir: str | Path, seed: int, max_positions: int, on_step: Callable[[int], None] | None = None
+) -> str:
     """Build (or reuse) `<tiny.cache_dir or out_dir>/tiny_model/warm` from the config's tiny section and
     the synthetic train set (data.synthetic); max_positions: the longest prompt + response.
 
@@ -441,5 +453,6 @@ def prepare_tiny_model(tiny, synthetic, *, out_dir: str | Path, seed: int, max_p
         label_smoothing=tn.label_smoothing,
         cached_only=tn.require_cached,
         responses=responses,
+        on_step=on_step,
     )
     return str(warm)

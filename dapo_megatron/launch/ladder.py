@@ -34,6 +34,8 @@ from typing import TypedDict
 
 from dapo_megatron.config import load_config
 from dapo_megatron.launch.lifeline import with_lifeline
+from dapo_megatron.trainer.progress_line import ProgressLine
+from dapo_megatron.trainer.run_status import read_progress
 
 MANIFEST = "ladder.json"
 DONE = "ladder_done.json"
@@ -107,12 +109,31 @@ def _flock(path: Path, *, wait: bool) -> Iterator[bool]:
         yield True
 
 
-def _run_command(cmd: list[str], log: Path, *, mode: str) -> int:
+def _run_command(cmd: list[str], log: Path, *, mode: str, progress_of: Path | None = None, label: str = "") -> int:
+    """Run cmd with its output in log; progress_of: a run directory whose steps make a progress line
+    (trainer/progress_line.py: redrawn in a terminal, one line per interval otherwise) while it runs."""
     with open(log, mode) as out:
         out.write(" ".join(cmd) + "\n")
         out.flush()
         # with_lifeline: the run gets SIGTERM (and stops at the end of its step) if the ladder dies
-        return subprocess.call(with_lifeline(cmd), stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(with_lifeline(cmd), stdout=out, stderr=subprocess.STDOUT)
+    line: ProgressLine | None = None
+    try:
+        while proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=1.0)
+            run = read_progress(progress_of) if progress_of is not None else None
+            if run is not None and run.step is not None and run.total_steps:
+                line = line or ProgressLine(label, total=run.total_steps)
+                line.update(run.step)
+    except BaseException:  # as subprocess.call: the run does not outlive an interrupted ladder
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        if line is not None:
+            line.close()
+    return proc.returncode
 
 
 def run_rung(config: Path, run_dir: Path, *, seed: int, overrides: list[str], cache: Path) -> float:
@@ -127,7 +148,8 @@ def run_rung(config: Path, run_dir: Path, *, seed: int, overrides: list[str], ca
         code = 0 if built else _run_command(prepare, log, mode="w")
     if code == 0:
         cmd = [sys.executable, "-m", "dapo_megatron.cli", "train", str(config), *settings, "--overwrite"]
-        code = _run_command(cmd, log, mode="a" if not built else "w")
+        label = f"[ladder] {config.stem} seed {seed}:"
+        code = _run_command(cmd, log, mode="a" if not built else "w", progress_of=run_dir, label=label)
     wall = time.monotonic() - tic
     if code != 0:
         raise RuntimeError(f"{config.stem}, seed {seed}: `dapo-megatron train` exited with {code}; see {log}")

@@ -14,6 +14,7 @@ import sys
 
 from dapo_megatron.config import Config, load_config
 from dapo_megatron.launch.script_entry import run_as_script
+from dapo_megatron.trainer.progress_line import ProgressLine
 
 
 def tiny_model_dir(cfg: Config) -> str:
@@ -21,13 +22,19 @@ def tiny_model_dir(cfg: Config) -> str:
     from dapo_megatron.data.tiny_model import prepare_tiny_model
 
     r = cfg.rollout
-    return prepare_tiny_model(
-        cfg.tiny,
-        cfg.data.synthetic,
-        out_dir=cfg.trainer.output_dir,
-        seed=cfg.trainer.seed,
-        max_positions=r.max_prompt_length + r.max_response_length,
-    )
+    # a warm start takes a minute or more on a laptop: its count, rate and time left (a cached model: none)
+    progress = ProgressLine("[train] model: warm start", total=cfg.tiny.warm_start_steps)
+    try:
+        return prepare_tiny_model(
+            cfg.tiny,
+            cfg.data.synthetic,
+            out_dir=cfg.trainer.output_dir,
+            seed=cfg.trainer.seed,
+            max_positions=r.max_prompt_length + r.max_response_length,
+            on_step=progress.update,
+        )
+    finally:
+        progress.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -120,11 +120,13 @@ def test_warm_start_is_deterministic_cached_and_learns(tmp_path):
     finally:
         torch.set_num_threads(threads)
     stamp = (warm_a / "model.safetensors").stat().st_mtime_ns
-    assert warm_start(init, tmp_path / "a", **kw) == warm_a
-    assert (warm_a / "model.safetensors").stat().st_mtime_ns == stamp  # cache hit
+    done: list[int] = []  # on_step: the progress line's count (launch/prepare.py), never the maths
+    assert warm_start(init, tmp_path / "a", **kw, on_step=done.append) == warm_a
+    assert (warm_a / "model.safetensors").stat().st_mtime_ns == stamp and done == []  # cache hit: no steps
     torch.set_num_threads(2)  # the caller's thread count does not reach the warm start (it runs on 1)
     try:
-        warm_b = warm_start(init, tmp_path / "b", **kw)
+        warm_b = warm_start(init, tmp_path / "b", **kw, on_step=done.append)
+        assert done == list(range(1, 41))
         assert torch.get_num_threads() == 2  # and is restored afterwards
     finally:
         torch.set_num_threads(threads)
