@@ -54,7 +54,8 @@ import torch
 from dapo_megatron.actor.actor import Actor
 from dapo_megatron.actor.attention import set_attention_kernel
 from dapo_megatron.actor.parallel import init_distributed, model_parallel
-from dapo_megatron.benchmarks.run import add_output_args, append_rows, check_header, results_csv
+from dapo_megatron.benchmarks import parsers
+from dapo_megatron.benchmarks.run import append_rows, check_header, results_csv
 from dapo_megatron.config import ActorConfig, Config
 from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.distributed import collectives as coll
@@ -84,7 +85,7 @@ TINY = dict(
     num_key_value_heads=2,
     vocab_size=512,
 )
-SHAPES = {"qwen2.5-1.5b": QWEN25_15B, "tiny": TINY}
+SHAPES = dict(zip(parsers.ACTOR_SHAPES, (QWEN25_15B, TINY), strict=True))  # --shape NAME
 # --packing dapo: a DAPO-like micro-batch of 24,576 tokens, 14 sequences (prompt + response) of mixed length
 # from 256 to 8,192 (the long tail of a DAPO batch: a few long responses, many short ones); other --tokens
 # scale it (rounded, the last sequence takes the remainder)
@@ -216,58 +217,7 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dapo-megatron bench actor", description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768], help="tokens per micro-batch")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b")
-    parser.add_argument(
-        "--attention-kernel",
-        nargs="+",
-        choices=["sdpa", "flex", "varlen"],
-        default=["sdpa"],
-        help="actor.attention_kernel of the torch backend (flex, varlen: CUDA only); several: one row each, "
-        "measured on the same built model one after the other",
-    )
-    parser.add_argument(
-        "--packing",
-        choices=["equal", "dapo"],
-        default="equal",
-        help="equal: --seqs-per-mb sequences of equal length; dapo: 14 sequences of 256 to 8,192 tokens at "
-        "24,576 (DAPO_PACKING_24K, scaled to --tokens)",
-    )
-    parser.add_argument(
-        "--peak-tflops",
-        type=float,
-        default=None,
-        help="peak of one device for MFU (default: 989, H100 bf16, on CUDA; none on CPU)",
-    )
-    parser.add_argument("--seqs-per-mb", type=int, default=2)
-    parser.add_argument(
-        "--prompt-tokens",
-        type=int,
-        default=None,
-        help="prompt length of every sequence (default min(256, half the sequence))",
-    )
-    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per DP rank per step")
-    parser.add_argument("--steps", type=int, default=5, help="measured steps (after one warm-up step)")
-    parser.add_argument("--layers", type=int, default=None, help="default: the shape's")
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--attention", choices=["torch", "te"], default="torch")
-    parser.add_argument(
-        "--recompute",
-        choices=["none", "selective", "full"],
-        default="none",
-        help="actor.recompute; the presets use full where selective does not fit (16K+ tokens at 1.5B)",
-    )
-    parser.add_argument(
-        "--count-syncs",
-        action="store_true",
-        help="CUDA: run the measured steps under torch.cuda.set_sync_debug_mode('warn') and count "
-        "the host syncs (column host_syncs; the most frequent call sites are printed)",
-    )
-    parser.add_argument("--checkpoint-dir", default="", help="reuse / write the random HF checkpoint here")
-    add_output_args(parser, name="actor")
-    return parser
+    return parsers.actor()  # torch-free: `bench actor --help` answers at once
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,6 @@ driver), rank (everything else). docs/benchmarks.md has the measured tables and 
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import math
 import os
@@ -50,6 +49,7 @@ import torch
 
 from dapo_megatron.actor import parallel
 from dapo_megatron.actor.model import build_model_chunks
+from dapo_megatron.benchmarks import parsers
 from dapo_megatron.config import ActorConfig, Config
 from dapo_megatron.dataplane.batch import RolloutBatch
 from dapo_megatron.dataplane.sample import Sample
@@ -60,7 +60,7 @@ from dapo_megatron.distributed.roles import RankRoles
 from dapo_megatron.trainer.step_metrics import old_logprob_metrics
 from dapo_megatron.transfer.stage_export import StageExporter, gather_manifests, weights_for_driver
 
-DEFAULT_LAYOUTS = ("2:dp2", "2:tp2", "2:pp2", "4:dp4", "4:tp2,dp2", "4:pp2,dp2", "4:tp2,pp2", "4:cp2,dp2")
+DEFAULT_LAYOUTS = parsers.DEFAULT_LAYOUTS
 # The 32B architecture (hidden 5120, 64 layers, 40/8 heads, FFN 27648, vocab 152064) scaled down.
 MODEL = dict(
     hidden_size=640,
@@ -478,21 +478,7 @@ def append_csv(path: Path, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="dapo-megatron bench dataplane", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--layouts",
-        default=";".join(DEFAULT_LAYOUTS),
-        help="';'-separated WORLD:PARTS, parts tpN/ppN/cpN/dpN (default: %(default)s)",
-    )
-    parser.add_argument("--prompts", type=int, default=32, help="prompts per step (the 32B preset: 512)")
-    parser.add_argument("--n", type=int, default=16, help="responses per prompt")
-    parser.add_argument("--bucket-mb", type=int, default=32, help="weight bucket bound (rollout.weight_bucket_mb)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for a layout's ranks")
-    parser.add_argument("--results-dir", default="results", help="rows go to DIR/dataplane.csv (default ./results)")
-    parser.add_argument("--csv", default=None, help="append to this CSV file instead")
+    parser = parsers.dataplane()  # torch-free: `bench dataplane --help` answers at once
     args = parser.parse_args(argv)
     layouts = []
     for text in filter(None, (t.strip() for t in args.layouts.split(";"))):

@@ -14,7 +14,6 @@ one tests/integration/test_rollout_server_fuzz.py runs in CI (fewer bodies there
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import http.client
@@ -29,7 +28,8 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from dapo_megatron.benchmarks.run import add_output_args, append_rows, results_csv
+from dapo_megatron.benchmarks import parsers
+from dapo_megatron.benchmarks.run import append_rows, results_csv
 from dapo_megatron.data.tiny_model import build_tiny_tokenizer
 from dapo_megatron.rollout.registry import read_registrations
 
@@ -295,15 +295,7 @@ def big_bodies(mb: int) -> dict[str, tuple[int, object]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="dapo-megatron bench engine-abuse", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="", help="HF checkpoint the engine serves (default: a tiny random Qwen2)")
-    ap.add_argument("--bodies-per-endpoint", type=int, default=300)
-    ap.add_argument("--big-mb", type=int, default=50)
-    ap.add_argument(
-        "--max-request-mb", type=int, default=0, help="the server's --max-request-bytes in MB (0 = default)"
-    )
-    ap.add_argument("--seed", type=int, default=0)
-    add_output_args(ap, name="engine_abuse")
+    ap = parsers.engine_abuse()  # torch-free: `bench engine-abuse --help` answers at once
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or _tiny_model(Path(tmp) / "model")

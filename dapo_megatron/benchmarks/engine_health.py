@@ -21,7 +21,6 @@ count, and the mean seconds of one big request. Rows go to <results-dir>/engine_
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import http.client
 import json
@@ -32,8 +31,9 @@ import threading
 import time
 from pathlib import Path
 
+from dapo_megatron.benchmarks import parsers
 from dapo_megatron.benchmarks.engine_abuse import _tiny_model, send, served_engine
-from dapo_megatron.benchmarks.run import add_output_args, append_rows, check_header, results_csv
+from dapo_megatron.benchmarks.run import append_rows, check_header, results_csv
 
 FIELDS = [
     "kind",
@@ -133,12 +133,7 @@ def measure(url: str, kind: str, *, count: int, size: int, vocab_size: int) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="dapo-megatron bench engine-health", description=__doc__.split("\n")[0])
-    ap.add_argument("--bodies", type=int, default=5, help="bodies of each kind, posted one after another")
-    ap.add_argument("--body-mb", type=float, default=16.7, help="size of each body in MB (the limit is 16.78 MB)")
-    ap.add_argument("--kinds", default="idle,generate-input-ids,generate-flat-ids,update-tensor-string")
-    ap.add_argument("--label", default="", help="free text stored with the rows (e.g. the commit measured)")
-    add_output_args(ap, name="engine_health")
+    ap = parsers.engine_health()  # torch-free: `bench engine-health --help` answers at once
     args = ap.parse_args(argv)
     csv_path = results_csv(args, name="engine_health")
     check_header(csv_path, FIELDS)

@@ -16,7 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from dapo_megatron.benchmarks.run import add_output_args, append_rows, check_header, results_csv
+from dapo_megatron.benchmarks import parsers
+from dapo_megatron.benchmarks.run import append_rows, check_header, results_csv
 from dapo_megatron.trainer.timeline import hidden_fraction, read_timeline, step_wall_times
 
 FIELDS = (
@@ -76,27 +77,7 @@ def _run(config: str, out: Path, staleness: int, steps: int, eval_every: int, ex
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dapo-megatron bench overlap", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", default="configs/runs/tiny_cpu.yaml")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--eval-every", type=int, default=0, help="held-out eval every N steps (default: at the end)")
-    ap.add_argument("--repeats", type=int, default=1, help="pairs of runs (staleness 0, then 1)")
-    ap.add_argument("--first", type=int, choices=(0, 1), default=0, help="which staleness runs first in each pair")
-    ap.add_argument(
-        "--engine-cores",
-        default="",
-        help="CPU cores of the engine, e.g. 0 (rollout.cpu_engine_cores; default: not pinned)",
-    )
-    ap.add_argument(
-        "--actor-cores",
-        default="",
-        help="CPU cores of the actor ranks, e.g. 1 (actor.cpu_cores). With "
-        "--engine-cores: each side on cores of its own, as disaggregated engines on GPUs of their own",
-    )
-    ap.add_argument("--out", default=None, help="run directories (default: a temporary one)")
-    ap.add_argument("overrides", nargs="*", help="section.key=value for every run")
-    add_output_args(ap, name="overlap")
-    return ap
+    return parsers.overlap()  # torch-free: `bench overlap --help` answers at once
 
 
 def main(argv: list[str] | None = None) -> int:

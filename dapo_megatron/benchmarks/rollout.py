@@ -12,7 +12,6 @@ unit, x (concurrent requests | MB), p50 (= p20 = p80: one measurement), device, 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -24,8 +23,9 @@ from collections.abc import Iterator
 
 import torch
 
+from dapo_megatron.benchmarks import parsers
 from dapo_megatron.benchmarks.reward import _device
-from dapo_megatron.benchmarks.run import add_output_args, append_rows, results_csv
+from dapo_megatron.benchmarks.run import append_rows, results_csv
 from dapo_megatron.rollout.client import EngineClient
 from dapo_megatron.rollout.registry import read_registrations
 from dapo_megatron.transfer.weight_sync import DistributedWeightSync, TensorWeightSync
@@ -186,13 +186,7 @@ def _registered(register_dir: str, pid: int) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="dapo-megatron bench rollout", description=__doc__.split("\n")[0])
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--concurrency", default="1,8,32")
-    add_output_args(ap, name="rollout")
+    ap = parsers.rollout()  # torch-free: `bench rollout --help` answers at once
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")

@@ -21,7 +21,6 @@ holds, and its mismatch carries the weight and the activation error an SGLang FP
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import tempfile
@@ -29,8 +28,9 @@ import time
 
 import torch
 
+from dapo_megatron.benchmarks import parsers
 from dapo_megatron.benchmarks.rollout import CSV_FIELDS, _row, serve_rollout
-from dapo_megatron.benchmarks.run import add_output_args, append_rows, results_csv
+from dapo_megatron.benchmarks.run import append_rows, results_csv
 from dapo_megatron.data.synthetic import synthetic_train_eval
 from dapo_megatron.data.tiny_model import build_tiny_tokenizer
 from dapo_megatron.quant.fp8_export import export_fp8_checkpoint
@@ -158,15 +158,7 @@ def run(model_dir: str, *, num_prompts: int, new_tokens: int, seed: int, tmp: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="dapo-megatron bench rollout-quant", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="", help="HF model directory with a tokenizer (default: a random Qwen2)")
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--prompts", type=int, default=16, help="concurrent requests (synthetic addition prompts)")
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--seed", type=int, default=0)
-    add_output_args(ap, name="rollout_quant")
+    ap = parsers.rollout_quant()  # torch-free: `bench rollout-quant --help` answers at once
     args = ap.parse_args(argv)
     if args.model and not os.path.isdir(args.model):
         raise SystemExit(f"--model: no such directory '{args.model}'")

@@ -94,4 +94,8 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] not in BENCHES:
         print(usage, file=sys.stderr)
         return 2
+    if "-h" in argv[1:] or "--help" in argv[1:]:  # a torch benchmark's options from its parser alone (parsers.py)
+        parsers = importlib.import_module("dapo_megatron.benchmarks.parsers").PARSERS
+        if argv[0] in parsers:
+            parsers[argv[0]]().parse_args(argv[1:])  # prints the help and exits 0
     return int(importlib.import_module(BENCHES[argv[0]]).main(argv[1:]) or 0)
