@@ -3,7 +3,8 @@ exactly the share it would have selected itself from the full list (tensors and 
 and nothing more (bytes received = its share + a header; the driver receives nothing); the actor on
 the scattered share computes the same old log-probs and the same updates as the list-of-Samples
 path on each mini-batch, the first update of a step is exactly on-policy, and the step metrics
-(entropy, train-inference mismatch) reduced over DP equal a float64 reference over all tokens."""
+(entropy, train-inference mismatch, the rollout correction's KLs, chi-square, ESS and masked fractions)
+reduced over DP equal a float64 reference over all tokens."""
 
 from __future__ import annotations
 
@@ -12,8 +13,16 @@ import random
 import pytest
 import torch
 
+from dapo_megatron.algo.mismatch import mismatch_metrics, mismatch_sums
+from dapo_megatron.algo.rollout_correction import RolloutCorrection
 from dapo_megatron.dataplane.sample import Sample
 from helpers_actor import hf_logprobs, make_cfg
+
+# the step metrics' correction (engine log-probs uniform in [-6, 0] against a near-uniform model's ~-5.7):
+# some responses rejected by the geometric band, some vetoed, the others weighted
+CORRECTION = RolloutCorrection.from_keys(
+    seq_is_cap=2.0, rejection="geometric", rejection_upper=2.0, rejection_lower=0.08, veto_threshold=0.004
+)
 
 
 def make_step(num_groups, n, *, seed, vocab=300, experts_width=0):
@@ -136,6 +145,9 @@ def _share_vs_list_rank(hf_dir, samples, tp, pp, per_mini, budget):
         old = actor.logprobs(share)
         share.batch.old_logprobs = old.logprobs
         metrics = old_logprob_metrics(share.batch, old.logprobs, old.entropies, reports=roles.reports)
+        corrected = old_logprob_metrics(
+            share.batch, old.logprobs, old.entropies, reports=roles.reports, correction=CORRECTION
+        )
         updates = [actor.train(mini, step=0) for mini in share.mini_batches()]
         weights = {k: v.clone() for k, v in actor.iter_hf_weights()}
 
@@ -163,11 +175,24 @@ def _share_vs_list_rank(hf_dir, samples, tp, pp, per_mini, budget):
             "list_old": [lp for out in list_old for lp in out.logprobs],
             "list_ent": [e for out in list_old for e in out.entropies],
             "metrics": metrics,
+            "corrected": corrected,
             "updates": updates,
             "list_updates": list_updates,
             "weights": weights,
             "list_weights": list_weights,
         }
+
+
+def _whole_batch(samples, holder):
+    """MismatchTokens of every sample in one piece: the list path's old log-probs, the engine's, the loss mask."""
+    from dapo_megatron.algo.rollout_correction import MismatchTokens
+
+    old = torch.cat([lp.double() for lp in holder["list_old"]])
+    rollout = torch.cat([torch.tensor(s.rollout_logprobs, dtype=torch.float32).double() for s in samples])
+    seq = torch.cat([torch.full((len(s.response_ids),), i) for i, s in enumerate(samples)])
+    return MismatchTokens.of(
+        old_logprobs=old, rollout_logprobs=rollout, mask=torch.ones_like(old), seq_ids=seq, num_sequences=len(samples)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -212,6 +237,20 @@ def test_actor_on_scattered_shares_equals_the_list_path(rank_pool, tiny_dir, tp,
         assert m["mismatch/max"] == float(diff.max())
     for got, ref in zip(holders[0]["list_old"], want):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    # the mismatch metrics and the correction's fractions (algo/mismatch.py): the DP shares' sums reduced equal
+    # the whole batch's metrics computed in one piece
+    whole = mismatch_metrics(
+        *[x.tolist() for x in mismatch_sums(_whole_batch(samples, holders[0]), CORRECTION)], CORRECTION
+    )
+    assert 0 < whole["correction/masked_response_frac"] < 1 and whole["correction/vetoed_response_frac"] > 0
+    for r in results:
+        got = {
+            k: v
+            for k, v in r["corrected"].items()
+            if k.startswith(("mismatch/k", "mismatch/l", "mismatch/c", "mismatch/e", "mismatch/r", "correction/"))
+        }
+        assert got.keys() == whole.keys()
+        assert got == pytest.approx(whole, rel=1e-12)
 
 
 def _roles_rank(tp, pp, cp):
