@@ -15,6 +15,7 @@ from dapo_megatron.launch.lifeline import die_with_parent
 from dapo_megatron.launch.local import launch_training
 from dapo_megatron.launch.local_stop import stopped_at_once
 from dapo_megatron.rollout.auth import engine_keys, ensure_secret_file, run_secret_path
+from dapo_megatron.trainer.progress_line import ProgressLine
 
 # `dapo-megatron train --help`; here, not trainer/train.py's docstring: the help imports no torch
 TRAIN_HELP = """The DAPO training loop (docs/architecture.md, "One training step").
@@ -190,6 +191,7 @@ async def _sample_on_engines(cfg, hf_dir: str, tokenizer, sets: dict, urls: list
         seeded = await pool.seeds_honoured()
         out = {}
         for name, records in sets.items():
+            progress = ProgressLine(f"[eval] {name}:", total=len(records), unit="problems")
             out[name] = await sample_eval(
                 pool,
                 [sampler.prompt_ids(rec) for rec in records],
@@ -201,7 +203,9 @@ async def _sample_on_engines(cfg, hf_dir: str, tokenizer, sets: dict, urls: list
                 seed=t.seed,
                 stop_token_ids=eos,
                 per_sample_seeds=seeded,
+                on_problem=progress.update,
             )
+            progress.close()
         return out
     finally:
         await pool.close()

@@ -41,6 +41,7 @@ from dapo_megatron.trainer.evaluation.report import (
     write_eval_file,
 )
 from dapo_megatron.trainer.evaluation.sampling import sample_eval
+from dapo_megatron.trainer.progress_line import ProgressLine
 from dapo_megatron.trainer.recovery import EngineFaults, Verdict
 from dapo_megatron.trainer.timeline import Timeline
 from dapo_megatron.transfer.engine_push import sync_dropping_dead
@@ -270,6 +271,8 @@ class Driver:
         start, tic = time.perf_counter(), time.time()
         reports = {}
         for name, records in self.eval_sets.items():
+            # a long eval (thousands of samples on a cluster) shows its count and time left
+            progress = ProgressLine(f"[eval] step {step} {name}:", total=len(records), unit="problems")
             samples = self.run(
                 sample_eval(
                     self.pool,
@@ -282,8 +285,10 @@ class Driver:
                     seed=t.seed,
                     stop_token_ids=self.sampler.settings.stop_token_ids,
                     per_sample_seeds=self.sampler.settings.per_sample_seeds,
+                    on_problem=progress.update,
                 )
             )
+            progress.close()
             reports[name] = eval_report(samples, records, step=step, name=name)
         write_eval_file(
             eval_file_path(self.run_dir, step),

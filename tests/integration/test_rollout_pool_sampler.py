@@ -228,3 +228,25 @@ def test_pool_survives_one_event_loop_per_step(env):
     asyncio.run(pool.close())
     assert [len(r.groups) for r in (first, second)] == [2, 2]
     assert {g[0].prompt_ids[0] for g in first.groups + second.groups} and sampler.num_requests == 4
+
+
+def test_sample_eval_counts_each_problem_once_done_and_the_count_changes_no_sample(env):
+    """on_problem(k) (the eval's progress line) is called with 1..P as problems finish; the samples are the
+    same with and without it (seeded per sample)."""
+    from dapo_megatron.trainer.evaluation.sampling import sample_eval
+
+    recs = [SimpleNamespace(prompt=f"{i}+1=", ground_truth=str(i + 1)) for i in range(3)]
+    ids = [env.tokenizer.encode(r.prompt) for r in recs]
+    settings = dict(n=2, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=3, per_sample_seeds=True)
+
+    async def scenario(on_problem):
+        pool = EnginePool(urls=[env.servers[0].url])
+        try:
+            return await sample_eval(pool, ids, recs, **settings, on_problem=on_problem)
+        finally:
+            await pool.close()
+
+    counted: list[int] = []
+    with_count, without = asyncio.run(scenario(counted.append)), asyncio.run(scenario(None))
+    assert counted == [1, 2, 3]
+    assert with_count.answers == without.answers and torch.equal(with_count.response_tokens, without.response_tokens)

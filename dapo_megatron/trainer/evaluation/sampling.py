@@ -10,7 +10,7 @@ avg_at_k / pass_at_k / summarize are re-exported here for the callers that knew 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,8 +48,10 @@ async def sample_eval(
     seed: int,
     stop_token_ids: Sequence[int] = (),
     per_sample_seeds: bool = True,
+    on_problem: Callable[[int], None] | None = None,
 ) -> EvalSamples:
-    """n samples of every problem, scored by its record's scorer (reward/: the same one training uses).
+    """n samples of every problem, scored by its record's scorer (reward/: the same one training uses);
+    on_problem(k): k problems done so far (a progress line: trainer/progress_line.py).
 
     Problem i is one request of n items (n = 1 each, rid f"eval-{seed}-{i}-{j}.", as the sampler's);
     where the engines honour seeds, sample j carries sampling_seed seed * 7919 + i + j, so the same
@@ -70,20 +72,13 @@ async def sample_eval(
         outs = await pool.generate(
             input_ids=[list(ids)] * n, rid=[f"eval-{seed}-{i}-{j}." for j in range(n)], sampling_params=sampling
         )
-        scorer = scorer_for_data_source(getattr(record, "data_source", "") or "math_dapo")
-        rows = []
-        for o in outs:
-            result = scorer(o["text"], str(record.ground_truth))
-            pred = getattr(result, "pred", None)
-            rows.append(
-                (
-                    float(result.acc),
-                    "" if pred is None else str(pred),
-                    len(o["output_ids"]),
-                    o["meta_info"]["finish_reason"]["type"] == "length",
-                )
-            )
+        rows = _scored(outs, record)
+        done.append(i)
+        if on_problem is not None:
+            on_problem(len(done))
         return rows
+
+    done: list[int] = []
 
     rows = await asyncio.gather(*(one(i, ids, r) for i, (ids, r) in enumerate(zip(prompt_ids, records))))
     return EvalSamples(
@@ -92,6 +87,24 @@ async def sample_eval(
         response_tokens=torch.tensor([[s[2] for s in row] for row in rows], dtype=torch.int64).reshape(len(records), n),
         truncated=torch.tensor([[s[3] for s in row] for row in rows], dtype=torch.bool).reshape(len(records), n),
     )
+
+
+def _scored(outs: list[dict], record) -> list[tuple[float, str, int, bool]]:
+    """(correct, extracted answer, response tokens, truncated) of each engine output of one problem."""
+    scorer = scorer_for_data_source(getattr(record, "data_source", "") or "math_dapo")
+    rows = []
+    for o in outs:
+        result = scorer(o["text"], str(record.ground_truth))
+        pred = getattr(result, "pred", None)
+        rows.append(
+            (
+                float(result.acc),
+                "" if pred is None else str(pred),
+                len(o["output_ids"]),
+                o["meta_info"]["finish_reason"]["type"] == "length",
+            )
+        )
+    return rows
 
 
 def resolve_checkpoint(checkpoint: str) -> tuple[str, str]:
