@@ -234,6 +234,9 @@ def compare(argv: list[str]) -> int:
         required=True,
         help="eval JSON files or run directories (their newest evals/step_N.json)",
     )
+    if "-h" in argv or "--help" in argv:  # `eval --compare --help`: --compare would take "--help" as A
+        parser.print_help()
+        return 0
     args = parser.parse_args(argv)
     from dapo_megatron.trainer.evaluation.report import compare_evals, load_eval_sets
 

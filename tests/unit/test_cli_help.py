@@ -32,6 +32,7 @@ CASES: list[tuple[list[str], str]] = [
     (["convert", "hf-to-mcore", "--help"], "--vocab-divisible-by"),
     (["convert", "mcore-to-hf", "--help"], "--hf-config"),
     (["eval", "CONFIG", "-h"], "--checkpoint"),
+    (["eval", "--compare", "--help"], "usage: dapo-megatron eval --compare"),
     (["train", "CONFIG", "key=value", "--help"], "--resume"),
     *[(["bench", name, "--help"], "usage:") for name in BENCHES],
 ]
