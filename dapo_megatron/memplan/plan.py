@@ -368,6 +368,19 @@ def _what_if(x: _Inputs) -> list[str]:
     ]
 
 
+def _old_logprob_line(recompute: str, *, bypass: bool) -> str:
+    """The old-log-prob pass's share of the actor's FLOPs in a step: one forward of every token, against the
+    updates' forward + backward (two forwards' worth) + the forward that full recompute redoes (selective
+    recompute redoes the attention core only: counted as none). What algorithm.bypass_old_logprobs saves;
+    the tiny CPU run measured 27% of the actor's seconds (docs/benchmarks.md)."""
+    updates = 3 + (1 if recompute == "full" else 0)
+    state = "skipped (algorithm.bypass_old_logprobs=true)" if bypass else "algorithm.bypass_old_logprobs=true skips it"
+    return (
+        f"  old-log-prob pass: ~{1 / (1 + updates):.0%} of the actor's FLOPs per step (1 forward of every token vs "
+        f"{updates} for the updates, recompute {recompute}); {state}"
+    )
+
+
 def _engine_header(cfg, x: _Inputs) -> tuple[str, list[str]]:
     """The engines' line of the header, and what cannot fit in their static pool."""
     ro, e, seq = cfg.rollout, x.engine, x.max_sequence
@@ -451,6 +464,7 @@ def build_plan(cfg, *, links: Links | None = None) -> MemoryPlan:
         f"recompute {ac.recompute}; {'distributed' if ac.use_distributed_optimizer else 'replicated'} optimizer; "
         f"{ac.attention_backend} attention; logits {'fused kernel' if ac.fused_logprob else 'unfused fp32'}",
         f"  micro-batch {x.tokens} tokens; reference model {'yes (algorithm.use_kl)' if x.use_kl else 'no'}",
+        _old_logprob_line(ac.recompute, bypass=cfg.algorithm.bypass_old_logprobs),
     ]
     engine_line, problems = _engine_header(cfg, x)
     header.append(engine_line)

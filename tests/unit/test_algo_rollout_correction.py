@@ -403,3 +403,20 @@ def test_the_bypass_puts_the_engines_logprobs_in_place_of_pi_old():
     )
     with pytest.raises(ValueError, match="algorithm.bypass_old_logprobs=true needs the engines' log-probs"):
         bypass_old_logprobs(bare, None)
+
+
+@pytest.mark.parametrize(
+    "preset, overrides, share",
+    [
+        ("qwen3-30b-a3b_dapo.yaml", [], "~20%"),  # full recompute: 1 forward vs 4
+        ("qwen2.5-7b_dapo.yaml", [], "~25%"),  # selective recompute: 1 forward vs 3
+        ("qwen2.5-7b_dapo.yaml", ["algorithm.bypass_old_logprobs=true"], "~25%"),
+    ],
+)
+def test_plan_predicts_what_the_bypass_saves(preset, overrides, share):
+    from dapo_megatron.memplan.plan import build_plan
+
+    cfg = load_config(TINY.parent / preset, overrides)
+    (line,) = [h for h in build_plan(cfg).header if "old-log-prob pass" in h]
+    assert f"{share} of the actor's FLOPs per step" in line
+    assert ("skipped" in line) == bool(overrides)
