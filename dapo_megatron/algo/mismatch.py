@@ -17,6 +17,7 @@ and with a correction active (c_t: its per-token factor, algo/rollout_correction
     correction/weight_max, weight_min                           over the tokens it kept (c_t > 0)
     correction/masked_token_frac, masked_response_frac          c_t = 0 (a response: on all its tokens)
     correction/vetoed_response_frac                             dropped by the veto
+    correction/masked_groups, masked_group_frac                 prompt groups none of whose responses trains
 
 Every value is a ratio of SUMS (mismatch_sums), so each data-parallel rank sums over its share of
 whole responses, one all-reduce adds the shares (and one MAX the extremes), and mismatch_metrics divides:
@@ -92,6 +93,34 @@ def mismatch_sums(tokens: MismatchTokens, correction: RolloutCorrection) -> tupl
             extremes[2] = c[kept].max()
             extremes[3] = -c[kept].min()
     return sums, extremes
+
+
+def group_counts(
+    tokens: MismatchTokens, correction: RolloutCorrection, *, group_index: torch.Tensor, num_groups: int
+) -> torch.Tensor:
+    """float64 [2, num_groups]: per prompt group (group_index: each response's, 0..num_groups-1), its
+    responses with a trained token and how many of them the correction masked on every token. Summed over
+    ranks (a group's responses may sit in several data-parallel shares); a group whose two counts are equal
+    trains nothing, as if dynamic sampling had dropped it (masked_group_metrics)."""
+    out = torch.zeros(2, num_groups, dtype=torch.float64)
+    real = tokens.sequence_tokens() > 0
+    kept = tokens.trained & (correction.factor(tokens) > 0)
+    masked = real & (tokens.per_sequence(kept.double()) == 0)
+    index = group_index.to(torch.int64)
+    out[0].index_add_(0, index, real.double())
+    out[1].index_add_(0, index, masked.double())
+    return out
+
+
+def masked_group_metrics(counts: torch.Tensor) -> dict[str, float]:
+    """correction/masked_groups and masked_group_frac from group_counts summed over every rank."""
+    present = counts[0] > 0
+    masked = present & (counts[1] == counts[0])
+    groups = int(present.sum())
+    return {
+        "correction/masked_groups": float(masked.sum()),
+        "correction/masked_group_frac": float(masked.sum()) / groups if groups else 0.0,
+    }
 
 
 def mismatch_metrics(sums: list[float], extremes: list[float], correction: RolloutCorrection) -> dict[str, float]:

@@ -18,7 +18,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.algo.mismatch import MISMATCH_EXTREMES, MISMATCH_SUMS, mismatch_metrics, mismatch_sums
+from dapo_megatron.algo.mismatch import (
+    MISMATCH_EXTREMES,
+    MISMATCH_SUMS,
+    group_counts,
+    masked_group_metrics,
+    mismatch_metrics,
+    mismatch_sums,
+)
 from dapo_megatron.algo.rollout_correction import MismatchTokens, RolloutCorrection
 from dapo_megatron.dataplane.batch import RolloutBatch
 from dapo_megatron.distributed import collectives as coll
@@ -41,8 +48,10 @@ def old_logprob_metrics(
     device = coll.backend_device()  # filled from the actor's tensors, then reduced: no extra copies
     # entropy sum, tokens, |diff| sum, compared tokens, then MISMATCH_SUMS
     sums = torch.zeros(4 + len(MISMATCH_SUMS), dtype=torch.float64, device=device)
-    largest = torch.zeros(1 + len(MISMATCH_EXTREMES), dtype=torch.float64, device=device)
-    largest[1:] = -torch.inf
+    # max |diff|, MISMATCH_EXTREMES, then the step's number of prompt groups
+    largest = torch.zeros(2 + len(MISMATCH_EXTREMES), dtype=torch.float64, device=device)
+    largest[1:-1] = -torch.inf
+    mismatch_tokens = None
     if reports and logprobs is not None and logprobs.numel():
         assert entropies is not None, "the actor returns entropies with its log-probs"
         sums[0] = entropies.double().sum()
@@ -51,23 +60,38 @@ def old_logprob_metrics(
             diff = (logprobs.double() - batch.rollout_logprobs.double()).abs()
             sums[2], sums[3] = diff.sum(), diff.numel()
             largest[0] = diff.max()
-            tokens = MismatchTokens.of(
-                old_logprobs=logprobs.double(),
-                rollout_logprobs=batch.rollout_logprobs.double(),
-                mask=batch.loss_mask if batch.loss_mask is not None else torch.ones(logprobs.numel()),
-                seq_ids=batch.response_sequence_index(),
-                num_sequences=batch.num_sequences,
-            )
-            more, extremes = mismatch_sums(tokens, correction)
-            sums[4:], largest[1:] = more.to(device), extremes.to(device)
+            mismatch_tokens = _mismatch_tokens(batch, logprobs)
+            more, extremes = mismatch_sums(mismatch_tokens, correction)
+            sums[4:], largest[1:-1] = more.to(device), extremes.to(device)
+            largest[-1] = int(batch.group_index.max()) + 1
     coll.all_reduce(sums)
     coll.all_reduce(largest, op=dist.ReduceOp.MAX)
-    entropy_sum, tokens, diff_sum, compared = sums[:4].tolist()
-    out = {"actor/entropy_old": entropy_sum / tokens if tokens else 0.0}
+    entropy_sum, num_tokens, diff_sum, compared = sums[:4].tolist()
+    out = {"actor/entropy_old": entropy_sum / num_tokens if num_tokens else 0.0}
     if compared:
         out.update({"mismatch/mean": diff_sum / compared, "mismatch/max": float(largest[0])})
-        out.update(mismatch_metrics(sums[4:].tolist(), largest[1:].tolist(), correction))
+        out.update(mismatch_metrics(sums[4:].tolist(), largest[1:-1].tolist(), correction))
+    num_groups = int(largest[-1])
+    if correction.active and num_groups:  # the same decision on every rank: a config and a reduced count
+        counts = torch.zeros(2, num_groups, dtype=torch.float64)
+        if mismatch_tokens is not None:
+            counts = group_counts(mismatch_tokens, correction, group_index=batch.group_index, num_groups=num_groups)
+        counts = counts.to(device)
+        coll.all_reduce(counts)  # a group's responses may sit in several shares
+        out.update(masked_group_metrics(counts.cpu()))
     return out
+
+
+def _mismatch_tokens(batch: RolloutBatch, logprobs: torch.Tensor) -> MismatchTokens:
+    """The share's response tokens (whole responses) for algo/mismatch.py, in float64."""
+    assert batch.rollout_logprobs is not None
+    return MismatchTokens.of(
+        old_logprobs=logprobs.double(),
+        rollout_logprobs=batch.rollout_logprobs.double(),
+        mask=batch.loss_mask if batch.loss_mask is not None else torch.ones(logprobs.numel()),
+        seq_ids=batch.response_sequence_index(),
+        num_sequences=batch.num_sequences,
+    )
 
 
 class Clock:

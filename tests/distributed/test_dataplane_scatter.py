@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from dapo_megatron.algo.mismatch import mismatch_metrics, mismatch_sums
+from dapo_megatron.algo.mismatch import group_counts, masked_group_metrics, mismatch_metrics, mismatch_sums
 from dapo_megatron.algo.rollout_correction import RolloutCorrection
 from dapo_megatron.dataplane.sample import Sample
 from helpers_actor import hf_logprobs, make_cfg
@@ -239,9 +239,11 @@ def test_actor_on_scattered_shares_equals_the_list_path(rank_pool, tiny_dir, tp,
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     # the mismatch metrics and the correction's fractions (algo/mismatch.py): the DP shares' sums reduced equal
     # the whole batch's metrics computed in one piece
-    whole = mismatch_metrics(
-        *[x.tolist() for x in mismatch_sums(_whole_batch(samples, holders[0]), CORRECTION)], CORRECTION
-    )
+    tokens = _whole_batch(samples, holders[0])
+    whole = mismatch_metrics(*[x.tolist() for x in mismatch_sums(tokens, CORRECTION)], CORRECTION)
+    groups = torch.tensor([s.group_index for s in samples])
+    whole.update(masked_group_metrics(group_counts(tokens, CORRECTION, group_index=groups, num_groups=4)))
+    assert 0 < whole["correction/masked_group_frac"] < 1  # a group split over the shares counts once
     assert 0 < whole["correction/masked_response_frac"] < 1 and whole["correction/vetoed_response_frac"] > 0
     for r in results:
         got = {

@@ -14,7 +14,7 @@ import torch
 
 from dapo_megatron import config as config_module
 from dapo_megatron.algo import ClipSettings, ObjectiveSettings, PackedTokens, objective, policy_loss
-from dapo_megatron.algo.mismatch import mismatch_metrics, mismatch_sums
+from dapo_megatron.algo.mismatch import group_counts, masked_group_metrics, mismatch_metrics, mismatch_sums
 from dapo_megatron.algo.rollout_correction import (
     ROLLOUT_CORRECTIONS,
     CorrectionBounds,
@@ -292,6 +292,23 @@ def test_mismatch_sums_of_shards_add_up_to_the_whole():
     metrics = mismatch_metrics((first[0] + second[0]).tolist(), whole[1].tolist(), correction)
     assert 0 < metrics["correction/masked_response_frac"] < 1
     assert metrics["mismatch/k3"] == pytest.approx(float((d.exp() - 1 - d).mean()), rel=1e-13)
+
+
+def test_a_group_counts_as_masked_only_when_every_response_of_it_is_masked_across_shards():
+    """Groups 0 (A, B) and 1 (C): B is vetoed, so group 0 keeps A; C is vetoed, so group 1 trains nothing.
+    Split over two shards (A | B, C), the summed counts say the same."""
+    d = [0.1, 0.0, -12.0, 0.2, -11.0]
+    seq = [0, 1, 1, 2, 2]
+    tokens = _tokens(d, [1] * 5, seq, 3)
+    veto = RolloutCorrection.from_keys(veto_threshold=1e-4)
+    whole = group_counts(tokens, veto, group_index=torch.tensor([0, 0, 1]), num_groups=2)
+    assert whole.tolist() == [[2.0, 1.0], [1.0, 1.0]]
+    first = group_counts(_tokens(d[:1], [1], seq[:1], 1), veto, group_index=torch.tensor([0]), num_groups=2)
+    rest = _tokens(d[1:], [1] * 4, [0, 0, 1, 1], 2)
+    second = group_counts(rest, veto, group_index=torch.tensor([0, 1]), num_groups=2)
+    assert torch.equal(first + second, whole)
+    assert masked_group_metrics(whole) == {"correction/masked_groups": 1.0, "correction/masked_group_frac": 0.5}
+    assert masked_group_metrics(second) == {"correction/masked_groups": 2.0, "correction/masked_group_frac": 1.0}
 
 
 # --- configuration ----------------------------------------------------------------------------------
