@@ -344,15 +344,20 @@ def _validate_rollout_correction(a: AlgorithmConfig) -> None:
         a.veto_threshold,
         "null (off) or in (0, 1), e.g. 1e-4: a token the trainer finds 10^4 times less likely than the engine",
     )
-    if a.bypass_old_logprobs:
-        keys = ("tis_cap", "seq_is_cap", "rejection", "veto_threshold")
-        for key in keys:
+    if a.bypass_old_logprobs:  # the masks then compare pi_theta (no gradient) with pi_rollout; a weight may not
+        weights = {
+            "tis_cap": a.tis_cap,
+            "seq_is_cap": a.seq_is_cap,
+            "rejection": "icepop" if a.rejection == "icepop" else None,
+        }
+        for key, value in weights.items():
             _require(
-                getattr(a, key) is None,
+                value is None,
                 f"algorithm.{key}",
-                getattr(a, key),
-                "null with algorithm.bypass_old_logprobs=true: pi_old is then the engine's pi_rollout, so "
-                "pi_old / pi_rollout = 1 and there is nothing to correct (the clip acts on pi_theta / pi_rollout)",
+                value,
+                "not an importance weight with algorithm.bypass_old_logprobs=true: the PPO ratio is then "
+                "pi_theta / pi_rollout already, and a weight of the same ratio would count it twice (rejection "
+                "token / sequence / geometric and the veto apply)",
             )
 
 
@@ -865,6 +870,13 @@ def _validate_across_sections(cfg: Config) -> None:
         a.bypass_old_logprobs,
         f"false with rollout.max_staleness={r.max_staleness}: the decoupled objective of overlapped steps "
         "needs pi_prox, the trainer's log-probs under its current weights, which the bypass skips",
+    )
+    _require(
+        ac.cp == 1 or not a.bypass_old_logprobs or (a.rejection in (None, "token") and a.veto_threshold is None),
+        "actor.cp",
+        ac.cp,
+        "1 with algorithm.bypass_old_logprobs=true and a sequence-level rejection or the veto: they read the "
+        "ratio pi_theta / pi_rollout of a whole response in the loss, where context parallelism splits it",
     )
     _require(
         r.max_staleness == 0 or a.tis_cap is not None,

@@ -71,6 +71,7 @@ class ActorSettings:
             rejection_upper=al.rejection_upper,
             rejection_lower=al.rejection_lower,
             veto_threshold=al.veto_threshold,
+            bypass=al.bypass_old_logprobs,
             use_kl=al.use_kl,
             kl_coef=al.kl_coef,
             kl_kind=al.kl_kind,

@@ -59,6 +59,8 @@ class ObjectiveSettings:
     rejection_upper: float | None = None
     rejection_lower: float | None = None  # None: 1 / rejection_upper
     veto_threshold: float | None = None
+    # algorithm.bypass_old_logprobs: old_logprob IS the engine's; the masks compare the current policy with it
+    bypass: bool = False
     use_kl: bool = False
     kl_coef: float = 0.001
     kl_kind: str = "k3"
@@ -86,7 +88,7 @@ class ObjectiveSettings:
 
     @property
     def reads_rollout_logprobs(self) -> bool:
-        return self.rollout_correction.active
+        return self.rollout_correction.active and not self.bypass
 
     @property
     def reads_ref_logprobs(self) -> bool:
@@ -146,7 +148,7 @@ def objective(
         weight = mask / t.sequence_tokens.clamp(min=1.0)
     pg_weight = weight
     tis = torch.ones_like(mask)
-    if s.reads_rollout_logprobs:
+    if s.rollout_correction.active:
         tis = _correction_of(t, s)
         pg_weight = weight * tis
     pg_loss, stats = POLICY_LOSSES.get(s.policy_loss)(
@@ -189,9 +191,19 @@ def objective(
 
 def _correction_of(t: PackedTokens, s: ObjectiveSettings) -> torch.Tensor:
     """c_t: the caller's (whole responses, before a CP split), else from the call's own tokens (right when
-    they hold whole responses)."""
+    they hold whole responses). In bypass old_logprob is the engine's, and the masks read pi_theta / pi_rollout
+    with pi_theta taken without gradient (verl's bypass; at a step's first update pi_theta is the trainer's
+    pi_old, so they decide as without the bypass)."""
     if t.correction is not None:
         return t.correction
+    if s.bypass:
+        return s.correction_factor(
+            old_logprobs=t.logprob.detach(),
+            rollout_logprobs=t.old_logprob,
+            loss_mask=t.loss_mask,
+            seq_ids=t.seq_ids,
+            num_sequences=t.num_sequences,
+        )
     return s.correction_factor(
         old_logprobs=t.old_logprob,
         rollout_logprobs=t.rollout_logprobs,

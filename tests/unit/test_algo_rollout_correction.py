@@ -394,10 +394,33 @@ def test_the_bypass_is_refused_where_it_cannot_be_right_naming_the_keys():
     assert load_config(TINY, ["algorithm.bypass_old_logprobs=true"]).algorithm.bypass_old_logprobs
     with pytest.raises(ValueError, match="config key 'algorithm.tis_cap'.*bypass_old_logprobs"):
         load_config(TINY, ["algorithm.bypass_old_logprobs=true", "algorithm.tis_cap=2"])
-    with pytest.raises(ValueError, match="config key 'algorithm.veto_threshold'.*bypass_old_logprobs"):
-        load_config(TINY, ["algorithm.bypass_old_logprobs=true", "algorithm.veto_threshold=1e-4"])
+    with pytest.raises(ValueError, match="config key 'algorithm.rejection'.*bypass_old_logprobs"):
+        icepop = ["algorithm.rejection=icepop", "algorithm.rejection_upper=2"]
+        load_config(TINY, ["algorithm.bypass_old_logprobs=true", *icepop])
+    masks = ["algorithm.bypass_old_logprobs=true", "algorithm.rejection=geometric", "algorithm.rejection_upper=1.05"]
+    assert load_config(TINY, [*masks, "algorithm.veto_threshold=1e-4"]).algorithm.veto_threshold == 1e-4
+    with pytest.raises(ValueError, match="config key 'actor.cp'.*sequence-level rejection or the veto"):
+        load_config(TINY, [*masks, "actor.cp=2", "actor.micro_batch_tokens=64"])
+    token = ["algorithm.bypass_old_logprobs=true", "algorithm.rejection=token", "algorithm.rejection_upper=2"]
+    assert load_config(TINY, [*token, "actor.cp=2", "actor.micro_batch_tokens=64"]).actor.cp == 2
     with pytest.raises(ValueError, match="config key 'algorithm.bypass_old_logprobs'.*rollout.max_staleness=1"):
         load_config(TINY, ["algorithm.bypass_old_logprobs=true", "rollout.max_staleness=1"])
+
+
+def test_in_bypass_the_masks_read_the_current_policy_against_the_engine():
+    """old_logprob is the engine's in bypass, and logp - old = [0.1, -0.1, 0.05, 0.2, -0.3]: the band
+    [0.8, 1.25] keeps tokens 0-3 (e^0.2 = 1.221) and masks token 4 (e^-0.3 = 0.741). Without the bypass the
+    same settings read pi_old / pi_rollout and mask token 1 (1/3)."""
+    tokens, settings, logp = _packed({"rejection": "token", "rejection_upper": 1.25, "bypass": True})
+    assert not settings.reads_rollout_logprobs  # the engine's log-probs are old_logprob itself
+    bypassed = PackedTokens(**{**tokens.__dict__, "rollout_logprobs": None})
+    _, values = objective(bypassed, settings, loss_denominator=5.0)
+    assert float(values["masked_tokens"]) == 1.0 and float(values["tis_weight"]) == 4.0
+    decoupled = ObjectiveSettings(
+        clip=settings.clip, loss_agg_mode="token-mean", rejection="token", rejection_upper=1.25
+    )
+    _, values = objective(tokens, decoupled, loss_denominator=5.0)
+    assert float(values["masked_tokens"]) == 1.0  # pi_old / pi_rollout: token 1 (1/3) is the one outside
 
 
 def test_the_bypass_puts_the_engines_logprobs_in_place_of_pi_old():
