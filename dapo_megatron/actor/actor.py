@@ -44,7 +44,18 @@ import torch.distributed as dist
 # guarded_step is looked up at each call (actor_optimizer.guarded_step): tests replace it to read the gradients
 # just before the step (tests/helpers_actor.py grads_rank)
 import dapo_megatron.actor.optimizer as actor_optimizer
-from dapo_megatron.actor.checkpoint import load_checkpoint, restore_rng, rng_sharded_object, save_checkpoint
+from dapo_megatron.actor.checkpoint import (
+    LEGACY_OPTIMIZER_FORMAT,
+    OPTIMIZER_FORMAT,
+    layout_record,
+    load_checkpoint,
+    read_checkpoint_meta,
+    reseed_rng,
+    restore_rng,
+    rng_sharded_object,
+    rng_state_restorable,
+    save_checkpoint,
+)
 from dapo_megatron.actor.offload import DeviceMemory, actor_tensors
 from dapo_megatron.actor.optimizer import (
     adam_step,
@@ -53,6 +64,7 @@ from dapo_megatron.actor.optimizer import (
     init_empty_optimizer_state,
     set_adam_step,
     set_lr_for_step,
+    torch_adam_step_kept,
 )
 from dapo_megatron.actor.packing import MicroBatch
 from dapo_megatron.actor.policy import LogProbs, Policy, TokenLogProbs
@@ -65,6 +77,8 @@ from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.dataplane.share import BatchShare
 from dapo_megatron.distributed import collectives as coll
 from dapo_megatron.distributed.layout import ParallelLayout
+from dapo_megatron.distributed.layout_sizes import describe_sizes
+from dapo_megatron.weights.hf_config import architecture_record
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
@@ -331,17 +345,21 @@ class Actor(Policy):
 
     # --- checkpoints ---------------------------------------------------------------------------------
 
-    def _sharded_state_dict(self, *, is_loading: bool) -> dict:
+    def _sharded_state_dict(
+        self, *, is_loading: bool, optimizer_format: str = OPTIMIZER_FORMAT, rng: bool = True
+    ) -> dict:
+        """Model chunks + optimizer (+ RNG): megatron ShardedTensors keyed by the model's global names.
+        optimizer_format: megatron's distributed-optimizer format (checkpoint.py, OPTIMIZER_FORMAT); a load
+        asks for the one the checkpoint was written in. rng=False leaves the RNG objects out (a layout they
+        do not map to)."""
         state = {}
         for index, chunk in enumerate(self._chunks):
             state["model" if len(self._chunks) == 1 else f"model{index}"] = chunk.sharded_state_dict()
-        # dp_reshardable: every rank writes its own optimizer shard (megatron 0.16's default
-        # "fully_sharded_model_space" needs ShardedTensor.flattened_range, which 0.16.1 rejects);
-        # a checkpoint can be resumed with another DP size but the same TP x PP.
         state["optimizer"] = self.optimizer.sharded_state_dict(
-            dict(state), is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+            dict(state), is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_format}
         )
-        state["rng_state"] = rng_sharded_object(self.layout)
+        if rng:
+            state["rng_state"] = rng_sharded_object(self.layout)
         return state
 
     def save(self, path: str | Path) -> Path:
@@ -353,27 +371,51 @@ class Actor(Policy):
             "last_step": self.last_step,
             "adam_step": adam_step(self.optimizer),
             "lr_schedule": self.lr_schedule.state_dict(),
-            "layout": {
-                "tp": self.layout.tp_size,
-                "pp": self.layout.pp_size,
-                "cp": self.layout.cp_size,
-                "dp": self.layout.dp_size,
-                "vpp": self.layout.vpp_size,
-            },
+            "layout": layout_record(self.layout),
+            "optimizer_format": OPTIMIZER_FORMAT,
+            # what a resume may not change (trainer/checkpoint/resume_check.py checks it before anything starts)
+            "model": architecture_record(self.hf_config),
+            "precision": self.settings.actor.precision,
+            "distributed_optimizer": self.settings.actor.use_distributed_optimizer,
         }
         return save_checkpoint(path, sharded_state_dict=self._sharded_state_dict(is_loading=False), meta=meta)
 
-    def load(self, path: str | Path) -> dict:
-        """Collective: restore what save() wrote; returns its actor_state.json."""
+    def load(self, path: str | Path, *, seed: int | None = None) -> dict:
+        """Collective: restore what save() wrote, under this actor's layout whatever the saved one
+        (checkpoint.py, "Resharding"); returns its actor_state.json. seed: the run's (trainer.seed), from
+        which the RNG states are re-derived when the saved ones do not map to this layout."""
         self._require("params", "optimizer", action="load")
+        meta = read_checkpoint_meta(path)
+        saved_layout = meta.get("layout")
+        restore = rng_state_restorable(saved_layout, self.layout)
+        if not restore and seed is None:
+            raise ValueError(
+                f"checkpoint {path}: saved under {describe_sizes(saved_layout or {})}, its RNG states do not map "
+                f"to {describe_sizes(layout_record(self.layout))}: pass the run's seed to re-derive them"
+            )
         init_empty_optimizer_state(self.optimizer)
-        state, meta = load_checkpoint(path, sharded_state_dict=self._sharded_state_dict(is_loading=True))
+        sharded = self._sharded_state_dict(
+            is_loading=True, optimizer_format=meta.get("optimizer_format", LEGACY_OPTIMIZER_FORMAT), rng=restore
+        )
+        state, meta = load_checkpoint(path, sharded_state_dict=sharded)
         for index, chunk in enumerate(self._chunks):
             chunk.load_state_dict(state["model" if len(self._chunks) == 1 else f"model{index}"], strict=False)
-        with torch.no_grad():  # megatron copies into fp32 main-param views that require grad
+        # megatron copies into fp32 main-param views that require grad
+        with torch.no_grad(), torch_adam_step_kept(self.optimizer):
             self.optimizer.load_state_dict(state["optimizer"])
         set_adam_step(self.optimizer, int(meta["adam_step"]))
-        restore_rng(state["rng_state"])
         self.num_updates = int(meta["num_updates"])
         self.last_step = int(meta["last_step"])
+        if restore:
+            restore_rng(state["rng_state"])
+        else:
+            assert seed is not None
+            reseed_rng(seed=seed, step=self.last_step)
+            if self.layout.rank == 0:
+                print(
+                    f"[actor] RNG states of {describe_sizes(saved_layout or {})} do not map to "
+                    f"{describe_sizes(layout_record(self.layout))}: "
+                    f"re-derived from seed {seed} and step {self.last_step}",
+                    flush=True,
+                )
         return meta

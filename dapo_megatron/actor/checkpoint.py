@@ -9,6 +9,14 @@ written to `<path>.tmp`; only when every rank has finished does rank 0 move an e
 to `<path>.old`, rename `<path>.tmp` to `<path>` and delete `<path>.old`. A save that dies at any
 point before that leaves `<path>` as it was (and a stale `<path>.tmp`, removed by the next save);
 a crash between the two renames leaves `<path>.old`, which `load_checkpoint` falls back to.
+
+Resharding (docs/architecture.md, "Resume on another layout"): the model's tensors are megatron
+ShardedTensors with global shapes and offsets, so any TP / PP / VPP / CP / EP / DP layout reads the
+slices it needs; the distributed optimizer is saved in megatron's `fully_reshardable` format
+(OPTIMIZER_FORMAT: the fp32 master parameters and both Adam moments stored in the model's own shapes
+and keys, not as DP-ordered flat buffers), so it follows the model. The RNG state is one object per
+TP x PP x EP position: it is restored when those sizes are unchanged, else re-derived from the run's
+seed and the step (reseed_rng).
 """
 
 from __future__ import annotations
@@ -25,8 +33,14 @@ import torch.distributed as dist
 
 from dapo_megatron.distributed import collectives as coll
 from dapo_megatron.distributed.layout import ParallelLayout
+from dapo_megatron.distributed.layout_sizes import changed_sizes
 
 META_FILE = "actor_state.json"
+# megatron-core's distributed-optimizer checkpoint format (DistributedOptimizer.sharded_state_dict):
+# "fully_reshardable" loads under any layout; "dp_reshardable" (the format before 2026-11-28, assumed when
+# actor_state.json names none) only under the TP x PP x EP it was saved with
+OPTIMIZER_FORMAT = "fully_reshardable"
+LEGACY_OPTIMIZER_FORMAT = "dp_reshardable"
 
 
 def _barrier() -> None:
@@ -90,6 +104,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
     raise ValueError(f"checkpoint {final}: no {META_FILE} there (not a finished actor checkpoint)")
 
 
+def read_checkpoint_meta(path: str | Path) -> dict:
+    """actor_state.json of a finished checkpoint (what was saved: step, layout, optimizer format)."""
+    return json.loads((resolve_checkpoint(path) / META_FILE).read_text())
+
+
 def load_checkpoint(path: str | Path, *, sharded_state_dict: dict) -> tuple[dict, dict]:
     """Collective: (loaded state dict, meta JSON)."""
     from megatron.core import dist_checkpointing
@@ -109,6 +128,28 @@ def load_checkpoint(path: str | Path, *, sharded_state_dict: dict) -> tuple[dict
         )
         state = dist_checkpointing.load(sharded_state_dict, str(where))
     return state, meta
+
+
+# --- the layout a checkpoint was saved under ---------------------------------------------------------
+
+
+def layout_record(layout: ParallelLayout) -> dict[str, int]:
+    """The sizes actor_state.json keeps (what a resume compares against its own layout)."""
+    return {
+        "tp": layout.tp_size,
+        "pp": layout.pp_size,
+        "cp": layout.cp_size,
+        "dp": layout.dp_size,
+        "vpp": layout.vpp_size or 1,
+        "ep": layout.ep_size,
+        "etp": layout.etp_size,
+        "world": layout.world_size,
+    }
+
+
+def rng_state_restorable(saved: dict | None, layout: ParallelLayout) -> bool:
+    """The saved RNG objects map one-to-one onto this layout's ranks (same TP, PP and EP sizes)."""
+    return saved is not None and not changed_sizes(saved, layout_record(layout), ("tp", "pp", "ep"))
 
 
 # --- RNG state (one ShardedObject per TP x PP position; DP/CP ranks are replicas) --------------------
@@ -143,3 +184,16 @@ def restore_rng(state: dict) -> None:
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def reseed_rng(*, seed: int, step: int) -> None:
+    """RNG states for a layout the saved ones cannot map to: megatron's seeding of a fresh run
+    (model_parallel_cuda_manual_seed: per TP / EP rank tracker states) from a seed derived from the
+    run's seed and the step, so two resumes of one checkpoint under one layout draw the same numbers."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    derived = (seed * 1_000_003 + step + 1) % (2**31 - 1)
+    random.seed(derived)
+    np.random.seed(derived)
+    torch.manual_seed(derived)
+    model_parallel_cuda_manual_seed(derived)

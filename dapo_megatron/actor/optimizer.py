@@ -19,7 +19,9 @@ counts as num_steps = s + 1. A run no longer than its warm-up never decays.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -157,6 +159,37 @@ def adam_step(optimizer) -> int:
             if "step" in state:
                 return int(state["step"])
     return 0
+
+
+@contextlib.contextmanager
+def torch_adam_step_kept(optimizer) -> Iterator[None]:
+    """For the body, megatron's DistributedOptimizer sets a parameter's optimizer state from a
+    checkpoint's tensors keeping torch AdamW's own 'step' entry.
+
+    megatron 0.16.1's fully_reshardable load (_set_main_param_and_optimizer_states) copies every entry of
+    the parameter's state from the loaded tensors, which hold only 'param', 'exp_avg' and 'exp_avg_sq':
+    with torch AdamW (no apex / Transformer Engine, whose fused Adam keeps the step in the param groups)
+    the state's 'step' entry raised KeyError. The step is restored from actor_state.json afterwards
+    (set_adam_step)."""
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        original = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if original is None:
+            continue
+
+        def set_states(model_param, tensors, _opt=opt, _original=original):
+            current = _opt._get_main_param_and_optimizer_states(model_param)
+            if "step" in current and "step" not in tensors:
+                tensors = {**tensors, "step": current["step"]}
+            _original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states  # the class's method again
 
 
 def set_adam_step(optimizer, step: int) -> None:

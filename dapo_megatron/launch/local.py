@@ -36,6 +36,8 @@ from dapo_megatron.quant.engine_checkpoint import fp8_rollout_dir, prepare_fp8_r
 from dapo_megatron.rollout.auth import ensure_secret_file, keys_from_config, run_secret_path
 from dapo_megatron.rollout.registry import read_registrations
 from dapo_megatron.trainer import console, console_log, metrics_log
+from dapo_megatron.trainer.checkpoint import files as ckpt_files
+from dapo_megatron.trainer.checkpoint.resume_check import check_resume_layout, check_resume_model
 
 
 def check_cores(cores: list[int], key: str) -> None:
@@ -356,6 +358,9 @@ def _launch_locked(
         print(decision.message, flush=True)
     if decision.nothing_to_do:
         return 0
+    resume_from = ckpt_files.latest_checkpoint(run_dir) if resume else None
+    if resume_from is not None and (layout_line := check_resume_layout(cfg, resume_from)):
+        print(layout_line, flush=True)
     _check_before_start(cfg, skip_plan=skip_plan)
     console.quiet_backend_warnings()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -366,6 +371,8 @@ def _launch_locked(
         keys_from_config(cfg.rollout)
     phases = console.Phases()
     model_dir, engine_model_dir = _prepare_model_and_data(cfg, phases, secret=secret)
+    if resume_from is not None:
+        check_resume_model(resume_from, model_dir=model_dir)  # before the engines and the ranks start
     overrides = [*overrides, f"model.path={model_dir}"]
     with LocalProcesses(run_dir / "logs") as procs:
         _start_engines(cfg, procs, phases, engine_model_dir=engine_model_dir, secret=secret)

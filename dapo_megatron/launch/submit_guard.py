@@ -210,6 +210,23 @@ class RunCheck:
     to_remove: tuple[str, ...] = ()  # --overwrite: the run's files that will be cleared
 
 
+def _with_layout_line(cfg, run_dir: Path, message: str, *, where: str) -> str:
+    """A --resume onto another layout or allocation (trainer/checkpoint/resume_check.py): the resharding
+    line after the resume line, or a ValueError for what cannot change. The model is compared by the
+    job's launcher, where model.path is (a cluster path is rarely on the submitting machine)."""
+    from dapo_megatron.trainer.checkpoint.files import latest_checkpoint
+    from dapo_megatron.trainer.checkpoint.resume_check import check_resume_layout
+
+    newest = latest_checkpoint(run_dir)
+    if newest is None:
+        return message
+    try:
+        line = check_resume_layout(cfg, newest, prefix=f"[slurm submit] {where}".rstrip())
+    except ValueError as err:
+        raise ValueError(f"{where}{err}") from None
+    return f"{message}\n{line}" if line else message
+
+
 def check_training_submission(
     plan,
     *,
@@ -265,6 +282,7 @@ def check_training_submission(
                 message = decision.message
                 if resume and not decision.nothing_to_do:
                     message = message.replace(" resuming ", " the job resumes ", 1)
+                    message = _with_layout_line(cfg, run_dir, message, where=where)
                 check = RunCheck(label, run_dir, nothing_to_do=decision.nothing_to_do, message=message)
         if not check.nothing_to_do:
             check.data_line = _data_line(cfg, where, skip=skip_data_check, dry_run=dry_run)

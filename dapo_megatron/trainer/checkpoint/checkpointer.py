@@ -17,6 +17,7 @@ from dapo_megatron.config import Config
 from dapo_megatron.distributed.driver_decides import driver_decides
 from dapo_megatron.trainer.checkpoint import files as ckpt
 from dapo_megatron.trainer.checkpoint.files import TrainerState
+from dapo_megatron.trainer.checkpoint.resume_check import check_resume_model
 from dapo_megatron.trainer.recovery import on_the_driver
 
 if TYPE_CHECKING:  # the loop's components; imported at run time they would bring megatron into every reader of this
@@ -39,7 +40,9 @@ class Checkpointer:
         loaded into the actor and the driver; the loop continues after its step."""
         latest = ckpt.newest_valid_checkpoint(self.run_dir)
         state = ckpt.read_trainer_state(latest)
-        self.actor.load(latest / "actor")
+        # the launcher checked the model before starting anything; a Slurm job's ranks start without one
+        check_resume_model(latest, model_dir=self.cfg.model.path)
+        self.actor.load(latest / "actor", seed=self.cfg.trainer.seed)  # the seed: RNG states of another layout
         if self.roles.driver:
             if state.driver is None:
                 raise ValueError(f"{latest}: {ckpt.STATE_FILE} has no driver state (prompt order, request counter)")
