@@ -358,17 +358,11 @@ def _launch_locked(
         print(decision.message, flush=True)
     if decision.nothing_to_do:
         return 0
-    resume_from = ckpt_files.latest_checkpoint(run_dir) if resume else None
-    if resume_from is not None and (layout_line := check_resume_layout(cfg, resume_from)):
-        print(layout_line, flush=True)
+    resume_from = _resume_layout(cfg, run_dir) if resume else None
     _check_before_start(cfg, skip_plan=skip_plan)
     console.quiet_backend_warnings()
     run_dir.mkdir(parents=True, exist_ok=True)
-    # the run's engine key (created once, reused by --resume); the user's keys of rollout.engine_urls are
-    # read now, so a missing variable or file fails before anything starts
-    secret = run_secret_path(run_dir)
-    if cfg.rollout.engine_urls:
-        keys_from_config(cfg.rollout)
+    secret = _engine_secret(cfg, run_dir)
     phases = console.Phases()
     model_dir, engine_model_dir = _prepare_model_and_data(cfg, phases, secret=secret)
     if resume_from is not None:
@@ -398,6 +392,23 @@ def _launch_locked(
         ranks_wall_s=ranks_wall_s,
         t_start=t_start,
     )
+
+
+def _engine_secret(cfg: Config, run_dir: Path) -> Path:
+    """The run's engine key file (created once, reused by --resume); the user's keys of
+    rollout.engine_urls are read now, so a missing variable or file fails before anything starts."""
+    if cfg.rollout.engine_urls:
+        keys_from_config(cfg.rollout)
+    return run_secret_path(run_dir)
+
+
+def _resume_layout(cfg: Config, run_dir: Path) -> Path | None:
+    """--resume: the checkpoint it starts from, after saying a change of layout in one line (or refusing
+    what cannot change: trainer/checkpoint/resume_check.py)."""
+    newest = ckpt_files.latest_checkpoint(run_dir)
+    if newest is not None and (line := check_resume_layout(cfg, newest)):
+        print(line, flush=True)
+    return newest
 
 
 def _check_before_start(cfg: Config, *, skip_plan: bool) -> None:

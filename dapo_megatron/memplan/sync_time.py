@@ -182,6 +182,20 @@ def sync_bytes(dims: ModelDims, *, fp8: bool) -> int:
     return fp8_bytes(linear) + (params - linear) * dims.dtype_bytes
 
 
+def _copy_rate(copy_bytes_per_s: float | None, copy_source: str) -> float:
+    """The colocated copy rate: the one given, else the named device's default; a ValueError for an
+    unknown device or a rate <= 0."""
+    if copy_bytes_per_s is None:
+        if copy_source not in DEVICE_COPY_BYTES_PER_S:
+            raise ValueError(
+                f"copy_source {copy_source!r}: no default copy rate; known {sorted(DEVICE_COPY_BYTES_PER_S)}"
+            )
+        copy_bytes_per_s = DEVICE_COPY_BYTES_PER_S[copy_source]
+    if copy_bytes_per_s <= 0:
+        raise ValueError(f"copy_bytes_per_s must be > 0, got {copy_bytes_per_s}")
+    return copy_bytes_per_s
+
+
 def sync_time(
     dims: ModelDims,
     layout: Layout,
@@ -198,14 +212,7 @@ def sync_time(
 ) -> SyncTime:
     """The predicted seconds of one sync of the whole model into every engine (module docstring).
     copy_bytes_per_s: the device copy rate of a colocated sync; None = DEVICE_COPY_BYTES_PER_S[copy_source]."""
-    if copy_bytes_per_s is None:
-        if copy_source not in DEVICE_COPY_BYTES_PER_S:
-            raise ValueError(
-                f"copy_source {copy_source!r}: no default copy rate; known {sorted(DEVICE_COPY_BYTES_PER_S)}"
-            )
-        copy_bytes_per_s = DEVICE_COPY_BYTES_PER_S[copy_source]
-    if copy_bytes_per_s <= 0:
-        raise ValueError(f"copy_bytes_per_s must be > 0, got {copy_bytes_per_s}")
+    copy_bytes_per_s = _copy_rate(copy_bytes_per_s, copy_source)
     total = sync_bytes(dims, fp8=fp8)
     experts = expert_params(dims) * (1 if fp8 else dims.dtype_bytes)
     dense = total - experts
