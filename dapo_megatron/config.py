@@ -344,7 +344,13 @@ def _validate_rollout_correction(a: AlgorithmConfig) -> None:
         a.veto_threshold,
         "null (off) or in (0, 1), e.g. 1e-4: a token the trainer finds 10^4 times less likely than the engine",
     )
-    if a.bypass_old_logprobs:  # the masks then compare pi_theta (no gradient) with pi_rollout; a weight may not
+    _validate_bypass(a)
+
+
+def _validate_bypass(a: AlgorithmConfig) -> None:
+    """algorithm.bypass_old_logprobs: the masks then compare pi_theta (no gradient) with pi_rollout; a weight
+    may not (docs/algorithm.md 11)."""
+    if a.bypass_old_logprobs:
         weights = {
             "tis_cap": a.tis_cap,
             "seq_is_cap": a.seq_is_cap,
@@ -861,9 +867,8 @@ def validate(cfg: Config) -> None:
     _validate_across_sections(cfg)
 
 
-def _validate_across_sections(cfg: Config) -> None:
-    """The rules that tie one section's keys to another's."""
-    r, a, ac, tn = cfg.rollout, cfg.algorithm, cfg.actor, cfg.tiny
+def _validate_bypass_across(r: RolloutConfig, a: AlgorithmConfig, ac: ActorConfig) -> None:
+    """What algorithm.bypass_old_logprobs needs of the rollout and actor sections."""
     _require(
         r.max_staleness == 0 or not a.bypass_old_logprobs,
         "algorithm.bypass_old_logprobs",
@@ -878,6 +883,12 @@ def _validate_across_sections(cfg: Config) -> None:
         "1 with algorithm.bypass_old_logprobs=true and a sequence-level rejection or the veto: they read the "
         "ratio pi_theta / pi_rollout of a whole response in the loss, where context parallelism splits it",
     )
+
+
+def _validate_across_sections(cfg: Config) -> None:
+    """The rules that tie one section's keys to another's."""
+    r, a, ac, tn = cfg.rollout, cfg.algorithm, cfg.actor, cfg.tiny
+    _validate_bypass_across(r, a, ac)
     _require(
         r.max_staleness == 0 or a.tis_cap is not None,
         "rollout.max_staleness",
