@@ -232,7 +232,7 @@ class AlgorithmConfig:
     kl_coef: float = 0.001
     kl_kind: Literal["k1", "k2", "k3"] = "k3"
     tis_cap: float | None = None  # truncated importance sampling vs engine log-probs; null = off
-    # the other rollout corrections (algo/rollout_correction.py, docs/algorithm.md 10); null = off
+    # the other rollout corrections (algo/rollout_correction.py, docs/algorithm.md 11); null = off
     seq_is_cap: float | None = None  # truncated sequence-level weight min(prod_t pi_old / pi_rollout, cap)
     rejection: RejectionLevel | None = None  # mask tokens / responses whose ratio leaves [lower, upper]
     rejection_upper: float | None = None

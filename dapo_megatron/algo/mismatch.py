@@ -1,4 +1,4 @@
-"""The trainer-engine mismatch of a step, measured on the responses it trains (docs/algorithm.md 10), and
+"""The trainer-engine mismatch of a step, measured on the responses it trains (docs/algorithm.md 11), and
 what the rollout corrections did to them.
 
 With d_t = log pi_old(y_t) - log pi_rollout(y_t) on the trained tokens (samples from pi_rollout),

@@ -1,5 +1,5 @@
 """Rollout correction: what the trainer does about the engine sampling from a slightly different policy
-than the one it trains (bf16 vs FP8 engines, MoE routing, engine kernels; docs/algorithm.md 10).
+than the one it trains (bf16 vs FP8 engines, MoE routing, engine kernels; docs/algorithm.md 11).
 
 With d_t = log pi_old(y_t) - log pi_rollout(y_t) on a response's trained tokens (pi_old: the trainer's
 recomputed log-probs, pi_rollout: the engine's), each correction is a per-token factor c_t >= 0 that
