@@ -1,9 +1,10 @@
 """Pure tensor maths of DAPO: no config objects, no torch.distributed (docs/architecture.md, "Layout").
 
 The objective's variants are registered by name (algo/registry.py's Registry, typed by their Protocol):
-POLICY_LOSSES ("dapo", "grpo", "gspo"; algorithm.policy_loss; PolicyLossFn) and ADVANTAGES ("grpo",
-"drgrpo"; algorithm.advantage; AdvantageFn). Importing this
-package registers all of them.
+POLICY_LOSSES ("dapo", "grpo", "gspo"; algorithm.policy_loss; PolicyLossFn), ADVANTAGES ("grpo",
+"drgrpo"; algorithm.advantage; AdvantageFn) and ROLLOUT_CORRECTIONS (token_is, sequence_is, token_reject,
+sequence_reject, geometric_reject, icepop, veto; algorithm.tis_cap, seq_is_cap, rejection, veto_threshold;
+RolloutCorrectionFn). Importing this package registers all of them.
 """
 
 from dapo_megatron.algo import gspo as _gspo  # noqa: F401  (registers "gspo")
@@ -15,6 +16,7 @@ from dapo_megatron.algo.objective import METRIC_SUMS, ObjectiveSettings, PackedT
 from dapo_megatron.algo.overlong import overlong_filter_mask, overlong_penalty
 from dapo_megatron.algo.policy_loss import POLICY_LOSSES, STAT_KEYS, ClipSettings, LossTokens, PolicyLossFn, policy_loss
 from dapo_megatron.algo.registry import Registry
+from dapo_megatron.algo.rollout_correction import ROLLOUT_CORRECTIONS, RolloutCorrection, RolloutCorrectionFn
 
 __all__ = [
     "ADVANTAGES",
@@ -23,6 +25,7 @@ __all__ = [
     "KL_KINDS",
     "METRIC_SUMS",
     "POLICY_LOSSES",
+    "ROLLOUT_CORRECTIONS",
     "STAT_KEYS",
     "ClipSettings",
     "DynamicSampler",
@@ -31,6 +34,8 @@ __all__ = [
     "PackedTokens",
     "PolicyLossFn",
     "Registry",
+    "RolloutCorrection",
+    "RolloutCorrectionFn",
     "SamplerStats",
     "count_loss_units",
     "group_accuracies",

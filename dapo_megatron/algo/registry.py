@@ -4,8 +4,9 @@ signature, and the trainer looks the key of its config up here. A registry is ty
 its functions (Registry[PolicyLossFn], Registry[AdvantageFn]), so mypy checks every registration
 against it and every call of a looked-up function.
 
-The two registries of the objective live beside their Protocol: POLICY_LOSSES in algo/policy_loss.py
-(filled there and by algo/gspo.py), ADVANTAGES in algo/advantages.py.
+The registries of the objective live beside their Protocol: POLICY_LOSSES in algo/policy_loss.py
+(filled there and by algo/gspo.py), ADVANTAGES in algo/advantages.py, ROLLOUT_CORRECTIONS
+(RolloutCorrectionFn) in algo/rollout_correction.py.
 
     @POLICY_LOSSES.register("gspo")
     def gspo_policy_loss(tokens: LossTokens, clip: ClipSettings) -> tuple[Tensor, dict[str, Tensor]]: ...

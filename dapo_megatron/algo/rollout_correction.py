@@ -24,7 +24,9 @@ truncated anyway); comparisons are made in log space, exactly.
 A sequence-level or geometric quantity is the WHOLE response's: the functions here read flat tokens
 that hold whole responses (seq_ids, -1 on padding). The actor calls them on a micro-batch before its
 context-parallel split (a micro-batch always holds whole sequences: actor/packing.py), the step's
-metrics on a data-parallel rank's share; sums are taken in float64.
+metrics on a data-parallel rank's share; sums are taken in float64. With algorithm.bypass_old_logprobs
+pi_old is the engine's own, and objective() passes the current policy (no gradient) as pi_old here
+(only the masks are allowed then: config.py).
 """
 
 from __future__ import annotations
