@@ -46,7 +46,6 @@ import torch.distributed as dist
 import dapo_megatron.actor.optimizer as actor_optimizer
 from dapo_megatron.actor.checkpoint import (
     LEGACY_OPTIMIZER_FORMAT,
-    OPTIMIZER_FORMAT,
     layout_record,
     load_checkpoint,
     read_checkpoint_meta,
@@ -76,9 +75,8 @@ from dapo_megatron.dataplane.batch import RolloutBatch
 from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.dataplane.share import BatchShare
 from dapo_megatron.distributed import collectives as coll
+from dapo_megatron.distributed.checkpoint_record import architecture_record, describe_sizes
 from dapo_megatron.distributed.layout import ParallelLayout
-from dapo_megatron.distributed.layout_sizes import describe_sizes
-from dapo_megatron.weights.hf_config import architecture_record
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
@@ -345,12 +343,10 @@ class Actor(Policy):
 
     # --- checkpoints ---------------------------------------------------------------------------------
 
-    def _sharded_state_dict(
-        self, *, is_loading: bool, optimizer_format: str = OPTIMIZER_FORMAT, rng: bool = True
-    ) -> dict:
+    def _sharded_state_dict(self, *, is_loading: bool, optimizer_format: str, rng: bool = True) -> dict:
         """Model chunks + optimizer (+ RNG): megatron ShardedTensors keyed by the model's global names.
-        optimizer_format: megatron's distributed-optimizer format (checkpoint.py, OPTIMIZER_FORMAT); a load
-        asks for the one the checkpoint was written in. rng=False leaves the RNG objects out (a layout they
+        optimizer_format: megatron's distributed-optimizer format (actor.checkpoint_format at a save; a load
+        asks for the one the checkpoint was written in). rng=False leaves the RNG objects out (a layout they
         do not map to)."""
         state = {}
         for index, chunk in enumerate(self._chunks):
@@ -372,13 +368,14 @@ class Actor(Policy):
             "adam_step": adam_step(self.optimizer),
             "lr_schedule": self.lr_schedule.state_dict(),
             "layout": layout_record(self.layout),
-            "optimizer_format": OPTIMIZER_FORMAT,
+            "optimizer_format": self.settings.actor.checkpoint_format,
             # what a resume may not change (trainer/checkpoint/resume_check.py checks it before anything starts)
-            "model": architecture_record(self.hf_config),
+            "model": architecture_record(self.hf_config.to_dict()),
             "precision": self.settings.actor.precision,
             "distributed_optimizer": self.settings.actor.use_distributed_optimizer,
         }
-        return save_checkpoint(path, sharded_state_dict=self._sharded_state_dict(is_loading=False), meta=meta)
+        sharded = self._sharded_state_dict(is_loading=False, optimizer_format=self.settings.actor.checkpoint_format)
+        return save_checkpoint(path, sharded_state_dict=sharded, meta=meta)
 
     def load(self, path: str | Path, *, seed: int | None = None) -> dict:
         """Collective: restore what save() wrote, under this actor's layout whatever the saved one

@@ -13,8 +13,9 @@ a crash between the two renames leaves `<path>.old`, which `load_checkpoint` fal
 Resharding (docs/architecture.md, "Resume on another layout"): the model's tensors are megatron
 ShardedTensors with global shapes and offsets, so any TP / PP / VPP / CP / EP / DP layout reads the
 slices it needs; the distributed optimizer is saved in megatron's `fully_reshardable` format
-(OPTIMIZER_FORMAT: the fp32 master parameters and both Adam moments stored in the model's own shapes
-and keys, not as DP-ordered flat buffers), so it follows the model. The RNG state is one object per
+(OPTIMIZER_FORMAT, the default of actor.checkpoint_format: the fp32 master parameters and both Adam
+moments stored in the model's own shapes and keys, not as DP-ordered flat buffers), so it follows the
+model. The RNG state is one object per
 TP x PP x EP position: it is restored when those sizes are unchanged, else re-derived from the run's
 seed and the step (reseed_rng).
 """
@@ -32,13 +33,14 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.distributed import collectives as coll
+from dapo_megatron.distributed.checkpoint_record import changed_sizes
 from dapo_megatron.distributed.layout import ParallelLayout
-from dapo_megatron.distributed.layout_sizes import changed_sizes
 
 META_FILE = "actor_state.json"
-# megatron-core's distributed-optimizer checkpoint format (DistributedOptimizer.sharded_state_dict):
-# "fully_reshardable" loads under any layout; "dp_reshardable" (the format before 2026-11-28, assumed when
-# actor_state.json names none) only under the TP x PP x EP it was saved with
+# megatron-core's distributed-optimizer checkpoint formats (DistributedOptimizer.sharded_state_dict), chosen by
+# actor.checkpoint_format: "fully_reshardable" (the default) loads under any layout; "dp_reshardable" (the
+# only format before 2026-11-28, assumed when actor_state.json names none) only under the TP x PP x EP it was
+# saved with
 OPTIMIZER_FORMAT = "fully_reshardable"
 LEGACY_OPTIMIZER_FORMAT = "dp_reshardable"
 

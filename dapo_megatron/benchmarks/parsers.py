@@ -165,6 +165,24 @@ def engine_health() -> argparse.ArgumentParser:
     return ap
 
 
+RESHARD_SHAPES = ("tiny", "100m")  # benchmarks/reshard.py's SHAPES, in this order
+# bench reshard's layouts of 2 ranks: NAME -> the sizes that are not 1
+RESHARD_LAYOUTS = {"tp1": {}, "tp2": {"tp": 2}, "pp2": {"pp": 2}, "cp2": {"cp": 2}}
+
+
+def reshard() -> argparse.ArgumentParser:
+    ap = _new(
+        "reshard",
+        "An actor checkpoint's save and load seconds and peak memory, saved under one layout, loaded under another",
+    )
+    ap.add_argument("--shape", choices=RESHARD_SHAPES, default="tiny", help="tiny Qwen2 shape or ~100M parameters")
+    ap.add_argument("--save", choices=sorted(RESHARD_LAYOUTS), default="tp1", help="layout of the save (tp1: DP=2)")
+    ap.add_argument("--load", choices=sorted(RESHARD_LAYOUTS), default="tp2", help="layout of the load")
+    ap.add_argument("--work-dir", default=None, help="where the checkpoints go (kept); default a removed temp dir")
+    add_output_args(ap, name="reshard")
+    return ap
+
+
 # `bench NAME` -> its parser (run.py: `bench NAME --help` is answered from here)
 PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "actor": actor,
@@ -174,4 +192,5 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "overlap": overlap,
     "engine-abuse": engine_abuse,
     "engine-health": engine_health,
+    "reshard": reshard,
 }

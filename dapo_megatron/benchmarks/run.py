@@ -1,5 +1,5 @@
 """`dapo-megatron bench kernels | reward | rollout | actor | dataplane | rollout-quant | overlap | engine-abuse |
-engine-health [args]`: the project's
+engine-health | reshard [args]`: the project's
 benchmarks, each
 printing a table and appending rows to a CSV in a results directory (speed is measured here, never
 asserted in tests).
@@ -37,6 +37,8 @@ BENCHES = {
     "engine-abuse": "dapo_megatron.benchmarks.engine_abuse",
     # CPU engine /health latency while 16 MB bodies are parsed
     "engine-health": "dapo_megatron.benchmarks.engine_health",
+    # an actor checkpoint saved under one layout, loaded under another: seconds, disk, peak RSS (torchrun)
+    "reshard": "dapo_megatron.benchmarks.reshard",
 }
 DEFAULT_RESULTS_DIR = "results"
 

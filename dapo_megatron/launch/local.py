@@ -36,7 +36,6 @@ from dapo_megatron.quant.engine_checkpoint import fp8_rollout_dir, prepare_fp8_r
 from dapo_megatron.rollout.auth import ensure_secret_file, keys_from_config, run_secret_path
 from dapo_megatron.rollout.registry import read_registrations
 from dapo_megatron.trainer import console, console_log, metrics_log
-from dapo_megatron.trainer.checkpoint import files as ckpt_files
 from dapo_megatron.trainer.checkpoint.resume_check import check_resume_layout, check_resume_model
 
 
@@ -358,7 +357,7 @@ def _launch_locked(
         print(decision.message, flush=True)
     if decision.nothing_to_do:
         return 0
-    resume_from = _resume_layout(cfg, run_dir) if resume else None
+    resume_from = _say_layout_change(cfg, decision.checkpoint)
     _check_before_start(cfg, skip_plan=skip_plan)
     console.quiet_backend_warnings()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -402,13 +401,12 @@ def _engine_secret(cfg: Config, run_dir: Path) -> Path:
     return run_secret_path(run_dir)
 
 
-def _resume_layout(cfg: Config, run_dir: Path) -> Path | None:
-    """--resume: the checkpoint it starts from, after saying a change of layout in one line (or refusing
-    what cannot change: trainer/checkpoint/resume_check.py)."""
-    newest = ckpt_files.latest_checkpoint(run_dir)
-    if newest is not None and (line := check_resume_layout(cfg, newest)):
+def _say_layout_change(cfg: Config, checkpoint: Path | None) -> Path | None:
+    """--resume from `checkpoint`: a change of layout said in one line, or refused for what cannot change
+    (trainer/checkpoint/resume_check.py); returns the checkpoint."""
+    if checkpoint is not None and (line := check_resume_layout(cfg, checkpoint)):
         print(line, flush=True)
-    return newest
+    return checkpoint
 
 
 def _check_before_start(cfg: Config, *, skip_plan: bool) -> None:

@@ -29,6 +29,7 @@ class RunDirDecision:
     start_step: int  # the step training starts from (0 fresh, N after --resume from step_N)
     nothing_to_do: bool = False
     message: str = ""  # what to print before anything starts ("" = nothing)
+    checkpoint: Path | None = None  # --resume: the newest checkpoint (the ranks take it if it verifies)
 
 
 def _has_metrics(run_dir: Path) -> bool:
@@ -112,6 +113,7 @@ def _resume_decision(
     return RunDirDecision(
         start_step=latest_step,
         message=(f"{prefix} resuming {run_dir} from step {latest_step} of {total_steps} ({checkpoints[-1][1].name})"),
+        checkpoint=checkpoints[-1][1],
     )
 
 

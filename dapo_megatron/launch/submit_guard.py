@@ -34,7 +34,6 @@ from dapo_megatron.data.tiny_tokenizer import build_tiny_tokenizer
 from dapo_megatron.launch.local import check_prompt_data
 from dapo_megatron.launch.run_lock import RunDirInUse, holder, refusal
 from dapo_megatron.launch.submit import training_configs
-from dapo_megatron.trainer.checkpoint.files import list_checkpoints
 from dapo_megatron.trainer.checkpoint.resume_check import check_resume_layout
 
 # states after which a job runs no more (squeue may still list them for a moment); anything else counts
@@ -212,16 +211,14 @@ class RunCheck:
     to_remove: tuple[str, ...] = ()  # --overwrite: the run's files that will be cleared
 
 
-def _with_layout_line(cfg, run_dir: Path, message: str, *, where: str) -> str:
+def _with_layout_line(cfg, newest: Path | None, message: str, *, where: str) -> str:
     """The resume line as the job will do it, then, for a --resume onto another layout or allocation
     (trainer/checkpoint/resume_check.py), the resharding line; a ValueError for what cannot change. The
     model is compared by the job's ranks, where model.path is (a cluster path is rarely on the
     submitting machine)."""
     message = message.replace(" resuming ", " the job resumes ", 1)
-    checkpoints = list_checkpoints(run_dir)
-    if not checkpoints:
+    if newest is None:
         return message
-    newest = checkpoints[-1][1]
     try:
         line = check_resume_layout(cfg, newest, prefix=f"[slurm submit] {where}".rstrip())
     except ValueError as err:
@@ -260,6 +257,8 @@ def check_training_submission(
                 to_remove=tuple(n for n in RUN_FILES if (run_dir / n).exists() or (run_dir / n).is_symlink()),
             )
         else:
+            from dapo_megatron.trainer.checkpoint.files import list_checkpoints
+
             if resume and len(runs) > 1 and not list_checkpoints(run_dir) and not (run_dir / "metrics.jsonl").exists():
                 # a sweep's run that never started: it starts from the beginning (the job says so too)
                 check = RunCheck(
@@ -281,7 +280,7 @@ def check_training_submission(
                     raise ValueError(f"{where}{err}") from None
                 message = decision.message
                 if resume and not decision.nothing_to_do:
-                    message = _with_layout_line(cfg, run_dir, message, where=where)
+                    message = _with_layout_line(cfg, decision.checkpoint, message, where=where)
                 check = RunCheck(label, run_dir, nothing_to_do=decision.nothing_to_do, message=message)
         if not check.nothing_to_do:
             check.data_line = _data_line(cfg, where, skip=skip_data_check, dry_run=dry_run)

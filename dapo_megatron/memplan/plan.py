@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from dapo_megatron.memplan.activations import ActivationModel
 from dapo_megatron.memplan.arch import ModelDims, model_dims_for
+from dapo_megatron.memplan.checkpoint_cost import CheckpointCost, checkpoint_cost
 from dapo_megatron.memplan.engine import ENGINE_CONTEXT_BYTES, GIB, EngineMemory, engine_memory
 from dapo_megatron.memplan.static import (
     PARAM_BYTES,
@@ -114,6 +115,7 @@ class MemoryPlan:
     limit: int
     problems: list[str]
     sync: dict[str, SyncTime] = field(default_factory=dict)  # placement -> predicted seconds of one weight sync
+    checkpoint: CheckpointCost | None = None  # one checkpoint's bytes, host memory and seconds (checkpoint_cost.py)
 
     @property
     def peak(self) -> float:
@@ -491,4 +493,7 @@ def build_plan(cfg, *, links: Links | None = None) -> MemoryPlan:
         f" ({links.source})"
     )
     sync = _sync_times(cfg, dims, x, links)
-    return MemoryPlan(header=header, tables=tables, placement=ro.placement, limit=limit, problems=problems, sync=sync)
+    checkpoint = checkpoint_cost(
+        dims, x.layout, weight_bytes=PARAM_BYTES[ac.precision], checkpoint_format=ac.checkpoint_format
+    )
+    return MemoryPlan(header, tables, ro.placement, limit, problems, sync=sync, checkpoint=checkpoint)

@@ -46,6 +46,8 @@ def format_plan(plan: MemoryPlan) -> str:
     lines.append("")
     for placement, sync in plan.sync.items():
         lines += [line + ("   [configured]" if placement == plan.placement else "") for line in sync.lines()]
+    if plan.checkpoint is not None:
+        lines += plan.checkpoint.lines()
     lines.append("")
     if plan.problems:
         lines.append("does not fit:")

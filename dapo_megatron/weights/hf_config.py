@@ -88,32 +88,3 @@ def moe_shape_of(hf_config: PretrainedConfig) -> MoEShape | None:
         norm_topk_prob=bool(getattr(hf_config, "norm_topk_prob", False)),
         sparse_layers=sparse,
     )
-
-
-# what a checkpoint's model is, as far as its tensors' shapes and meaning go: a resume may change the
-# parallel layout and the allocation, never these (trainer/checkpoint/resume_check.py)
-ARCHITECTURE_KEYS = (
-    "model_type",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "intermediate_size",
-    "vocab_size",
-    "tie_word_embeddings",
-    "num_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-)
-
-
-def architecture_record(hf_config: PretrainedConfig) -> dict[str, object]:
-    """The ARCHITECTURE_KEYS of a config.json (a key the model type lacks is left out); head_dim as the
-    model uses it (hidden / heads where config.json has none)."""
-    record: dict[str, object] = {}
-    for key in ARCHITECTURE_KEYS:
-        value = head_dim_of(hf_config) if key == "head_dim" else getattr(hf_config, key, None)
-        if value is not None:
-            record[key] = value
-    return record

@@ -205,7 +205,10 @@ def test_train_runs_the_plan_first_and_skip_plan_skips_it(tmp_path, monkeypatch)
 
     out = tmp_path / "run"
     assert main(["train", TINY, "slurm.gpu_memory_gb=1", f"trainer.output_dir={out}"]) == 2
-    assert not out.exists()  # nothing prepared, nothing started
+    # nothing prepared, nothing started: the run directory holds only the console's log (logs/train.log,
+    # which keeps the refusal for `dapo-megatron status`) and the launcher's lock file
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [".run.lock", "logs", "logs/train.log"]
+    assert "the memory plan does not fit" in (out / "logs" / "train.log").read_text().splitlines()[-1]
     started = []
     monkeypatch.setattr(local, "tiny_model_dir", lambda cfg: started.append(cfg) or str(tmp_path))
     monkeypatch.setattr(local.LocalProcesses, "run_foreground", lambda self, name, argv, env=None: 0)

@@ -16,7 +16,7 @@ MODEL.update(num_key_value_heads=2, intermediate_size=128, vocab_size=301, tie_w
 
 def _checkpoint(tmp_path, *, layout, optimizer_format="fully_reshardable", precision="fp32", model=None):
     """A run checkpoint's step dir whose actor/actor_state.json says what Actor.save writes."""
-    actor = tmp_path / "step_000071" / "actor"
+    actor = tmp_path / "step_000072" / "actor"
     actor.mkdir(parents=True)
     meta = {"last_step": 71, "num_updates": 72, "layout": layout, "precision": precision}
     meta["distributed_optimizer"] = False  # tiny_cpu.yaml's
@@ -25,6 +25,7 @@ def _checkpoint(tmp_path, *, layout, optimizer_format="fully_reshardable", preci
     if model is not None:
         meta["model"] = {**model, "head_dim": model["hidden_size"] // model["num_attention_heads"]}
     (actor / "actor_state.json").write_text(json.dumps(meta))
+    (actor.parent / "trainer_state.json").write_text(json.dumps({"step": 72}))  # the run's step (1-based)
     return actor.parent
 
 
@@ -39,7 +40,7 @@ def test_a_layout_change_is_said_in_one_line(tmp_path):
     ckpt = _checkpoint(tmp_path, layout=TP1_DP2)
     assert check_resume_layout(_cfg(), ckpt) == ""  # tiny_cpu.yaml: TP=1 x DP=2, as saved
     assert check_resume_layout(_cfg("actor.tp=2"), ckpt) == (
-        "[train] resuming step 71 saved at TP=1 PP=1 CP=1 DP=2 under TP=2 PP=1 CP=1 DP=1: resharding (model "
+        "[train] resuming step 72 saved at TP=1 PP=1 CP=1 DP=2 under TP=2 PP=1 CP=1 DP=1: resharding (model "
         "and optimizer through megatron's global-shape checkpoint, RNG states re-derived from trainer.seed)"
     )
     # DP alone: the RNG states map (they are per TP x PP x EP position)
@@ -48,7 +49,7 @@ def test_a_layout_change_is_said_in_one_line(tmp_path):
 
 def test_a_checkpoint_in_the_earlier_optimizer_format_keeps_its_tp_and_pp(tmp_path):
     ckpt = _checkpoint(tmp_path, layout={"tp": 1, "pp": 1, "cp": 1, "dp": 2, "vpp": None}, optimizer_format=None)
-    assert check_resume_layout(_cfg("actor.world_size=1"), ckpt).startswith("[train] resuming step 71")  # DP: fine
+    assert check_resume_layout(_cfg("actor.world_size=1"), ckpt).startswith("[train] resuming step 72")  # DP: fine
     with pytest.raises(ValueError, match=r"dp_reshardable optimizer format .* resume with actor.tp=1, then"):
         check_resume_layout(_cfg("actor.tp=2"), ckpt)
 

@@ -21,10 +21,15 @@ import json
 from pathlib import Path
 
 from dapo_megatron.config import Config
-from dapo_megatron.distributed.layout_sizes import changed_sizes, describe_sizes
-from dapo_megatron.weights.hf_config import ARCHITECTURE_KEYS
+from dapo_megatron.distributed.checkpoint_record import (
+    ARCHITECTURE_KEYS,
+    architecture_record,
+    changed_sizes,
+    describe_sizes,
+)
 
 ACTOR_META = "actor_state.json"  # actor/checkpoint.py META_FILE (not imported: that module imports torch)
+TRAINER_STATE = "trainer_state.json"  # trainer/checkpoint/files.py STATE_FILE (the same: files.py imports torch)
 LEGACY_FORMAT = "dp_reshardable"
 
 
@@ -43,24 +48,15 @@ def planned_layout(cfg: Config) -> dict[str, int]:
     }
 
 
-def read_actor_meta(checkpoint_dir: Path) -> dict:
+def read_actor_meta(checkpoint_dir: Path) -> dict | None:
     """The actor's actor_state.json of a run checkpoint (step_<N>/actor, or its .old after a crash
-    between the two renames)."""
+    between the two renames); None when there is none (a damaged checkpoint: the ranks verify it against
+    its manifest, set it aside and take an earlier one, trainer/checkpoint/files.py)."""
     actor = checkpoint_dir / "actor"
     for candidate in (actor, actor.with_name(actor.name + ".old")):
         if (candidate / ACTOR_META).is_file():
             return json.loads((candidate / ACTOR_META).read_text())
-    raise ValueError(f"--resume: {checkpoint_dir} has no actor/{ACTOR_META} (not a finished actor checkpoint)")
-
-
-def _model_record(model_dir: Path) -> dict[str, object]:
-    """ARCHITECTURE_KEYS of model_dir/config.json, read as plain JSON (no transformers import here);
-    head_dim as the actor uses it (hidden / heads where config.json has none)."""
-    raw = json.loads((model_dir / "config.json").read_text())
-    raw = {**raw.get("text_config", {}), **raw}
-    if not raw.get("head_dim") and raw.get("hidden_size") and raw.get("num_attention_heads"):
-        raw["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
-    return {k: raw[k] for k in ARCHITECTURE_KEYS if raw.get(k) is not None}
+    return None
 
 
 def check_resume_model(checkpoint_dir: str | Path, *, model_dir: str | Path) -> None:
@@ -68,10 +64,10 @@ def check_resume_model(checkpoint_dir: str | Path, *, model_dir: str | Path) -> 
     key. Nothing to compare (a checkpoint older than the record, a model_dir not on this machine): no check
     here, and the ranks' load finds a mismatch of shapes."""
     checkpoint_dir, model_dir = Path(checkpoint_dir), Path(model_dir)
-    saved_model = read_actor_meta(checkpoint_dir).get("model")
+    saved_model = (read_actor_meta(checkpoint_dir) or {}).get("model")
     if not saved_model or not (model_dir / "config.json").is_file():
         return
-    current = _model_record(model_dir)
+    current = architecture_record(json.loads((model_dir / "config.json").read_text()))
     for key in ARCHITECTURE_KEYS:
         if key in saved_model and key in current and saved_model[key] != current[key]:
             raise ValueError(
@@ -87,6 +83,8 @@ def check_resume_layout(cfg: Config, checkpoint_dir: str | Path, *, prefix: str 
     layout of a checkpoint in the earlier optimizer format)."""
     checkpoint_dir = Path(checkpoint_dir)
     meta = read_actor_meta(checkpoint_dir)
+    if meta is None:
+        return ""
     where = f"checkpoint {checkpoint_dir}"
     saved_keys = (
         ("precision", meta.get("precision")),
@@ -114,7 +112,9 @@ def check_resume_layout(cfg: Config, checkpoint_dir: str | Path, *, prefix: str 
     if not moved:
         return ""
     rng = ", RNG states re-derived from trainer.seed" if any(k in moved for k in ("tp", "pp", "ep")) else ""
+    state = checkpoint_dir / TRAINER_STATE
+    step = json.loads(state.read_text())["step"] if state.is_file() else int(meta.get("last_step", -1)) + 1
     return (
-        f"{prefix} resuming step {meta.get('last_step')} saved at {describe_sizes(saved_layout)} under "
+        f"{prefix} resuming step {step} saved at {describe_sizes(saved_layout)} under "
         f"{describe_sizes(layout)}: resharding (model and optimizer through megatron's global-shape checkpoint{rng})"
     )

@@ -1,0 +1,34 @@
+"""One checkpoint's bytes, host memory and seconds as `plan` predicts them (memplan/checkpoint_cost.py), on a
+model small enough to count by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from dapo_megatron.memplan.arch import ModelDims
+from dapo_megatron.memplan.checkpoint_cost import checkpoint_cost
+from dapo_megatron.memplan.static import Layout
+
+# hidden 8, FFN 16, 2 layers, 2 heads of 4 + 1 KV head, vocabulary 10, untied, no biases. By hand:
+#   embedding 10*8 = 80, LM head 80, final norm 8
+#   per layer: q 8*8 = 64, k 8*4 = 32, v 32, o 64, MLP 3*16*8 = 384, two norms 16  -> 592, two layers 1184
+#   total 80 + 80 + 8 + 1184 = 1352 parameters
+DIMS = ModelDims("qwen2", 8, 16, 2, 2, 1, 4, 10, False, False, 2, "hand", "test")
+P = 1352
+
+
+def test_the_sizes_counted_by_hand():
+    cost = checkpoint_cost(DIMS, Layout(tp=2, dp=4), weight_bytes=2, fs_bytes_per_s=1e3)
+    assert cost.disk_bytes == P * 14  # bf16 weights + fp32 master + two Adam moments
+    assert cost.shard_state_bytes == 12 * P / 2  # one TP rank's position
+    assert cost.save_host_bytes == pytest.approx(2.5 * 12 * P / 2)  # gathered over DP, x the measured factor
+    assert cost.load_read_bytes == 8 * (12 * P / 2 + 2 * P / 2)  # every one of the 8 ranks reads its position
+    assert cost.save_s == pytest.approx(P * 14 / 1e3) and cost.load_s == pytest.approx(8 * 7 * P / 1e3)
+    assert "resume on any layout: the ranks read" in cost.lines()[1]
+
+
+def test_the_earlier_format_reads_once_and_gathers_nothing():
+    cost = checkpoint_cost(DIMS, Layout(tp=2, dp=4), weight_bytes=2, checkpoint_format="dp_reshardable")
+    assert cost.load_read_bytes == P * 14
+    assert cost.save_host_bytes == pytest.approx(2.5 * 12 * P / 2 / 4)
+    assert "resumes only under the same TP, PP and EP" in cost.lines()[0]
