@@ -6,6 +6,10 @@
         -> (logprob[N], entropy[N] | None)        (vocab_size: rows past it are padding)
     policy_loss(logprob, old_logprob, advantages, mask, *, eps_low, eps_high, clip_ratio_c,
                 loss_denominator, one_pass=True) -> (loss, stats)
+    linear_dapo_loss(hidden, weight, targets, old_logprob, advantages, loss_weight, *, eps_low, eps_high,
+                     clip_ratio_c, loss_denominator, temperature=1.0, tp_group=None, vocab_size=None)
+        -> (loss, logprob, entropy, stats)   (head_loss.py: the LM head + DAPO loss in one pass,
+                                              the gradients computed by the forward)
 
 The fused ops run on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before this
 package was imported (tests). Elsewhere they raise RuntimeError rather than fall back silently;
@@ -14,12 +18,14 @@ the *_reference functions (plain torch, same signatures) are the explicit fallba
 
 if __name__ == "dapo_kernels":
     from ._runtime import INTERPRET
+    from .head_loss import linear_dapo_loss
     from .logprob import linear_logprob_entropy
     from .policy_loss import policy_loss
     from .reference import linear_logprob_entropy_reference, policy_loss_reference
 
     __all__ = [
         "INTERPRET",
+        "linear_dapo_loss",
         "linear_logprob_entropy",
         "linear_logprob_entropy_reference",
         "policy_loss",

@@ -1,0 +1,242 @@
+"""The LM head and the DAPO loss in one pass (kernels/head_loss.py; Triton: interpreted on CPU, compiled
+on a GPU) against the float64 oracle: today's reference log-prob + reference loss with autograd through
+both. Forward (loss, log-prob, entropy, stats) AND the gradients the forward computed, on odd shapes
+(V not a multiple of the vocab tile, N = 1, several row chunks, +-1e4 logit offsets: all logits negative
+at -1e4, temperature != 1, fp32/fp16/bf16), with masked and fractionally weighted tokens and ratios
+crafted to land in every branch (below 1 - eps_low, inside, above 1 + eps_high, beyond the dual clip
+with a negative advantage); vocab-parallel TP=2 (gloo, with vocab padding) equals TP=1.
+
+Run: pytest tests/kernels/test_head_loss.py -q        (any device: see tests/kernels/conftest.py)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from kernels_device import DEVICE
+from logprob_cases import grad_tol, rel_err
+from logprob_cases import make_inputs as make_head_inputs
+
+import dapo_kernels.head_loss as head_loss_mod
+from dapo_kernels import linear_logprob_entropy_reference, policy_loss_reference
+from dapo_kernels.head_loss import linear_dapo_loss
+from dapo_kernels.reference import POLICY_LOSS_STAT_KEYS, policy_loss_terms
+
+KW = dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0)
+# Target ratios, each far (>= 5 %) from the bounds 0.8 / 1.28 / 3.0, so fp32 and float64 take the same
+# branch; with advantages of both signs every branch of the clipped loss is hit.
+RATIOS = (0.3, 0.7, 0.95, 1.1, 1.5, 2.5, 5.0)
+
+
+def make_inputs(n, h, v, *, dtype, seed, temperature, offset=0.0, vocab_size=None, device=DEVICE):
+    """hidden, weight, targets (logprob_cases.make_inputs), then old log-probs set so that the ratio
+    exp(logp - old) takes the RATIOS in turn (logp from the float64 oracle), advantages alternating in
+    sign (+-[0.5, 1.5)), and loss weights: 0 (masked) for every 5th token, else in [0.5, 1.5) (an
+    aggregation / importance weight)."""
+    hidden, weight, targets, _, _ = make_head_inputs(
+        n, h, v, dtype=dtype, seed=seed, offset=offset, vocab_size=vocab_size, device="cpu"
+    )
+    real = vocab_size or v
+    lp64, _ = linear_logprob_entropy_reference(
+        hidden.double(), weight[:real].double(), targets, temperature=temperature
+    )
+    gen = torch.Generator().manual_seed(seed + 1)
+    ratio = torch.tensor([RATIOS[i % len(RATIOS)] for i in range(n)], dtype=torch.float64)
+    old = (lp64 - ratio.log()).float()
+    sign = torch.tensor([(-1.0) ** (i // len(RATIOS)) for i in range(n)])
+    adv = sign * (0.5 + torch.rand(n, generator=gen))
+    lw = torch.where(torch.arange(n) % 5 == 4, 0.0, 0.5 + torch.rand(n, generator=gen))
+    return tuple(t.to(device) for t in (hidden, weight, targets, old, adv, lw))
+
+
+def run_fused(hidden, weight, targets, old, adv, lw, **kw):
+    hidden = hidden.clone().requires_grad_()
+    weight = weight.clone().requires_grad_()
+    loss, lp, ent, stats = linear_dapo_loss(hidden, weight, targets, old, adv, lw, **kw)
+    loss.backward()
+    return loss.detach(), lp, ent, stats, hidden.grad, weight.grad
+
+
+def run_oracle(hidden, weight, targets, old, adv, lw, *, temperature, **kw):
+    """float64 on the same (upcast) inputs: reference log-prob, then reference loss, autograd through both."""
+    hidden = hidden.double().requires_grad_()
+    weight = weight.double().requires_grad_()
+    lp, ent = linear_logprob_entropy_reference(hidden, weight, targets, temperature=temperature)
+    loss, stats = policy_loss_reference(lp, old.double(), adv.double(), lw.double(), **kw)
+    loss.backward()
+    return loss.detach(), lp.detach(), ent.detach(), stats, hidden.grad, weight.grad
+
+
+def loss_scale(lp64, old, adv, lw, *, loss_denominator, eps_low, eps_high, clip_ratio_c, **_):
+    """sum(w |l|) / D in float64: the loss is a sum of terms of both signs (it can cancel to far below
+    its terms), each carrying the relative error of its ratio, so its error is bounded relative to this."""
+    terms, _, _ = policy_loss_terms(
+        lp64, old.double(), adv.double(), eps_low=eps_low, eps_high=eps_high, clip_ratio_c=clip_ratio_c
+    )
+    return (lw.double() * terms.abs()).sum().item() / loss_denominator
+
+
+def force_chunks(monkeypatch, *, rows, v, dtype):
+    """Row chunks of `rows` rows (on the GPU too, whose chunks are otherwise multiples of 128 rows)."""
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    monkeypatch.setattr(head_loss_mod, "CHUNK_ROW_ALIGN", 16)
+    monkeypatch.setattr(head_loss_mod, "WORKSPACE_BYTES", rows * v * (4 + itemsize))
+
+
+CASES = {
+    # name: (n, h, v, dtype, temperature, rows per chunk (None = one chunk), clip_ratio_c)
+    "fp32_odd_V_T0.7_chunked": (37, 48, 301, torch.float32, 0.7, 16, 3.0),
+    "fp32_N1": (1, 40, 130, torch.float32, 1.0, None, 3.0),
+    "fp32_no_dual_clip": (24, 32, 190, torch.float32, 1.0, None, None),
+    "fp16_T1.3_chunked": (29, 32, 200, torch.float16, 1.3, 16, 3.0),
+    "bf16": (33, 64, 257, torch.bfloat16, 0.9, None, 3.0),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_forward_and_grads_match_float64(name, monkeypatch, device):
+    n, h, v, dtype, temperature, rows, clip_c = CASES[name]
+    if rows is not None:
+        force_chunks(monkeypatch, rows=rows, v=v, dtype=dtype)
+        assert head_loss_mod.chunk_rows(n, v, torch.tensor([], dtype=dtype).element_size()) == rows < n
+    inputs = make_inputs(n, h, v, dtype=dtype, seed=sum(map(ord, name)), temperature=temperature)
+    kw = dict(KW, clip_ratio_c=clip_c, loss_denominator=float(n + 3), temperature=temperature)
+    loss, lp, ent, stats, gh, gw = run_fused(*inputs, **kw)
+    loss64, lp64, ent64, stats64, gh64, gw64 = run_oracle(*inputs, **kw)
+    if n > 1:  # the crafted ratios reach every branch
+        assert stats64["clipfrac_low"] > 0.05 and stats64["clipfrac_high"] > 0.05
+        assert stats64["dualclip_frac"] > (0.05 if clip_c else -1.0)
+    assert lp.dtype == ent.dtype == loss.dtype == torch.float32 and lp.shape == ent.shape == (n,)
+    assert gh.dtype == dtype and gw.dtype == dtype
+    assert not (lp.requires_grad or ent.requires_grad or stats["ratio_mean"].requires_grad)
+    # Forward: the logits accumulate <= 64 products in fp32 (as in test_logprob.py): log-prob and entropy
+    # within 2e-5. The loss and the ratio statistics move with exp(logp - old): relative 2e-5 as well.
+    assert (lp.double() - lp64).abs().max().item() < 2e-5
+    assert (ent.double() - ent64).abs().max().item() < 2e-5
+    assert abs(loss.item() - loss64.item()) < 2e-5 * loss_scale(lp64, *inputs[3:], **kw)
+    assert list(stats) == list(POLICY_LOSS_STAT_KEYS)
+    for key in POLICY_LOSS_STAT_KEYS:  # counts and weight sums: fp32 sums of < 40 terms, same branches
+        assert abs(stats[key].item() - stats64[key].item()) < 2e-5 * max(1.0, abs(stats64[key].item())), key
+    # Gradients: dlogits and the results are rounded to the input dtype (fp16/bf16: two roundings of
+    # relative size eps); fp32 sums ~V*N products: 1e-5 (test_logprob.py's grad_tol).
+    assert rel_err(gh, gh64) < grad_tol(dtype)
+    assert rel_err(gw, gw64) < grad_tol(dtype)
+
+
+@pytest.mark.parametrize("offset", [1e4, -1e4])
+def test_large_logit_offsets(offset, monkeypatch, device):
+    """Every logit shifted by +-1e4 (all negative at -1e4), 2 row chunks. fp32 spacing at 1e4 is 2^-10
+    and z / T rounds each logit by up to half a spacing (test_logprob.py): log-prob and entropy within 4
+    spacings; the ratio exp(logp - old), hence the loss and every gradient, within 4 spacings relative."""
+    n, h, v = 24, 32, 190
+    force_chunks(monkeypatch, rows=16, v=v, dtype=torch.float32)
+    inputs = make_inputs(n, h, v, dtype=torch.float32, seed=7, temperature=0.9, offset=offset)
+    kw = dict(KW, loss_denominator=30.0, temperature=0.9)
+    loss, lp, ent, stats, gh, gw = run_fused(*inputs, **kw)
+    loss64, lp64, ent64, stats64, gh64, gw64 = run_oracle(*inputs, **kw)
+    spacing = 2.0**-10
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all() and (lp <= 0).all()
+    assert (lp.double() - lp64).abs().max().item() < 4 * spacing
+    assert (ent.double() - ent64).abs().max().item() < 4 * spacing
+    assert abs(loss.item() - loss64.item()) < 4 * spacing * loss_scale(lp64, *inputs[3:], **kw)
+    assert rel_err(gh, gh64) < 4 * spacing
+    assert rel_err(gw, gw64) < 4 * spacing
+    for key in ("clipfrac_low", "clipfrac_high", "dualclip_frac", "num_tokens"):
+        assert stats[key].item() == pytest.approx(stats64[key].item(), abs=1e-6), key
+
+
+def test_backward_scales_the_stored_gradients(device):
+    """The backward only multiplies: (0.5 * loss) gives exactly half the gradients (a power of two), and
+    a rerun is bit-identical (no atomics in any sum)."""
+    inputs = make_inputs(20, 32, 150, dtype=torch.float32, seed=3, temperature=1.0)
+    kw = dict(KW, loss_denominator=20.0)
+    loss, _, _, _, gh, gw = run_fused(*inputs, **kw)
+    hidden = inputs[0].clone().requires_grad_()
+    weight = inputs[1].clone().requires_grad_()
+    loss2, *_ = linear_dapo_loss(hidden, weight, *inputs[2:], **kw)
+    (0.5 * loss2).backward()
+    assert loss2.item() == loss.item()
+    assert torch.equal(hidden.grad * 2, gh) and torch.equal(weight.grad * 2, gw)
+
+
+def test_every_token_masked_gives_zero_loss_and_grads(device):
+    hidden, weight, targets, old, adv, _ = make_inputs(9, 32, 100, dtype=torch.float32, seed=4, temperature=1.0)
+    loss, lp, _, stats, gh, gw = run_fused(
+        hidden, weight, targets, old, adv, torch.zeros(9, device=DEVICE), **KW, loss_denominator=9.0
+    )
+    assert loss.item() == 0.0 and stats["num_tokens"].item() == 0.0 and stats["ratio_mean"].item() == 0.0
+    assert not gh.any() and not gw.any()
+    assert (lp < 0).all()  # the log-prob is still computed (a metric)
+
+
+def test_bad_inputs_raise_value_error(device):
+    hidden, weight, targets, old, adv, lw = make_inputs(4, 32, 70, dtype=torch.float32, seed=5, temperature=1.0)
+    with pytest.raises(ValueError, match="advantages must be per token"):
+        linear_dapo_loss(hidden, weight, targets, old, adv[:, None], lw, **KW, loss_denominator=4.0)
+    with pytest.raises(ValueError, match="loss_denominator"):
+        linear_dapo_loss(hidden, weight, targets, old, adv, lw, **KW, loss_denominator=0.0)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        linear_dapo_loss(hidden, weight, targets, old, adv, lw, **dict(KW, clip_ratio_c=0.5), loss_denominator=4.0)
+    with pytest.raises(ValueError, match="temperature"):
+        linear_dapo_loss(hidden, weight, targets, old, adv, lw, **KW, loss_denominator=4.0, temperature=0.0)
+
+
+TP_N, TP_H, TP_V = 21, 32, 2 * 75  # V_local = 75: not a multiple of the vocab tile
+
+
+def _tp_inputs(vocab_size, device=DEVICE):
+    inputs = make_inputs(TP_N, TP_H, TP_V, dtype=torch.float32, seed=11, temperature=0.8, vocab_size=vocab_size)
+    return tuple(t.to(device) for t in inputs)
+
+
+def _tp_rank(vocab_size):
+    """On each rank: its vocab shard of the weight, over the pool's gloo world, 2 row chunks of 16 rows."""
+    saved = (head_loss_mod.CHUNK_ROW_ALIGN, head_loss_mod.WORKSPACE_BYTES)
+    head_loss_mod.CHUNK_ROW_ALIGN, head_loss_mod.WORKSPACE_BYTES = 16, 16 * 75 * 8
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        hidden, weight, targets, old, adv, lw = _tp_inputs(vocab_size, device="cpu")
+        v_local = TP_V // world
+        shard = weight[rank * v_local : (rank + 1) * v_local].clone().requires_grad_()
+        hidden = hidden.clone().requires_grad_()
+        loss, lp, ent, stats = linear_dapo_loss(
+            hidden, shard, targets, old, adv, lw, **KW, loss_denominator=25.0, temperature=0.8,
+            tp_group=dist.group.WORLD, vocab_size=vocab_size,
+        )  # fmt: skip
+        loss.backward()
+        return loss.detach(), lp, ent, torch.stack(list(stats.values())), hidden.grad, shard.grad
+    finally:
+        head_loss_mod.CHUNK_ROW_ALIGN, head_loss_mod.WORKSPACE_BYTES = saved
+
+
+# vocab_size None: no padding; 110: rank 1 holds 35 real rows and 40 of padding; 60: rank 1 only padding.
+@pytest.mark.parametrize("vocab_size", [None, 110, 60])
+def test_vocab_parallel_tp2_equals_tp1(vocab_size, rank_pool, device):
+    if device != "cpu":
+        pytest.skip("the TP=2 check runs on the CPU pool (gloo); GPUs: tests/gpu")
+    results = rank_pool(2).run(_tp_rank, vocab_size)
+    inputs = _tp_inputs(vocab_size)
+    real = vocab_size or TP_V
+    kw = dict(KW, loss_denominator=25.0, temperature=0.8)
+    loss1, lp1, ent1, stats1, gh1, gw1 = run_fused(*inputs, **kw, vocab_size=vocab_size)
+    oracle_inputs = (inputs[0], inputs[1][:real], *inputs[2:])
+    loss64, lp64, _, _, gh64, gw64 = run_oracle(*oracle_inputs, **kw)
+    scale = loss_scale(lp64, *inputs[3:], **kw)
+    assert abs(loss1.item() - loss64.item()) < 2e-5 * scale
+    assert rel_err(gh1, gh64) < 1e-5 and rel_err(gw1[:real], gw64) < 1e-5
+    assert not gw1[real:].any()  # padding rows: zero gradient
+    stats1 = torch.stack(list(stats1.values()))
+    for rank, (loss, lp, ent, stats, gh, gw_shard) in enumerate(results):
+        # fp32 on both sides, the shards' statistics merged in another order: a few fp32 roundings
+        assert (lp - lp1).abs().max().item() < 2e-6 and (ent - ent1).abs().max().item() < 2e-6
+        # each ratio within 2e-6 relative, so the loss within 2e-6 of its terms' scale
+        assert abs(loss.item() - loss1.item()) < 2e-6 * scale
+        assert ((stats - stats1).abs() <= 1e-6 * stats1.abs().clamp(min=1.0)).all()
+        # every gradient carries its token's ratio, itself within 2e-6 relative (the log-prob bound above)
+        assert rel_err(gh, gh1.double()) < 2e-6  # all-reduced: the full hidden gradient on each rank
+        want = gw1[rank * 75 : (rank + 1) * 75]
+        if rank * 75 < real:  # the weight gradient stays local: the shard's rows of the TP=1 gradient
+            assert rel_err(gw_shard, want.double()) < 2e-6
+        else:  # a shard of padding only
+            assert not gw_shard.any()
