@@ -46,8 +46,8 @@ import triton.language as tl
 
 from ._fp32_gemm import addmm_fp32_, mm_fp32
 from ._runtime import INTERPRET, autotune_every_config, cast_dot_inputs_to_fp32, require_runnable
-from ._softmax_tiles import empty_stats, online_update, split_columns, store_stats
-from .logprob import _hopper_configs, _logits_tile, merge_stats
+from ._softmax_tiles import split_columns, split_stats, store_stats
+from .logprob import _logits_tile, merge_stats
 from .policy_loss import _BLOCK, _NUM_PARTIALS, _REDUCE_BLOCK, _clipped_token_loss, _counter, _fused_kernel
 from .reference import (
     POLICY_LOSS_STAT_KEYS,
@@ -64,7 +64,27 @@ CHUNK_ROW_ALIGN = 16 if INTERPRET else 128
 NUM_SPLITS = 2 if INTERPRET else 16
 # Interpreter tiles (tests pin them smaller to span several vocab tiles and partial edges).
 INTERPRET_TILES = {"BLOCK_N": 16, "BLOCK_V": 64, "BLOCK_K": 32}
+# Fold each logits tile into the statistics as two halves (compiled: fewer live registers, see
+# kernels/bench/compile_check_head_loss.py; the interpreter runs the same code path).
+SPLIT_EPILOGUE = True
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _store_logits_tile(
+    src, rows, v0, cols, col_ok, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    CAST_F32: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """split_stats's tile producer: logprob._logits_tile, whose scaled tile z = acc * inv_temp is also
+    stored in the workspace (split_stats scales the returned tile by the same fp32 multiply: the
+    statistics and _dz_kernel see bit-identical logits)."""
+    h_ptr, w_ptr, row_ok, H, stride_hn, stride_wv, ws_ptr, stride_ws, inv_temp = src
+    acc = _logits_tile(
+        h_ptr, w_ptr, rows, row_ok, cols, col_ok, H, stride_hn, stride_wv, BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE
+    )
+    out = ws_ptr + rows.to(tl.int64)[:, None] * stride_ws + cols[None, :]
+    tl.store(out, acc * inv_temp, mask=row_ok[:, None] & col_ok[None, :])
+    return acc
 
 
 @triton.jit
@@ -87,9 +107,11 @@ def _logits_stats_kernel(
     BLOCK_K: tl.constexpr,
     CAST_F32: tl.constexpr,
     IEEE: tl.constexpr,
+    SPLIT_EPILOGUE: tl.constexpr,
 ):
     """One program: BLOCK_N rows x one vocab split. Each scaled logit tile is stored in the workspace
-    (read back by _dz_kernel: the logits GEMM runs once) and folded into the running statistics."""
+    (read back by _dz_kernel: the logits GEMM runs once) and folded into the running statistics
+    (SPLIT_EPILOGUE: as two halves, fewer live registers; kernels/bench/compile_check_head_loss.py)."""
     pid = tl.program_id(0)
     pid_n = pid % tl.cdiv(N, BLOCK_N)  # row blocks fastest: programs in flight share weight tiles
     pid_s = pid // tl.cdiv(N, BLOCK_N)
@@ -97,32 +119,11 @@ def _logits_stats_kernel(
     row_ok = rows < N
     tgt = tl.load(tgt_ptr + rows, mask=row_ok, other=-1)
     v_begin, v_end = split_columns(pid_s, V, num_splits, BLOCK_V)
-    m, s, t, zt = empty_stats(BLOCK_N)
-    for v0 in range(v_begin, v_end, BLOCK_V):
-        cols = v0 + tl.arange(0, BLOCK_V)
-        col_ok = cols < v_end
-        z = (
-            _logits_tile(
-                h_ptr,
-                w_ptr,
-                rows,
-                row_ok,
-                cols,
-                col_ok,
-                H,
-                stride_hn,
-                stride_wv,
-                BLOCK_N,
-                BLOCK_V,
-                BLOCK_K,
-                CAST_F32,
-                IEEE,
-            )
-            * inv_temp
-        )
-        out = ws_ptr + rows.to(tl.int64)[:, None] * stride_ws + cols[None, :]
-        tl.store(out, z, mask=row_ok[:, None] & col_ok[None, :])
-        m, s, t, zt = online_update(m, s, t, zt, z, cols, col_ok, tgt)
+    src = (h_ptr, w_ptr, row_ok, H, stride_hn, stride_wv, ws_ptr, stride_ws, inv_temp)
+    m, s, t, zt = split_stats(
+        _store_logits_tile, src, rows, tgt, v_begin, v_end, inv_temp, BLOCK_N, BLOCK_V, BLOCK_K, CAST_F32, IEEE,
+        SPLIT_EPILOGUE,
+    )  # fmt: skip
     store_stats(stats_ptr, pid_s, N, rows, row_ok, m, s, t, zt)
 
 
@@ -173,11 +174,24 @@ def _dz_kernel(
     tl.store(dz_ptr + rows.to(tl.int64)[:, None] * stride_dz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=ok)
 
 
+def hopper_configs(*, every: bool = True) -> list:
+    """(BLOCK_N, BLOCK_V, BLOCK_K, warps, stages) the compiled logits-stats kernel tunes over: the ones whose
+    sm_90 build spills nothing (kernels/bench/compile_check_head_loss.py; 128x256 tiles, logprob.py's
+    first choice, spill 200+ local loads here: the fp32 tile store on top of the softmax epilogue).
+    every=False: the first only (DAPO_KERNELS_AUTOTUNE=0)."""
+    shapes = [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 32, 8, 5)]
+    shapes = shapes if every else shapes[:1]
+    return [
+        triton.Config({"BLOCK_N": bn, "BLOCK_V": bv, "BLOCK_K": bk}, num_warps=w, num_stages=st)
+        for bn, bv, bk, w, st in shapes
+    ]
+
+
 if INTERPRET:
     _logits_stats = _logits_stats_kernel
 else:  # pragma: no cover - compiled path, exercised by tests/gpu
     _logits_stats = triton.autotune(
-        configs=_hopper_configs(False, every=autotune_every_config()), key=["V", "H", "CAST_F32", "IEEE"]
+        configs=hopper_configs(every=autotune_every_config()), key=["V", "H", "CAST_F32", "IEEE"]
     )(_logits_stats_kernel)
 _DZ_TILE = (16, 64) if INTERPRET else (64, 256)
 
@@ -204,7 +218,7 @@ def _chunk_stats(hidden, weight, targets_local, ws, inv_temp: float) -> torch.Te
     grid = lambda META: (triton.cdiv(n, META["BLOCK_N"]) * splits,)  # noqa: E731
     _logits_stats[grid](
         hidden, weight, targets_local, ws, parts, n, v, h, hidden.stride(0), weight.stride(0), ws.stride(0),
-        splits, inv_temp, **flags, **meta,
+        splits, inv_temp, SPLIT_EPILOGUE=SPLIT_EPILOGUE, **flags, **meta,
     )  # fmt: skip
     return merge_stats(parts)
 
