@@ -12,8 +12,10 @@ as at Qwen's shapes). tests/kernels/test_head_loss_sass.py asserts on these rows
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
+from collections.abc import Callable
 
 from dapo_kernels import head_loss, logprob
 from dapo_kernels.bench.common import print_table
@@ -55,18 +57,18 @@ def variants(quick: bool = False):
     """(label, compile thunk): every logits-stats configuration in bf16, the first in fp16 / fp32; the
     128x256 tile logprob.py tunes first, folded in halves and whole (for the record: it spills); dz."""
     configs = head_loss.hopper_configs()
-    jobs = []
+    jobs: list[tuple[str, Callable]] = []
     for dtype in ("bf16", "fp16", "fp32"):
         for cfg in configs[: 1 if quick or dtype != "bf16" else None]:
             bn, bv, bk = cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_V"], cfg.kwargs["BLOCK_K"]
             label = f"logits+stats {dtype} {bn}x{bv}x{bk} w{cfg.num_warps} s{cfg.num_stages}"
-            jobs.append((label, lambda d=dtype, c=cfg: compile_logits_stats(d, c)))
+            jobs.append((label, functools.partial(compile_logits_stats, dtype, cfg)))
     wide = logprob._hopper_configs(False)[0]  # 128x256x64, 8 warps, 3 stages
     for split in (True, False):
         label = f"logits+stats bf16 128x256x64 w8 s3 {'halves' if split else 'whole'} (not tuned)"
-        jobs.append((label, lambda s=split: compile_logits_stats("bf16", wide, split=s)))
+        jobs.append((label, functools.partial(compile_logits_stats, "bf16", wide, split=split)))
     for dtype in ("bf16", "fp32"):
-        jobs.append((f"dz {dtype} 64x256 w8", lambda d=dtype: compile_dz(d)))
+        jobs.append((f"dz {dtype} 64x256 w8", functools.partial(compile_dz, dtype)))
     return jobs
 
 
