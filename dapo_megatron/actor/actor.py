@@ -48,7 +48,9 @@ from dapo_megatron.actor.checkpoint import (
     LEGACY_OPTIMIZER_FORMAT,
     layout_record,
     load_checkpoint,
+    optimizer_count,
     read_checkpoint_meta,
+    regroup_optimizer_state,
     reseed_rng,
     restore_rng,
     rng_sharded_object,
@@ -351,9 +353,11 @@ class Actor(Policy):
         state = {}
         for index, chunk in enumerate(self._chunks):
             state["model" if len(self._chunks) == 1 else f"model{index}"] = chunk.sharded_state_dict()
-        state["optimizer"] = self.optimizer.sharded_state_dict(
-            dict(state), is_loading=is_loading, metadata={"distrib_optim_sharding_type": optimizer_format}
-        )
+        # chained_optim_avoid_prefix: megatron keys the optimizer state of a MoE model's expert parameters
+        # (a second, expert-data-parallel optimizer) "chained_1.<name>" unless told not to; without the prefix
+        # the keys are the parameters' own, so a checkpoint of EP=2 (two optimizers) loads under EP=1 (one)
+        metadata = {"distrib_optim_sharding_type": optimizer_format, "chained_optim_avoid_prefix": True}
+        state["optimizer"] = self.optimizer.sharded_state_dict(dict(state), is_loading=is_loading, metadata=metadata)
         if rng:
             state["rng_state"] = rng_sharded_object(self.layout)
         return state
@@ -369,6 +373,7 @@ class Actor(Policy):
             "lr_schedule": self.lr_schedule.state_dict(),
             "layout": layout_record(self.layout),
             "optimizer_format": self.settings.actor.checkpoint_format,
+            "optimizers": optimizer_count(self.optimizer),  # a MoE at EP > 1 chains two (regroup_optimizer_state)
             # what a resume may not change (trainer/checkpoint/resume_check.py checks it before anything starts)
             "model": architecture_record(self.hf_config.to_dict()),
             "precision": self.settings.actor.precision,
@@ -391,15 +396,17 @@ class Actor(Policy):
                 f"to {describe_sizes(layout_record(self.layout))}: pass the run's seed to re-derive them"
             )
         init_empty_optimizer_state(self.optimizer)
-        sharded = self._sharded_state_dict(
-            is_loading=True, optimizer_format=meta.get("optimizer_format", LEGACY_OPTIMIZER_FORMAT), rng=restore
-        )
+        optimizer_format = meta.get("optimizer_format", LEGACY_OPTIMIZER_FORMAT)
+        sharded = self._sharded_state_dict(is_loading=True, optimizer_format=optimizer_format, rng=restore)
         state, meta = load_checkpoint(path, sharded_state_dict=sharded)
         for index, chunk in enumerate(self._chunks):
             chunk.load_state_dict(state["model" if len(self._chunks) == 1 else f"model{index}"], strict=False)
+        optimizer_state = regroup_optimizer_state(
+            self.optimizer, state["optimizer"], saved_count=meta.get("optimizers"), optimizer_format=optimizer_format
+        )
         # megatron copies into fp32 main-param views that require grad
         with torch.no_grad(), torch_adam_step_kept(self.optimizer):
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(optimizer_state)
         set_adam_step(self.optimizer, int(meta["adam_step"]))
         self.num_updates = int(meta["num_updates"])
         self.last_step = int(meta["last_step"])

@@ -199,3 +199,29 @@ def reseed_rng(*, seed: int, step: int) -> None:
     np.random.seed(derived)
     torch.manual_seed(derived)
     model_parallel_cuda_manual_seed(derived)
+
+
+# --- the optimizer's structure (one optimizer, or megatron's chain of dense + expert optimizers) ------
+
+
+def optimizer_count(optimizer) -> int:
+    """1, or the length of megatron's ChainedOptimizer (a MoE model at EP > 1: the dense parameters' and
+    the experts' optimizers, over different data-parallel groups)."""
+    return len(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def regroup_optimizer_state(optimizer, loaded: dict, *, saved_count: int | None, optimizer_format: str) -> dict:
+    """The loaded optimizer state in the structure `optimizer` loads. A checkpoint of another chain length
+    (EP=2's two optimizers loaded at EP=1, or back) has its tensors where this layout asked for them (keys
+    without the chain prefix), but its non-tensor part (param groups) in the saved chain's structure: each
+    optimizer here takes its own param groups (the config's hyperparameters; the lr is set every step and
+    the Adam step restored by set_adam_step) with the loaded tensors."""
+    parts = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    if saved_count is None or saved_count == len(parts):
+        return loaded
+    tensors = [loaded[index] for index in range(len(parts))] if len(parts) > 1 else [loaded]
+    rebuilt = [
+        {**part.state_dict(), "param_state": t["param_state"], "param_state_sharding_type": optimizer_format}
+        for part, t in zip(parts, tensors)
+    ]
+    return dict(enumerate(rebuilt)) if len(parts) > 1 else rebuilt[0]

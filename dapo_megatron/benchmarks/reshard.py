@@ -40,6 +40,7 @@ from dapo_megatron.benchmarks import parsers
 from dapo_megatron.benchmarks.actor import QWEN25_15B, TINY, write_random_checkpoint
 from dapo_megatron.benchmarks.run import append_rows, check_header, results_csv
 from dapo_megatron.config import ActorConfig, Config
+from dapo_megatron.distributed import collectives as coll
 from dapo_megatron.trainer.settings import actor_settings
 
 FIELDS = [
@@ -117,7 +118,7 @@ def _timed(fn) -> tuple[float, int]:
         dist.barrier()
         seconds = time.perf_counter() - start
     peak = torch.tensor([rss.peak], dtype=torch.int64)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    coll.all_reduce(peak, op=dist.ReduceOp.MAX)
     return seconds, int(peak.item())
 
 
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     shared = [args.work_dir or tempfile.mkdtemp(prefix="dapo_reshard_") if rank0 else ""]
     if rank0 and not (hf_dir / "model.safetensors").is_file():
         write_random_checkpoint(hf_dir, num_layers=int(shape["num_hidden_layers"]), shape=shape)
-    dist.broadcast_object_list(shared, src=0)  # rank 0's directory, and its checkpoint written
+    coll.broadcast_object_list(shared, src=0)  # rank 0's directory, and its checkpoint written
     work = Path(shared[0])
     rows = _measure(args, hf_dir=hf_dir, work=work)
     if rank0:

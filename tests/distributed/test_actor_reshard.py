@@ -22,10 +22,12 @@ import math
 import pytest
 import torch
 
-from helpers_actor import STEP, fill_rl_fields, hf_logprobs, make_cfg, make_samples
+from helpers_actor import STEP, fill_rl_fields, hf_logprobs, make_cfg, make_samples, moe_cfg
 from helpers_fp32 import U32, reference_step
 
 LAYOUTS = {"tp1-dp2": dict(tp=1), "tp2": dict(tp=2), "pp2": dict(pp=2), "cp2": dict(cp=2)}
+# the tiny Qwen3-MoE: each rank holds half the experts (EP=2), or all of them with DP=2 (EP=1)
+MOE_LAYOUTS = {"ep2": dict(ep=2), "ep1-dp2": dict(ep=1)}
 VOCAB = 301
 BETAS = (0.9, 0.999)  # the config's defaults (trainer.adam_beta1 / adam_beta2), which make_cfg keeps
 
@@ -38,7 +40,8 @@ def _actor(hf_dir, layout, sizes):
     from dapo_megatron.actor.actor import Actor
     from dapo_megatron.trainer.settings import actor_settings
 
-    actor = Actor(actor_settings(make_cfg(**sizes, micro_batch_tokens=40, lr=1e-3, warmup_steps=3)), hf_dir, layout)
+    cfg = moe_cfg if "ep" in sizes else make_cfg
+    actor = Actor(actor_settings(cfg(**sizes, micro_batch_tokens=40, lr=1e-3, warmup_steps=3)), hf_dir, layout)
     for group in actor.optimizer.param_groups:
         group["eps"] = STEP["eps"]  # the layout-parity tests' eps (test_actor_train.py says why)
     return actor
@@ -75,7 +78,7 @@ def _outside(t, common):
     return float(rest.abs().max()) if rest.numel() else 0.0
 
 
-def _reshard_rank(hf_dir, batches, root, saved_as):
+def _reshard_rank(hf_dir, batches, root, saved_as, layouts=LAYOUTS):
     import multiprocessing
     from pathlib import Path
 
@@ -83,8 +86,8 @@ def _reshard_rank(hf_dir, batches, root, saved_as):
 
     multiprocessing.current_process()._config["daemon"] = False  # dist_checkpointing's writer has children
     root = Path(root)
-    with model_parallel(**LAYOUTS[saved_as], seed=7) as layout:
-        actor = _actor(hf_dir, layout, LAYOUTS[saved_as])
+    with model_parallel(**layouts[saved_as], seed=7) as layout:
+        actor = _actor(hf_dir, layout, layouts[saved_as])
         actor.train(batches[0], step=0)
         actor.save(root / saved_as)
         saved = _weights(actor)
@@ -93,12 +96,11 @@ def _reshard_rank(hf_dir, batches, root, saved_as):
         actor.close()
         del actor
     resumed = {}
-    for label, sizes in LAYOUTS.items():
+    for label, sizes in layouts.items():
         if label == saved_as:
             continue
-        with model_parallel(
-            **sizes, seed=99
-        ) as layout:  # another seed: the RNG comes from the checkpoint or the run seed
+        # another seed: the RNG comes from the checkpoint or the run seed
+        with model_parallel(**sizes, seed=99) as layout:
             actor = _actor(hf_dir, layout, sizes)
             meta = actor.load(root / saved_as, seed=7)
             loaded = _weights(actor)
@@ -150,24 +152,30 @@ def _step1_reference(tiny_dir, step0_weights, batch, tmp_path):
     return reference_step(str(where), batch)
 
 
-@pytest.mark.parametrize("saved_as", list(LAYOUTS))
-def test_a_checkpoint_loads_under_every_other_layout_and_the_run_continues(rank_pool, tiny_dir, tmp_path, saved_as):
+def _batches(hf_dir):
     batches = []
     for seed in (21, 22):
         samples = make_samples(10, seed=seed)
-        logps, _ = hf_logprobs(tiny_dir, samples)
+        logps, _ = hf_logprobs(hf_dir, samples)
         batches.append(fill_rl_fields(samples, logps, seed=seed))
-    results = rank_pool(2).run(_reshard_rank, tiny_dir, batches, str(tmp_path / "ckpt"), saved_as)
-    ref = _step1_reference(tiny_dir, results[0]["saved"], batches[1], tmp_path)
+    return batches
+
+
+def _check_resumed(results, ref, *, layouts, saved_as) -> dict[str, float]:
+    """Every rank's every resumed layout: the loaded state exactly the saved one, the counters and lr
+    continued, the next step within the doubled fp32 bounds of the uninterrupted one. Returns the worst
+    weight error / bound per resumed layout."""
     slope = adam_second_update_slope(lr=STEP["lr"], eps=STEP["eps"], betas=BETAS)
+    clip = min(1.0, STEP["grad_clip"] / (ref.grad_norm + 1e-6))
     worst = {}
     for rank, r in enumerate(results):
-        assert set(r["resumed"]) == set(LAYOUTS) - {saved_as}
+        assert set(r["resumed"]) == set(layouts) - {saved_as}
         for label, got in r["resumed"].items():
             what = f"rank {rank}: saved as {saved_as}, resumed as {label}"
             assert got["loaded_equal"], f"{what}: the loaded weights are not the saved ones"
             assert got["meta"]["optimizer_format"] == "fully_reshardable"
-            assert got["meta"]["layout"]["tp"] == LAYOUTS[saved_as].get("tp", 1)
+            for key in ("tp", "ep"):
+                assert got["meta"]["layout"][key] == layouts[saved_as].get(key, 1), (what, key)
             assert got["counters"] == (2, 1), what
             keys_saved, keys_written, diffs = got["plain"]
             assert keys_saved == keys_written, what
@@ -181,7 +189,6 @@ def test_a_checkpoint_loads_under_every_other_layout_and_the_run_continues(rank_
             assert m["lr"] == u["lr"] == pytest.approx(1e-3 * 2 / 3)  # warm-up step 1 of 3: the schedule's position
             assert abs(m["loss"] - u["loss"]) <= 2 * ref.loss_bound, what
             assert abs(m["grad_norm"] - u["grad_norm"]) <= 2 * ref.grad_norm_bound, what
-            clip = min(1.0, STEP["grad_clip"] / (ref.grad_norm + 1e-6))
             ratios = []
             for name, w in r["after"].items():
                 g = ref.exact.grads[name].abs().max().item() * clip
@@ -191,11 +198,40 @@ def test_a_checkpoint_loads_under_every_other_layout_and_the_run_continues(rank_
                 assert err <= bound, f"{what}: {name} is {err:.3e} from the uninterrupted run, bound {bound:.3e}"
                 ratios.append(err / bound)
             worst[label] = round(max(ratios), 3)
+    moved = max(float((results[0]["after"][n] - results[0]["saved"][n]).abs().max()) for n in results[0]["saved"])
+    assert moved > 5e-4  # the step-1 update is ~lr: the bounds above are far below what a wrong state would move
+    return worst
+
+
+@pytest.mark.parametrize("saved_as", list(LAYOUTS))
+def test_a_checkpoint_loads_under_every_other_layout_and_the_run_continues(rank_pool, tiny_dir, tmp_path, saved_as):
+    batches = _batches(tiny_dir)
+    results = rank_pool(2).run(_reshard_rank, tiny_dir, batches, str(tmp_path / "ckpt"), saved_as)
+    ref = _step1_reference(tiny_dir, results[0]["saved"], batches[1], tmp_path)
+    worst = _check_resumed(results, ref, layouts=LAYOUTS, saved_as=saved_as)
     vocab = {k: v for k, v in results[0]["resumed"].items() if k == "tp2" or saved_as == "tp2"}
     for label, got in vocab.items():  # a TP change moved the padded vocabulary: 301 rows <-> 302
         shapes = {d[2][0] for k, d in got["plain"][2].items() if "embedding.word_embeddings.weight" in k}
         written = {d[3][0] for k, d in got["plain"][2].items() if "embedding.word_embeddings.weight" in k}
         assert shapes != written and shapes | written == {VOCAB, VOCAB + 1}, (label, shapes, written)
-    moved = max(float((results[0]["after"][n] - results[0]["saved"][n]).abs().max()) for n in results[0]["saved"])
-    assert moved > 5e-4  # the step-1 update is ~lr: the bounds above are far below what a wrong state would move
     print(f"saved as {saved_as}: worst weight error / bound per resumed layout {worst}")
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from helpers_tiny import save_tiny_hf
+
+    return str(save_tiny_hf(tmp_path_factory.mktemp("qwen3_moe"), arch="qwen3_moe", num_layers=2, seed=6))
+
+
+@pytest.mark.parametrize("saved_as", list(MOE_LAYOUTS))
+def test_a_moe_checkpoint_moves_its_experts_between_ep2_and_ep1(rank_pool, moe_dir, tmp_path, saved_as):
+    """The tiny Qwen3-MoE saved with each rank holding half the experts (EP=2) loads with every rank holding
+    all of them (EP=1 x DP=2), and back: the experts' weights and Adam moments move, never round."""
+    batches = _batches(moe_dir)
+    results = rank_pool(2).run(_reshard_rank, moe_dir, batches, str(tmp_path / "ckpt"), saved_as, MOE_LAYOUTS)
+    ref = _step1_reference(moe_dir, results[0]["saved"], batches[1], tmp_path)
+    worst = _check_resumed(results, ref, layouts=MOE_LAYOUTS, saved_as=saved_as)
+    expert_keys = [k for k in results[0]["resumed"][next(iter(results[0]["resumed"]))]["plain"][0] if "expert" in k]
+    assert expert_keys  # the experts are in the compared tensors
+    print(f"MoE saved as {saved_as}: worst weight error / bound {worst}")
