@@ -240,3 +240,24 @@ def test_vocab_parallel_tp2_equals_tp1(vocab_size, rank_pool, device):
             assert rel_err(gw_shard, want.double()) < 2e-6
         else:  # a shard of padding only
             assert not gw_shard.any()
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU dry run needs the Triton interpreter (GPU: the plan's call)")
+def test_variants_script_runs_every_variant_and_checks_one_pass_against_today(tmp_path):
+    """kernels/bench/variants_head_loss.py on CPU (its code, not its timings): a row per variant that runs
+    here (liger is not installed on the CPU machines), and one_pass agrees with today's head + loss."""
+    from dapo_kernels.bench import variants_head_loss
+
+    path = tmp_path / "variants.csv"
+    assert variants_head_loss.main(["--cpu-dry-run", "--csv", str(path)]) == 0
+    rows = [line.split(",") for line in path.read_text().splitlines()[1:]]
+    timed = {row[1] for row in rows if row[3] == "ms"}
+    assert timed == {"one_pass", "today", "today_tma", "cublas_3gemm"}
+    table = variants_head_loss.run_variants(
+        n=20, h=32, v=260, tp=2, variants=["one_pass"], repeats=1, csv=str(path), device="cpu"
+    )
+    d_lp, d_loss = (float(x) for x in table[-1]["vs_today"].split("/"))
+    # bf16 inputs, fp32 logits on both paths, different tilings: a few fp32 roundings of the log-prob
+    assert d_lp < 1e-5 and d_loss < 1e-5
+    with pytest.raises(ValueError, match=r"--variants: unknown \['nope'\]"):
+        variants_head_loss.main(["--cpu-dry-run", "--csv", str(path), "--variants", "one_pass,nope"])
