@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from ._fp32_gemm import addmm_fp32_, mm_fp32
-from ._runtime import INTERPRET, autotune_every_config, cast_dot_inputs_to_fp32, require_runnable
+from ._runtime import INTERPRET, autotune_every_config, cast_dot_inputs_to_fp32, num_sms, require_runnable
 from ._softmax_tiles import split_columns, split_stats, store_stats
 from .logprob import _logits_tile, merge_stats
 from .policy_loss import _BLOCK, _NUM_PARTIALS, _REDUCE_BLOCK, _clipped_token_loss, _counter, _fused_kernel
@@ -62,6 +62,10 @@ from .reference import (
 WORKSPACE_BYTES = 512 << 20
 CHUNK_ROW_ALIGN = 16 if INTERPRET else 128
 NUM_SPLITS = 2 if INTERPRET else 16
+# Compiled: at least this many programs per SM in the logits launch. A chunk has few row blocks at a
+# large vocabulary (512 rows at V 152,064 under the default workspace: 4 blocks x 16 splits = 64 programs
+# on 132 SMs), so the vocab splits grow until the grid fills the GPU (tiles permitting).
+PROGRAMS_PER_SM = 2
 # Interpreter tiles (tests pin them smaller to span several vocab tiles and partial edges).
 INTERPRET_TILES = {"BLOCK_N": 16, "BLOCK_V": 64, "BLOCK_K": 32}
 # Fold each logits tile into the statistics as two halves (compiled: fewer live registers, see
@@ -211,7 +215,10 @@ def _chunk_stats(hidden, weight, targets_local, ws, inv_temp: float) -> torch.Te
         stats = torch.zeros((4, n), device=hidden.device, dtype=torch.float32)
         stats[0] = float("-inf")
         return stats
-    splits = max(1, min(NUM_SPLITS, triton.cdiv(v, 64)))
+    splits = NUM_SPLITS
+    if not INTERPRET:  # fill the GPU: row blocks of 128 (the tuned BLOCK_N) x splits >= PROGRAMS_PER_SM x SMs
+        splits = max(splits, triton.cdiv(PROGRAMS_PER_SM * num_sms(hidden.device), triton.cdiv(n, 128)))
+    splits = max(1, min(splits, triton.cdiv(v, 128 if not INTERPRET else 64)))  # >= one vocab tile each
     parts = torch.empty((splits, 4, n), device=hidden.device, dtype=torch.float32)
     flags = {"CAST_F32": cast_dot_inputs_to_fp32(hidden.dtype), "IEEE": hidden.dtype == torch.float32}
     meta = dict(INTERPRET_TILES) if INTERPRET else {}

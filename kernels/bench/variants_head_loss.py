@@ -6,6 +6,8 @@
 
 Variants (bf16, V_local = V / tp rows; collectives excluded, as in bench_logprob):
 - one_pass: dapo_kernels.head_loss.linear_dapo_loss (gradients computed in the forward: 3 GEMMs, 6NHV);
+- one_pass_ws2g: the same with a 2 GiB chunk workspace instead of 512 MiB (4x the rows per chunk: 4x fewer
+  read-modify-writes of the fp32 grad_weight accumulator, for more memory);
 - today: linear_logprob_entropy (default: tl.dot kernels, blocked backward; entropy computed as a metric)
   then policy_loss: what the actor runs, 8NHV;
 - today_tma: the same with logits="tma" (the persistent TMA-fed kernels);
@@ -27,12 +29,13 @@ import traceback
 
 import torch
 
-from dapo_kernels import linear_logprob_entropy, policy_loss
+from dapo_kernels import head_loss, linear_logprob_entropy, policy_loss
 from dapo_kernels.bench.bench_logprob import model_shape
 from dapo_kernels.bench.common import CsvWriter, PeakMemory, bf16_matmul_tflops, is_oom, print_table, time_calls
 from dapo_kernels.head_loss import linear_dapo_loss
 
-VARIANTS = ("one_pass", "liger", "today", "today_tma", "cublas_3gemm")
+VARIANTS = ("one_pass", "liger", "today", "one_pass_ws2g", "today_tma", "cublas_3gemm")
+WORKSPACE = {"one_pass_ws2g": 2 << 30}  # head_loss.WORKSPACE_BYTES per variant (default: the module's)
 LOSS_KW = dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0)
 AGREEMENT = 1e-3
 LIGER_SEQ = 1024  # liger's GRPO loss takes [B, T, H] sequences
@@ -101,7 +104,7 @@ def make_call(variant: str, inputs, *, denom: float):
         return gemms
 
     def run():
-        if variant == "one_pass":
+        if variant.startswith("one_pass"):
             loss = linear_dapo_loss(hidden, weight, targets, old, adv, mask, **LOSS_KW, loss_denominator=denom)[0]
         else:
             loss = _today(*inputs, denom=denom, logits="tma" if variant == "today_tma" else "triton")[0]
@@ -112,10 +115,10 @@ def make_call(variant: str, inputs, *, denom: float):
 
 def agreement(variant: str, inputs, *, denom: float, today) -> str:
     """max |logp - today's logp| and |loss - today's| / |today's| (no grad), '' for the peers."""
-    if variant not in ("one_pass", "today_tma"):
+    if variant not in ("one_pass", "one_pass_ws2g", "today_tma"):
         return ""
     with torch.no_grad():
-        if variant == "one_pass":
+        if variant.startswith("one_pass"):
             loss, lp, _, _ = linear_dapo_loss(*inputs, **LOSS_KW, loss_denominator=denom)
         else:
             loss, lp = _today(*inputs, denom=denom, logits="tma")
@@ -143,7 +146,9 @@ def run_variants(*, n: int, h: int, v: int, tp: int, variants: list[str], repeat
         hidden.grad = None
         weight.grad = None
 
+    saved_workspace = head_loss.WORKSPACE_BYTES
     for variant in variants:
+        head_loss.WORKSPACE_BYTES = WORKSPACE.get(variant, saved_workspace)
         try:
             agree = agreement(variant, inputs, denom=denom, today=today)
             hidden.requires_grad_(variant != "cublas_3gemm")
@@ -174,6 +179,7 @@ def run_variants(*, n: int, h: int, v: int, tp: int, variants: list[str], repeat
                 table.append({"variant": variant, "ms": "error"})
         finally:
             reset()
+            head_loss.WORKSPACE_BYTES = saved_workspace
         out.flush()
     print_table(table, ["variant", "ms", "tflops", "extra_GB", "vs_today"])
     return table

@@ -252,7 +252,7 @@ def test_variants_script_runs_every_variant_and_checks_one_pass_against_today(tm
     assert variants_head_loss.main(["--cpu-dry-run", "--csv", str(path)]) == 0
     rows = [line.split(",") for line in path.read_text().splitlines()[1:]]
     timed = {row[1] for row in rows if row[3] == "ms"}
-    assert timed == {"one_pass", "today", "today_tma", "cublas_3gemm"}
+    assert timed == {"one_pass", "one_pass_ws2g", "today", "today_tma", "cublas_3gemm"}
     table = variants_head_loss.run_variants(
         n=20, h=32, v=260, tp=2, variants=["one_pass"], repeats=1, csv=str(path), device="cpu"
     )
