@@ -32,8 +32,8 @@ from dapo_megatron.benchmarks.run import BENCHES  # standard library only: the h
 
 # sub-command -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
-    "train": ("dapo_megatron.launch.commands", "train", "run DAPO training from a config"),
-    "eval": ("dapo_megatron.launch.commands", "evaluate", "avg@k / pass@k of a checkpoint on the eval set"),
+    "train": ("dapo_megatron.launch.local.commands", "train", "run DAPO training from a config"),
+    "eval": ("dapo_megatron.launch.local.commands", "evaluate", "avg@k / pass@k of a checkpoint on the eval set"),
     "config": ("dapo_megatron.config", "main", "show the resolved config (`config show FILE [k=v ...]`)"),
     "plan": (
         "dapo_megatron.memplan.report",
@@ -44,9 +44,9 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "check-parity": ("dapo_megatron.tools.parity", "main", "Megatron vs transformers log-prob parity"),
     "bench": ("dapo_megatron.benchmarks.run", "main", "benchmarks: " + " | ".join(BENCHES)),
     "serve-rollout": ("dapo_megatron.cpu_engine.serve", "main", "CPU rollout server (SGLang HTTP API)"),
-    "slurm": ("dapo_megatron.launch.slurm_cli", "main", "render / submit sbatch jobs, show their status"),
+    "slurm": ("dapo_megatron.launch.slurm.cli", "main", "render / submit sbatch jobs, show their status"),
     "preflight": (
-        "dapo_megatron.launch.preflight",
+        "dapo_megatron.launch.preflight.command",
         "main",
         "check the allocation before a run: GPUs, imports, shared run dir, clocks, ports, routes, links",
     ),
@@ -57,7 +57,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
         "where a run stands (local or Slurm): live, step, tokens/s, time per step, ETA, last eval, engines, errors",
     ),
     "ladder": (
-        "dapo_megatron.launch.ladder",
+        "dapo_megatron.launch.experiments.ladder",
         "main",
         "run an ablation ladder's rungs over seeds here; summary with paired intervals",
     ),
@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     raise SystemExit(main())
 if __name__ == "__mp_main__":  # a multiprocessing spawn child of a dapo-megatron process (Megatron's checkpoint
-    from dapo_megatron.launch.lifeline import die_with_parent  # Manager): it ends with the process that started it
+    # Manager): it ends with the process that started it
+    from dapo_megatron.launch.local.lifeline import die_with_parent
 
     die_with_parent()

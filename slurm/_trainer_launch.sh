@@ -20,7 +20,7 @@ export MASTER_ADDR MASTER_PORT
 #   TORCH_NCCL_ASYNC_ERROR_HANDLING=1  a hung or failed collective aborts the job instead of hanging it
 #   CUDA_DEVICE_MAX_CONNECTIONS=1      one hardware queue, so Megatron's TP/SP communication overlaps
 #                                      with compute in issue order (required for TP comm overlap);
-#                                      trainer only: colocated engines start without it (launch/colocated.py)
+#                                      trainer only: colocated engines start without it (launch/slurm/colocated.py)
 #   NCCL_DEBUG=WARN       INFO when a job hangs in NCCL initialisation
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"
@@ -28,7 +28,7 @@ export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export PYTHONUNBUFFERED=1
 
-# One run per directory (dapo_megatron/launch/run_lock.py, launch/job_start.py): the job holds
+# One run per directory (dapo_megatron/launch/run_lock.py, launch/slurm/job_start.py): the job holds
 # <output_dir>/.run.lock for its whole life, taken here before anything writes. This shell opens the
 # file on descriptor 9 and keeps it; job_start takes the flock on that descriptor (an flock belongs to
 # the open file description, so it lasts until this shell exits, SIGKILL included) and records the
@@ -39,11 +39,11 @@ export PYTHONUNBUFFERED=1
 # job continues from the newest complete checkpoint (a requeue before the first checkpoint starts
 # from the beginning); a first start that finds a run written after the submission is refused
 # instead of mixing with it.
-LOCK_FILE=$("$PYTHON" -m dapo_megatron.launch.job_start lock-file "$CONFIG" 9>&-) || exit 2
+LOCK_FILE=$("$PYTHON" -m dapo_megatron.launch.slurm.job_start lock-file "$CONFIG" 9>&-) || exit 2
 exec 9<>"$LOCK_FILE" || { echo "cannot open $LOCK_FILE" >&2; exit 2; }
 ACQUIRE=(acquire "$CONFIG" --fd 9 --job "$JOB_REF" --restart "${SLURM_RESTART_COUNT:-0}" --holder-pid "$$")
 if [ "$RESUME_REQUESTED" = 1 ]; then ACQUIRE+=(--resume-requested); fi
-START_ARGS=$("$PYTHON" -m dapo_megatron.launch.job_start "${ACQUIRE[@]}")
+START_ARGS=$("$PYTHON" -m dapo_megatron.launch.slurm.job_start "${ACQUIRE[@]}")
 case $? in
     0) ;;
     3) exit 0 ;;   # a --resume submission of a finished run: nothing to do (said in the log)
@@ -90,7 +90,7 @@ if [ -n "$MODEL_DIR" ]; then MODEL_ARGS=("model.path=$MODEL_DIR" "tiny.enabled=f
 # rollout.quantization=fp8 with colocated engines: the engines' block-FP8 export of the base model, written
 # to <output_dir>/rollout_fp8 here, once, before any engine starts (a no-op printing "" otherwise: a
 # disaggregated run's export is its fp8_export job; docs/fp8.md).
-"$PYTHON" -m dapo_megatron.launch.fp8_export "$CONFIG" "${MODEL_ARGS[@]}" --colocated-only >/dev/null 9>&- \
+"$PYTHON" -m dapo_megatron.launch.slurm.fp8_export "$CONFIG" "${MODEL_ARGS[@]}" --colocated-only >/dev/null 9>&- \
     || { echo "FP8 rollout export failed" >&2; exit 1; }
 
 # Colocated rollout engines (rollout.placement=colocated): this node's share of rollout.num_engines,
@@ -98,7 +98,7 @@ if [ -n "$MODEL_DIR" ]; then MODEL_ARGS=("model.path=$MODEL_DIR" "tiny.enabled=f
 # in <output_dir>/engines/ for the driver's engine pool. A no-op for disaggregated engines (the
 # rollout array job) and fixed rollout.engine_urls. Stopped when the trainer exits.
 srun --overlap --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 "${CONTAINER_ARGS[@]}" \
-    "$PYTHON" -m dapo_megatron.launch.colocated "$CONFIG" "${MODEL_ARGS[@]}" 9>&- &
+    "$PYTHON" -m dapo_megatron.launch.slurm.colocated "$CONFIG" "${MODEL_ARGS[@]}" 9>&- &
 ENGINES_STEP=$!
 
 echo "[$(date -u +%FT%TZ)] job $JOB_REF restart ${SLURM_RESTART_COUNT:-0}: $NNODES node(s) x $NPROC_PER_NODE rank(s)," \
@@ -133,9 +133,9 @@ kill -TERM "$ENGINES_STEP" 2>/dev/null && wait "$ENGINES_STEP"
 rm -f "$DAPO_PREEMPT_FILE"
 
 # A run that reached trainer.total_steps before the request took effect is finished, not requeued
-# (launch/progress.py reads the latest complete checkpoint); one that stopped early is.
+# (launch/slurm/progress.py reads the latest complete checkpoint); one that stopped early is.
 if [ "$REQUEUE_ASKED" = 1 ]; then
-    if PROGRESS=$("$PYTHON" -m dapo_megatron.launch.progress "$CONFIG" "${MODEL_ARGS[@]}" 9>&-); then
+    if PROGRESS=$("$PYTHON" -m dapo_megatron.launch.slurm.progress "$CONFIG" "${MODEL_ARGS[@]}" 9>&-); then
         echo "[$(date -u +%FT%TZ)] trainer exited with $rc; the run is complete ($PROGRESS steps): no requeue"
     else
         echo "[$(date -u +%FT%TZ)] trainer exited with $rc at checkpoint $PROGRESS; requeueing $JOB_REF"
@@ -173,5 +173,5 @@ if [ -n "$ENGINE_JOB" ] && [ "$GOT_TERM" = 0 ] && [ "$NODE_LOST" = 0 ]; then
     scancel "$ENGINE_JOB" 9>&- || true
 fi
 # the normal end (finished or failed): the record is emptied, the flock ends with this shell
-"$PYTHON" -m dapo_megatron.launch.job_start release "$LOCK_FILE" --fd 9 || true
+"$PYTHON" -m dapo_megatron.launch.slurm.job_start release "$LOCK_FILE" --fd 9 || true
 exit "$rc"

@@ -151,7 +151,7 @@ async def _weight_sync_rows(c: EngineClient, model_dir: str) -> list[dict]:
 def serve_rollout(model_dir: str, register_dir: str, *extra_args: str) -> Iterator[str]:
     """One `serve-rollout` process for a benchmark (its output discarded): yields its URL once it has
     registered in register_dir, and kills it on leaving. extra_args: more serve-rollout flags
-    (--dtype, --threads). The trainer's engines start through launch/engines.py instead (logs, restarts,
+    (--dtype, --threads). The trainer's engines start through launch/local/engines.py instead (logs, restarts,
     auth); a benchmark wants one bare process and nothing else on the cores."""
     proc = subprocess.Popen(
         [

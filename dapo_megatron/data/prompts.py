@@ -10,7 +10,7 @@ One row per prompt:
     reward_model: struct{ground_truth: str, style: str} style "rule-lighteval/MATH_v2"
     extra_info:   struct{index: str}                                                 (optional)
 Errors name the file, the row (0-based, counting data rows; jsonl errors also give the 1-based line)
-and the column. Every row is checked before a run starts (launch/local.py): the first MAX_LISTED problems
+and the column. Every row is checked before a run starts (launch/local/launcher.py): the first MAX_LISTED problems
 are listed with the count of the rest, or, with data.skip_bad_rows, the bad rows are left out and counted.
 """
 

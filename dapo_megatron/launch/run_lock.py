@@ -13,7 +13,7 @@ A clean release empties the file; a file that still names a holder although nobo
 is a stale lock: a run that died without releasing it. It is reported and taken over.
 
 A Slurm training job holds the lock for its whole life the same way (slurm/_trainer_launch.sh): the batch
-shell opens the file on a descriptor (`exec 9<>FILE`) and `python -m dapo_megatron.launch.job_start acquire`
+shell opens the file on a descriptor (`exec 9<>FILE`) and `python -m dapo_megatron.launch.slurm.job_start acquire`
 takes the flock on that inherited descriptor (`RunLock(..., fd=9)`): an flock belongs to the open file
 description, which the shell keeps until the job ends. The record then also names the job (`job`), so a
 requeued job, whose previous incarnation is necessarily dead, says it takes over its own lock rather than

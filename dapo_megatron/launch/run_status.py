@@ -22,7 +22,8 @@ import argparse
 import time
 from pathlib import Path
 
-from dapo_megatron.launch import run_lock, status
+from dapo_megatron.launch import run_lock
+from dapo_megatron.launch.slurm import status
 from dapo_megatron.trainer.run_status import read_progress
 
 _LIVE_SLURM = ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED")

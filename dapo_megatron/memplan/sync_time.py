@@ -56,7 +56,7 @@ DEFAULT_INTRA_NODE_GBPS = 2880.0
 # check's preflight) replaces them: sync_time(copy_bytes_per_s=..., copy_source=...).
 DEVICE_COPY_BYTES_PER_S = {
     "H100": 2.97e12,  # H100 80GB HBM3 (SXM), a 2 GiB torch copy_, docs/benchmarks.md (first H100 run)
-    "H200": 4.3e12,  # NVIDIA H200 (SXM, 141 GB), 8.6 GB moved in 2.0 ms by torch, device tool KINDS.md (2026-11-04)
+    "H200": 4.3e12,  # NVIDIA H200 (SXM, 141 GB), 8.6 GB moved in 2.0 ms by torch, measured on a lent H200 (2026-11-04)
 }
 DEFAULT_COPY_DEVICE = "H100"  # the presets' cluster (the network defaults above are DGX H100's too)
 H200_MIN_MEMORY_GB = 130.0  # slurm.gpu_memory_gb at or above this is an H200 (141 GB; an H100 has 80 or 94)
@@ -84,7 +84,7 @@ class Links:
 
 
 def links_from_preflight(path: str | Path, *, intra_node_gbps: float) -> Links:
-    """The links a preflight measured (launch/preflight.py writes <run_dir>/preflight.json, schema version 1):
+    """The links a preflight measured (launch/preflight/command.py writes <run_dir>/preflight.json, schema version 1):
     the slowest weight_group broadcast (a trainer rank to an engine node: the sync's own path), else the
     slowest trainer-pair broadcast; the intra-node rate where the preflight measured one (a GPU-to-GPU
     copy on the first node), else `intra_node_gbps` (the config's)."""

@@ -5,7 +5,7 @@
     conv = fp8_converter(out)                          # driver / colocated ranks / the QAT actor: its layout
     named = conv.convert(named)                        # every sync (Driver.push_weights, ColocatedPlacement)
 
-    python -m dapo_megatron.launch.fp8_export CONFIG [key=value ...]   # the export alone (slurm/fp8_export.sbatch)
+    python -m dapo_megatron.launch.slurm.fp8_export CONFIG [key=value ...]  # the export alone (slurm/fp8_export.sbatch)
 
 The checkpoint is the base model exported by modelopt (export_fp8_checkpoint: 128 x 128 block FP8 weights,
 weight-only, so no calibration data) into <trainer.output_dir>/rollout_fp8, in the layout SGLang's `fp8`

@@ -286,7 +286,7 @@ class EngineEventReport:
     the last report (an engine dropped, back and waiting for weights, rejoined after a re-sync) and
     running counts (metrics engines/dropped_total, engines/returned_total, engines/rejoined_total,
     engines/live; engines/restarted_total with restart_events). Events before construction (the
-    start-up admissions) are not reported. Restarts are the local launcher's: launch/supervise.py
+    start-up admissions) are not reported. Restarts are the local launcher's: launch/local/supervise.py
     prints their console lines and writes them to `restart_events`, a JSON-lines file counted here."""
 
     def __init__(self, pool: EnginePool, *, restart_events: str | Path | None = None) -> None:

@@ -71,7 +71,7 @@ def read_registrations(register_dir: str) -> list[dict]:
     return sorted(records, key=lambda r: r["url"])
 
 
-# the launcher's engine supervisor (launch/supervise.py) writes these events; the pool and the driver read them
+# the launcher's engine supervisor (launch/local/supervise.py) writes these events; the pool and the driver read them
 def engine_events_path(run_dir: str | Path) -> Path:
     """Where the launcher's supervisor writes its events and the driver reads them."""
     return Path(run_dir) / "logs" / "engine_restarts.jsonl"

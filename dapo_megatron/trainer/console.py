@@ -2,7 +2,7 @@
 that fits 120 characters, and a closing summary. Everything else goes to metrics.jsonl / wandb.
 
     quiet_backend_warnings()                      # once per process, before megatron-core is imported
-    phases = Phases()                             # the launcher (launch/local.py)
+    phases = Phases()                             # the launcher (launch/local/launcher.py)
     with phases.phase("model", slow_note="building ...") as note:   # [train] model: ... (12.3 s)
         note["detail"] = "tiny Qwen2 warm-started"
     table = StepTable(total_steps=40)             # MetricsLogger prints one row per logged step
@@ -55,8 +55,8 @@ _QUIET_WARNINGS: tuple[tuple[str, str, str], ...] = (
         r"megatron\.core",
         "a speed hint of megatron-core's tensor-parallel linear layers (tensor_parallel/layers.py:728), printed by "
         "every rank with TP > 1 in its first backward: the training launchers set the variable (slurm/"
-        "_trainer_launch.sh, launch/local.py rank_env); check-parity and convert run one pass whose speed does not "
-        "matter, and on CPU (gloo) there is no CUDA queue to configure",
+        "_trainer_launch.sh, launch/local/launcher.py rank_env); check-parity and convert run one pass whose speed "
+        "does not matter, and on CPU (gloo) there is no CUDA queue to configure",
     ),
 )
 

@@ -61,7 +61,7 @@ class Driver:
         r = cfg.rollout
         self.pool = self._connect_engines(r)
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-        # start-up admissions are not faults; restarts are the local launcher's (launch/supervise.py)
+        # start-up admissions are not faults; restarts are the local launcher's (launch/local/supervise.py)
         self.engine_report = EngineEventReport(self.pool, restart_events=engine_events_path(self.run_dir))
         # what the driver knows when engines fail; the loop's FaultPolicy asks it (trainer/recovery.py)
         self.engine_faults = EngineFaults(

@@ -16,7 +16,7 @@ A stop is requested by either
                     helpers that do not expect it (Megatron's checkpoint writer processes, data
                     loader workers) die of it, in the middle of the very checkpoint it asked for.
   the local launcher `dapo-megatron train` by hand writes the signal it got (SIGINT: Ctrl-C, or SIGTERM)
-                    into the request file it names in $DAPO_PREEMPT_FILE (launch/local_stop.py); the
+                    into the request file it names in $DAPO_PREEMPT_FILE (launch/local/stop.py); the
                     driver then ends with the one line "stopped at step N (SIGTERM): checkpoint ...;
                     continue with --resume" (stop_line).
   SIGUSR1 / SIGTERM sent to a rank (by hand, by torchrun forwarding its own signal, or by Slurm on

@@ -14,7 +14,7 @@ exception (EnginesLost with the driver's message, raised on every rank alike).
 
 The only engine dying during a rollout: the driver puts its prompt stream and request counter back
 where the step began, waits (at most rollout.engine_wait_s) for an engine to register again (the
-local launcher restarts it: launch/supervise.py), and tells every rank to re-sync (Verdict.RESYNC):
+local launcher restarts it: launch/local/supervise.py), and tells every rank to re-sync (Verdict.RESYNC):
 the weights live on the actor ranks, so the re-sync is the collective export
 (placement.transfer_weights) of the weights after `step` updates. Then the step's rollout starts over
 from the same prompts with the same rids and per-sample seeds: with seeds honoured and groups taken in

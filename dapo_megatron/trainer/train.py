@@ -1,5 +1,5 @@
 """One rank of the DAPO training loop (docs/architecture.md, "One training step"): `dapo-megatron train`
-under torchrun/srun runs train_rank_recorded (launch/commands.py, whose TRAIN_HELP is the command's
+under torchrun/srun runs train_rank_recorded (launch/local/commands.py, whose TRAIN_HELP is the command's
 --help: how the command starts the launcher or a rank)."""
 
 from __future__ import annotations
@@ -294,7 +294,7 @@ def _record(err: BaseException) -> None:
 def train_rank_recorded(cfg: Config, *, resume: bool) -> int:
     """train_rank; an exception ends the rank with exit code 1 and prints nothing: it is in the error
     file torchrun gives each rank (first_cause_recorded), from which the local launcher prints one line
-    naming the first failing rank's cause (launch/ranks.py) and torchrun under Slurm prints its "Root
+    naming the first failing rank's cause (launch/local/ranks.py) and torchrun under Slurm prints its "Root
     Cause" block with the whole traceback. Without an error file (no torchrun) it is raised as usual."""
     if not os.environ.get(ERROR_FILE_ENV):
         return train_rank(cfg, resume=resume)

@@ -86,7 +86,7 @@ def assign_engine_slots(records: list[dict], devices: list[tuple[str, int]]) -> 
             raise ValueError(
                 f"colocated placement: engine {rec['url']} did not register its node and GPUs "
                 f"(registry keys 'node', 'base_gpu_id'): start it with the trainer's launcher "
-                f"(launch/colocated.py, or `dapo-megatron train` locally), or use "
+                f"(launch/slurm/colocated.py, or `dapo-megatron train` locally), or use "
                 f"rollout.placement=disaggregated"
             )
         tp = int(rec["tp_size"])

@@ -112,7 +112,7 @@ def main() -> int:
             }
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(record) + "\n")
-            final = checkpointing.step_dir(out, step)  # the trainer's layout: launch/progress.py reads it
+            final = checkpointing.step_dir(out, step)  # the trainer's layout: launch/slurm/progress.py reads it
             tmp = final.with_name(final.name + ".tmp")
             tmp.mkdir(parents=True, exist_ok=True)
             checkpointing.write_state(tmp, {"step": step})

@@ -1,7 +1,7 @@
-"""Colocated engines start without the trainer's CUDA_DEVICE_MAX_CONNECTIONS (launch/colocated.py).
+"""Colocated engines start without the trainer's CUDA_DEVICE_MAX_CONNECTIONS (launch/slurm/colocated.py).
 
 slurm/_trainer_launch.sh exports CUDA_DEVICE_MAX_CONNECTIONS=1 for the trainer's ranks (Megatron's TP
-communication overlap) before it starts `python -m dapo_megatron.launch.colocated` in the same
+communication overlap) before it starts `python -m dapo_megatron.launch.slurm.colocated` in the same
 allocation; 3eb0efe's engines inherited it. Here the real launcher runs with that environment and starts
 the real CPU engine (`dapo-megatron serve-rollout`); the engine's environment is read from /proc while it
 starts (it then fails on the empty model directory and exits, which ends the launcher)."""
@@ -49,7 +49,7 @@ def _launcher_environ(launcher: subprocess.Popen, timeout_s: float = 60.0) -> di
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and launcher.poll() is None:
         process = psutil.Process(launcher.pid)
-        if "dapo_megatron.launch.colocated" in process.cmdline():
+        if "dapo_megatron.launch.slurm.colocated" in process.cmdline():
             return process.environ()
         time.sleep(0.01)
     raise AssertionError("the colocated launcher did not start")
@@ -76,7 +76,7 @@ def test_colocated_engine_starts_without_the_trainers_cuda_device_max_connection
         "PYTHONPATH": str(REPO),
     }
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "dapo_megatron.launch.colocated", str(_config(tmp_path))],
+        [sys.executable, "-m", "dapo_megatron.launch.slurm.colocated", str(_config(tmp_path))],
         env=trainer_env,
         cwd=REPO,
         stdout=subprocess.PIPE,

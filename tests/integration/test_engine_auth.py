@@ -137,7 +137,7 @@ def test_our_client_with_the_keys_passes_everywhere_and_probes_need_none(engine,
 
 
 def test_local_launcher_starts_engines_that_require_the_run_secret(model_dir, tmp_path):
-    from dapo_megatron.launch.engines import LocalEngines
+    from dapo_megatron.launch.local.engines import LocalEngines
 
     secret = run_secret_path(tmp_path)
     keys = ensure_secret_file(secret)

@@ -17,8 +17,10 @@ import pytest
 import yaml
 
 from dapo_megatron.config import load_config
-from dapo_megatron.launch import preflight, preflight_mesh, preflight_node
-from dapo_megatron.launch.preflight_report import Check, link_record, merge, table
+from dapo_megatron.launch.preflight import command as preflight
+from dapo_megatron.launch.preflight import mesh as preflight_mesh
+from dapo_megatron.launch.preflight import node as preflight_node
+from dapo_megatron.launch.preflight.report import Check, link_record, merge, table
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/runs/tiny_cpu.yaml"
@@ -34,7 +36,7 @@ def test_the_command_and_the_node_worker_import_no_torch():
     # the CLI's help and the worker's import check run before torch is imported (a python without torch
     # still reports what it lacks)
     code = (
-        "import sys, dapo_megatron.cli, dapo_megatron.launch.preflight, dapo_megatron.launch.preflight_node\n"
+        "import sys, dapo_megatron.cli, dapo_megatron.launch.preflight.command, dapo_megatron.launch.preflight.node\n"
         "print(sorted(m for m in ('torch', 'megatron', 'transformers') if m in sys.modules))"
     )
     out = _python(code)
@@ -192,7 +194,7 @@ def test_each_role_runs_in_its_own_environment():
         "--container-image=train.sqsh",
         "/opt/train/bin/python",
         "-m",
-        "dapo_megatron.launch.preflight_node",
+        "dapo_megatron.launch.preflight.node",
     ]
     assert "--check-port=21234:trainer rendezvous of job 1234" in trainer and trainer[-1] == "--job=7"
     engine = preflight.step_argv(cfg, "engine", first=2, count=1, common=["--job=7"], ports=ports)

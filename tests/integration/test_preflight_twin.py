@@ -14,7 +14,7 @@ wait for it (--dependency=afterok).
     n2: an engine python that lacks transformers (a STAND-IN: a wrapper script putting a module that
         raises ModuleNotFoundError first on the path of the same interpreter)
     n2: its wall clock 3 s ahead, through the TEST STAND-IN DAPO_PREFLIGHT_CLOCK_OFFSET_S (a time
-        namespace shifts only the monotonic clocks; launch/preflight_mesh.wall_clock reads it)
+        namespace shifts only the monotonic clocks; launch/preflight/mesh.py wall_clock reads it)
 Everything made here (tmpfs, listener, qdiscs, the cluster's namespaces and daemons) is removed even
 on failure; the cluster's stop() raises naming anything left.
 

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from dapo_megatron.launch.engines import LocalEngines
+from dapo_megatron.launch.local.engines import LocalEngines
 from dapo_megatron.rollout.client import EngineClient, EngineError
 from dapo_megatron.transfer import weight_sync as ws
 from dapo_megatron.transfer.weight_sync import DistributedWeightSync, TensorWeightSync, weight_update_session

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from dapo_megatron.config import load_config
-from dapo_megatron.launch import submit
+from dapo_megatron.launch.slurm import submit
 from helpers_runs import logs as run_logs
 from helpers_runs import metrics
 

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from dapo_megatron.config import load_config
-from dapo_megatron.launch import submit
+from dapo_megatron.launch.slurm import submit
 from helpers_runs import logs, metrics
 
 # generous waits: a shared 2-core machine under load starts a Python job in tens of seconds
@@ -221,7 +221,7 @@ def test_one_run_per_directory_at_submission_and_in_the_job(slurm_cluster, tmp_p
     (with --resume of a finished run: nothing submitted); a --resume job continues from the checkpoint's
     step; a bad prompt row fails the submission with exit 2, nothing written, nothing queued."""
     from dapo_megatron.data.tiny_model import build_tiny_tokenizer
-    from dapo_megatron.launch import submit_guard
+    from dapo_megatron.launch.slurm import submit_guard
 
     monkeypatch.setenv("SLURM_CONF", slurm_cluster.env["SLURM_CONF"])  # the in-process checks ask squeue
     build_tiny_tokenizer().save_pretrained(tmp_path / "tok")  # model.path: `slurm submit` reads its tokenizer

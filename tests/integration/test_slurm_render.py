@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from dapo_megatron.config import load_config
-from dapo_megatron.launch import gather, render, status, submit
+from dapo_megatron.launch.experiments import gather
+from dapo_megatron.launch.slurm import render, status, submit
 
 REPO = Path(__file__).resolve().parents[2]
 HOSTILE = [
@@ -218,7 +219,7 @@ def test_status_falls_back_from_squeue_to_scontrol_to_gone():
 
 
 def test_colocated_engines_split_per_node(monkeypatch):
-    from dapo_megatron.launch import colocated
+    from dapo_megatron.launch.slurm import colocated
 
     cfg = load_config(REPO / "configs/runs/qwen2.5-32b_dapo.yaml", ["model.path=/m"])  # 32 engines, tp 4, 16 nodes
     monkeypatch.setenv("SLURM_NODEID", "3")
@@ -236,7 +237,7 @@ def test_colocated_engines_split_per_node(monkeypatch):
 
 
 def test_colocated_removes_only_this_hosts_registrations(tmp_path):
-    from dapo_megatron.launch import colocated
+    from dapo_megatron.launch.slurm import colocated
 
     for host, port in (("10.0.0.1", 1), ("10.0.0.1", 2), ("10.0.0.2", 1)):
         (tmp_path / f"{host}_{port}.json").write_text(json.dumps({"host": host, "port": port}))
@@ -266,7 +267,7 @@ def test_preemption_request_by_file_or_signal(tmp_path):
 
 
 def test_progress_compares_the_latest_checkpoint_with_total_steps(tmp_path):
-    from dapo_megatron.launch import progress
+    from dapo_megatron.launch.slurm import progress
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml_dump({"trainer": {"output_dir": str(tmp_path / "run"), "total_steps": 3}}))
@@ -286,7 +287,7 @@ def yaml_dump(data) -> str:
 
 
 def test_dry_run_prints_the_sbatch_lines_and_scripts_before_the_config(tmp_path, capsys):
-    from dapo_megatron.launch import slurm_cli as cli
+    from dapo_megatron.launch.slurm import cli
 
     assert (
         cli.main(
@@ -335,7 +336,7 @@ def test_dry_run_prints_the_sbatch_lines_and_scripts_before_the_config(tmp_path,
     ],
 )
 def test_submit_warns_when_no_partition_or_account_is_named(tmp_path, capsys, overrides, warned):
-    from dapo_megatron.launch import slurm_cli as cli
+    from dapo_megatron.launch.slurm import cli
 
     assert (
         cli.main(

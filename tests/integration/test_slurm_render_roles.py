@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dapo_megatron.config import load_config
-from dapo_megatron.launch import submit
+from dapo_megatron.launch.slurm import submit
 
 REPO = Path(__file__).resolve().parents[2]
 SEVEN_B = REPO / "configs/runs/qwen2.5-7b_dapo.yaml"
@@ -81,7 +81,7 @@ def test_pyxis_options_reach_every_srun_line_per_role(tmp_path):
 
 
 def test_dry_run_shows_the_container_lines(tmp_path, capsys):
-    from dapo_megatron.launch import slurm_cli as cli
+    from dapo_megatron.launch.slurm import cli
 
     assert (
         cli.main(
@@ -167,7 +167,7 @@ def test_advertised_host_prefers_the_given_address():
 def test_colocated_sglang_engines_advertise_the_node_address(monkeypatch):
     """As the array's: Slurm's NodeAddr (engine_commands' host), not the node's own name (3eb0efe
     registered socket.getfqdn(), which Debian-style nodes map to 127.0.1.1 for themselves)."""
-    from dapo_megatron.launch import colocated
+    from dapo_megatron.launch.slurm import colocated
 
     cfg = load_config(REPO / "configs/runs/qwen2.5-32b_dapo.yaml", ["model.path=/m"])
     monkeypatch.setenv("SLURM_NODEID", "0")

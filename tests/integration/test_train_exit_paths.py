@@ -1,5 +1,5 @@
 """Every way a run ends on an error finishes what it started (trainer/train.py: train_rank's `finish`;
-launch/ranks.py: the one line). The real `dapo-megatron train` on the tiny CPU config (launcher, CPU
+launch/local/ranks.py: the one line). The real `dapo-megatron train` on the tiny CPU config (launcher, CPU
 engine, 2 gloo ranks under torchrun, wandb offline), stopped three ways:
 
   N  a non-finite stop: trainer.lr=1e38 makes step 1's second update NaN, and

@@ -1,4 +1,4 @@
-"""No orphans (launch/lifeline.py): the real `dapo-megatron train` on the tiny CPU config, rank 0
+"""No orphans (launch/local/lifeline.py): the real `dapo-megatron train` on the tiny CPU config, rank 0
 SIGKILLed once the first checkpoint exists (so Megatron's checkpoint helpers are running: a
 multiprocessing Manager, Python's resource_tracker). Every process of the run must end and none may
 be left anywhere on the machine; the time it takes is printed (measured bound: docs/architecture.md).
@@ -76,7 +76,7 @@ def test_sigkill_rank0_leaves_no_process(tmp_path):
             launcher.kill()
         for proc in run_processes(out):
             proc.kill()
-    # one line names the failure (launch/ranks.py): rank 0's SIGKILL, or rank 1's gloo error should it
+    # one line names the failure (launch/local/ranks.py): rank 0's SIGKILL, or rank 1's gloo error should it
     # have recorded it in an earlier second than torchrun saw rank 0 gone
     named = [line for line in console.read_text().splitlines() if line.startswith("[train] the run failed on rank ")]
     assert len(named) == 1, console.read_text()[-4000:]

@@ -5,7 +5,7 @@ Rank 0 fails first here (its only rollout engine, rollout.engine_urls, is a clos
 dies in its next collective with gloo's "Connection closed by peer". Both tracebacks used to reach the
 terminal interleaved, rank 1's last, and torchrun's report repeated them, so a user read the symptom and
 lost the cause. A failing rank now records its exception in torchrun's per-rank error file before its
-clean-up (trainer/train.py: first_cause_recorded) and prints nothing; launch/ranks.py names the rank that
+clean-up (trainer/train.py: first_cause_recorded) and prints nothing; launch/local/ranks.py names the rank that
 recorded first. Real launcher, real torchrun, 2 gloo ranks; ~20 s.
 """
 

@@ -439,7 +439,7 @@ def test_eval_command_reproduces_the_training_eval(tiny_run_a):
 
 def test_sigterm_is_a_stop_request_then_resume_continues(runs):
     """SIGTERM to a local `train` (what a terminal close or `kill` sends) is a stop request like Slurm's
-    preemption (launch/local_stop.py): the step in flight finishes and is checkpointed, one line says
+    preemption (launch/local/stop.py): the step in flight finishes and is checkpointed, one line says
     so, the command exits 143 with no traceback, and no process of the run is left (engine, torchrun,
     ranks, Megatron's checkpoint helpers). Then `--resume` (a flag before an override: issue 35 item 7)
     continues from that checkpoint, with no FutureWarning from megatron's checkpoint loading.

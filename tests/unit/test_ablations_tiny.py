@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dapo_megatron.config import load_config
-from dapo_megatron.launch.ladder import MANIFEST, claim_out_dir, rung_files
+from dapo_megatron.launch.experiments.ladder import MANIFEST, claim_out_dir, rung_files
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 BIG, TINY = CONFIGS / "ablations", CONFIGS / "ablations_tiny"
@@ -108,7 +108,7 @@ def test_rung_files_orders_by_number_and_refuses_an_empty_or_ambiguous_directory
 def test_a_run_lock_held_elsewhere_is_refused_and_freed_with_its_holder(tmp_path):
     """Two ladder processes on one OUT: the second skips the run the first holds (flock, dropped by the
     kernel when the holder's file closes or its process dies)."""
-    from dapo_megatron.launch.ladder import _flock
+    from dapo_megatron.launch.experiments.ladder import _flock
 
     lock = tmp_path / "seed_1.lock"
     with _flock(lock, wait=False) as first:
@@ -120,7 +120,7 @@ def test_a_run_lock_held_elsewhere_is_refused_and_freed_with_its_holder(tmp_path
 
 
 def test_a_bad_override_stops_the_ladder_before_it_makes_anything(tmp_path):
-    from dapo_megatron.launch.ladder import main
+    from dapo_megatron.launch.experiments.ladder import main
 
     out = tmp_path / "ladder"
     with pytest.raises(ValueError, match="unknown config key 'trainer.total_stepz'"):

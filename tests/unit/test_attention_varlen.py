@@ -177,7 +177,7 @@ def test_varlen_is_refused_without_cuda_naming_the_key():
     with pytest.raises(ValueError, match="actor.attention_kernel=varlen needs a CUDA GPU"):
         attention.check_attention_kernel("varlen")
     from dapo_megatron.config import load_config
-    from dapo_megatron.launch.local import check_attention_kernel_device
+    from dapo_megatron.launch.local.launcher import check_attention_kernel_device
 
     with pytest.raises(ValueError, match="actor.attention_kernel=varlen needs a CUDA GPU and this machine has none"):
         check_attention_kernel_device(

@@ -71,7 +71,7 @@ def test_every_bench_subcommand_takes_the_same_output_options(capsys):
 
 def test_slurm_kernel_bench_writes_into_the_run_directory(tmp_path):
     from dapo_megatron.config import load_config
-    from dapo_megatron.launch import submit
+    from dapo_megatron.launch.slurm import submit
 
     cfg = load_config(None, [f"trainer.output_dir={tmp_path}/run"])
     (job,) = submit.plan_bench_kernels(cfg).jobs

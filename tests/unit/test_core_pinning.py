@@ -1,5 +1,5 @@
 """rollout.cpu_engine_cores / actor.cpu_cores: the local launcher runs engines and actor ranks on cores
-of their own (launch/local.py: check_cores, pinned). A real child process is started pinned and its
+of their own (launch/local/launcher.py: check_cores, pinned). A real child process is started pinned and its
 affinity read back from the kernel; bad cores fail before anything starts, naming the config key.
 
     pytest tests/unit/test_core_pinning.py
@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from dapo_megatron.config import load_config
-from dapo_megatron.launch.local import check_cores, pinned
+from dapo_megatron.launch.local.launcher import check_cores, pinned
 
 
 def test_a_pinned_child_and_its_children_run_on_those_cores_only():

@@ -157,7 +157,7 @@ def test_config_validation(overrides, message):
 
 
 def test_launchers_pass_the_secret_file_never_the_key(tmp_path):
-    from dapo_megatron.launch import colocated, render
+    from dapo_megatron.launch.slurm import colocated, render
     from dapo_megatron.rollout.sglang_launcher import SGLangSettings, sglang_command
 
     secret = str(run_secret_path(tmp_path))

@@ -1,4 +1,4 @@
-"""launch/supervise.py with real processes: LocalProcesses children (a Python process standing in for
+"""launch/local/supervise.py with real processes: LocalProcesses children (a Python process standing in for
 serve-rollout's argv, which takes the same --port the supervisor appends) SIGKILLed and restarted on
 the same port while it is free, on a new one when taken, until the budget is spent; after stop()
 nothing is restarted."""
@@ -11,8 +11,8 @@ import socket
 import sys
 import time
 
-from dapo_megatron.launch.local import LocalProcesses
-from dapo_megatron.launch.supervise import EngineSupervisor, port_is_free, read_engine_events
+from dapo_megatron.launch.local.launcher import LocalProcesses
+from dapo_megatron.launch.local.supervise import EngineSupervisor, port_is_free, read_engine_events
 
 
 def _engine(procs: LocalProcesses, name: str, port: int) -> None:

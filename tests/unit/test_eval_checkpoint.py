@@ -56,7 +56,7 @@ def test_eval_of_a_run_directory_in_place_of_the_config_names_checkpoint(tmp_pat
     (run / "slurm").mkdir(parents=True)
     (run / "slurm" / "config.yaml").write_text("{}")
     with pytest.raises(ValueError, match=r"is a directory.*--checkpoint") as err:
-        from dapo_megatron.launch.commands import evaluate
+        from dapo_megatron.launch.local.commands import evaluate
 
         evaluate([str(run)])
     assert f"dapo-megatron eval {run / 'slurm' / 'config.yaml'} --checkpoint {run}" in str(err.value)

@@ -13,8 +13,8 @@ import torch
 from dapo_megatron.config import load_config
 from dapo_megatron.data.datasets import train_and_eval_sets
 from dapo_megatron.data.prompts import PromptRecord
-from dapo_megatron.launch import gather
-from dapo_megatron.launch.commands import compare
+from dapo_megatron.launch.experiments import gather
+from dapo_megatron.launch.local.commands import compare
 from dapo_megatron.trainer.evaluation.report import (
     compare_evals,
     eval_file_path,
@@ -228,7 +228,7 @@ def test_ablation_ladder_summary(tmp_path):
 def test_a_summary_row_whose_score_is_not_the_trained_policys_says_so(tmp_path):
     """gather --ladder and `ladder`'s summary: a run whose newest eval is the warm start's (step 0) or older
     than its last trained step (metrics.jsonl) gets a note; a run evaluated at its last step gets none."""
-    from dapo_megatron.launch.ladder_summary import ladder_summary, write_summary
+    from dapo_megatron.launch.experiments.ladder_summary import ladder_summary, write_summary
 
     sweep = tmp_path / "sweep"
     (sweep / "slurm").mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""launch/lifeline.py with real processes: children started through LocalProcesses end when the
+"""launch/local/lifeline.py with real processes: children started through LocalProcesses end when the
 launcher is SIGKILLed (with_lifeline); a die_with_parent process ends with its parent."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import psutil
 
 _LAUNCHER = """
 import sys, time
-from dapo_megatron.launch.local import LocalProcesses
+from dapo_megatron.launch.local.launcher import LocalProcesses
 procs = LocalProcesses(sys.argv[1]).__enter__()
 a = procs.start("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"])
 b = procs.start("other", [sys.executable, "-c", "import time; time.sleep(600)"])
@@ -23,7 +23,7 @@ time.sleep(600)
 _PARENT = """
 import subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c",
-    "from dapo_megatron.launch.lifeline import die_with_parent; die_with_parent(); print('ready', flush=True); "
+    "from dapo_megatron.launch.local.lifeline import die_with_parent; die_with_parent(); print('ready', flush=True); "
     "import time; time.sleep(600)"], stdout=subprocess.PIPE, text=True)
 assert child.stdout.readline().strip() == "ready"
 print(child.pid, flush=True)

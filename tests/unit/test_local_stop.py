@@ -1,4 +1,4 @@
-"""launch/local_stop.py with real signals to this process: the first Ctrl-C / SIGTERM becomes the ranks'
+"""launch/local/stop.py with real signals to this process: the first Ctrl-C / SIGTERM becomes the ranks'
 stop request (the request file names it), the second raises StopNow, and the line for a stop at once
 names the checkpoint after which steps are lost (the whole path runs in test_train_tiny.py)."""
 
@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from dapo_megatron.launch.local_stop import LocalStop, StopNow, stopped_at_once
+from dapo_megatron.launch.local.stop import LocalStop, StopNow, stopped_at_once
 from dapo_megatron.trainer.preemption import PREEMPT_FILE_ENV, PreemptionSignal
 
 

@@ -200,7 +200,7 @@ def test_check_before_launch_skips_an_unmodelled_architecture_and_names_other_er
 
 def test_train_runs_the_plan_first_and_skip_plan_skips_it(tmp_path, monkeypatch):
     """`dapo-megatron train` stops before building anything when the plan does not fit."""
-    import dapo_megatron.launch.local as local
+    import dapo_megatron.launch.local.launcher as local
     from dapo_megatron.cli import main
 
     out = tmp_path / "run"

@@ -258,8 +258,8 @@ def test_tiny_moe_variant_builds_a_qwen3_moe_that_keeps_the_tokenizer(tmp_path):
 
 def test_sglang_engines_are_started_with_routed_experts_capture_when_asked():
     from dapo_megatron.config import load_config
-    from dapo_megatron.launch.colocated import engine_commands
-    from dapo_megatron.launch.render import render_rollout_array
+    from dapo_megatron.launch.slurm.colocated import engine_commands
+    from dapo_megatron.launch.slurm.render import render_rollout_array
 
     on = load_config(None, ["rollout.engine=sglang", "rollout.return_routed_experts=true", "trainer.output_dir=/r"])
     off = load_config(None, ["rollout.engine=sglang", "trainer.output_dir=/r"])

@@ -486,7 +486,7 @@ def test_slurm_runs_start_fp8_engines_from_the_export(tmp_path):
     from pathlib import Path
 
     from dapo_megatron.config import load_config
-    from dapo_megatron.launch import colocated, render, submit
+    from dapo_megatron.launch.slurm import colocated, render, submit
 
     repo = Path(__file__).resolve().parents[2]
     cfg = load_config(
@@ -501,8 +501,8 @@ def test_slurm_runs_start_fp8_engines_from_the_export(tmp_path):
     ]
     export, array, train = (j.script({"engines": "12"}) for j in plan.jobs)
     assert f"MODEL={tmp_path / 'run' / 'rollout_fp8'}\n" in array and "QUANTIZATION=fp8\n" in array
-    assert '-m dapo_megatron.launch.fp8_export "$CONFIG"' in export and "--gpus-per-node" not in export
-    assert 'dapo_megatron.launch.fp8_export "$CONFIG" "${MODEL_ARGS[@]}" --colocated-only' in train
+    assert '-m dapo_megatron.launch.slurm.fp8_export "$CONFIG"' in export and "--gpus-per-node" not in export
+    assert 'dapo_megatron.launch.slurm.fp8_export "$CONFIG" "${MODEL_ARGS[@]}" --colocated-only' in train
     for text in (export, array, train):
         assert subprocess.run(["bash", "-n"], input=text.encode()).returncode == 0
     plain = render.render_rollout_array(load_config(repo / "configs/runs/qwen2.5-7b_dapo.yaml"), register_dir="/r")

@@ -1,4 +1,4 @@
-"""launch/ranks.py: the one line and the traceback file made from a rank's torchrun error file, as
+"""launch/local/ranks.py: the one line and the traceback file made from a rank's torchrun error file, as
 first_cause_recorded (trainer/train.py) writes it with torch elastic's own ErrorHandler."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from dapo_megatron.launch.ranks import cause_line, write_cause
+from dapo_megatron.launch.local.ranks import cause_line, write_cause
 from dapo_megatron.trainer.train import first_cause_recorded
 
 

@@ -156,8 +156,8 @@ def test_launcher_refuses_another_sglang_minor_unless_allowed():
 def test_launch_paths_pass_the_context_length():
     """Every engine launcher passes --context-length = max_prompt_length + max_response_length."""
     from dapo_megatron.config import Config
-    from dapo_megatron.launch.colocated import engine_commands
-    from dapo_megatron.launch.render import render_rollout_array
+    from dapo_megatron.launch.slurm.colocated import engine_commands
+    from dapo_megatron.launch.slurm.render import render_rollout_array
 
     cfg = Config()
     cfg.rollout.max_prompt_length, cfg.rollout.max_response_length = 2048, 20480

@@ -1,5 +1,5 @@
-"""`slurm submit`'s checks before a training submission (launch/submit_guard.py) and the training job's
-start decision under its lock (launch/job_start.py), on real directories, real flocks and hand-written
+"""`slurm submit`'s checks before a training submission (launch/slurm/submit_guard.py) and the training job's
+start decision under its lock (launch/slurm/job_start.py), on real directories, real flocks and hand-written
 squeue output (the real Slurm runs in tests/integration/test_slurm_jobs.py)."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from dapo_megatron.config import load_config
-from dapo_megatron.launch import submit, submit_guard
-from dapo_megatron.launch.job_start import job_start_args
 from dapo_megatron.launch.run_lock import LOCK_FILE, RunDirInUse, RunLock, holder
+from dapo_megatron.launch.slurm import submit, submit_guard
+from dapo_megatron.launch.slurm.job_start import job_start_args
 from dapo_megatron.trainer.checkpoint import files as ckpt
 
 REPO = Path(__file__).resolve().parents[2]

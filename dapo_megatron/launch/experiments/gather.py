@@ -1,7 +1,7 @@
 """Gather per-checkpoint eval results (one JSON object per file) into one table: markdown and CSV.
 
-    python -m dapo_megatron.launch.gather RUN_DIR/eval      # run by slurm/eval_gather.sbatch
-    python -m dapo_megatron.launch.gather --ladder SWEEP_DIR  # the ablation ladder: each rung vs the one before
+    python -m dapo_megatron.launch.experiments.gather RUN_DIR/eval      # run by slurm/eval_gather.sbatch
+    python -m dapo_megatron.launch.experiments.gather --ladder SWEEP_DIR  # the ablation ladder: rung vs the one before
 
 Each `<checkpoint>.json` becomes one row: `checkpoint` (the file name) then its scalar fields, nested objects
 flattened with dots (`{"aime": {"avg@32": 0.5}}` -> column `aime.avg@32`). Rows are in step order
@@ -214,7 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     ladder = argv[:1] == ["--ladder"]
     argv = argv[1:] if ladder else argv
     if len(argv) != 1:
-        print("usage: python -m dapo_megatron.launch.gather RESULTS_DIR | --ladder SWEEP_DIR", file=sys.stderr)
+        print(
+            "usage: python -m dapo_megatron.launch.experiments.gather RESULTS_DIR | --ladder SWEEP_DIR", file=sys.stderr
+        )
         return 2
     try:
         md, csv_path = gather(argv[0], ladder=ladder)

@@ -1,5 +1,5 @@
 """`dapo-megatron ladder`: run an ablation ladder's rungs over seeds on this machine, one run after
-another, and summarise them with paired intervals (launch/ladder_summary.py).
+another, and summarise them with paired intervals (launch/experiments/ladder_summary.py).
 
     dapo-megatron ladder configs/ablations_tiny --seeds 3                     # -> outputs/ladder_ablations_tiny
     dapo-megatron ladder configs/ablations_tiny --seeds 3 --out DIR trainer.total_steps=40
@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TypedDict
 
 from dapo_megatron.config import load_config
-from dapo_megatron.launch.lifeline import with_lifeline
+from dapo_megatron.launch.local.lifeline import with_lifeline
 from dapo_megatron.trainer.progress_line import ProgressLine
 from dapo_megatron.trainer.run_status import read_progress
 
@@ -165,7 +165,7 @@ def finished_runs(out: Path, rungs: list[Path], seeds: list[int]) -> list[tuple[
 
 def summarise(out: Path, rungs: list[Path], seeds: list[int]) -> list[Path]:
     # torch (the eval maths), not megatron; here, so that `ladder --help` imports none of it
-    from dapo_megatron.launch.ladder_summary import ladder_summary, write_summary
+    from dapo_megatron.launch.experiments.ladder_summary import ladder_summary, write_summary
 
     runs = finished_runs(out, rungs, seeds)
     done = sum(len(d) for _, d in runs)

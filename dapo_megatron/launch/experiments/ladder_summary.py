@@ -1,5 +1,5 @@
 """The tiny ablation ladder's summary: per rung avg@k over seeds with its interval, the paired difference
-to the previous rung, and the logged mechanism of each technique (launch/ladder.py runs the rungs).
+to the previous rung, and the logged mechanism of each technique (launch/experiments/ladder.py runs the rungs).
 
     rows = ladder_summary(runs)          # runs: [(rung, {seed: run_dir})] in rung order
     write_summary(out_dir, rows, runs)   # ablation_summary.md / .csv / .png
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TypeAlias
 
 from dapo_megatron.algo.eval_stats import bootstrap_mean_ci, paired_bootstrap_diff
-from dapo_megatron.launch.gather import LADDER_STEM, to_csv, to_markdown
+from dapo_megatron.launch.experiments.gather import LADDER_STEM, to_csv, to_markdown
 from dapo_megatron.trainer.evaluation.report import EvalReport, load_eval_sets
 from dapo_megatron.trainer.evaluation.scored_step import last_trained_step, score_note
 from dapo_megatron.trainer.metrics_log import read_jsonl

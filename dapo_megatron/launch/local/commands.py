@@ -1,6 +1,6 @@
 """The commands that start processes on this machine: `dapo-megatron train` (the local launcher, or one
 rank under torchrun/srun) and `dapo-megatron eval` (CPU engines on a checkpoint, or the run's engines).
-They sit here, above trainer/, because by hand they start engines (launch/local.py, launch/engines.py).
+They sit here, above trainer/, because by hand they start engines (launch/local/launcher.py, launch/local/engines.py).
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import os
 
 from dapo_megatron.config import load_config
 from dapo_megatron.data.datasets import train_and_eval_sets
-from dapo_megatron.launch.engines import LocalEngines
-from dapo_megatron.launch.lifeline import die_with_parent
-from dapo_megatron.launch.local import launch_training
-from dapo_megatron.launch.local_stop import stopped_at_once
+from dapo_megatron.launch.local.engines import LocalEngines
+from dapo_megatron.launch.local.launcher import launch_training
+from dapo_megatron.launch.local.lifeline import die_with_parent
+from dapo_megatron.launch.local.stop import stopped_at_once
 from dapo_megatron.rollout.auth import engine_keys, ensure_secret_file, run_secret_path
 from dapo_megatron.trainer.progress_line import ProgressLine
 
@@ -24,7 +24,7 @@ TRAIN_HELP = """The DAPO training loop (docs/architecture.md, "One training step
     dapo-megatron train configs/runs/tiny_cpu.yaml trainer.total_steps=5 --resume
     srun ... torchrun ... -m dapo_megatron.cli train CONFIG --resume    # slurm/train.sbatch (RANK is set)
 
-Run by hand, `train` is the launcher (launch/local.py): it prepares the model, starts the CPU rollout
+Run by hand, `train` is the launcher (launch/local/launcher.py): it prepares the model, starts the CPU rollout
 engines and the actor ranks under torchrun, and stops all of them on exit, error or Ctrl-C. Under
 torchrun/srun (RANK set) it is one rank of the loop below. What each rank does is named by its
 roles (distributed/roles.py): the driver (global rank 0) talks to the engines and builds the batch;
@@ -33,7 +33,7 @@ every rank trains on its data-parallel share; trainer/placement.py says what mov
 
 
 def train(argv: list[str]) -> int:
-    """`dapo-megatron train`: by hand, the local launcher (launch/local.py); under torchrun/srun (RANK
+    """`dapo-megatron train`: by hand, the local launcher (launch/local/launcher.py); under torchrun/srun (RANK
     set), one rank of the loop (trainer/train.py)."""
     parser = argparse.ArgumentParser(
         prog="dapo-megatron train", description=TRAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -48,7 +48,7 @@ def train(argv: list[str]) -> int:
     if "RANK" in os.environ:
         from dapo_megatron.trainer import train as loop  # the rank's torch and megatron: not the launcher's
 
-        die_with_parent()  # a rank ends with torchrun, even when torchrun is SIGKILLed (launch/lifeline.py)
+        die_with_parent()  # a rank ends with torchrun, even when torchrun is SIGKILLed (launch/local/lifeline.py)
         os.register_at_fork(after_in_child=die_with_parent)  # so do its fork children (Megatron's checkpoint writers)
         return loop.train_rank_recorded(cfg, resume=args.resume) or 0  # None: the worker exited with SystemExit(0)
 

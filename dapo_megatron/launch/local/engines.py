@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from dapo_megatron.launch.local import LocalProcesses
+from dapo_megatron.launch.local.launcher import LocalProcesses
 
 
 class LocalEngines:

@@ -25,12 +25,18 @@ from pathlib import Path
 
 from dapo_megatron.config import Config
 from dapo_megatron.data.datasets import train_and_eval_records
-from dapo_megatron.launch.lifeline import become_subreaper, descendants, kill_survivors, reap_descendants, with_lifeline
-from dapo_megatron.launch.local_stop import STOP_FILE, LocalStop, SignalHandler, StopNow
+from dapo_megatron.launch.local.lifeline import (
+    become_subreaper,
+    descendants,
+    kill_survivors,
+    reap_descendants,
+    with_lifeline,
+)
+from dapo_megatron.launch.local.ranks import RANKS_ERROR_FILE
+from dapo_megatron.launch.local.stop import STOP_FILE, LocalStop, SignalHandler, StopNow
+from dapo_megatron.launch.local.supervise import EngineSupervisor, engine_events_path
 from dapo_megatron.launch.prepare import tiny_model_dir
-from dapo_megatron.launch.ranks import RANKS_ERROR_FILE
 from dapo_megatron.launch.run_lock import RunLock
-from dapo_megatron.launch.supervise import EngineSupervisor, engine_events_path
 from dapo_megatron.memplan.report import check_before_launch
 from dapo_megatron.quant.engine_checkpoint import fp8_rollout_dir, prepare_fp8_rollout
 from dapo_megatron.rollout.auth import ensure_secret_file, keys_from_config, run_secret_path
@@ -80,7 +86,7 @@ class LocalProcesses:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.children: dict[str, subprocess.Popen] = {}
         # CPU engines by name: argv with the port left out, host, port and url once registered
-        # (what launch/supervise.py needs to start one again)
+        # (what launch/local/supervise.py needs to start one again)
         self.engines: dict[str, dict] = {}
         self._old_sigterm: SignalHandler = None  # signal.signal's previous handler
 
@@ -102,11 +108,11 @@ class LocalProcesses:
         self, name: str, argv: list[str], *, env: dict[str, str] | None = None, engine: bool = False
     ) -> subprocess.Popen:
         """engine: a rollout engine, started without the trainer-only variables (colocated.engine_environment)."""
-        from dapo_megatron.launch.colocated import engine_environment
+        from dapo_megatron.launch.slurm.colocated import engine_environment
 
         log = open(self.log_path(name), "ab")  # noqa: SIM115 - closed below, once the child holds its own copy
         base = engine_environment(dict(os.environ)) if engine else os.environ
-        # with_lifeline: SIGTERM to the child if this process dies, even by SIGKILL (launch/lifeline.py)
+        # with_lifeline: SIGTERM to the child if this process dies, even by SIGKILL (launch/local/lifeline.py)
         proc = subprocess.Popen(
             with_lifeline(argv),
             stdout=log,
@@ -124,7 +130,7 @@ class LocalProcesses:
         self.children[name] = proc
         try:
             return proc.wait()
-        except StopNow:  # a second Ctrl-C / SIGTERM (launch/local_stop.py): at once
+        except StopNow:  # a second Ctrl-C / SIGTERM (launch/local/stop.py): at once
             self._stop(proc, signal.SIGKILL, grace_s=5.0)
             raise
         except KeyboardInterrupt:
@@ -322,7 +328,7 @@ def launch_training(
         become_subreaper()  # what a dead rank leaves (its multiprocessing helpers) is re-parented here
         try:
             return _launch_locked(cfg, config_path, overrides, resume=resume, overwrite=overwrite, skip_plan=skip_plan)
-        finally:  # no process of this run outlives it (launch/lifeline.py); the lock is released after
+        finally:  # no process of this run outlives it (launch/local/lifeline.py); the lock is released after
             ended = reap_descendants(spare=before)
             if ended:
                 print(
@@ -375,7 +381,7 @@ def _launch_locked(
         t_ranks = time.perf_counter()
         # engines that exit while the ranks run are restarted (rollout.engine_restarts); the supervisor
         # stops before the clean-up below stops the engines
-        # Ctrl-C / SIGTERM from here on: the ranks finish the step, checkpoint it and stop (launch/local_stop.py)
+        # Ctrl-C / SIGTERM from here on: the ranks finish the step, checkpoint it and stop (launch/local/stop.py)
         with (
             EngineSupervisor(procs, budget=cfg.rollout.engine_restarts, events_path=engine_events_path(run_dir)),
             LocalStop(run_dir / STOP_FILE) as stop,
@@ -477,11 +483,11 @@ def _start_engines(
 
 
 def _ranks_command(cfg: Config, config_path: str, overrides: list[str], *, cause_file: Path, resume: bool) -> list[str]:
-    """torchrun over the actor ranks, through launch/ranks.py (a rank's failure said in one line)."""
+    """torchrun over the actor ranks, through launch/local/ranks.py (a rank's failure said in one line)."""
     return [
         sys.executable,
         "-m",
-        "dapo_megatron.launch.ranks",  # torchrun, saying a rank's failure in one line (launch/ranks.py)
+        "dapo_megatron.launch.local.ranks",  # torchrun, saying a rank's failure in one line (launch/local/ranks.py)
         "--cause-file",
         str(cause_file),
         "--",
@@ -510,7 +516,7 @@ def _report_end(
     already), nothing more after a stop request ended the run early, else the run's summary."""
     run_dir = Path(cfg.trainer.output_dir)
     if rc != 0 and not cause_file.is_file():
-        # a failing rank's cause is one line already (launch/ranks.py: "the run failed on rank R: ..."), the
+        # a failing rank's cause is one line already (launch/local/ranks.py: "the run failed on rank R: ..."), the
         # clean-up below this function included; this is for torchrun failing on its own
         print(f"[train] the actor ranks failed (torchrun exit code {rc}); logs in {run_dir / 'logs'}", file=sys.stderr)
     if rc == 0 and stop.received is not None and _stopped_early(cfg):

@@ -1,7 +1,7 @@
-"""torchrun for the local `dapo-megatron train` (launch/local.py): the same elastic agent, which on a
+"""torchrun for the local `dapo-megatron train` (launch/local/launcher.py): the same elastic agent, which on a
 rank's failure prints one line naming the cause instead of torchrun's report.
 
-    python -m dapo_megatron.launch.ranks --cause-file RUN/logs/ranks_error.txt -- TORCHRUN_ARGS (--standalone ...)
+    python -m dapo_megatron.launch.local.ranks --cause-file RUN/logs/ranks_error.txt -- TORCHRUN_ARGS (--standalone ...)
 
 A failing rank prints nothing and records its exception (type, message, traceback, time) in the error
 file torchrun gives it (trainer/train.py: first_cause_recorded), before its clean-up. torchrun itself
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 3 or argv[0] != "--cause-file" or argv[2] != "--":
-        raise SystemExit("usage: python -m dapo_megatron.launch.ranks --cause-file FILE -- TORCHRUN_ARGS...")
+        raise SystemExit("usage: python -m dapo_megatron.launch.local.ranks --cause-file FILE -- TORCHRUN_ARGS...")
     cause_file, torchrun_args = Path(argv[1]), argv[3:]
     for name in list(logging.root.manager.loggerDict):  # each has its own level (elastic/utils/logging.py)
         if name.startswith("torch.distributed.elastic"):

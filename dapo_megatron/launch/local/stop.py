@@ -7,7 +7,7 @@
 First signal: the launcher writes its name into the request file the ranks watch ($DAPO_PREEMPT_FILE,
 trainer/preemption.py): every rank finishes the step in flight, they write its checkpoint together, the
 driver prints "stopped at step N (SIGTERM): checkpoint ...; continue with --resume" and the ranks exit
-0; then the launcher stops the engines as on any exit (launch/local.py) and exits 128 + the signal.
+0; then the launcher stops the engines as on any exit (launch/local/launcher.py) and exits 128 + the signal.
 The ranks and engines run in sessions of their own, so a terminal's Ctrl-C reaches the launcher only.
 Second signal: StopNow (a KeyboardInterrupt) is raised in the launcher: the ranks are killed at once,
 the steps since the newest checkpoint are lost, and `stopped_at_once` says which.

@@ -1,4 +1,4 @@
-"""Supervision of the CPU rollout engines the local launcher started (launch/local.py).
+"""Supervision of the CPU rollout engines the local launcher started (launch/local/launcher.py).
 
     with EngineSupervisor(procs, budget=cfg.rollout.engine_restarts, events_path=run_dir / "logs" / ...):
         rc = procs.run_foreground("actor", [...])      # engines that exit meanwhile are restarted

@@ -5,7 +5,7 @@
     salloc -N 3 ... ; dapo-megatron preflight CONFIG            # inside any allocation (the batch host)
 
 The first slurm.nodes nodes of the allocation are the trainer's, the next --engine-nodes the engines'
-(default: the rest). One worker per node (launch/preflight_node.py; srun, in the role's own python,
+(default: the rest). One worker per node (launch/preflight/node.py; srun, in the role's own python,
 setup lines and container) checks, each failed check naming its fix:
   gpus        the GPUs this process sees (torch, else nvidia-smi; "no GPU" on a CPU node, a failure only
               where slurm.gpus_per_node asks for GPUs), their count and memory against
@@ -21,11 +21,11 @@ setup lines and container) checks, each failed check naming its fix:
   shared_fs   a file written on the first node is read on every node and back
   run_lock    the first node's flock on the run lock (launch/run_lock.py) is seen held on every node
   clock       each node's wall clock against the first node's and against its file server's (< 1 s)
-  link        measured bandwidth: launch/preflight_links.py
+  link        measured bandwidth: launch/preflight/links.py
 then the table, and its last line `preflight: N checks, M failed`; exit 1 when any failed. It refuses
 nothing by itself: the dependency of the run's jobs does.
 
-<run_dir>/preflight.json (schema version 1; launch/preflight_report.py writes it):
+<run_dir>/preflight.json (schema version 1; launch/preflight/report.py writes it):
   version                 1
   job, run_dir, config    the preflight job id, trainer.output_dir, the config file
   trainer_nodes, engine_nodes, hosts   node counts and the nodes (trainer nodes first)
@@ -60,8 +60,8 @@ import time
 from pathlib import Path
 
 from dapo_megatron.config import Config, load_config
-from dapo_megatron.launch import render
-from dapo_megatron.launch.preflight_report import Check, merge, parse_results, summary_line, table, write_report
+from dapo_megatron.launch.preflight.report import Check, merge, parse_results, summary_line, table, write_report
+from dapo_megatron.launch.slurm import render
 
 DEFAULT_BYTES = 64 << 20
 PREFLIGHT_TIME = "00:15:00"  # the job's own time limit, whatever slurm.time the run asks for
@@ -153,7 +153,7 @@ def step_argv(cfg: Config, role: str, *, first: int, count: int, common: list[st
         *render.container_args(cfg, python_role),
         python,
         "-m",
-        "dapo_megatron.launch.preflight_node",
+        "dapo_megatron.launch.preflight.node",
         *node_args,
         *common,
     ]

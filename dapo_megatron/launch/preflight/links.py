@@ -1,4 +1,4 @@
-"""The preflight's link measurements (launch/preflight_mesh.py runs them after the other checks):
+"""The preflight's link measurements (launch/preflight/mesh.py runs them after the other checks):
 
   trainer       the trainer nodes' group, over the trainer's backend (nccl on GPUs, gloo on CPU), each
                 rank on the interface distributed/addresses.py picks (as the run's ranks do): one
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from functools import partial
 
 from dapo_megatron.distributed import addresses
-from dapo_megatron.launch.preflight_report import Check, link_record
+from dapo_megatron.launch.preflight.report import Check, link_record
 
 LINK_FIX = "the collective failed: read the routes and ports checks above; NCCL_DEBUG=INFO in slurm.setup shows why"
 

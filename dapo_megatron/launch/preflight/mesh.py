@@ -11,7 +11,7 @@ TCPStore: what torchrun's rendezvous uses) orders them, every wait bounded.
   clock       rank 0 asks each node for its wall clock (ping/pong through the store: offset = theirs -
               the midpoint of rank 0's send and receive, error +- half the round trip), and each node
               compares its clock with the mtime the run directory's filesystem gives a file it writes now
-  links       launch/preflight_links.py: all-reduce and broadcasts of the trainer group, the weight group
+  links       launch/preflight/links.py: all-reduce and broadcasts of the trainer group, the weight group
 
 CLOCK_OFFSET_VAR (DAPO_PREFLIGHT_CLOCK_OFFSET_S) is a TEST STAND-IN: a time namespace shifts only the
 monotonic clocks, so the tests cannot give one node of the twin another wall clock; this variable
@@ -32,8 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dapo_megatron.launch import preflight_links, run_lock
-from dapo_megatron.launch.preflight_report import Check
+from dapo_megatron.launch import run_lock
+from dapo_megatron.launch.preflight import links as preflight_links
+from dapo_megatron.launch.preflight.report import Check
 
 CLOCK_OFFSET_VAR = "DAPO_PREFLIGHT_CLOCK_OFFSET_S"  # test stand-in (module docstring)
 MAX_CLOCK_SKEW_S = 1.0

@@ -1,9 +1,9 @@
-"""One node's part of the preflight (launch/preflight.py starts one per node with srun, under the role's
+"""One node's part of the preflight (launch/preflight/command.py starts one per node with srun, under the role's
 own interpreter and container): the checks that need nothing from the other nodes, then the ones that
-do (launch/preflight_mesh.py: shared filesystem, run lock, clocks, routes, collectives), then one
+do (launch/preflight/mesh.py: shared filesystem, run lock, clocks, routes, collectives), then one
 `PREFLIGHT-RESULT {json}` line on stdout.
 
-    python -m dapo_megatron.launch.preflight_node --role trainer --rank 0 --hosts n0,n1,n2 --trainer-nodes 2 \
+    python -m dapo_megatron.launch.preflight.node --role trainer --rank 0 --hosts n0,n1,n2 --trainer-nodes 2 \
         --store-port 21234 --run-dir /shared/run --job 1234 [--check-port 21240] [--gpus 8 --gpu-memory-gb 80]
 
 The imports are checked first and torch is imported only after, so a node whose python lacks torch
@@ -23,8 +23,8 @@ import sys
 import warnings
 
 from dapo_megatron.distributed import addresses
-from dapo_megatron.launch import preflight_mesh
-from dapo_megatron.launch.preflight_report import Check, result_line
+from dapo_megatron.launch.preflight import mesh as preflight_mesh
+from dapo_megatron.launch.preflight.report import Check, result_line
 
 # (module, required, distribution for the version): what each role's python must import
 TRAINER_MODULES = (
@@ -206,7 +206,7 @@ def check_routes(host: str, hosts: list[str]) -> tuple[list[Check], dict[str, di
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m dapo_megatron.launch.preflight_node")
+    ap = argparse.ArgumentParser(prog="python -m dapo_megatron.launch.preflight.node")
     ap.add_argument("--role", choices=("trainer", "engine"), required=True)
     ap.add_argument("--rank-offset", type=int, default=0, help="added to SLURM_PROCID (the engine step's nodes)")
     ap.add_argument("--hosts", required=True, help="every node of the preflight, comma-separated, trainer nodes first")

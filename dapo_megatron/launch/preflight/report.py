@@ -1,5 +1,5 @@
 """The preflight's results: one Check per fact that can fail, the measured links, the table and the
-JSON file (its schema: launch/preflight.py's docstring). Standard library only: the CLI that gathers
+JSON file (its schema: launch/preflight/command.py's docstring). Standard library only: the CLI that gathers
 the nodes' results and the node workers share it.
 
 Each node worker prints one line `PREFLIGHT-RESULT {json}` on stdout (srun brings it to the batch

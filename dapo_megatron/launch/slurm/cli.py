@@ -13,7 +13,7 @@
     dapo-megatron slurm render train CONFIG [overrides]    # one rendered sbatch file on stdout
 
 `submit` prints `<role>: <job id>` per job and records them in <run_dir>/slurm/jobs.json. Before it
-writes or submits a training run (or a sweep's runs) it checks, as `train` does (launch/submit_guard.py):
+writes or submits a training run (or a sweep's runs) it checks, as `train` does (launch/slurm/submit_guard.py):
 the directory is not in use (a recorded job still pending or running, a held .run.lock), the run
 directory decision (a directory holding a run needs --resume or --overwrite), and every prompt row.
 --eval and --bench-kernels take none of these: evaluating a live run's checkpoints is legitimate.
@@ -25,8 +25,8 @@ import argparse
 import sys
 
 from dapo_megatron.config import load_config
-from dapo_megatron.launch import status
-from dapo_megatron.launch.render import python_of
+from dapo_megatron.launch.slurm import status
+from dapo_megatron.launch.slurm.render import python_of
 
 _RENDERERS = ("train", "engines", "bench_kernels")
 
@@ -88,7 +88,7 @@ def _submit_parser() -> argparse.ArgumentParser:
 
 def _submit(argv: list[str]) -> int:
     # per sub-command, as cli.py dispatches: `slurm status` does not load the plans, checks and renderers
-    from dapo_megatron.launch import submit, submit_guard
+    from dapo_megatron.launch.slurm import submit, submit_guard
 
     args = _submit_parser().parse_intermixed_args(argv)
     configs, overrides = _split(args.args)
@@ -187,7 +187,7 @@ def _warn_cluster_defaults(plan) -> None:
 
 def _check_memory(plan, lines: list[str]) -> None:
     """The memory plan's verdict lines go into `lines`; a plan that does not fit prints all of it and raises."""
-    from dapo_megatron.launch import submit
+    from dapo_megatron.launch.slurm import submit
 
     try:
         submit.check_memory(plan, out=lines.append)
@@ -203,7 +203,7 @@ def _render(argv: list[str]) -> int:
     args = ap.parse_intermixed_args(argv)
     configs, overrides = _split(args.args)
     cfg = load_config(_one_config(configs, "slurm render"), overrides)
-    from dapo_megatron.launch import submit
+    from dapo_megatron.launch.slurm import submit
 
     if args.which == "train":
         plan = submit.plan_train(cfg)

@@ -1,6 +1,6 @@
 """Start this node's share of the colocated rollout engines inside the trainer's Slurm allocation.
 
-    srun --overlap --ntasks-per-node=1 python -m dapo_megatron.launch.colocated CONFIG   # slurm/_trainer_launch.sh
+    srun --overlap --ntasks-per-node=1 python -m dapo_megatron.launch.slurm.colocated CONFIG  # slurm/_trainer_launch.sh
 
 With rollout.placement=colocated (and no fixed rollout.engine_urls) the engines share the trainer's
 nodes: rollout.num_engines / slurm.nodes engines per node, registering in <run_dir>/engines/ where
@@ -236,7 +236,7 @@ def remove_stale_registrations(register_dir: Path, host: str) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) < 1:
-        print("usage: python -m dapo_megatron.launch.colocated CONFIG [key=value ...]", file=sys.stderr)
+        print("usage: python -m dapo_megatron.launch.slurm.colocated CONFIG [key=value ...]", file=sys.stderr)
         return 2
     cfg = load_config(argv[0], argv[1:])
     if cfg.rollout.placement != "colocated" or cfg.rollout.engine_urls:

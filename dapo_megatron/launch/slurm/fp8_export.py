@@ -1,8 +1,8 @@
 """rollout.quantization=fp8: export a config's base model into the engines' FP8 checkpoint
 (quant/engine_checkpoint.py) and print its directory.
 
-    python -m dapo_megatron.launch.fp8_export CONFIG [key=value ...]                 # slurm/fp8_export.sbatch
-    python -m dapo_megatron.launch.fp8_export CONFIG ... --colocated-only            # slurm/_trainer_launch.sh
+    python -m dapo_megatron.launch.slurm.fp8_export CONFIG [key=value ...]                 # slurm/fp8_export.sbatch
+    python -m dapo_megatron.launch.slurm.fp8_export CONFIG ... --colocated-only            # slurm/_trainer_launch.sh
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     colocated_only = "--colocated-only" in argv
     argv = [a for a in argv if a != "--colocated-only"]
     if not argv:
-        print("usage: python -m dapo_megatron.launch.fp8_export CONFIG [key=value ...]", file=sys.stderr)
+        print("usage: python -m dapo_megatron.launch.slurm.fp8_export CONFIG [key=value ...]", file=sys.stderr)
         return 2
     cfg = load_config(argv[0], argv[1:])
     r = cfg.rollout

@@ -1,12 +1,12 @@
 """The run-directory guard of a Slurm training job (slurm/_trainer_launch.sh), on the first node before
 the model preparation or anything else writes:
 
-    LOCK_FILE=$(python -m dapo_megatron.launch.job_start lock-file CONFIG)     # <output_dir>/.run.lock
+    LOCK_FILE=$(python -m dapo_megatron.launch.slurm.job_start lock-file CONFIG)     # <output_dir>/.run.lock
     exec 9<>"$LOCK_FILE"                                                       # the batch shell keeps it open
-    START=$(python -m dapo_megatron.launch.job_start acquire CONFIG --fd 9 --job "$JOB_REF" --restart N
+    START=$(python -m dapo_megatron.launch.slurm.job_start acquire CONFIG --fd 9 --job "$JOB_REF" --restart N
             --holder-pid $$ [--resume-requested])                             # "--resume" or ""
     ...                                                                        # the trainer runs
-    python -m dapo_megatron.launch.job_start release "$LOCK_FILE" --fd 9        # the normal end
+    python -m dapo_megatron.launch.slurm.job_start release "$LOCK_FILE" --fd 9        # the normal end
 
 `acquire` takes the run lock (launch/run_lock.py) on the shell's descriptor, so the job holds it for
 its whole life (an flock belongs to the open file description: it ends with the shell, SIGKILL
@@ -104,7 +104,7 @@ def _acquire(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dapo_megatron.launch.job_start")
+    ap = argparse.ArgumentParser(prog="python -m dapo_megatron.launch.slurm.job_start")
     sub = ap.add_subparsers(dest="what", required=True)
     path = sub.add_parser("lock-file", help="make the run directory; print its lock file")
     path.add_argument("config")

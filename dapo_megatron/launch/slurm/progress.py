@@ -1,6 +1,6 @@
 """Is a run finished? Exit 0 when its latest complete checkpoint is at trainer.total_steps, else 1.
 
-    python -m dapo_megatron.launch.progress CONFIG [key=value ...]     # prints "<step>/<total_steps>"
+    python -m dapo_megatron.launch.slurm.progress CONFIG [key=value ...]     # prints "<step>/<total_steps>"
 
 slurm/_trainer_launch.sh asks this after a preemption request: a run that reached its last step in
 the meantime is not requeued; one that stopped early (checkpointed for the requeue, or crashed) is.
@@ -22,7 +22,7 @@ def checkpointed_step(output_dir: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
-        print("usage: python -m dapo_megatron.launch.progress CONFIG [key=value ...]", file=sys.stderr)
+        print("usage: python -m dapo_megatron.launch.slurm.progress CONFIG [key=value ...]", file=sys.stderr)
         return 2
     cfg = load_config(argv[0], argv[1:])
     step, total = checkpointed_step(cfg.trainer.output_dir), cfg.trainer.total_steps

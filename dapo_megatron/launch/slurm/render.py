@@ -1,6 +1,6 @@
 """Render the sbatch files of slurm/ from a Config: pure functions, text in, text out.
 
-    from dapo_megatron.launch.render import render_train
+    from dapo_megatron.launch.slurm.render import render_train
     text = render_train(cfg, config_file="/runs/x/slurm/config.yaml")
 
 A template in slurm/ is a working bash script with four kinds of markers, each on its own line:
@@ -27,7 +27,7 @@ from dapo_megatron.config import Config
 from dapo_megatron.quant.engine_checkpoint import fp8_rollout_dir
 from dapo_megatron.rollout.auth import run_secret_path
 
-SLURM_DIR = Path(__file__).resolve().parents[2] / "slurm"
+SLURM_DIR = Path(__file__).resolve().parents[3] / "slurm"
 # what torchrun starts on every rank (after its own flags): `python -m dapo_megatron.cli train CONFIG`
 TRAIN_ENTRY = ("--module", "dapo_megatron.cli", "train")
 # what an eval array task runs (after the interpreter): `python -m dapo_megatron.cli eval CONFIG --checkpoint DIR`
@@ -157,7 +157,7 @@ def _trainer_values(cfg: Config, *, engine_job: str, entry: Sequence[str], resum
         "SIGNAL_SECONDS": cfg.slurm.signal_seconds,
         "TRAIN_ENTRY": list(entry),
         "ENGINE_JOB": engine_job,
-        # `slurm submit --resume`: the first start continues from the newest checkpoint (launch/job_start.py)
+        # `slurm submit --resume`: the first start continues from the newest checkpoint (launch/slurm/job_start.py)
         "RESUME_REQUESTED": int(resume),
         # pyxis: the srun steps (ranks, colocated engines) run in slurm.container_image (empty: none)
         "CONTAINER_ARGS": container_args(cfg),

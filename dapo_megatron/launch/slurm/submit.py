@@ -29,7 +29,8 @@ from pathlib import Path
 import yaml
 
 from dapo_megatron.config import Config, config_from_dict, load_config
-from dapo_megatron.launch import preflight, render
+from dapo_megatron.launch.preflight import command as preflight
+from dapo_megatron.launch.slurm import render
 from dapo_megatron.memplan.report import check_before_launch
 from dapo_megatron.rollout.auth import ensure_secret_file, run_secret_path
 
@@ -144,7 +145,7 @@ def plan_train(
 
 
 def add_preflight(plan: Plan, *, engines: int, nbytes: int = preflight.DEFAULT_BYTES) -> None:
-    """`slurm submit --preflight`: the preflight job (launch/preflight.py) on the run's partition and node
+    """`slurm submit --preflight`: the preflight job (launch/preflight/command.py) on the run's partition and node
     count goes first; every job of the run waits for it to succeed (afterok): a failed check starts nothing."""
     (_, cfg), *_ = training_configs(plan)
     text = preflight.render_preflight(
