@@ -11,12 +11,16 @@ Run: pytest tests/kernels/test_head_loss.py -q        (any device: see tests/ker
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
 from kernels_device import DEVICE
 from logprob_cases import grad_tol, rel_err
 from logprob_cases import make_inputs as make_head_inputs
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import dapo_kernels.head_loss as head_loss_mod
 from dapo_kernels import linear_logprob_entropy_reference, policy_loss_reference
@@ -261,3 +265,35 @@ def test_variants_script_runs_every_variant_and_checks_one_pass_against_today(tm
     assert d_lp < 1e-5 and d_loss < 1e-5
     with pytest.raises(ValueError, match=r"--variants: unknown \['nope'\]"):
         variants_head_loss.main(["--cpu-dry-run", "--csv", str(path), "--variants", "one_pass,nope"])
+
+
+class _Shapes(TorchDispatchMode):
+    """The shape of every floating-point tensor an aten op returns while active (the interpreter's uint8
+    byte copies of the kernels' argument storages are not allocations of the op: left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.shapes += [tuple(t.shape) for t in leaves if t.is_floating_point()]
+        return out
+
+
+def test_logits_never_exist_beyond_one_chunk(monkeypatch, device):
+    """N = 48 rows in chunks of 16: every tensor the call creates (forward and backward) holds at most
+    one chunk's logits (16 x V), and nothing is as large as the [N, V] logits (V H < N V here)."""
+    n, h, v = 48, 32, 301
+    force_chunks(monkeypatch, rows=16, v=v, dtype=torch.float32)
+    inputs = make_inputs(n, h, v, dtype=torch.float32, seed=9, temperature=1.0)
+    hidden = inputs[0].clone().requires_grad_()
+    weight = inputs[1].clone().requires_grad_()
+    with _Shapes() as seen:
+        loss, *_ = linear_dapo_loss(hidden, weight, *inputs[2:], **KW, loss_denominator=40.0)
+        loss.backward()
+    sizes = [math.prod(shape) for shape in seen.shapes]
+    vocab_wide = [shape for shape in seen.shapes if len(shape) == 2 and shape[1] == v]
+    assert vocab_wide and max(rows for rows, _ in vocab_wide) == 16
+    assert max(sizes) < n * v
