@@ -297,3 +297,30 @@ def test_logits_never_exist_beyond_one_chunk(monkeypatch, device):
     vocab_wide = [shape for shape in seen.shapes if len(shape) == 2 and shape[1] == v]
     assert vocab_wide and max(rows for rows, _ in vocab_wide) == 16
     assert max(sizes) < n * v
+
+
+@pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_every_aggregation_mode_is_a_per_token_weight(agg_mode, device):
+    """The trainer's three aggregation modes (dapo_megatron.algo) through loss_weight and D, known before
+    the pass: token-mean w = mask, D = tokens; seq-mean-token-sum w = mask, D = sequences;
+    seq-mean-token-mean w = mask / (the sequence's token count), D = sequences. Loss and gradients equal
+    algo.policy_loss on the float64 reference log-prob (tolerances as test_forward_and_grads_match_float64)."""
+    algo = pytest.importorskip("dapo_megatron.algo.policy_loss")
+    b, t, h, v = 3, 9, 32, 150
+    hidden, weight, targets, old, adv, lw = make_inputs(b * t, h, v, dtype=torch.float32, seed=13, temperature=1.0)
+    mask = (lw > 0).float().view(b, t)
+    count = mask.sum(dim=1, keepdim=True)
+    loss_weight = (mask / count if agg_mode == "seq-mean-token-mean" else mask).reshape(-1)
+    denom = float(mask.sum()) if agg_mode == "token-mean" else float(b)
+    kw = dict(KW, loss_denominator=denom)
+    loss, _, _, _, gh, gw = run_fused(hidden, weight, targets, old, adv, loss_weight, **kw)
+    h64 = hidden.double().requires_grad_()
+    w64 = weight.double().requires_grad_()
+    lp64, _ = linear_logprob_entropy_reference(h64, w64, targets)
+    loss64, _ = algo.policy_loss(
+        lp64.view(b, t), old.double().view(b, t), adv.double().view(b, t), mask, agg_mode=agg_mode, **kw
+    )
+    loss64.backward()
+    scale = loss_scale(lp64.detach(), old, adv, loss_weight, **kw)
+    assert abs(loss.item() - loss64.item()) < 2e-5 * scale
+    assert rel_err(gh, h64.grad) < 1e-5 and rel_err(gw, w64.grad) < 1e-5
