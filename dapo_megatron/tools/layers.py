@@ -36,6 +36,8 @@ from pathlib import Path
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("dapo_megatron.cli",),
     ("dapo_megatron.benchmarks", "dapo_megatron.tools"),  # harness: measures and checks everything below
+    # launch/ is one layer: local/, slurm/, preflight/, experiments/ and the shared run-directory modules
+    # import each other (docs/architecture.md "Layout" says where)
     ("dapo_megatron.launch",),
     # the product's loop and the CPU stand-in for SGLang side by side: neither imports the other (the
     # stand-in plays the engine side of transfer/, so it sits above it; launch/ starts it)

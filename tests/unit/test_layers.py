@@ -164,15 +164,38 @@ KNOWN_BELOW = [
 ]
 
 
-def test_the_architecture_page_lists_every_package():
-    """docs/architecture.md "Layout": one entry per package of dapo_megatron, in the layers' order."""
+def _architecture_layout() -> str:
+    """The code block of docs/architecture.md "Layout"."""
     text = (REPO / "docs" / "architecture.md").read_text()
     layout = text[text.index("## Layout") :]
     layout = layout[layout.index("```") + 3 :]
-    layout = layout[: layout.index("```")]
-    listed = [line.split()[0].rstrip("/") for line in layout.splitlines() if line.startswith("  ") and line[2] != " "]
+    return layout[: layout.index("```")]
+
+
+def _entries(layout: str, *, indent: int) -> list[str]:
+    """The names the layout lists at `indent` spaces (continuation lines are indented further)."""
+    return [
+        line.split()[0].rstrip("/")
+        for line in layout.splitlines()
+        if line.startswith(" " * indent) and line[indent] != " "
+    ]
+
+
+def test_the_architecture_page_lists_every_package():
+    """docs/architecture.md "Layout": one entry per package of dapo_megatron, in the layers' order."""
+    layout = _architecture_layout()
+    listed = _entries(layout, indent=2)
     packages = sorted(p.parent.name for p in (REPO / "dapo_megatron").glob("*/__init__.py"))
     assert sorted(name for name in listed if not name.endswith(".py")) == packages
     order = [name for layer in layers.LAYERS for name in layer if name.startswith("dapo_megatron.")]
     rank = {name.split(".")[1]: index for index, name in enumerate(order)}
     assert [rank[n] for n in listed if n in rank] == sorted(rank[n] for n in listed if n in rank)
+
+
+def test_the_architecture_page_lists_every_launch_subpackage():
+    """docs/architecture.md "Layout": launch/'s subpackages (by what they launch), one entry each under it."""
+    layout = _architecture_layout()
+    listed = _entries(layout[layout.index("  launch/") : layout.index("  trainer/")], indent=4)
+    packages = sorted(p.parent.name for p in (REPO / "dapo_megatron" / "launch").glob("*/__init__.py"))
+    assert packages == ["experiments", "local", "preflight", "slurm"]
+    assert sorted(listed) == packages
