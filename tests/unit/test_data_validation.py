@@ -147,4 +147,7 @@ def test_train_refuses_bad_data_before_any_process(tmp_path):
     assert f"data.train_path: {train}: 16 of 21 rows cannot be trained on" in proc.stderr
     assert f"{train}: row 4 (0-based), line 5: column 'reward_model.ground_truth' is empty" in proc.stderr
     assert "... and 6 more bad rows" in proc.stderr and "Traceback" not in proc.stderr
-    assert not out.exists()  # nothing written: no engines/, logs/, metrics, and the lock's own directory removed
+    # nothing started: no engines/, metrics or model stage; the run directory holds only the console's log
+    # (logs/train.log keeps the refusal for `dapo-megatron status`) and the launcher's emptied lock file
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [".run.lock", "logs", "logs/train.log"]
+    assert "16 of 21 rows cannot be trained on" in (out / "logs" / "train.log").read_text()

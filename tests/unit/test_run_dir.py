@@ -114,14 +114,18 @@ def test_train_command_decides_before_starting_anything(tmp_path):
         f"[train] {run} is already at step 40 of 40 (trainer.total_steps): nothing to "
         "do. Raise trainer.total_steps to train further."
     )
-    # no engine registry, no logs, no new model stage: nothing was started
-    # (.run.lock: the directory's lock, launch/run_lock.py, emptied when the command ended)
+    # no engine registry, no engine or rank log, no new model stage: nothing was started; the console's log
+    # (logs/train.log) holds the --resume's header and its line (.run.lock: the directory's lock,
+    # launch/run_lock.py, emptied when the command ended)
     assert sorted(p.name for p in run.iterdir()) == [
         ".run.lock",
         "checkpoints",
         "curves.png",
+        "logs",
         "metrics.jsonl",
         "tiny_model",
     ]
+    assert [p.name for p in (run / "logs").iterdir()] == ["train.log"]
+    assert "is already at step 40 of 40" in (run / "logs" / "train.log").read_text()
     assert (run / ".run.lock").read_text() == ""
     assert [p.name for p in (run / "tiny_model").iterdir()] == ["warm"]
