@@ -299,6 +299,13 @@ kernel_variants() {  # kernel_variants MODULE
   echo '{"present": true}' > "$STEP_METRICS"
 }
 step_kernel_variants_logprob() { kernel_variants variants_logprob; }
+# issue 53: the LM head and the DAPO loss in one pass (kernels/head_loss.py) against today's head + loss, Liger's
+# fused GRPO loss and the cuBLAS GEMMs alone: the quick rows (7B, N 16K/64K, tp 1/8), then the 32B tp 1 N 64K row
+# (predictions: kernels/bench/NOTES.md, "head_loss")
+step_head_loss_variants() {
+  kernel_variants variants_head_loss || return $?
+  $PY -m dapo_kernels.bench.variants_head_loss --model 32b --n 65536 --tp 1 --csv "$OUT/variants_head_loss.csv"
+}
 # the loss rows: the policy-loss variants where present, else today's kernels' loss rows of the quick table
 step_loss_rows() {
   if [ -f "$ROOT/kernels/bench/variants_policy_loss.py" ]; then kernel_variants variants_policy_loss; return $?; fi
