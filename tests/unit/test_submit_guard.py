@@ -163,6 +163,33 @@ def test_submission_refuses_a_directory_holding_a_run_resume_and_overwrite(tmp_p
     )
 
 
+def test_resume_onto_another_allocation_says_the_reshard_and_refuses_another_precision(tmp_path):
+    """`slurm submit --resume` with another layout and world size (issue 50): the resume line, then the
+    resharding line; a change of what cannot change (actor.precision) refused naming the saved value."""
+    run_dir = tmp_path / "run"
+    _checkpoint(run_dir, 2)
+    meta = {"last_step": 1, "layout": {"tp": 1, "pp": 1, "cp": 1, "dp": 2, "vpp": 1, "ep": 1, "etp": 1, "world": 2}}
+    meta.update(optimizer_format="fully_reshardable", precision="fp32", distributed_optimizer=False)
+    actor = ckpt.step_dir(run_dir, 2) / "actor"
+    actor.mkdir()
+    (actor / "actor_state.json").write_text(json.dumps(meta))
+    no_queue, _ = _answer()
+    cfg = _config(tmp_path, run_dir, "actor.tp=2", "actor.world_size=4")  # TP=2 x DP=2 on 4 ranks
+    (check,) = submit_guard.check_training_submission(
+        submit.plan_train(cfg, resume=True), resume=True, overwrite=False, command="x", run=no_queue
+    )
+    assert check.message.splitlines() == [
+        f"[slurm submit] the job resumes {run_dir} from step 2 of 4 (step_000002)",
+        "[slurm submit] resuming step 2 saved at TP=1 PP=1 CP=1 DP=2 under TP=2 PP=1 CP=1 DP=2: resharding "
+        "(model and optimizer through megatron's global-shape checkpoint, RNG states re-derived from trainer.seed)",
+    ]
+    bf16 = _config(tmp_path, run_dir, "actor.precision=bf16")
+    with pytest.raises(ValueError, match=r"actor.precision='bf16' but checkpoint .* saved with actor.precision='fp32'"):
+        submit_guard.check_training_submission(
+            submit.plan_train(bf16, resume=True), resume=True, overwrite=False, command="x", run=no_queue
+        )
+
+
 def test_bad_row_and_missing_file_refuse_before_anything_is_written(tmp_path):
     bad = tmp_path / "train.jsonl"
     good = {
