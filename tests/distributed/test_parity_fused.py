@@ -163,7 +163,7 @@ def test_check_parity_fused_cli_under_torchrun(model_dirs, tmp_path):
 def test_verdict_and_argument_errors(model_dirs):
     from transformers import AutoConfig
 
-    from dapo_megatron.tools import parity
+    from dapo_megatron.tools import parity, parity_args
 
     ok = dict(logprob=9e-6, entropy=2e-6, grad_rel=3e-7, fused_vs_torch_logprob=1e-6, fused_vs_torch_entropy=5e-7)
     assert parity.failures(ok, tolerance=1e-5, grad_tolerance=1e-4) == []
@@ -180,9 +180,9 @@ def test_verdict_and_argument_errors(model_dirs):
         "fused_vs_torch_entropy 3.000e-05 > 1e-05"
     ]
     with pytest.raises(ValueError, match="--sequence-parallel needs --tp > 1"):
-        parity._parse(["--model", "m", "--sequence-parallel"])
+        parity_args.parse(["--model", "m", "--sequence-parallel"])
     with pytest.raises(ValueError, match="--vocab-divisible-by must be >= 1"):
-        parity._parse(["--model", "m", "--vocab-divisible-by", "0"])
+        parity_args.parse(["--model", "m", "--vocab-divisible-by", "0"])
     config = AutoConfig.from_pretrained(model_dirs["llama_v257_gqa3"])  # 6 heads, 2 KV groups
     parity._check_model_fits_layout(config, tp=2, model="m")
     with pytest.raises(ValueError, match="num_key_value_heads=2 is not divisible by --tp 3"):

@@ -132,7 +132,8 @@ def test_status_while_it_runs_and_the_log_across_a_resume(runs):
     headers = [line for line in log if line.startswith("===== ")]
     assert len(headers) == 2 and " --resume " in headers[1] and " --resume " not in headers[0]
     second = log[log.index(headers[1]) :]
-    assert f"[train] resuming {out} from step 2 of 4 (step_000002)" in second
+    stopped_at = runs["b_first"][-1]["step"]  # the SIGTERM's step in flight, checkpointed: 1-3 with the load
+    assert f"[train] resuming {out} from step {stopped_at} of 4 (step_{stopped_at:06d})" in second
     assert any(line.lstrip().startswith("1/4 ") for line in log[: log.index(headers[1])])  # the first start's table
     assert any(line.lstrip().startswith("4/4 ") for line in second) and "[train] done." in "\n".join(second)
 
