@@ -414,12 +414,13 @@ class Actor(Policy):
             restore_rng(state["rng_state"])
         else:
             assert seed is not None
-            reseed_rng(seed=seed, step=self.last_step)
+            step = self.last_step + 1  # the run's step of the checkpoint (the actor counts from 0)
+            reseed_rng(seed=seed, step=step)
             if self.layout.rank == 0:
                 print(
                     f"[actor] RNG states of {describe_sizes(saved_layout or {})} do not map to "
                     f"{describe_sizes(layout_record(self.layout))}: "
-                    f"re-derived from seed {seed} and step {self.last_step}",
+                    f"re-derived from seed {seed} and step {step}",
                     flush=True,
                 )
         return meta
