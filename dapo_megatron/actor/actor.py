@@ -45,7 +45,6 @@ import torch.distributed as dist
 # just before the step (tests/helpers_actor.py grads_rank)
 import dapo_megatron.actor.optimizer as actor_optimizer
 from dapo_megatron.actor.checkpoint import (
-    LEGACY_OPTIMIZER_FORMAT,
     layout_record,
     load_checkpoint,
     optimizer_count,
@@ -77,7 +76,7 @@ from dapo_megatron.dataplane.batch import RolloutBatch
 from dapo_megatron.dataplane.sample import Sample
 from dapo_megatron.dataplane.share import BatchShare
 from dapo_megatron.distributed import collectives as coll
-from dapo_megatron.distributed.checkpoint_record import architecture_record, describe_sizes
+from dapo_megatron.distributed.checkpoint_record import LEGACY_OPTIMIZER_FORMAT, architecture_record, describe_sizes
 from dapo_megatron.distributed.layout import ParallelLayout
 
 if TYPE_CHECKING:

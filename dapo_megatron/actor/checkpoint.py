@@ -33,16 +33,18 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.distributed import collectives as coll
-from dapo_megatron.distributed.checkpoint_record import changed_sizes
+from dapo_megatron.distributed.checkpoint_record import (
+    META_FILE,
+    changed_sizes,
+    finished_actor_dir,
+)
 from dapo_megatron.distributed.layout import ParallelLayout
 
-META_FILE = "actor_state.json"
 # megatron-core's distributed-optimizer checkpoint formats (DistributedOptimizer.sharded_state_dict), chosen by
 # actor.checkpoint_format: "fully_reshardable" (the default) loads under any layout; "dp_reshardable" (the
 # only format before 2026-11-28, assumed when actor_state.json names none) only under the TP x PP x EP it was
 # saved with
 OPTIMIZER_FORMAT = "fully_reshardable"
-LEGACY_OPTIMIZER_FORMAT = "dp_reshardable"
 
 
 def _barrier() -> None:
@@ -99,11 +101,10 @@ def save_checkpoint(path: str | Path, *, sharded_state_dict: dict, meta: dict) -
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """`path` if it is a finished checkpoint, else `<path>.old` (crash between the renames)."""
-    final = Path(path).absolute()
-    for candidate in (final, final.with_name(final.name + ".old")):
-        if (candidate / META_FILE).is_file():
-            return candidate
-    raise ValueError(f"checkpoint {final}: no {META_FILE} there (not a finished actor checkpoint)")
+    found = finished_actor_dir(path)
+    if found is None:
+        raise ValueError(f"checkpoint {Path(path).absolute()}: no {META_FILE} there (not a finished actor checkpoint)")
+    return found
 
 
 def read_checkpoint_meta(path: str | Path) -> dict:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from dapo_megatron.actor.actor import Actor
-from dapo_megatron.actor.checkpoint import LEGACY_OPTIMIZER_FORMAT, OPTIMIZER_FORMAT, save_checkpoint
+from dapo_megatron.actor.checkpoint import OPTIMIZER_FORMAT, save_checkpoint
 from dapo_megatron.actor.optimizer import init_empty_optimizer_state
 from dapo_megatron.actor.parallel import init_distributed, model_parallel
 from dapo_megatron.benchmarks import parsers
@@ -41,6 +41,7 @@ from dapo_megatron.benchmarks.actor import QWEN25_15B, TINY, write_random_checkp
 from dapo_megatron.benchmarks.run import append_rows, check_header, results_csv
 from dapo_megatron.config import ActorConfig, Config
 from dapo_megatron.distributed import collectives as coll
+from dapo_megatron.distributed.checkpoint_record import LEGACY_OPTIMIZER_FORMAT
 from dapo_megatron.trainer.settings import actor_settings
 
 FIELDS = [

@@ -11,6 +11,22 @@ rank starts.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
+
+META_FILE = "actor_state.json"  # the actor checkpoint's record, written last (actor/checkpoint.py)
+# the distributed-optimizer format assumed when actor_state.json names none (every checkpoint before 2026-11-28)
+LEGACY_OPTIMIZER_FORMAT = "dp_reshardable"
+
+
+def finished_actor_dir(path: str | Path) -> Path | None:
+    """`path` if it is a finished actor checkpoint (its META_FILE written), else `<path>.old` (a crash
+    between the two renames of a save), else None."""
+    final = Path(path).absolute()
+    for candidate in (final, final.with_name(final.name + ".old")):
+        if (candidate / META_FILE).is_file():
+            return candidate
+    return None
+
 
 SIZE_KEYS = ("tp", "pp", "cp", "dp", "vpp", "ep", "etp", "world")
 

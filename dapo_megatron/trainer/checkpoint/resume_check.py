@@ -23,14 +23,15 @@ from pathlib import Path
 from dapo_megatron.config import Config
 from dapo_megatron.distributed.checkpoint_record import (
     ARCHITECTURE_KEYS,
+    LEGACY_OPTIMIZER_FORMAT,
+    META_FILE,
     architecture_record,
     changed_sizes,
     describe_sizes,
+    finished_actor_dir,
 )
 
-ACTOR_META = "actor_state.json"  # actor/checkpoint.py META_FILE (not imported: that module imports torch)
 TRAINER_STATE = "trainer_state.json"  # trainer/checkpoint/files.py STATE_FILE (the same: files.py imports torch)
-LEGACY_FORMAT = "dp_reshardable"
 
 
 def planned_layout(cfg: Config) -> dict[str, int]:
@@ -52,11 +53,8 @@ def read_actor_meta(checkpoint_dir: Path) -> dict | None:
     """The actor's actor_state.json of a run checkpoint (step_<N>/actor, or its .old after a crash
     between the two renames); None when there is none (a damaged checkpoint: the ranks verify it against
     its manifest, set it aside and take an earlier one, trainer/checkpoint/files.py)."""
-    actor = checkpoint_dir / "actor"
-    for candidate in (actor, actor.with_name(actor.name + ".old")):
-        if (candidate / ACTOR_META).is_file():
-            return json.loads((candidate / ACTOR_META).read_text())
-    return None
+    actor = finished_actor_dir(checkpoint_dir / "actor")
+    return json.loads((actor / META_FILE).read_text()) if actor is not None else None
 
 
 def check_resume_model(checkpoint_dir: str | Path, *, model_dir: str | Path) -> None:
@@ -100,12 +98,12 @@ def check_resume_layout(cfg: Config, checkpoint_dir: str | Path, *, prefix: str 
     saved_layout = meta.get("layout") or {}
     layout = planned_layout(cfg)
     moved = changed_sizes(saved_layout, layout)
-    if meta.get("optimizer_format", LEGACY_FORMAT) == LEGACY_FORMAT:
+    if meta.get("optimizer_format", LEGACY_OPTIMIZER_FORMAT) == LEGACY_OPTIMIZER_FORMAT:
         pinned = [k for k in ("tp", "pp", "ep", "vpp") if k in moved]
         if pinned:
             keep = " ".join(f"actor.{k}={int(saved_layout.get(k) or 1)}" for k in pinned)
             raise ValueError(
-                f"--resume: {where} was written in the {LEGACY_FORMAT} optimizer format (before 2026-11-28), "
+                f"--resume: {where} was written in the {LEGACY_OPTIMIZER_FORMAT} optimizer format (before 2026-11-28), "
                 "which loads only under the TP, PP, VPP and EP it was saved with "
                 f"({describe_sizes(saved_layout)}): resume with {keep}, then its next checkpoint loads under any layout"
             )
