@@ -30,15 +30,28 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# launch/'s own modules (files in launch/, not its subpackages), shared by every part of it: the run directory
+# and its lock, the tiny model's preparation, the prompt data's check, an engine's environment, how entry
+# points end. A package with mapped subpackages covers only its __init__ (layer_of), so each is named here
+# and a new one must be placed (as shared, or in a subpackage)
+LAUNCH_SHARED: tuple[str, ...] = tuple(
+    f"dapo_megatron.launch.{name}"
+    for name in ("data_check", "engine_env", "prepare", "run_dir", "run_lock", "script_entry")
+)
+
 # top to bottom; each entry is one layer of packages (dotted, under dapo_megatron unless noted).
 # Packages on one layer may not import each other unless they share a name prefix (a package and its
 # own subpackages).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("dapo_megatron.cli",),
     ("dapo_megatron.benchmarks", "dapo_megatron.tools"),  # harness: measures and checks everything below
-    # launch/ is one layer: local/, slurm/, preflight/, experiments/ and the shared run-directory modules
-    # import each other (docs/architecture.md "Layout" says where)
-    ("dapo_megatron.launch",),
+    # launch/ by what it launches, in three layers (docs/architecture.md "Layout"): what is built on a
+    # launcher (experiments/: the ladder runs `train` here under local/'s lifeline; preflight/: its job is
+    # rendered by launch/slurm/render.py and runs as the Slurm jobs do; run_status: `status` of local and Slurm
+    # runs), the two launchers (local/, slurm/), and what both use (launch/'s own modules)
+    ("dapo_megatron.launch.experiments", "dapo_megatron.launch.preflight", "dapo_megatron.launch.run_status"),
+    ("dapo_megatron.launch.local", "dapo_megatron.launch.slurm"),
+    ("dapo_megatron.launch", *LAUNCH_SHARED),
     # the product's loop and the CPU stand-in for SGLang side by side: neither imports the other (the
     # stand-in plays the engine side of transfer/, so it sits above it; launch/ starts it)
     ("dapo_megatron.trainer", "dapo_megatron.cpu_engine"),
@@ -56,6 +69,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 # same-layer packages that must not import each other
 INDEPENDENT: tuple[tuple[str, ...], ...] = (
     ("dapo_megatron.benchmarks", "dapo_megatron.tools"),
+    ("dapo_megatron.launch.experiments", "dapo_megatron.launch.preflight", "dapo_megatron.launch.run_status"),
+    ("dapo_megatron.launch.local", "dapo_megatron.launch.slurm"),
     ("dapo_megatron.trainer", "dapo_megatron.cpu_engine"),
     ("dapo_megatron.dataplane", "dapo_megatron.memplan", "dapo_megatron.quant"),
     ("dapo_megatron.algo", "dapo_megatron.reward", "dapo_megatron.data"),

@@ -21,6 +21,7 @@ from dapo_megatron.launch.preflight import command as preflight
 from dapo_megatron.launch.preflight import mesh as preflight_mesh
 from dapo_megatron.launch.preflight import node as preflight_node
 from dapo_megatron.launch.preflight.report import Check, link_record, merge, table
+from dapo_megatron.launch.slurm import render
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs/runs/tiny_cpu.yaml"
@@ -87,7 +88,7 @@ def test_submit_preflight_goes_first_and_every_job_waits_for_it(tmp_path):
 )
 def test_engine_nodes(gpus, tp, engines, nodes):
     cfg = load_config(TINY, [f"slurm.gpus_per_node={gpus}", f"rollout.engine_tp={tp}"])
-    assert preflight.engine_nodes(cfg, engines) == nodes
+    assert render.engine_nodes(cfg, engines) == nodes
 
 
 def test_link_numbers_and_the_report():

@@ -1,5 +1,5 @@
 """Prompt data checked row by row before a run starts (data/prompts.py, data/datasets.py,
-launch/local/launcher.py check_prompt_data): every bad row is found in one pass and named by file, row and
+launch/data_check.py check_prompt_data): every bad row is found in one pass and named by file, row and
 column or config key; the first MAX_LISTED are listed and the rest counted; data.skip_bad_rows leaves
 them out and counts them. The real `train` command refuses a bad file before any engine or rank."""
 
@@ -17,7 +17,7 @@ from dapo_megatron.config import load_config
 from dapo_megatron.data.datasets import train_and_eval_records
 from dapo_megatron.data.prompts import MAX_LISTED, load_prompts, prompt_token_ids
 from dapo_megatron.data.tiny_model import build_tiny_model, build_tiny_tokenizer
-from dapo_megatron.launch.local.launcher import check_prompt_data
+from dapo_megatron.launch.data_check import check_prompt_data
 
 REPO = Path(__file__).resolve().parents[2]
 

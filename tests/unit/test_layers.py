@@ -138,6 +138,41 @@ def test_an_upward_import_injected_into_a_copy_of_the_repository_is_caught(tmp_p
     ]
 
 
+def test_launch_parts_import_only_downward_through_the_documented_directions(tmp_path):
+    """launch/ in three layers: a launcher importing the other (slurm/ -> local/), the shared level importing
+    a launcher (run_dir -> slurm/), a launcher importing what is built on it (local/ -> experiments/) and
+    one part built on a launcher importing another (experiments/ -> preflight/) are each flagged; the
+    documented directions (experiments/ -> local/, preflight/ -> slurm/, run_status -> slurm/) are not."""
+    copy = tmp_path / "repo"
+    shutil.copytree(REPO / "dapo_megatron", copy / "dapo_megatron", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "kernels", copy / "kernels", ignore=shutil.ignore_patterns("__pycache__"))
+    package = copy / "dapo_megatron"
+    injected = {
+        "launch/slurm/submit.py": "from dapo_megatron.launch.local import launcher\n",
+        "launch/run_dir.py": "def _f():\n    from dapo_megatron.launch.slurm import status\n    return status\n",
+        "launch/local/stop.py": "from dapo_megatron.launch.experiments import gather\n",
+        "launch/experiments/gather.py": "from dapo_megatron.launch.preflight import report\n",
+    }
+    for rel, text in injected.items():
+        (package / rel).write_text((package / rel).read_text() + "\n" + text)
+    report = layers.check(layers.read_graph(layers.repo_packages(copy)))
+    assert sorted((i.importer, i.target) for i in report.upward) == [
+        ("dapo_megatron.launch.local.stop", "dapo_megatron.launch.experiments.gather"),
+        ("dapo_megatron.launch.run_dir", "dapo_megatron.launch.slurm.status"),
+    ]
+    assert sorted((i.importer, i.target) for i in report.same_layer) == [
+        ("dapo_megatron.launch.experiments.gather", "dapo_megatron.launch.preflight.report"),
+        ("dapo_megatron.launch.slurm.submit", "dapo_megatron.launch.local.launcher"),
+    ]
+    # the clean tree: which part of launch/ imports which other, the shared level left out
+    graph = layers.read_graph(layers.repo_packages(REPO))
+    shared = set(layers.LAUNCH_SHARED)
+    part = {m: m.split(".")[2] for m in graph.modules if m.startswith("dapo_megatron.launch.")}
+    crossing = {(part[a], part[b]) for a, b in graph.edges() if a in part and b in part and b not in shared}
+    crossing = {(a, b) for a, b in crossing if a != b}
+    assert crossing == {("experiments", "local"), ("preflight", "slurm"), ("run_status", "slurm")}
+
+
 def test_the_whole_config_stops_at_the_trainer_and_the_command_line():
     """Files with a function taking the whole Config (`cfg` or `Config`): only trainer/, launch/, the
     command line, the config itself and the harness (benchmarks/, tools/); layers below get sections."""

@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from dapo_megatron.config import Config
-from dapo_megatron.data.datasets import train_and_eval_records
+from dapo_megatron.launch.data_check import check_prompt_data
+from dapo_megatron.launch.engine_env import engine_environment
 from dapo_megatron.launch.local.lifeline import (
     become_subreaper,
     descendants,
@@ -107,9 +108,7 @@ class LocalProcesses:
     def start(
         self, name: str, argv: list[str], *, env: dict[str, str] | None = None, engine: bool = False
     ) -> subprocess.Popen:
-        """engine: a rollout engine, started without the trainer-only variables (colocated.engine_environment)."""
-        from dapo_megatron.launch.slurm.colocated import engine_environment
-
+        """engine: a rollout engine, started without the trainer-only variables (launch/engine_env.py)."""
         log = open(self.log_path(name), "ab")  # noqa: SIM115 - closed below, once the child holds its own copy
         base = engine_environment(dict(os.environ)) if engine else os.environ
         # with_lifeline: SIGTERM to the child if this process dies, even by SIGKILL (launch/local/lifeline.py)
@@ -548,33 +547,6 @@ def _stopped_early(cfg) -> bool:
 
     done = list_checkpoints(cfg.trainer.output_dir)
     return not done or done[-1][0] < cfg.trainer.total_steps
-
-
-def check_prompt_data(cfg, model_dir: str = "", *, tokenizer=None) -> str:
-    """Every train and eval row checked here, before an engine or rank starts (the same check the
-    driver repeats): a bad row raises one ValueError naming file, row and key (data/prompts.py); with
-    data.skip_bad_rows the count left out is in the returned line. The prompt lengths are checked with
-    `tokenizer`, else model_dir's; with neither (`slurm submit` without the model here) only the rows."""
-    if tokenizer is None and model_dir:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    train, evals = train_and_eval_records(
-        cfg.data, tokenizer=tokenizer, max_prompt_length=cfg.rollout.max_prompt_length
-    )
-    skipped = [
-        f"{n} bad {kind} rows left out (data.skip_bad_rows)"
-        for kind, n in (("train", getattr(train, "num_skipped", 0)), ("eval", getattr(evals, "num_skipped", 0)))
-        if n
-    ]
-    lengths = (
-        f" (prompts within rollout.max_prompt_length={cfg.rollout.max_prompt_length} tokens)"
-        if tokenizer is not None
-        else ""
-    )
-    return f"{len(train)} train and {len(evals)} eval prompts checked{lengths}" + (
-        f"; {', '.join(skipped)}" if skipped else ""
-    )
 
 
 def _prepare_model(cfg) -> str:

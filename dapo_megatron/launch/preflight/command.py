@@ -63,34 +63,6 @@ from dapo_megatron.config import Config, load_config
 from dapo_megatron.launch.preflight.report import Check, merge, parse_results, summary_line, table, write_report
 from dapo_megatron.launch.slurm import render
 
-DEFAULT_BYTES = 64 << 20
-PREFLIGHT_TIME = "00:15:00"  # the job's own time limit, whatever slurm.time the run asks for
-
-
-# ------------------------------------------------------------------------------ rendering (slurm submit)
-def engine_nodes(cfg: Config, engines: int) -> int:
-    """Nodes an engine array of `engines` takes: gpus_per_node // engine_tp engines per GPU node, one
-    per node on CPU nodes (the CPU engine takes a node's cpus_per_task); 0 for colocated engines."""
-    if engines <= 0:
-        return 0
-    per_node = max(1, cfg.slurm.gpus_per_node // max(cfg.rollout.engine_tp, 1)) if cfg.slurm.gpus_per_node else 1
-    return -(-engines // per_node)
-
-
-def render_preflight(cfg: Config, *, config_file: str, engine_node_count: int, nbytes: int = DEFAULT_BYTES) -> str:
-    """slurm/preflight.sbatch on slurm.nodes + engine_node_count nodes of the run's partition, 15 minutes."""
-    lines = [
-        line if not line.startswith("#SBATCH --time=") else f"#SBATCH --time={PREFLIGHT_TIME}"
-        for line in render.sbatch_resource_lines(cfg, nodes=cfg.slurm.nodes + engine_node_count)
-    ]
-    values: dict[str, render.Value] = {
-        "PYTHON": render.python_of(cfg),
-        "CONFIG": config_file,
-        "ENGINE_NODES": engine_node_count,
-        "BYTES": nbytes,
-    }
-    return render.fill(render.template_text("preflight.sbatch"), sbatch=lines, values=values, setup=cfg.slurm.setup)
-
 
 # ------------------------------------------------------------------------------ the run's job ids and ports
 def run_job_ids(run_dir: Path, own_job: str, *, wait_s: float) -> dict[str, str]:
@@ -194,7 +166,9 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("config")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     ap.add_argument("--engine-nodes", type=int, default=-1, help="engine nodes after the trainer's (default: the rest)")
-    ap.add_argument("--bytes", type=int, default=DEFAULT_BYTES, help="bytes per measured collective (default 64 MiB)")
+    ap.add_argument(
+        "--bytes", type=int, default=render.PREFLIGHT_BYTES, help="bytes per measured collective (default 64 MiB)"
+    )
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions per measurement (median reported)")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="bound of every wait between the nodes")
     ap.add_argument("--wait-for-jobs", type=float, default=0.0, metavar="S", help="wait for jobs.json (slurm submit)")

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from dapo_megatron.config import Config, RolloutConfig, load_config
+from dapo_megatron.launch.engine_env import engine_environment
 from dapo_megatron.launch.script_entry import run_as_script
 from dapo_megatron.quant.engine_checkpoint import fp8_rollout_dir
 from dapo_megatron.rollout.auth import ensure_secret_file, run_secret_path
@@ -205,18 +206,6 @@ def _cpu_engine_argv(
         "--config",
         secret,
     ]
-
-
-# Set for the trainer's ranks by the batch script (slurm/_trainer_launch.sh exports them before it starts
-# this process in the same allocation), not for an inference server: CUDA_DEVICE_MAX_CONNECTIONS=1 gives a
-# process ONE hardware work queue, which Megatron wants (TP communication overlaps compute in issue order)
-# and which would funnel all of an engine's CUDA streams into one queue.
-TRAINER_ONLY_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS",)
-
-
-def engine_environment(trainer_env: dict[str, str]) -> dict[str, str]:
-    """The environment a colocated engine starts with: the trainer's, less its trainer-only variables."""
-    return {k: v for k, v in trainer_env.items() if k not in TRAINER_ONLY_ENV}
 
 
 def remove_stale_registrations(register_dir: Path, host: str) -> list[Path]:

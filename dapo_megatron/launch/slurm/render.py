@@ -305,3 +305,32 @@ def render_bench_kernels(cfg: Config, *, bench_args: Sequence[str] = ()) -> str:
         values=values,
         setup=cfg.slurm.setup,
     )
+
+
+# the preflight's job (launch/preflight/command.py runs it; `slurm submit --preflight` submits it first)
+PREFLIGHT_BYTES = 64 << 20  # bytes per measured collective of `dapo-megatron preflight`
+PREFLIGHT_TIME = "00:15:00"  # the job's own time limit, whatever slurm.time the run asks for
+
+
+def engine_nodes(cfg: Config, engines: int) -> int:
+    """Nodes an engine array of `engines` takes: gpus_per_node // engine_tp engines per GPU node, one
+    per node on CPU nodes (the CPU engine takes a node's cpus_per_task); 0 for colocated engines."""
+    if engines <= 0:
+        return 0
+    per_node = max(1, cfg.slurm.gpus_per_node // max(cfg.rollout.engine_tp, 1)) if cfg.slurm.gpus_per_node else 1
+    return -(-engines // per_node)
+
+
+def render_preflight(cfg: Config, *, config_file: str, engine_node_count: int, nbytes: int = PREFLIGHT_BYTES) -> str:
+    """slurm/preflight.sbatch on slurm.nodes + engine_node_count nodes of the run's partition, 15 minutes."""
+    lines = [
+        line if not line.startswith("#SBATCH --time=") else f"#SBATCH --time={PREFLIGHT_TIME}"
+        for line in sbatch_resource_lines(cfg, nodes=cfg.slurm.nodes + engine_node_count)
+    ]
+    values: dict[str, Value] = {
+        "PYTHON": python_of(cfg),
+        "CONFIG": config_file,
+        "ENGINE_NODES": engine_node_count,
+        "BYTES": nbytes,
+    }
+    return fill(template_text("preflight.sbatch"), sbatch=lines, values=values, setup=cfg.slurm.setup)

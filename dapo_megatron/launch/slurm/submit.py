@@ -29,7 +29,6 @@ from pathlib import Path
 import yaml
 
 from dapo_megatron.config import Config, config_from_dict, load_config
-from dapo_megatron.launch.preflight import command as preflight
 from dapo_megatron.launch.slurm import render
 from dapo_megatron.memplan.report import check_before_launch
 from dapo_megatron.rollout.auth import ensure_secret_file, run_secret_path
@@ -144,14 +143,14 @@ def plan_train(
     return Plan(run_dir, jobs, {"slurm/config.yaml": dump_config(cfg)})
 
 
-def add_preflight(plan: Plan, *, engines: int, nbytes: int = preflight.DEFAULT_BYTES) -> None:
+def add_preflight(plan: Plan, *, engines: int, nbytes: int = render.PREFLIGHT_BYTES) -> None:
     """`slurm submit --preflight`: the preflight job (launch/preflight/command.py) on the run's partition and node
     count goes first; every job of the run waits for it to succeed (afterok): a failed check starts nothing."""
     (_, cfg), *_ = training_configs(plan)
-    text = preflight.render_preflight(
+    text = render.render_preflight(
         cfg,
         config_file=str(plan.run_dir / "slurm" / "config.yaml"),
-        engine_node_count=preflight.engine_nodes(cfg, engines),
+        engine_node_count=render.engine_nodes(cfg, engines),
         nbytes=nbytes,
     )
     for job in plan.jobs:

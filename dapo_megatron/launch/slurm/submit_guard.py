@@ -14,7 +14,7 @@ mistake is found before hours in the queue rather than after.
 2. The run-directory decision (launch/run_dir.py check_run_dir): a directory holding a run is refused
    unless --resume (the job continues it) or --overwrite (its files are cleared at submission);
    --resume of a run already at trainer.total_steps has nothing to do.
-3. Every train and eval prompt row (launch/local/launcher.py check_prompt_data, the driver's own check): a bad
+3. Every train and eval prompt row (launch/data_check.py check_prompt_data, the driver's own check): a bad
    row names file, row and key. The tokenizer for the length check: the tiny model's fixed byte-level
    tokenizer (built in memory: the tiny model itself is built by the job), or model.path's. A model.path
    that is not a directory on this machine leaves the lengths to the job (said in the line); a data
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from dapo_megatron.config import Config
 from dapo_megatron.data.tiny_tokenizer import build_tiny_tokenizer
-from dapo_megatron.launch.local.launcher import check_prompt_data
+from dapo_megatron.launch.data_check import check_prompt_data
 from dapo_megatron.launch.run_lock import RunDirInUse, holder, refusal
 from dapo_megatron.launch.slurm.submit import training_configs
 from dapo_megatron.trainer.checkpoint.resume_check import check_resume_layout
