@@ -393,6 +393,12 @@ class ActorConfig:
     # models): the Actor refuses to start when they cannot run rather than falling back silently.
     fused_logprob: bool = True
     fused_policy_loss: bool = True
+    # How the train step's last stage turns hidden states into the loss: "separate" = the LM head's log-probs
+    # (actor.fused_logprob) then the policy loss (actor.fused_policy_loss); "one_pass" = dapo_kernels'
+    # linear_dapo_loss, the loss's gradient taken while the logits are on chip (three N x H x V GEMMs instead
+    # of four; actor/head_loss.py). one_pass needs the Triton kernels (CUDA, or TRITON_INTERPRET=1 on CPU)
+    # and a per-token loss whose weights are known before the pass (one_pass_conflicts below)
+    head_loss: Literal["separate", "one_pass"] = "separate"
     world_size: int = 1  # actor processes launched by `train` on one node (torchrun)
     # mixture-of-experts models (Qwen3-MoE)
     ep: int = 1  # expert parallel: each expert lives on one of ep ranks (carved out of the DP ranks)
@@ -920,6 +926,8 @@ def _validate_across_sections(cfg: Config) -> None:
         a.overlong_buffer_length,
         f"must be < rollout.max_response_length ({r.max_response_length})",
     )
+    for why in one_pass_conflicts(a) if ac.head_loss == "one_pass" else []:
+        _require(False, "actor.head_loss", ac.head_loss, f"'separate' with {why}")
     if a.policy_loss == "gspo":
         _require(ac.cp == 1, "actor.cp", ac.cp, _GSPO_NEEDS["actor.cp"])
         _require(not ac.fused_policy_loss, "actor.fused_policy_loss", ac.fused_policy_loss, _GSPO_NEEDS["fused"])
@@ -961,6 +969,25 @@ def _require_sequence_fits(r: RolloutConfig, ac: ActorConfig) -> None:
         f"rollout.max_response_length ({longest})"
         + (f", padded to a multiple of 2*actor.cp = {seq_multiple} ({longest_padded})" if ac.cp > 1 else ""),
     )
+
+
+def one_pass_conflicts(a: AlgorithmConfig) -> list[str]:
+    """Why actor.head_loss=one_pass cannot compute this objective ([]: it can). The one-pass op
+    (kernels/head_loss.py) takes dL/dlogp_t of sum_t w_t l_t / D inside its forward, so l_t must be dapo's
+    per-token clipped term and w_t (aggregation weight x rollout correction) known before the pass; an
+    explicit one_pass that cannot run is refused here rather than silently run as separate."""
+    why = []
+    if a.policy_loss == "gspo":
+        why.append("algorithm.policy_loss=gspo (its ratio is a whole sequence's: not a per-token loss)")
+    if a.use_kl:
+        why.append("algorithm.use_kl=true (the KL term's gradient is not the op's; the op takes the policy loss only)")
+    correction = (a.tis_cap, a.seq_is_cap, a.rejection, a.veto_threshold)
+    if a.bypass_old_logprobs and any(x is not None for x in correction):
+        why.append(
+            "algorithm.bypass_old_logprobs=true and a rollout correction (its factor then reads the current "
+            "policy's log-probs, which are not known before the pass)"
+        )
+    return why
 
 
 _GSPO_NEEDS = {  # what algorithm.policy_loss=gspo needs of the actor

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,7 @@ from dapo_megatron.actor.checkpoint import (
     rng_state_restorable,
     save_checkpoint,
 )
+from dapo_megatron.actor.head_loss import one_pass_objective, uses_one_pass
 from dapo_megatron.actor.offload import DeviceMemory, actor_tensors
 from dapo_megatron.actor.optimizer import (
     adam_step,
@@ -159,6 +160,8 @@ class Actor(Policy):
         """The Policy (policy.py: built for this rank's place in the layout, loaded from hf_dir), wrapped
         in megatron DDP, with the optimizer, the lr schedule and the schedule's hooks."""
         self.objective = settings.objective()  # the loss (algo/objective.py); an unknown policy_loss fails here
+        # actor.head_loss=one_pass: the last stage's head + loss in one pass (head_loss.py); refused here if it cannot
+        self.one_pass = uses_one_pass(settings, device_type=coll.compute_device().type)
         self.num_updates = 0
         self.last_step = -1
         super().__init__(settings, hf_dir, layout)
@@ -217,8 +220,11 @@ class Actor(Policy):
         def head(mb, gpt, output):
             nonlocal ratio_max
             pos = self._local(mb.response_mask, mb).nonzero()[:, 0]
-            logprob, entropy = self._head(mb, gpt, output, positions=pos)
-            loss, values = self._loss(mb, pos, logprob, entropy, denom=max(denom, 1.0))
+            if self.one_pass and pos.numel():  # (no response token here: nothing to fuse, the separate path's zero)
+                loss, values = self._one_pass_loss(mb, gpt, output, pos, denom=max(denom, 1.0))
+            else:
+                logprob, entropy = self._head(mb, gpt, output, positions=pos)
+                loss, values = self._loss(mb, pos, logprob, entropy, denom=max(denom, 1.0))
             if self._owns_results():
                 sums.add_(torch.stack([values[k].double() for k in METRIC_SUMS]).to(device))
                 ratio_max = torch.maximum(ratio_max, values["ratio_max"].double().to(device))
@@ -301,7 +307,30 @@ class Actor(Policy):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The objective (algo/objective.py) on this rank's response tokens of the micro-batch: its
         local positions `pos` of the packed tensors (its CP chunks), moved to the head's device."""
-        dev = logprob.device
+        tokens = PackedTokens(logprob=logprob, entropy=entropy, **self._token_fields(mb, pos, logprob.device))
+        return objective(tokens, self.objective, loss_denominator=denom)
+
+    def _one_pass_loss(
+        self, mb: MicroBatch, gpt, output: torch.Tensor, pos: torch.Tensor, *, denom: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """_loss's (loss, values) by the one-pass head + loss (actor.head_loss=one_pass, head_loss.py) from the
+        last stage's output: the same inputs, the same objective, no separate log-prob tensor."""
+        hidden, weight, targets = self._head_inputs(mb, gpt, output, positions=pos)
+        return one_pass_objective(
+            hidden,
+            weight,
+            targets,
+            self._token_fields(mb, pos, hidden.device),
+            self.objective,
+            loss_denominator=denom,
+            temperature=self.settings.temperature,
+            tp_group=self.layout.tp_group,
+            vocab_size=self.hf_config.vocab_size,
+        )
+
+    def _token_fields(self, mb: MicroBatch, pos: torch.Tensor, dev: torch.device) -> dict[str, Any]:
+        """PackedTokens' fields but the log-prob and entropy: the loss's per-token inputs at the local
+        positions `pos`, on `dev`."""
 
         def take(t: torch.Tensor) -> torch.Tensor:
             return to_device(self._local(t, mb)[pos.cpu()], dev)
@@ -327,9 +356,7 @@ class Actor(Policy):
                 seq_ids=mb.seq_ids,
                 num_sequences=mb.num_sequences,
             )
-        tokens = PackedTokens(
-            logprob=logprob,
-            entropy=entropy,
+        return dict(
             old_logprob=take(mb.old_logprobs),
             advantages=take(mb.advantages),
             loss_mask=take(mb.loss_mask),
@@ -340,7 +367,6 @@ class Actor(Policy):
             ref_logprobs=take_optional(mb.ref_logprobs) if wants.reads_ref_logprobs else None,
             correction=take_optional(correction),
         )
-        return objective(tokens, self.objective, loss_denominator=denom)
 
     # --- checkpoints ---------------------------------------------------------------------------------
 

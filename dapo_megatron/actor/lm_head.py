@@ -25,18 +25,19 @@ import types
 import torch
 
 
-def require_fused_kernels(key: str, *, device_type: str) -> None:
-    """ValueError naming the config key when the fused Triton kernels cannot run in this process."""
+def require_fused_kernels(key: str, *, device_type: str, value: str = "true", instead: str = "false") -> None:
+    """ValueError naming the config key (set to `value`; `instead`: the setting that runs without the
+    kernels) when the fused Triton kernels cannot run in this process."""
     try:
         from dapo_kernels._runtime import why_not_runnable
     except ImportError as err:  # triton missing
         raise ValueError(
-            f"{key}=true needs dapo_kernels' Triton kernels, which do not import here ({err}); "
-            f"install triton or set {key}=false (plain torch)"
+            f"{key}={value} needs dapo_kernels' Triton kernels, which do not import here ({err}); "
+            f"install triton or set {key}={instead} (plain torch)"
         ) from None
     reason = why_not_runnable(device_type)
     if reason is not None:
-        raise ValueError(f"{key}=true cannot run here: {reason}. Set {key}=false for the plain-torch path.")
+        raise ValueError(f"{key}={value} cannot run here: {reason}. Set {key}={instead} for the plain-torch path.")
 
 
 def token_logprobs_entropy(

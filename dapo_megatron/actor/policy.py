@@ -346,8 +346,9 @@ class Policy:
         assert self.routing is not None  # a routed batch is only kept with routers (_begin_routing)
         return self.routing.end(collect=collect)
 
-    def _head(self, mb: MicroBatch, gpt, output: torch.Tensor, *, positions: torch.Tensor):
-        """Log-prob and entropy at the local response positions `positions` (last stage only)."""
+    def _head_inputs(self, mb: MicroBatch, gpt, output: torch.Tensor, *, positions: torch.Tensor):
+        """(hidden [N, H], LM-head weight [V_local, H], targets [N]) at the local response positions
+        `positions` (last stage only): what the head, or the one-pass head + loss (actor/head_loss.py), reads."""
         hidden_SH = full_sequence_hidden(
             output, sequence_parallel=self.settings.actor.sequence_parallel, tp_group=self.layout.tp_group
         )[0]  # [1, S, H] -> [S, H]
@@ -356,10 +357,15 @@ class Policy:
         weight = output_weight(gpt)
         if self._engine_dtype is not None:  # actor.quantization_aware: the engines' bf16 LM head
             weight = cast_like_engines(weight, self._engine_dtype)
+        return hidden_SH[pos], weight, targets[pos]
+
+    def _head(self, mb: MicroBatch, gpt, output: torch.Tensor, *, positions: torch.Tensor):
+        """Log-prob and entropy at the local response positions `positions` (last stage only)."""
+        hidden, weight, targets = self._head_inputs(mb, gpt, output, positions=positions)
         return token_logprobs_entropy(
-            hidden_SH[pos],
+            hidden,
             weight,
-            targets[pos],
+            targets,
             temperature=self.settings.temperature,
             tp_group=self.layout.tp_group,
             vocab_size=self.hf_config.vocab_size,

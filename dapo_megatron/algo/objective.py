@@ -142,10 +142,7 @@ def objective(
     """(loss to backpropagate, values): values holds METRIC_SUMS (detached, to be summed) and ratio_max."""
     t, s, denom = tokens, settings, loss_denominator
     mask = t.loss_mask
-    weight = mask
-    if s.loss_agg_mode == "seq-mean-token-mean":
-        assert t.sequence_tokens is not None, "seq-mean-token-mean reads sequence_tokens"
-        weight = mask / t.sequence_tokens.clamp(min=1.0)
+    weight = aggregation_weight(mask, t.sequence_tokens, agg_mode=s.loss_agg_mode)
     pg_weight = weight
     tis = torch.ones_like(mask)
     if s.rollout_correction.active:
@@ -171,14 +168,44 @@ def objective(
         kl = kl_penalty(t.logprob, t.ref_logprobs, s.kl_kind)
         kl_loss = (kl * weight).sum() / denom
     loss = pg_loss + s.kl_coef * kl_loss if s.use_kl else pg_loss
+    values = metric_values(
+        loss=loss, pg_loss=pg_loss, kl_loss=kl_loss, stats=stats, entropy=t.entropy, kl=kl, tis=tis, mask=mask
+    )
+    return loss, values
+
+
+def aggregation_weight(loss_mask: torch.Tensor, sequence_tokens: torch.Tensor | None, *, agg_mode: str) -> torch.Tensor:
+    """w_t of algo/aggregation.py: the mask, or mask / n_seq(t) for seq-mean-token-mean (sequence_tokens:
+    n_seq(t), the trained tokens of t's whole sequence). Known before the forward: the one-pass head's
+    loss weight is this times c_t (actor/head_loss.py)."""
+    if agg_mode == "seq-mean-token-mean":
+        assert sequence_tokens is not None, "seq-mean-token-mean reads sequence_tokens"
+        return loss_mask / sequence_tokens.clamp(min=1.0)
+    return loss_mask
+
+
+def metric_values(
+    *,
+    loss: torch.Tensor,
+    pg_loss: torch.Tensor,
+    kl_loss: torch.Tensor,
+    stats: dict[str, torch.Tensor],
+    entropy: torch.Tensor,
+    kl: torch.Tensor,
+    tis: torch.Tensor,
+    mask: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """objective()'s values (METRIC_SUMS + ratio_max, detached) from the loss terms, the policy loss's
+    stats (means weighted by pg_weight), the per-token entropy, KL estimate and correction factor c_t:
+    one function, so that every path that computes the objective logs the same keys the same way."""
     trained = (mask != 0).float()
     num_weight = stats["num_tokens"].float()  # the stats are means over pg_weight: sums are mean * weight
-    values = {
+    return {
         "loss": loss.detach(),
         "pg_loss": pg_loss.detach(),
         "kl_loss": kl_loss.detach(),
         **{k: stats[k].float() * num_weight for k in _WEIGHTED_STATS},
-        "entropy": (t.entropy.detach() * trained).sum(),
+        "entropy": (entropy.detach() * trained).sum(),
         "kl": (kl.detach() * trained).sum(),
         "tis_weight": (tis * trained).sum(),
         "masked_tokens": ((tis == 0).float() * trained).sum(),
@@ -186,7 +213,6 @@ def objective(
         "num_weight": num_weight,
         "ratio_max": stats["ratio_max"].float(),
     }
-    return loss, values
 
 
 def _correction_of(t: PackedTokens, s: ObjectiveSettings) -> torch.Tensor:
