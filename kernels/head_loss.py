@@ -60,7 +60,8 @@ from .reference import (
 
 # Bound on the chunk's workspace (fp32 logits + dlogits in the input dtype), bytes.
 WORKSPACE_BYTES = 512 << 20
-CHUNK_ROW_ALIGN = 16 if INTERPRET else 128
+COMPILED_CHUNK_ROW_ALIGN = 128  # the tuned BLOCK_N (the memory plan counts the GPU's chunks: one_pass_bytes)
+CHUNK_ROW_ALIGN = 16 if INTERPRET else COMPILED_CHUNK_ROW_ALIGN
 NUM_SPLITS = 2 if INTERPRET else 16
 # Compiled: at least this many programs per SM in the logits launch. A chunk has few row blocks at a
 # large vocabulary (512 rows at V 152,064 under the default workspace: 4 blocks x 16 splits = 64 programs
@@ -200,11 +201,36 @@ else:  # pragma: no cover - compiled path, exercised by tests/gpu
 _DZ_TILE = (16, 64) if INTERPRET else (64, 256)
 
 
-def chunk_rows(n: int, v: int, element_size: int) -> int:
+def chunk_rows(n: int, v: int, element_size: int, *, row_align: int | None = None) -> int:
     """Rows per chunk: the fp32 logits + dlogits of a chunk fit WORKSPACE_BYTES (v: the shard's rows,
-    padding included, so every TP rank cuts the same chunks and issues the same collectives)."""
+    padding included, so every TP rank cuts the same chunks and issues the same collectives); chunks are
+    multiples of row_align (default CHUNK_ROW_ALIGN: this process's)."""
+    align = CHUNK_ROW_ALIGN if row_align is None else row_align
     rows = WORKSPACE_BYTES // max(1, v * (4 + element_size))
-    return n if rows >= n else max(CHUNK_ROW_ALIGN, rows // CHUNK_ROW_ALIGN * CHUNK_ROW_ALIGN)
+    return n if rows >= n else max(align, rows // align * align)
+
+
+def one_pass_bytes(
+    n: int, h: int, v: int, element_size: int, *, tp: bool, weight_size: int | None = None, row_align: int | None = None
+) -> dict:
+    """What linear_dapo_loss allocates beyond its inputs for N = n tokens, hidden h and a vocab shard of v rows
+    (hidden in `element_size` bytes, the weight in `weight_size`, default the same), in bytes:
+      "workspace"  while the forward runs: the chunk's fp32 logits + dlogits in the input dtype
+                   (min(n, chunk_rows) x v x (4 + e)), the fp32 grad_weight accumulator [v, h] when there
+                   are several chunks, and with tp the chunk's fp32 grad_hidden partial [chunk, h]
+      "saved"      kept for the backward (ctx.save_for_backward): grad_hidden [n, h] in the input dtype and
+                   grad_weight [v, h] in the weight's; the backward's products by the loss scale are new
+                   tensors of the same sizes, each gone once autograd has added it
+    (per-token fp32 vectors, O(n), are left out: 4 x 4 n bytes, < 1 % of grad_hidden at h >= 1024).
+    row_align: chunk_rows's (the memory plan passes COMPILED_CHUNK_ROW_ALIGN: the GPU's chunks)."""
+    rows = min(n, chunk_rows(n, v, element_size, row_align=row_align))
+    workspace = rows * v * (4 + element_size)
+    if rows < n:
+        workspace += v * h * 4
+    if tp:
+        workspace += rows * h * 4
+    saved = n * h * element_size + v * h * (element_size if weight_size is None else weight_size)
+    return {"workspace": workspace, "saved": saved}
 
 
 def _chunk_stats(hidden, weight, targets_local, ws, inv_temp: float) -> torch.Tensor:

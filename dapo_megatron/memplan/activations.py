@@ -70,6 +70,11 @@ token) and the logits path:
   unfused (actor.fused_logprob=false or no CUDA): three fp32 [N, V/t] tensors, 12 V / t bytes per
   response token (logits, exp and log-softmax; at TP > 1 logits, exp and shifted logits), measured.
 plus the DAPO loss's per-token fp32 terms (LOSS_BYTES_PER_TOKEN, measured).
+actor.head_loss=one_pass (kernels/head_loss.py one_pass_bytes) keeps instead only the op's gradients,
+grad_hidden (a h per response token) and grad_weight (a V h / t per micro-batch), and the int64 response
+positions (ONE_PASS_BYTES_PER_TOKEN): no logits, no loss terms (measured exactly on CPU); its forward's
+workspace (one chunk's fp32 logits + dlogits, <= 512 MiB, the fp32 grad_weight accumulator when N spans
+several chunks, the fp32 TP partial of grad_hidden) is in the working set.
 
 Context parallelism divides every per-token term by cp except the keys and values, which each CP
 rank gathers for the whole sequence (the torch backend's all-gather; TE's ring keeps them too):
@@ -86,6 +91,9 @@ ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # DAPO loss terms per response token (old/advantage/mask gathers, ratio, clip masks, k3 KL, metrics),
 # fp32; measured with the real Actor on CPU (test_memplan_activations.py prints it).
 LOSS_BYTES_PER_TOKEN = 60
+# actor.head_loss=one_pass: what a micro-batch keeps per response token beside the op's gradients
+# (measured likewise: the int64 response positions the hidden-state gather keeps for its backward)
+ONE_PASS_BYTES_PER_TOKEN = 8
 # megatron-core's RotaryEmbedding.forward is functools.lru_cache(maxsize=32) (models/common/embeddings/
 # rotary_pos_embedding.py:177): one fp32 [S, 1, 1, d] table per distinct packed max length, shared by
 # every model chunk of the process (the cache belongs to the function), and not freed by offloading
@@ -102,6 +110,8 @@ class ActivationModel:
     recompute: str = "none"
     precision: str = "bf16"
     fused_logprob: bool = True
+    # actor.head_loss: "one_pass" keeps the one-pass op's gradients instead of the head's and the loss's tensors
+    head_loss: str = "separate"
     ep: int = 1
     etp: int = 1
     # token-expert pairs the experts of this rank receive, as a multiple of the balanced n * k * ETP: routing
@@ -115,6 +125,8 @@ class ActivationModel:
             raise ValueError(f"actor.attention_backend={self.backend!r}: allowed te, torch")
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"actor.recompute={self.recompute!r}: allowed none, selective, full")
+        if self.head_loss not in ("separate", "one_pass"):
+            raise ValueError(f"actor.head_loss={self.head_loss!r}: allowed separate, one_pass")
 
     @property
     def a(self) -> int:
@@ -235,6 +247,11 @@ class ActivationModel:
     def head_parts(self, *, response_tokens: int) -> dict[str, float]:
         d, a = self.dims, self.a
         n = self.local_tokens(response_tokens)
+        if self.head_loss == "one_pass":
+            return {
+                "logits path (head + loss in one pass: grad_hidden + grad_weight kept)": self._one_pass(n)["saved"]
+                + n * ONE_PASS_BYTES_PER_TOKEN
+            }
         if self.fused_logprob:
             return {"logits path (fused kernel)": n * (a * d.hidden + 20)}
         # three fp32 [N, V/t] tensors (logits, exp, log-softmax or shifted logits) + small per-token terms
@@ -275,7 +292,8 @@ class ActivationModel:
         if last:
             parts["final norm"] = self.final_norm(tokens=tokens)
             parts.update(self.head_parts(response_tokens=response_tokens))
-            parts["loss terms"] = self.local_tokens(response_tokens) * LOSS_BYTES_PER_TOKEN
+            if self.head_loss == "separate":  # one_pass: the op keeps only its gradients (head_parts)
+                parts["loss terms"] = self.local_tokens(response_tokens) * LOSS_BYTES_PER_TOKEN
             if self.quantization_aware and self.precision != "bf16":  # LM head + final norm rounded to bf16
                 parts["bf16-rounded LM head + final norm (quantization-aware)"] = self.a * (
                     -(-self.dims.vocab // self.tp) * self.dims.hidden + self.dims.hidden
@@ -295,6 +313,11 @@ class ActivationModel:
             "one layer in backward": self._one_layer(tokens=tokens),
             "largest parameter gradient": largest_param_numel * self.a,
         }
+        if last and self.head_loss == "one_pass":
+            # the one-pass forward's chunk of fp32 logits + dlogits (<= 512 MiB), its fp32 grad_weight
+            # accumulator with several chunks, the TP partial of grad_hidden (kernels/head_loss.py one_pass_bytes)
+            parts["one-pass head + loss workspace"] = self._one_pass(self.local_tokens(response_tokens))["workspace"]
+            return parts
         if last and not self.fused_logprob:
             parts["logits gradient"] = self.local_tokens(response_tokens) * 8 * self.dims.vocab / self.tp
         if last and self.fused_logprob:
@@ -312,6 +335,16 @@ class ActivationModel:
                 tp=self.tp > 1,
             )
         return parts
+
+    def _one_pass(self, n: int) -> dict[str, int]:
+        """kernels/head_loss.py one_pass_bytes for n response tokens on this rank, the GPU's chunks (weight in the
+        activation dtype: the trainer's parameters; imported here for the reason of blocked_workspace_bytes)."""
+        from dapo_kernels.head_loss import COMPILED_CHUNK_ROW_ALIGN, one_pass_bytes
+
+        v_local = -(-self.dims.vocab // self.tp)
+        return one_pass_bytes(
+            n, self.dims.hidden, v_local, int(self.a), tp=self.tp > 1, row_align=COMPILED_CHUNK_ROW_ALIGN
+        )
 
     def forward_only_working_set(self, *, tokens: int, response_tokens: int, last: bool) -> dict[str, float]:
         """Log-prob pass (no_grad): nothing is saved; one layer's intermediates and the head's live at once."""

@@ -194,6 +194,7 @@ def _inputs(cfg, dims: ModelDims) -> _Inputs:
             recompute=ac.recompute,
             precision=ac.precision,
             fused_logprob=ac.fused_logprob,
+            head_loss=ac.head_loss,
             ep=ac.ep,
             etp=layout.expert_tp,
             expert_load=MOE_EXPERT_LOAD_ALLOWANCE if dims.is_moe else 1.0,
@@ -366,7 +367,9 @@ def _what_if(x: _Inputs) -> list[str]:
         f"  optimizer: distributed {peak(dataclasses.replace(x, distributed=True, use_kl=False))} / "
         f"replicated {peak(dataclasses.replace(x, distributed=False, use_kl=False))}",
         "  recompute: " + " / ".join(f"{r} {peak(act(recompute=r))}" for r in ("none", "selective", "full")),
-        f"  logits path: fused kernel {peak(act(fused_logprob=True))} / unfused fp32 {peak(act(fused_logprob=False))}",
+        f"  logits path: fused kernel {peak(act(fused_logprob=True, head_loss='separate'))} / unfused fp32 "
+        f"{peak(act(fused_logprob=False, head_loss='separate'))} / head + loss in one pass "
+        f"{peak(act(head_loss='one_pass'))}",
     ]
 
 
@@ -464,7 +467,14 @@ def build_plan(cfg, *, links: Links | None = None) -> MemoryPlan:
         )
         + f"; sequence parallel {'on' if ac.sequence_parallel else 'off'}; {ac.precision}; "
         f"recompute {ac.recompute}; {'distributed' if ac.use_distributed_optimizer else 'replicated'} optimizer; "
-        f"{ac.attention_backend} attention; logits {'fused kernel' if ac.fused_logprob else 'unfused fp32'}",
+        f"{ac.attention_backend} attention; logits "
+        + (
+            "head + loss in one pass"
+            if ac.head_loss == "one_pass"
+            else "fused kernel"
+            if ac.fused_logprob
+            else "unfused fp32"
+        ),
         f"  micro-batch {x.tokens} tokens; reference model {'yes (algorithm.use_kl)' if x.use_kl else 'no'}",
         _old_logprob_line(ac.recompute, bypass=cfg.algorithm.bypass_old_logprobs),
     ]

@@ -17,7 +17,7 @@ import torch
 from helpers_actor import make_cfg, memplan_samples
 
 
-def _measure_rank(hf_dir, tp, sp, precision, recompute, budget, num_samples, fp8_run_dir=None):
+def _measure_rank(hf_dir, tp, sp, precision, recompute, budget, num_samples, fp8_run_dir=None, head_loss="separate"):
     from torch.autograd.graph import saved_tensors_hooks
 
     from dapo_megatron.actor.actor import Actor
@@ -30,6 +30,7 @@ def _measure_rank(hf_dir, tp, sp, precision, recompute, budget, num_samples, fp8
         cfg = make_cfg(tp=tp, micro_batch_tokens=budget, sequence_parallel=sp, lr=1e-3, warmup_steps=0)
         cfg.actor.precision, cfg.actor.recompute, cfg.actor.fused_logprob = precision, recompute, False
         cfg.model.path = hf_dir
+        cfg.actor.head_loss = head_loss
         if fp8_run_dir is not None:  # actor.quantization_aware: the engines' FP8 export is in the run dir
             cfg.rollout.quantization, cfg.actor.quantization_aware = "fp8", True
             cfg.trainer.output_dir = fp8_run_dir
@@ -44,7 +45,7 @@ def _measure_rank(hf_dir, tp, sp, precision, recompute, budget, num_samples, fp8
                     current[st.data_ptr()] = st.nbytes()
             return t
 
-        forward_step, loss = actor._forward_step, actor._loss
+        forward_step, loss, one_pass_loss = actor._forward_step, actor._loss, actor._one_pass_loss
 
         def start_forward(*args, **kwargs):
             nonlocal current
@@ -58,7 +59,14 @@ def _measure_rank(hf_dir, tp, sp, precision, recompute, budget, num_samples, fp8
             current = None
             return out
 
-        actor._forward_step, actor._loss = start_forward, end_forward
+        def end_one_pass(mb, gpt, output, pos, **kwargs):
+            nonlocal current
+            out = one_pass_loss(mb, gpt, output, pos, **kwargs)
+            records.append((sum(current.values()), mb.length, int(pos.numel()), max(mb.seq_lengths_padded)))
+            current = None
+            return out
+
+        actor._forward_step, actor._loss, actor._one_pass_loss = start_forward, end_forward, end_one_pass
         with saved_tensors_hooks(pack, lambda t: t):
             actor.train(memplan_samples(num_samples), step=0)
         model = ActivationModel(
@@ -69,6 +77,7 @@ def _measure_rank(hf_dir, tp, sp, precision, recompute, budget, num_samples, fp8
             recompute=recompute,
             precision=precision,
             fused_logprob=False,
+            head_loss=head_loss,
             quantization_aware=fp8_run_dir is not None,
         )
         layers = model.dims.layers
@@ -155,4 +164,21 @@ def test_quantization_aware_activations_match_cpu_measurement(
             f"(without: {plain_measured} B), planned {planned:.0f} B ({planned / measured - 1:+.2%})"
         )
         assert measured > plain_measured  # the fake-quantized copies really are kept
+        assert abs(planned / measured - 1) < 0.02, (measured, planned, length)
+
+
+# actor.head_loss=one_pass (the op in the Triton interpreter): its saved gradients instead of the head's and the
+# loss's tensors; several micro-batches at TP=1, the vocab-parallel op with sequence parallelism at TP=2
+@pytest.mark.parametrize(
+    "tp,sp,precision,budget", [(1, False, "fp32", 48), (2, True, "fp32", 512), (2, False, "bf16", 1024)]
+)
+def test_one_pass_head_activations_match_cpu_measurement(rank_pool, tiny_dir, tp, sp, precision, budget):
+    results = rank_pool(2).run(_measure_rank, tiny_dir, tp, sp, precision, "none", budget, 8, head_loss="one_pass")
+    rows = [row for rank in results for row in rank]
+    assert rows and all(measured > 0 for measured, _, _ in rows)
+    for measured, planned, length in rows:
+        print(
+            f"one_pass tp={tp} sp={sp} {precision} T={length}: measured {measured} B, planned {planned:.0f} B "
+            f"({planned / measured - 1:+.2%})"
+        )
         assert abs(planned / measured - 1) < 0.02, (measured, planned, length)

@@ -324,3 +324,42 @@ def test_every_aggregation_mode_is_a_per_token_weight(agg_mode, device):
     scale = loss_scale(lp64.detach(), old, adv, loss_weight, **kw)
     assert abs(loss.item() - loss64.item()) < 2e-5 * scale
     assert rel_err(gh, h64.grad) < 1e-5 and rel_err(gw, w64.grad) < 1e-5
+
+
+class _Storages(TorchDispatchMode):
+    """Bytes of every distinct floating-point storage an aten op returns while active (by data pointer: the
+    forward's buffers are alive together, so none is counted twice; views of the inputs included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes: dict[int, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                self.nbytes[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return out
+
+
+@pytest.mark.parametrize("rows", [16, None], ids=["3_chunks", "one_chunk"])
+def test_one_pass_bytes_is_what_the_forward_allocates(rows, monkeypatch, device):
+    """one_pass_bytes (the memory plan's count, memplan/activations.py) against the storages the forward
+    creates: the buffers of at least one chunk x H fp32 (the O(N) vectors and the [4, N] statistics are
+    below it) are exactly its workspace + saved, and saved is what autograd keeps for the backward."""
+    n, h, v = 48, 32, 301
+    if rows is not None:
+        force_chunks(monkeypatch, rows=rows, v=v, dtype=torch.float32)
+    inputs = make_inputs(n, h, v, dtype=torch.float32, seed=9, temperature=1.0)
+    hidden = inputs[0].clone().requires_grad_()
+    weight = inputs[1].clone().requires_grad_()
+    with _Storages() as seen:
+        loss, *_ = linear_dapo_loss(hidden, weight, *inputs[2:], **KW, loss_denominator=40.0)
+    want = head_loss_mod.one_pass_bytes(n, h, v, 4, tp=False)
+    floor = 16 * h * 4
+    given = {t.untyped_storage().data_ptr() for t in (hidden, weight, *inputs[2:])}  # views of the inputs
+    created = [b for ptr, b in seen.nbytes.items() if b >= floor and ptr not in given]
+    assert sum(created) == want["workspace"] + want["saved"]
+    assert sum(t.untyped_storage().nbytes() for t in loss.grad_fn.saved_tensors) == want["saved"]
+    # one chunk's fp32 logits + fp32 dlogits, and with several chunks the fp32 grad_weight accumulator
+    assert want["workspace"] == (16 * v * 8 + v * h * 4 if rows else n * v * 8)

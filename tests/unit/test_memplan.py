@@ -103,6 +103,30 @@ def test_te_selective_layer_bytes_by_hand():
     }
 
 
+def test_one_pass_head_bytes_by_hand():
+    """actor.head_loss=one_pass at the 7B preset's shape (H 3584, V 152,064), bf16, TP=4 (V/4 = 38,016 rows):
+    a micro-batch keeps grad_hidden (2 H per response token) + grad_weight (2 V/4 H) + the 8-byte positions, no
+    loss terms; the forward's workspace is one chunk's fp32 logits + bf16 dlogits (6 V/4 per row), the TP
+    partial of grad_hidden (4 H per row) and, once N exceeds a chunk (512 MiB / (6 x 38,016) = 2353 rows,
+    aligned down to 2304), the fp32 grad_weight accumulator (4 V/4 H)."""
+    from dapo_megatron.memplan.activations import ActivationModel
+
+    dims = model_dims_for(_load(Q7))
+    act = ActivationModel(dims, tp=4, precision="bf16", head_loss="one_pass")
+    saved = act.saved(tokens=20, response_tokens=10, layers=0, first=False, last=True)
+    assert saved["logits path (head + loss in one pass: grad_hidden + grad_weight kept)"] == (
+        10 * (2 * 3584 + 8) + 2 * 38016 * 3584
+    )
+    assert "loss terms" not in saved
+    work = act.backward_working_set(tokens=20, response_tokens=10, last=True, largest_param_numel=1)
+    assert work["one-pass head + loss workspace"] == 10 * 38016 * 6 + 10 * 3584 * 4
+    assert "fused head backward workspace" not in work
+    big = act.backward_working_set(tokens=8192, response_tokens=8192, last=True, largest_param_numel=1)
+    assert big["one-pass head + loss workspace"] == 2304 * 38016 * 6 + 2304 * 3584 * 4 + 38016 * 3584 * 4
+    with pytest.raises(ValueError, match="actor.head_loss='fused'"):
+        ActivationModel(dims, head_loss="fused")
+
+
 def test_interleaved_first_stage_holds_megatrons_layer_count():
     """Megatron's interleaving penalty: the first stage holds L (1 + (pp-1)/(pp vpp)) layers' activations."""
     from dapo_megatron.memplan.plan import _in_flight
