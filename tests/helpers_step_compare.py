@@ -42,7 +42,7 @@ STAT_KEYS = (
 
 
 def step_rank(
-    hf_dir, samples, *, tp, sp, budget, fused_logprob, fused_policy_loss, algo=None, cp=1, head_loss="separate"
+    hf_dir, samples, *, tp, sp, budget, fused_logprob, fused_policy_loss, algo=None, cp=1, pp=1, head_loss="separate"
 ):
     """Every rank: Actor.logprobs, then one train step; returns (logprobs, entropies, metrics, the
     gradient and the updated weights by HF name). The gradient is read just before the optimizer
@@ -52,8 +52,8 @@ def step_rank(
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.trainer.settings import actor_settings
 
-    with gradients_before_the_step() as captured, model_parallel(tp=tp, cp=cp, seed=7) as layout:
-        cfg = make_cfg(tp=tp, cp=cp, micro_batch_tokens=budget, sequence_parallel=sp, lr=1e-3, warmup_steps=0)
+    with gradients_before_the_step() as captured, model_parallel(tp=tp, pp=pp, cp=cp, seed=7) as layout:
+        cfg = make_cfg(tp=tp, pp=pp, cp=cp, micro_batch_tokens=budget, sequence_parallel=sp, lr=1e-3, warmup_steps=0)
         cfg.actor.use_distributed_optimizer = False
         cfg.actor.fused_logprob, cfg.actor.fused_policy_loss = fused_logprob, fused_policy_loss
         cfg.actor.head_loss = head_loss
