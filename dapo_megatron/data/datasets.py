@@ -7,23 +7,36 @@
 With a tokenizer, every prompt's length after the chat template is checked against
 rollout.max_prompt_length too (data/prompts.py, prompt_token_ids): the launcher does this before any
 process starts, and the driver does the same so that data.skip_bad_rows leaves out the same rows.
+on_rows(key, rows read, rows in the file) reports each file's reading (a progress line: the caller's).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from dapo_megatron.data.prompts import PromptList, bad_rows_message, load_prompts, prompt_token_ids
 from dapo_megatron.data.synthetic import synthetic_train_eval
 
 DEFAULT_EVAL_SET = "eval"  # the name of a run's only eval set (data.eval_path or the synthetic split)
+OnRows = Callable[[str, int, int], None]  # (the file's config key, rows read, rows in the file)
 
 
-def train_and_eval_sets(data_cfg, *, tokenizer=None, max_prompt_length: int = 0) -> tuple[list, dict[str, list]]:
+def _rows_of(on_rows: OnRows | None, key: str) -> Callable[[int, int], None] | None:
+    return None if on_rows is None else (lambda done, total: on_rows(key, done, total))
+
+
+def train_and_eval_sets(
+    data_cfg, *, tokenizer=None, max_prompt_length: int = 0, on_rows: OnRows | None = None
+) -> tuple[list, dict[str, list]]:
     """(train, name -> eval records): data.eval_sets, each file read and checked under its own key
     (data.eval_sets.<name>), or {"eval": the eval records of train_and_eval_records} ({} when empty)."""
     train, evals = _train_and_eval(
-        data_cfg, tokenizer=tokenizer, max_prompt_length=max_prompt_length, with_eval=not data_cfg.eval_sets
+        data_cfg,
+        tokenizer=tokenizer,
+        max_prompt_length=max_prompt_length,
+        with_eval=not data_cfg.eval_sets,
+        on_rows=on_rows,
     )
     if not data_cfg.eval_sets:
         return train, ({DEFAULT_EVAL_SET: evals} if evals else {})
@@ -37,17 +50,24 @@ def train_and_eval_sets(data_cfg, *, tokenizer=None, max_prompt_length: int = 0)
             skip_bad_rows=data_cfg.skip_bad_rows,
             prompt_length=length,
             max_prompt_length=max_prompt_length,
+            on_rows=_rows_of(on_rows, f"data.eval_sets.{name}"),
         )
         for name, path in data_cfg.eval_sets.items()
     }
     return train, sets
 
 
-def train_and_eval_records(data_cfg, *, tokenizer=None, max_prompt_length: int = 0) -> tuple[list, list]:
+def train_and_eval_records(
+    data_cfg, *, tokenizer=None, max_prompt_length: int = 0, on_rows: OnRows | None = None
+) -> tuple[list, list]:
     """(train, eval records): every eval set's records one after the other (train_and_eval_sets)."""
     if not data_cfg.eval_sets:
-        return _train_and_eval(data_cfg, tokenizer=tokenizer, max_prompt_length=max_prompt_length, with_eval=True)
-    train, sets = train_and_eval_sets(data_cfg, tokenizer=tokenizer, max_prompt_length=max_prompt_length)
+        return _train_and_eval(
+            data_cfg, tokenizer=tokenizer, max_prompt_length=max_prompt_length, with_eval=True, on_rows=on_rows
+        )
+    train, sets = train_and_eval_sets(
+        data_cfg, tokenizer=tokenizer, max_prompt_length=max_prompt_length, on_rows=on_rows
+    )
     evals = PromptList(
         [r for records in sets.values() for r in records],
         num_skipped=sum(getattr(records, "num_skipped", 0) for records in sets.values()),
@@ -55,7 +75,9 @@ def train_and_eval_records(data_cfg, *, tokenizer=None, max_prompt_length: int =
     return train, evals
 
 
-def _train_and_eval(data_cfg, *, tokenizer, max_prompt_length: int, with_eval: bool) -> tuple[list, list]:
+def _train_and_eval(
+    data_cfg, *, tokenizer, max_prompt_length: int, with_eval: bool, on_rows: OnRows | None = None
+) -> tuple[list, list]:
     """(train, eval) prompt records: files in the DAPO-Math schema (data.train_path / eval_path), or
     the synthetic task with a held-out eval split (eval problems that also occur in the train split
     are dropped)."""
@@ -64,10 +86,22 @@ def _train_and_eval(data_cfg, *, tokenizer, max_prompt_length: int, with_eval: b
     checks = dict(skip_bad_rows=d.skip_bad_rows, prompt_length=length, max_prompt_length=max_prompt_length)
     if d.train_path:
         train = load_prompts(
-            d.train_path, dedup=d.dedup, prompt_template=d.prompt_template, key="data.train_path", **checks
+            d.train_path,
+            dedup=d.dedup,
+            prompt_template=d.prompt_template,
+            key="data.train_path",
+            on_rows=_rows_of(on_rows, "data.train_path"),
+            **checks,
         )
         evals = (
-            load_prompts(d.eval_path, dedup=False, prompt_template=d.prompt_template, key="data.eval_path", **checks)
+            load_prompts(
+                d.eval_path,
+                dedup=False,
+                prompt_template=d.prompt_template,
+                key="data.eval_path",
+                on_rows=_rows_of(on_rows, "data.eval_path"),
+                **checks,
+            )
             if d.eval_path and with_eval
             else []
         )

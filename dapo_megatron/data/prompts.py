@@ -10,8 +10,10 @@ One row per prompt:
     reward_model: struct{ground_truth: str, style: str} style "rule-lighteval/MATH_v2"
     extra_info:   struct{index: str}                                                 (optional)
 Errors name the file, the row (0-based, counting data rows; jsonl errors also give the 1-based line)
-and the column. Every row is checked before a run starts (launch/local/launcher.py): the first MAX_LISTED problems
+and the column. Every row is checked before a run starts (launch/data_check.py): the first MAX_LISTED problems
 are listed with the count of the rest, or, with data.skip_bad_rows, the bad rows are left out and counted.
+on_rows(done, total) reports the reading of a large file (the public file has 1.79M rows) every
+ROWS_PER_REPORT rows and once at its end; its caller draws the progress line.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
 MAX_LISTED = 10  # bad rows listed in one error; the rest are counted
+ROWS_PER_REPORT = 4096  # rows between two on_rows calls (the call is cheap; the progress line decides what it prints)
 
 
 def apply_template(problem: str) -> str:
@@ -134,6 +137,7 @@ def load_prompts(
     prompt_length: Callable[[PromptRecord], int] | None = None,
     max_prompt_length: int = 0,
     key: str = "data.train_path",
+    on_rows: Callable[[int, int], None] | None = None,
 ) -> PromptList:
     """Read a parquet or jsonl file in the DAPO-Math schema into PromptRecords, checking every row.
 
@@ -145,7 +149,8 @@ def load_prompts(
     row counts as a duplicate, not again as bad).
     A bad row raises one ValueError listing the first MAX_LISTED problems (file, row, column or config
     key) and the count of the rest; skip_bad_rows leaves them out instead and logs the count
-    (`result.num_skipped`). `key` is the config key that named the file.
+    (`result.num_skipped`). `key` is the config key that named the file. on_rows(rows read, rows in the
+    file) while it reads, and (rows, rows) at the end.
     """
     path = Path(path)
     if prompt_template not in PROMPT_TEMPLATES:
@@ -160,6 +165,7 @@ def load_prompts(
         prompt_template=prompt_template,
         prompt_length=prompt_length,
         max_prompt_length=max_prompt_length,
+        on_rows=on_rows,
     )
     if problems and not skip_bad_rows:
         raise ValueError(bad_rows_message(key, path, problems, num_rows))
@@ -190,6 +196,7 @@ def _read_records(
     prompt_template: str,
     prompt_length: Callable[[PromptRecord], int] | None,
     max_prompt_length: int,
+    on_rows: Callable[[int, int], None] | None = None,
 ) -> tuple[list[PromptRecord], list[str], int, int]:
     """(records kept, one problem per bad row, rows read, duplicates dropped) of one prompt file
     (load_prompts's reading: every row parsed, de-duplicated, templated and length-checked)."""
@@ -197,8 +204,11 @@ def _read_records(
     records: list[PromptRecord] = []
     problems: list[str] = []
     num_rows = num_duplicates = 0
+    total = _count_rows(path) if on_rows is not None else 0
     for row_number, where, row in _iter_rows(path):
         num_rows += 1
+        if on_rows is not None and num_rows % ROWS_PER_REPORT == 0:
+            on_rows(num_rows, max(total, num_rows))
         try:
             record = _parse_row(row, row_number, where)
             if dedup:
@@ -220,7 +230,27 @@ def _read_records(
             problems.append(str(err))
             continue
         records.append(record)
+    if on_rows is not None:
+        on_rows(num_rows, num_rows)
     return records, problems, num_rows, num_duplicates
+
+
+def _count_rows(path: Path) -> int:
+    """Rows in a prompt file, for a progress line's total: parquet's metadata, a jsonl file's lines (blank
+    lines included: an upper bound); 0 when it cannot be read (the reading then names the problem)."""
+    try:
+        if path.suffix in _PARQUET_SUFFIXES:
+            import pyarrow.parquet as pq
+
+            return int(pq.ParquetFile(path).metadata.num_rows)
+        lines, ends_with_newline = 0, True
+        with path.open("rb") as fh:
+            while block := fh.read(16 << 20):
+                lines += block.count(b"\n")
+                ends_with_newline = block.endswith(b"\n")
+        return lines + (0 if ends_with_newline else 1)
+    except Exception:  # pyarrow raises several types for a broken file; the reading reports it
+        return 0
 
 
 def bad_rows_message(key: str, path: str | Path, problems: list[str], num_rows: int) -> str:

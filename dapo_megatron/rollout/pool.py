@@ -87,13 +87,17 @@ class EnginePool:
         timeout_s: float = 3600.0,
         max_retries: int = 3,
         keys: EngineKeys | None = None,
+        on_wait: Callable[[int], None] | None = None,
     ) -> EnginePool:
-        """Wait until `min_engines` registered engines answer /health; all of them start live."""
+        """Wait until `min_engines` registered engines answer /health; all of them start live.
+        on_wait(engines up so far) after every look (the driver's progress line)."""
         pool = cls(registry_dir=registry_dir, timeout_s=timeout_s, max_retries=max_retries, keys=keys)
         deadline = time.monotonic() + wait_s
         while True:
             await pool.discover()
             pool.admit([url for url, e in pool._engines.items() if e.state == "pending"])
+            if on_wait is not None:
+                on_wait(len(pool.live_urls()))
             if len(pool.live_urls()) >= min_engines:
                 return pool
             if time.monotonic() > deadline:

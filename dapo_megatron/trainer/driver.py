@@ -41,7 +41,7 @@ from dapo_megatron.trainer.evaluation.report import (
     write_eval_file,
 )
 from dapo_megatron.trainer.evaluation.sampling import sample_eval
-from dapo_megatron.trainer.progress_line import ProgressLine
+from dapo_megatron.trainer.progress_line import ProgressLine, ProgressLines
 from dapo_megatron.trainer.recovery import EngineFaults, Verdict
 from dapo_megatron.trainer.timeline import Timeline
 from dapo_megatron.transfer.engine_push import sync_dropping_dead
@@ -75,7 +75,10 @@ class Driver:
         self.sampler = self._rollout_sampler(cfg)
         # checked like the launcher checked them before start (data.skip_bad_rows leaves out the same rows)
         train, self.eval_sets = train_and_eval_sets(
-            cfg.data, tokenizer=self.tokenizer, max_prompt_length=r.max_prompt_length
+            cfg.data,
+            tokenizer=self.tokenizer,
+            max_prompt_length=r.max_prompt_length,
+            on_rows=ProgressLines("[data]", unit="rows"),
         )
         self.prompts = PromptStream(train, seed=cfg.trainer.seed, shuffle=cfg.data.shuffle)
         # master_address "" = the trainer address every engine reaches (weight_group.trainer_address)
@@ -108,15 +111,23 @@ class Driver:
         keys = engine_keys(r, self.run_dir)  # the user's keys for engine_urls, else the run's secret
         if r.engine_urls:
             return EnginePool(list(r.engine_urls), timeout_s=r.request_timeout_s, max_retries=r.max_retries, keys=keys)
-        return self.loop.run_until_complete(
-            EnginePool.from_registry(
-                str(self.run_dir / "engines"),
-                min_engines=r.num_engines,
-                timeout_s=r.request_timeout_s,
-                max_retries=r.max_retries,
-                keys=keys,
-            )
+        # engines the run does not start itself (SGLang's array job, colocated engines) may take minutes
+        line = ProgressLine(
+            f"[train] rollout: waiting in {self.run_dir / 'engines'}:", total=r.num_engines, unit="engines up"
         )
+        try:
+            return self.loop.run_until_complete(
+                EnginePool.from_registry(
+                    str(self.run_dir / "engines"),
+                    min_engines=r.num_engines,
+                    timeout_s=r.request_timeout_s,
+                    max_retries=r.max_retries,
+                    keys=keys,
+                    on_wait=line.update,
+                )
+            )
+        finally:
+            line.close()
 
     def _rollout_sampler(self, cfg: Config) -> RolloutSampler:
         """The training rollouts' sampler: stop at the tokenizer's EOS, per-sample seeds where every engine

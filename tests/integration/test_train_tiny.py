@@ -136,6 +136,14 @@ def test_status_while_it_runs_and_the_log_across_a_resume(runs):
     assert f"[train] resuming {out} from step {stopped_at} of 4 (step_{stopped_at:06d})" in second
     assert any(line.lstrip().startswith("1/4 ") for line in log[: log.index(headers[1])])  # the first start's table
     assert any(line.lstrip().startswith("4/4 ") for line in second) and "[train] done." in "\n".join(second)
+    # the stop's checkpoint and the resume's load, each said in one line with its step and directory
+    ckpt = out / "checkpoints" / f"step_{stopped_at:06d}"
+    saved = [
+        line for line in log[: log.index(headers[1])] if line.startswith(f"[checkpoint] step {stopped_at} saved: ")
+    ]
+    assert len(saved) == 1 and " MB in " in saved[0] and saved[0].endswith(f": {ckpt}"), saved
+    loaded = [line for line in second if line.startswith(f"[checkpoint] resumed step {stopped_at} from {ckpt} (")]
+    assert len(loaded) == 1 and " files): verified in " in loaded[0] and " s, actor loaded in " in loaded[0], loaded
 
 
 def test_metrics_are_written_and_sane(runs):
@@ -179,6 +187,11 @@ def test_console_output(runs):
     assert max(len(line) for line in table) <= 120
     assert len({len(line.split()) for line in table}) == 1  # the same columns in every row
     assert "UserWarning" not in text and "Loading weights" not in text
+    # every checkpoint said once, when it is in place: its step, size, files and directory
+    saved = [line for line in lines if line.startswith("[checkpoint] step ") and " saved: " in line]
+    assert [line.split(" saved: ")[0] for line in saved] == ["[checkpoint] step 2", "[checkpoint] step 4"]
+    for step, line in zip((2, 4), saved):
+        assert " MB in " in line and line.endswith(f": {run_dir / 'checkpoints' / f'step_{step:06d}'}"), line
     evals = [r for r in runs["a"] if "eval/avg@k" in r]
     assert f"[train] done. run directory: {run_dir}" in lines
     assert f"  curves:       {run_dir / 'curves.png'}" in lines

@@ -15,9 +15,10 @@ import pytest
 
 from dapo_megatron.config import load_config
 from dapo_megatron.data.datasets import train_and_eval_records
-from dapo_megatron.data.prompts import MAX_LISTED, load_prompts, prompt_token_ids
+from dapo_megatron.data.prompts import MAX_LISTED, ROWS_PER_REPORT, load_prompts, prompt_token_ids
 from dapo_megatron.data.tiny_model import build_tiny_model, build_tiny_tokenizer
 from dapo_megatron.launch.data_check import check_prompt_data
+from dapo_megatron.trainer.progress_line import INTERVAL_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -116,6 +117,31 @@ def test_config_path_checks_train_and_eval_and_synthetic_lengths(tmp_path):
     with pytest.raises(ValueError, match=r"data\.synthetic \(train\): problem 0 \(0-based\): the prompt is 8 tokens"):
         train_and_eval_records(cfg.data, tokenizer=tokenizer, max_prompt_length=7)
     assert len(train_and_eval_records(cfg.data, tokenizer=tokenizer, max_prompt_length=8)[0]) == 2000
+
+
+def test_a_large_file_is_checked_with_a_progress_line_of_its_rows(tmp_path, monkeypatch, capsys):
+    """10,000 train rows (jsonl) and 3,000 eval rows (parquet): the check's own "[data]" lines count the
+    rows of each file every ROWS_PER_REPORT rows up to its total, then the phase line says the counts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setenv(INTERVAL_ENV, "0")  # a line at every report (the default: one per 15 s)
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(_row(f"{k}+1=", truth=str(k + 1)) + "\n" for k in range(10_000)))
+    evals = tmp_path / "eval.parquet"
+    pq.write_table(pa.Table.from_pylist([json.loads(_row(f"{k}*2=", truth=str(2 * k))) for k in range(3_000)]), evals)
+    cfg = load_config(
+        str(REPO / "configs/runs/tiny_cpu.yaml"),
+        ["tiny.enabled=false", f"model.path={tmp_path}", f"data.train_path={train}", f"data.eval_path={evals}"],
+    )
+    assert check_prompt_data(cfg) == "10000 train and 3000 eval prompts checked"
+    lines = [line.split(" (")[0] for line in capsys.readouterr().out.splitlines()]
+    assert ROWS_PER_REPORT == 4096 and lines == [
+        "[data] data.train_path: 4096/10000 rows",
+        "[data] data.train_path: 8192/10000 rows",
+        "[data] data.train_path: 10000/10000 rows",
+        "[data] data.eval_path: 3000/3000 rows",
+    ]
 
 
 def test_train_refuses_bad_data_before_any_process(tmp_path):

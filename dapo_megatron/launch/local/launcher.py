@@ -44,6 +44,7 @@ from dapo_megatron.rollout.auth import ensure_secret_file, keys_from_config, run
 from dapo_megatron.rollout.registry import read_registrations
 from dapo_megatron.trainer import console, console_log, metrics_log
 from dapo_megatron.trainer.checkpoint.resume_check import check_resume_layout, check_resume_model
+from dapo_megatron.trainer.progress_line import ProgressLine
 
 
 def check_cores(cores: list[int], key: str) -> None:
@@ -198,27 +199,41 @@ class LocalProcesses:
         self, procs: list[tuple[str, subprocess.Popen]], *, register_dir: Path, timeout_s: float
     ) -> list[str]:
         """The engines' URLs in start order once every one of `procs` has registered in register_dir
-        (their records found by pid); an engine that exits first, or the deadline, raises."""
+        (their records found by pid), with a progress line of the engines up while it waits; an engine
+        that exits first, or the deadline, raises naming the engines up, the time waited and the logs."""
         num = len(procs)
         order = [proc.pid for _, proc in procs]
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for name, proc in procs:
-                if proc.poll() is not None:
-                    raise RuntimeError(
-                        f"rollout engine {name} exited with code {proc.returncode} before "
-                        f"registering; its log ({self.log_path(name)}) ends with:\n{self.tail(name)}"
-                    )
-            mine = [r for r in read_registrations(str(register_dir)) if r.get("pid") in order]
-            if len(mine) == num:
-                mine.sort(key=lambda r: order.index(r["pid"]))
-                for (name, _), rec in zip(procs, mine):
-                    self.engines[name].update(url=rec["url"], port=int(rec["port"]))
-                return [r["url"] for r in mine]
-            time.sleep(0.2)
+        start = time.monotonic()
+        line = ProgressLine("[train] rollout:", total=num, unit="engines up")
+        mine: list[dict] = []
+        try:
+            while time.monotonic() < start + timeout_s:
+                for name, proc in procs:
+                    if proc.poll() is not None:
+                        raise RuntimeError(
+                            f"rollout engine {name} exited with code {proc.returncode} before registering "
+                            f"({len(mine)} of {num} engines up after {time.monotonic() - start:.0f} s); its log "
+                            f"({self.log_path(name)}) ends with:\n{self.tail(name)}"
+                        )
+                mine = [r for r in read_registrations(str(register_dir)) if r.get("pid") in order]
+                line.update(len(mine))
+                if len(mine) == num:
+                    mine.sort(key=lambda r: order.index(r["pid"]))
+                    for (name, _), rec in zip(procs, mine):
+                        self.engines[name].update(url=rec["url"], port=int(rec["port"]))
+                    return [r["url"] for r in mine]
+                time.sleep(0.2)
+        finally:
+            line.close()
+        up = {r.get("pid") for r in mine}
+        late = [
+            f"{name} (log {self.log_path(name)}, ending with:\n{self.tail(name, 10)})"
+            for name, proc in procs
+            if proc.pid not in up
+        ]
         raise TimeoutError(
-            f"{num} rollout engines did not all register in {register_dir} within {timeout_s:.0f} s; "
-            f"see {self.log_dir}/engine_*.log"
+            f"{len(mine)} of {num} rollout engines registered in {register_dir} within {timeout_s:.0f} s; "
+            f"not up: {'; '.join(late)}"
         )
 
     def restart_engine(self, name: str, *, port: int) -> subprocess.Popen:

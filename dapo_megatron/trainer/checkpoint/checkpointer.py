@@ -17,6 +17,7 @@ from dapo_megatron.config import Config
 from dapo_megatron.distributed.driver_decides import driver_decides
 from dapo_megatron.trainer.checkpoint import files as ckpt
 from dapo_megatron.trainer.checkpoint.files import TrainerState
+from dapo_megatron.trainer.checkpoint.progress import CheckpointTimes, resumed_line
 from dapo_megatron.trainer.checkpoint.resume_check import check_resume_model
 from dapo_megatron.trainer.recovery import on_the_driver
 
@@ -38,15 +39,20 @@ class Checkpointer:
     def resume(self) -> TrainerState:
         """The newest checkpoint that verifies against its manifest (ValueError when there is none),
         loaded into the actor and the driver; the loop continues after its step."""
-        latest = ckpt.newest_valid_checkpoint(self.run_dir)
+        # the driver's progress line while it reads and its closing line (checkpoint/progress.py): no collective
+        times = CheckpointTimes(speaks=self.roles.driver)
+        with times.reading("verify", label="[checkpoint] resuming: checksums:"):
+            latest = ckpt.newest_valid_checkpoint(self.run_dir)
         state = ckpt.read_trainer_state(latest)
         # the launcher checked the model before starting anything; a Slurm job's ranks start without one
         check_resume_model(latest, model_dir=self.cfg.model.path)
-        self.actor.load(latest / "actor", seed=self.cfg.trainer.seed)  # the seed: RNG states of another layout
+        with times.reading("actor", label=f"[checkpoint] resuming: loading {latest.name}/actor:"):
+            self.actor.load(latest / "actor", seed=self.cfg.trainer.seed)  # the seed: RNG states of another layout
         if self.roles.driver:
             if state.driver is None:
                 raise ValueError(f"{latest}: {ckpt.STATE_FILE} has no driver state (prompt order, request counter)")
             on_the_driver(self.driver).load_state_dict(state.driver)
+            times.say(resumed_line(state.step, latest, times, size=ckpt.checkpoint_bytes(latest)))
         return state
 
     def should_save(self, step: int, *, last_step: bool, stop: bool) -> bool:

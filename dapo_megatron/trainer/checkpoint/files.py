@@ -32,6 +32,7 @@ from typing import TypedDict, TypeVar, cast
 from dapo_megatron.config import RawJson
 from dapo_megatron.distributed import collectives as coll
 from dapo_megatron.distributed.driver_decides import driver_decides
+from dapo_megatron.trainer.checkpoint.progress import CheckpointTimes, saved_line, tree_bytes
 from dapo_megatron.trainer.checkpoint.write_failure import CheckpointWriteError, remove_partial, write_failure_message
 from dapo_megatron.transfer.stage_export import actor_exporter, covers_layout
 from dapo_megatron.transfer.stage_save import save_hf_by_stage
@@ -257,6 +258,15 @@ def _read_manifest(ckpt_dir: Path) -> dict[str, FileEntry] | str:
         return f"{ckpt_dir / MANIFEST_FILE}: unreadable ({err})"
 
 
+def checkpoint_bytes(ckpt_dir: Path) -> tuple[int, int]:
+    """(bytes, files) of a finished checkpoint, from its manifest (the manifest itself left out), else
+    from a walk of its directory (an older checkpoint): what the save and resume lines say."""
+    manifest = _read_manifest(ckpt_dir)
+    if isinstance(manifest, dict):
+        return sum(int(entry["bytes"]) for entry in manifest.values()), len(manifest)
+    return tree_bytes(ckpt_dir)
+
+
 def verify_checkpoint(ckpt_dir: Path) -> list[str]:
     """Collective: every problem of the checkpoint against its manifest (the same list on every rank;
     empty = intact). A checkpoint without a manifest (written before manifests existed) is accepted
@@ -336,18 +346,26 @@ def save_step(cfg, actor, driver, roles, *, state: TrainerState) -> None:
 
     final = step_dir(cfg.trainer.output_dir, state.step)
     tmp = final.with_name(final.name + ".tmp")
+    # the driver's progress line and closing line (trainer/checkpoint/progress.py); no collective of its own
+    times = CheckpointTimes(speaks=roles.driver)
+    previous = latest_checkpoint(cfg.trainer.output_dir) if roles.driver else None
+    expected = checkpoint_bytes(previous)[0] if previous is not None else None  # the same model: the same size
+    label = f"[checkpoint] step {state.step}: writing {final.name}:"
     try:
         if roles.driver:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        actor.save(tmp / "actor")
+        with times.writing("actor", tmp, label=label, expected_bytes=expected):
+            actor.save(tmp / "actor")
         if cfg.trainer.save_hf:
-            _save_hf(cfg, actor, roles, tmp / "hf")
+            with times.writing("hf", tmp, label=label, expected_bytes=expected):
+                _save_hf(cfg, actor, roles, tmp / "hf")
         if roles.driver:
             write_state(tmp, replace(state, driver=driver.state_dict()).to_json())
         dist.barrier()
-        write_manifest(tmp)  # last: sizes + checksums of everything above (collective)
+        with times.reading("manifest", label=f"[checkpoint] step {state.step}: checksums of {final.name}:"):
+            write_manifest(tmp)  # last: sizes + checksums of everything above (collective)
     except (OSError, RuntimeError) as err:  # a full disk, a quota, a dead mount: say which, keep the last good one
         message = write_failure_message(tmp, err, previous=latest_checkpoint(cfg.trainer.output_dir))
         if roles.driver:
@@ -355,4 +373,5 @@ def save_step(cfg, actor, driver, roles, *, state: TrainerState) -> None:
         raise CheckpointWriteError(message) from err
     if roles.driver:
         commit(tmp, final, keep=cfg.trainer.keep_checkpoints, keep_best=cfg.trainer.keep_best_checkpoint)
+        times.say(saved_line(state.step, final, times, size=checkpoint_bytes(final)))
     dist.barrier()
