@@ -306,6 +306,11 @@ step_head_loss_variants() {
   kernel_variants variants_head_loss || return $?
   $PY -m dapo_kernels.bench.variants_head_loss --model 32b --n 65536 --tp 1 --csv "$OUT/variants_head_loss.csv"
 }
+# issue 53 item 2: actor.head_loss=one_pass compiled inside the actor (fp32, TP=1, 2-3 micro-batches) against the
+# separate plain-torch step (one tile config per kernel: a correctness check)
+step_actor_head_loss() {
+  DAPO_KERNELS_AUTOTUNE=0 pytest_step -m gpu tests/gpu/test_actor_gpu.py -k "one_pass_head_loss_actor"
+}
 # the loss rows: the policy-loss variants where present, else today's kernels' loss rows of the quick table
 step_loss_rows() {
   if [ -f "$ROOT/kernels/bench/variants_policy_loss.py" ]; then kernel_variants variants_policy_loss; return $?; fi

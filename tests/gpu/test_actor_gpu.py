@@ -1,7 +1,7 @@
 """The actor on a GPU (bf16, NCCL, one process): log-probs of a tiny Qwen2 match transformers at
 bf16 tolerance, a train step runs the fused kernels and moves the weights, the compiled fused head
-and loss equal the plain-torch ones in fp32, `check-parity --fused-logprob` passes, and the
-Qwen2.5-1.5B benchmark (dapo_megatron/benchmarks/actor.py) produces sane numbers.
+and loss (and actor.head_loss=one_pass) equal the plain-torch ones in fp32, `check-parity --fused-logprob`
+passes, and the Qwen2.5-1.5B benchmark (dapo_megatron/benchmarks/actor.py) produces sane numbers.
 
     tests/gpu/run_all.sh --call 1 OUT   (step actor_tests; call 3: actor_tests_rest)
     pytest -m gpu tests/gpu/test_actor_gpu.py
@@ -245,6 +245,63 @@ def test_fused_actor_equals_torch_actor_fp32(tmp_path):
         "ratio_max",
         "entropy",
         "num_tokens",
+    ):
+        assert m_got[key] == pytest.approx(m_ref[key], rel=1e-5, abs=1e-6), key
+    for name, w in w_ref.items():
+        torch.testing.assert_close(w_got[name], w, atol=1e-6, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_one_pass_head_loss_actor_equals_separate_fp32(tmp_path):
+    """actor.head_loss=one_pass compiled (linear_dapo_loss: Triton logits + softmax statistics, cuBLAS
+    gradients) against the separate plain-torch head and loss in fp32 at TP=1 over 2-3 micro-batches: the same
+    old-log-prob pass bit for bit, every logged statistic and the weights after one step within the bounds of
+    test_fused_actor_equals_torch_actor_fp32 (the CPU suite checks TP=2, SP, CP=2, PP=2 and the weighted
+    objectives in the interpreter: tests/distributed/test_actor_head_loss.py)."""
+    from dapo_megatron.actor.actor import Actor
+    from dapo_megatron.actor.parallel import model_parallel
+    from dapo_megatron.config import ActorConfig, Config
+    from dapo_megatron.trainer.settings import actor_settings
+    from helpers_tiny import save_tiny_hf
+
+    _single_process_group()
+    hf_dir = save_tiny_hf(tmp_path / "llama", arch="llama", tied=True, shape=dict(vocab_size=301))
+    samples = _samples_with_rl_fields(hf_dir)
+    runs = {}
+    for head_loss in ("separate", "one_pass"):
+        cfg = Config()
+        cfg.actor = ActorConfig(
+            attention_backend="torch",
+            precision="fp32",
+            micro_batch_tokens=40,
+            use_distributed_optimizer=False,
+            fused_logprob=False,
+            fused_policy_loss=False,
+            head_loss=head_loss,
+        )
+        cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-3, 0
+        with model_parallel(tp=1, seed=7) as layout:
+            actor = Actor(actor_settings(cfg), hf_dir, layout)
+            for group in actor.optimizer.param_groups:
+                group["eps"] = 1e-4  # see tests/distributed/test_actor_train.py
+            out = actor.logprobs(samples)
+            metrics = actor.train(samples, step=0)
+            runs[head_loss] = (out, metrics, {k: v.float().cpu() for k, v in actor.iter_hf_weights()})
+    (ref, m_ref, w_ref), (got, m_got, w_got) = runs["separate"], runs["one_pass"]
+    for a, b in zip(got.logprobs + got.entropies, ref.logprobs + ref.entropies):
+        # Actor.logprobs does not depend on actor.head_loss (two builds of one model: bit for bit on the CPU)
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    assert m_got["num_micro_batches"] >= 2 and set(m_got) == set(m_ref)
+    for key in (
+        "loss",
+        "clipfrac_low",
+        "clipfrac_high",
+        "dualclip_frac",
+        "approx_kl",
+        "ratio_mean",
+        "ratio_max",
+        "entropy",
+        "num_tokens",
+        "grad_norm",
     ):
         assert m_got[key] == pytest.approx(m_ref[key], rel=1e-5, abs=1e-6), key
     for name, w in w_ref.items():
