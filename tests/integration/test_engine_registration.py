@@ -171,10 +171,13 @@ def test_a_dropped_engine_that_answers_again_is_pending_not_lost(tiny_model, tmp
     from dapo_megatron.rollout.pool import EnginePool
 
     server = ServerProcess(tiny_model, tmp_path / "engines")
+    seen: list[int] = []  # the engines up at each look of the wait (the driver's progress line)
     try:
 
         async def scenario() -> tuple[list[str], list[str], list[str]]:
-            pool = await EnginePool.from_registry(str(tmp_path / "engines"), min_engines=1, wait_s=60)
+            pool = await EnginePool.from_registry(
+                str(tmp_path / "engines"), min_engines=1, wait_s=60, on_wait=seen.append
+            )
             url = server.url
             pool.mark_dead(url, "cut off")
             server.proc.send_signal(signal.SIGSTOP)
@@ -188,5 +191,6 @@ def test_a_dropped_engine_that_answers_again_is_pending_not_lost(tiny_model, tmp
 
         while_cut, back, live = asyncio.run(scenario())
         assert while_cut == [] and back == [server.url] and live == [server.url]
+        assert seen[-1] == 1 and seen == sorted(seen), seen
     finally:
         server.kill()
