@@ -14,7 +14,7 @@ from dapo_megatron.dataplane.sample import Sample
 from helpers_fp32 import PolicyStep, hf_response_logprobs, policy_step_of
 
 
-def make_cfg(*, tp=1, pp=1, cp=1, micro_batch_tokens=256, sequence_parallel=False, fused=False, **trainer):
+def make_cfg(*, tp=1, pp=1, cp=1, vpp=None, micro_batch_tokens=256, sequence_parallel=False, fused=False, **trainer):
     """fused: the Triton kernels (interpreted on CPU) for the head and the loss; the tests that do not
     compare the two paths use plain torch (fast); test_actor_fused.py compares them."""
     from dapo_megatron.config import ActorConfig, Config
@@ -24,6 +24,7 @@ def make_cfg(*, tp=1, pp=1, cp=1, micro_batch_tokens=256, sequence_parallel=Fals
         tp=tp,
         pp=pp,
         cp=cp,
+        vpp=vpp,
         attention_backend="torch",
         precision="fp32",
         micro_batch_tokens=micro_batch_tokens,

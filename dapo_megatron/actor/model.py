@@ -156,6 +156,22 @@ def _recompute_kwargs(recompute: str) -> dict[str, str | int]:
     return {}
 
 
+def _pipeline_p2p_kwargs(vpp: int | None, *, uniform_lengths: bool) -> dict[str, bool]:
+    """How pipeline stages exchange activations and gradients (megatron's p2p_communication.py).
+
+    - The shapes are exchanged before the tensors (variable_seq_lengths) unless the caller's
+      micro-batches of one schedule call share one length: the actor's do under PP
+      (PackSettings.uniform_length; it passes that length as seq_length), so it skips the exchange.
+      The exchange batches the sends to the previous and to the next stage, which at PP=2 are one peer
+      (harmless only while the two shapes are equal).
+    - The interleaved schedule (VPP) sends an activation forward and a gradient backward in one call;
+      at PP=2 both go to one peer, and batched (batch_isend_irecv) they are matched in posting order:
+      the activation arrived as the gradient (measured on gloo: loss 1.444 instead of 0.285, ratio_max
+      47). Megatron-LM's setting for that schedule: unbatched, overlapped p2p, whose _p2p_ops orders the
+      messages by even / odd rank and puts the second direction on another group at PP=2."""
+    return dict(variable_seq_lengths=not uniform_lengths, batch_p2p_comm=vpp is None, overlap_p2p_comm=vpp is not None)
+
+
 def transformer_config_from_hf(
     hf_config: PretrainedConfig,
     *,
@@ -163,8 +179,11 @@ def transformer_config_from_hf(
     sequence_parallel: bool = False,
     recompute: Literal["none", "selective", "full"] = "none",
     attention_backend: AttentionBackend = "torch",
+    uniform_lengths: bool = False,
 ):
-    """TransformerConfig for the current parallel_state layout (call inside model_parallel())."""
+    """TransformerConfig for the current parallel_state layout (call inside model_parallel()).
+    uniform_lengths: every micro-batch of one pipeline schedule call has the same length (the actor's
+    packing under PP), so stages need not exchange shapes (_pipeline_p2p_kwargs)."""
     from megatron.core.transformer import TransformerConfig
 
     _check_supported_architecture(hf_config)
@@ -200,9 +219,9 @@ def transformer_config_from_hf(
         pipeline_dtype=dtype,
         bf16=precision == "bf16",
         fp16=precision == "fp16",
-        variable_seq_lengths=True,  # packed micro-batches differ in length
-        # alltoall: the default "allgather" dispatcher rejects variable_seq_lengths (also set for
-        # dense models, whose config validation checks it all the same)
+        **_pipeline_p2p_kwargs(vpp, uniform_lengths=uniform_lengths),
+        # alltoall: the expert-parallel dispatcher the MoE tests and the memory plan were written
+        # against (also set for dense models, whose config validation checks it all the same)
         moe_token_dispatcher_type="alltoall",
         **moe_transformer_kwargs(hf_config, attention_backend=attention_backend),
         use_cpu_initialization=not on_gpu,
@@ -323,6 +342,7 @@ def build_gpt_model(
     vp_stage: int | None = None,
     vocab_divisible_by: int = VOCAB_DIVISIBLE_BY,
     attention_kernel: str = "sdpa",
+    uniform_lengths: bool = False,
 ) -> GPTModel:
     """One GPTModel chunk for this rank's pipeline stage (and virtual stage `vp_stage`).
 
@@ -344,6 +364,7 @@ def build_gpt_model(
         sequence_parallel=sequence_parallel,
         recompute=recompute,
         attention_backend=attention_backend,
+        uniform_lengths=uniform_lengths,
     )
     if config.virtual_pipeline_model_parallel_size is not None and vp_stage is None:
         raise ValueError("virtual pipeline parallelism: pass vp_stage (or use build_model_chunks)")

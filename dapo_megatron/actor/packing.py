@@ -224,7 +224,7 @@ def pack_for_rank(
     pad_multiple: int = 1,
     seq_pad_multiple: int = 1,
     uniform_length: bool = False,
-    min_micro_batches: int = 1,
+    micro_batch_multiple: int = 1,
     pad_token_id: int = 0,
     mask_truncated: bool = False,
 ) -> PackedShare:
@@ -232,7 +232,7 @@ def pack_for_rank(
     validate_samples(samples)
     lengths = padded_lengths(samples, seq_pad_multiple)
     plan = plan_micro_batches(
-        lengths, micro_batch_tokens=micro_batch_tokens, dp_size=dp_size, min_micro_batches=min_micro_batches
+        lengths, micro_batch_tokens=micro_batch_tokens, dp_size=dp_size, micro_batch_multiple=micro_batch_multiple
     )
     fills = [sum(lengths[i] for i in mb) for share in plan for mb in share]
     shared = round_up(max(max(fills), 1), pad_multiple) if uniform_length else None

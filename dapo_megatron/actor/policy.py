@@ -135,6 +135,7 @@ def build_loaded_chunks(
         recompute=ac.recompute,
         vocab_divisible_by=1,
         attention_kernel=ac.attention_kernel,
+        uniform_lengths=True,  # under PP the packing pads a schedule call's micro-batches to one length
     )
     load_hf_into_model(chunks, hf_dir, layout=layout)
     if not ac.quantization_aware:

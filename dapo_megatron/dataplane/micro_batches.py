@@ -17,7 +17,7 @@ def round_up(value: int, multiple: int) -> int:
 
 
 def plan_micro_batches(
-    lengths: list[int], *, micro_batch_tokens: int, dp_size: int, min_micro_batches: int = 1
+    lengths: list[int], *, micro_batch_tokens: int, dp_size: int, micro_batch_multiple: int = 1
 ) -> list[list[list[int]]]:
     """Split sample indices into `plan[dp_rank][micro_batch] -> [sample indices]`.
 
@@ -30,11 +30,16 @@ def plan_micro_batches(
        (balanced lengths, which matters when PP pads them all to the longest), else by
        first-fit-decreasing. M grows by one until both fail on no rank; M = the largest share always
        fits (one sample per micro-batch).
-    Inside a micro-batch, samples keep their mini-batch order. `min_micro_batches` raises the floor
-    of M (megatron's interleaved pipeline schedule needs at least pp micro-batches).
+    Inside a micro-batch, samples keep their mini-batch order. M is a multiple of
+    `micro_batch_multiple`: megatron's interleaved pipeline schedule (virtual pipeline stages) takes
+    the micro-batches in groups of pp per model chunk and refuses a last group smaller than pp
+    (schedules.forward_backward_pipelining_with_interleaving), so the actor asks for multiples of pp;
+    a micro-batch may then be empty (all padding, no trained token) when a rank has fewer sequences.
     """
     if dp_size < 1:
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    if micro_batch_multiple < 1:
+        raise ValueError(f"micro_batch_multiple must be >= 1, got {micro_batch_multiple}")
     if micro_batch_tokens < 1:
         raise ValueError(f"actor.micro_batch_tokens must be >= 1, got {micro_batch_tokens}")
     for index, length in enumerate(lengths):
@@ -54,7 +59,8 @@ def plan_micro_batches(
         shares[rank].append(i)  # stays sorted longest-first
         load[rank] += lengths[i]
 
-    num_micro = max(1, min_micro_batches, max(math.ceil(tokens / micro_batch_tokens) for tokens in load))
+    lower = max(1, max(math.ceil(tokens / micro_batch_tokens) for tokens in load))
+    num_micro = round_up(lower, micro_batch_multiple)
     while True:
         plan = []
         for share in shares:
@@ -66,7 +72,7 @@ def plan_micro_batches(
             plan.append([sorted(b) for b in bins])
         if len(plan) == dp_size:
             return plan
-        num_micro += 1
+        num_micro += micro_batch_multiple
 
 
 def _fill_balanced(items: list[int], lengths: list[int], num_bins: int, budget: int) -> list[list[int]] | None:

@@ -38,7 +38,7 @@ class PackSettings:
     seq_pad_multiple: int = 1  # each sequence: a multiple of 2*cp under context parallelism
     pad_multiple: int = 1  # each micro-batch: a multiple of tp (sequence parallel) x seq_pad_multiple
     uniform_length: bool = False  # pipeline parallelism: one padded length for a whole mini-batch
-    min_micro_batches: int = 1  # interleaved pipeline schedule: at least pp micro-batches
+    micro_batch_multiple: int = 1  # interleaved pipeline schedule: micro-batches in whole groups of pp
 
     @classmethod
     def for_layout(
@@ -50,7 +50,7 @@ class PackSettings:
             seq_pad_multiple=seq_pad,
             pad_multiple=(tp if sequence_parallel else 1) * seq_pad,
             uniform_length=pp > 1,
-            min_micro_batches=pp if vpp else 1,
+            micro_batch_multiple=pp if vpp else 1,
         )
 
     @classmethod
@@ -91,7 +91,7 @@ def plan_shares(
     for first in range(0, len(lengths), sequences_per_mini_batch):
         part = lengths[first : first + sequences_per_mini_batch]
         plan = plan_micro_batches(
-            part, micro_batch_tokens=s.micro_batch_tokens, dp_size=dp_size, min_micro_batches=s.min_micro_batches
+            part, micro_batch_tokens=s.micro_batch_tokens, dp_size=dp_size, micro_batch_multiple=s.micro_batch_multiple
         )
         fills = [sum(part[i] for i in micro) for share in plan for micro in share]
         mini_lengths.append(round_up(max(max(fills), 1), s.pad_multiple) if s.uniform_length else 0)

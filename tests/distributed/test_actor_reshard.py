@@ -235,3 +235,30 @@ def test_a_moe_checkpoint_moves_its_experts_between_ep2_and_ep1(rank_pool, moe_d
     expert_keys = [k for k in results[0]["resumed"][next(iter(results[0]["resumed"]))]["plain"][0] if "expert" in k]
     assert expert_keys  # the experts are in the compared tensors
     print(f"MoE saved as {saved_as}: worst weight error / bound {worst}")
+
+
+# Virtual pipeline stages (PP=2 x VPP=2: each rank holds two model chunks of one layer each, in the
+# interleaved schedule): a checkpoint of two chunks per rank loads as one chunk of two layers (PP=2)
+# and as the whole model (TP=1 x DP=2), and a DP=2 checkpoint loads as two chunks per rank.
+VPP_LAYOUTS = {"pp2-vpp2": dict(pp=2, vpp=2), "pp2": dict(pp=2), "tp1-dp2": dict(tp=1)}
+
+
+@pytest.fixture(scope="module")
+def tiny4_dir(tmp_path_factory):
+    from helpers_tiny import save_tiny_hf
+
+    return str(
+        save_tiny_hf(
+            tmp_path_factory.mktemp("qwen4"), arch="qwen2", tied=False, num_layers=4, shape={"vocab_size": VOCAB}
+        )
+    )
+
+
+@pytest.mark.parametrize("saved_as", ["pp2-vpp2", "tp1-dp2"])
+def test_a_virtual_pipeline_checkpoint_reshards_both_ways(rank_pool, tiny4_dir, tmp_path, saved_as):
+    layouts = VPP_LAYOUTS if saved_as == "pp2-vpp2" else {k: VPP_LAYOUTS[k] for k in ("tp1-dp2", "pp2-vpp2")}
+    batches = _batches(tiny4_dir)
+    results = rank_pool(2).run(_reshard_rank, tiny4_dir, batches, str(tmp_path / "ckpt"), saved_as, layouts)
+    ref = _step1_reference(tiny4_dir, results[0]["saved"], batches[1], tmp_path)
+    worst = _check_resumed(results, ref, layouts=layouts, saved_as=saved_as)
+    print(f"saved as {saved_as}: worst weight error / bound per resumed layout {worst}")

@@ -120,7 +120,7 @@ def test_tensor_packing_equals_sample_packing(seq_pad, mask_truncated):
     [
         (PackSettings(micro_batch_tokens=40), 2),
         (PackSettings(micro_batch_tokens=48, seq_pad_multiple=4, pad_multiple=8), 3),  # CP=2 with TP=2 + SP
-        (PackSettings(micro_batch_tokens=30, uniform_length=True, min_micro_batches=2), 2),  # PP=2, VPP
+        (PackSettings(micro_batch_tokens=30, uniform_length=True, micro_batch_multiple=2), 2),  # PP=2, VPP
     ],
 )
 def test_each_rank_share_packs_as_pack_for_rank_did(settings, dp):
@@ -136,7 +136,7 @@ def test_each_rank_share_packs_as_pack_for_rank_did(settings, dp):
             pad_multiple=settings.pad_multiple,
             seq_pad_multiple=settings.seq_pad_multiple,
             uniform_length=settings.uniform_length,
-            min_micro_batches=settings.min_micro_batches,
+            micro_batch_multiple=settings.micro_batch_multiple,
         )
         share = share_of_samples(samples, settings=settings, dp_size=dp, dp_rank=rank)
         spans = share.micro_batch_spans(settings)

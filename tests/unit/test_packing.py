@@ -89,6 +89,23 @@ def test_more_ranks_than_samples_gives_empty_micro_batches():
     assert mb.length == 2 and mb.loss_mask.sum() == 0 and mb.seq_ids.tolist() == [-1, -1]
 
 
+def test_interleaved_pipeline_gets_micro_batches_in_whole_groups_of_pp():
+    """Megatron's interleaved schedule (VPP) refuses a last group of fewer than pp micro-batches: 5 x 30
+    tokens at a 40-token budget need 3 micro-batches on 1 rank; with pp=2 the plan makes 4 (the samples
+    spread over them, one left empty), with pp=3 it stays 3, with pp=4 it makes 4."""
+    lengths = [30] * 5
+    assert len(plan_micro_batches(lengths, micro_batch_tokens=70, dp_size=1)[0]) == 3
+    for multiple, count in ((2, 4), (3, 3), (4, 4)):
+        (share,) = plan_micro_batches(lengths, micro_batch_tokens=70, dp_size=1, micro_batch_multiple=multiple)
+        assert len(share) == count, multiple
+        assert sorted(i for mb in share for i in mb) == list(range(5))
+        assert all(sum(lengths[i] for i in mb) <= 70 for mb in share)
+    (share,) = plan_micro_batches([30], micro_batch_tokens=70, dp_size=1, micro_batch_multiple=2)
+    assert share == [[0], []]  # one sequence: an empty micro-batch completes the group
+    with pytest.raises(ValueError, match="micro_batch_multiple must be >= 1, got 0"):
+        plan_micro_batches(lengths, micro_batch_tokens=70, dp_size=1, micro_batch_multiple=0)
+
+
 def test_sequence_longer_than_the_budget_is_a_value_error_naming_it():
     with pytest.raises(ValueError, match=r"sample 1 has 12 tokens.*micro_batch_tokens=10"):
         plan_micro_batches([3, 12], micro_batch_tokens=10, dp_size=1)
