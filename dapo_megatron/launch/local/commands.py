@@ -15,7 +15,7 @@ from dapo_megatron.launch.local.launcher import launch_training
 from dapo_megatron.launch.local.lifeline import die_with_parent
 from dapo_megatron.launch.local.stop import stopped_at_once
 from dapo_megatron.rollout.auth import engine_keys, ensure_secret_file, run_secret_path
-from dapo_megatron.trainer.progress_line import ProgressLine
+from dapo_megatron.trainer.progress_line import ProgressLine, ProgressLines
 
 # `dapo-megatron train --help`; here, not trainer/train.py's docstring: the help imports no torch
 TRAIN_HELP = """The DAPO training loop (docs/architecture.md, "One training step").
@@ -89,7 +89,7 @@ def evaluate(argv: list[str]) -> int:
     if checkpoint != args.checkpoint:
         print(f"[eval] checkpoint: {checkpoint}", flush=True)
     output = Path(args.output or Path(checkpoint) / "eval.json")
-    _, sets = train_and_eval_sets(cfg.data)
+    _, sets = train_and_eval_sets(cfg.data, on_rows=ProgressLines("[data]", unit="rows"))  # the train file is read too
     if not sets or not all(sets.values()):
         raise ValueError("an eval set is empty: set data.eval_sets, data.eval_path (or data.synthetic.num_eval)")
     samples = _sample_eval_sets(cfg, hf_dir, sets)
