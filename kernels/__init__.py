@@ -7,9 +7,11 @@
     policy_loss(logprob, old_logprob, advantages, mask, *, eps_low, eps_high, clip_ratio_c,
                 loss_denominator, one_pass=True) -> (loss, stats)
     linear_dapo_loss(hidden, weight, targets, old_logprob, advantages, loss_weight, *, eps_low, eps_high,
-                     clip_ratio_c, loss_denominator, temperature=1.0, tp_group=None, vocab_size=None)
+                     clip_ratio_c, loss_denominator, temperature=1.0, tp_group=None, vocab_size=None,
+                     logits="triton" | "tma")
         -> (loss, logprob, entropy, stats)   (head_loss.py: the LM head + DAPO loss in one pass,
-                                              the gradients computed by the forward)
+                                              the gradients computed by the forward; "tma": the logits
+                                              kernel's operands by TMA, head_loss_tma.py)
 
 The fused ops run on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was set before this
 package was imported (tests). Elsewhere they raise RuntimeError rather than fall back silently;

@@ -44,10 +44,12 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from . import head_loss_tma
 from ._fp32_gemm import addmm_fp32_, mm_fp32
 from ._runtime import INTERPRET, autotune_every_config, cast_dot_inputs_to_fp32, num_sms, require_runnable
 from ._softmax_tiles import split_columns, split_stats, store_stats
 from .logprob import _logits_tile, merge_stats
+from .logprob_persistent import tma_ok
 from .policy_loss import _BLOCK, _NUM_PARTIALS, _REDUCE_BLOCK, _clipped_token_loss, _counter, _fused_kernel
 from .reference import (
     POLICY_LOSS_STAT_KEYS,
@@ -73,6 +75,10 @@ INTERPRET_TILES = {"BLOCK_N": 16, "BLOCK_V": 64, "BLOCK_K": 32}
 # kernels/bench/compile_check_head_loss.py; the interpreter runs the same code path).
 SPLIT_EPILOGUE = True
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+# How the forward's logits kernel reads hidden and weight tiles: "triton" (tl.dot on pointer loads,
+# _logits_stats_kernel) or "tma" (tensor descriptors, head_loss_tma.py; the tl.dot kernel for a chunk whose
+# tensors break TMA's 16-byte rules). The rest of the pass is the same.
+LOGITS = ("triton", "tma")
 
 
 @triton.jit
@@ -233,8 +239,9 @@ def one_pass_bytes(
     return {"workspace": workspace, "saved": saved}
 
 
-def _chunk_stats(hidden, weight, targets_local, ws, inv_temp: float) -> torch.Tensor:
-    """[4, C] merged (m, s, t, zt) of the chunk over this shard's real rows; ws filled with z = logits / T."""
+def _chunk_stats(hidden, weight, targets_local, ws, inv_temp: float, logits: str = "triton") -> torch.Tensor:
+    """[4, C] merged (m, s, t, zt) of the chunk over this shard's real rows; ws filled with z = logits / T
+    (logits: LOGITS, the kernel that computes them)."""
     n, h = hidden.shape
     v = weight.shape[0]
     if v == 0:  # a shard of vocabulary padding only: the empty part merge_stats skips
@@ -247,6 +254,12 @@ def _chunk_stats(hidden, weight, targets_local, ws, inv_temp: float) -> torch.Te
     splits = max(1, min(splits, triton.cdiv(v, 128 if not INTERPRET else 64)))  # >= one vocab tile each
     parts = torch.empty((splits, 4, n), device=hidden.device, dtype=torch.float32)
     flags = {"CAST_F32": cast_dot_inputs_to_fp32(hidden.dtype), "IEEE": hidden.dtype == torch.float32}
+    if logits == "tma" and tma_ok(hidden, weight):
+        head_loss_tma.logits_stats(
+            hidden, weight, targets_local, ws, parts, splits=splits, inv_temp=inv_temp, flags=flags,
+            split_epilogue=SPLIT_EPILOGUE,
+        )  # fmt: skip
+        return merge_stats(parts)
     meta = dict(INTERPRET_TILES) if INTERPRET else {}
     grid = lambda META: (triton.cdiv(n, META["BLOCK_N"]) * splits,)  # noqa: E731
     _logits_stats[grid](
@@ -280,7 +293,9 @@ def _loss_and_stats(logprob, old, adv, lw, *, eps_low, eps_high, clip_ratio_c, l
     return out
 
 
-def _one_pass(hidden, weight_shard, targets, old, adv, lw, *, real_rows, vocab_start, tp_group, loss_kw, temperature):
+def _one_pass(
+    hidden, weight_shard, targets, old, adv, lw, *, real_rows, vocab_start, tp_group, loss_kw, temperature, logits
+):
     """Everything of the forward: (out [8] = loss + stats, logprob, entropy, grad_hidden, grad_weight)."""
     n, h = hidden.shape
     weight = weight_shard[:real_rows]
@@ -299,7 +314,7 @@ def _one_pass(hidden, weight_shard, targets, old, adv, lw, *, real_rows, vocab_s
     for r0 in range(0, n, chunk):
         r1 = min(n, r0 + chunk)
         h_rows, ws_c, dz = hidden[r0:r1], ws[: r1 - r0], dz_buf[: r1 - r0]
-        stats = _chunk_stats(h_rows, weight, targets_local[r0:r1], ws_c, inv_temp)
+        stats = _chunk_stats(h_rows, weight, targets_local[r0:r1], ws_c, inv_temp, logits)
         if tp_group is not None:
             stats = _gather_merge(stats, tp_group)
         big_m, s, t, zt = stats.unbind(0)
@@ -332,10 +347,12 @@ def _one_pass(hidden, weight_shard, targets, old, adv, lw, *, real_rows, vocab_s
 
 class _LinearDapoLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, old, adv, lw, temperature, tp_group, real_rows, vocab_start, loss_kw):
+    def forward(
+        ctx, hidden, weight, targets, old, adv, lw, temperature, tp_group, real_rows, vocab_start, loss_kw, logits
+    ):
         out, logprob, entropy, grad_h, grad_w = _one_pass(
             hidden, weight, targets, old, adv, lw, real_rows=real_rows, vocab_start=vocab_start,
-            tp_group=tp_group, loss_kw=loss_kw, temperature=temperature,
+            tp_group=tp_group, loss_kw=loss_kw, temperature=temperature, logits=logits,
         )  # fmt: skip
         ctx.save_for_backward(grad_h, grad_w)
         stats = out[1:]
@@ -346,7 +363,7 @@ class _LinearDapoLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, *_unused):
         grad_h, grad_w = ctx.saved_tensors
         scale = grad_loss.to(grad_h.dtype)
-        return grad_h * scale, grad_w * scale, None, None, None, None, None, None, None, None, None
+        return grad_h * scale, grad_w * scale, None, None, None, None, None, None, None, None, None, None
 
 
 def linear_dapo_loss(
@@ -364,6 +381,7 @@ def linear_dapo_loss(
     temperature: float = 1.0,
     tp_group=None,
     vocab_size: int | None = None,
+    logits: str = "triton",
 ):
     """(loss, logprob[N], entropy[N], stats): loss = sum(loss_weight * l) / loss_denominator with l the
     per-token DAPO clipped loss (kernels/reference.py policy_loss_terms) of logp = log softmax(hidden @
@@ -371,8 +389,12 @@ def linear_dapo_loss(
     computed by the forward). logprob and entropy are detached fp32 metrics; stats are the detached fp32
     POLICY_LOSS_STAT_KEYS weighted by loss_weight (mask, aggregation weight, importance weight: any
     per-token factor; num_tokens = its sum). All per-token inputs are [N]. clip_ratio_c=None disables the
-    dual clip. CUDA tensors, or CPU tensors under TRITON_INTERPRET=1; else RuntimeError."""
+    dual clip. logits: "triton" (tl.dot kernel) or "tma" (operand tiles by TMA, head_loss_tma.py; the tl.dot
+    kernel where TMA's 16-byte alignment fails). CUDA tensors, or CPU tensors under TRITON_INTERPRET=1; else
+    RuntimeError."""
     check_logprob_args(hidden, weight, targets, temperature)
+    if logits not in LOGITS:
+        raise ValueError(f"logits must be one of {LOGITS}; got {logits!r}")
     if hidden.dtype not in _SUPPORTED:
         raise ValueError(f"linear_dapo_loss supports {_SUPPORTED}; got {hidden.dtype}")
     n = hidden.shape[0]
@@ -405,5 +427,6 @@ def linear_dapo_loss(
         real_rows,
         vocab_start,
         loss_kw,
+        logits,
     )
     return loss, logprob, entropy, dict(zip(POLICY_LOSS_STAT_KEYS, stats.unbind(0)))

@@ -1,6 +1,6 @@
-"""The one-pass LM head + DAPO loss kernels (kernels/head_loss.py) compiled for Hopper (sm_90) WITHOUT a
-GPU, and what their SASS says: wgmma (HGMMA) in the logits GEMM, spills (LDL/STL), registers, shared
-memory.
+"""The one-pass LM head + DAPO loss kernels (kernels/head_loss.py, kernels/head_loss_tma.py) compiled for
+Hopper (sm_90) WITHOUT a GPU, and what their SASS says: wgmma (HGMMA) in the logits GEMM, TMA tensor loads
+(UTMALDG) and cp.async (LDGSTS) for its operands, spills (LDL/STL), registers, shared memory.
 
     env -u TRITON_INTERPRET python -m dapo_kernels.bench.compile_check_head_loss [--json out.json]
 
@@ -17,13 +17,14 @@ import json
 import os
 from collections.abc import Callable
 
-from dapo_kernels import head_loss, logprob
+from dapo_kernels import head_loss, head_loss_tma, logprob
 from dapo_kernels.bench.common import print_table
 from dapo_kernels.bench.compile_check import _compile, sass_facts
 
 _STATS_DIV = {"h_ptr", "w_ptr", "tgt_ptr", "ws_ptr", "stats_ptr", "V", "H", "stride_hn", "stride_wv", "stride_ws"}
 _DZ_DIV = {"ws_ptr", "dz_ptr", "tgt_ptr", "max_ptr", "logs_ptr", "lp_ptr", "old_ptr", "adv_ptr", "lw_ptr"}
 _DZ_DIV |= {"V", "stride_ws", "stride_dz"}
+_TMA_DIV = {"tgt_ptr", "ws_ptr", "stats_ptr", "V", "H", "stride_ws"}
 
 
 def compile_logits_stats(dtype: str, config, *, split: bool = True):
@@ -38,6 +39,25 @@ def compile_logits_stats(dtype: str, config, *, split: bool = True):
         sig,
         consts,
         _STATS_DIV,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def compile_logits_stats_tma(dtype: str, config, *, split: bool = True):
+    """head_loss_tma._logits_stats_tma_kernel with one of its Hopper configurations (head_loss_tma.hopper_configs);
+    the descriptors are `tensordesc<dtype[box]>` arguments (host TensorDescriptor, boxes = the tiles)."""
+    bn, bv, bk = (config.kwargs[k] for k in ("BLOCK_N", "BLOCK_V", "BLOCK_K"))
+    sig = {"h_desc": f"tensordesc<{dtype}[{bn},{bk}]>", "w_desc": f"tensordesc<{dtype}[{bv},{bk}]>"}
+    sig |= {"tgt_ptr": "*i64", "ws_ptr": "*fp32", "stats_ptr": "*fp32"}
+    sig |= dict.fromkeys(("N", "V", "H", "stride_ws", "num_splits"), "i32")
+    sig |= {"inv_temp": "fp32"}
+    consts = {**config.kwargs, "CAST_F32": False, "IEEE": dtype == "fp32", "SPLIT_EPILOGUE": split}
+    return _compile(
+        head_loss_tma._logits_stats_tma_kernel,
+        sig,
+        consts,
+        _TMA_DIV,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -69,6 +89,23 @@ def variants(quick: bool = False):
         jobs.append((label, functools.partial(compile_logits_stats, "bf16", wide, split=split)))
     for dtype in ("bf16", "fp32"):
         jobs.append((f"dz {dtype} 64x256 w8", functools.partial(compile_dz, dtype)))
+    # the TMA build (logits="tma"): every configuration in bf16, the first in fp16, its fp32 tile; the 128x256
+    # tile for the record (TMA frees the K loop's address registers, not enough for the wide epilogue)
+    tma = head_loss_tma.hopper_configs()
+    tma_jobs = [
+        (dtype, cfg) for dtype in ("bf16", "fp16") for cfg in (tma if dtype == "bf16" and not quick else tma[:1])
+    ]
+    tma_jobs.append(("fp32", head_loss_tma.hopper_configs(fp32=True)[0]))
+    for dtype, cfg in tma_jobs:
+        bn, bv, bk = cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_V"], cfg.kwargs["BLOCK_K"]
+        label = f"tma logits+stats {dtype} {bn}x{bv}x{bk} w{cfg.num_warps} s{cfg.num_stages}"
+        jobs.append((label, functools.partial(compile_logits_stats_tma, dtype, cfg)))
+    jobs.append(
+        (
+            "tma logits+stats bf16 128x256x64 w8 s3 halves (not tuned)",
+            functools.partial(compile_logits_stats_tma, "bf16", wide),
+        )
+    )
     return jobs
 
 
@@ -76,6 +113,8 @@ def report(kernel) -> dict:
     facts = sass_facts(kernel.asm["cubin"])
     return {
         "HGMMA": facts["HGMMA"],
+        "UTMALDG": facts["UTMALDG"],
+        "LDGSTS": facts["LDGSTS"],
         "LDL": facts["LDL"],
         "STL": facts["STL"],
         "regs": facts["regs"],

@@ -6,6 +6,8 @@
 
 Variants (bf16, V_local = V / tp rows; collectives excluded, as in bench_logprob):
 - one_pass: dapo_kernels.head_loss.linear_dapo_loss (gradients computed in the forward: 3 GEMMs, 6NHV);
+- one_pass_tma: the same with logits="tma" (the forward's logits kernel loads its operand tiles by TMA,
+  kernels/head_loss_tma.py; nothing else differs: the row measures the forward GEMM's operand path);
 - one_pass_ws2g: the same with a 2 GiB chunk workspace instead of 512 MiB (4x the rows per chunk: 4x fewer
   read-modify-writes of the fp32 grad_weight accumulator, for more memory);
 - today: linear_logprob_entropy (default: tl.dot kernels, blocked backward; entropy computed as a metric)
@@ -17,7 +19,7 @@ Variants (bf16, V_local = V / tp rows; collectives excluded, as in bench_logprob
   dlogits^T x hidden): the floor a one-pass kernel approaches.
 Rows (kernel linear_dapo_loss_variants, appended to the CSV as each variant finishes, with device and date):
 ms (p50/p20/p80 of forward + backward), TFLOP/s on the 6NHV count (peers' convention), peak extra GB above
-the inputs. one_pass and today_tma are checked against today on the same inputs (max |logp difference| and
+the inputs. The one_pass variants and today_tma are checked against today on the same inputs (max |logp difference| and
 the loss's relative difference in `vs_today`; MISMATCH above 1e-3), so a fast wrong kernel is not a candidate.
 A variant that raises gets an `error` row and its traceback; the others still run (exit 1).
 """
@@ -34,8 +36,9 @@ from dapo_kernels.bench.bench_logprob import model_shape
 from dapo_kernels.bench.common import CsvWriter, PeakMemory, bf16_matmul_tflops, is_oom, print_table, time_calls
 from dapo_kernels.head_loss import linear_dapo_loss
 
-VARIANTS = ("one_pass", "liger", "today", "one_pass_ws2g", "today_tma", "cublas_3gemm")
+VARIANTS = ("one_pass", "one_pass_tma", "liger", "today", "one_pass_ws2g", "today_tma", "cublas_3gemm")
 WORKSPACE = {"one_pass_ws2g": 2 << 30}  # head_loss.WORKSPACE_BYTES per variant (default: the module's)
+ONE_PASS_LOGITS = {"one_pass_tma": "tma"}  # linear_dapo_loss's logits= per variant (default: "triton")
 LOSS_KW = dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0)
 AGREEMENT = 1e-3
 LIGER_SEQ = 1024  # liger's GRPO loss takes [B, T, H] sequences
@@ -105,7 +108,10 @@ def make_call(variant: str, inputs, *, denom: float):
 
     def run():
         if variant.startswith("one_pass"):
-            loss = linear_dapo_loss(hidden, weight, targets, old, adv, mask, **LOSS_KW, loss_denominator=denom)[0]
+            logits = ONE_PASS_LOGITS.get(variant, "triton")
+            loss = linear_dapo_loss(
+                hidden, weight, targets, old, adv, mask, **LOSS_KW, loss_denominator=denom, logits=logits
+            )[0]
         else:
             loss = _today(*inputs, denom=denom, logits="tma" if variant == "today_tma" else "triton")[0]
         loss.backward()
@@ -115,11 +121,12 @@ def make_call(variant: str, inputs, *, denom: float):
 
 def agreement(variant: str, inputs, *, denom: float, today) -> str:
     """max |logp - today's logp| and |loss - today's| / |today's| (no grad), '' for the peers."""
-    if variant not in ("one_pass", "one_pass_ws2g", "today_tma"):
+    if not (variant.startswith("one_pass") or variant == "today_tma"):
         return ""
     with torch.no_grad():
         if variant.startswith("one_pass"):
-            loss, lp, _, _ = linear_dapo_loss(*inputs, **LOSS_KW, loss_denominator=denom)
+            logits = ONE_PASS_LOGITS.get(variant, "triton")
+            loss, lp, _, _ = linear_dapo_loss(*inputs, **LOSS_KW, loss_denominator=denom, logits=logits)
         else:
             loss, lp = _today(*inputs, denom=denom, logits="tma")
     d_lp = (lp - today[1]).abs().max().item()

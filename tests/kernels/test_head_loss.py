@@ -4,7 +4,9 @@ both. Forward (loss, log-prob, entropy, stats) AND the gradients the forward com
 (V not a multiple of the vocab tile, N = 1, several row chunks, +-1e4 logit offsets: all logits negative
 at -1e4, temperature != 1, fp32/fp16/bf16), with masked and fractionally weighted tokens and ratios
 crafted to land in every branch (below 1 - eps_low, inside, above 1 + eps_high, beyond the dual clip
-with a negative advantage); vocab-parallel TP=2 (gloo, with vocab padding) equals TP=1.
+with a negative advantage); vocab-parallel TP=2 (gloo, with vocab padding) equals TP=1. The tests that
+take the `logits` fixture run for both builds of the forward's logits kernel (head_loss.LOGITS: the tl.dot
+kernel and the TMA-fed one, head_loss_tma.py) and check which of them ran.
 
 Run: pytest tests/kernels/test_head_loss.py -q        (any device: see tests/kernels/conftest.py)
 """
@@ -23,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import dapo_kernels.head_loss as head_loss_mod
+import dapo_kernels.head_loss_tma as head_loss_tma
 from dapo_kernels import linear_logprob_entropy_reference, policy_loss_reference
 from dapo_kernels.head_loss import linear_dapo_loss
 from dapo_kernels.reference import POLICY_LOSS_STAT_KEYS, policy_loss_terms
@@ -31,6 +34,17 @@ KW = dict(eps_low=0.2, eps_high=0.28, clip_ratio_c=3.0)
 # Target ratios, each far (>= 5 %) from the bounds 0.8 / 1.28 / 3.0, so fp32 and float64 take the same
 # branch; with advantages of both signs every branch of the clipped loss is hit.
 RATIOS = (0.3, 0.7, 0.95, 1.1, 1.5, 2.5, 5.0)
+
+
+@pytest.fixture(params=head_loss_mod.LOGITS)
+def logits(request, monkeypatch):
+    """The forward's logits kernel, both builds; fails at teardown unless the TMA kernel ran exactly when
+    logits="tma" (a silent fallback to the tl.dot kernel would pass the oracle checks twice)."""
+    calls = []
+    real = head_loss_tma.logits_stats
+    monkeypatch.setattr(head_loss_tma, "logits_stats", lambda *a, **k: calls.append(1) or real(*a, **k))
+    yield request.param
+    assert bool(calls) == (request.param == "tma"), f"logits={request.param!r}: TMA kernel launches {len(calls)}"
 
 
 def make_inputs(n, h, v, *, dtype, seed, temperature, offset=0.0, vocab_size=None, device=DEVICE):
@@ -99,14 +113,14 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_forward_and_grads_match_float64(name, monkeypatch, device):
+def test_forward_and_grads_match_float64(name, logits, monkeypatch, device):
     n, h, v, dtype, temperature, rows, clip_c = CASES[name]
     if rows is not None:
         force_chunks(monkeypatch, rows=rows, v=v, dtype=dtype)
         assert head_loss_mod.chunk_rows(n, v, torch.tensor([], dtype=dtype).element_size()) == rows < n
     inputs = make_inputs(n, h, v, dtype=dtype, seed=sum(map(ord, name)), temperature=temperature)
     kw = dict(KW, clip_ratio_c=clip_c, loss_denominator=float(n + 3), temperature=temperature)
-    loss, lp, ent, stats, gh, gw = run_fused(*inputs, **kw)
+    loss, lp, ent, stats, gh, gw = run_fused(*inputs, **kw, logits=logits)
     loss64, lp64, ent64, stats64, gh64, gw64 = run_oracle(*inputs, **kw)
     if n > 1:  # the crafted ratios reach every branch
         assert stats64["clipfrac_low"] > 0.05 and stats64["clipfrac_high"] > 0.05
@@ -129,7 +143,7 @@ def test_forward_and_grads_match_float64(name, monkeypatch, device):
 
 
 @pytest.mark.parametrize("offset", [1e4, -1e4])
-def test_large_logit_offsets(offset, monkeypatch, device):
+def test_large_logit_offsets(offset, logits, monkeypatch, device):
     """Every logit shifted by +-1e4 (all negative at -1e4), 2 row chunks. fp32 spacing at 1e4 is 2^-10
     and z / T rounds each logit by up to half a spacing (test_logprob.py): log-prob and entropy within 4
     spacings; the ratio exp(logp - old), hence the loss and every gradient, within 4 spacings relative."""
@@ -137,7 +151,7 @@ def test_large_logit_offsets(offset, monkeypatch, device):
     force_chunks(monkeypatch, rows=16, v=v, dtype=torch.float32)
     inputs = make_inputs(n, h, v, dtype=torch.float32, seed=7, temperature=0.9, offset=offset)
     kw = dict(KW, loss_denominator=30.0, temperature=0.9)
-    loss, lp, ent, stats, gh, gw = run_fused(*inputs, **kw)
+    loss, lp, ent, stats, gh, gw = run_fused(*inputs, **kw, logits=logits)
     loss64, lp64, ent64, stats64, gh64, gw64 = run_oracle(*inputs, **kw)
     spacing = 2.0**-10
     assert torch.isfinite(lp).all() and torch.isfinite(ent).all() and (lp <= 0).all()
@@ -150,11 +164,11 @@ def test_large_logit_offsets(offset, monkeypatch, device):
         assert stats[key].item() == pytest.approx(stats64[key].item(), abs=1e-6), key
 
 
-def test_backward_scales_the_stored_gradients(device):
+def test_backward_scales_the_stored_gradients(logits, device):
     """The backward only multiplies: (0.5 * loss) gives exactly half the gradients (a power of two), and
     a rerun is bit-identical (no atomics in any sum)."""
     inputs = make_inputs(20, 32, 150, dtype=torch.float32, seed=3, temperature=1.0)
-    kw = dict(KW, loss_denominator=20.0)
+    kw = dict(KW, loss_denominator=20.0, logits=logits)
     loss, _, _, _, gh, gw = run_fused(*inputs, **kw)
     hidden = inputs[0].clone().requires_grad_()
     weight = inputs[1].clone().requires_grad_()
@@ -164,10 +178,10 @@ def test_backward_scales_the_stored_gradients(device):
     assert torch.equal(hidden.grad * 2, gh) and torch.equal(weight.grad * 2, gw)
 
 
-def test_every_token_masked_gives_zero_loss_and_grads(device):
+def test_every_token_masked_gives_zero_loss_and_grads(logits, device):
     hidden, weight, targets, old, adv, _ = make_inputs(9, 32, 100, dtype=torch.float32, seed=4, temperature=1.0)
     loss, lp, _, stats, gh, gw = run_fused(
-        hidden, weight, targets, old, adv, torch.zeros(9, device=DEVICE), **KW, loss_denominator=9.0
+        hidden, weight, targets, old, adv, torch.zeros(9, device=DEVICE), **KW, loss_denominator=9.0, logits=logits
     )
     assert loss.item() == 0.0 and stats["num_tokens"].item() == 0.0 and stats["ratio_mean"].item() == 0.0
     assert not gh.any() and not gw.any()
@@ -184,6 +198,20 @@ def test_bad_inputs_raise_value_error(device):
         linear_dapo_loss(hidden, weight, targets, old, adv, lw, **dict(KW, clip_ratio_c=0.5), loss_denominator=4.0)
     with pytest.raises(ValueError, match="temperature"):
         linear_dapo_loss(hidden, weight, targets, old, adv, lw, **KW, loss_denominator=4.0, temperature=0.0)
+    with pytest.raises(ValueError, match=r"logits must be one of \('triton', 'tma'\); got 'cublas'"):
+        linear_dapo_loss(hidden, weight, targets, old, adv, lw, **KW, loss_denominator=4.0, logits="cublas")
+
+
+def test_tma_falls_back_to_the_tl_dot_kernel_where_tma_rules_fail(monkeypatch, device):
+    """H = 20 in fp16: 40-byte rows, not 16-byte aligned (logprob_persistent.tma_ok): logits="tma" runs the
+    tl.dot kernel, bit for bit logits="triton", and never launches the TMA kernel."""
+    monkeypatch.setattr(head_loss_tma, "logits_stats", lambda *a, **k: pytest.fail("TMA kernel launched"))
+    inputs = make_inputs(19, 20, 150, dtype=torch.float16, seed=21, temperature=1.0)
+    kw = dict(KW, loss_denominator=19.0)
+    want = run_fused(*inputs, **kw)
+    got = run_fused(*inputs, **kw, logits="tma")
+    for a, b in zip(tree_leaves(want), tree_leaves(got)):
+        assert torch.equal(a, b)
 
 
 TP_N, TP_H, TP_V = 21, 32, 2 * 75  # V_local = 75: not a multiple of the vocab tile
@@ -194,7 +222,7 @@ def _tp_inputs(vocab_size, device=DEVICE):
     return tuple(t.to(device) for t in inputs)
 
 
-def _tp_rank(vocab_size):
+def _tp_rank(vocab_size, logits="triton"):
     """On each rank: its vocab shard of the weight, over the pool's gloo world, 2 row chunks of 16 rows."""
     saved = (head_loss_mod.CHUNK_ROW_ALIGN, head_loss_mod.WORKSPACE_BYTES)
     head_loss_mod.CHUNK_ROW_ALIGN, head_loss_mod.WORKSPACE_BYTES = 16, 16 * 75 * 8
@@ -206,7 +234,7 @@ def _tp_rank(vocab_size):
         hidden = hidden.clone().requires_grad_()
         loss, lp, ent, stats = linear_dapo_loss(
             hidden, shard, targets, old, adv, lw, **KW, loss_denominator=25.0, temperature=0.8,
-            tp_group=dist.group.WORLD, vocab_size=vocab_size,
+            tp_group=dist.group.WORLD, vocab_size=vocab_size, logits=logits,
         )  # fmt: skip
         loss.backward()
         return loss.detach(), lp, ent, torch.stack(list(stats.values())), hidden.grad, shard.grad
@@ -216,14 +244,14 @@ def _tp_rank(vocab_size):
 
 # vocab_size None: no padding; 110: rank 1 holds 35 real rows and 40 of padding; 60: rank 1 only padding.
 @pytest.mark.parametrize("vocab_size", [None, 110, 60])
-def test_vocab_parallel_tp2_equals_tp1(vocab_size, rank_pool, device):
+def test_vocab_parallel_tp2_equals_tp1(vocab_size, logits, rank_pool, device):
     if device != "cpu":
         pytest.skip("the TP=2 check runs on the CPU pool (gloo); GPUs: tests/gpu")
-    results = rank_pool(2).run(_tp_rank, vocab_size)
+    results = rank_pool(2).run(_tp_rank, vocab_size, logits)
     inputs = _tp_inputs(vocab_size)
     real = vocab_size or TP_V
     kw = dict(KW, loss_denominator=25.0, temperature=0.8)
-    loss1, lp1, ent1, stats1, gh1, gw1 = run_fused(*inputs, **kw, vocab_size=vocab_size)
+    loss1, lp1, ent1, stats1, gh1, gw1 = run_fused(*inputs, **kw, vocab_size=vocab_size, logits=logits)
     oracle_inputs = (inputs[0], inputs[1][:real], *inputs[2:])
     loss64, lp64, _, _, gh64, gw64 = run_oracle(*oracle_inputs, **kw)
     scale = loss_scale(lp64, *inputs[3:], **kw)
@@ -256,13 +284,14 @@ def test_variants_script_runs_every_variant_and_checks_one_pass_against_today(tm
     assert variants_head_loss.main(["--cpu-dry-run", "--csv", str(path)]) == 0
     rows = [line.split(",") for line in path.read_text().splitlines()[1:]]
     timed = {row[1] for row in rows if row[3] == "ms"}
-    assert timed == {"one_pass", "one_pass_ws2g", "today", "today_tma", "cublas_3gemm"}
+    assert timed == {"one_pass", "one_pass_tma", "one_pass_ws2g", "today", "today_tma", "cublas_3gemm"}
     table = variants_head_loss.run_variants(
-        n=20, h=32, v=260, tp=2, variants=["one_pass"], repeats=1, csv=str(path), device="cpu"
+        n=20, h=32, v=260, tp=2, variants=["one_pass", "one_pass_tma"], repeats=1, csv=str(path), device="cpu"
     )
-    d_lp, d_loss = (float(x) for x in table[-1]["vs_today"].split("/"))
-    # bf16 inputs, fp32 logits on both paths, different tilings: a few fp32 roundings of the log-prob
-    assert d_lp < 1e-5 and d_loss < 1e-5
+    for row in table[-2:]:
+        d_lp, d_loss = (float(x) for x in row["vs_today"].split("/"))
+        # bf16 inputs, fp32 logits on both paths, different tilings: a few fp32 roundings of the log-prob
+        assert d_lp < 1e-5 and d_loss < 1e-5, row
     with pytest.raises(ValueError, match=r"--variants: unknown \['nope'\]"):
         variants_head_loss.main(["--cpu-dry-run", "--csv", str(path), "--variants", "one_pass,nope"])
 
@@ -282,7 +311,7 @@ class _Shapes(TorchDispatchMode):
         return out
 
 
-def test_logits_never_exist_beyond_one_chunk(monkeypatch, device):
+def test_logits_never_exist_beyond_one_chunk(logits, monkeypatch, device):
     """N = 48 rows in chunks of 16: every tensor the call creates (forward and backward) holds at most
     one chunk's logits (16 x V), and nothing is as large as the [N, V] logits (V H < N V here)."""
     n, h, v = 48, 32, 301
@@ -291,7 +320,7 @@ def test_logits_never_exist_beyond_one_chunk(monkeypatch, device):
     hidden = inputs[0].clone().requires_grad_()
     weight = inputs[1].clone().requires_grad_()
     with _Shapes() as seen:
-        loss, *_ = linear_dapo_loss(hidden, weight, *inputs[2:], **KW, loss_denominator=40.0)
+        loss, *_ = linear_dapo_loss(hidden, weight, *inputs[2:], **KW, loss_denominator=40.0, logits=logits)
         loss.backward()
     sizes = [math.prod(shape) for shape in seen.shapes]
     vocab_wide = [shape for shape in seen.shapes if len(shape) == 2 and shape[1] == v]
@@ -300,7 +329,7 @@ def test_logits_never_exist_beyond_one_chunk(monkeypatch, device):
 
 
 @pytest.mark.parametrize("agg_mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-def test_every_aggregation_mode_is_a_per_token_weight(agg_mode, device):
+def test_every_aggregation_mode_is_a_per_token_weight(agg_mode, logits, device):
     """The trainer's three aggregation modes (dapo_megatron.algo) through loss_weight and D, known before
     the pass: token-mean w = mask, D = tokens; seq-mean-token-sum w = mask, D = sequences;
     seq-mean-token-mean w = mask / (the sequence's token count), D = sequences. Loss and gradients equal
@@ -313,7 +342,7 @@ def test_every_aggregation_mode_is_a_per_token_weight(agg_mode, device):
     loss_weight = (mask / count if agg_mode == "seq-mean-token-mean" else mask).reshape(-1)
     denom = float(mask.sum()) if agg_mode == "token-mean" else float(b)
     kw = dict(KW, loss_denominator=denom)
-    loss, _, _, _, gh, gw = run_fused(hidden, weight, targets, old, adv, loss_weight, **kw)
+    loss, _, _, _, gh, gw = run_fused(hidden, weight, targets, old, adv, loss_weight, **kw, logits=logits)
     h64 = hidden.double().requires_grad_()
     w64 = weight.double().requires_grad_()
     lp64, _ = linear_logprob_entropy_reference(h64, w64, targets)
@@ -343,7 +372,7 @@ class _Storages(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("rows", [16, None], ids=["3_chunks", "one_chunk"])
-def test_one_pass_bytes_is_what_the_forward_allocates(rows, monkeypatch, device):
+def test_one_pass_bytes_is_what_the_forward_allocates(rows, logits, monkeypatch, device):
     """one_pass_bytes (the memory plan's count, memplan/activations.py) against the storages the forward
     creates: the buffers of at least one chunk x H fp32 (the O(N) vectors and the [4, N] statistics are
     below it) are exactly its workspace + saved, and saved is what autograd keeps for the backward."""
@@ -354,7 +383,7 @@ def test_one_pass_bytes_is_what_the_forward_allocates(rows, monkeypatch, device)
     hidden = inputs[0].clone().requires_grad_()
     weight = inputs[1].clone().requires_grad_()
     with _Storages() as seen:
-        loss, *_ = linear_dapo_loss(hidden, weight, *inputs[2:], **KW, loss_denominator=40.0)
+        loss, *_ = linear_dapo_loss(hidden, weight, *inputs[2:], **KW, loss_denominator=40.0, logits=logits)
     want = head_loss_mod.one_pass_bytes(n, h, v, 4, tp=False)
     floor = 16 * h * 4
     given = {t.untyped_storage().data_ptr() for t in (hidden, weight, *inputs[2:])}  # views of the inputs
