@@ -392,3 +392,21 @@ def test_one_pass_bytes_is_what_the_forward_allocates(rows, logits, monkeypatch,
     assert sum(t.untyped_storage().nbytes() for t in loss.grad_fn.saved_tensors) == want["saved"]
     # one chunk's fp32 logits + fp32 dlogits, and with several chunks the fp32 grad_weight accumulator
     assert want["workspace"] == (16 * v * 8 + v * h * 4 if rows else n * v * 8)
+
+
+@pytest.mark.parametrize("fp32", [False, True])
+def test_tma_autotune_configs_set_the_descriptor_boxes(fp32):
+    """Compiled, the TMA kernel autotunes over tiles while the host descriptors carry one box: each config's
+    pre-hook must set the boxes to its tiles (a box that is not the tile reads the wrong rows on the GPU;
+    the interpreter runs its fixed tiles and would not notice)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    for cfg in head_loss_tma.hopper_configs(fp32=fp32):
+        nargs = {
+            "h_desc": TensorDescriptor.from_tensor(torch.zeros(8, 64), [16, 32]),
+            "w_desc": TensorDescriptor.from_tensor(torch.zeros(8, 64), [16, 32]),
+            **cfg.kwargs,
+        }
+        cfg.pre_hook(nargs)
+        bn, bv, bk = cfg.kwargs["BLOCK_N"], cfg.kwargs["BLOCK_V"], cfg.kwargs["BLOCK_K"]
+        assert list(nargs["h_desc"].block_shape) == [bn, bk] and list(nargs["w_desc"].block_shape) == [bv, bk]
