@@ -13,6 +13,7 @@ A rank that raises sends its traceback; a rank that hangs past `timeout` kills t
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing as mp
 import os
@@ -21,6 +22,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import psutil
 import torch
 
 
@@ -156,6 +158,10 @@ class RankPool:
         return results
 
     def close(self, *, force: bool = False) -> None:
+        # a rank's own children outlive a killed rank: megatron's checkpoint writer starts a
+        # multiprocessing Manager per process (filesystem_async._get_write_results_queue), whose server,
+        # orphaned, kept ~270 MB and the test's stdout open (a `pytest ... | grep` never ended; 2026-11-28)
+        children = self._children()
         for conn, proc in zip(self._conns, self._procs):
             if not force and proc.is_alive():
                 try:
@@ -167,3 +173,13 @@ class RankPool:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        for child in children:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+
+    def _children(self) -> list[psutil.Process]:
+        found = []
+        for proc in self._procs:
+            with contextlib.suppress(psutil.NoSuchProcess, ValueError):
+                found += psutil.Process(proc.pid).children(recursive=True)
+        return found

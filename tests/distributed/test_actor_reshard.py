@@ -262,3 +262,16 @@ def test_a_virtual_pipeline_checkpoint_reshards_both_ways(rank_pool, tiny4_dir, 
     ref = _step1_reference(tiny4_dir, results[0]["saved"], batches[1], tmp_path)
     worst = _check_resumed(results, ref, layouts=layouts, saved_as=saved_as)
     print(f"saved as {saved_as}: worst weight error / bound per resumed layout {worst}")
+
+
+# Four ranks: a checkpoint whose optimizer state is sharded over DP=2 inside each TP=2 position loads where
+# the same four ranks form two pipeline stages (PP=2 x DP=2) and a TP=2 x PP=2 grid (no DP).
+FOUR_RANK_LAYOUTS = {"tp2-dp2": dict(tp=2), "pp2-dp2": dict(pp=2), "tp2-pp2": dict(tp=2, pp=2)}
+
+
+def test_a_four_rank_checkpoint_loads_under_other_four_rank_grids(rank_pool, tiny_dir, tmp_path):
+    batches = _batches(tiny_dir)
+    results = rank_pool(4).run(_reshard_rank, tiny_dir, batches, str(tmp_path / "ckpt"), "tp2-dp2", FOUR_RANK_LAYOUTS)
+    ref = _step1_reference(tiny_dir, results[0]["saved"], batches[1], tmp_path)
+    worst = _check_resumed(results, ref, layouts=FOUR_RANK_LAYOUTS, saved_as="tp2-dp2")
+    print(f"4 ranks, saved as tp2-dp2: worst weight error / bound per resumed layout {worst}")
