@@ -121,7 +121,8 @@ def actor_ready(cfg: Config, *, out: TextIO | None = None) -> None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     ac = cfg.actor
     dp = max(1, world // (ac.tp * ac.pp * ac.cp))
-    layout = f"TP {ac.tp} x PP {ac.pp}" + (f" x CP {ac.cp}" if ac.cp > 1 else "") + f" x DP {dp}"
+    pipeline = f"PP {ac.pp}" + (f" (VPP {ac.vpp})" if ac.vpp else "")
+    layout = f"TP {ac.tp} x {pipeline}" + (f" x CP {ac.cp}" if ac.cp > 1 else "") + f" x DP {dp}"
     backend = dist.get_backend() if dist.is_initialized() else "none"
     since = time.time() - psutil.Process().create_time()
     print(

@@ -236,3 +236,17 @@ def test_megatrons_cuda_device_max_connections_hint_is_filtered_as_megatron_word
                 message, UserWarning, "layers.py", 730, module="megatron.core.tensor_parallel.layers"
             )
     assert caught == []
+
+
+def test_the_actor_line_names_every_parallel_size_in_use():
+    from dapo_megatron.config import Config
+
+    cfg = Config()
+    cfg.actor.tp, cfg.actor.pp, cfg.actor.vpp, cfg.actor.precision = 2, 2, 3, "bf16"
+    out = io.StringIO()
+    console.actor_ready(cfg, out=out)  # no process group here: one rank, DP 1
+    assert out.getvalue().startswith("[train] actor: 1 Megatron rank (TP 2 x PP 2 (VPP 3) x DP 1, bf16, none), ready ")
+    cfg.actor.pp, cfg.actor.vpp, cfg.actor.cp = 1, None, 2
+    out = io.StringIO()
+    console.actor_ready(cfg, out=out)
+    assert "(TP 2 x PP 1 x CP 2 x DP 1, bf16, none)" in out.getvalue()
