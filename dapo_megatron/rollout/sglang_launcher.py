@@ -43,7 +43,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -195,8 +195,20 @@ def advertised_host(bind_host: str, advertise: str = "") -> str:
     return bind_host
 
 
-def wait_healthy(url: str, *, proc: subprocess.Popen | None = None, timeout_s: float = 1800.0) -> None:
-    deadline = time.monotonic() + timeout_s
+def wait_healthy(
+    url: str,
+    *,
+    proc: subprocess.Popen | None = None,
+    timeout_s: float = 1800.0,
+    every_s: float = 60.0,
+    say: Callable[[str], None] = lambda line: print(line, flush=True),
+) -> None:
+    """Poll url/health until it answers 200. A server loading a 32B or 235B model from a shared file
+    system takes minutes: one line every `every_s` (0: every poll) says how long it has waited and for
+    how much longer, so the engine's Slurm log shows a wait, not a hang."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    said = start
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"sglang server exited with code {proc.returncode} before answering {url}/health")
@@ -206,7 +218,11 @@ def wait_healthy(url: str, *, proc: subprocess.Popen | None = None, timeout_s: f
                     return
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
-        time.sleep(2.0)
+        now = time.monotonic()
+        if now - said >= every_s:
+            said = now
+            say(f"[sglang] waiting for {url}/health: {now - start:.0f} s, gives up in {deadline - now:.0f} s")
+        time.sleep(min(2.0, every_s) if every_s > 0 else 0.05)
     raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:.0f} s")
 
 

@@ -303,3 +303,41 @@ def test_stale_weight_versions_are_detected():
     # the last token's version is current, but the first 2 tokens came from the previous weights
     assert sampler.is_stale([out("step_3", [("step_2", 0, 2), ("step_3", 2, 5)])])
     assert sampler.is_stale([{"meta_info": {}}])  # an engine that does not say: not trusted
+
+
+def test_the_health_wait_says_how_long_it_has_waited_then_returns_or_names_the_exit():
+    """A real HTTP server on loopback answers 503 twice (a server still loading its model), then 200:
+    one waiting line per failed poll (every_s=0), none after the 200. A process that exits first is named."""
+    import subprocess
+    import sys
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from dapo_megatron.rollout.sglang_launcher import wait_healthy
+
+    answers = [503, 503, 200]
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(answers.pop(0) if len(answers) > 1 else answers[0])
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    lines: list[str] = []
+    try:
+        wait_healthy(url, timeout_s=30, every_s=0, say=lines.append)
+    finally:
+        server.shutdown()
+    assert len(lines) == 2 and answers == [200]
+    assert all(line.startswith(f"[sglang] waiting for {url}/health: ") and "gives up in " in line for line in lines)
+    exited = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    exited.wait()
+    with pytest.raises(
+        RuntimeError, match=r"sglang server exited with code 3 before answering http://127.0.0.1:9/health"
+    ):
+        wait_healthy("http://127.0.0.1:9", proc=exited, timeout_s=30, every_s=0, say=lines.append)
