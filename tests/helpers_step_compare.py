@@ -42,18 +42,32 @@ STAT_KEYS = (
 
 
 def step_rank(
-    hf_dir, samples, *, tp, sp, budget, fused_logprob, fused_policy_loss, algo=None, cp=1, pp=1, head_loss="separate"
+    hf_dir,
+    samples,
+    *,
+    tp,
+    sp,
+    budget,
+    fused_logprob,
+    fused_policy_loss,
+    algo=None,
+    cp=1,
+    pp=1,
+    vpp=None,
+    head_loss="separate",
 ):
     """Every rank: Actor.logprobs, then one train step; returns (logprobs, entropies, metrics, the
     gradient and the updated weights by HF name). The gradient is read just before the optimizer
     step (FP32 optimizer without sharding: each main_grad holds the full reduced gradient).
-    head_loss: actor.head_loss of the train step."""
+    head_loss: actor.head_loss of the train step; vpp: virtual pipeline stages per rank (actor.vpp)."""
     from dapo_megatron.actor.actor import Actor
     from dapo_megatron.actor.parallel import model_parallel
     from dapo_megatron.trainer.settings import actor_settings
 
-    with gradients_before_the_step() as captured, model_parallel(tp=tp, pp=pp, cp=cp, seed=7) as layout:
-        cfg = make_cfg(tp=tp, pp=pp, cp=cp, micro_batch_tokens=budget, sequence_parallel=sp, lr=1e-3, warmup_steps=0)
+    with gradients_before_the_step() as captured, model_parallel(tp=tp, pp=pp, cp=cp, vpp=vpp, seed=7) as layout:
+        cfg = make_cfg(
+            tp=tp, pp=pp, cp=cp, vpp=vpp, micro_batch_tokens=budget, sequence_parallel=sp, lr=1e-3, warmup_steps=0
+        )
         cfg.actor.use_distributed_optimizer = False
         cfg.actor.fused_logprob, cfg.actor.fused_policy_loss = fused_logprob, fused_policy_loss
         cfg.actor.head_loss = head_loss

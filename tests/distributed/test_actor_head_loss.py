@@ -4,7 +4,8 @@ Triton interpreter, fp32): the one-pass head + loss step equals the separate hea
 Each step is checked against the float64 step of transformers' model (tests/helpers_fp32.py: within fp32
 rounding of it, the bound measured on this CPU) for the loss, the grad norm, the gradient of every weight and
 the updated weights; every count equal, every other logged statistic equal within the log-prob rounding.
-At TP=1 x DP=2, CP=2 and PP=2 (several micro-batches per rank), TP=2 (the vocab-parallel op), TP=2 + sequence
+At TP=1 x DP=2, CP=2, PP=2 (several micro-batches per rank) and PP=2 x VPP=2 (4-layer models, megatron's
+interleaved schedule), TP=2 (the vocab-parallel op), TP=2 + sequence
 parallelism, the odd-vocabulary tied Llama at TP=2 (a padding row) and at PP=2 (the last stage's copy of the
 embeddings); the one-pass step over 2-3 micro-batches equals the one-pass step over one micro-batch per rank;
 seq-mean-token-mean + overlong filter + truncated importance weights (fractional per-token weights) over 3
@@ -179,4 +180,55 @@ def test_bf16_one_pass_tp2_sp_on_policy_step(rank_pool, tiny_dirs):
     print(
         f"\n[one_pass bf16 tp2 sp] loss {m_one['loss']!r}, ratio_max - 1 {m_one['ratio_max'] - 1:.2e} (bound "
         f"{bound:.1e}), grad norm {m_one['grad_norm']:.6f} vs {m_sep['grad_norm']:.6f}"
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny4_dirs(tmp_path_factory):
+    """The step comparison's two models with 4 layers: PP=2 x VPP=2 gives each virtual stage one layer."""
+    from helpers_tiny import save_tiny_hf
+
+    root = tmp_path_factory.mktemp("head_loss_vpp")
+    llama_shape = dict(vocab_size=301, num_attention_heads=8)
+    return {
+        "qwen2": str(save_tiny_hf(root / "qwen2", arch="qwen2", tied=False, num_layers=4)),
+        "llama_v301_tied": str(
+            save_tiny_hf(root / "llama", arch="llama", tied=True, seed=3, num_layers=4, shape=llama_shape)
+        ),
+    }
+
+
+# (model, samples, budget): 8 samples in 4 micro-batches (2 groups of pp)
+VPP_CASES = {
+    "qwen2": ("qwen2", 8, 40),
+    "llama_v301_tied": ("llama_v301_tied", 8, 40),
+}
+
+
+@pytest.mark.parametrize("case", list(VPP_CASES))
+def test_one_pass_step_equals_separate_step_under_virtual_pipeline_stages(rank_pool, tiny4_dirs, case):
+    """PP=2 x VPP=2 on 2 ranks (megatron's interleaved schedule): the head runs in the last rank's second model
+    chunk, the micro-batches come in whole groups of pp, and the gradient of the tied embeddings reaches the
+    first rank's first chunk. The one-pass step equals the separate step (assert_same_step: both within fp32
+    rounding of the float64 step)."""
+    model, num_samples, budget = VPP_CASES[case]
+    hf_dir = tiny4_dirs[model]
+    samples = make_samples(num_samples, seed=11)
+    samples = fill_rl_fields(samples, hf_logprobs(hf_dir, samples)[0], seed=4)
+    exact, tokens, before = references(hf_dir, samples)
+    pool = rank_pool(2)
+    layout = dict(tp=1, sp=False, pp=2, vpp=2)
+    separate = pool.run(step_rank, hf_dir, samples, budget=budget, **layout, **SEPARATE)
+    one_pass = pool.run(step_rank, hf_dir, samples, budget=budget, **layout, **ONE_PASS)
+    assert one_pass[1][2] == one_pass[0][2] and set(one_pass[0][2]) == set(separate[0][2])
+    _same_logprob_pass(separate[0], one_pass[0])
+    micro = separate[0][2]["num_micro_batches"]
+    assert micro == 4 and one_pass[0][2]["num_micro_batches"] == micro
+    worst = assert_same_step(separate[0], one_pass[0], exact, tokens, samples, before, label=f"one_pass vpp {case}")
+    assert not any(torch.equal(g, separate[0][3][name]) for name, g in one_pass[0][3].items())  # one_pass ran
+    m_sep, m_one = separate[0][2], one_pass[0][2]
+    print(
+        f"\n[one_pass actor, PP=2 x VPP=2] {case}: {micro:.0f} micro-batches, worst error / fp32 bound {worst:.2f}; "
+        f"loss {m_one['loss']:.9f} vs {m_sep['loss']:.9f}, grad norm {m_one['grad_norm']:.9f} vs "
+        f"{m_sep['grad_norm']:.9f}"
     )
