@@ -423,7 +423,7 @@ class Actor(Policy):
         init_empty_optimizer_state(self.optimizer)
         optimizer_format = meta.get("optimizer_format", LEGACY_OPTIMIZER_FORMAT)
         sharded = self._sharded_state_dict(is_loading=True, optimizer_format=optimizer_format, rng=restore)
-        state, meta = load_checkpoint(path, sharded_state_dict=sharded)
+        state, meta = load_checkpoint(path, sharded_state_dict=sharded, parallel_group=self.layout.dp_cp_group)
         for index, chunk in enumerate(self._chunks):
             chunk.load_state_dict(state["model" if len(self._chunks) == 1 else f"model{index}"], strict=False)
         optimizer_state = regroup_optimizer_state(

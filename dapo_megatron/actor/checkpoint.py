@@ -112,9 +112,19 @@ def read_checkpoint_meta(path: str | Path) -> dict:
     return json.loads((resolve_checkpoint(path) / META_FILE).read_text())
 
 
-def load_checkpoint(path: str | Path, *, sharded_state_dict: dict) -> tuple[dict, dict]:
-    """Collective: (loaded state dict, meta JSON)."""
+def load_checkpoint(
+    path: str | Path, *, sharded_state_dict: dict, parallel_group: dist.ProcessGroup | None = None
+) -> tuple[dict, dict]:
+    """Collective: (loaded state dict, meta JSON).
+
+    parallel_group (the DP x CP group): its ranks need the same tensors (the model's replicas, and in
+    the fully_reshardable format each rank's whole TP x PP position's optimizer state), so each reads a
+    1/|group| share of them from the file system and they exchange the rest (megatron-core's
+    FullyParallelLoadStrategyWrapper, broadcast): the checkpoint's bytes are read once per position,
+    not once per rank."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
 
     where = resolve_checkpoint(path)
     meta = json.loads((where / META_FILE).read_text())
@@ -129,7 +139,10 @@ def load_checkpoint(path: str | Path, *, sharded_state_dict: dict) -> tuple[dict
         warnings.filterwarnings(
             "ignore", message=r"Please use DTensor instead and we are deprecating ShardedTensor", category=FutureWarning
         )
-        state = dist_checkpointing.load(sharded_state_dict, str(where))
+        strategy = None
+        if parallel_group is not None and parallel_group.size() > 1:
+            strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(where)), parallel_group)
+        state = dist_checkpointing.load(sharded_state_dict, str(where), sharded_strategy=strategy)
     return state, meta
 
 

@@ -8,7 +8,10 @@ a stated shared-file-system rate. `dapo-megatron plan` prints it under the weigh
                                               the optimizer state of one rank's TP x PP (x EP) position
     save host  = HOST_PEAK_FACTOR * shard     fully_reshardable: every DP rank gathers its position's whole
                                               state before the write (megatron's DistributedOptimizer)
-    load read  = world * (shard + model shard)  each rank reads its position's whole state, keeps its slice
+    load read  = disk                         every rank needs its position's whole state (then keeps its
+                                              slice), but the DP x CP ranks of a position read it once between
+                                              them (megatron's fully parallel load, actor/checkpoint.py) ...
+    exchange   = (shard + model shard) * (1 - 1 / (dp * cp))   ... and each receives the rest from its peers
     seconds    = bytes / FS_BYTES_PER_S       writes once (disk), reads `load read`
 
 With actor.checkpoint_format=dp_reshardable a save gathers nothing (each DP rank writes its own slice:
@@ -37,7 +40,8 @@ class CheckpointCost:
     disk_bytes: float
     shard_state_bytes: float  # one rank's TP x PP (x EP) position's optimizer state
     save_host_bytes: float  # per rank, at a fully_reshardable save
-    load_read_bytes: float  # all ranks together, at a load (any layout)
+    load_read_bytes: float  # all ranks together from the file system, at a load (any layout)
+    exchange_bytes: float  # per rank, received from its DP x CP peers at a fully_reshardable load
     fs_bytes_per_s: float
     fully_reshardable: bool
 
@@ -60,7 +64,8 @@ class CheckpointCost:
             f"checkpoint (fully_reshardable): {_gb(self.disk_bytes)} on disk; save {self.save_s:.0f} s at {fs}, "
             f"host memory per rank ~{_gb(self.save_host_bytes)} (gathers its position's {_gb(self.shard_state_bytes)} "
             f"of optimizer state x{HOST_PEAK_FACTOR:g} measured)",
-            f"  resume on any layout: the ranks read {_gb(self.load_read_bytes)} in all, {self.load_s:.0f} s at {fs}",
+            f"  resume on any layout: the ranks read {_gb(self.load_read_bytes)} in all, {self.load_s:.0f} s at {fs}; "
+            f"each receives {_gb(self.exchange_bytes)} of its position's state from its data-parallel peers",
         ]
 
 
@@ -81,13 +86,14 @@ def checkpoint_cost(
     position = dense / (layout.tp * layout.pp) + experts / (layout.ep * etp * layout.pp)
     shard = OPTIMIZER_BYTES_PER_PARAM * position
     disk = total * (weight_bytes + OPTIMIZER_BYTES_PER_PARAM)
+    replicas = layout.dp * layout.cp
     if fully_reshardable:
         save_host = HOST_PEAK_FACTOR * shard
-        load_read = layout.world * (shard + weight_bytes * position)
+        exchange = (shard + weight_bytes * position) * (1 - 1 / replicas)
     else:
-        save_host = HOST_PEAK_FACTOR * shard / (layout.dp * layout.cp)
-        load_read = disk
-    return CheckpointCost(disk, shard, save_host, load_read, fs_bytes_per_s, fully_reshardable)
+        save_host = HOST_PEAK_FACTOR * shard / replicas
+        exchange = 0.0
+    return CheckpointCost(disk, shard, save_host, disk, exchange, fs_bytes_per_s, fully_reshardable)
 
 
 def _gb(n: float) -> str:

@@ -275,3 +275,47 @@ def test_a_four_rank_checkpoint_loads_under_other_four_rank_grids(rank_pool, tin
     ref = _step1_reference(tiny_dir, results[0]["saved"], batches[1], tmp_path)
     worst = _check_resumed(results, ref, layouts=FOUR_RANK_LAYOUTS, saved_as="tp2-dp2")
     print(f"4 ranks, saved as tp2-dp2: worst weight error / bound per resumed layout {worst}")
+
+
+def _read_bytes() -> int:
+    """Bytes this process has read through read() calls (/proc/self/io rchar), page cache included."""
+    with open("/proc/self/io") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("rchar"))
+
+
+def _load_read_bytes_rank(hf_dir, batch, root):
+    import multiprocessing
+
+    import dapo_megatron.actor.actor as actor_module
+    from dapo_megatron.actor.parallel import model_parallel
+
+    multiprocessing.current_process()._config["daemon"] = False  # dist_checkpointing's writer has children
+    load = actor_module.load_checkpoint
+    read = {}
+    with model_parallel(seed=7) as layout:
+        actor = _actor(hf_dir, layout, {})
+        actor.train(batch, step=0)  # megatron's distributed optimizer has no state to save before a step
+        actor.save(root)
+        for label, group in (("each rank reads all", None), ("parallel", layout.dp_cp_group)):
+            actor_module.load_checkpoint = lambda path, *, sharded_state_dict, parallel_group, g=group: load(
+                path, sharded_state_dict=sharded_state_dict, parallel_group=g
+            )
+            try:
+                before = _read_bytes()
+                actor.load(root)
+                read[label] = _read_bytes() - before
+            finally:
+                actor_module.load_checkpoint = load
+        weights = _weights(actor)
+        actor.close()
+    return read, weights
+
+
+def test_data_parallel_ranks_read_a_checkpoint_once_between_them(rank_pool, tiny_dir, tmp_path):
+    """The DP=2 ranks need the same tensors (model replicas, the position's whole optimizer state): with
+    megatron's fully parallel load each reads half and they exchange the rest (checkpoint.load_checkpoint)."""
+    results = rank_pool(2).run(_load_read_bytes_rank, tiny_dir, _batches(tiny_dir)[0], str(tmp_path / "ckpt"))
+    for read, _ in results:
+        assert read["parallel"] < 0.6 * read["each rank reads all"], read
+    assert all(torch.equal(results[0][1][n], results[1][1][n]) for n in results[0][1])
+    print(f"bytes read per rank at a DP=2 load: {[r for r, _ in results]}")

@@ -22,9 +22,13 @@ def test_the_sizes_counted_by_hand():
     assert cost.disk_bytes == P * 14  # bf16 weights + fp32 master + two Adam moments
     assert cost.shard_state_bytes == 12 * P / 2  # one TP rank's position
     assert cost.save_host_bytes == pytest.approx(2.5 * 12 * P / 2)  # gathered over DP, x the measured factor
-    assert cost.load_read_bytes == 8 * (12 * P / 2 + 2 * P / 2)  # every one of the 8 ranks reads its position
-    assert cost.save_s == pytest.approx(P * 14 / 1e3) and cost.load_s == pytest.approx(8 * 7 * P / 1e3)
-    assert "resume on any layout: the ranks read" in cost.lines()[1]
+    # the 4 DP ranks of each of the 2 positions read it once between them and exchange the rest
+    assert cost.load_read_bytes == P * 14
+    assert cost.exchange_bytes == pytest.approx((12 * P / 2 + 2 * P / 2) * 3 / 4)
+    assert cost.save_s == pytest.approx(P * 14 / 1e3) and cost.load_s == pytest.approx(P * 14 / 1e3)
+    assert (
+        "resume on any layout: the ranks read" in cost.lines()[1] and "from its data-parallel peers" in cost.lines()[1]
+    )
 
 
 def test_the_earlier_format_reads_once_and_gathers_nothing():
