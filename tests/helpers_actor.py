@@ -73,7 +73,8 @@ def fill_rl_fields(samples, hf_logps, *, seed=1):
     for i, (s, lp) in enumerate(zip(samples, hf_logps)):
         s.old_logprobs = (lp + 0.3 * torch.randn(lp.shape, generator=gen)).tolist()
         s.advantage = [1.5, -1.0, 0.5, -1.5][i % 4]
-    samples[1].loss_mask = [1] * (len(samples[1].response_ids) - 1) + [0]
+    if len(samples) > 1:
+        samples[1].loss_mask = [1] * (len(samples[1].response_ids) - 1) + [0]
     return samples
 
 

@@ -34,6 +34,7 @@ grad(global sum / D).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -338,6 +339,8 @@ class Actor(Policy):
         def take_optional(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else take(t)
 
+        if mb.num_sequences == 0:  # a padding-only micro-batch completing a group of pp under VPP: nothing trains
+            mb = _padding_fields(mb)
         assert mb.old_logprobs is not None  # _check_train_inputs: the loss's stage has them
 
         wants = self.objective
@@ -449,3 +452,16 @@ class Actor(Policy):
                     flush=True,
                 )
         return meta
+
+
+def _padding_fields(mb: MicroBatch) -> MicroBatch:
+    """An empty micro-batch (dataplane/micro_batches.py: the interleaved schedule takes micro-batches in
+    whole groups of pp, so a rank with too few sequences gets one) with zero log-prob fields where it has
+    none: the loss reads them at no position (its loss mask is all zero), but the same code runs."""
+    zeros = torch.zeros(mb.length, dtype=torch.float32)
+    return dataclasses.replace(
+        mb,
+        old_logprobs=zeros if mb.old_logprobs is None else mb.old_logprobs,
+        rollout_logprobs=zeros if mb.rollout_logprobs is None else mb.rollout_logprobs,
+        ref_logprobs=zeros if mb.ref_logprobs is None else mb.ref_logprobs,
+    )

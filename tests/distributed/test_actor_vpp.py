@@ -9,6 +9,9 @@ What must hold, and why it could fail:
   (_pipeline_p2p_kwargs): at PP=2 the interleaved schedule sends an activation forward and a gradient
   backward to the same peer in one call, and megatron's batched p2p matched them crossed (loss 1.444 for
   0.285, ratio_max 47); the forward-only log-probs were right all along, so only a train step shows it;
+- a rank with fewer sequences than pp trains on an empty (padding-only) micro-batch too (1 sequence on 2
+  ranks, 3 over DP=2): the same bounds; it failed before (the loss read the empty micro-batch's old
+  log-probs, which it has none of, and the other stage then hung in the pipeline exchange);
 - with DP=2 on top (4 ranks: PP=2 x VPP=2 x DP=2), the same; the log-probs and entropies of every token
   are the float64 transformers model's within their fp32 bounds.
 Checkpoints under VPP moving to and from other layouts: tests/distributed/test_actor_reshard.py."""
@@ -30,12 +33,12 @@ def tiny4_dir(tmp_path_factory):
 
 
 @functools.cache
-def _reference(tiny4_dir):
+def _reference(tiny4_dir, num_samples=10):
     """The samples, the float64 step on them with its fp32 bounds, and the float64 weights after one Adam
     update with their per-entry bounds (as test_actor_train.py's layout tests)."""
     from safetensors.torch import load_file
 
-    samples = make_samples(10, seed=5)
+    samples = make_samples(num_samples, seed=5)
     logps, _ = hf_logprobs(tiny4_dir, samples)
     samples = fill_rl_fields(samples, logps, seed=2)
     ref = reference_step(tiny4_dir, samples)
@@ -63,9 +66,14 @@ def _step_rank(hf_dir, samples, vpp):
     return metrics, weights, logprobs
 
 
-@pytest.mark.parametrize("world", [2, 4], ids=["pp2-vpp2", "pp2-vpp2-dp2"])
-def test_an_interleaved_pipeline_step_is_the_float64_step(rank_pool, tiny4_dir, world):
-    samples, ref, before, after, bounds = _reference(tiny4_dir)
+@pytest.mark.parametrize(
+    "world,num_samples",
+    [(2, 10), (4, 10), (2, 1), (4, 3)],
+    # one sequence in two micro-batches; 3 over DP=2: the rank with one has an empty micro-batch
+    ids=["pp2-vpp2", "pp2-vpp2-dp2", "an-empty-micro-batch", "an-empty-micro-batch-dp2"],
+)
+def test_an_interleaved_pipeline_step_is_the_float64_step(rank_pool, tiny4_dir, world, num_samples):
+    samples, ref, before, after, bounds = _reference(tiny4_dir, num_samples)
     tokens = token_bounds(tiny4_dir, samples)
     results = rank_pool(world).run(_step_rank, tiny4_dir, samples, 2)
     worst = 0.0
