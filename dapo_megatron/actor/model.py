@@ -181,9 +181,8 @@ def transformer_config_from_hf(
     attention_backend: AttentionBackend = "torch",
     uniform_lengths: bool = False,
 ):
-    """TransformerConfig for the current parallel_state layout (call inside model_parallel()).
-    uniform_lengths: every micro-batch of one pipeline schedule call has the same length (the actor's
-    packing under PP), so stages need not exchange shapes (_pipeline_p2p_kwargs)."""
+    """TransformerConfig for the current parallel_state layout (call inside model_parallel()); uniform_lengths:
+    one length for every micro-batch of a pipeline schedule call (_pipeline_p2p_kwargs)."""
     from megatron.core.transformer import TransformerConfig
 
     _check_supported_architecture(hf_config)
@@ -344,13 +343,10 @@ def build_gpt_model(
     attention_kernel: str = "sdpa",
     uniform_lengths: bool = False,
 ) -> GPTModel:
-    """One GPTModel chunk for this rank's pipeline stage (and virtual stage `vp_stage`).
-
-    Call inside `model_parallel(...)`. pre/post_process default to "first/last (virtual) stage".
-    The vocabulary is padded to `padded_vocab_size(vocab, tp=tp)`; parallel_output=True (logits
-    stay vocab-parallel). Parameters are on the GPU when CUDA is available, else on the CPU.
-    The model is NOT wrapped (no Float16Module / DDP): that is the trainer's choice.
-    """
+    """One GPTModel chunk for this rank's pipeline stage (and virtual stage `vp_stage`), inside `model_parallel(...)`.
+    pre/post_process default to "first/last (virtual) stage". The vocabulary is padded to
+    `padded_vocab_size(vocab, tp=tp)`; parallel_output=True (logits stay vocab-parallel). Parameters are on the
+    GPU when CUDA is available, else on the CPU. NOT wrapped (no Float16Module / DDP): the trainer's choice."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
