@@ -565,6 +565,9 @@ class SlurmConfig:
     gpu_memory_gb: float = (
         80.0  # memory of one GPU in GiB (H100 80GB); `dapo-megatron plan` checks every phase against it
     )
+    # host memory of one node in GiB (2 TiB on a DGX H100): `plan` checks a checkpoint save against it (every
+    # actor rank of a node gathers its position's optimizer state at once: memplan/checkpoint_cost.py)
+    host_memory_gb: float = 2048.0
     # link bandwidths `dapo-megatron plan` predicts the weight sync's seconds from (memplan/sync_time.py):
     # one sender's NIC to the engines (400: one NDR InfiniBand NIC per GPU) and the NVLink all-gather bus
     # bandwidth per GPU (2880 = 360 GB/s on 8 x H100 SXM); `plan --links preflight.json` uses measured ones
@@ -581,6 +584,9 @@ class SlurmConfig:
             "slurm.gpu_memory_gb",
             self.gpu_memory_gb,
             "GiB of one GPU, > 0 (80 for an H100 80GB)",
+        )
+        _require(
+            self.host_memory_gb > 0, "slurm.host_memory_gb", self.host_memory_gb, "GiB of one node's host memory, > 0"
         )
         _require(self.network_gbps > 0, "slurm.network_gbps", self.network_gbps, "Gbit/s of one sender's link, > 0")
         _require(

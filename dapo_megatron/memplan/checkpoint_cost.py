@@ -53,6 +53,10 @@ class CheckpointCost:
     def load_s(self) -> float:
         return self.load_read_bytes / self.fs_bytes_per_s
 
+    @property
+    def checkpoint_format_name(self) -> str:
+        return "fully_reshardable" if self.fully_reshardable else "dp_reshardable"
+
     def lines(self) -> list[str]:
         fs = f"{self.fs_bytes_per_s / 1e9:g} GB/s shared file system (assumed)"
         if not self.fully_reshardable:
@@ -67,6 +71,22 @@ class CheckpointCost:
             f"  resume on any layout: the ranks read {_gb(self.load_read_bytes)} in all, {self.load_s:.0f} s at {fs}; "
             f"each receives {_gb(self.exchange_bytes)} of its position's state from its data-parallel peers",
         ]
+
+
+def host_memory_problems(cost: CheckpointCost, *, ranks_per_node: int, host_memory_gb: float) -> list[str]:
+    """A save that would exhaust a node's host memory, said before the run starts (hours before its first
+    save): every actor rank on a node gathers its position's optimizer state at the same time."""
+    need = ranks_per_node * cost.save_host_bytes
+    have = host_memory_gb * 2**30
+    if need <= have:
+        return []
+    return [
+        f"checkpoint save: {ranks_per_node} actor ranks per node x {_gb(cost.save_host_bytes)} of host memory each "
+        f"({cost.checkpoint_format_name} gathers a position's {_gb(cost.shard_state_bytes)} of optimizer state) = "
+        f"{_gb(need)} > slurm.host_memory_gb={host_memory_gb:g} ({_gb(have)}): raise actor.tp / actor.pp, or set "
+        "actor.checkpoint_format=dp_reshardable (resumes only under the same TP, PP and EP), or slurm.host_memory_gb "
+        "to the nodes' memory"
+    ]
 
 
 def checkpoint_cost(

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from dapo_megatron.memplan.activations import ActivationModel
 from dapo_megatron.memplan.arch import ModelDims, model_dims_for
-from dapo_megatron.memplan.checkpoint_cost import CheckpointCost, checkpoint_cost
+from dapo_megatron.memplan.checkpoint_cost import CheckpointCost, checkpoint_cost, host_memory_problems
 from dapo_megatron.memplan.engine import ENGINE_CONTEXT_BYTES, GIB, EngineMemory, engine_memory
 from dapo_megatron.memplan.static import (
     PARAM_BYTES,
@@ -506,4 +506,6 @@ def build_plan(cfg, *, links: Links | None = None) -> MemoryPlan:
     checkpoint = checkpoint_cost(
         dims, x.layout, weight_bytes=PARAM_BYTES[ac.precision], checkpoint_format=ac.checkpoint_format
     )
+    nodes_ranks = min(ac.world_size, cfg.slurm.gpus_per_node) if cfg.slurm.gpus_per_node else ac.world_size
+    problems += host_memory_problems(checkpoint, ranks_per_node=nodes_ranks, host_memory_gb=cfg.slurm.host_memory_gb)
     return MemoryPlan(header, tables, ro.placement, limit, problems, sync=sync, checkpoint=checkpoint)

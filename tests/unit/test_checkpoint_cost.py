@@ -36,3 +36,28 @@ def test_the_earlier_format_reads_once_and_gathers_nothing():
     assert cost.load_read_bytes == P * 14
     assert cost.save_host_bytes == pytest.approx(2.5 * 12 * P / 2 / 4)
     assert "resumes only under the same TP, PP and EP" in cost.lines()[0]
+
+
+def test_a_save_that_would_exhaust_a_node_is_named_before_the_run():
+    """8 ranks per node each gathering 2.5 x 12 x P / 2 = 20,280 bytes (P = 1352): 162,240 bytes per node."""
+    from dapo_megatron.memplan.checkpoint_cost import host_memory_problems
+
+    cost = checkpoint_cost(DIMS, Layout(tp=2, dp=4), weight_bytes=2)
+    assert cost.save_host_bytes * 8 == pytest.approx(162_240)
+    assert host_memory_problems(cost, ranks_per_node=8, host_memory_gb=162_241 / 2**30) == []
+    (problem,) = host_memory_problems(cost, ranks_per_node=8, host_memory_gb=162_239 / 2**30)
+    assert problem.startswith("checkpoint save: 8 actor ranks per node x ")
+    assert "> slurm.host_memory_gb=" in problem and "actor.checkpoint_format=dp_reshardable" in problem
+
+
+def test_the_235b_preset_on_512_gib_nodes_is_refused_by_plan(capsys):
+    """qwen3-235b-a22b: each of a node's 8 ranks gathers its position's 54.6 GB of optimizer state x 2.5 at a
+    save: 1,091.5 GB per node, more than 512 GiB. Refused before anything starts; fits the default 2 TiB."""
+    from dapo_megatron.memplan.report import main
+
+    preset = "configs/runs/qwen3-235b-a22b_dapo.yaml"
+    assert main([preset, "slurm.host_memory_gb=512"]) == 1
+    out = capsys.readouterr().out
+    assert "checkpoint save: 8 actor ranks per node x 136.4 GB of host memory each" in out
+    assert "= 1,091.5 GB > slurm.host_memory_gb=512 (549.8 GB)" in out
+    assert main([preset]) == 0
