@@ -259,26 +259,31 @@ def test_resume_skips_a_damaged_checkpoint_and_names_the_file(runs):
             assert ra[key] == rd[key], (ra["step"], key)
 
 
-def test_resume_under_another_tensor_parallel_size_trains_on(runs):
-    """A copy of run A (TP=1 x DP=2) cut back to its step-2 checkpoint, resumed under actor.tp=2 (DP=1):
-    the launcher says the layout change in one line, the checkpoint reshards (model, optimizer, RNG
-    re-derived), and the run trains on. The weights the engine receives at step 3 are the saved ones
-    exactly (resharding moves values: tests/distributed/test_actor_reshard.py), so step 3 samples the same
+@pytest.mark.parametrize(
+    "label,override,under",
+    [("tp2", "actor.tp=2", "TP=2 PP=1 CP=1 DP=1"), ("pp2", "actor.pp=2", "TP=1 PP=2 CP=1 DP=1")],
+    ids=["tensor-parallel", "pipeline-parallel"],
+)
+def test_resume_under_another_parallel_layout_trains_on(runs, label, override, under):
+    """A copy of run A (TP=1 x DP=2) cut back to its step-2 checkpoint, resumed under actor.tp=2 (DP=1) and
+    under actor.pp=2: the launcher says the layout change in one line, the checkpoint reshards (model,
+    optimizer, RNG re-derived), and the run trains on. The weights the engine receives at step 3 are the saved
+    ones exactly (resharding moves values: tests/distributed/test_actor_reshard.py), so step 3 samples the same
     tokens with the same data cursor as A: its rollout metrics equal A's; the lr schedule continues (A's
     lr at steps 3 and 4); the run ends with an eval of step 4."""
     import shutil
 
-    src, dst = runs["root"] / "a", runs["root"] / "tp2"
+    src, dst = runs["root"] / "a", runs["root"] / label
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("engines", "logs"))
     shutil.rmtree(dst / "checkpoints" / "step_000004")
     log = dst / "resume.log"
-    rows = train_tiny(dst, runs["cache"], "trainer.total_steps=4", "actor.tp=2", "--resume", log=log)
+    rows = train_tiny(dst, runs["cache"], "trainer.total_steps=4", override, "--resume", log=log)
     said = log.read_text()
     assert (
-        "[train] resuming step 2 saved at TP=1 PP=1 CP=1 DP=2 under TP=2 PP=1 CP=1 DP=1: resharding (model and "
+        f"[train] resuming step 2 saved at TP=1 PP=1 CP=1 DP=2 under {under}: resharding (model and "
         "optimizer through megatron's global-shape checkpoint, RNG states re-derived from trainer.seed)"
     ) in said, said[-3000:]
-    assert "RNG states of TP=1 PP=1 CP=1 DP=2 do not map to TP=2 PP=1 CP=1 DP=1" in said
+    assert f"RNG states of TP=1 PP=1 CP=1 DP=2 do not map to {under}" in said
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     a = {r["step"]: r for r in runs["a"]}
     for key in EXACT_KEYS:
@@ -288,7 +293,9 @@ def test_resume_under_another_tensor_parallel_size_trains_on(runs):
         assert rows[step]["actor/grad_norm"] > 0 and rows[step].get("actor/update_skipped", 0) == 0
     assert "eval/avg@k" in rows[4]
     meta = json.loads((dst / "checkpoints" / "step_000004" / "actor" / "actor_state.json").read_text())
-    assert meta["layout"]["tp"] == 2 and meta["layout"]["dp"] == 1 and meta["optimizer_format"] == "fully_reshardable"
+    sizes = dict(item.split("=") for item in under.lower().split())
+    assert {k: meta["layout"][k] for k in sizes} == {k: int(v) for k, v in sizes.items()}
+    assert meta["optimizer_format"] == "fully_reshardable"
 
 
 def numerics_fingerprint() -> str:
