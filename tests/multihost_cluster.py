@@ -419,6 +419,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("dir", nargs="?", default="/tmp/dapo-multihost")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # SIGTERM: the same clean-up as Ctrl-C
+    # Ctrl-C even when started with SIGINT ignored: a shell starts its background jobs so (`.ci/run &`), and
+    # Python then leaves SIGINT ignored; the SIGINT of test_multihost_cluster's Ctrl-C test did nothing
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     cluster = MultiHostSlurm(args.dir, hosts=args.hosts, cpus=args.cpus)
     try:
         cluster.start()
